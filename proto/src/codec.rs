@@ -1,0 +1,302 @@
+//! The frame codec shared by every cellmesh protocol: a 4-byte big-endian length, then one
+//! protobuf message of exactly that many bytes.
+//!
+//! The decoder checks the length against a maximum before it reserves anything, so a hostile
+//! length prefix costs nothing; a stream that ends inside a frame is a typed error.
+
+use std::marker::PhantomData;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use prost::Message;
+use tokio_util::codec::{Decoder, Encoder};
+
+/// Default largest frame body accepted or sent: 1 MiB.
+pub const DEFAULT_MAX_FRAME: usize = 1024 * 1024;
+const HEADER: usize = 4;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("frame of {len} bytes exceeds the maximum of {max} bytes")]
+    TooLarge { len: usize, max: usize },
+    #[error("stream ended inside a frame: {have} of {need} bytes received")]
+    Truncated { have: usize, need: usize },
+    #[error("undecodable {message}: {source}")]
+    Undecodable {
+        message: &'static str,
+        #[source]
+        source: prost::DecodeError,
+    },
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl FrameError {
+    /// A short, stable name for metrics labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            FrameError::TooLarge { .. } => "frame_too_large",
+            FrameError::Truncated { .. } => "truncated_frame",
+            FrameError::Undecodable { .. } => "undecodable_frame",
+            FrameError::Io(_) => "io",
+        }
+    }
+}
+
+/// A frame body that is already encoded (e.g. a client batch built once by the gateway and
+/// relayed by the proxy): written with its length prefix, never re-encoded.
+#[derive(Debug, Clone)]
+pub struct RawFrame(pub Bytes);
+
+/// Decodes frames into `D`; encodes any prost message (or a [`RawFrame`]).
+#[derive(Debug)]
+pub struct FrameCodec<D> {
+    max_frame: usize,
+    _decodes: PhantomData<fn() -> D>,
+}
+
+impl<D> Clone for FrameCodec<D> {
+    fn clone(&self) -> Self {
+        Self::with_max(self.max_frame)
+    }
+}
+
+impl<D> Default for FrameCodec<D> {
+    fn default() -> Self {
+        Self::with_max(DEFAULT_MAX_FRAME)
+    }
+}
+
+impl<D> FrameCodec<D> {
+    pub fn with_max(max_frame: usize) -> Self {
+        Self { max_frame, _decodes: PhantomData }
+    }
+
+    pub fn max_frame(&self) -> usize {
+        self.max_frame
+    }
+
+    fn check_len(&self, len: usize) -> Result<(), FrameError> {
+        if len > self.max_frame {
+            return Err(FrameError::TooLarge { len, max: self.max_frame });
+        }
+        Ok(())
+    }
+}
+
+impl<D: Message + Default> Decoder for FrameCodec<D> {
+    type Item = D;
+    type Error = FrameError;
+
+    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<D>, FrameError> {
+        if src.len() < HEADER {
+            return Ok(None);
+        }
+        let len = u32::from_be_bytes([src[0], src[1], src[2], src[3]]) as usize;
+        self.check_len(len)?;
+        if src.len() < HEADER + len {
+            // `len` is bounded by the maximum, so this reservation is too.
+            src.reserve(HEADER + len - src.len());
+            return Ok(None);
+        }
+        src.advance(HEADER);
+        let body = src.split_to(len).freeze();
+        D::decode(body).map(Some).map_err(|source| FrameError::Undecodable {
+            message: short_type_name::<D>(),
+            source,
+        })
+    }
+
+    fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<D>, FrameError> {
+        match self.decode(src)? {
+            Some(frame) => Ok(Some(frame)),
+            None if src.is_empty() => Ok(None),
+            None => {
+                let need = if src.len() >= HEADER {
+                    HEADER + u32::from_be_bytes([src[0], src[1], src[2], src[3]]) as usize
+                } else {
+                    HEADER
+                };
+                let have = src.len();
+                src.clear();
+                Err(FrameError::Truncated { have, need })
+            }
+        }
+    }
+}
+
+impl<D, E: Message> Encoder<E> for FrameCodec<D> {
+    type Error = FrameError;
+
+    fn encode(&mut self, item: E, dst: &mut BytesMut) -> Result<(), FrameError> {
+        let len = item.encoded_len();
+        self.check_len(len)?;
+        dst.reserve(HEADER + len);
+        dst.put_u32(len as u32);
+        item.encode(dst).expect("reserved enough capacity");
+        Ok(())
+    }
+}
+
+impl<D> Encoder<RawFrame> for FrameCodec<D> {
+    type Error = FrameError;
+
+    fn encode(&mut self, item: RawFrame, dst: &mut BytesMut) -> Result<(), FrameError> {
+        self.check_len(item.0.len())?;
+        dst.reserve(HEADER + item.0.len());
+        dst.put_u32(item.0.len() as u32);
+        dst.put_slice(&item.0);
+        Ok(())
+    }
+}
+
+/// Encodes one message as a frame body (no length prefix), for sharing one encoding between many
+/// recipients as a [`RawFrame`].
+pub fn encode_body<M: Message>(msg: &M) -> Bytes {
+    Bytes::from(msg.encode_to_vec())
+}
+
+fn short_type_name<T>() -> &'static str {
+    let full = std::any::type_name::<T>();
+    full.rsplit("::").next().unwrap_or(full)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::local::{self, game_message::Body, GameFrame, GameMessage};
+    use proptest::prelude::*;
+
+    fn frame_bytes(msg: &GameFrame) -> BytesMut {
+        let mut buf = BytesMut::new();
+        FrameCodec::<GameFrame>::default().encode(msg.clone(), &mut buf).unwrap();
+        buf
+    }
+
+    fn sample() -> GameFrame {
+        GameFrame {
+            messages: vec![GameMessage {
+                body: Some(Body::TickEnd(local::TickEnd { tick: 42 })),
+            }],
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let mut buf = frame_bytes(&sample());
+        let got = FrameCodec::<GameFrame>::default().decode(&mut buf).unwrap();
+        assert_eq!(got, Some(sample()));
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn four_gib_length_is_refused_without_allocating() {
+        let mut buf = BytesMut::from(&[0xff, 0xff, 0xff, 0xff, 1, 2][..]);
+        let err = FrameCodec::<GameFrame>::default().decode(&mut buf).unwrap_err();
+        assert!(matches!(err, FrameError::TooLarge { len: 0xffff_ffff, max: DEFAULT_MAX_FRAME }));
+        assert!(buf.capacity() < 1024, "capacity grew to {}", buf.capacity());
+    }
+
+    #[test]
+    fn truncated_frame_at_eof_is_a_typed_error() {
+        let full = frame_bytes(&sample());
+        let mut buf = BytesMut::from(&full[..full.len() - 1]);
+        let err = FrameCodec::<GameFrame>::default().decode_eof(&mut buf).unwrap_err();
+        assert!(matches!(err, FrameError::Truncated { have, need } if have == full.len() - 1 && need == full.len()));
+        let mut header_only = BytesMut::from(&[0u8, 0][..]);
+        let err = FrameCodec::<GameFrame>::default().decode_eof(&mut header_only).unwrap_err();
+        assert!(matches!(err, FrameError::Truncated { have: 2, need: 4 }));
+    }
+
+    #[test]
+    fn garbage_body_is_undecodable_not_a_panic() {
+        let mut buf = BytesMut::from(&[0, 0, 0, 3, 0xff, 0xff, 0xff][..]);
+        let err = FrameCodec::<GameFrame>::default().decode(&mut buf).unwrap_err();
+        assert!(matches!(err, FrameError::Undecodable { message: "GameFrame", .. }), "{err}");
+    }
+
+    #[test]
+    fn encoder_refuses_oversize() {
+        let big = GameFrame {
+            messages: vec![GameMessage {
+                body: Some(Body::Send(local::Send {
+                    accounts: vec![],
+                    r#type: 1,
+                    payload: vec![0u8; 200].into(),
+                })),
+            }],
+        };
+        let mut buf = BytesMut::new();
+        let err = FrameCodec::<GameFrame>::with_max(100).encode(big, &mut buf).unwrap_err();
+        assert!(matches!(err, FrameError::TooLarge { max: 100, .. }));
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn raw_frame_matches_encoded_message() {
+        let msg = sample();
+        let mut a = BytesMut::new();
+        let mut b = BytesMut::new();
+        let mut codec = FrameCodec::<GameFrame>::default();
+        codec.encode(msg.clone(), &mut a).unwrap();
+        codec.encode(RawFrame(encode_body(&msg)), &mut b).unwrap();
+        assert_eq!(a, b);
+    }
+
+    proptest! {
+        /// Arbitrary bytes fed in arbitrary pieces: never a panic, never a reservation past the
+        /// maximum, and the outcome does not depend on how the input was split.
+        #[test]
+        fn arbitrary_bytes_and_splits(data in proptest::collection::vec(any::<u8>(), 0..2048),
+                                      cuts in proptest::collection::vec(any::<usize>(), 0..8),
+                                      max in 0usize..600) {
+            let run = |pieces: Vec<&[u8]>| {
+                let mut codec = FrameCodec::<GameFrame>::with_max(max);
+                let mut buf = BytesMut::new();
+                let mut out = Vec::new();
+                for p in pieces {
+                    buf.extend_from_slice(p);
+                    loop {
+                        match codec.decode(&mut buf) {
+                            Ok(Some(f)) => out.push(Ok(f)),
+                            Ok(None) => break,
+                            Err(e) => { out.push(Err(e.kind())); return out; }
+                        }
+                        assert!(buf.capacity() <= data.len().max(max + HEADER) + 64);
+                    }
+                }
+                match codec.decode_eof(&mut buf) {
+                    Ok(Some(f)) => out.push(Ok(f)),
+                    Ok(None) => {}
+                    Err(e) => out.push(Err(e.kind())),
+                }
+                out
+            };
+            let whole = run(vec![&data[..]]);
+            let mut points: Vec<usize> = cuts.iter().map(|c| c % (data.len() + 1)).collect();
+            points.sort_unstable();
+            let mut pieces = Vec::new();
+            let mut last = 0;
+            for p in points { pieces.push(&data[last..p]); last = p; }
+            pieces.push(&data[last..]);
+            let split = run(pieces);
+            prop_assert_eq!(whole, split);
+        }
+
+        /// Any sequence of valid frames survives any split.
+        #[test]
+        fn valid_frames_survive_any_split(ticks in proptest::collection::vec(any::<u64>(), 1..20),
+                                          cut in any::<usize>()) {
+            let mut data = BytesMut::new();
+            let mut codec = FrameCodec::<GameFrame>::default();
+            let frames: Vec<GameFrame> = ticks.iter().map(|t| GameFrame { messages: vec![GameMessage { body: Some(Body::TickEnd(local::TickEnd { tick: *t })) }] }).collect();
+            for f in &frames { codec.encode(f.clone(), &mut data).unwrap(); }
+            let cut = cut % (data.len() + 1);
+            let mut buf = BytesMut::from(&data[..cut]);
+            let mut got = Vec::new();
+            while let Some(f) = codec.decode(&mut buf).unwrap() { got.push(f); }
+            buf.extend_from_slice(&data[cut..]);
+            while let Some(f) = codec.decode(&mut buf).unwrap() { got.push(f); }
+            prop_assert_eq!(got, frames);
+        }
+    }
+}
