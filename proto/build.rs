@@ -5,8 +5,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={f}");
     }
     let fds = protox::compile(files, ["proto"])?;
-    prost_build::Config::new()
-        .bytes(["."])
-        .compile_fds(fds)?;
+    prost_build::Config::new().bytes(["."]).compile_fds(fds)?;
     Ok(())
 }

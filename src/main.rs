@@ -1,1 +1,230 @@
-fn main() {}
+//! `cellmesh`: the one command line of the mesh.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use cellmesh::{bots, signal, up};
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(
+    name = "cellmesh",
+    version,
+    about = "A sidecar mesh that runs one seamless game world on many game servers"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a local cluster in this process: sidecar + arena game, proxy and bots, with live status.
+    Up {
+        /// Number of bots playing through the proxy.
+        #[arg(long, default_value_t = 50)]
+        bots: usize,
+        /// NPCs the arena spawns.
+        #[arg(long, default_value_t = 100)]
+        npcs: u32,
+        /// Stop after this many seconds (default: run until Ctrl-C).
+        #[arg(long)]
+        duration: Option<f64>,
+        /// Write a JSON summary here on exit.
+        #[arg(long)]
+        summary_json: Option<PathBuf>,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// Run a sidecar beside a game server.
+    Sidecar {
+        /// TOML config file; every key can be overridden by CELLMESH_* variables.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Print the effective configuration as TOML and exit.
+        #[arg(long)]
+        print_config: bool,
+    },
+    /// Run a geo-edge proxy.
+    Proxy {
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long)]
+        print_config: bool,
+    },
+    /// Print a login token signed with the proxies' shared secret (for tests and tools).
+    Token {
+        #[arg(long)]
+        account: String,
+        #[arg(
+            long,
+            env = "CELLMESH_TOKEN_SECRET",
+            default_value = "dev-secret-change-me"
+        )]
+        secret: String,
+        /// Validity in seconds.
+        #[arg(long, default_value_t = 3600)]
+        ttl: u64,
+    },
+    /// Show, plan and commit the partition of the world.
+    Partition(cellmesh::partition_cli::PartitionArgs),
+    /// Run bots against a running proxy.
+    Bots {
+        #[arg(long, default_value = "127.0.0.1:7300")]
+        proxy: String,
+        #[arg(long, default_value_t = 10)]
+        count: usize,
+        #[arg(
+            long,
+            env = "CELLMESH_TOKEN_SECRET",
+            default_value = "dev-secret-change-me"
+        )]
+        secret: String,
+        #[arg(long)]
+        duration: Option<f64>,
+    },
+}
+
+fn init_tracing(default: &str) {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Up {
+            bots,
+            npcs,
+            duration,
+            summary_json,
+            seed,
+        } => {
+            init_tracing("warn");
+            let opts = up::UpOptions {
+                bots,
+                npcs,
+                duration: duration.map(Duration::from_secs_f64),
+                summary_json,
+                seed,
+                status: true,
+            };
+            let s = up::run(opts, signal::shutdown()).await?;
+            println!(
+                "summary: {:.1}s, sessions peak {}, inputs {}/{} delivered ({:.1}%), {} updates delivered, rtt p50 {:.2} ms p99 {:.2} ms, errors {}",
+                s.duration_s,
+                s.sessions_peak,
+                s.inputs_delivered,
+                s.inputs_sent,
+                100.0 * s.inputs_delivered as f64 / s.inputs_sent.max(1) as f64,
+                s.updates_delivered,
+                s.rtt_ms_p50,
+                s.rtt_ms_p99,
+                s.errors
+            );
+        }
+        Command::Sidecar {
+            config,
+            print_config,
+        } => {
+            init_tracing("info");
+            let cfg: cellmesh_sidecar::SidecarConfig =
+                cellmesh_admin::config::load(config.as_deref())?;
+            if print_config {
+                print!("{}", toml::to_string_pretty(&cfg)?);
+                return Ok(());
+            }
+            let stores = cellmesh_geo_router::store::Stores::open(
+                &cfg.directory_url,
+                &cfg.players_url,
+                &cfg.geo,
+            )
+            .await
+            .context("opening the stores")?;
+            let stop = CancellationToken::new();
+            let handle = cellmesh_sidecar::start(cfg, stores, stop.clone()).await?;
+            tracing::info!(local = %handle.local_addr, mesh = %handle.mesh_addr, admin = %handle.admin_addr, "sidecar running");
+            signal::shutdown().await;
+            tracing::info!("shutting down");
+            stop.cancel();
+            handle.wait().await;
+        }
+        Command::Proxy {
+            config,
+            print_config,
+        } => {
+            init_tracing("info");
+            let cfg: cellmesh_proxy::ProxyConfig = cellmesh_admin::config::load(config.as_deref())?;
+            if print_config {
+                print!("{}", toml::to_string_pretty(&cfg)?);
+                return Ok(());
+            }
+            let stop = CancellationToken::new();
+            let handle = cellmesh_proxy::start(cfg, stop.clone()).await?;
+            tracing::info!(clients = %handle.client_addr, admin = %handle.admin_addr, "proxy running");
+            signal::shutdown().await;
+            tracing::info!("shutting down");
+            stop.cancel();
+            handle.wait().await;
+        }
+        Command::Partition(args) => cellmesh::partition_cli::run(args).await?,
+        Command::Token {
+            account,
+            secret,
+            ttl,
+        } => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)?
+                .as_secs();
+            println!(
+                "{}",
+                cellmesh_proto::token::sign(secret.as_bytes(), &account, now + ttl)
+            );
+        }
+        Command::Bots {
+            proxy,
+            count,
+            secret,
+            duration,
+        } => {
+            init_tracing("warn");
+            let cfg = Arc::new(bots::BotConfig {
+                proxy,
+                secret,
+                ..bots::BotConfig::default()
+            });
+            let stats = Arc::new(bots::BotStats::default());
+            let stop = CancellationToken::new();
+            let tasks: Vec<_> = (0..count)
+                .map(|i| {
+                    tokio::spawn(bots::run_bot(
+                        format!("bot-{i}"),
+                        cfg.clone(),
+                        stats.clone(),
+                        stop.clone(),
+                    ))
+                })
+                .collect();
+            match duration {
+                Some(d) => {
+                    tokio::select! { _ = signal::shutdown() => {}, _ = tokio::time::sleep(Duration::from_secs_f64(d)) => {} }
+                }
+                None => signal::shutdown().await,
+            }
+            stop.cancel();
+            for t in tasks {
+                let _ = t.await;
+            }
+            println!("{}", serde_json::to_string_pretty(&stats.totals())?);
+        }
+    }
+    Ok(())
+}

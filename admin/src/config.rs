@@ -36,8 +36,10 @@ where
             toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         merge(&mut value, from_file);
     }
-    let env: Vec<(String, String)> =
-        env.into_iter().filter(|(k, _)| k.starts_with("CELLMESH_")).collect();
+    let env: Vec<(String, String)> = env
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("CELLMESH_"))
+        .collect();
     apply_env(&mut value, "CELLMESH_", &env);
     value.try_into().context("invalid configuration")
 }
@@ -96,7 +98,10 @@ mod tests {
     }
     impl Default for World {
         fn default() -> Self {
-            Self { width: 131072.0, name: "w".into() }
+            Self {
+                width: 131072.0,
+                name: "w".into(),
+            }
         }
     }
     #[derive(Debug, Serialize, Deserialize, PartialEq)]
@@ -108,7 +113,11 @@ mod tests {
     }
     impl Default for Cfg {
         fn default() -> Self {
-            Self { admin_listen: "127.0.0.1:9100".into(), peers: vec![], world: World::default() }
+            Self {
+                admin_listen: "127.0.0.1:9100".into(),
+                peers: vec![],
+                world: World::default(),
+            }
         }
     }
 
@@ -120,7 +129,10 @@ mod tests {
         std::fs::write(&f, "admin_listen = \"0.0.0.0:1\"\n[world]\nwidth = 64.0\n").unwrap();
         let env = vec![
             ("CELLMESH_WORLD__NAME".to_string(), "big world".to_string()),
-            ("CELLMESH_PEERS".to_string(), "[\"a:1\", \"b:2\"]".to_string()),
+            (
+                "CELLMESH_PEERS".to_string(),
+                "[\"a:1\", \"b:2\"]".to_string(),
+            ),
             ("OTHER".to_string(), "x".to_string()),
         ];
         let c: Cfg = load_with_env(Some(&f), env).unwrap();
@@ -142,6 +154,9 @@ mod tests {
         assert!(format!("{err:#}").contains("widht"), "{err:#}");
         let env = vec![("CELLMESH_WORLD__WIDTH".to_string(), "wide".to_string())];
         let err = load_with_env::<Cfg>(None, env).unwrap_err();
-        assert!(format!("{err:#}").contains("invalid configuration"), "{err:#}");
+        assert!(
+            format!("{err:#}").contains("invalid configuration"),
+            "{err:#}"
+        );
     }
 }

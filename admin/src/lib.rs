@@ -37,7 +37,11 @@ impl Admin {
         registry: Registry,
         state: impl Fn() -> serde_json::Value + Send + Sync + 'static,
     ) -> Arc<Self> {
-        Arc::new(Self { ready: AtomicBool::new(false), registry, state: Box::new(state) })
+        Arc::new(Self {
+            ready: AtomicBool::new(false),
+            registry,
+            state: Box::new(state),
+        })
     }
 
     pub fn set_ready(&self, ready: bool) {
@@ -65,7 +69,11 @@ impl Admin {
                 if self.is_ready() {
                     (StatusCode::OK, "text/plain", "ready\n".to_string())
                 } else {
-                    (StatusCode::SERVICE_UNAVAILABLE, "text/plain", "not ready\n".to_string())
+                    (
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "text/plain",
+                        "not ready\n".to_string(),
+                    )
                 }
             }
             (&Method::GET, "/metrics") => (
@@ -77,8 +85,16 @@ impl Admin {
                 let v = (self.state)();
                 (StatusCode::OK, "application/json", format!("{v:#}\n"))
             }
-            (&Method::GET, _) => (StatusCode::NOT_FOUND, "text/plain", "not found\n".to_string()),
-            _ => (StatusCode::METHOD_NOT_ALLOWED, "text/plain", "method not allowed\n".to_string()),
+            (&Method::GET, _) => (
+                StatusCode::NOT_FOUND,
+                "text/plain",
+                "not found\n".to_string(),
+            ),
+            _ => (
+                StatusCode::METHOD_NOT_ALLOWED,
+                "text/plain",
+                "method not allowed\n".to_string(),
+            ),
         };
         Response::builder()
             .status(status)
@@ -142,8 +158,10 @@ pub async fn spawn(
 pub async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n").as_bytes())
-        .await?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await?;
     let mut buf = Vec::new();
     s.read_to_end(&mut buf).await?;
     let text = String::from_utf8_lossy(&buf).to_string();
@@ -152,7 +170,10 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, Stri
         .nth(1)
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| anyhow::anyhow!("no status line in {text:?}"))?;
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     Ok((status, body))
 }
 
@@ -169,7 +190,9 @@ mod tests {
         c.inc_by(7);
         let admin = Admin::new(reg, || serde_json::json!({"node": 3}));
         let stop = CancellationToken::new();
-        let addr = spawn("127.0.0.1:0", admin.clone(), stop.clone()).await.unwrap();
+        let addr = spawn("127.0.0.1:0", admin.clone(), stop.clone())
+            .await
+            .unwrap();
         assert_eq!(http_get(addr, "/live").await.unwrap().0, 200);
         assert_eq!(http_get(addr, "/ready").await.unwrap().0, 503);
         admin.set_ready(true);
@@ -178,7 +201,10 @@ mod tests {
         assert_eq!(s, 200);
         assert!(body.contains("frames_in_total 7"), "{body}");
         let (_, body) = http_get(addr, "/state").await.unwrap();
-        assert_eq!(serde_json::from_str::<serde_json::Value>(&body).unwrap()["node"], 3);
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&body).unwrap()["node"],
+            3
+        );
         assert_eq!(http_get(addr, "/nope").await.unwrap().0, 404);
         stop.cancel();
     }

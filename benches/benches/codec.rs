@@ -1,7 +1,9 @@
 //! Frame codec throughput: encoding one client batch versus relaying pre-encoded bytes.
 use bytes::BytesMut;
 use cellmesh_proto::codec::{encode_body, FrameCodec, RawFrame};
-use cellmesh_proto::edge::{server_message::Body, Batch, ComponentData, DeltaKind, EntityDelta, ServerFrame, Vec3};
+use cellmesh_proto::edge::{
+    server_message::Body, Batch, ComponentData, DeltaKind, EntityDelta, ServerFrame, Vec3,
+};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use tokio_util::codec::{Decoder, Encoder};
 
@@ -10,13 +12,25 @@ fn batch(n: usize) -> ServerFrame {
         .map(|i| EntityDelta {
             entity_id: i,
             kind: DeltaKind::Update as i32,
-            position: Some(Vec3 { x: i as f64, y: 2.0 * i as f64, z: 0.0 }),
-            components: vec![ComponentData { r#type: 2, payload: vec![7u8; 16].into() }],
+            position: Some(Vec3 {
+                x: i as f64,
+                y: 2.0 * i as f64,
+                z: 0.0,
+            }),
+            components: vec![ComponentData {
+                r#type: 2,
+                payload: vec![7u8; 16].into(),
+            }],
             removed_types: vec![],
             owner_account: String::new(),
         })
         .collect();
-    ServerFrame::one(Body::Batch(Batch { tick: 1, deltas, events: vec![], messages: vec![] }))
+    ServerFrame::one(Body::Batch(Batch {
+        tick: 1,
+        deltas,
+        events: vec![],
+        messages: vec![],
+    }))
 }
 
 fn codec(c: &mut Criterion) {
@@ -41,7 +55,9 @@ fn codec(c: &mut Criterion) {
         })
     });
     let mut encoded = BytesMut::new();
-    FrameCodec::<ServerFrame>::default().encode(frame.clone(), &mut encoded).unwrap();
+    FrameCodec::<ServerFrame>::default()
+        .encode(frame.clone(), &mut encoded)
+        .unwrap();
     g.bench_function("decode_batch_64", |b| {
         let mut codec = FrameCodec::<ServerFrame>::default();
         b.iter(|| {

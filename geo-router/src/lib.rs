@@ -1,1 +1,14 @@
+//! Where things live and the rules that move them.
+//!
+//! - [`geometry`]: the torus world, its chunks and regions (pure, no I/O).
+//! - [`partition`]: who owns every point of the world, grid or BSP, and what changes hands
+//!   between two epochs (pure, no I/O).
+//! - [`topology`]: the committed partition, node leases (the fencing tokens) and node records,
+//!   in MongoDB or in memory.
+//! - [`store`]: the stores behind traits: the session directory (Redis per geo, or in memory) and
+//!   player records (MongoDB, or in memory).
+
 pub mod geometry;
+pub mod partition;
+pub mod store;
+pub mod topology;

@@ -41,7 +41,10 @@ pub struct BatchWriter {
 
 impl BatchWriter {
     pub fn new(tick: u64) -> Self {
-        Self { tick, parts: Vec::new() }
+        Self {
+            tick,
+            parts: Vec::new(),
+        }
     }
     pub fn delta(&mut self, d: Encoded) {
         self.parts.push((BATCH_DELTAS, d));
@@ -60,7 +63,10 @@ impl BatchWriter {
         self.parts.len()
     }
     pub fn deltas(&self) -> usize {
-        self.parts.iter().filter(|(f, _)| *f == BATCH_DELTAS).count()
+        self.parts
+            .iter()
+            .filter(|(f, _)| *f == BATCH_DELTAS)
+            .count()
     }
 
     /// The encoded `ServerFrame` body holding this batch as its one message. Protobuf puts

@@ -38,12 +38,19 @@ pub struct ClientReceiver {
 
 /// Opens a connection without logging in (for tests of what a proxy does with bad clients).
 pub async fn open(addr: &str) -> Result<(ClientSender, ClientReceiver), ClientError> {
-    let s = TcpStream::connect(addr).await.map_err(ClientError::Connect)?;
+    let s = TcpStream::connect(addr)
+        .await
+        .map_err(ClientError::Connect)?;
     s.set_nodelay(true).map_err(ClientError::Connect)?;
     let (r, w) = s.into_split();
     Ok((
-        ClientSender { sink: FramedWrite::new(w, FrameCodec::default()) },
-        ClientReceiver { stream: FramedRead::new(r, FrameCodec::default()), pending: VecDeque::new() },
+        ClientSender {
+            sink: FramedWrite::new(w, FrameCodec::default()),
+        },
+        ClientReceiver {
+            stream: FramedRead::new(r, FrameCodec::default()),
+            pending: VecDeque::new(),
+        },
     ))
 }
 
@@ -61,14 +68,17 @@ pub async fn login(
     .await?;
     loop {
         match rx.next().await {
-            Some(Ok(ServerMessage { body: Some(server_message::Body::Welcome(w)) })) => {
-                return Ok((tx, rx, w))
-            }
-            Some(Ok(ServerMessage { body: Some(server_message::Body::Kick(k)) })) => {
-                return Err(ClientError::Kicked(k))
-            }
-            Some(Ok(ServerMessage { body: Some(server_message::Body::Ping(p)) })) => {
-                tx.send(client_message::Body::Pong(Pong { nonce: p.nonce })).await?;
+            Some(Ok(ServerMessage {
+                body: Some(server_message::Body::Welcome(w)),
+            })) => return Ok((tx, rx, w)),
+            Some(Ok(ServerMessage {
+                body: Some(server_message::Body::Kick(k)),
+            })) => return Err(ClientError::Kicked(k)),
+            Some(Ok(ServerMessage {
+                body: Some(server_message::Body::Ping(p)),
+            })) => {
+                tx.send(client_message::Body::Pong(Pong { nonce: p.nonce }))
+                    .await?;
             }
             Some(Ok(_)) => return Err(ClientError::Unexpected),
             Some(Err(e)) => return Err(e),
@@ -89,7 +99,8 @@ impl ClientSender {
     }
 
     pub async fn input(&mut self, seq: u64, payload: bytes::Bytes) -> Result<(), ClientError> {
-        self.send(client_message::Body::Input(ClientInput { seq, payload })).await
+        self.send(client_message::Body::Input(ClientInput { seq, payload }))
+            .await
     }
 
     /// Raw bytes, for tests that send what no well-behaved client would.
@@ -101,7 +112,9 @@ impl ClientSender {
     }
 
     pub async fn close(mut self) -> Result<(), ClientError> {
-        let _ = self.send(client_message::Body::Bye(Default::default())).await;
+        let _ = self
+            .send(client_message::Body::Bye(Default::default()))
+            .await;
         SinkExt::<ClientFrame>::close(&mut self.sink).await?;
         Ok(())
     }

@@ -68,7 +68,10 @@ impl<D> Default for FrameCodec<D> {
 
 impl<D> FrameCodec<D> {
     pub fn with_max(max_frame: usize) -> Self {
-        Self { max_frame, _decodes: PhantomData }
+        Self {
+            max_frame,
+            _decodes: PhantomData,
+        }
     }
 
     pub fn max_frame(&self) -> usize {
@@ -77,7 +80,10 @@ impl<D> FrameCodec<D> {
 
     fn check_len(&self, len: usize) -> Result<(), FrameError> {
         if len > self.max_frame {
-            return Err(FrameError::TooLarge { len, max: self.max_frame });
+            return Err(FrameError::TooLarge {
+                len,
+                max: self.max_frame,
+            });
         }
         Ok(())
     }
@@ -100,10 +106,12 @@ impl<D: Message + Default> Decoder for FrameCodec<D> {
         }
         src.advance(HEADER);
         let body = src.split_to(len).freeze();
-        D::decode(body).map(Some).map_err(|source| FrameError::Undecodable {
-            message: short_type_name::<D>(),
-            source,
-        })
+        D::decode(body)
+            .map(Some)
+            .map_err(|source| FrameError::Undecodable {
+                message: short_type_name::<D>(),
+                source,
+            })
     }
 
     fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<D>, FrameError> {
@@ -168,7 +176,9 @@ mod tests {
 
     fn frame_bytes(msg: &GameFrame) -> BytesMut {
         let mut buf = BytesMut::new();
-        FrameCodec::<GameFrame>::default().encode(msg.clone(), &mut buf).unwrap();
+        FrameCodec::<GameFrame>::default()
+            .encode(msg.clone(), &mut buf)
+            .unwrap();
         buf
     }
 
@@ -191,8 +201,16 @@ mod tests {
     #[test]
     fn four_gib_length_is_refused_without_allocating() {
         let mut buf = BytesMut::from(&[0xff, 0xff, 0xff, 0xff, 1, 2][..]);
-        let err = FrameCodec::<GameFrame>::default().decode(&mut buf).unwrap_err();
-        assert!(matches!(err, FrameError::TooLarge { len: 0xffff_ffff, max: DEFAULT_MAX_FRAME }));
+        let err = FrameCodec::<GameFrame>::default()
+            .decode(&mut buf)
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            FrameError::TooLarge {
+                len: 0xffff_ffff,
+                max: DEFAULT_MAX_FRAME
+            }
+        ));
         assert!(buf.capacity() < 1024, "capacity grew to {}", buf.capacity());
     }
 
@@ -200,18 +218,35 @@ mod tests {
     fn truncated_frame_at_eof_is_a_typed_error() {
         let full = frame_bytes(&sample());
         let mut buf = BytesMut::from(&full[..full.len() - 1]);
-        let err = FrameCodec::<GameFrame>::default().decode_eof(&mut buf).unwrap_err();
-        assert!(matches!(err, FrameError::Truncated { have, need } if have == full.len() - 1 && need == full.len()));
+        let err = FrameCodec::<GameFrame>::default()
+            .decode_eof(&mut buf)
+            .unwrap_err();
+        assert!(
+            matches!(err, FrameError::Truncated { have, need } if have == full.len() - 1 && need == full.len())
+        );
         let mut header_only = BytesMut::from(&[0u8, 0][..]);
-        let err = FrameCodec::<GameFrame>::default().decode_eof(&mut header_only).unwrap_err();
+        let err = FrameCodec::<GameFrame>::default()
+            .decode_eof(&mut header_only)
+            .unwrap_err();
         assert!(matches!(err, FrameError::Truncated { have: 2, need: 4 }));
     }
 
     #[test]
     fn garbage_body_is_undecodable_not_a_panic() {
         let mut buf = BytesMut::from(&[0, 0, 0, 3, 0xff, 0xff, 0xff][..]);
-        let err = FrameCodec::<GameFrame>::default().decode(&mut buf).unwrap_err();
-        assert!(matches!(err, FrameError::Undecodable { message: "GameFrame", .. }), "{err}");
+        let err = FrameCodec::<GameFrame>::default()
+            .decode(&mut buf)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                FrameError::Undecodable {
+                    message: "GameFrame",
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     #[test]
@@ -226,7 +261,9 @@ mod tests {
             }],
         };
         let mut buf = BytesMut::new();
-        let err = FrameCodec::<GameFrame>::with_max(100).encode(big, &mut buf).unwrap_err();
+        let err = FrameCodec::<GameFrame>::with_max(100)
+            .encode(big, &mut buf)
+            .unwrap_err();
         assert!(matches!(err, FrameError::TooLarge { max: 100, .. }));
         assert!(buf.is_empty());
     }

@@ -24,7 +24,10 @@ pub mod local {
 
     impl ProtocolVersion {
         pub fn current() -> Self {
-            Self { major: crate::PROTOCOL_MAJOR, minor: crate::PROTOCOL_MINOR }
+            Self {
+                major: crate::PROTOCOL_MAJOR,
+                minor: crate::PROTOCOL_MINOR,
+            }
         }
     }
     impl From<game_message::Body> for GameMessage {
@@ -50,7 +53,10 @@ pub mod mesh {
 
     impl ProtocolVersion {
         pub fn current() -> Self {
-            Self { major: crate::PROTOCOL_MAJOR, minor: crate::PROTOCOL_MINOR }
+            Self {
+                major: crate::PROTOCOL_MAJOR,
+                minor: crate::PROTOCOL_MINOR,
+            }
         }
     }
     impl From<mesh_message::Body> for MeshMessage {
@@ -60,7 +66,9 @@ pub mod mesh {
     }
     impl MeshFrame {
         pub fn one(body: mesh_message::Body) -> Self {
-            Self { messages: vec![body.into()] }
+            Self {
+                messages: vec![body.into()],
+            }
         }
     }
 }
@@ -71,7 +79,10 @@ pub mod edge {
 
     impl ProtocolVersion {
         pub fn current() -> Self {
-            Self { major: crate::PROTOCOL_MAJOR, minor: crate::PROTOCOL_MINOR }
+            Self {
+                major: crate::PROTOCOL_MAJOR,
+                minor: crate::PROTOCOL_MINOR,
+            }
         }
     }
     impl From<client_message::Body> for ClientMessage {
@@ -86,17 +97,24 @@ pub mod edge {
     }
     impl ClientFrame {
         pub fn one(body: client_message::Body) -> Self {
-            Self { messages: vec![body.into()] }
+            Self {
+                messages: vec![body.into()],
+            }
         }
     }
     impl ServerFrame {
         pub fn one(body: server_message::Body) -> Self {
-            Self { messages: vec![body.into()] }
+            Self {
+                messages: vec![body.into()],
+            }
         }
     }
     impl Kick {
         pub fn new(reason: KickReason, detail: impl Into<String>) -> Self {
-            Self { reason: reason as i32, detail: detail.into() }
+            Self {
+                reason: reason as i32,
+                detail: detail.into(),
+            }
         }
     }
 }

@@ -64,7 +64,11 @@ impl SdkConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum SdkError {
     #[error("could not reach the sidecar at {addr} after {attempts} attempts: {last}")]
-    Unreachable { addr: String, attempts: u32, last: std::io::Error },
+    Unreachable {
+        addr: String,
+        attempts: u32,
+        last: std::io::Error,
+    },
     #[error("frame: {0}")]
     Frame(#[from] FrameError),
     #[error("sidecar refused the game: {0}")]
@@ -119,8 +123,9 @@ pub async fn connect(cfg: SdkConfig) -> Result<(GameSender, GameReceiver, Welcom
         match dial(&cfg.addr).await {
             Ok(rw) => break rw,
             Err(e) => {
-                let out_of_time =
-                    cfg.connect_deadline.is_some_and(|d| started.elapsed() + backoff > d);
+                let out_of_time = cfg
+                    .connect_deadline
+                    .is_some_and(|d| started.elapsed() + backoff > d);
                 if out_of_time {
                     return Err(SdkError::Unreachable {
                         addr: format!("{:?}", cfg.addr),
@@ -149,10 +154,12 @@ pub async fn connect(cfg: SdkConfig) -> Result<(GameSender, GameReceiver, Welcom
     }));
     tx.flush().await?;
     match rx.next().await {
-        Some(Ok(SidecarMessage { body: Some(sidecar_message::Body::Welcome(w)) })) => Ok((tx, rx, w)),
-        Some(Ok(SidecarMessage { body: Some(sidecar_message::Body::Error(e)) })) => {
-            Err(SdkError::Refused(e.detail))
-        }
+        Some(Ok(SidecarMessage {
+            body: Some(sidecar_message::Body::Welcome(w)),
+        })) => Ok((tx, rx, w)),
+        Some(Ok(SidecarMessage {
+            body: Some(sidecar_message::Body::Error(e)),
+        })) => Err(SdkError::Refused(e.detail)),
         Some(Ok(_)) => Err(SdkError::NoWelcome),
         Some(Err(e)) => Err(e),
         None => Err(SdkError::Closed),
@@ -175,7 +182,9 @@ impl GameSender {
         if self.batch.is_empty() {
             return Ok(());
         }
-        let frame = GameFrame { messages: std::mem::take(&mut self.batch) };
+        let frame = GameFrame {
+            messages: std::mem::take(&mut self.batch),
+        };
         self.sink.send(frame).await?;
         Ok(())
     }

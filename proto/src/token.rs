@@ -38,13 +38,18 @@ pub fn verify(secret: &[u8], token: &str, now_unix: u64) -> Result<String, Token
     if account.is_empty() {
         return Err(TokenError::Malformed("empty account"));
     }
-    let expiry: u64 = expiry.parse().map_err(|_| TokenError::Malformed("expiry is not a number"))?;
+    let expiry: u64 = expiry
+        .parse()
+        .map_err(|_| TokenError::Malformed("expiry is not a number"))?;
     let tag = hex::decode(tag).map_err(|_| TokenError::Malformed("signature is not hex"))?;
     mac(secret, &format!("{account}.{expiry}"))
         .verify_slice(&tag)
         .map_err(|_| TokenError::BadSignature)?;
     if expiry <= now_unix {
-        return Err(TokenError::Expired { expiry, now: now_unix });
+        return Err(TokenError::Expired {
+            expiry,
+            now: now_unix,
+        });
     }
     Ok(account.to_string())
 }
@@ -58,10 +63,25 @@ mod tests {
         let t = sign(b"s3cret", "alice.smith", 1000);
         assert_eq!(verify(b"s3cret", &t, 999).unwrap(), "alice.smith");
         assert_eq!(verify(b"other", &t, 999), Err(TokenError::BadSignature));
-        assert_eq!(verify(b"s3cret", &t, 1000), Err(TokenError::Expired { expiry: 1000, now: 1000 }));
+        assert_eq!(
+            verify(b"s3cret", &t, 1000),
+            Err(TokenError::Expired {
+                expiry: 1000,
+                now: 1000
+            })
+        );
         let forged = t.replace("alice.smith", "mallory");
-        assert_eq!(verify(b"s3cret", &forged, 999), Err(TokenError::BadSignature));
-        assert!(matches!(verify(b"s3cret", "garbage", 0), Err(TokenError::Malformed(_))));
-        assert!(matches!(verify(b"s3cret", "a.b.zz", 0), Err(TokenError::Malformed(_))));
+        assert_eq!(
+            verify(b"s3cret", &forged, 999),
+            Err(TokenError::BadSignature)
+        );
+        assert!(matches!(
+            verify(b"s3cret", "garbage", 0),
+            Err(TokenError::Malformed(_))
+        ));
+        assert!(matches!(
+            verify(b"s3cret", "a.b.zz", 0),
+            Err(TokenError::Malformed(_))
+        ));
     }
 }

@@ -1,1 +1,215 @@
+//! The cellmesh sidecar: the data plane beside one game server (DESIGN §6-§9).
+//!
+//! - `game`: the local-protocol server the game connects to;
+//! - `mesh`: links from proxies, carrying client sessions;
+//! - `node`: the one task that owns the node's state, fed by both;
+//! - pure logic, no I/O: [`entities`] (the entity table), [`ids`] (snowflake ids), [`interest`]
+//!   (views with hysteresis), [`audience`] (who sees what), [`fold`] (one batch per client per
+//!   tick);
+//! - [`metrics`] and the admin endpoints (`/live`, `/ready`, `/metrics`, `/state`).
+//!
+//! This is one node: peer links, ghosts and handoff plug in beside `gateway` (sessions) and
+//! [`fold`].
 
+pub mod audience;
+pub mod config;
+pub mod entities;
+pub mod fold;
+mod game;
+mod gateway;
+pub mod ids;
+pub mod interest;
+mod mesh;
+pub mod metrics;
+mod node;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use anyhow::Context;
+use cellmesh_admin::prometheus_client::registry::Registry;
+use cellmesh_admin::Admin;
+use cellmesh_geo_router::store::Stores;
+use serde::Serialize;
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use config::SidecarConfig;
+
+use crate::config::LocalListen;
+use crate::game::{GameCtx, GameListener};
+use crate::mesh::MeshCtx;
+use crate::metrics::Metrics;
+use crate::node::Node;
+
+/// Events queued for the node before connection tasks wait (back-pressure on the sockets).
+const NODE_INBOX: usize = 1024;
+
+/// A running sidecar.
+pub struct SidecarHandle {
+    /// The local-protocol address actually bound: `127.0.0.1:PORT` or `unix:/path`.
+    pub local_addr: String,
+    pub mesh_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub admin: Arc<Admin>,
+    metrics: Metrics,
+    node: JoinHandle<()>,
+    tasks: TaskTracker,
+}
+
+/// Counters for tests and the CLI status line.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SidecarStats {
+    pub game_connected: bool,
+    pub sessions: u64,
+    pub entities: u64,
+    pub inputs_delivered: u64,
+    pub batches_sent: u64,
+    pub deltas_sent: u64,
+    pub errors: u64,
+    pub frames_in: u64,
+    pub frames_out: u64,
+}
+
+impl SidecarHandle {
+    pub fn stats(&self) -> SidecarStats {
+        let m = &self.metrics;
+        SidecarStats {
+            game_connected: m.game_connected.get() > 0,
+            sessions: m.sessions.get().max(0) as u64,
+            entities: m.entities.get().max(0) as u64,
+            inputs_delivered: m.inputs_delivered.get(),
+            batches_sent: m.batches_sent.get(),
+            deltas_sent: m.deltas_sent.get(),
+            errors: m.errors_total(),
+            frames_in: m.frames_in_total(),
+            frames_out: m.frames_out_total(),
+        }
+    }
+
+    /// Waits until the sidecar has shut down (after its `shutdown` token was cancelled) and
+    /// every connection has written what was queued for it.
+    pub async fn wait(self) {
+        if let Err(e) = self.node.await {
+            tracing::error!(error = %e, "sidecar node task failed");
+        }
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+}
+
+/// Binds the listeners and starts the sidecar; it runs until `shutdown` is cancelled.
+pub async fn start(
+    cfg: SidecarConfig,
+    stores: Stores,
+    shutdown: CancellationToken,
+) -> anyhow::Result<SidecarHandle> {
+    cfg.validate().context("invalid sidecar configuration")?;
+    let cfg = Arc::new(cfg);
+    let mut registry = Registry::default();
+    let metrics = Metrics::register(&mut registry);
+    let published = Arc::new(Mutex::new(
+        serde_json::json!({ "node_id": cfg.node_id, "starting": true }),
+    ));
+    let view = published.clone();
+    let admin = Admin::new(registry, move || {
+        view.lock().expect("state lock poisoned").clone()
+    });
+
+    let (local, local_addr) = bind_local(&cfg).await?;
+    let mesh = TcpListener::bind(&cfg.mesh_listen)
+        .await
+        .with_context(|| format!("binding mesh_listen {}", cfg.mesh_listen))?;
+    let mesh_addr = mesh.local_addr()?;
+    let admin_addr = cellmesh_admin::spawn(&cfg.admin_listen, admin.clone(), shutdown.clone())
+        .await
+        .with_context(|| format!("binding admin_listen {}", cfg.admin_listen))?;
+
+    let tasks = TaskTracker::new();
+    let (inbox, events) = mpsc::channel(NODE_INBOX);
+    let node = Node::new(
+        cfg.clone(),
+        stores,
+        metrics.clone(),
+        admin.clone(),
+        published,
+        inbox.clone(),
+        tasks.clone(),
+    );
+    node.publish_state();
+    let node = tokio::spawn(node.run(events, shutdown.clone()));
+    tasks.spawn(game::accept_loop(
+        local,
+        GameCtx {
+            node: inbox.clone(),
+            metrics: metrics.clone(),
+            max_frame: cfg.max_frame_bytes,
+            outbox_frames: cfg.game_outbox_frames,
+            shutdown: shutdown.clone(),
+            tasks: tasks.clone(),
+        },
+    ));
+    tasks.spawn(mesh::accept_loop(
+        mesh,
+        MeshCtx {
+            node: inbox,
+            metrics: metrics.clone(),
+            max_frame: cfg.max_frame_bytes,
+            outbox_frames: cfg.link_outbox_frames,
+            node_id: cfg.node_id,
+            geo: cfg.geo.clone(),
+            shutdown,
+            tasks: tasks.clone(),
+        },
+    ));
+    tracing::info!(node = cfg.node_id, local = %local_addr, mesh = %mesh_addr, admin = %admin_addr, "sidecar started");
+    Ok(SidecarHandle {
+        local_addr,
+        mesh_addr,
+        admin_addr,
+        admin,
+        metrics,
+        node,
+        tasks,
+    })
+}
+
+async fn bind_local(cfg: &SidecarConfig) -> anyhow::Result<(GameListener, String)> {
+    match cfg.local() {
+        LocalListen::Tcp(addr) => {
+            let l = TcpListener::bind(&addr)
+                .await
+                .with_context(|| format!("binding local_listen {addr}"))?;
+            let bound = l.local_addr()?.to_string();
+            Ok((GameListener::Tcp(l), bound))
+        }
+        LocalListen::Unix(path) => {
+            clear_stale_socket(&path).await?;
+            let l = UnixListener::bind(&path)
+                .with_context(|| format!("binding local_listen unix:{}", path.display()))?;
+            Ok((
+                GameListener::Unix(l, path.clone()),
+                format!("unix:{}", path.display()),
+            ))
+        }
+    }
+}
+
+/// A socket file left by a sidecar that died is removed; one that still answers is not stolen.
+async fn clear_stale_socket(path: &Path) -> anyhow::Result<()> {
+    if !path.exists() {
+        return Ok(());
+    }
+    if tokio::net::UnixStream::connect(path).await.is_ok() {
+        anyhow::bail!(
+            "local_listen unix:{} is in use by another process",
+            path.display()
+        );
+    }
+    std::fs::remove_file(path)
+        .with_context(|| format!("removing the stale socket {}", path.display()))
+}

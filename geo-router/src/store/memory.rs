@@ -1,0 +1,116 @@
+//! In-memory stores: the embedded default for `cellmesh up` and unit tests. Same semantics as the
+//! real stores, leases included.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+
+use super::{PlayerRecord, PlayerRecords, SessionDirectory, SessionEntry, StoreError};
+
+#[derive(Default)]
+pub struct MemoryDirectory {
+    inner: Mutex<HashMap<String, Slot>>,
+}
+
+#[derive(Default)]
+struct Slot {
+    /// Highest epoch ever handed out; survives expiry so epochs never repeat.
+    epoch: u64,
+    live: Option<(SessionEntry, Instant)>,
+}
+
+impl Slot {
+    fn current(&self, now: Instant) -> Option<SessionEntry> {
+        self.live.filter(|(_, until)| *until > now).map(|(e, _)| e)
+    }
+}
+
+#[async_trait]
+impl SessionDirectory for MemoryDirectory {
+    async fn register(
+        &self,
+        account: &str,
+        gateway_node: u32,
+        lease: Duration,
+    ) -> Result<u64, StoreError> {
+        let mut map = self.inner.lock().expect("directory lock poisoned");
+        let slot = map.entry(account.to_string()).or_default();
+        slot.epoch += 1;
+        let entry = SessionEntry {
+            gateway_node,
+            session_epoch: slot.epoch,
+        };
+        slot.live = Some((entry, Instant::now() + lease));
+        Ok(slot.epoch)
+    }
+
+    async fn lookup(&self, account: &str) -> Result<Option<SessionEntry>, StoreError> {
+        let map = self.inner.lock().expect("directory lock poisoned");
+        Ok(map.get(account).and_then(|s| s.current(Instant::now())))
+    }
+
+    async fn renew(
+        &self,
+        account: &str,
+        session_epoch: u64,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        let mut map = self.inner.lock().expect("directory lock poisoned");
+        let now = Instant::now();
+        match map.get_mut(account) {
+            Some(slot)
+                if slot
+                    .current(now)
+                    .is_some_and(|e| e.session_epoch == session_epoch) =>
+            {
+                if let Some((_, until)) = slot.live.as_mut() {
+                    *until = now + lease;
+                }
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    async fn release(&self, account: &str, session_epoch: u64) -> Result<bool, StoreError> {
+        let mut map = self.inner.lock().expect("directory lock poisoned");
+        match map.get_mut(account) {
+            Some(slot)
+                if slot
+                    .current(Instant::now())
+                    .is_some_and(|e| e.session_epoch == session_epoch) =>
+            {
+                slot.live = None;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct MemoryPlayers {
+    inner: Mutex<HashMap<String, PlayerRecord>>,
+}
+
+#[async_trait]
+impl PlayerRecords for MemoryPlayers {
+    async fn load(&self, account: &str) -> Result<Option<PlayerRecord>, StoreError> {
+        Ok(self
+            .inner
+            .lock()
+            .expect("players lock poisoned")
+            .get(account)
+            .cloned())
+    }
+
+    async fn save(&self, record: &PlayerRecord) -> Result<(), StoreError> {
+        self.inner
+            .lock()
+            .expect("players lock poisoned")
+            .insert(record.account.clone(), record.clone());
+        Ok(())
+    }
+}

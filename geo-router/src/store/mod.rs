@@ -1,0 +1,168 @@
+//! The stores, behind traits so the embedded in-memory default and the real servers are
+//! interchangeable (DESIGN §11):
+//!
+//! | trait | real store | scope |
+//! |---|---|---|
+//! | [`SessionDirectory`] | Redis ([`redis::RedisDirectory`]) | per geo |
+//! | [`PlayerRecords`] | MongoDB ([`mongo::MongoPlayers`]) | global |
+//!
+//! Both have an in-memory implementation in [`memory`] for `cellmesh up` and unit tests.
+
+pub mod memory;
+pub mod mongo;
+pub mod redis;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    #[error("store returned malformed data: {0}")]
+    Corrupt(String),
+    /// The URL (password redacted), and why it was refused if it has a supported scheme.
+    #[error("bad store url {0} (expected `memory`, `redis://…` or `mongodb://…`)")]
+    BadUrl(String),
+    #[error("invalid geo name `{0}` (expected ASCII letters, digits, `-`, `_` or `.`)")]
+    InvalidGeo(String),
+}
+
+/// `url` as it may appear in logs and errors: the password, if any, replaced by `***`.
+pub(crate) fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.to_string();
+    };
+    let authority_end = url[scheme_end..]
+        .find(['/', '?', '#'])
+        .map_or(url.len(), |i| scheme_end + i);
+    let Some(at) = url[scheme_end..authority_end]
+        .rfind('@')
+        .map(|i| scheme_end + i)
+    else {
+        return url.to_string();
+    };
+    match url[scheme_end..at].find(':').map(|i| scheme_end + i) {
+        Some(colon) => format!("{}:***{}", &url[..colon], &url[at..]),
+        None => url.to_string(),
+    }
+}
+
+/// Where an account's session lives: its gateway node and the session epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionEntry {
+    pub gateway_node: u32,
+    pub session_epoch: u64,
+}
+
+/// `account → (gateway node, session epoch)` with a lease, for one geo.
+///
+/// A new login bumps the epoch; everything addressed to an older epoch is stale. Entries expire
+/// when their lease is not renewed, so a dead gateway's sessions vanish by themselves.
+#[async_trait]
+pub trait SessionDirectory: Send + Sync {
+    /// Registers a new session of `account` on `gateway_node`, displacing any older one; returns
+    /// the new session epoch, strictly greater than every epoch handed out before for `account`.
+    async fn register(
+        &self,
+        account: &str,
+        gateway_node: u32,
+        lease: Duration,
+    ) -> Result<u64, StoreError>;
+
+    /// The live session of `account`, if any.
+    async fn lookup(&self, account: &str) -> Result<Option<SessionEntry>, StoreError>;
+
+    /// Extends the lease if `session_epoch` is still the current one; false if displaced or gone.
+    async fn renew(
+        &self,
+        account: &str,
+        session_epoch: u64,
+        lease: Duration,
+    ) -> Result<bool, StoreError>;
+
+    /// Removes the entry if `session_epoch` is still the current one; false if it was not.
+    async fn release(&self, account: &str, session_epoch: u64) -> Result<bool, StoreError>;
+}
+
+/// What the world remembers about a player between sessions.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlayerRecord {
+    pub account: String,
+    /// Last position of the player's master entity (x, y, z), if it ever had one.
+    pub last_position: Option<[f64; 3]>,
+    pub home_geo: String,
+    pub updated_unix_ms: u64,
+}
+
+#[async_trait]
+pub trait PlayerRecords: Send + Sync {
+    async fn load(&self, account: &str) -> Result<Option<PlayerRecord>, StoreError>;
+    /// Inserts or replaces the record of `record.account`.
+    async fn save(&self, record: &PlayerRecord) -> Result<(), StoreError>;
+}
+
+/// The stores one process uses.
+#[derive(Clone)]
+pub struct Stores {
+    pub directory: Arc<dyn SessionDirectory>,
+    pub players: Arc<dyn PlayerRecords>,
+}
+
+impl Stores {
+    /// The embedded default: everything in this process's memory.
+    pub fn in_memory() -> Self {
+        Self {
+            directory: Arc::new(memory::MemoryDirectory::default()),
+            players: Arc::new(memory::MemoryPlayers::default()),
+        }
+    }
+
+    /// Opens the stores named by URLs: `memory`, `redis://host:port` (directory) and
+    /// `mongodb://host:port/db` (player records).
+    pub async fn open(
+        directory_url: &str,
+        players_url: &str,
+        geo: &str,
+    ) -> Result<Self, StoreError> {
+        let directory: Arc<dyn SessionDirectory> = match directory_url {
+            "memory" | "" => Arc::new(memory::MemoryDirectory::default()),
+            u if u.starts_with("redis://") || u.starts_with("rediss://") => {
+                Arc::new(redis::RedisDirectory::connect(u, geo).await?)
+            }
+            other => return Err(StoreError::BadUrl(other.to_string())),
+        };
+        let players: Arc<dyn PlayerRecords> = match players_url {
+            "memory" | "" => Arc::new(memory::MemoryPlayers::default()),
+            u if u.starts_with("mongodb://") || u.starts_with("mongodb+srv://") => {
+                Arc::new(mongo::MongoPlayers::connect(u).await?)
+            }
+            other => return Err(StoreError::BadUrl(other.to_string())),
+        };
+        Ok(Self { directory, players })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    #[test]
+    fn redacted_urls_keep_everything_but_the_password() {
+        assert_eq!(
+            redact_url("redis://127.0.0.1:6379/0"),
+            "redis://127.0.0.1:6379/0"
+        );
+        assert_eq!(redact_url("redis://:s3cret@h:1"), "redis://:***@h:1");
+        assert_eq!(
+            redact_url("mongodb://app:p@ss:w@h1,h2/db?authSource=admin"),
+            "mongodb://app:***@h1,h2/db?authSource=admin"
+        );
+        assert_eq!(redact_url("mongodb://app@h/db"), "mongodb://app@h/db");
+        assert_eq!(redact_url("mongodb://h/db?x=a@b"), "mongodb://h/db?x=a@b");
+        assert_eq!(redact_url("memory"), "memory");
+    }
+}

@@ -1,0 +1,226 @@
+//! The session directory in the geo's Redis.
+//!
+//! Keys, for geo `G` and account `A`:
+//! - `cellmesh:G:session:A`: hash `{node, epoch}` with the lease as its TTL, so a dead gateway's
+//!   sessions vanish by themselves;
+//! - `cellmesh:G:session_epoch:A`: the account's epoch counter. It never expires, so an epoch is
+//!   never handed out twice even after the session itself expired.
+//!
+//! Every write is one Lua script, so register, renew and release are atomic against each other
+//! and against concurrent logins of the same account on other gateways.
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{RedisError, Script};
+
+use super::{redact_url, SessionDirectory, SessionEntry, StoreError};
+
+/// Bound on `connect`: reaching the server and getting its answer to a PING.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Bound on one command; a stalled Redis surfaces as `Unavailable` instead of a hung session.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Reconnection attempts after a lost connection before a command fails.
+const RECONNECT_RETRIES: usize = 3;
+/// Longest lease written: Redis rejects expiry times beyond i64 milliseconds, and a rejected
+/// PEXPIRE inside the register script would leave a session that never expires.
+const MAX_LEASE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// KEYS: session, epoch counter. ARGV: node, lease ms. Returns the new epoch.
+static REGISTER: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+        local epoch = redis.call('INCR', KEYS[2])
+        redis.call('HSET', KEYS[1], 'node', ARGV[1], 'epoch', epoch)
+        redis.call('PEXPIRE', KEYS[1], ARGV[2])
+        return epoch
+        ",
+    )
+});
+
+/// KEYS: session. ARGV: epoch, lease ms. Returns 1 if the epoch was current and the lease renewed.
+static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+        if redis.call('HGET', KEYS[1], 'epoch') == ARGV[1] then
+            redis.call('PEXPIRE', KEYS[1], ARGV[2])
+            return 1
+        end
+        return 0
+        ",
+    )
+});
+
+/// KEYS: session. ARGV: epoch. Returns 1 if the epoch was current and the entry removed.
+static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+        if redis.call('HGET', KEYS[1], 'epoch') == ARGV[1] then
+            redis.call('DEL', KEYS[1])
+            return 1
+        end
+        return 0
+        ",
+    )
+});
+
+/// The session directory of one geo, in that geo's Redis.
+#[derive(Clone)]
+pub struct RedisDirectory {
+    conn: ConnectionManager,
+    /// `cellmesh:<geo>:`; every key of this directory starts with it.
+    prefix: String,
+    /// For error messages: the URL without its password.
+    url: String,
+}
+
+impl RedisDirectory {
+    /// Connects to the Redis at `url` (`redis://host:port[/db]`) and checks that it answers.
+    /// The connection is re-established by itself if it drops later.
+    pub async fn connect(url: &str, geo: &str) -> Result<Self, StoreError> {
+        if !valid_geo(geo) {
+            return Err(StoreError::InvalidGeo(geo.to_string()));
+        }
+        let shown = redact_url(url);
+        let client =
+            redis::Client::open(url).map_err(|e| StoreError::BadUrl(format!("{shown}: {e}")))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(CONNECT_TIMEOUT))
+            .set_response_timeout(Some(RESPONSE_TIMEOUT))
+            .set_number_of_retries(RECONNECT_RETRIES);
+        let unavailable = |why: String| StoreError::Unavailable(format!("redis at {shown}: {why}"));
+        let conn = tokio::time::timeout(CONNECT_TIMEOUT, async {
+            let mut conn = ConnectionManager::new_with_config(client, config).await?;
+            redis::cmd("PING").query_async::<()>(&mut conn).await?;
+            Ok::<_, RedisError>(conn)
+        })
+        .await
+        .map_err(|_| unavailable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
+        .map_err(|e| unavailable(e.to_string()))?;
+        Ok(Self {
+            conn,
+            prefix: format!("cellmesh:{geo}:"),
+            url: shown,
+        })
+    }
+
+    fn session_key(&self, account: &str) -> String {
+        format!("{}session:{account}", self.prefix)
+    }
+
+    fn epoch_key(&self, account: &str) -> String {
+        format!("{}session_epoch:{account}", self.prefix)
+    }
+
+    fn error(&self, op: &str, e: RedisError) -> StoreError {
+        if e.kind() == redis::ErrorKind::UnexpectedReturnType || e.kind() == redis::ErrorKind::Parse
+        {
+            StoreError::Corrupt(format!("redis at {}: {op}: {e}", self.url))
+        } else {
+            StoreError::Unavailable(format!("redis at {}: {op}: {e}", self.url))
+        }
+    }
+}
+
+/// A geo name is part of every key, so it must not contain the separator (`:`) or glob
+/// characters: `eu-west` and `eu` must never see each other's keys.
+fn valid_geo(geo: &str) -> bool {
+    !geo.is_empty()
+        && geo
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// Lease in whole milliseconds, rounded up so a sub-millisecond lease does not delete the entry.
+fn lease_ms(lease: Duration) -> u64 {
+    let micros = lease.min(MAX_LEASE).as_micros();
+    u64::try_from(micros.div_ceil(1000)).expect("MAX_LEASE fits in u64 milliseconds")
+}
+
+#[async_trait]
+impl SessionDirectory for RedisDirectory {
+    async fn register(
+        &self,
+        account: &str,
+        gateway_node: u32,
+        lease: Duration,
+    ) -> Result<u64, StoreError> {
+        REGISTER
+            .key(self.session_key(account))
+            .key(self.epoch_key(account))
+            .arg(gateway_node)
+            .arg(lease_ms(lease))
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.error("register", e))
+    }
+
+    async fn lookup(&self, account: &str) -> Result<Option<SessionEntry>, StoreError> {
+        let (node, epoch): (Option<u32>, Option<u64>) = redis::cmd("HMGET")
+            .arg(self.session_key(account))
+            .arg("node")
+            .arg("epoch")
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.error("lookup", e))?;
+        match (node, epoch) {
+            (Some(gateway_node), Some(session_epoch)) => Ok(Some(SessionEntry {
+                gateway_node,
+                session_epoch,
+            })),
+            (None, None) => Ok(None),
+            _ => Err(StoreError::Corrupt(format!(
+                "redis at {}: session of `{account}` lacks its node or epoch",
+                self.url
+            ))),
+        }
+    }
+
+    async fn renew(
+        &self,
+        account: &str,
+        session_epoch: u64,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        RENEW
+            .key(self.session_key(account))
+            .arg(session_epoch)
+            .arg(lease_ms(lease))
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.error("renew", e))
+    }
+
+    async fn release(&self, account: &str, session_epoch: u64) -> Result<bool, StoreError> {
+        RELEASE
+            .key(self.session_key(account))
+            .arg(session_epoch)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.error("release", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geo_names_cannot_reach_into_other_geos_keys() {
+        assert!(valid_geo("eu-west.1_a"));
+        for bad in ["", "eu:session", "eu*", "eu west", "e{u}", "é"] {
+            assert!(!valid_geo(bad), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn lease_rounds_up_to_whole_milliseconds() {
+        assert_eq!(lease_ms(Duration::ZERO), 0);
+        assert_eq!(lease_ms(Duration::from_micros(1)), 1);
+        assert_eq!(lease_ms(Duration::from_millis(300)), 300);
+        assert_eq!(lease_ms(Duration::MAX), lease_ms(MAX_LEASE));
+        assert!(lease_ms(MAX_LEASE) < i64::MAX as u64 / 2);
+    }
+}

@@ -1,0 +1,210 @@
+//! The topology store (DESIGN §5, §11): the committed partition with its epoch, one lease per
+//! node, and the node records. MongoDB in a cluster ([`mongo::MongoTopology`]), memory for
+//! `cellmesh up` and tests ([`memory::MemoryTopology`]); both behave alike.
+//!
+//! - **Partition**: one current document. A new epoch is written by compare-and-set on the epoch
+//!   it replaces, so two planners racing from the same epoch cannot both win.
+//! - **Leases**: a node may own its area, mint entity ids and write only while it holds the lease
+//!   of its node id. Every grant bumps the lease's epoch, which is the fencing token: once a
+//!   lapsed lease is taken over, the old holder's renewals and fenced writes fail. Callers pass
+//!   the time (`now_unix_ms`), so the rules are testable with virtual time; the store keeps
+//!   expiry instants, and holders' clocks must agree to well within a lease's length.
+//! - **Node records**: where a node's mesh and admin endpoints are, published under its lease.
+
+pub mod ids;
+pub mod memory;
+pub mod mongo;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+use crate::partition::{NodeId, Partition};
+use crate::store::{redact_url, StoreError};
+
+pub use ids::{LeasedIds, MAX_NODE_ID};
+
+/// Longest lease accepted: a lapsed holder's area stays frozen for at most this long.
+pub const MAX_LEASE_TTL: Duration = Duration::from_secs(3600);
+/// Longest holder name accepted.
+pub const MAX_HOLDER_LEN: usize = 128;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TopologyError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("unsupported topology store url `{0}` (expected `memory` or `mongodb://…`)")]
+    BadUrl(String),
+    #[error("node id {0} does not fit the 10-bit node part of entity ids (0..={MAX_NODE_ID})")]
+    NodeId(u32),
+    #[error("lease holder must be 1..={MAX_HOLDER_LEN} printable characters, got {0:?}")]
+    Holder(String),
+    #[error("lease ttl must be between 1 ms and {MAX_LEASE_TTL:?}, got {0:?}")]
+    Ttl(Duration),
+    #[error("time {0} ms since 1970 is out of range")]
+    Time(u64),
+    #[error("partition epoch {next} cannot replace epoch {expected}: a commit advances the epoch by exactly one")]
+    EpochGap { expected: u64, next: u64 },
+    #[error("the record of node {record} cannot be published under the lease of node {lease}")]
+    RecordMismatch { record: NodeId, lease: NodeId },
+    #[error(
+        "the lease of node {node} lapsed at {expires_unix_ms} ms: no more ids until it is renewed"
+    )]
+    LeaseLapsed { node: NodeId, expires_unix_ms: u64 },
+}
+
+/// A node's lease: `holder` (one process) owns node id `node` until `expires_unix_ms`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    pub node: NodeId,
+    pub holder: String,
+    /// The fencing token: bumped on every grant, never reused for this node.
+    pub epoch: u64,
+    /// 0 once released.
+    pub expires_unix_ms: u64,
+}
+
+impl Lease {
+    pub fn is_live(&self, now_unix_ms: u64) -> bool {
+        now_unix_ms < self.expires_unix_ms
+    }
+
+    /// Time left at `now_unix_ms`; zero once lapsed.
+    pub fn remaining(&self, now_unix_ms: u64) -> Duration {
+        Duration::from_millis(self.expires_unix_ms.saturating_sub(now_unix_ms))
+    }
+}
+
+/// The answer to a lease request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Acquire {
+    /// The caller holds the lease now, under a new epoch.
+    Granted(Lease),
+    /// Someone else holds a live lease (as last read; it may lapse at any moment).
+    Held(Lease),
+}
+
+/// Where a node can be reached.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub node: NodeId,
+    pub geo: String,
+    pub mesh_addr: String,
+    pub admin_addr: String,
+}
+
+/// A node as stored: its latest lease (live or not) and the record its holder published.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeEntry {
+    pub lease: Lease,
+    /// Cleared whenever the lease changes hands: a record always belongs to the current holder.
+    pub record: Option<NodeRecord>,
+}
+
+/// The answer to a compare-and-set commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Commit {
+    Committed,
+    /// Someone committed in between: the stored epoch is not the one the caller started from.
+    Stale {
+        current_epoch: u64,
+    },
+}
+
+#[async_trait]
+pub trait TopologyStore: Send + Sync {
+    /// The committed partition, if any.
+    async fn partition(&self) -> Result<Option<Partition>, TopologyError>;
+
+    /// Stores `next` if the stored epoch is still `expected_epoch` (0: nothing committed yet);
+    /// `next.epoch()` must be `expected_epoch + 1`.
+    async fn commit_partition(
+        &self,
+        expected_epoch: u64,
+        next: &Partition,
+    ) -> Result<Commit, TopologyError>;
+
+    /// Grants `holder` the lease of `node` for `ttl` if it is free, lapsed, or already
+    /// `holder`'s; every grant gets a new epoch.
+    async fn acquire_lease(
+        &self,
+        node: NodeId,
+        holder: &str,
+        now_unix_ms: u64,
+        ttl: Duration,
+    ) -> Result<Acquire, TopologyError>;
+
+    /// Extends `lease` to `now + ttl` if it is still live and still the current grant (same
+    /// holder and epoch); `None` once lapsed or taken over: the holder must stop writing.
+    async fn renew_lease(
+        &self,
+        lease: &Lease,
+        now_unix_ms: u64,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, TopologyError>;
+
+    /// Gives the lease up at once, if it is still the current grant; false otherwise.
+    async fn release_lease(&self, lease: &Lease) -> Result<bool, TopologyError>;
+
+    /// Publishes `record` under `lease`, if the lease is live and current; false otherwise.
+    async fn publish_node(
+        &self,
+        lease: &Lease,
+        record: &NodeRecord,
+        now_unix_ms: u64,
+    ) -> Result<bool, TopologyError>;
+
+    /// Every node that ever held a lease, by id.
+    async fn nodes(&self) -> Result<Vec<NodeEntry>, TopologyError>;
+
+    /// Closes connections and waits for background work; the store is unusable afterwards. A
+    /// short-lived process calls it before its runtime goes away.
+    async fn close(&self) {}
+}
+
+/// Opens the topology store named by `url`: `memory` (or empty) for one in this process,
+/// `mongodb://host:port[/database]` for the cluster's.
+pub async fn open(url: &str) -> Result<Arc<dyn TopologyStore>, TopologyError> {
+    match url {
+        "memory" | "" => Ok(Arc::new(memory::MemoryTopology::default())),
+        u if u.starts_with("mongodb://") || u.starts_with("mongodb+srv://") => {
+            Ok(Arc::new(mongo::MongoTopology::connect(u).await?))
+        }
+        other => Err(TopologyError::BadUrl(redact_url(other))),
+    }
+}
+
+/// Checks what a lease request carries before it reaches a store.
+fn check_request(
+    node: NodeId,
+    holder: &str,
+    now_unix_ms: u64,
+    ttl: Duration,
+) -> Result<u64, TopologyError> {
+    if node > MAX_NODE_ID {
+        return Err(TopologyError::NodeId(node));
+    }
+    if holder.is_empty() || holder.len() > MAX_HOLDER_LEN || holder.chars().any(char::is_control) {
+        return Err(TopologyError::Holder(holder.to_string()));
+    }
+    if ttl.is_zero() || ttl > MAX_LEASE_TTL {
+        return Err(TopologyError::Ttl(ttl));
+    }
+    // Stored as BSON int64, with room for the ttl on top.
+    if now_unix_ms > i64::MAX as u64 / 2 {
+        return Err(TopologyError::Time(now_unix_ms));
+    }
+    Ok(now_unix_ms + ttl.as_millis() as u64)
+}
+
+fn check_commit(expected_epoch: u64, next: &Partition) -> Result<(), TopologyError> {
+    if expected_epoch.checked_add(1) != Some(next.epoch()) || next.epoch() > i64::MAX as u64 {
+        return Err(TopologyError::EpochGap {
+            expected: expected_epoch,
+            next: next.epoch(),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,404 @@
+//! The topology in the global MongoDB, in the database named by the URL path (`cellmesh` if
+//! none):
+//!
+//! - `partition`: one document, `{_id: "current", epoch, partition}`. A commit is an insert (first
+//!   epoch; a duplicate `_id` means someone else was first) or a replace filtered on the epoch it
+//!   replaces.
+//! - `nodes`: one document per node id, `{_id: node, holder, epoch, expires_unix_ms, record}`. A
+//!   grant is one `findOneAndUpdate` filtered on "lapsed or mine" with upsert: when the lease is
+//!   held, the filter misses the existing document and the upsert's insert fails on the duplicate
+//!   `_id`, so of two contenders exactly one wins.
+//!
+//! Writes and reads use majority concerns, so a grant survives a primary's failover.
+
+use std::future::IntoFuture;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::TryStreamExt;
+use mongodb::bson::{doc, Document};
+use mongodb::error::{Error as MongoError, ErrorKind, WriteFailure};
+use mongodb::options::{
+    ClientOptions, CollectionOptions, ReadConcern, ReturnDocument, WriteConcern,
+};
+use mongodb::{Client, Collection};
+use serde::{Deserialize, Serialize};
+
+use super::{
+    check_commit, check_request, Acquire, Commit, Lease, NodeEntry, NodeRecord, TopologyError,
+    TopologyStore,
+};
+use crate::partition::{NodeId, Partition};
+use crate::store::{redact_url, StoreError};
+
+const DEFAULT_DATABASE: &str = "cellmesh";
+const CURRENT: &str = "current";
+const SERVER_SELECTION_TIMEOUT: Duration = Duration::from_secs(5);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// The driver has no per-operation timeout; a stalled server must surface as an error, not hang a
+/// lease renewal past the lease itself.
+const OPERATION_TIMEOUT: Duration = Duration::from_secs(10);
+const DUPLICATE_KEY: i32 = 11000;
+
+#[derive(Serialize, Deserialize)]
+struct PartitionDoc {
+    #[serde(rename = "_id")]
+    id: String,
+    /// Copied out of `partition` for the compare-and-set filter.
+    epoch: i64,
+    partition: Partition,
+}
+
+#[derive(Deserialize)]
+struct NodeDoc {
+    #[serde(rename = "_id")]
+    node: i64,
+    holder: String,
+    epoch: i64,
+    expires_unix_ms: i64,
+    #[serde(default)]
+    record: Option<RecordDoc>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct RecordDoc {
+    geo: String,
+    mesh_addr: String,
+    admin_addr: String,
+}
+
+impl NodeDoc {
+    fn into_entry(self) -> Result<NodeEntry, String> {
+        let node = NodeId::try_from(self.node)
+            .map_err(|_| format!("node id {} out of range", self.node))?;
+        let unsigned = |name: &str, v: i64| {
+            u64::try_from(v).map_err(|_| format!("node {node}: negative {name} {v}"))
+        };
+        Ok(NodeEntry {
+            lease: Lease {
+                node,
+                holder: self.holder,
+                epoch: unsigned("epoch", self.epoch)?,
+                expires_unix_ms: unsigned("expires_unix_ms", self.expires_unix_ms)?,
+            },
+            record: self.record.map(|r| NodeRecord {
+                node,
+                geo: r.geo,
+                mesh_addr: r.mesh_addr,
+                admin_addr: r.admin_addr,
+            }),
+        })
+    }
+}
+
+#[derive(Clone)]
+pub struct MongoTopology {
+    client: Client,
+    partition: Collection<PartitionDoc>,
+    nodes: Collection<NodeDoc>,
+    /// For error messages: the URL without its password.
+    url: String,
+}
+
+fn is_duplicate_key(e: &MongoError) -> bool {
+    match e.kind.as_ref() {
+        ErrorKind::Command(c) => c.code == DUPLICATE_KEY,
+        ErrorKind::Write(WriteFailure::WriteError(w)) => w.code == DUPLICATE_KEY,
+        _ => false,
+    }
+}
+
+/// Fencing filter: `lease` is still the current grant of its node.
+fn current(lease: &Lease) -> Result<Document, TopologyError> {
+    Ok(
+        doc! { "_id": i64::from(lease.node), "holder": &lease.holder, "epoch": as_i64(lease.epoch)? },
+    )
+}
+
+fn as_i64(v: u64) -> Result<i64, TopologyError> {
+    i64::try_from(v).map_err(|_| TopologyError::Time(v))
+}
+
+impl MongoTopology {
+    /// Connects to the MongoDB at `url` (`mongodb://host:port[/database]`) and checks that a
+    /// server answers a `ping`.
+    pub async fn connect(url: &str) -> Result<Self, TopologyError> {
+        let shown = redact_url(url);
+        let mut options = tokio::time::timeout(CONNECT_TIMEOUT, ClientOptions::parse(url))
+            .await
+            .map_err(|_| {
+                StoreError::Unavailable(format!(
+                    "mongodb at {shown}: url not resolved within {CONNECT_TIMEOUT:?}"
+                ))
+            })?
+            .map_err(|e| match *e.kind {
+                // `mongodb+srv://` URLs resolve through DNS while parsing.
+                ErrorKind::DnsResolve { .. } => {
+                    StoreError::Unavailable(format!("mongodb at {shown}: {e}"))
+                }
+                _ => StoreError::BadUrl(shown.clone()),
+            })?;
+        options
+            .server_selection_timeout
+            .get_or_insert(SERVER_SELECTION_TIMEOUT);
+        options.connect_timeout.get_or_insert(CONNECT_TIMEOUT);
+        options.app_name.get_or_insert_with(|| "cellmesh".into());
+        let database = options
+            .default_database
+            .clone()
+            .unwrap_or_else(|| DEFAULT_DATABASE.into());
+        let client =
+            Client::with_options(options).map_err(|_| StoreError::BadUrl(shown.clone()))?;
+        let db = client.database(&database);
+        let concerns = CollectionOptions::builder()
+            .write_concern(WriteConcern::majority())
+            .read_concern(ReadConcern::majority())
+            .build();
+        let this = Self {
+            client: client.clone(),
+            partition: db.collection_with_options("partition", concerns.clone()),
+            nodes: db.collection_with_options("nodes", concerns),
+            url: shown,
+        };
+        this.bounded(
+            "ping",
+            client.database("admin").run_command(doc! { "ping": 1 }),
+        )
+        .await?;
+        Ok(this)
+    }
+
+    async fn bounded<T>(
+        &self,
+        op: &str,
+        fut: impl IntoFuture<Output = Result<T, MongoError>>,
+    ) -> Result<T, StoreError> {
+        self.answer(op, fut).await?.map_err(|e| self.error(op, &e))
+    }
+
+    /// Like [`bounded`](Self::bounded), but a duplicate-key error comes back as `Ok(None)`.
+    async fn unless_duplicate<T>(
+        &self,
+        op: &str,
+        fut: impl IntoFuture<Output = Result<T, MongoError>>,
+    ) -> Result<Option<T>, StoreError> {
+        match self.answer(op, fut).await? {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if is_duplicate_key(&e) => Ok(None),
+            Err(e) => Err(self.error(op, &e)),
+        }
+    }
+
+    async fn answer<T>(
+        &self,
+        op: &str,
+        fut: impl IntoFuture<Output = Result<T, MongoError>>,
+    ) -> Result<Result<T, MongoError>, StoreError> {
+        tokio::time::timeout(OPERATION_TIMEOUT, fut)
+            .await
+            .map_err(|_| {
+                StoreError::Unavailable(format!(
+                    "mongodb at {}: {op}: no answer within {OPERATION_TIMEOUT:?}",
+                    self.url
+                ))
+            })
+    }
+
+    fn error(&self, op: &str, e: &MongoError) -> StoreError {
+        let what = format!("mongodb at {}: {op}: {e}", self.url);
+        match *e.kind {
+            ErrorKind::BsonDeserialization(_) => StoreError::Corrupt(what),
+            _ => StoreError::Unavailable(what),
+        }
+    }
+
+    async fn current_epoch(&self) -> Result<u64, TopologyError> {
+        Ok(self.partition().await?.map_or(0, |p| p.epoch()))
+    }
+
+    async fn entry(&self, node: NodeId) -> Result<Option<NodeEntry>, TopologyError> {
+        let found = self
+            .bounded(
+                "read lease",
+                self.nodes.find_one(doc! { "_id": i64::from(node) }),
+            )
+            .await?;
+        found
+            .map(|d| d.into_entry().map_err(|why| self.corrupt(&why)))
+            .transpose()
+    }
+
+    fn corrupt(&self, why: &str) -> TopologyError {
+        StoreError::Corrupt(format!("mongodb at {}: {why}", self.url)).into()
+    }
+}
+
+#[async_trait]
+impl TopologyStore for MongoTopology {
+    async fn partition(&self) -> Result<Option<Partition>, TopologyError> {
+        let found = self
+            .bounded(
+                "read partition",
+                self.partition.find_one(doc! { "_id": CURRENT }),
+            )
+            .await?;
+        Ok(found.map(|d| d.partition))
+    }
+
+    async fn commit_partition(
+        &self,
+        expected_epoch: u64,
+        next: &Partition,
+    ) -> Result<Commit, TopologyError> {
+        check_commit(expected_epoch, next)?;
+        let document = PartitionDoc {
+            id: CURRENT.into(),
+            epoch: as_i64(next.epoch())?,
+            partition: next.clone(),
+        };
+        let won = if expected_epoch == 0 {
+            self.unless_duplicate("commit partition", self.partition.insert_one(&document))
+                .await?
+                .is_some()
+        } else {
+            let filter = doc! { "_id": CURRENT, "epoch": as_i64(expected_epoch)? };
+            let result = self
+                .bounded(
+                    "commit partition",
+                    self.partition.replace_one(filter, &document),
+                )
+                .await?;
+            result.matched_count == 1
+        };
+        if won {
+            return Ok(Commit::Committed);
+        }
+        Ok(Commit::Stale {
+            current_epoch: self.current_epoch().await?,
+        })
+    }
+
+    async fn acquire_lease(
+        &self,
+        node: NodeId,
+        holder: &str,
+        now_unix_ms: u64,
+        ttl: Duration,
+    ) -> Result<Acquire, TopologyError> {
+        let expires = as_i64(check_request(node, holder, now_unix_ms, ttl)?)?;
+        let now = as_i64(now_unix_ms)?;
+        let filter = doc! {
+            "_id": i64::from(node),
+            "$or": [ { "expires_unix_ms": { "$lte": now } }, { "holder": holder } ],
+        };
+        let update = doc! {
+            "$set": { "holder": holder, "expires_unix_ms": expires },
+            "$inc": { "epoch": 1_i64 },
+            "$unset": { "record": "" },
+        };
+        // A holder that lapses between our failed grant and our read shows as lapsed; asking
+        // again then grants or names the new holder.
+        for _ in 0..3 {
+            let grant = self
+                .nodes
+                .find_one_and_update(filter.clone(), update.clone());
+            let granted = self
+                .unless_duplicate(
+                    "acquire lease",
+                    grant.upsert(true).return_document(ReturnDocument::After),
+                )
+                .await?;
+            let entry = match granted {
+                Some(Some(d)) => {
+                    return Ok(Acquire::Granted(
+                        d.into_entry().map_err(|why| self.corrupt(&why))?.lease,
+                    ))
+                }
+                Some(None) => return Err(self.corrupt("upsert returned no document")),
+                None => self.entry(node).await?,
+            };
+            if let Some(e) = entry.filter(|e| e.lease.is_live(now_unix_ms)) {
+                return Ok(Acquire::Held(e.lease));
+            }
+        }
+        Err(StoreError::Unavailable(format!(
+            "mongodb at {}: lease of node {node} keeps changing hands",
+            self.url
+        ))
+        .into())
+    }
+
+    async fn renew_lease(
+        &self,
+        lease: &Lease,
+        now_unix_ms: u64,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, TopologyError> {
+        let expires = as_i64(check_request(lease.node, &lease.holder, now_unix_ms, ttl)?)?;
+        let mut filter = current(lease)?;
+        filter.insert("expires_unix_ms", doc! { "$gt": as_i64(now_unix_ms)? });
+        let renew = self
+            .nodes
+            .find_one_and_update(filter, doc! { "$set": { "expires_unix_ms": expires } })
+            .return_document(ReturnDocument::After);
+        let renewed = self.bounded("renew lease", renew).await?;
+        renewed
+            .map(|d| {
+                d.into_entry()
+                    .map(|e| e.lease)
+                    .map_err(|why| self.corrupt(&why))
+            })
+            .transpose()
+    }
+
+    async fn release_lease(&self, lease: &Lease) -> Result<bool, TopologyError> {
+        let release = self.nodes.update_one(
+            current(lease)?,
+            doc! { "$set": { "expires_unix_ms": 0_i64 } },
+        );
+        Ok(self.bounded("release lease", release).await?.matched_count == 1)
+    }
+
+    async fn publish_node(
+        &self,
+        lease: &Lease,
+        record: &NodeRecord,
+        now_unix_ms: u64,
+    ) -> Result<bool, TopologyError> {
+        if record.node != lease.node {
+            return Err(TopologyError::RecordMismatch {
+                record: record.node,
+                lease: lease.node,
+            });
+        }
+        let mut filter = current(lease)?;
+        filter.insert("expires_unix_ms", doc! { "$gt": as_i64(now_unix_ms)? });
+        let fields = RecordDoc {
+            geo: record.geo.clone(),
+            mesh_addr: record.mesh_addr.clone(),
+            admin_addr: record.admin_addr.clone(),
+        };
+        let fields = mongodb::bson::to_bson(&fields).map_err(|e| self.corrupt(&e.to_string()))?;
+        let publish = self
+            .nodes
+            .update_one(filter, doc! { "$set": { "record": fields } });
+        Ok(self.bounded("publish node", publish).await?.matched_count == 1)
+    }
+
+    async fn nodes(&self) -> Result<Vec<NodeEntry>, TopologyError> {
+        let cursor = self
+            .bounded(
+                "list nodes",
+                self.nodes.find(doc! {}).sort(doc! { "_id": 1 }),
+            )
+            .await?;
+        let docs: Vec<NodeDoc> = self.bounded("list nodes", cursor.try_collect()).await?;
+        docs.into_iter()
+            .map(|d| d.into_entry().map_err(|why| self.corrupt(&why)))
+            .collect()
+    }
+
+    async fn close(&self) {
+        self.client.clone().shutdown().await;
+    }
+}

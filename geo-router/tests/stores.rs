@@ -1,0 +1,568 @@
+//! One behavioural contract for the stores, run against every implementation: the in-memory
+//! stores and the real Redis and MongoDB servers named by `CELLMESH_TEST_REDIS_URL` and
+//! `CELLMESH_TEST_MONGO_URL` (`./scripts/test.sh` starts both and sets them). A real-store test
+//! without its variable fails; it never passes by skipping.
+//!
+//! Every test works under its own geo name or database, so tests run in parallel and re-run
+//! against the same servers without seeing each other's data.
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use cellmesh_geo_router::store::memory::{MemoryDirectory, MemoryPlayers};
+use cellmesh_geo_router::store::mongo::MongoPlayers;
+use cellmesh_geo_router::store::redis::RedisDirectory;
+use cellmesh_geo_router::store::{
+    PlayerRecord, PlayerRecords, SessionDirectory, SessionEntry, StoreError,
+};
+
+const LONG_LEASE: Duration = Duration::from_secs(60);
+/// Generous: bounds waits for things that must happen, never asserted as a latency.
+const DEADLINE: Duration = Duration::from_secs(10);
+
+// ---------------------------------------------------------------------------------------------
+// Backends
+
+/// Opens session directories; opening the same geo twice gives two handles (two gateways) on the
+/// same data.
+#[async_trait]
+trait Directories: Send + Sync {
+    async fn open(&self, geo: &str) -> Arc<dyn SessionDirectory>;
+    /// Removes what the test wrote.
+    async fn clean_up(&self) {}
+}
+
+/// Opens handles on one player-record store.
+#[async_trait]
+trait Players: Send + Sync {
+    async fn open(&self) -> Arc<dyn PlayerRecords>;
+    async fn clean_up(&self) {}
+}
+
+#[derive(Default)]
+struct MemoryBackend {
+    directories: Mutex<HashMap<String, Arc<MemoryDirectory>>>,
+    players: Arc<MemoryPlayers>,
+}
+
+#[async_trait]
+impl Directories for MemoryBackend {
+    async fn open(&self, geo: &str) -> Arc<dyn SessionDirectory> {
+        let mut map = self.directories.lock().unwrap();
+        map.entry(geo.to_string()).or_default().clone()
+    }
+}
+
+#[async_trait]
+impl Players for MemoryBackend {
+    async fn open(&self) -> Arc<dyn PlayerRecords> {
+        self.players.clone()
+    }
+}
+
+/// A name no other test, nor an earlier run, uses.
+fn unique(test: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("t{}_{nanos:x}_{n}_{test}", std::process::id())
+}
+
+fn test_url(var: &str) -> String {
+    match std::env::var(var) {
+        Ok(url) if !url.is_empty() => url,
+        _ => panic!(
+            "{var} is not set. Run ./scripts/test.sh, which installs and starts Redis and a \
+             MongoDB-compatible server and sets it; or set it to a server you run yourself."
+        ),
+    }
+}
+
+struct RedisBackend {
+    url: String,
+    /// Prepended to every geo name the test uses.
+    prefix: String,
+}
+
+impl RedisBackend {
+    fn new(test: &str) -> Self {
+        Self {
+            url: test_url("CELLMESH_TEST_REDIS_URL"),
+            prefix: unique(test),
+        }
+    }
+}
+
+#[async_trait]
+impl Directories for RedisBackend {
+    async fn open(&self, geo: &str) -> Arc<dyn SessionDirectory> {
+        let geo = format!("{}-{geo}", self.prefix);
+        Arc::new(RedisDirectory::connect(&self.url, &geo).await.unwrap())
+    }
+
+    async fn clean_up(&self) {
+        let client = ::redis::Client::open(self.url.as_str()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let mut cursor = 0u64;
+        loop {
+            let (next, keys): (u64, Vec<String>) = ::redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("cellmesh:{}-*", self.prefix))
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            if !keys.is_empty() {
+                let _: () = ::redis::cmd("DEL")
+                    .arg(keys)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+    }
+}
+
+struct MongoBackend {
+    /// The test URL with the test's own database as its path.
+    url: String,
+    database: String,
+}
+
+impl MongoBackend {
+    fn new(test: &str) -> Self {
+        let base = test_url("CELLMESH_TEST_MONGO_URL");
+        // Database names are at most 63 bytes; the unique part comes first.
+        let database: String = unique(test).chars().take(60).collect();
+        Self {
+            url: with_database(&base, &database),
+            database,
+        }
+    }
+}
+
+/// `mongodb://h:p[/old][?opts]` with its database path replaced by `database`.
+fn with_database(url: &str, database: &str) -> String {
+    let hosts_start = url.find("://").expect("mongodb url has a scheme") + 3;
+    let (base, query) = match url.find('?') {
+        Some(q) => url.split_at(q),
+        None => (url, ""),
+    };
+    let hosts_end = base[hosts_start..]
+        .find('/')
+        .map_or(base.len(), |i| hosts_start + i);
+    format!("{}/{database}{query}", &base[..hosts_end])
+}
+
+#[async_trait]
+impl Players for MongoBackend {
+    async fn open(&self) -> Arc<dyn PlayerRecords> {
+        Arc::new(MongoPlayers::connect(&self.url).await.unwrap())
+    }
+
+    async fn clean_up(&self) {
+        let client = ::mongodb::Client::with_uri_str(&self.url).await.unwrap();
+        client.database(&self.database).drop().await.unwrap();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The session directory contract
+
+async fn register_bumps_the_epoch_and_displaces(backend: impl Directories) {
+    let gateway_a = backend.open("eu").await;
+    let gateway_b = backend.open("eu").await;
+    assert_eq!(gateway_a.lookup("alice").await.unwrap(), None);
+
+    let first = gateway_a.register("alice", 1, LONG_LEASE).await.unwrap();
+    let entry = SessionEntry {
+        gateway_node: 1,
+        session_epoch: first,
+    };
+    assert_eq!(gateway_a.lookup("alice").await.unwrap(), Some(entry));
+    assert_eq!(gateway_b.lookup("alice").await.unwrap(), Some(entry));
+
+    let second = gateway_b.register("alice", 2, LONG_LEASE).await.unwrap();
+    assert!(second > first, "epoch {second} after {first}");
+    let entry = SessionEntry {
+        gateway_node: 2,
+        session_epoch: second,
+    };
+    assert_eq!(gateway_a.lookup("alice").await.unwrap(), Some(entry));
+    assert_eq!(gateway_b.lookup("alice").await.unwrap(), Some(entry));
+    // Another account is untouched.
+    assert_eq!(gateway_a.lookup("bob").await.unwrap(), None);
+    backend.clean_up().await;
+}
+
+async fn stale_epochs_renew_and_release_nothing(backend: impl Directories) {
+    let dir = backend.open("eu").await;
+    let old = dir.register("alice", 1, LONG_LEASE).await.unwrap();
+    let current = dir.register("alice", 2, LONG_LEASE).await.unwrap();
+    let entry = Some(SessionEntry {
+        gateway_node: 2,
+        session_epoch: current,
+    });
+
+    assert!(!dir.renew("alice", old, LONG_LEASE).await.unwrap());
+    assert!(!dir.release("alice", old).await.unwrap());
+    assert!(!dir.renew("alice", current + 1, LONG_LEASE).await.unwrap());
+    assert!(!dir.release("alice", current + 1).await.unwrap());
+    assert!(!dir.renew("nobody", current, LONG_LEASE).await.unwrap());
+    assert!(!dir.release("nobody", current).await.unwrap());
+    assert_eq!(dir.lookup("alice").await.unwrap(), entry);
+
+    assert!(dir.renew("alice", current, LONG_LEASE).await.unwrap());
+    assert_eq!(dir.lookup("alice").await.unwrap(), entry);
+    assert!(dir.release("alice", current).await.unwrap());
+    assert_eq!(dir.lookup("alice").await.unwrap(), None);
+    assert!(!dir.release("alice", current).await.unwrap());
+    assert!(!dir.renew("alice", current, LONG_LEASE).await.unwrap());
+    assert_eq!(dir.lookup("alice").await.unwrap(), None);
+    backend.clean_up().await;
+}
+
+/// Polls until `account` has no live session; returns how long that took from `since`.
+async fn wait_until_gone(dir: &dyn SessionDirectory, account: &str, since: Instant) -> Duration {
+    loop {
+        if dir.lookup(account).await.unwrap().is_none() {
+            return since.elapsed();
+        }
+        assert!(
+            since.elapsed() < DEADLINE,
+            "session of {account} never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn an_unrenewed_lease_expires(backend: impl Directories) {
+    let dir = backend.open("eu").await;
+    let lease = Duration::from_millis(300);
+    let start = Instant::now();
+    let epoch = dir.register("alice", 1, lease).await.unwrap();
+    let seen = dir.lookup("alice").await.unwrap();
+    assert!(
+        seen.is_some() || start.elapsed() >= lease,
+        "gone before its lease ran out"
+    );
+
+    let gone_after = wait_until_gone(dir.as_ref(), "alice", start).await;
+    // Redis keeps expiry times in whole milliseconds of its own clock.
+    assert!(
+        gone_after + Duration::from_millis(2) >= lease,
+        "expired after {gone_after:?}, lease {lease:?}"
+    );
+    assert!(!dir.renew("alice", epoch, LONG_LEASE).await.unwrap());
+    assert!(!dir.release("alice", epoch).await.unwrap());
+    assert_eq!(dir.lookup("alice").await.unwrap(), None);
+    backend.clean_up().await;
+}
+
+async fn renew_extends_the_lease(backend: impl Directories) {
+    let dir = backend.open("eu").await;
+    let lease = Duration::from_secs(1);
+    let epoch = dir.register("alice", 1, lease).await.unwrap();
+    assert!(dir.renew("alice", epoch, LONG_LEASE).await.unwrap());
+    tokio::time::sleep(lease + Duration::from_millis(200)).await;
+    assert_eq!(
+        dir.lookup("alice").await.unwrap(),
+        Some(SessionEntry {
+            gateway_node: 1,
+            session_epoch: epoch
+        })
+    );
+    backend.clean_up().await;
+}
+
+async fn epochs_never_repeat_across_expiry_and_release(backend: impl Directories) {
+    let dir = backend.open("eu").await;
+    let first = dir.register("alice", 1, LONG_LEASE).await.unwrap();
+    assert!(dir.release("alice", first).await.unwrap());
+    let second = dir
+        .register("alice", 1, Duration::from_millis(50))
+        .await
+        .unwrap();
+    assert!(second > first, "epoch {second} after release of {first}");
+
+    wait_until_gone(dir.as_ref(), "alice", Instant::now()).await;
+    let third = dir.register("alice", 1, LONG_LEASE).await.unwrap();
+    assert!(third > second, "epoch {third} after expiry of {second}");
+    backend.clean_up().await;
+}
+
+async fn concurrent_registers_get_distinct_epochs_and_the_last_wins(backend: impl Directories) {
+    const GATEWAYS: u32 = 8;
+    let mut tasks = Vec::new();
+    for node in 1..=GATEWAYS {
+        let dir = backend.open("eu").await;
+        tasks.push(tokio::spawn(async move {
+            let epoch = dir.register("alice", node, LONG_LEASE).await.unwrap();
+            (epoch, node)
+        }));
+    }
+    let mut results = Vec::new();
+    for task in tasks {
+        results.push(task.await.unwrap());
+    }
+    let mut epochs: Vec<u64> = results.iter().map(|(epoch, _)| *epoch).collect();
+    epochs.sort_unstable();
+    epochs.dedup();
+    assert_eq!(epochs.len(), results.len(), "epochs repeated: {results:?}");
+
+    let (epoch, node) = *results.iter().max().unwrap();
+    let dir = backend.open("eu").await;
+    assert_eq!(
+        dir.lookup("alice").await.unwrap(),
+        Some(SessionEntry {
+            gateway_node: node,
+            session_epoch: epoch
+        })
+    );
+    backend.clean_up().await;
+}
+
+async fn geos_are_isolated(backend: impl Directories) {
+    let eu = backend.open("eu").await;
+    let eu_west = backend.open("eu-west").await;
+    let in_eu = eu.register("alice", 1, LONG_LEASE).await.unwrap();
+    assert_eq!(eu_west.lookup("alice").await.unwrap(), None);
+    assert!(!eu_west.renew("alice", in_eu, LONG_LEASE).await.unwrap());
+    assert!(!eu_west.release("alice", in_eu).await.unwrap());
+
+    let in_west = eu_west.register("alice", 2, LONG_LEASE).await.unwrap();
+    eu_west.register("alice", 2, LONG_LEASE).await.unwrap();
+    assert!(eu_west.release("alice", in_west + 1).await.unwrap());
+    assert_eq!(
+        eu.lookup("alice").await.unwrap(),
+        Some(SessionEntry {
+            gateway_node: 1,
+            session_epoch: in_eu
+        })
+    );
+    // eu's counter did not move while eu-west registered twice.
+    assert_eq!(
+        eu.register("alice", 1, LONG_LEASE).await.unwrap(),
+        in_eu + 1
+    );
+    backend.clean_up().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The player records contract
+
+fn record(account: &str, position: Option<[f64; 3]>, home_geo: &str) -> PlayerRecord {
+    PlayerRecord {
+        account: account.into(),
+        last_position: position,
+        home_geo: home_geo.into(),
+        updated_unix_ms: 1_790_000_000_123,
+    }
+}
+
+async fn a_player_record_round_trips(backend: impl Players) {
+    let writer = backend.open().await;
+    let reader = backend.open().await;
+    let alice = record("alice", Some([131_071.5, -0.25, 1e-9]), "eu");
+    // Account names are user data: dots and dollars must not be read as paths or operators.
+    let odd = record("$set.a b.ü", None, "us");
+    writer.save(&alice).await.unwrap();
+    writer.save(&odd).await.unwrap();
+    assert_eq!(reader.load("alice").await.unwrap(), Some(alice));
+    assert_eq!(reader.load(&odd.account).await.unwrap(), Some(odd));
+    backend.clean_up().await;
+}
+
+async fn save_replaces_the_whole_record(backend: impl Players) {
+    let players = backend.open().await;
+    players
+        .save(&record("alice", Some([1.0, 2.0, 3.0]), "eu"))
+        .await
+        .unwrap();
+    let moved = PlayerRecord {
+        updated_unix_ms: 1_790_000_009_999,
+        ..record("alice", None, "us")
+    };
+    players.save(&moved).await.unwrap();
+    assert_eq!(players.load("alice").await.unwrap(), Some(moved));
+    backend.clean_up().await;
+}
+
+async fn a_missing_player_is_none(backend: impl Players) {
+    let players = backend.open().await;
+    players.save(&record("alice", None, "eu")).await.unwrap();
+    assert_eq!(players.load("bob").await.unwrap(), None);
+    assert_eq!(players.load("").await.unwrap(), None);
+    backend.clean_up().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Every contract test, against every implementation of its trait.
+
+macro_rules! contract {
+    (directory: [$($dir_test:ident),* $(,)?], players: [$($players_test:ident),* $(,)?] $(,)?) => {
+        mod memory {
+            $(#[tokio::test]
+            async fn $dir_test() {
+                super::$dir_test(super::MemoryBackend::default()).await;
+            })*
+            $(#[tokio::test]
+            async fn $players_test() {
+                super::$players_test(super::MemoryBackend::default()).await;
+            })*
+        }
+        mod redis {
+            $(#[tokio::test]
+            async fn $dir_test() {
+                super::$dir_test(super::RedisBackend::new(stringify!($dir_test))).await;
+            })*
+        }
+        mod mongo {
+            $(#[tokio::test]
+            async fn $players_test() {
+                super::$players_test(super::MongoBackend::new(stringify!($players_test))).await;
+            })*
+        }
+    };
+}
+
+contract! {
+    directory: [
+        register_bumps_the_epoch_and_displaces,
+        stale_epochs_renew_and_release_nothing,
+        an_unrenewed_lease_expires,
+        renew_extends_the_lease,
+        epochs_never_repeat_across_expiry_and_release,
+        concurrent_registers_get_distinct_epochs_and_the_last_wins,
+        geos_are_isolated,
+    ],
+    players: [
+        a_player_record_round_trips,
+        save_replaces_the_whole_record,
+        a_missing_player_is_none,
+    ],
+}
+
+// ---------------------------------------------------------------------------------------------
+// Connecting: no server, or one that never answers, fails fast with the URL in the error.
+
+/// A loopback port nothing listens on.
+fn closed_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A listener that completes TCP handshakes (the kernel's backlog) and never says a word.
+fn silent_server() -> (TcpListener, u16) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    (listener, port)
+}
+
+fn assert_unavailable<T>(result: Result<T, StoreError>, url: &str, started: Instant) {
+    match result {
+        Err(StoreError::Unavailable(why)) => assert!(why.contains(url), "{why:?} lacks {url}"),
+        Err(other) => panic!("expected Unavailable, got {other}"),
+        Ok(_) => panic!("connected to {url}"),
+    }
+    assert!(
+        started.elapsed() < DEADLINE,
+        "took {:?} to give up",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn redis_without_a_server_is_unavailable() {
+    let url = format!("redis://127.0.0.1:{}", closed_port());
+    let started = Instant::now();
+    assert_unavailable(RedisDirectory::connect(&url, "eu").await, &url, started);
+}
+
+#[tokio::test]
+async fn redis_that_never_answers_is_unavailable() {
+    let (_listener, port) = silent_server();
+    let url = format!("redis://127.0.0.1:{port}");
+    let started = Instant::now();
+    assert_unavailable(RedisDirectory::connect(&url, "eu").await, &url, started);
+}
+
+#[tokio::test]
+async fn redis_errors_hide_the_password() {
+    let url = format!("redis://:hunter2@127.0.0.1:{}", closed_port());
+    match RedisDirectory::connect(&url, "eu").await {
+        Err(StoreError::Unavailable(why)) => assert!(!why.contains("hunter2"), "{why}"),
+        other => panic!("expected Unavailable, got {:?}", other.err()),
+    }
+}
+
+#[tokio::test]
+async fn redis_rejects_a_geo_name_that_could_reach_other_keys() {
+    // Checked before connecting: no server needed.
+    for geo in ["", "eu:session", "eu*"] {
+        match RedisDirectory::connect("redis://127.0.0.1:1", geo).await {
+            Err(StoreError::InvalidGeo(named)) => assert_eq!(named, geo),
+            other => panic!("geo {geo:?}: expected InvalidGeo, got {:?}", other.err()),
+        }
+    }
+}
+
+#[tokio::test]
+async fn mongo_without_a_server_is_unavailable() {
+    let url = format!("mongodb://127.0.0.1:{}", closed_port());
+    let started = Instant::now();
+    assert_unavailable(MongoPlayers::connect(&url).await, &url, started);
+}
+
+#[tokio::test]
+async fn mongo_that_never_answers_is_unavailable() {
+    let (_listener, port) = silent_server();
+    let url = format!("mongodb://127.0.0.1:{port}/cellmesh");
+    let started = Instant::now();
+    assert_unavailable(MongoPlayers::connect(&url).await, &url, started);
+}
+
+#[tokio::test]
+async fn malformed_urls_are_refused_with_the_reason() {
+    let refusal = |result: Result<(), StoreError>| match result {
+        Err(e @ StoreError::BadUrl(_)) => e.to_string(),
+        other => panic!("expected BadUrl, got {other:?}"),
+    };
+    let why = refusal(
+        MongoPlayers::connect("mongodb://u:hunter2@h:notaport")
+            .await
+            .map(drop),
+    );
+    assert!(why.contains("mongodb://u:***@h:notaport: "), "{why}");
+    assert!(!why.contains("hunter2"), "{why}");
+    let why = refusal(
+        RedisDirectory::connect("redis://h:notaport", "eu")
+            .await
+            .map(drop),
+    );
+    assert!(why.contains("redis://h:notaport: "), "{why}");
+}
+
+#[test]
+fn test_database_replaces_the_url_path() {
+    assert_eq!(with_database("mongodb://h:1", "x"), "mongodb://h:1/x");
+    assert_eq!(with_database("mongodb://h:1/", "x"), "mongodb://h:1/x");
+    assert_eq!(
+        with_database("mongodb://u:p@h:1,g:2/old?w=1", "x"),
+        "mongodb://u:p@h:1,g:2/x?w=1"
+    );
+}

@@ -1,0 +1,438 @@
+//! The topology store's contract, run against the in-memory store and the real MongoDB named by
+//! `CELLMESH_TEST_MONGO_URL` (`./scripts/test.sh` starts one and sets it; without it the MongoDB
+//! tests fail, they never pass by skipping). Time is virtual: every call is handed its `now`.
+//!
+//! Each MongoDB test works in its own database, so tests run in parallel and re-run against the
+//! same server without seeing each other's data.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use cellmesh_geo_router::geometry::WorldShape;
+use cellmesh_geo_router::partition::{Bsp, Grid, Layout, Partition};
+use cellmesh_geo_router::store::StoreError;
+use cellmesh_geo_router::topology::memory::MemoryTopology;
+use cellmesh_geo_router::topology::mongo::MongoTopology;
+use cellmesh_geo_router::topology::{
+    self, ids, Acquire, Commit, Lease, LeasedIds, NodeRecord, TopologyError, TopologyStore,
+};
+use futures::future::join_all;
+use mongodb::bson::doc;
+
+/// Virtual time: far from the real clock, so nothing here can depend on it.
+const T0: u64 = 1_800_000_000_000;
+const TTL: Duration = Duration::from_secs(10);
+const TTL_MS: u64 = 10_000;
+
+// ---------------------------------------------------------------------------------------------
+// Backends
+
+/// A database of the test server that no other test, nor an earlier run, uses; dropped on
+/// [`TestDb::drop_all`].
+struct TestDb {
+    url: String,
+    database: String,
+}
+
+impl TestDb {
+    fn new(test: &str) -> Self {
+        let base = match std::env::var("CELLMESH_TEST_MONGO_URL") {
+            Ok(url) if !url.is_empty() => url,
+            _ => panic!(
+                "CELLMESH_TEST_MONGO_URL is not set: run ./scripts/test.sh, which starts a \
+                 MongoDB-compatible server and sets it"
+            ),
+        };
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        // Database names are at most 63 bytes; the unique part comes first.
+        let database: String = format!("t{}_{nanos:x}_{n}_{test}", std::process::id())
+            .chars()
+            .take(60)
+            .collect();
+        Self {
+            url: with_database(&base, &database),
+            database,
+        }
+    }
+
+    async fn open(&self) -> MongoTopology {
+        MongoTopology::connect(&self.url)
+            .await
+            .expect("connect to the test MongoDB")
+    }
+
+    async fn client(&self) -> mongodb::Client {
+        mongodb::Client::with_uri_str(&self.url).await.unwrap()
+    }
+
+    async fn drop_all(self) {
+        self.client()
+            .await
+            .database(&self.database)
+            .drop()
+            .await
+            .unwrap();
+    }
+}
+
+/// `mongodb://h:p[/old][?opts]` with its database path replaced by `database`.
+fn with_database(url: &str, database: &str) -> String {
+    let hosts_start = url.find("://").expect("mongodb url has a scheme") + 3;
+    let (base, query) = url.split_at(url.find('?').unwrap_or(url.len()));
+    let hosts_end = base[hosts_start..]
+        .find('/')
+        .map_or(base.len(), |i| hosts_start + i);
+    format!("{}/{database}{query}", &base[..hosts_end])
+}
+
+// ---------------------------------------------------------------------------------------------
+// The contract
+
+fn granted(a: Acquire) -> Lease {
+    match a {
+        Acquire::Granted(l) => l,
+        Acquire::Held(l) => panic!("expected a grant, the lease is held: {l:?}"),
+    }
+}
+
+fn held(a: Acquire) -> Lease {
+    match a {
+        Acquire::Held(l) => l,
+        Acquire::Granted(l) => panic!("expected a refusal, got a grant: {l:?}"),
+    }
+}
+
+fn record(node: u32, tag: &str) -> NodeRecord {
+    NodeRecord {
+        node,
+        geo: "eu".into(),
+        mesh_addr: format!("{tag}:7200"),
+        admin_addr: format!("{tag}:9100"),
+    }
+}
+
+/// Leases: grants, refusals, renewals, lapses, take-overs and the fencing they imply.
+async fn leases(store: &dyn TopologyStore) {
+    let a = granted(store.acquire_lease(3, "a", T0, TTL).await.unwrap());
+    assert_eq!(
+        a,
+        Lease {
+            node: 3,
+            holder: "a".into(),
+            epoch: 1,
+            expires_unix_ms: T0 + TTL_MS
+        }
+    );
+    // Held: the refusal names the holder.
+    assert_eq!(
+        held(store.acquire_lease(3, "b", T0 + 5_000, TTL).await.unwrap()),
+        a
+    );
+    let a = store
+        .renew_lease(&a, T0 + 9_000, TTL)
+        .await
+        .unwrap()
+        .expect("renewed");
+    assert_eq!((a.epoch, a.expires_unix_ms), (1, T0 + 19_000));
+    assert!(a.is_live(T0 + 18_999) && !a.is_live(T0 + 19_000));
+    held(store.acquire_lease(3, "b", T0 + 18_999, TTL).await.unwrap());
+
+    // Lapsed at its expiry instant: b takes over under a new epoch, and a is fenced off.
+    let b = granted(store.acquire_lease(3, "b", T0 + 19_000, TTL).await.unwrap());
+    assert_eq!((b.holder.as_str(), b.epoch), ("b", 2));
+    assert_eq!(store.renew_lease(&a, T0 + 19_001, TTL).await.unwrap(), None);
+    assert!(!store.release_lease(&a).await.unwrap());
+    assert!(!store
+        .publish_node(&a, &record(3, "a"), T0 + 19_001)
+        .await
+        .unwrap());
+    assert_eq!(
+        held(store.acquire_lease(3, "a", T0 + 19_001, TTL).await.unwrap()),
+        b
+    );
+
+    // The record belongs to the current holder and is shown with its lease.
+    assert!(store
+        .publish_node(&b, &record(3, "b"), T0 + 19_002)
+        .await
+        .unwrap());
+    let nodes = store.nodes().await.unwrap();
+    assert_eq!(nodes.len(), 1);
+    assert_eq!(
+        (&nodes[0].lease, nodes[0].record.as_ref()),
+        (&b, Some(&record(3, "b")))
+    );
+
+    // A lapsed lease is not renewed even if nobody took it: the holder must ask again (and
+    // re-read the partition), getting a new epoch and an empty record.
+    assert_eq!(store.renew_lease(&b, T0 + 29_000, TTL).await.unwrap(), None);
+    let b = granted(store.acquire_lease(3, "b", T0 + 29_000, TTL).await.unwrap());
+    assert_eq!(b.epoch, 3);
+    assert_eq!(store.nodes().await.unwrap()[0].record, None);
+
+    // A holder asking again while it holds gets a new epoch; its old grant is fenced off.
+    let b4 = granted(store.acquire_lease(3, "b", T0 + 30_000, TTL).await.unwrap());
+    assert_eq!(b4.epoch, 4);
+    assert_eq!(store.renew_lease(&b, T0 + 30_001, TTL).await.unwrap(), None);
+
+    // Released: free at once for anyone.
+    assert!(store.release_lease(&b4).await.unwrap());
+    let a = granted(store.acquire_lease(3, "a", T0 + 30_002, TTL).await.unwrap());
+    assert_eq!(a.epoch, 5);
+
+    // Nodes are independent; the list is by node id.
+    let other = granted(store.acquire_lease(0, "b", T0 + 30_002, TTL).await.unwrap());
+    assert_eq!(other.epoch, 1);
+    let ids: Vec<u32> = store
+        .nodes()
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.lease.node)
+        .collect();
+    assert_eq!(ids, vec![0, 3]);
+
+    // Bad requests are refused before they reach the store.
+    let err = |r: Result<Acquire, TopologyError>| r.unwrap_err().to_string();
+    assert!(err(store.acquire_lease(1024, "a", T0, TTL).await).contains("node id 1024"));
+    assert!(err(store.acquire_lease(1, "", T0, TTL).await).contains("holder"));
+    assert!(err(store.acquire_lease(1, "a", T0, Duration::ZERO).await).contains("ttl"));
+    let e = store
+        .publish_node(&a, &record(4, "a"), T0 + 30_003)
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("node 4") && e.to_string().contains("node 3"),
+        "{e}"
+    );
+}
+
+/// The node part of ids comes from the lease, and minting stops when the lease lapses.
+async fn ids_from_leases(store: &dyn TopologyStore) {
+    let now = ids::ID_EPOCH_UNIX_MS + 1_000_000;
+    let lease = granted(store.acquire_lease(17, "minter", now, TTL).await.unwrap());
+    let mut minter = LeasedIds::new(&lease).unwrap();
+    let id = minter.mint(now).unwrap();
+    assert_eq!((ids::node_of(id), ids::unix_ms_of(id)), (17, now));
+    assert!(minter.mint(now + TTL_MS).is_err(), "minted past the lease");
+    let renewed = store
+        .renew_lease(&lease, now + 5_000, TTL)
+        .await
+        .unwrap()
+        .unwrap();
+    minter.renewed(&renewed).unwrap();
+    assert!(minter.mint(now + TTL_MS).unwrap() > id);
+}
+
+fn shape() -> WorldShape {
+    WorldShape {
+        width: 2048.0,
+        height: 2048.0,
+        chunk_size: 32.0,
+        region_size: 1024.0,
+    }
+}
+
+fn grid_partition(epoch: u64, table: Vec<u32>) -> Partition {
+    let grid = Grid::new(&shape(), 2, 2, table).unwrap();
+    Partition::new(shape(), epoch, Layout::Grid(grid)).unwrap()
+}
+
+/// Compare-and-set commits of the partition.
+async fn commits(store: &dyn TopologyStore) {
+    assert_eq!(store.partition().await.unwrap(), None);
+    let p1 = grid_partition(1, vec![1, 2, 3, 4]);
+    assert_eq!(
+        store.commit_partition(0, &p1).await.unwrap(),
+        Commit::Committed
+    );
+    assert_eq!(store.partition().await.unwrap().as_ref(), Some(&p1));
+    // A second planner that also started from "nothing committed" is refused.
+    let rival = grid_partition(1, vec![4, 3, 2, 1]);
+    assert_eq!(
+        store.commit_partition(0, &rival).await.unwrap(),
+        Commit::Stale { current_epoch: 1 }
+    );
+    // A BSP successor goes in; a stale commit from epoch 1 is then refused.
+    let p2 = p1
+        .successor(Layout::Bsp(Bsp::even(&shape(), &[1, 2, 5]).unwrap()))
+        .unwrap();
+    assert_eq!(
+        store.commit_partition(1, &p2).await.unwrap(),
+        Commit::Committed
+    );
+    let stale = p1.successor(p1.layout().clone()).unwrap();
+    assert_eq!(
+        store.commit_partition(1, &stale).await.unwrap(),
+        Commit::Stale { current_epoch: 2 }
+    );
+    assert_eq!(store.partition().await.unwrap().as_ref(), Some(&p2));
+    // A commit must advance the epoch by exactly one.
+    let e = store
+        .commit_partition(2, &grid_partition(4, vec![1; 4]))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            TopologyError::EpochGap {
+                expected: 2,
+                next: 4
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(store.partition().await.unwrap().as_ref(), Some(&p2));
+}
+
+/// Many contenders at once for one node's lease, and many committers from one epoch.
+async fn races(stores: Vec<Arc<dyn TopologyStore>>) {
+    for node in 0..8 {
+        let attempts = stores.iter().cycle().take(12).enumerate().map(|(i, s)| {
+            let s = s.clone();
+            async move {
+                s.acquire_lease(node, &format!("c{i}"), T0, TTL)
+                    .await
+                    .unwrap()
+            }
+        });
+        let outcomes = join_all(attempts).await;
+        let winners: Vec<&Lease> = outcomes
+            .iter()
+            .filter_map(|o| match o {
+                Acquire::Granted(l) => Some(l),
+                Acquire::Held(_) => None,
+            })
+            .collect();
+        assert_eq!(winners.len(), 1, "node {node}: {outcomes:?}");
+        for o in &outcomes {
+            if let Acquire::Held(l) = o {
+                assert_eq!(l, winners[0], "a refusal names the winner");
+            }
+        }
+    }
+    for expected in 0..3u64 {
+        let next = grid_partition(expected + 1, vec![expected as u32; 4]);
+        let attempts = stores.iter().cycle().take(8).map(|s| {
+            let (s, next) = (s.clone(), next.clone());
+            async move { s.commit_partition(expected, &next).await.unwrap() }
+        });
+        let outcomes = join_all(attempts).await;
+        let won = outcomes.iter().filter(|o| **o == Commit::Committed).count();
+        assert_eq!(won, 1, "from epoch {expected}: {outcomes:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// In memory
+
+#[tokio::test]
+async fn memory_leases() {
+    leases(&MemoryTopology::default()).await;
+    ids_from_leases(&MemoryTopology::default()).await;
+}
+
+#[tokio::test]
+async fn memory_commits() {
+    commits(&MemoryTopology::default()).await;
+}
+
+#[tokio::test]
+async fn memory_races() {
+    let store: Arc<dyn TopologyStore> = Arc::new(MemoryTopology::default());
+    races(vec![store]).await;
+}
+
+#[tokio::test]
+async fn urls_choose_the_store() {
+    let store = topology::open("memory").await.unwrap();
+    granted(store.acquire_lease(1, "a", T0, TTL).await.unwrap());
+    let e = topology::open("redis://u:secret@h:1")
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("redis://u:***@h:1") && !e.contains("secret"),
+        "{e}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// MongoDB
+
+#[tokio::test]
+async fn mongo_leases() {
+    let db = TestDb::new("leases");
+    leases(&db.open().await).await;
+    ids_from_leases(&db.open().await).await;
+    db.drop_all().await;
+}
+
+#[tokio::test]
+async fn mongo_commits() {
+    let db = TestDb::new("commits");
+    commits(&db.open().await).await;
+    db.drop_all().await;
+}
+
+#[tokio::test]
+async fn mongo_races_between_processes() {
+    let db = TestDb::new("races");
+    // Separate connections stand for separate processes.
+    let mut stores: Vec<Arc<dyn TopologyStore>> = Vec::new();
+    for _ in 0..4 {
+        stores.push(Arc::new(db.open().await));
+    }
+    races(stores).await;
+    db.drop_all().await;
+}
+
+#[tokio::test]
+async fn mongo_refuses_a_corrupt_partition() {
+    let db = TestDb::new("corrupt");
+    let store = db.open().await;
+    let bad_tree = doc! { "split": { "axis": "x", "at": 99_i64,
+    "low": { "leaf": { "node": 1_i64 } }, "high": { "leaf": { "node": 2_i64 } } } };
+    let world =
+        doc! { "width": 2048.0, "height": 2048.0, "chunk_size": 32.0, "region_size": 1024.0 };
+    db.client()
+        .await
+        .database(&db.database)
+        .collection("partition")
+        .insert_one(doc! { "_id": "current", "epoch": 1_i64,
+            "partition": { "epoch": 1_i64, "world": world, "layout": { "bsp": { "root": bad_tree } } } })
+        .await
+        .unwrap();
+    match store.partition().await {
+        Err(TopologyError::Store(StoreError::Corrupt(why))) => {
+            assert!(why.contains("split #0 on x at chunk 99"), "{why}")
+        }
+        other => panic!("expected a corrupt-data error, got {other:?}"),
+    }
+    db.drop_all().await;
+}
+
+#[tokio::test]
+async fn mongo_unreachable_is_an_error_not_a_hang() {
+    // Nothing listens on port 1; the error names the store without its password.
+    let e = MongoTopology::connect("mongodb://u:pw@127.0.0.1:1/x?serverSelectionTimeoutMS=300")
+        .await
+        .err()
+        .expect("no server there");
+    let shown = e.to_string();
+    assert!(
+        matches!(e, TopologyError::Store(StoreError::Unavailable(_))),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("u:***@127.0.0.1:1") && !shown.contains("pw"),
+        "{shown}"
+    );
+}

@@ -1,0 +1,84 @@
+//! Admission of a client's `ClientHello`: protocol version, then the signed token.
+
+use cellmesh_proto::edge::{ClientHello, Kick, KickReason};
+use cellmesh_proto::token::{self, TokenError};
+use cellmesh_proto::{PROTOCOL_MAJOR, PROTOCOL_MINOR};
+
+/// Returns the account the hello proves, or the kick that refuses it. `now_unix` in seconds.
+pub(crate) fn admit(hello: &ClientHello, secret: &[u8], now_unix: u64) -> Result<String, Kick> {
+    let (major, minor) = hello
+        .version
+        .as_ref()
+        .map_or((0, 0), |v| (v.major, v.minor));
+    if major != PROTOCOL_MAJOR {
+        return Err(Kick::new(
+            KickReason::VersionMismatch,
+            format!(
+                "client protocol {major}.{minor}, proxy speaks {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
+            ),
+        ));
+    }
+    token::verify(secret, &hello.token, now_unix).map_err(|e| {
+        let reason = match e {
+            TokenError::Expired { .. } => KickReason::ExpiredToken,
+            TokenError::Malformed(_) | TokenError::BadSignature => KickReason::BadToken,
+        };
+        Kick::new(reason, e.to_string())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cellmesh_proto::edge::ProtocolVersion;
+
+    fn hello(token: String, major: u32) -> ClientHello {
+        ClientHello {
+            version: Some(ProtocolVersion { major, minor: 3 }),
+            token,
+            cookie: Default::default(),
+        }
+    }
+
+    fn reason(k: &Kick) -> KickReason {
+        KickReason::try_from(k.reason).unwrap()
+    }
+
+    #[test]
+    fn good_token_names_the_account() {
+        let t = token::sign(b"k", "alice", 100);
+        assert_eq!(admit(&hello(t, PROTOCOL_MAJOR), b"k", 99).unwrap(), "alice");
+    }
+
+    #[test]
+    fn refusals_carry_the_right_reason() {
+        let t = token::sign(b"k", "alice", 100);
+        let k = admit(&hello(t.clone(), PROTOCOL_MAJOR), b"other", 99).unwrap_err();
+        assert_eq!(reason(&k), KickReason::BadToken);
+        let k = admit(&hello(t.clone(), PROTOCOL_MAJOR), b"k", 100).unwrap_err();
+        assert_eq!(reason(&k), KickReason::ExpiredToken);
+        assert!(k.detail.contains("expired"), "{}", k.detail);
+        let k = admit(&hello("nonsense".into(), PROTOCOL_MAJOR), b"k", 0).unwrap_err();
+        assert_eq!(reason(&k), KickReason::BadToken);
+    }
+
+    #[test]
+    fn version_is_checked_before_the_token() {
+        let t = token::sign(b"k", "alice", 100);
+        let k = admit(&hello(t, PROTOCOL_MAJOR + 1), b"k", 0).unwrap_err();
+        assert_eq!(reason(&k), KickReason::VersionMismatch);
+        let want = format!(
+            "client protocol {}.3, proxy speaks {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}",
+            PROTOCOL_MAJOR + 1
+        );
+        assert_eq!(k.detail, want);
+        let none = ClientHello {
+            version: None,
+            ..Default::default()
+        };
+        assert_eq!(
+            reason(&admit(&none, b"k", 0).unwrap_err()),
+            KickReason::VersionMismatch
+        );
+    }
+}

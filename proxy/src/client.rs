@@ -1,0 +1,527 @@
+//! One task per client connection: `ClientHello` and the token, `Attach` to a gateway,
+//! `Welcome`, then relay both ways until the client leaves or is kicked.
+//!
+//! Everything a client can do wrong ends in a `Kick` to that client alone: its task owns its
+//! socket, its queue is bounded, and no lock is held across an await.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use cellmesh_proto::codec::{encode_body, FrameCodec, FrameError, RawFrame};
+use cellmesh_proto::edge::{
+    client_message, server_message, ClientFrame, ClientMessage, Kick, KickReason, Ping, Pong,
+    ProtocolVersion, ServerFrame, Welcome,
+};
+use cellmesh_proto::mesh::{mesh_message, Attach, Attached, Detach, SessionInput, SessionRtt};
+use futures::{SinkExt, StreamExt};
+use tokio::io::AsyncReadExt;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::codec::{FramedRead, FramedWrite};
+
+use crate::link::LinkConn;
+use crate::ping::{PingTracker, RTT_WINDOW};
+use crate::ratelimit::{FloodMeter, Verdict};
+use crate::session::{SessionControl, SessionInfo, SessionRoute, ToSession};
+use crate::{auth, Shared};
+
+/// How long a kicked client gets to receive its `Kick` before the socket is closed.
+const KICK_LINGER: Duration = Duration::from_secs(1);
+/// Frames relayed to a client before one flush.
+const WRITE_BATCH: usize = 64;
+
+/// What a frame of another protocol looks like: its messages use another field number, so it
+/// decodes as a `ClientFrame` with none.
+const EMPTY_FRAME: &str = "an empty ClientFrame (a frame of another protocol?)";
+const UNKNOWN_MESSAGE: &str = "a ClientMessage of unknown type";
+
+/// How a client's connection ends.
+#[derive(Debug)]
+enum End {
+    /// The proxy or the gateway ends it; the client is told why.
+    Kick(Kick),
+    /// The client left: `Bye`, a disconnect, or a broken stream.
+    Left(String),
+}
+
+fn kick(reason: KickReason, detail: impl Into<String>) -> End {
+    End::Kick(Kick::new(reason, detail))
+}
+
+fn malformed(detail: impl Into<String>) -> End {
+    kick(KickReason::Malformed, detail)
+}
+
+/// A session attached (or being attached) to a gateway.
+struct Session {
+    id: u64,
+    account: Arc<str>,
+    conn: Arc<LinkConn>,
+    outbox: mpsc::Receiver<ToSession>,
+    /// Set once the client got its `Welcome`.
+    info: Option<Arc<SessionInfo>>,
+}
+
+struct Client {
+    /// Proxy-wide connection number: session ids are only unique per link.
+    id: u64,
+    shared: Arc<Shared>,
+    peer: SocketAddr,
+    control: Arc<SessionControl>,
+    reader: FramedRead<OwnedReadHalf, FrameCodec<ClientFrame>>,
+    writer: FramedWrite<OwnedWriteHalf, FrameCodec<ClientFrame>>,
+}
+
+/// Serves one client connection to its end.
+pub(crate) async fn serve(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
+    shared.metrics.connections.inc();
+    shared.metrics.connections_accepted.inc();
+    let _ = stream.set_nodelay(true);
+    let (r, w) = stream.into_split();
+    let max = shared.cfg.max_frame_bytes;
+    let client = Client {
+        id: shared.next_connection_id(),
+        control: SessionControl::new(&shared.clients_stop),
+        shared: shared.clone(),
+        peer,
+        reader: FramedRead::new(r, FrameCodec::with_max(max)),
+        writer: FramedWrite::new(w, FrameCodec::with_max(max)),
+    };
+    client.run().await;
+    shared.metrics.connections.dec();
+}
+
+impl Client {
+    async fn run(mut self) {
+        let end = match self.hello().await {
+            Ok((account, pending)) => match self.open_session(account) {
+                Ok(mut session) => {
+                    let end = self.serve_session(&mut session, pending).await;
+                    self.close_session(session, &end);
+                    end
+                }
+                Err(end) => end,
+            },
+            Err(end) => end,
+        };
+        self.finish(end).await;
+    }
+
+    /// Waits for the `ClientHello` and admits it; returns the account and any messages that
+    /// came in the same frame after the hello.
+    async fn hello(&mut self) -> Result<(Arc<str>, Vec<ClientMessage>), End> {
+        let cfg = &self.shared.cfg;
+        let read = tokio::select! {
+            _ = self.control.stopped() => return Err(End::Kick(self.control.reason())),
+            r = tokio::time::timeout(cfg.hello_timeout(), self.reader.next()) => r,
+        };
+        let Ok(read) = read else {
+            return Err(kick(
+                KickReason::HelloTimeout,
+                format!("no ClientHello within {} ms", cfg.hello_timeout_ms),
+            ));
+        };
+        let frame = self.received(read)?;
+        let mut messages = frame.messages.into_iter();
+        let hello = match messages.next().map(|m| m.body) {
+            Some(Some(client_message::Body::Hello(h))) => h,
+            Some(Some(other)) => {
+                let got = body_name(&other);
+                return Err(malformed(format!("expected ClientHello first, got {got}")));
+            }
+            Some(None) => {
+                return Err(malformed(format!(
+                    "expected ClientHello, got {UNKNOWN_MESSAGE}"
+                )))
+            }
+            None => {
+                return Err(malformed(format!(
+                    "expected ClientHello, got {EMPTY_FRAME}"
+                )))
+            }
+        };
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let account = auth::admit(&hello, cfg.token_secret.as_bytes(), now).map_err(End::Kick)?;
+        Ok((account.into(), messages.collect()))
+    }
+
+    /// Picks a gateway, routes a new session id to this task and asks the gateway to attach it.
+    fn open_session(&self, account: Arc<str>) -> Result<Session, End> {
+        let Some((link, conn)) = self.shared.gateways.pick() else {
+            return Err(kick(
+                KickReason::GatewayUnavailable,
+                "no gateway link is up",
+            ));
+        };
+        let id = link.next_session_id();
+        let (tx, outbox) = mpsc::channel(self.shared.cfg.client_outbox_frames);
+        if !conn.attach(
+            id,
+            SessionRoute {
+                outbox: tx,
+                control: self.control.clone(),
+            },
+        ) {
+            return Err(kick(
+                KickReason::GatewayUnavailable,
+                format!("link to gateway {} closed", conn.gateway),
+            ));
+        }
+        let session = Session {
+            id,
+            account,
+            conn,
+            outbox,
+            info: None,
+        };
+        let attach = Attach {
+            session_id: id,
+            account: session.account.to_string(),
+            remote_addr: self.peer.to_string(),
+        };
+        if let Err(e) = session.conn.send(mesh_message::Body::Attach(attach)) {
+            session.conn.release(id);
+            return Err(kick(
+                KickReason::GatewayUnavailable,
+                format!("gateway {}: {e}", session.conn.gateway),
+            ));
+        }
+        Ok(session)
+    }
+
+    async fn serve_session(&mut self, s: &mut Session, pending: Vec<ClientMessage>) -> End {
+        let (attached, early) = match self.await_attached(s).await {
+            Ok(a) => a,
+            Err(end) => return end,
+        };
+        let welcome = Welcome {
+            version: Some(ProtocolVersion::current()),
+            account: s.account.to_string(),
+            session_id: s.id,
+            session_epoch: attached.session_epoch,
+            gateway_node: attached.gateway_node,
+            world_width: attached.world_width,
+            world_height: attached.world_height,
+            chunk_size: attached.chunk_size,
+        };
+        let mut frames = vec![encode_body(&ServerFrame::one(
+            server_message::Body::Welcome(welcome),
+        ))];
+        frames.extend(early);
+        if let Err(end) = self.write(frames).await {
+            return end;
+        }
+        let info = Arc::new(SessionInfo::new(
+            s.account.clone(),
+            s.id,
+            s.conn.gateway.clone(),
+            self.peer,
+        ));
+        self.shared.register_session(self.id, info.clone());
+        s.info = Some(info.clone());
+        tracing::debug!(account = %s.account, session = s.id, gateway = %s.conn.gateway, peer = %self.peer, "session attached");
+        let Err(end) = self.relay(s, &info, pending).await;
+        end
+    }
+
+    /// Waits for the gateway's `Attached`; frames it sent before are kept for after `Welcome`.
+    async fn await_attached(&mut self, s: &mut Session) -> Result<(Attached, Vec<Bytes>), End> {
+        let cfg = &self.shared.cfg;
+        let deadline = Instant::now() + cfg.hello_timeout();
+        let mut early = Vec::new();
+        loop {
+            let next = tokio::select! {
+                _ = self.control.stopped() => return Err(End::Kick(self.control.reason())),
+                r = tokio::time::timeout_at(deadline, s.outbox.recv()) => r,
+            };
+            match next {
+                Ok(Some(ToSession::Attached(a))) => return Ok((a, early)),
+                Ok(Some(ToSession::Frame(f))) => early.push(f),
+                Ok(Some(ToSession::Detach(k))) => return Err(End::Kick(k)),
+                Ok(None) => return Err(self.route_dropped()),
+                Err(_) => {
+                    return Err(kick(
+                        KickReason::GatewayUnavailable,
+                        format!(
+                            "gateway {} did not answer Attach within {} ms",
+                            s.conn.gateway, cfg.hello_timeout_ms
+                        ),
+                    ))
+                }
+            }
+        }
+    }
+
+    /// Relays until the session ends; the `Err` says how.
+    async fn relay(
+        &mut self,
+        s: &mut Session,
+        info: &SessionInfo,
+        pending: Vec<ClientMessage>,
+    ) -> Result<Infallible, End> {
+        let shared = self.shared.clone();
+        let cfg = &shared.cfg;
+        let mut pings = PingTracker::new(RTT_WINDOW);
+        let mut flood = FloodMeter::new(cfg.rate.flood_kick_drops);
+        for m in pending {
+            self.on_message(m, s, info, &mut pings, &mut flood).await?;
+        }
+        let mut ping_timer =
+            tokio::time::interval_at(Instant::now() + cfg.ping_interval(), cfg.ping_interval());
+        ping_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let idle = tokio::time::sleep(cfg.idle_timeout());
+        tokio::pin!(idle);
+        // Unbiased: a gateway that always has output must not starve the client's input.
+        loop {
+            tokio::select! {
+                _ = self.control.stopped() => return Err(End::Kick(self.control.reason())),
+                m = s.outbox.recv() => match m {
+                    Some(ToSession::Frame(f)) => {
+                        let mut batch = vec![f];
+                        let mut then = None;
+                        while batch.len() < WRITE_BATCH {
+                            match s.outbox.try_recv() {
+                                Ok(ToSession::Frame(f)) => batch.push(f),
+                                Ok(other) => { then = Some(other); break; }
+                                Err(_) => break,
+                            }
+                        }
+                        self.write(batch).await?;
+                        match then {
+                            Some(ToSession::Detach(k)) => return Err(End::Kick(k)),
+                            Some(ToSession::Attached(_)) => shared.metrics.error("unexpected_message"),
+                            _ => {}
+                        }
+                    }
+                    Some(ToSession::Detach(k)) => return Err(End::Kick(k)),
+                    Some(ToSession::Attached(_)) => shared.metrics.error("unexpected_message"),
+                    None => return Err(self.route_dropped()),
+                },
+                r = self.reader.next() => {
+                    idle.as_mut().reset(Instant::now() + cfg.idle_timeout());
+                    let frame = self.received(r)?;
+                    if frame.messages.is_empty() {
+                        return Err(malformed(format!("expected ClientMessage, got {EMPTY_FRAME}")));
+                    }
+                    for m in frame.messages {
+                        self.on_message(m, s, info, &mut pings, &mut flood).await?;
+                    }
+                }
+                _ = ping_timer.tick() => {
+                    let nonce = rand::random();
+                    pings.sent(nonce, std::time::Instant::now());
+                    self.send(server_message::Body::Ping(Ping { nonce })).await?;
+                }
+                _ = &mut idle => {
+                    return Err(kick(KickReason::Idle, format!("no message for {} ms", cfg.idle_timeout_ms)));
+                }
+            }
+        }
+    }
+
+    async fn on_message(
+        &mut self,
+        m: ClientMessage,
+        s: &Session,
+        info: &SessionInfo,
+        pings: &mut PingTracker,
+        flood: &mut FloodMeter,
+    ) -> Result<(), End> {
+        use client_message::Body;
+        let shared = &self.shared;
+        match m.body {
+            Some(Body::Input(input)) => match shared.limits.check(&s.account, self.peer.ip()) {
+                Verdict::Accept => {
+                    let msg = SessionInput {
+                        session_id: s.id,
+                        seq: input.seq,
+                        payload: input.payload,
+                    };
+                    s.conn.send(mesh_message::Body::Input(msg)).map_err(|e| {
+                        kick(
+                            KickReason::GatewayUnavailable,
+                            format!("gateway {}: {e}", s.conn.gateway),
+                        )
+                    })?;
+                    shared.metrics.inputs_accepted.inc();
+                    info.inputs_accepted
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                verdict => {
+                    shared.metrics.dropped(verdict == Verdict::OverAccountRate);
+                    info.inputs_dropped
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if flood.record_drop(std::time::Instant::now()) {
+                        let r = &shared.cfg.rate;
+                        return Err(kick(
+                            KickReason::Flood,
+                            format!(
+                                "{} inputs over the rate limit within 1 s (limits: {}/s per account, {}/s per address)",
+                                r.flood_kick_drops, r.account_inputs_per_sec, r.address_inputs_per_sec
+                            ),
+                        ));
+                    }
+                }
+            },
+            Some(Body::Ping(p)) => {
+                self.send(server_message::Body::Pong(Pong { nonce: p.nonce }))
+                    .await?
+            }
+            Some(Body::Pong(p)) => {
+                if let Some(rtt) = pings.pong(p.nonce, std::time::Instant::now()) {
+                    shared.metrics.rtt(rtt);
+                    if let Some(sum) = pings.summary() {
+                        info.set_rtt(sum);
+                        let rtt = SessionRtt {
+                            session_id: s.id,
+                            rtt_ms_p50: sum.p50_ms as f32,
+                            rtt_ms_min: sum.min_ms as f32,
+                        };
+                        // Advisory: if the link is stalled it is being closed anyway.
+                        let _ = s.conn.send(mesh_message::Body::Rtt(rtt));
+                    }
+                }
+            }
+            Some(Body::Bye(_)) => return Err(End::Left("bye".into())),
+            Some(Body::Hello(_)) => {
+                return Err(malformed("unexpected ClientHello: already logged in"))
+            }
+            None => {
+                return Err(malformed(format!(
+                    "expected ClientMessage, got {UNKNOWN_MESSAGE}"
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    /// The link dropped this session's route: it kicks the session first, so the reason is
+    /// known (the queue and the stop can be seen in either order).
+    fn route_dropped(&self) -> End {
+        End::Kick(
+            self.control.kicked().unwrap_or_else(|| {
+                Kick::new(KickReason::GatewayUnavailable, "gateway link closed")
+            }),
+        )
+    }
+
+    /// Counts a received frame, or turns a failed read into the end of the connection.
+    fn received(&self, read: Option<Result<ClientFrame, FrameError>>) -> Result<ClientFrame, End> {
+        let metrics = &self.shared.metrics;
+        match read {
+            Some(Ok(frame)) => {
+                metrics.client_in.frame(prost::Message::encoded_len(&frame));
+                Ok(frame)
+            }
+            Some(Err(FrameError::Io(e))) => {
+                metrics.error("io");
+                Err(End::Left(format!("read failed: {e}")))
+            }
+            Some(Err(e)) => {
+                metrics.error(e.kind());
+                Err(malformed(e.to_string()))
+            }
+            None => Err(End::Left("disconnected".into())),
+        }
+    }
+
+    async fn send(&mut self, body: server_message::Body) -> Result<(), End> {
+        self.write(vec![encode_body(&ServerFrame::one(body))]).await
+    }
+
+    /// Writes encoded `ServerFrame`s and flushes once. A client that stops reading blocks only
+    /// this write, which gives way as soon as the session is stopped from outside.
+    async fn write(&mut self, frames: Vec<Bytes>) -> Result<(), End> {
+        let metrics = &self.shared.metrics;
+        let max = self.shared.cfg.max_frame_bytes;
+        let writer = &mut self.writer;
+        let io = async {
+            for f in frames {
+                if f.len() > max {
+                    metrics.error("frame_too_large_out");
+                    continue;
+                }
+                metrics.client_out.frame(f.len());
+                writer.feed(RawFrame(f)).await?;
+            }
+            SinkExt::<RawFrame>::flush(writer).await
+        };
+        tokio::select! {
+            r = io => r.map_err(|e| {
+                metrics.error(e.kind());
+                End::Left(format!("write failed: {e}"))
+            }),
+            _ = self.control.stopped() => Err(End::Kick(self.control.reason())),
+        }
+    }
+
+    /// Unroutes the session and, unless the gateway ended it, tells the gateway it is gone.
+    fn close_session(&self, s: Session, end: &End) {
+        if s.conn.release(s.id) {
+            let (kick_reason, detail) = match end {
+                End::Kick(k) => (k.reason as u32, k.detail.clone()),
+                End::Left(why) => (KickReason::KickUnspecified as u32, why.clone()),
+            };
+            let _ = s.conn.send(mesh_message::Body::Detach(Detach {
+                session_id: s.id,
+                kick_reason,
+                detail,
+            }));
+        }
+        if s.info.is_some() {
+            self.shared.unregister_session(self.id);
+        }
+    }
+
+    /// Tells a kicked client why, then closes without resetting the connection.
+    async fn finish(self, end: End) {
+        let Self {
+            shared,
+            peer,
+            reader,
+            mut writer,
+            ..
+        } = self;
+        let kick = match end {
+            End::Kick(kick) => kick,
+            End::Left(why) => {
+                tracing::debug!(%peer, "client left: {why}");
+                return;
+            }
+        };
+        let reason = KickReason::try_from(kick.reason).unwrap_or(KickReason::KickUnspecified);
+        shared.metrics.kick(reason);
+        tracing::debug!(%peer, reason = reason.as_str_name(), detail = %kick.detail, "client kicked");
+        let frame = encode_body(&ServerFrame::one(server_message::Body::Kick(kick)));
+        shared.metrics.client_out.frame(frame.len());
+        let mut reader = reader.into_inner();
+        let _ = tokio::time::timeout(KICK_LINGER, async {
+            writer.send(RawFrame(frame)).await?;
+            SinkExt::<RawFrame>::close(&mut writer).await?;
+            // Closing with unread input would send a reset, which can destroy the kick in the
+            // client's receive buffer: read until the client closes too.
+            let mut sink = [0u8; 4096];
+            while reader.read(&mut sink).await? > 0 {}
+            Ok::<_, FrameError>(())
+        })
+        .await;
+    }
+}
+
+fn body_name(b: &client_message::Body) -> &'static str {
+    use client_message::Body;
+    match b {
+        Body::Hello(_) => "ClientHello",
+        Body::Input(_) => "ClientInput",
+        Body::Ping(_) => "Ping",
+        Body::Pong(_) => "Pong",
+        Body::Bye(_) => "Bye",
+    }
+}

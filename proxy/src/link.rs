@@ -1,0 +1,593 @@
+//! One multiplexed mesh link from this proxy to one gateway sidecar.
+//!
+//! The link task dials with back-off, exchanges `LinkHello`, then runs a reader and a writer over
+//! the one TCP stream: the writer drains the link's bounded outbox and beats every second; the
+//! reader dispatches each inbound message by `session_id` to that session's bounded outbox. A link
+//! silent for five seconds is dead; its sessions are kicked (`GATEWAY_UNAVAILABLE`) and the link
+//! is dialled again.
+//!
+//! Nothing here waits on a client: a full session outbox kicks that session, and a full link
+//! outbox closes the link rather than stalling every client task that feeds it.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{anyhow, bail, Context};
+use cellmesh_proto::codec::FrameCodec;
+use cellmesh_proto::edge::{Kick, KickReason};
+use cellmesh_proto::mesh::{
+    mesh_message::Body, Heartbeat, LinkHello, MeshFrame, MeshMessage, PeerRole, ProtocolVersion,
+};
+use cellmesh_proto::PROTOCOL_MAJOR;
+use futures::{SinkExt, StreamExt};
+use prost::Message;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_util::codec::{FramedRead, FramedWrite};
+use tokio_util::sync::CancellationToken;
+
+use crate::session::{SessionRoute, ToSession};
+use crate::Shared;
+
+/// Both ends beat this often.
+pub(crate) const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+/// A link that received nothing for this long is dead.
+pub(crate) const LINK_SILENCE: Duration = Duration::from_secs(5);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+const BACKOFF_FIRST: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// Messages written before one flush, so a burst costs one syscall, not one each.
+const WRITE_BATCH: usize = 256;
+
+/// Delay before redial `attempt` (0-based): doubling from 100 ms, capped at 5 s.
+pub(crate) fn backoff(attempt: u32) -> Duration {
+    BACKOFF_FIRST
+        .saturating_mul(1u32 << attempt.min(16))
+        .min(BACKOFF_MAX)
+}
+
+/// What the gateway said about itself in its `LinkHello`.
+#[derive(Debug, Clone)]
+pub(crate) struct PeerInfo {
+    pub id: String,
+    pub node_id: u32,
+    pub geo: String,
+    pub partition_epoch: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LinkState {
+    Connecting,
+    Up,
+    Down,
+}
+
+#[derive(Debug)]
+struct LinkStatus {
+    state: LinkState,
+    since: Instant,
+    peer: Option<PeerInfo>,
+    last_error: Option<String>,
+    connects: u64,
+}
+
+/// The link to one gateway, across reconnects.
+#[derive(Debug)]
+pub(crate) struct Link {
+    pub gateway: Arc<str>,
+    /// Session ids of this link: monotonic and never reused, even across reconnects, so a late
+    /// message for an old session can never reach a new one.
+    next_session: AtomicU64,
+    current: Mutex<Option<Arc<LinkConn>>>,
+    status: Mutex<LinkStatus>,
+}
+
+/// Sessions routed over one connection of a link; closed (and drained) when it ends.
+#[derive(Debug, Default)]
+struct Routes {
+    closed: bool,
+    map: HashMap<u64, SessionRoute>,
+}
+
+/// Why a message could not be queued on a link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum LinkGone {
+    #[error("the link's outbox is full")]
+    Stalled,
+    #[error("the link is closed")]
+    Closed,
+}
+
+/// One live connection of a link.
+#[derive(Debug)]
+pub(crate) struct LinkConn {
+    pub gateway: Arc<str>,
+    outbox: mpsc::Sender<MeshMessage>,
+    routes: Mutex<Routes>,
+    stalled: CancellationToken,
+}
+
+impl LinkConn {
+    fn new(gateway: Arc<str>, outbox: mpsc::Sender<MeshMessage>) -> Self {
+        Self {
+            gateway,
+            outbox,
+            routes: Mutex::default(),
+            stalled: CancellationToken::new(),
+        }
+    }
+
+    fn routes(&self) -> std::sync::MutexGuard<'_, Routes> {
+        self.routes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Routes `session_id` to `route`; false if this connection already ended.
+    pub(crate) fn attach(&self, session_id: u64, route: SessionRoute) -> bool {
+        let mut routes = self.routes();
+        if routes.closed {
+            return false;
+        }
+        routes.map.insert(session_id, route);
+        true
+    }
+
+    /// Unroutes `session_id`; true if it was still routed, i.e. the gateway has not ended it.
+    pub(crate) fn release(&self, session_id: u64) -> bool {
+        self.routes().map.remove(&session_id).is_some()
+    }
+
+    /// Queues one message for the gateway without waiting.
+    pub(crate) fn send(&self, body: Body) -> Result<(), LinkGone> {
+        self.outbox.try_send(body.into()).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => {
+                self.stalled.cancel();
+                LinkGone::Stalled
+            }
+            mpsc::error::TrySendError::Closed(_) => LinkGone::Closed,
+        })
+    }
+
+    /// Ends routing; returns the sessions that were still attached.
+    fn close(&self) -> Vec<SessionRoute> {
+        let mut routes = self.routes();
+        routes.closed = true;
+        routes.map.drain().map(|(_, r)| r).collect()
+    }
+
+    fn sessions(&self) -> usize {
+        self.routes().map.len()
+    }
+}
+
+impl Link {
+    pub(crate) fn new(gateway: &str) -> Self {
+        Self {
+            gateway: gateway.into(),
+            next_session: AtomicU64::new(1),
+            current: Mutex::new(None),
+            status: Mutex::new(LinkStatus {
+                state: LinkState::Connecting,
+                since: Instant::now(),
+                peer: None,
+                last_error: None,
+                connects: 0,
+            }),
+        }
+    }
+
+    pub(crate) fn next_session_id(&self) -> u64 {
+        self.next_session.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The live connection, if the link is up.
+    pub(crate) fn conn(&self) -> Option<Arc<LinkConn>> {
+        self.current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn set_status(&self, state: LinkState, peer: Option<PeerInfo>, error: Option<String>) {
+        let mut s = self.status.lock().unwrap_or_else(|p| p.into_inner());
+        if s.state != state {
+            s.since = Instant::now();
+        }
+        s.state = state;
+        if state == LinkState::Up {
+            s.connects += 1;
+            s.peer = peer;
+        }
+        if error.is_some() {
+            s.last_error = error;
+        }
+    }
+
+    pub(crate) fn to_json(&self) -> serde_json::Value {
+        let sessions = self.conn().map_or(0, |c| c.sessions());
+        let s = self.status.lock().unwrap_or_else(|p| p.into_inner());
+        let state = match s.state {
+            LinkState::Connecting => "connecting",
+            LinkState::Up => "up",
+            LinkState::Down => "down",
+        };
+        serde_json::json!({
+            "gateway": &*self.gateway,
+            "state": state,
+            "for_ms": s.since.elapsed().as_millis() as u64,
+            "connects": s.connects,
+            "sessions": sessions,
+            "peer": s.peer.as_ref().map(|p| serde_json::json!({
+                "id": p.id, "node_id": p.node_id, "geo": p.geo, "partition_epoch": p.partition_epoch,
+            })),
+            "last_error": s.last_error,
+        })
+    }
+}
+
+type LinkReader = FramedRead<OwnedReadHalf, FrameCodec<MeshFrame>>;
+type LinkWriter = FramedWrite<OwnedWriteHalf, FrameCodec<MeshFrame>>;
+
+/// Keeps `link` connected until `stop` is cancelled.
+pub(crate) async fn run(link: Arc<Link>, shared: Arc<Shared>, stop: CancellationToken) {
+    let mut attempt = 0u32;
+    loop {
+        link.set_status(LinkState::Connecting, None, None);
+        let dialled = tokio::select! {
+            _ = stop.cancelled() => return,
+            r = dial(&link.gateway, &shared) => r,
+        };
+        match dialled {
+            Ok((reader, writer, peer)) => {
+                attempt = 0;
+                tracing::info!(gateway = %link.gateway, node = peer.node_id, peer = %peer.id, "mesh link up");
+                let (tx, rx) = mpsc::channel(shared.cfg.link_outbox_frames);
+                let conn = Arc::new(LinkConn::new(link.gateway.clone(), tx));
+                *link.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn.clone());
+                link.set_status(LinkState::Up, Some(peer), None);
+                shared.metrics.link_up(&link.gateway, true);
+                shared.refresh_ready();
+
+                let ended = serve(reader, writer, rx, &conn, &shared, &stop).await;
+
+                *link.current.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                shared.metrics.link_up(&link.gateway, false);
+                shared.refresh_ready();
+                let error = ended.err().map(|e| format!("{e:#}"));
+                let orphans = conn.close();
+                if let Some(error) = &error {
+                    shared.metrics.error("link_lost");
+                    tracing::warn!(gateway = %link.gateway, sessions = orphans.len(), %error, "mesh link lost");
+                }
+                let why = error.as_deref().unwrap_or("proxy shutting down");
+                let kick = format!("link to gateway {} lost: {why}", link.gateway);
+                for route in orphans {
+                    route
+                        .control
+                        .kick(Kick::new(KickReason::GatewayUnavailable, kick.clone()));
+                }
+                link.set_status(LinkState::Down, None, error);
+            }
+            Err(e) => {
+                shared.metrics.error("link_dial");
+                let error = format!("{e:#}");
+                // Loud once per outage, quiet while retrying.
+                if attempt == 0 {
+                    tracing::warn!(gateway = %link.gateway, %error, "mesh link dial failed; retrying");
+                } else {
+                    tracing::debug!(gateway = %link.gateway, attempt, %error, "mesh link dial failed");
+                }
+                link.set_status(LinkState::Down, None, Some(error));
+            }
+        }
+        if stop.is_cancelled() {
+            return;
+        }
+        // Jitter spreads the redials of many proxies after a gateway restarts.
+        let delay = backoff(attempt).mul_f64(1.0 + rand::random::<f64>() * 0.25);
+        attempt = attempt.saturating_add(1);
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
+}
+
+/// Connects and exchanges `LinkHello`.
+async fn dial(
+    gateway: &str,
+    shared: &Shared,
+) -> anyhow::Result<(LinkReader, LinkWriter, PeerInfo)> {
+    let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(gateway))
+        .await
+        .map_err(|_| anyhow!("connect timed out"))?
+        .context("connect")?;
+    stream.set_nodelay(true)?;
+    let (r, w) = stream.into_split();
+    let max = shared.cfg.max_frame_bytes;
+    let mut reader = FramedRead::new(r, FrameCodec::<MeshFrame>::with_max(max));
+    let mut writer = FramedWrite::new(w, FrameCodec::<MeshFrame>::with_max(max));
+    let hello = MeshFrame::one(Body::Hello(LinkHello {
+        version: Some(ProtocolVersion::current()),
+        role: PeerRole::Proxy as i32,
+        id: shared.cfg.name.clone(),
+        geo: shared.cfg.geo.clone(),
+        partition_epoch: 0,
+        node_id: 0,
+    }));
+    shared.metrics.link_out.frame(hello.encoded_len());
+    writer.send(hello).await.context("sending LinkHello")?;
+    let reply = tokio::time::timeout(LINK_SILENCE, reader.next())
+        .await
+        .map_err(|_| anyhow!("no LinkHello within {} s", LINK_SILENCE.as_secs()))?
+        .ok_or_else(|| anyhow!("gateway closed the link during the handshake"))?
+        .context("reading the gateway's LinkHello")?;
+    shared.metrics.link_in.frame(reply.encoded_len());
+    let peer = match reply.messages.into_iter().next().and_then(|m| m.body) {
+        Some(Body::Hello(h)) => check_hello(h)?,
+        Some(Body::Refused(r)) => bail!("gateway refused the link: {}", r.reason),
+        Some(other) => bail!(
+            "expected LinkHello from the gateway, got {}",
+            body_name(&other)
+        ),
+        None => bail!("expected LinkHello from the gateway, got an empty frame"),
+    };
+    Ok((reader, writer, peer))
+}
+
+fn check_hello(h: LinkHello) -> anyhow::Result<PeerInfo> {
+    let (major, minor) = h.version.map_or((0, 0), |v| (v.major, v.minor));
+    if major != PROTOCOL_MAJOR {
+        bail!(
+            "gateway speaks mesh protocol {major}.{minor}, proxy speaks {PROTOCOL_MAJOR}.{}",
+            cellmesh_proto::PROTOCOL_MINOR
+        );
+    }
+    if h.role != PeerRole::Sidecar as i32 {
+        bail!("expected a SIDECAR peer, got role {}", h.role);
+    }
+    Ok(PeerInfo {
+        id: h.id,
+        node_id: h.node_id,
+        geo: h.geo,
+        partition_epoch: h.partition_epoch,
+    })
+}
+
+/// Runs one connection until it fails (`Err`) or the proxy stops (`Ok`).
+async fn serve(
+    reader: LinkReader,
+    writer: LinkWriter,
+    outbox: mpsc::Receiver<MeshMessage>,
+    conn: &LinkConn,
+    shared: &Shared,
+    stop: &CancellationToken,
+) -> anyhow::Result<()> {
+    tokio::select! {
+        r = write_loop(writer, outbox, shared, stop) => r,
+        r = read_loop(reader, conn, shared) => r,
+        _ = conn.stalled.cancelled() => {
+            shared.metrics.error("link_outbox_full");
+            Err(anyhow!("outbox full ({} messages): the gateway stopped reading", shared.cfg.link_outbox_frames))
+        }
+    }
+}
+
+async fn write_loop(
+    mut writer: LinkWriter,
+    mut outbox: mpsc::Receiver<MeshMessage>,
+    shared: &Shared,
+    stop: &CancellationToken,
+) -> anyhow::Result<()> {
+    let mut beat = tokio::time::interval(HEARTBEAT_EVERY);
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => {
+                // Client tasks have ended by now; their last `Detach`es are still queued.
+                while let Ok(m) = outbox.try_recv() {
+                    feed(&mut writer, m, shared).await?;
+                }
+                let _ = tokio::time::timeout(HEARTBEAT_EVERY, SinkExt::<MeshFrame>::close(&mut writer)).await;
+                return Ok(());
+            }
+            m = outbox.recv() => {
+                let Some(m) = m else { return Ok(()) };
+                feed(&mut writer, m, shared).await?;
+                for _ in 1..WRITE_BATCH {
+                    match outbox.try_recv() {
+                        Ok(m) => feed(&mut writer, m, shared).await?,
+                        Err(_) => break,
+                    }
+                }
+                SinkExt::<MeshFrame>::flush(&mut writer).await.context("writing to the gateway")?;
+            }
+            _ = beat.tick() => {
+                feed(&mut writer, Body::Heartbeat(Heartbeat { sent_unix_ms: unix_ms() }).into(), shared).await?;
+                SinkExt::<MeshFrame>::flush(&mut writer).await.context("writing to the gateway")?;
+            }
+        }
+    }
+}
+
+async fn feed(writer: &mut LinkWriter, m: MeshMessage, shared: &Shared) -> anyhow::Result<()> {
+    let frame = MeshFrame { messages: vec![m] };
+    shared.metrics.link_out.frame(frame.encoded_len());
+    writer.feed(frame).await.context("writing to the gateway")
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+async fn read_loop(mut reader: LinkReader, conn: &LinkConn, shared: &Shared) -> anyhow::Result<()> {
+    loop {
+        let frame = match tokio::time::timeout(LINK_SILENCE, reader.next()).await {
+            Err(_) => bail!("gateway silent for {} s", LINK_SILENCE.as_secs()),
+            Ok(None) => bail!("gateway closed the link"),
+            Ok(Some(Err(e))) => {
+                shared.metrics.error(e.kind());
+                return Err(e).context("reading from the gateway");
+            }
+            Ok(Some(Ok(frame))) => frame,
+        };
+        shared.metrics.link_in.frame(frame.encoded_len());
+        if frame.messages.is_empty() {
+            unexpected(
+                shared,
+                &conn.gateway,
+                "an empty MeshFrame (a frame of another protocol?)",
+            );
+        }
+        for m in frame.messages {
+            dispatch(m, conn, shared)?;
+        }
+    }
+}
+
+/// A well-framed message the proxy has no use for: counted and skipped, the link stays up.
+fn unexpected(shared: &Shared, gateway: &str, what: &str) {
+    shared.metrics.error("unexpected_message");
+    tracing::warn!(%gateway, "unexpected message on mesh link: {what}");
+}
+
+fn dispatch(m: MeshMessage, conn: &LinkConn, shared: &Shared) -> anyhow::Result<()> {
+    let Some(body) = m.body else {
+        unexpected(shared, &conn.gateway, "a MeshMessage of unknown type");
+        return Ok(());
+    };
+    match body {
+        Body::Heartbeat(_) => {}
+        Body::Attached(a) => {
+            let id = a.session_id;
+            deliver(conn, shared, id, ToSession::Attached(a));
+        }
+        Body::ToClient(t) => deliver(conn, shared, t.session_id, ToSession::Frame(t.server_frame)),
+        Body::Detach(d) => {
+            // Unrouted first: the gateway already forgot the session, so no `Detach` goes back.
+            let route = conn.routes().map.remove(&d.session_id);
+            if let Some(route) = route {
+                let kick = Kick {
+                    reason: d.kick_reason as i32,
+                    detail: d.detail,
+                };
+                if let Err(e) = route.outbox.try_send(ToSession::Detach(kick)) {
+                    let ToSession::Detach(kick) = e.into_inner() else {
+                        unreachable!()
+                    };
+                    route.control.kick(kick);
+                }
+            }
+        }
+        Body::Refused(r) => bail!("gateway refused the link: {}", r.reason),
+        other => unexpected(shared, &conn.gateway, body_name(&other)),
+    }
+    Ok(())
+}
+
+/// Hands `msg` to the session's outbox; a full outbox kicks that session alone.
+fn deliver(conn: &LinkConn, shared: &Shared, session_id: u64, msg: ToSession) {
+    let routes = conn.routes();
+    let Some(route) = routes.map.get(&session_id) else {
+        // A session that just ended: the gateway has not seen its `Detach` yet.
+        return;
+    };
+    if let Err(mpsc::error::TrySendError::Full(_)) = route.outbox.try_send(msg) {
+        shared.metrics.error("client_outbox_full");
+        route.control.kick(Kick::new(
+            KickReason::SlowConsumer,
+            format!(
+                "{} frames queued for the client",
+                shared.cfg.client_outbox_frames
+            ),
+        ));
+    }
+}
+
+fn body_name(b: &Body) -> &'static str {
+    match b {
+        Body::Hello(_) => "LinkHello",
+        Body::Heartbeat(_) => "Heartbeat",
+        Body::Attach(_) => "Attach",
+        Body::Attached(_) => "Attached",
+        Body::Detach(_) => "Detach",
+        Body::Input(_) => "SessionInput",
+        Body::ToClient(_) => "ToClient",
+        Body::Rtt(_) => "SessionRtt",
+        Body::Refused(_) => "LinkRefused",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_then_caps() {
+        assert_eq!(backoff(0), Duration::from_millis(100));
+        assert_eq!(backoff(1), Duration::from_millis(200));
+        assert_eq!(backoff(5), Duration::from_millis(3200));
+        assert_eq!(backoff(6), BACKOFF_MAX);
+        assert_eq!(backoff(u32::MAX), BACKOFF_MAX);
+    }
+
+    #[test]
+    fn closed_connection_refuses_new_routes_and_hands_back_old_ones() {
+        let (tx, _rx) = mpsc::channel(1);
+        let conn = LinkConn::new("g".into(), tx);
+        let stop = CancellationToken::new();
+        let route = || {
+            let (tx, _rx) = mpsc::channel(1);
+            SessionRoute {
+                outbox: tx,
+                control: crate::session::SessionControl::new(&stop),
+            }
+        };
+        assert!(conn.attach(1, route()));
+        assert!(conn.attach(2, route()));
+        assert!(conn.release(2));
+        assert!(!conn.release(2), "released once");
+        assert_eq!(conn.close().len(), 1);
+        assert!(!conn.attach(3, route()));
+        assert!(!conn.release(1), "a closed connection forgot its sessions");
+    }
+
+    #[test]
+    fn full_outbox_marks_the_link_stalled() {
+        let (tx, _rx) = mpsc::channel(1);
+        let conn = LinkConn::new("g".into(), tx);
+        let beat = || Body::Heartbeat(Heartbeat { sent_unix_ms: 0 });
+        assert_eq!(conn.send(beat()), Ok(()));
+        assert_eq!(conn.send(beat()), Err(LinkGone::Stalled));
+        assert!(conn.stalled.is_cancelled());
+    }
+
+    #[test]
+    fn hello_from_another_major_names_both_versions() {
+        let h = LinkHello {
+            version: Some(ProtocolVersion {
+                major: PROTOCOL_MAJOR + 1,
+                minor: 2,
+            }),
+            role: PeerRole::Sidecar as i32,
+            ..Default::default()
+        };
+        let err = check_hello(h).unwrap_err().to_string();
+        assert!(err.contains(&format!("{}.2", PROTOCOL_MAJOR + 1)), "{err}");
+        assert!(
+            err.contains(&format!("proxy speaks {PROTOCOL_MAJOR}.")),
+            "{err}"
+        );
+        let proxy = LinkHello {
+            version: Some(ProtocolVersion::current()),
+            role: PeerRole::Proxy as i32,
+            ..Default::default()
+        };
+        assert!(check_hello(proxy).is_err());
+    }
+}

@@ -1,0 +1,290 @@
+//! The proxy's Prometheus metrics and the cheap counters behind [`crate::ProxyStats`].
+//!
+//! Hot-path counters are resolved from their families once, at start, so counting a frame is one
+//! atomic add and never a label lookup.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use cellmesh_proto::edge::KickReason;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::ProxyStats;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TrafficLabels {
+    peer: &'static str,
+    direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LimitLabels {
+    limit: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GatewayLabels {
+    gateway: String,
+}
+
+/// Frames and bytes one way over one kind of peer.
+#[derive(Clone, Default)]
+pub(crate) struct Flow {
+    frames: Counter,
+    bytes: Counter,
+}
+
+impl Flow {
+    /// Counts one frame whose body is `body_len` bytes (plus its length prefix).
+    pub(crate) fn frame(&self, body_len: usize) {
+        self.frames.inc();
+        self.bytes.inc_by(body_len as u64 + 4);
+    }
+}
+
+pub(crate) struct Metrics {
+    pub connections: Gauge,
+    pub connections_accepted: Counter,
+    pub client_in: Flow,
+    pub client_out: Flow,
+    pub link_in: Flow,
+    pub link_out: Flow,
+    errors: Family<KindLabels, Counter>,
+    sessions: Gauge,
+    sessions_peak: AtomicU64,
+    pub inputs_accepted: Counter,
+    dropped_account: Counter,
+    dropped_address: Counter,
+    kicks: Family<ReasonLabels, Counter>,
+    kicks_total: AtomicU64,
+    rtt_ms: Histogram,
+    rtt: Mutex<hdrhistogram::Histogram<u64>>,
+    link_up: Family<GatewayLabels, Gauge>,
+}
+
+/// Highest RTT the summary histogram tracks, in microseconds (one minute).
+const RTT_MAX_US: u64 = 60_000_000;
+
+impl Metrics {
+    /// The metrics and the registry that exposes them.
+    pub(crate) fn new() -> (Self, Registry) {
+        let mut reg = Registry::with_prefix("cellmesh_proxy");
+        let connections = Gauge::default();
+        reg.register(
+            "connections",
+            "Client connections open",
+            connections.clone(),
+        );
+        let connections_accepted = Counter::default();
+        reg.register(
+            "connections_accepted",
+            "Client connections accepted",
+            connections_accepted.clone(),
+        );
+
+        let frames = Family::<TrafficLabels, Counter>::default();
+        let bytes = Family::<TrafficLabels, Counter>::default();
+        reg.register(
+            "frames",
+            "Frames by peer kind (client, gateway) and direction",
+            frames.clone(),
+        );
+        reg.register(
+            "bytes",
+            "Bytes by peer kind (client, gateway) and direction",
+            bytes.clone(),
+        );
+        let flow = |peer, direction| {
+            let l = TrafficLabels { peer, direction };
+            Flow {
+                frames: frames.get_or_create_owned(&l),
+                bytes: bytes.get_or_create_owned(&l),
+            }
+        };
+
+        let errors = Family::<KindLabels, Counter>::default();
+        reg.register("errors", "Errors by kind", errors.clone());
+        let sessions = Gauge::default();
+        reg.register(
+            "sessions",
+            "Client sessions attached to a gateway",
+            sessions.clone(),
+        );
+        let inputs_accepted = Counter::default();
+        reg.register(
+            "inputs_accepted",
+            "Client inputs relayed to the gateway",
+            inputs_accepted.clone(),
+        );
+        let dropped = Family::<LimitLabels, Counter>::default();
+        reg.register(
+            "inputs_dropped",
+            "Client inputs dropped by a rate limit",
+            dropped.clone(),
+        );
+        let kicks = Family::<ReasonLabels, Counter>::default();
+        reg.register("kicks", "Clients kicked, by reason", kicks.clone());
+        let rtt_ms = Histogram::new([
+            1.0, 2.0, 5.0, 10.0, 20.0, 35.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 1000.0,
+        ]);
+        reg.register(
+            "rtt_ms",
+            "Round-trip time measured by the proxy's pings, in ms",
+            rtt_ms.clone(),
+        );
+        let link_up = Family::<GatewayLabels, Gauge>::default();
+        reg.register(
+            "link_up",
+            "1 while the mesh link to the gateway is up",
+            link_up.clone(),
+        );
+
+        let metrics = Self {
+            connections,
+            connections_accepted,
+            client_in: flow("client", "in"),
+            client_out: flow("client", "out"),
+            link_in: flow("gateway", "in"),
+            link_out: flow("gateway", "out"),
+            errors,
+            sessions,
+            sessions_peak: AtomicU64::new(0),
+            inputs_accepted,
+            dropped_account: dropped.get_or_create_owned(&LimitLabels { limit: "account" }),
+            dropped_address: dropped.get_or_create_owned(&LimitLabels { limit: "address" }),
+            kicks,
+            kicks_total: AtomicU64::new(0),
+            rtt_ms,
+            rtt: Mutex::new(
+                hdrhistogram::Histogram::new_with_bounds(1, RTT_MAX_US, 3)
+                    .expect("static histogram bounds are valid"),
+            ),
+            link_up,
+        };
+        (metrics, reg)
+    }
+
+    pub(crate) fn error(&self, kind: &'static str) {
+        self.errors.get_or_create(&KindLabels { kind }).inc();
+    }
+
+    pub(crate) fn kick(&self, reason: KickReason) {
+        let reason = reason.as_str_name();
+        self.kicks.get_or_create(&ReasonLabels { reason }).inc();
+        self.kicks_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn dropped(&self, by_account: bool) {
+        if by_account {
+            self.dropped_account.inc();
+        } else {
+            self.dropped_address.inc();
+        }
+    }
+
+    pub(crate) fn session_opened(&self) {
+        let now = self.sessions.inc() + 1;
+        self.sessions_peak
+            .fetch_max(now.max(0) as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn session_closed(&self) {
+        self.sessions.dec();
+    }
+
+    pub(crate) fn rtt(&self, rtt: Duration) {
+        self.rtt_ms.observe(rtt.as_secs_f64() * 1000.0);
+        let us = (rtt.as_micros() as u64).clamp(1, RTT_MAX_US);
+        self.rtt
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .saturating_record(us);
+    }
+
+    pub(crate) fn link_up(&self, gateway: &str, up: bool) {
+        self.link_up
+            .get_or_create(&GatewayLabels {
+                gateway: gateway.to_string(),
+            })
+            .set(up as i64);
+    }
+
+    pub(crate) fn stats(&self) -> ProxyStats {
+        let (rtt_ms_p50, rtt_ms_p99, rtt_samples) = {
+            let h = self.rtt.lock().unwrap_or_else(|p| p.into_inner());
+            let ms = |q| h.value_at_quantile(q) as f64 / 1000.0;
+            if h.is_empty() {
+                (0.0, 0.0, 0)
+            } else {
+                (ms(0.5), ms(0.99), h.len())
+            }
+        };
+        ProxyStats {
+            sessions: self.sessions.get().max(0) as u64,
+            sessions_peak: self.sessions_peak.load(Ordering::Relaxed),
+            inputs_accepted: self.inputs_accepted.get(),
+            inputs_dropped: self.dropped_account.get() + self.dropped_address.get(),
+            kicks: self.kicks_total.load(Ordering::Relaxed),
+            rtt_ms_p50,
+            rtt_ms_p99,
+            rtt_samples,
+            frames_in: self.client_in.frames.get(),
+            frames_out: self.client_out.frames.get(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_follow_the_metrics() {
+        let (m, reg) = Metrics::new();
+        m.session_opened();
+        m.session_opened();
+        m.session_closed();
+        m.dropped(true);
+        m.dropped(false);
+        m.kick(KickReason::Flood);
+        for ms in [10, 20, 30, 40, 1000] {
+            m.rtt(Duration::from_millis(ms));
+        }
+        m.client_in.frame(10);
+        let s = m.stats();
+        assert_eq!((s.sessions, s.sessions_peak), (1, 2));
+        assert_eq!(
+            (s.inputs_dropped, s.kicks, s.rtt_samples, s.frames_in),
+            (2, 1, 5, 1)
+        );
+        assert!((s.rtt_ms_p50 - 30.0).abs() < 0.1, "{}", s.rtt_ms_p50);
+        assert!((s.rtt_ms_p99 - 1000.0).abs() < 1.0, "{}", s.rtt_ms_p99);
+
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+        for needle in [
+            "cellmesh_proxy_kicks_total{reason=\"FLOOD\"} 1",
+            "cellmesh_proxy_inputs_dropped_total{limit=\"address\"} 1",
+            "cellmesh_proxy_bytes_total{peer=\"client\",direction=\"in\"} 14",
+            "cellmesh_proxy_rtt_ms_count 5",
+        ] {
+            assert!(text.contains(needle), "missing {needle} in\n{text}");
+        }
+    }
+}

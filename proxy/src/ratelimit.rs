@@ -1,0 +1,193 @@
+//! Input rate limits: one GCRA bucket per account and one per client address (`governor`), and a
+//! per-session flood meter that turns sustained excess into a kick.
+//!
+//! An input over either limit is dropped and counted, never queued: a queue would only delay the
+//! moment the client is told to slow down and let it buy latency for everyone behind it.
+
+use std::net::IpAddr;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use governor::clock::{Clock, DefaultClock};
+use governor::middleware::NoOpMiddleware;
+use governor::state::keyed::DashMapStateStore;
+use governor::{Quota, RateLimiter};
+
+use crate::config::RateConfig;
+
+type Keyed<K, C> = RateLimiter<K, DashMapStateStore<K>, C, NoOpMiddleware<<C as Clock>::Instant>>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    Accept,
+    OverAccountRate,
+    OverAddressRate,
+}
+
+/// The limits shared by every client task of one proxy.
+pub(crate) struct InputLimits<C: Clock = DefaultClock> {
+    account: Keyed<Arc<str>, C>,
+    address: Keyed<IpAddr, C>,
+}
+
+fn quota(per_sec: u32, burst: u32) -> Quota {
+    let nz = |v: u32| NonZeroU32::new(v).unwrap_or(NonZeroU32::MIN);
+    Quota::per_second(nz(per_sec)).allow_burst(nz(burst))
+}
+
+impl InputLimits<DefaultClock> {
+    pub(crate) fn new(cfg: &RateConfig) -> Self {
+        Self::with_clock(cfg, DefaultClock::default())
+    }
+}
+
+impl<C: Clock + Clone> InputLimits<C> {
+    pub(crate) fn with_clock(cfg: &RateConfig, clock: C) -> Self {
+        Self {
+            account: RateLimiter::dashmap_with_clock(
+                quota(cfg.account_inputs_per_sec, cfg.account_burst),
+                clock.clone(),
+            ),
+            address: RateLimiter::dashmap_with_clock(
+                quota(cfg.address_inputs_per_sec, cfg.address_burst),
+                clock,
+            ),
+        }
+    }
+
+    /// Decides one input. The account is checked first: a player over its own rate should not
+    /// also eat into the budget of the others behind the same address.
+    pub(crate) fn check(&self, account: &Arc<str>, addr: IpAddr) -> Verdict {
+        if self.account.check_key(account).is_err() {
+            return Verdict::OverAccountRate;
+        }
+        if self.address.check_key(&addr).is_err() {
+            return Verdict::OverAddressRate;
+        }
+        Verdict::Accept
+    }
+
+    /// Forgets keys whose buckets are full again, so departed clients cost no memory.
+    pub(crate) fn forget_idle(&self) {
+        self.account.retain_recent();
+        self.address.retain_recent();
+        self.account.shrink_to_fit();
+        self.address.shrink_to_fit();
+    }
+
+    #[cfg(test)]
+    fn keys(&self) -> (usize, usize) {
+        (self.account.len(), self.address.len())
+    }
+}
+
+/// Counts one session's dropped inputs in one-second windows.
+#[derive(Debug)]
+pub(crate) struct FloodMeter {
+    threshold: u32,
+    window_start: Option<Instant>,
+    drops: u32,
+}
+
+const FLOOD_WINDOW: Duration = Duration::from_secs(1);
+
+impl FloodMeter {
+    pub(crate) fn new(threshold: u32) -> Self {
+        Self {
+            threshold,
+            window_start: None,
+            drops: 0,
+        }
+    }
+
+    /// Records one dropped input at `now`; true once `threshold` drops fell in one window.
+    pub(crate) fn record_drop(&mut self, now: Instant) -> bool {
+        match self.window_start {
+            Some(start) if now.saturating_duration_since(start) < FLOOD_WINDOW => self.drops += 1,
+            _ => {
+                self.window_start = Some(now);
+                self.drops = 1;
+            }
+        }
+        self.drops >= self.threshold
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use governor::clock::FakeRelativeClock;
+
+    fn cfg() -> RateConfig {
+        RateConfig {
+            account_inputs_per_sec: 10,
+            account_burst: 20,
+            address_inputs_per_sec: 100,
+            address_burst: 30,
+            flood_kick_drops: 5,
+        }
+    }
+
+    fn ip(last: u8) -> IpAddr {
+        IpAddr::from([10, 0, 0, last])
+    }
+
+    #[test]
+    fn account_burst_then_refill_at_the_configured_rate() {
+        let clock = FakeRelativeClock::default();
+        let limits = InputLimits::with_clock(&cfg(), clock.clone());
+        let alice: Arc<str> = "alice".into();
+        for i in 0..20 {
+            assert_eq!(limits.check(&alice, ip(1)), Verdict::Accept, "input {i}");
+        }
+        assert_eq!(limits.check(&alice, ip(1)), Verdict::OverAccountRate);
+        clock.advance(Duration::from_millis(100));
+        assert_eq!(limits.check(&alice, ip(1)), Verdict::Accept);
+        assert_eq!(limits.check(&alice, ip(1)), Verdict::OverAccountRate);
+        // The same account from another address shares its bucket.
+        assert_eq!(limits.check(&alice, ip(2)), Verdict::OverAccountRate);
+        // Another account is not affected.
+        assert_eq!(limits.check(&"bob".into(), ip(2)), Verdict::Accept);
+    }
+
+    #[test]
+    fn address_limit_spans_accounts() {
+        let limits = InputLimits::with_clock(&cfg(), FakeRelativeClock::default());
+        let (a, b): (Arc<str>, Arc<str>) = ("a".into(), "b".into());
+        for _ in 0..15 {
+            assert_eq!(limits.check(&a, ip(1)), Verdict::Accept);
+            assert_eq!(limits.check(&b, ip(1)), Verdict::Accept);
+        }
+        assert_eq!(limits.check(&"c".into(), ip(1)), Verdict::OverAddressRate);
+        assert_eq!(limits.check(&"c".into(), ip(2)), Verdict::Accept);
+    }
+
+    #[test]
+    fn idle_keys_are_forgotten() {
+        let clock = FakeRelativeClock::default();
+        let limits = InputLimits::with_clock(&cfg(), clock.clone());
+        limits.check(&"a".into(), ip(1));
+        limits.forget_idle();
+        assert_eq!(limits.keys(), (1, 1), "a drained bucket is remembered");
+        clock.advance(Duration::from_secs(10));
+        limits.forget_idle();
+        assert_eq!(limits.keys(), (0, 0));
+    }
+
+    #[test]
+    fn flood_needs_threshold_drops_within_one_second() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let mut m = FloodMeter::new(5);
+        for i in 0..4 {
+            assert!(!m.record_drop(ms(i * 200)), "drop {i}");
+        }
+        // The fifth drop lands 1 s after the first: a new window, no flood.
+        assert!(!m.record_drop(ms(1000)));
+        for i in 1..4 {
+            assert!(!m.record_drop(ms(1000 + i)));
+        }
+        assert!(m.record_drop(ms(1999)));
+    }
+}

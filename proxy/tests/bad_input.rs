@@ -1,0 +1,234 @@
+//! Every kind of bad client input gets a clear kick and disturbs no other client.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use cellmesh_proto::edge::{
+    client_message, ClientFrame, ClientHello, ClientInput, KickReason, ProtocolVersion,
+};
+use cellmesh_proto::local::{game_message, GameFrame, Hello};
+use cellmesh_proto::mesh::mesh_message::Body as Mesh;
+use cellmesh_proto::token;
+use cellmesh_proxy::ProxyConfig;
+use support::*;
+
+#[tokio::test]
+async fn garbage_bytes_are_malformed() {
+    let gw = TestGateway::start(1).await;
+    let proxy = TestProxy::start(config(&[&gw])).await;
+    let mut neighbour = proxy.login("neighbour").await;
+
+    // Text where a length prefix belongs: "GET " reads as a 1.2 GB frame.
+    let mut http = RawClient::connect(&proxy.addr()).await;
+    http.write(b"GET / HTTP/1.1\r\nHost: proxy\r\n\r\n").await;
+    let k = http.kick().await;
+    assert_eq!(reason(&k), KickReason::Malformed);
+    assert!(k.detail.contains("exceeds the maximum"), "{}", k.detail);
+
+    // A small frame whose body is not protobuf.
+    let mut junk = RawClient::connect(&proxy.addr()).await;
+    junk.write(&[0, 0, 0, 3, 0xff, 0xff, 0xff]).await;
+    let k = junk.kick().await;
+    assert_eq!(reason(&k), KickReason::Malformed);
+    assert!(k.detail.contains("undecodable ClientFrame"), "{}", k.detail);
+
+    proxy.assert_healthy(&mut neighbour, 1).await;
+    assert!(proxy.handle.stats().kicks >= 2);
+}
+
+#[tokio::test]
+async fn four_gib_length_prefix_is_refused_at_once() {
+    let gw = TestGateway::start(1).await;
+    let proxy = TestProxy::start(config(&[&gw])).await;
+    let mut neighbour = proxy.login("neighbour").await;
+
+    let mut c = RawClient::connect(&proxy.addr()).await;
+    let started = Instant::now();
+    c.write(&[0xff, 0xff, 0xff, 0xff, 1, 2, 3]).await;
+    let k = c.kick().await;
+    assert_eq!(reason(&k), KickReason::Malformed);
+    assert!(k.detail.contains("4294967295"), "{}", k.detail);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        started.elapsed()
+    );
+
+    proxy.assert_healthy(&mut neighbour, 1).await;
+}
+
+#[tokio::test]
+async fn truncated_frame_then_close() {
+    let gw = TestGateway::start(1).await;
+    let proxy = TestProxy::start(config(&[&gw])).await;
+    let mut neighbour = proxy.login("neighbour").await;
+
+    let mut c = RawClient::connect(&proxy.addr()).await;
+    c.write(&[0, 0, 0, 100, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+        .await;
+    c.shutdown_write().await;
+    let k = c.kick().await;
+    assert_eq!(reason(&k), KickReason::Malformed);
+    assert!(k.detail.contains("14 of 104 bytes"), "{}", k.detail);
+
+    proxy.assert_healthy(&mut neighbour, 1).await;
+}
+
+#[tokio::test]
+async fn frame_of_another_protocol_is_named() {
+    let gw = TestGateway::start(1).await;
+    let proxy = TestProxy::start(config(&[&gw])).await;
+    let mut neighbour = proxy.login("neighbour").await;
+
+    // A game server's Hello sent to the edge port: a valid frame, of the wrong protocol.
+    let mut c = RawClient::connect(&proxy.addr()).await;
+    let game_hello = GameFrame {
+        messages: vec![game_message::Body::Hello(Hello {
+            version: Some(cellmesh_proto::local::ProtocolVersion::current()),
+            tick_rate_hz: 20,
+            game: "arena".into(),
+        })
+        .into()],
+    };
+    c.write_frame(&game_hello).await;
+    let k = c.kick().await;
+    assert_eq!(reason(&k), KickReason::Malformed);
+    assert!(k.detail.contains("expected ClientHello"), "{}", k.detail);
+
+    // An input before the hello is refused by name too.
+    let mut early = RawClient::connect(&proxy.addr()).await;
+    early
+        .write_frame(&ClientFrame::one(client_message::Body::Input(
+            ClientInput::default(),
+        )))
+        .await;
+    let k = early.kick().await;
+    assert_eq!(reason(&k), KickReason::Malformed);
+    assert_eq!(k.detail, "expected ClientHello first, got ClientInput");
+
+    proxy.assert_healthy(&mut neighbour, 1).await;
+}
+
+#[tokio::test]
+async fn protocol_version_from_the_future() {
+    let gw = TestGateway::start(1).await;
+    let proxy = TestProxy::start(config(&[&gw])).await;
+    let mut neighbour = proxy.login("neighbour").await;
+
+    let mut c = RawClient::connect(&proxy.addr()).await;
+    c.write_frame(&ClientFrame::one(client_message::Body::Hello(
+        ClientHello {
+            version: Some(ProtocolVersion { major: 2, minor: 7 }),
+            token: token("future"),
+            cookie: Default::default(),
+        },
+    )))
+    .await;
+    let k = c.kick().await;
+    assert_eq!(reason(&k), KickReason::VersionMismatch);
+    assert_eq!(k.detail, "client protocol 2.7, proxy speaks 1.0");
+
+    proxy.assert_healthy(&mut neighbour, 1).await;
+}
+
+#[tokio::test]
+async fn client_that_never_says_hello() {
+    let gw = TestGateway::start(1).await;
+    let proxy = TestProxy::start(ProxyConfig {
+        hello_timeout_ms: 300,
+        ..config(&[&gw])
+    })
+    .await;
+    let mut neighbour = proxy.login("neighbour").await;
+
+    let mut silent = RawClient::connect(&proxy.addr()).await;
+    let started = Instant::now();
+    let k = silent.kick().await;
+    assert_eq!(reason(&k), KickReason::HelloTimeout);
+    assert_eq!(k.detail, "no ClientHello within 300 ms");
+    assert!(
+        started.elapsed() >= Duration::from_millis(250),
+        "kicked after {:?}",
+        started.elapsed()
+    );
+
+    proxy.assert_healthy(&mut neighbour, 1).await;
+}
+
+#[tokio::test]
+async fn input_flood_is_dropped_counted_then_kicked() {
+    let gw = TestGateway::start(1).await;
+    let mut cfg = config(&[&gw]);
+    cfg.rate.account_inputs_per_sec = 5;
+    cfg.rate.account_burst = 10;
+    cfg.rate.flood_kick_drops = 20;
+    let proxy = TestProxy::start(cfg).await;
+    let mut neighbour = proxy.login("neighbour").await;
+
+    let mut flooder = proxy.login("flooder").await;
+    for seq in 0..200 {
+        if flooder.tx.input(seq, "spam".into()).await.is_err() {
+            break;
+        }
+    }
+    let k = flooder.kick().await;
+    assert_eq!(reason(&k), KickReason::Flood);
+
+    let stats = proxy.handle.stats();
+    assert!(stats.inputs_dropped >= 20, "{stats:?}");
+    // The burst got through (and the neighbour's one input); nothing past the limit did.
+    assert!((10..=12).contains(&stats.inputs_accepted), "{stats:?}");
+
+    // The neighbour has its own account budget, and the flood never reached the gateway.
+    proxy.assert_healthy(&mut neighbour, 1).await;
+    let relayed = gw
+        .received()
+        .iter()
+        .filter(|b| matches!(b, Mesh::Input(_)))
+        .count();
+    assert!(relayed <= 14, "{relayed} inputs reached the gateway");
+}
+
+#[tokio::test]
+async fn token_signed_with_another_secret() {
+    let gw = TestGateway::start(1).await;
+    let proxy = TestProxy::start(config(&[&gw])).await;
+    let mut neighbour = proxy.login("neighbour").await;
+
+    let forged = token::sign(b"not-the-secret", "mallory", unix_now() + 3600);
+    let err = TestClient::login(&proxy.addr(), &forged)
+        .await
+        .err()
+        .expect("forged token admitted");
+    let cellmesh_proto::client::ClientError::Kicked(k) = err else {
+        panic!("{err}")
+    };
+    assert_eq!(reason(&k), KickReason::BadToken);
+    assert!(k.detail.contains("signature"), "{}", k.detail);
+    assert!(gw
+        .received()
+        .iter()
+        .all(|b| !matches!(b, Mesh::Attach(a) if a.account == "mallory")));
+
+    proxy.assert_healthy(&mut neighbour, 1).await;
+}
+
+#[tokio::test]
+async fn expired_token() {
+    let gw = TestGateway::start(1).await;
+    let proxy = TestProxy::start(config(&[&gw])).await;
+    let mut neighbour = proxy.login("neighbour").await;
+
+    let stale = token::sign(SECRET.as_bytes(), "late", unix_now() - 10);
+    let err = TestClient::login(&proxy.addr(), &stale)
+        .await
+        .err()
+        .expect("expired token admitted");
+    let cellmesh_proto::client::ClientError::Kicked(k) = err else {
+        panic!("{err}")
+    };
+    assert_eq!(reason(&k), KickReason::ExpiredToken);
+
+    proxy.assert_healthy(&mut neighbour, 1).await;
+}

@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# Runs the whole test suite against real servers.
+#
+# Installs what is missing (redis-server from the distribution; a project-local Python venv in
+# .venv with the MongoDB-compatible server and the Python sample's tools), starts Redis and the
+# MongoDB-compatible server on free loopback ports, exports their URLs, runs every test, and
+# stops the servers on every exit path. Exits with the status of the tests.
+#
+#   CELLMESH_TEST_REDIS_URL   redis://127.0.0.1:<port>
+#   CELLMESH_TEST_MONGO_URL   mongodb://127.0.0.1:<port>
+#   CELLMESH_TEST_PYTHON      the venv's python (protobuf and grpcio-tools installed)
+#
+# Extra arguments are passed to both `cargo test` runs (e.g. `-p cellmesh-geo-router`).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+repo=$(pwd)
+
+venv="$repo/.venv"
+python_requirements=(secantusdb==0.7.0b3 protobuf grpcio-tools)
+# Seconds a server gets to answer after it was started.
+startup_timeout=60
+
+section() { printf '\n==> %s\n' "$*"; }
+die() {
+    printf 'error: %s\n' "$*" >&2
+    exit 1
+}
+
+# ------------------------------------------------------------------------------------------------
+# Tools
+
+as_root() {
+    if [[ $(id -u) -eq 0 ]]; then
+        "$@"
+    elif command -v sudo >/dev/null; then
+        sudo "$@"
+    else
+        die "need root (or sudo) to run: $*"
+    fi
+}
+
+apt_updated=false
+apt_install() {
+    command -v apt-get >/dev/null || die "apt-get not found: install $* yourself"
+    if ! $apt_updated; then
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get update -q
+        apt_updated=true
+    fi
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@"
+}
+
+section "tools"
+command -v cargo >/dev/null || die "cargo not found: install Rust (https://rustup.rs)"
+
+if command -v redis-server >/dev/null && command -v redis-cli >/dev/null; then
+    echo "redis-server: $(redis-server --version | cut -d' ' -f3)"
+else
+    echo "installing redis-server"
+    apt_install redis-server
+fi
+
+if ! command -v python3 >/dev/null || ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
+    echo "installing python3 with venv"
+    apt_install python3 python3-venv
+fi
+
+# A stamp records what the venv was built with, so re-runs skip pip unless the list changed.
+stamp="$venv/.cellmesh-requirements"
+if [[ -x $venv/bin/python && -x $venv/bin/secantusd-py && -f $stamp ]] &&
+    [[ $(cat "$stamp") == "${python_requirements[*]}" ]] &&
+    "$venv/bin/python" -c 'import pymongo, google.protobuf, grpc_tools' 2>/dev/null; then
+    echo "python venv: $venv (up to date)"
+else
+    echo "building python venv in $venv: ${python_requirements[*]}"
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "${python_requirements[@]}"
+    printf '%s' "${python_requirements[*]}" >"$stamp"
+fi
+
+# ------------------------------------------------------------------------------------------------
+# Servers
+
+work=""
+redis_pid=""
+mongo_pid=""
+
+# shellcheck disable=SC2317 # reached through the EXIT trap
+stop() {
+    local pid=$1
+    [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null || return 0
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 50); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+}
+
+# shellcheck disable=SC2317 # reached through the EXIT trap
+cleanup() {
+    local status=$?
+    trap - EXIT INT TERM
+    stop "$redis_pid"
+    stop "$mongo_pid"
+    [[ -n $work ]] && rm -rf "$work"
+    rmdir "$repo/.test-services" 2>/dev/null || true
+    exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+free_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# wait_for NAME PID LOG CHECK...: runs CHECK until it succeeds; fails with the log if the server
+# exits or does not answer within the timeout.
+wait_for() {
+    local name=$1 pid=$2 log=$3
+    shift 3
+    local deadline=$((SECONDS + startup_timeout))
+    until "$@" >/dev/null 2>&1; do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            printf '%s exited while starting; its log:\n' "$name" >&2
+            cat "$log" >&2
+            exit 1
+        fi
+        if ((SECONDS >= deadline)); then
+            printf '%s did not answer within %ss; its log:\n' "$name" "$startup_timeout" >&2
+            cat "$log" >&2
+            exit 1
+        fi
+        sleep 0.2
+    done
+}
+
+mkdir -p "$repo/.test-services"
+work=$(mktemp -d "$repo/.test-services/run.XXXXXX")
+
+section "redis"
+redis_port=$(free_port)
+mkdir "$work/redis"
+redis-server --bind 127.0.0.1 --port "$redis_port" --save '' --appendonly no \
+    --daemonize no --dir "$work/redis" >"$work/redis.log" 2>&1 &
+redis_pid=$!
+wait_for redis-server "$redis_pid" "$work/redis.log" \
+    sh -c "redis-cli -h 127.0.0.1 -p $redis_port ping | grep -q PONG"
+echo "redis-server (pid $redis_pid) on 127.0.0.1:$redis_port"
+
+section "mongodb-compatible server"
+mongo_port=$(free_port)
+# An empty config file keeps the server from picking up one lying around on this machine.
+: >"$work/secantusd.toml"
+(cd "$work" && exec "$venv/bin/secantusd-py" --config "$work/secantusd.toml" \
+    --host 127.0.0.1 --port "$mongo_port" --storage-path "$work/mongo") >"$work/mongo.log" 2>&1 &
+mongo_pid=$!
+wait_for secantusd "$mongo_pid" "$work/mongo.log" "$venv/bin/python" -c "
+import pymongo
+pymongo.MongoClient('mongodb://127.0.0.1:$mongo_port', serverSelectionTimeoutMS=1000).admin.command('ping')"
+echo "secantusd (pid $mongo_pid) on 127.0.0.1:$mongo_port"
+
+export CELLMESH_TEST_REDIS_URL="redis://127.0.0.1:$redis_port"
+export CELLMESH_TEST_MONGO_URL="mongodb://127.0.0.1:$mongo_port"
+export CELLMESH_TEST_PYTHON="$venv/bin/python"
+export RUST_BACKTRACE=1
+
+# ------------------------------------------------------------------------------------------------
+# Tests: both runs always happen, so one failing does not hide the other's result.
+
+status=0
+section "cargo test --workspace --all-targets"
+cargo test --workspace --all-targets "$@" || status=$?
+section "cargo test --workspace --doc"
+cargo test --workspace --doc "$@" || status=$?
+
+section "done"
+if ((status == 0)); then echo "all tests passed"; else echo "tests failed (status $status)"; fi
+exit "$status"

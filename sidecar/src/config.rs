@@ -1,0 +1,248 @@
+//! The sidecar's configuration. Defaults run one node on this machine with nothing set.
+
+use std::path::PathBuf;
+
+use cellmesh_geo_router::geometry::{GeometryError, WorldShape};
+use serde::{Deserialize, Serialize};
+
+use crate::ids::MAX_NODE_ID;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SidecarConfig {
+    /// This node's id: the node part of every entity id it mints.
+    pub node_id: u32,
+    /// The geo (datacenter) this node runs in.
+    pub geo: String,
+    /// Where the game server connects: `host:port`, or `unix:/path/to.sock` for a Unix socket.
+    pub local_listen: String,
+    /// Where proxies (and later peer sidecars) dial in.
+    pub mesh_listen: String,
+    pub admin_listen: String,
+    pub world: WorldShape,
+    /// A chunk within this many chunks of the player's own entity enters the player's view...
+    pub view_radius_chunks: u32,
+    /// ...and leaves it only this many chunks further out.
+    pub release_margin_chunks: u32,
+    /// Largest frame accepted or sent on any connection.
+    pub max_frame_bytes: usize,
+    /// Frames queued for one mesh link before the link is declared too slow and closed.
+    pub link_outbox_frames: usize,
+    /// Frames queued for the game before it is declared too slow and disconnected.
+    pub game_outbox_frames: usize,
+    /// Session directory: `memory` or `redis://…`.
+    pub directory_url: String,
+    /// Player records: `memory` or `mongodb://…`.
+    pub players_url: String,
+    /// Lease of a session's directory entry; renewed at a third of it while attached.
+    pub session_lease_ms: u64,
+}
+
+impl Default for SidecarConfig {
+    fn default() -> Self {
+        Self {
+            node_id: 1,
+            geo: "local".into(),
+            local_listen: "127.0.0.1:7100".into(),
+            mesh_listen: "127.0.0.1:7200".into(),
+            admin_listen: "127.0.0.1:9100".into(),
+            world: WorldShape::default(),
+            view_radius_chunks: 5,
+            release_margin_chunks: 1,
+            max_frame_bytes: cellmesh_proto::codec::DEFAULT_MAX_FRAME,
+            link_outbox_frames: 8192,
+            game_outbox_frames: 4096,
+            directory_url: "memory".into(),
+            players_url: "memory".into(),
+            session_lease_ms: 30_000,
+        }
+    }
+}
+
+/// Where the local-protocol listener binds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LocalListen {
+    Tcp(String),
+    Unix(PathBuf),
+}
+
+/// Smallest frame limit that still holds a handshake and a useful batch.
+const MIN_FRAME_BYTES: usize = 4096;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("world: {0}")]
+    World(#[from] GeometryError),
+    #[error("node_id {0} does not fit the 10-bit node part of entity ids (0..={MAX_NODE_ID})")]
+    NodeId(u32),
+    #[error("{name} must not be empty")]
+    Empty { name: &'static str },
+    #[error("local_listen `unix:` needs a socket path")]
+    EmptyUnixPath,
+    #[error("view_radius_chunks must be at least 1, got 0")]
+    ViewRadius,
+    #[error("max_frame_bytes {0} is below the minimum of {MIN_FRAME_BYTES}")]
+    MaxFrame(usize),
+    #[error("{name} must be at least 1, got 0")]
+    Zero { name: &'static str },
+    #[error("session_lease_ms {0} is below the minimum of 1000")]
+    Lease(u64),
+}
+
+impl SidecarConfig {
+    /// Checks every value before anything binds; the error names the bad value.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.world.validate()?;
+        if self.node_id > MAX_NODE_ID {
+            return Err(ConfigError::NodeId(self.node_id));
+        }
+        for (name, value) in [
+            ("geo", &self.geo),
+            ("local_listen", &self.local_listen),
+            ("mesh_listen", &self.mesh_listen),
+            ("admin_listen", &self.admin_listen),
+        ] {
+            if value.trim().is_empty() {
+                return Err(ConfigError::Empty { name });
+            }
+        }
+        if let LocalListen::Unix(p) = self.local() {
+            if p.as_os_str().is_empty() {
+                return Err(ConfigError::EmptyUnixPath);
+            }
+        }
+        if self.view_radius_chunks == 0 {
+            return Err(ConfigError::ViewRadius);
+        }
+        if self.max_frame_bytes < MIN_FRAME_BYTES {
+            return Err(ConfigError::MaxFrame(self.max_frame_bytes));
+        }
+        if self.link_outbox_frames == 0 {
+            return Err(ConfigError::Zero {
+                name: "link_outbox_frames",
+            });
+        }
+        if self.game_outbox_frames == 0 {
+            return Err(ConfigError::Zero {
+                name: "game_outbox_frames",
+            });
+        }
+        if self.session_lease_ms < 1000 {
+            return Err(ConfigError::Lease(self.session_lease_ms));
+        }
+        Ok(())
+    }
+
+    pub fn local(&self) -> LocalListen {
+        match self.local_listen.strip_prefix("unix:") {
+            Some(path) => LocalListen::Unix(PathBuf::from(path)),
+            None => LocalListen::Tcp(self.local_listen.clone()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        SidecarConfig::default().validate().unwrap();
+        assert_eq!(
+            SidecarConfig::default().local(),
+            LocalListen::Tcp("127.0.0.1:7100".into())
+        );
+    }
+
+    #[test]
+    fn errors_name_the_bad_value() {
+        let check = |cfg: SidecarConfig, want: &str| {
+            let e = cfg.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{e:?} should mention {want:?}");
+        };
+        check(
+            SidecarConfig {
+                node_id: 1024,
+                ..Default::default()
+            },
+            "1024",
+        );
+        check(
+            SidecarConfig {
+                world: WorldShape {
+                    width: 100.0,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            "world width",
+        );
+        check(
+            SidecarConfig {
+                view_radius_chunks: 0,
+                ..Default::default()
+            },
+            "view_radius_chunks",
+        );
+        check(
+            SidecarConfig {
+                max_frame_bytes: 10,
+                ..Default::default()
+            },
+            "max_frame_bytes 10",
+        );
+        check(
+            SidecarConfig {
+                link_outbox_frames: 0,
+                ..Default::default()
+            },
+            "link_outbox_frames",
+        );
+        check(
+            SidecarConfig {
+                local_listen: "unix:".into(),
+                ..Default::default()
+            },
+            "socket path",
+        );
+        check(
+            SidecarConfig {
+                session_lease_ms: 5,
+                ..Default::default()
+            },
+            "session_lease_ms 5",
+        );
+    }
+
+    #[test]
+    fn unix_listen_is_recognised() {
+        let cfg = SidecarConfig {
+            local_listen: "unix:/run/game.sock".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            cfg.local(),
+            LocalListen::Unix(PathBuf::from("/run/game.sock"))
+        );
+    }
+
+    #[test]
+    fn unknown_keys_are_refused() {
+        let err = toml_from_str("view_radius = 3\n").unwrap_err();
+        assert!(err.contains("view_radius"), "{err}");
+        let ok = toml_from_str("node_id = 7\n[world]\nwidth = 65536.0\n").unwrap();
+        assert_eq!(
+            (ok.node_id, ok.world.width, ok.view_radius_chunks),
+            (7, 65536.0, 5)
+        );
+    }
+
+    fn toml_from_str(text: &str) -> Result<SidecarConfig, String> {
+        let dir = std::env::temp_dir().join(format!("cellmesh-sidecar-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join(format!("{}.toml", text.len()));
+        std::fs::write(&f, text).unwrap();
+        cellmesh_admin::config::load_with_env::<SidecarConfig>(Some(&f), Vec::new())
+            .map_err(|e| format!("{e:#}"))
+    }
+}

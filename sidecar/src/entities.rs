@@ -1,0 +1,488 @@
+//! The node's entity table: every entity its game simulates, indexed by chunk, with what changed
+//! since the last tick end. Pure: the game connection feeds it, the fold reads it.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use bytes::Bytes;
+use cellmesh_geo_router::geometry::{ChunkPos, Pos, WorldShape};
+
+use crate::audience::Audience;
+
+/// A position in metres; x and y normalised onto the torus, z carried along.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Position {
+    pub x: f64,
+    pub y: f64,
+    pub z: f64,
+}
+
+impl Position {
+    pub fn new(x: f64, y: f64, z: f64) -> Self {
+        Self { x, y, z }
+    }
+    fn is_finite(&self) -> bool {
+        self.x.is_finite() && self.y.is_finite() && self.z.is_finite()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Component {
+    pub audience: Audience,
+    pub payload: Bytes,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entity {
+    pub id: u64,
+    pub position: Position,
+    pub chunk: ChunkPos,
+    /// Empty for entities nobody owns (NPCs).
+    pub owner_account: String,
+    /// The player's own avatar: the anchor of the owner's view.
+    pub is_master: bool,
+    pub parent_id: u64,
+    pub components: BTreeMap<u32, Component>,
+}
+
+/// A spawn as the game asked for it.
+#[derive(Debug, Clone, Default)]
+pub struct NewEntity {
+    pub id: u64,
+    pub position: Position,
+    pub owner_account: String,
+    pub is_master: bool,
+    pub parent_id: u64,
+    pub components: Vec<(u32, Component)>,
+}
+
+/// An update as the game asked for it: only what changed.
+#[derive(Debug, Clone, Default)]
+pub struct EntityUpdate {
+    pub id: u64,
+    pub position: Option<Position>,
+    pub changed: Vec<(u32, Component)>,
+    pub removed: Vec<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EntityError {
+    #[error("entity id 0 is reserved; ids come from ReserveIds")]
+    ZeroId,
+    #[error("entity {0} is already spawned; the original is kept unchanged")]
+    Duplicate(u64),
+    #[error("entity {0} is not spawned on this node")]
+    Unknown(u64),
+    #[error("entity {id}: position ({x}, {y}, {z}) is not finite")]
+    NonFinite { id: u64, x: f64, y: f64, z: f64 },
+}
+
+impl EntityError {
+    pub fn entity_id(&self) -> u64 {
+        match self {
+            EntityError::ZeroId => 0,
+            EntityError::Duplicate(id) | EntityError::Unknown(id) => *id,
+            EntityError::NonFinite { id, .. } => *id,
+        }
+    }
+}
+
+/// What happened to one entity since the last tick end.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EntityChange {
+    /// The entity present at the tick start is gone (despawned, perhaps spawned again).
+    pub despawned: bool,
+    /// A new entity with this id exists now; clients get its full state.
+    pub spawned: bool,
+    pub moved: bool,
+    /// Component types set or removed during the tick, with the audience each had at the tick
+    /// start (`None`: it did not exist). Whether it exists now is in the table.
+    pub components: BTreeMap<u32, Option<Audience>>,
+}
+
+/// Everything that changed in one tick, by entity id (ordered, so batches are deterministic).
+pub type TickChanges = BTreeMap<u64, EntityChange>;
+
+#[derive(Debug, Clone)]
+pub struct EntityTable {
+    world: WorldShape,
+    entities: HashMap<u64, Entity>,
+    residents: HashMap<ChunkPos, HashSet<u64>>,
+    masters: HashMap<String, u64>,
+    changes: TickChanges,
+}
+
+impl EntityTable {
+    pub fn new(world: WorldShape) -> Self {
+        Self {
+            world,
+            entities: HashMap::new(),
+            residents: HashMap::new(),
+            masters: HashMap::new(),
+            changes: TickChanges::new(),
+        }
+    }
+
+    pub fn world(&self) -> &WorldShape {
+        &self.world
+    }
+
+    pub fn len(&self) -> usize {
+        self.entities.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entities.is_empty()
+    }
+
+    pub fn get(&self, id: u64) -> Option<&Entity> {
+        self.entities.get(&id)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Entity> {
+        self.entities.values()
+    }
+
+    /// Ids of the entities in `chunk`.
+    pub fn residents(&self, chunk: ChunkPos) -> impl Iterator<Item = u64> + '_ {
+        self.residents.get(&chunk).into_iter().flatten().copied()
+    }
+
+    /// The avatar of `account`, if its game spawned one (the most recent, if several).
+    pub fn master_of(&self, account: &str) -> Option<&Entity> {
+        self.masters
+            .get(account)
+            .and_then(|id| self.entities.get(id))
+    }
+
+    fn place(&self, p: Position) -> (Position, ChunkPos) {
+        let n = self.world.normalise(Pos { x: p.x, y: p.y });
+        (
+            Position {
+                x: n.x,
+                y: n.y,
+                z: p.z,
+            },
+            self.world.chunk_of(n),
+        )
+    }
+
+    pub fn spawn(&mut self, e: NewEntity) -> Result<(), EntityError> {
+        if e.id == 0 {
+            return Err(EntityError::ZeroId);
+        }
+        if self.entities.contains_key(&e.id) {
+            return Err(EntityError::Duplicate(e.id));
+        }
+        check_finite(e.id, &e.position)?;
+        let (position, chunk) = self.place(e.position);
+        let entity = Entity {
+            id: e.id,
+            position,
+            chunk,
+            owner_account: e.owner_account,
+            is_master: e.is_master,
+            parent_id: e.parent_id,
+            components: e.components.into_iter().collect(),
+        };
+        self.residents.entry(chunk).or_default().insert(e.id);
+        if entity.is_master && !entity.owner_account.is_empty() {
+            self.masters.insert(entity.owner_account.clone(), e.id);
+        }
+        self.entities.insert(e.id, entity);
+        // A respawn within the tick keeps `despawned`: clients that saw the old one lose it first.
+        let change = self.changes.entry(e.id).or_default();
+        *change = EntityChange {
+            despawned: change.despawned,
+            spawned: true,
+            ..Default::default()
+        };
+        Ok(())
+    }
+
+    /// Applies an update; checks everything first, so a rejected update changes nothing.
+    pub fn update(&mut self, u: EntityUpdate) -> Result<(), EntityError> {
+        if !self.entities.contains_key(&u.id) {
+            return Err(EntityError::Unknown(u.id));
+        }
+        if let Some(p) = &u.position {
+            check_finite(u.id, p)?;
+        }
+        let placed = u.position.map(|p| self.place(p));
+        let entity = self.entities.get_mut(&u.id).expect("checked above");
+        let change = self.changes.entry(u.id).or_default();
+        if let Some((position, chunk)) = placed {
+            if position != entity.position {
+                change.moved = true;
+                entity.position = position;
+            }
+            if chunk != entity.chunk {
+                if let Some(set) = self.residents.get_mut(&entity.chunk) {
+                    set.remove(&u.id);
+                    if set.is_empty() {
+                        self.residents.remove(&entity.chunk);
+                    }
+                }
+                self.residents.entry(chunk).or_default().insert(u.id);
+                entity.chunk = chunk;
+            }
+        }
+        for t in u.removed {
+            if let Some(old) = entity.components.remove(&t) {
+                change.components.entry(t).or_insert(Some(old.audience));
+            }
+        }
+        for (t, c) in u.changed {
+            let before = entity.components.get(&t).map(|old| old.audience.clone());
+            change.components.entry(t).or_insert(before);
+            entity.components.insert(t, c);
+        }
+        if change.spawned {
+            // Clients get a new entity's full state anyway; nothing to track per field.
+            change.moved = false;
+            change.components.clear();
+        }
+        if *change == EntityChange::default() {
+            self.changes.remove(&u.id);
+        }
+        Ok(())
+    }
+
+    pub fn despawn(&mut self, id: u64) -> Result<Entity, EntityError> {
+        let entity = self.entities.remove(&id).ok_or(EntityError::Unknown(id))?;
+        if let Some(set) = self.residents.get_mut(&entity.chunk) {
+            set.remove(&id);
+            if set.is_empty() {
+                self.residents.remove(&entity.chunk);
+            }
+        }
+        if self.masters.get(&entity.owner_account) == Some(&id) {
+            self.masters.remove(&entity.owner_account);
+        }
+        let change = self.changes.entry(id).or_default();
+        if change.spawned && !change.despawned {
+            // Born and gone within one tick: no client ever saw it.
+            self.changes.remove(&id);
+        } else {
+            *change = EntityChange {
+                despawned: true,
+                ..Default::default()
+            };
+        }
+        Ok(entity)
+    }
+
+    /// Despawns everything (the game went away); returns the removed entities.
+    pub fn clear(&mut self) -> Vec<Entity> {
+        let ids: Vec<u64> = self.entities.keys().copied().collect();
+        ids.into_iter()
+            .filter_map(|id| self.despawn(id).ok())
+            .collect()
+    }
+
+    /// The changes since the last call; starts the next tick.
+    pub fn take_changes(&mut self) -> TickChanges {
+        std::mem::take(&mut self.changes)
+    }
+
+    pub fn pending_changes(&self) -> &TickChanges {
+        &self.changes
+    }
+}
+
+fn check_finite(id: u64, p: &Position) -> Result<(), EntityError> {
+    if p.is_finite() {
+        Ok(())
+    } else {
+        Err(EntityError::NonFinite {
+            id,
+            x: p.x,
+            y: p.y,
+            z: p.z,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> EntityTable {
+        EntityTable::new(WorldShape {
+            width: 1024.0,
+            height: 1024.0,
+            chunk_size: 32.0,
+            region_size: 512.0,
+        })
+    }
+
+    fn public(payload: &'static str) -> Component {
+        Component {
+            audience: Audience::PublicInRange,
+            payload: Bytes::from_static(payload.as_bytes()),
+        }
+    }
+
+    fn npc(id: u64, x: f64, y: f64) -> NewEntity {
+        NewEntity {
+            id,
+            position: Position::new(x, y, 0.0),
+            components: vec![(1, public("a"))],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn spawn_indexes_by_chunk_and_normalises() {
+        let mut t = table();
+        t.spawn(npc(1, -16.0, 40.0)).unwrap();
+        let e = t.get(1).unwrap();
+        assert_eq!(e.position, Position::new(1008.0, 40.0, 0.0));
+        assert_eq!(e.chunk, ChunkPos { x: 31, y: 1 });
+        assert_eq!(
+            t.residents(ChunkPos { x: 31, y: 1 }).collect::<Vec<_>>(),
+            [1]
+        );
+        let ch = t.take_changes();
+        assert!(ch[&1].spawned && !ch[&1].despawned);
+        assert!(t.take_changes().is_empty());
+    }
+
+    #[test]
+    fn validation_errors_change_nothing() {
+        let mut t = table();
+        assert_eq!(t.spawn(npc(0, 1.0, 1.0)), Err(EntityError::ZeroId));
+        t.spawn(npc(7, 1.0, 1.0)).unwrap();
+        t.take_changes();
+        let mut dup = npc(7, 500.0, 500.0);
+        dup.components = vec![];
+        assert_eq!(t.spawn(dup), Err(EntityError::Duplicate(7)));
+        assert_eq!(t.get(7).unwrap().position, Position::new(1.0, 1.0, 0.0));
+        assert_eq!(t.get(7).unwrap().components.len(), 1);
+        assert_eq!(
+            t.update(EntityUpdate {
+                id: 8,
+                ..Default::default()
+            }),
+            Err(EntityError::Unknown(8))
+        );
+        assert_eq!(t.despawn(8), Err(EntityError::Unknown(8)));
+        let nan = EntityUpdate {
+            id: 7,
+            position: Some(Position::new(f64::NAN, 0.0, 0.0)),
+            changed: vec![(2, public("b"))],
+            ..Default::default()
+        };
+        assert!(matches!(
+            t.update(nan),
+            Err(EntityError::NonFinite { id: 7, .. })
+        ));
+        assert!(
+            !t.get(7).unwrap().components.contains_key(&2),
+            "a rejected update applies nothing"
+        );
+        let inf = npc(9, f64::INFINITY, 0.0);
+        assert!(matches!(
+            t.spawn(inf),
+            Err(EntityError::NonFinite { id: 9, .. })
+        ));
+        assert!(t.take_changes().is_empty());
+    }
+
+    #[test]
+    fn update_tracks_moves_and_component_history() {
+        let mut t = table();
+        t.spawn(npc(1, 1.0, 1.0)).unwrap();
+        t.take_changes();
+        let owner_only = Component {
+            audience: Audience::OwnerOnly,
+            payload: Bytes::new(),
+        };
+        t.update(EntityUpdate {
+            id: 1,
+            position: Some(Position::new(40.0, 1.0, 2.0)),
+            changed: vec![(1, owner_only.clone()), (2, public("new"))],
+            removed: vec![],
+        })
+        .unwrap();
+        t.update(EntityUpdate {
+            id: 1,
+            changed: vec![(1, public("again"))],
+            ..Default::default()
+        })
+        .unwrap();
+        t.update(EntityUpdate {
+            id: 1,
+            removed: vec![2, 99],
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(
+            t.residents(ChunkPos { x: 1, y: 0 }).collect::<Vec<_>>(),
+            [1]
+        );
+        assert_eq!(t.residents(ChunkPos { x: 0, y: 0 }).count(), 0);
+        let ch = t.take_changes().remove(&1).unwrap();
+        assert!(ch.moved && !ch.spawned && !ch.despawned);
+        // Type 1 remembers its audience at the tick start, type 2 that it did not exist; 99 never did.
+        assert_eq!(
+            ch.components,
+            BTreeMap::from([(1, Some(Audience::PublicInRange)), (2, None)])
+        );
+    }
+
+    #[test]
+    fn an_update_to_the_same_place_is_not_a_move() {
+        let mut t = table();
+        t.spawn(npc(1, 1.0, 1.0)).unwrap();
+        t.take_changes();
+        t.update(EntityUpdate {
+            id: 1,
+            position: Some(Position::new(1.0, 1.0, 0.0)),
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(t.take_changes().is_empty());
+    }
+
+    #[test]
+    fn spawn_and_despawn_within_a_tick() {
+        let mut t = table();
+        t.spawn(npc(1, 1.0, 1.0)).unwrap();
+        t.despawn(1).unwrap();
+        assert!(t.take_changes().is_empty(), "never seen, nothing to tell");
+        t.spawn(npc(2, 1.0, 1.0)).unwrap();
+        t.take_changes();
+        t.despawn(2).unwrap();
+        t.spawn(npc(2, 90.0, 1.0)).unwrap();
+        let ch = t.take_changes().remove(&2).unwrap();
+        assert!(
+            ch.despawned && ch.spawned,
+            "old incarnation vanishes, new one appears"
+        );
+        t.despawn(2).unwrap();
+        let ch = t.take_changes().remove(&2).unwrap();
+        assert!(ch.despawned && !ch.spawned);
+    }
+
+    #[test]
+    fn masters_index_follows_spawn_and_despawn() {
+        let mut t = table();
+        let avatar = NewEntity {
+            id: 5,
+            owner_account: "alice".into(),
+            is_master: true,
+            ..Default::default()
+        };
+        t.spawn(avatar).unwrap();
+        t.spawn(NewEntity {
+            id: 6,
+            owner_account: "alice".into(),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(t.master_of("alice").map(|e| e.id), Some(5));
+        assert_eq!(t.clear().len(), 2);
+        assert!(t.master_of("alice").is_none() && t.is_empty());
+        assert_eq!(t.residents(ChunkPos { x: 0, y: 0 }).count(), 0);
+    }
+}

@@ -1,0 +1,486 @@
+//! Gateway sessions (DESIGN §7): the client sessions proxies attach to this node over mesh links.
+//!
+//! Attach registers the account in the session directory (a new, higher session epoch), displaces
+//! an older session of the same account, loads the player record and tells the game
+//! `PlayerJoin`. Detach tells the game `PlayerLeave`, saves the player record and releases the
+//! directory entry. The directory and record calls run off the node task; their results come
+//! back as events, checked against what happened meanwhile.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use cellmesh_geo_router::store::PlayerRecord;
+use cellmesh_proto::edge::KickReason;
+use cellmesh_proto::local::{self, sidecar_message};
+use cellmesh_proto::mesh::{self, mesh_message, MeshMessage};
+
+use crate::node::{
+    unix_ms, Link, LinkHandle, LinkId, Node, NodeEvent, Registration, STORE_TIMEOUT,
+};
+
+/// A node-local handle of a session (proxies number their sessions per link).
+pub(crate) type SessionKey = u64;
+
+pub(crate) struct Session {
+    pub key: SessionKey,
+    pub link: LinkId,
+    pub session_id: u64,
+    pub account: String,
+    pub remote_addr: String,
+    /// Set once the directory registered the session; `None` while attaching.
+    pub epoch: Option<u64>,
+    /// Where the player's avatar was last seen (record, or the last game), for `PlayerJoin`.
+    pub last_position: Option<[f64; 3]>,
+    pub home_geo: Option<String>,
+    /// Proxy-measured (p50, min) round-trip time in milliseconds.
+    pub rtt: Option<(f32, f32)>,
+}
+
+#[derive(Default)]
+pub(crate) struct Sessions {
+    next_key: SessionKey,
+    all: BTreeMap<SessionKey, Session>,
+    by_link: HashMap<(LinkId, u64), SessionKey>,
+    /// The attached session of each account.
+    by_account: HashMap<String, SessionKey>,
+}
+
+impl Sessions {
+    fn begin(
+        &mut self,
+        link: LinkId,
+        session_id: u64,
+        account: String,
+        remote_addr: String,
+    ) -> SessionKey {
+        self.next_key += 1;
+        let key = self.next_key;
+        self.by_link.insert((link, session_id), key);
+        self.all.insert(
+            key,
+            Session {
+                key,
+                link,
+                session_id,
+                account,
+                remote_addr,
+                epoch: None,
+                last_position: None,
+                home_geo: None,
+                rtt: None,
+            },
+        );
+        key
+    }
+
+    pub fn get(&self, key: SessionKey) -> Option<&Session> {
+        self.all.get(&key)
+    }
+
+    fn find(&self, link: LinkId, session_id: u64) -> Option<SessionKey> {
+        self.by_link.get(&(link, session_id)).copied()
+    }
+
+    fn remove(&mut self, key: SessionKey) -> Option<Session> {
+        let s = self.all.remove(&key)?;
+        self.by_link.remove(&(s.link, s.session_id));
+        if self.by_account.get(&s.account) == Some(&key) {
+            self.by_account.remove(&s.account);
+        }
+        Some(s)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Session> {
+        self.all.values()
+    }
+
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Session> {
+        self.all.values_mut()
+    }
+
+    pub fn attached(&self) -> usize {
+        self.by_account.len()
+    }
+}
+
+fn kick_name(reason: u32) -> String {
+    KickReason::try_from(reason as i32)
+        .map(|k| k.as_str_name().to_ascii_lowercase())
+        .unwrap_or_else(|_| format!("kick reason {reason}"))
+}
+
+fn detach(session_id: u64, reason: KickReason, detail: impl Into<String>) -> mesh_message::Body {
+    mesh_message::Body::Detach(mesh::Detach {
+        session_id,
+        kick_reason: reason as u32,
+        detail: detail.into(),
+    })
+}
+
+impl Node {
+    pub(crate) fn on_link_up(
+        &mut self,
+        link: LinkId,
+        hello: mesh::LinkHello,
+        remote: String,
+        handle: LinkHandle,
+    ) {
+        if self.shutting_down {
+            return;
+        }
+        tracing::info!(link, proxy = %hello.id, %remote, "proxy link up");
+        self.links.insert(
+            link,
+            Link {
+                hello,
+                remote,
+                handle,
+                sessions: Default::default(),
+            },
+        );
+    }
+
+    pub(crate) fn on_link_message(&mut self, link: LinkId, m: MeshMessage) {
+        if !self.links.contains_key(&link) {
+            return;
+        }
+        use mesh_message::Body as B;
+        match m.body {
+            Some(B::Attach(a)) => self.on_attach(link, a),
+            Some(B::Detach(d)) => match self.sessions.find(link, d.session_id) {
+                Some(key) => {
+                    let reason = match d.detail.as_str() {
+                        "" => kick_name(d.kick_reason),
+                        detail => format!("{}: {detail}", kick_name(d.kick_reason)),
+                    };
+                    self.end_session(key, &reason);
+                }
+                None => self.metrics.drop_msg("unknown_session", 1),
+            },
+            Some(B::Input(i)) => self.on_input(link, i),
+            Some(B::Rtt(r)) => {
+                if let Some(key) = self.sessions.find(link, r.session_id) {
+                    if let Some(s) = self.sessions.all.get_mut(&key) {
+                        s.rtt = Some((r.rtt_ms_p50, r.rtt_ms_min));
+                    }
+                }
+            }
+            Some(B::Heartbeat(_)) => {}
+            Some(other) => {
+                self.metrics.error("unexpected_message");
+                tracing::warn!(link, message = ?other, "proxy sent a message only a sidecar sends; ignored");
+            }
+            None => {}
+        }
+    }
+
+    fn on_attach(&mut self, link: LinkId, a: mesh::Attach) {
+        if a.account.is_empty() {
+            self.metrics.error("bad_attach");
+            return self.queue_for_link(
+                link,
+                detach(
+                    a.session_id,
+                    KickReason::GatewayUnavailable,
+                    "attach without an account",
+                ),
+            );
+        }
+        if self.sessions.find(link, a.session_id).is_some() {
+            // The proxy numbers sessions uniquely per link; a repeat is its bug, not a new client.
+            self.metrics.error("duplicate_session_id");
+            tracing::warn!(
+                link,
+                session_id = a.session_id,
+                "attach for a session id already in use; ignored"
+            );
+            return;
+        }
+        let key = self
+            .sessions
+            .begin(link, a.session_id, a.account.clone(), a.remote_addr);
+        if let Some(l) = self.links.get_mut(&link) {
+            l.sessions.insert(key);
+        }
+        let stores = self.stores.clone();
+        let inbox = self.inbox.clone();
+        let (node_id, lease) = (
+            self.cfg.node_id,
+            Duration::from_millis(self.cfg.session_lease_ms),
+        );
+        let account = a.account;
+        self.spawn_store(async move {
+            let result = async {
+                let epoch = timed(stores.directory.register(&account, node_id, lease)).await?;
+                match timed(stores.players.load(&account)).await {
+                    Ok(record) => Ok(Registration { epoch, record }),
+                    Err(e) => {
+                        let _ = timed(stores.directory.release(&account, epoch)).await;
+                        Err(e)
+                    }
+                }
+            }
+            .await;
+            let _ = inbox
+                .send(NodeEvent::Registered {
+                    session: key,
+                    account,
+                    result,
+                })
+                .await;
+        });
+    }
+
+    pub(crate) fn on_registered(
+        &mut self,
+        key: SessionKey,
+        account: String,
+        result: Result<Registration, String>,
+    ) {
+        let Some(s) = self.sessions.get(key) else {
+            // Detached while registering: undo the registration.
+            if let Ok(r) = result {
+                self.release(account, r.epoch);
+            }
+            return;
+        };
+        let (link, session_id) = (s.link, s.session_id);
+        let reg = match result {
+            Ok(r) => r,
+            Err(e) => {
+                self.metrics.error("store");
+                tracing::warn!(%account, error = %e, "attach failed");
+                self.queue_for_link(
+                    link,
+                    detach(
+                        session_id,
+                        KickReason::GatewayUnavailable,
+                        format!("session directory: {e}"),
+                    ),
+                );
+                self.forget_session(key);
+                return;
+            }
+        };
+        if let Some(&other) = self.sessions.by_account.get(&account) {
+            let other_epoch = self.sessions.get(other).and_then(|o| o.epoch).unwrap_or(0);
+            if other_epoch > reg.epoch {
+                // Two logins raced and the newer one won: this one is already displaced.
+                self.queue_for_link(
+                    link,
+                    detach(
+                        session_id,
+                        KickReason::Displaced,
+                        "a newer login of this account exists",
+                    ),
+                );
+                self.forget_session(key);
+                return;
+            }
+            // The older session goes without a PlayerLeave: the game sees a new PlayerJoin.
+            if let Some(o) = self.sessions.get(other) {
+                let (olink, osid) = (o.link, o.session_id);
+                self.queue_for_link(
+                    olink,
+                    detach(osid, KickReason::Displaced, "the account logged in again"),
+                );
+            }
+            self.forget_session(other);
+        }
+        let w = self.cfg.world;
+        let s = self.sessions.all.get_mut(&key).expect("checked above");
+        s.epoch = Some(reg.epoch);
+        if let Some(r) = reg.record {
+            s.last_position = r.last_position;
+            s.home_geo = Some(r.home_geo);
+        }
+        let join = local::PlayerJoin {
+            account: account.clone(),
+            session_epoch: reg.epoch,
+            last_position: s.last_position.map(|[x, y, z]| local::Vec3 { x, y, z }),
+        };
+        self.sessions.by_account.insert(account.clone(), key);
+        self.clients.add(key, &account);
+        self.metrics.sessions.set(self.sessions.attached() as i64);
+        if self.game.is_some() {
+            self.to_game
+                .push(sidecar_message::Body::PlayerJoin(join).into());
+        }
+        self.queue_for_link(
+            link,
+            mesh_message::Body::Attached(mesh::Attached {
+                session_id,
+                session_epoch: reg.epoch,
+                gateway_node: self.cfg.node_id,
+                world_width: w.width,
+                world_height: w.height,
+                chunk_size: w.chunk_size,
+            }),
+        );
+        tracing::debug!(%account, epoch = reg.epoch, "session attached");
+    }
+
+    fn on_input(&mut self, link: LinkId, i: mesh::SessionInput) {
+        let Some(s) = self
+            .sessions
+            .find(link, i.session_id)
+            .and_then(|k| self.sessions.get(k))
+        else {
+            return self.metrics.drop_msg("unknown_session", 1);
+        };
+        let Some(epoch) = s.epoch else {
+            return self.metrics.drop_msg("session_attaching", 1);
+        };
+        if self.game.is_none() {
+            return self.metrics.drop_msg("no_game", 1);
+        }
+        let input = local::Input {
+            account: s.account.clone(),
+            session_epoch: epoch,
+            seq: i.seq,
+            payload: i.payload,
+        };
+        self.to_game
+            .push(sidecar_message::Body::Input(input).into());
+        self.metrics.inputs_delivered.inc();
+    }
+
+    /// The client is gone: the game hears `PlayerLeave`, the record is saved, the directory
+    /// entry released.
+    pub(crate) fn end_session(&mut self, key: SessionKey, reason: &str) {
+        let Some(s) = self.forget_session(key) else {
+            return;
+        };
+        let Some(epoch) = s.epoch else {
+            // Still registering: `on_registered` undoes the registration when it lands.
+            return;
+        };
+        if self.game.is_some() {
+            let leave = local::PlayerLeave {
+                account: s.account.clone(),
+                session_epoch: epoch,
+                reason: reason.to_string(),
+            };
+            self.to_game
+                .push(sidecar_message::Body::PlayerLeave(leave).into());
+        }
+        let last_position = self
+            .table
+            .master_of(&s.account)
+            .map(|e| [e.position.x, e.position.y, e.position.z])
+            .or(s.last_position);
+        let record = PlayerRecord {
+            account: s.account.clone(),
+            last_position,
+            home_geo: s.home_geo.unwrap_or_else(|| self.cfg.geo.clone()),
+            updated_unix_ms: unix_ms(),
+        };
+        let stores = self.stores.clone();
+        let metrics = self.metrics.clone();
+        self.spawn_store(async move {
+            if let Err(e) = timed(stores.players.save(&record)).await {
+                metrics.error("store");
+                tracing::warn!(account = %record.account, error = %e, "saving the player record failed");
+            }
+            if let Err(e) = timed(stores.directory.release(&record.account, epoch)).await {
+                metrics.error("store");
+                tracing::warn!(account = %record.account, error = %e, "releasing the session failed");
+            }
+        });
+        tracing::debug!(account = %s.account, epoch, %reason, "session ended");
+    }
+
+    /// Drops every trace of a session on this node, telling nobody.
+    fn forget_session(&mut self, key: SessionKey) -> Option<Session> {
+        let s = self.sessions.remove(key)?;
+        if let Some(l) = self.links.get_mut(&s.link) {
+            l.sessions.remove(&key);
+        }
+        self.clients.remove(key);
+        self.metrics.sessions.set(self.sessions.attached() as i64);
+        Some(s)
+    }
+
+    fn release(&self, account: String, epoch: u64) {
+        let stores = self.stores.clone();
+        self.spawn_store(async move {
+            let _ = timed(stores.directory.release(&account, epoch)).await;
+        });
+    }
+
+    /// A link is gone (closed by the proxy, dead, or too slow): its sessions are detached.
+    pub(crate) fn close_link(&mut self, link: LinkId, reason: &str) {
+        let Some(l) = self.links.remove(&link) else {
+            return;
+        };
+        l.handle.kill.cancel();
+        self.to_links.remove(&link);
+        tracing::info!(link, proxy = %l.hello.id, %reason, "proxy link closed");
+        for key in l.sessions {
+            self.end_session(key, &format!("link to the proxy lost: {reason}"));
+        }
+    }
+
+    /// Renews the directory lease of every attached session, off the node task.
+    pub(crate) fn renew_leases(&mut self) {
+        let due: Vec<(SessionKey, String, u64)> = self
+            .sessions
+            .iter()
+            .filter_map(|s| Some((s.key, s.account.clone(), s.epoch?)))
+            .collect();
+        if due.is_empty() {
+            return;
+        }
+        let stores = self.stores.clone();
+        let inbox = self.inbox.clone();
+        let lease = Duration::from_millis(self.cfg.session_lease_ms);
+        self.spawn_store(async move {
+            let mut results = Vec::with_capacity(due.len());
+            for (key, account, epoch) in due {
+                results.push((
+                    key,
+                    epoch,
+                    timed(stores.directory.renew(&account, epoch, lease)).await,
+                ));
+            }
+            let _ = inbox.send(NodeEvent::Renewed { results }).await;
+        });
+    }
+
+    pub(crate) fn on_renewed(&mut self, results: Vec<(SessionKey, u64, Result<bool, String>)>) {
+        for (key, epoch, r) in results {
+            let Some(s) = self.sessions.get(key).filter(|s| s.epoch == Some(epoch)) else {
+                continue;
+            };
+            match r {
+                Ok(true) => {}
+                Ok(false) => {
+                    // Someone else holds the account now (or the entry lapsed): this session is over.
+                    let (link, session_id) = (s.link, s.session_id);
+                    self.queue_for_link(
+                        link,
+                        detach(
+                            session_id,
+                            KickReason::Displaced,
+                            "the session directory no longer lists this session",
+                        ),
+                    );
+                    self.end_session(key, "displaced");
+                }
+                Err(e) => {
+                    self.metrics.error("store");
+                    tracing::warn!(account = %s.account, error = %e, "renewing the session lease failed");
+                }
+            }
+        }
+    }
+}
+
+async fn timed<T>(
+    fut: impl std::future::Future<Output = Result<T, cellmesh_geo_router::store::StoreError>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(STORE_TIMEOUT, fut).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => Err(format!("no answer within {} s", STORE_TIMEOUT.as_secs())),
+    }
+}

@@ -1,0 +1,294 @@
+//! Mesh links: proxies dial this node's `mesh_listen`, one link per proxy, multiplexed by
+//! session id.
+//!
+//! One task per link owns the socket: it checks the `LinkHello` handshake, answers with this
+//! node's own, keeps the link alive with heartbeats (sent every second; a link silent for five
+//! seconds is dead) and hands everything else to the node in order.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage, PeerRole};
+use cellmesh_proto::{PROTOCOL_MAJOR, PROTOCOL_MINOR};
+use futures::{SinkExt, StreamExt};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::codec::{FramedRead, FramedWrite};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::game::HELLO_TIMEOUT;
+use crate::metrics::{MeteredCodec, Metrics, Peer};
+use crate::node::{unix_ms, LinkHandle, NodeEvent};
+
+pub(crate) const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const DEAD_AFTER: Duration = Duration::from_secs(5);
+const PARTING_WRITE: Duration = Duration::from_secs(1);
+
+#[derive(Clone)]
+pub(crate) struct MeshCtx {
+    pub node: mpsc::Sender<NodeEvent>,
+    pub metrics: Metrics,
+    pub max_frame: usize,
+    pub outbox_frames: usize,
+    pub node_id: u32,
+    pub geo: String,
+    pub shutdown: CancellationToken,
+    pub tasks: TaskTracker,
+}
+
+pub(crate) async fn accept_loop(listener: TcpListener, ctx: MeshCtx) {
+    let next_link = Arc::new(AtomicU64::new(1));
+    loop {
+        let accepted = tokio::select! {
+            _ = ctx.shutdown.cancelled() => break,
+            r = listener.accept() => r,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                let link = next_link.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(link, %peer, "mesh connection");
+                ctx.tasks
+                    .spawn(serve(stream, link, peer.to_string(), ctx.clone()));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a mesh connection failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Checks the dialling side's `LinkHello`; the error is the `LinkRefused` reason.
+pub(crate) fn check_link_hello(
+    frame: MeshFrame,
+) -> Result<(mesh::LinkHello, Vec<MeshMessage>), String> {
+    let mut messages = frame.messages.into_iter();
+    let hello = match messages.next().map(|m| m.body) {
+        None => {
+            return Err(
+                "expected LinkHello, got an empty frame (is this the mesh protocol?)".into(),
+            )
+        }
+        Some(Some(mesh_message::Body::Hello(h))) => h,
+        Some(_) => return Err("expected LinkHello as the first message".into()),
+    };
+    let ours = format!("sidecar speaks {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}");
+    match hello.version {
+        None => return Err(format!("LinkHello without a protocol version; {ours}")),
+        Some(v) if v.major != PROTOCOL_MAJOR => {
+            return Err(format!(
+                "{} speaks protocol {}.{}, {ours}",
+                peer_name(&hello),
+                v.major,
+                v.minor
+            ))
+        }
+        Some(_) => {}
+    }
+    if hello.role != PeerRole::Proxy as i32 {
+        return Err(format!(
+            "{} dialled as role {}; this sidecar accepts proxy links only",
+            peer_name(&hello),
+            hello.role
+        ));
+    }
+    Ok((hello, messages.collect()))
+}
+
+fn peer_name(h: &mesh::LinkHello) -> String {
+    if h.id.is_empty() {
+        "peer".into()
+    } else {
+        format!("peer {:?}", h.id)
+    }
+}
+
+type Reader = FramedRead<tokio::net::tcp::OwnedReadHalf, MeteredCodec<MeshFrame>>;
+type Writer = FramedWrite<tokio::net::tcp::OwnedWriteHalf, MeteredCodec<MeshFrame>>;
+
+async fn serve(stream: TcpStream, link: u64, remote: String, ctx: MeshCtx) {
+    ctx.metrics.connected(Peer::Proxy);
+    let (r, w) = stream.into_split();
+    let mut reader = FramedRead::new(
+        r,
+        MeteredCodec::<MeshFrame>::new(ctx.max_frame, &ctx.metrics, Peer::Proxy),
+    );
+    let mut writer = FramedWrite::new(
+        w,
+        MeteredCodec::<MeshFrame>::new(ctx.max_frame, &ctx.metrics, Peer::Proxy),
+    );
+    let (up, reason) = run(&mut reader, &mut writer, link, remote, &ctx).await;
+    if up {
+        let _ = ctx.node.send(NodeEvent::LinkClosed { link, reason }).await;
+    } else {
+        tracing::info!(link, %reason, "mesh link refused");
+    }
+    let _ = tokio::time::timeout(PARTING_WRITE, writer.get_mut().shutdown()).await;
+    ctx.metrics.disconnected(Peer::Proxy);
+}
+
+/// Runs one link; returns whether it got past the handshake, and why it ended.
+async fn run(
+    reader: &mut Reader,
+    writer: &mut Writer,
+    link: u64,
+    remote: String,
+    ctx: &MeshCtx,
+) -> (bool, String) {
+    let first = tokio::select! {
+        _ = ctx.shutdown.cancelled() => return (false, "sidecar shutting down".into()),
+        _ = tokio::time::sleep(HELLO_TIMEOUT) => Err(format!("expected LinkHello within {} s", HELLO_TIMEOUT.as_secs())),
+        f = reader.next() => match f {
+            None => return (false, "closed before LinkHello".into()),
+            Some(Err(e)) => {
+                ctx.metrics.error(e.kind());
+                Err(e.to_string())
+            }
+            Some(Ok(frame)) => check_link_hello(frame),
+        },
+    };
+    let (hello, rest) = match first {
+        Ok(x) => x,
+        Err(reason) => {
+            ctx.metrics.error("link_refused");
+            let refused = MeshFrame::one(mesh_message::Body::Refused(mesh::LinkRefused {
+                reason: reason.clone(),
+            }));
+            let _ = tokio::time::timeout(PARTING_WRITE, writer.send(refused)).await;
+            return (false, reason);
+        }
+    };
+    let ours = MeshFrame::one(mesh_message::Body::Hello(mesh::LinkHello {
+        version: Some(mesh::ProtocolVersion::current()),
+        role: PeerRole::Sidecar as i32,
+        id: ctx.node_id.to_string(),
+        geo: ctx.geo.clone(),
+        partition_epoch: 0,
+        node_id: ctx.node_id,
+    }));
+    if let Err(e) = writer.send(ours).await {
+        return (false, format!("writing LinkHello failed: {e}"));
+    }
+    let (outbox, mut queue) = mpsc::channel(ctx.outbox_frames);
+    let kill = CancellationToken::new();
+    let handle = LinkHandle {
+        outbox,
+        kill: kill.clone(),
+    };
+    let rest = without_heartbeats(rest);
+    if ctx
+        .node
+        .send(NodeEvent::LinkUp {
+            link,
+            hello,
+            remote,
+            handle,
+            rest,
+        })
+        .await
+        .is_err()
+    {
+        return (false, "sidecar shutting down".into());
+    }
+    let mut heartbeat = tokio::time::interval_at(Instant::now() + HEARTBEAT_EVERY, HEARTBEAT_EVERY);
+    let dead = tokio::time::sleep(DEAD_AFTER);
+    tokio::pin!(dead);
+    loop {
+        tokio::select! {
+            biased;
+            _ = kill.cancelled() => return (true, "closed by the node".into()),
+            out = queue.recv() => {
+                let Some(frame) = out else { return (true, "sidecar let go of the link".into()) };
+                let written = async {
+                    writer.feed(frame).await?;
+                    while let Ok(more) = queue.try_recv() {
+                        writer.feed(more).await?;
+                    }
+                    SinkExt::<MeshFrame>::flush(writer).await
+                };
+                let r = tokio::select! {
+                    r = written => r,
+                    _ = kill.cancelled() => continue,
+                };
+                if let Err(e) = r {
+                    return (true, format!("writing to the proxy failed: {e}"));
+                }
+            }
+            _ = heartbeat.tick() => {
+                let beat = MeshFrame::one(mesh_message::Body::Heartbeat(mesh::Heartbeat { sent_unix_ms: unix_ms() }));
+                let r = tokio::select! {
+                    r = writer.send(beat) => r,
+                    _ = kill.cancelled() => continue,
+                };
+                if let Err(e) = r {
+                    return (true, format!("writing to the proxy failed: {e}"));
+                }
+            }
+            _ = &mut dead => {
+                ctx.metrics.error("link_timeout");
+                return (true, format!("no frame from the proxy for {} s", DEAD_AFTER.as_secs()));
+            }
+            f = reader.next() => match f {
+                None => return (true, "proxy closed the link".into()),
+                Some(Err(e)) => {
+                    ctx.metrics.error(e.kind());
+                    return (true, format!("bad frame from the proxy: {e}"));
+                }
+                Some(Ok(frame)) => {
+                    dead.as_mut().reset(Instant::now() + DEAD_AFTER);
+                    if frame.messages.is_empty() || frame.messages.iter().any(|m| m.body.is_none()) {
+                        ctx.metrics.error("unexpected_message");
+                        return (true, "expected mesh messages, got an empty frame or an unknown message type".into());
+                    }
+                    let messages = without_heartbeats(frame.messages);
+                    if !messages.is_empty() && ctx.node.send(NodeEvent::LinkFrame { link, messages }).await.is_err() {
+                        return (true, "sidecar shutting down".into());
+                    }
+                }
+            },
+        }
+    }
+}
+
+fn without_heartbeats(mut messages: Vec<MeshMessage>) -> Vec<MeshMessage> {
+    messages.retain(|m| !matches!(m.body, Some(mesh_message::Body::Heartbeat(_))));
+    messages
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hello(major: u32, role: PeerRole) -> MeshFrame {
+        MeshFrame::one(mesh_message::Body::Hello(mesh::LinkHello {
+            version: Some(mesh::ProtocolVersion { major, minor: 3 }),
+            role: role as i32,
+            id: "edge-1".into(),
+            ..Default::default()
+        }))
+    }
+
+    #[test]
+    fn link_hello_rules() {
+        assert!(check_link_hello(hello(1, PeerRole::Proxy)).is_ok());
+        let e = check_link_hello(hello(2, PeerRole::Proxy)).unwrap_err();
+        assert_eq!(e, "peer \"edge-1\" speaks protocol 2.3, sidecar speaks 1.0");
+        assert!(check_link_hello(hello(1, PeerRole::Sidecar))
+            .unwrap_err()
+            .contains("proxy links only"));
+        assert!(check_link_hello(MeshFrame::default())
+            .unwrap_err()
+            .contains("empty frame"));
+        let beat = MeshFrame::one(mesh_message::Body::Heartbeat(mesh::Heartbeat {
+            sent_unix_ms: 1,
+        }));
+        assert!(check_link_hello(beat)
+            .unwrap_err()
+            .contains("expected LinkHello"));
+    }
+}

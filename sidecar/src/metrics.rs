@@ -1,0 +1,289 @@
+//! The sidecar's Prometheus metrics, and the frame codec wrapper that counts frames and bytes.
+
+use bytes::BytesMut;
+use cellmesh_proto::codec::{FrameCodec, FrameError};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio_util::codec::{Decoder, Encoder};
+
+/// Who is on the other end of a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peer {
+    Game,
+    Proxy,
+}
+
+impl Peer {
+    fn label(self) -> &'static str {
+        match self {
+            Peer::Game => "game",
+            Peer::Proxy => "proxy",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PeerLabel {
+    pub peer: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WireLabel {
+    pub direction: &'static str,
+    pub peer: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: &'static str,
+}
+
+/// Every metric of one sidecar. Cheap to clone (each metric is a shared handle).
+#[derive(Clone, Default)]
+pub struct Metrics {
+    pub connections: Family<PeerLabel, Gauge>,
+    pub connections_total: Family<PeerLabel, Counter>,
+    pub frames: Family<WireLabel, Counter>,
+    pub bytes: Family<WireLabel, Counter>,
+    pub errors: Family<KindLabel, Counter>,
+    pub dropped: Family<ReasonLabel, Counter>,
+    pub sessions: Gauge,
+    pub entities: Gauge,
+    pub game_connected: Gauge,
+    pub inputs_delivered: Counter,
+    pub batches_sent: Counter,
+    pub deltas_sent: Counter,
+    pub deltas_encoded: Counter,
+    pub ticks: Counter,
+    // Totals over every label, for `SidecarStats` (not registered: the families carry them).
+    errors_all: Counter,
+    frames_in_all: Counter,
+    frames_out_all: Counter,
+}
+
+impl Metrics {
+    /// Creates the metrics and registers them under the `cellmesh_sidecar` prefix.
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        let r = registry.sub_registry_with_prefix("cellmesh_sidecar");
+        r.register(
+            "connections",
+            "Open connections by peer kind",
+            m.connections.clone(),
+        );
+        r.register(
+            "connections_accepted",
+            "Connections accepted by peer kind",
+            m.connections_total.clone(),
+        );
+        r.register(
+            "frames",
+            "Frames by direction and peer kind",
+            m.frames.clone(),
+        );
+        r.register(
+            "bytes",
+            "Bytes (length prefixes included) by direction and peer kind",
+            m.bytes.clone(),
+        );
+        r.register("errors", "Errors by kind", m.errors.clone());
+        r.register("dropped", "Messages dropped, by reason", m.dropped.clone());
+        r.register("sessions", "Attached client sessions", m.sessions.clone());
+        r.register(
+            "entities",
+            "Entities in the node's table",
+            m.entities.clone(),
+        );
+        r.register(
+            "game_connected",
+            "1 while a game server is connected",
+            m.game_connected.clone(),
+        );
+        r.register(
+            "inputs_delivered",
+            "Client inputs delivered to the game",
+            m.inputs_delivered.clone(),
+        );
+        r.register(
+            "batches_sent",
+            "Per-client tick batches sent",
+            m.batches_sent.clone(),
+        );
+        r.register(
+            "deltas_sent",
+            "Entity deltas sent to clients",
+            m.deltas_sent.clone(),
+        );
+        r.register(
+            "deltas_encoded",
+            "Entity deltas encoded (the rest were shared)",
+            m.deltas_encoded.clone(),
+        );
+        r.register("ticks", "Game ticks folded", m.ticks.clone());
+        m
+    }
+
+    pub fn error(&self, kind: &'static str) {
+        self.errors.get_or_create(&KindLabel { kind }).inc();
+        self.errors_all.inc();
+    }
+
+    pub fn drop_msg(&self, reason: &'static str, n: u64) {
+        if n > 0 {
+            self.dropped
+                .get_or_create(&ReasonLabel { reason })
+                .inc_by(n);
+        }
+    }
+
+    pub fn connected(&self, peer: Peer) {
+        let l = PeerLabel { peer: peer.label() };
+        self.connections.get_or_create(&l).inc();
+        self.connections_total.get_or_create(&l).inc();
+    }
+
+    pub fn disconnected(&self, peer: Peer) {
+        self.connections
+            .get_or_create(&PeerLabel { peer: peer.label() })
+            .dec();
+    }
+
+    pub fn errors_total(&self) -> u64 {
+        self.errors_all.get()
+    }
+
+    pub fn frames_in_total(&self) -> u64 {
+        self.frames_in_all.get()
+    }
+
+    pub fn frames_out_total(&self) -> u64 {
+        self.frames_out_all.get()
+    }
+
+    fn wire(&self, peer: Peer) -> Wire {
+        let get = |f: &Family<WireLabel, Counter>, direction| {
+            f.get_or_create(&WireLabel {
+                direction,
+                peer: peer.label(),
+            })
+            .clone()
+        };
+        Wire {
+            frames_in: get(&self.frames, "in"),
+            bytes_in: get(&self.bytes, "in"),
+            frames_out: get(&self.frames, "out"),
+            bytes_out: get(&self.bytes, "out"),
+            frames_in_all: self.frames_in_all.clone(),
+            frames_out_all: self.frames_out_all.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Wire {
+    frames_in: Counter,
+    bytes_in: Counter,
+    frames_out: Counter,
+    bytes_out: Counter,
+    frames_in_all: Counter,
+    frames_out_all: Counter,
+}
+
+/// [`FrameCodec`] that counts what it decodes and encodes.
+pub struct MeteredCodec<D> {
+    inner: FrameCodec<D>,
+    wire: Wire,
+}
+
+impl<D> MeteredCodec<D> {
+    pub fn new(max_frame: usize, metrics: &Metrics, peer: Peer) -> Self {
+        Self {
+            inner: FrameCodec::with_max(max_frame),
+            wire: metrics.wire(peer),
+        }
+    }
+
+    fn counted_in<T>(&self, before: usize, src: &BytesMut, r: &Result<Option<T>, FrameError>) {
+        if let Ok(Some(_)) = r {
+            self.wire.frames_in.inc();
+            self.wire.frames_in_all.inc();
+            self.wire.bytes_in.inc_by((before - src.len()) as u64);
+        }
+    }
+}
+
+impl<D: prost::Message + Default> Decoder for MeteredCodec<D> {
+    type Item = D;
+    type Error = FrameError;
+
+    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<D>, FrameError> {
+        let before = src.len();
+        let r = self.inner.decode(src);
+        self.counted_in(before, src, &r);
+        r
+    }
+
+    fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<D>, FrameError> {
+        let before = src.len();
+        let r = self.inner.decode_eof(src);
+        self.counted_in(before, src, &r);
+        r
+    }
+}
+
+impl<D, E> Encoder<E> for MeteredCodec<D>
+where
+    FrameCodec<D>: Encoder<E, Error = FrameError>,
+{
+    type Error = FrameError;
+
+    fn encode(&mut self, item: E, dst: &mut BytesMut) -> Result<(), FrameError> {
+        let before = dst.len();
+        self.inner.encode(item, dst)?;
+        self.wire.frames_out.inc();
+        self.wire.frames_out_all.inc();
+        self.wire.bytes_out.inc_by((dst.len() - before) as u64);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cellmesh_proto::local::{game_message::Body, GameFrame, GameMessage, TickEnd};
+
+    #[test]
+    fn codec_counts_frames_and_bytes_both_ways() {
+        let mut reg = Registry::default();
+        let m = Metrics::register(&mut reg);
+        let mut codec = MeteredCodec::<GameFrame>::new(1024, &m, Peer::Game);
+        let frame = GameFrame {
+            messages: vec![GameMessage {
+                body: Some(Body::TickEnd(TickEnd { tick: 3 })),
+            }],
+        };
+        let mut buf = BytesMut::new();
+        codec.encode(frame.clone(), &mut buf).unwrap();
+        let len = buf.len() as u64;
+        assert_eq!(codec.decode(&mut buf).unwrap(), Some(frame));
+        assert_eq!((m.frames_in_total(), m.frames_out_total()), (1, 1));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+        assert!(
+            text.contains(&format!(
+                "cellmesh_sidecar_bytes_total{{direction=\"in\",peer=\"game\"}} {len}"
+            )),
+            "{text}"
+        );
+        m.error("malformed_frame");
+        assert_eq!(m.errors_total(), 1);
+    }
+}

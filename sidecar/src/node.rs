@@ -1,0 +1,817 @@
+//! The node: one task owns the entity table, the client sessions and every outbox, and is fed
+//! events by the connection tasks over one channel (actor style: no lock is shared by the
+//! connections on the hot path). Store calls run in their own tasks and come back as events, so
+//! a slow store never stalls a tick. Sends to connections never wait: a full outbox closes that
+//! connection instead.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use cellmesh_admin::Admin;
+use cellmesh_geo_router::store::{PlayerRecord, Stores};
+use cellmesh_proto::local::{
+    self, game_message, sidecar_message, ErrorCode, GameMessage, SidecarFrame, SidecarMessage,
+};
+use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage};
+use prost::Message;
+use serde_json::json;
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TrySendError;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::audience::Audience;
+use crate::config::SidecarConfig;
+use crate::entities::{Component, EntityError, EntityTable, EntityUpdate, NewEntity, Position};
+use crate::fold::{Clients, TickEvent, TickSend};
+use crate::gateway::{SessionKey, Sessions};
+use crate::ids::IdMinter;
+use crate::interest::InterestShape;
+use crate::metrics::Metrics;
+
+pub(crate) type ConnId = u64;
+pub(crate) type LinkId = u64;
+
+/// Events the connection and store tasks send to the node.
+pub(crate) enum NodeEvent {
+    /// A game said a valid `Hello`; `rest` is what followed it in the same frame.
+    GameHello {
+        conn: ConnId,
+        hello: local::Hello,
+        rest: Vec<GameMessage>,
+        handle: GameHandle,
+    },
+    GameFrame {
+        conn: ConnId,
+        messages: Vec<GameMessage>,
+    },
+    GameClosed {
+        conn: ConnId,
+        reason: String,
+    },
+    /// A proxy completed the link handshake (the reply `LinkHello` is already written).
+    LinkUp {
+        link: LinkId,
+        hello: mesh::LinkHello,
+        remote: String,
+        handle: LinkHandle,
+        rest: Vec<MeshMessage>,
+    },
+    LinkFrame {
+        link: LinkId,
+        messages: Vec<MeshMessage>,
+    },
+    LinkClosed {
+        link: LinkId,
+        reason: String,
+    },
+    /// The directory registered a session (or failed to).
+    Registered {
+        session: SessionKey,
+        account: String,
+        result: Result<Registration, String>,
+    },
+    /// Lease renewals: (session, epoch, still current?).
+    Renewed {
+        results: Vec<(SessionKey, u64, Result<bool, String>)>,
+    },
+}
+
+pub(crate) struct Registration {
+    pub epoch: u64,
+    pub record: Option<PlayerRecord>,
+}
+
+/// What the node queues for the game connection.
+pub(crate) enum GameOut {
+    Frame(SidecarFrame),
+    /// Write this error, then close.
+    Fatal(local::Error),
+}
+
+/// The node's end of a game connection. Dropping it closes the connection after its queue.
+pub(crate) struct GameHandle {
+    pub outbox: mpsc::Sender<GameOut>,
+    /// Close at once, dropping the queue (the game stopped reading).
+    pub kill: CancellationToken,
+}
+
+/// The node's end of a mesh link. Dropping it closes the link after its queue.
+pub(crate) struct LinkHandle {
+    pub outbox: mpsc::Sender<MeshFrame>,
+    pub kill: CancellationToken,
+}
+
+pub(crate) struct GameSlot {
+    pub conn: ConnId,
+    pub hello: local::Hello,
+    pub handle: GameHandle,
+    pub health: Option<local::Health>,
+    pub load: Option<local::Load>,
+}
+
+pub(crate) struct Link {
+    pub hello: mesh::LinkHello,
+    pub remote: String,
+    pub handle: LinkHandle,
+    pub sessions: BTreeSet<SessionKey>,
+}
+
+/// Room for the frame, message and `ToClient` headers around one client batch.
+pub(crate) const TO_CLIENT_OVERHEAD: usize = 64;
+/// Longest a store call may take before the node gives up on it.
+pub(crate) const STORE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Most ids one `ReserveIds` may ask for.
+const MAX_RESERVE: usize = 65_536;
+/// Events handled before the outboxes are flushed, so one burst becomes one frame per peer.
+const EVENTS_PER_FLUSH: usize = 64;
+const PUBLISH_EVERY: Duration = Duration::from_millis(100);
+
+pub(crate) struct Node {
+    pub cfg: Arc<SidecarConfig>,
+    pub stores: Stores,
+    pub metrics: Metrics,
+    pub admin: Arc<Admin>,
+    pub published: Arc<Mutex<serde_json::Value>>,
+    pub inbox: mpsc::Sender<NodeEvent>,
+    pub tasks: TaskTracker,
+    pub table: EntityTable,
+    pub ids: IdMinter,
+    pub clients: Clients,
+    pub game: Option<GameSlot>,
+    pub links: BTreeMap<LinkId, Link>,
+    pub sessions: Sessions,
+    pub tick_events: Vec<TickEvent>,
+    pub tick_sends: Vec<TickSend>,
+    pub last_tick: u64,
+    pub to_game: Vec<SidecarMessage>,
+    pub to_links: BTreeMap<LinkId, Vec<MeshMessage>>,
+    pub shutting_down: bool,
+}
+
+impl Node {
+    pub fn new(
+        cfg: Arc<SidecarConfig>,
+        stores: Stores,
+        metrics: Metrics,
+        admin: Arc<Admin>,
+        published: Arc<Mutex<serde_json::Value>>,
+        inbox: mpsc::Sender<NodeEvent>,
+        tasks: TaskTracker,
+    ) -> Self {
+        let shape = InterestShape::new(cfg.view_radius_chunks, cfg.release_margin_chunks);
+        Self {
+            table: EntityTable::new(cfg.world),
+            ids: IdMinter::new(cfg.node_id),
+            clients: Clients::new(cfg.world, shape),
+            cfg,
+            stores,
+            metrics,
+            admin,
+            published,
+            inbox,
+            tasks,
+            game: None,
+            links: BTreeMap::new(),
+            sessions: Sessions::default(),
+            tick_events: Vec::new(),
+            tick_sends: Vec::new(),
+            last_tick: 0,
+            to_game: Vec::new(),
+            to_links: BTreeMap::new(),
+            shutting_down: false,
+        }
+    }
+
+    pub async fn run(mut self, mut inbox: mpsc::Receiver<NodeEvent>, shutdown: CancellationToken) {
+        let renew_every = Duration::from_millis(self.cfg.session_lease_ms / 3);
+        let mut renew =
+            tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
+        renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut publish = tokio::time::interval(PUBLISH_EVERY);
+        let mut dirty = true;
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                ev = inbox.recv() => {
+                    let Some(ev) = ev else { break };
+                    self.handle(ev);
+                    for _ in 1..EVENTS_PER_FLUSH {
+                        match inbox.try_recv() {
+                            Ok(ev) => self.handle(ev),
+                            Err(_) => break,
+                        }
+                    }
+                }
+                _ = renew.tick() => self.renew_leases(),
+                _ = publish.tick() => {
+                    if dirty {
+                        self.publish_state();
+                        dirty = false;
+                    }
+                    continue;
+                }
+            }
+            self.flush();
+            dirty = true;
+        }
+        self.shutdown();
+    }
+
+    fn handle(&mut self, ev: NodeEvent) {
+        match ev {
+            NodeEvent::GameHello {
+                conn,
+                hello,
+                rest,
+                handle,
+            } => self.on_game_hello(conn, hello, rest, handle),
+            NodeEvent::GameFrame { conn, messages } => {
+                if self.game.as_ref().is_some_and(|g| g.conn == conn) {
+                    for m in messages {
+                        if let Some(body) = m.body {
+                            self.on_game_message(body);
+                        }
+                    }
+                }
+            }
+            NodeEvent::GameClosed { conn, reason } => self.on_game_closed(conn, &reason),
+            NodeEvent::LinkUp {
+                link,
+                hello,
+                remote,
+                handle,
+                rest,
+            } => {
+                self.on_link_up(link, hello, remote, handle);
+                for m in rest {
+                    self.on_link_message(link, m);
+                }
+            }
+            NodeEvent::LinkFrame { link, messages } => {
+                for m in messages {
+                    self.on_link_message(link, m);
+                }
+            }
+            NodeEvent::LinkClosed { link, reason } => self.close_link(link, &reason),
+            NodeEvent::Registered {
+                session,
+                account,
+                result,
+            } => self.on_registered(session, account, result),
+            NodeEvent::Renewed { results } => self.on_renewed(results),
+        }
+    }
+
+    // ------------------------------------------------------------------ the game
+
+    fn on_game_hello(
+        &mut self,
+        conn: ConnId,
+        hello: local::Hello,
+        rest: Vec<GameMessage>,
+        handle: GameHandle,
+    ) {
+        if let Some(current) = &self.game {
+            let detail = format!(
+                "a game ({:?}) is already connected to this sidecar; it serves one game at a time",
+                current.hello.game
+            );
+            let err = local::Error {
+                code: ErrorCode::AlreadyConnected as i32,
+                detail,
+                fatal: true,
+                entity_id: 0,
+            };
+            // A fresh outbox always has room; if the task is already gone there is nobody to tell.
+            let _ = handle.outbox.try_send(GameOut::Fatal(err));
+            return;
+        }
+        if self.shutting_down {
+            return;
+        }
+        tracing::info!(conn, game = %hello.game, "game connected");
+        self.game = Some(GameSlot {
+            conn,
+            hello,
+            handle,
+            health: None,
+            load: None,
+        });
+        self.metrics.game_connected.set(1);
+        let w = &self.cfg.world;
+        self.to_game.push(
+            sidecar_message::Body::Welcome(local::Welcome {
+                version: Some(local::ProtocolVersion::current()),
+                node_id: self.cfg.node_id,
+                world: Some(local::WorldShape {
+                    width: w.width,
+                    height: w.height,
+                    chunk_size: w.chunk_size,
+                    region_size: w.region_size,
+                }),
+                // One node owns the whole world.
+                owned_area: vec![local::Rect {
+                    x: 0.0,
+                    y: 0.0,
+                    width: w.width,
+                    height: w.height,
+                }],
+                partition_epoch: 0,
+            })
+            .into(),
+        );
+        // Sessions outlive a game restart: the new game hears about every attached player.
+        let joins: Vec<SidecarMessage> = self
+            .sessions
+            .iter()
+            .filter_map(|s| {
+                let epoch = s.epoch?;
+                Some(
+                    sidecar_message::Body::PlayerJoin(local::PlayerJoin {
+                        account: s.account.clone(),
+                        session_epoch: epoch,
+                        last_position: s.last_position.map(|[x, y, z]| local::Vec3 { x, y, z }),
+                    })
+                    .into(),
+                )
+            })
+            .collect();
+        self.to_game.extend(joins);
+        self.admin.set_ready(true);
+        for m in rest {
+            if let Some(body) = m.body {
+                self.on_game_message(body);
+            }
+        }
+    }
+
+    fn on_game_message(&mut self, body: game_message::Body) {
+        use game_message::Body as B;
+        match body {
+            B::Hello(_) => self.game_error(
+                ErrorCode::UnexpectedMessage,
+                "Hello was already received on this connection".into(),
+                0,
+            ),
+            B::Spawn(s) => self.on_spawn(s),
+            B::Update(u) => self.on_update(u),
+            B::Despawn(d) => {
+                if let Err(e) = self.table.despawn(d.entity_id) {
+                    self.entity_error(e);
+                }
+            }
+            B::Event(e) => self.on_event(e),
+            B::Send(s) => self.tick_sends.push(TickSend {
+                accounts: s.accounts,
+                r#type: s.r#type,
+                payload: s.payload,
+            }),
+            B::ReserveIds(r) => self.on_reserve_ids(r),
+            B::TickEnd(t) => self.end_tick(t.tick),
+            B::Load(l) => {
+                if let Some(g) = self.game.as_mut() {
+                    g.load = Some(l);
+                }
+            }
+            B::Health(h) => {
+                if let Some(g) = self.game.as_mut() {
+                    g.health = Some(h);
+                }
+            }
+            // Chunk events travel to peers and the journal, which a single node does not have yet.
+            B::ChunkEvent(_) => self.metrics.drop_msg("chunk_event_unsupported", 1),
+            B::Snapshot(s) => self.game_error(
+                ErrorCode::UnexpectedMessage,
+                "Snapshot without a Freeze: this node froze no entity".into(),
+                s.entity_id,
+            ),
+            B::Adopted(a) => self.game_error(
+                ErrorCode::UnexpectedMessage,
+                "Adopted without an Adopt: this node asked to adopt no entity".into(),
+                a.entity_id,
+            ),
+        }
+    }
+
+    fn on_spawn(&mut self, s: local::Spawn) {
+        let components = match components(s.entity_id, s.components) {
+            Ok(c) => c,
+            Err(detail) => return self.game_error(ErrorCode::InvalidValue, detail, s.entity_id),
+        };
+        let spawn = NewEntity {
+            id: s.entity_id,
+            position: s.position.map(position).unwrap_or_default(),
+            owner_account: s.owner_account,
+            is_master: s.is_master,
+            parent_id: s.parent_id,
+            components,
+        };
+        if let Err(e) = self.table.spawn(spawn) {
+            self.entity_error(e);
+        }
+    }
+
+    fn on_update(&mut self, u: local::Update) {
+        let changed = match components(u.entity_id, u.changed) {
+            Ok(c) => c,
+            Err(detail) => return self.game_error(ErrorCode::InvalidValue, detail, u.entity_id),
+        };
+        let update = EntityUpdate {
+            id: u.entity_id,
+            position: u.position.map(position),
+            changed,
+            removed: u.removed_types,
+        };
+        if let Err(e) = self.table.update(update) {
+            self.entity_error(e);
+        }
+    }
+
+    fn on_event(&mut self, e: local::Event) {
+        let audience = match Audience::from_proto(e.audience.as_ref()) {
+            Ok(a) => a,
+            Err(err) => {
+                return self.game_error(
+                    ErrorCode::InvalidValue,
+                    format!("event on entity {}: {err}", e.entity_id),
+                    e.entity_id,
+                )
+            }
+        };
+        let Some(entity) = self.table.get(e.entity_id) else {
+            return self.entity_error(EntityError::Unknown(e.entity_id));
+        };
+        self.tick_events.push(TickEvent {
+            entity_id: e.entity_id,
+            chunk: entity.chunk,
+            owner_account: entity.owner_account.clone(),
+            audience,
+            r#type: e.r#type,
+            payload: e.payload,
+        });
+    }
+
+    fn on_reserve_ids(&mut self, r: local::ReserveIds) {
+        // Each id costs at most 9 bytes on the wire; the answer must fit one frame.
+        let max = MAX_RESERVE.min(self.cfg.max_frame_bytes.saturating_sub(TO_CLIENT_OVERHEAD) / 9);
+        let count = r.count as usize;
+        if count > max {
+            let detail = format!(
+                "ReserveIds {} asks for {count} ids; at most {max} per request",
+                r.request_id
+            );
+            return self.game_error(ErrorCode::InvalidValue, detail, 0);
+        }
+        let ids = self.ids.mint_many(unix_ms(), count);
+        self.to_game.push(
+            sidecar_message::Body::IdsReserved(local::IdsReserved {
+                request_id: r.request_id,
+                ids,
+            })
+            .into(),
+        );
+    }
+
+    fn entity_error(&mut self, e: EntityError) {
+        let code = match e {
+            EntityError::Unknown(_) => ErrorCode::UnknownEntity,
+            EntityError::Duplicate(_) => ErrorCode::DuplicateEntity,
+            EntityError::ZeroId | EntityError::NonFinite { .. } => ErrorCode::InvalidValue,
+        };
+        self.game_error(code, e.to_string(), e.entity_id());
+    }
+
+    /// A non-fatal error about something the game sent: reported, and nothing else changes.
+    fn game_error(&mut self, code: ErrorCode, detail: String, entity_id: u64) {
+        self.metrics.error(error_kind(code));
+        tracing::debug!(?code, %detail, "game error");
+        self.to_game.push(
+            sidecar_message::Body::Error(local::Error {
+                code: code as i32,
+                detail,
+                fatal: false,
+                entity_id,
+            })
+            .into(),
+        );
+    }
+
+    /// Folds the tick into one batch per client and queues them on their links.
+    fn end_tick(&mut self, tick: u64) {
+        self.last_tick = tick;
+        let changes = self.table.take_changes();
+        let budget = self.cfg.max_frame_bytes - TO_CLIENT_OVERHEAD;
+        let out = self.clients.fold(
+            tick,
+            &self.table,
+            &changes,
+            &self.tick_events,
+            &self.tick_sends,
+            budget,
+        );
+        self.tick_events.clear();
+        self.tick_sends.clear();
+        self.metrics.ticks.inc();
+        self.metrics.deltas_sent.inc_by(out.deltas);
+        self.metrics.deltas_encoded.inc_by(out.deltas_encoded);
+        self.metrics
+            .drop_msg("unknown_account", out.unknown_accounts);
+        self.metrics.entities.set(self.table.len() as i64);
+        for (key, server_frame) in out.frames {
+            let Some(s) = self.sessions.get(key) else {
+                continue;
+            };
+            if server_frame.len() > budget {
+                // One piece alone outgrew a frame; the client cannot be sent it.
+                self.metrics.drop_msg("batch_too_large", 1);
+                continue;
+            }
+            let (link, session_id) = (s.link, s.session_id);
+            self.queue_for_link(
+                link,
+                mesh_message::Body::ToClient(mesh::ToClient {
+                    session_id,
+                    server_frame,
+                }),
+            );
+            self.metrics.batches_sent.inc();
+        }
+    }
+
+    fn on_game_closed(&mut self, conn: ConnId, reason: &str) {
+        if self.game.as_ref().is_none_or(|g| g.conn != conn) {
+            return;
+        }
+        tracing::info!(conn, %reason, "game disconnected");
+        self.game = None;
+        self.metrics.game_connected.set(0);
+        self.admin.set_ready(false);
+        // Remember where the avatars were, for the PlayerJoin of the next game.
+        for s in self.sessions.iter_mut() {
+            if let Some(e) = self.table.master_of(&s.account) {
+                s.last_position = Some([e.position.x, e.position.y, e.position.z]);
+            }
+        }
+        // The game's entities go with it; clients see them vanish at once.
+        self.table.clear();
+        self.to_game.clear();
+        self.end_tick(self.last_tick + 1);
+    }
+
+    // ------------------------------------------------------------------ outboxes
+
+    pub(crate) fn queue_for_link(&mut self, link: LinkId, body: mesh_message::Body) {
+        self.to_links.entry(link).or_default().push(body.into());
+    }
+
+    /// Sends everything queued, one frame per peer where it fits. Never waits.
+    fn flush(&mut self) {
+        let max = self.cfg.max_frame_bytes;
+        // Closing a slow link or game queues messages for the others, hence the loop.
+        while !(self.to_links.is_empty() && self.to_game.is_empty()) {
+            for (link, messages) in std::mem::take(&mut self.to_links) {
+                let Some(l) = self.links.get(&link) else {
+                    continue;
+                };
+                let (frames, oversize) = pack(messages, max);
+                self.metrics.drop_msg("message_too_large", oversize);
+                let mut full = false;
+                for frame in frames {
+                    match l.handle.outbox.try_send(MeshFrame { messages: frame }) {
+                        Ok(()) => {}
+                        Err(TrySendError::Full(_)) => {
+                            full = true;
+                            break;
+                        }
+                        Err(TrySendError::Closed(_)) => break,
+                    }
+                }
+                if full {
+                    self.metrics.error("link_outbox_full");
+                    self.metrics.drop_msg("link_outbox_full", 1);
+                    tracing::warn!(link, "mesh link outbox full: closing the link");
+                    self.close_link(link, "outbox full: the proxy is not reading");
+                }
+            }
+            let messages = std::mem::take(&mut self.to_game);
+            if messages.is_empty() {
+                continue;
+            }
+            let Some(g) = &self.game else {
+                self.metrics.drop_msg("no_game", messages.len() as u64);
+                continue;
+            };
+            let (frames, oversize) = pack(messages, max);
+            self.metrics.drop_msg("message_too_large", oversize);
+            for frame in frames {
+                match g
+                    .handle
+                    .outbox
+                    .try_send(GameOut::Frame(SidecarFrame { messages: frame }))
+                {
+                    Ok(()) => {}
+                    Err(TrySendError::Full(_)) => {
+                        self.metrics.error("game_outbox_full");
+                        tracing::warn!(conn = g.conn, "game outbox full: disconnecting the game");
+                        g.handle.kill.cancel();
+                        let conn = g.conn;
+                        self.on_game_closed(conn, "outbox full: the game is not reading");
+                        break;
+                    }
+                    Err(TrySendError::Closed(_)) => break,
+                }
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------ state
+
+    pub(crate) fn publish_state(&self) {
+        let game = self.game.as_ref().map(|g| {
+            let v = g.hello.version.unwrap_or_default();
+            json!({
+                "conn": g.conn,
+                "game": g.hello.game,
+                "version": format!("{}.{}", v.major, v.minor),
+                "tick_rate_hz": g.hello.tick_rate_hz,
+                "health": g.health.as_ref().map(|h| json!({"ok": h.ok, "detail": h.detail})),
+                "load": g.load.as_ref().map(|l| json!({"tick_ms": l.tick_ms, "budget_ms": l.budget_ms, "entity_count": l.entity_count})),
+            })
+        });
+        let sessions: Vec<serde_json::Value> = self
+            .sessions
+            .iter()
+            .map(|s| {
+                json!({
+                    "account": s.account,
+                    "session_id": s.session_id,
+                    "epoch": s.epoch,
+                    "attached": s.epoch.is_some(),
+                    "link": s.link,
+                    "remote_addr": s.remote_addr,
+                    "master_id": self.table.master_of(&s.account).map(|e| e.id),
+                    "view_chunks": self.clients.view_len(s.key),
+                    "rtt_ms_p50": s.rtt.map(|r| r.0),
+                    "rtt_ms_min": s.rtt.map(|r| r.1),
+                })
+            })
+            .collect();
+        let links: Vec<serde_json::Value> = self
+            .links
+            .iter()
+            .map(|(id, l)| {
+                json!({"link": id, "proxy": l.hello.id, "geo": l.hello.geo, "remote": l.remote, "sessions": l.sessions.len()})
+            })
+            .collect();
+        let state = json!({
+            "node_id": self.cfg.node_id,
+            "geo": self.cfg.geo,
+            "ready": self.admin.is_ready(),
+            "game_connected": self.game.is_some(),
+            "game": game,
+            "last_tick": self.last_tick,
+            "entities": self.table.len(),
+            "sessions": sessions,
+            "links": links,
+        });
+        *self.published.lock().expect("state lock poisoned") = state;
+    }
+
+    fn shutdown(&mut self) {
+        self.shutting_down = true;
+        self.admin.set_ready(false);
+        let keys: Vec<SessionKey> = self.sessions.iter().map(|s| s.key).collect();
+        for key in keys {
+            if let Some(s) = self.sessions.get(key) {
+                let (link, session_id) = (s.link, s.session_id);
+                self.queue_for_link(
+                    link,
+                    mesh_message::Body::Detach(mesh::Detach {
+                        session_id,
+                        kick_reason: cellmesh_proto::edge::KickReason::Shutdown as u32,
+                        detail: "the node is shutting down".into(),
+                    }),
+                );
+            }
+            self.end_session(key, "shutdown");
+        }
+        self.flush();
+        // Dropping the handles lets every connection write what is queued, then close.
+        self.game = None;
+        self.links.clear();
+        self.metrics.game_connected.set(0);
+        self.publish_state();
+    }
+
+    pub(crate) fn spawn_store<F>(&self, fut: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.tasks.spawn(fut);
+    }
+}
+
+fn position(v: local::Vec3) -> Position {
+    Position::new(v.x, v.y, v.z)
+}
+
+fn components(entity: u64, wire: Vec<local::Component>) -> Result<Vec<(u32, Component)>, String> {
+    wire.into_iter()
+        .map(|c| {
+            let audience = Audience::from_proto(c.audience.as_ref())
+                .map_err(|e| format!("entity {entity}, component type {}: {e}", c.r#type))?;
+            Ok((
+                c.r#type,
+                Component {
+                    audience,
+                    payload: c.payload,
+                },
+            ))
+        })
+        .collect()
+}
+
+pub(crate) fn error_kind(code: ErrorCode) -> &'static str {
+    match code {
+        ErrorCode::ErrorUnspecified => "unspecified",
+        ErrorCode::MalformedFrame => "malformed_frame",
+        ErrorCode::FrameTooLarge => "frame_too_large",
+        ErrorCode::VersionMismatch => "version_mismatch",
+        ErrorCode::UnexpectedMessage => "unexpected_message",
+        ErrorCode::UnknownEntity => "unknown_entity",
+        ErrorCode::DuplicateEntity => "duplicate_entity",
+        ErrorCode::NotOwner => "not_owner",
+        ErrorCode::InvalidValue => "invalid_value",
+        ErrorCode::AlreadyConnected => "already_connected",
+    }
+}
+
+pub(crate) fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Packs messages into frames of at most `max` bytes, in order. Returns the frames and how many
+/// messages were dropped for being too large for any frame.
+fn pack<M: Message>(messages: Vec<M>, max: usize) -> (Vec<Vec<M>>, u64) {
+    // A repeated field costs its key (1 byte here) and a length varint beside the message.
+    let cost = |m: &M| {
+        let len = m.encoded_len();
+        len + 1 + prost::length_delimiter_len(len)
+    };
+    let mut frames = Vec::new();
+    let mut current = Vec::new();
+    let mut size = 0;
+    let mut oversize = 0;
+    for m in messages {
+        let c = cost(&m);
+        if c > max {
+            oversize += 1;
+            continue;
+        }
+        if size + c > max && !current.is_empty() {
+            frames.push(std::mem::take(&mut current));
+            size = 0;
+        }
+        size += c;
+        current.push(m);
+    }
+    if !current.is_empty() {
+        frames.push(current);
+    }
+    (frames, oversize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    #[test]
+    fn pack_splits_in_order_and_drops_the_impossible() {
+        let msg = |n: usize| -> SidecarMessage {
+            sidecar_message::Body::Input(local::Input {
+                payload: Bytes::from(vec![0u8; n]),
+                ..Default::default()
+            })
+            .into()
+        };
+        let (frames, oversize) = pack(vec![msg(40), msg(40), msg(500), msg(40)], 100);
+        assert_eq!(oversize, 1);
+        assert_eq!(frames.iter().map(Vec::len).collect::<Vec<_>>(), [2, 1]);
+        for f in &frames {
+            assert!(
+                SidecarFrame {
+                    messages: f.clone()
+                }
+                .encoded_len()
+                    <= 100
+            );
+        }
+    }
+}

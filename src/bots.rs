@@ -1,0 +1,254 @@
+//! Bots: simulated players that log in through a proxy, walk around and count what they see.
+//!
+//! A bot answers the proxy's pings (so the proxy measures its RTT), sends a walking direction at a
+//! fixed rate with increasing sequence numbers, follows its own avatar (the entity whose `Kind` is
+//! `player:<its account>`), and turns back toward home when it strays beyond the roam radius.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use cellmesh_arena::schema;
+use cellmesh_proto::client::{self, ClientError, ClientReceiver, ClientSender};
+use cellmesh_proto::edge::{client_message, server_message, DeltaKind, KickReason, Pong};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Clone)]
+pub struct BotConfig {
+    pub proxy: String,
+    pub secret: String,
+    pub input_hz: f64,
+    /// Bots turn back toward `home` beyond `roam` metres from it.
+    pub home: (f64, f64),
+    pub roam: f64,
+    pub seed: u64,
+}
+
+impl Default for BotConfig {
+    fn default() -> Self {
+        Self {
+            proxy: "127.0.0.1:7300".into(),
+            secret: "dev-secret-change-me".into(),
+            input_hz: 10.0,
+            home: (1000.0, 1000.0),
+            roam: 150.0,
+            seed: 7,
+        }
+    }
+}
+
+/// Counters shared by all bots of one run.
+#[derive(Debug, Default)]
+pub struct BotStats {
+    pub inputs_sent: AtomicU64,
+    pub batches: AtomicU64,
+    pub updates_delivered: AtomicU64,
+    pub appears: AtomicU64,
+    pub vanishes: AtomicU64,
+    pub logins: AtomicU64,
+    pub online: AtomicU64,
+    pub kicks: AtomicU64,
+    pub errors: AtomicU64,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct BotTotals {
+    pub inputs_sent: u64,
+    pub batches: u64,
+    pub updates_delivered: u64,
+    pub appears: u64,
+    pub vanishes: u64,
+    pub logins: u64,
+    pub online: u64,
+    pub kicks: u64,
+    pub errors: u64,
+}
+
+impl BotStats {
+    pub fn totals(&self) -> BotTotals {
+        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        BotTotals {
+            inputs_sent: l(&self.inputs_sent),
+            batches: l(&self.batches),
+            updates_delivered: l(&self.updates_delivered),
+            appears: l(&self.appears),
+            vanishes: l(&self.vanishes),
+            logins: l(&self.logins),
+            online: l(&self.online),
+            kicks: l(&self.kicks),
+            errors: l(&self.errors),
+        }
+    }
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Runs one bot until `stop`; reconnects after a lost session (each loss counted as an error).
+pub async fn run_bot(
+    account: String,
+    cfg: Arc<BotConfig>,
+    stats: Arc<BotStats>,
+    stop: CancellationToken,
+) {
+    let mut rng = StdRng::seed_from_u64(cfg.seed ^ fxhash(&account));
+    let mut seq = 0u64;
+    while !stop.is_cancelled() {
+        let token = cellmesh_proto::token::sign(cfg.secret.as_bytes(), &account, now_unix() + 3600);
+        let login = tokio::select! {
+            _ = stop.cancelled() => return,
+            r = client::login(&cfg.proxy, &token) => r,
+        };
+        match login {
+            Ok((tx, rx, _welcome)) => {
+                stats.logins.fetch_add(1, Ordering::Relaxed);
+                stats.online.fetch_add(1, Ordering::Relaxed);
+                let ended = play(&account, &cfg, &stats, &stop, &mut rng, &mut seq, tx, rx).await;
+                stats.online.fetch_sub(1, Ordering::Relaxed);
+                match ended {
+                    Ok(()) => return,
+                    Err(e) => {
+                        stats.errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(%account, error = %e, "bot lost its session");
+                    }
+                }
+            }
+            Err(e) => {
+                stats.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%account, error = %e, "bot could not log in");
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn play(
+    account: &str,
+    cfg: &BotConfig,
+    stats: &BotStats,
+    stop: &CancellationToken,
+    rng: &mut StdRng,
+    seq: &mut u64,
+    mut tx: ClientSender,
+    mut rx: ClientReceiver,
+) -> Result<(), ClientError> {
+    let me = format!("player:{account}");
+    let mut my_entity: Option<u64> = None;
+    let mut my_pos: Option<(f64, f64)> = None;
+    let mut dir: (f32, f32) = (0.0, 0.0);
+    let mut input_timer =
+        tokio::time::interval(Duration::from_secs_f64(1.0 / cfg.input_hz.max(0.1)));
+    input_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => {
+                let _ = tx.close().await;
+                return Ok(());
+            }
+            msg = rx.next() => {
+                let msg = match msg {
+                    Some(m) => m?,
+                    None => return Err(ClientError::Closed),
+                };
+                match msg.body {
+                    Some(server_message::Body::Batch(b)) => {
+                        stats.batches.fetch_add(1, Ordering::Relaxed);
+                        stats.updates_delivered.fetch_add(b.deltas.len() as u64, Ordering::Relaxed);
+                        for d in &b.deltas {
+                            match DeltaKind::try_from(d.kind) {
+                                Ok(DeltaKind::Appear) => {
+                                    stats.appears.fetch_add(1, Ordering::Relaxed);
+                                    let mine = d.components.iter().any(|c| c.r#type == schema::KIND && c.payload == me.as_bytes());
+                                    if mine {
+                                        my_entity = Some(d.entity_id);
+                                    }
+                                }
+                                Ok(DeltaKind::Vanish) => {
+                                    stats.vanishes.fetch_add(1, Ordering::Relaxed);
+                                }
+                                _ => {}
+                            }
+                            if Some(d.entity_id) == my_entity {
+                                if let Some(p) = &d.position {
+                                    my_pos = Some((p.x, p.y));
+                                }
+                            }
+                        }
+                    }
+                    Some(server_message::Body::Ping(p)) => {
+                        tx.send(client_message::Body::Pong(Pong { nonce: p.nonce })).await?;
+                    }
+                    Some(server_message::Body::Kick(k)) => {
+                        if k.reason != KickReason::Shutdown as i32 || !stop.is_cancelled() {
+                            stats.kicks.fetch_add(1, Ordering::Relaxed);
+                        }
+                        return Err(ClientError::Kicked(k));
+                    }
+                    _ => {}
+                }
+            }
+            _ = input_timer.tick() => {
+                dir = steer(dir, my_pos, cfg, rng);
+                *seq += 1;
+                tx.input(*seq, schema::input(dir.0, dir.1)).await?;
+                stats.inputs_sent.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Keeps walking, turns now and then, and heads home when beyond the roam radius.
+fn steer(
+    dir: (f32, f32),
+    pos: Option<(f64, f64)>,
+    cfg: &BotConfig,
+    rng: &mut StdRng,
+) -> (f32, f32) {
+    if let Some((x, y)) = pos {
+        let (hx, hy) = (cfg.home.0 - x, cfg.home.1 - y);
+        if hx.hypot(hy) > cfg.roam {
+            return (hx as f32, hy as f32);
+        }
+    }
+    if dir == (0.0, 0.0) || rng.random_ratio(1, 10) {
+        let a: f32 = rng.random_range(0.0..std::f32::consts::TAU);
+        return (a.cos(), a.sin());
+    }
+    dir
+}
+
+fn fxhash(s: &str) -> u64 {
+    s.bytes().fold(0xcbf29ce484222325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100000001b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steer_heads_home_when_far() {
+        let cfg = BotConfig {
+            home: (0.0, 0.0),
+            roam: 10.0,
+            ..BotConfig::default()
+        };
+        let mut rng = StdRng::seed_from_u64(1);
+        let d = steer((1.0, 0.0), Some((100.0, 0.0)), &cfg, &mut rng);
+        assert!(d.0 < 0.0 && d.1.abs() < 1e-6);
+        let d = steer((0.0, 0.0), Some((1.0, 1.0)), &cfg, &mut rng);
+        assert!(d != (0.0, 0.0));
+    }
+}

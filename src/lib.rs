@@ -1,0 +1,7 @@
+//! The `cellmesh` command: one CLI for every process of the mesh, and `cellmesh up`, a whole local
+//! cluster in one process over real loopback sockets.
+
+pub mod bots;
+pub mod partition_cli;
+pub mod signal;
+pub mod up;

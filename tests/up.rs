@@ -1,0 +1,78 @@
+//! `cellmesh up` end to end: the whole one-node cluster over real loopback sockets.
+
+use std::time::Duration;
+
+use cellmesh::up::{run, UpOptions};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_delivers_inputs_and_updates_without_errors() {
+    let opts = UpOptions {
+        bots: 12,
+        npcs: 30,
+        duration: Some(Duration::from_secs(5)),
+        summary_json: None,
+        seed: 3,
+        status: false,
+    };
+    let s = run(opts, std::future::pending()).await.expect("up runs");
+    assert_eq!(s.errors, 0, "{s:?}");
+    assert_eq!(s.sessions_peak, 12, "{s:?}");
+    assert!(s.inputs_sent > 12 * 20, "bots sent too few inputs: {s:?}");
+    assert!(
+        s.inputs_delivered as f64 >= 0.95 * s.inputs_sent as f64,
+        "inputs lost between bots and game: {s:?}"
+    );
+    assert!(
+        s.inputs_delivered <= s.inputs_sent,
+        "inputs duplicated: {s:?}"
+    );
+    assert!(s.inputs_applied > 0, "{s:?}");
+    assert!(s.updates_delivered > 1000, "{s:?}");
+    assert!(
+        s.rtt_samples > 0 && s.rtt_ms_p50 > 0.0 && s.rtt_ms_p99 >= s.rtt_ms_p50,
+        "{s:?}"
+    );
+}
+
+/// The binary itself, as a user runs it: exits 0 and writes the summary.
+#[test]
+fn up_binary_writes_summary_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cellmesh"))
+        .args([
+            "up",
+            "--bots",
+            "5",
+            "--npcs",
+            "10",
+            "--duration",
+            "3",
+            "--summary-json",
+        ])
+        .arg(&path)
+        .output()
+        .expect("cellmesh runs");
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for key in [
+        "inputs_sent",
+        "inputs_delivered",
+        "updates_delivered",
+        "sessions_peak",
+        "errors",
+        "rtt_ms_p50",
+        "rtt_ms_p99",
+    ] {
+        assert!(v.get(key).is_some(), "summary lacks {key}: {v}");
+    }
+    assert_eq!(v["errors"], 0, "{v}");
+    assert_eq!(v["sessions_peak"], 5, "{v}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("sessions="), "no status line in: {stdout}");
+}
