@@ -32,7 +32,14 @@ pub struct UpOptions {
 
 impl Default for UpOptions {
     fn default() -> Self {
-        Self { bots: 50, npcs: 100, duration: None, summary_json: None, seed: 1, status: true }
+        Self {
+            bots: 50,
+            npcs: 100,
+            duration: None,
+            summary_json: None,
+            seed: 1,
+            status: true,
+        }
     }
 }
 
@@ -57,7 +64,10 @@ pub struct Summary {
 }
 
 /// Runs the cluster until the duration ends or `interrupt` completes.
-pub async fn run(opts: UpOptions, interrupt: impl std::future::Future<Output = ()>) -> anyhow::Result<Summary> {
+pub async fn run(
+    opts: UpOptions,
+    interrupt: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<Summary> {
     let started = Instant::now();
     let stop = CancellationToken::new();
     let stores = Stores::in_memory();
@@ -95,13 +105,21 @@ pub async fn run(opts: UpOptions, interrupt: impl std::future::Future<Output = (
     // Every bot connects from 127.0.0.1: the per-address limit must admit all of them.
     let per_address = (opts.bots as u32).saturating_mul(proxy_cfg.rate.account_inputs_per_sec);
     proxy_cfg.rate.address_inputs_per_sec = proxy_cfg.rate.address_inputs_per_sec.max(per_address);
-    proxy_cfg.rate.address_burst = proxy_cfg.rate.address_burst.max(per_address.saturating_mul(2));
+    proxy_cfg.rate.address_burst = proxy_cfg
+        .rate
+        .address_burst
+        .max(per_address.saturating_mul(2));
     let secret = proxy_cfg.token_secret.clone();
-    let proxy = cellmesh_proxy::start(proxy_cfg, stop.child_token()).await.context("starting the proxy")?;
+    let proxy = cellmesh_proxy::start(proxy_cfg, stop.child_token())
+        .await
+        .context("starting the proxy")?;
 
     let deadline = Instant::now() + Duration::from_secs(15);
     while !(sidecar.stats().game_connected && proxy.admin.is_ready()) {
-        anyhow::ensure!(Instant::now() < deadline, "the cluster did not become ready within 15 s");
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the cluster did not become ready within 15 s"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     println!(
@@ -122,7 +140,12 @@ pub async fn run(opts: UpOptions, interrupt: impl std::future::Future<Output = (
     let mut bot_tasks = Vec::with_capacity(opts.bots);
     for i in 0..opts.bots {
         let (cfg, stats, stop) = (bot_cfg.clone(), bot_stats.clone(), bot_stop.clone());
-        bot_tasks.push(tokio::spawn(bots::run_bot(format!("bot-{i}"), cfg, stats, stop)));
+        bot_tasks.push(tokio::spawn(bots::run_bot(
+            format!("bot-{i}"),
+            cfg,
+            stats,
+            stop,
+        )));
     }
 
     // Live status until the end.

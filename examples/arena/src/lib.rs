@@ -99,6 +99,9 @@ struct Player {
     ack_dirty: bool,
 }
 
+/// A `PlayerJoin` that arrived while no id was free: account, session epoch, last position.
+type PendingJoin = (String, u64, Option<(f64, f64)>);
+
 struct Arena {
     cfg: ArenaConfig,
     rng: StdRng,
@@ -107,8 +110,8 @@ struct Arena {
     ids_requested: bool,
     npcs: HashMap<u64, Npc>,
     players: HashMap<String, Player>,
-    /// Joins waiting for ids.
-    waiting: Vec<(String, u64, Option<(f64, f64)>)>,
+    /// Joins waiting for ids: account, session epoch, where to appear.
+    waiting: Vec<PendingJoin>,
     stats: ArenaStats,
 }
 
