@@ -30,6 +30,9 @@ enum Command {
         /// NPCs the arena spawns.
         #[arg(long, default_value_t = 100)]
         npcs: u32,
+        /// Nodes (sidecar + arena each) sharing the world on a grid; 4 makes a 2×2 grid.
+        #[arg(long, default_value_t = 4)]
+        nodes: usize,
         /// Stop after this many seconds (default: run until Ctrl-C).
         #[arg(long)]
         duration: Option<f64>,
@@ -104,6 +107,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Up {
             bots,
             npcs,
+            nodes,
             duration,
             summary_json,
             seed,
@@ -112,6 +116,7 @@ async fn main() -> anyhow::Result<()> {
             let opts = up::UpOptions {
                 bots,
                 npcs,
+                nodes,
                 duration: duration.map(Duration::from_secs_f64),
                 summary_json,
                 seed,
@@ -150,7 +155,14 @@ async fn main() -> anyhow::Result<()> {
             .await
             .context("opening the stores")?;
             let stop = CancellationToken::new();
-            let handle = cellmesh_sidecar::start(cfg, stores, stop.clone()).await?;
+            let handle = if cfg.topology_url.is_empty() {
+                cellmesh_sidecar::start(cfg, stores, stop.clone()).await?
+            } else {
+                let topology = cellmesh_geo_router::topology::open(&cfg.topology_url)
+                    .await
+                    .context("opening the topology store")?;
+                cellmesh_sidecar::start_in(cfg, stores, topology, stop.clone()).await?
+            };
             tracing::info!(local = %handle.local_addr, mesh = %handle.mesh_addr, admin = %handle.admin_addr, "sidecar running");
             signal::shutdown().await;
             tracing::info!("shutting down");

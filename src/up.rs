@@ -1,6 +1,9 @@
 //! `cellmesh up`: a whole local cluster in one process, over real loopback sockets, with the
-//! embedded in-memory stores: one sidecar with the arena game, one proxy, and bots playing through
-//! it. Prints a live status line and, on exit, a summary (optionally as JSON).
+//! embedded in-memory stores: `nodes` sidecars, each with an arena game, sharing the world on a
+//! grid partition; one proxy spreading sessions over them; and bots playing through it. The
+//! arenas and the bots meet around the corner where every cell touches the others across the
+//! wrap seam, so updates, ghosts and routed messages cross nodes all the time. Prints a live
+//! status line and, on exit, a summary (optionally as JSON).
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -9,7 +12,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use cellmesh_arena::{ArenaConfig, ArenaStats};
+use cellmesh_geo_router::geometry::WorldShape;
+use cellmesh_geo_router::partition::{Grid, Layout, Partition};
 use cellmesh_geo_router::store::Stores;
+use cellmesh_geo_router::topology::memory::MemoryTopology;
+use cellmesh_geo_router::topology::TopologyStore;
 use cellmesh_proto::sdk::SidecarAddr;
 use cellmesh_proxy::ProxyConfig;
 use cellmesh_sidecar::SidecarConfig;
@@ -21,7 +28,10 @@ use crate::bots::{self, BotConfig, BotStats};
 #[derive(Debug, Clone)]
 pub struct UpOptions {
     pub bots: usize,
+    /// NPCs over all arenas.
     pub npcs: u32,
+    /// Nodes sharing the world (a grid as square as the number allows).
+    pub nodes: usize,
     /// Stop after this long; `None` runs until Ctrl-C / SIGTERM.
     pub duration: Option<Duration>,
     pub summary_json: Option<PathBuf>,
@@ -35,6 +45,7 @@ impl Default for UpOptions {
         Self {
             bots: 50,
             npcs: 100,
+            nodes: 4,
             duration: None,
             summary_json: None,
             seed: 1,
@@ -47,6 +58,7 @@ impl Default for UpOptions {
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Summary {
     pub duration_s: f64,
+    pub nodes: usize,
     pub bots: usize,
     pub sessions_peak: u64,
     pub inputs_sent: u64,
@@ -61,6 +73,71 @@ pub struct Summary {
     pub rtt_ms_p99: f64,
     pub rtt_samples: u64,
     pub inputs_dropped_by_proxy: u64,
+    pub ghosts_render: u64,
+    pub ghosts_sim: u64,
+    pub subscriptions: u64,
+    pub routed_messages: u64,
+    pub cross_node_updates: u64,
+    pub dropped_unknown_account: u64,
+}
+
+/// Where everything meets: the corner every cell of a grid touches, across the wrap seam.
+const MEETING_POINT: (f64, f64) = (0.0, 0.0);
+/// Side of each arena's square, metres.
+const ARENA_SPREAD: f64 = 300.0;
+
+/// `cols × rows` for `n` nodes: the most square factorisation.
+pub fn grid_shape(n: usize) -> (u32, u32) {
+    let rows = (1..=n)
+        .filter(|r| n.is_multiple_of(*r) && r * r <= n)
+        .max()
+        .unwrap_or(1);
+    ((n / rows) as u32, rows as u32)
+}
+
+/// The centre of an arena inside `area` (x, y, w, h metres) as near `to` as the torus allows,
+/// with its whole square inside the area.
+fn arena_centre(area: (f64, f64, f64, f64), to: (f64, f64), world: (f64, f64)) -> (f64, f64) {
+    let axis = |lo: f64, len: f64, p: f64, size: f64| {
+        let half = (ARENA_SPREAD / 2.0).min(len / 2.0);
+        // The copy of `p` nearest the area, then the nearest point of the area to it.
+        let mid = lo + len / 2.0;
+        let p = p + ((mid - p) / size).round() * size;
+        p.clamp(lo + half, lo + len - half)
+    };
+    (
+        axis(area.0, area.2, to.0, world.0),
+        axis(area.1, area.3, to.1, world.1),
+    )
+}
+
+#[derive(Default)]
+struct NodeTotals {
+    entities: u64,
+    inputs_delivered: u64,
+    errors: u64,
+    ghosts_render: u64,
+    ghosts_sim: u64,
+    subscriptions: u64,
+    routed_messages: u64,
+    cross_node_updates: u64,
+    dropped_unknown_account: u64,
+}
+
+fn totals(sidecars: &[cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
+    let mut t = NodeTotals::default();
+    for s in sidecars.iter().map(|h| h.stats()) {
+        t.entities += s.entities;
+        t.inputs_delivered += s.inputs_delivered;
+        t.errors += s.errors;
+        t.ghosts_render += s.ghosts_render;
+        t.ghosts_sim += s.ghosts_sim;
+        t.subscriptions += s.subscriptions;
+        t.routed_messages += s.routed_messages;
+        t.cross_node_updates += s.cross_node_updates;
+        t.dropped_unknown_account += s.dropped_unknown_account;
+    }
+    t
 }
 
 /// Runs the cluster until the duration ends or `interrupt` completes.
@@ -72,32 +149,68 @@ pub async fn run(
     let stop = CancellationToken::new();
     let stores = Stores::in_memory();
 
-    let sidecar_cfg = SidecarConfig {
-        local_listen: "127.0.0.1:0".into(),
-        mesh_listen: "127.0.0.1:0".into(),
-        admin_listen: "127.0.0.1:0".into(),
-        ..SidecarConfig::default()
-    };
-    let sidecar = cellmesh_sidecar::start(sidecar_cfg, stores, stop.child_token())
+    anyhow::ensure!(opts.nodes >= 1, "--nodes must be at least 1");
+    anyhow::ensure!(
+        opts.nodes as u32 <= cellmesh_geo_router::topology::MAX_NODE_ID,
+        "--nodes {} is more than node ids allow",
+        opts.nodes
+    );
+    let world = WorldShape::default();
+    let (cols, rows) = grid_shape(opts.nodes);
+    let ids: Vec<u32> = (1..=opts.nodes as u32).collect();
+    let (rx, ry) = (world.regions_x() as u32, world.regions_y() as u32);
+    // The fixed grid of regions, shared out in compact blocks (2 × 2 quadrants for 4 nodes).
+    let grid = Grid::even(&world, rx, ry, &ids).context("laying out the grid")?;
+    let partition = Partition::new(world, 1, Layout::Grid(grid)).context("the partition")?;
+    let topology: Arc<dyn TopologyStore> = Arc::new(MemoryTopology::default());
+    topology
+        .commit_partition(0, &partition)
         .await
-        .context("starting the sidecar")?;
+        .context("committing the partition")?;
 
-    let arena_cfg = ArenaConfig {
-        sidecar: SidecarAddr::Tcp(sidecar.local_addr.clone()),
-        npcs: opts.npcs,
-        seed: opts.seed,
-        ..ArenaConfig::default()
-    };
-    let (home, roam) = (arena_cfg.center, arena_cfg.spread / 2.0);
-    let arena_stop = stop.child_token();
-    let arena = tokio::spawn(async move {
-        cellmesh_arena::run(arena_cfg, async move { arena_stop.cancelled().await }).await
-    });
+    let mut sidecars = Vec::with_capacity(opts.nodes);
+    let mut arenas = Vec::with_capacity(opts.nodes);
+    let per_arena = opts.npcs.div_ceil(opts.nodes as u32);
+    for (i, &node_id) in ids.iter().enumerate() {
+        let cfg = SidecarConfig {
+            node_id,
+            world,
+            local_listen: "127.0.0.1:0".into(),
+            mesh_listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            ..SidecarConfig::default()
+        };
+        let sidecar =
+            cellmesh_sidecar::start_in(cfg, stores.clone(), topology.clone(), stop.child_token())
+                .await
+                .with_context(|| format!("starting the sidecar of node {node_id}"))?;
+        let area = cellmesh_sidecar::subs::merge_rects(partition.area_of(node_id));
+        let first = area.first().context("a node of the grid owns no area")?;
+        let centre = arena_centre(
+            world.rect_metres(first),
+            MEETING_POINT,
+            (world.width, world.height),
+        );
+        let arena_cfg = ArenaConfig {
+            sidecar: SidecarAddr::Tcp(sidecar.local_addr.clone()),
+            npcs: per_arena.min(opts.npcs.saturating_sub(per_arena * i as u32)),
+            seed: opts.seed.wrapping_add(i as u64),
+            center: centre,
+            spread: ARENA_SPREAD,
+            ..ArenaConfig::default()
+        };
+        let arena_stop = stop.child_token();
+        arenas.push(tokio::spawn(async move {
+            cellmesh_arena::run(arena_cfg, async move { arena_stop.cancelled().await }).await
+        }));
+        sidecars.push(sidecar);
+    }
+    let (home, roam) = (MEETING_POINT, ARENA_SPREAD / 2.0);
 
     let mut proxy_cfg = ProxyConfig {
         client_listen: "127.0.0.1:0".into(),
         admin_listen: "127.0.0.1:0".into(),
-        gateways: vec![sidecar.mesh_addr.to_string()],
+        gateways: sidecars.iter().map(|s| s.mesh_addr.to_string()).collect(),
         // A secret of this run only: nobody outside it can sign a login.
         token_secret: format!("{:032x}", rand::random::<u128>()),
         ..ProxyConfig::default()
@@ -115,16 +228,28 @@ pub async fn run(
         .context("starting the proxy")?;
 
     let deadline = Instant::now() + Duration::from_secs(15);
-    while !(sidecar.stats().game_connected && proxy.admin.is_ready()) {
+    let linked = |s: &cellmesh_sidecar::SidecarHandle| {
+        let st = s.stats();
+        st.game_connected && st.peers_up as usize == opts.nodes - 1
+    };
+    while !(sidecars.iter().all(linked) && proxy.admin.is_ready()) {
         anyhow::ensure!(
             Instant::now() < deadline,
             "the cluster did not become ready within 15 s"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let admins: Vec<String> = sidecars
+        .iter()
+        .map(|s| format!("http://{}", s.admin_addr))
+        .collect();
     println!(
-        "cellmesh up: sidecar admin http://{} · proxy clients {} admin http://{} · {} bots",
-        sidecar.admin_addr, proxy.client_addr, proxy.admin_addr, opts.bots
+        "cellmesh up: {} nodes ({cols}×{rows}), sidecar admin {} · proxy clients {} admin http://{} · {} bots",
+        opts.nodes,
+        admins.join(" "),
+        proxy.client_addr,
+        proxy.admin_addr,
+        opts.bots
     );
 
     let bot_cfg = Arc::new(BotConfig {
@@ -161,11 +286,12 @@ pub async fn run(
             _ = async { match end { Some(e) => tokio::time::sleep_until(e).await, None => std::future::pending().await } } => break,
             _ = tick.tick() => {
                 if !opts.status { continue }
-                let (s, p, b) = (sidecar.stats(), proxy.stats(), bot_stats.totals());
+                let (s, p, b) = (totals(&sidecars), proxy.stats(), bot_stats.totals());
                 let dt = last.0.elapsed().as_secs_f64().max(1e-3);
                 let line = format!(
-                    "t={:>4.0}s sessions={:>4} entities={:>5} inputs/s={:>6.0} updates/s={:>7.0} rtt p50={:.2}ms p99={:.2}ms errors={}",
-                    started.elapsed().as_secs_f64(), p.sessions, s.entities,
+                    "t={:>4.0}s nodes={} sessions={:>4} entities={:>5} ghosts={}/{} subs={} xnode={} routed={} inputs/s={:>6.0} updates/s={:>7.0} rtt p50={:.2}ms p99={:.2}ms errors={}",
+                    started.elapsed().as_secs_f64(), opts.nodes, p.sessions, s.entities,
+                    s.ghosts_render, s.ghosts_sim, s.subscriptions, s.cross_node_updates, s.routed_messages,
                     (s.inputs_delivered - last.1) as f64 / dt,
                     (b.updates_delivered - last.2) as f64 / dt,
                     p.rtt_ms_p50, p.rtt_ms_p99, b.errors + s.errors,
@@ -185,22 +311,28 @@ pub async fn run(
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let (s, p, b) = (sidecar.stats(), proxy.stats(), bot_stats.totals());
+    let (s, p, b) = (totals(&sidecars), proxy.stats(), bot_stats.totals());
 
     stop.cancel();
-    let arena_stats: ArenaStats = match tokio::time::timeout(Duration::from_secs(5), arena).await {
-        Ok(Ok(Ok(st))) => st,
-        Ok(Ok(Err(e))) => {
-            tracing::warn!(error = %e, "arena ended with an error");
-            ArenaStats::default()
+    let mut arena_stats = ArenaStats::default();
+    for arena in arenas {
+        match tokio::time::timeout(Duration::from_secs(5), arena).await {
+            Ok(Ok(Ok(st))) => {
+                arena_stats.inputs_applied += st.inputs_applied;
+                arena_stats.errors_from_sidecar += st.errors_from_sidecar;
+            }
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "arena ended with an error"),
+            _ => {}
         }
-        _ => ArenaStats::default(),
-    };
+    }
     let _ = tokio::time::timeout(Duration::from_secs(5), proxy.wait()).await;
-    let _ = tokio::time::timeout(Duration::from_secs(5), sidecar.wait()).await;
+    for sidecar in sidecars {
+        let _ = tokio::time::timeout(Duration::from_secs(5), sidecar.wait()).await;
+    }
 
     let summary = Summary {
         duration_s: started.elapsed().as_secs_f64(),
+        nodes: opts.nodes,
         bots: opts.bots,
         sessions_peak: p.sessions_peak,
         inputs_sent: b.inputs_sent,
@@ -215,10 +347,49 @@ pub async fn run(
         rtt_ms_p99: p.rtt_ms_p99,
         rtt_samples: p.rtt_samples,
         inputs_dropped_by_proxy: p.inputs_dropped,
+        ghosts_render: s.ghosts_render,
+        ghosts_sim: s.ghosts_sim,
+        subscriptions: s.subscriptions,
+        routed_messages: s.routed_messages,
+        cross_node_updates: s.cross_node_updates,
+        dropped_unknown_account: s.dropped_unknown_account,
     };
     if let Some(path) = &opts.summary_json {
         std::fs::write(path, serde_json::to_string_pretty(&summary)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grids_are_as_square_as_the_count_allows() {
+        assert_eq!(grid_shape(1), (1, 1));
+        assert_eq!(grid_shape(2), (2, 1));
+        assert_eq!(grid_shape(4), (2, 2));
+        assert_eq!(grid_shape(6), (3, 2));
+        assert_eq!(grid_shape(7), (7, 1));
+    }
+
+    #[test]
+    fn arenas_sit_in_their_cell_next_to_the_meeting_point_across_the_seam() {
+        let world = (1000.0, 1000.0);
+        let h = ARENA_SPREAD / 2.0;
+        // The cell at the far corner reaches the origin across both seams.
+        assert_eq!(
+            arena_centre((500.0, 500.0, 500.0, 500.0), (0.0, 0.0), world),
+            (1000.0 - h, 1000.0 - h)
+        );
+        assert_eq!(
+            arena_centre((0.0, 0.0, 500.0, 500.0), (0.0, 0.0), world),
+            (h, h)
+        );
+        assert_eq!(
+            arena_centre((500.0, 0.0, 500.0, 500.0), (0.0, 0.0), world),
+            (1000.0 - h, h)
+        );
+    }
 }

@@ -9,6 +9,7 @@ async fn up_delivers_inputs_and_updates_without_errors() {
     let opts = UpOptions {
         bots: 12,
         npcs: 30,
+        nodes: 1,
         duration: Some(Duration::from_secs(5)),
         summary_json: None,
         seed: 3,

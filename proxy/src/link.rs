@@ -520,6 +520,8 @@ fn body_name(b: &Body) -> &'static str {
         Body::ToClient(_) => "ToClient",
         Body::Rtt(_) => "SessionRtt",
         Body::Refused(_) => "LinkRefused",
+        // Sidecar <-> sidecar traffic never belongs on a proxy link.
+        _ => "a sidecar-to-sidecar message",
     }
 }
 

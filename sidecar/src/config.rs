@@ -36,6 +36,20 @@ pub struct SidecarConfig {
     pub players_url: String,
     /// Lease of a session's directory entry; renewed at a third of it while attached.
     pub session_lease_ms: u64,
+    /// Topology store holding the partition and the node leases (`mongodb://…`): the node joins
+    /// the cluster it describes. Empty: a lone node that owns the whole world.
+    pub topology_url: String,
+    /// The address peers dial to reach `mesh_listen` (published in the topology store); empty:
+    /// the address actually bound.
+    pub mesh_advertise: String,
+    /// Lease of this node's id and area in the topology store; renewed every half second.
+    pub node_lease_ms: u64,
+    /// Foreign entities within this many chunks of the node's area become simulation ghosts...
+    pub interaction_band_chunks: u32,
+    /// ...and stay until this many chunks further out...
+    pub ghost_keep_margin_chunks: u32,
+    /// ...and at least this long.
+    pub ghost_min_lifespan_ms: u64,
 }
 
 impl Default for SidecarConfig {
@@ -55,6 +69,12 @@ impl Default for SidecarConfig {
             directory_url: "memory".into(),
             players_url: "memory".into(),
             session_lease_ms: 30_000,
+            topology_url: String::new(),
+            mesh_advertise: String::new(),
+            node_lease_ms: 10_000,
+            interaction_band_chunks: 1,
+            ghost_keep_margin_chunks: 1,
+            ghost_min_lifespan_ms: 2_000,
         }
     }
 }
@@ -87,6 +107,8 @@ pub enum ConfigError {
     Zero { name: &'static str },
     #[error("session_lease_ms {0} is below the minimum of 1000")]
     Lease(u64),
+    #[error("node_lease_ms {0} is below the minimum of 1000")]
+    NodeLease(u64),
 }
 
 impl SidecarConfig {
@@ -129,6 +151,9 @@ impl SidecarConfig {
         }
         if self.session_lease_ms < 1000 {
             return Err(ConfigError::Lease(self.session_lease_ms));
+        }
+        if self.node_lease_ms < 1000 {
+            return Err(ConfigError::NodeLease(self.node_lease_ms));
         }
         Ok(())
     }

@@ -42,6 +42,9 @@ pub struct Entity {
     pub is_master: bool,
     pub parent_id: u64,
     pub components: BTreeMap<u32, Component>,
+    /// `None` for this node's own entities; the owning node for a render ghost (a replica of a
+    /// foreign entity: public components only, written only by frames from its owner).
+    pub origin: Option<u32>,
 }
 
 /// A spawn as the game asked for it.
@@ -53,6 +56,7 @@ pub struct NewEntity {
     pub is_master: bool,
     pub parent_id: u64,
     pub components: Vec<(u32, Component)>,
+    pub origin: Option<u32>,
 }
 
 /// An update as the game asked for it: only what changed.
@@ -183,6 +187,7 @@ impl EntityTable {
             is_master: e.is_master,
             parent_id: e.parent_id,
             components: e.components.into_iter().collect(),
+            origin: e.origin,
         };
         self.residents.entry(chunk).or_default().insert(e.id);
         if entity.is_master && !entity.owner_account.is_empty() {
@@ -271,6 +276,19 @@ impl EntityTable {
         Ok(entity)
     }
 
+    /// Despawns the node's own entities, keeping ghosts (the game went away).
+    pub fn clear_local(&mut self) -> Vec<Entity> {
+        let ids: Vec<u64> = self
+            .entities
+            .values()
+            .filter(|e| e.origin.is_none())
+            .map(|e| e.id)
+            .collect();
+        ids.into_iter()
+            .filter_map(|id| self.despawn(id).ok())
+            .collect()
+    }
+
     /// Despawns everything (the game went away); returns the removed entities.
     pub fn clear(&mut self) -> Vec<Entity> {
         let ids: Vec<u64> = self.entities.keys().copied().collect();
@@ -286,6 +304,68 @@ impl EntityTable {
 
     pub fn pending_changes(&self) -> &TickChanges {
         &self.changes
+    }
+}
+
+impl EntityTable {
+    /// This node's own entity `id` (not a ghost), for what the game asks.
+    pub fn get_local(&self, id: u64) -> Option<&Entity> {
+        self.entities.get(&id).filter(|e| e.origin.is_none())
+    }
+
+    /// Sets a render ghost to the full state its owner sent: spawned if new, otherwise changed
+    /// in place (components missing from `full` are removed), so clients see an update rather
+    /// than a vanish and a new appear. A local entity of the same id is left alone.
+    pub fn set_ghost(&mut self, full: NewEntity) -> Result<(), EntityError> {
+        let Some(existing) = self.entities.get(&full.id) else {
+            return self.spawn(full);
+        };
+        if existing.origin.is_none() {
+            return Err(EntityError::Duplicate(full.id));
+        }
+        let removed: Vec<u32> = existing
+            .components
+            .keys()
+            .filter(|t| !full.components.iter().any(|(c, _)| c == *t))
+            .copied()
+            .collect();
+        let (owner, master) = (full.owner_account.clone(), full.is_master);
+        self.update(EntityUpdate {
+            id: full.id,
+            position: Some(full.position),
+            changed: full.components,
+            removed,
+        })?;
+        let e = self.entities.get_mut(&full.id).expect("updated above");
+        e.origin = full.origin;
+        if e.owner_account != owner || e.is_master != master {
+            if self.masters.get(&e.owner_account) == Some(&e.id) {
+                self.masters.remove(&e.owner_account);
+            }
+            e.owner_account = owner;
+            e.is_master = master;
+            if e.is_master && !e.owner_account.is_empty() {
+                self.masters.insert(e.owner_account.clone(), e.id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Ids of the render ghosts whose owner is `node`.
+    pub fn ghosts_of(&self, node: u32) -> Vec<u64> {
+        self.entities
+            .values()
+            .filter(|e| e.origin == Some(node))
+            .map(|e| e.id)
+            .collect()
+    }
+
+    /// Render ghosts held.
+    pub fn ghost_count(&self) -> usize {
+        self.entities
+            .values()
+            .filter(|e| e.origin.is_some())
+            .count()
     }
 }
 
@@ -462,6 +542,33 @@ mod tests {
         t.despawn(2).unwrap();
         let ch = t.take_changes().remove(&2).unwrap();
         assert!(ch.despawned && !ch.spawned);
+    }
+
+    #[test]
+    fn a_ghost_set_twice_changes_in_place() {
+        let mut t = table();
+        let ghost = |x: f64, comps: Vec<(u32, Component)>| NewEntity {
+            id: 9,
+            position: Position::new(x, 1.0, 0.0),
+            components: comps,
+            origin: Some(2),
+            ..Default::default()
+        };
+        t.set_ghost(ghost(1.0, vec![(1, public("a")), (2, public("b"))]))
+            .unwrap();
+        t.take_changes();
+        t.set_ghost(ghost(40.0, vec![(1, public("a2"))])).unwrap();
+        let ch = t.take_changes().remove(&9).unwrap();
+        assert!(!ch.spawned && !ch.despawned && ch.moved);
+        assert_eq!(ch.components.keys().copied().collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(t.get(9).unwrap().components.len(), 1);
+        assert!(t.get_local(9).is_none() && t.ghosts_of(2) == [9]);
+        // A ghost never overwrites one of the node's own entities.
+        t.spawn(npc(10, 1.0, 1.0)).unwrap();
+        let mut other = ghost(1.0, vec![]);
+        other.id = 10;
+        assert_eq!(t.set_ghost(other), Err(EntityError::Duplicate(10)));
+        assert_eq!(t.get(10).unwrap().origin, None);
     }
 
     #[test]

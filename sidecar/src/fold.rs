@@ -85,6 +85,12 @@ pub struct Clients {
     viewers: HashMap<ChunkPos, HashSet<ClientKey>>,
     /// entity -> clients holding some of its state.
     known_by: HashMap<u64, HashSet<ClientKey>>,
+    /// Anchors of accounts whose avatar another node simulates (that node tells where it is).
+    remote_anchors: HashMap<String, ChunkPos>,
+    /// Pieces routed here by other nodes, for the next batch of each client.
+    injected: BTreeMap<ClientKey, Vec<(Part, Encoded)>>,
+    /// Set when some view changed since [`Clients::take_views_changed`].
+    views_changed: bool,
 }
 
 impl Clients {
@@ -96,7 +102,40 @@ impl Clients {
             by_account: HashMap::new(),
             viewers: HashMap::new(),
             known_by: HashMap::new(),
+            remote_anchors: HashMap::new(),
+            injected: BTreeMap::new(),
+            views_changed: false,
         }
+    }
+
+    /// The session of `account` on this node, if any.
+    pub fn key_of(&self, account: &str) -> Option<ClientKey> {
+        self.by_account.get(account).copied()
+    }
+
+    /// Where the avatar of `account` is when another node simulates it (`None`: forget it).
+    pub fn set_remote_anchor(&mut self, account: &str, chunk: Option<ChunkPos>) {
+        match chunk {
+            Some(c) => self.remote_anchors.insert(account.to_string(), c),
+            None => self.remote_anchors.remove(account),
+        };
+    }
+
+    /// Queues an already-encoded piece for `key`'s next batch.
+    pub fn inject(&mut self, key: ClientKey, part: Part, encoded: Encoded) {
+        if self.clients.contains_key(&key) {
+            self.injected.entry(key).or_default().push((part, encoded));
+        }
+    }
+
+    /// Every chunk in some client's view.
+    pub fn viewed_chunks(&self) -> impl Iterator<Item = ChunkPos> + '_ {
+        self.viewers.keys().copied()
+    }
+
+    /// Whether some view changed since the last call.
+    pub fn take_views_changed(&mut self) -> bool {
+        std::mem::take(&mut self.views_changed)
     }
 
     /// Adds a session of `account`; it is shown its surroundings at the next fold.
@@ -127,6 +166,8 @@ impl Clients {
         if self.by_account.get(&*c.account) == Some(&key) {
             self.by_account.remove(&*c.account);
         }
+        self.injected.remove(&key);
+        self.views_changed = true;
     }
 
     pub fn len(&self) -> usize {
@@ -171,13 +212,25 @@ impl Clients {
             by_account,
             viewers,
             known_by,
+            remote_anchors,
+            injected,
+            views_changed,
         } = self;
         let (world, shape) = (*world, *shape);
         let mut work: BTreeMap<ClientKey, BTreeSet<u64>> = BTreeMap::new();
 
         // Views follow their anchors first, so this tick's deltas use this tick's views.
         for (&key, c) in clients.iter_mut() {
-            let Some(anchor) = table.master_of(&c.account).map(|e| e.chunk) else {
+            // The node's own avatar first, then what its simulating node said, then a ghost.
+            let master = table.master_of(&c.account);
+            let anchor = match master {
+                Some(e) if e.origin.is_none() => Some(e.chunk),
+                _ => remote_anchors
+                    .get(&*c.account)
+                    .copied()
+                    .or(master.map(|e| e.chunk)),
+            };
+            let Some(anchor) = anchor else {
                 continue;
             };
             let before = c.view.anchor();
@@ -185,6 +238,7 @@ impl Clients {
             if before == Some(anchor) {
                 continue;
             }
+            *views_changed = true;
             for chunk in &change.left {
                 unindex(viewers, chunk, key);
             }
@@ -322,6 +376,23 @@ impl Clients {
                     .or_insert_with(|| Outgoing::new(tick, budget))
                     .push(Part::Message, encoded.clone());
                 out.messages += 1;
+            }
+        }
+
+        for (key, pieces) in std::mem::take(injected) {
+            if !clients.contains_key(&key) {
+                continue;
+            }
+            let batch = batches
+                .entry(key)
+                .or_insert_with(|| Outgoing::new(tick, budget));
+            for (part, encoded) in pieces {
+                match part {
+                    Part::Delta => out.deltas += 1,
+                    Part::Event => out.events += 1,
+                    Part::Message => out.messages += 1,
+                }
+                batch.push(part, encoded);
             }
         }
 
@@ -525,8 +596,9 @@ fn diff(ch: &EntityChange, e: &Entity, account: &str, in_range: bool) -> (Vec<u3
     (send, removed)
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Part {
+/// The three kinds of piece in a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
     Delta,
     Event,
     Message,
@@ -1090,13 +1162,15 @@ mod tests {
             let mut shown_before: BTreeSet<u64> = BTreeSet::new();
             let shift = |p: Position, dx: i64, dy: i64| Position::new(p.x + dx as f64 * CS, p.y + dy as f64 * CS, 0.0);
             for ops in ticks {
+                // A despawned entity is a new incarnation if spawned again: no hysteresis owed.
+                let mut toggled: BTreeSet<u64> = BTreeSet::new();
                 for op in ops {
                     let t = &mut f.table;
                     let pos = |t: &EntityTable, id: u64| t.get(id).map(|e| e.position);
                     match op {
                         Op::Walk(x, y) => { let p = pos(t, 1).unwrap(); t.update(EntityUpdate { id: 1, position: Some(shift(p, x, y)), ..Default::default() }).unwrap(); }
                         Op::Move(i, x, y) => if let Some(p) = pos(t, i) { t.update(EntityUpdate { id: i, position: Some(shift(p, x, y)), ..Default::default() }).unwrap(); },
-                        Op::Toggle(i, x, y) => if t.get(i).is_some() { t.despawn(i).unwrap(); } else { let p = shift(pos(t, 1).unwrap(), x, y); t.spawn(npc(i, p)).unwrap(); },
+                        Op::Toggle(i, x, y) => { toggled.insert(i); if t.get(i).is_some() { t.despawn(i).unwrap(); } else { let p = shift(pos(t, 1).unwrap(), x, y); t.spawn(npc(i, p)).unwrap(); } },
                         Op::Public(i, v) => { let _ = t.update(EntityUpdate { id: i, changed: vec![(1, comp(Audience::PublicInRange, &v.to_string()))], ..Default::default() }); }
                         Op::Letter(i, on) => {
                             let u = if on {
@@ -1144,7 +1218,7 @@ mod tests {
                 }
                 // Hysteresis: once shown, an entity stays shown until past the release distance.
                 let shown: BTreeSet<u64> = mirror.0.iter().filter(|(_, e)| e.0).map(|(id, _)| *id).collect();
-                for id in &shown_before {
+                for id in shown_before.difference(&toggled) {
                     if let Some(e) = f.table.get(*id) {
                         if world().chunk_distance(anchor, e.chunk) <= shape.release() {
                             prop_assert!(shown.contains(id), "entity {} dropped within the release distance", id);

@@ -9,6 +9,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
+use cellmesh_geo_router::geometry::Pos;
 use cellmesh_geo_router::store::PlayerRecord;
 use cellmesh_proto::edge::KickReason;
 use cellmesh_proto::local::{self, sidecar_message};
@@ -128,20 +129,33 @@ impl Node {
         if self.shutting_down {
             return;
         }
-        tracing::info!(link, proxy = %hello.id, %remote, "proxy link up");
+        let peer = (hello.role == mesh::PeerRole::Sidecar as i32).then_some(hello.node_id);
+        if peer.is_none() {
+            tracing::info!(link, proxy = %hello.id, %remote, "proxy link up");
+        }
         self.links.insert(
             link,
             Link {
+                peer,
                 hello,
                 remote,
                 handle,
                 sessions: Default::default(),
             },
         );
+        if let Some(node) = peer {
+            self.on_peer_up(link, node);
+        }
     }
 
     pub(crate) fn on_link_message(&mut self, link: LinkId, m: MeshMessage) {
-        if !self.links.contains_key(&link) {
+        let Some(l) = self.links.get(&link) else {
+            return;
+        };
+        if let Some(node) = l.peer {
+            if let Some(body) = m.body {
+                self.on_peer_message(node, body);
+            }
             return;
         }
         use mesh_message::Body as B;
@@ -294,17 +308,35 @@ impl Node {
             s.last_position = r.last_position;
             s.home_geo = Some(r.home_geo);
         }
+        let last_position = s.last_position;
         let join = local::PlayerJoin {
             account: account.clone(),
             session_epoch: reg.epoch,
-            last_position: s.last_position.map(|[x, y, z]| local::Vec3 { x, y, z }),
+            last_position: last_position.map(|[x, y, z]| local::Vec3 { x, y, z }),
         };
         self.sessions.by_account.insert(account.clone(), key);
         self.clients.add(key, &account);
         self.metrics.sessions.set(self.sessions.attached() as i64);
-        if self.game.is_some() {
-            self.to_game
-                .push(sidecar_message::Body::PlayerJoin(join).into());
+        self.announce_session(&account, reg.epoch);
+        // The avatar is spawned by the game of the node owning where it stands (the player's
+        // last position); a player with none starts in this node's world.
+        let me = self.cfg.node_id;
+        let owner = last_position
+            .and_then(|[x, y, _]| self.partition.owner_of(Pos { x, y }).ok())
+            .unwrap_or(me);
+        let remote_join = mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
+            account: account.clone(),
+            session_epoch: reg.epoch,
+            last_position: last_position.map(|[x, y, z]| mesh::MeshVec3 { x, y, z }),
+        });
+        if owner != me && self.send_peer(owner, remote_join) {
+            self.master_owner.insert(account.clone(), owner);
+        } else {
+            self.master_owner.insert(account.clone(), me);
+            if self.game.is_some() {
+                self.to_game
+                    .push(sidecar_message::Body::PlayerJoin(join).into());
+            }
         }
         self.queue_for_link(
             link,
@@ -331,6 +363,23 @@ impl Node {
         let Some(epoch) = s.epoch else {
             return self.metrics.drop_msg("session_attaching", 1);
         };
+        let owner = self
+            .master_owner
+            .get(&s.account)
+            .copied()
+            .unwrap_or(self.cfg.node_id);
+        if owner != self.cfg.node_id {
+            let forward = mesh_message::Body::ForwardInput(mesh::ForwardInput {
+                account: s.account.clone(),
+                session_epoch: epoch,
+                seq: i.seq,
+                payload: i.payload,
+            });
+            if self.send_peer(owner, forward) {
+                self.metrics.inputs_forwarded.inc();
+            }
+            return;
+        }
         if self.game.is_none() {
             return self.metrics.drop_msg("no_game", 1);
         }
@@ -355,19 +404,13 @@ impl Node {
             // Still registering: `on_registered` undoes the registration when it lands.
             return;
         };
-        if self.game.is_some() {
-            let leave = local::PlayerLeave {
-                account: s.account.clone(),
-                session_epoch: epoch,
-                reason: reason.to_string(),
-            };
-            self.to_game
-                .push(sidecar_message::Body::PlayerLeave(leave).into());
-        }
+        self.release_avatar(&s.account, epoch, reason);
+        self.announce_session_end(&s.account, epoch);
         let last_position = self
             .table
             .master_of(&s.account)
             .map(|e| [e.position.x, e.position.y, e.position.z])
+            .or(self.anchor_pos.remove(&s.account))
             .or(s.last_position);
         let record = PlayerRecord {
             account: s.account.clone(),
@@ -388,6 +431,49 @@ impl Node {
             }
         });
         tracing::debug!(account = %s.account, epoch, %reason, "session ended");
+    }
+
+    /// Tells the game simulating `account`'s avatar (this node's or a peer's) that the session
+    /// `epoch` is over.
+    fn release_avatar(&mut self, account: &str, epoch: u64, reason: &str) {
+        let owner = self
+            .master_owner
+            .remove(account)
+            .unwrap_or(self.cfg.node_id);
+        self.clients.set_remote_anchor(account, None);
+        if owner != self.cfg.node_id {
+            self.send_peer(
+                owner,
+                mesh_message::Body::PlayerLeave(mesh::PeerPlayerLeave {
+                    account: account.to_string(),
+                    session_epoch: epoch,
+                    reason: reason.to_string(),
+                }),
+            );
+        } else if self.game.is_some() {
+            let leave = local::PlayerLeave {
+                account: account.to_string(),
+                session_epoch: epoch,
+                reason: reason.to_string(),
+            };
+            self.to_game
+                .push(sidecar_message::Body::PlayerLeave(leave).into());
+        }
+    }
+
+    /// A newer login of the account on another gateway won: the client is kicked and its
+    /// avatar released (the new session's join respawns or keeps it), with no record saved.
+    pub(crate) fn displace(&mut self, key: SessionKey, detail: &str) {
+        let Some(s) = self.sessions.get(key) else {
+            return;
+        };
+        let (link, session_id, account, epoch) = (s.link, s.session_id, s.account.clone(), s.epoch);
+        self.queue_for_link(link, detach(session_id, KickReason::Displaced, detail));
+        if let Some(epoch) = epoch {
+            self.release_avatar(&account, epoch, "displaced");
+        }
+        self.anchor_pos.remove(&account);
+        self.forget_session(key);
     }
 
     /// Drops every trace of a session on this node, telling nobody.
@@ -415,6 +501,9 @@ impl Node {
         };
         l.handle.kill.cancel();
         self.to_links.remove(&link);
+        if let Some(node) = l.peer {
+            return self.peer_down(node, link, reason);
+        }
         tracing::info!(link, proxy = %l.hello.id, %reason, "proxy link closed");
         for key in l.sessions {
             self.end_session(key, &format!("link to the proxy lost: {reason}"));

@@ -8,20 +8,26 @@
 //!   tick);
 //! - [`metrics`] and the admin endpoints (`/live`, `/ready`, `/metrics`, `/state`).
 //!
-//! This is one node: peer links, ghosts and handoff plug in beside `gateway` (sessions) and
-//! [`fold`].
+//! Many nodes serve one world ([`start_in`]): peer links between sidecars (`cluster`), node-level
+//! chunk subscriptions ([`subs`]), render and simulation ghosts ([`ghosts`]) and routing by
+//! account ([`route`]), wired together in `peer`. Handoff comes next.
 
 pub mod audience;
+mod cluster;
 pub mod config;
 pub mod entities;
 pub mod fold;
 mod game;
 mod gateway;
+pub mod ghosts;
 pub mod ids;
 pub mod interest;
 mod mesh;
 pub mod metrics;
 mod node;
+mod peer;
+pub mod route;
+pub mod subs;
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -30,8 +36,12 @@ use std::sync::{Arc, Mutex};
 use anyhow::Context;
 use cellmesh_admin::prometheus_client::registry::Registry;
 use cellmesh_admin::Admin;
+use cellmesh_geo_router::partition::{Grid, Layout, Partition};
 use cellmesh_geo_router::store::Stores;
+use cellmesh_geo_router::topology::{Lease, NodeRecord, TopologyStore};
 use serde::Serialize;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -73,6 +83,16 @@ pub struct SidecarStats {
     pub errors: u64,
     pub frames_in: u64,
     pub frames_out: u64,
+    pub peers_up: u64,
+    pub ghosts_render: u64,
+    pub ghosts_sim: u64,
+    pub subscriptions: u64,
+    /// (chunk, node) subscriptions other nodes hold on this node's chunks.
+    pub subscribers: u64,
+    pub routed_messages: u64,
+    pub cross_node_updates: u64,
+    pub dropped_unknown_account: u64,
+    pub inputs_forwarded: u64,
 }
 
 impl SidecarHandle {
@@ -88,6 +108,15 @@ impl SidecarHandle {
             errors: m.errors_total(),
             frames_in: m.frames_in_total(),
             frames_out: m.frames_out_total(),
+            peers_up: m.peers_up.get().max(0) as u64,
+            ghosts_render: m.ghosts_render.get().max(0) as u64,
+            ghosts_sim: m.ghosts_sim.get().max(0) as u64,
+            subscriptions: m.subscriptions.get().max(0) as u64,
+            subscribers: m.subscribers.get().max(0) as u64,
+            routed_messages: m.routed_messages.get(),
+            cross_node_updates: m.cross_node_updates.get(),
+            dropped_unknown_account: m.dropped_unknown_account.get(),
+            inputs_forwarded: m.inputs_forwarded.get(),
         }
     }
 
@@ -102,13 +131,40 @@ impl SidecarHandle {
     }
 }
 
-/// Binds the listeners and starts the sidecar; it runs until `shutdown` is cancelled.
+/// Binds the listeners and starts a lone sidecar that owns the whole world; it runs until
+/// `shutdown` is cancelled.
 pub async fn start(
     cfg: SidecarConfig,
     stores: Stores,
     shutdown: CancellationToken,
 ) -> anyhow::Result<SidecarHandle> {
     cfg.validate().context("invalid sidecar configuration")?;
+    // One region covering the world, so the game is told one rectangle.
+    let whole = Grid::new(&cfg.world, 1, 1, vec![cfg.node_id]).context("the world")?;
+    let partition = Partition::new(cfg.world, 0, Layout::Grid(whole)).context("the world")?;
+    launch(cfg, stores, partition, None, shutdown).await
+}
+
+/// Starts a sidecar as one node of a cluster: it serves the area the committed partition in
+/// `topology` gives its node id, under that id's lease, and links to every other live node.
+pub async fn start_in(
+    cfg: SidecarConfig,
+    stores: Stores,
+    topology: Arc<dyn TopologyStore>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<SidecarHandle> {
+    cfg.validate().context("invalid sidecar configuration")?;
+    let (partition, lease) = cluster::join(topology.as_ref(), &cfg).await?;
+    launch(cfg, stores, partition, Some((topology, lease)), shutdown).await
+}
+
+async fn launch(
+    cfg: SidecarConfig,
+    stores: Stores,
+    partition: Partition,
+    membership: Option<(Arc<dyn TopologyStore>, Lease)>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<SidecarHandle> {
     let cfg = Arc::new(cfg);
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
@@ -131,6 +187,18 @@ pub async fn start(
 
     let tasks = TaskTracker::new();
     let (inbox, events) = mpsc::channel(NODE_INBOX);
+    let mesh_ctx = MeshCtx {
+        node: inbox.clone(),
+        metrics: metrics.clone(),
+        max_frame: cfg.max_frame_bytes,
+        outbox_frames: cfg.link_outbox_frames,
+        node_id: cfg.node_id,
+        geo: cfg.geo.clone(),
+        partition_epoch: partition.epoch(),
+        next_link: Arc::new(AtomicU64::new(1)),
+        shutdown: shutdown.clone(),
+        tasks: tasks.clone(),
+    };
     let node = Node::new(
         cfg.clone(),
         stores,
@@ -139,7 +207,29 @@ pub async fn start(
         published,
         inbox.clone(),
         tasks.clone(),
+        Arc::new(partition),
+        membership.is_some().then(|| mesh_ctx.clone()),
     );
+    if let Some((topology, lease)) = membership {
+        let advertise = match cfg.mesh_advertise.trim() {
+            "" => mesh_addr.to_string(),
+            a => a.to_string(),
+        };
+        let record = NodeRecord {
+            node: cfg.node_id,
+            geo: cfg.geo.clone(),
+            mesh_addr: advertise,
+            admin_addr: admin_addr.to_string(),
+        };
+        tasks.spawn(cluster::membership(
+            topology,
+            lease,
+            record,
+            Duration::from_millis(cfg.node_lease_ms),
+            inbox.clone(),
+            shutdown.clone(),
+        ));
+    }
     node.publish_state();
     let node = tokio::spawn(node.run(events, shutdown.clone()));
     tasks.spawn(game::accept_loop(
@@ -153,19 +243,8 @@ pub async fn start(
             tasks: tasks.clone(),
         },
     ));
-    tasks.spawn(mesh::accept_loop(
-        mesh,
-        MeshCtx {
-            node: inbox,
-            metrics: metrics.clone(),
-            max_frame: cfg.max_frame_bytes,
-            outbox_frames: cfg.link_outbox_frames,
-            node_id: cfg.node_id,
-            geo: cfg.geo.clone(),
-            shutdown,
-            tasks: tasks.clone(),
-        },
-    ));
+    drop(inbox);
+    tasks.spawn(mesh::accept_loop(mesh, mesh_ctx));
     tracing::info!(node = cfg.node_id, local = %local_addr, mesh = %mesh_addr, admin = %admin_addr, "sidecar started");
     Ok(SidecarHandle {
         local_addr,

@@ -36,12 +36,14 @@ pub(crate) struct MeshCtx {
     pub outbox_frames: usize,
     pub node_id: u32,
     pub geo: String,
+    pub partition_epoch: u64,
+    /// Link ids, shared by accepted and dialled links.
+    pub next_link: Arc<AtomicU64>,
     pub shutdown: CancellationToken,
     pub tasks: TaskTracker,
 }
 
 pub(crate) async fn accept_loop(listener: TcpListener, ctx: MeshCtx) {
-    let next_link = Arc::new(AtomicU64::new(1));
     loop {
         let accepted = tokio::select! {
             _ = ctx.shutdown.cancelled() => break,
@@ -50,7 +52,7 @@ pub(crate) async fn accept_loop(listener: TcpListener, ctx: MeshCtx) {
         match accepted {
             Ok((stream, peer)) => {
                 let _ = stream.set_nodelay(true);
-                let link = next_link.fetch_add(1, Ordering::Relaxed);
+                let link = ctx.next_link.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(link, %peer, "mesh connection");
                 ctx.tasks
                     .spawn(serve(stream, link, peer.to_string(), ctx.clone()));
@@ -66,6 +68,7 @@ pub(crate) async fn accept_loop(listener: TcpListener, ctx: MeshCtx) {
 /// Checks the dialling side's `LinkHello`; the error is the `LinkRefused` reason.
 pub(crate) fn check_link_hello(
     frame: MeshFrame,
+    node_id: u32,
 ) -> Result<(mesh::LinkHello, Vec<MeshMessage>), String> {
     let mut messages = frame.messages.into_iter();
     let hello = match messages.next().map(|m| m.body) {
@@ -90,9 +93,17 @@ pub(crate) fn check_link_hello(
         }
         Some(_) => {}
     }
-    if hello.role != PeerRole::Proxy as i32 {
+    if hello.role == PeerRole::Sidecar as i32 {
+        // One link per pair: the lower node id dials, so a link from above is a misconfiguration.
+        if hello.node_id >= node_id {
+            return Err(format!(
+                "sidecar node {} dialled node {node_id}: of two sidecars only the lower node id dials",
+                hello.node_id
+            ));
+        }
+    } else if hello.role != PeerRole::Proxy as i32 {
         return Err(format!(
-            "{} dialled as role {}; this sidecar accepts proxy links only",
+            "{} dialled as role {}; this sidecar accepts proxy and sidecar links only",
             peer_name(&hello),
             hello.role
         ));
@@ -108,8 +119,8 @@ fn peer_name(h: &mesh::LinkHello) -> String {
     }
 }
 
-type Reader = FramedRead<tokio::net::tcp::OwnedReadHalf, MeteredCodec<MeshFrame>>;
-type Writer = FramedWrite<tokio::net::tcp::OwnedWriteHalf, MeteredCodec<MeshFrame>>;
+pub(crate) type Reader = FramedRead<tokio::net::tcp::OwnedReadHalf, MeteredCodec<MeshFrame>>;
+pub(crate) type Writer = FramedWrite<tokio::net::tcp::OwnedWriteHalf, MeteredCodec<MeshFrame>>;
 
 async fn serve(stream: TcpStream, link: u64, remote: String, ctx: MeshCtx) {
     ctx.metrics.connected(Peer::Proxy);
@@ -149,7 +160,7 @@ async fn run(
                 ctx.metrics.error(e.kind());
                 Err(e.to_string())
             }
-            Some(Ok(frame)) => check_link_hello(frame),
+            Some(Ok(frame)) => check_link_hello(frame, ctx.node_id),
         },
     };
     let (hello, rest) = match first {
@@ -168,13 +179,13 @@ async fn run(
         role: PeerRole::Sidecar as i32,
         id: ctx.node_id.to_string(),
         geo: ctx.geo.clone(),
-        partition_epoch: 0,
+        partition_epoch: ctx.partition_epoch,
         node_id: ctx.node_id,
     }));
     if let Err(e) = writer.send(ours).await {
         return (false, format!("writing LinkHello failed: {e}"));
     }
-    let (outbox, mut queue) = mpsc::channel(ctx.outbox_frames);
+    let (outbox, queue) = mpsc::channel(ctx.outbox_frames);
     let kill = CancellationToken::new();
     let handle = LinkHandle {
         outbox,
@@ -195,6 +206,21 @@ async fn run(
     {
         return (false, "sidecar shutting down".into());
     }
+    pump(reader, writer, link, queue, kill, ctx, "the proxy").await
+}
+
+/// Runs an established link: writes what the node queues and a heartbeat every second, hands
+/// every received frame to the node, and ends when either side closes, the peer is silent for
+/// five seconds, or the node kills the link. Returns `(true, why it ended)`.
+pub(crate) async fn pump(
+    reader: &mut Reader,
+    writer: &mut Writer,
+    link: u64,
+    mut queue: mpsc::Receiver<MeshFrame>,
+    kill: CancellationToken,
+    ctx: &MeshCtx,
+    who: &str,
+) -> (bool, String) {
     let mut heartbeat = tokio::time::interval_at(Instant::now() + HEARTBEAT_EVERY, HEARTBEAT_EVERY);
     let dead = tokio::time::sleep(DEAD_AFTER);
     tokio::pin!(dead);
@@ -216,7 +242,7 @@ async fn run(
                     _ = kill.cancelled() => continue,
                 };
                 if let Err(e) = r {
-                    return (true, format!("writing to the proxy failed: {e}"));
+                    return (true, format!("writing to {who} failed: {e}"));
                 }
             }
             _ = heartbeat.tick() => {
@@ -226,18 +252,18 @@ async fn run(
                     _ = kill.cancelled() => continue,
                 };
                 if let Err(e) = r {
-                    return (true, format!("writing to the proxy failed: {e}"));
+                    return (true, format!("writing to {who} failed: {e}"));
                 }
             }
             _ = &mut dead => {
                 ctx.metrics.error("link_timeout");
-                return (true, format!("no frame from the proxy for {} s", DEAD_AFTER.as_secs()));
+                return (true, format!("no frame from {who} for {} s", DEAD_AFTER.as_secs()));
             }
             f = reader.next() => match f {
-                None => return (true, "proxy closed the link".into()),
+                None => return (true, format!("{who} closed the link")),
                 Some(Err(e)) => {
                     ctx.metrics.error(e.kind());
-                    return (true, format!("bad frame from the proxy: {e}"));
+                    return (true, format!("bad frame from {who}: {e}"));
                 }
                 Some(Ok(frame)) => {
                     dead.as_mut().reset(Instant::now() + DEAD_AFTER);
@@ -255,7 +281,7 @@ async fn run(
     }
 }
 
-fn without_heartbeats(mut messages: Vec<MeshMessage>) -> Vec<MeshMessage> {
+pub(crate) fn without_heartbeats(mut messages: Vec<MeshMessage>) -> Vec<MeshMessage> {
     messages.retain(|m| !matches!(m.body, Some(mesh_message::Body::Heartbeat(_))));
     messages
 }
@@ -275,19 +301,31 @@ mod tests {
 
     #[test]
     fn link_hello_rules() {
-        assert!(check_link_hello(hello(1, PeerRole::Proxy)).is_ok());
-        let e = check_link_hello(hello(2, PeerRole::Proxy)).unwrap_err();
+        assert!(check_link_hello(hello(1, PeerRole::Proxy), 5).is_ok());
+        let e = check_link_hello(hello(2, PeerRole::Proxy), 5).unwrap_err();
         assert_eq!(e, "peer \"edge-1\" speaks protocol 2.3, sidecar speaks 1.0");
-        assert!(check_link_hello(hello(1, PeerRole::Sidecar))
+        assert!(check_link_hello(hello(1, PeerRole::RoleUnspecified), 5)
             .unwrap_err()
-            .contains("proxy links only"));
-        assert!(check_link_hello(MeshFrame::default())
+            .contains("proxy and sidecar links only"));
+        let sidecar = |node_id| {
+            MeshFrame::one(mesh_message::Body::Hello(mesh::LinkHello {
+                version: Some(mesh::ProtocolVersion::current()),
+                role: PeerRole::Sidecar as i32,
+                node_id,
+                ..Default::default()
+            }))
+        };
+        assert!(check_link_hello(sidecar(2), 5).is_ok());
+        assert!(check_link_hello(sidecar(5), 5)
+            .unwrap_err()
+            .contains("only the lower node id dials"));
+        assert!(check_link_hello(MeshFrame::default(), 5)
             .unwrap_err()
             .contains("empty frame"));
         let beat = MeshFrame::one(mesh_message::Body::Heartbeat(mesh::Heartbeat {
             sent_unix_ms: 1,
         }));
-        assert!(check_link_hello(beat)
+        assert!(check_link_hello(beat, 5)
             .unwrap_err()
             .contains("expected LinkHello"));
     }

@@ -14,6 +14,7 @@ use tokio_util::codec::{Decoder, Encoder};
 pub enum Peer {
     Game,
     Proxy,
+    Sidecar,
 }
 
 impl Peer {
@@ -21,6 +22,7 @@ impl Peer {
         match self {
             Peer::Game => "game",
             Peer::Proxy => "proxy",
+            Peer::Sidecar => "sidecar",
         }
     }
 }
@@ -34,6 +36,23 @@ pub struct PeerLabel {
 pub struct WireLabel {
     pub direction: &'static str,
     pub peer: &'static str,
+}
+
+/// One peer sidecar link, by the peer's node id.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PeerNodeLabel {
+    pub peer: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PeerTrafficLabel {
+    pub peer: String,
+    pub direction: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AudienceLabel {
+    pub audience: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -63,6 +82,20 @@ pub struct Metrics {
     pub deltas_sent: Counter,
     pub deltas_encoded: Counter,
     pub ticks: Counter,
+    pub peer_up: Family<PeerNodeLabel, Gauge>,
+    pub peers_up: Gauge,
+    pub peer_links: Family<PeerNodeLabel, Counter>,
+    pub peer_messages: Family<PeerTrafficLabel, Counter>,
+    pub peer_outbox_full: Family<PeerNodeLabel, Counter>,
+    pub routed: Family<AudienceLabel, Counter>,
+    pub routed_messages: Counter,
+    pub cross_node_updates: Counter,
+    pub dropped_unknown_account: Counter,
+    pub inputs_forwarded: Counter,
+    pub ghosts_render: Gauge,
+    pub ghosts_sim: Gauge,
+    pub subscriptions: Gauge,
+    pub subscribers: Gauge,
     // Totals over every label, for `SidecarStats` (not registered: the families carry them).
     errors_all: Counter,
     frames_in_all: Counter,
@@ -128,7 +161,89 @@ impl Metrics {
             m.deltas_encoded.clone(),
         );
         r.register("ticks", "Game ticks folded", m.ticks.clone());
+        r.register(
+            "peer_link_up",
+            "1 while the link to a peer sidecar is up",
+            m.peer_up.clone(),
+        );
+        r.register("peers_up", "Peer sidecar links up", m.peers_up.clone());
+        r.register(
+            "peer_links_established",
+            "Links established with a peer sidecar",
+            m.peer_links.clone(),
+        );
+        r.register(
+            "peer_messages",
+            "Messages to and from a peer sidecar",
+            m.peer_messages.clone(),
+        );
+        r.register(
+            "peer_outbox_full",
+            "Peer links closed because the peer did not read",
+            m.peer_outbox_full.clone(),
+        );
+        r.register(
+            "routed_by_audience",
+            "Node messages routed by account, by audience kind",
+            m.routed.clone(),
+        );
+        r.register(
+            "routed_messages",
+            "Messages routed by account to other gateways (one per node and tick)",
+            m.routed_messages.clone(),
+        );
+        r.register(
+            "cross_node_updates",
+            "Entity frames sent to subscribed nodes",
+            m.cross_node_updates.clone(),
+        );
+        r.register(
+            "dropped_unknown_account",
+            "Messages for accounts with no session anywhere",
+            m.dropped_unknown_account.clone(),
+        );
+        r.register(
+            "inputs_forwarded",
+            "Client inputs forwarded to the node simulating the player",
+            m.inputs_forwarded.clone(),
+        );
+        r.register(
+            "ghosts_render",
+            "Render ghosts (replicas of foreign entities)",
+            m.ghosts_render.clone(),
+        );
+        r.register(
+            "ghosts_sim",
+            "Simulation ghosts pushed to the game",
+            m.ghosts_sim.clone(),
+        );
+        r.register(
+            "subscriptions",
+            "Foreign chunks this node subscribes to",
+            m.subscriptions.clone(),
+        );
+        r.register(
+            "subscribers",
+            "(chunk, node) subscriptions to this node's chunks",
+            m.subscribers.clone(),
+        );
         m
+    }
+
+    /// Counts one message to (`out`) or from (`in`) peer `node`.
+    pub fn peer_message(&self, node: u32, direction: &'static str) {
+        self.peer_messages
+            .get_or_create(&PeerTrafficLabel {
+                peer: node.to_string(),
+                direction,
+            })
+            .inc();
+    }
+
+    pub fn peer(&self, node: u32) -> PeerNodeLabel {
+        PeerNodeLabel {
+            peer: node.to_string(),
+        }
     }
 
     pub fn error(&self, kind: &'static str) {

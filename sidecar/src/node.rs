@@ -21,14 +21,26 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use std::collections::{HashMap, HashSet};
+
+use cellmesh_geo_router::geometry::{ChunkPos, ChunkRect};
+use cellmesh_geo_router::partition::{NodeId, Partition};
+use cellmesh_geo_router::store::SessionEntry;
+
 use crate::audience::Audience;
+use crate::cluster::PeerInfo;
 use crate::config::SidecarConfig;
 use crate::entities::{Component, EntityError, EntityTable, EntityUpdate, NewEntity, Position};
 use crate::fold::{Clients, TickEvent, TickSend};
 use crate::gateway::{SessionKey, Sessions};
+use crate::ghosts::{GhostRules, SimGhosts};
 use crate::ids::IdMinter;
 use crate::interest::InterestShape;
+use crate::mesh::MeshCtx;
 use crate::metrics::Metrics;
+use crate::peer::PeerState;
+use crate::route::Addressed;
+use crate::subs::{self, Subscribers, Subscriptions};
 
 pub(crate) type ConnId = u64;
 pub(crate) type LinkId = u64;
@@ -76,6 +88,17 @@ pub(crate) enum NodeEvent {
     Renewed {
         results: Vec<(SessionKey, u64, Result<bool, String>)>,
     },
+    /// The peers with a live lease, from the topology store.
+    Peers {
+        peers: Vec<PeerInfo>,
+    },
+    /// A directory lookup for routing by account came back.
+    LookedUp {
+        account: String,
+        result: Result<Option<SessionEntry>, String>,
+    },
+    /// The node lease was taken over: this node must stop serving.
+    LeaseLost,
 }
 
 pub(crate) struct Registration {
@@ -112,6 +135,8 @@ pub(crate) struct GameSlot {
 }
 
 pub(crate) struct Link {
+    /// The peer sidecar's node id, for a link to another sidecar (`None`: a proxy).
+    pub peer: Option<u32>,
     pub hello: mesh::LinkHello,
     pub remote: String,
     pub handle: LinkHandle,
@@ -148,9 +173,39 @@ pub(crate) struct Node {
     pub to_game: Vec<SidecarMessage>,
     pub to_links: BTreeMap<LinkId, Vec<MeshMessage>>,
     pub shutting_down: bool,
+    // ---- the cluster (see `peer`)
+    pub partition: Arc<Partition>,
+    /// The chunks this node owns.
+    pub area: Vec<ChunkRect>,
+    /// The foreign chunks of the interaction band and its keep margin, always subscribed.
+    pub band: HashMap<ChunkPos, NodeId>,
+    pub subs: Subscriptions,
+    pub subs_dirty: bool,
+    pub subscribers: Subscribers,
+    /// Local entity -> nodes holding its render ghost.
+    pub replicas: HashMap<u64, BTreeSet<NodeId>>,
+    pub peers: BTreeMap<NodeId, PeerState>,
+    /// For dialling peers; `None` for a lone node.
+    pub mesh_ctx: Option<MeshCtx>,
+    pub sim: SimGhosts,
+    /// Route cache: account -> its gateway and session epoch.
+    pub routes: HashMap<String, SessionEntry>,
+    /// Players whose avatar this node's game simulates for another gateway.
+    pub remote_players: HashMap<String, SessionEntry>,
+    /// Gateway side: the node simulating each local session's avatar.
+    pub master_owner: HashMap<String, NodeId>,
+    /// Gateway side: the last known position of avatars simulated elsewhere.
+    pub anchor_pos: HashMap<String, [f64; 3]>,
+    /// Owner side: the chunk last told to each remote player's gateway.
+    pub anchor_sent: HashMap<String, ChunkPos>,
+    pub parked: Vec<(String, Addressed)>,
+    pub looking_up: HashSet<String>,
+    pub unknown_until: HashMap<String, std::time::Instant>,
 }
 
 impl Node {
+    // The node's wiring, done once by `launch`.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: Arc<SidecarConfig>,
         stores: Stores,
@@ -159,9 +214,36 @@ impl Node {
         published: Arc<Mutex<serde_json::Value>>,
         inbox: mpsc::Sender<NodeEvent>,
         tasks: TaskTracker,
+        partition: Arc<Partition>,
+        mesh_ctx: Option<MeshCtx>,
     ) -> Self {
         let shape = InterestShape::new(cfg.view_radius_chunks, cfg.release_margin_chunks);
+        let keep = i64::from(cfg.interaction_band_chunks + cfg.ghost_keep_margin_chunks);
+        let band = subs::band(&partition, cfg.node_id, keep);
+        let rules = GhostRules {
+            band: i64::from(cfg.interaction_band_chunks),
+            keep_margin: i64::from(cfg.ghost_keep_margin_chunks),
+            min_lifespan_ms: cfg.ghost_min_lifespan_ms,
+        };
         Self {
+            area: subs::merge_rects(partition.area_of(cfg.node_id)),
+            band,
+            partition,
+            subs: Subscriptions::default(),
+            subs_dirty: true,
+            subscribers: Subscribers::default(),
+            replicas: HashMap::new(),
+            peers: BTreeMap::new(),
+            mesh_ctx,
+            sim: SimGhosts::new(rules),
+            routes: HashMap::new(),
+            remote_players: HashMap::new(),
+            master_owner: HashMap::new(),
+            anchor_pos: HashMap::new(),
+            anchor_sent: HashMap::new(),
+            parked: Vec::new(),
+            looking_up: HashSet::new(),
+            unknown_until: HashMap::new(),
             table: EntityTable::new(cfg.world),
             ids: IdMinter::new(cfg.node_id),
             clients: Clients::new(cfg.world, shape),
@@ -262,6 +344,13 @@ impl Node {
                 result,
             } => self.on_registered(session, account, result),
             NodeEvent::Renewed { results } => self.on_renewed(results),
+            NodeEvent::Peers { peers } => self.on_peers(peers),
+            NodeEvent::LookedUp { account, result } => self.on_looked_up(account, result),
+            NodeEvent::LeaseLost => {
+                // Another process holds this node's id: stop serving rather than write twice.
+                self.metrics.error("lease_lost");
+                self.admin.set_ready(false);
+            }
         }
     }
 
@@ -312,14 +401,20 @@ impl Node {
                     chunk_size: w.chunk_size,
                     region_size: w.region_size,
                 }),
-                // One node owns the whole world.
-                owned_area: vec![local::Rect {
-                    x: 0.0,
-                    y: 0.0,
-                    width: w.width,
-                    height: w.height,
-                }],
-                partition_epoch: 0,
+                owned_area: self
+                    .area
+                    .iter()
+                    .map(|r| {
+                        let (x, y, width, height) = w.rect_metres(r);
+                        local::Rect {
+                            x,
+                            y,
+                            width,
+                            height,
+                        }
+                    })
+                    .collect(),
+                partition_epoch: self.partition.epoch(),
             })
             .into(),
         );
@@ -340,6 +435,20 @@ impl Node {
             })
             .collect();
         self.to_game.extend(joins);
+        let remote: Vec<SidecarMessage> = self
+            .remote_players
+            .iter()
+            .map(|(account, r)| {
+                sidecar_message::Body::PlayerJoin(local::PlayerJoin {
+                    account: account.clone(),
+                    session_epoch: r.session_epoch,
+                    last_position: None,
+                })
+                .into()
+            })
+            .collect();
+        self.to_game.extend(remote);
+        self.anchor_sent.clear();
         self.admin.set_ready(true);
         for m in rest {
             if let Some(body) = m.body {
@@ -359,6 +468,9 @@ impl Node {
             B::Spawn(s) => self.on_spawn(s),
             B::Update(u) => self.on_update(u),
             B::Despawn(d) => {
+                if self.table.get_local(d.entity_id).is_none() {
+                    return self.entity_error(EntityError::Unknown(d.entity_id));
+                }
                 if let Err(e) = self.table.despawn(d.entity_id) {
                     self.entity_error(e);
                 }
@@ -408,6 +520,7 @@ impl Node {
             is_master: s.is_master,
             parent_id: s.parent_id,
             components,
+            origin: None,
         };
         if let Err(e) = self.table.spawn(spawn) {
             self.entity_error(e);
@@ -415,6 +528,10 @@ impl Node {
     }
 
     fn on_update(&mut self, u: local::Update) {
+        if self.table.get_local(u.entity_id).is_none() {
+            // Ghosts are read-only to the game.
+            return self.entity_error(EntityError::Unknown(u.entity_id));
+        }
         let changed = match components(u.entity_id, u.changed) {
             Ok(c) => c,
             Err(detail) => return self.game_error(ErrorCode::InvalidValue, detail, u.entity_id),
@@ -441,7 +558,7 @@ impl Node {
                 )
             }
         };
-        let Some(entity) = self.table.get(e.entity_id) else {
+        let Some(entity) = self.table.get_local(e.entity_id) else {
             return self.entity_error(EntityError::Unknown(e.entity_id));
         };
         self.tick_events.push(TickEvent {
@@ -503,23 +620,30 @@ impl Node {
     fn end_tick(&mut self, tick: u64) {
         self.last_tick = tick;
         let changes = self.table.take_changes();
+        let events = std::mem::take(&mut self.tick_events);
+        let sends = std::mem::take(&mut self.tick_sends);
+        // Other nodes first: public changes to subscribers, the rest to gateways by account.
+        self.replicate(&changes);
+        self.replicate_events(&events);
+        let sends = self.route_tick(&changes, &events, sends);
+        self.send_anchors(&changes);
         let budget = self.cfg.max_frame_bytes - TO_CLIENT_OVERHEAD;
-        let out = self.clients.fold(
-            tick,
-            &self.table,
-            &changes,
-            &self.tick_events,
-            &self.tick_sends,
-            budget,
-        );
-        self.tick_events.clear();
-        self.tick_sends.clear();
+        let out = self
+            .clients
+            .fold(tick, &self.table, &changes, &events, &sends, budget);
+        self.update_subscriptions();
+        self.step_sim_ghosts(&changes, unix_ms());
+        self.metrics.subscribers.set(self.subscribers.len() as i64);
         self.metrics.ticks.inc();
         self.metrics.deltas_sent.inc_by(out.deltas);
         self.metrics.deltas_encoded.inc_by(out.deltas_encoded);
         self.metrics
             .drop_msg("unknown_account", out.unknown_accounts);
-        self.metrics.entities.set(self.table.len() as i64);
+        let ghosts = self.table.ghost_count();
+        self.metrics
+            .entities
+            .set(self.table.len().saturating_sub(ghosts) as i64);
+        self.metrics.ghosts_render.set(ghosts as i64);
         for (key, server_frame) in out.frames {
             let Some(s) = self.sessions.get(key) else {
                 continue;
@@ -555,8 +679,10 @@ impl Node {
                 s.last_position = Some([e.position.x, e.position.y, e.position.z]);
             }
         }
-        // The game's entities go with it; clients see them vanish at once.
-        self.table.clear();
+        // The game's entities go with it; clients see them vanish at once. Ghosts stay: their
+        // owners still send them.
+        self.table.clear_local();
+        self.sim.clear();
         self.to_game.clear();
         self.end_tick(self.last_tick + 1);
     }
@@ -593,7 +719,16 @@ impl Node {
                     self.metrics.error("link_outbox_full");
                     self.metrics.drop_msg("link_outbox_full", 1);
                     tracing::warn!(link, "mesh link outbox full: closing the link");
-                    self.close_link(link, "outbox full: the proxy is not reading");
+                    // A slow peer is cut (it redials and resynchronises); the node never waits.
+                    let why = match l.peer {
+                        Some(node) => {
+                            let label = self.metrics.peer(node);
+                            self.metrics.peer_outbox_full.get_or_create(&label).inc();
+                            "outbox full: the peer is not reading"
+                        }
+                        None => "outbox full: the proxy is not reading",
+                    };
+                    self.close_link(link, why);
                 }
             }
             let messages = std::mem::take(&mut self.to_game);
@@ -662,8 +797,16 @@ impl Node {
         let links: Vec<serde_json::Value> = self
             .links
             .iter()
+            .filter(|(_, l)| l.peer.is_none())
             .map(|(id, l)| {
                 json!({"link": id, "proxy": l.hello.id, "geo": l.hello.geo, "remote": l.remote, "sessions": l.sessions.len()})
+            })
+            .collect();
+        let peers: Vec<serde_json::Value> = self
+            .peers
+            .iter()
+            .map(|(node, p)| {
+                json!({"node": node, "addr": p.addr, "link": p.link, "up": p.link.is_some(), "dialling": p.dialer.is_some()})
             })
             .collect();
         let state = json!({
@@ -676,6 +819,12 @@ impl Node {
             "entities": self.table.len(),
             "sessions": sessions,
             "links": links,
+            "peers": peers,
+            "partition_epoch": self.partition.epoch(),
+            "ghosts_render": self.table.ghost_count(),
+            "ghosts_sim": self.sim.len(),
+            "subscriptions": self.subs.len(),
+            "subscribers": self.subscribers.len(),
         });
         *self.published.lock().expect("state lock poisoned") = state;
     }

@@ -402,8 +402,11 @@ async fn link_handshake_rules() {
     let mut as_sidecar = link_hello("node-3", 1);
     if let Some(mesh_message::Body::Hello(h)) = &mut as_sidecar.messages[0].body {
         h.role = PeerRole::Sidecar as i32;
+        h.node_id = 1000;
     }
-    assert!(refused(as_sidecar).await.contains("proxy links only"));
+    assert!(refused(as_sidecar)
+        .await
+        .contains("only the lower node id dials"));
     let attach_first = MeshFrame::one(mesh_message::Body::Attach(mesh::Attach {
         session_id: 1,
         account: "x".into(),

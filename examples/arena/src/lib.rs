@@ -112,6 +112,9 @@ struct Arena {
     players: HashMap<String, Player>,
     /// Joins waiting for ids: account, session epoch, where to appear.
     waiting: Vec<PendingJoin>,
+    /// The part of the world this node owns (`x0, y0, x1, y1`), when it is not all of it: until
+    /// entities can be handed to the next node, the arena keeps its own inside.
+    bounds: Option<(f64, f64, f64, f64)>,
     stats: ArenaStats,
 }
 
@@ -127,16 +130,39 @@ impl Arena {
             npcs: HashMap::new(),
             players: HashMap::new(),
             waiting: Vec::new(),
+            bounds: None,
             stats: ArenaStats::default(),
         }
     }
 
+    /// Learns the owned area from the sidecar's `Welcome` (the first rectangle, if it is not the
+    /// whole world).
+    fn set_area(&mut self, welcome: &cellmesh_proto::local::Welcome) {
+        let world = welcome.world.map(|w| (w.width, w.height));
+        if let (Some(r), Some((w, h))) = (welcome.owned_area.first(), world) {
+            if r.width < w || r.height < h {
+                self.bounds = Some((r.x, r.y, r.x + r.width, r.y + r.height));
+            }
+        }
+    }
+
+    /// `p` moved inside the owned area (a metre from its edge); which axes were clamped.
+    fn keep_inside(&self, p: (f64, f64)) -> ((f64, f64), bool, bool) {
+        let Some((x0, y0, x1, y1)) = self.bounds else {
+            return (p, false, false);
+        };
+        let x = p.0.clamp(x0 + 1.0, x1 - 1.0);
+        let y = p.1.clamp(y0 + 1.0, y1 - 1.0);
+        ((x, y), x != p.0, y != p.1)
+    }
+
     fn random_point(&mut self) -> (f64, f64) {
         let h = self.cfg.spread / 2.0;
-        (
+        let p = (
             self.cfg.center.0 + self.rng.random_range(-h..h),
             self.cfg.center.1 + self.rng.random_range(-h..h),
-        )
+        );
+        self.keep_inside(p).0
     }
 
     fn random_dir(&mut self) -> (f64, f64) {
@@ -190,7 +216,10 @@ impl Arena {
             self.waiting.push((account, epoch, at));
             return;
         };
-        let pos = at.unwrap_or_else(|| self.random_point());
+        let pos = match at {
+            Some(p) => self.keep_inside(p).0,
+            None => self.random_point(),
+        };
         tx.push(Body::Spawn(Spawn {
             entity_id: id,
             position: Some(Vec3::xy(pos.0, pos.1)),
@@ -291,6 +320,14 @@ impl Arena {
     }
 
     fn tick(&mut self, tx: &mut GameSender, dt: f64) {
+        let bounds = self.bounds;
+        let inside = |b: Option<(f64, f64, f64, f64)>, p: (f64, f64)| match b {
+            Some((x0, y0, x1, y1)) => {
+                let q = (p.0.clamp(x0 + 1.0, x1 - 1.0), p.1.clamp(y0 + 1.0, y1 - 1.0));
+                (q, q.0 != p.0, q.1 != p.1)
+            }
+            None => (p, false, false),
+        };
         let ids: Vec<u64> = self.npcs.keys().copied().collect();
         for id in ids {
             let new_dir = self.random_dir();
@@ -311,6 +348,14 @@ impl Arena {
             }
             npc.pos.0 += npc.dir.0 * schema::NPC_SPEED * dt;
             npc.pos.1 += npc.dir.1 * schema::NPC_SPEED * dt;
+            let (kept, hit_x, hit_y) = inside(bounds, npc.pos);
+            npc.pos = kept;
+            if hit_x {
+                npc.dir.0 = -npc.dir.0;
+            }
+            if hit_y {
+                npc.dir.1 = -npc.dir.1;
+            }
             tx.push(Body::Update(Update {
                 entity_id: id,
                 position: Some(Vec3::xy(npc.pos.0, npc.pos.1)),
@@ -330,6 +375,7 @@ impl Arena {
             if moving {
                 p.pos.0 += p.dir.0 * schema::PLAYER_SPEED * dt;
                 p.pos.1 += p.dir.1 * schema::PLAYER_SPEED * dt;
+                p.pos = inside(bounds, p.pos).0;
             }
             let mut changed = Vec::new();
             if p.ack_dirty {
@@ -366,6 +412,7 @@ pub async fn run(
     tracing::info!(node = welcome.node_id, "arena joined its sidecar");
     let tick_len = Duration::from_secs_f64(1.0 / cfg.tick_hz.max(1) as f64);
     let mut arena = Arena::new(cfg);
+    arena.set_area(&welcome);
     arena.request_ids(&mut tx);
     tx.flush().await?;
     let mut ticker = tokio::time::interval(tick_len);

@@ -1,0 +1,300 @@
+//! Node-level chunk subscriptions (DESIGN §7): how a node learns about entities it does not own.
+//!
+//! The observer side ([`Subscriptions`]) keeps the foreign chunks it needs (those in some
+//! client's view, and the interaction band around its own area) and turns every change of that
+//! set into one subscribe and one unsubscribe batch per owner. The owner side ([`Subscribers`])
+//! records `chunk → subscribing nodes`, so each public update goes once per node, not once per
+//! account. Pure: no I/O, no clock.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use cellmesh_geo_router::geometry::{ChunkPos, ChunkRect, WorldShape};
+use cellmesh_geo_router::partition::{NodeId, Partition};
+
+/// What one update of the wanted set asks of the owners, batched per owner.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SubscriptionChanges {
+    pub subscribe: BTreeMap<NodeId, Vec<ChunkPos>>,
+    pub unsubscribe: BTreeMap<NodeId, Vec<ChunkPos>>,
+}
+
+impl SubscriptionChanges {
+    pub fn is_empty(&self) -> bool {
+        self.subscribe.is_empty() && self.unsubscribe.is_empty()
+    }
+}
+
+/// The foreign chunks this node subscribes to, each with its owner.
+#[derive(Debug, Clone, Default)]
+pub struct Subscriptions {
+    held: HashMap<ChunkPos, NodeId>,
+}
+
+impl Subscriptions {
+    /// Brings the held set to `wanted` (foreign chunks with their owners); returns what to send.
+    pub fn update(
+        &mut self,
+        wanted: impl IntoIterator<Item = (ChunkPos, NodeId)>,
+    ) -> SubscriptionChanges {
+        let wanted: HashMap<ChunkPos, NodeId> = wanted.into_iter().collect();
+        let mut out = SubscriptionChanges::default();
+        self.held.retain(|chunk, owner| {
+            let keep = wanted.get(chunk) == Some(owner);
+            if !keep {
+                out.unsubscribe.entry(*owner).or_default().push(*chunk);
+            }
+            keep
+        });
+        for (chunk, owner) in wanted {
+            if self.held.insert(chunk, owner).is_none() {
+                out.subscribe.entry(owner).or_default().push(chunk);
+            }
+        }
+        for list in out
+            .subscribe
+            .values_mut()
+            .chain(out.unsubscribe.values_mut())
+        {
+            list.sort_unstable();
+        }
+        out
+    }
+
+    /// The owner this node subscribed to for `chunk`, if it did.
+    pub fn owner(&self, chunk: ChunkPos) -> Option<NodeId> {
+        self.held.get(&chunk).copied()
+    }
+
+    /// Every chunk held from `owner`, sorted: sent again when the link to it comes back.
+    pub fn of_owner(&self, owner: NodeId) -> Vec<ChunkPos> {
+        let mut v: Vec<ChunkPos> = self
+            .held
+            .iter()
+            .filter(|(_, o)| **o == owner)
+            .map(|(c, _)| *c)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+}
+
+/// The owner's side: which nodes subscribe to each of its chunks.
+#[derive(Debug, Clone, Default)]
+pub struct Subscribers {
+    by_chunk: HashMap<ChunkPos, BTreeSet<NodeId>>,
+    count: usize,
+}
+
+impl Subscribers {
+    /// Records `node` on `chunk`; true if it was not subscribed yet (it needs a snapshot).
+    pub fn add(&mut self, node: NodeId, chunk: ChunkPos) -> bool {
+        let fresh = self.by_chunk.entry(chunk).or_default().insert(node);
+        self.count += usize::from(fresh);
+        fresh
+    }
+
+    /// Forgets `node` on `chunk`; true if it was subscribed.
+    pub fn remove(&mut self, node: NodeId, chunk: ChunkPos) -> bool {
+        let Some(set) = self.by_chunk.get_mut(&chunk) else {
+            return false;
+        };
+        let gone = set.remove(&node);
+        if set.is_empty() {
+            self.by_chunk.remove(&chunk);
+        }
+        self.count -= usize::from(gone);
+        gone
+    }
+
+    /// Forgets every subscription of `node` (its link is gone).
+    pub fn remove_node(&mut self, node: NodeId) {
+        let mut removed = 0;
+        self.by_chunk.retain(|_, set| {
+            removed += usize::from(set.remove(&node));
+            !set.is_empty()
+        });
+        self.count -= removed;
+    }
+
+    /// The nodes subscribed to `chunk`.
+    pub fn of(&self, chunk: ChunkPos) -> impl Iterator<Item = NodeId> + '_ {
+        self.by_chunk.get(&chunk).into_iter().flatten().copied()
+    }
+
+    /// (chunk, node) pairs.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+}
+
+/// `area` with vertically adjacent rectangles of the same columns merged (a grid gives one per
+/// row of regions), so a game is told a few large rectangles.
+pub fn merge_rects(mut area: Vec<ChunkRect>) -> Vec<ChunkRect> {
+    area.sort_unstable_by_key(|r| (r.x0, r.x1, r.y0));
+    let mut out: Vec<ChunkRect> = Vec::with_capacity(area.len());
+    for r in area {
+        match out.last_mut() {
+            Some(last) if last.x0 == r.x0 && last.x1 == r.x1 && last.y1 == r.y0 => last.y1 = r.y1,
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+/// The foreign chunks within `radius` chunks of `node`'s area, with their owners: the band a node
+/// keeps subscribed so its game can perceive across its borders.
+pub fn band(partition: &Partition, node: NodeId, radius: i64) -> HashMap<ChunkPos, NodeId> {
+    let world = *partition.shape();
+    let mut out = HashMap::new();
+    if radius <= 0 {
+        return out;
+    }
+    for rect in partition.area_of(node) {
+        for c in ring(&rect, radius) {
+            let c = world.normalise_chunk(c);
+            let owner = partition.owner_of_chunk(c);
+            if owner != node {
+                out.insert(c, owner);
+            }
+        }
+    }
+    out
+}
+
+/// The chunks around `rect` up to `radius` out (not normalised; may repeat in a small world).
+fn ring(rect: &ChunkRect, radius: i64) -> impl Iterator<Item = ChunkPos> + '_ {
+    let (x0, y0, x1, y1) = (
+        rect.x0 - radius,
+        rect.y0 - radius,
+        rect.x1 + radius,
+        rect.y1 + radius,
+    );
+    let rows = (y0..rect.y0)
+        .chain(rect.y1..y1)
+        .flat_map(move |y| (x0..x1).map(move |x| ChunkPos { x, y }));
+    let sides = (rect.y0..rect.y1).flat_map(move |y| {
+        (x0..rect.x0)
+            .chain(rect.x1..x1)
+            .map(move |x| ChunkPos { x, y })
+    });
+    rows.chain(sides)
+}
+
+/// Chebyshev distance in chunks from `chunk` to the nearest chunk of `area` (0 inside it).
+pub fn distance_to_area(world: &WorldShape, area: &[ChunkRect], chunk: ChunkPos) -> i64 {
+    let c = world.normalise_chunk(chunk);
+    let one = ChunkRect::new(c.x, c.y, c.x + 1, c.y + 1);
+    area.iter()
+        .map(|r| world.rect_distance(r, &one))
+        .min()
+        .unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cellmesh_geo_router::partition::{Grid, Layout};
+
+    fn c(x: i64, y: i64) -> ChunkPos {
+        ChunkPos { x, y }
+    }
+
+    fn grid(cols: u32, rows: u32, nodes: &[NodeId]) -> Partition {
+        // 16 x 16 chunks.
+        let shape = WorldShape {
+            width: 512.0,
+            height: 512.0,
+            chunk_size: 32.0,
+            region_size: 128.0,
+        };
+        let g = Grid::even(&shape, cols, rows, nodes).unwrap();
+        Partition::new(shape, 1, Layout::Grid(g)).unwrap()
+    }
+
+    #[test]
+    fn changes_are_batched_per_owner_and_only_once() {
+        let mut s = Subscriptions::default();
+        let ch = s.update([(c(1, 1), 2), (c(2, 1), 2), (c(9, 9), 3)]);
+        assert_eq!(ch.subscribe[&2], [c(1, 1), c(2, 1)]);
+        assert_eq!(ch.subscribe[&3], [c(9, 9)]);
+        assert!(ch.unsubscribe.is_empty());
+        assert!(s
+            .update([(c(1, 1), 2), (c(2, 1), 2), (c(9, 9), 3)])
+            .is_empty());
+        let ch = s.update([(c(2, 1), 2), (c(3, 1), 2)]);
+        assert_eq!(ch.subscribe[&2], [c(3, 1)]);
+        assert_eq!(ch.unsubscribe[&2], [c(1, 1)]);
+        assert_eq!(ch.unsubscribe[&3], [c(9, 9)]);
+        assert_eq!(s.of_owner(2), [c(2, 1), c(3, 1)]);
+        assert_eq!((s.len(), s.owner(c(9, 9))), (2, None));
+        // A chunk that changed hands moves from one owner to the other.
+        let ch = s.update([(c(2, 1), 4), (c(3, 1), 2)]);
+        assert_eq!(
+            (ch.unsubscribe[&2].clone(), ch.subscribe[&4].clone()),
+            (vec![c(2, 1)], vec![c(2, 1)])
+        );
+    }
+
+    #[test]
+    fn subscribers_count_pairs() {
+        let mut s = Subscribers::default();
+        assert!(s.add(2, c(0, 0)));
+        assert!(!s.add(2, c(0, 0)), "a repeat needs no second snapshot");
+        assert!(s.add(3, c(0, 0)) && s.add(3, c(1, 0)));
+        assert_eq!(s.of(c(0, 0)).collect::<Vec<_>>(), [2, 3]);
+        assert_eq!(s.len(), 3);
+        assert!(s.remove(2, c(0, 0)) && !s.remove(2, c(0, 0)));
+        s.remove_node(3);
+        assert!(s.is_empty() && s.of(c(1, 0)).next().is_none());
+    }
+
+    #[test]
+    fn the_band_wraps_and_skips_the_own_area() {
+        // 2 x 1: node 1 owns x in [0, 8), node 2 [8, 16); both borders of node 1 face node 2.
+        let p = grid(2, 1, &[1, 2]);
+        let b = band(&p, 1, 1);
+        // Columns 8 (east) and 15 (west, across the seam), every row.
+        assert_eq!(b.len(), 2 * 16);
+        assert!(b.contains_key(&c(8, 3)) && b.contains_key(&c(15, 3)));
+        assert!(b.values().all(|&o| o == 2));
+        assert_eq!(band(&p, 1, 2).len(), 4 * 16);
+        // One node owning everything has no band.
+        assert!(band(&grid(1, 1, &[1]), 1, 2).is_empty());
+    }
+
+    #[test]
+    fn rows_of_regions_merge_into_one_rectangle() {
+        let rows = vec![
+            ChunkRect::new(0, 4, 8, 8),
+            ChunkRect::new(0, 0, 8, 4),
+            ChunkRect::new(8, 0, 16, 4),
+        ];
+        assert_eq!(
+            merge_rects(rows),
+            [ChunkRect::new(0, 0, 8, 8), ChunkRect::new(8, 0, 16, 4)]
+        );
+    }
+
+    #[test]
+    fn distance_to_an_area_is_wrap_aware() {
+        let p = grid(2, 1, &[1, 2]);
+        let area = p.area_of(1);
+        let w = *p.shape();
+        assert_eq!(distance_to_area(&w, &area, c(3, 3)), 0);
+        assert_eq!(distance_to_area(&w, &area, c(8, 3)), 1);
+        assert_eq!(distance_to_area(&w, &area, c(15, 3)), 1, "across the seam");
+        assert_eq!(distance_to_area(&w, &area, c(10, 3)), 3);
+    }
+}

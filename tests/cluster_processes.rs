@@ -1,0 +1,191 @@
+//! Two `cellmesh sidecar` processes as one world, the way an operator deploys them: the partition is
+//! committed with `cellmesh partition plan --commit` into the real MongoDB, the nodes take their
+//! leases there and share the geo's session directory in the real Redis, a `cellmesh proxy` process
+//! spreads sessions over both, and one client sees the NPCs of both nodes.
+
+use std::collections::HashSet;
+use std::process::Stdio;
+use std::time::Duration;
+
+use cellmesh_arena::{schema, ArenaConfig};
+use cellmesh_proto::edge::{client_message, server_message, DeltaKind, Pong};
+use cellmesh_proto::sdk::SidecarAddr;
+use tokio::process::{Child, Command};
+
+fn required(var: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| {
+        panic!("{var} is not set: run ./scripts/test.sh, which installs and starts Redis and the MongoDB-compatible server")
+    })
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn wait_ready(admin: u16, child: &mut Child) {
+    let addr = format!("127.0.0.1:{admin}").parse().unwrap();
+    for _ in 0..400 {
+        if let Ok((200, _)) = cellmesh_admin::http_get(addr, "/ready").await {
+            return;
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("process exited early with {status}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("admin {admin} never became ready");
+}
+
+struct Node {
+    local: u16,
+    mesh: u16,
+    admin: u16,
+    child: Child,
+}
+
+fn sidecar(node: u32, topology: &str, redis: &str, geo: &str) -> Node {
+    let (local, mesh, admin) = (free_port(), free_port(), free_port());
+    let child = Command::new(env!("CARGO_BIN_EXE_cellmesh"))
+        .arg("sidecar")
+        .env("CELLMESH_NODE_ID", node.to_string())
+        .env("CELLMESH_GEO", geo)
+        .env("CELLMESH_LOCAL_LISTEN", format!("127.0.0.1:{local}"))
+        .env("CELLMESH_MESH_LISTEN", format!("127.0.0.1:{mesh}"))
+        .env("CELLMESH_ADMIN_LISTEN", format!("127.0.0.1:{admin}"))
+        .env("CELLMESH_TOPOLOGY_URL", topology)
+        .env("CELLMESH_DIRECTORY_URL", redis)
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    Node {
+        local,
+        mesh,
+        admin,
+        child,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_sidecar_processes_serve_one_world() {
+    let mongo = required("CELLMESH_TEST_MONGO_URL");
+    let redis = required("CELLMESH_TEST_REDIS_URL");
+    let run = format!("{}{}", std::process::id(), rand_suffix());
+    let topology = format!("{}/cm_cluster_{run}", mongo.trim_end_matches('/'));
+    let geo = format!("cluster-{run}");
+    let bin = env!("CARGO_BIN_EXE_cellmesh");
+
+    // The operator commits a 2×1 grid: node 1 west of x = 65 536 m, node 2 east of it.
+    let plan = std::process::Command::new(bin)
+        .args([
+            "partition",
+            "plan",
+            "--grid",
+            "2x1",
+            "--nodes",
+            "1,2",
+            "--commit",
+            "--store",
+            &topology,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        plan.status.success(),
+        "plan failed: {}",
+        String::from_utf8_lossy(&plan.stderr)
+    );
+
+    let mut n1 = sidecar(1, &topology, &redis, &geo);
+    let mut n2 = sidecar(2, &topology, &redis, &geo);
+
+    // Both arenas stand at the border, so one view holds NPCs of both nodes.
+    let mut arenas = Vec::new();
+    for (node, x) in [(&n1, 65_500.0), (&n2, 65_572.0)] {
+        let cfg = ArenaConfig {
+            sidecar: SidecarAddr::Tcp(format!("127.0.0.1:{}", node.local)),
+            npcs: 4,
+            center: (x, 1000.0),
+            spread: 50.0,
+            ..ArenaConfig::default()
+        };
+        arenas.push(tokio::spawn(cellmesh_arena::run(
+            cfg,
+            tokio::time::sleep(Duration::from_secs(90)),
+        )));
+    }
+    wait_ready(n1.admin, &mut n1.child).await;
+    wait_ready(n2.admin, &mut n2.child).await;
+
+    let (client, admin) = (free_port(), free_port());
+    let mut proxy = Command::new(bin)
+        .arg("proxy")
+        .env("CELLMESH_GEO", &geo)
+        .env("CELLMESH_CLIENT_LISTEN", format!("127.0.0.1:{client}"))
+        .env("CELLMESH_ADMIN_LISTEN", format!("127.0.0.1:{admin}"))
+        .env(
+            "CELLMESH_GATEWAYS",
+            format!("[\"127.0.0.1:{}\", \"127.0.0.1:{}\"]", n1.mesh, n2.mesh),
+        )
+        .env("CELLMESH_TOKEN_SECRET", "cluster-test")
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    wait_ready(admin, &mut proxy).await;
+
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let token = cellmesh_proto::token::sign(b"cluster-test", "ada", now + 120);
+    let (mut tx, mut rx, welcome) =
+        cellmesh_proto::client::login(&format!("127.0.0.1:{client}"), &token)
+            .await
+            .expect("login");
+    assert!([1, 2].contains(&welcome.gateway_node), "{welcome:?}");
+
+    // NPC ids carry the node part of the sidecar that minted them.
+    let mut npc_nodes = HashSet::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while npc_nodes.len() < 2 {
+        let msg = tokio::time::timeout_at(deadline, rx.next())
+            .await
+            .unwrap_or_else(|_| panic!("saw NPCs of nodes {npc_nodes:?} only"))
+            .expect("connection open")
+            .unwrap();
+        match msg.body {
+            Some(server_message::Body::Batch(b)) => {
+                for d in b.deltas {
+                    let npc = d
+                        .components
+                        .iter()
+                        .any(|c| c.r#type == schema::KIND && c.payload.starts_with(b"npc:"));
+                    if d.kind == DeltaKind::Appear as i32 && npc {
+                        npc_nodes.insert(cellmesh_sidecar::ids::split(d.entity_id).node);
+                    }
+                }
+            }
+            Some(server_message::Body::Ping(p)) => tx
+                .send(client_message::Body::Pong(Pong { nonce: p.nonce }))
+                .await
+                .unwrap(),
+            _ => {}
+        }
+    }
+    assert_eq!(npc_nodes, HashSet::from([1, 2]));
+    for a in arenas {
+        a.abort();
+    }
+}
+
+fn rand_suffix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos() as u64
+}

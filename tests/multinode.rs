@@ -1,0 +1,77 @@
+//! `cellmesh up --nodes 4`: four sidecars with four arenas share the world on a 2×2 grid, with
+//! bots walking across the borders and the wrap seam, over real loopback sockets.
+
+use std::time::Duration;
+
+use cellmesh::up::{run, UpOptions};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_nodes_serve_one_world_without_errors() {
+    let opts = UpOptions {
+        bots: 12,
+        npcs: 40,
+        nodes: 4,
+        duration: Some(Duration::from_secs(6)),
+        summary_json: None,
+        seed: 5,
+        status: false,
+    };
+    let s = run(opts, std::future::pending()).await.expect("up runs");
+    assert_eq!(s.nodes, 4);
+    assert_eq!(s.errors, 0, "{s:?}");
+    assert_eq!(s.sessions_peak, 12, "{s:?}");
+    assert!(
+        s.inputs_delivered as f64 >= 0.95 * s.inputs_sent as f64,
+        "inputs lost between bots and games: {s:?}"
+    );
+    assert!(
+        s.inputs_delivered <= s.inputs_sent,
+        "inputs duplicated: {s:?}"
+    );
+    assert!(s.cross_node_updates > 100, "no cross-node updates: {s:?}");
+    assert!(s.ghosts_render > 0 && s.subscriptions > 0, "{s:?}");
+    assert!(s.updates_delivered > 1000, "{s:?}");
+}
+
+/// The binary with its default of four nodes writes the multi-node summary keys.
+#[test]
+fn up_nodes_binary_writes_the_mesh_summary_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cellmesh"))
+        .args([
+            "up",
+            "--nodes",
+            "4",
+            "--bots",
+            "6",
+            "--npcs",
+            "20",
+            "--duration",
+            "4",
+            "--summary-json",
+        ])
+        .arg(&path)
+        .output()
+        .expect("cellmesh runs");
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for key in [
+        "nodes",
+        "ghosts_render",
+        "ghosts_sim",
+        "subscriptions",
+        "routed_messages",
+        "cross_node_updates",
+        "dropped_unknown_account",
+    ] {
+        assert!(v.get(key).is_some(), "summary lacks {key}: {v}");
+    }
+    assert_eq!(v["nodes"], 4, "{v}");
+    assert_eq!(v["errors"], 0, "{v}");
+}
