@@ -18,8 +18,6 @@ const COLLECTION: &str = "players";
 /// How long to look for a usable server before failing, unless the URL says otherwise.
 const SERVER_SELECTION_TIMEOUT: Duration = Duration::from_secs(5);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-/// Bound on one operation: the driver has no per-operation timeout of its own, and a stalled
-/// server must surface as `Unavailable` instead of a hung login.
 const OPERATION_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The stored form of a [`PlayerRecord`]: the account is the document id.
@@ -66,6 +64,35 @@ impl MongoPlayers {
     /// Connects to the MongoDB at `url` (`mongodb://host:port[/database]`) and checks that a
     /// server answers a `ping`.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let conn = MongoConn::open(url).await?;
+        Ok(Self {
+            players: conn.db.collection(COLLECTION),
+            url: conn.url,
+        })
+    }
+
+    async fn bounded<T>(
+        &self,
+        op: &str,
+        fut: impl IntoFuture<Output = Result<T, MongoError>>,
+    ) -> Result<T, StoreError> {
+        bounded(&self.url, op, fut)
+            .await?
+            .map_err(|e| error(&self.url, op, &e))
+    }
+}
+
+/// One MongoDB connection as every cellmesh store opens it: bounded timeouts, the database named by
+/// the URL path (`cellmesh` if none), and a `ping` answered before it is handed out.
+pub(crate) struct MongoConn {
+    pub client: Client,
+    pub db: mongodb::Database,
+    /// The URL without its password, for error messages.
+    pub url: String,
+}
+
+impl MongoConn {
+    pub(crate) async fn open(url: &str) -> Result<Self, StoreError> {
         let shown = redact_url(url);
         let mut options = tokio::time::timeout(CONNECT_TIMEOUT, ClientOptions::parse(url))
             .await
@@ -92,37 +119,40 @@ impl MongoPlayers {
             .unwrap_or_else(|| DEFAULT_DATABASE.into());
         let client = Client::with_options(options)
             .map_err(|e| StoreError::BadUrl(format!("{shown}: {e}")))?;
-        let this = Self {
-            players: client.database(&database).collection(COLLECTION),
+        let admin = client.database("admin");
+        bounded(&shown, "ping", admin.run_command(doc! { "ping": 1 }))
+            .await?
+            .map_err(|e| error(&shown, "ping", &e))?;
+        Ok(Self {
+            db: client.database(&database),
+            client,
             url: shown,
-        };
-        this.bounded(
-            "ping",
-            client.database("admin").run_command(doc! { "ping": 1 }),
-        )
-        .await?;
-        Ok(this)
+        })
     }
+}
 
-    async fn bounded<T>(
-        &self,
-        op: &str,
-        fut: impl IntoFuture<Output = Result<T, MongoError>>,
-    ) -> Result<T, StoreError> {
-        match tokio::time::timeout(OPERATION_TIMEOUT, fut).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) if matches!(*e.kind, ErrorKind::BsonDeserialization(_)) => Err(
-                StoreError::Corrupt(format!("mongodb at {}: {op}: {e}", self.url)),
-            ),
-            Ok(Err(e)) => Err(StoreError::Unavailable(format!(
-                "mongodb at {}: {op}: {e}",
-                self.url
-            ))),
-            Err(_) => Err(StoreError::Unavailable(format!(
-                "mongodb at {}: {op}: no answer within {OPERATION_TIMEOUT:?}",
-                self.url
-            ))),
-        }
+/// Bounds one operation: the driver has no per-operation timeout of its own, and a stalled server
+/// must surface as `Unavailable` instead of a hung login or a lease renewal past its lease.
+pub(crate) async fn bounded<T>(
+    url: &str,
+    op: &str,
+    fut: impl IntoFuture<Output = Result<T, MongoError>>,
+) -> Result<Result<T, MongoError>, StoreError> {
+    tokio::time::timeout(OPERATION_TIMEOUT, fut)
+        .await
+        .map_err(|_| {
+            StoreError::Unavailable(format!(
+                "mongodb at {url}: {op}: no answer within {OPERATION_TIMEOUT:?}"
+            ))
+        })
+}
+
+/// A driver error as a store error: undecodable documents are corrupt, everything else unavailable.
+pub(crate) fn error(url: &str, op: &str, e: &MongoError) -> StoreError {
+    let what = format!("mongodb at {url}: {op}: {e}");
+    match *e.kind {
+        ErrorKind::BsonDeserialization(_) => StoreError::Corrupt(what),
+        _ => StoreError::Unavailable(what),
     }
 }
 

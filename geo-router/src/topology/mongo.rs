@@ -18,9 +18,7 @@ use async_trait::async_trait;
 use futures::TryStreamExt;
 use mongodb::bson::{doc, Document};
 use mongodb::error::{Error as MongoError, ErrorKind, WriteFailure};
-use mongodb::options::{
-    ClientOptions, CollectionOptions, ReadConcern, ReturnDocument, WriteConcern,
-};
+use mongodb::options::{CollectionOptions, ReadConcern, ReturnDocument, WriteConcern};
 use mongodb::{Client, Collection};
 use serde::{Deserialize, Serialize};
 
@@ -29,15 +27,10 @@ use super::{
     TopologyStore,
 };
 use crate::partition::{NodeId, Partition};
-use crate::store::{redact_url, StoreError};
+use crate::store::mongo::{bounded, error, MongoConn};
+use crate::store::StoreError;
 
-const DEFAULT_DATABASE: &str = "cellmesh";
 const CURRENT: &str = "current";
-const SERVER_SELECTION_TIMEOUT: Duration = Duration::from_secs(5);
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-/// The driver has no per-operation timeout; a stalled server must surface as an error, not hang a
-/// lease renewal past the lease itself.
-const OPERATION_TIMEOUT: Duration = Duration::from_secs(10);
 const DUPLICATE_KEY: i32 = 11000;
 
 #[derive(Serialize, Deserialize)]
@@ -123,33 +116,8 @@ impl MongoTopology {
     /// Connects to the MongoDB at `url` (`mongodb://host:port[/database]`) and checks that a
     /// server answers a `ping`.
     pub async fn connect(url: &str) -> Result<Self, TopologyError> {
-        let shown = redact_url(url);
-        let mut options = tokio::time::timeout(CONNECT_TIMEOUT, ClientOptions::parse(url))
-            .await
-            .map_err(|_| {
-                StoreError::Unavailable(format!(
-                    "mongodb at {shown}: url not resolved within {CONNECT_TIMEOUT:?}"
-                ))
-            })?
-            .map_err(|e| match *e.kind {
-                // `mongodb+srv://` URLs resolve through DNS while parsing.
-                ErrorKind::DnsResolve { .. } => {
-                    StoreError::Unavailable(format!("mongodb at {shown}: {e}"))
-                }
-                _ => StoreError::BadUrl(shown.clone()),
-            })?;
-        options
-            .server_selection_timeout
-            .get_or_insert(SERVER_SELECTION_TIMEOUT);
-        options.connect_timeout.get_or_insert(CONNECT_TIMEOUT);
-        options.app_name.get_or_insert_with(|| "cellmesh".into());
-        let database = options
-            .default_database
-            .clone()
-            .unwrap_or_else(|| DEFAULT_DATABASE.into());
-        let client =
-            Client::with_options(options).map_err(|_| StoreError::BadUrl(shown.clone()))?;
-        let db = client.database(&database);
+        let conn = MongoConn::open(url).await?;
+        let (client, db, shown) = (conn.client, conn.db, conn.url);
         let concerns = CollectionOptions::builder()
             .write_concern(WriteConcern::majority())
             .read_concern(ReadConcern::majority())
@@ -160,11 +128,6 @@ impl MongoTopology {
             nodes: db.collection_with_options("nodes", concerns),
             url: shown,
         };
-        this.bounded(
-            "ping",
-            client.database("admin").run_command(doc! { "ping": 1 }),
-        )
-        .await?;
         Ok(this)
     }
 
@@ -194,22 +157,11 @@ impl MongoTopology {
         op: &str,
         fut: impl IntoFuture<Output = Result<T, MongoError>>,
     ) -> Result<Result<T, MongoError>, StoreError> {
-        tokio::time::timeout(OPERATION_TIMEOUT, fut)
-            .await
-            .map_err(|_| {
-                StoreError::Unavailable(format!(
-                    "mongodb at {}: {op}: no answer within {OPERATION_TIMEOUT:?}",
-                    self.url
-                ))
-            })
+        bounded(&self.url, op, fut).await
     }
 
     fn error(&self, op: &str, e: &MongoError) -> StoreError {
-        let what = format!("mongodb at {}: {op}: {e}", self.url);
-        match *e.kind {
-            ErrorKind::BsonDeserialization(_) => StoreError::Corrupt(what),
-            _ => StoreError::Unavailable(what),
-        }
+        error(&self.url, op, e)
     }
 
     async fn current_epoch(&self) -> Result<u64, TopologyError> {
