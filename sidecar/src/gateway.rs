@@ -374,6 +374,7 @@ impl Node {
                 session_epoch: epoch,
                 seq: i.seq,
                 payload: i.payload,
+                entity_epoch: 0,
             });
             if self.send_peer(owner, forward) {
                 self.metrics.inputs_forwarded.inc();

@@ -10,7 +10,8 @@
 //!
 //! Many nodes serve one world ([`start_in`]): peer links between sidecars (`cluster`), node-level
 //! chunk subscriptions ([`subs`]), render and simulation ghosts ([`ghosts`]) and routing by
-//! account ([`route`]), wired together in `peer`. Handoff comes next.
+//! account ([`route`]), wired together in `peer`. The handoff state machines and the epoch
+//! fence ([`handoff`]) are pure; the node does not drive them yet.
 
 pub mod audience;
 mod cluster;
@@ -20,6 +21,7 @@ pub mod fold;
 mod game;
 mod gateway;
 pub mod ghosts;
+pub mod handoff;
 pub mod ids;
 pub mod interest;
 mod mesh;
