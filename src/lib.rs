@@ -2,6 +2,7 @@
 //! cluster in one process over real loopback sockets.
 
 pub mod bots;
+pub mod geo_cli;
 pub mod partition_cli;
 pub mod signal;
 pub mod up;

@@ -74,6 +74,8 @@ enum Command {
     },
     /// Show, plan and commit the partition of the world.
     Partition(cellmesh::partition_cli::PartitionArgs),
+    /// Geo routing tools: simulate bubble placement over a scenario.
+    Geo(cellmesh::geo_cli::GeoArgs),
     /// Run bots against a running proxy.
     Bots {
         #[arg(long, default_value = "127.0.0.1:7300")]
@@ -188,6 +190,7 @@ async fn main() -> anyhow::Result<()> {
             handle.wait().await;
         }
         Command::Partition(args) => cellmesh::partition_cli::run(args).await?,
+        Command::Geo(args) => cellmesh::geo_cli::run(args)?,
         Command::Token {
             account,
             secret,

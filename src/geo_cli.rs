@@ -1,0 +1,57 @@
+//! `cellmesh geo …`: tools for multi-geo placement.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use cellmesh_geo_router::geosim;
+
+#[derive(clap::Args, Debug)]
+pub struct GeoArgs {
+    #[command(subcommand)]
+    pub command: GeoCommand,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum GeoCommand {
+    /// Run a bubble-placement scenario in virtual time: a timeline of the decisions with their
+    /// reasons, and a summary against always-core and an oracle without hysteresis.
+    Simulate {
+        /// Scenario file (TOML), e.g. one of geo-router/scenarios/.
+        scenario: PathBuf,
+        /// Print the summary and timeline as JSON instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Also draw the players' RTT over time, moves marked, into this SVG file.
+        #[arg(long, value_name = "FILE")]
+        svg: Option<PathBuf>,
+    },
+}
+
+pub fn run(args: GeoArgs) -> anyhow::Result<()> {
+    match args.command {
+        GeoCommand::Simulate {
+            scenario,
+            json,
+            svg,
+        } => simulate(&scenario, json, svg.as_deref()),
+    }
+}
+
+fn simulate(path: &Path, json: bool, svg: Option<&Path>) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading scenario {}", path.display()))?;
+    let scenario = geosim::Scenario::from_toml(&text)
+        .with_context(|| format!("scenario {}", path.display()))?;
+    let report = geosim::run(&scenario)?;
+    if let Some(out) = svg {
+        let plot = geosim::render_svg(&report)?;
+        std::fs::write(out, plot).with_context(|| format!("writing {}", out.display()))?;
+        eprintln!("plot written to {}", out.display());
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.render_text());
+    }
+    Ok(())
+}
