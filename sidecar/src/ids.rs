@@ -1,31 +1,22 @@
 //! Snowflake entity ids, minted by the node that owns the world where they are spawned.
 //!
-//! Layout of the 64 bits, most significant first:
-//!
-//! | bits | field |
-//! |---|---|
-//! | 1 | zero (ids stay positive as `i64` for stores that lack unsigned integers) |
-//! | 41 | milliseconds since [`EPOCH_UNIX_MS`] (2024-01-01T00:00:00Z; lasts until 2093) |
-//! | 10 | node id (`0..=1023`): two nodes never mint the same id |
-//! | 12 | sequence within the millisecond (4096 ids per node per millisecond) |
+//! The 64-bit layout (41 bits of milliseconds since [`EPOCH_UNIX_MS`], 10 bits of node id, 12 bits
+//! of sequence) is the one of `cellmesh_geo_router::topology::ids`, shared with the lease-bound
+//! minter, so ids from either decode the same way.
 //!
 //! Ids from one minter are strictly increasing. When the clock steps back, or more than 4096 ids
 //! are asked for within one millisecond, the minter keeps counting on its own last millisecond
 //! (borrowing from the future) instead of waiting or repeating itself.
 
-/// Unix time of the id epoch, in milliseconds.
-pub const EPOCH_UNIX_MS: u64 = 1_704_067_200_000;
-pub const MAX_NODE_ID: u32 = (1 << NODE_BITS) - 1;
+use cellmesh_geo_router::topology::ids::{self as layout, MAX_SEQ, MAX_TIME};
 
-const NODE_BITS: u32 = 10;
-const SEQ_BITS: u32 = 12;
-const TIME_BITS: u32 = 41;
-const MAX_SEQ: u64 = (1 << SEQ_BITS) - 1;
-const MAX_TIME: u64 = (1 << TIME_BITS) - 1;
+/// Unix time of the id epoch, in milliseconds.
+pub const EPOCH_UNIX_MS: u64 = layout::ID_EPOCH_UNIX_MS;
+pub use layout::MAX_NODE_ID;
 
 #[derive(Debug, Clone)]
 pub struct IdMinter {
-    node: u64,
+    node: u32,
     /// Millisecond (since the id epoch) and sequence of the last id minted.
     last_ms: u64,
     last_seq: u64,
@@ -45,7 +36,7 @@ impl IdMinter {
         assert!(node <= MAX_NODE_ID, "node id {node} exceeds {MAX_NODE_ID}");
         // Starting at millisecond 1 keeps every id nonzero, even for node 0 at the epoch itself.
         Self {
-            node: node as u64,
+            node,
             last_ms: 1,
             last_seq: MAX_SEQ,
         }
@@ -54,17 +45,8 @@ impl IdMinter {
     /// Mints the next id at wall-clock `now_unix_ms`.
     pub fn mint(&mut self, now_unix_ms: u64) -> u64 {
         let now = now_unix_ms.saturating_sub(EPOCH_UNIX_MS).min(MAX_TIME);
-        if now > self.last_ms {
-            self.last_ms = now;
-            self.last_seq = 0;
-        } else if self.last_seq < MAX_SEQ {
-            self.last_seq += 1;
-        } else {
-            // Sequence exhausted (or the clock stepped back): borrow the next millisecond.
-            self.last_ms += 1;
-            self.last_seq = 0;
-        }
-        (self.last_ms << (NODE_BITS + SEQ_BITS)) | (self.node << SEQ_BITS) | self.last_seq
+        (self.last_ms, self.last_seq) = layout::next_stamp((self.last_ms, self.last_seq), now);
+        layout::compose(self.last_ms, self.node, self.last_seq)
     }
 
     /// Mints `count` consecutive ids.
@@ -75,9 +57,9 @@ impl IdMinter {
 
 pub fn split(id: u64) -> IdParts {
     IdParts {
-        ms_since_epoch: id >> (NODE_BITS + SEQ_BITS),
-        node: ((id >> SEQ_BITS) & MAX_NODE_ID as u64) as u32,
-        seq: (id & MAX_SEQ) as u32,
+        ms_since_epoch: layout::ms_of(id),
+        node: layout::node_of(id),
+        seq: layout::seq_of(id) as u32,
     }
 }
 

@@ -23,8 +23,39 @@ pub const MAX_NODE_ID: u32 = (1 << NODE_BITS) - 1;
 const NODE_BITS: u32 = 10;
 const SEQ_BITS: u32 = 12;
 const TIME_BITS: u32 = 41;
-const MAX_SEQ: u64 = (1 << SEQ_BITS) - 1;
-const MAX_TIME: u64 = (1 << TIME_BITS) - 1;
+/// Largest sequence number within one millisecond.
+pub const MAX_SEQ: u64 = (1 << SEQ_BITS) - 1;
+/// Largest millisecond (since [`ID_EPOCH_UNIX_MS`]) an id can carry.
+pub const MAX_TIME: u64 = (1 << TIME_BITS) - 1;
+
+/// The id of sequence `seq` of millisecond `ms` (since [`ID_EPOCH_UNIX_MS`]) on `node`.
+pub fn compose(ms: u64, node: u32, seq: u64) -> u64 {
+    (ms << (NODE_BITS + SEQ_BITS)) | (u64::from(node) << SEQ_BITS) | seq
+}
+
+/// The (millisecond, sequence) that follows `last` when the clock reads `now` (both in
+/// milliseconds since [`ID_EPOCH_UNIX_MS`]): ids of one minter strictly increase, so when the clock
+/// steps back or a millisecond's sequence is used up it counts on from its own last millisecond.
+pub fn next_stamp(last: (u64, u64), now: u64) -> (u64, u64) {
+    let (last_ms, last_seq) = last;
+    if now > last_ms {
+        (now, 0)
+    } else if last_seq < MAX_SEQ {
+        (last_ms, last_seq + 1)
+    } else {
+        (last_ms + 1, 0)
+    }
+}
+
+/// The sequence part of an id.
+pub fn seq_of(id: u64) -> u64 {
+    id & MAX_SEQ
+}
+
+/// The millisecond part of an id, since [`ID_EPOCH_UNIX_MS`].
+pub fn ms_of(id: u64) -> u64 {
+    id >> (NODE_BITS + SEQ_BITS)
+}
 
 /// Mints ids for the holder of one node's lease; refuses once the lease has lapsed.
 #[derive(Debug, Clone)]
@@ -78,18 +109,12 @@ impl LeasedIds {
             return Err(lapsed);
         }
         let now = now_unix_ms.saturating_sub(ID_EPOCH_UNIX_MS).min(MAX_TIME);
-        let (ms, seq) = if now > self.last_ms {
-            (now, 0)
-        } else if self.last_seq < MAX_SEQ {
-            (self.last_ms, self.last_seq + 1)
-        } else {
-            (self.last_ms + 1, 0)
-        };
+        let (ms, seq) = next_stamp((self.last_ms, self.last_seq), now);
         if ms + ID_EPOCH_UNIX_MS >= self.expires_unix_ms || ms > MAX_TIME {
             return Err(lapsed);
         }
         (self.last_ms, self.last_seq) = (ms, seq);
-        Ok((ms << (NODE_BITS + SEQ_BITS)) | (u64::from(self.node) << SEQ_BITS) | seq)
+        Ok(compose(ms, self.node, seq))
     }
 }
 
@@ -100,7 +125,7 @@ pub fn node_of(id: u64) -> u32 {
 
 /// Unix milliseconds an id was stamped with.
 pub fn unix_ms_of(id: u64) -> u64 {
-    (id >> (NODE_BITS + SEQ_BITS)) + ID_EPOCH_UNIX_MS
+    ms_of(id) + ID_EPOCH_UNIX_MS
 }
 
 #[cfg(test)]
