@@ -198,6 +198,11 @@ pub(crate) struct Node {
     pub anchor_pos: HashMap<String, [f64; 3]>,
     /// Owner side: the chunk last told to each remote player's gateway.
     pub anchor_sent: HashMap<String, ChunkPos>,
+    /// Owner side: local entities that went in full to nodes not holding them, since the tick
+    /// began. The accounts those nodes serve get the entity's current non-public state.
+    pub newly_held: BTreeMap<u64, BTreeSet<NodeId>>,
+    /// Owner side: accounts whose session newly attached to another gateway since the tick began.
+    pub newly_attached: BTreeSet<String>,
     pub parked: Vec<(String, Addressed)>,
     pub looking_up: HashSet<String>,
     pub unknown_until: HashMap<String, std::time::Instant>,
@@ -241,6 +246,8 @@ impl Node {
             master_owner: HashMap::new(),
             anchor_pos: HashMap::new(),
             anchor_sent: HashMap::new(),
+            newly_held: BTreeMap::new(),
+            newly_attached: BTreeSet::new(),
             parked: Vec::new(),
             looking_up: HashSet::new(),
             unknown_until: HashMap::new(),

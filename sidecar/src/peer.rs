@@ -363,6 +363,7 @@ impl Node {
                     let state = full_state(e);
                     self.metrics.cross_node_updates.inc();
                     self.send_peer(node, mesh_message::Body::EntityState(state));
+                    self.newly_held.entry(id).or_default().insert(node);
                 }
             }
         }
@@ -438,6 +439,7 @@ impl Node {
                 if ch.spawned || !held.contains(&node) {
                     let state = full.clone().expect("built when some node needs it");
                     frames.push((node, mesh_message::Body::EntityState(state)));
+                    self.newly_held.entry(id).or_default().insert(node);
                 } else if let Some(d) = &delta {
                     frames.push((node, mesh_message::Body::EntityState(d.clone())));
                 }
@@ -501,13 +503,45 @@ impl Node {
         sends: Vec<TickSend>,
     ) -> Vec<TickSend> {
         let mut pieces: Vec<Addressed> = Vec::new();
-        for (&id, ch) in changes {
+        // A client that newly sees an entity (its gateway just got it in full, or its session
+        // just attached there) is owed the entity's current non-public state, not only changes.
+        let newly_held = std::mem::take(&mut self.newly_held);
+        let newly_attached = std::mem::take(&mut self.newly_attached);
+        let whole = EntityChange {
+            spawned: true,
+            ..Default::default()
+        };
+        let mut ids: BTreeSet<u64> = changes.keys().chain(newly_held.keys()).copied().collect();
+        if !newly_attached.is_empty() {
+            ids.extend(
+                self.table
+                    .iter()
+                    .filter(|e| e.origin.is_none())
+                    .map(|e| e.id),
+            );
+        }
+        let no_change = EntityChange::default();
+        for id in ids {
             let Some(e) = self.table.get_local(id) else {
                 continue;
             };
+            let mut views = route::account_views(e, changes.get(&id).unwrap_or(&no_change));
+            let held_by = newly_held.get(&id);
+            for (account, view) in route::account_views(e, &whole) {
+                let fresh = newly_attached.contains(&account)
+                    || match self.target(&account) {
+                        Target::Remote { gateway, .. } => {
+                            held_by.is_some_and(|n| n.contains(&gateway))
+                        }
+                        _ => false,
+                    };
+                if fresh {
+                    views.insert(account, view);
+                }
+            }
             // Accounts that see the same thing share one encoded delta.
             let mut groups: SameView = BTreeMap::new();
-            for (account, (send, removed, kind)) in route::account_views(e, ch) {
+            for (account, (send, removed, kind)) in views {
                 if self.clients.key_of(&account).is_some() {
                     continue;
                 }
@@ -887,12 +921,15 @@ impl Node {
             gateway_node: m.gateway_node,
             session_epoch: m.session_epoch,
         };
-        if self
-            .routes
-            .get(&m.account)
-            .is_none_or(|r| r.session_epoch <= m.session_epoch)
-        {
-            self.routes.insert(m.account.clone(), entry);
+        match self.routes.get(&m.account) {
+            Some(r) if r.session_epoch > m.session_epoch => {}
+            Some(r) if *r == entry => {}
+            _ => {
+                self.routes.insert(m.account.clone(), entry);
+                if m.gateway_node != self.cfg.node_id && self.game.is_some() {
+                    self.newly_attached.insert(m.account.clone());
+                }
+            }
         }
         if let Some((key, epoch)) = self.session_epoch(&m.account) {
             if epoch < m.session_epoch {

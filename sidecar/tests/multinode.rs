@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use cellmesh_geo_router::geometry::{Pos, WorldShape};
 use cellmesh_geo_router::partition::{Grid, Layout, Partition};
-use cellmesh_geo_router::store::Stores;
+use cellmesh_geo_router::store::{PlayerRecord, Stores};
 use cellmesh_geo_router::topology::memory::MemoryTopology;
 use cellmesh_geo_router::topology::TopologyStore;
 use cellmesh_proto::edge::{self, DeltaKind, KickReason};
@@ -457,6 +457,119 @@ async fn a_party_over_three_gateways_costs_three_node_messages() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(w.node(4).h().stats().dropped_unknown_account, 1);
+}
+
+#[tokio::test]
+async fn a_player_simulated_off_its_gateway_sees_its_own_inventory_with_its_avatar() {
+    // Alice last stood just inside node 2's cell, so node 2 spawns her avatar while her
+    // gateway is node 1.
+    let stores = Stores::in_memory();
+    let home = chunk(36, 5);
+    stores
+        .players
+        .save(&PlayerRecord {
+            account: "alice".into(),
+            last_position: Some([home.x, home.y, home.z]),
+            home_geo: String::new(),
+            updated_unix_ms: 1,
+        })
+        .await
+        .unwrap();
+    let mut w = World::start_with(2, 1, stores, |_| None).await;
+    let mut link = MeshLink::dial(w.node(1).h().mesh_addr, "edge").await;
+    assert_eq!(link.attach(1, "alice").await.gateway_node, 1);
+    let join = w.node(2).game.expect_join("alice").await;
+    let at = join.last_position.expect("the record's position");
+    let avatar_id = w.node(2).id();
+    w.node(2).game.push(avatar(
+        avatar_id,
+        "alice",
+        at,
+        vec![comp(3, "alice-inv", aud(AudienceKind::OwnerOnly, &[]))],
+    ));
+
+    // Her client mirrors what it is told: an APPEAR replaces what it held of the entity.
+    let mut held: Option<BTreeSet<u32>> = None;
+    for _ in 0..ROUNDS {
+        w.tick().await;
+        for b in link.batches_within(1, Duration::from_millis(25)).await {
+            for d in b.deltas.iter().filter(|d| d.entity_id == avatar_id) {
+                let types = types(d).into_iter();
+                match d.kind() {
+                    DeltaKind::Appear => held = Some(types.collect()),
+                    DeltaKind::Update => {
+                        if let Some(h) = held.as_mut() {
+                            h.extend(types);
+                        }
+                    }
+                    DeltaKind::Vanish => held = None,
+                }
+            }
+        }
+        if held.as_ref().is_some_and(|h| h.contains(&3)) {
+            break;
+        }
+    }
+    let held = held.expect("alice saw her avatar appear");
+    assert!(
+        held.contains(&3),
+        "no inventory with or after the appear: {held:?}"
+    );
+
+    // Bob, on the same gateway across the border, sees her avatar but never her inventory.
+    w.join(1, &mut link, 2, "bob", chunk(31, 5)).await;
+    let appear = w
+        .until(&mut link, 2, "alice's avatar", |b| appeared(b, avatar_id))
+        .await;
+    assert_eq!(types(&appear), [1]);
+    for _ in 0..10 {
+        w.tick().await;
+        for b in link.batches_within(2, Duration::from_millis(25)).await {
+            for d in b.deltas.iter().filter(|d| d.entity_id == avatar_id) {
+                assert!(!types(d).contains(&3), "bob got alice's inventory: {d:?}");
+            }
+        }
+        // Nor is it sent to alice again while it does not change.
+        for b in link.batches_within(1, Duration::ZERO).await {
+            assert!(b.deltas.iter().all(|d| d.entity_id != avatar_id), "{b:?}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_party_member_logging_in_elsewhere_gets_the_current_party_state_once() {
+    let mut w = World::start(2, 1).await;
+    // Alice's pet lives on node 2 before anyone of her party is logged in.
+    let pet = w.node(2).id();
+    w.node(2).game.push(game_message::Body::Spawn(local::Spawn {
+        entity_id: pet,
+        position: Some(chunk(50, 5)),
+        components: vec![
+            comp(1, "pet", aud(AudienceKind::PublicInRange, &[])),
+            comp(2, "hp-100", aud(AudienceKind::OwnerAndParty, &["bob"])),
+        ],
+        owner_account: "alice".into(),
+        ..Default::default()
+    }));
+    for _ in 0..3 {
+        w.tick().await;
+    }
+    // Bob logs in on node 1, far from the pet: it reaches him though nothing changed.
+    let mut link = MeshLink::dial(w.node(1).h().mesh_addr, "edge").await;
+    w.join(1, &mut link, 1, "bob", chunk(5, 5)).await;
+    let d = w
+        .until(&mut link, 1, "the pet's health", |b| {
+            b.deltas.iter().find(|d| d.entity_id == pet).cloned()
+        })
+        .await;
+    assert_eq!((d.kind(), types(&d)), (DeltaKind::Update, vec![2]));
+    assert_eq!(d.components[0].payload, Bytes::from_static(b"hp-100"));
+    for _ in 0..10 {
+        w.tick().await;
+        for b in link.batches_within(1, Duration::from_millis(25)).await {
+            assert!(b.deltas.iter().all(|d| d.entity_id != pet), "{b:?}");
+        }
+    }
 }
 
 #[tokio::test]
