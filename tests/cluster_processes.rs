@@ -10,34 +10,15 @@ use std::time::Duration;
 use cellmesh_arena::{schema, ArenaConfig};
 use cellmesh_proto::edge::{client_message, server_message, DeltaKind, Pong};
 use cellmesh_proto::sdk::SidecarAddr;
+use support::{free_port, wait_ready};
 use tokio::process::{Child, Command};
+
+mod support;
 
 fn required(var: &str) -> String {
     std::env::var(var).unwrap_or_else(|_| {
         panic!("{var} is not set: run ./scripts/test.sh, which installs and starts Redis and the MongoDB-compatible server")
     })
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-async fn wait_ready(admin: u16, child: &mut Child) {
-    let addr = format!("127.0.0.1:{admin}").parse().unwrap();
-    for _ in 0..400 {
-        if let Ok((200, _)) = cellmesh_admin::http_get(addr, "/ready").await {
-            return;
-        }
-        if let Ok(Some(status)) = child.try_wait() {
-            panic!("process exited early with {status}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("admin {admin} never became ready");
 }
 
 struct Node {

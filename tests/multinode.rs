@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use cellmesh::up::{run, UpOptions};
 
+mod support;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_nodes_serve_one_world_without_errors() {
     let opts = UpOptions {
@@ -36,42 +38,18 @@ async fn four_nodes_serve_one_world_without_errors() {
 /// The binary with its default of four nodes writes the multi-node summary keys.
 #[test]
 fn up_nodes_binary_writes_the_mesh_summary_keys() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("s.json");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cellmesh"))
-        .args([
-            "up",
-            "--nodes",
-            "4",
-            "--bots",
-            "6",
-            "--npcs",
-            "20",
-            "--duration",
-            "4",
-            "--summary-json",
-        ])
-        .arg(&path)
-        .output()
-        .expect("cellmesh runs");
-    assert!(
-        out.status.success(),
-        "stderr: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let (v, _) = support::run_up_binary(
+        &["--bots", "6", "--npcs", "20", "--duration", "4"],
+        &[
+            "nodes",
+            "ghosts_render",
+            "ghosts_sim",
+            "subscriptions",
+            "routed_messages",
+            "cross_node_updates",
+            "dropped_unknown_account",
+        ],
     );
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    for key in [
-        "nodes",
-        "ghosts_render",
-        "ghosts_sim",
-        "subscriptions",
-        "routed_messages",
-        "cross_node_updates",
-        "dropped_unknown_account",
-    ] {
-        assert!(v.get(key).is_some(), "summary lacks {key}: {v}");
-    }
     assert_eq!(v["nodes"], 4, "{v}");
     assert_eq!(v["errors"], 0, "{v}");
 }

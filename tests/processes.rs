@@ -8,29 +8,10 @@ use std::time::Duration;
 use cellmesh_arena::{schema, ArenaConfig};
 use cellmesh_proto::edge::{client_message, server_message, DeltaKind, Pong};
 use cellmesh_proto::sdk::SidecarAddr;
-use tokio::process::{Child, Command};
+use support::{free_port, wait_ready};
+use tokio::process::Command;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-async fn wait_ready(admin: &str, child: &mut Child) {
-    let addr = admin.parse().unwrap();
-    for _ in 0..300 {
-        if let Ok((200, _)) = cellmesh_admin::http_get(addr, "/ready").await {
-            return;
-        }
-        if let Ok(Some(status)) = child.try_wait() {
-            panic!("process exited early with {status}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{admin} never became ready");
-}
+mod support;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sidecar_and_proxy_as_processes() {
@@ -81,8 +62,8 @@ async fn sidecar_and_proxy_as_processes() {
         tokio::time::sleep(Duration::from_secs(60)),
     ));
 
-    wait_ready(&format!("127.0.0.1:{sc_admin}"), &mut sidecar).await;
-    wait_ready(&format!("127.0.0.1:{px_admin}"), &mut proxy).await;
+    wait_ready(sc_admin, &mut sidecar).await;
+    wait_ready(px_admin, &mut proxy).await;
 
     let addr = format!("127.0.0.1:{client}");
     let now = std::time::SystemTime::now()

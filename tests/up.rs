@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use cellmesh::up::{run, UpOptions};
 
+mod support;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_delivers_inputs_and_updates_without_errors() {
     let opts = UpOptions {
@@ -38,42 +40,28 @@ async fn up_delivers_inputs_and_updates_without_errors() {
 /// The binary itself, as a user runs it: exits 0 and writes the summary.
 #[test]
 fn up_binary_writes_summary_json() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("s.json");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cellmesh"))
-        .args([
-            "up",
+    let (v, stdout) = support::run_up_binary(
+        &[
+            "--nodes",
+            "1",
             "--bots",
             "5",
             "--npcs",
             "10",
             "--duration",
             "3",
-            "--summary-json",
-        ])
-        .arg(&path)
-        .output()
-        .expect("cellmesh runs");
-    assert!(
-        out.status.success(),
-        "stderr: {}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
+        &[
+            "inputs_sent",
+            "inputs_delivered",
+            "updates_delivered",
+            "sessions_peak",
+            "errors",
+            "rtt_ms_p50",
+            "rtt_ms_p99",
+        ],
     );
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    for key in [
-        "inputs_sent",
-        "inputs_delivered",
-        "updates_delivered",
-        "sessions_peak",
-        "errors",
-        "rtt_ms_p50",
-        "rtt_ms_p99",
-    ] {
-        assert!(v.get(key).is_some(), "summary lacks {key}: {v}");
-    }
     assert_eq!(v["errors"], 0, "{v}");
     assert_eq!(v["sessions_peak"], 5, "{v}");
-    let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("sessions="), "no status line in: {stdout}");
 }
