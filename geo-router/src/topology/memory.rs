@@ -121,12 +121,7 @@ impl TopologyStore for MemoryTopology {
         record: &NodeRecord,
         now_unix_ms: u64,
     ) -> Result<bool, TopologyError> {
-        if record.node != lease.node {
-            return Err(TopologyError::RecordMismatch {
-                record: record.node,
-                lease: lease.node,
-            });
-        }
+        record.check_lease(lease)?;
         let mut state = self.state();
         Ok(state
             .current(lease)

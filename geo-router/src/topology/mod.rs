@@ -95,6 +95,19 @@ pub struct NodeRecord {
     pub admin_addr: String,
 }
 
+impl NodeRecord {
+    /// A record may only be published under the lease of its own node.
+    pub fn check_lease(&self, lease: &Lease) -> Result<(), TopologyError> {
+        if self.node != lease.node {
+            return Err(TopologyError::RecordMismatch {
+                record: self.node,
+                lease: lease.node,
+            });
+        }
+        Ok(())
+    }
+}
+
 /// A node as stored: its latest lease (live or not) and the record its holder published.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeEntry {

@@ -317,12 +317,7 @@ impl TopologyStore for MongoTopology {
         record: &NodeRecord,
         now_unix_ms: u64,
     ) -> Result<bool, TopologyError> {
-        if record.node != lease.node {
-            return Err(TopologyError::RecordMismatch {
-                record: record.node,
-                lease: lease.node,
-            });
-        }
+        record.check_lease(lease)?;
         let mut filter = current(lease)?;
         filter.insert("expires_unix_ms", doc! { "$gt": as_i64(now_unix_ms)? });
         let fields = RecordDoc {
