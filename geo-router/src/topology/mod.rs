@@ -221,3 +221,33 @@ fn check_commit(expected_epoch: u64, next: &Partition) -> Result<(), TopologyErr
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_is_published_only_under_its_own_nodes_lease() {
+        let lease = Lease {
+            node: 2,
+            holder: "h".into(),
+            epoch: 1,
+            expires_unix_ms: 10,
+        };
+        let mut record = NodeRecord {
+            node: 2,
+            geo: "eu".into(),
+            mesh_addr: "127.0.0.1:1".into(),
+            admin_addr: "127.0.0.1:2".into(),
+        };
+        assert!(record.check_lease(&lease).is_ok());
+        record.node = 3;
+        assert!(matches!(
+            record.check_lease(&lease),
+            Err(TopologyError::RecordMismatch {
+                record: 3,
+                lease: 2
+            })
+        ));
+    }
+}
