@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use cellmesh_arena::schema;
+use std::collections::HashMap;
+
+use cellmesh_arena::{schema, Census};
 use cellmesh_proto::client::{self, ClientError, ClientReceiver, ClientSender};
 use cellmesh_proto::edge::{client_message, server_message, DeltaKind, KickReason, Pong};
 use rand::rngs::StdRng;
@@ -25,6 +27,10 @@ pub struct BotConfig {
     pub home: (f64, f64),
     pub roam: f64,
     pub seed: u64,
+    /// The sidecars' view radius: an entity vanishing this close was not out of range.
+    pub view_radius_chunks: u32,
+    /// What the games spawned and despawned, to tell a real vanish from one a handoff caused.
+    pub census: Option<Arc<Census>>,
 }
 
 impl Default for BotConfig {
@@ -36,6 +42,8 @@ impl Default for BotConfig {
             home: (1000.0, 1000.0),
             roam: 150.0,
             seed: 7,
+            view_radius_chunks: 5,
+            census: None,
         }
     }
 }
@@ -52,6 +60,8 @@ pub struct BotStats {
     pub online: AtomicU64,
     pub kicks: AtomicU64,
     pub errors: AtomicU64,
+    /// Vanishes of entities well inside the view that no game despawned.
+    pub vanished_on_handoff: AtomicU64,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -65,6 +75,7 @@ pub struct BotTotals {
     pub online: u64,
     pub kicks: u64,
     pub errors: u64,
+    pub vanished_on_handoff: u64,
 }
 
 impl BotStats {
@@ -80,6 +91,7 @@ impl BotStats {
             online: l(&self.online),
             kicks: l(&self.kicks),
             errors: l(&self.errors),
+            vanished_on_handoff: l(&self.vanished_on_handoff),
         }
     }
 }
@@ -107,10 +119,18 @@ pub async fn run_bot(
             r = client::login(&cfg.proxy, &token) => r,
         };
         match login {
-            Ok((tx, rx, _welcome)) => {
+            Ok((tx, rx, welcome)) => {
                 stats.logins.fetch_add(1, Ordering::Relaxed);
                 stats.online.fetch_add(1, Ordering::Relaxed);
-                let ended = play(&account, &cfg, &stats, &stop, &mut rng, &mut seq, tx, rx).await;
+                let world = World {
+                    width: welcome.world_width,
+                    height: welcome.world_height,
+                    chunk: welcome.chunk_size,
+                };
+                let ended = play(
+                    &account, &cfg, &stats, &stop, &mut rng, &mut seq, world, tx, rx,
+                )
+                .await;
                 stats.online.fetch_sub(1, Ordering::Relaxed);
                 match ended {
                     Ok(()) => return,
@@ -132,6 +152,31 @@ pub async fn run_bot(
     }
 }
 
+/// The world as the gateway described it: a torus, in metres.
+#[derive(Debug, Clone, Copy)]
+struct World {
+    width: f64,
+    height: f64,
+    chunk: f64,
+}
+
+impl World {
+    /// The shortest signed step from `a` to `b` along an axis of length `size`.
+    fn delta(a: f64, b: f64, size: f64) -> f64 {
+        if size <= 0.0 {
+            return b - a;
+        }
+        let d = b - a;
+        d - (d / size).round() * size
+    }
+
+    fn chunks_apart(&self, a: (f64, f64), b: (f64, f64)) -> f64 {
+        let dx = Self::delta(a.0, b.0, self.width).abs();
+        let dy = Self::delta(a.1, b.1, self.height).abs();
+        dx.max(dy) / self.chunk.max(1e-9)
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn play(
     account: &str,
@@ -140,6 +185,7 @@ async fn play(
     stop: &CancellationToken,
     rng: &mut StdRng,
     seq: &mut u64,
+    world: World,
     mut tx: ClientSender,
     mut rx: ClientReceiver,
 ) -> Result<(), ClientError> {
@@ -147,6 +193,10 @@ async fn play(
     let mut my_entity: Option<u64> = None;
     let mut my_pos: Option<(f64, f64)> = None;
     let mut dir: (f32, f32) = (0.0, 0.0);
+    // Where each entity in view was last seen.
+    let mut seen: HashMap<u64, (f64, f64)> = HashMap::new();
+    // Well inside the view: the release margin and a chunk of rounding away from its edge.
+    let inside = f64::from(cfg.view_radius_chunks.saturating_sub(1));
     let mut input_timer =
         tokio::time::interval(Duration::from_secs_f64(1.0 / cfg.input_hz.max(0.1)));
     input_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -176,11 +226,24 @@ async fn play(
                                 }
                                 Ok(DeltaKind::Vanish) => {
                                     stats.vanishes.fetch_add(1, Ordering::Relaxed);
+                                    let was = seen.remove(&d.entity_id);
+                                    let close = match (was, my_pos) {
+                                        (Some(p), Some(me)) => world.chunks_apart(p, me) <= inside,
+                                        _ => false,
+                                    };
+                                    let despawned = cfg.census.as_ref().is_none_or(|c| c.is_despawned(d.entity_id));
+                                    if close && !despawned && !stop.is_cancelled() {
+                                        stats.vanished_on_handoff.fetch_add(1, Ordering::Relaxed);
+                                        tracing::warn!(%account, entity = d.entity_id, "an entity vanished from well inside the view without being despawned");
+                                    }
                                 }
                                 _ => {}
                             }
-                            if Some(d.entity_id) == my_entity {
-                                if let Some(p) = &d.position {
+                            if let Some(p) = &d.position {
+                                if d.kind != DeltaKind::Vanish as i32 {
+                                    seen.insert(d.entity_id, (p.x, p.y));
+                                }
+                                if Some(d.entity_id) == my_entity {
                                     my_pos = Some((p.x, p.y));
                                 }
                             }
@@ -199,7 +262,7 @@ async fn play(
                 }
             }
             _ = input_timer.tick() => {
-                dir = steer(dir, my_pos, cfg, rng);
+                dir = steer(dir, my_pos, cfg, world, rng);
                 *seq += 1;
                 tx.input(*seq, schema::input(dir.0, dir.1)).await?;
                 stats.inputs_sent.fetch_add(1, Ordering::Relaxed);
@@ -213,10 +276,13 @@ fn steer(
     dir: (f32, f32),
     pos: Option<(f64, f64)>,
     cfg: &BotConfig,
+    world: World,
     rng: &mut StdRng,
 ) -> (f32, f32) {
     if let Some((x, y)) = pos {
-        let (hx, hy) = (cfg.home.0 - x, cfg.home.1 - y);
+        // Home the short way round the torus.
+        let hx = World::delta(x, cfg.home.0, world.width);
+        let hy = World::delta(y, cfg.home.1, world.height);
         if hx.hypot(hy) > cfg.roam {
             return (hx as f32, hy as f32);
         }
@@ -245,10 +311,19 @@ mod tests {
             roam: 10.0,
             ..BotConfig::default()
         };
+        let world = World {
+            width: 1000.0,
+            height: 1000.0,
+            chunk: 10.0,
+        };
         let mut rng = StdRng::seed_from_u64(1);
-        let d = steer((1.0, 0.0), Some((100.0, 0.0)), &cfg, &mut rng);
+        let d = steer((1.0, 0.0), Some((100.0, 0.0)), &cfg, world, &mut rng);
         assert!(d.0 < 0.0 && d.1.abs() < 1e-6);
-        let d = steer((0.0, 0.0), Some((1.0, 1.0)), &cfg, &mut rng);
+        // Just west of the seam, home is east across it, not 990 m west.
+        let d = steer((1.0, 0.0), Some((990.0, 0.0)), &cfg, world, &mut rng);
+        assert!(d.0 > 0.0 && d.1.abs() < 1e-6);
+        let d = steer((0.0, 0.0), Some((1.0, 1.0)), &cfg, world, &mut rng);
         assert!(d != (0.0, 0.0));
+        assert!((world.chunks_apart((995.0, 5.0), (5.0, 995.0)) - 1.0).abs() < 1e-9);
     }
 }

@@ -166,7 +166,17 @@ async fn main() -> anyhow::Result<()> {
                 cellmesh_sidecar::start_in(cfg, stores, topology, stop.clone()).await?
             };
             tracing::info!(local = %handle.local_addr, mesh = %handle.mesh_addr, admin = %handle.admin_addr, "sidecar running");
-            signal::shutdown().await;
+            tokio::select! {
+                _ = signal::shutdown() => {}
+                _ = stop.cancelled() => {}
+            }
+            // Drain: not ready, no handoffs accepted, what others own now handed to them.
+            tracing::info!("draining; a second signal stops at once");
+            handle.drain();
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = signal::shutdown() => tracing::warn!("stopping before the drain finished"),
+            }
             tracing::info!("shutting down");
             stop.cancel();
             handle.wait().await;

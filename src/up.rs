@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use cellmesh_arena::{ArenaConfig, ArenaStats};
+use std::collections::{BTreeMap, BTreeSet};
+
+use cellmesh_arena::{ArenaConfig, ArenaStats, Census};
 use cellmesh_geo_router::geometry::WorldShape;
 use cellmesh_geo_router::partition::{Grid, Layout, Partition};
 use cellmesh_geo_router::store::Stores;
@@ -79,11 +81,26 @@ pub struct Summary {
     pub routed_messages: u64,
     pub cross_node_updates: u64,
     pub dropped_unknown_account: u64,
+    /// Handoffs completed (entities that moved to another node).
+    pub handoffs: u64,
+    pub handoffs_refused: u64,
+    pub handoff_freeze_ms_p50: f64,
+    pub handoff_freeze_ms_p99: f64,
+    /// Offers unanswered at the end (entities frozen, in doubt).
+    pub in_doubt_now: u64,
+    pub stale_epoch_drops: u64,
+    /// Clients that saw an entity vanish from well inside their view when no game despawned it.
+    pub vanished_on_handoff: u64,
+    /// From a census of every real in the cluster against what the games spawned and despawned.
+    pub entities_alive: u64,
+    pub entities_lost: u64,
+    pub entities_duplicated: u64,
 }
 
 /// Where everything meets: the corner every cell of a grid touches, across the wrap seam.
 const MEETING_POINT: (f64, f64) = (0.0, 0.0);
-/// Side of each arena's square, metres.
+/// Side of the square every arena's NPCs roam, around the meeting point, metres: they cross
+/// every border all the time, and so are handed between the nodes.
 const ARENA_SPREAD: f64 = 300.0;
 
 /// `cols × rows` for `n` nodes: the most square factorisation.
@@ -93,22 +110,6 @@ pub fn grid_shape(n: usize) -> (u32, u32) {
         .max()
         .unwrap_or(1);
     ((n / rows) as u32, rows as u32)
-}
-
-/// The centre of an arena inside `area` (x, y, w, h metres) as near `to` as the torus allows,
-/// with its whole square inside the area.
-fn arena_centre(area: (f64, f64, f64, f64), to: (f64, f64), world: (f64, f64)) -> (f64, f64) {
-    let axis = |lo: f64, len: f64, p: f64, size: f64| {
-        let half = (ARENA_SPREAD / 2.0).min(len / 2.0);
-        // The copy of `p` nearest the area, then the nearest point of the area to it.
-        let mid = lo + len / 2.0;
-        let p = p + ((mid - p) / size).round() * size;
-        p.clamp(lo + half, lo + len - half)
-    };
-    (
-        axis(area.0, area.2, to.0, world.0),
-        axis(area.1, area.3, to.1, world.1),
-    )
 }
 
 #[derive(Default)]
@@ -122,6 +123,10 @@ struct NodeTotals {
     routed_messages: u64,
     cross_node_updates: u64,
     dropped_unknown_account: u64,
+    handoffs: u64,
+    handoffs_refused: u64,
+    in_doubt_now: u64,
+    stale_epoch_drops: u64,
 }
 
 fn totals(sidecars: &[cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
@@ -136,8 +141,48 @@ fn totals(sidecars: &[cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
         t.routed_messages += s.routed_messages;
         t.cross_node_updates += s.cross_node_updates;
         t.dropped_unknown_account += s.dropped_unknown_account;
+        t.handoffs += s.handoffs;
+        t.handoffs_refused += s.handoffs_refused;
+        t.in_doubt_now += s.in_doubt_now;
+        t.stale_epoch_drops += s.stale_epoch_drops;
     }
     t
+}
+
+/// One census: the reals every node writes, against what the games spawned and despawned.
+struct CensusRead {
+    lost: BTreeSet<u64>,
+    duplicated: BTreeSet<u64>,
+    alive: usize,
+}
+
+fn census(sidecars: &[cellmesh_sidecar::SidecarHandle], games: &Census) -> CensusRead {
+    let report = games.report();
+    let mut held: BTreeMap<u64, Vec<cellmesh_sidecar::Real>> = BTreeMap::new();
+    for s in sidecars {
+        for r in s.reals() {
+            held.entry(r.id).or_default().push(r);
+        }
+    }
+    let lost = report
+        .alive
+        .iter()
+        .filter(|id| !held.contains_key(id))
+        .chain(report.lost().iter())
+        .copied()
+        .collect();
+    // Two writers: two nodes writing it unfrozen, or two games holding it.
+    let duplicated = held
+        .iter()
+        .filter(|(_, rs)| rs.iter().filter(|r| !r.frozen).count() > 1)
+        .map(|(id, _)| *id)
+        .chain(report.duplicated())
+        .collect();
+    CensusRead {
+        lost,
+        duplicated,
+        alive: report.alive.len(),
+    }
 }
 
 /// Runs the cluster until the duration ends or `interrupt` completes.
@@ -168,6 +213,7 @@ pub async fn run(
         .await
         .context("committing the partition")?;
 
+    let games = Arc::new(Census::default());
     let mut sidecars = Vec::with_capacity(opts.nodes);
     let mut arenas = Vec::with_capacity(opts.nodes);
     let per_arena = opts.npcs.div_ceil(opts.nodes as u32);
@@ -184,19 +230,13 @@ pub async fn run(
             cellmesh_sidecar::start_in(cfg, stores.clone(), topology.clone(), stop.child_token())
                 .await
                 .with_context(|| format!("starting the sidecar of node {node_id}"))?;
-        let area = cellmesh_sidecar::subs::merge_rects(partition.area_of(node_id));
-        let first = area.first().context("a node of the grid owns no area")?;
-        let centre = arena_centre(
-            world.rect_metres(first),
-            MEETING_POINT,
-            (world.width, world.height),
-        );
         let arena_cfg = ArenaConfig {
             sidecar: SidecarAddr::Tcp(sidecar.local_addr.clone()),
             npcs: per_arena.min(opts.npcs.saturating_sub(per_arena * i as u32)),
             seed: opts.seed.wrapping_add(i as u64),
-            center: centre,
+            center: MEETING_POINT,
             spread: ARENA_SPREAD,
+            census: Some(games.clone()),
             ..ArenaConfig::default()
         };
         let arena_stop = stop.child_token();
@@ -258,6 +298,7 @@ pub async fn run(
         home,
         roam,
         seed: opts.seed,
+        census: Some(games.clone()),
         ..BotConfig::default()
     });
     let bot_stats = Arc::new(BotStats::default());
@@ -289,9 +330,10 @@ pub async fn run(
                 let (s, p, b) = (totals(&sidecars), proxy.stats(), bot_stats.totals());
                 let dt = last.0.elapsed().as_secs_f64().max(1e-3);
                 let line = format!(
-                    "t={:>4.0}s nodes={} sessions={:>4} entities={:>5} ghosts={}/{} subs={} xnode={} routed={} inputs/s={:>6.0} updates/s={:>7.0} rtt p50={:.2}ms p99={:.2}ms errors={}",
+                    "t={:>4.0}s nodes={} sessions={:>4} entities={:>5} ghosts={}/{} subs={} xnode={} routed={} handoffs={} in_doubt={} inputs/s={:>6.0} updates/s={:>7.0} rtt p50={:.2}ms p99={:.2}ms errors={}",
                     started.elapsed().as_secs_f64(), opts.nodes, p.sessions, s.entities,
                     s.ghosts_render, s.ghosts_sim, s.subscriptions, s.cross_node_updates, s.routed_messages,
+                    s.handoffs, s.in_doubt_now,
                     (s.inputs_delivered - last.1) as f64 / dt,
                     (b.updates_delivered - last.2) as f64 / dt,
                     p.rtt_ms_p50, p.rtt_ms_p99, b.errors + s.errors,
@@ -312,6 +354,29 @@ pub async fn run(
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let (s, p, b) = (totals(&sidecars), proxy.stats(), bot_stats.totals());
+    // The census: handoffs in flight settle within a round trip, so an entity counts as lost or
+    // doubled only if two reads 300 ms apart agree (each node's list is up to 100 ms old).
+    let first = census(&sidecars, &games);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = census(&sidecars, &games);
+    let lost: Vec<u64> = first.lost.intersection(&second.lost).copied().collect();
+    let duplicated: Vec<u64> = first
+        .duplicated
+        .intersection(&second.duplicated)
+        .copied()
+        .collect();
+    if !lost.is_empty() || !duplicated.is_empty() {
+        tracing::error!(
+            ?lost,
+            ?duplicated,
+            "the census found entities lost or doubled"
+        );
+    }
+    let mut freeze = hdrhistogram::Histogram::<u64>::new(3).expect("valid histogram");
+    for sidecar in &sidecars {
+        let _ = freeze.add(sidecar.freeze_ms());
+    }
+    let in_doubt_now = totals(&sidecars).in_doubt_now;
 
     stop.cancel();
     let mut arena_stats = ArenaStats::default();
@@ -353,6 +418,16 @@ pub async fn run(
         routed_messages: s.routed_messages,
         cross_node_updates: s.cross_node_updates,
         dropped_unknown_account: s.dropped_unknown_account,
+        handoffs: s.handoffs,
+        handoffs_refused: s.handoffs_refused,
+        handoff_freeze_ms_p50: freeze.value_at_quantile(0.5) as f64,
+        handoff_freeze_ms_p99: freeze.value_at_quantile(0.99) as f64,
+        in_doubt_now,
+        stale_epoch_drops: s.stale_epoch_drops,
+        vanished_on_handoff: b.vanished_on_handoff,
+        entities_alive: second.alive as u64,
+        entities_lost: lost.len() as u64,
+        entities_duplicated: duplicated.len() as u64,
     };
     if let Some(path) = &opts.summary_json {
         std::fs::write(path, serde_json::to_string_pretty(&summary)? + "\n")
@@ -372,24 +447,5 @@ mod tests {
         assert_eq!(grid_shape(4), (2, 2));
         assert_eq!(grid_shape(6), (3, 2));
         assert_eq!(grid_shape(7), (7, 1));
-    }
-
-    #[test]
-    fn arenas_sit_in_their_cell_next_to_the_meeting_point_across_the_seam() {
-        let world = (1000.0, 1000.0);
-        let h = ARENA_SPREAD / 2.0;
-        // The cell at the far corner reaches the origin across both seams.
-        assert_eq!(
-            arena_centre((500.0, 500.0, 500.0, 500.0), (0.0, 0.0), world),
-            (1000.0 - h, 1000.0 - h)
-        );
-        assert_eq!(
-            arena_centre((0.0, 0.0, 500.0, 500.0), (0.0, 0.0), world),
-            (h, h)
-        );
-        assert_eq!(
-            arena_centre((500.0, 0.0, 500.0, 500.0), (0.0, 0.0), world),
-            (1000.0 - h, h)
-        );
     }
 }

@@ -2,7 +2,9 @@
 """A small cellmesh game server in Python: wandering NPCs and input-driven player avatars.
 
 It speaks only the local protocol (proto/local.proto) to its sidecar, with protobuf code generated
-from that same file, to show that a game server in any language can join a cellmesh world.
+from that same file, to show that a game server in any language can join a cellmesh world. It honours
+the handoff contract (Freeze, Thaw, Evict, Adopt), so its entities cross into neighbouring nodes' areas,
+and its snapshots use the JSON format the Rust arena shares, so either game adopts the other's entities.
 
 Usage: python game.py [--sidecar 127.0.0.1:7100 | unix:/path] [--npcs 8] [--center 1000,1000]
                       [--duration 0]
@@ -10,6 +12,8 @@ Usage: python game.py [--sidecar 127.0.0.1:7100 | unix:/path] [--npcs 8] [--cent
 
 import argparse
 import asyncio
+import itertools
+import json
 import logging
 import math
 import os
@@ -35,7 +39,8 @@ MAX_FRAME = 1 << 20  # the sidecar's default frame limit
 KIND, HEALTH, INVENTORY, INPUT_ACK = 1, 2, 3, 4
 PLAYER_SPEED = 5.0
 NPC_SPEED = 2.0
-NPC_ROAM_RADIUS = 25.0  # NPCs turn back towards the center beyond this distance
+NPC_ROAM_RADIUS = 25.0  # NPCs turn back towards their home beyond this distance
+NPC_TURN_TICKS = (20, 80)  # an NPC keeps a heading for this many ticks (1 to 4 s)
 ID_SPARE = 16  # ids kept in reserve so a joining player spawns without waiting a round trip
 NPC_NAMES = ["wolf", "boar", "crow", "toad", "moth", "slime", "golem", "sprite"]
 
@@ -78,21 +83,128 @@ class Entity:
     kind: str  # "npc:<name>" or "player:<account>"
     x: float
     y: float
+    z: float = 0.0  # carried along untouched
     account: str = ""  # empty for NPCs
     session_epoch: int = 0
     id: int = 0  # 0 until an id from ReserveIds is free
     vx: float = 0.0
     vy: float = 0.0
-    turn_at: float = 0.0
+    home: tuple = (0.0, 0.0)  # the point an NPC roams around
+    turn_in: int = 0  # ticks until an NPC picks a new heading
     components: dict = field(default_factory=dict)  # type -> (payload, audience kind)
     dirty: set = field(default_factory=set)  # component types changed since the last tick
     last_seq: int = 0
     inputs_applied: int = 0
+    frozen: bool = False  # being handed to another node: neither moved nor written
+    leaving: bool = False  # its player left while it was frozen: despawned if it is thawed
+
+
+@dataclass
+class Ghost:
+    """A read-only copy of an entity simulated on another node, as the sidecar reports it."""
+
+    x: float
+    y: float
+    components: dict  # type -> payload
+
+
+def wrap_coord(v, size):
+    """`v` on an axis of a torus of `size`, in [0, size) (unchanged when size is 0)."""
+    if size <= 0:
+        return v
+    v %= size
+    return 0.0 if v >= size else v  # a tiny negative v rounds up to size itself
 
 
 def wrap_delta(d, size):
     """Shortest signed distance along one axis of a torus of `size` (no wrap when size is 0)."""
-    return (d + size / 2) % size - size / 2 if size > 0 else d
+    return d - round(d / size) * size if size > 0 else d
+
+
+# ---------------------------------------------------------------- the entity snapshot format
+
+# Shared with the Rust arena, so either game adopts what the other froze: UTF-8 JSON, unknown fields
+# ignored, every one of these present.
+SNAPSHOT_VERSION = 1
+SNAPSHOT_FIELDS = frozenset({"v", "kind", "name", "pos", "dir", "health", "inventory", "session_epoch",
+                             "last_seq", "applied", "turn_in"})
+U32_MAX, U64_MAX = (1 << 32) - 1, (1 << 64) - 1
+
+
+class SnapshotError(ValueError):
+    """A snapshot this game cannot adopt; the message says which field is wrong."""
+
+
+def encode_snapshot(e):
+    """The complete state of `e` in the shared snapshot format."""
+    speed = PLAYER_SPEED if e.account else NPC_SPEED
+    current, maximum = struct.unpack(">II", e.components[HEALTH][0])
+    return json.dumps({
+        "v": SNAPSHOT_VERSION,
+        "kind": "player" if e.account else "npc",
+        "name": e.kind.split(":", 1)[1],
+        "pos": [float(e.x), float(e.y), float(e.z)],
+        "dir": [e.vx / speed, e.vy / speed],
+        "health": [current, maximum],
+        "inventory": e.components[INVENTORY][0].decode() if INVENTORY in e.components else "",
+        "session_epoch": e.session_epoch,
+        "last_seq": e.last_seq,
+        "applied": e.inputs_applied,
+        "turn_in": 0 if e.account else e.turn_in,
+    }).encode()
+
+
+def _uint(value, what, limit):
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise SnapshotError(f"{what} must be an integer in 0..={limit}, got {value!r}")
+    return value
+
+
+def _finite_numbers(value, what, count):
+    if (not isinstance(value, list) or len(value) != count
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                       for v in value)):
+        raise SnapshotError(f"{what} must be a list of {count} finite numbers, got {value!r}")
+    return [float(v) for v in value]
+
+
+def decode_snapshot(state):
+    """The fields of a snapshot in the shared format, checked; SnapshotError when it is not one."""
+    try:
+        s = json.loads(state.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
+        raise SnapshotError(f"not UTF-8 JSON: {e}") from None
+    if not isinstance(s, dict):
+        raise SnapshotError(f"expected a JSON object, got {type(s).__name__}")
+    missing = SNAPSHOT_FIELDS - s.keys()
+    if missing:
+        raise SnapshotError(f"missing field(s) {', '.join(sorted(missing))}")
+    if _uint(s["v"], "v", U32_MAX) != SNAPSHOT_VERSION:
+        raise SnapshotError(f"snapshot format version {s['v']}, this game reads {SNAPSHOT_VERSION}")
+    if s["kind"] not in ("player", "npc"):
+        raise SnapshotError(f"kind must be \"player\" or \"npc\", got {s['kind']!r}")
+    if not isinstance(s["name"], str) or not s["name"]:
+        raise SnapshotError(f"name must be a non-empty string, got {s['name']!r}")
+    if not isinstance(s["inventory"], str):
+        raise SnapshotError(f"inventory must be a string, got {s['inventory']!r}")
+    health = s["health"]
+    if not isinstance(health, list) or len(health) != 2:
+        raise SnapshotError(f"health must be [current, max], got {health!r}")
+    return {
+        "kind": s["kind"],
+        "name": s["name"],
+        "pos": _finite_numbers(s["pos"], "pos", 3),
+        "dir": _finite_numbers(s["dir"], "dir", 2),
+        "health": [_uint(h, "health", U32_MAX) for h in health],
+        "inventory": s["inventory"],
+        "session_epoch": _uint(s["session_epoch"], "session_epoch", U64_MAX),
+        "last_seq": _uint(s["last_seq"], "last_seq", U64_MAX),
+        "applied": _uint(s["applied"], "applied", U64_MAX),
+        "turn_in": _uint(s["turn_in"], "turn_in", U32_MAX),
+    }
+
+
+# ---------------------------------------------------------------- the world
 
 
 class World:
@@ -100,28 +212,56 @@ class World:
 
     def __init__(self, pb, center, npc_count, rng, world_size=(0.0, 0.0)):
         self.pb = pb
-        self.center = center
         self.rng = rng
         self.width, self.height = world_size
+        self.center = self.wrap(*center)
         self.players = {}  # account -> Entity
         self.npcs = [self._npc(i) for i in range(npc_count)]
+        self.ghosts = {}  # entity id -> Ghost
         self.free_ids = []
         self.ids_requested = {}  # request_id -> count
         self.next_request_id = 1
-        self.despawned = []
+        self.outbox = []  # Despawn, Snapshot and Adopted messages for the next frame
         self.tick_no = 0
+        self.inputs_duplicate = 0  # seq not above the last applied one: already applied
+        self.inputs_while_frozen = 0  # the sidecar holds these during a handoff; any that slip by
+
+    def wrap(self, x, y):
+        """(x, y) on the torus, normalised as the sidecar reports positions."""
+        return wrap_coord(x, self.width), wrap_coord(y, self.height)
 
     def _npc(self, i):
         angle = self.rng.uniform(0, 2 * math.pi)
         r = self.rng.uniform(0, NPC_ROAM_RADIUS / 2)
-        npc = Entity(f"npc:{NPC_NAMES[i % len(NPC_NAMES)]}-{i}",
-                     self.center[0] + r * math.cos(angle), self.center[1] + r * math.sin(angle))
-        public = self.pb.PUBLIC_IN_RANGE
-        npc.components = {KIND: (npc.kind.encode(), public), HEALTH: (struct.pack(">II", 100, 100), public)}
+        x, y = self.wrap(self.center[0] + r * math.cos(angle), self.center[1] + r * math.sin(angle))
+        npc = Entity(f"npc:{NPC_NAMES[i % len(NPC_NAMES)]}-{i}", x, y, home=self.center)
+        npc.components = self._npc_components(npc.kind, (100, 100))
         return npc
+
+    # The samples' schema: which components an entity has, and who may see each.
+    def _npc_components(self, kind, health):
+        public = self.pb.PUBLIC_IN_RANGE
+        return {KIND: (kind.encode(), public), HEALTH: (struct.pack(">II", *health), public)}
+
+    def _player_components(self, kind, health, inventory, last_seq, applied):
+        pb = self.pb
+        return {
+            KIND: (kind.encode(), pb.PUBLIC_IN_RANGE),
+            HEALTH: (struct.pack(">II", *health), pb.OWNER_AND_PARTY),
+            INVENTORY: (inventory.encode(), pb.OWNER_ONLY),
+            INPUT_ACK: (struct.pack(">QQ", last_seq, applied), pb.OWNER_ONLY),
+        }
 
     def entity_count(self):
         return len(self.npcs) + len(self.players)
+
+    def entity(self, entity_id):
+        """The entity with this id that this game simulates (its real), or None."""
+        if entity_id:
+            for e in itertools.chain(self.npcs, self.players.values()):
+                if e.id == entity_id:
+                    return e
+        return None
 
     def handle(self, msg):
         body = msg.WhichOneof("body")
@@ -134,6 +274,19 @@ class World:
             self.leave(msg.player_leave)
         elif body == "input":
             self.apply_input(msg.input)
+        elif body == "freeze":
+            self.freeze(msg.freeze)
+        elif body == "thaw":
+            self.thaw(msg.thaw)
+        elif body == "evict":
+            self.evict(msg.evict)
+        elif body == "adopt":
+            self.adopt(msg.adopt)
+        elif body in ("ghost_enter", "ghost_update", "ghost_leave"):
+            self.ghost(body, getattr(msg, body))
+        elif body == "partition_changed":
+            log.info("partition epoch %d: this node now owns %d area(s)",
+                     msg.partition_changed.partition_epoch, len(msg.partition_changed.owned_area))
         elif body == "error":
             e = msg.error
             log.warning("sidecar error %s%s: %s (entity %d)", self.pb.ErrorCode.Name(e.code),
@@ -141,7 +294,7 @@ class World:
         elif body is None:
             raise ProtocolError("sidecar message without a body (expected a SidecarMessage)")
         else:
-            log.debug("ignoring %s: this game runs on a single node", body)
+            log.debug("ignoring %s", body)
 
     def join(self, join):
         avatar = self.players.get(join.account)
@@ -150,33 +303,42 @@ class World:
             log.info("player %s rejoined (epoch %d)", join.account, join.session_epoch)
             return
         if join.HasField("last_position"):
-            x, y = join.last_position.x, join.last_position.y
+            p = join.last_position
+            x, y, z = *self.wrap(p.x, p.y), p.z
         else:
-            x, y = self.center[0] + self.rng.uniform(2, 4), self.center[1] + self.rng.uniform(-2, 2)
-        avatar = Entity(f"player:{join.account}", x, y, account=join.account,
+            x, y = self.wrap(self.center[0] + self.rng.uniform(2, 4),
+                             self.center[1] + self.rng.uniform(-2, 2))
+            z = 0.0
+        avatar = Entity(f"player:{join.account}", x, y, z, account=join.account,
                         session_epoch=join.session_epoch)
-        pb = self.pb
-        avatar.components = {
-            KIND: (avatar.kind.encode(), pb.PUBLIC_IN_RANGE),
-            HEALTH: (struct.pack(">II", 100, 100), pb.OWNER_AND_PARTY),
-            INVENTORY: (b"wooden-sword,bread", pb.OWNER_ONLY),
-            INPUT_ACK: (struct.pack(">QQ", 0, 0), pb.OWNER_ONLY),
-        }
+        avatar.components = self._player_components(avatar.kind, (100, 100), "wooden-sword,bread", 0, 0)
         self.players[join.account] = avatar
         log.info("player %s joined (epoch %d) at %.1f,%.1f", join.account, join.session_epoch, x, y)
 
     def leave(self, leave):
         avatar = self.players.get(leave.account)
         if avatar is None or leave.session_epoch < avatar.session_epoch:
-            return  # a newer session of this account took over; its avatar stays
-        del self.players[leave.account]
+            return  # simulated on another node now, or a newer session of this account took over
+        if avatar.frozen:  # no Despawn while it is handed over; if the handoff is refused, then
+            avatar.leaving = True
+            return
+        self._despawn_player(avatar, leave.reason or "no reason")
+
+    def _despawn_player(self, avatar, reason):
+        del self.players[avatar.account]
         if avatar.id:
-            self.despawned.append(avatar.id)
-        log.info("player %s left (%s)", leave.account, leave.reason or "no reason")
+            self.outbox.append(self.pb.GameMessage(despawn=self.pb.Despawn(entity_id=avatar.id)))
+        log.info("player %s left (%s)", avatar.account, reason)
 
     def apply_input(self, inp):
         avatar = self.players.get(inp.account)
         if avatar is None or inp.session_epoch < avatar.session_epoch:
+            return
+        if avatar.frozen:  # its next owner applies it: the sidecar forwards what the snapshot lacks
+            self.inputs_while_frozen += 1
+            return
+        if inp.seq <= avatar.last_seq:
+            self.inputs_duplicate += 1
             return
         if len(inp.payload) != 8:
             log.warning("input from %s: payload of %d bytes, expected 8", inp.account, len(inp.payload))
@@ -193,14 +355,131 @@ class World:
                                         self.pb.OWNER_ONLY)
         avatar.dirty.add(INPUT_ACK)
 
-    def _wander(self, npc, now):
-        dx = wrap_delta(self.center[0] - npc.x, self.width)
-        dy = wrap_delta(self.center[1] - npc.y, self.height)
+    # ------------------------------------------------ handoff: the entity's real moves between nodes
+
+    def freeze(self, freeze):
+        """Stops simulating the entity and answers its complete state in the next frame."""
+        e = self.entity(freeze.entity_id)
+        if e is None:
+            log.warning("Freeze of entity %d, which this game does not simulate", freeze.entity_id)
+            return
+        e.frozen = True
+        self.outbox.append(self.pb.GameMessage(snapshot=self.pb.Snapshot(
+            entity_id=e.id, entity_epoch=freeze.entity_epoch, state=encode_snapshot(e))))
+        log.info("froze %s (entity %d, epoch %d) for a handoff", e.kind, e.id, freeze.entity_epoch)
+
+    def thaw(self, thaw):
+        """The handoff was refused: the entity is this game's again."""
+        e = self.entity(thaw.entity_id)
+        if e is None or not e.frozen:
+            log.warning("Thaw of entity %d, which this game does not hold frozen", thaw.entity_id)
+            return
+        log.info("thawed %s (entity %d): %s", e.kind, e.id, thaw.reason or "no reason")
+        self._resume(e)
+
+    def _resume(self, e):
+        e.frozen = False
+        if e.leaving:
+            e.leaving = False
+            self._despawn_player(e, "left during a refused handoff")
+
+    def evict(self, evict):
+        """The entity lives on another node now: forget it without a Despawn (it stays visible there)."""
+        e = self.entity(evict.entity_id)
+        if e is None:
+            log.warning("Evict of entity %d, which this game does not simulate", evict.entity_id)
+            return
+        if e.account:
+            del self.players[e.account]  # its inputs and leave now go to the other node's game
+        else:
+            self.npcs = [n for n in self.npcs if n is not e]
+        log.info("handed %s (entity %d) to another node", e.kind, e.id)
+
+    def adopt(self, adopt):
+        """Takes over an entity (with what moves along with it) that another node handed here."""
+        try:
+            entities = [self._adoptee(a) for a in (adopt, *adopt.attachments)]
+        except SnapshotError as e:
+            # Unanswered, the handoff stays in doubt: better than an entity without its state.
+            log.error("cannot adopt entity %d: %s", adopt.entity_id, e)
+            return
+        for e in entities:
+            self.ghosts.pop(e.id, None)
+            if self.entity(e.id) is e:
+                self._resume(e)
+            elif e.account:
+                self.players[e.account] = e
+            else:
+                self.npcs.append(e)
+        self.outbox.append(self.pb.GameMessage(adopted=self.pb.Adopted(
+            entity_id=adopt.entity_id, entity_epoch=adopt.entity_epoch)))
+        log.info("adopted %s (entity %d, epoch %d)", entities[0].kind, adopt.entity_id, adopt.entity_epoch)
+
+    def _adoptee(self, adopt):
+        """The entity an Adopt hands over, built from its snapshot (not yet held); SnapshotError if it
+        cannot be."""
+        held = self.entity(adopt.entity_id)
+        if held is not None:
+            # A replayed Adopt, or the area of a frozen entity's failed target came back here: one
+            # copy either way, and it is this game's.
+            return held
+        s = decode_snapshot(adopt.state)
+        player = s["kind"] == "player"
+        if player and adopt.owner_account and adopt.owner_account != s["name"]:
+            raise SnapshotError(f"snapshot of player {s['name']!r} adopted for account "
+                                f"{adopt.owner_account!r}")
+        if player and s["name"] in self.players:
+            raise SnapshotError(f"player {s['name']!r} already has an avatar here "
+                                f"(entity {self.players[s['name']].id})")
+        p = adopt.position if adopt.HasField("position") else self.pb.Vec3(
+            x=s["pos"][0], y=s["pos"][1], z=s["pos"][2])
+        if not all(map(math.isfinite, (p.x, p.y, p.z))):
+            raise SnapshotError(f"position {p.x},{p.y},{p.z} is not finite")
+        x, y = self.wrap(p.x, p.y)
+        kind = f"{s['kind']}:{s['name']}"
+        speed = PLAYER_SPEED if player else NPC_SPEED
+        e = Entity(kind, x, y, p.z, id=adopt.entity_id, vx=speed * s["dir"][0], vy=speed * s["dir"][1],
+                   home=(x, y), turn_in=s["turn_in"])
+        if player:
+            e.account, e.session_epoch = s["name"], s["session_epoch"]
+            e.last_seq, e.inputs_applied = s["last_seq"], s["applied"]
+            e.components = self._player_components(kind, s["health"], s["inventory"], e.last_seq,
+                                                   e.inputs_applied)
+            # The sidecar has the components as last written, which can lag the snapshot by the
+            # acknowledgement of an input applied just before the Freeze: send the snapshot's.
+            e.dirty.add(INPUT_ACK)
+        else:
+            e.components = self._npc_components(kind, s["health"])
+        return e
+
+    def ghost(self, kind, msg):
+        """Keeps the read-only copies of other nodes' entities near this node's area up to date."""
+        if kind == "ghost_leave":
+            self.ghosts.pop(msg.entity_id, None)
+        elif kind == "ghost_enter":
+            if self.entity(msg.entity_id) is not None:
+                log.warning("GhostEnter of entity %d, which this game simulates: ignored", msg.entity_id)
+                return
+            self.ghosts[msg.entity_id] = Ghost(msg.position.x, msg.position.y,
+                                               {c.type: c.payload for c in msg.components})
+        elif (g := self.ghosts.get(msg.entity_id)) is not None:
+            if msg.HasField("position"):
+                g.x, g.y = msg.position.x, msg.position.y
+            g.components.update((c.type, c.payload) for c in msg.changed)
+            for t in msg.removed_types:
+                g.components.pop(t, None)
+
+    # ------------------------------------------------ simulation
+
+    def _wander(self, npc):
+        npc.turn_in = max(0, npc.turn_in - 1)
+        dx = wrap_delta(npc.home[0] - npc.x, self.width)
+        dy = wrap_delta(npc.home[1] - npc.y, self.height)
         if math.hypot(dx, dy) > NPC_ROAM_RADIUS:
             heading = math.atan2(dy, dx)
-        elif now >= npc.turn_at:
+        elif npc.turn_in == 0:
             heading = self.rng.uniform(0, 2 * math.pi)
-            npc.turn_at = now + self.rng.uniform(1.0, 4.0)
+            npc.turn_in = self.rng.randint(*NPC_TURN_TICKS)
         else:
             return
         npc.vx, npc.vy = NPC_SPEED * math.cos(heading), NPC_SPEED * math.sin(heading)
@@ -208,12 +487,7 @@ class World:
     def _move(self, e, dt):
         if not (e.vx or e.vy):
             return False
-        e.x += e.vx * dt
-        e.y += e.vy * dt
-        if self.width > 0:
-            e.x %= self.width
-        if self.height > 0:
-            e.y %= self.height
+        e.x, e.y = self.wrap(e.x + e.vx * dt, e.y + e.vy * dt)
         return True
 
     def _components(self, e, types):
@@ -221,11 +495,10 @@ class World:
                                   audience=self.pb.Audience(kind=e.components[t][1]))
                 for t in sorted(types)]
 
-    def tick(self, dt, now):
+    def tick(self, dt):
         """Advances the world by `dt` seconds; returns this tick's messages, ending with TickEnd."""
         pb = self.pb
-        out = [pb.GameMessage(despawn=pb.Despawn(entity_id=i)) for i in self.despawned]
-        self.despawned.clear()
+        out, self.outbox = self.outbox, []
         entities = self.npcs + list(self.players.values())
         unspawned = sum(1 for e in entities if not e.id)
         wanted = unspawned + ID_SPARE - len(self.free_ids) - sum(self.ids_requested.values())
@@ -236,8 +509,10 @@ class World:
             out.append(pb.GameMessage(reserve_ids=reserve))
             self.next_request_id += 1
         for e in entities:
+            if e.frozen:
+                continue  # its state is the snapshot's until Thaw or Evict
             if not e.account:
-                self._wander(e, now)
+                self._wander(e)
             moved = self._move(e, dt)
             if not e.id:
                 if not self.free_ids:
@@ -245,12 +520,12 @@ class World:
                 e.id = self.free_ids.pop(0)
                 e.dirty.clear()
                 out.append(pb.GameMessage(spawn=pb.Spawn(
-                    entity_id=e.id, position=pb.Vec3(x=e.x, y=e.y), owner_account=e.account,
+                    entity_id=e.id, position=pb.Vec3(x=e.x, y=e.y, z=e.z), owner_account=e.account,
                     is_master=bool(e.account), components=self._components(e, e.components))))
             elif moved or e.dirty:
                 update = pb.Update(entity_id=e.id, changed=self._components(e, e.dirty))
                 if moved:
-                    update.position.CopyFrom(pb.Vec3(x=e.x, y=e.y))
+                    update.position.CopyFrom(pb.Vec3(x=e.x, y=e.y, z=e.z))
                 e.dirty.clear()
                 out.append(pb.GameMessage(update=update))
         self.tick_no += 1
@@ -361,7 +636,7 @@ async def serve(pb, args, reader, writer, stop, rng):
         while not stop.is_set() and not reader_task.done():
             now = clock()
             started = time.perf_counter()
-            messages = world.tick(now - last, now)
+            messages = world.tick(now - last)
             tick_ms = (time.perf_counter() - started) * 1000
             last = now
             if now >= next_load:

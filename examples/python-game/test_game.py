@@ -2,6 +2,7 @@
 scripted sidecar on a real socket. Run: python -m unittest test_game (in this directory)."""
 
 import asyncio
+import json
 import math
 import random
 import signal
@@ -43,19 +44,73 @@ def components(spawn_or_update):
     return {c.type: (c.payload, c.audience.kind) for c in items}
 
 
-class WorldTest(unittest.TestCase):
-    def world(self, npcs=3):
-        w = game.World(pb, (500.0, 700.0), npcs, random.Random(7), (4096.0, 4096.0))
-        reserve = bodies(w.tick(0.05, 0.0), "reserve_ids")
+def for_entity(messages, kind, entity_id):
+    return [b for b in bodies(messages, kind) if b.entity_id == entity_id]
+
+
+def freeze(entity_id, epoch):
+    return sidecar_msg(freeze=pb.Freeze(entity_id=entity_id, entity_epoch=epoch))
+
+
+def adopt(entity_id, epoch, state, position, owner="", is_master=False):
+    return sidecar_msg(adopt=pb.Adopt(entity_id=entity_id, entity_epoch=epoch, state=state,
+                                      position=pb.Vec3(x=position[0], y=position[1]),
+                                      owner_account=owner, is_master=is_master))
+
+
+def ghost_enter(entity_id, x, y):
+    return sidecar_msg(ghost_enter=pb.GhostEnter(entity_id=entity_id, position=pb.Vec3(x=x, y=y)))
+
+
+# The shared snapshot format's fields, written out here so that a change to the game's encoder that
+# breaks the format fails a test instead of the other game's adoption.
+SNAPSHOT_FIELDS = {"v": int, "kind": str, "name": str, "pos": list, "dir": list, "health": list,
+                   "inventory": str, "session_epoch": int, "last_seq": int, "applied": int, "turn_in": int}
+
+# A player's snapshot as the Rust arena writes it (serde_json, compact): bob walked east over the
+# world's seam (x wrapped from 4095.9 to 0.25) into this node's area.
+ARENA_PLAYER = (b'{"v":1,"kind":"player","name":"bob","pos":[0.25,10.0,0.0],"dir":[1.0,0.0],'
+                b'"health":[90,100],"inventory":"sword,bread,10 gold","session_epoch":3,'
+                b'"last_seq":17,"applied":12,"turn_in":0}')
+ARENA_NPC = (b'{"v":1,"kind":"npc","name":"wanderer-3","pos":[800.0,900.0,0.0],"dir":[0.0,1.0],'
+             b'"health":[50,50],"inventory":"","session_epoch":0,"last_seq":0,"applied":0,'
+             b'"turn_in":3,"mood":"curious"}')
+
+
+class WorldCase(unittest.TestCase):
+    def decoded(self, snapshot):
+        """A Snapshot's state, checked against the shared format: exactly its fields, of its types."""
+        state = json.loads(snapshot.state.decode("utf-8"))
+        self.assertEqual(set(state), set(SNAPSHOT_FIELDS))
+        for name, kind in SNAPSHOT_FIELDS.items():
+            self.assertIs(type(state[name]), kind, name)
+        for name, length, kind in (("pos", 3, float), ("dir", 2, float), ("health", 2, int)):
+            self.assertEqual([type(v) for v in state[name]], [kind] * length, name)
+        return state
+
+    def world(self, npcs=3, center=(500.0, 700.0)):
+        w = game.World(pb, center, npcs, random.Random(7), (4096.0, 4096.0))
+        reserve = bodies(w.tick(0.05), "reserve_ids")
         self.assertEqual(len(reserve), 1)
         self.assertGreaterEqual(reserve[0].count, npcs + game.ID_SPARE)
         w.handle(sidecar_msg(ids_reserved=pb.IdsReserved(
             request_id=reserve[0].request_id, ids=range(100, 100 + reserve[0].count))))
         return w
 
+    def walking(self, account="alice"):
+        """A world whose player `account` joined, spawned, and walks at (3, 4) m/s after input 41."""
+        w = self.world(npcs=0)
+        w.handle(join(account, 1))
+        w.tick(0.05)
+        w.handle(move(account, 1, 41, 3.0, 4.0))
+        w.tick(0.1)
+        return w, w.players[account]
+
+
+class WorldTest(WorldCase):
     def test_npcs_spawn_once_ids_arrive_with_public_kind_and_health(self):
         w = self.world(npcs=3)
-        out = w.tick(0.05, 0.05)
+        out = w.tick(0.05)
         spawns = bodies(out, "spawn")
         self.assertEqual(len(spawns), 3)
         self.assertEqual(out[-1].WhichOneof("body"), "tick_end")
@@ -70,9 +125,9 @@ class WorldTest(unittest.TestCase):
 
     def test_npcs_wander_at_npc_speed_and_stay_near_the_center(self):
         w = self.world(npcs=2)
-        w.tick(0.05, 0.05)
+        w.tick(0.05)
         for i in range(2, 2000):
-            w.tick(0.05, i * 0.05)
+            w.tick(0.05)
             for npc in w.npcs:
                 self.assertAlmostEqual(math.hypot(npc.vx, npc.vy), game.NPC_SPEED)
                 self.assertLess(math.hypot(npc.x - 500, npc.y - 700), game.NPC_ROAM_RADIUS + 1)
@@ -80,7 +135,7 @@ class WorldTest(unittest.TestCase):
     def test_player_avatar_schema_relogin_and_leave(self):
         w = self.world(npcs=0)
         w.handle(join("alice", 1))
-        spawn = bodies(w.tick(0.05, 0.1), "spawn")[0]
+        spawn = bodies(w.tick(0.05), "spawn")[0]
         self.assertTrue(spawn.is_master)
         self.assertEqual(spawn.owner_account, "alice")
         c = components(spawn)
@@ -91,24 +146,24 @@ class WorldTest(unittest.TestCase):
         self.assertLess(math.hypot(spawn.position.x - 500, spawn.position.y - 700), 5)
 
         w.handle(join("alice", 2))  # re-login keeps the avatar
-        out = w.tick(0.05, 0.15)
+        out = w.tick(0.05)
         self.assertEqual(bodies(out, "spawn") + bodies(out, "despawn"), [])
         w.handle(sidecar_msg(player_leave=pb.PlayerLeave(account="alice", session_epoch=1)))
-        self.assertEqual(bodies(w.tick(0.05, 0.2), "despawn"), [])  # the old session's leave
+        self.assertEqual(bodies(w.tick(0.05), "despawn"), [])  # the old session's leave
         w.handle(sidecar_msg(player_leave=pb.PlayerLeave(account="alice", session_epoch=2)))
-        self.assertEqual([d.entity_id for d in bodies(w.tick(0.05, 0.25), "despawn")], [spawn.entity_id])
+        self.assertEqual([d.entity_id for d in bodies(w.tick(0.05), "despawn")], [spawn.entity_id])
 
     def test_returning_player_spawns_at_last_position(self):
         w = self.world(npcs=0)
         w.handle(join("bob", 1, position=(3000.5, 12.25)))
-        spawn = bodies(w.tick(0.05, 0.1), "spawn")[0]
+        spawn = bodies(w.tick(0.05), "spawn")[0]
         self.assertEqual((spawn.position.x, spawn.position.y), (3000.5, 12.25))
 
     def test_input_walks_the_avatar_and_advances_input_ack(self):
         w = self.world(npcs=0)
         w.handle(join("alice", 1))
-        w.tick(0.05, 0.1)
-        self.assertEqual(bodies(w.tick(0.05, 0.15), "update"), [])  # idle avatar: nothing to send
+        w.tick(0.05)
+        self.assertEqual(bodies(w.tick(0.05), "update"), [])  # idle avatar: nothing to send
         w.handle(move("alice", 1, 41, 3.0, 4.0))
         w.handle(move("alice", 0, 42, 1.0, 0.0))  # an older session: ignored
         with self.assertLogs("python-game", "WARNING") as logs:
@@ -116,17 +171,236 @@ class WorldTest(unittest.TestCase):
         self.assertIn("payload of 1 bytes, expected 8", logs.output[0])
         avatar = w.players["alice"]
         before = (avatar.x, avatar.y)
-        update = bodies(w.tick(0.1, 0.25), "update")[0]
+        update = bodies(w.tick(0.1), "update")[0]
         self.assertAlmostEqual(update.position.x - before[0], 0.3)
         self.assertAlmostEqual(update.position.y - before[1], 0.4)
         self.assertEqual(components(update), {game.INPUT_ACK: (struct.pack(">QQ", 41, 1), pb.OWNER_ONLY)})
-        update = bodies(w.tick(0.1, 0.35), "update")[0]
+        w.handle(move("alice", 1, 41, -1.0, 0.0))  # a replay of 41: a duplicate, not applied again
+        update = bodies(w.tick(0.1), "update")[0]
+        self.assertAlmostEqual(update.position.x - before[0], 0.6)
         self.assertEqual(len(update.changed), 0)  # moved, but the ack did not change
+        self.assertEqual(w.inputs_duplicate, 1)
         w.handle(move("alice", 1, 44, 0.0, 0.0))
         w.handle(move("alice", 1, 45, float("nan"), 1.0))
-        self.assertEqual(components(bodies(w.tick(0.1, 0.45), "update")[0])[game.INPUT_ACK][0],
+        self.assertEqual(components(bodies(w.tick(0.1), "update")[0])[game.INPUT_ACK][0],
                          struct.pack(">QQ", 45, 3))
-        self.assertEqual(bodies(w.tick(0.1, 0.55), "update"), [])  # stopped
+        self.assertEqual(bodies(w.tick(0.1), "update"), [])  # stopped
+
+
+class HandoffTest(WorldCase):
+    def test_freeze_stops_a_player_and_answers_its_complete_snapshot_in_the_next_frame(self):
+        w, alice = self.walking()
+        where = (alice.x, alice.y)
+        w.handle(freeze(alice.id, 7))
+        out = w.tick(0.1)
+        [snapshot] = bodies(out, "snapshot")
+        self.assertEqual((snapshot.entity_id, snapshot.entity_epoch), (alice.id, 7))
+        self.assertEqual(bodies(out, "update") + bodies(out, "despawn"), [])
+        self.assertEqual(self.decoded(snapshot), {
+            "v": 1, "kind": "player", "name": "alice", "pos": [where[0], where[1], 0.0], "dir": [0.6, 0.8],
+            "health": [100, 100], "inventory": "wooden-sword,bread", "session_epoch": 1, "last_seq": 41,
+            "applied": 1, "turn_in": 0})
+
+        # Frozen: inputs are ignored (and counted), a leave despawns nothing, and nothing is written.
+        w.handle(move("alice", 1, 42, -1.0, 0.0))
+        w.handle(sidecar_msg(player_leave=pb.PlayerLeave(account="alice", session_epoch=1)))
+        for _ in range(5):
+            self.assertEqual([m.WhichOneof("body") for m in w.tick(0.1)], ["tick_end"])
+        self.assertEqual((alice.x, alice.y, alice.last_seq), (*where, 41))
+        self.assertEqual(w.inputs_while_frozen, 1)
+
+    def test_a_frozen_npc_snapshot_carries_its_heading_and_turn(self):
+        w = self.world(npcs=1)
+        w.tick(0.05)
+        w.tick(0.05)
+        npc = w.npcs[0]
+        w.handle(freeze(npc.id, 2))
+        state = self.decoded(bodies(w.tick(0.05), "snapshot")[0])
+        self.assertEqual(state, {
+            "v": 1, "kind": "npc", "name": "wolf-0", "pos": [npc.x, npc.y, 0.0],
+            "dir": [npc.vx / game.NPC_SPEED, npc.vy / game.NPC_SPEED], "health": [100, 100],
+            "inventory": "", "session_epoch": 0, "last_seq": 0, "applied": 0, "turn_in": npc.turn_in})
+        self.assertGreater(state["turn_in"], 0)
+        self.assertAlmostEqual(math.hypot(*state["dir"]), 1.0)
+
+    def test_thaw_resumes_moving_and_writing(self):
+        w, alice = self.walking()
+        w.handle(freeze(alice.id, 7))
+        w.tick(0.1)
+        x = alice.x
+        w.handle(sidecar_msg(thaw=pb.Thaw(entity_id=alice.id, reason="target does not own the position")))
+        [update] = for_entity(w.tick(0.1), "update", alice.id)
+        self.assertAlmostEqual(update.position.x - x, 0.3)
+        w.handle(move("alice", 1, 42, 0.0, 0.0))
+        self.assertEqual(components(for_entity(w.tick(0.1), "update", alice.id)[0])[game.INPUT_ACK][0],
+                         struct.pack(">QQ", 42, 2))
+
+    def test_a_player_who_left_while_frozen_is_despawned_only_if_thawed(self):
+        w, alice = self.walking()
+        w.handle(freeze(alice.id, 7))
+        w.handle(sidecar_msg(player_leave=pb.PlayerLeave(account="alice", session_epoch=1)))
+        self.assertEqual(bodies(w.tick(0.1), "despawn"), [])
+        w.handle(sidecar_msg(thaw=pb.Thaw(entity_id=alice.id)))
+        self.assertEqual([d.entity_id for d in bodies(w.tick(0.1), "despawn")], [alice.id])
+        self.assertNotIn("alice", w.players)
+
+    def test_evict_forgets_silently_and_the_player_is_simulated_elsewhere(self):
+        w, alice = self.walking()
+        w.handle(freeze(alice.id, 7))
+        w.tick(0.1)
+        w.handle(sidecar_msg(evict=pb.Evict(entity_id=alice.id)))
+        self.assertEqual([m.WhichOneof("body") for m in w.tick(0.1)], ["tick_end"])
+        self.assertIsNone(w.entity(alice.id))
+        self.assertEqual(w.entity_count(), 0)
+
+        # Its leave and its input now belong to the game it moved to.
+        w.handle(move("alice", 1, 42, 1.0, 0.0))
+        w.handle(sidecar_msg(player_leave=pb.PlayerLeave(account="alice", session_epoch=1)))
+        self.assertEqual([m.WhichOneof("body") for m in w.tick(0.1)], ["tick_end"])
+
+        # It comes back as a ghost: a read-only copy of a foreign entity.
+        w.handle(ghost_enter(alice.id, alice.x, alice.y))
+        w.handle(sidecar_msg(ghost_update=pb.GhostUpdate(entity_id=alice.id, position=pb.Vec3(x=9.0, y=8.0))))
+        self.assertEqual((w.ghosts[alice.id].x, w.ghosts[alice.id].y), (9.0, 8.0))
+        self.assertEqual([m.WhichOneof("body") for m in w.tick(0.1)], ["tick_end"])
+
+    def test_evict_of_an_npc_removes_it_without_despawn(self):
+        w = self.world(npcs=2)
+        w.tick(0.05)
+        gone, kept = w.npcs
+        w.handle(freeze(gone.id, 2))
+        w.tick(0.05)
+        w.handle(sidecar_msg(evict=pb.Evict(entity_id=gone.id)))
+        out = w.tick(0.05)
+        self.assertEqual(bodies(out, "despawn"), [])
+        self.assertEqual([u.entity_id for u in bodies(out, "update")], [kept.id])
+        self.assertEqual(w.npcs, [kept])
+
+    def test_adopts_a_player_from_an_arena_snapshot_and_continues_its_inputs(self):
+        w = self.world(npcs=0)
+        w.handle(ghost_enter(9001, 0.25, 10.0))
+        w.handle(adopt(9001, 4, ARENA_PLAYER, (0.25, 10.0), owner="bob", is_master=True))
+        out = w.tick(0.1)
+        self.assertEqual(bodies(out, "spawn"), [])
+        self.assertEqual([(a.entity_id, a.entity_epoch) for a in bodies(out, "adopted")], [(9001, 4)])
+        self.assertNotIn(9001, w.ghosts)
+        bob = w.players["bob"]
+        self.assertEqual(bob.components, {
+            game.KIND: (b"player:bob", pb.PUBLIC_IN_RANGE),
+            game.HEALTH: (struct.pack(">II", 90, 100), pb.OWNER_AND_PARTY),
+            game.INVENTORY: (b"sword,bread,10 gold", pb.OWNER_ONLY),
+            game.INPUT_ACK: (struct.pack(">QQ", 17, 12), pb.OWNER_ONLY)})
+        # Adopted, then written as usual: bob keeps walking east, and his acknowledgement is re-sent.
+        order = [m.WhichOneof("body") for m in out]
+        self.assertLess(order.index("adopted"), order.index("update"))
+        [update] = for_entity(out, "update", 9001)
+        self.assertAlmostEqual(update.position.x, 0.75)
+        self.assertEqual(components(update), {game.INPUT_ACK: (struct.pack(">QQ", 17, 12), pb.OWNER_ONLY)})
+
+        # The arena applied 17 already: a replay of it is a duplicate; 18 turns him west over the seam.
+        w.handle(move("bob", 3, 17, 0.0, 1.0))
+        w.handle(move("bob", 3, 18, -1.0, 0.0))
+        [update] = for_entity(w.tick(0.4), "update", 9001)
+        self.assertEqual(w.inputs_duplicate, 1)
+        self.assertAlmostEqual(update.position.x, 4094.75)
+        self.assertAlmostEqual(update.position.y, 10.0)
+        self.assertEqual(components(update), {game.INPUT_ACK: (struct.pack(">QQ", 18, 13), pb.OWNER_ONLY)})
+
+    def test_adopts_an_npc_that_keeps_its_heading_and_ignores_unknown_fields(self):
+        w = self.world(npcs=0)
+        w.handle(adopt(77, 2, ARENA_NPC, (800.0, 900.0)))
+        out = w.tick(0.1)
+        self.assertEqual([a.entity_id for a in bodies(out, "adopted")], [77])
+        [npc] = w.npcs
+        self.assertEqual(npc.components, {game.KIND: (b"npc:wanderer-3", pb.PUBLIC_IN_RANGE),
+                                          game.HEALTH: (struct.pack(">II", 50, 50), pb.PUBLIC_IN_RANGE)})
+        self.assertEqual(len(for_entity(out, "update", 77)[0].changed), 0)
+        w.tick(0.1)
+        self.assertAlmostEqual(npc.x, 800.0)
+        self.assertAlmostEqual(npc.y, 900.4)  # turn_in 3: north on the adoption tick and the next...
+        w.tick(0.1)
+        self.assertNotAlmostEqual(npc.vy, game.NPC_SPEED)  # ...and a new heading on the third
+        self.assertAlmostEqual(math.hypot(npc.vx, npc.vy), game.NPC_SPEED)
+
+    def test_a_replayed_adopt_is_answered_again_without_a_second_copy(self):
+        w = self.world(npcs=0)
+        message = adopt(9001, 4, ARENA_PLAYER, (0.25, 10.0), owner="bob", is_master=True)
+        w.handle(message)
+        w.tick(0.1)
+        w.handle(message)
+        out = w.tick(0.1)
+        self.assertEqual([(a.entity_id, a.entity_epoch) for a in bodies(out, "adopted")], [(9001, 4)])
+        self.assertEqual(bodies(out, "spawn"), [])
+        self.assertEqual(w.entity_count(), 1)
+        self.assertAlmostEqual(w.players["bob"].x, 1.25)  # one copy, walking on
+
+    def test_adopt_of_an_entity_held_frozen_takes_it_back(self):
+        w, alice = self.walking()
+        w.handle(freeze(alice.id, 7))
+        snapshot = bodies(w.tick(0.1), "snapshot")[0]
+        # The handoff target died; this node got its area back and adopts from the snapshot.
+        w.handle(adopt(alice.id, 8, snapshot.state, (alice.x, alice.y), owner="alice", is_master=True))
+        out = w.tick(0.1)
+        self.assertEqual([(a.entity_id, a.entity_epoch) for a in bodies(out, "adopted")], [(alice.id, 8)])
+        self.assertEqual(len(for_entity(out, "update", alice.id)), 1)
+        self.assertEqual(w.entity_count(), 1)
+
+    def test_a_snapshot_of_this_game_round_trips_through_adopt(self):
+        source, alice = self.walking()
+        source.handle(sidecar_msg(player_join=pb.PlayerJoin(account="alice", session_epoch=2)))
+        source.handle(freeze(alice.id, 7))
+        state = self.decoded(bodies(source.tick(0.1), "snapshot")[0])
+        self.assertEqual(state["session_epoch"], 2)
+
+        target = self.world(npcs=0, center=(3000.0, 3000.0))
+        target.handle(adopt(alice.id, 8, json.dumps(state).encode(), state["pos"][:2], owner="alice",
+                            is_master=True))
+        self.assertEqual(bodies(target.tick(0.1), "adopted")[0].entity_id, alice.id)
+        adopted = target.players["alice"]
+        self.assertEqual(adopted.components, alice.components)
+        self.assertAlmostEqual(adopted.x, alice.x + 0.3)
+        self.assertAlmostEqual(adopted.y, alice.y + 0.4)
+        target.handle(freeze(alice.id, 9))
+        again = self.decoded(bodies(target.tick(0.1), "snapshot")[0])
+        for axis in range(2):
+            self.assertAlmostEqual(again["dir"][axis], state["dir"][axis])
+        self.assertEqual({**again, "pos": None, "dir": None}, {**state, "pos": None, "dir": None})
+
+    def test_an_unreadable_snapshot_is_not_adopted(self):
+        good = json.loads(ARENA_PLAYER)
+        cases = {
+            b"\xff": "not UTF-8 JSON",
+            b"{": "not UTF-8 JSON",
+            b"[]": "expected a JSON object",
+            json.dumps({**good, "turn_in": None}).encode(): "turn_in must be an integer",
+            json.dumps({k: v for k, v in good.items() if k != "pos"}).encode(): "missing field(s) pos",
+            json.dumps({**good, "v": 2}).encode(): "format version 2",
+            json.dumps({**good, "kind": "dragon"}).encode(): "kind must be",
+            json.dumps({**good, "health": [-1, 100]}).encode(): "health must be an integer",
+            json.dumps({**good, "last_seq": "17"}).encode(): "last_seq must be an integer",
+            json.dumps({**good, "dir": [1.0]}).encode(): "dir must be a list of 2 finite numbers",
+            json.dumps({**good, "name": "carol"}).encode(): "adopted for account 'bob'",
+        }
+        w = self.world(npcs=0)
+        for state, error in cases.items():
+            with self.assertLogs("python-game", "ERROR") as logs:
+                w.handle(adopt(9001, 4, state, (0.25, 10.0), owner="bob", is_master=True))
+            self.assertIn(error, logs.output[0])
+            self.assertEqual(bodies(w.tick(0.1), "adopted"), [])
+            self.assertEqual(w.entity_count(), 0)
+
+    def test_npcs_roam_across_the_world_seam(self):
+        w = self.world(npcs=4, center=(4090.0, 3.0))
+        seen = set()
+        for _ in range(2000):
+            w.tick(0.05)
+            for npc in w.npcs:
+                self.assertTrue(0 <= npc.x < 4096 and 0 <= npc.y < 4096, (npc.x, npc.y))
+                dx = game.wrap_delta(npc.x - 4090.0, 4096.0)
+                dy = game.wrap_delta(npc.y - 3.0, 4096.0)
+                self.assertLess(math.hypot(dx, dy), game.NPC_ROAM_RADIUS + 1)
+                seen.add((npc.x < 2048, npc.y < 2048))
+        self.assertEqual(len(seen), 4)  # all four sides of both seams
 
 
 class ScriptedSidecar:
@@ -232,6 +506,41 @@ class ProcessTest(unittest.TestCase):
         self.assertEqual(ticks, list(range(1, len(ticks) + 1)))
         self.assertTrue(all(sum(m.HasField("tick_end") for m in f.messages) == 1 for f in sidecar.frames[1:]))
         self.assertEqual(sidecar.connections, 1)
+
+    def test_hands_an_npc_over_and_adopts_a_player_over_the_socket(self):
+        async def script(sc):
+            await sc.recv()
+            welcome = pb.Welcome(version=pb.ProtocolVersion(major=1),
+                                 world=pb.WorldShape(width=4096, height=4096, chunk_size=64))
+            await sc.send(sidecar_msg(welcome=welcome))
+            reserve = bodies(await sc.recv(), "reserve_ids")[0]
+            await sc.send(sidecar_msg(ids_reserved=pb.IdsReserved(
+                request_id=reserve.request_id, ids=range(1, reserve.count + 1))))
+            npc = bodies(await sc.recv_until(lambda m: bodies(m, "spawn")), "spawn")[0].entity_id
+
+            await sc.send(freeze(npc, 2))
+            snapshot = bodies(await sc.recv_until(lambda m: bodies(m, "snapshot")), "snapshot")[0]
+            self.assertEqual((snapshot.entity_id, snapshot.entity_epoch), (npc, 2))
+            self.assertEqual(json.loads(snapshot.state)["kind"], "npc")
+            for _ in range(3):
+                self.assertEqual(for_entity(await sc.recv(), "update", npc), [])
+            await sc.send(sidecar_msg(evict=pb.Evict(entity_id=npc)), ghost_enter(npc, 1.0, 2.0))
+
+            await sc.send(adopt(9001, 4, ARENA_PLAYER, (0.25, 10.0), owner="bob", is_master=True))
+            await sc.recv_until(lambda m: for_entity(m, "adopted", 9001))
+            await sc.send(move("bob", 3, 18, 0.0, 1.0))
+            await sc.recv_until(lambda m: any(
+                components(u).get(game.INPUT_ACK, (None,))[0] == struct.pack(">QQ", 18, 13)
+                for u in for_entity(m, "update", 9001)))
+            sc.proc.send_signal(signal.SIGTERM)
+
+        code, stderr, sidecar = asyncio.run(run_game(script, "--npcs", "1"))
+        self.assertEqual(code, 0, stderr)
+        sent = [m for f in sidecar.frames for m in f.messages]
+        self.assertEqual(bodies(sent, "despawn"), [])
+        self.assertEqual([s.entity_id for s in bodies(sent, "spawn")], [1])  # never the adopted player
+        self.assertNotIn("ERROR", stderr)
+        self.assertNotIn("WARNING", stderr)
 
     def test_waits_for_a_late_sidecar_and_exits_cleanly_on_sigterm(self):
         async def script(sc):

@@ -46,6 +46,23 @@ impl Audience {
         })
     }
 
+    /// The kind and accounts, as the mesh carries them in a handoff.
+    pub fn to_wire(&self) -> (local::AudienceKind, Vec<String>) {
+        match self {
+            Audience::PublicInRange => (local::AudienceKind::PublicInRange, vec![]),
+            Audience::OwnerOnly => (local::AudienceKind::OwnerOnly, vec![]),
+            Audience::Accounts(l) => (local::AudienceKind::Accounts, l.to_vec()),
+            Audience::OwnerAndParty(l) => (local::AudienceKind::OwnerAndParty, l.to_vec()),
+        }
+    }
+
+    pub fn from_wire(kind: i32, accounts: &[String]) -> Result<Self, UnknownAudienceKind> {
+        Self::from_proto(Some(&local::Audience {
+            kind,
+            accounts: accounts.to_vec(),
+        }))
+    }
+
     pub fn is_public(&self) -> bool {
         matches!(self, Audience::PublicInRange)
     }

@@ -84,10 +84,12 @@ pub(crate) async fn membership(
     mut lease: Lease,
     record: NodeRecord,
     ttl: Duration,
+    partition_epoch: u64,
     node: mpsc::Sender<NodeEvent>,
     shutdown: CancellationToken,
 ) {
     let me = lease.node;
+    let mut partition_epoch = partition_epoch;
     let mut every = tokio::time::interval(MEMBERSHIP_EVERY);
     let mut published = false;
     loop {
@@ -115,8 +117,26 @@ pub(crate) async fn membership(
                 }
             }
         }
+        match topology.partition().await {
+            Ok(Some(p)) if p.epoch() > partition_epoch => {
+                partition_epoch = p.epoch();
+                if node.send(NodeEvent::Partition(Box::new(p))).await.is_err() {
+                    break;
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(node = me, error = %e, "reading the partition failed"),
+        }
         match topology.nodes().await {
             Ok(entries) => {
+                let leases = entries
+                    .iter()
+                    .filter(|e| e.lease.node != me && e.lease.is_live(now))
+                    .map(|e| (e.lease.node, e.lease.epoch))
+                    .collect();
+                if node.send(NodeEvent::PeerLeases(leases)).await.is_err() {
+                    break;
+                }
                 let peers = entries
                     .into_iter()
                     .filter(|e| e.lease.node != me && e.lease.is_live(now))

@@ -50,6 +50,22 @@ pub struct SidecarConfig {
     pub ghost_keep_margin_chunks: u32,
     /// ...and at least this long.
     pub ghost_min_lifespan_ms: u64,
+    /// An owned entity is handed to the owner of its position once it stands at least this many
+    /// whole chunks past the border, so one pacing on the line never is.
+    pub handoff_margin_chunks: u32,
+    /// After a refused handoff, the entity is not offered again for this long.
+    pub handoff_retry_ms: u64,
+    /// On SIGTERM, how long the node may take to hand its entities away before it exits.
+    pub drain_timeout_ms: u64,
+}
+
+impl SidecarConfig {
+    /// How far past its owner's area an entity may stand: the handoff margin, the chunk it may
+    /// cross during the tick that triggers the handoff, and one more while the offer is in
+    /// flight. Nodes serve (and subscribe to) chunks within this reach of an area.
+    pub fn reach_chunks(&self) -> i64 {
+        i64::from(self.handoff_margin_chunks) + 2
+    }
 }
 
 impl Default for SidecarConfig {
@@ -75,6 +91,9 @@ impl Default for SidecarConfig {
             interaction_band_chunks: 1,
             ghost_keep_margin_chunks: 1,
             ghost_min_lifespan_ms: 2_000,
+            handoff_margin_chunks: 1,
+            handoff_retry_ms: 1_000,
+            drain_timeout_ms: 30_000,
         }
     }
 }

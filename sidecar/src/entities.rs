@@ -45,6 +45,8 @@ pub struct Entity {
     /// `None` for this node's own entities; the owning node for a render ghost (a replica of a
     /// foreign entity: public components only, written only by frames from its owner).
     pub origin: Option<u32>,
+    /// Bumped by every handoff: the fencing token of whoever writes the entity.
+    pub epoch: u64,
 }
 
 /// A spawn as the game asked for it.
@@ -57,6 +59,7 @@ pub struct NewEntity {
     pub parent_id: u64,
     pub components: Vec<(u32, Component)>,
     pub origin: Option<u32>,
+    pub epoch: u64,
 }
 
 /// An update as the game asked for it: only what changed.
@@ -188,6 +191,7 @@ impl EntityTable {
             parent_id: e.parent_id,
             components: e.components.into_iter().collect(),
             origin: e.origin,
+            epoch: e.epoch,
         };
         self.residents.entry(chunk).or_default().insert(e.id);
         if entity.is_master && !entity.owner_account.is_empty() {
@@ -329,7 +333,7 @@ impl EntityTable {
             .filter(|t| !full.components.iter().any(|(c, _)| c == *t))
             .copied()
             .collect();
-        let (owner, master) = (full.owner_account.clone(), full.is_master);
+        let (owner, master, epoch) = (full.owner_account.clone(), full.is_master, full.epoch);
         self.update(EntityUpdate {
             id: full.id,
             position: Some(full.position),
@@ -338,6 +342,7 @@ impl EntityTable {
         })?;
         let e = self.entities.get_mut(&full.id).expect("updated above");
         e.origin = full.origin;
+        e.epoch = epoch;
         if e.owner_account != owner || e.is_master != master {
             if self.masters.get(&e.owner_account) == Some(&e.id) {
                 self.masters.remove(&e.owner_account);
@@ -349,6 +354,64 @@ impl EntityTable {
             }
         }
         Ok(())
+    }
+
+    /// A local entity handed to `owner` becomes its render ghost under `epoch`, silently: clients
+    /// keep seeing it (no vanish). Non-public components go; the new owner routes them now.
+    pub fn to_ghost(&mut self, id: u64, owner: u32, epoch: u64) -> bool {
+        let Some(e) = self.entities.get_mut(&id).filter(|e| e.origin.is_none()) else {
+            return false;
+        };
+        e.origin = Some(owner);
+        e.epoch = epoch;
+        e.components.retain(|_, c| c.audience.is_public());
+        // Changes of this tick were the old owner's to send; they are stale now.
+        self.changes.remove(&id);
+        true
+    }
+
+    /// This node adopted `full.id`: its ghost (if any) becomes the local entity with every
+    /// component, without a vanish or a fresh appear; a move since the ghost's last frame is
+    /// recorded as one. With no ghost (a successor adopting from the snapshot) it is spawned.
+    pub fn to_local(&mut self, full: NewEntity) -> Result<(), EntityError> {
+        let Some(e) = self.entities.get_mut(&full.id) else {
+            return self.spawn(full);
+        };
+        if e.origin.is_none() {
+            return Err(EntityError::Duplicate(full.id));
+        }
+        check_finite(full.id, &full.position)?;
+        e.origin = None;
+        e.epoch = full.epoch;
+        e.parent_id = full.parent_id;
+        e.components = full.components.into_iter().collect();
+        if e.owner_account != full.owner_account || e.is_master != full.is_master {
+            if self.masters.get(&e.owner_account) == Some(&e.id) {
+                self.masters.remove(&e.owner_account);
+            }
+            e.owner_account = full.owner_account;
+            e.is_master = full.is_master;
+            if e.is_master && !e.owner_account.is_empty() {
+                self.masters.insert(e.owner_account.clone(), e.id);
+            }
+        }
+        // Always a recorded move: the new owner's first frame to its subscribers is a full one.
+        let id = full.id;
+        self.update(EntityUpdate {
+            id,
+            position: Some(full.position),
+            ..Default::default()
+        })?;
+        self.changes.entry(id).or_default().moved = true;
+        Ok(())
+    }
+
+    /// Sets the epoch of a ghost (its owner changed hands).
+    pub fn set_origin(&mut self, id: u64, owner: u32, epoch: u64) {
+        if let Some(e) = self.entities.get_mut(&id).filter(|e| e.origin.is_some()) {
+            e.origin = Some(owner);
+            e.epoch = epoch;
+        }
     }
 
     /// Ids of the render ghosts whose owner is `node`.

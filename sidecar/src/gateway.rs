@@ -130,6 +130,9 @@ impl Node {
             return;
         }
         let peer = (hello.role == mesh::PeerRole::Sidecar as i32).then_some(hello.node_id);
+        if let Some(node) = peer {
+            self.peer_partition.insert(node, hello.partition_epoch);
+        }
         if peer.is_none() {
             tracing::info!(link, proxy = %hello.id, %remote, "proxy link up");
         }
@@ -368,31 +371,20 @@ impl Node {
             .get(&s.account)
             .copied()
             .unwrap_or(self.cfg.node_id);
-        if owner != self.cfg.node_id {
-            let forward = mesh_message::Body::ForwardInput(mesh::ForwardInput {
-                account: s.account.clone(),
-                session_epoch: epoch,
-                seq: i.seq,
-                payload: i.payload,
-                entity_epoch: 0,
-            });
-            if self.send_peer(owner, forward) {
-                self.metrics.inputs_forwarded.inc();
-            }
-            return;
-        }
-        if self.game.is_none() {
-            return self.metrics.drop_msg("no_game", 1);
-        }
-        let input = local::Input {
+        let forward = mesh::ForwardInput {
             account: s.account.clone(),
             session_epoch: epoch,
             seq: i.seq,
             payload: i.payload,
+            entity_epoch: self.master_epoch.get(&s.account).copied().unwrap_or(0),
         };
-        self.to_game
-            .push(sidecar_message::Body::Input(input).into());
-        self.metrics.inputs_delivered.inc();
+        if owner != self.cfg.node_id {
+            if self.send_peer(owner, mesh_message::Body::ForwardInput(forward)) {
+                self.metrics.inputs_forwarded.inc();
+            }
+            return;
+        }
+        self.input_for_master(forward);
     }
 
     /// The client is gone: the game hears `PlayerLeave`, the record is saved, the directory
@@ -441,6 +433,7 @@ impl Node {
             .master_owner
             .remove(account)
             .unwrap_or(self.cfg.node_id);
+        self.master_epoch.remove(account);
         self.clients.set_remote_anchor(account, None);
         if owner != self.cfg.node_id {
             self.send_peer(

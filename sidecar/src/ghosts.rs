@@ -86,6 +86,11 @@ impl SimGhosts {
         }
     }
 
+    /// Stops tracking `id` (it became this node's own); true if the game held it as a ghost.
+    pub fn forget(&mut self, id: u64) -> bool {
+        self.live.remove(&id).is_some()
+    }
+
     pub fn contains(&self, id: u64) -> bool {
         self.live.contains_key(&id)
     }

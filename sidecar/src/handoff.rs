@@ -349,6 +349,28 @@ impl<I: Clone> HandoffSource<I> {
         self.root_of.contains_key(&id)
     }
 
+    /// Whether a write of the game to `id` still counts: always outside a handoff, and while
+    /// frozen only until its snapshot (writes sent before the game saw the Freeze).
+    pub fn writable(&self, id: EntityId) -> bool {
+        let Some(root) = self.root_of.get(&id) else {
+            return true;
+        };
+        match &self.out[root].phase {
+            Phase::Freezing { parts } => !parts.contains_key(&id),
+            Phase::Offered { .. } => false,
+        }
+    }
+
+    /// The node the unit of `root` is (being) offered to, and the epoch offered.
+    pub fn target_of(&self, root: EntityId) -> Option<(NodeId, Epoch)> {
+        self.out.get(&root).map(|o| (o.to, o.offered))
+    }
+
+    /// Handoffs begun and not finished (frozen, whether offered or not).
+    pub fn in_flight(&self) -> usize {
+        self.out.len()
+    }
+
     /// Offers sent and not answered.
     pub fn in_doubt(&self) -> impl Iterator<Item = (EntityId, NodeId, Epoch)> + '_ {
         self.out
@@ -443,12 +465,15 @@ pub struct OfferChecks {
     /// This node holds the entity as a ghost (it was watching the band).
     pub has_ghost: bool,
     pub draining: bool,
+    pub game_connected: bool,
 }
 
 impl OfferChecks {
     fn refusal(&self) -> Option<Refusal> {
         if self.draining {
             Some(Refusal::Draining)
+        } else if !self.game_connected {
+            Some(Refusal::NoGame)
         } else if !self.lease_live {
             Some(Refusal::LeaseLapsed)
         } else if !self.partition_epoch_matches {
@@ -470,6 +495,7 @@ pub enum Refusal {
     PartitionEpoch,
     NoGhost,
     Draining,
+    NoGame,
 }
 
 impl Refusal {
@@ -480,6 +506,7 @@ impl Refusal {
             Refusal::PartitionEpoch => "the target is on another partition epoch",
             Refusal::NoGhost => "the target holds no ghost of the entity",
             Refusal::Draining => "the target is draining",
+            Refusal::NoGame => "the target has no game connected",
         }
     }
 }
@@ -719,6 +746,16 @@ impl<F> Fence<F> {
         self.burnt.retain(|(e, _)| *e != id);
     }
 
+    /// The newest epoch frames of `id` are held for, with their writer: once the old owner is
+    /// gone (its link closed), the newer epoch is the only one left to follow.
+    pub fn held_newest(&self, id: EntityId) -> Option<(Epoch, NodeId)> {
+        let (epoch, frames) = self.held.get(&id)?.last_key_value()?;
+        frames
+            .iter()
+            .find_map(|(from, _)| *from)
+            .map(|f| (*epoch, f))
+    }
+
     pub fn held(&self) -> usize {
         self.held
             .values()
@@ -766,6 +803,7 @@ mod tests {
             partition_epoch_matches: true,
             has_ghost: true,
             draining: false,
+            game_connected: true,
         }
     }
 
@@ -984,6 +1022,13 @@ mod tests {
                     ..ok()
                 },
                 Refusal::NoGhost,
+            ),
+            (
+                OfferChecks {
+                    game_connected: false,
+                    ..ok()
+                },
+                Refusal::NoGame,
             ),
         ];
         for (checks, why) in cases {

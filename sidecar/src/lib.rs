@@ -10,8 +10,8 @@
 //!
 //! Many nodes serve one world ([`start_in`]): peer links between sidecars (`cluster`), node-level
 //! chunk subscriptions ([`subs`]), render and simulation ghosts ([`ghosts`]) and routing by
-//! account ([`route`]), wired together in `peer`. The handoff state machines and the epoch
-//! fence ([`handoff`]) are pure; the node does not drive them yet.
+//! account ([`route`]), wired together in `peer`. Entities move between nodes by epoch-fenced
+//! handoff: the pure state machines and fence in [`handoff`], driven by `handoff_node`.
 
 pub mod audience;
 mod cluster;
@@ -22,6 +22,7 @@ mod game;
 mod gateway;
 pub mod ghosts;
 pub mod handoff;
+mod handoff_node;
 pub mod ids;
 pub mod interest;
 mod mesh;
@@ -56,7 +57,7 @@ use crate::config::LocalListen;
 use crate::game::{GameCtx, GameListener};
 use crate::mesh::MeshCtx;
 use crate::metrics::Metrics;
-use crate::node::Node;
+use crate::node::{Node, NodeEvent};
 
 /// Events queued for the node before connection tasks wait (back-pressure on the sockets).
 const NODE_INBOX: usize = 1024;
@@ -71,6 +72,16 @@ pub struct SidecarHandle {
     metrics: Metrics,
     node: JoinHandle<()>,
     tasks: TaskTracker,
+    inbox: mpsc::WeakSender<NodeEvent>,
+    census: Arc<Mutex<Vec<crate::Real>>>,
+}
+
+/// An entity a node writes, as a census sees it: frozen ones are in a handoff and write nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Real {
+    pub id: u64,
+    pub epoch: u64,
+    pub frozen: bool,
 }
 
 /// Counters for tests and the CLI status line.
@@ -95,6 +106,12 @@ pub struct SidecarStats {
     pub cross_node_updates: u64,
     pub dropped_unknown_account: u64,
     pub inputs_forwarded: u64,
+    /// Handoffs this node completed as the source.
+    pub handoffs: u64,
+    pub handoffs_refused: u64,
+    pub in_doubt_now: u64,
+    pub stale_epoch_drops: u64,
+    pub held_frames: u64,
 }
 
 impl SidecarHandle {
@@ -119,6 +136,34 @@ impl SidecarHandle {
             cross_node_updates: m.cross_node_updates.get(),
             dropped_unknown_account: m.dropped_unknown_account.get(),
             inputs_forwarded: m.inputs_forwarded.get(),
+            handoffs: m.handoffs_out.get(),
+            handoffs_refused: m.handoffs_refused.get(),
+            in_doubt_now: m.handoffs_in_doubt.get().max(0) as u64,
+            stale_epoch_drops: m.stale_epoch_drops.get(),
+            held_frames: m.held_frames.get().max(0) as u64,
+        }
+    }
+
+    /// Freeze durations of this node's handoffs (milliseconds), for percentiles.
+    pub fn freeze_ms(&self) -> hdrhistogram::Histogram<u64> {
+        self.metrics
+            .freeze_ms
+            .lock()
+            .expect("freeze histogram lock poisoned")
+            .clone()
+    }
+
+    /// Every entity this node writes (its reals) with its epoch, as of the last published state
+    /// (at most 100 ms old), for a census.
+    pub fn reals(&self) -> Vec<Real> {
+        self.census.lock().expect("census lock poisoned").clone()
+    }
+
+    /// Starts a graceful drain (what SIGTERM does): `/ready` goes false, handoffs are refused,
+    /// what the partition gives to other nodes is handed to them, then the sidecar shuts down.
+    pub fn drain(&self) {
+        if let Some(inbox) = self.inbox.upgrade() {
+            let _ = inbox.try_send(NodeEvent::Drain);
         }
     }
 
@@ -201,7 +246,8 @@ async fn launch(
         shutdown: shutdown.clone(),
         tasks: tasks.clone(),
     };
-    let node = Node::new(
+    let census: Arc<Mutex<Vec<crate::Real>>> = Arc::default();
+    let mut node = Node::new(
         cfg.clone(),
         stores,
         metrics.clone(),
@@ -212,6 +258,7 @@ async fn launch(
         Arc::new(partition),
         membership.is_some().then(|| mesh_ctx.clone()),
     );
+    node.census = census.clone();
     if let Some((topology, lease)) = membership {
         let advertise = match cfg.mesh_advertise.trim() {
             "" => mesh_addr.to_string(),
@@ -228,6 +275,7 @@ async fn launch(
             lease,
             record,
             Duration::from_millis(cfg.node_lease_ms),
+            node.partition.epoch(),
             inbox.clone(),
             shutdown.clone(),
         ));
@@ -245,6 +293,7 @@ async fn launch(
             tasks: tasks.clone(),
         },
     ));
+    let weak = inbox.downgrade();
     drop(inbox);
     tasks.spawn(mesh::accept_loop(mesh, mesh_ctx));
     tracing::info!(node = cfg.node_id, local = %local_addr, mesh = %mesh_addr, admin = %admin_addr, "sidecar started");
@@ -256,6 +305,8 @@ async fn launch(
         metrics,
         node,
         tasks,
+        inbox: weak,
+        census,
     })
 }
 

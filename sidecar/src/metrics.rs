@@ -6,7 +6,9 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::{Arc, Mutex};
 use tokio_util::codec::{Decoder, Encoder};
 
 /// Who is on the other end of a connection.
@@ -60,13 +62,24 @@ pub struct KindLabel {
     pub kind: &'static str,
 }
 
+/// One pair of nodes of a handoff, and what became of it.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HandoffLabel {
+    pub from: String,
+    pub to: String,
+    pub outcome: &'static str,
+}
+
+/// Longest freeze the summary histogram tracks, in milliseconds (ten minutes).
+const FREEZE_MAX_MS: u64 = 600_000;
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
     pub reason: &'static str,
 }
 
 /// Every metric of one sidecar. Cheap to clone (each metric is a shared handle).
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Metrics {
     pub connections: Family<PeerLabel, Gauge>,
     pub connections_total: Family<PeerLabel, Counter>,
@@ -96,10 +109,71 @@ pub struct Metrics {
     pub ghosts_sim: Gauge,
     pub subscriptions: Gauge,
     pub subscribers: Gauge,
+    pub handoffs: Family<HandoffLabel, Counter>,
+    /// Handoffs this node completed as the source (the entity left).
+    pub handoffs_out: Counter,
+    pub handoffs_refused: Counter,
+    pub handoffs_in_doubt: Gauge,
+    pub handoff_freeze: Histogram,
+    pub stale_epoch_drops: Counter,
+    pub held_frames: Gauge,
+    /// Freeze durations for the summary percentiles (prometheus buckets are too coarse).
+    pub freeze_ms: Arc<Mutex<hdrhistogram::Histogram<u64>>>,
     // Totals over every label, for `SidecarStats` (not registered: the families carry them).
     errors_all: Counter,
     frames_in_all: Counter,
     frames_out_all: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            connections: Default::default(),
+            connections_total: Default::default(),
+            frames: Default::default(),
+            bytes: Default::default(),
+            errors: Default::default(),
+            dropped: Default::default(),
+            sessions: Default::default(),
+            entities: Default::default(),
+            game_connected: Default::default(),
+            inputs_delivered: Default::default(),
+            batches_sent: Default::default(),
+            deltas_sent: Default::default(),
+            deltas_encoded: Default::default(),
+            ticks: Default::default(),
+            peer_up: Default::default(),
+            peers_up: Default::default(),
+            peer_links: Default::default(),
+            peer_messages: Default::default(),
+            peer_outbox_full: Default::default(),
+            routed: Default::default(),
+            routed_messages: Default::default(),
+            cross_node_updates: Default::default(),
+            dropped_unknown_account: Default::default(),
+            inputs_forwarded: Default::default(),
+            ghosts_render: Default::default(),
+            ghosts_sim: Default::default(),
+            subscriptions: Default::default(),
+            subscribers: Default::default(),
+            handoffs: Default::default(),
+            handoffs_out: Default::default(),
+            handoffs_refused: Default::default(),
+            handoffs_in_doubt: Default::default(),
+            handoff_freeze: Histogram::new([
+                1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0,
+            ]),
+            stale_epoch_drops: Default::default(),
+            held_frames: Default::default(),
+            freeze_ms: Arc::new(Mutex::new(
+                hdrhistogram::Histogram::new_with_bounds(1, FREEZE_MAX_MS, 3)
+                    .expect("static histogram bounds are valid"),
+            )),
+            errors_all: Default::default(),
+            frames_in_all: Default::default(),
+            frames_out_all: Default::default(),
+        }
+    }
 }
 
 impl Metrics {
@@ -227,7 +301,52 @@ impl Metrics {
             "(chunk, node) subscriptions to this node's chunks",
             m.subscribers.clone(),
         );
+        r.register(
+            "handoffs",
+            "Handoffs by source node, target node and outcome (started, completed, refused, unsent)",
+            m.handoffs.clone(),
+        );
+        r.register(
+            "handoffs_in_doubt",
+            "Offers sent and not answered: the entity stays frozen",
+            m.handoffs_in_doubt.clone(),
+        );
+        r.register(
+            "handoff_freeze_ms",
+            "How long an entity stayed frozen, from Freeze to eviction or thaw",
+            m.handoff_freeze.clone(),
+        );
+        r.register(
+            "stale_epoch_drops",
+            "Entity frames and inputs dropped for an old (or refused) entity epoch",
+            m.stale_epoch_drops.clone(),
+        );
+        r.register(
+            "held_frames",
+            "Entity frames and inputs held for an entity epoch not seen yet",
+            m.held_frames.clone(),
+        );
         m
+    }
+
+    /// One handoff step between `from` and `to`.
+    pub fn handoff(&self, from: u32, to: u32, outcome: &'static str) {
+        self.handoffs
+            .get_or_create(&HandoffLabel {
+                from: from.to_string(),
+                to: to.to_string(),
+                outcome,
+            })
+            .inc();
+    }
+
+    pub fn freeze_done(&self, ms: u64) {
+        self.handoff_freeze.observe(ms as f64);
+        let _ = self
+            .freeze_ms
+            .lock()
+            .expect("freeze histogram lock poisoned")
+            .record(ms.clamp(1, FREEZE_MAX_MS));
     }
 
     /// Counts one message to (`out`) or from (`in`) peer `node`.

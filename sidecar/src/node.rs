@@ -34,6 +34,7 @@ use crate::entities::{Component, EntityError, EntityTable, EntityUpdate, NewEnti
 use crate::fold::{Clients, TickEvent, TickSend};
 use crate::gateway::{SessionKey, Sessions};
 use crate::ghosts::{GhostRules, SimGhosts};
+use crate::handoff::{Fence, HandoffSource, HandoffTarget};
 use crate::ids::IdMinter;
 use crate::interest::InterestShape;
 use crate::mesh::MeshCtx;
@@ -99,6 +100,12 @@ pub(crate) enum NodeEvent {
     },
     /// The node lease was taken over: this node must stop serving.
     LeaseLost,
+    /// A newer partition was committed to the topology store.
+    Partition(Box<Partition>),
+    /// Peers' lease epochs (their incarnations) from the topology store.
+    PeerLeases(Vec<(NodeId, u64)>),
+    /// SIGTERM: stop accepting handoffs, hand away what the partition gives to others, exit.
+    Drain,
 }
 
 pub(crate) struct Registration {
@@ -177,8 +184,11 @@ pub(crate) struct Node {
     pub partition: Arc<Partition>,
     /// The chunks this node owns.
     pub area: Vec<ChunkRect>,
-    /// The foreign chunks of the interaction band and its keep margin, always subscribed.
-    pub band: HashMap<ChunkPos, NodeId>,
+    /// The (chunk, node) pairs of the interaction band, its keep margin and the handoff reach
+    /// inside the area, always subscribed.
+    pub band: HashSet<(ChunkPos, NodeId)>,
+    /// chunk -> the nodes that may own an entity there (cleared with each partition).
+    pub near_cache: HashMap<ChunkPos, Vec<NodeId>>,
     pub subs: Subscriptions,
     pub subs_dirty: bool,
     pub subscribers: Subscribers,
@@ -206,6 +216,41 @@ pub(crate) struct Node {
     pub parked: Vec<(String, Addressed)>,
     pub looking_up: HashSet<String>,
     pub unknown_until: HashMap<String, std::time::Instant>,
+    // ---- handoff (see `handoff_node`)
+    pub handoff_out: HandoffSource<local::Input>,
+    pub handoff_in: HandoffTarget,
+    pub fence: Fence<Fenced>,
+    /// Offers being adopted by the game: root -> the offer.
+    pub adopting: HashMap<u64, mesh::HandoffOffer>,
+    /// Entities not offered again before this time (unix ms), after a refusal.
+    pub handoff_retry: HashMap<u64, u64>,
+    /// Entities to check for a handoff at the next tick even if they did not move.
+    pub handoff_recheck: BTreeSet<u64>,
+    /// Entities in chunks a new partition gave away: handed over with no margin.
+    pub mass_handoff: HashSet<u64>,
+    /// The partition epoch each peer acknowledged (BigWorld's `hasBeenCreated`).
+    pub peer_partition: HashMap<NodeId, u64>,
+    /// Each peer's lease epoch: a new one means a new process holds the node id.
+    pub peer_lease: HashMap<NodeId, u64>,
+    /// Peers that restarted with offers in doubt towards them: redirected when their link is up.
+    pub redirect_to: BTreeSet<NodeId>,
+    /// False once the node lease was lost: everything is frozen, nothing is written.
+    pub lease_live: bool,
+    pub draining: Option<tokio::time::Instant>,
+    /// Gateway side: the epoch of each local session's master, from its owner's anchors.
+    pub master_epoch: HashMap<String, u64>,
+    /// Every real of this node with its epoch, as of the last publish (for a census).
+    pub census: Arc<Mutex<Vec<crate::Real>>>,
+}
+
+/// The epoch every entity starts with; each handoff adds one.
+pub(crate) const FIRST_EPOCH: u64 = 1;
+
+/// A frame the fence may hold until its entity's epoch change is seen.
+#[derive(Debug, Clone)]
+pub(crate) enum Fenced {
+    State(NodeId, mesh::EntityState),
+    Input(mesh::ForwardInput),
 }
 
 impl Node {
@@ -224,7 +269,7 @@ impl Node {
     ) -> Self {
         let shape = InterestShape::new(cfg.view_radius_chunks, cfg.release_margin_chunks);
         let keep = i64::from(cfg.interaction_band_chunks + cfg.ghost_keep_margin_chunks);
-        let band = subs::band(&partition, cfg.node_id, keep);
+        let band = subs::band(&partition, cfg.node_id, keep, cfg.reach_chunks());
         let rules = GhostRules {
             band: i64::from(cfg.interaction_band_chunks),
             keep_margin: i64::from(cfg.ghost_keep_margin_chunks),
@@ -233,6 +278,21 @@ impl Node {
         Self {
             area: subs::merge_rects(partition.area_of(cfg.node_id)),
             band,
+            near_cache: HashMap::new(),
+            handoff_out: HandoffSource::default(),
+            handoff_in: HandoffTarget::default(),
+            fence: Fence::default(),
+            adopting: HashMap::new(),
+            handoff_retry: HashMap::new(),
+            handoff_recheck: BTreeSet::new(),
+            mass_handoff: HashSet::new(),
+            peer_partition: HashMap::new(),
+            peer_lease: HashMap::new(),
+            redirect_to: BTreeSet::new(),
+            lease_live: true,
+            draining: None,
+            master_epoch: HashMap::new(),
+            census: Arc::default(),
             partition,
             subs: Subscriptions::default(),
             subs_dirty: true,
@@ -300,6 +360,10 @@ impl Node {
                         self.publish_state();
                         dirty = false;
                     }
+                    if self.drained() {
+                        tracing::info!("drained: shutting down");
+                        shutdown.cancel();
+                    }
                     continue;
                 }
             }
@@ -353,11 +417,10 @@ impl Node {
             NodeEvent::Renewed { results } => self.on_renewed(results),
             NodeEvent::Peers { peers } => self.on_peers(peers),
             NodeEvent::LookedUp { account, result } => self.on_looked_up(account, result),
-            NodeEvent::LeaseLost => {
-                // Another process holds this node's id: stop serving rather than write twice.
-                self.metrics.error("lease_lost");
-                self.admin.set_ready(false);
-            }
+            NodeEvent::LeaseLost => self.on_lease_lost(),
+            NodeEvent::Partition(p) => self.apply_partition(*p),
+            NodeEvent::PeerLeases(leases) => self.on_peer_leases(leases),
+            NodeEvent::Drain => self.begin_drain(),
         }
     }
 
@@ -473,10 +536,17 @@ impl Node {
                 0,
             ),
             B::Spawn(s) => self.on_spawn(s),
-            B::Update(u) => self.on_update(u),
+            B::Update(u) => {
+                if self.may_write(u.entity_id) {
+                    self.on_update(u)
+                }
+            }
             B::Despawn(d) => {
                 if self.table.get_local(d.entity_id).is_none() {
                     return self.entity_error(EntityError::Unknown(d.entity_id));
+                }
+                if !self.may_write(d.entity_id) {
+                    return;
                 }
                 if let Err(e) = self.table.despawn(d.entity_id) {
                     self.entity_error(e);
@@ -502,16 +572,8 @@ impl Node {
             }
             // Chunk events travel to peers and the journal, which a single node does not have yet.
             B::ChunkEvent(_) => self.metrics.drop_msg("chunk_event_unsupported", 1),
-            B::Snapshot(s) => self.game_error(
-                ErrorCode::UnexpectedMessage,
-                "Snapshot without a Freeze: this node froze no entity".into(),
-                s.entity_id,
-            ),
-            B::Adopted(a) => self.game_error(
-                ErrorCode::UnexpectedMessage,
-                "Adopted without an Adopt: this node asked to adopt no entity".into(),
-                a.entity_id,
-            ),
+            B::Snapshot(s) => self.on_snapshot(s),
+            B::Adopted(a) => self.on_adopted(a),
         }
     }
 
@@ -528,6 +590,7 @@ impl Node {
             parent_id: s.parent_id,
             components,
             origin: None,
+            epoch: FIRST_EPOCH,
         };
         if let Err(e) = self.table.spawn(spawn) {
             self.entity_error(e);
@@ -565,9 +628,13 @@ impl Node {
                 )
             }
         };
-        let Some(entity) = self.table.get_local(e.entity_id) else {
+        if self.table.get_local(e.entity_id).is_none() {
             return self.entity_error(EntityError::Unknown(e.entity_id));
-        };
+        }
+        if !self.may_write(e.entity_id) {
+            return;
+        }
+        let entity = self.table.get_local(e.entity_id).expect("checked above");
         self.tick_events.push(TickEvent {
             entity_id: e.entity_id,
             chunk: entity.chunk,
@@ -609,7 +676,7 @@ impl Node {
     }
 
     /// A non-fatal error about something the game sent: reported, and nothing else changes.
-    fn game_error(&mut self, code: ErrorCode, detail: String, entity_id: u64) {
+    pub(crate) fn game_error(&mut self, code: ErrorCode, detail: String, entity_id: u64) {
         self.metrics.error(error_kind(code));
         tracing::debug!(?code, %detail, "game error");
         self.to_game.push(
@@ -640,6 +707,7 @@ impl Node {
             .fold(tick, &self.table, &changes, &events, &sends, budget);
         self.update_subscriptions();
         self.step_sim_ghosts(&changes, unix_ms());
+        self.check_handoffs(&changes);
         self.metrics.subscribers.set(self.subscribers.len() as i64);
         self.metrics.ticks.inc();
         self.metrics.deltas_sent.inc_by(out.deltas);
@@ -832,8 +900,15 @@ impl Node {
             "ghosts_sim": self.sim.len(),
             "subscriptions": self.subs.len(),
             "subscribers": self.subscribers.len(),
+            "handoffs_in_flight": self.handoff_out.in_flight(),
+            "handoffs_in_doubt": self.handoff_out.in_doubt().map(|(id, to, epoch)| json!({"entity": id, "to": to, "epoch": epoch})).collect::<Vec<_>>(),
+            "adopting": self.adopting.len(),
+            "held_frames": self.fence.held(),
+            "lease_live": self.lease_live,
+            "draining": self.draining.is_some(),
         });
         *self.published.lock().expect("state lock poisoned") = state;
+        *self.census.lock().expect("census lock poisoned") = self.reals();
     }
 
     fn shutdown(&mut self) {

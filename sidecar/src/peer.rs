@@ -77,7 +77,7 @@ fn chunk_refs(chunks: &[ChunkPos]) -> Vec<mesh::ChunkRef> {
 fn full_state(e: &Entity) -> mesh::EntityState {
     mesh::EntityState {
         entity_id: e.id,
-        entity_epoch: 0,
+        entity_epoch: e.epoch,
         full: true,
         position: Some(vec3(e.position)),
         components: e
@@ -100,6 +100,7 @@ fn full_state(e: &Entity) -> mesh::EntityState {
 fn public_delta(e: &Entity, ch: &EntityChange) -> Option<mesh::EntityState> {
     let mut d = mesh::EntityState {
         entity_id: e.id,
+        entity_epoch: e.epoch,
         position: ch.moved.then(|| vec3(e.position)),
         ..Default::default()
     };
@@ -196,6 +197,13 @@ impl Node {
         }
         tracing::info!(link, peer = node, "peer link up");
         self.peers.entry(node).or_default().link = Some(link);
+        // The link's hello named the partition this node started with; say which one it runs.
+        self.send_peer(
+            node,
+            mesh_message::Body::PartitionAck(mesh::PartitionAck {
+                partition_epoch: self.partition.epoch(),
+            }),
+        );
         let label = self.metrics.peer(node);
         self.metrics.peer_up.get_or_create(&label).set(1);
         self.metrics.peers_up.set(self.up_peers().len() as i64);
@@ -231,6 +239,8 @@ impl Node {
                 .get(account)
                 .is_none_or(|r| r.gateway_node != node)
         });
+        // Offers in doubt towards it get their answer now.
+        self.resume_offers(node);
     }
 
     /// The link to `node` is gone: what it told this node is forgotten (its render ghosts vanish
@@ -250,7 +260,10 @@ impl Node {
             .set(0);
         self.metrics.peers_up.set(self.up_peers().len() as i64);
         for id in self.table.ghosts_of(node) {
-            let _ = self.table.despawn(id);
+            if !self.ghost_orphaned(id) {
+                let _ = self.table.despawn(id);
+                self.fence.forget(id);
+            }
         }
         self.subscribers.remove_node(node);
         self.metrics.subscribers.set(self.subscribers.len() as i64);
@@ -292,7 +305,7 @@ impl Node {
             B::Heartbeat(_) => {}
             B::Subscribe(s) => self.on_subscribe(node, s.chunks),
             B::Unsubscribe(u) => self.on_unsubscribe(node, u.chunks),
-            B::EntityState(s) => self.on_entity_state(node, s),
+            B::EntityState(s) => self.fence_entity_state(node, s),
             B::EntityGone(g) => {
                 if self
                     .table
@@ -300,7 +313,16 @@ impl Node {
                     .is_some_and(|e| e.origin == Some(node))
                 {
                     let _ = self.table.despawn(g.entity_id);
+                    self.fence.forget(g.entity_id);
                 }
+            }
+            B::EntityMoved(m) => self.on_entity_moved(node, m),
+            B::HandoffOffer(o) => self.on_handoff_offer(node, o),
+            B::HandoffAck(a) => self.on_handoff_ack(node, a),
+            B::HandoffRefused(r) => self.on_handoff_refused(node, r),
+            B::PartitionAck(a) => {
+                let e = self.peer_partition.entry(node).or_default();
+                *e = (*e).max(a.partition_epoch);
             }
             B::EntityEvent(ev) => {
                 if let Some(e) = self
@@ -320,7 +342,7 @@ impl Node {
             }
             B::PlayerJoin(j) => self.on_peer_player_join(node, j),
             B::PlayerLeave(l) => self.on_peer_player_leave(l),
-            B::ForwardInput(i) => self.on_forward_input(i),
+            B::ForwardInput(i) => self.input_for_master(i),
             B::Anchor(a) => self.on_anchor(node, a),
             B::Routed(r) => self.on_routed(r),
             B::SessionMoved(m) => self.on_session_moved(m),
@@ -343,11 +365,11 @@ impl Node {
     // ------------------------------------------------------------------ owner: subscriptions
 
     fn on_subscribe(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
-        let me = self.cfg.node_id;
         for c in chunks {
             let chunk = self.cfg.world.normalise_chunk(ChunkPos { x: c.x, y: c.y });
-            if self.partition.owner_of_chunk(chunk) != me {
-                self.metrics.drop_msg("subscribe_not_owner", 1);
+            // This node's entities may stand up to the reach past its area.
+            if distance_to_area(&self.cfg.world, &self.area, chunk) > self.cfg.reach_chunks() {
+                self.metrics.drop_msg("subscribe_out_of_reach", 1);
                 continue;
             }
             if !self.subscribers.add(node, chunk) {
@@ -407,7 +429,7 @@ impl Node {
                             node,
                             mesh_message::Body::EntityGone(mesh::EntityGone {
                                 entity_id: id,
-                                entity_epoch: 0,
+                                entity_epoch: self.fence.current(id).map_or(0, |c| c.0),
                             }),
                         );
                     }
@@ -431,7 +453,7 @@ impl Node {
                     node,
                     mesh_message::Body::EntityGone(mesh::EntityGone {
                         entity_id: id,
-                        entity_epoch: 0,
+                        entity_epoch: e.epoch,
                     }),
                 ));
             }
@@ -763,9 +785,16 @@ impl Node {
             if self.anchor_sent.get(&e.owner_account) == Some(&e.chunk) {
                 continue;
             }
-            out.push((e.owner_account.clone(), *r, e.id, e.position, e.chunk));
+            out.push((
+                e.owner_account.clone(),
+                *r,
+                e.id,
+                e.position,
+                e.chunk,
+                e.epoch,
+            ));
         }
-        for (account, r, id, pos, chunk) in out {
+        for (account, r, id, pos, chunk, epoch) in out {
             let sent = self.send_peer(
                 r.gateway_node,
                 mesh_message::Body::Anchor(mesh::Anchor {
@@ -773,6 +802,7 @@ impl Node {
                     session_epoch: r.session_epoch,
                     entity_id: id,
                     position: Some(vec3(pos)),
+                    entity_epoch: epoch,
                 }),
             );
             if sent {
@@ -817,7 +847,7 @@ impl Node {
             .master_of(&j.account)
             .filter(|e| e.origin.is_none())
         {
-            let (id, pos, chunk) = (e.id, e.position, e.chunk);
+            let (id, pos, chunk, epoch) = (e.id, e.position, e.chunk, e.epoch);
             if self.send_peer(
                 gateway,
                 mesh_message::Body::Anchor(mesh::Anchor {
@@ -825,6 +855,7 @@ impl Node {
                     session_epoch: j.session_epoch,
                     entity_id: id,
                     position: Some(vec3(pos)),
+                    entity_epoch: epoch,
                 }),
             ) {
                 self.anchor_sent.insert(j.account, chunk);
@@ -853,29 +884,6 @@ impl Node {
         }
     }
 
-    fn on_forward_input(&mut self, i: mesh::ForwardInput) {
-        let current = self
-            .remote_players
-            .get(&i.account)
-            .is_some_and(|r| r.session_epoch == i.session_epoch);
-        if !current {
-            return self.metrics.drop_msg("stale_session", 1);
-        }
-        if self.game.is_none() {
-            return self.metrics.drop_msg("no_game", 1);
-        }
-        self.to_game.push(
-            sidecar_message::Body::Input(local::Input {
-                account: i.account,
-                session_epoch: i.session_epoch,
-                seq: i.seq,
-                payload: i.payload,
-            })
-            .into(),
-        );
-        self.metrics.inputs_delivered.inc();
-    }
-
     // ------------------------------------------------------------------ gateway side
 
     /// The epoch of `account`'s session here, if it is attached.
@@ -889,9 +897,21 @@ impl Node {
             Some((_, epoch)) if epoch == a.session_epoch => {}
             _ => return self.metrics.drop_msg("stale_session", 1),
         }
+        if self
+            .master_epoch
+            .get(&a.account)
+            .is_some_and(|e| *e > a.entity_epoch)
+        {
+            // A late word from a previous owner of the master.
+            return self.metrics.drop_msg("stale_anchor", 1);
+        }
         let Some(p) = a.position.as_ref().map(position) else {
             return;
         };
+        if node == self.cfg.node_id {
+            return;
+        }
+        self.master_epoch.insert(a.account.clone(), a.entity_epoch);
         let chunk = self.cfg.world.chunk_of(Pos { x: p.x, y: p.y });
         self.clients.set_remote_anchor(&a.account, Some(chunk));
         self.master_owner.insert(a.account.clone(), node);
@@ -956,11 +976,7 @@ impl Node {
 
     // ------------------------------------------------------------------ observer side
 
-    fn on_entity_state(&mut self, node: NodeId, s: mesh::EntityState) {
-        if s.entity_epoch != 0 {
-            // Handoff does not exist yet: no entity moves between owners.
-            return self.metrics.drop_msg("entity_epoch", 1);
-        }
+    pub(crate) fn on_entity_state(&mut self, node: NodeId, s: mesh::EntityState) {
         let existing = self.table.get(s.entity_id).map(|e| (e.origin, e.chunk));
         if matches!(existing, Some((None, _))) {
             return self.metrics.drop_msg("ghost_of_local_entity", 1);
@@ -970,9 +986,10 @@ impl Node {
             .map(|p| self.cfg.world.chunk_of(Pos { x: p.x, y: p.y }))
             .or(existing.map(|e| e.1));
         // Only what lies in a chunk this node subscribes to from that owner.
-        if chunk.is_none_or(|c| self.subs.owner(c) != Some(node)) {
+        if chunk.is_none_or(|c| !self.subs.has(c, node)) {
             if existing.is_some_and(|e| e.0 == Some(node)) {
                 let _ = self.table.despawn(s.entity_id);
+                self.fence.forget(s.entity_id);
             }
             return;
         }
@@ -985,6 +1002,7 @@ impl Node {
                 parent_id: s.parent_id,
                 components: public_components(s.components),
                 origin: Some(node),
+                epoch: s.entity_epoch,
             };
             if let Err(e) = self.table.set_ghost(ghost) {
                 self.metrics.drop_msg("bad_entity_state", 1);
@@ -1015,10 +1033,12 @@ impl Node {
         self.subs_dirty = false;
         let me = self.cfg.node_id;
         let mut wanted = self.band.clone();
-        for c in self.clients.viewed_chunks() {
-            let owner = self.partition.owner_of_chunk(c);
-            if owner != me {
-                wanted.insert(c, owner);
+        let viewed: Vec<ChunkPos> = self.clients.viewed_chunks().collect();
+        for c in viewed {
+            for n in self.owners_near(c) {
+                if n != me {
+                    wanted.insert((c, n));
+                }
             }
         }
         let changes = self.subs.update(wanted);
@@ -1164,6 +1184,7 @@ mod tests {
                 ),
             ]),
             origin: None,
+            epoch: 1,
         }
     }
 

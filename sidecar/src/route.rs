@@ -256,6 +256,7 @@ mod tests {
                 (3, comp(Audience::OwnerOnly)),
             ]),
             origin: None,
+            epoch: 1,
         };
         let spawned = EntityChange {
             spawned: true,

@@ -6,7 +6,7 @@
 //! records `chunk → subscribing nodes`, so each public update goes once per node, not once per
 //! account. Pure: no I/O, no clock.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use cellmesh_geo_router::geometry::{ChunkPos, ChunkRect, WorldShape};
 use cellmesh_geo_router::partition::{NodeId, Partition};
@@ -24,30 +24,32 @@ impl SubscriptionChanges {
     }
 }
 
-/// The foreign chunks this node subscribes to, each with its owner.
+/// The (chunk, node) pairs this node subscribes to. A chunk may be served by more than its
+/// partition owner: a neighbour's entity may stand up to the reach past that neighbour's border
+/// before it is handed over, and only its owner writes it.
 #[derive(Debug, Clone, Default)]
 pub struct Subscriptions {
-    held: HashMap<ChunkPos, NodeId>,
+    held: HashSet<(ChunkPos, NodeId)>,
 }
 
 impl Subscriptions {
-    /// Brings the held set to `wanted` (foreign chunks with their owners); returns what to send.
+    /// Brings the held set to `wanted`; returns what to send.
     pub fn update(
         &mut self,
         wanted: impl IntoIterator<Item = (ChunkPos, NodeId)>,
     ) -> SubscriptionChanges {
-        let wanted: HashMap<ChunkPos, NodeId> = wanted.into_iter().collect();
+        let wanted: HashSet<(ChunkPos, NodeId)> = wanted.into_iter().collect();
         let mut out = SubscriptionChanges::default();
-        self.held.retain(|chunk, owner| {
-            let keep = wanted.get(chunk) == Some(owner);
+        self.held.retain(|pair| {
+            let keep = wanted.contains(pair);
             if !keep {
-                out.unsubscribe.entry(*owner).or_default().push(*chunk);
+                out.unsubscribe.entry(pair.1).or_default().push(pair.0);
             }
             keep
         });
-        for (chunk, owner) in wanted {
-            if self.held.insert(chunk, owner).is_none() {
-                out.subscribe.entry(owner).or_default().push(chunk);
+        for pair in wanted {
+            if self.held.insert(pair) {
+                out.subscribe.entry(pair.1).or_default().push(pair.0);
             }
         }
         for list in out
@@ -60,9 +62,9 @@ impl Subscriptions {
         out
     }
 
-    /// The owner this node subscribed to for `chunk`, if it did.
-    pub fn owner(&self, chunk: ChunkPos) -> Option<NodeId> {
-        self.held.get(&chunk).copied()
+    /// Whether this node subscribed to `chunk` at `node`.
+    pub fn has(&self, chunk: ChunkPos, node: NodeId) -> bool {
+        self.held.contains(&(chunk, node))
     }
 
     /// Every chunk held from `owner`, sorted: sent again when the link to it comes back.
@@ -70,7 +72,7 @@ impl Subscriptions {
         let mut v: Vec<ChunkPos> = self
             .held
             .iter()
-            .filter(|(_, o)| **o == owner)
+            .filter(|(_, o)| *o == owner)
             .map(|(c, _)| *c)
             .collect();
         v.sort_unstable();
@@ -84,6 +86,22 @@ impl Subscriptions {
     pub fn is_empty(&self) -> bool {
         self.held.is_empty()
     }
+}
+
+/// The nodes whose area lies within `reach` chunks of `chunk` (its partition owner included):
+/// the only nodes that may own an entity standing there.
+pub fn owners_near(partition: &Partition, chunk: ChunkPos, reach: i64) -> BTreeSet<NodeId> {
+    let mut out = BTreeSet::new();
+    for dy in -reach..=reach {
+        for dx in -reach..=reach {
+            let c = partition.shape().normalise_chunk(ChunkPos {
+                x: chunk.x + dx,
+                y: chunk.y + dy,
+            });
+            out.insert(partition.owner_of_chunk(c));
+        }
+    }
+    out
 }
 
 /// The owner's side: which nodes subscribe to each of its chunks.
@@ -153,24 +171,49 @@ pub fn merge_rects(mut area: Vec<ChunkRect>) -> Vec<ChunkRect> {
     out
 }
 
-/// The foreign chunks within `radius` chunks of `node`'s area, with their owners: the band a node
-/// keeps subscribed so its game can perceive across its borders.
-pub fn band(partition: &Partition, node: NodeId, radius: i64) -> HashMap<ChunkPos, NodeId> {
+/// What a node keeps subscribed whatever its clients see, so its game perceives across its
+/// borders and it holds a ghost of every entity that may be handed to it: the foreign chunks
+/// within `radius` outside its area and the chunks within `reach` inside it, each at every other
+/// node that may own an entity there.
+pub fn band(
+    partition: &Partition,
+    node: NodeId,
+    radius: i64,
+    reach: i64,
+) -> HashSet<(ChunkPos, NodeId)> {
     let world = *partition.shape();
-    let mut out = HashMap::new();
-    if radius <= 0 {
-        return out;
-    }
+    let mut out = HashSet::new();
+    let mut seen = HashSet::new();
     for rect in partition.area_of(node) {
-        for c in ring(&rect, radius) {
+        let inner = inner_ring(&rect, reach);
+        for c in ring(&rect, radius.max(0)).chain(inner) {
             let c = world.normalise_chunk(c);
-            let owner = partition.owner_of_chunk(c);
-            if owner != node {
-                out.insert(c, owner);
+            if !seen.insert(c) {
+                continue;
+            }
+            for n in owners_near(partition, c, reach) {
+                if n != node {
+                    out.insert((c, n));
+                }
             }
         }
     }
     out
+}
+
+/// The chunks of `rect` within `depth` of its edge.
+fn inner_ring(rect: &ChunkRect, depth: i64) -> impl Iterator<Item = ChunkPos> + '_ {
+    (rect.y0..rect.y1).flat_map(move |y| {
+        (rect.x0..rect.x1)
+            .filter(move |&x| {
+                depth > 0
+                    && (x - rect.x0 < depth
+                        || rect.x1 - 1 - x < depth
+                        || y - rect.y0 < depth
+                        || rect.y1 - 1 - y < depth)
+            })
+            .map(move |x| ChunkPos { x, y })
+    })
 }
 
 /// The chunks around `rect` up to `radius` out (not normalised; may repeat in a small world).
@@ -238,7 +281,8 @@ mod tests {
         assert_eq!(ch.unsubscribe[&2], [c(1, 1)]);
         assert_eq!(ch.unsubscribe[&3], [c(9, 9)]);
         assert_eq!(s.of_owner(2), [c(2, 1), c(3, 1)]);
-        assert_eq!((s.len(), s.owner(c(9, 9))), (2, None));
+        assert_eq!((s.len(), s.has(c(9, 9), 3)), (2, false));
+        assert!(s.has(c(3, 1), 2));
         // A chunk that changed hands moves from one owner to the other.
         let ch = s.update([(c(2, 1), 4), (c(3, 1), 2)]);
         assert_eq!(
@@ -261,17 +305,30 @@ mod tests {
     }
 
     #[test]
-    fn the_band_wraps_and_skips_the_own_area() {
+    fn the_band_wraps_and_reaches_inside_the_own_area() {
         // 2 x 1: node 1 owns x in [0, 8), node 2 [8, 16); both borders of node 1 face node 2.
         let p = grid(2, 1, &[1, 2]);
-        let b = band(&p, 1, 1);
-        // Columns 8 (east) and 15 (west, across the seam), every row.
+        let b = band(&p, 1, 1, 0);
+        // Columns 8 (east) and 15 (west, across the seam), every row, all at node 2.
         assert_eq!(b.len(), 2 * 16);
-        assert!(b.contains_key(&c(8, 3)) && b.contains_key(&c(15, 3)));
-        assert!(b.values().all(|&o| o == 2));
-        assert_eq!(band(&p, 1, 2).len(), 4 * 16);
+        assert!(b.contains(&(c(8, 3), 2)) && b.contains(&(c(15, 3), 2)));
+        assert_eq!(band(&p, 1, 2, 0).len(), 4 * 16);
+        // A reach of 1 adds the own edge columns (0 and 7), where node 2's entities may stand.
+        let b = band(&p, 1, 1, 1);
+        assert_eq!(b.len(), 4 * 16);
+        assert!(b.contains(&(c(0, 3), 2)) && b.contains(&(c(7, 3), 2)));
+        assert!(b.iter().all(|(_, n)| *n == 2));
         // One node owning everything has no band.
-        assert!(band(&grid(1, 1, &[1]), 1, 2).is_empty());
+        assert!(band(&grid(1, 1, &[1]), 1, 2, 3).is_empty());
+    }
+
+    #[test]
+    fn owners_near_a_chunk_include_neighbours_within_reach() {
+        let p = grid(2, 2, &[1, 2, 3, 4]);
+        // Chunk (1, 1) sits near the seam corner: every quadrant is within 2 chunks.
+        assert_eq!(owners_near(&p, c(1, 1), 2).len(), 4);
+        assert_eq!(owners_near(&p, c(4, 4), 2), BTreeSet::from([1]));
+        assert_eq!(owners_near(&p, c(6, 4), 2), BTreeSet::from([1, 2]));
     }
 
     #[test]

@@ -21,6 +21,9 @@ struct Args {
     tick_hz: u32,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Metres per second a player walks
+    #[arg(long, default_value_t = cellmesh_arena::schema::PLAYER_SPEED)]
+    player_speed: f64,
 }
 
 #[tokio::main]
@@ -47,6 +50,8 @@ async fn main() -> anyhow::Result<()> {
         spread: a.spread,
         tick_hz: a.tick_hz,
         seed: a.seed,
+        player_speed: a.player_speed,
+        census: None,
     };
     let stats = run(cfg, shutdown_signal()).await?;
     tracing::info!(?stats, "arena stopped");

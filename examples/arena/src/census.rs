@@ -1,0 +1,166 @@
+//! An independent count of every entity the arenas of one run hold, to check the mesh against:
+//! a handoff must neither lose an entity nor leave two arenas simulating it.
+//!
+//! The arenas record what they did (spawn, despawn, adopt, evict); nothing here asks the
+//! sidecars. A handoff in flight shows for a moment as held twice (the target adopted, the source
+//! has not yet been told to evict), so read the report once the world is quiet.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+/// Shared by every arena of a run (`Arc<Census>` in each `ArenaConfig`). Holders are labelled by
+/// the arena's node id from `Welcome`.
+#[derive(Debug, Default)]
+pub struct Census {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    spawned: BTreeSet<u64>,
+    despawned: BTreeSet<u64>,
+    holders: BTreeMap<u64, Vec<u32>>,
+}
+
+/// What the census saw, at one moment.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CensusReport {
+    /// Spawned and not despawned: each of these must be held by exactly one arena.
+    pub alive: BTreeSet<u64>,
+    /// Every id held now, with the arenas holding it.
+    pub holders: BTreeMap<u64, Vec<u32>>,
+}
+
+impl CensusReport {
+    /// Ids held by more than one arena: two writers.
+    pub fn duplicated(&self) -> Vec<u64> {
+        self.holders
+            .iter()
+            .filter(|(_, h)| h.len() > 1)
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
+    /// Ids alive but held by no arena.
+    pub fn lost(&self) -> Vec<u64> {
+        self.alive
+            .iter()
+            .filter(|id| self.holders.get(id).is_none_or(|h| h.is_empty()))
+            .copied()
+            .collect()
+    }
+}
+
+impl Census {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic elsewhere while holding the lock leaves consistent sets: keep counting.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// `holder` created `id`.
+    pub fn spawned(&self, id: u64, holder: u32) {
+        let mut c = self.lock();
+        c.spawned.insert(id);
+        hold(&mut c.holders, id, holder);
+    }
+
+    /// `holder` despawned `id`: it is gone from the world.
+    pub fn despawned(&self, id: u64, holder: u32) {
+        let mut c = self.lock();
+        c.despawned.insert(id);
+        release(&mut c.holders, id, holder);
+    }
+
+    /// `holder` took `id` over from another arena.
+    pub fn adopted(&self, id: u64, holder: u32) {
+        hold(&mut self.lock().holders, id, holder);
+    }
+
+    /// `holder` let `id` go to another arena.
+    pub fn evicted(&self, id: u64, holder: u32) {
+        release(&mut self.lock().holders, id, holder);
+    }
+
+    /// `holder` stopped: it holds nothing any more (its entities live on only if another arena
+    /// adopts them).
+    pub fn release_holder(&self, holder: u32) {
+        self.lock().holders.retain(|_, h| {
+            h.retain(|&x| x != holder);
+            !h.is_empty()
+        });
+    }
+
+    /// Whether a game despawned `id` (a client seeing it vanish saw something real).
+    pub fn is_despawned(&self, id: u64) -> bool {
+        self.lock().despawned.contains(&id)
+    }
+
+    pub fn report(&self) -> CensusReport {
+        let c = self.lock();
+        CensusReport {
+            alive: c.spawned.difference(&c.despawned).copied().collect(),
+            holders: c.holders.clone(),
+        }
+    }
+}
+
+fn hold(holders: &mut BTreeMap<u64, Vec<u32>>, id: u64, holder: u32) {
+    let h = holders.entry(id).or_default();
+    if !h.contains(&holder) {
+        h.push(holder);
+    }
+}
+
+fn release(holders: &mut BTreeMap<u64, Vec<u32>>, id: u64, holder: u32) {
+    if let Some(h) = holders.get_mut(&id) {
+        h.retain(|&x| x != holder);
+        if h.is_empty() {
+            holders.remove(&id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_clean_handoff_leaves_one_holder() {
+        let c = Census::default();
+        c.spawned(1, 10);
+        c.spawned(2, 10);
+        c.adopted(1, 20);
+        assert_eq!(c.report().duplicated(), vec![1], "both hold it mid-handoff");
+        c.evicted(1, 10);
+        let r = c.report();
+        assert_eq!(r.holders.get(&1), Some(&vec![20]));
+        assert!(r.duplicated().is_empty());
+        assert!(r.lost().is_empty());
+        assert_eq!(r.alive, BTreeSet::from([1, 2]));
+    }
+
+    #[test]
+    fn an_evict_without_adopt_is_a_loss_and_a_despawn_is_not() {
+        let c = Census::default();
+        c.spawned(1, 10);
+        c.spawned(2, 10);
+        c.evicted(1, 10);
+        c.despawned(2, 10);
+        let r = c.report();
+        assert_eq!(r.lost(), vec![1]);
+        assert_eq!(r.alive, BTreeSet::from([1]));
+        assert!(r.holders.is_empty());
+    }
+
+    #[test]
+    fn a_replayed_adopt_counts_once_and_a_stopped_arena_holds_nothing() {
+        let c = Census::default();
+        c.spawned(1, 10);
+        c.evicted(1, 10);
+        c.adopted(1, 20);
+        c.adopted(1, 20);
+        assert_eq!(c.report().holders.get(&1), Some(&vec![20]));
+        c.release_holder(20);
+        assert_eq!(c.report().lost(), vec![1]);
+    }
+}

@@ -1,0 +1,1180 @@
+//! The arena's simulation: pure logic driven by the sidecar's messages and the tick, writing its
+//! messages to an [`Outbox`]. No I/O here; `run` owns the socket.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use cellmesh_proto::local::{
+    game_message::Body, sidecar_message, Adopt, Adopted, Audience, AudienceKind, Component,
+    Despawn, Event, ReserveIds, Snapshot, Spawn, Update, Vec3, Welcome,
+};
+use cellmesh_proto::sdk::GameSender;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::schema::{self, SampleSnapshot, SnapshotKind, SNAPSHOT_VERSION};
+use crate::{ArenaConfig, ArenaStats, Census};
+
+/// Where the arena writes: the SDK's batch in a run, a plain list in tests.
+pub(crate) trait Outbox {
+    fn push(&mut self, body: Body);
+}
+
+impl Outbox for GameSender {
+    fn push(&mut self, body: Body) {
+        GameSender::push(self, body)
+    }
+}
+
+impl Outbox for Vec<Body> {
+    fn push(&mut self, body: Body) {
+        Vec::push(self, body)
+    }
+}
+
+fn public() -> Option<Audience> {
+    Some(Audience {
+        kind: AudienceKind::PublicInRange as i32,
+        accounts: vec![],
+    })
+}
+
+fn owner_only() -> Option<Audience> {
+    Some(Audience {
+        kind: AudienceKind::OwnerOnly as i32,
+        accounts: vec![],
+    })
+}
+
+fn owner_and_party(party: &[String]) -> Option<Audience> {
+    Some(Audience {
+        kind: AudienceKind::OwnerAndParty as i32,
+        accounts: party.to_vec(),
+    })
+}
+
+fn component(r#type: u32, payload: Bytes, audience: Option<Audience>) -> Component {
+    Component {
+        r#type,
+        payload,
+        audience,
+    }
+}
+
+/// The world is a torus `w` × `h` metres; a side of zero (no world in `Welcome`) does not wrap.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Torus {
+    pub w: f64,
+    pub h: f64,
+}
+
+/// The shortest signed difference `d` modulo `size`.
+fn wrap(d: f64, size: f64) -> f64 {
+    if size > 0.0 {
+        d - (d / size).round() * size
+    } else {
+        d
+    }
+}
+
+fn normalise(c: f64, size: f64) -> f64 {
+    if size > 0.0 {
+        // `rem_euclid` can round up to `size` itself for a tiny negative `c`.
+        let r = c.rem_euclid(size);
+        if r >= size {
+            0.0
+        } else {
+            r
+        }
+    } else {
+        c
+    }
+}
+
+impl Torus {
+    fn from_welcome(welcome: &Welcome) -> Self {
+        welcome
+            .world
+            .map(|w| Self {
+                w: w.width,
+                h: w.height,
+            })
+            .unwrap_or_default()
+    }
+
+    /// From `from` to `to` the short way round.
+    pub fn delta(&self, from: (f64, f64), to: (f64, f64)) -> (f64, f64) {
+        (wrap(to.0 - from.0, self.w), wrap(to.1 - from.1, self.h))
+    }
+
+    pub fn normalise(&self, p: (f64, f64)) -> (f64, f64) {
+        (normalise(p.0, self.w), normalise(p.1, self.h))
+    }
+}
+
+struct Player {
+    account: String,
+    session_epoch: u64,
+    last_seq: u64,
+    applied: u64,
+    inventory: String,
+    ack_dirty: bool,
+    /// A `PlayerLeave` (its session epoch) that came while the avatar was frozen: done on `Thaw`,
+    /// moot on `Evict`.
+    leave_pending: Option<u64>,
+}
+
+enum Role {
+    Npc { name: String, turn_in: u32 },
+    Player(Player),
+}
+
+struct Entity {
+    pos: (f64, f64),
+    /// Carried along untouched.
+    z: f64,
+    dir: (f64, f64),
+    health: (u32, u32),
+    /// Handed to the sidecar for a handoff: neither moved nor written until `Thaw` or `Evict`.
+    frozen: bool,
+    role: Role,
+}
+
+impl Entity {
+    fn snapshot(&self) -> SampleSnapshot {
+        let (kind, name, inventory, session_epoch, last_seq, applied, turn_in) = match &self.role {
+            Role::Npc { name, turn_in } => (
+                SnapshotKind::Npc,
+                name.clone(),
+                String::new(),
+                0,
+                0,
+                0,
+                *turn_in,
+            ),
+            Role::Player(p) => (
+                SnapshotKind::Player,
+                p.account.clone(),
+                p.inventory.clone(),
+                p.session_epoch,
+                p.last_seq,
+                p.applied,
+                0,
+            ),
+        };
+        SampleSnapshot {
+            v: SNAPSHOT_VERSION,
+            kind,
+            name,
+            pos: [self.pos.0, self.pos.1, self.z],
+            dir: [self.dir.0, self.dir.1],
+            health: [self.health.0, self.health.1],
+            inventory,
+            session_epoch,
+            last_seq,
+            applied,
+            turn_in,
+        }
+    }
+
+    fn position(&self) -> Vec3 {
+        Vec3 {
+            x: self.pos.0,
+            y: self.pos.1,
+            z: self.z,
+        }
+    }
+}
+
+/// One entity of an `Adopt`, checked and decoded before anything is created.
+struct Adoption {
+    id: u64,
+    pos: (f64, f64),
+    z: f64,
+    owner_account: String,
+    state: SampleSnapshot,
+}
+
+/// A `PlayerJoin` that arrived while no id was free: account, session epoch, last position.
+type PendingJoin = (String, u64, Option<(f64, f64)>);
+
+pub(crate) struct Arena {
+    cfg: ArenaConfig,
+    /// This arena's label in the census: its node id.
+    node: u32,
+    torus: Torus,
+    rng: StdRng,
+    ids: Vec<u64>,
+    next_request: u64,
+    ids_requested: bool,
+    /// NPCs this arena created; adopted and evicted ones do not change it, so a handoff never
+    /// makes an arena spawn a replacement.
+    npcs_spawned: u32,
+    entities: BTreeMap<u64, Entity>,
+    /// Account -> its avatar's id.
+    players: HashMap<String, u64>,
+    waiting: Vec<PendingJoin>,
+    pub stats: ArenaStats,
+}
+
+impl Arena {
+    pub fn new(cfg: ArenaConfig, welcome: &Welcome) -> Self {
+        let rng = StdRng::seed_from_u64(cfg.seed);
+        Self {
+            cfg,
+            node: welcome.node_id,
+            torus: Torus::from_welcome(welcome),
+            rng,
+            ids: Vec::new(),
+            next_request: 1,
+            ids_requested: false,
+            npcs_spawned: 0,
+            entities: BTreeMap::new(),
+            players: HashMap::new(),
+            waiting: Vec::new(),
+            stats: ArenaStats::default(),
+        }
+    }
+
+    pub fn entity_count(&self) -> usize {
+        self.entities.len()
+    }
+
+    fn census(&self) -> Option<&Arc<Census>> {
+        self.cfg.census.as_ref()
+    }
+
+    fn random_point(&mut self) -> (f64, f64) {
+        let h = self.cfg.spread / 2.0;
+        let (dx, dy) = if h > 0.0 {
+            (self.rng.random_range(-h..h), self.rng.random_range(-h..h))
+        } else {
+            (0.0, 0.0)
+        };
+        self.torus
+            .normalise((self.cfg.center.0 + dx, self.cfg.center.1 + dy))
+    }
+
+    fn random_dir(rng: &mut StdRng) -> (f64, f64) {
+        let a: f64 = rng.random_range(0.0..std::f64::consts::TAU);
+        (a.cos(), a.sin())
+    }
+
+    pub fn request_ids(&mut self, out: &mut impl Outbox) {
+        if !self.ids_requested && self.ids.len() < 64 {
+            out.push(Body::ReserveIds(ReserveIds {
+                request_id: self.next_request,
+                count: 512,
+            }));
+            self.next_request += 1;
+            self.ids_requested = true;
+        }
+    }
+
+    fn spawn_npcs(&mut self, out: &mut impl Outbox) {
+        while self.npcs_spawned < self.cfg.npcs {
+            let Some(id) = self.ids.pop() else { break };
+            let pos = self.random_point();
+            let dir = Self::random_dir(&mut self.rng);
+            let name = format!("wanderer-{}", self.npcs_spawned);
+            let health = (50, 50);
+            out.push(Body::Spawn(Spawn {
+                entity_id: id,
+                position: Some(Vec3::xy(pos.0, pos.1)),
+                components: vec![
+                    component(schema::KIND, Bytes::from(format!("npc:{name}")), public()),
+                    component(schema::HEALTH, schema::health(health.0, health.1), public()),
+                ],
+                ..Default::default()
+            }));
+            self.npcs_spawned += 1;
+            let turn_in = self.rng.random_range(20..100);
+            self.entities.insert(
+                id,
+                Entity {
+                    pos,
+                    z: 0.0,
+                    dir,
+                    health,
+                    frozen: false,
+                    role: Role::Npc { name, turn_in },
+                },
+            );
+            if let Some(c) = self.census() {
+                c.spawned(id, self.node);
+            }
+        }
+    }
+
+    fn spawn_player(
+        &mut self,
+        out: &mut impl Outbox,
+        account: String,
+        epoch: u64,
+        at: Option<(f64, f64)>,
+    ) {
+        let Some(id) = self.ids.pop() else {
+            self.waiting.push((account, epoch, at));
+            return;
+        };
+        let pos = match at {
+            Some(p) if p.0.is_finite() && p.1.is_finite() => self.torus.normalise(p),
+            _ => self.random_point(),
+        };
+        let health = (100, 100);
+        let inventory = "sword,bread,10 gold".to_string();
+        out.push(Body::Spawn(Spawn {
+            entity_id: id,
+            position: Some(Vec3::xy(pos.0, pos.1)),
+            components: vec![
+                component(
+                    schema::KIND,
+                    Bytes::from(format!("player:{account}")),
+                    public(),
+                ),
+                component(
+                    schema::HEALTH,
+                    schema::health(health.0, health.1),
+                    owner_and_party(&[]),
+                ),
+                component(
+                    schema::INVENTORY,
+                    Bytes::from(inventory.clone()),
+                    owner_only(),
+                ),
+                component(schema::INPUT_ACK, schema::input_ack(0, 0), owner_only()),
+            ],
+            owner_account: account.clone(),
+            is_master: true,
+            parent_id: 0,
+        }));
+        self.stats.players_joined += 1;
+        self.players.insert(account.clone(), id);
+        self.entities.insert(
+            id,
+            Entity {
+                pos,
+                z: 0.0,
+                dir: (0.0, 0.0),
+                health,
+                frozen: false,
+                role: Role::Player(Player {
+                    account,
+                    session_epoch: epoch,
+                    last_seq: 0,
+                    applied: 0,
+                    inventory,
+                    ack_dirty: false,
+                    leave_pending: None,
+                }),
+            },
+        );
+        if let Some(c) = self.census() {
+            c.spawned(id, self.node);
+        }
+    }
+
+    fn player_mut(&mut self, account: &str) -> Option<(&mut Entity, u64)> {
+        let id = *self.players.get(account)?;
+        self.entities.get_mut(&id).map(|e| (e, id))
+    }
+
+    fn despawn_player(&mut self, out: &mut impl Outbox, id: u64) {
+        if let Some(Entity {
+            role: Role::Player(p),
+            ..
+        }) = self.entities.remove(&id)
+        {
+            if self.players.get(&p.account) == Some(&id) {
+                self.players.remove(&p.account);
+            }
+        }
+        out.push(Body::Despawn(Despawn { entity_id: id }));
+        if let Some(c) = self.census() {
+            c.despawned(id, self.node);
+        }
+    }
+
+    pub fn on_message(&mut self, out: &mut impl Outbox, msg: sidecar_message::Body) {
+        use sidecar_message::Body as M;
+        match msg {
+            M::IdsReserved(r) => {
+                self.ids.extend(r.ids);
+                self.ids_requested = false;
+                for (account, epoch, at) in std::mem::take(&mut self.waiting) {
+                    self.spawn_player(out, account, epoch, at);
+                }
+                self.spawn_npcs(out);
+            }
+            M::PlayerJoin(j) => {
+                if let Some((e, _)) = self.player_mut(&j.account) {
+                    // A new login of a player already in the world keeps its avatar.
+                    if let Role::Player(p) = &mut e.role {
+                        p.session_epoch = p.session_epoch.max(j.session_epoch);
+                        if p.leave_pending.is_some_and(|l| l < j.session_epoch) {
+                            p.leave_pending = None;
+                        }
+                    }
+                } else {
+                    let at = j.last_position.map(|v| (v.x, v.y));
+                    self.spawn_player(out, j.account, j.session_epoch, at);
+                }
+            }
+            M::PlayerLeave(l) => {
+                let Some((e, id)) = self.player_mut(&l.account) else {
+                    return;
+                };
+                let Role::Player(p) = &mut e.role else { return };
+                if p.session_epoch > l.session_epoch {
+                    return;
+                }
+                if e.frozen {
+                    // No Despawn of a frozen entity: the leave waits for the handoff's outcome.
+                    p.leave_pending = Some(l.session_epoch);
+                } else {
+                    self.despawn_player(out, id);
+                }
+            }
+            M::Input(i) => {
+                let Some((e, _)) = self.player_mut(&i.account) else {
+                    return;
+                };
+                let Role::Player(p) = &mut e.role else { return };
+                if i.session_epoch < p.session_epoch {
+                    return;
+                }
+                if e.frozen {
+                    self.stats.inputs_while_frozen += 1;
+                    return;
+                }
+                if i.seq <= p.last_seq {
+                    self.stats.inputs_duplicate += 1;
+                    return;
+                }
+                if let Some((dx, dy)) = schema::parse_input(&i.payload) {
+                    let len = (dx as f64).hypot(dy as f64);
+                    e.dir = if len > 1e-6 {
+                        (dx as f64 / len, dy as f64 / len)
+                    } else {
+                        (0.0, 0.0)
+                    };
+                }
+                p.last_seq = i.seq;
+                p.applied += 1;
+                p.ack_dirty = true;
+                self.stats.inputs_applied += 1;
+            }
+            M::Freeze(f) => {
+                let Some(e) = self.entities.get_mut(&f.entity_id) else {
+                    tracing::warn!(
+                        entity = f.entity_id,
+                        "freeze of an entity this arena does not hold"
+                    );
+                    return;
+                };
+                if !e.frozen {
+                    e.frozen = true;
+                    self.stats.frozen += 1;
+                }
+                // A repeated Freeze is answered again: the sidecar may have lost the first answer.
+                out.push(Body::Snapshot(Snapshot {
+                    entity_id: f.entity_id,
+                    entity_epoch: f.entity_epoch,
+                    state: e.snapshot().encode(),
+                }));
+                self.stats.snapshots += 1;
+            }
+            M::Thaw(t) => {
+                let Some(e) = self.entities.get_mut(&t.entity_id) else {
+                    tracing::warn!(
+                        entity = t.entity_id,
+                        "thaw of an entity this arena does not hold"
+                    );
+                    return;
+                };
+                if !e.frozen {
+                    return;
+                }
+                e.frozen = false;
+                self.stats.thawed += 1;
+                tracing::debug!(entity = t.entity_id, reason = %t.reason, "handoff refused, resuming");
+                if let Role::Player(Player {
+                    leave_pending: Some(_),
+                    ..
+                }) = e.role
+                {
+                    self.despawn_player(out, t.entity_id);
+                }
+            }
+            M::Evict(v) => {
+                // Silently: the entity lives on another node and its clients must not see it go.
+                let Some(e) = self.entities.remove(&v.entity_id) else {
+                    tracing::warn!(
+                        entity = v.entity_id,
+                        "evict of an entity this arena does not hold"
+                    );
+                    return;
+                };
+                if !e.frozen {
+                    tracing::warn!(
+                        entity = v.entity_id,
+                        "evict of an entity that was not frozen"
+                    );
+                }
+                if let Role::Player(p) = &e.role {
+                    if self.players.get(&p.account) == Some(&v.entity_id) {
+                        self.players.remove(&p.account);
+                    }
+                }
+                self.stats.evicted += 1;
+                if let Some(c) = self.census() {
+                    c.evicted(v.entity_id, self.node);
+                }
+            }
+            M::Adopt(a) => self.adopt(out, a),
+            M::PartitionChanged(p) => {
+                tracing::info!(
+                    epoch = p.partition_epoch,
+                    rects = p.owned_area.len(),
+                    "owned area changed"
+                );
+            }
+            M::Error(e) => {
+                self.stats.errors_from_sidecar += 1;
+                tracing::warn!(code = e.code, detail = %e.detail, entity = e.entity_id, "sidecar reported an error");
+            }
+            other => tracing::debug!(?other, "arena ignores this message"),
+        }
+    }
+
+    /// Takes over an entity and its attachments, all or nothing: a state this game cannot read
+    /// creates nothing and is not answered, so the entity stays frozen where it was.
+    fn adopt(&mut self, out: &mut impl Outbox, root: Adopt) {
+        let (id, epoch) = (root.entity_id, root.entity_epoch);
+        let mut todo = Vec::new();
+        if let Err(e) = self.check_adoption(root, &mut todo) {
+            tracing::error!(entity = id, error = %e, "cannot adopt");
+            return;
+        }
+        for a in todo {
+            self.take(a);
+        }
+        out.push(Body::Adopted(Adopted {
+            entity_id: id,
+            entity_epoch: epoch,
+        }));
+    }
+
+    fn check_adoption(&self, a: Adopt, todo: &mut Vec<Adoption>) -> Result<(), String> {
+        if a.entity_id == 0 {
+            return Err("entity id 0".into());
+        }
+        let state = SampleSnapshot::decode(&a.state).map_err(|e| e.to_string())?;
+        let (pos, z) = match a.position {
+            Some(v) if v.x.is_finite() && v.y.is_finite() => ((v.x, v.y), v.z),
+            _ => ((state.pos[0], state.pos[1]), state.pos[2]),
+        };
+        let z = if z.is_finite() { z } else { 0.0 };
+        todo.push(Adoption {
+            id: a.entity_id,
+            pos: self.torus.normalise(pos),
+            z,
+            owner_account: a.owner_account,
+            state,
+        });
+        for child in a.attachments {
+            self.check_adoption(child, todo)?;
+        }
+        Ok(())
+    }
+
+    fn take(&mut self, a: Adoption) {
+        if let Some(e) = self.entities.get_mut(&a.id) {
+            if e.frozen {
+                // Ours, frozen for a handoff that failed, and handed back to this node (it took
+                // over the target's area): resume it where the sidecar says.
+                e.frozen = false;
+                e.pos = a.pos;
+                e.z = a.z;
+                self.stats.adopted += 1;
+                if let Some(c) = self.census() {
+                    c.adopted(a.id, self.node);
+                }
+            }
+            // Otherwise a replayed Adopt: the copy held is the one.
+            return;
+        }
+        let s = a.state;
+        let role = match s.kind {
+            SnapshotKind::Npc => Role::Npc {
+                name: s.name,
+                turn_in: s.turn_in,
+            },
+            SnapshotKind::Player => {
+                let account = if a.owner_account.is_empty() {
+                    s.name
+                } else {
+                    a.owner_account
+                };
+                if let Some(old) = self.players.insert(account.clone(), a.id) {
+                    tracing::warn!(%account, old, new = a.id, "adopted a second avatar of an account; inputs go to the adopted one");
+                }
+                Role::Player(Player {
+                    account,
+                    session_epoch: s.session_epoch,
+                    last_seq: s.last_seq,
+                    applied: s.applied,
+                    inventory: s.inventory,
+                    // The last acknowledgement may not have been written before the freeze.
+                    ack_dirty: true,
+                    leave_pending: None,
+                })
+            }
+        };
+        self.entities.insert(
+            a.id,
+            Entity {
+                pos: a.pos,
+                z: a.z,
+                dir: (s.dir[0], s.dir[1]),
+                health: (s.health[0], s.health[1]),
+                frozen: false,
+                role,
+            },
+        );
+        self.stats.adopted += 1;
+        if let Some(c) = self.census() {
+            c.adopted(a.id, self.node);
+        }
+    }
+
+    pub fn tick(&mut self, out: &mut impl Outbox, dt: f64) {
+        let Self {
+            cfg,
+            torus,
+            rng,
+            entities,
+            ..
+        } = self;
+        let half = cfg.spread / 2.0;
+        for (&id, e) in entities.iter_mut() {
+            if e.frozen {
+                continue;
+            }
+            match &mut e.role {
+                Role::Npc { turn_in, .. } => {
+                    *turn_in = turn_in.saturating_sub(1);
+                    if *turn_in == 0 {
+                        e.dir = Self::random_dir(rng);
+                        *turn_in = 40;
+                    }
+                    // Wander inside the arena square: turn back at its edge, the short way round.
+                    let (dx, dy) = torus.delta(cfg.center, e.pos);
+                    if dx.abs() > half {
+                        e.dir.0 = -dx.signum() * e.dir.0.abs();
+                    }
+                    if dy.abs() > half {
+                        e.dir.1 = -dy.signum() * e.dir.1.abs();
+                    }
+                    let step = schema::NPC_SPEED * dt;
+                    e.pos = torus.normalise((e.pos.0 + e.dir.0 * step, e.pos.1 + e.dir.1 * step));
+                    out.push(Body::Update(Update {
+                        entity_id: id,
+                        position: Some(e.position()),
+                        ..Default::default()
+                    }));
+                    if rng.random_ratio(1, 400) {
+                        out.push(Body::Event(Event {
+                            entity_id: id,
+                            r#type: schema::EVENT_EMOTE,
+                            payload: Bytes::from_static(b"waves"),
+                            audience: public(),
+                        }));
+                    }
+                }
+                Role::Player(p) => {
+                    let moving = e.dir != (0.0, 0.0);
+                    if moving {
+                        let step = cfg.player_speed * dt;
+                        e.pos =
+                            torus.normalise((e.pos.0 + e.dir.0 * step, e.pos.1 + e.dir.1 * step));
+                    }
+                    let mut changed = Vec::new();
+                    if p.ack_dirty {
+                        changed.push(component(
+                            schema::INPUT_ACK,
+                            schema::input_ack(p.last_seq, p.applied),
+                            owner_only(),
+                        ));
+                        p.ack_dirty = false;
+                    }
+                    if moving || !changed.is_empty() {
+                        out.push(Body::Update(Update {
+                            entity_id: id,
+                            position: moving.then(|| e.position()),
+                            changed,
+                            removed_types: vec![],
+                        }));
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cellmesh_proto::local::{
+        Evict, Freeze, IdsReserved, Input, PlayerJoin, PlayerLeave, Thaw, WorldShape,
+    };
+    use sidecar_message::Body as M;
+
+    const NODE: u32 = 3;
+    const SIZE: f64 = 1000.0;
+
+    fn welcome() -> Welcome {
+        Welcome {
+            node_id: NODE,
+            world: Some(WorldShape {
+                width: SIZE,
+                height: SIZE,
+                chunk_size: 32.0,
+                region_size: 500.0,
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn arena(npcs: u32, census: &Arc<Census>) -> Arena {
+        let cfg = ArenaConfig {
+            npcs,
+            center: (0.0, 0.0),
+            spread: 40.0,
+            census: Some(census.clone()),
+            ..ArenaConfig::default()
+        };
+        let mut a = Arena::new(cfg, &welcome());
+        let mut out = Vec::new();
+        a.request_ids(&mut out);
+        a.on_message(
+            &mut out,
+            M::IdsReserved(IdsReserved {
+                request_id: 1,
+                ids: (1000..1100).collect(),
+            }),
+        );
+        a
+    }
+
+    fn spawned(out: &[Body]) -> Vec<u64> {
+        out.iter()
+            .filter_map(|b| match b {
+                Body::Spawn(s) => Some(s.entity_id),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Whether `out` writes `id` in any way.
+    fn writes(out: &[Body], id: u64) -> bool {
+        out.iter().any(|b| match b {
+            Body::Update(u) => u.entity_id == id,
+            Body::Event(e) => e.entity_id == id,
+            Body::Despawn(d) => d.entity_id == id,
+            Body::Spawn(s) => s.entity_id == id,
+            _ => false,
+        })
+    }
+
+    fn snapshot_of(out: &[Body], id: u64) -> SampleSnapshot {
+        let state = out
+            .iter()
+            .find_map(|b| match b {
+                Body::Snapshot(s) if s.entity_id == id => Some(s.state.clone()),
+                _ => None,
+            })
+            .expect("a snapshot");
+        SampleSnapshot::decode(&state).expect("decodable")
+    }
+
+    fn ack_of(out: &[Body], id: u64) -> Option<(u64, u64)> {
+        out.iter().rev().find_map(|b| match b {
+            Body::Update(u) if u.entity_id == id => u
+                .changed
+                .iter()
+                .find(|c| c.r#type == schema::INPUT_ACK)
+                .and_then(|c| schema::parse_input_ack(&c.payload)),
+            _ => None,
+        })
+    }
+
+    fn join(a: &mut Arena, account: &str, epoch: u64) -> u64 {
+        let mut out = Vec::new();
+        a.on_message(
+            &mut out,
+            M::PlayerJoin(PlayerJoin {
+                account: account.into(),
+                session_epoch: epoch,
+                last_position: None,
+            }),
+        );
+        spawned(&out)[0]
+    }
+
+    fn input(account: &str, epoch: u64, seq: u64, dx: f32, dy: f32) -> sidecar_message::Body {
+        M::Input(Input {
+            account: account.into(),
+            session_epoch: epoch,
+            seq,
+            payload: schema::input(dx, dy),
+        })
+    }
+
+    fn freeze(a: &mut Arena, id: u64, epoch: u64) -> Vec<Body> {
+        let mut out = Vec::new();
+        a.on_message(
+            &mut out,
+            M::Freeze(Freeze {
+                entity_id: id,
+                entity_epoch: epoch,
+            }),
+        );
+        out
+    }
+
+    fn adopt_msg(id: u64, epoch: u64, s: &SampleSnapshot, owner: &str) -> Adopt {
+        Adopt {
+            entity_id: id,
+            entity_epoch: epoch,
+            position: Some(Vec3 {
+                x: s.pos[0],
+                y: s.pos[1],
+                z: s.pos[2],
+            }),
+            state: s.encode(),
+            owner_account: owner.into(),
+            is_master: s.kind == SnapshotKind::Player,
+            attachments: vec![],
+        }
+    }
+
+    fn player_snapshot(account: &str, last_seq: u64, applied: u64) -> SampleSnapshot {
+        SampleSnapshot {
+            v: SNAPSHOT_VERSION,
+            kind: SnapshotKind::Player,
+            name: account.into(),
+            pos: [999.0, 500.0, 0.0],
+            dir: [0.0, 0.0],
+            health: [80, 100],
+            inventory: "sword".into(),
+            session_epoch: 2,
+            last_seq,
+            applied,
+            turn_in: 0,
+        }
+    }
+
+    #[test]
+    fn torus_takes_the_short_way_round() {
+        let t = Torus { w: SIZE, h: SIZE };
+        assert_eq!(t.delta((990.0, 10.0), (10.0, 990.0)), (20.0, -20.0));
+        assert_eq!(t.normalise((-1.0, 1001.0)), (999.0, 1.0));
+        assert_eq!(t.normalise((-1e-18, 0.0)).0, 0.0);
+        let flat = Torus::default();
+        assert_eq!(flat.delta((990.0, 0.0), (10.0, 0.0)), (-980.0, 0.0));
+    }
+
+    #[test]
+    fn npcs_around_the_origin_wander_across_the_seam_and_stay_in_their_square() {
+        let census = Arc::new(Census::default());
+        let mut a = arena(20, &census);
+        for _ in 0..2000 {
+            let mut out = Vec::new();
+            a.tick(&mut out, 0.05);
+            for b in &out {
+                if let Body::Update(u) = b {
+                    let p = u.position.unwrap();
+                    assert!((0.0..SIZE).contains(&p.x) && (0.0..SIZE).contains(&p.y));
+                }
+            }
+        }
+        let t = Torus { w: SIZE, h: SIZE };
+        let mut sides = (false, false);
+        for e in a.entities.values() {
+            let (dx, dy) = t.delta((0.0, 0.0), e.pos);
+            // Half the square plus the steps taken before turning back.
+            assert!(dx.abs() <= 21.0 && dy.abs() <= 21.0, "{dx},{dy} strayed");
+            sides.0 |= dx < 0.0;
+            sides.1 |= dx > 0.0;
+        }
+        assert!(sides.0 && sides.1, "NPCs on both sides of the seam");
+    }
+
+    #[test]
+    fn a_frozen_npc_is_not_written_until_thawed() {
+        let census = Arc::new(Census::default());
+        let mut a = arena(3, &census);
+        let id = *a.entities.keys().next().unwrap();
+        let out = freeze(&mut a, id, 7);
+        let Some(Body::Snapshot(s)) = out.first() else {
+            panic!("the snapshot is written at once: {out:?}")
+        };
+        assert_eq!((s.entity_id, s.entity_epoch), (id, 7));
+        let snap = snapshot_of(&out, id);
+        assert_eq!(snap.kind, SnapshotKind::Npc);
+        assert_eq!(
+            snap.pos[..2],
+            [a.entities[&id].pos.0, a.entities[&id].pos.1]
+        );
+        let before = a.entities[&id].pos;
+        for _ in 0..500 {
+            let mut out = Vec::new();
+            a.tick(&mut out, 0.05);
+            assert!(!writes(&out, id));
+        }
+        assert_eq!(a.entities[&id].pos, before, "not moved");
+        // Frozen again (a lost answer): answered again, counted once.
+        assert_eq!(snapshot_of(&freeze(&mut a, id, 7), id), snap);
+        assert_eq!((a.stats.frozen, a.stats.snapshots), (1, 2));
+
+        let mut out = Vec::new();
+        a.on_message(
+            &mut out,
+            M::Thaw(Thaw {
+                entity_id: id,
+                reason: "target does not own the position".into(),
+            }),
+        );
+        assert!(out.is_empty());
+        a.tick(&mut out, 0.05);
+        assert!(writes(&out, id), "moves again");
+        assert_eq!(a.stats.thawed, 1);
+    }
+
+    #[test]
+    fn a_freeze_of_an_unknown_id_is_not_answered() {
+        let census = Arc::new(Census::default());
+        let mut a = arena(1, &census);
+        assert!(freeze(&mut a, 42, 1).is_empty());
+        assert_eq!(a.stats.frozen, 0);
+    }
+
+    #[test]
+    fn an_evicted_npc_is_forgotten_without_a_despawn_or_a_replacement() {
+        let census = Arc::new(Census::default());
+        let mut a = arena(3, &census);
+        let id = *a.entities.keys().next().unwrap();
+        freeze(&mut a, id, 1);
+        let mut out = Vec::new();
+        a.on_message(&mut out, M::Evict(Evict { entity_id: id }));
+        a.on_message(
+            &mut out,
+            M::IdsReserved(IdsReserved {
+                request_id: 2,
+                ids: (2000..2010).collect(),
+            }),
+        );
+        a.tick(&mut out, 0.05);
+        assert!(!writes(&out, id));
+        assert!(spawned(&out).is_empty(), "no NPC spawned to replace it");
+        assert_eq!((a.entity_count(), a.stats.evicted), (2, 1));
+        let r = census.report();
+        assert_eq!(r.lost(), vec![id], "held by nobody until another adopts it");
+        census.adopted(id, NODE + 1);
+        assert!(census.report().lost().is_empty());
+    }
+
+    #[test]
+    fn a_player_frozen_evicted_and_adopted_elsewhere_continues_its_inputs() {
+        let census = Arc::new(Census::default());
+        let mut src = arena(0, &census);
+        let id = join(&mut src, "ann", 2);
+        let mut out = Vec::new();
+        for seq in 1..=3 {
+            src.on_message(&mut out, input("ann", 2, seq, 1.0, 0.0));
+        }
+        src.tick(&mut out, 0.05);
+        assert_eq!(ack_of(&out, id), Some((3, 3)));
+
+        let out = freeze(&mut src, id, 4);
+        let snap = snapshot_of(&out, id);
+        assert_eq!(
+            (snap.kind, snap.name.as_str(), snap.last_seq, snap.applied),
+            (SnapshotKind::Player, "ann", 3, 3)
+        );
+        assert_eq!(snap.dir, [1.0, 0.0]);
+        assert_eq!(snap.inventory, "sword,bread,10 gold");
+        let mut out = Vec::new();
+        src.on_message(&mut out, input("ann", 2, 4, 0.0, 1.0));
+        src.tick(&mut out, 0.05);
+        assert!(!writes(&out, id));
+        assert_eq!(src.stats.inputs_while_frozen, 1);
+        src.on_message(&mut out, M::Evict(Evict { entity_id: id }));
+        // The account is simulated elsewhere now: its leave and inputs are not this arena's.
+        src.on_message(
+            &mut out,
+            M::PlayerLeave(PlayerLeave {
+                account: "ann".into(),
+                session_epoch: 2,
+                reason: String::new(),
+            }),
+        );
+        src.on_message(&mut out, input("ann", 2, 5, 0.0, 1.0));
+        src.tick(&mut out, 0.05);
+        assert!(!writes(&out, id), "{out:?}");
+        assert_eq!(src.stats.inputs_applied, 3);
+
+        let mut dst = Arena::new(
+            ArenaConfig {
+                census: Some(census.clone()),
+                ..ArenaConfig::default()
+            },
+            &Welcome {
+                node_id: NODE + 1,
+                ..welcome()
+            },
+        );
+        let mut out = Vec::new();
+        dst.on_message(&mut out, M::Adopt(adopt_msg(id, 5, &snap, "ann")));
+        assert!(
+            matches!(out.as_slice(), [Body::Adopted(Adopted { entity_id, entity_epoch: 5 })] if *entity_id == id),
+            "{out:?}"
+        );
+        assert!(spawned(&out).is_empty(), "the sidecar already has it");
+        dst.tick(&mut out, 0.05);
+        assert_eq!(
+            ack_of(&out, id),
+            Some((3, 3)),
+            "the acknowledgement is rewritten"
+        );
+        // Seq 4 reached only the frozen source: the client resends it here.
+        let mut out = Vec::new();
+        dst.on_message(&mut out, input("ann", 2, 3, 1.0, 1.0));
+        dst.on_message(&mut out, input("ann", 2, 4, 0.0, 1.0));
+        dst.on_message(&mut out, input("ann", 2, 4, 0.0, 1.0));
+        dst.tick(&mut out, 0.05);
+        assert_eq!(ack_of(&out, id), Some((4, 4)));
+        assert_eq!(
+            (dst.stats.inputs_applied, dst.stats.inputs_duplicate),
+            (1, 2)
+        );
+        assert_eq!(dst.entities[&id].dir, (0.0, 1.0));
+        let r = census.report();
+        assert_eq!(r.holders.get(&id), Some(&vec![NODE + 1]));
+        assert!(r.lost().is_empty() && r.duplicated().is_empty());
+    }
+
+    #[test]
+    fn a_replayed_adopt_is_answered_without_a_second_copy() {
+        let census = Arc::new(Census::default());
+        let mut a = arena(0, &census);
+        let s = player_snapshot("bob", 10, 8);
+        let mut out = Vec::new();
+        a.on_message(&mut out, M::Adopt(adopt_msg(77, 3, &s, "bob")));
+        let mut out2 = Vec::new();
+        a.on_message(&mut out2, input("bob", 2, 11, 1.0, 0.0));
+        a.on_message(&mut out2, M::Adopt(adopt_msg(77, 3, &s, "bob")));
+        assert!(matches!(
+            out2.as_slice(),
+            [Body::Adopted(Adopted {
+                entity_id: 77,
+                entity_epoch: 3
+            })]
+        ));
+        assert_eq!((a.entity_count(), a.stats.adopted), (1, 1));
+        let mut out = Vec::new();
+        a.tick(&mut out, 0.05);
+        assert_eq!(ack_of(&out, 77), Some((11, 9)), "the replay reset nothing");
+    }
+
+    #[test]
+    fn adopt_takes_the_attachments_and_answers_for_the_root() {
+        let census = Arc::new(Census::default());
+        let mut a = arena(0, &census);
+        let npc = SampleSnapshot {
+            kind: SnapshotKind::Npc,
+            name: "horse".into(),
+            inventory: String::new(),
+            session_epoch: 0,
+            last_seq: 0,
+            applied: 0,
+            turn_in: 30,
+            ..player_snapshot("x", 0, 0)
+        };
+        let mut root = adopt_msg(1, 2, &player_snapshot("cy", 1, 1), "cy");
+        root.attachments.push(adopt_msg(2, 2, &npc, ""));
+        // The sidecar's position wins and is normalised.
+        root.position = Some(Vec3::xy(1000.5, -0.5));
+        let mut out = Vec::new();
+        a.on_message(&mut out, M::Adopt(root));
+        assert_eq!(out.len(), 1);
+        assert_eq!(a.entities[&1].pos, (0.5, 999.5));
+        assert!(matches!(a.entities[&2].role, Role::Npc { turn_in: 30, .. }));
+        a.tick(&mut out, 0.05);
+        assert!(writes(&out, 1) && writes(&out, 2));
+        assert_eq!(census.report().holders.len(), 2);
+    }
+
+    #[test]
+    fn an_unreadable_adopt_creates_nothing_and_is_not_answered() {
+        let census = Arc::new(Census::default());
+        let mut a = arena(0, &census);
+        let mut root = adopt_msg(1, 2, &player_snapshot("cy", 1, 1), "cy");
+        let mut bad = root.clone();
+        bad.entity_id = 2;
+        bad.state = Bytes::from_static(b"{\"v\":1}");
+        root.attachments.push(bad);
+        let mut out = Vec::new();
+        a.on_message(&mut out, M::Adopt(root));
+        assert!(out.is_empty());
+        assert_eq!(a.entity_count(), 0);
+        assert!(census.report().holders.is_empty());
+    }
+
+    #[test]
+    fn a_leave_while_frozen_waits_for_the_thaw() {
+        let census = Arc::new(Census::default());
+        let mut a = arena(0, &census);
+        let id = join(&mut a, "dee", 1);
+        freeze(&mut a, id, 1);
+        let mut out = Vec::new();
+        a.on_message(
+            &mut out,
+            M::PlayerLeave(PlayerLeave {
+                account: "dee".into(),
+                session_epoch: 1,
+                reason: "bye".into(),
+            }),
+        );
+        assert!(out.is_empty(), "no despawn of a frozen entity");
+        a.on_message(
+            &mut out,
+            M::Thaw(Thaw {
+                entity_id: id,
+                reason: "refused".into(),
+            }),
+        );
+        assert!(
+            matches!(out.as_slice(), [Body::Despawn(Despawn { entity_id })] if *entity_id == id)
+        );
+        assert_eq!(a.entity_count(), 0);
+        assert!(census.report().alive.is_empty());
+    }
+
+    #[test]
+    fn a_frozen_entity_adopted_back_resumes_as_one() {
+        let census = Arc::new(Census::default());
+        let mut a = arena(1, &census);
+        let id = *a.entities.keys().next().unwrap();
+        let snap = snapshot_of(&freeze(&mut a, id, 1), id);
+        let mut out = Vec::new();
+        a.on_message(&mut out, M::Adopt(adopt_msg(id, 2, &snap, "")));
+        assert_eq!(out.len(), 1);
+        a.tick(&mut out, 0.05);
+        assert!(writes(&out, id));
+        assert_eq!(a.entity_count(), 1);
+        assert_eq!(census.report().holders.get(&id), Some(&vec![NODE]));
+    }
+}

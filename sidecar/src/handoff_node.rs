@@ -1,0 +1,979 @@
+//! The node's side of handoff: drives the pure state machines of [`crate::handoff`] with the
+//! game, the peers and the clock, and keeps everything else of the node (ghosts, replicas,
+//! sessions, routes) in step when the real of an entity moves.
+//!
+//! Source: trigger → `Freeze` → the game's `Snapshot`s → `HandoffOffer` (plus the inputs held
+//! meanwhile) → `HandoffAck` → `Evict`, the entity stays as a render ghost and its holders hear
+//! `EntityMoved`. Target: the offer's checks → `Adopt` → the game's `Adopted` → the ghost
+//! becomes the node's own entity → `HandoffAck`. An offer with no answer stays frozen.
+
+use std::collections::BTreeSet;
+
+use cellmesh_geo_router::geometry::Pos;
+use cellmesh_geo_router::partition::{NodeId, Partition};
+use cellmesh_geo_router::store::SessionEntry;
+use cellmesh_proto::local::{self, sidecar_message, ErrorCode};
+use cellmesh_proto::mesh::{self, mesh_message};
+
+use crate::audience::Audience;
+use crate::entities::{Component, Entity, NewEntity, Position};
+use crate::handoff::{
+    self, Admit, Completed, InputRoute, Offer, OfferChecks, OfferDecision, Thawed,
+};
+use crate::node::{unix_ms, Fenced, Node};
+use crate::subs;
+
+fn vec3(p: Position) -> mesh::MeshVec3 {
+    mesh::MeshVec3 {
+        x: p.x,
+        y: p.y,
+        z: p.z,
+    }
+}
+
+fn local_vec3(v: &mesh::MeshVec3) -> local::Vec3 {
+    local::Vec3 {
+        x: v.x,
+        y: v.y,
+        z: v.z,
+    }
+}
+
+/// Every component of `e` with its audience, for the new owner.
+fn owned_components(e: &Entity) -> Vec<mesh::OwnedComponent> {
+    e.components
+        .iter()
+        .map(|(t, c)| {
+            let (kind, accounts) = c.audience.to_wire();
+            mesh::OwnedComponent {
+                r#type: *t,
+                payload: c.payload.clone(),
+                audience: kind as u32,
+                accounts,
+            }
+        })
+        .collect()
+}
+
+fn components_of(wire: &[mesh::OwnedComponent]) -> Vec<(u32, Component)> {
+    wire.iter()
+        .filter_map(|c| {
+            let audience = Audience::from_wire(c.audience as i32, &c.accounts).ok()?;
+            Some((
+                c.r#type,
+                Component {
+                    audience,
+                    payload: c.payload.clone(),
+                },
+            ))
+        })
+        .collect()
+}
+
+/// One member of an offer as the target installs it.
+struct Member {
+    id: u64,
+    position: Position,
+    owner_account: String,
+    is_master: bool,
+    parent_id: u64,
+    components: Vec<(u32, Component)>,
+}
+
+fn members_of(o: &mesh::HandoffOffer) -> Vec<Member> {
+    let pos = |v: &Option<mesh::MeshVec3>| {
+        v.as_ref()
+            .map(|v| Position::new(v.x, v.y, v.z))
+            .unwrap_or_default()
+    };
+    let mut out = vec![Member {
+        id: o.entity_id,
+        position: pos(&o.position),
+        owner_account: o.owner_account.clone(),
+        is_master: o.is_master,
+        parent_id: 0,
+        components: components_of(&o.components),
+    }];
+    out.extend(o.attachments.iter().map(|a| Member {
+        id: a.entity_id,
+        position: pos(&a.position),
+        owner_account: a.owner_account.clone(),
+        is_master: a.is_master,
+        parent_id: a.parent_id,
+        components: components_of(&a.components),
+    }));
+    out
+}
+
+impl Node {
+    // ------------------------------------------------------------------ source
+
+    /// After the tick's moves: offers every owned entity standing far enough in another node's
+    /// area (and those a new partition gave away, or that wait for a retry).
+    pub(crate) fn check_handoffs(&mut self, changes: &crate::entities::TickChanges) {
+        if self.game.is_none() || !self.lease_live || self.mesh_ctx.is_none() {
+            return;
+        }
+        let me = self.cfg.node_id;
+        let now = unix_ms();
+        let mut ids = std::mem::take(&mut self.handoff_recheck);
+        ids.extend(
+            changes
+                .iter()
+                .filter(|(_, c)| c.moved || c.spawned)
+                .map(|(id, _)| *id),
+        );
+        for id in ids {
+            let Some(e) = self.table.get_local(id) else {
+                self.mass_handoff.remove(&id);
+                continue;
+            };
+            // Attachments move with their root.
+            if e.parent_id != 0 && self.table.get_local(e.parent_id).is_some() {
+                continue;
+            }
+            if self.handoff_out.is_frozen(id) {
+                continue;
+            }
+            let margin = if self.mass_handoff.contains(&id) {
+                0
+            } else {
+                i64::from(self.cfg.handoff_margin_chunks)
+            };
+            let Some(to) = handoff::trigger(&self.partition, me, &self.area, e.chunk, margin)
+            else {
+                self.mass_handoff.remove(&id);
+                continue;
+            };
+            let ready = self.peers.get(&to).is_some_and(|p| p.link.is_some())
+                && self.peer_partition.get(&to).copied().unwrap_or(0) >= self.partition.epoch();
+            if !ready || self.handoff_retry.get(&id).is_some_and(|t| *t > now) {
+                // Not yet: the target is unreachable, behind on the partition, or refused lately.
+                self.handoff_recheck.insert(id);
+                continue;
+            }
+            let epoch = e.epoch;
+            let attachments = self.attachments_of(id);
+            match self.handoff_out.begin(id, epoch, &attachments, to, now) {
+                Ok(freeze) => {
+                    self.metrics.handoff(me, to, "started");
+                    for m in freeze.members {
+                        let epoch = self.table.get(m).map_or(epoch, |e| e.epoch);
+                        self.to_game.push(
+                            sidecar_message::Body::Freeze(local::Freeze {
+                                entity_id: m,
+                                entity_epoch: epoch,
+                            })
+                            .into(),
+                        );
+                    }
+                }
+                Err(e) => tracing::debug!(entity = id, error = %e, "handoff not begun"),
+            }
+        }
+    }
+
+    /// The local entities attached (directly or not) to `root`.
+    fn attachments_of(&self, root: u64) -> Vec<u64> {
+        let mut out = Vec::new();
+        let mut parents = vec![root];
+        while let Some(p) = parents.pop() {
+            for e in self.table.iter() {
+                if e.origin.is_none() && e.parent_id == p && e.id != root && !out.contains(&e.id) {
+                    out.push(e.id);
+                    parents.push(e.id);
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether the game may write `id` now; if not, it is told why (and nothing changes).
+    pub(crate) fn may_write(&mut self, id: u64) -> bool {
+        if !self.lease_live {
+            self.game_error(
+                ErrorCode::NotOwner,
+                format!("entity {id}: this node lost its lease; everything it owned is frozen"),
+                id,
+            );
+            return false;
+        }
+        if !self.handoff_out.writable(id) {
+            self.game_error(
+                ErrorCode::NotOwner,
+                format!(
+                    "entity {id} is frozen for a handoff: the game must not write it until Thaw or Evict"
+                ),
+                id,
+            );
+            return false;
+        }
+        true
+    }
+
+    pub(crate) fn on_snapshot(&mut self, s: local::Snapshot) {
+        if !self.lease_live {
+            // Frozen by a lost lease: nothing is offered; the snapshot is not needed.
+            return;
+        }
+        if !self.handoff_out.is_frozen(s.entity_id) {
+            return self.game_error(
+                ErrorCode::UnexpectedMessage,
+                format!(
+                    "Snapshot of entity {}, which is not frozen for a handoff",
+                    s.entity_id
+                ),
+                s.entity_id,
+            );
+        }
+        let epoch = self.table.get_local(s.entity_id).map(|e| e.epoch);
+        if epoch != Some(s.entity_epoch) {
+            return self.game_error(
+                ErrorCode::InvalidValue,
+                format!(
+                    "Snapshot of entity {} under epoch {}, the Freeze named epoch {:?}",
+                    s.entity_id, s.entity_epoch, epoch
+                ),
+                s.entity_id,
+            );
+        }
+        match self.handoff_out.snapshot(s.entity_id, s.state) {
+            Ok(Some(offer)) => self.send_offer(offer, false),
+            Ok(None) => {}
+            Err(e) => self.game_error(ErrorCode::UnexpectedMessage, e.to_string(), s.entity_id),
+        }
+    }
+
+    /// Where `account`'s session is: (gateway node, session epoch).
+    fn session_of(&self, account: &str) -> Option<(NodeId, u64)> {
+        if let Some(key) = self.clients.key_of(account) {
+            if let Some(epoch) = self.sessions.get(key).and_then(|s| s.epoch) {
+                return Some((self.cfg.node_id, epoch));
+            }
+        }
+        self.remote_players
+            .get(account)
+            .map(|r| (r.gateway_node, r.session_epoch))
+    }
+
+    fn send_offer(&mut self, offer: Offer<local::Input>, successor: bool) {
+        let root = offer.root;
+        let Some(e) = self.table.get_local(root) else {
+            tracing::warn!(
+                entity = root,
+                "the frozen entity left the table; offer not sent"
+            );
+            return;
+        };
+        let session = (e.is_master && !e.owner_account.is_empty())
+            .then(|| self.session_of(&e.owner_account))
+            .flatten();
+        let mut parts = offer.parts.iter();
+        let state = parts.next().map(|p| p.1.clone()).unwrap_or_default();
+        let attachments = parts
+            .filter_map(|(id, state)| {
+                let a = self.table.get_local(*id)?;
+                Some(mesh::HandoffPart {
+                    entity_id: a.id,
+                    position: Some(vec3(a.position)),
+                    state: state.clone(),
+                    owner_account: a.owner_account.clone(),
+                    is_master: a.is_master,
+                    parent_id: a.parent_id,
+                    components: owned_components(a),
+                })
+            })
+            .collect();
+        let msg = mesh::HandoffOffer {
+            entity_id: root,
+            entity_epoch: offer.epoch,
+            partition_epoch: self.partition.epoch(),
+            position: Some(vec3(e.position)),
+            state,
+            owner_account: e.owner_account.clone(),
+            is_master: e.is_master,
+            attachments,
+            components: owned_components(e),
+            gateway_node: session.map_or(0, |s| s.0),
+            session_epoch: session.map_or(0, |s| s.1),
+            successor,
+            unseen: subs::distance_to_area(&self.cfg.world, &self.area, e.chunk)
+                > self.cfg.reach_chunks(),
+        };
+        if !self.send_peer(offer.to, mesh_message::Body::HandoffOffer(msg)) {
+            // It never left: the unit may thaw (a link lost after sending leaves it in doubt).
+            if let Ok(thawed) = self.handoff_out.unsent(root, unix_ms()) {
+                self.metrics.handoff(self.cfg.node_id, offer.to, "unsent");
+                self.thaw(root, thawed, "the target was unreachable");
+            }
+            return;
+        }
+        for i in offer.inputs {
+            self.forward_input(offer.to, offer.epoch, i);
+        }
+        self.metrics
+            .handoffs_in_doubt
+            .set(self.handoff_out.in_doubt().count() as i64);
+    }
+
+    fn thaw(&mut self, root: u64, thawed: Thawed<local::Input>, reason: &str) {
+        let now = unix_ms();
+        self.metrics.freeze_done(thawed.freeze_ms);
+        for m in &thawed.members {
+            self.to_game.push(
+                sidecar_message::Body::Thaw(local::Thaw {
+                    entity_id: *m,
+                    reason: reason.to_string(),
+                })
+                .into(),
+            );
+        }
+        for i in thawed.inputs {
+            self.input_to_game(i);
+        }
+        self.handoff_retry
+            .insert(root, now + self.cfg.handoff_retry_ms);
+        self.handoff_recheck.insert(root);
+        self.metrics
+            .handoffs_in_doubt
+            .set(self.handoff_out.in_doubt().count() as i64);
+    }
+
+    pub(crate) fn on_handoff_ack(&mut self, from: NodeId, a: mesh::HandoffAck) {
+        match self
+            .handoff_out
+            .acked(a.entity_id, a.entity_epoch, from, unix_ms())
+        {
+            Ok(done) => self.complete_handoff(done),
+            // A repeated ack of a handoff already complete, or of an offer not made.
+            Err(e) => {
+                self.metrics.drop_msg("handoff_ack_unexpected", 1);
+                tracing::debug!(peer = from, error = %e, "handoff ack ignored");
+            }
+        }
+    }
+
+    pub(crate) fn on_handoff_refused(&mut self, from: NodeId, r: mesh::HandoffRefused) {
+        match self
+            .handoff_out
+            .refused(r.entity_id, r.entity_epoch, from, unix_ms())
+        {
+            Ok(thawed) => {
+                self.metrics.handoff(self.cfg.node_id, from, "refused");
+                self.metrics.handoffs_refused.inc();
+                tracing::debug!(entity = r.entity_id, peer = from, reason = %r.reason, "handoff refused");
+                self.thaw(r.entity_id, thawed, &r.reason);
+            }
+            Err(e) => {
+                self.metrics.drop_msg("handoff_refusal_unexpected", 1);
+                tracing::debug!(peer = from, error = %e, "handoff refusal ignored");
+            }
+        }
+    }
+
+    /// The target owns the unit: the game evicts it, this node keeps it as a render ghost (no
+    /// vanish), its holders learn the new owner, and so does the player's gateway.
+    pub(crate) fn complete_handoff(&mut self, done: Completed) {
+        let me = self.cfg.node_id;
+        self.metrics.handoff(me, done.to, "completed");
+        self.metrics.handoffs_out.inc();
+        self.metrics.freeze_done(done.freeze_ms);
+        for &id in &done.members {
+            self.to_game
+                .push(sidecar_message::Body::Evict(local::Evict { entity_id: id }).into());
+            self.mass_handoff.remove(&id);
+            self.handoff_retry.remove(&id);
+            self.newly_held.remove(&id);
+            let holders = self.replicas.remove(&id).unwrap_or_default();
+            for node in holders.into_iter().filter(|n| *n != done.to) {
+                self.send_peer(
+                    node,
+                    mesh_message::Body::EntityMoved(mesh::EntityMoved {
+                        entity_id: id,
+                        entity_epoch: done.epoch,
+                        owner_node: done.to,
+                    }),
+                );
+            }
+            let Some(e) = self.table.get_local(id) else {
+                continue;
+            };
+            let (chunk, pos, master) = (
+                e.chunk,
+                e.position,
+                (e.is_master && !e.owner_account.is_empty()).then(|| e.owner_account.clone()),
+            );
+            if self.subs.has(chunk, done.to) {
+                self.table.to_ghost(id, done.to, done.epoch);
+            } else {
+                // Nobody here looks there: no client can see it go.
+                let _ = self.table.despawn(id);
+            }
+            for f in self.fence.advance(id, done.epoch, done.to) {
+                self.apply_fenced(f);
+            }
+            if let Some(account) = master {
+                self.remote_players.remove(&account);
+                self.anchor_sent.remove(&account);
+                if self.clients.key_of(&account).is_some() {
+                    // This node is the player's gateway: its input goes to the new owner now.
+                    self.master_owner.insert(account.clone(), done.to);
+                    self.master_epoch.insert(account.clone(), done.epoch);
+                    self.clients.set_remote_anchor(&account, Some(chunk));
+                    self.anchor_pos.insert(account, [pos.x, pos.y, pos.z]);
+                }
+            }
+        }
+        self.metrics
+            .handoffs_in_doubt
+            .set(self.handoff_out.in_doubt().count() as i64);
+    }
+
+    /// The link to `node` is up again: offers in doubt towards it are repeated (a target that
+    /// adopted answers with another ack), or re-made under a new epoch if a new process holds
+    /// its id (it never saw the old offer; it adopts from the snapshot).
+    pub(crate) fn resume_offers(&mut self, node: NodeId) {
+        let successor = self.redirect_to.remove(&node);
+        for root in self.handoff_out.towards(node) {
+            let offer = if successor {
+                self.handoff_out.redirect(root, node)
+            } else {
+                self.handoff_out.repeat(root)
+            };
+            if let Ok(offer) = offer {
+                self.send_offer(offer, successor);
+            }
+        }
+    }
+
+    pub(crate) fn on_peer_leases(&mut self, leases: Vec<(NodeId, u64)>) {
+        for (node, epoch) in leases {
+            let before = self.peer_lease.insert(node, epoch);
+            if before.is_some_and(|b| b != epoch) {
+                tracing::info!(
+                    peer = node,
+                    lease_epoch = epoch,
+                    "a new process holds the peer's node id"
+                );
+                if !self.handoff_out.towards(node).is_empty() {
+                    self.redirect_to.insert(node);
+                    if self.peers.get(&node).is_some_and(|p| p.link.is_some()) {
+                        self.resume_offers(node);
+                    }
+                }
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------ target
+
+    pub(crate) fn on_handoff_offer(&mut self, from: NodeId, o: mesh::HandoffOffer) {
+        let me = self.cfg.node_id;
+        let id = o.entity_id;
+        let at = o.position.as_ref().map(|p| Pos { x: p.x, y: p.y });
+        let owns = at.is_some_and(|p| self.partition.owner_of(p).ok() == Some(me));
+        let checks = OfferChecks {
+            owns_position: owns,
+            lease_live: self.lease_live,
+            partition_epoch_matches: o.partition_epoch == self.partition.epoch(),
+            has_ghost: o.successor
+                || o.unseen
+                || self.table.get(id).is_some_and(|e| e.origin == Some(from)),
+            draining: self.draining.is_some(),
+            game_connected: self.game.is_some(),
+        };
+        let known = self.fence.current(id).map(|(e, _)| e);
+        match self
+            .handoff_in
+            .offer(from, id, o.entity_epoch, known, checks)
+        {
+            OfferDecision::Adopt => {
+                let adopt = self.adopt_message(&o);
+                for m in std::iter::once(id).chain(o.attachments.iter().map(|a| a.entity_id)) {
+                    if self.sim.forget(m) {
+                        self.to_game.push(
+                            sidecar_message::Body::GhostLeave(local::GhostLeave { entity_id: m })
+                                .into(),
+                        );
+                    }
+                }
+                self.to_game
+                    .push(sidecar_message::Body::Adopt(adopt).into());
+                self.adopting.insert(id, o);
+            }
+            OfferDecision::Pending => {}
+            OfferDecision::Ack => {
+                self.send_peer(
+                    from,
+                    mesh_message::Body::HandoffAck(mesh::HandoffAck {
+                        entity_id: id,
+                        entity_epoch: o.entity_epoch,
+                    }),
+                );
+            }
+            OfferDecision::Refuse(r) => {
+                self.fence.burn(id, o.entity_epoch);
+                self.metrics.handoff(from, me, "refused");
+                self.send_peer(
+                    from,
+                    mesh_message::Body::HandoffRefused(mesh::HandoffRefused {
+                        entity_id: id,
+                        entity_epoch: o.entity_epoch,
+                        reason: r.as_str().to_string(),
+                    }),
+                );
+            }
+            OfferDecision::Stale => {
+                self.metrics.stale_epoch_drops.inc();
+                self.metrics.drop_msg("stale_offer", 1);
+            }
+        }
+    }
+
+    fn adopt_message(&self, o: &mesh::HandoffOffer) -> local::Adopt {
+        local::Adopt {
+            entity_id: o.entity_id,
+            entity_epoch: o.entity_epoch,
+            position: o.position.as_ref().map(local_vec3),
+            state: o.state.clone(),
+            owner_account: o.owner_account.clone(),
+            is_master: o.is_master,
+            attachments: o
+                .attachments
+                .iter()
+                .map(|a| local::Adopt {
+                    entity_id: a.entity_id,
+                    entity_epoch: o.entity_epoch,
+                    position: a.position.as_ref().map(local_vec3),
+                    state: a.state.clone(),
+                    owner_account: a.owner_account.clone(),
+                    is_master: a.is_master,
+                    attachments: vec![],
+                })
+                .collect(),
+        }
+    }
+
+    pub(crate) fn on_adopted(&mut self, a: local::Adopted) {
+        let offer = self
+            .adopting
+            .get(&a.entity_id)
+            .filter(|o| o.entity_epoch == a.entity_epoch)
+            .cloned();
+        let source = offer
+            .as_ref()
+            .and_then(|_| self.handoff_in.adopted(a.entity_id, a.entity_epoch));
+        let (Some(o), Some(source)) = (offer, source) else {
+            return self.game_error(
+                ErrorCode::UnexpectedMessage,
+                format!(
+                    "Adopted of entity {} under epoch {}: no such Adopt is pending",
+                    a.entity_id, a.entity_epoch
+                ),
+                a.entity_id,
+            );
+        };
+        self.adopting.remove(&a.entity_id);
+        let me = self.cfg.node_id;
+        let epoch = o.entity_epoch;
+        for m in members_of(&o) {
+            let id = m.id;
+            let full = NewEntity {
+                id,
+                position: m.position,
+                owner_account: m.owner_account,
+                is_master: m.is_master,
+                parent_id: m.parent_id,
+                components: m.components,
+                origin: None,
+                epoch,
+            };
+            if let Err(e) = self.table.to_local(full) {
+                tracing::error!(entity = id, error = %e, "installing an adopted entity failed");
+                continue;
+            }
+            self.handoff_out.forget(id);
+        }
+        // The player's inputs and routes follow its master.
+        if o.is_master && !o.owner_account.is_empty() {
+            let account = o.owner_account.clone();
+            self.master_epoch.insert(account.clone(), epoch);
+            if o.gateway_node == me {
+                self.master_owner.insert(account.clone(), me);
+                self.clients.set_remote_anchor(&account, None);
+                self.anchor_pos.remove(&account);
+            } else if o.gateway_node != 0 {
+                let entry = SessionEntry {
+                    gateway_node: o.gateway_node,
+                    session_epoch: o.session_epoch,
+                };
+                let newer = self
+                    .routes
+                    .get(&account)
+                    .is_some_and(|r| r.session_epoch > o.session_epoch);
+                if !newer {
+                    self.routes.insert(account.clone(), entry);
+                    self.remote_players.insert(account.clone(), entry);
+                    self.anchor_sent.remove(&account);
+                    if let Some(e) = self.table.get_local(o.entity_id) {
+                        let (id, pos, chunk) = (e.id, e.position, e.chunk);
+                        if self.send_peer(
+                            o.gateway_node,
+                            mesh_message::Body::Anchor(mesh::Anchor {
+                                account: account.clone(),
+                                session_epoch: o.session_epoch,
+                                entity_id: id,
+                                position: Some(vec3(pos)),
+                                entity_epoch: epoch,
+                            }),
+                        ) {
+                            self.anchor_sent.insert(account, chunk);
+                        }
+                    }
+                }
+            }
+        }
+        for m in std::iter::once(o.entity_id).chain(o.attachments.iter().map(|a| a.entity_id)) {
+            for f in self.fence.advance(m, epoch, me) {
+                self.apply_fenced(f);
+            }
+        }
+        self.metrics.handoff(source, me, "adopted");
+        self.send_peer(
+            source,
+            mesh_message::Body::HandoffAck(mesh::HandoffAck {
+                entity_id: o.entity_id,
+                entity_epoch: epoch,
+            }),
+        );
+    }
+
+    // ------------------------------------------------------------------ observers
+
+    /// A frame about a foreign entity, through the fence.
+    pub(crate) fn fence_entity_state(&mut self, node: NodeId, s: mesh::EntityState) {
+        let now = unix_ms();
+        if let Some(done) = self
+            .handoff_out
+            .observed(s.entity_id, s.entity_epoch, node, now)
+        {
+            // The target writes under the offered epoch: it adopted, the ack was lost.
+            self.complete_handoff(done);
+        }
+        let (id, epoch) = (s.entity_id, s.entity_epoch);
+        match self
+            .fence
+            .admit(id, epoch, Some(node), Fenced::State(node, s))
+        {
+            Admit::Accept(f) => self.apply_fenced(f),
+            Admit::Held => {}
+            Admit::Dropped => {
+                self.metrics.stale_epoch_drops.inc();
+            }
+        }
+        self.metrics.held_frames.set(self.fence.held() as i64);
+    }
+
+    pub(crate) fn apply_fenced(&mut self, f: Fenced) {
+        match f {
+            Fenced::State(node, s) => self.on_entity_state(node, s),
+            Fenced::Input(i) => self.input_for_master(i),
+        }
+    }
+
+    /// `EntityMoved` from the old owner: the ghost follows the new one; frames held for its
+    /// epoch are due.
+    pub(crate) fn on_entity_moved(&mut self, node: NodeId, m: mesh::EntityMoved) {
+        let me = self.cfg.node_id;
+        if m.owner_node == me {
+            return;
+        }
+        let ghost_of_sender = self
+            .table
+            .get(m.entity_id)
+            .map(|e| (e.origin == Some(node), e.chunk));
+        if matches!(ghost_of_sender, Some((false, _)))
+            && self
+                .table
+                .get(m.entity_id)
+                .is_some_and(|e| e.origin.is_none())
+        {
+            return;
+        }
+        let due = self
+            .fence
+            .advance(m.entity_id, m.entity_epoch, m.owner_node);
+        if let Some((true, chunk)) = ghost_of_sender {
+            if self.subs.has(chunk, m.owner_node) {
+                self.table
+                    .set_origin(m.entity_id, m.owner_node, m.entity_epoch);
+            } else {
+                let _ = self.table.despawn(m.entity_id);
+                self.fence.forget(m.entity_id);
+            }
+        }
+        for f in due {
+            self.apply_fenced(f);
+        }
+        self.metrics.held_frames.set(self.fence.held() as i64);
+    }
+
+    /// A ghost of a peer whose link closed: if frames of a newer owner are held for it, it
+    /// follows that owner instead of vanishing.
+    pub(crate) fn ghost_orphaned(&mut self, id: u64) -> bool {
+        let Some((epoch, owner)) = self.fence.held_newest(id) else {
+            return false;
+        };
+        let due = self.fence.advance(id, epoch, owner);
+        self.table.set_origin(id, owner, epoch);
+        for f in due {
+            self.apply_fenced(f);
+        }
+        true
+    }
+
+    // ------------------------------------------------------------------ inputs
+
+    /// An input for `i.account`'s master, from its gateway (this node or a peer) or from the
+    /// previous owner: to the game if this node writes the master, held while it is adopting
+    /// it, forwarded if it was handed away.
+    pub(crate) fn input_for_master(&mut self, i: mesh::ForwardInput) {
+        let master = self
+            .table
+            .master_of(&i.account)
+            .map(|e| (e.id, e.origin, e.epoch));
+        let input = local::Input {
+            account: i.account.clone(),
+            session_epoch: i.session_epoch,
+            seq: i.seq,
+            payload: i.payload.clone(),
+        };
+        match master {
+            Some((id, None, epoch)) => {
+                if i.entity_epoch != 0 && i.entity_epoch < epoch {
+                    self.metrics.stale_epoch_drops.inc();
+                    return self.metrics.drop_msg("stale_epoch_input", 1);
+                }
+                if i.entity_epoch > epoch {
+                    let _ = self.fence.admit(id, i.entity_epoch, None, Fenced::Input(i));
+                    return;
+                }
+                match self.handoff_out.route_input(id, input) {
+                    InputRoute::Local(input) => self.input_to_game(input),
+                    InputRoute::Held => {}
+                    InputRoute::Forward { to, epoch, input } => {
+                        self.forward_input(to, epoch, input)
+                    }
+                }
+            }
+            Some((id, Some(owner), epoch)) => {
+                if self.adopting.contains_key(&id) && i.entity_epoch > epoch {
+                    // Forwarded behind the offer: due once the game adopted.
+                    let _ = self.fence.admit(id, i.entity_epoch, None, Fenced::Input(i));
+                    return;
+                }
+                match self.handoff_out.route_input(id, input) {
+                    InputRoute::Forward { to, epoch, input } => {
+                        self.forward_input(to, epoch, input)
+                    }
+                    InputRoute::Local(input) => self.forward_input(owner, epoch, input),
+                    InputRoute::Held => {}
+                }
+            }
+            None => self.input_to_game(input),
+        }
+    }
+
+    pub(crate) fn forward_input(&mut self, to: NodeId, epoch: u64, i: local::Input) {
+        let forward = mesh_message::Body::ForwardInput(mesh::ForwardInput {
+            account: i.account,
+            session_epoch: i.session_epoch,
+            seq: i.seq,
+            payload: i.payload,
+            entity_epoch: epoch,
+        });
+        if self.send_peer(to, forward) {
+            self.metrics.inputs_forwarded.inc();
+        }
+    }
+
+    /// Delivers an input to the game if its session is current here.
+    pub(crate) fn input_to_game(&mut self, i: local::Input) {
+        let local = self
+            .clients
+            .key_of(&i.account)
+            .and_then(|k| self.sessions.get(k))
+            .and_then(|s| s.epoch)
+            == Some(i.session_epoch);
+        let remote = self
+            .remote_players
+            .get(&i.account)
+            .is_some_and(|r| r.session_epoch == i.session_epoch);
+        if !(local || remote) {
+            return self.metrics.drop_msg("stale_session", 1);
+        }
+        if self.game.is_none() {
+            return self.metrics.drop_msg("no_game", 1);
+        }
+        self.to_game.push(sidecar_message::Body::Input(i).into());
+        self.metrics.inputs_delivered.inc();
+    }
+
+    // ------------------------------------------------------------------ the node's own lot
+
+    /// Another process holds this node's id: everything is frozen rather than written twice.
+    pub(crate) fn on_lease_lost(&mut self) {
+        self.metrics.error("lease_lost");
+        self.admin.set_ready(false);
+        if !self.lease_live {
+            return;
+        }
+        self.lease_live = false;
+        let owned: Vec<(u64, u64)> = self
+            .table
+            .iter()
+            .filter(|e| e.origin.is_none())
+            .map(|e| (e.id, e.epoch))
+            .collect();
+        tracing::error!(
+            entities = owned.len(),
+            "the node lease was lost: freezing everything this node owns"
+        );
+        for (id, epoch) in owned {
+            self.to_game.push(
+                sidecar_message::Body::Freeze(local::Freeze {
+                    entity_id: id,
+                    entity_epoch: epoch,
+                })
+                .into(),
+            );
+        }
+    }
+
+    /// A newer partition: the game learns its area, peers learn this node applied it, and every
+    /// entity standing where the partition gave the area to another node is handed over.
+    pub(crate) fn apply_partition(&mut self, p: Partition) {
+        if p.epoch() <= self.partition.epoch() {
+            return;
+        }
+        let me = self.cfg.node_id;
+        tracing::info!(epoch = p.epoch(), "applying a new partition");
+        self.area = subs::merge_rects(p.area_of(me));
+        let keep = i64::from(self.cfg.interaction_band_chunks + self.cfg.ghost_keep_margin_chunks);
+        self.band = subs::band(&p, me, keep, self.cfg.reach_chunks());
+        self.partition = std::sync::Arc::new(p);
+        self.near_cache.clear();
+        self.subs_dirty = true;
+        let w = self.cfg.world;
+        let owned_area = self
+            .area
+            .iter()
+            .map(|r| {
+                let (x, y, width, height) = w.rect_metres(r);
+                local::Rect {
+                    x,
+                    y,
+                    width,
+                    height,
+                }
+            })
+            .collect();
+        if self.game.is_some() {
+            self.to_game.push(
+                sidecar_message::Body::PartitionChanged(local::PartitionChanged {
+                    partition_epoch: self.partition.epoch(),
+                    owned_area,
+                })
+                .into(),
+            );
+        }
+        let ack = mesh_message::Body::PartitionAck(mesh::PartitionAck {
+            partition_epoch: self.partition.epoch(),
+        });
+        let up: Vec<NodeId> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.link.is_some())
+            .map(|(n, _)| *n)
+            .collect();
+        for n in up {
+            self.send_peer(n, ack.clone());
+        }
+        let gone: BTreeSet<u64> = self
+            .table
+            .iter()
+            .filter(|e| e.origin.is_none() && self.partition.owner_of_chunk(e.chunk) != me)
+            .map(|e| e.id)
+            .collect();
+        self.mass_handoff.extend(gone.iter().copied());
+        self.handoff_recheck.extend(gone);
+    }
+
+    /// SIGTERM: not ready, no more handoffs accepted; the node exits once nothing of what the
+    /// partition gave to others is left here (or the drain timeout passes).
+    pub(crate) fn begin_drain(&mut self) {
+        if self.draining.is_some() {
+            return;
+        }
+        tracing::info!("draining: refusing handoffs, handing away what others own");
+        self.admin.set_ready(false);
+        self.draining = Some(
+            tokio::time::Instant::now()
+                + std::time::Duration::from_millis(self.cfg.drain_timeout_ms),
+        );
+    }
+
+    /// Whether a drain is over: nothing left to hand away (what this node still owns by the
+    /// partition stays and goes down with it), or out of time.
+    pub(crate) fn drained(&self) -> bool {
+        let Some(deadline) = self.draining else {
+            return false;
+        };
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(
+                left = self.table.len() - self.table.ghost_count(),
+                "drain timed out"
+            );
+            return true;
+        }
+        let me = self.cfg.node_id;
+        let leaving = self
+            .table
+            .iter()
+            .filter(|e| e.origin.is_none() && self.partition.owner_of_chunk(e.chunk) != me)
+            .count();
+        leaving == 0 && self.handoff_out.in_flight() == 0 && self.game.is_some()
+            || self.game.is_none()
+    }
+
+    /// The nodes that may own an entity in `chunk`, cached per partition.
+    pub(crate) fn owners_near(
+        &mut self,
+        chunk: cellmesh_geo_router::geometry::ChunkPos,
+    ) -> Vec<NodeId> {
+        if let Some(v) = self.near_cache.get(&chunk) {
+            return v.clone();
+        }
+        let v: Vec<NodeId> = subs::owners_near(&self.partition, chunk, self.cfg.reach_chunks())
+            .into_iter()
+            .collect();
+        self.near_cache.insert(chunk, v.clone());
+        v
+    }
+
+    /// Every real of this node, for a census.
+    pub(crate) fn reals(&self) -> Vec<crate::Real> {
+        let mut v: Vec<crate::Real> = self
+            .table
+            .iter()
+            .filter(|e| e.origin.is_none())
+            .map(|e| crate::Real {
+                id: e.id,
+                epoch: e.epoch,
+                frozen: self.handoff_out.is_frozen(e.id) || !self.lease_live,
+            })
+            .collect();
+        v.sort_unstable_by_key(|r| r.id);
+        v
+    }
+}
