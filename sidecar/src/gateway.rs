@@ -445,6 +445,7 @@ impl Node {
                 }),
             );
         } else if self.game.is_some() {
+            self.leave_follows_handoff(account, epoch, reason);
             let leave = local::PlayerLeave {
                 account: account.to_string(),
                 session_epoch: epoch,

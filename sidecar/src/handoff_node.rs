@@ -23,6 +23,10 @@ use crate::handoff::{
 use crate::node::{unix_ms, Fenced, Node};
 use crate::subs;
 
+/// How long a new owner keeps the previous owner's holders in step before their subscriptions
+/// arrive (a node applies a new partition up to half a second after another).
+const HOLDER_GRACE_MS: u64 = 2_000;
+
 fn vec3(p: Position) -> mesh::MeshVec3 {
     mesh::MeshVec3 {
         x: p.x,
@@ -316,8 +320,33 @@ impl Node {
             .set(self.handoff_out.in_doubt().count() as i64);
     }
 
+    /// `account` left: if its master is frozen in a handoff, the leave is kept for the new owner.
+    pub(crate) fn leave_follows_handoff(&mut self, account: &str, epoch: u64, reason: &str) {
+        let frozen = self
+            .table
+            .master_of(account)
+            .is_some_and(|e| e.origin.is_none() && self.handoff_out.is_frozen(e.id));
+        if frozen {
+            self.leaving.insert(
+                account.to_string(),
+                mesh::PeerPlayerLeave {
+                    account: account.to_string(),
+                    session_epoch: epoch,
+                    reason: reason.to_string(),
+                },
+            );
+        }
+    }
+
     fn thaw(&mut self, root: u64, thawed: Thawed<local::Input>, reason: &str) {
         let now = unix_ms();
+        // A thawed master's game applies the leave it holds itself.
+        for m in &thawed.members {
+            if let Some(e) = self.table.get_local(*m).filter(|e| e.is_master) {
+                let account = e.owner_account.clone();
+                self.leaving.remove(&account);
+            }
+        }
         self.metrics.freeze_done(thawed.freeze_ms);
         for m in &thawed.members {
             self.to_game.push(
@@ -385,13 +414,37 @@ impl Node {
             self.handoff_retry.remove(&id);
             self.newly_held.remove(&id);
             let holders = self.replicas.remove(&id).unwrap_or_default();
-            for node in holders.into_iter().filter(|n| *n != done.to) {
+            tracing::debug!(
+                me,
+                entity = id,
+                to = done.to,
+                epoch = done.epoch,
+                ?holders,
+                "handoff complete; telling the holders"
+            );
+            for &node in &holders {
                 self.send_peer(
                     node,
                     mesh_message::Body::EntityMoved(mesh::EntityMoved {
                         entity_id: id,
                         entity_epoch: done.epoch,
                         owner_node: done.to,
+                        holders: if node == done.to {
+                            holders.iter().copied().filter(|n| *n != done.to).collect()
+                        } else {
+                            vec![]
+                        },
+                    }),
+                );
+            }
+            if !holders.contains(&done.to) {
+                self.send_peer(
+                    done.to,
+                    mesh_message::Body::EntityMoved(mesh::EntityMoved {
+                        entity_id: id,
+                        entity_epoch: done.epoch,
+                        owner_node: done.to,
+                        holders: holders.iter().copied().collect(),
                     }),
                 );
             }
@@ -405,14 +458,18 @@ impl Node {
             );
             if self.subs.has(chunk, done.to) {
                 self.table.to_ghost(id, done.to, done.epoch);
+                for f in self.fence.advance(id, done.epoch, done.to) {
+                    self.apply_fenced(f);
+                }
             } else {
-                // Nobody here looks there: no client can see it go.
+                // Nobody here looks there: no client can see it go, and nothing is fenced.
                 let _ = self.table.despawn(id);
-            }
-            for f in self.fence.advance(id, done.epoch, done.to) {
-                self.apply_fenced(f);
+                self.fence.forget(id);
             }
             if let Some(account) = master {
+                if let Some(leave) = self.leaving.remove(&account) {
+                    self.send_peer(done.to, mesh_message::Body::PlayerLeave(leave));
+                }
                 self.remote_players.remove(&account);
                 self.anchor_sent.remove(&account);
                 if self.clients.key_of(&account).is_some() {
@@ -530,7 +587,7 @@ impl Node {
         }
     }
 
-    fn adopt_message(&self, o: &mesh::HandoffOffer) -> local::Adopt {
+    pub(crate) fn adopt_message(&self, o: &mesh::HandoffOffer) -> local::Adopt {
         local::Adopt {
             entity_id: o.entity_id,
             entity_epoch: o.entity_epoch,
@@ -661,12 +718,27 @@ impl Node {
             self.complete_handoff(done);
         }
         let (id, epoch) = (s.entity_id, s.entity_epoch);
+        if s.full
+            && self.table.get(id).is_none()
+            && self
+                .fence
+                .current(id)
+                .is_some_and(|(known, _)| epoch > known)
+        {
+            // Nothing held here to keep consistent: a newer epoch's full state is the truth
+            // (only that epoch's owner writes under it); frames held for older epochs go.
+            for f in self.fence.advance(id, epoch, node) {
+                self.apply_fenced(f);
+            }
+        }
         match self
             .fence
             .admit(id, epoch, Some(node), Fenced::State(node, s))
         {
             Admit::Accept(f) => self.apply_fenced(f),
-            Admit::Held => {}
+            Admit::Held => {
+                tracing::debug!(me = self.cfg.node_id, entity = id, epoch, peer = node, known = ?self.fence.current(id), ghost = ?self.table.get(id).map(|e| (e.origin, e.epoch)), "frame held for a newer epoch");
+            }
             Admit::Dropped => {
                 self.metrics.stale_epoch_drops.inc();
             }
@@ -674,9 +746,46 @@ impl Node {
         self.metrics.held_frames.set(self.fence.held() as i64);
     }
 
+    /// `EntityGone` from its owner: ordered with the owner's frames by the fence (a gone sent by
+    /// a new owner must not pass the `EntityMoved` that makes it the owner here). Epoch 0: the
+    /// entity was despawned; it goes whatever the epoch.
+    pub(crate) fn fence_entity_gone(&mut self, node: NodeId, g: mesh::EntityGone) {
+        if g.entity_epoch == 0 {
+            return self.apply_fenced(Fenced::Gone(node, g));
+        }
+        let (id, epoch) = (g.entity_id, g.entity_epoch);
+        match self
+            .fence
+            .admit(id, epoch, Some(node), Fenced::Gone(node, g))
+        {
+            Admit::Accept(f) => self.apply_fenced(f),
+            Admit::Held => {}
+            Admit::Dropped => {
+                self.metrics.stale_epoch_drops.inc();
+            }
+        }
+    }
+
     pub(crate) fn apply_fenced(&mut self, f: Fenced) {
         match f {
             Fenced::State(node, s) => self.on_entity_state(node, s),
+            Fenced::Gone(node, g) => {
+                if self
+                    .table
+                    .get(g.entity_id)
+                    .is_some_and(|e| e.origin == Some(node))
+                {
+                    tracing::debug!(
+                        me = self.cfg.node_id,
+                        entity = g.entity_id,
+                        node,
+                        epoch = g.entity_epoch,
+                        "ghost dropped: gone"
+                    );
+                    let _ = self.table.despawn(g.entity_id);
+                    self.fence.forget(g.entity_id);
+                }
+            }
             Fenced::Input(i) => self.input_for_master(i),
         }
     }
@@ -686,6 +795,22 @@ impl Node {
     pub(crate) fn on_entity_moved(&mut self, node: NodeId, m: mesh::EntityMoved) {
         let me = self.cfg.node_id;
         if m.owner_node == me {
+            // The old owner's holders are this node's replicas now: the next frame keeps them in
+            // step, or tells those no longer subscribed that it is gone.
+            let local = self
+                .table
+                .get_local(m.entity_id)
+                .is_some_and(|e| e.epoch == m.entity_epoch);
+            if local && !m.holders.is_empty() {
+                let holders: BTreeSet<NodeId> =
+                    m.holders.iter().copied().filter(|n| *n != me).collect();
+                self.replicas
+                    .entry(m.entity_id)
+                    .or_default()
+                    .extend(holders.iter().copied());
+                self.holder_grace
+                    .insert(m.entity_id, (holders, unix_ms() + HOLDER_GRACE_MS));
+            }
             return;
         }
         let ghost_of_sender = self
@@ -703,11 +828,19 @@ impl Node {
         let due = self
             .fence
             .advance(m.entity_id, m.entity_epoch, m.owner_node);
+        // A subscription kept for the old owner's ghosts may be let go now.
+        self.subs_dirty |= self.kept_for_ghosts;
         if let Some((true, chunk)) = ghost_of_sender {
             if self.subs.has(chunk, m.owner_node) {
                 self.table
                     .set_origin(m.entity_id, m.owner_node, m.entity_epoch);
             } else {
+                tracing::debug!(
+                    me,
+                    entity = m.entity_id,
+                    owner = m.owner_node,
+                    "ghost dropped: moved to a node not subscribed"
+                );
                 let _ = self.table.despawn(m.entity_id);
                 self.fence.forget(m.entity_id);
             }
@@ -780,7 +913,20 @@ impl Node {
                     InputRoute::Held => {}
                 }
             }
-            None => self.input_to_game(input),
+            None => {
+                // Adopting the master from a snapshot (no ghost here): held until `Adopted`.
+                let adopting = self
+                    .adopting
+                    .values()
+                    .find(|o| o.is_master && o.owner_account == i.account)
+                    .map(|o| (o.entity_id, o.entity_epoch));
+                match adopting {
+                    Some((id, epoch)) if i.entity_epoch >= epoch => {
+                        let _ = self.fence.admit(id, i.entity_epoch, None, Fenced::Input(i));
+                    }
+                    _ => self.input_to_game(input),
+                }
+            }
         }
     }
 
@@ -861,7 +1007,8 @@ impl Node {
         self.area = subs::merge_rects(p.area_of(me));
         let keep = i64::from(self.cfg.interaction_band_chunks + self.cfg.ghost_keep_margin_chunks);
         self.band = subs::band(&p, me, keep, self.cfg.reach_chunks());
-        self.partition = std::sync::Arc::new(p);
+        let prev = std::mem::replace(&mut self.partition, std::sync::Arc::new(p));
+        self.prev_partition = Some((prev, std::time::Instant::now()));
         self.near_cache.clear();
         self.subs_dirty = true;
         let w = self.cfg.world;
@@ -909,13 +1056,16 @@ impl Node {
         self.handoff_recheck.extend(gone);
     }
 
-    /// SIGTERM: not ready, no more handoffs accepted; the node exits once nothing of what the
-    /// partition gave to others is left here (or the drain timeout passes).
+    /// SIGTERM: not ready, no more handoffs accepted. Entities keep being handed to whoever the
+    /// partition gives their chunks (re-plan it to move this node's area away); the node exits
+    /// once it writes nothing, or when the drain timeout passes.
     pub(crate) fn begin_drain(&mut self) {
         if self.draining.is_some() {
             return;
         }
-        tracing::info!("draining: refusing handoffs, handing away what others own");
+        tracing::info!(
+            "draining: refusing handoffs; waiting for the partition to give this node's area away"
+        );
         self.admin.set_ready(false);
         self.draining = Some(
             tokio::time::Instant::now()
@@ -923,27 +1073,24 @@ impl Node {
         );
     }
 
-    /// Whether a drain is over: nothing left to hand away (what this node still owns by the
-    /// partition stays and goes down with it), or out of time.
+    /// Whether a drain is over: nothing left that another node could take (no real here and no
+    /// handoff in flight; a lone node or one without a game has nothing to hand), or out of time.
     pub(crate) fn drained(&self) -> bool {
         let Some(deadline) = self.draining else {
             return false;
         };
-        if tokio::time::Instant::now() >= deadline {
-            tracing::warn!(
-                left = self.table.len() - self.table.ghost_count(),
-                "drain timed out"
-            );
+        let reals = self.table.len() - self.table.ghost_count();
+        if self.game.is_none() || self.mesh_ctx.is_none() {
             return true;
         }
-        let me = self.cfg.node_id;
-        let leaving = self
-            .table
-            .iter()
-            .filter(|e| e.origin.is_none() && self.partition.owner_of_chunk(e.chunk) != me)
-            .count();
-        leaving == 0 && self.handoff_out.in_flight() == 0 && self.game.is_some()
-            || self.game.is_none()
+        if reals == 0 && self.handoff_out.in_flight() == 0 {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(left = reals, "drain timed out with entities still here");
+            return true;
+        }
+        false
     }
 
     /// The nodes that may own an entity in `chunk`, cached per partition.
@@ -954,11 +1101,36 @@ impl Node {
         if let Some(v) = self.near_cache.get(&chunk) {
             return v.clone();
         }
-        let v: Vec<NodeId> = subs::owners_near(&self.partition, chunk, self.cfg.reach_chunks())
-            .into_iter()
-            .collect();
+        let reach = self.cfg.reach_chunks();
+        let mut near = subs::owners_near(&self.partition, chunk, reach);
+        if let Some((prev, _)) = &self.prev_partition {
+            // Until the mass handoff settles, the previous owners still write entities there.
+            near.extend(subs::owners_near(prev, chunk, reach));
+        }
+        let v: Vec<NodeId> = near.into_iter().collect();
         self.near_cache.insert(chunk, v.clone());
         v
+    }
+
+    /// Forgets the previous partition once every ghost here is written by a node the current
+    /// partition puts near it (the mass handoff settled), and at least a second after the change.
+    pub(crate) fn settle_partition(&mut self) {
+        let Some((_, since)) = &self.prev_partition else {
+            return;
+        };
+        if since.elapsed() < std::time::Duration::from_secs(1) {
+            return;
+        }
+        let reach = self.cfg.reach_chunks();
+        let settled = self.table.iter().all(|e| match e.origin {
+            None => true,
+            Some(n) => subs::owners_near(&self.partition, e.chunk, reach).contains(&n),
+        });
+        if settled {
+            self.prev_partition = None;
+            self.near_cache.clear();
+            self.subs_dirty = true;
+        }
     }
 
     /// Every real of this node, for a census.

@@ -187,6 +187,14 @@ pub(crate) struct Node {
     /// The (chunk, node) pairs of the interaction band, its keep margin and the handoff reach
     /// inside the area, always subscribed.
     pub band: HashSet<(ChunkPos, NodeId)>,
+    /// The partition before the last change, while its owners may still write entities that the
+    /// mass handoff has not moved yet (views subscribe to them too).
+    pub prev_partition: Option<(Arc<Partition>, std::time::Instant)>,
+    /// Adopted entities: the previous owner's holders, kept in step for a moment even before
+    /// their subscriptions here arrive (entity -> nodes, until unix ms).
+    pub holder_grace: HashMap<u64, (BTreeSet<NodeId>, u64)>,
+    /// Subscriptions are kept at a node no longer near their chunk while its ghosts are there.
+    pub kept_for_ghosts: bool,
     /// chunk -> the nodes that may own an entity there (cleared with each partition).
     pub near_cache: HashMap<ChunkPos, Vec<NodeId>>,
     pub subs: Subscriptions,
@@ -239,6 +247,9 @@ pub(crate) struct Node {
     pub draining: Option<tokio::time::Instant>,
     /// Gateway side: the epoch of each local session's master, from its owner's anchors.
     pub master_epoch: HashMap<String, u64>,
+    /// Players who left while their master was frozen for a handoff: the leave goes to the new
+    /// owner once it acks (the game here drops it on Evict).
+    pub leaving: HashMap<String, mesh::PeerPlayerLeave>,
     /// Every real of this node with its epoch, as of the last publish (for a census).
     pub census: Arc<Mutex<Vec<crate::Real>>>,
 }
@@ -250,6 +261,7 @@ pub(crate) const FIRST_EPOCH: u64 = 1;
 #[derive(Debug, Clone)]
 pub(crate) enum Fenced {
     State(NodeId, mesh::EntityState),
+    Gone(NodeId, mesh::EntityGone),
     Input(mesh::ForwardInput),
 }
 
@@ -279,6 +291,9 @@ impl Node {
             area: subs::merge_rects(partition.area_of(cfg.node_id)),
             band,
             near_cache: HashMap::new(),
+            kept_for_ghosts: false,
+            holder_grace: HashMap::new(),
+            prev_partition: None,
             handoff_out: HandoffSource::default(),
             handoff_in: HandoffTarget::default(),
             fence: Fence::default(),
@@ -293,6 +308,7 @@ impl Node {
             draining: None,
             master_epoch: HashMap::new(),
             census: Arc::default(),
+            leaving: HashMap::new(),
             partition,
             subs: Subscriptions::default(),
             subs_dirty: true,
@@ -519,7 +535,18 @@ impl Node {
             .collect();
         self.to_game.extend(remote);
         self.anchor_sent.clear();
-        self.admin.set_ready(true);
+        // Adopts the previous game never answered: the new game gets them again.
+        let pending: Vec<local::Adopt> = self
+            .adopting
+            .values()
+            .map(|o| self.adopt_message(o))
+            .collect();
+        for adopt in pending {
+            self.to_game
+                .push(sidecar_message::Body::Adopt(adopt).into());
+        }
+        self.admin
+            .set_ready(self.lease_live && self.draining.is_none());
         for m in rest {
             if let Some(body) = m.body {
                 self.on_game_message(body);
@@ -705,6 +732,7 @@ impl Node {
         let out = self
             .clients
             .fold(tick, &self.table, &changes, &events, &sends, budget);
+        self.settle_partition();
         self.update_subscriptions();
         self.step_sim_ghosts(&changes, unix_ms());
         self.check_handoffs(&changes);
@@ -897,6 +925,7 @@ impl Node {
             "peers": peers,
             "partition_epoch": self.partition.epoch(),
             "ghosts_render": self.table.ghost_count(),
+            "reals": self.table.len() - self.table.ghost_count(),
             "ghosts_sim": self.sim.len(),
             "subscriptions": self.subs.len(),
             "subscribers": self.subscribers.len(),

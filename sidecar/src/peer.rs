@@ -10,7 +10,7 @@
 //!   ones in its interaction band to its game as simulation ghosts.
 //! - As a **gateway**: delivers routed pieces to its sessions after checking their epoch.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -306,16 +306,7 @@ impl Node {
             B::Subscribe(s) => self.on_subscribe(node, s.chunks),
             B::Unsubscribe(u) => self.on_unsubscribe(node, u.chunks),
             B::EntityState(s) => self.fence_entity_state(node, s),
-            B::EntityGone(g) => {
-                if self
-                    .table
-                    .get(g.entity_id)
-                    .is_some_and(|e| e.origin == Some(node))
-                {
-                    let _ = self.table.despawn(g.entity_id);
-                    self.fence.forget(g.entity_id);
-                }
-            }
+            B::EntityGone(g) => self.fence_entity_gone(node, g),
             B::EntityMoved(m) => self.on_entity_moved(node, m),
             B::HandoffOffer(o) => self.on_handoff_offer(node, o),
             B::HandoffAck(a) => self.on_handoff_ack(node, a),
@@ -419,24 +410,34 @@ impl Node {
     /// state to a node that does not hold the entity yet, a delta to one that does, and a gone
     /// to one whose subscriptions it left.
     pub(crate) fn replicate(&mut self, changes: &TickChanges) {
+        let now_ms = crate::node::unix_ms();
+        self.holder_grace.retain(|_, (_, until)| *until > now_ms);
         for (&id, ch) in changes {
             let Some(e) = self.table.get_local(id) else {
                 // Despawned (a ghost never has replicas).
                 if let Some(nodes) = self.replicas.remove(&id) {
                     for node in nodes {
                         self.metrics.cross_node_updates.inc();
+                        // Despawned: whatever epoch the holder knows, it is gone (0: unfenced).
                         self.send_peer(
                             node,
                             mesh_message::Body::EntityGone(mesh::EntityGone {
                                 entity_id: id,
-                                entity_epoch: self.fence.current(id).map_or(0, |c| c.0),
+                                entity_epoch: 0,
                             }),
                         );
                     }
                 }
                 continue;
             };
-            let target: BTreeSet<NodeId> = self.subscribers.of(e.chunk).collect();
+            let mut target: BTreeSet<NodeId> = self.subscribers.of(e.chunk).collect();
+            // The previous owner's holders, for a moment: their subscriptions here may still
+            // be on the way (they applied the partition later, or just sent them).
+            if let Some((nodes, until)) = self.holder_grace.get(&id) {
+                if *until > now_ms {
+                    target.extend(nodes.iter().copied());
+                }
+            }
             let held = self.replicas.remove(&id).unwrap_or_default();
             if target.is_empty() && held.is_empty() {
                 continue;
@@ -865,6 +866,10 @@ impl Node {
 
     fn on_peer_player_leave(&mut self, l: mesh::PeerPlayerLeave) {
         let Some(r) = self.remote_players.get(&l.account) else {
+            // The avatar was handed on before the gateway heard: the leave follows it.
+            if let Some(owner) = self.table.master_of(&l.account).and_then(|e| e.origin) {
+                self.send_peer(owner, mesh_message::Body::PlayerLeave(l));
+            }
             return;
         };
         if r.session_epoch > l.session_epoch {
@@ -872,6 +877,7 @@ impl Node {
         }
         self.remote_players.remove(&l.account);
         self.anchor_sent.remove(&l.account);
+        self.leave_follows_handoff(&l.account, l.session_epoch, &l.reason);
         if self.game.is_some() {
             self.to_game.push(
                 sidecar_message::Body::PlayerLeave(local::PlayerLeave {
@@ -988,6 +994,13 @@ impl Node {
         // Only what lies in a chunk this node subscribes to from that owner.
         if chunk.is_none_or(|c| !self.subs.has(c, node)) {
             if existing.is_some_and(|e| e.0 == Some(node)) {
+                tracing::debug!(
+                    me = self.cfg.node_id,
+                    entity = s.entity_id,
+                    node,
+                    ?chunk,
+                    "ghost dropped: moved out of the subscribed chunks"
+                );
                 let _ = self.table.despawn(s.entity_id);
                 self.fence.forget(s.entity_id);
             }
@@ -1041,6 +1054,22 @@ impl Node {
                 }
             }
         }
+        // A node no longer near a wanted chunk (the partition changed) may still own entities
+        // there until it hands them off: keep those subscriptions while its ghosts are here, so
+        // nobody sees them vanish and its `EntityMoved` arrives.
+        let wanted_chunks: HashSet<ChunkPos> = wanted.iter().map(|(c, _)| *c).collect();
+        let keep: Vec<(ChunkPos, NodeId)> = self
+            .table
+            .iter()
+            .filter_map(|e| Some((e.chunk, e.origin?)))
+            .filter(|pair| {
+                wanted_chunks.contains(&pair.0)
+                    && !wanted.contains(pair)
+                    && self.subs.has(pair.0, pair.1)
+            })
+            .collect();
+        self.kept_for_ghosts = !keep.is_empty();
+        wanted.extend(keep);
         let changes = self.subs.update(wanted);
         for (owner, chunks) in changes.unsubscribe {
             for c in &chunks {
@@ -1050,7 +1079,9 @@ impl Node {
                     .filter(|id| self.table.get(*id).is_some_and(|e| e.origin == Some(owner)))
                     .collect();
                 for id in ghosts {
+                    tracing::debug!(me, entity = id, owner, "ghost dropped: chunk unsubscribed");
                     let _ = self.table.despawn(id);
+                    self.fence.forget(id);
                 }
             }
             for part in chunks.chunks(CHUNKS_PER_MESSAGE) {
@@ -1090,6 +1121,10 @@ impl Node {
         }
         let world = self.cfg.world;
         for id in ids {
+            if self.adopting.contains_key(&id) {
+                // Its game is adopting it: no longer a ghost to it.
+                continue;
+            }
             let ghost = self.table.get(id).filter(|e| e.origin.is_some());
             let distance = ghost.map(|e| distance_to_area(&world, &self.area, e.chunk));
             let ch = changes.get(&id);

@@ -212,6 +212,31 @@ impl TestGame {
         .await
     }
 
+    /// Like [`expect`](Self::expect), but gives up after `d` with `None` (what came meanwhile is
+    /// kept for later calls): for polling while other games tick.
+    pub async fn expect_within<T>(
+        &mut self,
+        d: Duration,
+        mut f: impl FnMut(&sidecar_message::Body) -> Option<T>,
+    ) -> Option<T> {
+        if let Some(i) = self.backlog.iter().position(|m| f(m).is_some()) {
+            let m = self.backlog.remove(i).unwrap();
+            return f(&m);
+        }
+        tokio::time::timeout(d, async {
+            loop {
+                let m = self.recv().await?;
+                if let Some(t) = f(&m) {
+                    return Some(t);
+                }
+                self.backlog.push_back(m);
+            }
+        })
+        .await
+        .ok()
+        .flatten()
+    }
+
     pub async fn expect_error(&mut self) -> local::Error {
         self.expect("an Error", |m| match m {
             sidecar_message::Body::Error(e) => Some(e.clone()),
@@ -392,14 +417,31 @@ pub fn link_hello(name: &str, major: u32) -> MeshFrame {
     }))
 }
 
+/// The `LinkHello` of a sidecar `node_id` dialling a peer: a test playing another node.
+pub fn sidecar_hello(node_id: u32, partition_epoch: u64) -> MeshFrame {
+    MeshFrame::one(mesh_message::Body::Hello(mesh::LinkHello {
+        version: Some(mesh::ProtocolVersion::current()),
+        role: PeerRole::Sidecar as i32,
+        id: node_id.to_string(),
+        geo: "local".into(),
+        partition_epoch,
+        node_id,
+    }))
+}
+
 impl MeshLink {
     pub async fn dial(addr: SocketAddr, name: &str) -> Self {
+        Self::dial_with(addr, link_hello(name, 1)).await
+    }
+
+    /// Dials with `hello` as the first frame (e.g. [`sidecar_hello`] to play a peer sidecar).
+    pub async fn dial_with(addr: SocketAddr, hello: MeshFrame) -> Self {
         let stream = TcpStream::connect(addr).await.expect("mesh dial");
         stream.set_nodelay(true).unwrap();
         let (r, w) = stream.into_split();
         let mut reader = FramedRead::new(r, FrameCodec::<MeshFrame>::default());
         let mut writer = FramedWrite::new(w, FrameCodec::<MeshFrame>::default());
-        writer.send(link_hello(name, 1)).await.unwrap();
+        writer.send(hello).await.unwrap();
         let first = within("LinkHello back", reader.next())
             .await
             .expect("an answer")

@@ -1,0 +1,192 @@
+//! Graceful drain of a `cellmesh sidecar` process, the way an operator retires a node: SIGTERM
+//! flips `/ready` to false; the partition is re-planned without the node (`cellmesh partition plan
+//! --commit`), which hands every entity it holds to the remaining node; then it exits by itself.
+//! The real MongoDB holds the topology, the real Redis the session directory.
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cellmesh_arena::{ArenaConfig, Census};
+use cellmesh_proto::sdk::SidecarAddr;
+use support::{free_port, wait_ready};
+use tokio::process::{Child, Command};
+
+mod support;
+
+fn required(var: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| {
+        panic!("{var} is not set: run ./scripts/test.sh, which installs and starts Redis and the MongoDB-compatible server")
+    })
+}
+
+struct Node {
+    local: u16,
+    admin: u16,
+    child: Child,
+}
+
+fn sidecar(node: u32, topology: &str, redis: &str, geo: &str) -> Node {
+    let (local, mesh, admin) = (free_port(), free_port(), free_port());
+    let child = Command::new(env!("CARGO_BIN_EXE_cellmesh"))
+        .arg("sidecar")
+        .env("CELLMESH_NODE_ID", node.to_string())
+        .env("CELLMESH_GEO", geo)
+        .env("CELLMESH_LOCAL_LISTEN", format!("127.0.0.1:{local}"))
+        .env("CELLMESH_MESH_LISTEN", format!("127.0.0.1:{mesh}"))
+        .env("CELLMESH_ADMIN_LISTEN", format!("127.0.0.1:{admin}"))
+        .env("CELLMESH_TOPOLOGY_URL", topology)
+        .env("CELLMESH_DIRECTORY_URL", redis)
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    Node {
+        local,
+        admin,
+        child,
+    }
+}
+
+fn plan(topology: &str, grid: &str, nodes: &str) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cellmesh"))
+        .args([
+            "partition",
+            "plan",
+            "--grid",
+            grid,
+            "--nodes",
+            nodes,
+            "--commit",
+            "--store",
+            topology,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "plan {grid} {nodes} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+async fn state(admin: u16) -> serde_json::Value {
+    let addr = format!("127.0.0.1:{admin}").parse().unwrap();
+    let (_, body) = cellmesh_admin::http_get(addr, "/state").await.unwrap();
+    serde_json::from_str(&body).unwrap()
+}
+
+async fn ready(admin: u16) -> Option<u16> {
+    let addr = format!("127.0.0.1:{admin}").parse().unwrap();
+    cellmesh_admin::http_get(addr, "/ready")
+        .await
+        .ok()
+        .map(|r| r.0)
+}
+
+async fn reals(admin: u16) -> u64 {
+    state(admin).await["reals"].as_u64().unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_a_node_once_the_partition_moves_its_area_away() {
+    let mongo = required("CELLMESH_TEST_MONGO_URL");
+    let redis = required("CELLMESH_TEST_REDIS_URL");
+    let run = format!(
+        "{}{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos()
+    );
+    let topology = format!("{}/cm_drain_{run}", mongo.trim_end_matches('/'));
+    let geo = format!("drain-{run}");
+    plan(&topology, "2x1", "1,2");
+
+    let mut n1 = sidecar(1, &topology, &redis, &geo);
+    let mut n2 = sidecar(2, &topology, &redis, &geo);
+
+    // Six NPCs deep inside each node's half of the world.
+    let census = Arc::new(Census::default());
+    let mut arenas = Vec::new();
+    for (node, x) in [(&n1, 30_000.0), (&n2, 100_000.0)] {
+        let cfg = ArenaConfig {
+            sidecar: SidecarAddr::Tcp(format!("127.0.0.1:{}", node.local)),
+            npcs: 6,
+            center: (x, 1000.0),
+            spread: 100.0,
+            census: Some(census.clone()),
+            ..ArenaConfig::default()
+        };
+        arenas.push(tokio::spawn(cellmesh_arena::run(
+            cfg,
+            tokio::time::sleep(Duration::from_secs(120)),
+        )));
+    }
+    // A sidecar is ready once its game is connected.
+    wait_ready(n1.admin, &mut n1.child).await;
+    wait_ready(n2.admin, &mut n2.child).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !(reals(n1.admin).await == 6 && reals(n2.admin).await == 6) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the arenas did not spawn their NPCs"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // SIGTERM: node 2 stops being ready but keeps serving (its area is still its own).
+    let pid = n2.child.id().expect("running").to_string();
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while ready(n2.admin).await != Some(503) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "node 2 still ready after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        n2.child.try_wait().unwrap().is_none(),
+        "node 2 left before anyone could take its entities"
+    );
+    assert_eq!(reals(n2.admin).await, 6, "nothing moved yet");
+
+    // The operator gives the whole world to node 1: node 2 hands everything over, then exits.
+    plan(&topology, "1x1", "1");
+    let status = tokio::time::timeout(Duration::from_secs(30), n2.child.wait())
+        .await
+        .expect("node 2 exits once drained")
+        .unwrap();
+    assert!(status.success(), "node 2 exited with {status}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while reals(n1.admin).await != 12 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "node 1 holds {} entities, not 12",
+            reals(n1.admin).await
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let s1 = state(n1.admin).await;
+    assert_eq!(s1["partition_epoch"], 2, "{s1}");
+
+    // The games' own census agrees: every NPC held by exactly one arena.
+    let report = census.report();
+    assert_eq!(report.alive.len(), 12);
+    assert!(report.lost().is_empty(), "lost {:?}", report.lost());
+    assert!(
+        report.duplicated().is_empty(),
+        "held twice {:?}",
+        report.duplicated()
+    );
+    for a in arenas {
+        a.abort();
+    }
+}
