@@ -96,9 +96,11 @@ enum Command {
 fn init_tracing(default: &str) {
     let filter =
         tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
+    // A closed stderr must not take the process down with a panic on the next log line.
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .log_internal_errors(false)
         .init();
 }
 

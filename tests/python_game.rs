@@ -1,6 +1,7 @@
 //! The local protocol is engine-independent: the Python sample game (examples/python-game), built on
 //! protobuf code generated from the same local.proto, joins a real sidecar, and a client logged in
-//! through a real proxy sees its NPCs and walks its own avatar.
+//! through a real proxy sees its NPCs and walks its own avatar. Its snapshots are the Rust arena's
+//! too: the two games hand a player's avatar to each other across a border.
 //!
 //! Needs `CELLMESH_TEST_PYTHON`: a Python with `protobuf` and `grpcio-tools`, which
 //! `./scripts/test.sh` creates and exports.
@@ -11,11 +12,17 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use cellmesh_arena::{schema, ArenaConfig, Census};
+use cellmesh_geo_router::geometry::WorldShape;
+use cellmesh_geo_router::partition::{Grid, Layout, Partition};
 use cellmesh_geo_router::store::Stores;
+use cellmesh_geo_router::topology::memory::MemoryTopology;
+use cellmesh_geo_router::topology::TopologyStore;
 use cellmesh_proto::client::{self, ClientReceiver, ClientSender};
 use cellmesh_proto::edge::{client_message, server_message, Batch, DeltaKind, Pong};
+use cellmesh_proto::sdk::SidecarAddr;
 use cellmesh_proxy::ProxyConfig;
-use cellmesh_sidecar::SidecarConfig;
+use cellmesh_sidecar::{SidecarConfig, SidecarHandle};
 use tokio::io::AsyncReadExt;
 use tokio::process::{Child, Command};
 use tokio::time::{timeout_at, Instant};
@@ -391,4 +398,394 @@ fn python_game_unit_tests() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+// ------------------------------------------------------------------------------------------------
+// Handoff between the Python game and the Rust arena
+
+/// The 2×1 grid of the default world (32 m chunks): node 1 owns x < 65 536 m, node 2 the rest.
+const BORDER_X: f64 = 65_536.0;
+const CHUNK_M: f64 = 32.0;
+/// Where the arena spawns the avatar: in node 1's last chunk, one chunk from the border.
+const ARENA_SPAWN: (f64, f64) = (BORDER_X - CHUNK_M / 2.0, 1000.0);
+/// The Python game's NPCs roam well inside node 2's area, so only the avatar crosses.
+const PYTHON_CENTER: (f64, f64) = (BORDER_X + 3.0 * CHUNK_M, 1000.0);
+/// The arena walks players faster than the samples' 5 m/s to keep the walk short; the Python game
+/// walks at 5 m/s whatever the arena does.
+const ARENA_PLAYER_SPEED: f64 = 20.0;
+/// One input every this long, so some reach the sidecars while the avatar is frozen.
+const INPUT_EVERY: Duration = Duration::from_millis(50);
+
+/// What one client sees of its own avatar.
+#[derive(Default)]
+struct Avatar {
+    account: String,
+    id: Option<u64>,
+    x: f64,
+    components: HashMap<u32, Vec<u8>>,
+    /// Every distinct InputAck seen, in order.
+    acks: Vec<(u64, u64)>,
+}
+
+impl Avatar {
+    /// Folds one batch; panics if the avatar vanishes or its acknowledgements go wrong.
+    fn apply(&mut self, batch: Batch) {
+        for d in batch.deltas {
+            let kind = DeltaKind::try_from(d.kind).expect("a known delta kind");
+            let mine = match self.id {
+                Some(id) => d.entity_id == id,
+                None => kind == DeltaKind::Appear && d.owner_account == self.account,
+            };
+            if !mine {
+                continue;
+            }
+            assert_ne!(
+                kind,
+                DeltaKind::Vanish,
+                "the client saw its own avatar {} vanish at x = {:.1} (acks so far {:?})",
+                d.entity_id,
+                self.x,
+                self.acks
+            );
+            if kind == DeltaKind::Appear {
+                assert!(
+                    self.id.is_none(),
+                    "the avatar {} appeared a second time at x = {:.1}",
+                    d.entity_id,
+                    self.x
+                );
+                self.id = Some(d.entity_id);
+            }
+            if let Some(p) = &d.position {
+                self.x = p.x;
+            }
+            for c in d.components {
+                if c.r#type == INPUT_ACK {
+                    self.ack(&c.payload);
+                }
+                self.components.insert(c.r#type, c.payload.to_vec());
+            }
+            for t in &d.removed_types {
+                self.components.remove(t);
+            }
+        }
+    }
+
+    fn ack(&mut self, payload: &[u8]) {
+        let ack = schema::parse_input_ack(payload).expect("a 16-byte InputAck");
+        // Every input is sent once, in sequence: each one applied exactly once keeps the count
+        // equal to the last sequence number; a lost or doubled one breaks it for good.
+        assert_eq!(
+            ack.0, ack.1,
+            "InputAck (last_seq, applied) = {ack:?}: an input was lost or applied twice \
+             (acks so far {:?})",
+            self.acks
+        );
+        if let Some(&last) = self.acks.last() {
+            assert!(ack >= last, "InputAck went back from {last:?} to {ack:?}");
+        }
+        if self.acks.last() != Some(&ack) {
+            self.acks.push(ack);
+        }
+    }
+
+    fn input_ack(&self) -> Option<(u64, u64)> {
+        self.acks.last().copied()
+    }
+}
+
+/// A client playing through the proxy, and what it sees of its avatar.
+struct Player {
+    tx: ClientSender,
+    rx: ClientReceiver,
+    avatar: Avatar,
+    /// The last input sequence number sent.
+    seq: u64,
+}
+
+impl Player {
+    async fn input(&mut self, dx: f32, dy: f32) {
+        self.seq += 1;
+        self.tx
+            .input(self.seq, schema::input(dx, dy))
+            .await
+            .expect("sending input");
+    }
+
+    /// Steers the avatar: sends `dir` as a new input every [`INPUT_EVERY`] (nothing if `dir` is
+    /// `None`) and folds what arrives, until `done` holds; panics at `deadline`.
+    async fn steer_until(
+        &mut self,
+        dir: Option<(f32, f32)>,
+        deadline: Instant,
+        what: &str,
+        game_log: &Log,
+        mut done: impl FnMut(&Avatar) -> bool,
+    ) {
+        let mut every = tokio::time::interval(INPUT_EVERY);
+        loop {
+            tokio::select! {
+                msg = timeout_at(deadline, self.rx.next()) => match msg {
+                    Ok(Some(Ok(msg))) => match msg.body {
+                        Some(server_message::Body::Batch(batch)) => self.avatar.apply(batch),
+                        Some(server_message::Body::Ping(p)) => self
+                            .tx
+                            .send(client_message::Body::Pong(Pong { nonce: p.nonce }))
+                            .await
+                            .expect("pong"),
+                        Some(server_message::Body::Kick(k)) => {
+                            panic!("kicked while waiting for {what}: {k:?}")
+                        }
+                        _ => {}
+                    },
+                    Ok(other) => {
+                        panic!("connection to the proxy ended while waiting for {what}: {other:?}")
+                    }
+                    Err(_) => panic!(
+                        "timed out waiting for {what}: avatar {:?} at x = {:.1}, input ack {:?}; \
+                         Python game log:\n{}",
+                        self.avatar.id,
+                        self.avatar.x,
+                        self.avatar.input_ack(),
+                        game_log.text()
+                    ),
+                },
+                _ = every.tick() => {
+                    if done(&self.avatar) {
+                        return;
+                    }
+                    if let Some((dx, dy)) = dir {
+                        self.input(dx, dy).await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Whether `node` holds `id` as a real it writes (not frozen in a handoff).
+fn writes(node: &SidecarHandle, id: u64) -> bool {
+    node.reals().iter().any(|r| r.id == id && !r.frozen)
+}
+
+/// Whether `node` holds `id` as a real, frozen or not.
+fn holds(node: &SidecarHandle, id: u64) -> bool {
+    node.reals().iter().any(|r| r.id == id)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_game_and_rust_arena_hand_an_avatar_back_and_forth() {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let stop = CancellationToken::new();
+    let _stop_on_exit = stop.clone().drop_guard();
+
+    let world = WorldShape::default();
+    assert_eq!(world.chunk_size, CHUNK_M);
+    let grid = Grid::even(&world, 2, 1, &[1, 2]).unwrap();
+    let partition = Partition::new(world, 1, Layout::Grid(grid)).unwrap();
+    let topology: Arc<dyn TopologyStore> = Arc::new(MemoryTopology::default());
+    topology.commit_partition(0, &partition).await.unwrap();
+    let stores = Stores::in_memory();
+    let mut nodes = Vec::new();
+    for node_id in [1, 2] {
+        let cfg = SidecarConfig {
+            node_id,
+            world,
+            local_listen: "127.0.0.1:0".into(),
+            mesh_listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            ..SidecarConfig::default()
+        };
+        nodes.push(
+            cellmesh_sidecar::start_in(cfg, stores.clone(), topology.clone(), stop.child_token())
+                .await
+                .expect("starting a sidecar"),
+        );
+    }
+    let (west, east) = (&nodes[0], &nodes[1]);
+
+    // Node 1: the Rust arena, which spawns the avatar (node 1 is the client's gateway).
+    let census = Arc::new(Census::default());
+    let arena_cfg = ArenaConfig {
+        sidecar: SidecarAddr::Tcp(west.local_addr.clone()),
+        npcs: 0,
+        center: ARENA_SPAWN,
+        spread: 0.0,
+        player_speed: ARENA_PLAYER_SPEED,
+        census: Some(census.clone()),
+        ..ArenaConfig::default()
+    };
+    let arena_stop = stop.child_token();
+    let arena = tokio::spawn(cellmesh_arena::run(arena_cfg, async move {
+        arena_stop.cancelled().await
+    }));
+
+    // Node 2: the Python game.
+    let mut game = Command::new(python())
+        .arg(game_dir().join("game.py"))
+        .args(["--sidecar", &east.local_addr, "--npcs", "2"])
+        .args([
+            "--center",
+            &format!("{},{}", PYTHON_CENTER.0, PYTHON_CENTER.1),
+        ])
+        .env("PYTHONUNBUFFERED", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("starting the Python game");
+    let log = Log::collect(&mut game);
+
+    let proxy_cfg = ProxyConfig {
+        client_listen: "127.0.0.1:0".into(),
+        admin_listen: "127.0.0.1:0".into(),
+        gateways: vec![west.mesh_addr.to_string()],
+        token_secret: "python-handoff-test-secret".into(),
+        ..ProxyConfig::default()
+    };
+    let secret = proxy_cfg.token_secret.clone();
+    let proxy = cellmesh_proxy::start(proxy_cfg, stop.child_token())
+        .await
+        .expect("starting the proxy");
+
+    let linked = |s: &SidecarHandle| {
+        let st = s.stats();
+        st.game_connected && st.peers_up == 1
+    };
+    while !(linked(west) && linked(east) && east.stats().entities >= 2) {
+        if let Ok(Some(status)) = game.try_wait() {
+            panic!("the Python game exited with {status}:\n{}", log.text());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the two nodes did not link with their games: {:?} / {:?}\n{}",
+            west.stats(),
+            east.stats(),
+            log.text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let expiry = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3600;
+    let token = cellmesh_proto::token::sign(secret.as_bytes(), "alice", expiry);
+    let (tx, rx, welcome) = timeout_at(
+        deadline,
+        client::login(&proxy.client_addr.to_string(), &token),
+    )
+    .await
+    .expect("login timed out")
+    .expect("login through the proxy");
+    assert_eq!(welcome.gateway_node, 1);
+    let mut player = Player {
+        tx,
+        rx,
+        avatar: Avatar {
+            account: "alice".into(),
+            ..Avatar::default()
+        },
+        seq: 0,
+    };
+
+    player
+        .steer_until(None, deadline, "the arena's avatar", &log, |a| {
+            a.input_ack().is_some()
+        })
+        .await;
+    let id = player.avatar.id.unwrap();
+    assert_eq!(player.avatar.input_ack(), Some((0, 0)));
+    assert!(
+        player.avatar.x < BORDER_X,
+        "spawned at x = {} in node 2's area",
+        player.avatar.x
+    );
+    let inventory = player.avatar.components[&INVENTORY].clone();
+    assert_eq!(utf8(&inventory), "sword,bread,10 gold");
+    // The nodes publish their reals every 100 ms.
+    player
+        .steer_until(
+            None,
+            deadline,
+            "the arena's node to list the avatar",
+            &log,
+            |_| writes(west, id) && !holds(east, id),
+        )
+        .await;
+
+    // East, until the Python game simulates the avatar and the arena let it go.
+    let adopted_by_python = format!("adopted player:alice (entity {id}, epoch 2)");
+    player
+        .steer_until(
+            Some((1.0, 0.0)),
+            deadline,
+            "the Python game to adopt the avatar",
+            &log,
+            |_| log.text().contains(&adopted_by_python) && writes(east, id) && !holds(west, id),
+        )
+        .await;
+    assert!(
+        player.avatar.x >= BORDER_X + CHUNK_M,
+        "handed over at x = {}, less than the margin past the border",
+        player.avatar.x
+    );
+
+    // West, until the arena simulates it again (it walks at 5 m/s in the Python game).
+    player
+        .steer_until(
+            Some((-1.0, 0.0)),
+            deadline,
+            "the arena to adopt the avatar back",
+            &log,
+            |_| writes(west, id) && !holds(east, id),
+        )
+        .await;
+    player.input(0.0, 0.0).await;
+    let last = player.seq;
+    player
+        .steer_until(None, deadline, "every input acknowledged", &log, |a| {
+            a.input_ack() == Some((last, last))
+        })
+        .await;
+
+    assert!(
+        log.text().contains(&format!(
+            "handed player:alice (entity {id}) to another node"
+        )),
+        "the Python game did not let the avatar go:\n{}",
+        log.text()
+    );
+    assert_eq!(
+        player.avatar.components.get(&INVENTORY),
+        Some(&inventory),
+        "the owner-only Inventory changed on the way"
+    );
+    for (name, node) in [("west", west), ("east", east)] {
+        let st = node.stats();
+        assert!(st.handoffs >= 1, "{name} node handed nothing over: {st:?}");
+        assert_eq!(st.in_doubt_now, 0, "{name} node: {st:?}");
+        assert_eq!(st.handoffs_refused, 0, "{name} node: {st:?}");
+        // Neither game wrote the avatar while it was frozen or after it left.
+        assert_eq!(st.errors, 0, "{name} node refused a write: {st:?}");
+    }
+    assert!(writes(west, id) && !holds(east, id));
+    let report = census.report();
+    assert_eq!(report.holders.get(&id), Some(&vec![1]));
+
+    assert!(
+        game.try_wait().unwrap().is_none(),
+        "the Python game exited:\n{}",
+        log.text()
+    );
+    player.tx.close().await.expect("closing the client");
+    stop.cancel();
+    let stats = arena.await.expect("the arena task").expect("the arena ran");
+    assert_eq!(
+        (stats.adopted, stats.evicted, stats.thawed),
+        (1, 1, 0),
+        "{stats:?}"
+    );
+    assert_eq!(stats.inputs_duplicate, 0, "{stats:?}");
 }

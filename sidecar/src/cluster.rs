@@ -32,6 +32,8 @@ use crate::node::{unix_ms, LinkHandle, NodeEvent};
 
 const MEMBERSHIP_EVERY: Duration = Duration::from_millis(500);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Tries at the node lease before giving up on a store slower than the lease.
+const LEASE_ATTEMPTS: usize = 5;
 pub(crate) const BACKOFF_MIN: Duration = Duration::from_millis(100);
 pub(crate) const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
@@ -62,19 +64,32 @@ pub(crate) async fn join(
     );
     let holder = format!("sidecar-{}-{}", cfg.node_id, std::process::id());
     let ttl = Duration::from_millis(cfg.node_lease_ms);
-    match topology
-        .acquire_lease(cfg.node_id, &holder, unix_ms(), ttl)
-        .await
-        .context("taking the node lease")?
-    {
-        Acquire::Granted(lease) => Ok((partition, lease)),
-        Acquire::Held(other) => anyhow::bail!(
-            "node id {} is leased by {:?} until {} ms: another sidecar runs as this node",
-            cfg.node_id,
-            other.holder,
-            other.expires_unix_ms
-        ),
+    // A grant that lapsed before it came back (the store answered slower than the lease) is
+    // taken again with a fresh clock; the node never starts on a dead lease.
+    for _ in 0..LEASE_ATTEMPTS {
+        match topology
+            .acquire_lease(cfg.node_id, &holder, unix_ms(), ttl)
+            .await
+            .context("taking the node lease")?
+        {
+            Acquire::Granted(lease) if lease.is_live(unix_ms()) => return Ok((partition, lease)),
+            Acquire::Granted(lease) => tracing::warn!(
+                node = cfg.node_id,
+                expires_unix_ms = lease.expires_unix_ms,
+                "the node lease lapsed before the store answered; taking it again"
+            ),
+            Acquire::Held(other) => anyhow::bail!(
+                "node id {} is leased by {:?} until {} ms: another sidecar runs as this node",
+                cfg.node_id,
+                other.holder,
+                other.expires_unix_ms
+            ),
+        }
     }
+    anyhow::bail!(
+        "the topology store answers slower than node_lease_ms ({} ms): every grant lapsed before it arrived",
+        cfg.node_lease_ms
+    )
 }
 
 /// Keeps the lease, publishes the record, and reports the live peers until `shutdown`; then

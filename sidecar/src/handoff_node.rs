@@ -23,10 +23,6 @@ use crate::handoff::{
 use crate::node::{unix_ms, Fenced, Node};
 use crate::subs;
 
-/// How long a new owner keeps the previous owner's holders in step before their subscriptions
-/// arrive (a node applies a new partition up to half a second after another).
-const HOLDER_GRACE_MS: u64 = 2_000;
-
 fn vec3(p: Position) -> mesh::MeshVec3 {
     mesh::MeshVec3 {
         x: p.x,
@@ -770,6 +766,15 @@ impl Node {
         match f {
             Fenced::State(node, s) => self.on_entity_state(node, s),
             Fenced::Gone(node, g) => {
+                let at = g
+                    .position
+                    .as_ref()
+                    .map(|p| self.cfg.world.chunk_of(Pos { x: p.x, y: p.y }));
+                if at.is_some_and(|c| self.subs.has(c, node)) {
+                    // This node subscribes there: its subscription has not reached the owner
+                    // yet, and the snapshot burst that answers it refreshes the ghost.
+                    return;
+                }
                 if self
                     .table
                     .get(g.entity_id)
@@ -802,14 +807,10 @@ impl Node {
                 .get_local(m.entity_id)
                 .is_some_and(|e| e.epoch == m.entity_epoch);
             if local && !m.holders.is_empty() {
-                let holders: BTreeSet<NodeId> =
-                    m.holders.iter().copied().filter(|n| *n != me).collect();
                 self.replicas
                     .entry(m.entity_id)
                     .or_default()
-                    .extend(holders.iter().copied());
-                self.holder_grace
-                    .insert(m.entity_id, (holders, unix_ms() + HOLDER_GRACE_MS));
+                    .extend(m.holders.iter().copied().filter(|n| *n != me));
             }
             return;
         }

@@ -281,7 +281,13 @@ async fn launch(
         ));
     }
     node.publish_state();
-    let node = tokio::spawn(node.run(events, shutdown.clone()));
+    let shutdown_node = shutdown.clone();
+    // Should the node task ever end (or panic), everything else stops with it.
+    let stop_all = shutdown.clone().drop_guard();
+    let node = tokio::spawn(async move {
+        let _stop_all = stop_all;
+        node.run(events, shutdown_node).await
+    });
     tasks.spawn(game::accept_loop(
         local,
         GameCtx {

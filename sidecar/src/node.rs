@@ -190,9 +190,8 @@ pub(crate) struct Node {
     /// The partition before the last change, while its owners may still write entities that the
     /// mass handoff has not moved yet (views subscribe to them too).
     pub prev_partition: Option<(Arc<Partition>, std::time::Instant)>,
-    /// Adopted entities: the previous owner's holders, kept in step for a moment even before
-    /// their subscriptions here arrive (entity -> nodes, until unix ms).
-    pub holder_grace: HashMap<u64, (BTreeSet<NodeId>, u64)>,
+    /// (chunk, owner) pairs re-subscribed lately to recover a ghost (unix ms).
+    pub resynced: HashMap<(ChunkPos, NodeId), u64>,
     /// Subscriptions are kept at a node no longer near their chunk while its ghosts are there.
     pub kept_for_ghosts: bool,
     /// chunk -> the nodes that may own an entity there (cleared with each partition).
@@ -292,7 +291,7 @@ impl Node {
             band,
             near_cache: HashMap::new(),
             kept_for_ghosts: false,
-            holder_grace: HashMap::new(),
+            resynced: HashMap::new(),
             prev_partition: None,
             handoff_out: HandoffSource::default(),
             handoff_in: HandoffTarget::default(),

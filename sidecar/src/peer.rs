@@ -410,8 +410,6 @@ impl Node {
     /// state to a node that does not hold the entity yet, a delta to one that does, and a gone
     /// to one whose subscriptions it left.
     pub(crate) fn replicate(&mut self, changes: &TickChanges) {
-        let now_ms = crate::node::unix_ms();
-        self.holder_grace.retain(|_, (_, until)| *until > now_ms);
         for (&id, ch) in changes {
             let Some(e) = self.table.get_local(id) else {
                 // Despawned (a ghost never has replicas).
@@ -424,20 +422,14 @@ impl Node {
                             mesh_message::Body::EntityGone(mesh::EntityGone {
                                 entity_id: id,
                                 entity_epoch: 0,
+                                position: None,
                             }),
                         );
                     }
                 }
                 continue;
             };
-            let mut target: BTreeSet<NodeId> = self.subscribers.of(e.chunk).collect();
-            // The previous owner's holders, for a moment: their subscriptions here may still
-            // be on the way (they applied the partition later, or just sent them).
-            if let Some((nodes, until)) = self.holder_grace.get(&id) {
-                if *until > now_ms {
-                    target.extend(nodes.iter().copied());
-                }
-            }
+            let target: BTreeSet<NodeId> = self.subscribers.of(e.chunk).collect();
             let held = self.replicas.remove(&id).unwrap_or_default();
             if target.is_empty() && held.is_empty() {
                 continue;
@@ -455,6 +447,7 @@ impl Node {
                     mesh_message::Body::EntityGone(mesh::EntityGone {
                         entity_id: id,
                         entity_epoch: e.epoch,
+                        position: Some(vec3(e.position)),
                     }),
                 ));
             }
@@ -1032,9 +1025,38 @@ impl Node {
                 self.metrics.drop_msg("bad_entity_state", 1);
             }
         } else {
-            // A delta for an entity this node never got the full state of.
+            // A delta for an entity this node never got the full state of: the owner thinks it
+            // is held here. Subscribing to the chunk afresh gets a full snapshot burst.
             self.metrics.drop_msg("ghost_unknown", 1);
+            if let Some(c) = chunk {
+                self.resync(c, node);
+            }
         }
+    }
+
+    /// Asks `owner` for a fresh snapshot of `chunk` (at most once a second per pair).
+    fn resync(&mut self, chunk: ChunkPos, owner: NodeId) {
+        let now = crate::node::unix_ms();
+        if self
+            .resynced
+            .get(&(chunk, owner))
+            .is_some_and(|t| now < t + 1_000)
+        {
+            return;
+        }
+        self.resynced.retain(|_, t| now < *t + 1_000);
+        self.resynced.insert((chunk, owner), now);
+        let refs = chunk_refs(&[chunk]);
+        self.send_peer(
+            owner,
+            mesh_message::Body::Unsubscribe(mesh::Unsubscribe {
+                chunks: refs.clone(),
+            }),
+        );
+        self.send_peer(
+            owner,
+            mesh_message::Body::Subscribe(mesh::Subscribe { chunks: refs }),
+        );
     }
 
     /// Brings the subscriptions to what the clients' views and the interaction band need, in

@@ -1,0 +1,602 @@
+//! Handoffs survive a sidecar process dying in the middle of them: two `cellmesh sidecar`
+//! processes joined through the real MongoDB topology, an `arena` process beside each, and
+//! SIGKILL for the source or the target while entities are in flight.
+//!
+//! Entities are counted through each sidecar's admin `/state` (`reals`: what the node writes),
+//! so every scenario is laid out for counts to identify entities: the target's arena spawns
+//! nothing (whatever it holds was handed to it), and the source's NPCs roam a square in the
+//! target's area two chunks past the border (every one is handed over at its first step, and
+//! never back). An id lives once in a node's table, so "the source holds none, the target holds
+//! all" means each entity is held exactly once.
+//!
+//! To have entities in flight at the moment of the kill, the target's game is stopped (SIGSTOP)
+//! first: the target accepts the offers and sends `Adopt`, which nobody answers, so the source
+//! holds them in doubt.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use support::free_port;
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+mod support;
+
+/// The 2×1 grid of the default world (32 m chunks): node 1 owns x < 65 536 m, node 2 the rest.
+/// A square of the target's chunk 2049, two chunks past node 1's area: the handoff margin is one.
+const CROSSING: (f64, f64) = (65_588.0, 1000.0);
+/// Well inside node 1's area: NPCs there stay home.
+const HOME: (f64, f64) = (65_400.0, 1000.0);
+const SPREAD: f64 = 20.0;
+/// A node id's lease; a restarted node waits for its predecessor's to lapse.
+const NODE_LEASE_MS: &str = "1500";
+/// NPCs handed over before anything fails, and NPCs in flight when a sidecar dies.
+const SETTLED: u64 = 4;
+const IN_FLIGHT: u64 = 4;
+const DEADLINE: Duration = Duration::from_secs(55);
+
+/// One cluster at a time: sidecars starting together slow the MongoDB-compatible server down
+/// enough for a lease this short to lapse before its first renewal.
+static ONE_CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn required(var: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| {
+        panic!("{var} is not set: run ./scripts/test.sh, which installs and starts the MongoDB-compatible server")
+    })
+}
+
+/// The `arena` binary. Cargo builds only this package's binaries for its integration tests
+/// (`CARGO_BIN_EXE_*`); the arena belongs to another package, so it is built into the same target
+/// directory and profile (nothing to do after `cargo test --workspace`).
+fn arena_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().expect("the test's own path");
+        // <target>/<profile>/deps/<test>
+        let profile_dir = exe.parent().and_then(Path::parent).expect("a target dir");
+        let target_dir = profile_dir.parent().expect("a target dir");
+        let mut build =
+            std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+        build
+            .args(["build", "--quiet", "-p", "cellmesh-arena", "--bin", "arena"])
+            .arg("--target-dir")
+            .arg(target_dir)
+            .current_dir(env!("CARGO_MANIFEST_DIR"));
+        match profile_dir.file_name().and_then(|p| p.to_str()) {
+            Some("debug") => {}
+            Some("release") => {
+                build.arg("--release");
+            }
+            Some(other) => {
+                build.args(["--profile", other]);
+            }
+            None => panic!("no profile directory above {}", exe.display()),
+        }
+        let out = build.output().expect("running cargo to build the arena");
+        assert!(
+            out.status.success(),
+            "building the arena failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        profile_dir.join(format!("arena{}", std::env::consts::EXE_SUFFIX))
+    })
+}
+
+/// Everything a process wrote so far, collected while it runs (a full pipe would stall it).
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<String>>);
+
+impl Log {
+    fn collect(&self, mut from: impl AsyncRead + Unpin + Send + 'static) -> JoinHandle<()> {
+        let sink = self.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = from.read(&mut buf).await {
+                sink.0
+                    .lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        })
+    }
+
+    fn text(&self) -> String {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// A child process with its stdout and stderr collected.
+struct Proc {
+    name: String,
+    child: Child,
+    log: Log,
+    readers: Vec<JoinHandle<()>>,
+}
+
+impl Proc {
+    fn spawn(name: String, cmd: &mut Command) -> Self {
+        let mut child = cmd
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        let log = Log::default();
+        let readers = vec![
+            log.collect(child.stdout.take().expect("piped")),
+            log.collect(child.stderr.take().expect("piped")),
+        ];
+        Self {
+            name,
+            child,
+            log,
+            readers,
+        }
+    }
+
+    /// Everything the process wrote, once it has exited (its pipes close).
+    async fn last_words(&mut self) -> String {
+        for reader in self.readers.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(5), reader).await;
+        }
+        self.log.text()
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.id().expect("the process runs").to_string();
+        let status = std::process::Command::new("kill")
+            .args([&format!("-{signal}"), &pid])
+            .status()
+            .expect("running kill");
+        assert!(status.success(), "kill -{signal} {} failed", self.name);
+    }
+
+    /// SIGKILL, and waits until it is gone.
+    async fn kill(&mut self) {
+        self.child.kill().await.expect("killing the process");
+    }
+
+    /// SIGTERM; waits for the exit and returns what the process wrote.
+    async fn terminate(mut self) -> String {
+        self.signal("TERM");
+        let status = tokio::time::timeout(Duration::from_secs(10), self.child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("{} did not exit on SIGTERM", self.name))
+            .expect("waiting for the process");
+        let log = self.last_words().await;
+        assert!(
+            status.success(),
+            "{} exited with {status}:\n{log}",
+            self.name
+        );
+        log
+    }
+
+    fn tail(&self) -> String {
+        let text = self.log.text();
+        let start = text.len().saturating_sub(3000);
+        let start = (start..text.len())
+            .find(|&i| text.is_char_boundary(i))
+            .unwrap_or(0);
+        format!("--- {} ---\n{}", self.name, &text[start..])
+    }
+}
+
+/// A `cellmesh sidecar` process and the addresses it keeps over restarts.
+struct Sidecar {
+    node: u32,
+    topology: String,
+    local: u16,
+    mesh: u16,
+    admin: u16,
+    proc: Proc,
+}
+
+impl Sidecar {
+    async fn start(node: u32, topology: &str, deadline: Instant) -> Self {
+        let (local, mesh, admin) = (free_port(), free_port(), free_port());
+        let proc = Self::launch(node, topology, (local, mesh, admin), deadline).await;
+        Self {
+            node,
+            topology: topology.into(),
+            local,
+            mesh,
+            admin,
+            proc,
+        }
+    }
+
+    /// Starts the node again on the same addresses once its predecessor's lease has lapsed.
+    async fn restart(&mut self, deadline: Instant) {
+        self.proc = Self::launch(
+            self.node,
+            &self.topology,
+            (self.local, self.mesh, self.admin),
+            deadline,
+        )
+        .await;
+    }
+
+    /// Runs the sidecar; one refused because the node id is still leased is started again.
+    async fn launch(
+        node: u32,
+        topology: &str,
+        (local, mesh, admin): (u16, u16, u16),
+        deadline: Instant,
+    ) -> Proc {
+        loop {
+            let mut proc = Proc::spawn(
+                format!("sidecar {node}"),
+                Command::new(env!("CARGO_BIN_EXE_cellmesh"))
+                    .arg("sidecar")
+                    .env("CELLMESH_NODE_ID", node.to_string())
+                    .env("CELLMESH_LOCAL_LISTEN", format!("127.0.0.1:{local}"))
+                    .env("CELLMESH_MESH_LISTEN", format!("127.0.0.1:{mesh}"))
+                    .env("CELLMESH_ADMIN_LISTEN", format!("127.0.0.1:{admin}"))
+                    .env("CELLMESH_TOPOLOGY_URL", topology)
+                    .env("CELLMESH_NODE_LEASE_MS", NODE_LEASE_MS),
+            );
+            loop {
+                if state(admin).await.is_some() {
+                    return proc;
+                }
+                if let Some(status) = proc.child.try_wait().expect("polling the sidecar") {
+                    let log = proc.last_words().await;
+                    assert!(
+                        log.contains("is leased by"),
+                        "sidecar {node} exited with {status}:\n{log}"
+                    );
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "sidecar {node} did not start:\n{}",
+                    proc.log.text()
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the lease of node {node} never lapsed"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The node's state once it has started.
+    async fn state(&self) -> Option<NodeState> {
+        state(self.admin)
+            .await
+            .filter(|s| s["starting"] != true)
+            .map(|s| NodeState::of(&s))
+    }
+}
+
+/// Waits until both nodes are linked, each having found the other through the record it
+/// publishes after renewing its lease.
+///
+/// A grant slower than the lease (the MongoDB-compatible server stalls now and then under load)
+/// leaves a node that loses its lease at its first renewal and never takes it again: such a node
+/// is started anew, since what is under test here is the handoff, not the node's start.
+async fn until_leased(mut nodes: [&mut Sidecar; 2], deadline: Instant) {
+    loop {
+        let mut linked = 0;
+        for node in nodes.iter_mut() {
+            match node.state().await {
+                Some(s) if s.lease_live && s.peers_up == 1 => linked += 1,
+                Some(s) if !s.lease_live => {
+                    eprintln!(
+                        "node {} lost its lease as it started; starting it again",
+                        node.node
+                    );
+                    node.proc.kill().await;
+                    node.restart(deadline).await;
+                }
+                _ => {}
+            }
+        }
+        if linked == nodes.len() {
+            return;
+        }
+        if Instant::now() >= deadline {
+            let logs: Vec<String> = nodes.iter().map(|n| n.proc.tail()).collect();
+            panic!("the nodes never linked:\n{}", logs.join("\n"));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn state(admin: u16) -> Option<serde_json::Value> {
+    let addr = format!("127.0.0.1:{admin}").parse().unwrap();
+    match cellmesh_admin::http_get(addr, "/state").await {
+        Ok((200, body)) => serde_json::from_str(&body).ok(),
+        _ => None,
+    }
+}
+
+/// What a node's `/state` says about its entities and handoffs.
+#[derive(Debug, Clone, PartialEq)]
+struct NodeState {
+    /// Entities the node writes (its game's), frozen ones included.
+    reals: u64,
+    in_flight: u64,
+    in_doubt: Vec<u64>,
+    adopting: u64,
+    lease_live: bool,
+    game_connected: bool,
+    peers_up: usize,
+}
+
+impl NodeState {
+    fn of(s: &serde_json::Value) -> Self {
+        let n = |key: &str| {
+            s[key]
+                .as_u64()
+                .unwrap_or_else(|| panic!("/state has no number {key}: {s}"))
+        };
+        Self {
+            reals: n("reals"),
+            in_flight: n("handoffs_in_flight"),
+            in_doubt: s["handoffs_in_doubt"]
+                .as_array()
+                .unwrap_or_else(|| panic!("/state has no handoffs_in_doubt list: {s}"))
+                .iter()
+                .filter_map(|h| h["entity"].as_u64())
+                .collect(),
+            adopting: n("adopting"),
+            lease_live: s["lease_live"] == true,
+            game_connected: s["game_connected"] == true,
+            peers_up: s["peers"]
+                .as_array()
+                .map_or(0, |p| p.iter().filter(|p| p["up"] == true).count()),
+        }
+    }
+
+    /// Serving, linked to its peer, and done with every handoff.
+    fn settled(&self) -> bool {
+        self.lease_live
+            && self.game_connected
+            && self.peers_up == 1
+            && self.in_flight == 0
+            && self.in_doubt.is_empty()
+            && self.adopting == 0
+    }
+}
+
+/// Waits until the nodes' states satisfy `expect`, twice in a row half a second apart (a node
+/// publishes its state every 100 ms); panics at `deadline` with the last states and the logs.
+async fn until_states<const N: usize>(
+    deadline: Instant,
+    what: &str,
+    nodes: [&Sidecar; N],
+    procs: &[&Proc],
+    expect: impl Fn(&[NodeState; N]) -> bool,
+) -> [NodeState; N] {
+    let mut seen: Option<[NodeState; N]> = None;
+    loop {
+        let mut states = Vec::with_capacity(N);
+        for node in nodes {
+            if let Some(s) = node.state().await {
+                states.push(s);
+            }
+        }
+        let complaint = match <[NodeState; N]>::try_from(states) {
+            Err(states) => format!("a node does not answer /state; the others: {states:?}"),
+            Ok(states) if !expect(&states) => format!("{states:?}"),
+            Ok(states) if seen.as_ref() == Some(&states) => return states,
+            Ok(states) => {
+                seen = Some(states);
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        };
+        seen = None;
+        if Instant::now() >= deadline {
+            let mut logs: Vec<String> = nodes.iter().map(|n| n.proc.tail()).collect();
+            logs.extend(procs.iter().map(|p| p.tail()));
+            panic!(
+                "timed out waiting for {what}: {complaint}\n{}",
+                logs.join("\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn arena(node: &Sidecar, name: &str, npcs: u64, center: (f64, f64)) -> Proc {
+    Proc::spawn(
+        format!("arena {name}"),
+        Command::new(arena_bin())
+            .args(["--sidecar", &format!("127.0.0.1:{}", node.local)])
+            .args(["--npcs", &npcs.to_string()])
+            .args(["--center", &format!("{},{}", center.0, center.1)])
+            .args(["--spread", &SPREAD.to_string()])
+            .env("RUST_LOG", "info"),
+    )
+}
+
+/// A counter from the stats an arena logs when it stops (`arena stopped stats=ArenaStats {..}`).
+fn arena_stat(log: &str, field: &str) -> u64 {
+    let line = log
+        .lines()
+        .rfind(|l| l.contains("arena stopped"))
+        .unwrap_or_else(|| panic!("the arena logged no stats:\n{log}"));
+    let key = format!(" {field}: ");
+    let at = line
+        .find(&key)
+        .unwrap_or_else(|| panic!("no {field} in {line}"))
+        + key.len();
+    let digits: String = line[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits
+        .parse()
+        .unwrap_or_else(|_| panic!("{field} in {line}"))
+}
+
+/// A cluster with entities in flight from node 1 to node 2: `SETTLED` NPCs already handed over
+/// (their first arena gone), then `IN_FLIGHT` more offered to node 2, whose game is stopped
+/// before it answers their `Adopt`.
+struct InFlight {
+    source: Sidecar,
+    target: Sidecar,
+    /// Node 1's game holding the in-flight NPCs frozen.
+    source_game: Proc,
+    /// Node 2's game, stopped (SIGSTOP).
+    target_game: Proc,
+    deadline: Instant,
+}
+
+async fn in_flight(tag: &str) -> InFlight {
+    arena_bin();
+    let deadline = Instant::now() + DEADLINE;
+    let mongo = required("CELLMESH_TEST_MONGO_URL");
+    let run = format!(
+        "{}_{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos()
+    );
+    let topology = format!("{}/cm_handoff_{tag}_{run}", mongo.trim_end_matches('/'));
+    let plan = std::process::Command::new(env!("CARGO_BIN_EXE_cellmesh"))
+        .args(["partition", "plan", "--grid", "2x1", "--nodes", "1,2"])
+        .args(["--commit", "--store", &topology])
+        .output()
+        .unwrap();
+    assert!(
+        plan.status.success(),
+        "plan failed: {}",
+        String::from_utf8_lossy(&plan.stderr)
+    );
+
+    let mut source = Sidecar::start(1, &topology, deadline).await;
+    let mut target = Sidecar::start(2, &topology, deadline).await;
+    until_leased([&mut source, &mut target], deadline).await;
+    let target_game = arena(&target, "2", 0, CROSSING);
+
+    // Settled: NPCs born past the border walk into node 2's area and are adopted there.
+    let first = arena(&source, "1", SETTLED, CROSSING);
+    until_states(
+        deadline,
+        "the first NPCs to be handed over",
+        [&source, &target],
+        &[&first, &target_game],
+        |[s, t]| s.settled() && t.settled() && s.reals == 0 && t.reals == SETTLED,
+    )
+    .await;
+    let log = first.terminate().await;
+    assert_eq!(arena_stat(&log, "evicted"), SETTLED, "{log}");
+
+    // In flight: node 2 accepts the offers, but its stopped game never answers the Adopts.
+    target_game.signal("STOP");
+    let source_game = arena(&source, "1b", IN_FLIGHT, CROSSING);
+    until_states(
+        deadline,
+        "the next NPCs to be in doubt",
+        [&source, &target],
+        &[&source_game, &target_game],
+        |[s, t]| {
+            s.in_doubt.len() as u64 == IN_FLIGHT
+                && s.reals == IN_FLIGHT
+                && t.adopting == IN_FLIGHT
+                && t.reals == SETTLED
+        },
+    )
+    .await;
+    InFlight {
+        source,
+        target,
+        source_game,
+        target_game,
+        deadline,
+    }
+}
+
+/// The target dies with every in-flight entity's `Adopt` unanswered. Its restart (same node id,
+/// once the old lease lapsed) adopts them from the source's snapshots: each ends on node 2
+/// exactly once, nothing stays in doubt, and the source resurrects none of the entities that
+/// died with node 2's game.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_target_mid_handoff_leaves_every_entity_held_once() {
+    let _one = ONE_CLUSTER.lock().await;
+    let InFlight {
+        mut source,
+        mut target,
+        source_game,
+        mut target_game,
+        deadline,
+    } = in_flight("target").await;
+
+    target.proc.kill().await;
+    target_game.kill().await;
+    target.restart(deadline).await;
+    until_leased([&mut source, &mut target], deadline).await;
+    let target_game = arena(&target, "2 (restarted)", 0, CROSSING);
+
+    // The settled NPCs lived in node 2's game and died with it; the in-flight ones live on.
+    until_states(
+        deadline,
+        "the restarted target to adopt what was in flight",
+        [&source, &target],
+        &[&source_game, &target_game],
+        |[s, t]| s.settled() && t.settled() && s.reals == 0 && t.reals == IN_FLIGHT,
+    )
+    .await;
+
+    let log = source_game.terminate().await;
+    assert_eq!(arena_stat(&log, "evicted"), IN_FLIGHT, "{log}");
+    let log = target_game.terminate().await;
+    assert_eq!(arena_stat(&log, "adopted"), IN_FLIGHT, "{log}");
+}
+
+/// The source dies with every in-flight entity offered and accepted: the target keeps what was
+/// handed over before (and completes the adoptions its game answers after the source is gone),
+/// and the restarted source holds only what its new game spawns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_source_mid_handoff_keeps_what_was_handed_over() {
+    let _one = ONE_CLUSTER.lock().await;
+    let InFlight {
+        mut source,
+        mut target,
+        mut source_game,
+        target_game,
+        deadline,
+    } = in_flight("source").await;
+
+    source.proc.kill().await;
+    source_game.kill().await;
+    target_game.signal("CONT");
+    until_states(
+        deadline,
+        "the target to keep what it was handed",
+        [&target],
+        &[&target_game, &source.proc],
+        |[t]| t.lease_live && t.in_flight == 0 && t.adopting == 0 && t.reals == SETTLED + IN_FLIGHT,
+    )
+    .await;
+
+    source.restart(deadline).await;
+    until_leased([&mut source, &mut target], deadline).await;
+    let home = 3;
+    let source_game = arena(&source, "1 (restarted)", home, HOME);
+    until_states(
+        deadline,
+        "the restarted source to rejoin",
+        [&source, &target],
+        &[&source_game, &target_game],
+        |[s, t]| s.settled() && t.settled() && s.reals == home && t.reals == SETTLED + IN_FLIGHT,
+    )
+    .await;
+
+    let log = target_game.terminate().await;
+    assert_eq!(arena_stat(&log, "adopted"), SETTLED + IN_FLIGHT, "{log}");
+    source_game.terminate().await;
+}
