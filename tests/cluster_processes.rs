@@ -10,79 +10,25 @@ use std::time::Duration;
 use cellmesh_arena::{schema, ArenaConfig};
 use cellmesh_proto::edge::{client_message, server_message, DeltaKind, Pong};
 use cellmesh_proto::sdk::SidecarAddr;
-use support::{free_port, wait_ready};
-use tokio::process::{Child, Command};
+use support::{commit_plan, free_port, required, run_id, spawn_sidecar, wait_ready};
+use tokio::process::Command;
 
 mod support;
-
-fn required(var: &str) -> String {
-    std::env::var(var).unwrap_or_else(|_| {
-        panic!("{var} is not set: run ./scripts/test.sh, which installs and starts Redis and the MongoDB-compatible server")
-    })
-}
-
-struct Node {
-    local: u16,
-    mesh: u16,
-    admin: u16,
-    child: Child,
-}
-
-fn sidecar(node: u32, topology: &str, redis: &str, geo: &str) -> Node {
-    let (local, mesh, admin) = (free_port(), free_port(), free_port());
-    let child = Command::new(env!("CARGO_BIN_EXE_cellmesh"))
-        .arg("sidecar")
-        .env("CELLMESH_NODE_ID", node.to_string())
-        .env("CELLMESH_GEO", geo)
-        .env("CELLMESH_LOCAL_LISTEN", format!("127.0.0.1:{local}"))
-        .env("CELLMESH_MESH_LISTEN", format!("127.0.0.1:{mesh}"))
-        .env("CELLMESH_ADMIN_LISTEN", format!("127.0.0.1:{admin}"))
-        .env("CELLMESH_TOPOLOGY_URL", topology)
-        .env("CELLMESH_DIRECTORY_URL", redis)
-        .stdout(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    Node {
-        local,
-        mesh,
-        admin,
-        child,
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_sidecar_processes_serve_one_world() {
     let mongo = required("CELLMESH_TEST_MONGO_URL");
     let redis = required("CELLMESH_TEST_REDIS_URL");
-    let run = format!("{}{}", std::process::id(), rand_suffix());
+    let run = run_id();
     let topology = format!("{}/cm_cluster_{run}", mongo.trim_end_matches('/'));
     let geo = format!("cluster-{run}");
     let bin = env!("CARGO_BIN_EXE_cellmesh");
 
     // The operator commits a 2×1 grid: node 1 west of x = 65 536 m, node 2 east of it.
-    let plan = std::process::Command::new(bin)
-        .args([
-            "partition",
-            "plan",
-            "--grid",
-            "2x1",
-            "--nodes",
-            "1,2",
-            "--commit",
-            "--store",
-            &topology,
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        plan.status.success(),
-        "plan failed: {}",
-        String::from_utf8_lossy(&plan.stderr)
-    );
+    commit_plan(&topology, "2x1", "1,2");
 
-    let mut n1 = sidecar(1, &topology, &redis, &geo);
-    let mut n2 = sidecar(2, &topology, &redis, &geo);
+    let mut n1 = spawn_sidecar(1, &topology, &redis, &geo);
+    let mut n2 = spawn_sidecar(2, &topology, &redis, &geo);
 
     // Both arenas stand at the border, so one view holds NPCs of both nodes.
     let mut arenas = Vec::new();
@@ -162,11 +108,4 @@ async fn two_sidecar_processes_serve_one_world() {
     for a in arenas {
         a.abort();
     }
-}
-
-fn rand_suffix() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos() as u64
 }

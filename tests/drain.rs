@@ -3,77 +3,17 @@
 //! --commit`), which hands every entity it holds to the remaining node; then it exits by itself.
 //! The real MongoDB holds the topology, the real Redis the session directory.
 
-use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
 use cellmesh_arena::{ArenaConfig, Census};
 use cellmesh_proto::sdk::SidecarAddr;
-use support::{free_port, wait_ready};
-use tokio::process::{Child, Command};
+use support::{admin_state, commit_plan, required, run_id, spawn_sidecar, wait_ready};
 
 mod support;
 
-fn required(var: &str) -> String {
-    std::env::var(var).unwrap_or_else(|_| {
-        panic!("{var} is not set: run ./scripts/test.sh, which installs and starts Redis and the MongoDB-compatible server")
-    })
-}
-
-struct Node {
-    local: u16,
-    admin: u16,
-    child: Child,
-}
-
-fn sidecar(node: u32, topology: &str, redis: &str, geo: &str) -> Node {
-    let (local, mesh, admin) = (free_port(), free_port(), free_port());
-    let child = Command::new(env!("CARGO_BIN_EXE_cellmesh"))
-        .arg("sidecar")
-        .env("CELLMESH_NODE_ID", node.to_string())
-        .env("CELLMESH_GEO", geo)
-        .env("CELLMESH_LOCAL_LISTEN", format!("127.0.0.1:{local}"))
-        .env("CELLMESH_MESH_LISTEN", format!("127.0.0.1:{mesh}"))
-        .env("CELLMESH_ADMIN_LISTEN", format!("127.0.0.1:{admin}"))
-        .env("CELLMESH_TOPOLOGY_URL", topology)
-        .env("CELLMESH_DIRECTORY_URL", redis)
-        .stdout(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    Node {
-        local,
-        admin,
-        child,
-    }
-}
-
-fn plan(topology: &str, grid: &str, nodes: &str) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cellmesh"))
-        .args([
-            "partition",
-            "plan",
-            "--grid",
-            grid,
-            "--nodes",
-            nodes,
-            "--commit",
-            "--store",
-            topology,
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "plan {grid} {nodes} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 async fn state(admin: u16) -> serde_json::Value {
-    let addr = format!("127.0.0.1:{admin}").parse().unwrap();
-    let (_, body) = cellmesh_admin::http_get(addr, "/state").await.unwrap();
-    serde_json::from_str(&body).unwrap()
+    admin_state(admin).await.expect("the node answers /state")
 }
 
 async fn ready(admin: u16) -> Option<u16> {
@@ -92,20 +32,13 @@ async fn reals(admin: u16) -> u64 {
 async fn sigterm_drains_a_node_once_the_partition_moves_its_area_away() {
     let mongo = required("CELLMESH_TEST_MONGO_URL");
     let redis = required("CELLMESH_TEST_REDIS_URL");
-    let run = format!(
-        "{}{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .subsec_nanos()
-    );
+    let run = run_id();
     let topology = format!("{}/cm_drain_{run}", mongo.trim_end_matches('/'));
     let geo = format!("drain-{run}");
-    plan(&topology, "2x1", "1,2");
+    commit_plan(&topology, "2x1", "1,2");
 
-    let mut n1 = sidecar(1, &topology, &redis, &geo);
-    let mut n2 = sidecar(2, &topology, &redis, &geo);
+    let mut n1 = spawn_sidecar(1, &topology, &redis, &geo);
+    let mut n2 = spawn_sidecar(2, &topology, &redis, &geo);
 
     // Six NPCs deep inside each node's half of the world.
     let census = Arc::new(Census::default());
@@ -159,7 +92,7 @@ async fn sigterm_drains_a_node_once_the_partition_moves_its_area_away() {
     assert_eq!(reals(n2.admin).await, 6, "nothing moved yet");
 
     // The operator gives the whole world to node 1: node 2 hands everything over, then exits.
-    plan(&topology, "1x1", "1");
+    commit_plan(&topology, "1x1", "1");
     let status = tokio::time::timeout(Duration::from_secs(30), n2.child.wait())
         .await
         .expect("node 2 exits once drained")

@@ -15,11 +15,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
-use support::free_port;
-use tokio::io::{AsyncRead, AsyncReadExt};
+use support::{admin_state, commit_plan, free_port, required, run_id, Log};
 use tokio::process::{Child, Command};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -42,12 +41,6 @@ const DEADLINE: Duration = Duration::from_secs(55);
 /// One cluster at a time: sidecars starting together slow the MongoDB-compatible server down
 /// enough for a lease this short to lapse before its first renewal.
 static ONE_CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn required(var: &str) -> String {
-    std::env::var(var).unwrap_or_else(|_| {
-        panic!("{var} is not set: run ./scripts/test.sh, which installs and starts the MongoDB-compatible server")
-    })
-}
 
 /// The `arena` binary. Cargo builds only this package's binaries for its integration tests
 /// (`CARGO_BIN_EXE_*`); the arena belongs to another package, so it is built into the same target
@@ -84,29 +77,6 @@ fn arena_bin() -> &'static Path {
         );
         profile_dir.join(format!("arena{}", std::env::consts::EXE_SUFFIX))
     })
-}
-
-/// Everything a process wrote so far, collected while it runs (a full pipe would stall it).
-#[derive(Clone, Default)]
-struct Log(Arc<Mutex<String>>);
-
-impl Log {
-    fn collect(&self, mut from: impl AsyncRead + Unpin + Send + 'static) -> JoinHandle<()> {
-        let sink = self.clone();
-        tokio::spawn(async move {
-            let mut buf = [0u8; 4096];
-            while let Ok(n @ 1..) = from.read(&mut buf).await {
-                sink.0
-                    .lock()
-                    .unwrap()
-                    .push_str(&String::from_utf8_lossy(&buf[..n]));
-            }
-        })
-    }
-
-    fn text(&self) -> String {
-        self.0.lock().unwrap().clone()
-    }
 }
 
 /// A child process with its stdout and stderr collected.
@@ -242,7 +212,7 @@ impl Sidecar {
                     .env("CELLMESH_NODE_LEASE_MS", NODE_LEASE_MS),
             );
             loop {
-                if state(admin).await.is_some() {
+                if admin_state(admin).await.is_some() {
                     return proc;
                 }
                 if let Some(status) = proc.child.try_wait().expect("polling the sidecar") {
@@ -270,7 +240,7 @@ impl Sidecar {
 
     /// The node's state once it has started.
     async fn state(&self) -> Option<NodeState> {
-        state(self.admin)
+        admin_state(self.admin)
             .await
             .filter(|s| s["starting"] != true)
             .map(|s| NodeState::of(&s))
@@ -280,9 +250,9 @@ impl Sidecar {
 /// Waits until both nodes are linked, each having found the other through the record it
 /// publishes after renewing its lease.
 ///
-/// A grant slower than the lease (the MongoDB-compatible server stalls now and then under load)
-/// leaves a node that loses its lease at its first renewal and never takes it again: such a node
-/// is started anew, since what is under test here is the handoff, not the node's start.
+/// The short lease used here can lapse when the MongoDB-compatible server stalls under load; the
+/// node then freezes and stays out, as it must. Such a node is started anew before anything is
+/// killed, since what is under test is the handoff, not the node's start.
 async fn until_leased(mut nodes: [&mut Sidecar; 2], deadline: Instant) {
     loop {
         let mut linked = 0;
@@ -308,14 +278,6 @@ async fn until_leased(mut nodes: [&mut Sidecar; 2], deadline: Instant) {
             panic!("the nodes never linked:\n{}", logs.join("\n"));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-async fn state(admin: u16) -> Option<serde_json::Value> {
-    let addr = format!("127.0.0.1:{admin}").parse().unwrap();
-    match cellmesh_admin::http_get(addr, "/state").await {
-        Ok((200, body)) => serde_json::from_str(&body).ok(),
-        _ => None,
     }
 }
 
@@ -457,25 +419,9 @@ async fn in_flight(tag: &str) -> InFlight {
     arena_bin();
     let deadline = Instant::now() + DEADLINE;
     let mongo = required("CELLMESH_TEST_MONGO_URL");
-    let run = format!(
-        "{}_{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .subsec_nanos()
-    );
+    let run = run_id();
     let topology = format!("{}/cm_handoff_{tag}_{run}", mongo.trim_end_matches('/'));
-    let plan = std::process::Command::new(env!("CARGO_BIN_EXE_cellmesh"))
-        .args(["partition", "plan", "--grid", "2x1", "--nodes", "1,2"])
-        .args(["--commit", "--store", &topology])
-        .output()
-        .unwrap();
-    assert!(
-        plan.status.success(),
-        "plan failed: {}",
-        String::from_utf8_lossy(&plan.stderr)
-    );
+    commit_plan(&topology, "2x1", "1,2");
 
     let mut source = Sidecar::start(1, &topology, deadline).await;
     let mut target = Sidecar::start(2, &topology, deadline).await;

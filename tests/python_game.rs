@@ -9,7 +9,7 @@
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use cellmesh_arena::{schema, ArenaConfig, Census};
@@ -23,10 +23,12 @@ use cellmesh_proto::edge::{client_message, server_message, Batch, DeltaKind, Pon
 use cellmesh_proto::sdk::SidecarAddr;
 use cellmesh_proxy::ProxyConfig;
 use cellmesh_sidecar::{SidecarConfig, SidecarHandle};
-use tokio::io::AsyncReadExt;
+use support::Log;
 use tokio::process::{Child, Command};
 use tokio::time::{timeout_at, Instant};
 use tokio_util::sync::CancellationToken;
+
+mod support;
 
 const KIND: u32 = 1;
 const HEALTH: u32 = 2;
@@ -49,30 +51,32 @@ fn game_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/python-game")
 }
 
-/// Everything a process wrote to stderr so far, collected while it runs (a full pipe would stall it).
-#[derive(Clone, Default)]
-struct Log(Arc<Mutex<String>>);
+/// Collects `child`'s stderr as it runs.
+fn stderr_log(child: &mut Child) -> Log {
+    let log = Log::default();
+    log.collect(child.stderr.take().expect("stderr is piped"));
+    log
+}
 
-impl Log {
-    fn collect(child: &mut Child) -> Self {
-        let log = Log::default();
-        let mut stderr = child.stderr.take().expect("stderr is piped");
-        let sink = log.clone();
-        tokio::spawn(async move {
-            let mut buf = [0u8; 4096];
-            while let Ok(n @ 1..) = stderr.read(&mut buf).await {
-                sink.0
-                    .lock()
-                    .unwrap()
-                    .push_str(&String::from_utf8_lossy(&buf[..n]));
-            }
-        });
-        log
-    }
-
-    fn text(&self) -> String {
-        self.0.lock().unwrap().clone()
-    }
+/// Logs `alice` in through `proxy` with a token signed by `secret`.
+async fn login_alice(
+    proxy: &cellmesh_proxy::ProxyHandle,
+    secret: &str,
+    deadline: Instant,
+) -> (ClientSender, ClientReceiver, cellmesh_proto::edge::Welcome) {
+    let expiry = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3600;
+    let token = cellmesh_proto::token::sign(secret.as_bytes(), "alice", expiry);
+    timeout_at(
+        deadline,
+        client::login(&proxy.client_addr.to_string(), &token),
+    )
+    .await
+    .expect("login timed out")
+    .expect("login through the proxy")
 }
 
 fn spawn_game(sidecar: &str) -> Child {
@@ -272,7 +276,7 @@ async fn python_game_npcs_reach_a_client_through_the_proxy() {
         .expect("starting the proxy");
 
     let mut game = spawn_game(&sidecar.local_addr);
-    let game_log = Log::collect(&mut game);
+    let game_log = stderr_log(&mut game);
     while sidecar.stats().entities < NPCS as u64 {
         if let Ok(Some(status)) = game.try_wait() {
             panic!(
@@ -289,19 +293,7 @@ async fn python_game_npcs_reach_a_client_through_the_proxy() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    let expiry = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-        + 3600;
-    let token = cellmesh_proto::token::sign(secret.as_bytes(), "alice", expiry);
-    let (mut tx, mut rx, welcome) = timeout_at(
-        deadline,
-        client::login(&proxy.client_addr.to_string(), &token),
-    )
-    .await
-    .expect("login timed out")
-    .expect("login through the proxy");
+    let (mut tx, mut rx, welcome) = login_alice(&proxy, &secret, deadline).await;
     assert_eq!(welcome.account, "alice");
 
     let mut view = View {
@@ -634,7 +626,7 @@ async fn python_game_and_rust_arena_hand_an_avatar_back_and_forth() {
         .kill_on_drop(true)
         .spawn()
         .expect("starting the Python game");
-    let log = Log::collect(&mut game);
+    let log = stderr_log(&mut game);
 
     let proxy_cfg = ProxyConfig {
         client_listen: "127.0.0.1:0".into(),
@@ -666,19 +658,7 @@ async fn python_game_and_rust_arena_hand_an_avatar_back_and_forth() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    let expiry = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-        + 3600;
-    let token = cellmesh_proto::token::sign(secret.as_bytes(), "alice", expiry);
-    let (tx, rx, welcome) = timeout_at(
-        deadline,
-        client::login(&proxy.client_addr.to_string(), &token),
-    )
-    .await
-    .expect("login timed out")
-    .expect("login through the proxy");
+    let (tx, rx, welcome) = login_alice(&proxy, &secret, deadline).await;
     assert_eq!(welcome.gateway_node, 1);
     let mut player = Player {
         tx,

@@ -668,21 +668,7 @@ impl Node {
                     self.routes.insert(account.clone(), entry);
                     self.remote_players.insert(account.clone(), entry);
                     self.anchor_sent.remove(&account);
-                    if let Some(e) = self.table.get_local(o.entity_id) {
-                        let (id, pos, chunk) = (e.id, e.position, e.chunk);
-                        if self.send_peer(
-                            o.gateway_node,
-                            mesh_message::Body::Anchor(mesh::Anchor {
-                                account: account.clone(),
-                                session_epoch: o.session_epoch,
-                                entity_id: id,
-                                position: Some(vec3(pos)),
-                                entity_epoch: epoch,
-                            }),
-                        ) {
-                            self.anchor_sent.insert(account, chunk);
-                        }
-                    }
+                    self.send_anchor(o.gateway_node, &account, o.session_epoch);
                 }
             }
         }
@@ -814,24 +800,16 @@ impl Node {
             }
             return;
         }
-        let ghost_of_sender = self
-            .table
-            .get(m.entity_id)
-            .map(|e| (e.origin == Some(node), e.chunk));
-        if matches!(ghost_of_sender, Some((false, _)))
-            && self
-                .table
-                .get(m.entity_id)
-                .is_some_and(|e| e.origin.is_none())
-        {
+        let held = self.table.get(m.entity_id).map(|e| (e.origin, e.chunk));
+        if matches!(held, Some((None, _))) {
+            // This node's own entity: its epoch is the node's to decide.
             return;
         }
         let due = self
             .fence
             .advance(m.entity_id, m.entity_epoch, m.owner_node);
-        // A subscription kept for the old owner's ghosts may be let go now.
-        self.subs_dirty |= self.kept_for_ghosts;
-        if let Some((true, chunk)) = ghost_of_sender {
+        // A ghost of the sender follows the new owner (if this node subscribes there).
+        if let Some((_, chunk)) = held.filter(|h| h.0 == Some(node)) {
             if self.subs.has(chunk, m.owner_node) {
                 self.table
                     .set_origin(m.entity_id, m.owner_node, m.entity_epoch);
@@ -1012,20 +990,7 @@ impl Node {
         self.prev_partition = Some((prev, std::time::Instant::now()));
         self.near_cache.clear();
         self.subs_dirty = true;
-        let w = self.cfg.world;
-        let owned_area = self
-            .area
-            .iter()
-            .map(|r| {
-                let (x, y, width, height) = w.rect_metres(r);
-                local::Rect {
-                    x,
-                    y,
-                    width,
-                    height,
-                }
-            })
-            .collect();
+        let owned_area = self.owned_rects();
         if self.game.is_some() {
             self.to_game.push(
                 sidecar_message::Body::PartitionChanged(local::PartitionChanged {
@@ -1038,15 +1003,7 @@ impl Node {
         let ack = mesh_message::Body::PartitionAck(mesh::PartitionAck {
             partition_epoch: self.partition.epoch(),
         });
-        let up: Vec<NodeId> = self
-            .peers
-            .iter()
-            .filter(|(_, p)| p.link.is_some())
-            .map(|(n, _)| *n)
-            .collect();
-        for n in up {
-            self.send_peer(n, ack.clone());
-        }
+        self.broadcast(ack);
         let gone: BTreeSet<u64> = self
             .table
             .iter()

@@ -192,8 +192,6 @@ pub(crate) struct Node {
     pub prev_partition: Option<(Arc<Partition>, std::time::Instant)>,
     /// (chunk, owner) pairs re-subscribed lately to recover a ghost (unix ms).
     pub resynced: HashMap<(ChunkPos, NodeId), u64>,
-    /// Subscriptions are kept at a node no longer near their chunk while its ghosts are there.
-    pub kept_for_ghosts: bool,
     /// chunk -> the nodes that may own an entity there (cleared with each partition).
     pub near_cache: HashMap<ChunkPos, Vec<NodeId>>,
     pub subs: Subscriptions,
@@ -290,7 +288,6 @@ impl Node {
             area: subs::merge_rects(partition.area_of(cfg.node_id)),
             band,
             near_cache: HashMap::new(),
-            kept_for_ghosts: false,
             resynced: HashMap::new(),
             prev_partition: None,
             handoff_out: HandoffSource::default(),
@@ -486,19 +483,7 @@ impl Node {
                     chunk_size: w.chunk_size,
                     region_size: w.region_size,
                 }),
-                owned_area: self
-                    .area
-                    .iter()
-                    .map(|r| {
-                        let (x, y, width, height) = w.rect_metres(r);
-                        local::Rect {
-                            x,
-                            y,
-                            width,
-                            height,
-                        }
-                    })
-                    .collect(),
+                owned_area: self.owned_rects(),
                 partition_epoch: self.partition.epoch(),
             })
             .into(),
@@ -551,6 +536,23 @@ impl Node {
                 self.on_game_message(body);
             }
         }
+    }
+
+    /// The node's area in metres, as the game is told it.
+    pub(crate) fn owned_rects(&self) -> Vec<local::Rect> {
+        let w = &self.cfg.world;
+        self.area
+            .iter()
+            .map(|r| {
+                let (x, y, width, height) = w.rect_metres(r);
+                local::Rect {
+                    x,
+                    y,
+                    width,
+                    height,
+                }
+            })
+            .collect()
     }
 
     fn on_game_message(&mut self, body: game_message::Body) {

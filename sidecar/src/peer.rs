@@ -10,7 +10,7 @@
 //!   ones in its interaction band to its game as simulation ghosts.
 //! - As a **gateway**: delivers routed pieces to its sessions after checking their epoch.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -292,7 +292,7 @@ impl Node {
             .collect()
     }
 
-    fn broadcast(&mut self, body: mesh_message::Body) {
+    pub(crate) fn broadcast(&mut self, body: mesh_message::Body) {
         for node in self.up_peers() {
             self.send_peer(node, body.clone());
         }
@@ -768,7 +768,7 @@ impl Node {
 
     /// Tells remote gateways where their players' avatars are when they spawn or change chunk.
     pub(crate) fn send_anchors(&mut self, changes: &TickChanges) {
-        let mut out = Vec::new();
+        let mut due = Vec::new();
         for &id in changes.keys() {
             let Some(e) = self.table.get_local(id).filter(|e| e.is_master) else {
                 continue;
@@ -776,32 +776,32 @@ impl Node {
             let Some(r) = self.remote_players.get(&e.owner_account) else {
                 continue;
             };
-            if self.anchor_sent.get(&e.owner_account) == Some(&e.chunk) {
-                continue;
+            if self.anchor_sent.get(&e.owner_account) != Some(&e.chunk) {
+                due.push((e.owner_account.clone(), *r));
             }
-            out.push((
-                e.owner_account.clone(),
-                *r,
-                e.id,
-                e.position,
-                e.chunk,
-                e.epoch,
-            ));
         }
-        for (account, r, id, pos, chunk, epoch) in out {
-            let sent = self.send_peer(
-                r.gateway_node,
-                mesh_message::Body::Anchor(mesh::Anchor {
-                    account: account.clone(),
-                    session_epoch: r.session_epoch,
-                    entity_id: id,
-                    position: Some(vec3(pos)),
-                    entity_epoch: epoch,
-                }),
-            );
-            if sent {
-                self.anchor_sent.insert(account, chunk);
-            }
+        for (account, r) in due {
+            self.send_anchor(r.gateway_node, &account, r.session_epoch);
+        }
+    }
+
+    /// Tells `gateway` where `account`'s master is, if this node writes it, and remembers the
+    /// chunk told. The anchor carries the master's epoch, so a late one from a previous owner
+    /// loses against it.
+    pub(crate) fn send_anchor(&mut self, gateway: NodeId, account: &str, session_epoch: u64) {
+        let Some(e) = self.table.master_of(account).filter(|e| e.origin.is_none()) else {
+            return;
+        };
+        let (id, pos, chunk, epoch) = (e.id, e.position, e.chunk, e.epoch);
+        let anchor = mesh_message::Body::Anchor(mesh::Anchor {
+            account: account.to_string(),
+            session_epoch,
+            entity_id: id,
+            position: Some(vec3(pos)),
+            entity_epoch: epoch,
+        });
+        if self.send_peer(gateway, anchor) {
+            self.anchor_sent.insert(account.to_string(), chunk);
         }
     }
 
@@ -836,25 +836,7 @@ impl Node {
                 .push(sidecar_message::Body::PlayerJoin(join).into());
         }
         // An avatar that already exists (a new login) anchors the new session at once.
-        if let Some(e) = self
-            .table
-            .master_of(&j.account)
-            .filter(|e| e.origin.is_none())
-        {
-            let (id, pos, chunk, epoch) = (e.id, e.position, e.chunk, e.epoch);
-            if self.send_peer(
-                gateway,
-                mesh_message::Body::Anchor(mesh::Anchor {
-                    account: j.account.clone(),
-                    session_epoch: j.session_epoch,
-                    entity_id: id,
-                    position: Some(vec3(pos)),
-                    entity_epoch: epoch,
-                }),
-            ) {
-                self.anchor_sent.insert(j.account, chunk);
-            }
-        }
+        self.send_anchor(gateway, &j.account, j.session_epoch);
     }
 
     fn on_peer_player_leave(&mut self, l: mesh::PeerPlayerLeave) {
@@ -1076,22 +1058,6 @@ impl Node {
                 }
             }
         }
-        // A node no longer near a wanted chunk (the partition changed) may still own entities
-        // there until it hands them off: keep those subscriptions while its ghosts are here, so
-        // nobody sees them vanish and its `EntityMoved` arrives.
-        let wanted_chunks: HashSet<ChunkPos> = wanted.iter().map(|(c, _)| *c).collect();
-        let keep: Vec<(ChunkPos, NodeId)> = self
-            .table
-            .iter()
-            .filter_map(|e| Some((e.chunk, e.origin?)))
-            .filter(|pair| {
-                wanted_chunks.contains(&pair.0)
-                    && !wanted.contains(pair)
-                    && self.subs.has(pair.0, pair.1)
-            })
-            .collect();
-        self.kept_for_ghosts = !keep.is_empty();
-        wanted.extend(keep);
         let changes = self.subs.update(wanted);
         for (owner, chunks) in changes.unsubscribe {
             for c in &chunks {
