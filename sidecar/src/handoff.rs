@@ -391,6 +391,11 @@ impl<I: Clone> HandoffSource<I> {
         roots
     }
 
+    /// Where a unit handed away from here went, and under which epoch.
+    pub fn departed_to(&self, id: EntityId) -> Option<(NodeId, Epoch)> {
+        self.departed.get(&id).copied()
+    }
+
     /// Stops forwarding late inputs for an entity handed away (it left this node's view).
     pub fn forget(&mut self, id: EntityId) {
         self.departed.remove(&id);

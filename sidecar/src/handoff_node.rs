@@ -463,6 +463,8 @@ impl Node {
                 self.fence.forget(id);
             }
             if let Some(account) = master {
+                // Late inputs follow it even when no ghost of it stays here.
+                self.departed_masters.insert(account.clone(), id);
                 if let Some(leave) = self.leaving.remove(&account) {
                     self.send_peer(done.to, mesh_message::Body::PlayerLeave(leave));
                 }
@@ -650,6 +652,7 @@ impl Node {
         // The player's inputs and routes follow its master.
         if o.is_master && !o.owner_account.is_empty() {
             let account = o.owner_account.clone();
+            self.departed_masters.remove(&account);
             self.master_epoch.insert(account.clone(), epoch);
             if o.gateway_node == me {
                 self.master_owner.insert(account.clone(), me);
@@ -899,10 +902,19 @@ impl Node {
                     .values()
                     .find(|o| o.is_master && o.owner_account == i.account)
                     .map(|o| (o.entity_id, o.entity_epoch));
-                match adopting {
-                    Some((id, epoch)) if i.entity_epoch >= epoch => {
+                let departed = self.departed_masters.get(&i.account).copied();
+                match (adopting, departed) {
+                    (Some((id, epoch)), _) if i.entity_epoch >= epoch => {
                         let _ = self.fence.admit(id, i.entity_epoch, None, Fenced::Input(i));
                     }
+                    // Handed away, and no ghost of it stayed here: forwarded all the same.
+                    (_, Some(id)) => match self.handoff_out.route_input(id, input) {
+                        InputRoute::Forward { to, epoch, input } => {
+                            self.forward_input(to, epoch, input)
+                        }
+                        InputRoute::Local(input) => self.input_to_game(input),
+                        InputRoute::Held => {}
+                    },
                     _ => self.input_to_game(input),
                 }
             }

@@ -244,6 +244,8 @@ pub(crate) struct Node {
     pub draining: Option<tokio::time::Instant>,
     /// Gateway side: the epoch of each local session's master, from its owner's anchors.
     pub master_epoch: HashMap<String, u64>,
+    /// Masters handed away from here, by account, so late input finds them with no ghost left.
+    pub departed_masters: HashMap<String, u64>,
     /// Players who left while their master was frozen for a handoff: the leave goes to the new
     /// owner once it acks (the game here drops it on Evict).
     pub leaving: HashMap<String, mesh::PeerPlayerLeave>,
@@ -305,6 +307,7 @@ impl Node {
             master_epoch: HashMap::new(),
             census: Arc::default(),
             leaving: HashMap::new(),
+            departed_masters: HashMap::new(),
             partition,
             subs: Subscriptions::default(),
             subs_dirty: true,

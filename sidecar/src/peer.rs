@@ -842,7 +842,15 @@ impl Node {
     fn on_peer_player_leave(&mut self, l: mesh::PeerPlayerLeave) {
         let Some(r) = self.remote_players.get(&l.account) else {
             // The avatar was handed on before the gateway heard: the leave follows it.
-            if let Some(owner) = self.table.master_of(&l.account).and_then(|e| e.origin) {
+            let owner = self
+                .table
+                .master_of(&l.account)
+                .and_then(|e| e.origin)
+                .or_else(|| {
+                    let id = self.departed_masters.get(&l.account)?;
+                    Some(self.handoff_out.departed_to(*id)?.0)
+                });
+            if let Some(owner) = owner {
                 self.send_peer(owner, mesh_message::Body::PlayerLeave(l));
             }
             return;
