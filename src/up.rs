@@ -352,7 +352,18 @@ pub async fn run(
     for t in bot_tasks {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Inputs still in flight land within a few ticks; a busy machine takes longer, so wait until
+    // the delivered count holds still (at most 5 s).
+    let settle = Instant::now() + Duration::from_secs(5);
+    let mut delivered = totals(&sidecars).inputs_delivered;
+    loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = totals(&sidecars).inputs_delivered;
+        if now == delivered || Instant::now() >= settle {
+            break;
+        }
+        delivered = now;
+    }
     let (s, p, b) = (totals(&sidecars), proxy.stats(), bot_stats.totals());
     // The census: handoffs in flight settle within a round trip, so an entity counts as lost or
     // doubled only if two reads 300 ms apart agree (each node's list is up to 100 ms old).

@@ -947,7 +947,7 @@ impl Node {
             .get(&i.account)
             .is_some_and(|r| r.session_epoch == i.session_epoch);
         if !(local || remote) {
-            return self.metrics.drop_msg("stale_session", 1);
+            return self.metrics.drop_msg("input_stale_session", 1);
         }
         if self.game.is_none() {
             return self.metrics.drop_msg("no_game", 1);
