@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use cellmesh_geo_router::geometry::{GeometryError, WorldShape};
 use serde::{Deserialize, Serialize};
 
-use crate::ids::MAX_NODE_ID;
+use crate::model::ids::MAX_NODE_ID;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

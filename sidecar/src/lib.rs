@@ -1,66 +1,45 @@
-//! The cellmesh sidecar: the data plane beside one game server (DESIGN §6-§9).
+//! The cellmesh sidecar: the data plane beside one game server (DESIGN §6-§10).
 //!
-//! - `game`: the local-protocol server the game connects to;
-//! - `mesh`: links from proxies, carrying client sessions;
-//! - `node`: the one task that owns the node's state, fed by both;
-//! - pure logic, no I/O: [`entities`] (the entity table), [`ids`] (snowflake ids), [`interest`]
-//!   (views with hysteresis), [`audience`] (who sees what), [`fold`] (one batch per client per
-//!   tick);
+//! The node decides and the driver acts (the sans-IO shape of quinn-proto):
+//!
+//! - [`model`]: the pure pieces (entity table, fold, interest, audiences, routing, chunk
+//!   subscriptions, ghosts, the handoff state machines and fence, ids);
+//! - [`core`]: the node's state and decisions, split by concern, with `handle(now, Input)`,
+//!   `poll_output()` and `poll_timeout()`; no tokio, no sockets, no clock;
+//! - `io`: the only tokio code: the driver loop, the game and mesh connections, dialling,
+//!   membership, the store executor;
 //! - [`metrics`] and the admin endpoints (`/live`, `/ready`, `/metrics`, `/state`).
 //!
-//! Many nodes serve one world ([`start_in`]): peer links between sidecars (`cluster`), node-level
-//! chunk subscriptions ([`subs`]), render and simulation ghosts ([`ghosts`]) and routing by
-//! account ([`route`]), wired together in `peer`. Entities move between nodes by epoch-fenced
-//! handoff: the pure state machines and fence in [`handoff`], driven by `handoff_node`.
+//! Imports run one way: `io` → `core` → `model`. [`start`] runs a lone node that owns the whole
+//! world; [`start_in`] runs one node of a cluster described by a topology store.
 
-pub mod audience;
-mod cluster;
 pub mod config;
-pub mod entities;
-pub mod fold;
-mod game;
-mod gateway;
-pub mod ghosts;
-pub mod handoff;
-mod handoff_node;
-pub mod ids;
-pub mod interest;
-mod mesh;
+pub mod core;
+mod io;
 pub mod metrics;
-mod node;
-mod peer;
-pub mod route;
-pub mod subs;
+pub mod model;
 
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
-use cellmesh_admin::prometheus_client::registry::Registry;
 use cellmesh_admin::Admin;
 use cellmesh_geo_router::partition::{Grid, Layout, Partition};
 use cellmesh_geo_router::store::Stores;
-use cellmesh_geo_router::topology::{Lease, NodeRecord, TopologyStore};
+use cellmesh_geo_router::topology::TopologyStore;
 use serde::Serialize;
-use std::sync::atomic::AtomicU64;
-use std::time::Duration;
-use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+pub use crate::core::authority::Real;
 pub use config::SidecarConfig;
+pub use model::ids;
 
-use crate::config::LocalListen;
-use crate::game::{GameCtx, GameListener};
-use crate::mesh::MeshCtx;
+use crate::core::Input;
+use crate::io::Event;
 use crate::metrics::Metrics;
-use crate::node::{Node, NodeEvent};
-
-/// Events queued for the node before connection tasks wait (back-pressure on the sockets).
-const NODE_INBOX: usize = 1024;
 
 /// A running sidecar.
 pub struct SidecarHandle {
@@ -72,16 +51,8 @@ pub struct SidecarHandle {
     metrics: Metrics,
     node: JoinHandle<()>,
     tasks: TaskTracker,
-    inbox: mpsc::WeakSender<NodeEvent>,
-    census: Arc<Mutex<Vec<crate::Real>>>,
-}
-
-/// An entity a node writes, as a census sees it: frozen ones are in a handoff and write nothing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct Real {
-    pub id: u64,
-    pub epoch: u64,
-    pub frozen: bool,
+    inbox: mpsc::WeakSender<Event>,
+    census: Arc<Mutex<Vec<Real>>>,
 }
 
 /// Counters for tests and the CLI status line.
@@ -163,7 +134,7 @@ impl SidecarHandle {
     /// what the partition gives to other nodes is handed to them, then the sidecar shuts down.
     pub fn drain(&self) {
         if let Some(inbox) = self.inbox.upgrade() {
-            let _ = inbox.try_send(NodeEvent::Drain);
+            let _ = inbox.try_send(Event::Core(Input::Drain));
         }
     }
 
@@ -189,7 +160,7 @@ pub async fn start(
     // One region covering the world, so the game is told one rectangle.
     let whole = Grid::new(&cfg.world, 1, 1, vec![cfg.node_id]).context("the world")?;
     let partition = Partition::new(cfg.world, 0, Layout::Grid(whole)).context("the world")?;
-    launch(cfg, stores, partition, None, shutdown).await
+    io::launch(cfg, stores, partition, None, shutdown).await
 }
 
 /// Starts a sidecar as one node of a cluster: it serves the area the committed partition in
@@ -201,153 +172,6 @@ pub async fn start_in(
     shutdown: CancellationToken,
 ) -> anyhow::Result<SidecarHandle> {
     cfg.validate().context("invalid sidecar configuration")?;
-    let (partition, lease) = cluster::join(topology.as_ref(), &cfg).await?;
-    launch(cfg, stores, partition, Some((topology, lease)), shutdown).await
-}
-
-async fn launch(
-    cfg: SidecarConfig,
-    stores: Stores,
-    partition: Partition,
-    membership: Option<(Arc<dyn TopologyStore>, Lease)>,
-    shutdown: CancellationToken,
-) -> anyhow::Result<SidecarHandle> {
-    let cfg = Arc::new(cfg);
-    let mut registry = Registry::default();
-    let metrics = Metrics::register(&mut registry);
-    let published = Arc::new(Mutex::new(
-        serde_json::json!({ "node_id": cfg.node_id, "starting": true }),
-    ));
-    let view = published.clone();
-    let admin = Admin::new(registry, move || {
-        view.lock().expect("state lock poisoned").clone()
-    });
-
-    let (local, local_addr) = bind_local(&cfg).await?;
-    let mesh = TcpListener::bind(&cfg.mesh_listen)
-        .await
-        .with_context(|| format!("binding mesh_listen {}", cfg.mesh_listen))?;
-    let mesh_addr = mesh.local_addr()?;
-    let admin_addr = cellmesh_admin::spawn(&cfg.admin_listen, admin.clone(), shutdown.clone())
-        .await
-        .with_context(|| format!("binding admin_listen {}", cfg.admin_listen))?;
-
-    let tasks = TaskTracker::new();
-    let (inbox, events) = mpsc::channel(NODE_INBOX);
-    let mesh_ctx = MeshCtx {
-        node: inbox.clone(),
-        metrics: metrics.clone(),
-        max_frame: cfg.max_frame_bytes,
-        outbox_frames: cfg.link_outbox_frames,
-        node_id: cfg.node_id,
-        geo: cfg.geo.clone(),
-        partition_epoch: partition.epoch(),
-        next_link: Arc::new(AtomicU64::new(1)),
-        shutdown: shutdown.clone(),
-        tasks: tasks.clone(),
-    };
-    let census: Arc<Mutex<Vec<crate::Real>>> = Arc::default();
-    let mut node = Node::new(
-        cfg.clone(),
-        stores,
-        metrics.clone(),
-        admin.clone(),
-        published,
-        inbox.clone(),
-        tasks.clone(),
-        Arc::new(partition),
-        membership.is_some().then(|| mesh_ctx.clone()),
-    );
-    node.census = census.clone();
-    if let Some((topology, lease)) = membership {
-        let advertise = match cfg.mesh_advertise.trim() {
-            "" => mesh_addr.to_string(),
-            a => a.to_string(),
-        };
-        let record = NodeRecord {
-            node: cfg.node_id,
-            geo: cfg.geo.clone(),
-            mesh_addr: advertise,
-            admin_addr: admin_addr.to_string(),
-        };
-        tasks.spawn(cluster::membership(
-            topology,
-            lease,
-            record,
-            Duration::from_millis(cfg.node_lease_ms),
-            node.partition.epoch(),
-            inbox.clone(),
-            shutdown.clone(),
-        ));
-    }
-    node.publish_state();
-    let shutdown_node = shutdown.clone();
-    // Should the node task ever end (or panic), everything else stops with it.
-    let stop_all = shutdown.clone().drop_guard();
-    let node = tokio::spawn(async move {
-        let _stop_all = stop_all;
-        node.run(events, shutdown_node).await
-    });
-    tasks.spawn(game::accept_loop(
-        local,
-        GameCtx {
-            node: inbox.clone(),
-            metrics: metrics.clone(),
-            max_frame: cfg.max_frame_bytes,
-            outbox_frames: cfg.game_outbox_frames,
-            shutdown: shutdown.clone(),
-            tasks: tasks.clone(),
-        },
-    ));
-    let weak = inbox.downgrade();
-    drop(inbox);
-    tasks.spawn(mesh::accept_loop(mesh, mesh_ctx));
-    tracing::info!(node = cfg.node_id, local = %local_addr, mesh = %mesh_addr, admin = %admin_addr, "sidecar started");
-    Ok(SidecarHandle {
-        local_addr,
-        mesh_addr,
-        admin_addr,
-        admin,
-        metrics,
-        node,
-        tasks,
-        inbox: weak,
-        census,
-    })
-}
-
-async fn bind_local(cfg: &SidecarConfig) -> anyhow::Result<(GameListener, String)> {
-    match cfg.local() {
-        LocalListen::Tcp(addr) => {
-            let l = TcpListener::bind(&addr)
-                .await
-                .with_context(|| format!("binding local_listen {addr}"))?;
-            let bound = l.local_addr()?.to_string();
-            Ok((GameListener::Tcp(l), bound))
-        }
-        LocalListen::Unix(path) => {
-            clear_stale_socket(&path).await?;
-            let l = UnixListener::bind(&path)
-                .with_context(|| format!("binding local_listen unix:{}", path.display()))?;
-            Ok((
-                GameListener::Unix(l, path.clone()),
-                format!("unix:{}", path.display()),
-            ))
-        }
-    }
-}
-
-/// A socket file left by a sidecar that died is removed; one that still answers is not stolen.
-async fn clear_stale_socket(path: &Path) -> anyhow::Result<()> {
-    if !path.exists() {
-        return Ok(());
-    }
-    if tokio::net::UnixStream::connect(path).await.is_ok() {
-        anyhow::bail!(
-            "local_listen unix:{} is in use by another process",
-            path.display()
-        );
-    }
-    std::fs::remove_file(path)
-        .with_context(|| format!("removing the stale socket {}", path.display()))
+    let (partition, lease) = io::membership::join(topology.as_ref(), &cfg).await?;
+    io::launch(cfg, stores, partition, Some((topology, lease)), shutdown).await
 }

@@ -1,7 +1,5 @@
-//! The sidecar's Prometheus metrics, and the frame codec wrapper that counts frames and bytes.
+//! The sidecar's Prometheus metrics.
 
-use bytes::BytesMut;
-use cellmesh_proto::codec::{FrameCodec, FrameError};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -9,7 +7,6 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use std::sync::{Arc, Mutex};
-use tokio_util::codec::{Decoder, Encoder};
 
 /// Who is on the other end of a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -402,7 +399,7 @@ impl Metrics {
         self.frames_out_all.get()
     }
 
-    fn wire(&self, peer: Peer) -> Wire {
+    pub(crate) fn wire(&self, peer: Peer) -> Wire {
         let get = |f: &Family<WireLabel, Counter>, direction| {
             f.get_or_create(&WireLabel {
                 direction,
@@ -421,103 +418,13 @@ impl Metrics {
     }
 }
 
+/// The counters of one kind of connection, for the codec that counts frames and bytes.
 #[derive(Clone)]
-struct Wire {
-    frames_in: Counter,
-    bytes_in: Counter,
-    frames_out: Counter,
-    bytes_out: Counter,
-    frames_in_all: Counter,
-    frames_out_all: Counter,
-}
-
-/// [`FrameCodec`] that counts what it decodes and encodes.
-pub struct MeteredCodec<D> {
-    inner: FrameCodec<D>,
-    wire: Wire,
-}
-
-impl<D> MeteredCodec<D> {
-    pub fn new(max_frame: usize, metrics: &Metrics, peer: Peer) -> Self {
-        Self {
-            inner: FrameCodec::with_max(max_frame),
-            wire: metrics.wire(peer),
-        }
-    }
-
-    fn counted_in<T>(&self, before: usize, src: &BytesMut, r: &Result<Option<T>, FrameError>) {
-        if let Ok(Some(_)) = r {
-            self.wire.frames_in.inc();
-            self.wire.frames_in_all.inc();
-            self.wire.bytes_in.inc_by((before - src.len()) as u64);
-        }
-    }
-}
-
-impl<D: prost::Message + Default> Decoder for MeteredCodec<D> {
-    type Item = D;
-    type Error = FrameError;
-
-    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<D>, FrameError> {
-        let before = src.len();
-        let r = self.inner.decode(src);
-        self.counted_in(before, src, &r);
-        r
-    }
-
-    fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<D>, FrameError> {
-        let before = src.len();
-        let r = self.inner.decode_eof(src);
-        self.counted_in(before, src, &r);
-        r
-    }
-}
-
-impl<D, E> Encoder<E> for MeteredCodec<D>
-where
-    FrameCodec<D>: Encoder<E, Error = FrameError>,
-{
-    type Error = FrameError;
-
-    fn encode(&mut self, item: E, dst: &mut BytesMut) -> Result<(), FrameError> {
-        let before = dst.len();
-        self.inner.encode(item, dst)?;
-        self.wire.frames_out.inc();
-        self.wire.frames_out_all.inc();
-        self.wire.bytes_out.inc_by((dst.len() - before) as u64);
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use cellmesh_proto::local::{game_message::Body, GameFrame, GameMessage, TickEnd};
-
-    #[test]
-    fn codec_counts_frames_and_bytes_both_ways() {
-        let mut reg = Registry::default();
-        let m = Metrics::register(&mut reg);
-        let mut codec = MeteredCodec::<GameFrame>::new(1024, &m, Peer::Game);
-        let frame = GameFrame {
-            messages: vec![GameMessage {
-                body: Some(Body::TickEnd(TickEnd { tick: 3 })),
-            }],
-        };
-        let mut buf = BytesMut::new();
-        codec.encode(frame.clone(), &mut buf).unwrap();
-        let len = buf.len() as u64;
-        assert_eq!(codec.decode(&mut buf).unwrap(), Some(frame));
-        assert_eq!((m.frames_in_total(), m.frames_out_total()), (1, 1));
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
-        assert!(
-            text.contains(&format!(
-                "cellmesh_sidecar_bytes_total{{direction=\"in\",peer=\"game\"}} {len}"
-            )),
-            "{text}"
-        );
-        m.error("malformed_frame");
-        assert_eq!(m.errors_total(), 1);
-    }
+pub(crate) struct Wire {
+    pub frames_in: Counter,
+    pub bytes_in: Counter,
+    pub frames_out: Counter,
+    pub bytes_out: Counter,
+    pub frames_in_all: Counter,
+    pub frames_out_all: Counter,
 }

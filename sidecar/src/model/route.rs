@@ -17,8 +17,8 @@ use cellmesh_geo_router::partition::NodeId;
 use cellmesh_proto::local::AudienceKind;
 use cellmesh_proto::mesh::{PieceKind, Recipient, Routed, RoutedPiece};
 
-use crate::audience::Audience;
-use crate::entities::{Entity, EntityChange};
+use crate::model::audience::Audience;
+use crate::model::entities::{Entity, EntityChange};
 
 /// Where an account's session is, as far as this node knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,7 +166,7 @@ pub fn account_views(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::entities::{Component, Position};
+    use crate::model::entities::{Component, Position};
     use cellmesh_geo_router::geometry::ChunkPos;
     use std::sync::Arc;
 

@@ -21,11 +21,12 @@ use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::metrics::{MeteredCodec, Metrics, Peer};
-use crate::node::{error_kind, GameHandle, GameOut, NodeEvent};
+use super::codec::MeteredCodec;
+use super::{Event, GameHandle, GameOut, HELLO_TIMEOUT};
+use crate::core::wire::error_kind;
+use crate::core::Input;
+use crate::metrics::{Metrics, Peer};
 
-/// A game must say `Hello` this soon after connecting.
-pub(crate) const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest a parting `Error` frame may take to write.
 const PARTING_WRITE: Duration = Duration::from_secs(1);
 
@@ -36,7 +37,7 @@ pub(crate) enum GameListener {
 
 #[derive(Clone)]
 pub(crate) struct GameCtx {
-    pub node: mpsc::Sender<NodeEvent>,
+    pub node: mpsc::Sender<Event>,
     pub metrics: Metrics,
     pub max_frame: usize,
     pub outbox_frames: usize,
@@ -227,7 +228,10 @@ where
             reason
         }
     };
-    let _ = ctx.node.send(NodeEvent::GameClosed { conn, reason }).await;
+    let _ = ctx
+        .node
+        .send(Event::Core(Input::GameClosed { conn, reason }))
+        .await;
     let _ = tokio::time::timeout(PARTING_WRITE, writer.get_mut().shutdown()).await;
     ctx.metrics.disconnected(Peer::Game);
 }
@@ -268,7 +272,7 @@ where
     };
     if ctx
         .node
-        .send(NodeEvent::GameHello {
+        .send(Event::GameHello {
             conn,
             hello,
             rest,
@@ -325,7 +329,7 @@ where
                 Some(Err(e)) => return ending_for(&e),
                 Some(Ok(frame)) => match check_frame(frame, "game messages") {
                     Ok(messages) => {
-                        if ctx.node.send(NodeEvent::GameFrame { conn, messages }).await.is_err() {
+                        if ctx.node.send(Event::Core(Input::GameFrame { conn, messages })).await.is_err() {
                             return Ending::Quiet("sidecar shutting down".into());
                         }
                     }

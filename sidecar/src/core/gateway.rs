@@ -7,20 +7,21 @@
 //! back as events, checked against what happened meanwhile.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Duration;
 
 use cellmesh_geo_router::geometry::Pos;
+use cellmesh_geo_router::partition::NodeId;
 use cellmesh_geo_router::store::PlayerRecord;
 use cellmesh_proto::edge::KickReason;
 use cellmesh_proto::local::{self, sidecar_message};
 use cellmesh_proto::mesh::{self, mesh_message, MeshMessage};
 
-use crate::node::{
-    unix_ms, Link, LinkHandle, LinkId, Node, NodeEvent, Registration, STORE_TIMEOUT,
-};
+use super::*;
+use crate::config::SidecarConfig;
+use crate::model::fold::Clients;
+use crate::model::interest::InterestShape;
 
 /// A node-local handle of a session (proxies number their sessions per link).
-pub(crate) type SessionKey = u64;
+pub type SessionKey = u64;
 
 pub(crate) struct Session {
     pub key: SessionKey,
@@ -37,6 +38,32 @@ pub(crate) struct Session {
     pub rtt: Option<(f32, f32)>,
 }
 
+/// The gateway side of the node: the client sessions proxies attached here, their views, and
+/// where each one's avatar is simulated.
+pub(crate) struct Gateway {
+    pub sessions: Sessions,
+    pub clients: Clients,
+    /// The node simulating each local session's avatar.
+    pub master_owner: HashMap<String, NodeId>,
+    /// The epoch of each local session's master, from its owner's anchors.
+    pub master_epoch: HashMap<String, u64>,
+    /// The last known position of avatars simulated elsewhere.
+    pub anchor_pos: HashMap<String, [f64; 3]>,
+}
+
+impl Gateway {
+    pub fn new(cfg: &SidecarConfig) -> Self {
+        let shape = InterestShape::new(cfg.view_radius_chunks, cfg.release_margin_chunks);
+        Self {
+            sessions: Sessions::default(),
+            clients: Clients::new(cfg.world, shape),
+            master_owner: HashMap::new(),
+            master_epoch: HashMap::new(),
+            anchor_pos: HashMap::new(),
+        }
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct Sessions {
     next_key: SessionKey,
@@ -47,7 +74,7 @@ pub(crate) struct Sessions {
 }
 
 impl Sessions {
-    fn begin(
+    pub(crate) fn begin(
         &mut self,
         link: LinkId,
         session_id: u64,
@@ -78,11 +105,11 @@ impl Sessions {
         self.all.get(&key)
     }
 
-    fn find(&self, link: LinkId, session_id: u64) -> Option<SessionKey> {
+    pub(crate) fn find(&self, link: LinkId, session_id: u64) -> Option<SessionKey> {
         self.by_link.get(&(link, session_id)).copied()
     }
 
-    fn remove(&mut self, key: SessionKey) -> Option<Session> {
+    pub(crate) fn remove(&mut self, key: SessionKey) -> Option<Session> {
         let s = self.all.remove(&key)?;
         self.by_link.remove(&(s.link, s.session_id));
         if self.by_account.get(&s.account) == Some(&key) {
@@ -118,41 +145,9 @@ fn detach(session_id: u64, reason: KickReason, detail: impl Into<String>) -> mes
     })
 }
 
-impl Node {
-    pub(crate) fn on_link_up(
-        &mut self,
-        link: LinkId,
-        hello: mesh::LinkHello,
-        remote: String,
-        handle: LinkHandle,
-    ) {
-        if self.shutting_down {
-            return;
-        }
-        let peer = (hello.role == mesh::PeerRole::Sidecar as i32).then_some(hello.node_id);
-        if let Some(node) = peer {
-            self.peer_partition.insert(node, hello.partition_epoch);
-        }
-        if peer.is_none() {
-            tracing::info!(link, proxy = %hello.id, %remote, "proxy link up");
-        }
-        self.links.insert(
-            link,
-            Link {
-                peer,
-                hello,
-                remote,
-                handle,
-                sessions: Default::default(),
-            },
-        );
-        if let Some(node) = peer {
-            self.on_peer_up(link, node);
-        }
-    }
-
+impl Core {
     pub(crate) fn on_link_message(&mut self, link: LinkId, m: MeshMessage) {
-        let Some(l) = self.links.get(&link) else {
+        let Some(l) = self.mesh.links.get(&link) else {
             return;
         };
         if let Some(node) = l.peer {
@@ -164,7 +159,7 @@ impl Node {
         use mesh_message::Body as B;
         match m.body {
             Some(B::Attach(a)) => self.on_attach(link, a),
-            Some(B::Detach(d)) => match self.sessions.find(link, d.session_id) {
+            Some(B::Detach(d)) => match self.gw.sessions.find(link, d.session_id) {
                 Some(key) => {
                     let reason = match d.detail.as_str() {
                         "" => kick_name(d.kick_reason),
@@ -176,8 +171,8 @@ impl Node {
             },
             Some(B::Input(i)) => self.on_input(link, i),
             Some(B::Rtt(r)) => {
-                if let Some(key) = self.sessions.find(link, r.session_id) {
-                    if let Some(s) = self.sessions.all.get_mut(&key) {
+                if let Some(key) = self.gw.sessions.find(link, r.session_id) {
+                    if let Some(s) = self.gw.sessions.all.get_mut(&key) {
                         s.rtt = Some((r.rtt_ms_p50, r.rtt_ms_min));
                     }
                 }
@@ -191,7 +186,7 @@ impl Node {
         }
     }
 
-    fn on_attach(&mut self, link: LinkId, a: mesh::Attach) {
+    pub(crate) fn on_attach(&mut self, link: LinkId, a: mesh::Attach) {
         if a.account.is_empty() {
             self.metrics.error("bad_attach");
             return self.queue_for_link(
@@ -203,7 +198,7 @@ impl Node {
                 ),
             );
         }
-        if self.sessions.find(link, a.session_id).is_some() {
+        if self.gw.sessions.find(link, a.session_id).is_some() {
             // The proxy numbers sessions uniquely per link; a repeat is its bug, not a new client.
             self.metrics.error("duplicate_session_id");
             tracing::warn!(
@@ -214,37 +209,17 @@ impl Node {
             return;
         }
         let key = self
+            .gw
             .sessions
             .begin(link, a.session_id, a.account.clone(), a.remote_addr);
-        if let Some(l) = self.links.get_mut(&link) {
+        if let Some(l) = self.mesh.links.get_mut(&link) {
             l.sessions.insert(key);
         }
-        let stores = self.stores.clone();
-        let inbox = self.inbox.clone();
-        let (node_id, lease) = (
-            self.cfg.node_id,
-            Duration::from_millis(self.cfg.session_lease_ms),
-        );
-        let account = a.account;
-        self.spawn_store(async move {
-            let result = async {
-                let epoch = timed(stores.directory.register(&account, node_id, lease)).await?;
-                match timed(stores.players.load(&account)).await {
-                    Ok(record) => Ok(Registration { epoch, record }),
-                    Err(e) => {
-                        let _ = timed(stores.directory.release(&account, epoch)).await;
-                        Err(e)
-                    }
-                }
-            }
-            .await;
-            let _ = inbox
-                .send(NodeEvent::Registered {
-                    session: key,
-                    account,
-                    result,
-                })
-                .await;
+        self.store(StoreRequest::Register {
+            session: key,
+            account: a.account,
+            node: self.cfg.node_id,
+            lease_ms: self.cfg.session_lease_ms,
         });
     }
 
@@ -254,7 +229,7 @@ impl Node {
         account: String,
         result: Result<Registration, String>,
     ) {
-        let Some(s) = self.sessions.get(key) else {
+        let Some(s) = self.gw.sessions.get(key) else {
             // Detached while registering: undo the registration.
             if let Ok(r) = result {
                 self.release(account, r.epoch);
@@ -279,8 +254,13 @@ impl Node {
                 return;
             }
         };
-        if let Some(&other) = self.sessions.by_account.get(&account) {
-            let other_epoch = self.sessions.get(other).and_then(|o| o.epoch).unwrap_or(0);
+        if let Some(&other) = self.gw.sessions.by_account.get(&account) {
+            let other_epoch = self
+                .gw
+                .sessions
+                .get(other)
+                .and_then(|o| o.epoch)
+                .unwrap_or(0);
             if other_epoch > reg.epoch {
                 // Two logins raced and the newer one won: this one is already displaced.
                 self.queue_for_link(
@@ -295,7 +275,7 @@ impl Node {
                 return;
             }
             // The older session goes without a PlayerLeave: the game sees a new PlayerJoin.
-            if let Some(o) = self.sessions.get(other) {
+            if let Some(o) = self.gw.sessions.get(other) {
                 let (olink, osid) = (o.link, o.session_id);
                 self.queue_for_link(
                     olink,
@@ -305,7 +285,7 @@ impl Node {
             self.forget_session(other);
         }
         let w = self.cfg.world;
-        let s = self.sessions.all.get_mut(&key).expect("checked above");
+        let s = self.gw.sessions.all.get_mut(&key).expect("checked above");
         s.epoch = Some(reg.epoch);
         if let Some(r) = reg.record {
             s.last_position = r.last_position;
@@ -317,15 +297,17 @@ impl Node {
             session_epoch: reg.epoch,
             last_position: last_position.map(|[x, y, z]| local::Vec3 { x, y, z }),
         };
-        self.sessions.by_account.insert(account.clone(), key);
-        self.clients.add(key, &account);
-        self.metrics.sessions.set(self.sessions.attached() as i64);
+        self.gw.sessions.by_account.insert(account.clone(), key);
+        self.gw.clients.add(key, &account);
+        self.metrics
+            .sessions
+            .set(self.gw.sessions.attached() as i64);
         self.announce_session(&account, reg.epoch);
         // The avatar is spawned by the game of the node owning where it stands (the player's
         // last position); a player with none starts in this node's world.
         let me = self.cfg.node_id;
         let owner = last_position
-            .and_then(|[x, y, _]| self.partition.owner_of(Pos { x, y }).ok())
+            .and_then(|[x, y, _]| self.auth.partition.owner_of(Pos { x, y }).ok())
             .unwrap_or(me);
         let remote_join = mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
             account: account.clone(),
@@ -333,11 +315,12 @@ impl Node {
             last_position: last_position.map(|[x, y, z]| mesh::MeshVec3 { x, y, z }),
         });
         if owner != me && self.send_peer(owner, remote_join) {
-            self.master_owner.insert(account.clone(), owner);
+            self.gw.master_owner.insert(account.clone(), owner);
         } else {
-            self.master_owner.insert(account.clone(), me);
-            if self.game.is_some() {
-                self.to_game
+            self.gw.master_owner.insert(account.clone(), me);
+            if self.game.slot.is_some() {
+                self.out
+                    .to_game
                     .push(sidecar_message::Body::PlayerJoin(join).into());
             }
         }
@@ -355,11 +338,12 @@ impl Node {
         tracing::debug!(%account, epoch = reg.epoch, "session attached");
     }
 
-    fn on_input(&mut self, link: LinkId, i: mesh::SessionInput) {
+    pub(crate) fn on_input(&mut self, link: LinkId, i: mesh::SessionInput) {
         let Some(s) = self
+            .gw
             .sessions
             .find(link, i.session_id)
-            .and_then(|k| self.sessions.get(k))
+            .and_then(|k| self.gw.sessions.get(k))
         else {
             return self.metrics.drop_msg("unknown_session", 1);
         };
@@ -367,6 +351,7 @@ impl Node {
             return self.metrics.drop_msg("session_attaching", 1);
         };
         let owner = self
+            .gw
             .master_owner
             .get(&s.account)
             .copied()
@@ -376,7 +361,7 @@ impl Node {
             session_epoch: epoch,
             seq: i.seq,
             payload: i.payload,
-            entity_epoch: self.master_epoch.get(&s.account).copied().unwrap_or(0),
+            entity_epoch: self.gw.master_epoch.get(&s.account).copied().unwrap_or(0),
         };
         if owner != self.cfg.node_id {
             if self.send_peer(owner, mesh_message::Body::ForwardInput(forward)) {
@@ -403,38 +388,28 @@ impl Node {
             .table
             .master_of(&s.account)
             .map(|e| [e.position.x, e.position.y, e.position.z])
-            .or(self.anchor_pos.remove(&s.account))
+            .or(self.gw.anchor_pos.remove(&s.account))
             .or(s.last_position);
         let record = PlayerRecord {
             account: s.account.clone(),
             last_position,
             home_geo: s.home_geo.unwrap_or_else(|| self.cfg.geo.clone()),
-            updated_unix_ms: unix_ms(),
+            updated_unix_ms: self.now.unix_ms,
         };
-        let stores = self.stores.clone();
-        let metrics = self.metrics.clone();
-        self.spawn_store(async move {
-            if let Err(e) = timed(stores.players.save(&record)).await {
-                metrics.error("store");
-                tracing::warn!(account = %record.account, error = %e, "saving the player record failed");
-            }
-            if let Err(e) = timed(stores.directory.release(&record.account, epoch)).await {
-                metrics.error("store");
-                tracing::warn!(account = %record.account, error = %e, "releasing the session failed");
-            }
-        });
+        self.store(StoreRequest::EndSession { record, epoch });
         tracing::debug!(account = %s.account, epoch, %reason, "session ended");
     }
 
     /// Tells the game simulating `account`'s avatar (this node's or a peer's) that the session
     /// `epoch` is over.
-    fn release_avatar(&mut self, account: &str, epoch: u64, reason: &str) {
+    pub(crate) fn release_avatar(&mut self, account: &str, epoch: u64, reason: &str) {
         let owner = self
+            .gw
             .master_owner
             .remove(account)
             .unwrap_or(self.cfg.node_id);
-        self.master_epoch.remove(account);
-        self.clients.set_remote_anchor(account, None);
+        self.gw.master_epoch.remove(account);
+        self.gw.clients.set_remote_anchor(account, None);
         if owner != self.cfg.node_id {
             self.send_peer(
                 owner,
@@ -444,14 +419,15 @@ impl Node {
                     reason: reason.to_string(),
                 }),
             );
-        } else if self.game.is_some() {
+        } else if self.game.slot.is_some() {
             self.leave_follows_handoff(account, epoch, reason);
             let leave = local::PlayerLeave {
                 account: account.to_string(),
                 session_epoch: epoch,
                 reason: reason.to_string(),
             };
-            self.to_game
+            self.out
+                .to_game
                 .push(sidecar_message::Body::PlayerLeave(leave).into());
         }
     }
@@ -459,7 +435,7 @@ impl Node {
     /// A newer login of the account on another gateway won: the client is kicked and its
     /// avatar released (the new session's join respawns or keeps it), with no record saved.
     pub(crate) fn displace(&mut self, key: SessionKey, detail: &str) {
-        let Some(s) = self.sessions.get(key) else {
+        let Some(s) = self.gw.sessions.get(key) else {
             return;
         };
         let (link, session_id, account, epoch) = (s.link, s.session_id, s.account.clone(), s.epoch);
@@ -467,47 +443,31 @@ impl Node {
         if let Some(epoch) = epoch {
             self.release_avatar(&account, epoch, "displaced");
         }
-        self.anchor_pos.remove(&account);
+        self.gw.anchor_pos.remove(&account);
         self.forget_session(key);
     }
 
     /// Drops every trace of a session on this node, telling nobody.
-    fn forget_session(&mut self, key: SessionKey) -> Option<Session> {
-        let s = self.sessions.remove(key)?;
-        if let Some(l) = self.links.get_mut(&s.link) {
+    pub(crate) fn forget_session(&mut self, key: SessionKey) -> Option<Session> {
+        let s = self.gw.sessions.remove(key)?;
+        if let Some(l) = self.mesh.links.get_mut(&s.link) {
             l.sessions.remove(&key);
         }
-        self.clients.remove(key);
-        self.metrics.sessions.set(self.sessions.attached() as i64);
+        self.gw.clients.remove(key);
+        self.metrics
+            .sessions
+            .set(self.gw.sessions.attached() as i64);
         Some(s)
     }
 
-    fn release(&self, account: String, epoch: u64) {
-        let stores = self.stores.clone();
-        self.spawn_store(async move {
-            let _ = timed(stores.directory.release(&account, epoch)).await;
-        });
-    }
-
-    /// A link is gone (closed by the proxy, dead, or too slow): its sessions are detached.
-    pub(crate) fn close_link(&mut self, link: LinkId, reason: &str) {
-        let Some(l) = self.links.remove(&link) else {
-            return;
-        };
-        l.handle.kill.cancel();
-        self.to_links.remove(&link);
-        if let Some(node) = l.peer {
-            return self.peer_down(node, link, reason);
-        }
-        tracing::info!(link, proxy = %l.hello.id, %reason, "proxy link closed");
-        for key in l.sessions {
-            self.end_session(key, &format!("link to the proxy lost: {reason}"));
-        }
+    pub(crate) fn release(&mut self, account: String, epoch: u64) {
+        self.store(StoreRequest::Release { account, epoch });
     }
 
     /// Renews the directory lease of every attached session, off the node task.
     pub(crate) fn renew_leases(&mut self) {
         let due: Vec<(SessionKey, String, u64)> = self
+            .gw
             .sessions
             .iter()
             .filter_map(|s| Some((s.key, s.account.clone(), s.epoch?)))
@@ -515,25 +475,15 @@ impl Node {
         if due.is_empty() {
             return;
         }
-        let stores = self.stores.clone();
-        let inbox = self.inbox.clone();
-        let lease = Duration::from_millis(self.cfg.session_lease_ms);
-        self.spawn_store(async move {
-            let mut results = Vec::with_capacity(due.len());
-            for (key, account, epoch) in due {
-                results.push((
-                    key,
-                    epoch,
-                    timed(stores.directory.renew(&account, epoch, lease)).await,
-                ));
-            }
-            let _ = inbox.send(NodeEvent::Renewed { results }).await;
+        self.store(StoreRequest::Renew {
+            sessions: due,
+            lease_ms: self.cfg.session_lease_ms,
         });
     }
 
     pub(crate) fn on_renewed(&mut self, results: Vec<(SessionKey, u64, Result<bool, String>)>) {
         for (key, epoch, r) in results {
-            let Some(s) = self.sessions.get(key).filter(|s| s.epoch == Some(epoch)) else {
+            let Some(s) = self.gw.sessions.get(key).filter(|s| s.epoch == Some(epoch)) else {
                 continue;
             };
             match r {
@@ -557,14 +507,5 @@ impl Node {
                 }
             }
         }
-    }
-}
-
-async fn timed<T>(
-    fut: impl std::future::Future<Output = Result<T, cellmesh_geo_router::store::StoreError>>,
-) -> Result<T, String> {
-    match tokio::time::timeout(STORE_TIMEOUT, fut).await {
-        Ok(r) => r.map_err(|e| e.to_string()),
-        Err(_) => Err(format!("no answer within {} s", STORE_TIMEOUT.as_secs())),
     }
 }

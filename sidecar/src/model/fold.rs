@@ -24,9 +24,9 @@ use cellmesh_proto::edge::{
     self, AccountMessage, ComponentData, DeltaKind, EntityDelta, EventData,
 };
 
-use crate::audience::Audience;
-use crate::entities::{Entity, EntityChange, EntityTable, TickChanges};
-use crate::interest::{InterestShape, View};
+use crate::model::audience::Audience;
+use crate::model::entities::{Entity, EntityChange, EntityTable, TickChanges};
+use crate::model::interest::{InterestShape, View};
 
 /// A node-local handle of one client session.
 pub type ClientKey = u64;
@@ -647,7 +647,7 @@ impl Outgoing {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::entities::{Component, EntityUpdate, NewEntity, Position};
+    use crate::model::entities::{Component, EntityUpdate, NewEntity, Position};
     use cellmesh_proto::edge::{server_message, Batch, ServerFrame};
     use proptest::prelude::*;
     use prost::Message;

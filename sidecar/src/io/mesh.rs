@@ -20,9 +20,10 @@ use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::game::HELLO_TIMEOUT;
-use crate::metrics::{MeteredCodec, Metrics, Peer};
-use crate::node::{unix_ms, LinkHandle, NodeEvent};
+use super::codec::MeteredCodec;
+use super::{unix_ms, Event, LinkHandle, HELLO_TIMEOUT};
+use crate::core::Input;
+use crate::metrics::{Metrics, Peer};
 
 pub(crate) const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 pub(crate) const DEAD_AFTER: Duration = Duration::from_secs(5);
@@ -30,7 +31,7 @@ const PARTING_WRITE: Duration = Duration::from_secs(1);
 
 #[derive(Clone)]
 pub(crate) struct MeshCtx {
-    pub node: mpsc::Sender<NodeEvent>,
+    pub node: mpsc::Sender<Event>,
     pub metrics: Metrics,
     pub max_frame: usize,
     pub outbox_frames: usize,
@@ -135,7 +136,10 @@ async fn serve(stream: TcpStream, link: u64, remote: String, ctx: MeshCtx) {
     );
     let (up, reason) = run(&mut reader, &mut writer, link, remote, &ctx).await;
     if up {
-        let _ = ctx.node.send(NodeEvent::LinkClosed { link, reason }).await;
+        let _ = ctx
+            .node
+            .send(Event::Core(Input::LinkClosed { link, reason }))
+            .await;
     } else {
         tracing::info!(link, %reason, "mesh link refused");
     }
@@ -194,7 +198,7 @@ async fn run(
     let rest = without_heartbeats(rest);
     if ctx
         .node
-        .send(NodeEvent::LinkUp {
+        .send(Event::LinkUp {
             link,
             hello,
             remote,
@@ -272,7 +276,7 @@ pub(crate) async fn pump(
                         return (true, "expected mesh messages, got an empty frame or an unknown message type".into());
                     }
                     let messages = without_heartbeats(frame.messages);
-                    if !messages.is_empty() && ctx.node.send(NodeEvent::LinkFrame { link, messages }).await.is_err() {
+                    if !messages.is_empty() && ctx.node.send(Event::Core(Input::LinkFrame { link, messages })).await.is_err() {
                         return (true, "sidecar shutting down".into());
                     }
                 }

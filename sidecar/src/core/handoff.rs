@@ -7,116 +7,66 @@
 //! `EntityMoved`. Target: the offer's checks → `Adopt` → the game's `Adopted` → the ghost
 //! becomes the node's own entity → `HandoffAck`. An offer with no answer stays frozen.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use cellmesh_geo_router::geometry::Pos;
-use cellmesh_geo_router::partition::{NodeId, Partition};
+use cellmesh_geo_router::partition::NodeId;
 use cellmesh_geo_router::store::SessionEntry;
 use cellmesh_proto::local::{self, sidecar_message, ErrorCode};
 use cellmesh_proto::mesh::{self, mesh_message};
 
-use crate::audience::Audience;
-use crate::entities::{Component, Entity, NewEntity, Position};
-use crate::handoff::{
-    self, Admit, Completed, InputRoute, Offer, OfferChecks, OfferDecision, Thawed,
+use super::wire::*;
+use super::*;
+use crate::model::entities::{NewEntity, TickChanges};
+use crate::model::handoff::{
+    Admit, Completed, Fence, HandoffSource, HandoffTarget, InputRoute, Offer, OfferChecks,
+    OfferDecision, Thawed,
 };
-use crate::node::{unix_ms, Fenced, Node};
-use crate::subs;
+use crate::model::subs::{self};
 
-fn vec3(p: Position) -> mesh::MeshVec3 {
-    mesh::MeshVec3 {
-        x: p.x,
-        y: p.y,
-        z: p.z,
-    }
+/// The handoffs this node takes part in, as source and as target, and the epoch fence.
+#[derive(Default)]
+pub(crate) struct Handoffs {
+    pub out: HandoffSource<local::Input>,
+    pub inbound: HandoffTarget,
+    pub fence: Fence<Fenced>,
+    /// Offers being adopted by the game: root -> the offer.
+    pub adopting: HashMap<u64, mesh::HandoffOffer>,
+    /// Entities not offered again before this time (monotonic ms), after a refusal.
+    pub retry: HashMap<u64, u64>,
+    /// Entities to check for a handoff at the next tick even if they did not move.
+    pub recheck: BTreeSet<u64>,
+    /// Entities in chunks a new partition gave away: handed over with no margin.
+    pub mass: HashSet<u64>,
+    /// Peers that restarted with offers in doubt towards them: redirected when their link is up.
+    pub redirect_to: BTreeSet<NodeId>,
+    /// Masters handed away from here, by account, so late input finds them with no ghost left.
+    pub departed_masters: HashMap<String, u64>,
+    /// Players who left while their master was frozen for a handoff: the leave goes to the new
+    /// owner once it acks (the game here drops it on Evict).
+    pub leaving: HashMap<String, mesh::PeerPlayerLeave>,
 }
 
-fn local_vec3(v: &mesh::MeshVec3) -> local::Vec3 {
-    local::Vec3 {
-        x: v.x,
-        y: v.y,
-        z: v.z,
-    }
+/// A frame the fence may hold until its entity's epoch change is seen.
+#[derive(Debug, Clone)]
+pub(crate) enum Fenced {
+    State(NodeId, mesh::EntityState),
+    Gone(NodeId, mesh::EntityGone),
+    Input(mesh::ForwardInput),
 }
 
-/// Every component of `e` with its audience, for the new owner.
-fn owned_components(e: &Entity) -> Vec<mesh::OwnedComponent> {
-    e.components
-        .iter()
-        .map(|(t, c)| {
-            let (kind, accounts) = c.audience.to_wire();
-            mesh::OwnedComponent {
-                r#type: *t,
-                payload: c.payload.clone(),
-                audience: kind as u32,
-                accounts,
-            }
-        })
-        .collect()
-}
-
-fn components_of(wire: &[mesh::OwnedComponent]) -> Vec<(u32, Component)> {
-    wire.iter()
-        .filter_map(|c| {
-            let audience = Audience::from_wire(c.audience as i32, &c.accounts).ok()?;
-            Some((
-                c.r#type,
-                Component {
-                    audience,
-                    payload: c.payload.clone(),
-                },
-            ))
-        })
-        .collect()
-}
-
-/// One member of an offer as the target installs it.
-struct Member {
-    id: u64,
-    position: Position,
-    owner_account: String,
-    is_master: bool,
-    parent_id: u64,
-    components: Vec<(u32, Component)>,
-}
-
-fn members_of(o: &mesh::HandoffOffer) -> Vec<Member> {
-    let pos = |v: &Option<mesh::MeshVec3>| {
-        v.as_ref()
-            .map(|v| Position::new(v.x, v.y, v.z))
-            .unwrap_or_default()
-    };
-    let mut out = vec![Member {
-        id: o.entity_id,
-        position: pos(&o.position),
-        owner_account: o.owner_account.clone(),
-        is_master: o.is_master,
-        parent_id: 0,
-        components: components_of(&o.components),
-    }];
-    out.extend(o.attachments.iter().map(|a| Member {
-        id: a.entity_id,
-        position: pos(&a.position),
-        owner_account: a.owner_account.clone(),
-        is_master: a.is_master,
-        parent_id: a.parent_id,
-        components: components_of(&a.components),
-    }));
-    out
-}
-
-impl Node {
+impl Core {
     // ------------------------------------------------------------------ source
 
     /// After the tick's moves: offers every owned entity standing far enough in another node's
     /// area (and those a new partition gave away, or that wait for a retry).
-    pub(crate) fn check_handoffs(&mut self, changes: &crate::entities::TickChanges) {
-        if self.game.is_none() || !self.lease_live || self.mesh_ctx.is_none() {
+    pub(crate) fn check_handoffs(&mut self, changes: &TickChanges) {
+        if self.game.slot.is_none() || !self.auth.lease_live || !self.mesh.clustered {
             return;
         }
         let me = self.cfg.node_id;
-        let now = unix_ms();
-        let mut ids = std::mem::take(&mut self.handoff_recheck);
+        let now = self.now.mono_ms;
+        let mut ids = std::mem::take(&mut self.handoff.recheck);
         ids.extend(
             changes
                 .iter()
@@ -125,41 +75,47 @@ impl Node {
         );
         for id in ids {
             let Some(e) = self.table.get_local(id) else {
-                self.mass_handoff.remove(&id);
+                self.handoff.mass.remove(&id);
                 continue;
             };
             // Attachments move with their root.
             if e.parent_id != 0 && self.table.get_local(e.parent_id).is_some() {
                 continue;
             }
-            if self.handoff_out.is_frozen(id) {
+            if self.handoff.out.is_frozen(id) {
                 continue;
             }
-            let margin = if self.mass_handoff.contains(&id) {
+            let margin = if self.handoff.mass.contains(&id) {
                 0
             } else {
                 i64::from(self.cfg.handoff_margin_chunks)
             };
-            let Some(to) = handoff::trigger(&self.partition, me, &self.area, e.chunk, margin)
-            else {
-                self.mass_handoff.remove(&id);
+            let Some(to) = crate::model::handoff::trigger(
+                &self.auth.partition,
+                me,
+                &self.auth.area,
+                e.chunk,
+                margin,
+            ) else {
+                self.handoff.mass.remove(&id);
                 continue;
             };
-            let ready = self.peers.get(&to).is_some_and(|p| p.link.is_some())
-                && self.peer_partition.get(&to).copied().unwrap_or(0) >= self.partition.epoch();
-            if !ready || self.handoff_retry.get(&id).is_some_and(|t| *t > now) {
+            let ready = self.mesh.peers.get(&to).is_some_and(|p| p.link.is_some())
+                && self.mesh.peer_partition.get(&to).copied().unwrap_or(0)
+                    >= self.auth.partition.epoch();
+            if !ready || self.handoff.retry.get(&id).is_some_and(|t| *t > now) {
                 // Not yet: the target is unreachable, behind on the partition, or refused lately.
-                self.handoff_recheck.insert(id);
+                self.handoff.recheck.insert(id);
                 continue;
             }
             let epoch = e.epoch;
             let attachments = self.attachments_of(id);
-            match self.handoff_out.begin(id, epoch, &attachments, to, now) {
+            match self.handoff.out.begin(id, epoch, &attachments, to, now) {
                 Ok(freeze) => {
                     self.metrics.handoff(me, to, "started");
                     for m in freeze.members {
                         let epoch = self.table.get(m).map_or(epoch, |e| e.epoch);
-                        self.to_game.push(
+                        self.out.to_game.push(
                             sidecar_message::Body::Freeze(local::Freeze {
                                 entity_id: m,
                                 entity_epoch: epoch,
@@ -174,7 +130,7 @@ impl Node {
     }
 
     /// The local entities attached (directly or not) to `root`.
-    fn attachments_of(&self, root: u64) -> Vec<u64> {
+    pub(crate) fn attachments_of(&self, root: u64) -> Vec<u64> {
         let mut out = Vec::new();
         let mut parents = vec![root];
         while let Some(p) = parents.pop() {
@@ -190,7 +146,7 @@ impl Node {
 
     /// Whether the game may write `id` now; if not, it is told why (and nothing changes).
     pub(crate) fn may_write(&mut self, id: u64) -> bool {
-        if !self.lease_live {
+        if !self.auth.lease_live {
             self.game_error(
                 ErrorCode::NotOwner,
                 format!("entity {id}: this node lost its lease; everything it owned is frozen"),
@@ -198,7 +154,7 @@ impl Node {
             );
             return false;
         }
-        if !self.handoff_out.writable(id) {
+        if !self.handoff.out.writable(id) {
             self.game_error(
                 ErrorCode::NotOwner,
                 format!(
@@ -212,11 +168,11 @@ impl Node {
     }
 
     pub(crate) fn on_snapshot(&mut self, s: local::Snapshot) {
-        if !self.lease_live {
+        if !self.auth.lease_live {
             // Frozen by a lost lease: nothing is offered; the snapshot is not needed.
             return;
         }
-        if !self.handoff_out.is_frozen(s.entity_id) {
+        if !self.handoff.out.is_frozen(s.entity_id) {
             return self.game_error(
                 ErrorCode::UnexpectedMessage,
                 format!(
@@ -237,7 +193,7 @@ impl Node {
                 s.entity_id,
             );
         }
-        match self.handoff_out.snapshot(s.entity_id, s.state) {
+        match self.handoff.out.snapshot(s.entity_id, s.state) {
             Ok(Some(offer)) => self.send_offer(offer, false),
             Ok(None) => {}
             Err(e) => self.game_error(ErrorCode::UnexpectedMessage, e.to_string(), s.entity_id),
@@ -245,18 +201,19 @@ impl Node {
     }
 
     /// Where `account`'s session is: (gateway node, session epoch).
-    fn session_of(&self, account: &str) -> Option<(NodeId, u64)> {
-        if let Some(key) = self.clients.key_of(account) {
-            if let Some(epoch) = self.sessions.get(key).and_then(|s| s.epoch) {
+    pub(crate) fn session_of(&self, account: &str) -> Option<(NodeId, u64)> {
+        if let Some(key) = self.gw.clients.key_of(account) {
+            if let Some(epoch) = self.gw.sessions.get(key).and_then(|s| s.epoch) {
                 return Some((self.cfg.node_id, epoch));
             }
         }
-        self.remote_players
+        self.routing
+            .remote_players
             .get(account)
             .map(|r| (r.gateway_node, r.session_epoch))
     }
 
-    fn send_offer(&mut self, offer: Offer<local::Input>, successor: bool) {
+    pub(crate) fn send_offer(&mut self, offer: Offer<local::Input>, successor: bool) {
         let root = offer.root;
         let Some(e) = self.table.get_local(root) else {
             tracing::warn!(
@@ -287,7 +244,7 @@ impl Node {
         let msg = mesh::HandoffOffer {
             entity_id: root,
             entity_epoch: offer.epoch,
-            partition_epoch: self.partition.epoch(),
+            partition_epoch: self.auth.partition.epoch(),
             position: Some(vec3(e.position)),
             state,
             owner_account: e.owner_account.clone(),
@@ -297,12 +254,12 @@ impl Node {
             gateway_node: session.map_or(0, |s| s.0),
             session_epoch: session.map_or(0, |s| s.1),
             successor,
-            unseen: subs::distance_to_area(&self.cfg.world, &self.area, e.chunk)
+            unseen: subs::distance_to_area(&self.cfg.world, &self.auth.area, e.chunk)
                 > self.cfg.reach_chunks(),
         };
         if !self.send_peer(offer.to, mesh_message::Body::HandoffOffer(msg)) {
             // It never left: the unit may thaw (a link lost after sending leaves it in doubt).
-            if let Ok(thawed) = self.handoff_out.unsent(root, unix_ms()) {
+            if let Ok(thawed) = self.handoff.out.unsent(root, self.now.mono_ms) {
                 self.metrics.handoff(self.cfg.node_id, offer.to, "unsent");
                 self.thaw(root, thawed, "the target was unreachable");
             }
@@ -313,7 +270,7 @@ impl Node {
         }
         self.metrics
             .handoffs_in_doubt
-            .set(self.handoff_out.in_doubt().count() as i64);
+            .set(self.handoff.out.in_doubt().count() as i64);
     }
 
     /// `account` left: if its master is frozen in a handoff, the leave is kept for the new owner.
@@ -321,9 +278,9 @@ impl Node {
         let frozen = self
             .table
             .master_of(account)
-            .is_some_and(|e| e.origin.is_none() && self.handoff_out.is_frozen(e.id));
+            .is_some_and(|e| e.origin.is_none() && self.handoff.out.is_frozen(e.id));
         if frozen {
-            self.leaving.insert(
+            self.handoff.leaving.insert(
                 account.to_string(),
                 mesh::PeerPlayerLeave {
                     account: account.to_string(),
@@ -334,18 +291,18 @@ impl Node {
         }
     }
 
-    fn thaw(&mut self, root: u64, thawed: Thawed<local::Input>, reason: &str) {
-        let now = unix_ms();
+    pub(crate) fn thaw(&mut self, root: u64, thawed: Thawed<local::Input>, reason: &str) {
+        let now = self.now.mono_ms;
         // A thawed master's game applies the leave it holds itself.
         for m in &thawed.members {
             if let Some(e) = self.table.get_local(*m).filter(|e| e.is_master) {
                 let account = e.owner_account.clone();
-                self.leaving.remove(&account);
+                self.handoff.leaving.remove(&account);
             }
         }
         self.metrics.freeze_done(thawed.freeze_ms);
         for m in &thawed.members {
-            self.to_game.push(
+            self.out.to_game.push(
                 sidecar_message::Body::Thaw(local::Thaw {
                     entity_id: *m,
                     reason: reason.to_string(),
@@ -356,18 +313,20 @@ impl Node {
         for i in thawed.inputs {
             self.input_to_game(i);
         }
-        self.handoff_retry
+        self.handoff
+            .retry
             .insert(root, now + self.cfg.handoff_retry_ms);
-        self.handoff_recheck.insert(root);
+        self.handoff.recheck.insert(root);
         self.metrics
             .handoffs_in_doubt
-            .set(self.handoff_out.in_doubt().count() as i64);
+            .set(self.handoff.out.in_doubt().count() as i64);
     }
 
     pub(crate) fn on_handoff_ack(&mut self, from: NodeId, a: mesh::HandoffAck) {
         match self
-            .handoff_out
-            .acked(a.entity_id, a.entity_epoch, from, unix_ms())
+            .handoff
+            .out
+            .acked(a.entity_id, a.entity_epoch, from, self.now.mono_ms)
         {
             Ok(done) => self.complete_handoff(done),
             // A repeated ack of a handoff already complete, or of an offer not made.
@@ -380,8 +339,9 @@ impl Node {
 
     pub(crate) fn on_handoff_refused(&mut self, from: NodeId, r: mesh::HandoffRefused) {
         match self
-            .handoff_out
-            .refused(r.entity_id, r.entity_epoch, from, unix_ms())
+            .handoff
+            .out
+            .refused(r.entity_id, r.entity_epoch, from, self.now.mono_ms)
         {
             Ok(thawed) => {
                 self.metrics.handoff(self.cfg.node_id, from, "refused");
@@ -404,12 +364,13 @@ impl Node {
         self.metrics.handoffs_out.inc();
         self.metrics.freeze_done(done.freeze_ms);
         for &id in &done.members {
-            self.to_game
+            self.out
+                .to_game
                 .push(sidecar_message::Body::Evict(local::Evict { entity_id: id }).into());
-            self.mass_handoff.remove(&id);
-            self.handoff_retry.remove(&id);
-            self.newly_held.remove(&id);
-            let holders = self.replicas.remove(&id).unwrap_or_default();
+            self.handoff.mass.remove(&id);
+            self.handoff.retry.remove(&id);
+            self.repl.newly_held.remove(&id);
+            let holders = self.repl.replicas.remove(&id).unwrap_or_default();
             tracing::debug!(
                 me,
                 entity = id,
@@ -452,48 +413,48 @@ impl Node {
                 e.position,
                 (e.is_master && !e.owner_account.is_empty()).then(|| e.owner_account.clone()),
             );
-            if self.subs.has(chunk, done.to) {
+            if self.repl.subs.has(chunk, done.to) {
                 self.table.to_ghost(id, done.to, done.epoch);
-                for f in self.fence.advance(id, done.epoch, done.to) {
+                for f in self.handoff.fence.advance(id, done.epoch, done.to) {
                     self.apply_fenced(f);
                 }
             } else {
                 // Nobody here looks there: no client can see it go, and nothing is fenced.
                 let _ = self.table.despawn(id);
-                self.fence.forget(id);
+                self.handoff.fence.forget(id);
             }
             if let Some(account) = master {
                 // Late inputs follow it even when no ghost of it stays here.
-                self.departed_masters.insert(account.clone(), id);
-                if let Some(leave) = self.leaving.remove(&account) {
+                self.handoff.departed_masters.insert(account.clone(), id);
+                if let Some(leave) = self.handoff.leaving.remove(&account) {
                     self.send_peer(done.to, mesh_message::Body::PlayerLeave(leave));
                 }
-                self.remote_players.remove(&account);
-                self.anchor_sent.remove(&account);
-                if self.clients.key_of(&account).is_some() {
+                self.routing.remote_players.remove(&account);
+                self.routing.anchor_sent.remove(&account);
+                if self.gw.clients.key_of(&account).is_some() {
                     // This node is the player's gateway: its input goes to the new owner now.
-                    self.master_owner.insert(account.clone(), done.to);
-                    self.master_epoch.insert(account.clone(), done.epoch);
-                    self.clients.set_remote_anchor(&account, Some(chunk));
-                    self.anchor_pos.insert(account, [pos.x, pos.y, pos.z]);
+                    self.gw.master_owner.insert(account.clone(), done.to);
+                    self.gw.master_epoch.insert(account.clone(), done.epoch);
+                    self.gw.clients.set_remote_anchor(&account, Some(chunk));
+                    self.gw.anchor_pos.insert(account, [pos.x, pos.y, pos.z]);
                 }
             }
         }
         self.metrics
             .handoffs_in_doubt
-            .set(self.handoff_out.in_doubt().count() as i64);
+            .set(self.handoff.out.in_doubt().count() as i64);
     }
 
     /// The link to `node` is up again: offers in doubt towards it are repeated (a target that
     /// adopted answers with another ack), or re-made under a new epoch if a new process holds
     /// its id (it never saw the old offer; it adopts from the snapshot).
     pub(crate) fn resume_offers(&mut self, node: NodeId) {
-        let successor = self.redirect_to.remove(&node);
-        for root in self.handoff_out.towards(node) {
+        let successor = self.handoff.redirect_to.remove(&node);
+        for root in self.handoff.out.towards(node) {
             let offer = if successor {
-                self.handoff_out.redirect(root, node)
+                self.handoff.out.redirect(root, node)
             } else {
-                self.handoff_out.repeat(root)
+                self.handoff.out.repeat(root)
             };
             if let Ok(offer) = offer {
                 self.send_offer(offer, successor);
@@ -503,16 +464,16 @@ impl Node {
 
     pub(crate) fn on_peer_leases(&mut self, leases: Vec<(NodeId, u64)>) {
         for (node, epoch) in leases {
-            let before = self.peer_lease.insert(node, epoch);
+            let before = self.mesh.peer_lease.insert(node, epoch);
             if before.is_some_and(|b| b != epoch) {
                 tracing::info!(
                     peer = node,
                     lease_epoch = epoch,
                     "a new process holds the peer's node id"
                 );
-                if !self.handoff_out.towards(node).is_empty() {
-                    self.redirect_to.insert(node);
-                    if self.peers.get(&node).is_some_and(|p| p.link.is_some()) {
+                if !self.handoff.out.towards(node).is_empty() {
+                    self.handoff.redirect_to.insert(node);
+                    if self.mesh.peers.get(&node).is_some_and(|p| p.link.is_some()) {
                         self.resume_offers(node);
                     }
                 }
@@ -526,35 +487,37 @@ impl Node {
         let me = self.cfg.node_id;
         let id = o.entity_id;
         let at = o.position.as_ref().map(|p| Pos { x: p.x, y: p.y });
-        let owns = at.is_some_and(|p| self.partition.owner_of(p).ok() == Some(me));
+        let owns = at.is_some_and(|p| self.auth.partition.owner_of(p).ok() == Some(me));
         let checks = OfferChecks {
             owns_position: owns,
-            lease_live: self.lease_live,
-            partition_epoch_matches: o.partition_epoch == self.partition.epoch(),
+            lease_live: self.auth.lease_live,
+            partition_epoch_matches: o.partition_epoch == self.auth.partition.epoch(),
             has_ghost: o.successor
                 || o.unseen
                 || self.table.get(id).is_some_and(|e| e.origin == Some(from)),
-            draining: self.draining.is_some(),
-            game_connected: self.game.is_some(),
+            draining: self.auth.draining.is_some(),
+            game_connected: self.game.slot.is_some(),
         };
-        let known = self.fence.current(id).map(|(e, _)| e);
+        let known = self.handoff.fence.current(id).map(|(e, _)| e);
         match self
-            .handoff_in
+            .handoff
+            .inbound
             .offer(from, id, o.entity_epoch, known, checks)
         {
             OfferDecision::Adopt => {
                 let adopt = self.adopt_message(&o);
                 for m in std::iter::once(id).chain(o.attachments.iter().map(|a| a.entity_id)) {
-                    if self.sim.forget(m) {
-                        self.to_game.push(
+                    if self.repl.sim.forget(m) {
+                        self.out.to_game.push(
                             sidecar_message::Body::GhostLeave(local::GhostLeave { entity_id: m })
                                 .into(),
                         );
                     }
                 }
-                self.to_game
+                self.out
+                    .to_game
                     .push(sidecar_message::Body::Adopt(adopt).into());
-                self.adopting.insert(id, o);
+                self.handoff.adopting.insert(id, o);
             }
             OfferDecision::Pending => {}
             OfferDecision::Ack => {
@@ -567,7 +530,7 @@ impl Node {
                 );
             }
             OfferDecision::Refuse(r) => {
-                self.fence.burn(id, o.entity_epoch);
+                self.handoff.fence.burn(id, o.entity_epoch);
                 self.metrics.handoff(from, me, "refused");
                 self.send_peer(
                     from,
@@ -611,13 +574,14 @@ impl Node {
 
     pub(crate) fn on_adopted(&mut self, a: local::Adopted) {
         let offer = self
+            .handoff
             .adopting
             .get(&a.entity_id)
             .filter(|o| o.entity_epoch == a.entity_epoch)
             .cloned();
         let source = offer
             .as_ref()
-            .and_then(|_| self.handoff_in.adopted(a.entity_id, a.entity_epoch));
+            .and_then(|_| self.handoff.inbound.adopted(a.entity_id, a.entity_epoch));
         let (Some(o), Some(source)) = (offer, source) else {
             return self.game_error(
                 ErrorCode::UnexpectedMessage,
@@ -628,7 +592,7 @@ impl Node {
                 a.entity_id,
             );
         };
-        self.adopting.remove(&a.entity_id);
+        self.handoff.adopting.remove(&a.entity_id);
         let me = self.cfg.node_id;
         let epoch = o.entity_epoch;
         for m in members_of(&o) {
@@ -647,36 +611,37 @@ impl Node {
                 tracing::error!(entity = id, error = %e, "installing an adopted entity failed");
                 continue;
             }
-            self.handoff_out.forget(id);
+            self.handoff.out.forget(id);
         }
         // The player's inputs and routes follow its master.
         if o.is_master && !o.owner_account.is_empty() {
             let account = o.owner_account.clone();
-            self.departed_masters.remove(&account);
-            self.master_epoch.insert(account.clone(), epoch);
+            self.handoff.departed_masters.remove(&account);
+            self.gw.master_epoch.insert(account.clone(), epoch);
             if o.gateway_node == me {
-                self.master_owner.insert(account.clone(), me);
-                self.clients.set_remote_anchor(&account, None);
-                self.anchor_pos.remove(&account);
+                self.gw.master_owner.insert(account.clone(), me);
+                self.gw.clients.set_remote_anchor(&account, None);
+                self.gw.anchor_pos.remove(&account);
             } else if o.gateway_node != 0 {
                 let entry = SessionEntry {
                     gateway_node: o.gateway_node,
                     session_epoch: o.session_epoch,
                 };
                 let newer = self
+                    .routing
                     .routes
                     .get(&account)
                     .is_some_and(|r| r.session_epoch > o.session_epoch);
                 if !newer {
-                    self.routes.insert(account.clone(), entry);
-                    self.remote_players.insert(account.clone(), entry);
-                    self.anchor_sent.remove(&account);
+                    self.routing.routes.insert(account.clone(), entry);
+                    self.routing.remote_players.insert(account.clone(), entry);
+                    self.routing.anchor_sent.remove(&account);
                     self.send_anchor(o.gateway_node, &account, o.session_epoch);
                 }
             }
         }
         for m in std::iter::once(o.entity_id).chain(o.attachments.iter().map(|a| a.entity_id)) {
-            for f in self.fence.advance(m, epoch, me) {
+            for f in self.handoff.fence.advance(m, epoch, me) {
                 self.apply_fenced(f);
             }
         }
@@ -694,9 +659,10 @@ impl Node {
 
     /// A frame about a foreign entity, through the fence.
     pub(crate) fn fence_entity_state(&mut self, node: NodeId, s: mesh::EntityState) {
-        let now = unix_ms();
+        let now = self.now.mono_ms;
         if let Some(done) = self
-            .handoff_out
+            .handoff
+            .out
             .observed(s.entity_id, s.entity_epoch, node, now)
         {
             // The target writes under the offered epoch: it adopted, the ack was lost.
@@ -706,29 +672,33 @@ impl Node {
         if s.full
             && self.table.get(id).is_none()
             && self
+                .handoff
                 .fence
                 .current(id)
                 .is_some_and(|(known, _)| epoch > known)
         {
             // Nothing held here to keep consistent: a newer epoch's full state is the truth
             // (only that epoch's owner writes under it); frames held for older epochs go.
-            for f in self.fence.advance(id, epoch, node) {
+            for f in self.handoff.fence.advance(id, epoch, node) {
                 self.apply_fenced(f);
             }
         }
         match self
+            .handoff
             .fence
             .admit(id, epoch, Some(node), Fenced::State(node, s))
         {
             Admit::Accept(f) => self.apply_fenced(f),
             Admit::Held => {
-                tracing::debug!(me = self.cfg.node_id, entity = id, epoch, peer = node, known = ?self.fence.current(id), ghost = ?self.table.get(id).map(|e| (e.origin, e.epoch)), "frame held for a newer epoch");
+                tracing::debug!(me = self.cfg.node_id, entity = id, epoch, peer = node, known = ?self.handoff.fence.current(id), ghost = ?self.table.get(id).map(|e| (e.origin, e.epoch)), "frame held for a newer epoch");
             }
             Admit::Dropped => {
                 self.metrics.stale_epoch_drops.inc();
             }
         }
-        self.metrics.held_frames.set(self.fence.held() as i64);
+        self.metrics
+            .held_frames
+            .set(self.handoff.fence.held() as i64);
     }
 
     /// `EntityGone` from its owner: ordered with the owner's frames by the fence (a gone sent by
@@ -740,6 +710,7 @@ impl Node {
         }
         let (id, epoch) = (g.entity_id, g.entity_epoch);
         match self
+            .handoff
             .fence
             .admit(id, epoch, Some(node), Fenced::Gone(node, g))
         {
@@ -759,7 +730,7 @@ impl Node {
                     .position
                     .as_ref()
                     .map(|p| self.cfg.world.chunk_of(Pos { x: p.x, y: p.y }));
-                if at.is_some_and(|c| self.subs.has(c, node)) {
+                if at.is_some_and(|c| self.repl.subs.has(c, node)) {
                     // This node subscribes there: its subscription has not reached the owner
                     // yet, and the snapshot burst that answers it refreshes the ghost.
                     return;
@@ -777,7 +748,7 @@ impl Node {
                         "ghost dropped: gone"
                     );
                     let _ = self.table.despawn(g.entity_id);
-                    self.fence.forget(g.entity_id);
+                    self.handoff.fence.forget(g.entity_id);
                 }
             }
             Fenced::Input(i) => self.input_for_master(i),
@@ -796,7 +767,8 @@ impl Node {
                 .get_local(m.entity_id)
                 .is_some_and(|e| e.epoch == m.entity_epoch);
             if local && !m.holders.is_empty() {
-                self.replicas
+                self.repl
+                    .replicas
                     .entry(m.entity_id)
                     .or_default()
                     .extend(m.holders.iter().copied().filter(|n| *n != me));
@@ -809,11 +781,12 @@ impl Node {
             return;
         }
         let due = self
+            .handoff
             .fence
             .advance(m.entity_id, m.entity_epoch, m.owner_node);
         // A ghost of the sender follows the new owner (if this node subscribes there).
         if let Some((_, chunk)) = held.filter(|h| h.0 == Some(node)) {
-            if self.subs.has(chunk, m.owner_node) {
+            if self.repl.subs.has(chunk, m.owner_node) {
                 self.table
                     .set_origin(m.entity_id, m.owner_node, m.entity_epoch);
             } else {
@@ -824,22 +797,24 @@ impl Node {
                     "ghost dropped: moved to a node not subscribed"
                 );
                 let _ = self.table.despawn(m.entity_id);
-                self.fence.forget(m.entity_id);
+                self.handoff.fence.forget(m.entity_id);
             }
         }
         for f in due {
             self.apply_fenced(f);
         }
-        self.metrics.held_frames.set(self.fence.held() as i64);
+        self.metrics
+            .held_frames
+            .set(self.handoff.fence.held() as i64);
     }
 
     /// A ghost of a peer whose link closed: if frames of a newer owner are held for it, it
     /// follows that owner instead of vanishing.
     pub(crate) fn ghost_orphaned(&mut self, id: u64) -> bool {
-        let Some((epoch, owner)) = self.fence.held_newest(id) else {
+        let Some((epoch, owner)) = self.handoff.fence.held_newest(id) else {
             return false;
         };
-        let due = self.fence.advance(id, epoch, owner);
+        let due = self.handoff.fence.advance(id, epoch, owner);
         self.table.set_origin(id, owner, epoch);
         for f in due {
             self.apply_fenced(f);
@@ -870,10 +845,13 @@ impl Node {
                     return self.metrics.drop_msg("stale_epoch_input", 1);
                 }
                 if i.entity_epoch > epoch {
-                    let _ = self.fence.admit(id, i.entity_epoch, None, Fenced::Input(i));
+                    let _ = self
+                        .handoff
+                        .fence
+                        .admit(id, i.entity_epoch, None, Fenced::Input(i));
                     return;
                 }
-                match self.handoff_out.route_input(id, input) {
+                match self.handoff.out.route_input(id, input) {
                     InputRoute::Local(input) => self.input_to_game(input),
                     InputRoute::Held => {}
                     InputRoute::Forward { to, epoch, input } => {
@@ -882,12 +860,15 @@ impl Node {
                 }
             }
             Some((id, Some(owner), epoch)) => {
-                if self.adopting.contains_key(&id) && i.entity_epoch > epoch {
+                if self.handoff.adopting.contains_key(&id) && i.entity_epoch > epoch {
                     // Forwarded behind the offer: due once the game adopted.
-                    let _ = self.fence.admit(id, i.entity_epoch, None, Fenced::Input(i));
+                    let _ = self
+                        .handoff
+                        .fence
+                        .admit(id, i.entity_epoch, None, Fenced::Input(i));
                     return;
                 }
-                match self.handoff_out.route_input(id, input) {
+                match self.handoff.out.route_input(id, input) {
                     InputRoute::Forward { to, epoch, input } => {
                         self.forward_input(to, epoch, input)
                     }
@@ -898,17 +879,21 @@ impl Node {
             None => {
                 // Adopting the master from a snapshot (no ghost here): held until `Adopted`.
                 let adopting = self
+                    .handoff
                     .adopting
                     .values()
                     .find(|o| o.is_master && o.owner_account == i.account)
                     .map(|o| (o.entity_id, o.entity_epoch));
-                let departed = self.departed_masters.get(&i.account).copied();
+                let departed = self.handoff.departed_masters.get(&i.account).copied();
                 match (adopting, departed) {
                     (Some((id, epoch)), _) if i.entity_epoch >= epoch => {
-                        let _ = self.fence.admit(id, i.entity_epoch, None, Fenced::Input(i));
+                        let _ =
+                            self.handoff
+                                .fence
+                                .admit(id, i.entity_epoch, None, Fenced::Input(i));
                     }
                     // Handed away, and no ghost of it stayed here: forwarded all the same.
-                    (_, Some(id)) => match self.handoff_out.route_input(id, input) {
+                    (_, Some(id)) => match self.handoff.out.route_input(id, input) {
                         InputRoute::Forward { to, epoch, input } => {
                             self.forward_input(to, epoch, input)
                         }
@@ -937,185 +922,26 @@ impl Node {
     /// Delivers an input to the game if its session is current here.
     pub(crate) fn input_to_game(&mut self, i: local::Input) {
         let local = self
+            .gw
             .clients
             .key_of(&i.account)
-            .and_then(|k| self.sessions.get(k))
+            .and_then(|k| self.gw.sessions.get(k))
             .and_then(|s| s.epoch)
             == Some(i.session_epoch);
         let remote = self
+            .routing
             .remote_players
             .get(&i.account)
             .is_some_and(|r| r.session_epoch == i.session_epoch);
         if !(local || remote) {
             return self.metrics.drop_msg("input_stale_session", 1);
         }
-        if self.game.is_none() {
+        if self.game.slot.is_none() {
             return self.metrics.drop_msg("no_game", 1);
         }
-        self.to_game.push(sidecar_message::Body::Input(i).into());
+        self.out
+            .to_game
+            .push(sidecar_message::Body::Input(i).into());
         self.metrics.inputs_delivered.inc();
-    }
-
-    // ------------------------------------------------------------------ the node's own lot
-
-    /// Another process holds this node's id: everything is frozen rather than written twice.
-    pub(crate) fn on_lease_lost(&mut self) {
-        self.metrics.error("lease_lost");
-        self.admin.set_ready(false);
-        if !self.lease_live {
-            return;
-        }
-        self.lease_live = false;
-        let owned: Vec<(u64, u64)> = self
-            .table
-            .iter()
-            .filter(|e| e.origin.is_none())
-            .map(|e| (e.id, e.epoch))
-            .collect();
-        tracing::error!(
-            entities = owned.len(),
-            "the node lease was lost: freezing everything this node owns"
-        );
-        for (id, epoch) in owned {
-            self.to_game.push(
-                sidecar_message::Body::Freeze(local::Freeze {
-                    entity_id: id,
-                    entity_epoch: epoch,
-                })
-                .into(),
-            );
-        }
-    }
-
-    /// A newer partition: the game learns its area, peers learn this node applied it, and every
-    /// entity standing where the partition gave the area to another node is handed over.
-    pub(crate) fn apply_partition(&mut self, p: Partition) {
-        if p.epoch() <= self.partition.epoch() {
-            return;
-        }
-        let me = self.cfg.node_id;
-        tracing::info!(epoch = p.epoch(), "applying a new partition");
-        self.area = subs::merge_rects(p.area_of(me));
-        let keep = i64::from(self.cfg.interaction_band_chunks + self.cfg.ghost_keep_margin_chunks);
-        self.band = subs::band(&p, me, keep, self.cfg.reach_chunks());
-        let prev = std::mem::replace(&mut self.partition, std::sync::Arc::new(p));
-        self.prev_partition = Some((prev, std::time::Instant::now()));
-        self.near_cache.clear();
-        self.subs_dirty = true;
-        let owned_area = self.owned_rects();
-        if self.game.is_some() {
-            self.to_game.push(
-                sidecar_message::Body::PartitionChanged(local::PartitionChanged {
-                    partition_epoch: self.partition.epoch(),
-                    owned_area,
-                })
-                .into(),
-            );
-        }
-        let ack = mesh_message::Body::PartitionAck(mesh::PartitionAck {
-            partition_epoch: self.partition.epoch(),
-        });
-        self.broadcast(ack);
-        let gone: BTreeSet<u64> = self
-            .table
-            .iter()
-            .filter(|e| e.origin.is_none() && self.partition.owner_of_chunk(e.chunk) != me)
-            .map(|e| e.id)
-            .collect();
-        self.mass_handoff.extend(gone.iter().copied());
-        self.handoff_recheck.extend(gone);
-    }
-
-    /// SIGTERM: not ready, no more handoffs accepted. Entities keep being handed to whoever the
-    /// partition gives their chunks (re-plan it to move this node's area away); the node exits
-    /// once it writes nothing, or when the drain timeout passes.
-    pub(crate) fn begin_drain(&mut self) {
-        if self.draining.is_some() {
-            return;
-        }
-        tracing::info!(
-            "draining: refusing handoffs; waiting for the partition to give this node's area away"
-        );
-        self.admin.set_ready(false);
-        self.draining = Some(
-            tokio::time::Instant::now()
-                + std::time::Duration::from_millis(self.cfg.drain_timeout_ms),
-        );
-    }
-
-    /// Whether a drain is over: nothing left that another node could take (no real here and no
-    /// handoff in flight; a lone node or one without a game has nothing to hand), or out of time.
-    pub(crate) fn drained(&self) -> bool {
-        let Some(deadline) = self.draining else {
-            return false;
-        };
-        let reals = self.table.len() - self.table.ghost_count();
-        if self.game.is_none() || self.mesh_ctx.is_none() {
-            return true;
-        }
-        if reals == 0 && self.handoff_out.in_flight() == 0 {
-            return true;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            tracing::warn!(left = reals, "drain timed out with entities still here");
-            return true;
-        }
-        false
-    }
-
-    /// The nodes that may own an entity in `chunk`, cached per partition.
-    pub(crate) fn owners_near(
-        &mut self,
-        chunk: cellmesh_geo_router::geometry::ChunkPos,
-    ) -> Vec<NodeId> {
-        if let Some(v) = self.near_cache.get(&chunk) {
-            return v.clone();
-        }
-        let reach = self.cfg.reach_chunks();
-        let mut near = subs::owners_near(&self.partition, chunk, reach);
-        if let Some((prev, _)) = &self.prev_partition {
-            // Until the mass handoff settles, the previous owners still write entities there.
-            near.extend(subs::owners_near(prev, chunk, reach));
-        }
-        let v: Vec<NodeId> = near.into_iter().collect();
-        self.near_cache.insert(chunk, v.clone());
-        v
-    }
-
-    /// Forgets the previous partition once every ghost here is written by a node the current
-    /// partition puts near it (the mass handoff settled), and at least a second after the change.
-    pub(crate) fn settle_partition(&mut self) {
-        let Some((_, since)) = &self.prev_partition else {
-            return;
-        };
-        if since.elapsed() < std::time::Duration::from_secs(1) {
-            return;
-        }
-        let reach = self.cfg.reach_chunks();
-        let settled = self.table.iter().all(|e| match e.origin {
-            None => true,
-            Some(n) => subs::owners_near(&self.partition, e.chunk, reach).contains(&n),
-        });
-        if settled {
-            self.prev_partition = None;
-            self.near_cache.clear();
-            self.subs_dirty = true;
-        }
-    }
-
-    /// Every real of this node, for a census.
-    pub(crate) fn reals(&self) -> Vec<crate::Real> {
-        let mut v: Vec<crate::Real> = self
-            .table
-            .iter()
-            .filter(|e| e.origin.is_none())
-            .map(|e| crate::Real {
-                id: e.id,
-                epoch: e.epoch,
-                frozen: self.handoff_out.is_frozen(e.id) || !self.lease_live,
-            })
-            .collect();
-        v.sort_unstable_by_key(|r| r.id);
-        v
     }
 }

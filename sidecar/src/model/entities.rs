@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use bytes::Bytes;
 use cellmesh_geo_router::geometry::{ChunkPos, Pos, WorldShape};
 
-use crate::audience::Audience;
+use crate::model::audience::Audience;
 
 /// A position in metres; x and y normalised onto the torus, z carried along.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]

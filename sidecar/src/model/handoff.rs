@@ -19,7 +19,7 @@ use bytes::Bytes;
 use cellmesh_geo_router::geometry::{ChunkPos, ChunkRect};
 use cellmesh_geo_router::partition::{NodeId, Partition};
 
-use crate::subs::distance_to_area;
+use crate::model::subs::distance_to_area;
 
 pub type EntityId = u64;
 pub type Epoch = u64;

@@ -1,0 +1,213 @@
+//! The node's own lot: its lease, the partition it serves under, and draining.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use cellmesh_geo_router::geometry::ChunkRect;
+use cellmesh_geo_router::partition::{NodeId, Partition};
+use cellmesh_proto::local::{self, sidecar_message};
+use cellmesh_proto::mesh::{self, mesh_message};
+
+use super::*;
+use crate::config::SidecarConfig;
+use crate::model::subs::{self};
+
+/// An entity a node writes, as a census sees it: frozen ones are in a handoff and write nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Real {
+    pub id: u64,
+    pub epoch: u64,
+    pub frozen: bool,
+}
+
+/// What this node may write, and under which partition.
+pub(crate) struct Authority {
+    pub partition: Arc<Partition>,
+    /// The partition before the last change and when it changed (monotonic ms), while its
+    /// owners may still write entities that the mass handoff has not moved yet (views subscribe
+    /// to them too).
+    pub prev_partition: Option<(Arc<Partition>, u64)>,
+    /// The chunks this node owns.
+    pub area: Vec<ChunkRect>,
+    /// False once the node lease was lost: everything is frozen, nothing is written.
+    pub lease_live: bool,
+    /// While draining: the time (monotonic ms) the node exits at the latest.
+    pub draining: Option<u64>,
+}
+
+impl Authority {
+    pub fn new(cfg: &SidecarConfig, partition: Arc<Partition>) -> Self {
+        Self {
+            area: subs::merge_rects(partition.area_of(cfg.node_id)),
+            partition,
+            prev_partition: None,
+            lease_live: true,
+            draining: None,
+        }
+    }
+}
+
+/// The previous partition is forgotten no sooner than this after a change.
+const SETTLE_MIN_MS: u64 = 1_000;
+
+impl Core {
+    // ------------------------------------------------------------------ the node's own lot
+
+    /// Another process holds this node's id: everything is frozen rather than written twice.
+    pub(crate) fn on_lease_lost(&mut self) {
+        self.metrics.error("lease_lost");
+        self.set_ready(false);
+        if !self.auth.lease_live {
+            return;
+        }
+        self.auth.lease_live = false;
+        let owned: Vec<(u64, u64)> = self
+            .table
+            .iter()
+            .filter(|e| e.origin.is_none())
+            .map(|e| (e.id, e.epoch))
+            .collect();
+        tracing::error!(
+            entities = owned.len(),
+            "the node lease was lost: freezing everything this node owns"
+        );
+        for (id, epoch) in owned {
+            self.out.to_game.push(
+                sidecar_message::Body::Freeze(local::Freeze {
+                    entity_id: id,
+                    entity_epoch: epoch,
+                })
+                .into(),
+            );
+        }
+    }
+
+    /// A newer partition: the game learns its area, peers learn this node applied it, and every
+    /// entity standing where the partition gave the area to another node is handed over.
+    pub(crate) fn apply_partition(&mut self, p: Partition) {
+        if p.epoch() <= self.auth.partition.epoch() {
+            return;
+        }
+        let me = self.cfg.node_id;
+        tracing::info!(epoch = p.epoch(), "applying a new partition");
+        self.auth.area = subs::merge_rects(p.area_of(me));
+        let keep = i64::from(self.cfg.interaction_band_chunks + self.cfg.ghost_keep_margin_chunks);
+        self.repl.band = subs::band(&p, me, keep, self.cfg.reach_chunks());
+        let prev = std::mem::replace(&mut self.auth.partition, std::sync::Arc::new(p));
+        self.auth.prev_partition = Some((prev, self.now.mono_ms));
+        self.repl.near_cache.clear();
+        self.repl.subs_dirty = true;
+        let owned_area = self.owned_rects();
+        if self.game.slot.is_some() {
+            self.out.to_game.push(
+                sidecar_message::Body::PartitionChanged(local::PartitionChanged {
+                    partition_epoch: self.auth.partition.epoch(),
+                    owned_area,
+                })
+                .into(),
+            );
+        }
+        let ack = mesh_message::Body::PartitionAck(mesh::PartitionAck {
+            partition_epoch: self.auth.partition.epoch(),
+        });
+        self.broadcast(ack);
+        let gone: BTreeSet<u64> = self
+            .table
+            .iter()
+            .filter(|e| e.origin.is_none() && self.auth.partition.owner_of_chunk(e.chunk) != me)
+            .map(|e| e.id)
+            .collect();
+        self.handoff.mass.extend(gone.iter().copied());
+        self.handoff.recheck.extend(gone);
+    }
+
+    /// SIGTERM: not ready, no more handoffs accepted. Entities keep being handed to whoever the
+    /// partition gives their chunks (re-plan it to move this node's area away); the node exits
+    /// once it writes nothing, or when the drain timeout passes.
+    pub(crate) fn begin_drain(&mut self) {
+        if self.auth.draining.is_some() {
+            return;
+        }
+        tracing::info!(
+            "draining: refusing handoffs; waiting for the partition to give this node's area away"
+        );
+        self.set_ready(false);
+        self.auth.draining = Some(self.now.mono_ms + self.cfg.drain_timeout_ms);
+    }
+
+    /// Whether a drain is over: nothing left that another node could take (no real here and no
+    /// handoff in flight; a lone node or one without a game has nothing to hand), or out of time.
+    pub(crate) fn drained(&self) -> bool {
+        let Some(deadline) = self.auth.draining else {
+            return false;
+        };
+        let reals = self.table.len() - self.table.ghost_count();
+        if self.game.slot.is_none() || !self.mesh.clustered {
+            return true;
+        }
+        if reals == 0 && self.handoff.out.in_flight() == 0 {
+            return true;
+        }
+        if self.now.mono_ms >= deadline {
+            tracing::warn!(left = reals, "drain timed out with entities still here");
+            return true;
+        }
+        false
+    }
+
+    /// The nodes that may own an entity in `chunk`, cached per partition.
+    pub(crate) fn owners_near(
+        &mut self,
+        chunk: cellmesh_geo_router::geometry::ChunkPos,
+    ) -> Vec<NodeId> {
+        if let Some(v) = self.repl.near_cache.get(&chunk) {
+            return v.clone();
+        }
+        let reach = self.cfg.reach_chunks();
+        let mut near = subs::owners_near(&self.auth.partition, chunk, reach);
+        if let Some((prev, _)) = &self.auth.prev_partition {
+            // Until the mass handoff settles, the previous owners still write entities there.
+            near.extend(subs::owners_near(prev, chunk, reach));
+        }
+        let v: Vec<NodeId> = near.into_iter().collect();
+        self.repl.near_cache.insert(chunk, v.clone());
+        v
+    }
+
+    /// Forgets the previous partition once every ghost here is written by a node the current
+    /// partition puts near it (the mass handoff settled), and at least a second after the change.
+    pub(crate) fn settle_partition(&mut self) {
+        let Some((_, since)) = &self.auth.prev_partition else {
+            return;
+        };
+        if self.now.mono_ms < since + SETTLE_MIN_MS {
+            return;
+        }
+        let reach = self.cfg.reach_chunks();
+        let settled = self.table.iter().all(|e| match e.origin {
+            None => true,
+            Some(n) => subs::owners_near(&self.auth.partition, e.chunk, reach).contains(&n),
+        });
+        if settled {
+            self.auth.prev_partition = None;
+            self.repl.near_cache.clear();
+            self.repl.subs_dirty = true;
+        }
+    }
+
+    /// Every real of this node, for a census.
+    pub(crate) fn reals(&self) -> Vec<Real> {
+        let mut v: Vec<Real> = self
+            .table
+            .iter()
+            .filter(|e| e.origin.is_none())
+            .map(|e| Real {
+                id: e.id,
+                epoch: e.epoch,
+                frozen: self.handoff.out.is_frozen(e.id) || !self.auth.lease_live,
+            })
+            .collect();
+        v.sort_unstable_by_key(|r| r.id);
+        v
+    }
+}

@@ -1,0 +1,428 @@
+//! The local game: its connection, what it sends each tick, and the end of a tick (DESIGN §6).
+
+use cellmesh_proto::local::{
+    self, game_message, sidecar_message, ErrorCode, GameMessage, SidecarMessage,
+};
+use cellmesh_proto::mesh::{self, mesh_message};
+
+use super::wire::*;
+use super::*;
+use crate::config::SidecarConfig;
+use crate::model::audience::Audience;
+use crate::model::entities::{EntityError, EntityUpdate, NewEntity};
+use crate::model::fold::{TickEvent, TickSend};
+use crate::model::ids::IdMinter;
+
+/// The game connected to this node, as the node knows it.
+pub(crate) struct GameSlot {
+    pub conn: ConnId,
+    pub hello: local::Hello,
+    pub health: Option<local::Health>,
+    pub load: Option<local::Load>,
+}
+
+/// The local game and what it sent during the current tick.
+pub(crate) struct LocalGame {
+    pub slot: Option<GameSlot>,
+    pub tick_events: Vec<TickEvent>,
+    pub tick_sends: Vec<TickSend>,
+    pub last_tick: u64,
+    pub ids: IdMinter,
+}
+
+impl LocalGame {
+    pub fn new(cfg: &SidecarConfig) -> Self {
+        Self {
+            slot: None,
+            tick_events: Vec::new(),
+            tick_sends: Vec::new(),
+            last_tick: 0,
+            ids: IdMinter::new(cfg.node_id),
+        }
+    }
+}
+
+/// The epoch every entity starts with; each handoff adds one.
+pub(crate) const FIRST_EPOCH: u64 = 1;
+/// Most ids one `ReserveIds` may ask for.
+const MAX_RESERVE: usize = 65_536;
+
+impl Core {
+    pub(crate) fn on_game_hello(
+        &mut self,
+        conn: ConnId,
+        hello: local::Hello,
+        rest: Vec<GameMessage>,
+    ) {
+        if let Some(current) = &self.game.slot {
+            let detail = format!(
+                "a game ({:?}) is already connected to this sidecar; it serves one game at a time",
+                current.hello.game
+            );
+            let err = local::Error {
+                code: ErrorCode::AlreadyConnected as i32,
+                detail,
+                fatal: true,
+                entity_id: 0,
+            };
+            self.emit(Output::GameFatal { conn, error: err });
+            return;
+        }
+        if self.shutting_down {
+            self.emit(Output::ReleaseGame { conn });
+            return;
+        }
+        tracing::info!(conn, game = %hello.game, "game connected");
+        self.game.slot = Some(GameSlot {
+            conn,
+            hello,
+            health: None,
+            load: None,
+        });
+        self.metrics.game_connected.set(1);
+        let w = &self.cfg.world;
+        self.out.to_game.push(
+            sidecar_message::Body::Welcome(local::Welcome {
+                version: Some(local::ProtocolVersion::current()),
+                node_id: self.cfg.node_id,
+                world: Some(local::WorldShape {
+                    width: w.width,
+                    height: w.height,
+                    chunk_size: w.chunk_size,
+                    region_size: w.region_size,
+                }),
+                owned_area: self.owned_rects(),
+                partition_epoch: self.auth.partition.epoch(),
+            })
+            .into(),
+        );
+        // Sessions outlive a game restart: the new game hears about every attached player.
+        let joins: Vec<SidecarMessage> = self
+            .gw
+            .sessions
+            .iter()
+            .filter_map(|s| {
+                let epoch = s.epoch?;
+                Some(
+                    sidecar_message::Body::PlayerJoin(local::PlayerJoin {
+                        account: s.account.clone(),
+                        session_epoch: epoch,
+                        last_position: s.last_position.map(|[x, y, z]| local::Vec3 { x, y, z }),
+                    })
+                    .into(),
+                )
+            })
+            .collect();
+        self.out.to_game.extend(joins);
+        let remote: Vec<SidecarMessage> = self
+            .routing
+            .remote_players
+            .iter()
+            .map(|(account, r)| {
+                sidecar_message::Body::PlayerJoin(local::PlayerJoin {
+                    account: account.clone(),
+                    session_epoch: r.session_epoch,
+                    last_position: None,
+                })
+                .into()
+            })
+            .collect();
+        self.out.to_game.extend(remote);
+        self.routing.anchor_sent.clear();
+        // Adopts the previous game never answered: the new game gets them again.
+        let pending: Vec<local::Adopt> = self
+            .handoff
+            .adopting
+            .values()
+            .map(|o| self.adopt_message(o))
+            .collect();
+        for adopt in pending {
+            self.out
+                .to_game
+                .push(sidecar_message::Body::Adopt(adopt).into());
+        }
+        self.set_ready(self.auth.lease_live && self.auth.draining.is_none());
+        for m in rest {
+            if let Some(body) = m.body {
+                self.on_game_message(body);
+            }
+        }
+    }
+
+    /// The node's area in metres, as the game is told it.
+    pub(crate) fn owned_rects(&self) -> Vec<local::Rect> {
+        let w = &self.cfg.world;
+        self.auth
+            .area
+            .iter()
+            .map(|r| {
+                let (x, y, width, height) = w.rect_metres(r);
+                local::Rect {
+                    x,
+                    y,
+                    width,
+                    height,
+                }
+            })
+            .collect()
+    }
+
+    pub(crate) fn on_game_message(&mut self, body: game_message::Body) {
+        use game_message::Body as B;
+        match body {
+            B::Hello(_) => self.game_error(
+                ErrorCode::UnexpectedMessage,
+                "Hello was already received on this connection".into(),
+                0,
+            ),
+            B::Spawn(s) => self.on_spawn(s),
+            B::Update(u) => {
+                if self.may_write(u.entity_id) {
+                    self.on_update(u)
+                }
+            }
+            B::Despawn(d) => {
+                if self.table.get_local(d.entity_id).is_none() {
+                    return self.entity_error(EntityError::Unknown(d.entity_id));
+                }
+                if !self.may_write(d.entity_id) {
+                    return;
+                }
+                if let Err(e) = self.table.despawn(d.entity_id) {
+                    self.entity_error(e);
+                }
+            }
+            B::Event(e) => self.on_event(e),
+            B::Send(s) => self.game.tick_sends.push(TickSend {
+                accounts: s.accounts,
+                r#type: s.r#type,
+                payload: s.payload,
+            }),
+            B::ReserveIds(r) => self.on_reserve_ids(r),
+            B::TickEnd(t) => self.end_tick(t.tick),
+            B::Load(l) => {
+                if let Some(g) = self.game.slot.as_mut() {
+                    g.load = Some(l);
+                }
+            }
+            B::Health(h) => {
+                if let Some(g) = self.game.slot.as_mut() {
+                    g.health = Some(h);
+                }
+            }
+            // Chunk events travel to peers and the journal, which a single node does not have yet.
+            B::ChunkEvent(_) => self.metrics.drop_msg("chunk_event_unsupported", 1),
+            B::Snapshot(s) => self.on_snapshot(s),
+            B::Adopted(a) => self.on_adopted(a),
+        }
+    }
+
+    pub(crate) fn on_spawn(&mut self, s: local::Spawn) {
+        let components = match local_components(s.entity_id, s.components) {
+            Ok(c) => c,
+            Err(detail) => return self.game_error(ErrorCode::InvalidValue, detail, s.entity_id),
+        };
+        let spawn = NewEntity {
+            id: s.entity_id,
+            position: s.position.map(local_position).unwrap_or_default(),
+            owner_account: s.owner_account,
+            is_master: s.is_master,
+            parent_id: s.parent_id,
+            components,
+            origin: None,
+            epoch: FIRST_EPOCH,
+        };
+        if let Err(e) = self.table.spawn(spawn) {
+            self.entity_error(e);
+        }
+    }
+
+    pub(crate) fn on_update(&mut self, u: local::Update) {
+        if self.table.get_local(u.entity_id).is_none() {
+            // Ghosts are read-only to the game.
+            return self.entity_error(EntityError::Unknown(u.entity_id));
+        }
+        let changed = match local_components(u.entity_id, u.changed) {
+            Ok(c) => c,
+            Err(detail) => return self.game_error(ErrorCode::InvalidValue, detail, u.entity_id),
+        };
+        let update = EntityUpdate {
+            id: u.entity_id,
+            position: u.position.map(local_position),
+            changed,
+            removed: u.removed_types,
+        };
+        if let Err(e) = self.table.update(update) {
+            self.entity_error(e);
+        }
+    }
+
+    pub(crate) fn on_event(&mut self, e: local::Event) {
+        let audience = match Audience::from_proto(e.audience.as_ref()) {
+            Ok(a) => a,
+            Err(err) => {
+                return self.game_error(
+                    ErrorCode::InvalidValue,
+                    format!("event on entity {}: {err}", e.entity_id),
+                    e.entity_id,
+                )
+            }
+        };
+        if self.table.get_local(e.entity_id).is_none() {
+            return self.entity_error(EntityError::Unknown(e.entity_id));
+        }
+        if !self.may_write(e.entity_id) {
+            return;
+        }
+        let entity = self.table.get_local(e.entity_id).expect("checked above");
+        self.game.tick_events.push(TickEvent {
+            entity_id: e.entity_id,
+            chunk: entity.chunk,
+            owner_account: entity.owner_account.clone(),
+            audience,
+            r#type: e.r#type,
+            payload: e.payload,
+        });
+    }
+
+    pub(crate) fn on_reserve_ids(&mut self, r: local::ReserveIds) {
+        // Each id costs at most 9 bytes on the wire; the answer must fit one frame.
+        let max = MAX_RESERVE.min(self.cfg.max_frame_bytes.saturating_sub(TO_CLIENT_OVERHEAD) / 9);
+        let count = r.count as usize;
+        if count > max {
+            let detail = format!(
+                "ReserveIds {} asks for {count} ids; at most {max} per request",
+                r.request_id
+            );
+            return self.game_error(ErrorCode::InvalidValue, detail, 0);
+        }
+        let ids = self.game.ids.mint_many(self.now.unix_ms, count);
+        self.out.to_game.push(
+            sidecar_message::Body::IdsReserved(local::IdsReserved {
+                request_id: r.request_id,
+                ids,
+            })
+            .into(),
+        );
+    }
+
+    pub(crate) fn entity_error(&mut self, e: EntityError) {
+        let code = match e {
+            EntityError::Unknown(_) => ErrorCode::UnknownEntity,
+            EntityError::Duplicate(_) => ErrorCode::DuplicateEntity,
+            EntityError::ZeroId | EntityError::NonFinite { .. } => ErrorCode::InvalidValue,
+        };
+        self.game_error(code, e.to_string(), e.entity_id());
+    }
+
+    /// A non-fatal error about something the game sent: reported, and nothing else changes.
+    pub(crate) fn game_error(&mut self, code: ErrorCode, detail: String, entity_id: u64) {
+        self.metrics.error(error_kind(code));
+        tracing::debug!(?code, %detail, "game error");
+        self.out.to_game.push(
+            sidecar_message::Body::Error(local::Error {
+                code: code as i32,
+                detail,
+                fatal: false,
+                entity_id,
+            })
+            .into(),
+        );
+    }
+
+    /// Folds the tick into one batch per client and queues them on their links.
+    pub(crate) fn end_tick(&mut self, tick: u64) {
+        self.game.last_tick = tick;
+        let changes = self.table.take_changes();
+        let events = std::mem::take(&mut self.game.tick_events);
+        let sends = std::mem::take(&mut self.game.tick_sends);
+        // Other nodes first: public changes to subscribers, the rest to gateways by account.
+        self.replicate(&changes);
+        self.replicate_events(&events);
+        let sends = self.route_tick(&changes, &events, sends);
+        self.send_anchors(&changes);
+        let budget = self.cfg.max_frame_bytes - TO_CLIENT_OVERHEAD;
+        let out = self
+            .gw
+            .clients
+            .fold(tick, &self.table, &changes, &events, &sends, budget);
+        self.settle_partition();
+        self.update_subscriptions();
+        self.step_sim_ghosts(&changes, self.now.mono_ms);
+        self.check_handoffs(&changes);
+        self.metrics
+            .subscribers
+            .set(self.repl.subscribers.len() as i64);
+        self.metrics.ticks.inc();
+        self.metrics.deltas_sent.inc_by(out.deltas);
+        self.metrics.deltas_encoded.inc_by(out.deltas_encoded);
+        self.metrics
+            .drop_msg("unknown_account", out.unknown_accounts);
+        let ghosts = self.table.ghost_count();
+        self.metrics
+            .entities
+            .set(self.table.len().saturating_sub(ghosts) as i64);
+        self.metrics.ghosts_render.set(ghosts as i64);
+        for (key, server_frame) in out.frames {
+            let Some(s) = self.gw.sessions.get(key) else {
+                continue;
+            };
+            if server_frame.len() > budget {
+                // One piece alone outgrew a frame; the client cannot be sent it.
+                self.metrics.drop_msg("batch_too_large", 1);
+                continue;
+            }
+            let (link, session_id) = (s.link, s.session_id);
+            self.queue_for_link(
+                link,
+                mesh_message::Body::ToClient(mesh::ToClient {
+                    session_id,
+                    server_frame,
+                }),
+            );
+            self.metrics.batches_sent.inc();
+        }
+    }
+
+    pub(crate) fn on_game_frame(&mut self, conn: ConnId, messages: Vec<GameMessage>) {
+        if self.game.slot.as_ref().is_some_and(|g| g.conn == conn) {
+            for m in messages {
+                if let Some(body) = m.body {
+                    self.on_game_message(body);
+                }
+            }
+        }
+    }
+
+    /// The game stopped reading: it is disconnected (the driver already cut the connection).
+    pub(crate) fn on_game_stalled(&mut self, conn: ConnId) {
+        if self.game.slot.as_ref().is_none_or(|g| g.conn != conn) {
+            return;
+        }
+        self.metrics.error("game_outbox_full");
+        tracing::warn!(conn, "game outbox full: disconnecting the game");
+        self.on_game_closed(conn, "outbox full: the game is not reading");
+    }
+
+    pub(crate) fn on_game_closed(&mut self, conn: ConnId, reason: &str) {
+        if self.game.slot.as_ref().is_none_or(|g| g.conn != conn) {
+            return;
+        }
+        tracing::info!(conn, %reason, "game disconnected");
+        self.game.slot = None;
+        self.metrics.game_connected.set(0);
+        self.set_ready(false);
+        // Remember where the avatars were, for the PlayerJoin of the next game.
+        for s in self.gw.sessions.iter_mut() {
+            if let Some(e) = self.table.master_of(&s.account) {
+                s.last_position = Some([e.position.x, e.position.y, e.position.z]);
+            }
+        }
+        // The game's entities go with it; clients see them vanish at once. Ghosts stay: their
+        // owners still send them.
+        self.table.clear_local();
+        self.repl.sim.clear();
+        self.out.to_game.clear();
+        self.end_tick(self.game.last_tick + 1);
+    }
+}

@@ -1,0 +1,615 @@
+//! The node's state and decisions, with no I/O (the sans-IO shape of quinn-proto).
+//!
+//! The driver (`crate::io`) feeds the core what happened with [`Core::handle`]`(now, Input)`,
+//! then carries out what the core wants done, taken from [`Core::poll_output`], and wakes it at
+//! [`Core::poll_timeout`]. A handler never sends, spawns, sleeps or reads a clock: it queues an
+//! [`Output`] (a frame, a store request, a dial), and the answer comes back as an [`Input`]. So
+//! the same core runs over real sockets and in the cluster simulator, in virtual time.
+//!
+//! The state is split by concern, each part in its own file with the handlers that own it:
+//! [`game`] (the local game and its ticks), [`gateway`] (client sessions), [`peers`] (links to
+//! proxies and other sidecars), [`replication`] (subscriptions, render and simulation ghosts),
+//! [`routing`] (routing by account, anchors), [`handoff`] (moving reals, the epoch fence, inputs)
+//! and [`authority`] (lease, partition, drain). [`wire`] holds the one copy of each conversion
+//! between the model and the wire.
+
+pub(crate) mod authority;
+pub(crate) mod game;
+pub(crate) mod gateway;
+pub(crate) mod handoff;
+pub(crate) mod peers;
+pub(crate) mod replication;
+pub(crate) mod routing;
+pub(crate) mod wire;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+use cellmesh_geo_router::partition::{NodeId, Partition};
+use cellmesh_geo_router::store::{PlayerRecord, SessionEntry};
+use cellmesh_proto::local::{self, GameMessage, SidecarFrame, SidecarMessage};
+use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage};
+use prost::Message;
+use serde_json::json;
+
+use crate::config::SidecarConfig;
+use crate::metrics::Metrics;
+use crate::model::entities::EntityTable;
+
+pub use gateway::SessionKey;
+pub use peers::PeerInfo;
+
+use authority::Authority;
+use game::LocalGame;
+use gateway::Gateway;
+use handoff::Handoffs;
+use peers::Mesh;
+use replication::Replication;
+use routing::Routing;
+
+/// A game connection, numbered by the driver.
+pub type ConnId = u64;
+/// A mesh link (to a proxy or a peer sidecar), numbered by the driver.
+pub type LinkId = u64;
+
+/// The time, as the driver (or the simulator) tells it: one value with both clocks, so the two
+/// never disagree within a step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Now {
+    /// Monotonic milliseconds since an arbitrary start: every duration and deadline.
+    pub mono_ms: u64,
+    /// Wall-clock milliseconds since the Unix epoch: ids and player records.
+    pub unix_ms: u64,
+}
+
+impl Now {
+    pub fn plus_ms(self, ms: u64) -> Now {
+        Now {
+            mono_ms: self.mono_ms + ms,
+            unix_ms: self.unix_ms + ms,
+        }
+    }
+}
+
+/// What the world tells the node.
+#[derive(Debug)]
+pub enum Input {
+    /// A game said a valid `Hello`; `rest` is what followed it in the same frame.
+    GameHello {
+        conn: ConnId,
+        hello: local::Hello,
+        rest: Vec<GameMessage>,
+    },
+    GameFrame {
+        conn: ConnId,
+        messages: Vec<GameMessage>,
+    },
+    GameClosed {
+        conn: ConnId,
+        reason: String,
+    },
+    /// The game's outbox is full: it is not reading (the driver has already cut it).
+    GameStalled {
+        conn: ConnId,
+    },
+    /// A proxy or a peer completed the link handshake.
+    LinkUp {
+        link: LinkId,
+        hello: mesh::LinkHello,
+        remote: String,
+        rest: Vec<MeshMessage>,
+    },
+    LinkFrame {
+        link: LinkId,
+        messages: Vec<MeshMessage>,
+    },
+    LinkClosed {
+        link: LinkId,
+        reason: String,
+    },
+    /// The link's outbox is full: the other end is not reading (the driver has already cut it).
+    LinkStalled {
+        link: LinkId,
+    },
+    /// A store request came back.
+    Store(StoreReply),
+    /// The peers with a live lease, from the topology store.
+    Peers(Vec<PeerInfo>),
+    /// Peers' lease epochs (their incarnations) from the topology store.
+    PeerLeases(Vec<(NodeId, u64)>),
+    /// The node lease was taken over: this node must stop writing.
+    LeaseLost,
+    /// A newer partition was committed.
+    Partition(Box<Partition>),
+    /// SIGTERM: stop accepting handoffs, hand away what the partition gives to others, exit.
+    Drain,
+    /// The time asked for by [`Core::poll_timeout`] has come.
+    Timer,
+    /// The sidecar stops: sessions are told, every connection is let go.
+    Shutdown,
+}
+
+/// What the node wants done.
+#[derive(Debug)]
+pub enum Output {
+    /// A frame for the game.
+    ToGame { conn: ConnId, frame: SidecarFrame },
+    /// Write this error to the game connection, then close it.
+    GameFatal { conn: ConnId, error: local::Error },
+    /// Close the game connection at once, dropping what is queued (it stopped reading).
+    KillGame { conn: ConnId },
+    /// Close the game connection once what is queued is written.
+    ReleaseGame { conn: ConnId },
+    /// A frame for a link.
+    ToLink { link: LinkId, frame: MeshFrame },
+    /// Close a link at once.
+    KillLink { link: LinkId },
+    /// Close a link once what is queued is written.
+    ReleaseLink { link: LinkId },
+    /// Keep a link to peer `node` at `addr` (this node has the lower id), replacing any dialler.
+    Dial { node: NodeId, addr: String },
+    /// Stop dialling peer `node`.
+    StopDial { node: NodeId },
+    /// Run a store call; its answer comes back as [`Input::Store`].
+    Store(StoreRequest),
+    /// Readiness for traffic changed.
+    Ready(bool),
+    /// The state changed since it was last published: read [`Core::state`] and
+    /// [`Core::reals`] now.
+    Publish,
+    /// The drain is over: the driver shuts the sidecar down.
+    Stop,
+}
+
+/// A store call the node asks for. Each is run with a timeout; failures come back as errors.
+#[derive(Debug, Clone)]
+pub enum StoreRequest {
+    /// Registers the session in the directory (a new epoch) and loads the player record; the
+    /// registration is released again if the record cannot be read.
+    Register {
+        session: SessionKey,
+        account: String,
+        node: NodeId,
+        lease_ms: u64,
+    },
+    /// Renews the directory leases of attached sessions.
+    Renew {
+        sessions: Vec<(SessionKey, String, u64)>,
+        lease_ms: u64,
+    },
+    /// Where an account's session is.
+    Lookup { account: String },
+    /// A session ended: saves the player record, then releases the directory entry.
+    EndSession { record: PlayerRecord, epoch: u64 },
+    /// Releases a directory entry (a registration nobody wants any more).
+    Release { account: String, epoch: u64 },
+}
+
+/// The answers of store calls that have one.
+#[derive(Debug)]
+pub enum StoreReply {
+    Registered {
+        session: SessionKey,
+        account: String,
+        result: Result<Registration, String>,
+    },
+    /// Lease renewals: (session, epoch, still current?).
+    Renewed {
+        results: Vec<(SessionKey, u64, Result<bool, String>)>,
+    },
+    LookedUp {
+        account: String,
+        result: Result<Option<SessionEntry>, String>,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct Registration {
+    pub epoch: u64,
+    pub record: Option<cellmesh_geo_router::store::PlayerRecord>,
+}
+
+/// Room for the frame, message and `ToClient` headers around one client batch.
+pub(crate) const TO_CLIENT_OVERHEAD: usize = 64;
+/// How often the state is published (if it changed) and a drain checked.
+const PUBLISH_EVERY_MS: u64 = 100;
+
+/// What the node queued and has not handed to the driver yet.
+#[derive(Default)]
+pub(crate) struct Outbox {
+    pub to_game: Vec<SidecarMessage>,
+    pub to_links: BTreeMap<LinkId, Vec<MeshMessage>>,
+    pending: VecDeque<Output>,
+    ready: bool,
+}
+
+/// One sidecar's node: everything it knows and decides.
+pub struct Core {
+    pub(crate) cfg: Arc<SidecarConfig>,
+    pub(crate) metrics: Metrics,
+    /// The time of the input being handled.
+    pub(crate) now: Now,
+    /// Every entity the node holds: its reals and its render ghosts.
+    pub(crate) table: EntityTable,
+    pub(crate) game: LocalGame,
+    pub(crate) gw: Gateway,
+    pub(crate) mesh: Mesh,
+    pub(crate) repl: Replication,
+    pub(crate) routing: Routing,
+    pub(crate) handoff: Handoffs,
+    pub(crate) auth: Authority,
+    pub(crate) out: Outbox,
+    shutting_down: bool,
+    /// Something changed since the last publish.
+    dirty: bool,
+    next_renew_ms: u64,
+    next_publish_ms: u64,
+}
+
+impl Core {
+    /// A node serving `partition` as `cfg.node_id`; `clustered` when it has peers to link to
+    /// (a lone node owns the whole world and never hands anything off).
+    pub fn new(
+        cfg: Arc<SidecarConfig>,
+        metrics: Metrics,
+        partition: Arc<Partition>,
+        clustered: bool,
+        now: Now,
+    ) -> Self {
+        Self {
+            table: EntityTable::new(cfg.world),
+            game: LocalGame::new(&cfg),
+            gw: Gateway::new(&cfg),
+            mesh: Mesh::new(clustered),
+            repl: Replication::new(&cfg, &partition),
+            routing: Routing::default(),
+            handoff: Handoffs::default(),
+            auth: Authority::new(&cfg, partition),
+            out: Outbox::default(),
+            shutting_down: false,
+            dirty: true,
+            next_renew_ms: now.mono_ms + cfg.session_lease_ms / 3,
+            next_publish_ms: now.mono_ms,
+            now,
+            cfg,
+            metrics,
+        }
+    }
+
+    pub fn node_id(&self) -> NodeId {
+        self.cfg.node_id
+    }
+
+    pub fn partition(&self) -> &Partition {
+        &self.auth.partition
+    }
+
+    /// Handles one input at time `now` (which never goes backwards).
+    pub fn handle(&mut self, now: Now, input: Input) {
+        self.now = now.max(self.now);
+        if !matches!(input, Input::Timer) {
+            self.dirty = true;
+        }
+        match input {
+            Input::GameHello { conn, hello, rest } => self.on_game_hello(conn, hello, rest),
+            Input::GameFrame { conn, messages } => self.on_game_frame(conn, messages),
+            Input::GameClosed { conn, reason } => self.on_game_closed(conn, &reason),
+            Input::GameStalled { conn } => self.on_game_stalled(conn),
+            Input::LinkUp {
+                link,
+                hello,
+                remote,
+                rest,
+            } => {
+                self.on_link_up(link, hello, remote);
+                for m in rest {
+                    self.on_link_message(link, m);
+                }
+            }
+            Input::LinkFrame { link, messages } => {
+                for m in messages {
+                    self.on_link_message(link, m);
+                }
+            }
+            Input::LinkClosed { link, reason } => self.close_link(link, &reason),
+            Input::LinkStalled { link } => self.on_link_stalled(link),
+            Input::Store(StoreReply::Registered {
+                session,
+                account,
+                result,
+            }) => self.on_registered(session, account, result),
+            Input::Store(StoreReply::Renewed { results }) => self.on_renewed(results),
+            Input::Store(StoreReply::LookedUp { account, result }) => {
+                self.on_looked_up(account, result)
+            }
+            Input::Peers(peers) => self.on_peers(peers),
+            Input::PeerLeases(leases) => self.on_peer_leases(leases),
+            Input::LeaseLost => self.on_lease_lost(),
+            Input::Partition(p) => self.apply_partition(*p),
+            Input::Drain => self.begin_drain(),
+            Input::Timer => self.on_timer(),
+            Input::Shutdown => self.shutdown(),
+        }
+    }
+
+    /// The next thing to do, if any. Messages queued by the handlers are packed here into as
+    /// few frames as fit, one batch per connection.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        if self.out.pending.is_empty() {
+            self.pack_outboxes();
+        }
+        self.out.pending.pop_front()
+    }
+
+    /// When the node wants [`Input::Timer`], at the latest.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        Some(self.next_renew_ms.min(self.next_publish_ms))
+    }
+
+    fn on_timer(&mut self) {
+        let now = self.now.mono_ms;
+        if now >= self.next_renew_ms {
+            self.renew_leases();
+            self.next_renew_ms = now + (self.cfg.session_lease_ms / 3).max(1);
+        }
+        if now >= self.next_publish_ms {
+            self.next_publish_ms = now + PUBLISH_EVERY_MS;
+            if self.dirty {
+                self.dirty = false;
+                self.out.pending.push_back(Output::Publish);
+            }
+            if self.drained() {
+                tracing::info!("drained: shutting down");
+                self.out.pending.push_back(Output::Stop);
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------ outboxes
+
+    pub(crate) fn queue_for_link(&mut self, link: LinkId, body: mesh_message::Body) {
+        self.out.to_links.entry(link).or_default().push(body.into());
+    }
+
+    pub(crate) fn emit(&mut self, output: Output) {
+        self.out.pending.push_back(output);
+    }
+
+    pub(crate) fn store(&mut self, request: StoreRequest) {
+        self.out.pending.push_back(Output::Store(request));
+    }
+
+    pub(crate) fn set_ready(&mut self, ready: bool) {
+        if self.out.ready != ready {
+            self.out.ready = ready;
+            self.out.pending.push_back(Output::Ready(ready));
+        }
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.out.ready
+    }
+
+    /// Turns everything queued into frames, one batch per link and one for the game.
+    fn pack_outboxes(&mut self) {
+        let max = self.cfg.max_frame_bytes;
+        for (link, messages) in std::mem::take(&mut self.out.to_links) {
+            if !self.mesh.links.contains_key(&link) {
+                continue;
+            }
+            let (frames, oversize) = pack(messages, max);
+            self.metrics.drop_msg("message_too_large", oversize);
+            for frame in frames {
+                self.out.pending.push_back(Output::ToLink {
+                    link,
+                    frame: MeshFrame { messages: frame },
+                });
+            }
+        }
+        let messages = std::mem::take(&mut self.out.to_game);
+        if messages.is_empty() {
+            return;
+        }
+        let Some(conn) = self.game.slot.as_ref().map(|g| g.conn) else {
+            self.metrics.drop_msg("no_game", messages.len() as u64);
+            return;
+        };
+        let (frames, oversize) = pack(messages, max);
+        self.metrics.drop_msg("message_too_large", oversize);
+        for frame in frames {
+            self.out.pending.push_back(Output::ToGame {
+                conn,
+                frame: SidecarFrame { messages: frame },
+            });
+        }
+    }
+
+    /// A link whose outbox filled: a slow peer is cut (it redials and resynchronises); the node
+    /// never waits.
+    fn on_link_stalled(&mut self, link: LinkId) {
+        let Some(l) = self.mesh.links.get(&link) else {
+            return;
+        };
+        self.metrics.error("link_outbox_full");
+        self.metrics.drop_msg("link_outbox_full", 1);
+        tracing::warn!(link, "mesh link outbox full: closing the link");
+        let why = match l.peer {
+            Some(node) => {
+                let label = self.metrics.peer(node);
+                self.metrics.peer_outbox_full.get_or_create(&label).inc();
+                "outbox full: the peer is not reading"
+            }
+            None => "outbox full: the proxy is not reading",
+        };
+        self.close_link(link, why);
+    }
+
+    // ------------------------------------------------------------------ state
+
+    /// The JSON view of the node for `/state`.
+    pub fn state(&self) -> serde_json::Value {
+        let game = self.game.slot.as_ref().map(|g| {
+            let v = g.hello.version.unwrap_or_default();
+            json!({
+                "conn": g.conn,
+                "game": g.hello.game,
+                "version": format!("{}.{}", v.major, v.minor),
+                "tick_rate_hz": g.hello.tick_rate_hz,
+                "health": g.health.as_ref().map(|h| json!({"ok": h.ok, "detail": h.detail})),
+                "load": g.load.as_ref().map(|l| json!({"tick_ms": l.tick_ms, "budget_ms": l.budget_ms, "entity_count": l.entity_count})),
+            })
+        });
+        let sessions: Vec<serde_json::Value> = self
+            .gw
+            .sessions
+            .iter()
+            .map(|s| {
+                json!({
+                    "account": s.account,
+                    "session_id": s.session_id,
+                    "epoch": s.epoch,
+                    "attached": s.epoch.is_some(),
+                    "link": s.link,
+                    "remote_addr": s.remote_addr,
+                    "master_id": self.table.master_of(&s.account).map(|e| e.id),
+                    "view_chunks": self.gw.clients.view_len(s.key),
+                    "rtt_ms_p50": s.rtt.map(|r| r.0),
+                    "rtt_ms_min": s.rtt.map(|r| r.1),
+                })
+            })
+            .collect();
+        let links: Vec<serde_json::Value> = self
+            .mesh
+            .links
+            .iter()
+            .filter(|(_, l)| l.peer.is_none())
+            .map(|(id, l)| {
+                json!({"link": id, "proxy": l.hello.id, "geo": l.hello.geo, "remote": l.remote, "sessions": l.sessions.len()})
+            })
+            .collect();
+        let peers: Vec<serde_json::Value> = self
+            .mesh
+            .peers
+            .iter()
+            .map(|(node, p)| {
+                json!({"node": node, "addr": p.addr, "link": p.link, "up": p.link.is_some(), "dialling": p.dialling})
+            })
+            .collect();
+        json!({
+            "node_id": self.cfg.node_id,
+            "geo": self.cfg.geo,
+            "ready": self.out.ready,
+            "game_connected": self.game.slot.is_some(),
+            "game": game,
+            "last_tick": self.game.last_tick,
+            "entities": self.table.len(),
+            "sessions": sessions,
+            "links": links,
+            "peers": peers,
+            "partition_epoch": self.auth.partition.epoch(),
+            "ghosts_render": self.table.ghost_count(),
+            "reals": self.table.len() - self.table.ghost_count(),
+            "ghosts_sim": self.repl.sim.len(),
+            "subscriptions": self.repl.subs.len(),
+            "subscribers": self.repl.subscribers.len(),
+            "handoffs_in_flight": self.handoff.out.in_flight(),
+            "handoffs_in_doubt": self.handoff.out.in_doubt().map(|(id, to, epoch)| json!({"entity": id, "to": to, "epoch": epoch})).collect::<Vec<_>>(),
+            "adopting": self.handoff.adopting.len(),
+            "held_frames": self.handoff.fence.held(),
+            "lease_live": self.auth.lease_live,
+            "draining": self.auth.draining.is_some(),
+        })
+    }
+
+    /// The sidecar stops: every session is told, then every connection is let go (each writes
+    /// what is queued for it, then closes).
+    fn shutdown(&mut self) {
+        self.shutting_down = true;
+        self.set_ready(false);
+        let keys: Vec<SessionKey> = self.gw.sessions.iter().map(|s| s.key).collect();
+        for key in keys {
+            if let Some(s) = self.gw.sessions.get(key) {
+                let (link, session_id) = (s.link, s.session_id);
+                self.queue_for_link(
+                    link,
+                    mesh_message::Body::Detach(mesh::Detach {
+                        session_id,
+                        kick_reason: cellmesh_proto::edge::KickReason::Shutdown as u32,
+                        detail: "the node is shutting down".into(),
+                    }),
+                );
+            }
+            self.end_session(key, "shutdown");
+        }
+        self.pack_outboxes();
+        if let Some(g) = self.game.slot.take() {
+            self.emit(Output::ReleaseGame { conn: g.conn });
+        }
+        for link in std::mem::take(&mut self.mesh.links).into_keys() {
+            self.emit(Output::ReleaseLink { link });
+        }
+        self.metrics.game_connected.set(0);
+        self.emit(Output::Publish);
+    }
+}
+
+/// Packs messages into frames of at most `max` bytes, in order. Returns the frames and how many
+/// messages were dropped for being too large for any frame.
+fn pack<M: Message>(messages: Vec<M>, max: usize) -> (Vec<Vec<M>>, u64) {
+    // A repeated field costs its key (1 byte here) and a length varint beside the message.
+    let cost = |m: &M| {
+        let len = m.encoded_len();
+        len + 1 + prost::length_delimiter_len(len)
+    };
+    let mut frames = Vec::new();
+    let mut current = Vec::new();
+    let mut size = 0;
+    let mut oversize = 0;
+    for m in messages {
+        let c = cost(&m);
+        if c > max {
+            oversize += 1;
+            continue;
+        }
+        if size + c > max && !current.is_empty() {
+            frames.push(std::mem::take(&mut current));
+            size = 0;
+        }
+        size += c;
+        current.push(m);
+    }
+    if !current.is_empty() {
+        frames.push(current);
+    }
+    (frames, oversize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use cellmesh_proto::local::sidecar_message;
+
+    #[test]
+    fn pack_splits_in_order_and_drops_the_impossible() {
+        let msg = |n: usize| -> SidecarMessage {
+            sidecar_message::Body::Input(local::Input {
+                payload: Bytes::from(vec![0u8; n]),
+                ..Default::default()
+            })
+            .into()
+        };
+        let (frames, oversize) = pack(vec![msg(40), msg(40), msg(500), msg(40)], 100);
+        assert_eq!(oversize, 1);
+        assert_eq!(frames.iter().map(Vec::len).collect::<Vec<_>>(), [2, 1]);
+        for f in &frames {
+            assert!(
+                SidecarFrame {
+                    messages: f.clone()
+                }
+                .encoded_len()
+                    <= 100
+            );
+        }
+    }
+}

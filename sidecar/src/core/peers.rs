@@ -1,0 +1,318 @@
+//! The node's side of the peer protocol (DESIGN §7-§9): what it sends other sidecars and what
+//! it does with what they send.
+//!
+//! - As an **owner**: answers chunk subscriptions with a snapshot burst, then sends each public
+//!   change of its entities once per subscribed node (`replicate`); routes non-public components,
+//!   events and messages to the gateways of the accounts they name (`route_tick`); tells remote
+//!   gateways where their players' avatars are (`send_anchors`); hands forwarded input and
+//!   remote joins to its game.
+//! - As an **observer**: keeps the render ghosts of the chunks it subscribes to, and pushes the
+//!   ones in its interaction band to its game as simulation ghosts.
+//! - As a **gateway**: delivers routed pieces to its sessions after checking their epoch.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use cellmesh_geo_router::partition::NodeId;
+use cellmesh_proto::mesh::{self, mesh_message};
+
+use super::wire::*;
+use super::*;
+use crate::model::audience::Audience;
+use crate::model::fold::TickEvent;
+
+/// A peer sidecar with a live lease: where to reach it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerInfo {
+    pub node: NodeId,
+    pub mesh_addr: String,
+}
+
+/// One peer sidecar as this node knows it.
+#[derive(Default)]
+pub(crate) struct PeerState {
+    pub addr: Option<String>,
+    pub link: Option<LinkId>,
+    /// Set while this node dials the peer (it has the lower id).
+    pub dialling: bool,
+}
+
+/// An established mesh link, to a proxy or to a peer sidecar.
+pub(crate) struct Link {
+    /// The peer sidecar's node id, for a link to another sidecar (`None`: a proxy).
+    pub peer: Option<NodeId>,
+    pub hello: mesh::LinkHello,
+    pub remote: String,
+    pub sessions: BTreeSet<SessionKey>,
+}
+
+/// The node's links: to proxies (carrying sessions) and to its peer sidecars.
+pub(crate) struct Mesh {
+    pub links: BTreeMap<LinkId, Link>,
+    pub peers: BTreeMap<NodeId, PeerState>,
+    /// Whether this node has peers at all (a lone node owns the whole world).
+    pub clustered: bool,
+    /// The partition epoch each peer acknowledged (BigWorld's `hasBeenCreated`).
+    pub peer_partition: HashMap<NodeId, u64>,
+    /// Each peer's lease epoch: a new one means a new process holds the node id.
+    pub peer_lease: HashMap<NodeId, u64>,
+}
+
+impl Mesh {
+    pub fn new(clustered: bool) -> Self {
+        Self {
+            links: BTreeMap::new(),
+            peers: BTreeMap::new(),
+            clustered,
+            peer_partition: HashMap::new(),
+            peer_lease: HashMap::new(),
+        }
+    }
+}
+
+impl Core {
+    // ------------------------------------------------------------------ links
+
+    pub(crate) fn on_link_up(&mut self, link: LinkId, hello: mesh::LinkHello, remote: String) {
+        if self.shutting_down {
+            self.emit(Output::ReleaseLink { link });
+            return;
+        }
+        let peer = (hello.role == mesh::PeerRole::Sidecar as i32).then_some(hello.node_id);
+        if let Some(node) = peer {
+            self.mesh.peer_partition.insert(node, hello.partition_epoch);
+        }
+        if peer.is_none() {
+            tracing::info!(link, proxy = %hello.id, %remote, "proxy link up");
+        }
+        self.mesh.links.insert(
+            link,
+            Link {
+                peer,
+                hello,
+                remote,
+                sessions: Default::default(),
+            },
+        );
+        if let Some(node) = peer {
+            self.on_peer_up(link, node);
+        }
+    }
+
+    /// A link is gone (closed by the proxy, dead, or too slow): its sessions are detached.
+    pub(crate) fn close_link(&mut self, link: LinkId, reason: &str) {
+        let Some(l) = self.mesh.links.remove(&link) else {
+            return;
+        };
+        self.emit(Output::KillLink { link });
+        self.out.to_links.remove(&link);
+        if let Some(node) = l.peer {
+            return self.peer_down(node, link, reason);
+        }
+        tracing::info!(link, proxy = %l.hello.id, %reason, "proxy link closed");
+        for key in l.sessions {
+            self.end_session(key, &format!("link to the proxy lost: {reason}"));
+        }
+    }
+
+    /// The peers with a live lease now; dials those with a higher id.
+    pub(crate) fn on_peers(&mut self, peers: Vec<PeerInfo>) {
+        let me = self.cfg.node_id;
+        let live: BTreeMap<NodeId, String> =
+            peers.into_iter().map(|p| (p.node, p.mesh_addr)).collect();
+        let mut outputs = Vec::new();
+        for (node, state) in self.mesh.peers.iter_mut() {
+            if !live.contains_key(node) {
+                if std::mem::take(&mut state.dialling) {
+                    outputs.push(Output::StopDial { node: *node });
+                }
+                state.addr = None;
+            }
+        }
+        for (node, addr) in live {
+            let state = self.mesh.peers.entry(node).or_default();
+            if state.addr.as_deref() == Some(addr.as_str()) && (node < me || state.dialling) {
+                continue;
+            }
+            state.addr = Some(addr.clone());
+            if node > me && self.mesh.clustered {
+                // A new address replaces the dialler.
+                state.dialling = true;
+                outputs.push(Output::Dial { node, addr });
+            }
+        }
+        for o in outputs {
+            self.emit(o);
+        }
+    }
+
+    /// A link to peer `node` is up (dialled or accepted): the newest link of a pair wins.
+    pub(crate) fn on_peer_up(&mut self, link: LinkId, node: NodeId) {
+        if let Some(old) = self.mesh.peers.get(&node).and_then(|p| p.link) {
+            if old != link {
+                self.close_link(old, "replaced by a newer link from the same peer");
+            }
+        }
+        tracing::info!(link, peer = node, "peer link up");
+        self.mesh.peers.entry(node).or_default().link = Some(link);
+        // The link's hello named the partition this node started with; say which one it runs.
+        self.send_peer(
+            node,
+            mesh_message::Body::PartitionAck(mesh::PartitionAck {
+                partition_epoch: self.auth.partition.epoch(),
+            }),
+        );
+        let label = self.metrics.peer(node);
+        self.metrics.peer_up.get_or_create(&label).set(1);
+        self.metrics.peers_up.set(self.up_peers().len() as i64);
+        self.metrics.peer_links.get_or_create(&label).inc();
+        // The owner forgot this node's subscriptions with the last link: ask again, for a fresh
+        // snapshot burst.
+        let held = self.repl.subs.of_owner(node);
+        for part in held.chunks(super::replication::CHUNKS_PER_MESSAGE) {
+            self.send_peer(
+                node,
+                mesh_message::Body::Subscribe(mesh::Subscribe {
+                    chunks: chunk_refs(part),
+                }),
+            );
+        }
+        // Gateways learn where the sessions of this node are, and owners who simulates whom.
+        let moved: Vec<mesh_message::Body> = self
+            .gw
+            .sessions
+            .iter()
+            .filter_map(|s| {
+                Some(mesh_message::Body::SessionMoved(mesh::SessionMoved {
+                    account: s.account.clone(),
+                    session_epoch: s.epoch?,
+                    gateway_node: self.cfg.node_id,
+                }))
+            })
+            .collect();
+        for m in moved {
+            self.send_peer(node, m);
+        }
+        self.routing.anchor_sent.retain(|account, _| {
+            self.routing
+                .remote_players
+                .get(account)
+                .is_none_or(|r| r.gateway_node != node)
+        });
+        // Offers in doubt towards it get their answer now.
+        self.resume_offers(node);
+    }
+
+    /// The link to `node` is gone: what it told this node is forgotten (its render ghosts vanish
+    /// from clients at the next tick), and so are its subscriptions here.
+    pub(crate) fn peer_down(&mut self, node: NodeId, link: LinkId, reason: &str) {
+        let Some(p) = self.mesh.peers.get_mut(&node) else {
+            return;
+        };
+        if p.link != Some(link) {
+            return;
+        }
+        p.link = None;
+        tracing::info!(link, peer = node, %reason, "peer link down");
+        self.metrics
+            .peer_up
+            .get_or_create(&self.metrics.peer(node))
+            .set(0);
+        self.metrics.peers_up.set(self.up_peers().len() as i64);
+        for id in self.table.ghosts_of(node) {
+            if !self.ghost_orphaned(id) {
+                let _ = self.table.despawn(id);
+                self.handoff.fence.forget(id);
+            }
+        }
+        self.repl.subscribers.remove_node(node);
+        self.metrics
+            .subscribers
+            .set(self.repl.subscribers.len() as i64);
+        self.repl.replicas.retain(|_, nodes| {
+            nodes.remove(&node);
+            !nodes.is_empty()
+        });
+    }
+
+    /// Queues `body` for peer `node`; false (and counted) when no link to it is up.
+    pub(crate) fn send_peer(&mut self, node: NodeId, body: mesh_message::Body) -> bool {
+        let Some(link) = self.mesh.peers.get(&node).and_then(|p| p.link) else {
+            self.metrics.drop_msg("peer_down", 1);
+            return false;
+        };
+        self.metrics.peer_message(node, "out");
+        self.queue_for_link(link, body);
+        true
+    }
+
+    pub(crate) fn up_peers(&self) -> Vec<NodeId> {
+        self.mesh
+            .peers
+            .iter()
+            .filter(|(_, p)| p.link.is_some())
+            .map(|(n, _)| *n)
+            .collect()
+    }
+
+    pub(crate) fn broadcast(&mut self, body: mesh_message::Body) {
+        for node in self.up_peers() {
+            self.send_peer(node, body.clone());
+        }
+    }
+
+    pub(crate) fn on_peer_message(&mut self, node: NodeId, body: mesh_message::Body) {
+        use mesh_message::Body as B;
+        self.metrics.peer_message(node, "in");
+        match body {
+            B::Heartbeat(_) => {}
+            B::Subscribe(s) => self.on_subscribe(node, s.chunks),
+            B::Unsubscribe(u) => self.on_unsubscribe(node, u.chunks),
+            B::EntityState(s) => self.fence_entity_state(node, s),
+            B::EntityGone(g) => self.fence_entity_gone(node, g),
+            B::EntityMoved(m) => self.on_entity_moved(node, m),
+            B::HandoffOffer(o) => self.on_handoff_offer(node, o),
+            B::HandoffAck(a) => self.on_handoff_ack(node, a),
+            B::HandoffRefused(r) => self.on_handoff_refused(node, r),
+            B::PartitionAck(a) => {
+                let e = self.mesh.peer_partition.entry(node).or_default();
+                *e = (*e).max(a.partition_epoch);
+            }
+            B::EntityEvent(ev) => {
+                if let Some(e) = self
+                    .table
+                    .get(ev.entity_id)
+                    .filter(|e| e.origin == Some(node))
+                {
+                    self.game.tick_events.push(TickEvent {
+                        entity_id: e.id,
+                        chunk: e.chunk,
+                        owner_account: e.owner_account.clone(),
+                        audience: Audience::PublicInRange,
+                        r#type: ev.r#type,
+                        payload: ev.payload,
+                    });
+                }
+            }
+            B::PlayerJoin(j) => self.on_peer_player_join(node, j),
+            B::PlayerLeave(l) => self.on_peer_player_leave(l),
+            B::ForwardInput(i) => self.input_for_master(i),
+            B::Anchor(a) => self.on_anchor(node, a),
+            B::Routed(r) => self.on_routed(r),
+            B::SessionMoved(m) => self.on_session_moved(m),
+            B::SessionEnded(e) => {
+                if self
+                    .routing
+                    .routes
+                    .get(&e.account)
+                    .is_some_and(|r| r.session_epoch == e.session_epoch)
+                {
+                    self.routing.routes.remove(&e.account);
+                }
+            }
+            other => {
+                self.metrics.error("unexpected_message");
+                tracing::warn!(peer = node, message = ?other, "a peer sent a message only a proxy sends; ignored");
+            }
+        }
+    }
+}

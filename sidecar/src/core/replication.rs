@@ -1,0 +1,415 @@
+//! Replication: the chunk subscriptions this node holds and serves, the render ghosts it keeps,
+//! and the simulation ghosts it pushes to its game (DESIGN §7, §8).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+use cellmesh_geo_router::geometry::{ChunkPos, Pos};
+use cellmesh_geo_router::partition::{NodeId, Partition};
+use cellmesh_proto::local::{self, sidecar_message};
+use cellmesh_proto::mesh::{self, mesh_message};
+
+use super::wire::*;
+use super::*;
+use crate::config::SidecarConfig;
+use crate::model::entities::{EntityUpdate, NewEntity, TickChanges};
+use crate::model::fold::TickEvent;
+use crate::model::ghosts::GhostStep;
+use crate::model::ghosts::{GhostRules, SimGhosts};
+use crate::model::subs::{self, distance_to_area, Subscribers, Subscriptions};
+
+/// Chunks per subscribe message, so a large band fits a frame.
+pub(crate) const CHUNKS_PER_MESSAGE: usize = 4096;
+/// A (chunk, owner) pair is re-subscribed to recover a ghost at most this often.
+const RESYNC_EVERY_MS: u64 = 1_000;
+
+/// What this node subscribes to and serves, and the ghosts that follow from it.
+pub(crate) struct Replication {
+    /// The (chunk, node) pairs of the interaction band, its keep margin and the handoff reach
+    /// inside the area, always subscribed.
+    pub band: HashSet<(ChunkPos, NodeId)>,
+    /// chunk -> the nodes that may own an entity there (cleared with each partition).
+    pub near_cache: HashMap<ChunkPos, Vec<NodeId>>,
+    /// (chunk, owner) pairs re-subscribed lately to recover a ghost (monotonic ms).
+    pub resynced: HashMap<(ChunkPos, NodeId), u64>,
+    pub subs: Subscriptions,
+    pub subs_dirty: bool,
+    pub subscribers: Subscribers,
+    /// Local entity -> nodes holding its render ghost.
+    pub replicas: HashMap<u64, BTreeSet<NodeId>>,
+    pub sim: SimGhosts,
+    /// Local entities that went in full to nodes not holding them, since the tick began. The
+    /// accounts those nodes serve get the entity's current non-public state.
+    pub newly_held: BTreeMap<u64, BTreeSet<NodeId>>,
+}
+
+impl Replication {
+    pub fn new(cfg: &SidecarConfig, partition: &Partition) -> Self {
+        let keep = i64::from(cfg.interaction_band_chunks + cfg.ghost_keep_margin_chunks);
+        let rules = GhostRules {
+            band: i64::from(cfg.interaction_band_chunks),
+            keep_margin: i64::from(cfg.ghost_keep_margin_chunks),
+            min_lifespan_ms: cfg.ghost_min_lifespan_ms,
+        };
+        Self {
+            band: subs::band(partition, cfg.node_id, keep, cfg.reach_chunks()),
+            near_cache: HashMap::new(),
+            resynced: HashMap::new(),
+            subs: Subscriptions::default(),
+            subs_dirty: true,
+            subscribers: Subscribers::default(),
+            replicas: HashMap::new(),
+            sim: SimGhosts::new(rules),
+            newly_held: BTreeMap::new(),
+        }
+    }
+}
+
+impl Core {
+    // ------------------------------------------------------------------ owner: subscriptions
+
+    pub(crate) fn on_subscribe(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
+        for c in chunks {
+            let chunk = self.cfg.world.normalise_chunk(ChunkPos { x: c.x, y: c.y });
+            // This node's entities may stand up to the reach past its area.
+            if distance_to_area(&self.cfg.world, &self.auth.area, chunk) > self.cfg.reach_chunks() {
+                self.metrics.drop_msg("subscribe_out_of_reach", 1);
+                continue;
+            }
+            if !self.repl.subscribers.add(node, chunk) {
+                continue;
+            }
+            // The snapshot burst: every resident the node does not hold yet.
+            let residents: Vec<u64> = self.table.residents(chunk).collect();
+            for id in residents {
+                let Some(e) = self.table.get_local(id) else {
+                    continue;
+                };
+                if self.repl.replicas.entry(id).or_default().insert(node) {
+                    let state = full_state(e);
+                    self.metrics.cross_node_updates.inc();
+                    self.send_peer(node, mesh_message::Body::EntityState(state));
+                    self.repl.newly_held.entry(id).or_default().insert(node);
+                }
+            }
+        }
+    }
+
+    pub(crate) fn on_unsubscribe(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
+        self.forget_subscriptions(node, chunks);
+        self.metrics
+            .subscribers
+            .set(self.repl.subscribers.len() as i64);
+    }
+
+    pub(crate) fn forget_subscriptions(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
+        for c in chunks {
+            let chunk = self.cfg.world.normalise_chunk(ChunkPos { x: c.x, y: c.y });
+            if !self.repl.subscribers.remove(node, chunk) {
+                continue;
+            }
+            // The node drops its ghosts there itself; only the bookkeeping changes here.
+            let residents: Vec<u64> = self.table.residents(chunk).collect();
+            for id in residents {
+                if let Some(nodes) = self.repl.replicas.get_mut(&id) {
+                    nodes.remove(&node);
+                    if nodes.is_empty() {
+                        self.repl.replicas.remove(&id);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends this tick's public changes of local entities once per subscribed node: a full
+    /// state to a node that does not hold the entity yet, a delta to one that does, and a gone
+    /// to one whose subscriptions it left.
+    pub(crate) fn replicate(&mut self, changes: &TickChanges) {
+        for (&id, ch) in changes {
+            let Some(e) = self.table.get_local(id) else {
+                // Despawned (a ghost never has replicas).
+                if let Some(nodes) = self.repl.replicas.remove(&id) {
+                    for node in nodes {
+                        self.metrics.cross_node_updates.inc();
+                        // Despawned: whatever epoch the holder knows, it is gone (0: unfenced).
+                        self.send_peer(
+                            node,
+                            mesh_message::Body::EntityGone(mesh::EntityGone {
+                                entity_id: id,
+                                entity_epoch: 0,
+                                position: None,
+                            }),
+                        );
+                    }
+                }
+                continue;
+            };
+            let target: BTreeSet<NodeId> = self.repl.subscribers.of(e.chunk).collect();
+            let held = self.repl.replicas.remove(&id).unwrap_or_default();
+            if target.is_empty() && held.is_empty() {
+                continue;
+            }
+            let mut frames: Vec<(NodeId, mesh_message::Body)> = Vec::new();
+            let full = (!target.is_subset(&held) || ch.spawned).then(|| full_state(e));
+            let delta = if ch.spawned {
+                None
+            } else {
+                public_delta(e, ch)
+            };
+            for &node in held.difference(&target) {
+                frames.push((
+                    node,
+                    mesh_message::Body::EntityGone(mesh::EntityGone {
+                        entity_id: id,
+                        entity_epoch: e.epoch,
+                        position: Some(vec3(e.position)),
+                    }),
+                ));
+            }
+            for &node in &target {
+                if ch.spawned || !held.contains(&node) {
+                    let state = full.clone().expect("built when some node needs it");
+                    frames.push((node, mesh_message::Body::EntityState(state)));
+                    self.repl.newly_held.entry(id).or_default().insert(node);
+                } else if let Some(d) = &delta {
+                    frames.push((node, mesh_message::Body::EntityState(d.clone())));
+                }
+            }
+            if !target.is_empty() {
+                self.repl.replicas.insert(id, target);
+            }
+            for (node, body) in frames {
+                self.metrics.cross_node_updates.inc();
+                self.send_peer(node, body);
+            }
+        }
+    }
+
+    /// Public events of local entities go to every node holding their ghost.
+    pub(crate) fn replicate_events(&mut self, events: &[TickEvent]) {
+        for ev in events {
+            if !ev.audience.is_public() || self.table.get_local(ev.entity_id).is_none() {
+                continue;
+            }
+            let Some(nodes) = self.repl.replicas.get(&ev.entity_id).cloned() else {
+                continue;
+            };
+            for node in nodes {
+                self.metrics.cross_node_updates.inc();
+                self.send_peer(
+                    node,
+                    mesh_message::Body::EntityEvent(mesh::EntityEvent {
+                        entity_id: ev.entity_id,
+                        r#type: ev.r#type,
+                        payload: ev.payload.clone(),
+                    }),
+                );
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------ observer side
+
+    pub(crate) fn on_entity_state(&mut self, node: NodeId, s: mesh::EntityState) {
+        let existing = self.table.get(s.entity_id).map(|e| (e.origin, e.chunk));
+        if matches!(existing, Some((None, _))) {
+            return self.metrics.drop_msg("ghost_of_local_entity", 1);
+        }
+        let at = s.position.as_ref().map(position);
+        let chunk = at
+            .map(|p| self.cfg.world.chunk_of(Pos { x: p.x, y: p.y }))
+            .or(existing.map(|e| e.1));
+        // Only what lies in a chunk this node subscribes to from that owner.
+        if chunk.is_none_or(|c| !self.repl.subs.has(c, node)) {
+            if existing.is_some_and(|e| e.0 == Some(node)) {
+                tracing::debug!(
+                    me = self.cfg.node_id,
+                    entity = s.entity_id,
+                    node,
+                    ?chunk,
+                    "ghost dropped: moved out of the subscribed chunks"
+                );
+                let _ = self.table.despawn(s.entity_id);
+                self.handoff.fence.forget(s.entity_id);
+            }
+            return;
+        }
+        if s.full {
+            let ghost = NewEntity {
+                id: s.entity_id,
+                position: at.unwrap_or_default(),
+                owner_account: s.owner_account,
+                is_master: s.is_master,
+                parent_id: s.parent_id,
+                components: public_components(s.components),
+                origin: Some(node),
+                epoch: s.entity_epoch,
+            };
+            if let Err(e) = self.table.set_ghost(ghost) {
+                self.metrics.drop_msg("bad_entity_state", 1);
+                tracing::debug!(peer = node, error = %e, "entity state refused");
+            }
+        } else if existing.is_some_and(|e| e.0 == Some(node)) {
+            let update = EntityUpdate {
+                id: s.entity_id,
+                position: at,
+                changed: public_components(s.components),
+                removed: s.removed_types,
+            };
+            if self.table.update(update).is_err() {
+                self.metrics.drop_msg("bad_entity_state", 1);
+            }
+        } else {
+            // A delta for an entity this node never got the full state of: the owner thinks it
+            // is held here. Subscribing to the chunk afresh gets a full snapshot burst.
+            self.metrics.drop_msg("ghost_unknown", 1);
+            if let Some(c) = chunk {
+                self.resync(c, node);
+            }
+        }
+    }
+
+    /// Asks `owner` for a fresh snapshot of `chunk` (at most once a second per pair).
+    pub(crate) fn resync(&mut self, chunk: ChunkPos, owner: NodeId) {
+        let now = self.now.mono_ms;
+        if self
+            .repl
+            .resynced
+            .get(&(chunk, owner))
+            .is_some_and(|t| now < t + RESYNC_EVERY_MS)
+        {
+            return;
+        }
+        self.repl.resynced.retain(|_, t| now < *t + RESYNC_EVERY_MS);
+        self.repl.resynced.insert((chunk, owner), now);
+        let refs = chunk_refs(&[chunk]);
+        self.send_peer(
+            owner,
+            mesh_message::Body::Unsubscribe(mesh::Unsubscribe {
+                chunks: refs.clone(),
+            }),
+        );
+        self.send_peer(
+            owner,
+            mesh_message::Body::Subscribe(mesh::Subscribe { chunks: refs }),
+        );
+    }
+
+    /// Brings the subscriptions to what the clients' views and the interaction band need, in
+    /// one batch per owner; ghosts in chunks let go of vanish.
+    pub(crate) fn update_subscriptions(&mut self) {
+        if !(self.gw.clients.take_views_changed() || self.repl.subs_dirty) {
+            return;
+        }
+        self.repl.subs_dirty = false;
+        let me = self.cfg.node_id;
+        let mut wanted = self.repl.band.clone();
+        let viewed: Vec<ChunkPos> = self.gw.clients.viewed_chunks().collect();
+        for c in viewed {
+            for n in self.owners_near(c) {
+                if n != me {
+                    wanted.insert((c, n));
+                }
+            }
+        }
+        let changes = self.repl.subs.update(wanted);
+        for (owner, chunks) in changes.unsubscribe {
+            for c in &chunks {
+                let ghosts: Vec<u64> = self
+                    .table
+                    .residents(*c)
+                    .filter(|id| self.table.get(*id).is_some_and(|e| e.origin == Some(owner)))
+                    .collect();
+                for id in ghosts {
+                    tracing::debug!(me, entity = id, owner, "ghost dropped: chunk unsubscribed");
+                    let _ = self.table.despawn(id);
+                    self.handoff.fence.forget(id);
+                }
+            }
+            for part in chunks.chunks(CHUNKS_PER_MESSAGE) {
+                self.send_peer(
+                    owner,
+                    mesh_message::Body::Unsubscribe(mesh::Unsubscribe {
+                        chunks: chunk_refs(part),
+                    }),
+                );
+            }
+        }
+        for (owner, chunks) in changes.subscribe {
+            for part in chunks.chunks(CHUNKS_PER_MESSAGE) {
+                self.send_peer(
+                    owner,
+                    mesh_message::Body::Subscribe(mesh::Subscribe {
+                        chunks: chunk_refs(part),
+                    }),
+                );
+            }
+        }
+        self.metrics.subscriptions.set(self.repl.subs.len() as i64);
+    }
+
+    /// Pushes the render ghosts in the interaction band to the game as simulation ghosts, with
+    /// hysteresis and a minimum lifespan.
+    pub(crate) fn step_sim_ghosts(&mut self, changes: &TickChanges, now_ms: u64) {
+        if self.game.slot.is_none() {
+            self.repl.sim.clear();
+            return;
+        }
+        let mut ids: BTreeSet<u64> = self.repl.sim.ids().into_iter().collect();
+        for (&id, _) in changes.iter() {
+            if self.table.get(id).is_none_or(|e| e.origin.is_some()) {
+                ids.insert(id);
+            }
+        }
+        let world = self.cfg.world;
+        for id in ids {
+            if self.handoff.adopting.contains_key(&id) {
+                // Its game is adopting it: no longer a ghost to it.
+                continue;
+            }
+            let ghost = self.table.get(id).filter(|e| e.origin.is_some());
+            let distance = ghost.map(|e| distance_to_area(&world, &self.auth.area, e.chunk));
+            let ch = changes.get(&id);
+            let step = self.repl.sim.observe(now_ms, id, distance, ch.is_some());
+            let msg = match (step, ghost) {
+                (GhostStep::Enter, Some(e)) => {
+                    sidecar_message::Body::GhostEnter(local::GhostEnter {
+                        entity_id: id,
+                        position: Some(to_local_vec3(e.position)),
+                        components: e
+                            .components
+                            .iter()
+                            .map(|(t, c)| local_component(*t, &c.payload))
+                            .collect(),
+                    })
+                }
+                (GhostStep::Update, Some(e)) => {
+                    let ch = ch.cloned().unwrap_or_default();
+                    let (changed, removed) = if ch.spawned {
+                        (e.components.keys().copied().collect::<Vec<_>>(), vec![])
+                    } else {
+                        ch.components
+                            .keys()
+                            .partition(|t| e.components.contains_key(t))
+                    };
+                    sidecar_message::Body::GhostUpdate(local::GhostUpdate {
+                        entity_id: id,
+                        position: (ch.moved || ch.spawned).then_some(to_local_vec3(e.position)),
+                        changed: changed
+                            .iter()
+                            .filter_map(|t| {
+                                e.components.get(t).map(|c| local_component(*t, &c.payload))
+                            })
+                            .collect(),
+                        removed_types: removed,
+                    })
+                }
+                (GhostStep::Leave, _) => {
+                    sidecar_message::Body::GhostLeave(local::GhostLeave { entity_id: id })
+                }
+                _ => continue,
+            };
+            self.out.to_game.push(msg.into());
+        }
+        self.metrics.ghosts_sim.set(self.repl.sim.len() as i64);
+    }
+}

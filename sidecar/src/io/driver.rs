@@ -1,0 +1,228 @@
+//! The driver: one task that owns the [`Core`], feeds it the events of the connection, store
+//! and membership tasks with the time, wakes it when it asks, and carries out its outputs.
+//! Sends never wait: a full outbox cuts that connection, and the core is told.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cellmesh_admin::Admin;
+use cellmesh_geo_router::partition::NodeId;
+use cellmesh_geo_router::store::Stores;
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::mesh::MeshCtx;
+use super::{dial, store, Event, GameHandle, GameOut, LinkHandle};
+use crate::core::{ConnId, Core, Input, LinkId, Now, Output};
+use crate::metrics::Metrics;
+use crate::Real;
+
+/// Events handled before the outputs are carried out, so one burst becomes one frame per peer.
+const EVENTS_PER_FLUSH: usize = 64;
+
+/// The time now: monotonic since `start`, and the wall clock.
+pub(crate) fn now(start: Instant) -> Now {
+    Now {
+        mono_ms: start.elapsed().as_millis() as u64,
+        unix_ms: super::unix_ms(),
+    }
+}
+
+pub(crate) struct Driver {
+    pub core: Core,
+    pub start: Instant,
+    pub games: HashMap<ConnId, GameHandle>,
+    pub links: HashMap<LinkId, LinkHandle>,
+    pub dialers: HashMap<NodeId, CancellationToken>,
+    pub stores: Stores,
+    /// For store answers.
+    pub inbox: mpsc::Sender<Event>,
+    pub tasks: TaskTracker,
+    pub admin: Arc<Admin>,
+    pub published: Arc<Mutex<serde_json::Value>>,
+    pub census: Arc<Mutex<Vec<Real>>>,
+    pub mesh_ctx: MeshCtx,
+    pub metrics: Metrics,
+    pub shutdown: CancellationToken,
+}
+
+impl Driver {
+    fn now(&self) -> Now {
+        now(self.start)
+    }
+
+    pub async fn run(mut self, mut events: mpsc::Receiver<Event>) {
+        loop {
+            let wake = self
+                .core
+                .poll_timeout()
+                .map(|ms| self.start + Duration::from_millis(ms));
+            tokio::select! {
+                biased;
+                _ = self.shutdown.cancelled() => break,
+                ev = events.recv() => {
+                    let Some(ev) = ev else { break };
+                    self.on_event(ev);
+                    for _ in 1..EVENTS_PER_FLUSH {
+                        match events.try_recv() {
+                            Ok(ev) => self.on_event(ev),
+                            Err(_) => break,
+                        }
+                    }
+                }
+                _ = sleep_until(wake) => {
+                    let now = self.now();
+                    self.core.handle(now, Input::Timer);
+                }
+            }
+            self.act();
+        }
+        let now = self.now();
+        self.core.handle(now, Input::Shutdown);
+        self.act();
+        // Dropping the handles lets every connection write what is queued, then close.
+        self.games.clear();
+        self.links.clear();
+        for (_, d) in self.dialers.drain() {
+            d.cancel();
+        }
+    }
+
+    fn on_event(&mut self, ev: Event) {
+        let input = match ev {
+            Event::GameHello {
+                conn,
+                hello,
+                rest,
+                handle,
+            } => {
+                self.games.insert(conn, handle);
+                Input::GameHello { conn, hello, rest }
+            }
+            Event::LinkUp {
+                link,
+                hello,
+                remote,
+                handle,
+                rest,
+            } => {
+                self.links.insert(link, handle);
+                Input::LinkUp {
+                    link,
+                    hello,
+                    remote,
+                    rest,
+                }
+            }
+            Event::Core(input) => {
+                match &input {
+                    Input::GameClosed { conn, .. } => {
+                        self.games.remove(conn);
+                    }
+                    Input::LinkClosed { link, .. } => {
+                        self.links.remove(link);
+                    }
+                    _ => {}
+                }
+                input
+            }
+        };
+        let now = self.now();
+        self.core.handle(now, input);
+    }
+
+    /// Carries out everything the core wants done. Never waits.
+    fn act(&mut self) {
+        while let Some(output) = self.core.poll_output() {
+            match output {
+                Output::ToGame { conn, frame } => {
+                    let Some(g) = self.games.get(&conn) else {
+                        continue;
+                    };
+                    if let Err(TrySendError::Full(_)) = g.outbox.try_send(GameOut::Frame(frame)) {
+                        g.kill.cancel();
+                        self.games.remove(&conn);
+                        let now = self.now();
+                        self.core.handle(now, Input::GameStalled { conn });
+                    }
+                }
+                Output::GameFatal { conn, error } => {
+                    if let Some(g) = self.games.remove(&conn) {
+                        // A fresh outbox always has room; if the task is gone nobody hears.
+                        let _ = g.outbox.try_send(GameOut::Fatal(error));
+                    }
+                }
+                Output::KillGame { conn } => {
+                    if let Some(g) = self.games.remove(&conn) {
+                        g.kill.cancel();
+                    }
+                }
+                Output::ReleaseGame { conn } => {
+                    self.games.remove(&conn);
+                }
+                Output::ToLink { link, frame } => {
+                    let Some(l) = self.links.get(&link) else {
+                        continue;
+                    };
+                    if let Err(TrySendError::Full(_)) = l.outbox.try_send(frame) {
+                        l.kill.cancel();
+                        self.links.remove(&link);
+                        let now = self.now();
+                        self.core.handle(now, Input::LinkStalled { link });
+                    }
+                }
+                Output::KillLink { link } => {
+                    if let Some(l) = self.links.remove(&link) {
+                        l.kill.cancel();
+                    }
+                }
+                Output::ReleaseLink { link } => {
+                    self.links.remove(&link);
+                }
+                Output::Dial { node, addr } => {
+                    if let Some(d) = self.dialers.remove(&node) {
+                        d.cancel();
+                    }
+                    let stop = self.shutdown.child_token();
+                    self.dialers.insert(node, stop.clone());
+                    self.tasks
+                        .spawn(dial::dial(node, addr, self.mesh_ctx.clone(), stop));
+                }
+                Output::StopDial { node } => {
+                    if let Some(d) = self.dialers.remove(&node) {
+                        d.cancel();
+                    }
+                }
+                Output::Store(request) => {
+                    let (stores, inbox, metrics) = (
+                        self.stores.clone(),
+                        self.inbox.clone(),
+                        self.metrics.clone(),
+                    );
+                    self.tasks.spawn(async move {
+                        if let Some(reply) = store::execute(&stores, request, &metrics).await {
+                            let _ = inbox.send(Event::Core(Input::Store(reply))).await;
+                        }
+                    });
+                }
+                Output::Ready(ready) => self.admin.set_ready(ready),
+                Output::Publish => {
+                    *self.published.lock().expect("state lock poisoned") = self.core.state();
+                    *self.census.lock().expect("census lock poisoned") = self.core.reals();
+                }
+                Output::Stop => self.shutdown.cancel(),
+            }
+        }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,261 @@
+//! The only tokio code of the sidecar: it binds the sockets, runs the connection tasks, and
+//! drives the [`Core`](crate::core::Core) with what they receive and the clock.
+//!
+//! - [`driver`]: the loop that feeds the core events and the time, and carries out its outputs;
+//! - [`game`]: the local-protocol server the game connects to;
+//! - [`mesh`]: links from proxies (and peer sidecars) to this node's mesh listener;
+//! - [`dial`]: links this node keeps to peers with a higher node id;
+//! - [`membership`]: the node lease, the node record, the partition and the live peers;
+//! - [`store`]: the store executor; [`codec`]: the metered frame codec.
+
+pub(crate) mod codec;
+pub(crate) mod dial;
+pub(crate) mod driver;
+pub(crate) mod game;
+pub(crate) mod membership;
+pub(crate) mod mesh;
+pub(crate) mod store;
+
+use std::path::Path;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use cellmesh_admin::prometheus_client::registry::Registry;
+use cellmesh_admin::Admin;
+use cellmesh_geo_router::partition::Partition;
+use cellmesh_geo_router::store::Stores;
+use cellmesh_geo_router::topology::{Lease, NodeRecord, TopologyStore};
+use cellmesh_proto::local::{self, GameMessage, SidecarFrame};
+use cellmesh_proto::mesh::{LinkHello, MeshFrame, MeshMessage};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::{LocalListen, SidecarConfig};
+use crate::core::{ConnId, Core, Input, LinkId};
+use crate::metrics::Metrics;
+use crate::SidecarHandle;
+use driver::Driver;
+use game::{GameCtx, GameListener};
+use mesh::MeshCtx;
+
+/// Events queued for the driver before connection tasks wait (back-pressure on the sockets).
+const NODE_INBOX: usize = 1024;
+/// A game must say `Hello` this soon after connecting; a link, its `LinkHello`.
+pub(crate) const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Wall-clock milliseconds since the Unix epoch (the io side's one reading of it).
+pub(crate) fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// What the connection, store and membership tasks tell the driver.
+pub(crate) enum Event {
+    /// A game said a valid `Hello`: the driver keeps its handle, the core gets the rest.
+    GameHello {
+        conn: ConnId,
+        hello: local::Hello,
+        rest: Vec<GameMessage>,
+        handle: GameHandle,
+    },
+    /// A link completed its handshake (the reply `LinkHello` is already written).
+    LinkUp {
+        link: LinkId,
+        hello: LinkHello,
+        remote: String,
+        handle: LinkHandle,
+        rest: Vec<MeshMessage>,
+    },
+    /// Anything else, for the core as it is.
+    Core(Input),
+}
+
+/// What the driver queues for a game connection.
+pub(crate) enum GameOut {
+    Frame(SidecarFrame),
+    /// Write this error, then close.
+    Fatal(local::Error),
+}
+
+/// The driver's end of a game connection. Dropping it closes the connection after its queue.
+pub(crate) struct GameHandle {
+    pub outbox: mpsc::Sender<GameOut>,
+    /// Close at once, dropping the queue (the game stopped reading).
+    pub kill: CancellationToken,
+}
+
+/// The driver's end of a mesh link. Dropping it closes the link after its queue.
+pub(crate) struct LinkHandle {
+    pub outbox: mpsc::Sender<MeshFrame>,
+    pub kill: CancellationToken,
+}
+
+/// Binds the listeners, starts the connection tasks, the membership task (for a cluster node)
+/// and the driver.
+pub(crate) async fn launch(
+    cfg: SidecarConfig,
+    stores: Stores,
+    partition: Partition,
+    membership: Option<(Arc<dyn TopologyStore>, Lease)>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<SidecarHandle> {
+    let cfg = Arc::new(cfg);
+    let mut registry = Registry::default();
+    let metrics = Metrics::register(&mut registry);
+    let published = Arc::new(Mutex::new(
+        serde_json::json!({ "node_id": cfg.node_id, "starting": true }),
+    ));
+    let view = published.clone();
+    let admin = Admin::new(registry, move || {
+        view.lock().expect("state lock poisoned").clone()
+    });
+
+    let (local, local_addr) = bind_local(&cfg).await?;
+    let mesh_listener = TcpListener::bind(&cfg.mesh_listen)
+        .await
+        .with_context(|| format!("binding mesh_listen {}", cfg.mesh_listen))?;
+    let mesh_addr = mesh_listener.local_addr()?;
+    let admin_addr = cellmesh_admin::spawn(&cfg.admin_listen, admin.clone(), shutdown.clone())
+        .await
+        .with_context(|| format!("binding admin_listen {}", cfg.admin_listen))?;
+
+    let tasks = TaskTracker::new();
+    let (inbox, events) = mpsc::channel(NODE_INBOX);
+    let mesh_ctx = MeshCtx {
+        node: inbox.clone(),
+        metrics: metrics.clone(),
+        max_frame: cfg.max_frame_bytes,
+        outbox_frames: cfg.link_outbox_frames,
+        node_id: cfg.node_id,
+        geo: cfg.geo.clone(),
+        partition_epoch: partition.epoch(),
+        next_link: Arc::new(AtomicU64::new(1)),
+        shutdown: shutdown.clone(),
+        tasks: tasks.clone(),
+    };
+    let census = Arc::default();
+    let clustered = membership.is_some();
+    if let Some((topology, lease)) = membership {
+        let advertise = match cfg.mesh_advertise.trim() {
+            "" => mesh_addr.to_string(),
+            a => a.to_string(),
+        };
+        let record = NodeRecord {
+            node: cfg.node_id,
+            geo: cfg.geo.clone(),
+            mesh_addr: advertise,
+            admin_addr: admin_addr.to_string(),
+        };
+        tasks.spawn(membership::membership(
+            topology,
+            lease,
+            record,
+            Duration::from_millis(cfg.node_lease_ms),
+            partition.epoch(),
+            inbox.clone(),
+            shutdown.clone(),
+        ));
+    }
+    let start = tokio::time::Instant::now();
+    let core = Core::new(
+        cfg.clone(),
+        metrics.clone(),
+        Arc::new(partition),
+        clustered,
+        driver::now(start),
+    );
+    published
+        .lock()
+        .expect("state lock poisoned")
+        .clone_from(&core.state());
+    let driver = Driver {
+        core,
+        start,
+        games: Default::default(),
+        links: Default::default(),
+        dialers: Default::default(),
+        stores,
+        inbox: inbox.clone(),
+        tasks: tasks.clone(),
+        admin: admin.clone(),
+        published,
+        census: Arc::clone(&census),
+        mesh_ctx: mesh_ctx.clone(),
+        metrics: metrics.clone(),
+        shutdown: shutdown.clone(),
+    };
+    // Should the driver ever end (or panic), everything else stops with it.
+    let stop_all = shutdown.clone().drop_guard();
+    let node = tokio::spawn(async move {
+        let _stop_all = stop_all;
+        driver.run(events).await
+    });
+    tasks.spawn(game::accept_loop(
+        local,
+        GameCtx {
+            node: inbox.clone(),
+            metrics: metrics.clone(),
+            max_frame: cfg.max_frame_bytes,
+            outbox_frames: cfg.game_outbox_frames,
+            shutdown: shutdown.clone(),
+            tasks: tasks.clone(),
+        },
+    ));
+    let weak = inbox.downgrade();
+    drop(inbox);
+    tasks.spawn(mesh::accept_loop(mesh_listener, mesh_ctx));
+    tracing::info!(node = cfg.node_id, local = %local_addr, mesh = %mesh_addr, admin = %admin_addr, "sidecar started");
+    Ok(SidecarHandle {
+        local_addr,
+        mesh_addr,
+        admin_addr,
+        admin,
+        metrics,
+        node,
+        tasks,
+        inbox: weak,
+        census,
+    })
+}
+
+async fn bind_local(cfg: &SidecarConfig) -> anyhow::Result<(GameListener, String)> {
+    match cfg.local() {
+        LocalListen::Tcp(addr) => {
+            let l = TcpListener::bind(&addr)
+                .await
+                .with_context(|| format!("binding local_listen {addr}"))?;
+            let bound = l.local_addr()?.to_string();
+            Ok((GameListener::Tcp(l), bound))
+        }
+        LocalListen::Unix(path) => {
+            clear_stale_socket(&path).await?;
+            let l = UnixListener::bind(&path)
+                .with_context(|| format!("binding local_listen unix:{}", path.display()))?;
+            Ok((
+                GameListener::Unix(l, path.clone()),
+                format!("unix:{}", path.display()),
+            ))
+        }
+    }
+}
+
+/// A socket file left by a sidecar that died is removed; one that still answers is not stolen.
+async fn clear_stale_socket(path: &Path) -> anyhow::Result<()> {
+    if !path.exists() {
+        return Ok(());
+    }
+    if tokio::net::UnixStream::connect(path).await.is_ok() {
+        anyhow::bail!(
+            "local_listen unix:{} is in use by another process",
+            path.display()
+        );
+    }
+    std::fs::remove_file(path)
+        .with_context(|| format!("removing the stale socket {}", path.display()))
+}

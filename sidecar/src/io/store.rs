@@ -1,0 +1,86 @@
+//! The store executor: runs the node's store requests off the node task, each with a timeout,
+//! and hands the answers back as inputs.
+
+use std::time::Duration;
+
+use cellmesh_geo_router::store::{StoreError, Stores};
+
+use crate::core::{Registration, StoreReply, StoreRequest};
+use crate::metrics::Metrics;
+
+/// Longest a store call may take before the node gives up on it.
+pub(crate) const STORE_TIMEOUT: Duration = Duration::from_secs(5);
+
+async fn timed<T>(
+    fut: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(STORE_TIMEOUT, fut).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => Err(format!("no answer within {} s", STORE_TIMEOUT.as_secs())),
+    }
+}
+
+/// Carries out one request; the answer, for the requests that have one.
+pub(crate) async fn execute(
+    stores: &Stores,
+    request: StoreRequest,
+    metrics: &Metrics,
+) -> Option<StoreReply> {
+    match request {
+        StoreRequest::Register {
+            session,
+            account,
+            node,
+            lease_ms,
+        } => {
+            let lease = Duration::from_millis(lease_ms);
+            let result = async {
+                let epoch = timed(stores.directory.register(&account, node, lease)).await?;
+                match timed(stores.players.load(&account)).await {
+                    Ok(record) => Ok(Registration { epoch, record }),
+                    Err(e) => {
+                        let _ = timed(stores.directory.release(&account, epoch)).await;
+                        Err(e)
+                    }
+                }
+            }
+            .await;
+            Some(StoreReply::Registered {
+                session,
+                account,
+                result,
+            })
+        }
+        StoreRequest::Renew { sessions, lease_ms } => {
+            let lease = Duration::from_millis(lease_ms);
+            let mut results = Vec::with_capacity(sessions.len());
+            for (key, account, epoch) in sessions {
+                results.push((
+                    key,
+                    epoch,
+                    timed(stores.directory.renew(&account, epoch, lease)).await,
+                ));
+            }
+            Some(StoreReply::Renewed { results })
+        }
+        StoreRequest::Lookup { account } => {
+            let result = timed(stores.directory.lookup(&account)).await;
+            Some(StoreReply::LookedUp { account, result })
+        }
+        StoreRequest::EndSession { record, epoch } => {
+            if let Err(e) = timed(stores.players.save(&record)).await {
+                metrics.error("store");
+                tracing::warn!(account = %record.account, error = %e, "saving the player record failed");
+            }
+            if let Err(e) = timed(stores.directory.release(&record.account, epoch)).await {
+                metrics.error("store");
+                tracing::warn!(account = %record.account, error = %e, "releasing the session failed");
+            }
+            None
+        }
+        StoreRequest::Release { account, epoch } => {
+            let _ = timed(stores.directory.release(&account, epoch)).await;
+            None
+        }
+    }
+}

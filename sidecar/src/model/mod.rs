@@ -1,0 +1,17 @@
+//! The pure pieces of a node: each takes time and inputs as arguments and does no I/O.
+//!
+//! - [`entities`]: the entity table (reals and render ghosts), with each tick's changes;
+//! - [`fold`]: one batch per client per tick; [`interest`]: views with hysteresis;
+//! - [`audience`]: who may see what; [`route`]: routing by account;
+//! - [`subs`]: node-level chunk subscriptions; [`ghosts`]: simulation ghosts;
+//! - [`handoff`]: the handoff state machines and the epoch fence; [`ids`]: snowflake ids.
+
+pub mod audience;
+pub mod entities;
+pub mod fold;
+pub mod ghosts;
+pub mod handoff;
+pub mod ids;
+pub mod interest;
+pub mod route;
+pub mod subs;
