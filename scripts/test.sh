@@ -174,7 +174,7 @@ export RUST_BACKTRACE=1
 
 status=0
 section "cargo test --workspace --all-targets"
-cargo test --workspace --all-targets "$@" || status=$?
+cargo test --workspace --all-targets --no-fail-fast "$@" || status=$?
 section "cargo test --workspace --doc"
 cargo test --workspace --doc "$@" || status=$?
 

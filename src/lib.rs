@@ -5,4 +5,5 @@ pub mod bots;
 pub mod geo_cli;
 pub mod partition_cli;
 pub mod signal;
+pub mod sim_cli;
 pub mod up;

@@ -76,6 +76,9 @@ enum Command {
     Partition(cellmesh::partition_cli::PartitionArgs),
     /// Geo routing tools: simulate bubble placement over a scenario.
     Geo(cellmesh::geo_cli::GeoArgs),
+    /// The deterministic cluster simulator: sidecar cores, games, clients and links in virtual
+    /// time, with faults; every invariant checked after every step.
+    Sim(cellmesh::sim_cli::SimArgs),
     /// Run bots against a running proxy.
     Bots {
         #[arg(long, default_value = "127.0.0.1:7300")]
@@ -138,6 +141,12 @@ async fn main() -> anyhow::Result<()> {
                 s.rtt_ms_p50,
                 s.rtt_ms_p99,
                 s.errors
+            );
+            let problems = s.problems();
+            anyhow::ensure!(
+                problems.is_empty(),
+                "the run broke a guarantee: {}",
+                problems.join("; ")
             );
         }
         Command::Sidecar {
@@ -203,6 +212,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Partition(args) => cellmesh::partition_cli::run(args).await?,
         Command::Geo(args) => cellmesh::geo_cli::run(args)?,
+        Command::Sim(args) => cellmesh::sim_cli::run(args)?,
         Command::Token {
             account,
             secret,

@@ -75,6 +75,10 @@ pub struct Summary {
     pub rtt_ms_p99: f64,
     pub rtt_samples: u64,
     pub inputs_dropped_by_proxy: u64,
+    /// Inputs the sidecars dropped, each under a named reason (`inputs_dropped_total{reason}`).
+    pub inputs_dropped_by_sidecars: u64,
+    /// Sent, less delivered and dropped under a reason: 0 when every input is accounted for.
+    pub inputs_unaccounted: i64,
     pub ghosts_render: u64,
     pub ghosts_sim: u64,
     pub subscriptions: u64,
@@ -91,10 +95,42 @@ pub struct Summary {
     pub stale_epoch_drops: u64,
     /// Clients that saw an entity vanish from well inside their view when no game despawned it.
     pub vanished_on_handoff: u64,
-    /// From a census of every real in the cluster against what the games spawned and despawned.
+    /// From a census of the world at rest (everything halted, no handoff in flight): every real
+    /// of every node against what the games spawned and despawned.
     pub entities_alive: u64,
     pub entities_lost: u64,
     pub entities_duplicated: u64,
+    /// Whether the world came to rest before the census (false: the figures above read a world
+    /// still handing entities over).
+    pub census_at_rest: bool,
+}
+
+impl Summary {
+    /// What the run broke: an entity lost or held twice, or an input neither delivered nor
+    /// dropped under a reason.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.entities_lost > 0 {
+            p.push(format!("{} entities lost", self.entities_lost));
+        }
+        if self.entities_duplicated > 0 {
+            p.push(format!("{} entities held twice", self.entities_duplicated));
+        }
+        if self.inputs_unaccounted != 0 {
+            p.push(format!(
+                "{} inputs unaccounted for ({} sent, {} delivered, {} dropped by the proxy, {} by the sidecars)",
+                self.inputs_unaccounted,
+                self.inputs_sent,
+                self.inputs_delivered,
+                self.inputs_dropped_by_proxy,
+                self.inputs_dropped_by_sidecars
+            ));
+        }
+        if !self.census_at_rest {
+            p.push("the world did not come to rest for the census".to_string());
+        }
+        p
+    }
 }
 
 /// Where everything meets: the corner every cell of a grid touches, across the wrap seam.
@@ -116,6 +152,7 @@ pub fn grid_shape(n: usize) -> (u32, u32) {
 struct NodeTotals {
     entities: u64,
     inputs_delivered: u64,
+    inputs_dropped: u64,
     errors: u64,
     ghosts_render: u64,
     ghosts_sim: u64,
@@ -134,6 +171,7 @@ fn totals(sidecars: &[cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
     for s in sidecars.iter().map(|h| h.stats()) {
         t.entities += s.entities;
         t.inputs_delivered += s.inputs_delivered;
+        t.inputs_dropped += s.inputs_dropped;
         t.errors += s.errors;
         t.ghosts_render += s.ghosts_render;
         t.ghosts_sim += s.ghosts_sim;
@@ -150,10 +188,13 @@ fn totals(sidecars: &[cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
 }
 
 /// One census: the reals every node writes, against what the games spawned and despawned.
+#[derive(Debug, PartialEq, Eq)]
 struct CensusRead {
     lost: BTreeSet<u64>,
     duplicated: BTreeSet<u64>,
     alive: usize,
+    /// Reals frozen for a handoff (in flight).
+    frozen: usize,
 }
 
 fn census(sidecars: &[cellmesh_sidecar::SidecarHandle], games: &Census) -> CensusRead {
@@ -164,13 +205,15 @@ fn census(sidecars: &[cellmesh_sidecar::SidecarHandle], games: &Census) -> Censu
             held.entry(r.id).or_default().push(r);
         }
     }
+    // Lost: alive in the games, and no node writes it (unfrozen).
     let lost = report
         .alive
         .iter()
-        .filter(|id| !held.contains_key(id))
+        .filter(|id| held.get(id).is_none_or(|rs| rs.iter().all(|r| r.frozen)))
         .chain(report.lost().iter())
         .copied()
         .collect();
+    let frozen = held.values().flatten().filter(|r| r.frozen).count();
     // Two writers: two nodes writing it unfrozen, or two games holding it.
     let duplicated = held
         .iter()
@@ -182,6 +225,7 @@ fn census(sidecars: &[cellmesh_sidecar::SidecarHandle], games: &Census) -> Censu
         lost,
         duplicated,
         alive: report.alive.len(),
+        frozen,
     }
 }
 
@@ -214,6 +258,7 @@ pub async fn run(
         .context("committing the partition")?;
 
     let games = Arc::new(Census::default());
+    let halt = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut sidecars = Vec::with_capacity(opts.nodes);
     let mut arenas = Vec::with_capacity(opts.nodes);
     let per_arena = opts.npcs.div_ceil(opts.nodes as u32);
@@ -237,6 +282,7 @@ pub async fn run(
             center: MEETING_POINT,
             spread: ARENA_SPREAD,
             census: Some(games.clone()),
+            halt: Some(halt.clone()),
             ..ArenaConfig::default()
         };
         let arena_stop = stop.child_token();
@@ -365,17 +411,28 @@ pub async fn run(
         delivered = now;
     }
     let (s, p, b) = (totals(&sidecars), proxy.stats(), bot_stats.totals());
-    // The census: handoffs in flight settle within a round trip, so an entity counts as lost or
-    // doubled only if two reads 300 ms apart agree (each node's list is up to 100 ms old).
-    let first = census(&sidecars, &games);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let second = census(&sidecars, &games);
-    let lost: Vec<u64> = first.lost.intersection(&second.lost).copied().collect();
-    let duplicated: Vec<u64> = first
-        .duplicated
-        .intersection(&second.duplicated)
-        .copied()
-        .collect();
+    // The census reads a world at rest: every game halts, and it waits until no node has a real
+    // frozen for a handoff and two reads 300 ms apart agree (at most 10 s).
+    halt.store(true, std::sync::atomic::Ordering::Relaxed);
+    let rest_deadline = Instant::now() + Duration::from_secs(10);
+    let mut previous = census(&sidecars, &games);
+    let census_at_rest = loop {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let now = census(&sidecars, &games);
+        if now.frozen == 0 && now == previous {
+            previous = now;
+            break true;
+        }
+        previous = now;
+        if Instant::now() >= rest_deadline {
+            break false;
+        }
+    };
+    let (lost, duplicated): (Vec<u64>, Vec<u64>) = (
+        previous.lost.iter().copied().collect(),
+        previous.duplicated.iter().copied().collect(),
+    );
+    let second = previous;
     if !lost.is_empty() || !duplicated.is_empty() {
         tracing::error!(
             ?lost,
@@ -423,6 +480,11 @@ pub async fn run(
         rtt_ms_p99: p.rtt_ms_p99,
         rtt_samples: p.rtt_samples,
         inputs_dropped_by_proxy: p.inputs_dropped,
+        inputs_dropped_by_sidecars: s.inputs_dropped,
+        inputs_unaccounted: b.inputs_sent as i64
+            - s.inputs_delivered as i64
+            - p.inputs_dropped as i64
+            - s.inputs_dropped as i64,
         ghosts_render: s.ghosts_render,
         ghosts_sim: s.ghosts_sim,
         subscriptions: s.subscriptions,
@@ -439,6 +501,7 @@ pub async fn run(
         entities_alive: second.alive as u64,
         entities_lost: lost.len() as u64,
         entities_duplicated: duplicated.len() as u64,
+        census_at_rest,
     };
     if let Some(path) = &opts.summary_json {
         std::fs::write(path, serde_json::to_string_pretty(&summary)? + "\n")

@@ -154,6 +154,7 @@ impl Cluster {
                 seed: u64::from(node_id),
                 player_speed: setup.player_speed,
                 census: Some(census.clone()),
+                ..ArenaConfig::default()
             };
             let arena_stop = stop.child_token();
             arenas.push(tokio::spawn(cellmesh_arena::run(arena, async move {
@@ -989,4 +990,6 @@ async fn up_with_four_nodes_hands_off_without_loss_duplication_or_vanishes() {
         (0, 0, 0, 0, 0),
         "(vanished on handoff, lost, duplicated, in doubt, errors): {s:?}"
     );
+    assert!(s.census_at_rest, "the world did not come to rest: {s:?}");
+    assert_eq!(s.inputs_unaccounted, 0, "inputs unaccounted for: {s:?}");
 }

@@ -33,6 +33,8 @@ async fn four_nodes_serve_one_world_without_errors() {
     assert!(s.cross_node_updates > 100, "no cross-node updates: {s:?}");
     assert!(s.ghosts_render > 0 && s.subscriptions > 0, "{s:?}");
     assert!(s.updates_delivered > 1000, "{s:?}");
+    assert_eq!(s.inputs_unaccounted, 0, "inputs unaccounted for: {s:?}");
+    assert!(s.problems().is_empty(), "{:?}: {s:?}", s.problems());
 }
 
 /// The binary with its default of four nodes writes the multi-node summary keys.

@@ -35,6 +35,10 @@ async fn up_delivers_inputs_and_updates_without_errors() {
         s.rtt_samples > 0 && s.rtt_ms_p50 > 0.0 && s.rtt_ms_p99 >= s.rtt_ms_p50,
         "{s:?}"
     );
+    // Every input is delivered or dropped under a reason; the census reads a world at rest.
+    assert!(s.census_at_rest, "{s:?}");
+    assert_eq!(s.inputs_unaccounted, 0, "{s:?}");
+    assert!(s.problems().is_empty(), "{:?}: {s:?}", s.problems());
 }
 
 /// The binary itself, as a user runs it: exits 0 and writes the summary.
@@ -59,8 +63,12 @@ fn up_binary_writes_summary_json() {
             "errors",
             "rtt_ms_p50",
             "rtt_ms_p99",
+            "inputs_unaccounted",
+            "census_at_rest",
         ],
     );
+    assert_eq!(v["inputs_unaccounted"], 0, "{v}");
+    assert_eq!(v["census_at_rest"], true, "{v}");
     assert_eq!(v["errors"], 0, "{v}");
     assert_eq!(v["sessions_peak"], 5, "{v}");
     assert!(stdout.contains("sessions="), "no status line in: {stdout}");

@@ -62,6 +62,8 @@ pub struct SidecarStats {
     pub sessions: u64,
     pub entities: u64,
     pub inputs_delivered: u64,
+    /// Client inputs dropped before reaching the game, under a named reason.
+    pub inputs_dropped: u64,
     pub batches_sent: u64,
     pub deltas_sent: u64,
     pub errors: u64,
@@ -93,6 +95,7 @@ impl SidecarHandle {
             sessions: m.sessions.get().max(0) as u64,
             entities: m.entities.get().max(0) as u64,
             inputs_delivered: m.inputs_delivered.get(),
+            inputs_dropped: m.inputs_dropped_total(),
             batches_sent: m.batches_sent.get(),
             deltas_sent: m.deltas_sent.get(),
             errors: m.errors_total(),

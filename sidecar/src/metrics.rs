@@ -8,6 +8,30 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use std::sync::{Arc, Mutex};
 
+/// Every reason a client input is dropped for before it reaches a game (`inputs_dropped`).
+pub const INPUT_DROP_REASONS: [&str; 10] = [
+    // The proxy named a session this gateway does not have, or one still registering.
+    "unknown_session",
+    "session_attaching",
+    // Stamped with an older epoch of its master than the owner's.
+    "stale_epoch_input",
+    // For a session that is not the current one of its account here.
+    "input_stale_session",
+    // The owner's game is not connected.
+    "no_game",
+    // The node writing the master could not be reached.
+    "input_peer_down",
+    // Held for an epoch change that never came (the entity left this node's sight).
+    "input_held_dropped",
+    // The fence follows a newer epoch than the entity table (never seen; counted if it is).
+    "input_epoch_conflict",
+    // Forwarded between owners more often than a handoff explains.
+    "input_forward_loop",
+    // Older than an input of its session already handed to the game (it came too late to keep
+    // the order).
+    "input_late",
+];
+
 /// Who is on the other end of a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Peer {
@@ -84,6 +108,9 @@ pub struct Metrics {
     pub bytes: Family<WireLabel, Counter>,
     pub errors: Family<KindLabel, Counter>,
     pub dropped: Family<ReasonLabel, Counter>,
+    /// Inputs dropped, by reason (each also counts in `dropped`).
+    pub inputs_dropped: Family<ReasonLabel, Counter>,
+    inputs_dropped_all: Counter,
     pub sessions: Gauge,
     pub entities: Gauge,
     pub game_connected: Gauge,
@@ -131,6 +158,8 @@ impl Default for Metrics {
             bytes: Default::default(),
             errors: Default::default(),
             dropped: Default::default(),
+            inputs_dropped: Default::default(),
+            inputs_dropped_all: Default::default(),
             sessions: Default::default(),
             entities: Default::default(),
             game_connected: Default::default(),
@@ -200,6 +229,11 @@ impl Metrics {
         );
         r.register("errors", "Errors by kind", m.errors.clone());
         r.register("dropped", "Messages dropped, by reason", m.dropped.clone());
+        r.register(
+            "inputs_dropped",
+            "Client inputs dropped before reaching a game, by reason",
+            m.inputs_dropped.clone(),
+        );
         r.register("sessions", "Attached client sessions", m.sessions.clone());
         r.register(
             "entities",
@@ -373,6 +407,32 @@ impl Metrics {
                 .get_or_create(&ReasonLabel { reason })
                 .inc_by(n);
         }
+    }
+
+    /// A client input dropped for `reason`: counted as an input and as a message.
+    pub fn drop_input(&self, reason: &'static str) {
+        self.drop_msg(reason, 1);
+        self.inputs_dropped
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+        self.inputs_dropped_all.inc();
+    }
+
+    /// Client inputs dropped so far for `reason` (one of [`INPUT_DROP_REASONS`]).
+    pub fn inputs_dropped_for(&self, reason: &'static str) -> u64 {
+        self.inputs_dropped
+            .get_or_create(&ReasonLabel { reason })
+            .get()
+    }
+
+    /// Client inputs dropped so far, whatever the reason.
+    pub fn inputs_dropped_total(&self) -> u64 {
+        self.inputs_dropped_all.get()
+    }
+
+    /// Messages dropped so far for `reason`.
+    pub fn dropped_for(&self, reason: &'static str) -> u64 {
+        self.dropped.get_or_create(&ReasonLabel { reason }).get()
     }
 
     pub fn connected(&self, peer: Peer) {

@@ -572,8 +572,9 @@ async fn spawn_near_border(c: &mut Cluster, claims: &mut Claims, perceived: bool
 /// Walks `x` two chunks into node 2's area; node 1's game is told to freeze it.
 async fn cross(c: &mut Cluster, claims: &mut Claims, x: u64) {
     c.game(1).push(move_to(x, chunk(9, 4)));
-    c.tick().await;
-    let epoch = c.game(1).expect("Freeze of X", freeze_of(x)).await;
+    // At once if the target holds X's ghost; a target that never subscribes (no game) is
+    // offered X after a second all the same.
+    let epoch = c.tick_until_game(1, "Freeze of X", freeze_of(x)).await;
     claims.record(1, Claim::Freeze(epoch));
 }
 
@@ -1435,6 +1436,8 @@ async fn the_fence_drops_stale_frames_and_inputs_and_holds_future_frames() {
             seq,
             payload: Bytes::from_static(b"walk"),
             entity_epoch,
+            hops: 0,
+            entity_id: 0,
         }))
         .await;
     }

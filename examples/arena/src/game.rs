@@ -16,8 +16,8 @@ use rand::{Rng, SeedableRng};
 use crate::schema::{self, SampleSnapshot, SnapshotKind, SNAPSHOT_VERSION};
 use crate::{ArenaConfig, ArenaStats, Census};
 
-/// Where the arena writes: the SDK's batch in a run, a plain list in tests.
-pub(crate) trait Outbox {
+/// Where the arena writes: the SDK's batch in a run, a plain list in tests and simulations.
+pub trait Outbox {
     fn push(&mut self, body: Body);
 }
 
@@ -199,7 +199,9 @@ struct Adoption {
 /// A `PlayerJoin` that arrived while no id was free: account, session epoch, last position.
 type PendingJoin = (String, u64, Option<(f64, f64)>);
 
-pub(crate) struct Arena {
+/// The arena's world: its entities, players and NPCs, driven by the sidecar's messages and the
+/// tick. Pure: a run or a simulator owns the connection and the clock.
+pub struct Arena {
     cfg: ArenaConfig,
     /// This arena's label in the census: its node id.
     node: u32,
@@ -215,7 +217,18 @@ pub(crate) struct Arena {
     /// Account -> its avatar's id.
     players: HashMap<String, u64>,
     waiting: Vec<PendingJoin>,
+    /// Nothing moves any more (a simulator's quiet end).
+    halted: bool,
     pub stats: ArenaStats,
+}
+
+/// One entity the arena holds, as a simulator sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Held {
+    pub id: u64,
+    pub pos: (f64, f64),
+    pub frozen: bool,
+    pub player: bool,
 }
 
 impl Arena {
@@ -233,12 +246,33 @@ impl Arena {
             entities: BTreeMap::new(),
             players: HashMap::new(),
             waiting: Vec::new(),
+            halted: false,
             stats: ArenaStats::default(),
         }
     }
 
     pub fn entity_count(&self) -> usize {
         self.entities.len()
+    }
+
+    /// Every entity this arena holds (its own, frozen or not), in id order.
+    pub fn held(&self) -> impl Iterator<Item = Held> + '_ {
+        self.entities.iter().map(|(&id, e)| Held {
+            id,
+            pos: e.pos,
+            frozen: e.frozen,
+            player: matches!(e.role, Role::Player(_)),
+        })
+    }
+
+    /// The avatar of `account`, if this arena holds it.
+    pub fn avatar_of(&self, account: &str) -> Option<u64> {
+        self.players.get(account).copied()
+    }
+
+    /// Stops every movement from now on (NPCs stop wandering, players stop walking).
+    pub fn halt(&mut self) {
+        self.halted = true;
     }
 
     fn census(&self) -> Option<&Arc<Census>> {
@@ -438,10 +472,12 @@ impl Arena {
             }
             M::Input(i) => {
                 let Some((e, _)) = self.player_mut(&i.account) else {
+                    self.stats.inputs_no_player += 1;
                     return;
                 };
                 let Role::Player(p) = &mut e.role else { return };
                 if i.session_epoch < p.session_epoch {
+                    self.stats.inputs_stale_session += 1;
                     return;
                 }
                 if e.frozen {
@@ -650,6 +686,7 @@ impl Arena {
     }
 
     pub fn tick(&mut self, out: &mut impl Outbox, dt: f64) {
+        let halted = self.halted;
         let Self {
             cfg,
             torus,
@@ -659,7 +696,7 @@ impl Arena {
         } = self;
         let half = cfg.spread / 2.0;
         for (&id, e) in entities.iter_mut() {
-            if e.frozen {
+            if e.frozen || halted {
                 continue;
             }
             match &mut e.role {
@@ -677,7 +714,7 @@ impl Arena {
                     if dy.abs() > half {
                         e.dir.1 = -dy.signum() * e.dir.1.abs();
                     }
-                    let step = schema::NPC_SPEED * dt;
+                    let step = cfg.npc_speed * dt;
                     e.pos = torus.normalise((e.pos.0 + e.dir.0 * step, e.pos.1 + e.dir.1 * step));
                     out.push(Body::Update(Update {
                         entity_id: id,

@@ -12,6 +12,7 @@ mod game;
 pub mod schema;
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,7 +21,7 @@ use cellmesh_proto::local::{game_message::Body, Load};
 use cellmesh_proto::sdk::{self, SdkConfig, SidecarAddr};
 
 pub use census::{Census, CensusReport};
-use game::Arena;
+pub use game::{Arena, Held, Outbox};
 
 #[derive(Debug, Clone)]
 pub struct ArenaConfig {
@@ -33,8 +34,12 @@ pub struct ArenaConfig {
     pub seed: u64,
     /// Metres per second a player walks.
     pub player_speed: f64,
+    /// Metres per second an NPC wanders.
+    pub npc_speed: f64,
     /// Where this arena records what it spawns, despawns, adopts and evicts.
     pub census: Option<Arc<Census>>,
+    /// Once set, nothing moves any more (a census of a world at rest).
+    pub halt: Option<Arc<AtomicBool>>,
 }
 
 impl Default for ArenaConfig {
@@ -47,7 +52,9 @@ impl Default for ArenaConfig {
             tick_hz: 20,
             seed: 1,
             player_speed: schema::PLAYER_SPEED,
+            npc_speed: schema::NPC_SPEED,
             census: None,
+            halt: None,
         }
     }
 }
@@ -70,6 +77,10 @@ pub struct ArenaStats {
     pub thawed: u64,
     /// Inputs that reached a frozen player (the sidecar holds them back; these are ignored).
     pub inputs_while_frozen: u64,
+    /// Inputs for an account with no avatar here (ignored).
+    pub inputs_no_player: u64,
+    /// Inputs of a session older than the avatar's (ignored).
+    pub inputs_stale_session: u64,
 }
 
 /// An arena that stops holds nothing: releases its census entries however `run` ends.
@@ -98,6 +109,7 @@ pub async fn run(
     tracing::info!(node = welcome.node_id, "arena joined its sidecar");
     let tick_len = Duration::from_secs_f64(1.0 / cfg.tick_hz.max(1) as f64);
     let _holding = Holding(cfg.census.clone().map(|c| (c, welcome.node_id)));
+    let halt = cfg.halt.clone();
     let mut arena = Arena::new(cfg, &welcome);
     arena.request_ids(&mut tx);
     tx.flush().await?;
@@ -117,6 +129,9 @@ pub async fn run(
             _ = ticker.tick() => {
                 let started = tokio::time::Instant::now();
                 tick += 1;
+                if halt.as_ref().is_some_and(|h| h.load(Ordering::Relaxed)) {
+                    arena.halt();
+                }
                 arena.tick(&mut tx, tick_len.as_secs_f64());
                 arena.request_ids(&mut tx);
                 if last_load.elapsed() >= Duration::from_secs(1) {

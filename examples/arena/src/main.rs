@@ -52,6 +52,7 @@ async fn main() -> anyhow::Result<()> {
         seed: a.seed,
         player_speed: a.player_speed,
         census: None,
+        ..ArenaConfig::default()
     };
     let stats = run(cfg, shutdown_signal()).await?;
     tracing::info!(?stats, "arena stopped");

@@ -23,10 +23,11 @@ pub struct Real {
 /// What this node may write, and under which partition.
 pub(crate) struct Authority {
     pub partition: Arc<Partition>,
-    /// The partition before the last change and when it changed (monotonic ms), while its
-    /// owners may still write entities that the mass handoff has not moved yet (views subscribe
-    /// to them too).
-    pub prev_partition: Option<(Arc<Partition>, u64)>,
+    /// The partitions before the last changes, and when the last change came (monotonic ms),
+    /// while their owners may still write entities that the mass handoffs have not moved yet
+    /// (views subscribe to them too). Two changes in quick succession keep both.
+    pub prev_partitions: Vec<Arc<Partition>>,
+    pub changed_at_ms: u64,
     /// The chunks this node owns.
     pub area: Vec<ChunkRect>,
     /// False once the node lease was lost: everything is frozen, nothing is written.
@@ -40,7 +41,8 @@ impl Authority {
         Self {
             area: subs::merge_rects(partition.area_of(cfg.node_id)),
             partition,
-            prev_partition: None,
+            prev_partitions: Vec::new(),
+            changed_at_ms: 0,
             lease_live: true,
             draining: None,
         }
@@ -94,7 +96,8 @@ impl Core {
         let keep = i64::from(self.cfg.interaction_band_chunks + self.cfg.ghost_keep_margin_chunks);
         self.repl.band = subs::band(&p, me, keep, self.cfg.reach_chunks());
         let prev = std::mem::replace(&mut self.auth.partition, std::sync::Arc::new(p));
-        self.auth.prev_partition = Some((prev, self.now.mono_ms));
+        self.auth.prev_partitions.push(prev);
+        self.auth.changed_at_ms = self.now.mono_ms;
         self.repl.near_cache.clear();
         self.repl.subs_dirty = true;
         let owned_area = self.owned_rects();
@@ -165,8 +168,8 @@ impl Core {
         }
         let reach = self.cfg.reach_chunks();
         let mut near = subs::owners_near(&self.auth.partition, chunk, reach);
-        if let Some((prev, _)) = &self.auth.prev_partition {
-            // Until the mass handoff settles, the previous owners still write entities there.
+        for prev in &self.auth.prev_partitions {
+            // Until the mass handoffs settle, the previous owners still write entities there.
             near.extend(subs::owners_near(prev, chunk, reach));
         }
         let v: Vec<NodeId> = near.into_iter().collect();
@@ -174,29 +177,34 @@ impl Core {
         v
     }
 
-    /// Forgets the previous partition once every ghost here is written by a node the current
-    /// partition puts near it (the mass handoff settled), and at least a second after the change.
+    /// Forgets the previous partitions once every peer says it runs the current one, every
+    /// ghost here is written by a node the current partition puts near it (the mass handoffs
+    /// settled), and at least a second after the last change.
     pub(crate) fn settle_partition(&mut self) {
-        let Some((_, since)) = &self.auth.prev_partition else {
-            return;
-        };
-        if self.now.mono_ms < since + SETTLE_MIN_MS {
+        if self.auth.prev_partitions.is_empty()
+            || self.now.mono_ms < self.auth.changed_at_ms + SETTLE_MIN_MS
+        {
             return;
         }
-        let reach = self.cfg.reach_chunks();
-        let settled = self.table.iter().all(|e| match e.origin {
-            None => true,
-            Some(n) => subs::owners_near(&self.auth.partition, e.chunk, reach).contains(&n),
+        let epoch = self.auth.partition.epoch();
+        let peers_caught_up = self.mesh.peers.iter().all(|(node, p)| {
+            p.link.is_none() || self.mesh.peer_partition.get(node).copied().unwrap_or(0) >= epoch
         });
+        let reach = self.cfg.reach_chunks();
+        let settled = peers_caught_up
+            && self.table.iter().all(|e| match e.origin {
+                None => true,
+                Some(n) => subs::owners_near(&self.auth.partition, e.chunk, reach).contains(&n),
+            });
         if settled {
-            self.auth.prev_partition = None;
+            self.auth.prev_partitions.clear();
             self.repl.near_cache.clear();
             self.repl.subs_dirty = true;
         }
     }
 
     /// Every real of this node, for a census.
-    pub(crate) fn reals(&self) -> Vec<Real> {
+    pub fn reals(&self) -> Vec<Real> {
         let mut v: Vec<Real> = self
             .table
             .iter()

@@ -6,7 +6,9 @@
 //! directory entry. The directory and record calls run off the node task; their results come
 //! back as events, checked against what happened meanwhile.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap as HashMap;
 
 use cellmesh_geo_router::geometry::Pos;
 use cellmesh_geo_router::partition::NodeId;
@@ -57,9 +59,9 @@ impl Gateway {
         Self {
             sessions: Sessions::default(),
             clients: Clients::new(cfg.world, shape),
-            master_owner: HashMap::new(),
-            master_epoch: HashMap::new(),
-            anchor_pos: HashMap::new(),
+            master_owner: HashMap::default(),
+            master_epoch: HashMap::default(),
+            anchor_pos: HashMap::default(),
         }
     }
 }
@@ -254,6 +256,26 @@ impl Core {
                 return;
             }
         };
+        let me = self.cfg.node_id;
+        if self
+            .routing
+            .routes
+            .get(&account)
+            .is_some_and(|r| r.gateway_node != me && r.session_epoch > reg.epoch)
+        {
+            // A newer login on another gateway registered first and told this node: this one is
+            // displaced before it began (its avatar is never spawned).
+            self.queue_for_link(
+                link,
+                detach(
+                    session_id,
+                    KickReason::Displaced,
+                    "a newer login of this account exists",
+                ),
+            );
+            self.forget_session(key);
+            return;
+        }
         if let Some(&other) = self.gw.sessions.by_account.get(&account) {
             let other_epoch = self
                 .gw
@@ -305,14 +327,23 @@ impl Core {
         self.announce_session(&account, reg.epoch);
         // The avatar is spawned by the game of the node owning where it stands (the player's
         // last position); a player with none starts in this node's world.
-        let me = self.cfg.node_id;
-        let owner = last_position
-            .and_then(|[x, y, _]| self.auth.partition.owner_of(Pos { x, y }).ok())
+        // An avatar already simulated for this account (a new login displacing a session on
+        // this gateway) keeps being simulated where it is: its game sees a new PlayerJoin.
+        let known = self.gw.master_owner.get(&account).copied();
+        if known.is_none() {
+            // A new session learns its master's epoch from the master's owner.
+            self.gw.master_epoch.remove(&account);
+        }
+        let owner = known
+            .or_else(|| {
+                last_position.and_then(|[x, y, _]| self.auth.partition.owner_of(Pos { x, y }).ok())
+            })
             .unwrap_or(me);
         let remote_join = mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
             account: account.clone(),
             session_epoch: reg.epoch,
             last_position: last_position.map(|[x, y, z]| mesh::MeshVec3 { x, y, z }),
+            gateway_node: 0,
         });
         if owner != me && self.send_peer(owner, remote_join) {
             self.gw.master_owner.insert(account.clone(), owner);
@@ -345,10 +376,10 @@ impl Core {
             .find(link, i.session_id)
             .and_then(|k| self.gw.sessions.get(k))
         else {
-            return self.metrics.drop_msg("unknown_session", 1);
+            return self.metrics.drop_input("unknown_session");
         };
         let Some(epoch) = s.epoch else {
-            return self.metrics.drop_msg("session_attaching", 1);
+            return self.metrics.drop_input("session_attaching");
         };
         let owner = self
             .gw
@@ -362,10 +393,14 @@ impl Core {
             seq: i.seq,
             payload: i.payload,
             entity_epoch: self.gw.master_epoch.get(&s.account).copied().unwrap_or(0),
+            hops: 0,
+            entity_id: 0,
         };
         if owner != self.cfg.node_id {
-            if self.send_peer(owner, mesh_message::Body::ForwardInput(forward)) {
+            if self.try_send_peer(owner, mesh_message::Body::ForwardInput(forward)) {
                 self.metrics.inputs_forwarded.inc();
+            } else {
+                self.metrics.drop_input("input_peer_down");
             }
             return;
         }

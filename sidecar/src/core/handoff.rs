@@ -7,7 +7,9 @@
 //! `EntityMoved`. Target: the offer's checks → `Adopt` → the game's `Adopted` → the ghost
 //! becomes the node's own entity → `HandoffAck`. An offer with no answer stays frozen.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::BTreeSet;
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use cellmesh_geo_router::geometry::Pos;
 use cellmesh_geo_router::partition::NodeId;
@@ -22,6 +24,7 @@ use crate::model::handoff::{
     Admit, Completed, Fence, HandoffSource, HandoffTarget, InputRoute, Offer, OfferChecks,
     OfferDecision, Thawed,
 };
+use crate::model::inputs::{InputOrder, Ordered};
 use crate::model::subs::{self};
 
 /// The handoffs this node takes part in, as source and as target, and the epoch fence.
@@ -45,7 +48,27 @@ pub(crate) struct Handoffs {
     /// Players who left while their master was frozen for a handoff: the leave goes to the new
     /// owner once it acks (the game here drops it on Evict).
     pub leaving: HashMap<String, mesh::PeerPlayerLeave>,
+    /// The order of each player's inputs handed to the game here.
+    pub input_order: InputOrder<local::Input>,
+    /// Entities due for a handoff whose target does not hold their ghost yet, since when.
+    pub ghost_wait: HashMap<u64, u64>,
+    /// Entities the fence holds frames for, since when (monotonic ms).
+    pub held_since: HashMap<u64, u64>,
 }
+
+/// Frames of a newer epoch wait this long for the old owner's word (`EntityMoved`); then the
+/// ghost follows the newer owner anyway (the word was lost with a link that came back, or this
+/// node had left the old owner's holders).
+const HELD_MAX_MS: u64 = 2_000;
+/// How long an entity due for a handoff waits for its target to hold its ghost before it is
+/// offered anyway (a target subscribes to its band within a few round trips of starting).
+const GHOST_WAIT_MS: u64 = 1_000;
+/// How long after adopting a master its inputs may arrive out of order (the old owner's
+/// forwards against the gateway's direct sends): longer than the slowest round trip.
+const REORDER_WINDOW_MS: u64 = 500;
+/// Forwards of one input between owners before it counts as looping: a master handed on while
+/// its input was in flight takes one or two.
+const MAX_INPUT_HOPS: u32 = 4;
 
 /// A frame the fence may hold until its entity's epoch change is seen.
 #[derive(Debug, Clone)]
@@ -76,6 +99,7 @@ impl Core {
         for id in ids {
             let Some(e) = self.table.get_local(id) else {
                 self.handoff.mass.remove(&id);
+                self.handoff.ghost_wait.remove(&id);
                 continue;
             };
             // Attachments move with their root.
@@ -98,18 +122,37 @@ impl Core {
                 margin,
             ) else {
                 self.handoff.mass.remove(&id);
+                self.handoff.ghost_wait.remove(&id);
                 continue;
             };
+            // The target must hold the entity's ghost when the offer reaches it: this node has
+            // sent it the full state on the same ordered link (or it stands beyond the reach the
+            // target subscribes to, and the offer says so).
+            let unseen = subs::distance_to_area(&self.cfg.world, &self.auth.area, e.chunk)
+                > self.cfg.reach_chunks();
+            let seen = unseen
+                || self
+                    .repl
+                    .replicas
+                    .get(&id)
+                    .is_some_and(|holders| holders.contains(&to));
+            // A target that never subscribes (no game to tick, say) is offered all the same after
+            // a while, and answers for itself.
+            let waited = *self.handoff.ghost_wait.entry(id).or_insert(now);
+            let seen = seen || now >= waited + GHOST_WAIT_MS;
             let ready = self.mesh.peers.get(&to).is_some_and(|p| p.link.is_some())
                 && self.mesh.peer_partition.get(&to).copied().unwrap_or(0)
-                    >= self.auth.partition.epoch();
+                    >= self.auth.partition.epoch()
+                && seen;
             if !ready || self.handoff.retry.get(&id).is_some_and(|t| *t > now) {
-                // Not yet: the target is unreachable, behind on the partition, or refused lately.
+                // Not yet: the target is unreachable, behind on the partition, holds no ghost
+                // yet, or refused lately.
                 self.handoff.recheck.insert(id);
                 continue;
             }
             let epoch = e.epoch;
             let attachments = self.attachments_of(id);
+            self.handoff.ghost_wait.remove(&id);
             match self.handoff.out.begin(id, epoch, &attachments, to, now) {
                 Ok(freeze) => {
                     self.metrics.handoff(me, to, "started");
@@ -256,6 +299,12 @@ impl Core {
             successor,
             unseen: subs::distance_to_area(&self.cfg.world, &self.auth.area, e.chunk)
                 > self.cfg.reach_chunks(),
+            last_input_seq: session
+                .and_then(|s| {
+                    let (epoch, seq) = self.handoff.input_order.last_of(&e.owner_account)?;
+                    (epoch == s.1).then_some(seq)
+                })
+                .unwrap_or(0),
         };
         if !self.send_peer(offer.to, mesh_message::Body::HandoffOffer(msg)) {
             // It never left: the unit may thaw (a link lost after sending leaves it in doubt).
@@ -266,7 +315,9 @@ impl Core {
             return;
         }
         for i in offer.inputs {
-            self.forward_input(offer.to, offer.epoch, i);
+            if !self.send_forward(offer.to, root, offer.epoch, i, 0) {
+                self.handoff.out.forward_failed(root);
+            }
         }
         self.metrics
             .handoffs_in_doubt
@@ -361,6 +412,9 @@ impl Core {
     pub(crate) fn complete_handoff(&mut self, done: Completed) {
         let me = self.cfg.node_id;
         self.metrics.handoff(me, done.to, "completed");
+        for _ in 0..done.unforwarded {
+            self.metrics.drop_input("input_peer_down");
+        }
         self.metrics.handoffs_out.inc();
         self.metrics.freeze_done(done.freeze_ms);
         for &id in &done.members {
@@ -530,7 +584,18 @@ impl Core {
                 );
             }
             OfferDecision::Refuse(r) => {
+                // Inputs held for the refused epoch are copies: the source keeps the originals
+                // and applies them when it thaws.
+                self.count_fence_discards();
                 self.handoff.fence.burn(id, o.entity_epoch);
+                let copies = self
+                    .handoff
+                    .fence
+                    .take_discarded()
+                    .iter()
+                    .filter(|f| matches!(f, Fenced::Input(_)))
+                    .count() as u64;
+                self.metrics.drop_msg("input_copy_refused", copies);
                 self.metrics.handoff(from, me, "refused");
                 self.send_peer(
                     from,
@@ -616,9 +681,14 @@ impl Core {
         // The player's inputs and routes follow its master.
         if o.is_master && !o.owner_account.is_empty() {
             let account = o.owner_account.clone();
+            let until = self.now.mono_ms + REORDER_WINDOW_MS;
+            self.handoff
+                .input_order
+                .resume(&account, o.session_epoch, o.last_input_seq, until);
             self.handoff.departed_masters.remove(&account);
-            self.gw.master_epoch.insert(account.clone(), epoch);
             if o.gateway_node == me {
+                // Gateway side only: the epoch its inputs are stamped with.
+                self.gw.master_epoch.insert(account.clone(), epoch);
                 self.gw.master_owner.insert(account.clone(), me);
                 self.gw.clients.set_remote_anchor(&account, None);
                 self.gw.anchor_pos.remove(&account);
@@ -669,16 +739,43 @@ impl Core {
             self.complete_handoff(done);
         }
         let (id, epoch) = (s.entity_id, s.entity_epoch);
+        if !s.full && self.table.get(id).is_none() {
+            // A change to an entity held nowhere here: nothing to keep in order, and holding it
+            // for an epoch change this node may never hear of would keep it forever. The
+            // observer side asks the owner for the whole state instead.
+            return self.on_entity_state(node, s);
+        }
+        let newer = self
+            .handoff
+            .fence
+            .current(id)
+            .is_some_and(|(known, _)| epoch > known);
+        if !s.full && newer && self.repl.stale.contains_key(&id) {
+            // A stale ghost's owner changed while the old owner's link was down: its word
+            // (`EntityMoved`) was lost with the link. The new owner sends the whole state again.
+            let chunk = self.table.get(id).map(|e| e.chunk);
+            let at = s
+                .position
+                .as_ref()
+                .map(|p| self.cfg.world.chunk_of(Pos { x: p.x, y: p.y }))
+                .or(chunk);
+            if let Some(c) = at {
+                self.resync(c, node);
+            }
+            return;
+        }
         if s.full
-            && self.table.get(id).is_none()
+            && (self.table.get(id).is_none() || self.repl.stale.contains_key(&id))
             && self
                 .handoff
                 .fence
                 .current(id)
                 .is_some_and(|(known, _)| epoch > known)
         {
-            // Nothing held here to keep consistent: a newer epoch's full state is the truth
-            // (only that epoch's owner writes under it); frames held for older epochs go.
+            // Nothing held here to keep in order, or only a stale ghost whose old owner's word
+            // (`EntityMoved`) was lost with its link or will never come (this node is no longer
+            // among its holders): a newer epoch's full state is the truth (only that epoch's
+            // owner writes under it); frames held for older epochs go.
             for f in self.handoff.fence.advance(id, epoch, node) {
                 self.apply_fenced(f);
             }
@@ -692,7 +789,7 @@ impl Core {
             Admit::Held => {
                 tracing::debug!(me = self.cfg.node_id, entity = id, epoch, peer = node, known = ?self.handoff.fence.current(id), ghost = ?self.table.get(id).map(|e| (e.origin, e.epoch)), "frame held for a newer epoch");
             }
-            Admit::Dropped => {
+            Admit::Dropped(_) => {
                 self.metrics.stale_epoch_drops.inc();
             }
         }
@@ -709,6 +806,10 @@ impl Core {
             return self.apply_fenced(Fenced::Gone(node, g));
         }
         let (id, epoch) = (g.entity_id, g.entity_epoch);
+        if self.table.get(id).is_none() {
+            // Gone from a view this node does not hold it in: moot.
+            return;
+        }
         match self
             .handoff
             .fence
@@ -716,7 +817,7 @@ impl Core {
         {
             Admit::Accept(f) => self.apply_fenced(f),
             Admit::Held => {}
-            Admit::Dropped => {
+            Admit::Dropped(_) => {
                 self.metrics.stale_epoch_drops.inc();
             }
         }
@@ -733,6 +834,18 @@ impl Core {
                 if at.is_some_and(|c| self.repl.subs.has(c, node)) {
                     // This node subscribes there: its subscription has not reached the owner
                     // yet, and the snapshot burst that answers it refreshes the ghost.
+                    return;
+                }
+                let ghost = self
+                    .table
+                    .get(g.entity_id)
+                    .is_some_and(|e| e.origin == Some(node));
+                if ghost && at.is_some_and(|c| self.follow(c, node)) {
+                    // It walked into a viewed chunk this node does not subscribe to at its
+                    // owner: subscribed now, and kept meanwhile, stale (the owner no longer
+                    // counts this node among its holders, so it will not say if it moves on).
+                    let now = self.now.mono_ms;
+                    self.repl.stale.entry(g.entity_id).or_insert(now);
                     return;
                 }
                 if self
@@ -786,7 +899,7 @@ impl Core {
             .advance(m.entity_id, m.entity_epoch, m.owner_node);
         // A ghost of the sender follows the new owner (if this node subscribes there).
         if let Some((_, chunk)) = held.filter(|h| h.0 == Some(node)) {
-            if self.repl.subs.has(chunk, m.owner_node) {
+            if self.repl.subs.has(chunk, m.owner_node) || self.follow(chunk, m.owner_node) {
                 self.table
                     .set_origin(m.entity_id, m.owner_node, m.entity_epoch);
             } else {
@@ -802,6 +915,39 @@ impl Core {
         }
         for f in due {
             self.apply_fenced(f);
+        }
+        self.metrics
+            .held_frames
+            .set(self.handoff.fence.held() as i64);
+    }
+
+    /// Ghosts whose newer owner's frames waited too long for the old owner's word follow the
+    /// newer owner.
+    pub(crate) fn release_overdue_frames(&mut self) {
+        let now = self.now.mono_ms;
+        let held: BTreeSet<u64> = self
+            .handoff
+            .fence
+            .held_by_epoch()
+            .into_iter()
+            .map(|(id, _, _)| id)
+            .collect();
+        self.handoff.held_since.retain(|id, _| held.contains(id));
+        for id in held {
+            let since = *self.handoff.held_since.entry(id).or_insert(now);
+            // What waits for this node's own adoption waits for its game, however slow.
+            let adopting = self.handoff.adopting.contains_key(&id);
+            if !adopting && now >= since + HELD_MAX_MS {
+                self.handoff.held_since.remove(&id);
+                tracing::debug!(
+                    entity = id,
+                    "held frames overdue: following the newer owner"
+                );
+                if !self.ghost_orphaned(id) {
+                    // Inputs only: the entity is not held here; let them go (counted).
+                    self.handoff.fence.forget(id);
+                }
+            }
         }
         self.metrics
             .held_frames
@@ -838,41 +984,41 @@ impl Core {
             seq: i.seq,
             payload: i.payload.clone(),
         };
+        let hops = i.hops + 1;
+        if i.entity_id != 0 && self.handoff.fence.is_burnt(i.entity_id, i.entity_epoch) {
+            // A copy forwarded behind an offer this node refused: its source applies the original.
+            return self.metrics.drop_msg("input_copy_refused", 1);
+        }
         match master {
             Some((id, None, epoch)) => {
                 if i.entity_epoch != 0 && i.entity_epoch < epoch {
                     self.metrics.stale_epoch_drops.inc();
-                    return self.metrics.drop_msg("stale_epoch_input", 1);
+                    return self.metrics.drop_input("stale_epoch_input");
                 }
                 if i.entity_epoch > epoch {
-                    let _ = self
-                        .handoff
-                        .fence
-                        .admit(id, i.entity_epoch, None, Fenced::Input(i));
+                    self.hold_input(id, i);
                     return;
                 }
                 match self.handoff.out.route_input(id, input) {
                     InputRoute::Local(input) => self.input_to_game(input),
                     InputRoute::Held => {}
                     InputRoute::Forward { to, epoch, input } => {
-                        self.forward_input(to, epoch, input)
+                        self.forward_routed(id, to, epoch, input, hops)
                     }
                 }
             }
             Some((id, Some(owner), epoch)) => {
-                if self.handoff.adopting.contains_key(&id) && i.entity_epoch > epoch {
-                    // Forwarded behind the offer: due once the game adopted.
-                    let _ = self
-                        .handoff
-                        .fence
-                        .admit(id, i.entity_epoch, None, Fenced::Input(i));
+                if i.entity_epoch > epoch {
+                    // Forwarded behind an offer: due once this node adopted (or learns who
+                    // did); a copy behind an offer it refused is dropped.
+                    self.hold_input(id, i);
                     return;
                 }
                 match self.handoff.out.route_input(id, input) {
                     InputRoute::Forward { to, epoch, input } => {
-                        self.forward_input(to, epoch, input)
+                        self.forward_routed(id, to, epoch, input, hops)
                     }
-                    InputRoute::Local(input) => self.forward_input(owner, epoch, input),
+                    InputRoute::Local(input) => self.forward_input(owner, id, epoch, input, hops),
                     InputRoute::Held => {}
                 }
             }
@@ -887,15 +1033,12 @@ impl Core {
                 let departed = self.handoff.departed_masters.get(&i.account).copied();
                 match (adopting, departed) {
                     (Some((id, epoch)), _) if i.entity_epoch >= epoch => {
-                        let _ =
-                            self.handoff
-                                .fence
-                                .admit(id, i.entity_epoch, None, Fenced::Input(i));
+                        self.hold_input(id, i);
                     }
                     // Handed away, and no ghost of it stayed here: forwarded all the same.
                     (_, Some(id)) => match self.handoff.out.route_input(id, input) {
                         InputRoute::Forward { to, epoch, input } => {
-                            self.forward_input(to, epoch, input)
+                            self.forward_routed(id, to, epoch, input, hops)
                         }
                         InputRoute::Local(input) => self.input_to_game(input),
                         InputRoute::Held => {}
@@ -906,17 +1049,81 @@ impl Core {
         }
     }
 
-    pub(crate) fn forward_input(&mut self, to: NodeId, epoch: u64, i: local::Input) {
+    /// An input stamped with an epoch of its master not seen here yet: held by the fence until
+    /// the epoch change is (or counted if the fence refuses it).
+    fn hold_input(&mut self, id: u64, i: mesh::ForwardInput) {
+        let epoch = i.entity_epoch;
+        match self.handoff.fence.admit(id, epoch, None, Fenced::Input(i)) {
+            Admit::Held => {}
+            // The fence already follows that epoch while the table does not: handing it on
+            // could loop, so it is counted instead.
+            Admit::Accept(_) => self.metrics.drop_input("input_epoch_conflict"),
+            Admit::Dropped(_) if self.handoff.fence.is_burnt(id, epoch) => {
+                // A copy forwarded behind a refused offer: its source applies the original.
+                self.metrics.drop_msg("input_copy_refused", 1);
+            }
+            Admit::Dropped(_) => {
+                self.metrics.stale_epoch_drops.inc();
+                self.metrics.drop_input("stale_epoch_input");
+            }
+        }
+    }
+
+    /// Sends an input on to the node that writes its master; `hops` counts the forwards
+    /// between owners so far. An input that cannot be sent is counted as dropped.
+    pub(crate) fn forward_input(
+        &mut self,
+        to: NodeId,
+        entity: u64,
+        epoch: u64,
+        i: local::Input,
+        hops: u32,
+    ) {
+        if !self.send_forward(to, entity, epoch, i, hops) {
+            self.metrics.drop_input("input_peer_down");
+        }
+    }
+
+    /// An input the handoff machine routed for `id`: behind an offer in flight it keeps a copy
+    /// (applied here on a refusal), so a forward that cannot be sent is only lost if the offer
+    /// completes.
+    fn forward_routed(&mut self, id: u64, to: NodeId, epoch: u64, i: local::Input, hops: u32) {
+        if !self.handoff.out.is_frozen(id) {
+            return self.forward_input(to, id, epoch, i, hops);
+        }
+        if !self.send_forward(to, id, epoch, i, hops) {
+            self.handoff.out.forward_failed(id);
+        }
+    }
+
+    /// Queues a `ForwardInput`; false when the node is unreachable (the caller counts it).
+    fn send_forward(
+        &mut self,
+        to: NodeId,
+        entity: u64,
+        epoch: u64,
+        i: local::Input,
+        hops: u32,
+    ) -> bool {
+        if hops > MAX_INPUT_HOPS {
+            tracing::warn!(account = %i.account, seq = i.seq, to, "input forwarded in a loop; dropped");
+            self.metrics.drop_input("input_forward_loop");
+            return true;
+        }
         let forward = mesh_message::Body::ForwardInput(mesh::ForwardInput {
             account: i.account,
             session_epoch: i.session_epoch,
             seq: i.seq,
             payload: i.payload,
             entity_epoch: epoch,
+            hops,
+            entity_id: entity,
         });
-        if self.send_peer(to, forward) {
+        let sent = self.try_send_peer(to, forward);
+        if sent {
             self.metrics.inputs_forwarded.inc();
         }
+        sent
     }
 
     /// Delivers an input to the game if its session is current here.
@@ -934,10 +1141,37 @@ impl Core {
             .get(&i.account)
             .is_some_and(|r| r.session_epoch == i.session_epoch);
         if !(local || remote) {
-            return self.metrics.drop_msg("input_stale_session", 1);
+            return self.metrics.drop_input("input_stale_session");
         }
         if self.game.slot.is_none() {
-            return self.metrics.drop_msg("no_game", 1);
+            return self.metrics.drop_input("no_game");
+        }
+        let (account, epoch, seq) = (i.account.clone(), i.session_epoch, i.seq);
+        match self
+            .handoff
+            .input_order
+            .offer(self.now.mono_ms, &account, epoch, seq, i)
+        {
+            Ordered::Deliver(inputs) => {
+                for i in inputs {
+                    self.deliver_input(i);
+                }
+            }
+            Ordered::Held => {}
+            Ordered::Late(_) => self.metrics.drop_input("input_late"),
+        }
+    }
+
+    /// Inputs held for a gap that did not fill in time: delivered in order.
+    pub(crate) fn deliver_due_inputs(&mut self) {
+        for i in self.handoff.input_order.due(self.now.mono_ms) {
+            self.deliver_input(i);
+        }
+    }
+
+    fn deliver_input(&mut self, i: local::Input) {
+        if self.game.slot.is_none() {
+            return self.metrics.drop_input("no_game");
         }
         self.out
             .to_game

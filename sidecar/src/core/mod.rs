@@ -209,6 +209,17 @@ pub struct Registration {
     pub record: Option<cellmesh_geo_router::store::PlayerRecord>,
 }
 
+/// Frames the epoch fence holds for one entity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldFrames {
+    pub entity: u64,
+    /// The epoch they wait for.
+    pub waits_for: u64,
+    pub frames: usize,
+    /// The epoch and owner the fence follows for the entity now.
+    pub follows: Option<(u64, NodeId)>,
+}
+
 /// Room for the frame, message and `ToClient` headers around one client batch.
 pub(crate) const TO_CLIENT_OVERHEAD: usize = 64;
 /// How often the state is published (if it changed) and a drain checked.
@@ -284,6 +295,40 @@ impl Core {
         &self.auth.partition
     }
 
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Every entity the node holds, reals and render ghosts (read-only).
+    pub fn entities(&self) -> &EntityTable {
+        &self.table
+    }
+
+    /// Handoffs this node has begun as the source and not finished.
+    pub fn handoffs_in_flight(&self) -> usize {
+        self.handoff.out.in_flight()
+    }
+
+    /// Frames held by the epoch fence for entities whose epoch change is not seen yet.
+    pub fn held_frames(&self) -> usize {
+        self.handoff.fence.held()
+    }
+
+    /// What the epoch fence holds, entity by entity.
+    pub fn held_detail(&self) -> Vec<HeldFrames> {
+        self.handoff
+            .fence
+            .held_by_epoch()
+            .into_iter()
+            .map(|(entity, waits_for, frames)| HeldFrames {
+                entity,
+                waits_for,
+                frames,
+                follows: self.handoff.fence.current(entity),
+            })
+            .collect()
+    }
+
     /// Handles one input at time `now` (which never goes backwards).
     pub fn handle(&mut self, now: Now, input: Input) {
         self.now = now.max(self.now);
@@ -330,6 +375,16 @@ impl Core {
             Input::Timer => self.on_timer(),
             Input::Shutdown => self.shutdown(),
         }
+        self.count_fence_discards();
+    }
+
+    /// Held inputs the fence let go of are counted, never lost silently.
+    pub(crate) fn count_fence_discards(&mut self) {
+        for f in self.handoff.fence.take_discarded() {
+            if matches!(f, handoff::Fenced::Input(_)) {
+                self.metrics.drop_input("input_held_dropped");
+            }
+        }
     }
 
     /// The next thing to do, if any. Messages queued by the handlers are packed here into as
@@ -343,17 +398,21 @@ impl Core {
 
     /// When the node wants [`Input::Timer`], at the latest.
     pub fn poll_timeout(&self) -> Option<u64> {
-        Some(self.next_renew_ms.min(self.next_publish_ms))
+        let inputs = self.handoff.input_order.next_due().unwrap_or(u64::MAX);
+        Some(self.next_renew_ms.min(self.next_publish_ms).min(inputs))
     }
 
     fn on_timer(&mut self) {
         let now = self.now.mono_ms;
+        self.deliver_due_inputs();
         if now >= self.next_renew_ms {
             self.renew_leases();
             self.next_renew_ms = now + (self.cfg.session_lease_ms / 3).max(1);
         }
         if now >= self.next_publish_ms {
             self.next_publish_ms = now + PUBLISH_EVERY_MS;
+            self.sweep_stale_ghosts();
+            self.release_overdue_frames();
             if self.dirty {
                 self.dirty = false;
                 self.out.pending.push_back(Output::Publish);

@@ -10,7 +10,9 @@
 //!   ones in its interaction band to its game as simulation ghosts.
 //! - As a **gateway**: delivers routed pieces to its sessions after checking their epoch.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
+
+use rustc_hash::FxHashMap as HashMap;
 
 use cellmesh_geo_router::partition::NodeId;
 use cellmesh_proto::mesh::{self, mesh_message};
@@ -34,6 +36,8 @@ pub(crate) struct PeerState {
     pub link: Option<LinkId>,
     /// Set while this node dials the peer (it has the lower id).
     pub dialling: bool,
+    /// When the current link came up (monotonic ms).
+    pub up_since_ms: u64,
 }
 
 /// An established mesh link, to a proxy or to a peer sidecar.
@@ -63,8 +67,8 @@ impl Mesh {
             links: BTreeMap::new(),
             peers: BTreeMap::new(),
             clustered,
-            peer_partition: HashMap::new(),
-            peer_lease: HashMap::new(),
+            peer_partition: HashMap::default(),
+            peer_lease: HashMap::default(),
         }
     }
 }
@@ -153,7 +157,10 @@ impl Core {
             }
         }
         tracing::info!(link, peer = node, "peer link up");
-        self.mesh.peers.entry(node).or_default().link = Some(link);
+        let now = self.now.mono_ms;
+        let p = self.mesh.peers.entry(node).or_default();
+        p.link = Some(link);
+        p.up_since_ms = now;
         // The link's hello named the partition this node started with; say which one it runs.
         self.send_peer(
             node,
@@ -202,8 +209,8 @@ impl Core {
         self.resume_offers(node);
     }
 
-    /// The link to `node` is gone: what it told this node is forgotten (its render ghosts vanish
-    /// from clients at the next tick), and so are its subscriptions here.
+    /// The link to `node` is gone: its subscriptions here are forgotten, and its render ghosts go
+    /// stale until the link is back.
     pub(crate) fn peer_down(&mut self, node: NodeId, link: LinkId, reason: &str) {
         let Some(p) = self.mesh.peers.get_mut(&node) else {
             return;
@@ -218,10 +225,12 @@ impl Core {
             .get_or_create(&self.metrics.peer(node))
             .set(0);
         self.metrics.peers_up.set(self.up_peers().len() as i64);
+        // Its render ghosts stay, stale, so clients see no vanish: the subscriptions renewed when
+        // the link is back refresh them (see `sweep_stale_ghosts`).
+        let now = self.now.mono_ms;
         for id in self.table.ghosts_of(node) {
             if !self.ghost_orphaned(id) {
-                let _ = self.table.despawn(id);
-                self.handoff.fence.forget(id);
+                self.repl.stale.entry(id).or_insert(now);
             }
         }
         self.repl.subscribers.remove_node(node);
@@ -236,8 +245,16 @@ impl Core {
 
     /// Queues `body` for peer `node`; false (and counted) when no link to it is up.
     pub(crate) fn send_peer(&mut self, node: NodeId, body: mesh_message::Body) -> bool {
-        let Some(link) = self.mesh.peers.get(&node).and_then(|p| p.link) else {
+        let sent = self.try_send_peer(node, body);
+        if !sent {
             self.metrics.drop_msg("peer_down", 1);
+        }
+        sent
+    }
+
+    /// Queues `body` for peer `node`; false when no link to it is up (the caller counts it).
+    pub(crate) fn try_send_peer(&mut self, node: NodeId, body: mesh_message::Body) -> bool {
+        let Some(link) = self.mesh.peers.get(&node).and_then(|p| p.link) else {
             return false;
         };
         self.metrics.peer_message(node, "out");

@@ -1,7 +1,9 @@
 //! Replication: the chunk subscriptions this node holds and serves, the render ghosts it keeps,
 //! and the simulation ghosts it pushes to its game (DESIGN §7, §8).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use cellmesh_geo_router::geometry::{ChunkPos, Pos};
 use cellmesh_geo_router::partition::{NodeId, Partition};
@@ -19,6 +21,9 @@ use crate::model::subs::{self, distance_to_area, Subscribers, Subscriptions};
 
 /// Chunks per subscribe message, so a large band fits a frame.
 pub(crate) const CHUNKS_PER_MESSAGE: usize = 4096;
+/// Once the owner's link is back, a stale ghost its snapshot burst did not refresh goes after
+/// this long (the entity left, or went elsewhere).
+const STALE_RESYNC_GRACE_MS: u64 = 2_000;
 /// A (chunk, owner) pair is re-subscribed to recover a ghost at most this often.
 const RESYNC_EVERY_MS: u64 = 1_000;
 
@@ -40,6 +45,13 @@ pub(crate) struct Replication {
     /// Local entities that went in full to nodes not holding them, since the tick began. The
     /// accounts those nodes serve get the entity's current non-public state.
     pub newly_held: BTreeMap<u64, BTreeSet<NodeId>>,
+    /// Render ghosts whose owner's link went down, and since when (monotonic ms): kept, still,
+    /// until a frame refreshes them.
+    pub stale: BTreeMap<u64, u64>,
+    /// (chunk, node) pairs subscribed because a ghost in a viewed chunk went to a node the
+    /// partition as known here does not put there (a newer partition not read yet, or an entity
+    /// its owner could not hand over yet): kept while the chunk is viewed.
+    pub followed: BTreeSet<(ChunkPos, NodeId)>,
 }
 
 impl Replication {
@@ -52,14 +64,16 @@ impl Replication {
         };
         Self {
             band: subs::band(partition, cfg.node_id, keep, cfg.reach_chunks()),
-            near_cache: HashMap::new(),
-            resynced: HashMap::new(),
+            near_cache: HashMap::default(),
+            resynced: HashMap::default(),
             subs: Subscriptions::default(),
             subs_dirty: true,
             subscribers: Subscribers::default(),
-            replicas: HashMap::new(),
+            replicas: HashMap::default(),
             sim: SimGhosts::new(rules),
             newly_held: BTreeMap::new(),
+            stale: BTreeMap::new(),
+            followed: BTreeSet::new(),
         }
     }
 }
@@ -70,11 +84,9 @@ impl Core {
     pub(crate) fn on_subscribe(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
         for c in chunks {
             let chunk = self.cfg.world.normalise_chunk(ChunkPos { x: c.x, y: c.y });
-            // This node's entities may stand up to the reach past its area.
-            if distance_to_area(&self.cfg.world, &self.auth.area, chunk) > self.cfg.reach_chunks() {
-                self.metrics.drop_msg("subscribe_out_of_reach", 1);
-                continue;
-            }
+            // Any chunk is served: a subscriber may run a newer partition than this node (or an
+            // older one), or follow an entity this node could not hand over yet. Refusing would
+            // leave it waiting for frames that never come.
             if !self.repl.subscribers.add(node, chunk) {
                 continue;
             }
@@ -209,7 +221,74 @@ impl Core {
 
     // ------------------------------------------------------------------ observer side
 
+    /// A ghost in `chunk` is now written by `owner`, where this node does not subscribe: if a
+    /// client here views the chunk, the ghost stays and the chunk is subscribed at `owner` at
+    /// once (its snapshot burst refreshes the ghost). Returns whether it is followed.
+    pub(crate) fn follow(&mut self, chunk: ChunkPos, owner: NodeId) -> bool {
+        if owner == self.cfg.node_id || !self.gw.clients.is_viewed(chunk) {
+            return false;
+        }
+        if self.repl.followed.insert((chunk, owner)) {
+            self.repl.subs_dirty = true;
+            self.update_subscriptions();
+        }
+        true
+    }
+
+    /// Drops the stale ghosts nobody refreshed: their owner's link is back and its snapshot
+    /// burst did not include them, or it stayed down longer than a node lease (the owner is
+    /// gone; whoever takes its area over sends them again).
+    pub(crate) fn sweep_stale_ghosts(&mut self) {
+        if self.repl.stale.is_empty() {
+            return;
+        }
+        let now = self.now.mono_ms;
+        let me = self.cfg.node_id;
+        let stale: Vec<(u64, u64)> = self.repl.stale.iter().map(|(k, v)| (*k, *v)).collect();
+        let mut gone = Vec::new();
+        for (id, since) in stale {
+            let Some((origin, chunk)) = self.table.get(id).and_then(|e| Some((e.origin?, e.chunk)))
+            else {
+                gone.push((id, false));
+                continue;
+            };
+            let link_up = |core: &Self, n: NodeId| {
+                core.mesh
+                    .peers
+                    .get(&n)
+                    .filter(|p| p.link.is_some())
+                    .map(|p| p.up_since_ms)
+            };
+            // Whoever may write it now must have been reachable for a while to have refreshed
+            // it: while one of them is not, the ghost stays (up to a node lease).
+            let mut writers = self.owners_near(chunk);
+            writers.push(origin);
+            let reachable_since = writers
+                .into_iter()
+                .filter(|n| *n != me)
+                .map(|n| link_up(self, n))
+                .try_fold(since, |acc, up| up.map(|t| acc.max(t)));
+            let expired = match reachable_since {
+                Some(t) => now >= t + STALE_RESYNC_GRACE_MS,
+                None => now >= since + self.cfg.node_lease_ms,
+            };
+            if expired {
+                gone.push((id, true));
+            }
+        }
+        for (id, ghost) in gone {
+            self.repl.stale.remove(&id);
+            if ghost {
+                tracing::debug!(entity = id, "stale ghost dropped: not refreshed");
+                let _ = self.table.despawn(id);
+                self.handoff.fence.forget(id);
+            }
+        }
+    }
+
     pub(crate) fn on_entity_state(&mut self, node: NodeId, s: mesh::EntityState) {
+        // A frame of its owner: the ghost is current again.
+        self.repl.stale.remove(&s.entity_id);
         let existing = self.table.get(s.entity_id).map(|e| (e.origin, e.chunk));
         if matches!(existing, Some((None, _))) {
             return self.metrics.drop_msg("ghost_of_local_entity", 1);
@@ -311,6 +390,9 @@ impl Core {
                 }
             }
         }
+        let clients = &self.gw.clients;
+        self.repl.followed.retain(|(c, _)| clients.is_viewed(*c));
+        wanted.extend(self.repl.followed.iter().copied());
         let changes = self.repl.subs.update(wanted);
         for (owner, chunks) in changes.unsubscribe {
             for c in &chunks {

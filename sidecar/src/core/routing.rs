@@ -1,7 +1,9 @@
 //! Routing by account (DESIGN §9): what an owner sends the gateways of the accounts its
 //! entities address, where avatars are, and what a gateway does with what it is routed.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use cellmesh_geo_router::geometry::{ChunkPos, Pos};
 use cellmesh_geo_router::partition::NodeId;
@@ -13,7 +15,7 @@ use cellmesh_proto::mesh::{self, mesh_message, PieceKind};
 
 use super::wire::*;
 use super::*;
-use crate::model::entities::{EntityChange, TickChanges};
+use crate::model::entities::{EntityChange, EntityUpdate, TickChanges};
 use crate::model::fold::{TickEvent, TickSend};
 use crate::model::route::{self, Addressed, Target};
 
@@ -346,7 +348,28 @@ impl Core {
 
     // ------------------------------------------------------------------ owner: remote players
 
-    pub(crate) fn on_peer_player_join(&mut self, gateway: NodeId, j: mesh::PeerPlayerJoin) {
+    pub(crate) fn on_peer_player_join(&mut self, from: NodeId, mut j: mesh::PeerPlayerJoin) {
+        let gateway = match j.gateway_node {
+            0 => from,
+            g => g,
+        };
+        // The avatar was handed on before the gateway heard: the join follows it, or the game
+        // here would spawn the account a second avatar.
+        let me = self.cfg.node_id;
+        let elsewhere = self
+            .table
+            .master_of(&j.account)
+            .and_then(|e| e.origin)
+            .or_else(|| {
+                let id = self.handoff.departed_masters.get(&j.account)?;
+                Some(self.handoff.out.departed_to(*id)?.0)
+            })
+            .filter(|owner| *owner != me && j.gateway_node == 0);
+        if let Some(owner) = elsewhere {
+            j.gateway_node = gateway;
+            self.send_peer(owner, mesh_message::Body::PlayerJoin(j));
+            return;
+        }
         let entry = SessionEntry {
             gateway_node: gateway,
             session_epoch: j.session_epoch,
@@ -448,6 +471,21 @@ impl Core {
         let chunk = self.cfg.world.chunk_of(Pos { x: p.x, y: p.y });
         self.gw.clients.set_remote_anchor(&a.account, Some(chunk));
         self.gw.master_owner.insert(a.account.clone(), node);
+        // The view follows the anchor: a render ghost of the master left behind (stale through
+        // an outage, or not refreshed yet by its new owner) moves with it, so the client never
+        // sees its own avatar leave its view.
+        let behind = self
+            .table
+            .get(a.entity_id)
+            .filter(|e| e.origin.is_some() && e.epoch <= a.entity_epoch && e.position != p)
+            .is_some();
+        if behind {
+            let _ = self.table.update(EntityUpdate {
+                id: a.entity_id,
+                position: Some(p),
+                ..Default::default()
+            });
+        }
         self.gw.anchor_pos.insert(a.account, [p.x, p.y, p.z]);
     }
 

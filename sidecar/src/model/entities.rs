@@ -1,7 +1,9 @@
 //! The node's entity table: every entity its game simulates, indexed by chunk, with what changed
 //! since the last tick end. Pure: the game connection feeds it, the fold reads it.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use bytes::Bytes;
 use cellmesh_geo_router::geometry::{ChunkPos, Pos, WorldShape};
@@ -122,9 +124,9 @@ impl EntityTable {
     pub fn new(world: WorldShape) -> Self {
         Self {
             world,
-            entities: HashMap::new(),
-            residents: HashMap::new(),
-            masters: HashMap::new(),
+            entities: HashMap::default(),
+            residents: HashMap::default(),
+            masters: HashMap::default(),
             changes: TickChanges::new(),
         }
     }

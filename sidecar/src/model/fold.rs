@@ -14,7 +14,9 @@
 //!
 //! Pure: takes the entity table and the tick's changes, returns encoded frames per client.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -99,10 +101,10 @@ impl Clients {
             world,
             shape,
             clients: BTreeMap::new(),
-            by_account: HashMap::new(),
-            viewers: HashMap::new(),
-            known_by: HashMap::new(),
-            remote_anchors: HashMap::new(),
+            by_account: HashMap::default(),
+            viewers: HashMap::default(),
+            known_by: HashMap::default(),
+            remote_anchors: HashMap::default(),
             injected: BTreeMap::new(),
             views_changed: false,
         }
@@ -133,6 +135,11 @@ impl Clients {
         self.viewers.keys().copied()
     }
 
+    /// Whether some client's view holds `chunk`.
+    pub fn is_viewed(&self, chunk: ChunkPos) -> bool {
+        self.viewers.contains_key(&chunk)
+    }
+
     /// Whether some view changed since the last call.
     pub fn take_views_changed(&mut self) -> bool {
         std::mem::take(&mut self.views_changed)
@@ -147,8 +154,8 @@ impl Clients {
             Client {
                 account: account.into(),
                 view: View::default(),
-                appeared: HashSet::new(),
-                partial: HashSet::new(),
+                appeared: HashSet::default(),
+                partial: HashSet::default(),
             },
         );
     }
@@ -287,7 +294,7 @@ impl Clients {
         }
 
         let mut out = FoldOutput::default();
-        let mut cache: HashMap<DeltaKey, Encoded> = HashMap::new();
+        let mut cache: HashMap<DeltaKey, Encoded> = HashMap::default();
         let mut batches: BTreeMap<ClientKey, Outgoing> = BTreeMap::new();
         let budget = max_frame_bytes;
         for (key, ids) in work {

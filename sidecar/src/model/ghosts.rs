@@ -6,7 +6,7 @@
 //! `min_lifespan_ms`, so an entity pacing on a border does not flap. Pure: the caller passes the
 //! time and each entity's distance from the area.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GhostRules {
@@ -48,7 +48,7 @@ impl SimGhosts {
     pub fn new(rules: GhostRules) -> Self {
         Self {
             rules,
-            live: HashMap::new(),
+            live: HashMap::default(),
         }
     }
 

@@ -13,7 +13,9 @@
 //! thaws on a timeout: an unanswered offer stays frozen until the target answers, the link comes
 //! back and the offer is repeated, or the target's successor adopts it from the snapshot.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use bytes::Bytes;
 use cellmesh_geo_router::geometry::{ChunkPos, ChunkRect};
@@ -101,6 +103,9 @@ pub struct Completed {
     pub members: Vec<EntityId>,
     pub epoch: Epoch,
     pub freeze_ms: u64,
+    /// Inputs routed behind the offer whose forward could not be sent (see
+    /// [`HandoffSource::forward_failed`]): lost now that the target owns the unit.
+    pub unforwarded: u64,
 }
 
 /// The offer was refused: thaw the unit in the game, then apply `inputs` locally, in order.
@@ -137,6 +142,8 @@ struct Outgoing<I> {
     phase: Phase,
     /// Held before the offer, or copies of those forwarded since (given back on a refusal).
     inputs: Vec<I>,
+    /// Copies whose forward could not be sent.
+    unforwarded: u64,
 }
 
 /// The source side of every handoff of this node.
@@ -154,10 +161,10 @@ pub struct HandoffSource<I> {
 impl<I> Default for HandoffSource<I> {
     fn default() -> Self {
         Self {
-            out: HashMap::new(),
-            root_of: HashMap::new(),
-            burnt: HashMap::new(),
-            departed: HashMap::new(),
+            out: HashMap::default(),
+            root_of: HashMap::default(),
+            burnt: HashMap::default(),
+            departed: HashMap::default(),
         }
     }
 }
@@ -190,9 +197,10 @@ impl<I: Clone> HandoffSource<I> {
                 offered,
                 since_ms: now_ms,
                 phase: Phase::Freezing {
-                    parts: HashMap::new(),
+                    parts: HashMap::default(),
                 },
                 inputs: Vec::new(),
+                unforwarded: 0,
             },
         );
         Ok(Freeze { members, epoch })
@@ -344,6 +352,15 @@ impl<I: Clone> HandoffSource<I> {
         }
     }
 
+    /// The forward of an input [`route_input`](Self::route_input) routed behind the offer of
+    /// `entity` could not be sent. Its copy is kept: applied here if the offer is refused,
+    /// counted as lost if it completes.
+    pub fn forward_failed(&mut self, entity: EntityId) {
+        if let Some(o) = self.root_of.get(&entity).and_then(|r| self.out.get_mut(r)) {
+            o.unforwarded += 1;
+        }
+    }
+
     /// Frozen (in any phase of a handoff): the game must not write it.
     pub fn is_frozen(&self, id: EntityId) -> bool {
         self.root_of.contains_key(&id)
@@ -445,6 +462,7 @@ impl<I: Clone> HandoffSource<I> {
             members: o.members,
             epoch: o.offered,
             freeze_ms: now_ms.saturating_sub(o.since_ms),
+            unforwarded: o.unforwarded,
         }
     }
 
@@ -621,8 +639,9 @@ pub enum Admit<F> {
     Accept(F),
     /// An epoch not seen yet: held until [`Fence::advance`] reaches it.
     Held,
-    /// An older epoch, a burnt one, or a writer that is not the epoch's owner: counted.
-    Dropped,
+    /// An older epoch, a burnt one, or a writer that is not the epoch's owner: counted, and
+    /// handed back so the caller can say what it was.
+    Dropped(F),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -643,15 +662,19 @@ pub struct Fence<F> {
     /// Epochs of refused offers: nothing may be written under them.
     burnt: HashSet<(EntityId, Epoch)>,
     stale_drops: u64,
+    /// Held frames dropped since the last [`Fence::take_discarded`] (stale, burnt, forgotten or
+    /// over the bound), so the node can count what they were.
+    discarded: Vec<F>,
 }
 
 impl<F> Default for Fence<F> {
     fn default() -> Self {
         Self {
-            known: HashMap::new(),
-            held: HashMap::new(),
-            burnt: HashSet::new(),
+            known: HashMap::default(),
+            held: HashMap::default(),
+            burnt: HashSet::default(),
             stale_drops: 0,
+            discarded: Vec::new(),
         }
     }
 }
@@ -675,7 +698,7 @@ impl<F> Fence<F> {
     ) -> Admit<F> {
         if self.burnt.contains(&(id, epoch)) {
             self.stale_drops += 1;
-            return Admit::Dropped;
+            return Admit::Dropped(frame);
         }
         let Some(k) = self.known.get(&id).copied() else {
             match from {
@@ -688,14 +711,14 @@ impl<F> Fence<F> {
         };
         if epoch < k.epoch {
             self.stale_drops += 1;
-            return Admit::Dropped;
+            return Admit::Dropped(frame);
         }
         if epoch > k.epoch {
             return self.hold(id, epoch, from, frame);
         }
         if from.is_some_and(|f| f != k.owner) {
             self.stale_drops += 1;
-            return Admit::Dropped;
+            return Admit::Dropped(frame);
         }
         Admit::Accept(frame)
     }
@@ -723,6 +746,7 @@ impl<F> Fence<F> {
                     out.push(f);
                 } else {
                     self.stale_drops += 1;
+                    self.discarded.push(f);
                 }
             }
         }
@@ -735,6 +759,7 @@ impl<F> Fence<F> {
         if let Some(held) = self.held.get_mut(&id) {
             if let Some(frames) = held.remove(&epoch) {
                 self.stale_drops += frames.len() as u64;
+                self.discarded.extend(frames.into_iter().map(|(_, f)| f));
             }
             if held.is_empty() {
                 self.held.remove(&id);
@@ -747,6 +772,8 @@ impl<F> Fence<F> {
         self.known.remove(&id);
         if let Some(held) = self.held.remove(&id) {
             self.stale_drops += held.values().map(|v| v.len() as u64).sum::<u64>();
+            self.discarded
+                .extend(held.into_values().flatten().map(|(_, f)| f));
         }
         self.burnt.retain(|(e, _)| *e != id);
     }
@@ -773,6 +800,27 @@ impl<F> Fence<F> {
         self.stale_drops
     }
 
+    /// What is held: (entity, epoch, frames), in entity order.
+    pub fn held_by_epoch(&self) -> Vec<(EntityId, Epoch, usize)> {
+        let mut v: Vec<(EntityId, Epoch, usize)> = self
+            .held
+            .iter()
+            .flat_map(|(id, m)| m.iter().map(move |(e, f)| (*id, *e, f.len())))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Whether `epoch` of `id` was refused here (nothing may be written under it).
+    pub fn is_burnt(&self, id: EntityId, epoch: Epoch) -> bool {
+        self.burnt.contains(&(id, epoch))
+    }
+
+    /// The held frames dropped since the last call.
+    pub fn take_discarded(&mut self) -> Vec<F> {
+        std::mem::take(&mut self.discarded)
+    }
+
     fn hold(&mut self, id: EntityId, epoch: Epoch, from: Option<NodeId>, frame: F) -> Admit<F> {
         let held = self.held.entry(id).or_default();
         held.entry(epoch).or_default().push((from, frame));
@@ -780,11 +828,12 @@ impl<F> Fence<F> {
         if total > MAX_HELD_FRAMES {
             // Drop the oldest frame of the oldest epoch: a bounded buffer, never a stalled node.
             let mut first = held.first_entry().expect("just pushed");
-            first.get_mut().remove(0);
+            let (_, oldest) = first.get_mut().remove(0);
             if first.get().is_empty() {
                 first.remove();
             }
             self.stale_drops += 1;
+            self.discarded.push(oldest);
         }
         Admit::Held
     }
@@ -903,7 +952,8 @@ mod tests {
                 to: B,
                 members: vec![10, 11, 12],
                 epoch: 5,
-                freeze_ms: 80
+                freeze_ms: 80,
+                unforwarded: 0,
             }
         );
         assert!(!s.is_frozen(10));
@@ -1079,10 +1129,10 @@ mod tests {
         let mut f = Fence::<&str>::default();
         assert_eq!(f.admit(10, 3, Some(A), "a3"), Admit::Accept("a3"));
         assert_eq!(f.current(10), Some((3, A)));
-        assert_eq!(f.admit(10, 2, Some(A), "a2"), Admit::Dropped);
+        assert_eq!(f.admit(10, 2, Some(A), "a2"), Admit::Dropped("a2"));
         assert_eq!(
             f.admit(10, 3, Some(B), "b3"),
-            Admit::Dropped,
+            Admit::Dropped("b3"),
             "not the owner"
         );
         assert_eq!(f.admit(10, 4, Some(B), "b4-1"), Admit::Held);
@@ -1109,7 +1159,8 @@ mod tests {
         assert_eq!(f.admit(10, 1, None, 1), Admit::Held);
         f.burn(10, 1);
         assert_eq!(f.held(), 0);
-        assert_eq!(f.admit(10, 1, None, 2), Admit::Dropped);
+        assert_eq!(f.take_discarded(), [1], "what a burn drops is handed back");
+        assert_eq!(f.admit(10, 1, None, 2), Admit::Dropped(2));
         assert_eq!(f.stale_drops(), 2);
     }
 
@@ -1122,6 +1173,7 @@ mod tests {
         }
         assert_eq!(f.held(), MAX_HELD_FRAMES);
         assert_eq!(f.stale_drops(), 10);
+        assert_eq!(f.take_discarded(), (0..10).collect::<Vec<_>>());
         let due = f.advance(10, 1, B);
         assert_eq!(due.first(), Some(&10), "the oldest were dropped");
         assert_eq!(due.len(), MAX_HELD_FRAMES);

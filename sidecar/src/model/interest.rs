@@ -6,7 +6,7 @@
 //! entity appears when its chunk is in the view, and once seen it stays while its chunk is within
 //! `radius + margin` of the anchor.
 
-use std::collections::HashSet;
+use rustc_hash::FxHashSet as HashSet;
 
 use cellmesh_geo_router::geometry::{ChunkPos, WorldShape};
 

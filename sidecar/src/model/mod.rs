@@ -4,7 +4,8 @@
 //! - [`fold`]: one batch per client per tick; [`interest`]: views with hysteresis;
 //! - [`audience`]: who may see what; [`route`]: routing by account;
 //! - [`subs`]: node-level chunk subscriptions; [`ghosts`]: simulation ghosts;
-//! - [`handoff`]: the handoff state machines and the epoch fence; [`ids`]: snowflake ids.
+//! - [`handoff`]: the handoff state machines and the epoch fence; [`ids`]: snowflake ids;
+//! - [`inputs`]: the order of a player's inputs at the node writing its master.
 
 pub mod audience;
 pub mod entities;
@@ -12,6 +13,7 @@ pub mod fold;
 pub mod ghosts;
 pub mod handoff;
 pub mod ids;
+pub mod inputs;
 pub mod interest;
 pub mod route;
 pub mod subs;

@@ -6,7 +6,9 @@
 //! records `chunk → subscribing nodes`, so each public update goes once per node, not once per
 //! account. Pure: no I/O, no clock.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use cellmesh_geo_router::geometry::{ChunkPos, ChunkRect, WorldShape};
 use cellmesh_geo_router::partition::{NodeId, Partition};
@@ -182,8 +184,8 @@ pub fn band(
     reach: i64,
 ) -> HashSet<(ChunkPos, NodeId)> {
     let world = *partition.shape();
-    let mut out = HashSet::new();
-    let mut seen = HashSet::new();
+    let mut out = HashSet::default();
+    let mut seen = HashSet::default();
     for rect in partition.area_of(node) {
         let inner = inner_ring(&rect, reach);
         for c in ring(&rect, radius.max(0)).chain(inner) {

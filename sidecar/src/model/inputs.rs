@@ -1,0 +1,254 @@
+//! The order of a player's inputs at the node that writes its master.
+//!
+//! Right after a handoff a player's inputs reach the new owner by two ways: the late ones the
+//! old owner forwards, and the new ones the gateway sends directly once it hears of the new
+//! owner. Over links of different lengths (two datacenters) a newer input can overtake an
+//! older one. For a short window after an adoption the owner therefore holds an input that
+//! leaves a gap in the sequence until the gap fills or the window ends, and hands the game each
+//! session's inputs in sequence order. An input older than one already delivered is late: the
+//! caller counts it instead of delivering it out of order.
+//!
+//! Pure: the caller passes the time.
+
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap as HashMap;
+
+/// One account's inputs as this node delivered them.
+#[derive(Debug)]
+struct Account<I> {
+    session_epoch: u64,
+    /// The last sequence number delivered (0: none yet).
+    last: u64,
+    /// Gaps are waited for until this time (monotonic ms).
+    window_until: u64,
+    pending: BTreeMap<u64, I>,
+}
+
+/// What to do with an input.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Ordered<I> {
+    /// Hand these to the game now, in this order.
+    Deliver(Vec<I>),
+    /// Held until the gap before it fills or the window ends.
+    Held,
+    /// Older than one already delivered: not delivered (the caller counts it).
+    Late(I),
+}
+
+#[derive(Debug)]
+pub struct InputOrder<I> {
+    accounts: HashMap<String, Account<I>>,
+}
+
+impl<I> Default for InputOrder<I> {
+    fn default() -> Self {
+        Self {
+            accounts: HashMap::default(),
+        }
+    }
+}
+
+impl<I> InputOrder<I> {
+    /// The master of `account` was just adopted here: inputs may arrive out of order until
+    /// `until_ms`.
+    pub fn expect_reorder(&mut self, account: &str, until_ms: u64) {
+        if let Some(a) = self.accounts.get_mut(account) {
+            a.window_until = a.window_until.max(until_ms);
+        } else {
+            self.accounts.insert(
+                account.to_string(),
+                Account {
+                    session_epoch: 0,
+                    last: 0,
+                    window_until: until_ms,
+                    pending: BTreeMap::new(),
+                },
+            );
+        }
+    }
+
+    /// The last input delivered for `account`: (session epoch, sequence number).
+    pub fn last_of(&self, account: &str) -> Option<(u64, u64)> {
+        self.accounts
+            .get(account)
+            .filter(|a| a.last != 0)
+            .map(|a| (a.session_epoch, a.last))
+    }
+
+    /// The master of `account` was adopted here from a node that had delivered up to `last` of
+    /// `session_epoch`: inputs may arrive out of order until `until_ms`.
+    pub fn resume(&mut self, account: &str, session_epoch: u64, last: u64, until_ms: u64) {
+        let a = self
+            .accounts
+            .entry(account.to_string())
+            .or_insert_with(|| Account {
+                session_epoch,
+                last: 0,
+                window_until: 0,
+                pending: BTreeMap::new(),
+            });
+        if session_epoch >= a.session_epoch {
+            if session_epoch > a.session_epoch {
+                a.pending.clear();
+                a.last = 0;
+            }
+            a.session_epoch = session_epoch;
+            a.last = a.last.max(last);
+        }
+        a.window_until = a.window_until.max(until_ms);
+    }
+
+    /// Input `seq` of `account`'s session `session_epoch`, at `now_ms`.
+    pub fn offer(
+        &mut self,
+        now_ms: u64,
+        account: &str,
+        session_epoch: u64,
+        seq: u64,
+        input: I,
+    ) -> Ordered<I> {
+        let a = self
+            .accounts
+            .entry(account.to_string())
+            .or_insert_with(|| Account {
+                session_epoch,
+                last: 0,
+                window_until: 0,
+                pending: BTreeMap::new(),
+            });
+        if session_epoch > a.session_epoch {
+            // A new session numbers its inputs afresh.
+            a.session_epoch = session_epoch;
+            a.last = 0;
+            a.pending.clear();
+        }
+        if session_epoch < a.session_epoch || (a.last != 0 && seq <= a.last) {
+            return Ordered::Late(input);
+        }
+        let waiting = now_ms < a.window_until;
+        if a.last != 0 && seq > a.last + 1 && waiting {
+            a.pending.insert(seq, input);
+            return Ordered::Held;
+        }
+        a.last = seq;
+        let mut out = vec![input];
+        while let Some(next) = a.pending.remove(&(a.last + 1)) {
+            a.last += 1;
+            out.push(next);
+        }
+        Ordered::Deliver(out)
+    }
+
+    /// Inputs whose window ended, in order, per account.
+    pub fn due(&mut self, now_ms: u64) -> Vec<I> {
+        let mut out = Vec::new();
+        for a in self.accounts.values_mut() {
+            if now_ms >= a.window_until && !a.pending.is_empty() {
+                let pending = std::mem::take(&mut a.pending);
+                if let Some((&last, _)) = pending.last_key_value() {
+                    a.last = last;
+                }
+                out.extend(pending.into_values());
+            }
+        }
+        out
+    }
+
+    /// The next time a window ends with inputs held.
+    pub fn next_due(&self) -> Option<u64> {
+        self.accounts
+            .values()
+            .filter(|a| !a.pending.is_empty())
+            .map(|a| a.window_until)
+            .min()
+    }
+
+    /// The account's session ended here: nothing of it is kept.
+    pub fn forget(&mut self, account: &str) -> Vec<I> {
+        self.accounts
+            .remove(account)
+            .map(|a| a.pending.into_values().collect())
+            .unwrap_or_default()
+    }
+
+    pub fn held(&self) -> usize {
+        self.accounts.values().map(|a| a.pending.len()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn delivered(o: Ordered<u64>) -> Vec<u64> {
+        match o {
+            Ordered::Deliver(v) => v,
+            other => panic!("expected a delivery, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn in_order_inputs_go_straight_through() {
+        let mut o = InputOrder::default();
+        assert_eq!(delivered(o.offer(0, "a", 1, 1, 1)), [1]);
+        assert_eq!(delivered(o.offer(0, "a", 1, 2, 2)), [2]);
+        // Outside a window a gap (an input dropped at the edge) costs nothing.
+        assert_eq!(delivered(o.offer(0, "a", 1, 5, 5)), [5]);
+        assert_eq!(o.offer(0, "a", 1, 4, 4), Ordered::Late(4));
+    }
+
+    #[test]
+    fn after_an_adoption_a_gap_is_waited_for() {
+        let mut o = InputOrder::default();
+        assert_eq!(delivered(o.offer(0, "a", 1, 10, 10)), [10]);
+        o.expect_reorder("a", 500);
+        // 12 overtook 11 (a direct path shorter than the forwarded one).
+        assert_eq!(o.offer(100, "a", 1, 12, 12), Ordered::Held);
+        assert_eq!(o.offer(100, "a", 1, 13, 13), Ordered::Held);
+        assert_eq!(o.next_due(), Some(500));
+        assert_eq!(delivered(o.offer(120, "a", 1, 11, 11)), [11, 12, 13]);
+        assert_eq!(o.held(), 0);
+    }
+
+    #[test]
+    fn a_gap_that_never_fills_is_skipped_when_the_window_ends() {
+        let mut o = InputOrder::default();
+        assert_eq!(delivered(o.offer(0, "a", 1, 1, 1)), [1]);
+        o.expect_reorder("a", 300);
+        assert_eq!(o.offer(10, "a", 1, 3, 3), Ordered::Held);
+        assert_eq!(o.offer(10, "a", 1, 4, 4), Ordered::Held);
+        assert!(o.due(299).is_empty());
+        assert_eq!(o.due(300), [3, 4]);
+        assert_eq!(o.offer(310, "a", 1, 2, 2), Ordered::Late(2));
+        assert_eq!(delivered(o.offer(310, "a", 1, 5, 5)), [5]);
+    }
+
+    #[test]
+    fn a_new_session_starts_its_own_sequence() {
+        let mut o = InputOrder::default();
+        assert_eq!(delivered(o.offer(0, "a", 1, 40, 40)), [40]);
+        assert_eq!(delivered(o.offer(0, "a", 2, 1, 1)), [1]);
+        assert_eq!(o.offer(0, "a", 1, 41, 41), Ordered::Late(41));
+    }
+
+    #[test]
+    fn an_adoption_resumes_from_the_last_input_the_source_delivered() {
+        let mut o = InputOrder::default();
+        o.resume("a", 3, 20, 400);
+        // 22 overtook 21, which the old owner forwards.
+        assert_eq!(o.offer(10, "a", 3, 22, 22), Ordered::Held);
+        assert_eq!(delivered(o.offer(50, "a", 3, 21, 21)), [21, 22]);
+        assert_eq!(o.last_of("a"), Some((3, 22)));
+        assert_eq!(o.offer(60, "a", 3, 20, 20), Ordered::Late(20));
+    }
+
+    #[test]
+    fn the_first_input_after_an_adoption_is_delivered() {
+        let mut o = InputOrder::default();
+        o.expect_reorder("a", 500);
+        assert_eq!(delivered(o.offer(0, "a", 1, 7, 7)), [7]);
+        assert_eq!(o.offer(0, "a", 1, 9, 9), Ordered::Held);
+        assert_eq!(o.forget("a"), [9]);
+    }
+}

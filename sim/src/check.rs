@@ -1,0 +1,276 @@
+//! The invariants, checked after every step and once the world is quiet:
+//!
+//! - never two unfrozen writers of one entity, and never two nodes owning one entity at one
+//!   epoch; a ghost's frames come from the owner of its epoch;
+//! - an entity frozen for a handoff is thawed only after a refusal, or if its offer never left;
+//! - every input reaches a game at most once, and at the end every input sent was delivered,
+//!   counted under a named drop reason, or lost with a broken link;
+//! - at quiescence every entity a game holds is the unfrozen real of exactly one node, nothing
+//!   is lost or held twice, and no handoff is in flight.
+//!
+//! (Clients check their own views: see `client`.)
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use cellmesh_arena::CensusReport;
+use cellmesh_geo_router::partition::NodeId;
+use cellmesh_proto::local::{sidecar_message, SidecarFrame};
+use cellmesh_proto::mesh::{mesh_message, MeshFrame};
+use cellmesh_sidecar::core::Core;
+use cellmesh_sidecar::Real;
+
+use crate::world::Stats;
+
+/// A freeze as the checker follows it: did its offer leave, did a refusal come back?
+#[derive(Default, Clone, Copy)]
+struct Freeze {
+    offered: bool,
+    refused: bool,
+}
+
+#[derive(Default)]
+pub(crate) struct Checker {
+    pub violations: Vec<String>,
+    /// (entity, epoch) -> the node that held it as a real under that epoch.
+    owners: BTreeMap<(u64, u64), NodeId>,
+    /// (node, entity) -> the freeze in progress there.
+    freezes: BTreeMap<(NodeId, u64), Freeze>,
+    /// (account, seq) sent.
+    sent: BTreeSet<(String, u64)>,
+    /// (account, seq) -> times delivered to a game.
+    delivered: BTreeMap<(String, u64), u32>,
+    /// (account, seq) of inputs in frames lost with a broken link.
+    lost: BTreeSet<(String, u64)>,
+}
+
+impl Checker {
+    pub fn violation(&mut self, now: u64, what: String) {
+        self.violations.push(format!("at {now} ms: {what}"));
+    }
+
+    pub fn delivered(&self) -> u64 {
+        self.delivered.len() as u64
+    }
+
+    /// Frames lost with a broken link: the inputs they carried.
+    pub fn lost_in_network(&mut self, messages: &[cellmesh_proto::mesh::MeshMessage]) {
+        for m in messages {
+            if let Some(mesh_message::Body::ForwardInput(i)) = &m.body {
+                self.lost.insert((i.account.clone(), i.seq));
+            }
+        }
+    }
+
+    /// Inputs lost with a link and never delivered by another way.
+    pub fn lost(&self) -> u64 {
+        self.lost
+            .iter()
+            .filter(|k| !self.delivered.contains_key(*k))
+            .count() as u64
+    }
+
+    pub fn input_sent(&mut self, account: &str, _session_epoch: u64, seq: u64) {
+        self.sent.insert((account.to_string(), seq));
+    }
+
+    /// After a core handled an input: no two writers, no epoch owned twice, ghosts fenced.
+    pub fn after_step(&mut self, now: u64, cores: &[(NodeId, &Core)]) {
+        let mut writers: BTreeMap<u64, Vec<NodeId>> = BTreeMap::new();
+        let mut found = Vec::new();
+        for (node, core) in cores {
+            for Real { id, epoch, frozen } in core.reals() {
+                match self.owners.get(&(id, epoch)) {
+                    Some(o) if o != node => found.push(format!(
+                        "entity {id} is a real of n{node} at epoch {epoch}, which n{o} owned"
+                    )),
+                    Some(_) => {}
+                    None => {
+                        self.owners.insert((id, epoch), *node);
+                    }
+                }
+                if !frozen {
+                    writers.entry(id).or_default().push(*node);
+                }
+            }
+        }
+        for (node, core) in cores {
+            for e in core.entities().iter() {
+                let Some(origin) = e.origin else { continue };
+                if let Some(o) = self.owners.get(&(e.id, e.epoch)) {
+                    if *o != origin {
+                        found.push(format!(
+                            "n{node} keeps a ghost of {} at epoch {} written by n{origin}, but n{o} owns that epoch",
+                            e.id, e.epoch
+                        ));
+                    }
+                }
+            }
+        }
+        for (id, w) in writers {
+            if w.len() > 1 {
+                found.push(format!("entity {id} has two writers: {w:?}"));
+            }
+        }
+        for f in found {
+            self.violation(now, f);
+        }
+    }
+
+    /// A frame a core sends its game: inputs are counted, freezes and thaws followed.
+    pub fn frame_to_game(&mut self, now: u64, node: NodeId, frame: &SidecarFrame) {
+        for m in &frame.messages {
+            match &m.body {
+                Some(sidecar_message::Body::Input(i)) => {
+                    let n = {
+                        let n = self
+                            .delivered
+                            .entry((i.account.clone(), i.seq))
+                            .or_default();
+                        *n += 1;
+                        *n
+                    };
+                    if n > 1 {
+                        self.violation(
+                            now,
+                            format!(
+                                "input {} #{} reached a game {} times (now n{node})",
+                                i.account, i.seq, n
+                            ),
+                        );
+                    }
+                }
+                Some(sidecar_message::Body::Freeze(f)) => {
+                    self.freezes.insert((node, f.entity_id), Freeze::default());
+                }
+                Some(sidecar_message::Body::Thaw(t)) => {
+                    match self.freezes.remove(&(node, t.entity_id)) {
+                        Some(f) if f.refused || !f.offered => {}
+                        Some(_) => self.violation(
+                            now,
+                            format!(
+                                "n{node} thawed entity {} whose offer was sent and never refused",
+                                t.entity_id
+                            ),
+                        ),
+                        None => self.violation(
+                            now,
+                            format!("n{node} thawed entity {} that was not frozen", t.entity_id),
+                        ),
+                    }
+                }
+                Some(sidecar_message::Body::Evict(e)) => {
+                    self.freezes.remove(&(node, e.entity_id));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// A frame between two nodes: offers and refusals are noted for the thaw rule.
+    pub fn frame_between(&mut self, from: NodeId, to: NodeId, frame: &MeshFrame) {
+        for m in &frame.messages {
+            match &m.body {
+                Some(mesh_message::Body::HandoffOffer(o)) => {
+                    if let Some(f) = self.freezes.get_mut(&(from, o.entity_id)) {
+                        f.offered = true;
+                    }
+                }
+                Some(mesh_message::Body::HandoffRefused(r)) => {
+                    if let Some(f) = self.freezes.get_mut(&(to, r.entity_id)) {
+                        f.refused = true;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// The world is quiet: motion stopped long ago.
+    pub fn at_quiescence(
+        &mut self,
+        now: u64,
+        census: &CensusReport,
+        cores: &[(NodeId, Vec<Real>)],
+        handoffs_in_flight: u64,
+        held_frames: u64,
+        stats: &Stats,
+    ) {
+        if held_frames > 0 {
+            self.violation(
+                now,
+                format!("{held_frames} frames still held by epoch fences after the world stopped"),
+            );
+        }
+        if handoffs_in_flight > 0 {
+            self.violation(
+                now,
+                format!("{handoffs_in_flight} handoffs still in flight after the world stopped"),
+            );
+        }
+        let lost = census.lost();
+        if !lost.is_empty() {
+            self.violation(now, format!("entities lost: {lost:?}"));
+        }
+        let dup = census.duplicated();
+        if !dup.is_empty() {
+            self.violation(now, format!("entities held by two games: {dup:?}"));
+        }
+        let mut writers: BTreeMap<u64, Vec<(NodeId, bool)>> = BTreeMap::new();
+        for (node, reals) in cores {
+            for r in reals {
+                writers.entry(r.id).or_default().push((*node, r.frozen));
+            }
+        }
+        for id in &census.alive {
+            match writers.get(id).map(Vec::as_slice) {
+                Some([(_, false)]) => {}
+                other => self.violation(
+                    now,
+                    format!("entity {id} is not the one unfrozen real of one node: {other:?}"),
+                ),
+            }
+        }
+        for (id, w) in &writers {
+            if !census.alive.contains(id) {
+                self.violation(
+                    now,
+                    format!("n{:?} holds a real of {id}, which no game holds", w),
+                );
+            }
+        }
+        let (frozen, repeat, no_player, old_session) = stats.inputs_ignored;
+        if stats.inputs_applied + frozen + repeat + no_player + old_session
+            != stats.inputs_delivered
+            || frozen + repeat + no_player + old_session > 0
+        {
+            self.violation(
+                now,
+                format!(
+                    "inputs: {} delivered to games, {} applied; ignored: {frozen} for a frozen avatar, {repeat} repeats, {no_player} with no avatar there, {old_session} of an older session",
+                    stats.inputs_delivered, stats.inputs_applied
+                ),
+            );
+        }
+        let accounted =
+            stats.inputs_delivered + stats.inputs_dropped + stats.inputs_lost_in_network;
+        if accounted != stats.inputs_sent {
+            let missing: Vec<&(String, u64)> = self
+                .sent
+                .iter()
+                .filter(|k| !self.delivered.contains_key(*k))
+                .take(5)
+                .collect();
+            self.violation(
+                now,
+                format!(
+                    "inputs: {} sent, {} delivered, {} dropped under a reason, {} lost with a link: {} unaccounted (undelivered e.g. {missing:?})",
+                    stats.inputs_sent,
+                    stats.inputs_delivered,
+                    stats.inputs_dropped,
+                    stats.inputs_lost_in_network,
+                    stats.inputs_sent as i64 - accounted as i64
+                ),
+            );
+        }
+    }
+}

@@ -1,0 +1,194 @@
+//! Simulated players: a session on a gateway, the view they are sent (decoded from the real edge
+//! batches), and the inputs they send once they see their avatar.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use cellmesh_geo_router::geometry::{ChunkPos, Pos, WorldShape};
+use cellmesh_geo_router::partition::NodeId;
+use cellmesh_proto::edge::{server_message, DeltaKind, ServerFrame};
+use prost::Message;
+use rand::rngs::StdRng;
+use rand::Rng;
+
+/// A vanish this soon after an appear of the same entity (or the reverse) is a flap.
+const FLAP_MS: u64 = 1_000;
+
+pub(crate) struct Client {
+    pub account: String,
+    pub gateway: NodeId,
+    /// The session id on the gateway's proxy link (0: not logged in).
+    pub session_id: u64,
+    pub epoch: Option<u64>,
+    /// Kicked or displaced: this session is over; nothing it sees is checked any more.
+    pub ended: bool,
+    /// Entities in view: id -> last position the client was told.
+    pub seen: BTreeMap<u64, (f64, f64)>,
+    /// When each entity last vanished from this client's view.
+    pub vanished_at: BTreeMap<u64, u64>,
+    pub avatar: Option<u64>,
+    /// The next input's sequence number (per account, across sessions).
+    pub next_seq: u64,
+    pub waypoint: (f64, f64),
+    pub waypoint_until: u64,
+    pub halted: bool,
+    /// Entities that reappeared within a second of vanishing (not an error by itself: an entity
+    /// may leave and re-enter the view's edge).
+    pub flaps: u64,
+}
+
+impl Client {
+    pub fn new(account: String) -> Self {
+        Self {
+            account,
+            gateway: 0,
+            session_id: 0,
+            epoch: None,
+            ended: true,
+            seen: BTreeMap::new(),
+            vanished_at: BTreeMap::new(),
+            avatar: None,
+            next_seq: 1,
+            waypoint: (0.0, 0.0),
+            waypoint_until: 0,
+            halted: false,
+            flaps: 0,
+        }
+    }
+
+    /// A new session on `gateway`: the view starts empty.
+    pub fn begin(&mut self, gateway: NodeId, session_id: u64) {
+        self.gateway = gateway;
+        self.session_id = session_id;
+        self.epoch = None;
+        self.ended = false;
+        self.seen.clear();
+        self.vanished_at.clear();
+        self.avatar = None;
+    }
+
+    /// The next input to send: (seq, payload), walking towards a waypoint that changes every
+    /// few seconds (so players cross borders both ways); a halted client stands still.
+    pub fn next_input(
+        &mut self,
+        now: u64,
+        world: &WorldShape,
+        rng: &mut StdRng,
+    ) -> Option<(u64, Bytes)> {
+        if self.ended || self.epoch.is_none() {
+            return None;
+        }
+        let me = self.avatar.and_then(|id| self.seen.get(&id).copied())?;
+        let (dx, dy) = if self.halted {
+            (0.0, 0.0)
+        } else {
+            if now >= self.waypoint_until {
+                self.waypoint = (
+                    rng.random_range(0.0..world.width),
+                    rng.random_range(0.0..world.height),
+                );
+                self.waypoint_until = now + rng.random_range(2_000..6_000);
+            }
+            world.delta(
+                Pos { x: me.0, y: me.1 },
+                Pos {
+                    x: self.waypoint.0,
+                    y: self.waypoint.1,
+                },
+            )
+        };
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        Some((seq, cellmesh_arena::schema::input(dx as f32, dy as f32)))
+    }
+
+    /// Applies one batch from the gateway. `truth` tells where an entity really is (if any game
+    /// holds it), and `avatar_at` where this client's avatar is. Returns what looks wrong.
+    pub fn on_frame(
+        &mut self,
+        now: u64,
+        bytes: &Bytes,
+        world: &WorldShape,
+        inside_view: i64,
+        truth: impl Fn(u64) -> Option<(f64, f64)>,
+        avatar_at: &[(f64, f64)],
+    ) -> Vec<String> {
+        let mut wrong = Vec::new();
+        let frame = match ServerFrame::decode(bytes.clone()) {
+            Ok(f) => f,
+            Err(e) => {
+                wrong.push(format!("{}: undecodable batch: {e}", self.account));
+                return wrong;
+            }
+        };
+        for m in frame.messages {
+            let Some(server_message::Body::Batch(batch)) = m.body else {
+                continue;
+            };
+            for d in batch.deltas {
+                let id = d.entity_id;
+                match DeltaKind::try_from(d.kind) {
+                    Ok(DeltaKind::Appear) => {
+                        let p = d.position.map(|p| (p.x, p.y)).unwrap_or_default();
+                        if self.seen.insert(id, p).is_some() {
+                            wrong.push(format!("{}: entity {id} appeared twice", self.account));
+                        }
+                        if d.owner_account == self.account {
+                            self.avatar = Some(id);
+                        }
+                        if self.vanished_at.get(&id).is_some_and(|t| now < t + FLAP_MS) {
+                            self.flaps += 1;
+                        }
+                    }
+                    Ok(DeltaKind::Update) => {
+                        if let Some(p) = d.position {
+                            if let Some(s) = self.seen.get_mut(&id) {
+                                *s = (p.x, p.y);
+                            }
+                        }
+                    }
+                    Ok(DeltaKind::Vanish) => {
+                        let shown = self.seen.remove(&id);
+                        self.vanished_at.insert(id, now);
+                        let Some(at) = truth(id) else {
+                            continue; // gone from every game: a real vanish
+                        };
+                        if Some(id) == self.avatar {
+                            wrong.push(format!(
+                                "{}: its own avatar {id} vanished while it exists at ({:.0}, {:.0})",
+                                self.account, at.0, at.1
+                            ));
+                            continue;
+                        }
+                        // Where it is and where the client last saw it (a stale ghost stands
+                        // still): only a vanish close to both is wrong.
+                        let d = avatar_at
+                            .iter()
+                            .flat_map(|me| {
+                                [Some(at), shown].into_iter().flatten().map(move |p| {
+                                    world.chunk_distance(chunk(world, *me), chunk(world, p))
+                                })
+                            })
+                            .max();
+                        if let Some(d) = d {
+                            if d <= inside_view {
+                                wrong.push(format!(
+                                    "{}: entity {id} vanished {d} chunks from the avatar, well inside the view",
+                                    self.account
+                                ));
+                            }
+                        }
+                    }
+                    Err(_) => {
+                        wrong.push(format!("{}: unknown delta kind {}", self.account, d.kind))
+                    }
+                }
+            }
+        }
+        wrong
+    }
+}
+
+fn chunk(world: &WorldShape, p: (f64, f64)) -> ChunkPos {
+    world.chunk_of(Pos { x: p.0, y: p.1 })
+}

@@ -1,0 +1,272 @@
+//! Scenarios: the cluster, its load and the faults of one kind of run. A scenario is plain data
+//! plus a fault plan drawn from the run's seed, so adding one is a few lines (see [`catalogue`]).
+
+use cellmesh_geo_router::partition::NodeId;
+use rand::rngs::StdRng;
+use rand::Rng;
+
+/// A one-way delay: a base and a uniform jitter on top, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Delay {
+    pub base_ms: u64,
+    pub jitter_ms: u64,
+}
+
+impl Delay {
+    pub const fn ms(base_ms: u64, jitter_ms: u64) -> Self {
+        Self { base_ms, jitter_ms }
+    }
+
+    pub fn draw(&self, rng: &mut StdRng) -> u64 {
+        self.base_ms
+            + if self.jitter_ms > 0 {
+                rng.random_range(0..=self.jitter_ms)
+            } else {
+                0
+            }
+    }
+}
+
+/// Something that happens to the cluster at a planned time.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fault {
+    /// The link between two nodes breaks: what is in flight is lost, both ends see it close
+    /// (after `detect_ms`, as a heartbeat timeout would), and no new link forms until restored.
+    Cut {
+        a: NodeId,
+        b: NodeId,
+        detect_ms: u64,
+    },
+    /// Links between the two nodes may form again.
+    Restore { a: NodeId, b: NodeId },
+    /// The node's process dies: its core and its game lose all state, its links close.
+    Kill(NodeId),
+    /// A killed node starts again under a new lease, with a new game.
+    Restart(NodeId),
+    /// A new partition: the grid's regions, row-major, go to these nodes.
+    Replan(Vec<NodeId>),
+    /// A client logs in again while its session is live, on the same gateway or the next one;
+    /// the old session is displaced.
+    Relogin { client: usize, same_gateway: bool },
+    /// The stores answer nothing for this long (every call times out).
+    StoreOutage { ms: u64 },
+    /// A node's game is busy for this long (a long tick): it reads nothing meanwhile.
+    GameStall { node: NodeId, ms: u64 },
+    /// Every entity stops moving (the quiet end before the final checks).
+    Halt,
+    /// Marks the run as failed here: a test of the simulator's own reports (a failing seed must
+    /// name itself, stop, and reproduce its trace).
+    Tripwire,
+}
+
+/// The faults of one run, by time.
+#[derive(Debug, Clone, Default)]
+pub struct FaultPlan {
+    pub faults: Vec<(u64, Fault)>,
+}
+
+impl FaultPlan {
+    pub fn at(&mut self, ms: u64, fault: Fault) -> &mut Self {
+        self.faults.push((ms, fault));
+        self
+    }
+}
+
+/// One kind of run.
+#[derive(Clone)]
+pub struct Scenario {
+    pub name: &'static str,
+    /// The world is a square torus of `world_m` metres a side, cut into `grid` × `grid` regions.
+    pub world_m: f64,
+    pub chunk_m: f64,
+    pub grid: u32,
+    pub nodes: u32,
+    pub players: u32,
+    pub npcs_per_node: u32,
+    pub player_speed: f64,
+    pub npc_speed: f64,
+    pub tick_ms: u64,
+    /// Each client sends an input this often once it sees its avatar.
+    pub input_every_ms: u64,
+    /// Motion and faults run this long; then everything halts...
+    pub motion_ms: u64,
+    /// ...and the cluster gets this long to settle before the final checks.
+    pub settle_ms: u64,
+    /// One-way delay between two nodes.
+    pub mesh_delay: fn(NodeId, NodeId) -> Delay,
+    /// One-way delay between a client and its gateway (through a proxy).
+    pub client_delay: Delay,
+    pub store_delay: Delay,
+    /// Every this-many ticks on average, a game's tick runs `slow_tick_ms` long.
+    pub slow_tick_every: u32,
+    pub slow_tick_ms: u64,
+    /// Frames a link may have in flight before its outbox counts as full.
+    pub link_outbox_frames: usize,
+    /// Frames in flight to a game before its outbox counts as full.
+    pub game_outbox_frames: usize,
+    /// The faults, drawn from the run's random source.
+    pub faults: fn(&Scenario, &mut StdRng, &mut FaultPlan),
+}
+
+fn lan(_: NodeId, _: NodeId) -> Delay {
+    Delay::ms(1, 1)
+}
+
+fn no_faults(_: &Scenario, _: &mut StdRng, _: &mut FaultPlan) {}
+
+impl Scenario {
+    /// Four nodes on a 2 × 2 grid, players and NPCs crossing borders, no faults.
+    pub fn base(name: &'static str) -> Self {
+        Self {
+            name,
+            world_m: 512.0,
+            chunk_m: 32.0,
+            grid: 2,
+            nodes: 4,
+            players: 6,
+            npcs_per_node: 6,
+            player_speed: 60.0,
+            npc_speed: 30.0,
+            tick_ms: 50,
+            input_every_ms: 100,
+            motion_ms: 5_000,
+            settle_ms: 3_000,
+            mesh_delay: lan,
+            client_delay: Delay::ms(2, 3),
+            store_delay: Delay::ms(1, 2),
+            slow_tick_every: 0,
+            slow_tick_ms: 0,
+            link_outbox_frames: 8192,
+            game_outbox_frames: 4096,
+            faults: no_faults,
+        }
+    }
+
+    /// A random pair of distinct nodes.
+    pub fn pair(&self, rng: &mut StdRng) -> (NodeId, NodeId) {
+        let a = rng.random_range(1..=self.nodes);
+        let mut b = rng.random_range(1..self.nodes);
+        if b >= a {
+            b += 1;
+        }
+        (a.min(b), a.max(b))
+    }
+
+    /// A random time within the motion phase, leaving its last `tail_ms` free.
+    pub fn during(&self, rng: &mut StdRng, tail_ms: u64) -> u64 {
+        rng.random_range(500..self.motion_ms.saturating_sub(tail_ms).max(501))
+    }
+}
+
+fn cuts(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    for _ in 0..rng.random_range(1..=3) {
+        let (a, b) = s.pair(rng);
+        // Healed before motion stops, so the quiet end sees every link back.
+        let at = s.during(rng, 2_500);
+        let detect_ms = rng.random_range(0..1_000);
+        let back = at + detect_ms + rng.random_range(100..1_500);
+        plan.at(at, Fault::Cut { a, b, detect_ms });
+        plan.at(back, Fault::Restore { a, b });
+    }
+}
+
+fn replan(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    // Rotate the grid's owners once or twice.
+    let regions = (s.grid * s.grid) as usize;
+    let mut owners: Vec<NodeId> = (0..regions).map(|i| (i as u32 % s.nodes) + 1).collect();
+    for _ in 0..rng.random_range(1..=2) {
+        let k = rng.random_range(1..regions);
+        owners.rotate_left(k);
+        plan.at(s.during(rng, 1_500), Fault::Replan(owners.clone()));
+    }
+}
+
+fn overload(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    for _ in 0..rng.random_range(1..=3) {
+        let node = rng.random_range(1..=s.nodes);
+        plan.at(
+            s.during(rng, 1_000),
+            Fault::GameStall {
+                node,
+                ms: rng.random_range(200..1_500),
+            },
+        );
+    }
+    cuts(s, rng, plan);
+}
+
+/// One to four clients log in again while their session is live, on the same gateway. (On
+/// another gateway, with the avatar on a third node, the new gateway spawns a new avatar and
+/// the player's view jumps: one avatar per account across gateways is not built yet.)
+fn logins(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    for _ in 0..rng.random_range(1..=4) {
+        let client = rng.random_range(0..s.players as usize);
+        plan.at(
+            s.during(rng, 500),
+            Fault::Relogin {
+                client,
+                same_gateway: true,
+            },
+        );
+    }
+}
+
+fn stores(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    plan.at(
+        s.during(rng, 1_000),
+        Fault::StoreOutage {
+            ms: rng.random_range(500..3_000),
+        },
+    );
+    logins(s, rng, plan);
+}
+
+fn geo_delay(a: NodeId, b: NodeId) -> Delay {
+    // Nodes 1 and 2 in one datacenter, 3 and 4 in another 45 ms away (Paris–Montreal).
+    if (a <= 2) == (b <= 2) {
+        Delay::ms(1, 1)
+    } else {
+        Delay::ms(45, 5)
+    }
+}
+
+/// Every scenario the test suite runs, by name.
+pub fn catalogue() -> Vec<Scenario> {
+    vec![
+        Scenario::base("walk"),
+        Scenario {
+            faults: cuts,
+            ..Scenario::base("cuts")
+        },
+        Scenario {
+            faults: replan,
+            ..Scenario::base("replan")
+        },
+        Scenario {
+            slow_tick_every: 10,
+            slow_tick_ms: 400,
+            link_outbox_frames: 64,
+            faults: overload,
+            ..Scenario::base("overload")
+        },
+        Scenario {
+            faults: logins,
+            ..Scenario::base("logins")
+        },
+        Scenario {
+            faults: stores,
+            ..Scenario::base("stores")
+        },
+        Scenario {
+            mesh_delay: geo_delay,
+            client_delay: Delay::ms(20, 10),
+            faults: cuts,
+            ..Scenario::base("geos")
+        },
+    ]
+}
+
+/// The scenario called `name`.
+pub fn named(name: &str) -> Option<Scenario> {
+    catalogue().into_iter().find(|s| s.name == name)
+}

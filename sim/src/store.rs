@@ -1,0 +1,118 @@
+//! The stores as the simulated cluster sees them: the session directory and the player records,
+//! answering after a drawn delay, or not at all during an outage (the driver's timeout answers).
+
+use std::collections::BTreeMap;
+
+use cellmesh_geo_router::partition::NodeId;
+use cellmesh_geo_router::store::{PlayerRecord, SessionEntry};
+use cellmesh_sidecar::core::{Registration, StoreReply, StoreRequest};
+
+/// What the driver answers when a store call times out.
+const TIMEOUT_MS: u64 = 5_000;
+
+#[derive(Default)]
+pub(crate) struct SimStore {
+    /// account -> (gateway, session epoch, lease expiry ms).
+    directory: BTreeMap<String, (NodeId, u64, u64)>,
+    /// The last epoch handed out per account: epochs never repeat.
+    epochs: BTreeMap<String, u64>,
+    players: BTreeMap<String, PlayerRecord>,
+    /// No answers before this time.
+    pub down_until: u64,
+}
+
+impl SimStore {
+    /// Runs `request` at `now`; the answer (if the request has one) and how long after the
+    /// delay it comes: at once, or at the driver's timeout during an outage.
+    pub fn execute(&mut self, now: u64, request: StoreRequest) -> (Option<StoreReply>, u64) {
+        if now < self.down_until {
+            let err = || "no answer within 5 s".to_string();
+            let reply = match request {
+                StoreRequest::Register {
+                    session, account, ..
+                } => Some(StoreReply::Registered {
+                    session,
+                    account,
+                    result: Err(err()),
+                }),
+                StoreRequest::Renew { sessions, .. } => Some(StoreReply::Renewed {
+                    results: sessions
+                        .into_iter()
+                        .map(|(k, _, e)| (k, e, Err(err())))
+                        .collect(),
+                }),
+                StoreRequest::Lookup { account } => Some(StoreReply::LookedUp {
+                    account,
+                    result: Err(err()),
+                }),
+                StoreRequest::EndSession { .. } | StoreRequest::Release { .. } => None,
+            };
+            return (reply, TIMEOUT_MS);
+        }
+        let reply = match request {
+            StoreRequest::Register {
+                session,
+                account,
+                node,
+                lease_ms,
+            } => {
+                let epoch = self.epochs.entry(account.clone()).or_insert(0);
+                *epoch += 1;
+                let epoch = *epoch;
+                self.directory
+                    .insert(account.clone(), (node, epoch, now + lease_ms));
+                let record = self.players.get(&account).cloned();
+                Some(StoreReply::Registered {
+                    session,
+                    account,
+                    result: Ok(Registration { epoch, record }),
+                })
+            }
+            StoreRequest::Renew { sessions, lease_ms } => Some(StoreReply::Renewed {
+                results: sessions
+                    .into_iter()
+                    .map(|(key, account, epoch)| {
+                        let current = match self.directory.get_mut(&account) {
+                            Some(e) if e.1 == epoch && e.2 > now => {
+                                e.2 = now + lease_ms;
+                                true
+                            }
+                            _ => false,
+                        };
+                        (key, epoch, Ok(current))
+                    })
+                    .collect(),
+            }),
+            StoreRequest::Lookup { account } => {
+                let entry =
+                    self.directory
+                        .get(&account)
+                        .filter(|e| e.2 > now)
+                        .map(|e| SessionEntry {
+                            gateway_node: e.0,
+                            session_epoch: e.1,
+                        });
+                Some(StoreReply::LookedUp {
+                    account,
+                    result: Ok(entry),
+                })
+            }
+            StoreRequest::EndSession { record, epoch } => {
+                self.players.insert(record.account.clone(), record.clone());
+                self.release(&record.account, epoch);
+                None
+            }
+            StoreRequest::Release { account, epoch } => {
+                self.release(&account, epoch);
+                None
+            }
+        };
+        (reply, 0)
+    }
+
+    fn release(&mut self, account: &str, epoch: u64) {
+        if self.directory.get(account).is_some_and(|e| e.1 == epoch) {
+            self.directory.remove(account);
+        }
+    }
+}

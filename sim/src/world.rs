@@ -1,0 +1,1546 @@
+//! The simulated cluster: sidecar cores with their games, the links between them, the proxy's
+//! part for the clients, and the stores, all in virtual time. One seed draws every delay, fault
+//! and choice, so one seed reproduces one run exactly.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
+
+use cellmesh_arena::{Arena, ArenaConfig, Census};
+use cellmesh_geo_router::geometry::WorldShape;
+use cellmesh_geo_router::partition::{Grid, Layout, NodeId, Partition};
+use cellmesh_proto::local::{self, game_message, sidecar_message, GameMessage, SidecarFrame};
+use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage, PeerRole};
+use cellmesh_sidecar::core::{ConnId, Core, Input, LinkId, Now, Output, PeerInfo};
+use cellmesh_sidecar::SidecarConfig;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::check::Checker;
+use crate::client::Client;
+use crate::scenario::{Delay, Fault, FaultPlan, Scenario};
+use crate::store::SimStore;
+
+/// The wall clock the simulation starts at (any fixed value: runs must not depend on the day).
+const START_UNIX_MS: u64 = 1_800_000_000_000;
+/// Delay between a sidecar and its game on the same machine.
+const LOCAL_DELAY: Delay = Delay::ms(0, 1);
+/// Clients stop sending this long before the end, so every input lands before the count.
+const INPUTS_STOP_BEFORE_END_MS: u64 = 1_000;
+/// Chunks from a client's avatar within which nothing may vanish while it exists.
+const INSIDE_VIEW: i64 = 3;
+
+/// What one run found.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub scenario: &'static str,
+    pub seed: u64,
+    /// Broken invariants, in the order found (the first is the one that matters).
+    pub violations: Vec<String>,
+    /// The last steps before the first violation (when the run was traced).
+    pub trace: Vec<String>,
+    pub stats: Stats,
+}
+
+impl Report {
+    pub fn ok(&self) -> bool {
+        self.violations.is_empty()
+    }
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "scenario {} seed {}: {}",
+            self.scenario,
+            self.seed,
+            if self.ok() { "ok" } else { "FAILED" }
+        )?;
+        writeln!(f, "  {:?}", self.stats)?;
+        for v in self.violations.iter().take(10) {
+            writeln!(f, "  violation: {v}")?;
+        }
+        if !self.trace.is_empty() {
+            writeln!(f, "  last {} steps:", self.trace.len())?;
+            for t in &self.trace {
+                writeln!(f, "    {t}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Figures of one run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub events: u64,
+    pub handoffs: u64,
+    pub inputs_sent: u64,
+    pub inputs_delivered: u64,
+    /// Inputs the cores dropped, each under a named reason.
+    pub inputs_dropped: u64,
+    pub input_drops: BTreeMap<&'static str, u64>,
+    /// Inputs in frames lost with a broken link or a killed node (the network's loss).
+    pub inputs_lost_in_network: u64,
+    pub inputs_applied: u64,
+    /// Inputs games ignored: (for a frozen avatar, a repeat, no such avatar, an older session).
+    pub inputs_ignored: (u64, u64, u64, u64),
+    pub flaps: u64,
+    pub entities_at_end: u64,
+}
+
+/// Where a core's link leads.
+#[derive(Debug, Clone, Copy)]
+enum Far {
+    Peer(u64),
+    Proxy,
+}
+
+/// A link between two nodes (one ordered stream each way).
+struct PeerLink {
+    a: NodeId,
+    a_link: LinkId,
+    b: NodeId,
+    b_link: LinkId,
+    /// Still carrying frames.
+    up: bool,
+    /// Broken (cut, or a node died): frames still in flight are lost.
+    broken: bool,
+    /// Arrival time of the last frame each way (TCP keeps order).
+    last_ab: u64,
+    last_ba: u64,
+    in_flight_ab: usize,
+    in_flight_ba: usize,
+}
+
+struct Game {
+    conn: ConnId,
+    arena: Option<Arena>,
+    /// The game reads nothing before this time (a long tick).
+    busy_until: u64,
+    /// Frames sent to the game and not read yet.
+    in_flight: usize,
+    /// Frames that arrived during a long tick, in order.
+    backlog: VecDeque<SidecarFrame>,
+    tick: u64,
+}
+
+struct SimNode {
+    id: NodeId,
+    incarnation: u32,
+    alive: bool,
+    core: Option<Core>,
+    game: Option<Game>,
+    links: BTreeMap<LinkId, Far>,
+    next_link: LinkId,
+    proxy_link: Option<LinkId>,
+    timer_at: Option<u64>,
+    dialling: BTreeSet<NodeId>,
+    lease_epoch: u64,
+}
+
+/// An ordered connection outside the mesh links.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Stream {
+    ToGame(NodeId),
+    FromGame(NodeId),
+    ToClient(usize),
+    FromClient(usize),
+}
+
+enum Ev {
+    /// An input for a core (store answers, link events, game frames...).
+    Core {
+        node: NodeId,
+        inc: u32,
+        input: Input,
+    },
+    /// A frame over a peer link reaches `to`.
+    PeerFrame {
+        uid: u64,
+        to: NodeId,
+        frame: MeshFrame,
+    },
+    /// `to` notices the link is gone.
+    PeerClosed {
+        uid: u64,
+        to: NodeId,
+        reason: String,
+    },
+    /// A frame from the sidecar reaches the game.
+    ToGame {
+        node: NodeId,
+        inc: u32,
+        frame: SidecarFrame,
+    },
+    GameTick {
+        node: NodeId,
+        inc: u32,
+    },
+    GameWake {
+        node: NodeId,
+        inc: u32,
+    },
+    Timer {
+        node: NodeId,
+        inc: u32,
+    },
+    /// A message from the gateway reaches a client (through the proxy).
+    ToClient {
+        client: usize,
+        session_id: u64,
+        body: mesh_message::Body,
+    },
+    ClientInput {
+        client: usize,
+        session_id: u64,
+    },
+    Login {
+        client: usize,
+    },
+    Dial {
+        from: NodeId,
+        to: NodeId,
+        inc: u32,
+    },
+    Fault(Fault),
+    StoreUp,
+}
+
+pub(crate) struct Sim<'a> {
+    s: &'a Scenario,
+    seed: u64,
+    world: WorldShape,
+    cfg: SidecarConfig,
+    now: u64,
+    rng: StdRng,
+    queue: BTreeMap<(u64, u64), Ev>,
+    seq: u64,
+    nodes: Vec<SimNode>,
+    clients: Vec<Client>,
+    links: BTreeMap<u64, PeerLink>,
+    next_uid: u64,
+    cut: BTreeSet<(NodeId, NodeId)>,
+    store: SimStore,
+    partition: Arc<Partition>,
+    census: Arc<Census>,
+    pub(crate) check: Checker,
+    next_session: u64,
+    next_gateway: usize,
+    trace: Option<(usize, VecDeque<String>)>,
+    streams: BTreeMap<Stream, u64>,
+    /// An entity whose every change of holder is traced (`CELLMESH_SIM_WATCH`).
+    watch: Option<u64>,
+    pub(crate) stats: Stats,
+    halted: bool,
+}
+
+fn ordered(a: NodeId, b: NodeId) -> (NodeId, NodeId) {
+    (a.min(b), a.max(b))
+}
+
+impl<'a> Sim<'a> {
+    pub fn new(s: &'a Scenario, seed: u64, trace_len: Option<usize>) -> Self {
+        let world = WorldShape {
+            width: s.world_m,
+            height: s.world_m,
+            chunk_size: s.chunk_m,
+            region_size: s.world_m / f64::from(s.grid),
+        };
+        let owners: Vec<NodeId> = (0..s.grid * s.grid).map(|i| (i % s.nodes) + 1).collect();
+        let grid = Grid::new(&world, s.grid, s.grid, owners).expect("the scenario's grid");
+        let partition = Arc::new(Partition::new(world, 1, Layout::Grid(grid)).expect("partition"));
+        let cfg = SidecarConfig {
+            world,
+            link_outbox_frames: s.link_outbox_frames,
+            game_outbox_frames: s.game_outbox_frames,
+            ..SidecarConfig::default()
+        };
+        let mut sim = Self {
+            s,
+            seed,
+            world,
+            cfg,
+            now: 0,
+            rng: StdRng::seed_from_u64(seed),
+            queue: BTreeMap::new(),
+            seq: 0,
+            nodes: Vec::new(),
+            clients: (0..s.players)
+                .map(|i| Client::new(format!("player-{i}")))
+                .collect(),
+            links: BTreeMap::new(),
+            next_uid: 1,
+            cut: BTreeSet::new(),
+            store: SimStore::default(),
+            partition,
+            census: Arc::new(Census::default()),
+            check: Checker::default(),
+            next_session: 1,
+            next_gateway: 0,
+            trace: trace_len.map(|n| (n, VecDeque::new())),
+            streams: BTreeMap::new(),
+            watch: trace_len.and_then(|_| std::env::var("CELLMESH_SIM_WATCH").ok()?.parse().ok()),
+            stats: Stats::default(),
+            halted: false,
+        };
+        for id in 1..=s.nodes {
+            sim.nodes.push(SimNode {
+                id,
+                incarnation: 0,
+                alive: false,
+                core: None,
+                game: None,
+                links: BTreeMap::new(),
+                next_link: 1,
+                proxy_link: None,
+                timer_at: None,
+                dialling: BTreeSet::new(),
+                lease_epoch: 0,
+            });
+            sim.start_node(id);
+        }
+        for c in 0..s.players as usize {
+            let at = sim.rng.random_range(200..1_000);
+            sim.schedule(at, Ev::Login { client: c });
+        }
+        let mut plan = FaultPlan::default();
+        (s.faults)(s, &mut sim.rng, &mut plan);
+        plan.at(s.motion_ms, Fault::Halt);
+        for (at, f) in plan.faults {
+            sim.schedule_at(at, Ev::Fault(f));
+        }
+        sim
+    }
+
+    fn note(&mut self, line: impl FnOnce() -> String) {
+        if let Some((cap, t)) = &mut self.trace {
+            if t.len() == *cap {
+                t.pop_front();
+            }
+            t.push_back(format!("{:>7} ms  {}", self.now, line()));
+        }
+    }
+
+    /// The arrival time of something sent now on `stream` after `delay`: never before what was
+    /// sent earlier on the same stream (a connection keeps order).
+    fn fifo(&mut self, stream: Stream, delay: u64) -> u64 {
+        let last = self.streams.entry(stream).or_insert(0);
+        let at = (self.now + delay).max(*last);
+        *last = at;
+        at
+    }
+
+    fn schedule(&mut self, after_ms: u64, ev: Ev) {
+        self.schedule_at(self.now + after_ms, ev);
+    }
+
+    fn schedule_at(&mut self, at: u64, ev: Ev) {
+        self.seq += 1;
+        self.queue.insert((at.max(self.now), self.seq), ev);
+    }
+
+    fn time(&self) -> Now {
+        Now {
+            mono_ms: self.now,
+            unix_ms: START_UNIX_MS + self.now,
+        }
+    }
+
+    fn node(&mut self, id: NodeId) -> &mut SimNode {
+        &mut self.nodes[id as usize - 1]
+    }
+
+    // ------------------------------------------------------------------ the run
+
+    /// Runs to the end; returns the trace of the last steps if it was kept.
+    pub fn run(&mut self) -> Vec<String> {
+        let end = self.s.motion_ms + self.s.settle_ms;
+        while let Some(((at, _), ev)) = self.queue.pop_first() {
+            if at > end {
+                break;
+            }
+            self.now = at;
+            self.stats.events += 1;
+            self.step(ev);
+            if !self.check.violations.is_empty() {
+                break;
+            }
+        }
+        if self.check.violations.is_empty() {
+            self.now = end;
+            self.final_checks();
+        }
+        self.trace
+            .take()
+            .map(|(_, t)| t.into_iter().collect())
+            .unwrap_or_default()
+    }
+
+    fn step(&mut self, ev: Ev) {
+        match ev {
+            Ev::Core { node, inc, input } => {
+                if self.live(node, inc) {
+                    self.feed(node, input);
+                }
+            }
+            Ev::PeerFrame { uid, to, frame } => self.peer_frame(uid, to, frame),
+            Ev::PeerClosed { uid, to, reason } => {
+                let Some(l) = self.links.get(&uid) else {
+                    return;
+                };
+                let link = if l.a == to { l.a_link } else { l.b_link };
+                let other = if l.a == to { l.b } else { l.a };
+                if self.nodes[to as usize - 1].links.remove(&link).is_some() {
+                    self.note(|| format!("n{to} link {link} closed: {reason}"));
+                    self.feed(to, Input::LinkClosed { link, reason });
+                }
+                // A dialler redials, with back-off, for as long as the core wants the peer.
+                if self.nodes[to as usize - 1].dialling.contains(&other) {
+                    let inc = self.nodes[to as usize - 1].incarnation;
+                    let again = self.rng.random_range(100..400);
+                    self.schedule(
+                        again,
+                        Ev::Dial {
+                            from: to,
+                            to: other,
+                            inc,
+                        },
+                    );
+                }
+            }
+            Ev::ToGame { node, inc, frame } => self.game_receives(node, inc, frame),
+            Ev::GameTick { node, inc } => self.game_tick(node, inc),
+            Ev::GameWake { node, inc } => self.game_wake(node, inc),
+            Ev::Timer { node, inc } => {
+                if !self.live(node, inc) {
+                    return;
+                }
+                let due = self.node(node).timer_at;
+                if due.is_some_and(|t| t <= self.now) {
+                    self.node(node).timer_at = None;
+                    self.feed(node, Input::Timer);
+                }
+            }
+            Ev::ToClient {
+                client,
+                session_id,
+                body,
+            } => self.client_receives(client, session_id, body),
+            Ev::ClientInput { client, session_id } => self.client_input(client, session_id),
+            Ev::Login { client } => self.login(client, None),
+            Ev::Dial { from, to, inc } => self.dial(from, to, inc),
+            Ev::Fault(f) => self.fault(f),
+            Ev::StoreUp => {}
+        }
+    }
+
+    fn live(&self, node: NodeId, inc: u32) -> bool {
+        let n = &self.nodes[node as usize - 1];
+        n.alive && n.incarnation == inc
+    }
+
+    // ------------------------------------------------------------------ nodes
+
+    fn start_node(&mut self, id: NodeId) {
+        let mut cfg = self.cfg.clone();
+        cfg.node_id = id;
+        let now = self.time();
+        let core = Core::new(
+            Arc::new(cfg),
+            cellmesh_sidecar::metrics::Metrics::default(),
+            self.partition.clone(),
+            true,
+            now,
+        );
+        let n = self.node(id);
+        n.incarnation += 1;
+        n.alive = true;
+        n.core = Some(core);
+        n.links.clear();
+        n.dialling.clear();
+        n.timer_at = None;
+        n.lease_epoch += 1;
+        let inc = n.incarnation;
+        let conn = u64::from(inc);
+        n.game = Some(Game {
+            conn,
+            arena: None,
+            busy_until: 0,
+            in_flight: 0,
+            backlog: VecDeque::new(),
+            tick: 0,
+        });
+        // The proxy's link, then the game, then membership: who else is alive, under which lease.
+        let link = n.next_link;
+        n.next_link += 1;
+        n.links.insert(link, Far::Proxy);
+        n.proxy_link = Some(link);
+        self.feed(
+            id,
+            Input::LinkUp {
+                link,
+                hello: mesh::LinkHello {
+                    version: Some(mesh::ProtocolVersion::current()),
+                    role: PeerRole::Proxy as i32,
+                    id: "sim-proxy".into(),
+                    geo: "sim".into(),
+                    partition_epoch: 0,
+                    node_id: 0,
+                },
+                remote: "proxy".into(),
+                rest: vec![],
+            },
+        );
+        let hello = local::Hello {
+            version: Some(local::ProtocolVersion::current()),
+            tick_rate_hz: (1000 / self.s.tick_ms.max(1)) as u32,
+            game: "sim-arena".into(),
+        };
+        self.feed(
+            id,
+            Input::GameHello {
+                conn,
+                hello,
+                rest: vec![],
+            },
+        );
+        let first_tick = self.rng.random_range(0..self.s.tick_ms);
+        self.schedule(first_tick, Ev::GameTick { node: id, inc });
+        self.membership();
+    }
+
+    /// Tells every live core who its live peers are and their lease epochs (what the topology
+    /// store's membership task reports).
+    fn membership(&mut self) {
+        let live: Vec<(NodeId, u64)> = self
+            .nodes
+            .iter()
+            .filter(|n| n.alive)
+            .map(|n| (n.id, n.lease_epoch))
+            .collect();
+        for &(id, _) in &live {
+            let peers: Vec<PeerInfo> = live
+                .iter()
+                .filter(|(n, _)| *n != id)
+                .map(|(n, _)| PeerInfo {
+                    node: *n,
+                    mesh_addr: format!("node-{n}"),
+                })
+                .collect();
+            let leases = live.iter().filter(|(n, _)| *n != id).copied().collect();
+            self.feed(id, Input::PeerLeases(leases));
+            self.feed(id, Input::Peers(peers));
+        }
+    }
+
+    fn kill(&mut self, id: NodeId) {
+        if !self.node(id).alive {
+            return;
+        }
+        self.note(|| format!("n{id} KILLED"));
+        let n = self.node(id);
+        n.alive = false;
+        n.core = None;
+        n.game = None;
+        n.proxy_link = None;
+        n.links.clear();
+        self.census.release_holder(id);
+        // Its links break; peers notice soon after.
+        let uids: Vec<u64> = self
+            .links
+            .iter()
+            .filter(|(_, l)| l.up && (l.a == id || l.b == id))
+            .map(|(u, _)| *u)
+            .collect();
+        for uid in uids {
+            self.break_link(uid, "the peer died", 50);
+        }
+        // Its clients lose their session (the proxy kicks them); they log in again elsewhere.
+        for c in 0..self.clients.len() {
+            if self.clients[c].gateway == id && !self.clients[c].ended {
+                self.clients[c].ended = true;
+                let back = self.rng.random_range(500..1_500);
+                self.schedule(back, Ev::Login { client: c });
+            }
+        }
+        self.membership();
+    }
+
+    /// Hands an input to a core, then carries out what it asks for.
+    fn feed(&mut self, id: NodeId, input: Input) {
+        let now = self.time();
+        if self.trace.is_some() {
+            let d = describe_input(&input);
+            self.note(|| format!("n{id} <- {d}"));
+        }
+        let watch = self.watch;
+        let Some(core) = self.node(id).core.as_mut() else {
+            return;
+        };
+        let before = watch.map(|e| core.entities().get(e).map(|e| (e.origin, e.epoch)));
+        core.handle(now, input);
+        if let (Some(e), Some(before)) = (watch, before) {
+            let after = core.entities().get(e).map(|e| (e.origin, e.epoch));
+            if after != before {
+                self.note(|| format!("WATCH n{id}: e{e} {before:?} -> {after:?}"));
+            }
+        }
+        self.drain(id);
+        let cores: Vec<(NodeId, &Core)> = self
+            .nodes
+            .iter()
+            .filter_map(|n| Some((n.id, n.core.as_ref()?)))
+            .collect();
+        self.check.after_step(self.now, &cores);
+    }
+
+    fn drain(&mut self, id: NodeId) {
+        loop {
+            let Some(core) = self.node(id).core.as_mut() else {
+                return;
+            };
+            let Some(out) = core.poll_output() else {
+                break;
+            };
+            self.act(id, out);
+        }
+        let inc = self.node(id).incarnation;
+        let next = self.node(id).core.as_ref().and_then(|c| c.poll_timeout());
+        if let Some(t) = next {
+            let n = self.node(id);
+            if n.timer_at.is_none_or(|at| t < at) {
+                n.timer_at = Some(t);
+                self.schedule_at(t, Ev::Timer { node: id, inc });
+            }
+        }
+    }
+
+    fn act(&mut self, id: NodeId, out: Output) {
+        let inc = self.node(id).incarnation;
+        match out {
+            Output::ToGame { conn, frame } => {
+                let Some(g) = self.node(id).game.as_mut().filter(|g| g.conn == conn) else {
+                    return;
+                };
+                g.in_flight += 1;
+                let full = g.in_flight > self.s.game_outbox_frames;
+                if full {
+                    self.node(id).game = None;
+                    self.note(|| format!("n{id} game outbox full"));
+                    self.feed(id, Input::GameStalled { conn });
+                    return;
+                }
+                self.check.frame_to_game(self.now, id, &frame);
+                if self.trace.is_some() {
+                    let d = describe_to_game(&frame);
+                    if !d.is_empty() {
+                        self.note(|| format!("n{id} -> game: {d}"));
+                    }
+                }
+                let d = LOCAL_DELAY.draw(&mut self.rng);
+                let at = self.fifo(Stream::ToGame(id), d);
+                self.schedule_at(
+                    at,
+                    Ev::ToGame {
+                        node: id,
+                        inc,
+                        frame,
+                    },
+                );
+            }
+            Output::GameFatal { .. } | Output::KillGame { .. } | Output::ReleaseGame { .. } => {
+                self.node(id).game = None;
+            }
+            Output::ToLink { link, frame } => self.send_on_link(id, link, frame),
+            Output::KillLink { link } | Output::ReleaseLink { link } => {
+                match self.node(id).links.remove(&link) {
+                    Some(Far::Peer(uid)) => self.break_link(uid, "closed by the peer", 0),
+                    Some(Far::Proxy) => self.node(id).proxy_link = None,
+                    None => {}
+                }
+            }
+            Output::Dial { node, .. } => {
+                self.node(id).dialling.insert(node);
+                let d = self.rng.random_range(0..50);
+                self.schedule(
+                    d,
+                    Ev::Dial {
+                        from: id,
+                        to: node,
+                        inc,
+                    },
+                );
+            }
+            Output::StopDial { node } => {
+                self.node(id).dialling.remove(&node);
+            }
+            Output::Store(req) => {
+                let (reply, extra) = self.store.execute(self.now, req);
+                if let Some(reply) = reply {
+                    let d = self.s.store_delay.draw(&mut self.rng) * 2 + extra;
+                    self.schedule(
+                        d,
+                        Ev::Core {
+                            node: id,
+                            inc,
+                            input: Input::Store(reply),
+                        },
+                    );
+                }
+            }
+            Output::Ready(_) | Output::Publish => {}
+            Output::Stop => self.kill(id),
+        }
+    }
+
+    // ------------------------------------------------------------------ peer links
+
+    fn dial(&mut self, from: NodeId, to: NodeId, inc: u32) {
+        if !self.live(from, inc) || !self.node(from).dialling.contains(&to) {
+            return;
+        }
+        let pair = ordered(from, to);
+        let connected = self
+            .links
+            .values()
+            .any(|l| l.up && ordered(l.a, l.b) == pair);
+        if connected {
+            return;
+        }
+        if self.cut.contains(&pair) || !self.node(to).alive {
+            let again = self.rng.random_range(100..1_000);
+            self.schedule(again, Ev::Dial { from, to, inc });
+            return;
+        }
+        let delay = (self.s.mesh_delay)(from, to).draw(&mut self.rng);
+        let uid = self.next_uid;
+        self.next_uid += 1;
+        let a_link = self.new_link(from, uid);
+        let b_link = self.new_link(to, uid);
+        self.links.insert(
+            uid,
+            PeerLink {
+                a: from,
+                a_link,
+                b: to,
+                b_link,
+                up: true,
+                broken: false,
+                last_ab: self.now + 2 * delay,
+                last_ba: self.now + 2 * delay,
+                in_flight_ab: 0,
+                in_flight_ba: 0,
+            },
+        );
+        let epoch = self.partition.epoch();
+        let hello = |node: NodeId| mesh::LinkHello {
+            version: Some(mesh::ProtocolVersion::current()),
+            role: PeerRole::Sidecar as i32,
+            id: node.to_string(),
+            geo: "sim".into(),
+            partition_epoch: epoch,
+            node_id: node,
+        };
+        let inc_to = self.node(to).incarnation;
+        // The accepting side hears the dialler's hello first; the dialler gets the answer a
+        // round trip after it dialled.
+        self.schedule(
+            delay,
+            Ev::Core {
+                node: to,
+                inc: inc_to,
+                input: Input::LinkUp {
+                    link: b_link,
+                    hello: hello(from),
+                    remote: format!("node-{from}"),
+                    rest: vec![],
+                },
+            },
+        );
+        self.schedule(
+            2 * delay,
+            Ev::Core {
+                node: from,
+                inc,
+                input: Input::LinkUp {
+                    link: a_link,
+                    hello: hello(to),
+                    remote: format!("node-{to}"),
+                    rest: vec![],
+                },
+            },
+        );
+    }
+
+    fn new_link(&mut self, node: NodeId, uid: u64) -> LinkId {
+        let n = self.node(node);
+        let link = n.next_link;
+        n.next_link += 1;
+        n.links.insert(link, Far::Peer(uid));
+        link
+    }
+
+    fn send_on_link(&mut self, id: NodeId, link: LinkId, frame: MeshFrame) {
+        match self.node(id).links.get(&link).copied() {
+            Some(Far::Proxy) => self.proxy_receives(id, frame),
+            Some(Far::Peer(uid)) => {
+                let delay_of = self.s.mesh_delay;
+                let Some(l) = self.links.get_mut(&uid) else {
+                    return;
+                };
+                if !l.up {
+                    self.check.lost_in_network(&frame.messages);
+                    return;
+                }
+                let (to, ab) = if l.a == id { (l.b, true) } else { (l.a, false) };
+                let d = delay_of(id, to).draw(&mut self.rng);
+                let (last, in_flight) = if ab {
+                    (&mut l.last_ab, &mut l.in_flight_ab)
+                } else {
+                    (&mut l.last_ba, &mut l.in_flight_ba)
+                };
+                *in_flight += 1;
+                let full = *in_flight > self.s.link_outbox_frames;
+                let at = (self.now + d).max(*last);
+                *last = at;
+                if full {
+                    // The outbox filled: the driver cuts the link and tells the core.
+                    self.check.lost_in_network(&frame.messages);
+                    self.node(id).links.remove(&link);
+                    self.break_link(uid, "outbox full", 0);
+                    self.feed(id, Input::LinkStalled { link });
+                    return;
+                }
+                self.check.frame_between(id, to, &frame);
+                self.schedule_at(at, Ev::PeerFrame { uid, to, frame });
+            }
+            None => {}
+        }
+    }
+
+    fn peer_frame(&mut self, uid: u64, to: NodeId, frame: MeshFrame) {
+        let Some(l) = self.links.get_mut(&uid) else {
+            return;
+        };
+        let ab = l.b == to;
+        if ab {
+            l.in_flight_ab = l.in_flight_ab.saturating_sub(1);
+        } else {
+            l.in_flight_ba = l.in_flight_ba.saturating_sub(1);
+        }
+        if l.broken {
+            self.check.lost_in_network(&frame.messages);
+            return;
+        }
+        let link = if ab { l.b_link } else { l.a_link };
+        if !self.nodes[to as usize - 1].links.contains_key(&link) {
+            // Closed at this end already: what still arrives is refused.
+            self.check.lost_in_network(&frame.messages);
+            return;
+        }
+        self.feed(
+            to,
+            Input::LinkFrame {
+                link,
+                messages: frame.messages,
+            },
+        );
+    }
+
+    /// The link stops: each end that still has it hears it closed after `detect_ms` (plus the
+    /// way's delay); with `detect_ms` > 0 it broke, and what is in flight is lost.
+    fn break_link(&mut self, uid: u64, reason: &str, detect_ms: u64) {
+        let Some(l) = self.links.get_mut(&uid) else {
+            return;
+        };
+        if !l.up {
+            return;
+        }
+        l.up = false;
+        if detect_ms > 0 {
+            l.broken = true;
+        }
+        let (a, b, la, lb) = (l.a, l.b, l.a_link, l.b_link);
+        for (node, link, other) in [(a, la, b), (b, lb, a)] {
+            if !self.nodes[node as usize - 1].links.contains_key(&link) {
+                continue;
+            }
+            let d = (self.s.mesh_delay)(node, other).draw(&mut self.rng) + detect_ms;
+            // After every frame already on its way (TCP closes in order).
+            let last = {
+                let l = &self.links[&uid];
+                if node == l.b {
+                    l.last_ab
+                } else {
+                    l.last_ba
+                }
+            };
+            let at = (self.now + d).max(last);
+            self.schedule_at(
+                at,
+                Ev::PeerClosed {
+                    uid,
+                    to: node,
+                    reason: reason.to_string(),
+                },
+            );
+        }
+    }
+
+    // ------------------------------------------------------------------ the game
+
+    fn game_receives(&mut self, node: NodeId, inc: u32, frame: SidecarFrame) {
+        if !self.live(node, inc) {
+            return;
+        }
+        let now = self.now;
+        let Some(g) = self.node(node).game.as_mut() else {
+            return;
+        };
+        if g.busy_until > now || !g.backlog.is_empty() {
+            // A long tick: the game reads this, in order, when it is done.
+            g.backlog.push_back(frame);
+            let at = g.busy_until;
+            self.schedule_at(at, Ev::GameWake { node, inc });
+            return;
+        }
+        self.game_reads(node, inc, frame);
+    }
+
+    /// The game is done with a long tick: it reads what queued up meanwhile.
+    fn game_wake(&mut self, node: NodeId, inc: u32) {
+        if !self.live(node, inc) {
+            return;
+        }
+        loop {
+            let now = self.now;
+            let Some(g) = self.node(node).game.as_mut() else {
+                return;
+            };
+            if g.busy_until > now {
+                let at = g.busy_until;
+                self.schedule_at(at, Ev::GameWake { node, inc });
+                return;
+            }
+            let Some(frame) = g.backlog.pop_front() else {
+                return;
+            };
+            self.game_reads(node, inc, frame);
+        }
+    }
+
+    fn game_reads(&mut self, node: NodeId, inc: u32, frame: SidecarFrame) {
+        let mut out: Vec<game_message::Body> = Vec::new();
+        let seed = self.seed;
+        let s = self.s;
+        let census = self.census.clone();
+        let halted = self.halted;
+        let g = self.node(node).game.as_mut().expect("checked above");
+        g.in_flight = g.in_flight.saturating_sub(1);
+        for m in frame.messages {
+            let Some(body) = m.body else { continue };
+            match (&mut g.arena, body) {
+                (None, sidecar_message::Body::Welcome(w)) => {
+                    let c = s.world_m / f64::from(s.grid);
+                    let cfg = ArenaConfig {
+                        npcs: s.npcs_per_node,
+                        // Every arena's NPCs roam around a corner shared by four regions.
+                        center: (c, c),
+                        spread: c,
+                        tick_hz: (1000 / s.tick_ms.max(1)) as u32,
+                        seed: seed ^ (u64::from(node) << 32) ^ u64::from(inc),
+                        player_speed: s.player_speed,
+                        npc_speed: s.npc_speed,
+                        census: Some(census.clone()),
+                        ..ArenaConfig::default()
+                    };
+                    let mut arena = Arena::new(cfg, &w);
+                    arena.request_ids(&mut out);
+                    g.arena = Some(arena);
+                }
+                (Some(arena), body) => arena.on_message(&mut out, body),
+                (None, _) => {}
+            }
+        }
+        let conn = g.conn;
+        if halted {
+            if let Some(a) = g.arena.as_mut() {
+                a.halt();
+            }
+        }
+        if !out.is_empty() {
+            self.send_from_game(node, inc, conn, out);
+        }
+    }
+
+    fn send_from_game(
+        &mut self,
+        node: NodeId,
+        inc: u32,
+        conn: ConnId,
+        out: Vec<game_message::Body>,
+    ) {
+        let d = LOCAL_DELAY.draw(&mut self.rng);
+        let at = self.fifo(Stream::FromGame(node), d);
+        let messages = out.into_iter().map(GameMessage::from).collect();
+        self.schedule_at(
+            at,
+            Ev::Core {
+                node,
+                inc,
+                input: Input::GameFrame { conn, messages },
+            },
+        );
+    }
+
+    fn game_tick(&mut self, node: NodeId, inc: u32) {
+        if !self.live(node, inc) {
+            return;
+        }
+        let slow = self.s.slow_tick_every > 0 && self.rng.random_ratio(1, self.s.slow_tick_every);
+        let extra = if slow { self.s.slow_tick_ms } else { 0 };
+        let dt = self.s.tick_ms as f64 / 1000.0;
+        let halted = self.halted;
+        let now = self.now;
+        let Some(g) = self.node(node).game.as_mut() else {
+            return;
+        };
+        let mut out = Vec::new();
+        if let Some(arena) = g.arena.as_mut() {
+            if halted {
+                arena.halt();
+            }
+            g.tick += 1;
+            arena.tick(&mut out, dt);
+            arena.request_ids(&mut out);
+            out.push(game_message::Body::TickEnd(local::TickEnd { tick: g.tick }));
+        }
+        g.busy_until = g.busy_until.max(now + extra);
+        let conn = g.conn;
+        let next = self.s.tick_ms + extra;
+        if !out.is_empty() {
+            // The tick's batch leaves when the tick is done.
+            let messages = out.into_iter().map(GameMessage::from).collect();
+            let at = self.fifo(Stream::FromGame(node), extra);
+            self.schedule_at(
+                at,
+                Ev::Core {
+                    node,
+                    inc,
+                    input: Input::GameFrame { conn, messages },
+                },
+            );
+        }
+        self.schedule(next, Ev::GameTick { node, inc });
+    }
+
+    // ------------------------------------------------------------------ clients
+
+    /// A client logs in, on `gateway` or on the next live node (round robin, as the proxy
+    /// picks).
+    fn login(&mut self, c: usize, gateway: Option<NodeId>) {
+        let alive: Vec<NodeId> = self
+            .nodes
+            .iter()
+            .filter(|n| n.alive)
+            .map(|n| n.id)
+            .collect();
+        if alive.is_empty() {
+            return;
+        }
+        let gateway = match gateway.filter(|g| alive.contains(g)) {
+            Some(g) => g,
+            None => {
+                self.next_gateway += 1;
+                alive[(self.next_gateway - 1) % alive.len()]
+            }
+        };
+        let Some(link) = self.node(gateway).proxy_link else {
+            return;
+        };
+        let session_id = self.next_session;
+        self.next_session += 1;
+        let inc = self.node(gateway).incarnation;
+        let account = self.clients[c].account.clone();
+        self.clients[c].begin(gateway, session_id);
+        self.note(|| format!("{account} logs in on n{gateway} as session {session_id}"));
+        self.client_sends(
+            c,
+            gateway,
+            inc,
+            link,
+            mesh_message::Body::Attach(mesh::Attach {
+                session_id,
+                account,
+                remote_addr: format!("client-{c}"),
+            }),
+        );
+        let first = self.s.input_every_ms;
+        self.schedule(
+            first,
+            Ev::ClientInput {
+                client: c,
+                session_id,
+            },
+        );
+    }
+
+    /// A message from client `c` reaches its gateway through the proxy's link, in order.
+    fn client_sends(
+        &mut self,
+        c: usize,
+        gateway: NodeId,
+        inc: u32,
+        link: LinkId,
+        body: mesh_message::Body,
+    ) {
+        let d = self.s.client_delay.draw(&mut self.rng);
+        let at = self.fifo(Stream::FromClient(c), d);
+        self.schedule_at(
+            at,
+            Ev::Core {
+                node: gateway,
+                inc,
+                input: Input::LinkFrame {
+                    link,
+                    messages: vec![MeshMessage::from(body)],
+                },
+            },
+        );
+    }
+
+    fn proxy_receives(&mut self, gateway: NodeId, frame: MeshFrame) {
+        for m in frame.messages {
+            let Some(body) = m.body else { continue };
+            let session_id = match &body {
+                mesh_message::Body::ToClient(t) => t.session_id,
+                mesh_message::Body::Attached(a) => a.session_id,
+                mesh_message::Body::Detach(d) => d.session_id,
+                _ => continue,
+            };
+            let Some(client) = self
+                .clients
+                .iter()
+                .position(|c| c.gateway == gateway && c.session_id == session_id)
+            else {
+                continue;
+            };
+            let d = self.s.client_delay.draw(&mut self.rng);
+            let at = self.fifo(Stream::ToClient(client), d);
+            self.schedule_at(
+                at,
+                Ev::ToClient {
+                    client,
+                    session_id,
+                    body,
+                },
+            );
+        }
+    }
+
+    fn client_receives(&mut self, c: usize, session_id: u64, body: mesh_message::Body) {
+        if self.clients[c].session_id != session_id || self.clients[c].ended {
+            return;
+        }
+        match body {
+            mesh_message::Body::Attached(a) => self.clients[c].epoch = Some(a.session_epoch),
+            mesh_message::Body::Detach(d) => {
+                let account = self.clients[c].account.clone();
+                self.note(|| format!("{account} detached: {}", d.detail));
+                self.clients[c].ended = true;
+            }
+            mesh_message::Body::ToClient(t) => {
+                let truth = self.truth();
+                // Where the avatar is, and where the client sees it: through an outage it stands
+                // still in the view while the real one walks on, and the view follows what the
+                // client sees. Only a vanish close to both is wrong.
+                let avatar_at: Vec<(f64, f64)> = self.clients[c]
+                    .avatar
+                    .map(|id| {
+                        [truth.get(&id), self.clients[c].seen.get(&id)]
+                            .into_iter()
+                            .flatten()
+                            .copied()
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let world = self.world;
+                let wrong = self.clients[c].on_frame(
+                    self.now,
+                    &t.server_frame,
+                    &world,
+                    INSIDE_VIEW,
+                    |id| truth.get(&id).copied(),
+                    &avatar_at,
+                );
+                for w in wrong {
+                    self.check.violation(self.now, w);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Where every entity held by a live game is.
+    fn truth(&self) -> BTreeMap<u64, (f64, f64)> {
+        let mut t = BTreeMap::new();
+        for n in &self.nodes {
+            let Some(a) = n.game.as_ref().and_then(|g| g.arena.as_ref()) else {
+                continue;
+            };
+            for h in a.held() {
+                t.insert(h.id, h.pos);
+            }
+        }
+        t
+    }
+
+    fn client_input(&mut self, c: usize, session_id: u64) {
+        if self.clients[c].session_id != session_id || self.clients[c].ended {
+            return;
+        }
+        if self.now + INPUTS_STOP_BEFORE_END_MS > self.s.motion_ms + self.s.settle_ms {
+            // The last inputs must land before the final count.
+            return;
+        }
+        let gateway = self.clients[c].gateway;
+        let world = self.world;
+        let now = self.now;
+        if let Some((seq, payload)) = self.clients[c].next_input(now, &world, &mut self.rng) {
+            let link = self.node(gateway).proxy_link;
+            if let (Some(link), true) = (link, self.node(gateway).alive) {
+                let inc = self.node(gateway).incarnation;
+                let account = self.clients[c].account.clone();
+                let epoch = self.clients[c].epoch.unwrap_or(0);
+                self.check.input_sent(&account, epoch, seq);
+                self.stats.inputs_sent += 1;
+                self.client_sends(
+                    c,
+                    gateway,
+                    inc,
+                    link,
+                    mesh_message::Body::Input(mesh::SessionInput {
+                        session_id,
+                        seq,
+                        payload,
+                    }),
+                );
+            }
+        }
+        let every = self.s.input_every_ms;
+        self.schedule(
+            every,
+            Ev::ClientInput {
+                client: c,
+                session_id,
+            },
+        );
+    }
+
+    // ------------------------------------------------------------------ faults
+
+    fn fault(&mut self, f: Fault) {
+        self.note(|| format!("FAULT {f:?}"));
+        match f {
+            Fault::Cut { a, b, detect_ms } => {
+                let pair = ordered(a, b);
+                self.cut.insert(pair);
+                let uids: Vec<u64> = self
+                    .links
+                    .iter()
+                    .filter(|(_, l)| l.up && ordered(l.a, l.b) == pair)
+                    .map(|(u, _)| *u)
+                    .collect();
+                for uid in uids {
+                    self.break_link(uid, "the link broke", detect_ms.max(1));
+                }
+            }
+            Fault::Restore { a, b } => {
+                self.cut.remove(&ordered(a, b));
+            }
+            Fault::Kill(n) => self.kill(n),
+            Fault::Restart(n) => {
+                if !self.node(n).alive {
+                    self.start_node(n);
+                }
+            }
+            Fault::Replan(owners) => {
+                let epoch = self.partition.epoch() + 1;
+                let grid = Grid::new(&self.world, self.s.grid, self.s.grid, owners).expect("grid");
+                self.partition =
+                    Arc::new(Partition::new(self.world, epoch, Layout::Grid(grid)).expect("plan"));
+                let ids: Vec<NodeId> = self
+                    .nodes
+                    .iter()
+                    .filter(|n| n.alive)
+                    .map(|n| n.id)
+                    .collect();
+                for id in ids {
+                    // Each node reads the committed partition at its own membership tick.
+                    let d = self.rng.random_range(0..500);
+                    let inc = self.node(id).incarnation;
+                    self.schedule(
+                        d,
+                        Ev::Core {
+                            node: id,
+                            inc,
+                            input: Input::Partition(Box::new((*self.partition).clone())),
+                        },
+                    );
+                }
+            }
+            Fault::Relogin {
+                client,
+                same_gateway,
+            } => {
+                if client < self.clients.len() {
+                    // The old session stays open until the gateway displaces it.
+                    let at = same_gateway.then(|| self.clients[client].gateway);
+                    self.login(client, at);
+                }
+            }
+            Fault::StoreOutage { ms } => {
+                self.store.down_until = self.now + ms;
+                self.schedule(ms, Ev::StoreUp);
+            }
+            Fault::GameStall { node, ms } => {
+                let now = self.now;
+                if let Some(g) = self.node(node).game.as_mut() {
+                    g.busy_until = g.busy_until.max(now + ms);
+                }
+            }
+            Fault::Tripwire => self.check.violation(self.now, "the tripwire".to_string()),
+            Fault::Halt => {
+                self.halted = true;
+                for c in &mut self.clients {
+                    c.halted = true;
+                }
+                for n in &mut self.nodes {
+                    if let Some(a) = n.game.as_mut().and_then(|g| g.arena.as_mut()) {
+                        a.halt();
+                    }
+                }
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------ the end
+
+    fn final_checks(&mut self) {
+        let report = self.census.report();
+        let cores: Vec<(NodeId, Vec<cellmesh_sidecar::Real>)> = self
+            .nodes
+            .iter()
+            .filter_map(|n| Some((n.id, n.core.as_ref()?.reals())))
+            .collect();
+        let in_flight: u64 = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.core.as_ref())
+            .map(|c| c.handoffs_in_flight() as u64)
+            .sum();
+        let held: u64 = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.core.as_ref())
+            .map(|c| c.held_frames() as u64)
+            .sum();
+        if held > 0 {
+            let detail: Vec<String> = self
+                .nodes
+                .iter()
+                .filter_map(|n| Some((n.id, n.core.as_ref()?)))
+                .flat_map(|(id, c)| {
+                    c.held_detail().into_iter().map(move |h| {
+                        format!(
+                            "n{id} holds {} for e{} ep{} (follows {:?})",
+                            h.frames, h.entity, h.waits_for, h.follows
+                        )
+                    })
+                })
+                .take(8)
+                .collect();
+            self.check
+                .violation(self.now, format!("held: {}", detail.join("; ")));
+        }
+        self.stats.entities_at_end = report.alive.len() as u64;
+        self.stats.flaps = self.clients.iter().map(|c| c.flaps).sum();
+        let applied: u64 = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.game.as_ref()?.arena.as_ref())
+            .map(|a| a.stats.inputs_applied)
+            .sum();
+        self.stats.inputs_applied = applied;
+        for a in self
+            .nodes
+            .iter()
+            .filter_map(|n| n.game.as_ref()?.arena.as_ref())
+        {
+            let s = &a.stats;
+            let i = &mut self.stats.inputs_ignored;
+            i.0 += s.inputs_while_frozen;
+            i.1 += s.inputs_duplicate;
+            i.2 += s.inputs_no_player;
+            i.3 += s.inputs_stale_session;
+        }
+        let dropped: u64 = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.core.as_ref())
+            .map(|c| c.metrics().inputs_dropped_total())
+            .sum();
+        self.stats.inputs_dropped = dropped;
+        for reason in cellmesh_sidecar::metrics::INPUT_DROP_REASONS {
+            let n: u64 = self
+                .nodes
+                .iter()
+                .filter_map(|n| n.core.as_ref())
+                .map(|c| c.metrics().inputs_dropped_for(reason))
+                .sum();
+            if n > 0 {
+                self.stats.input_drops.insert(reason, n);
+            }
+        }
+        self.stats.inputs_delivered = self.check.delivered();
+        self.stats.inputs_lost_in_network = self.check.lost();
+        self.stats.handoffs = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.core.as_ref())
+            .map(|c| c.metrics().handoffs_out.get())
+            .sum();
+        // One avatar per account, whatever its sessions did.
+        for c in &self.clients {
+            let holders: Vec<(NodeId, u64)> = self
+                .nodes
+                .iter()
+                .filter_map(|n| {
+                    let id = n.game.as_ref()?.arena.as_ref()?.avatar_of(&c.account)?;
+                    Some((n.id, id))
+                })
+                .collect();
+            let ids: BTreeSet<u64> = holders.iter().map(|h| h.1).collect();
+            if ids.len() > 1 {
+                self.check.violation(
+                    self.now,
+                    format!("{} has {} avatars: {holders:?}", c.account, ids.len()),
+                );
+            }
+        }
+        let stats = self.stats.clone();
+        self.check
+            .at_quiescence(self.now, &report, &cores, in_flight, held, &stats);
+    }
+}
+
+fn describe_input(input: &Input) -> String {
+    match input {
+        Input::LinkFrame { link, messages } => {
+            let names: Vec<String> = messages.iter().map(describe_mesh).collect();
+            format!("link {link}: {}", names.join(", "))
+        }
+        Input::GameFrame { messages, .. } => {
+            let names: Vec<String> = messages
+                .iter()
+                .filter_map(|m| m.body.as_ref())
+                .filter(|b| {
+                    !matches!(
+                        b,
+                        game_message::Body::Update(_) | game_message::Body::TickEnd(_)
+                    )
+                })
+                .map(|b| format!("{b:?}").chars().take(120).collect())
+                .collect();
+            format!("game: {} (+ updates)", names.join(", "))
+        }
+        Input::Timer => "timer".into(),
+        Input::Store(r) => format!("store {:?}", r).chars().take(160).collect(),
+        other => format!("{other:?}").chars().take(160).collect(),
+    }
+}
+
+fn describe_to_game(frame: &SidecarFrame) -> String {
+    use sidecar_message::Body as B;
+    let parts: Vec<String> = frame
+        .messages
+        .iter()
+        .filter_map(|m| match m.body.as_ref()? {
+            B::Input(i) => Some(format!(
+                "Input({} #{} s{})",
+                i.account, i.seq, i.session_epoch
+            )),
+            B::Freeze(f) => Some(format!("Freeze(e{} ep{})", f.entity_id, f.entity_epoch)),
+            B::Thaw(t) => Some(format!("Thaw(e{})", t.entity_id)),
+            B::Evict(e) => Some(format!("Evict(e{})", e.entity_id)),
+            B::Adopt(a) => Some(format!("Adopt(e{} ep{})", a.entity_id, a.entity_epoch)),
+            B::PlayerJoin(j) => Some(format!("Join({} s{})", j.account, j.session_epoch)),
+            B::PlayerLeave(l) => Some(format!("Leave({} s{})", l.account, l.session_epoch)),
+            B::Error(e) => Some(format!("Error({})", e.detail)),
+            _ => None,
+        })
+        .collect();
+    parts.join(", ")
+}
+
+fn describe_mesh(m: &MeshMessage) -> String {
+    use mesh_message::Body as B;
+    match &m.body {
+        Some(B::EntityState(s)) => format!(
+            "State(e{} ep{}{})",
+            s.entity_id,
+            s.entity_epoch,
+            if s.full { " full" } else { "" }
+        ),
+        Some(B::EntityGone(g)) => format!("Gone(e{} ep{})", g.entity_id, g.entity_epoch),
+        Some(B::EntityMoved(m)) => format!(
+            "Moved(e{} ep{} to n{})",
+            m.entity_id, m.entity_epoch, m.owner_node
+        ),
+        Some(B::HandoffOffer(o)) => format!("Offer(e{} ep{})", o.entity_id, o.entity_epoch),
+        Some(B::HandoffAck(a)) => format!("Ack(e{} ep{})", a.entity_id, a.entity_epoch),
+        Some(B::HandoffRefused(r)) => {
+            format!(
+                "Refused(e{} ep{}: {})",
+                r.entity_id, r.entity_epoch, r.reason
+            )
+        }
+        Some(B::ForwardInput(i)) => format!("Fwd({} #{} ep{})", i.account, i.seq, i.entity_epoch),
+        Some(B::Input(i)) => format!("Input(s{} #{})", i.session_id, i.seq),
+        Some(B::Subscribe(s)) => format!("Sub({} chunks)", s.chunks.len()),
+        Some(B::Unsubscribe(s)) => format!("Unsub({} chunks)", s.chunks.len()),
+        Some(other) => format!("{other:?}").chars().take(80).collect(),
+        None => "?".into(),
+    }
+}
+
+/// Runs `scenario` with `seed`. A failed run is run again with a trace of its last steps (the
+/// same seed gives the same run), which the report carries.
+pub fn run(scenario: &Scenario, seed: u64) -> Report {
+    let first = run_traced(scenario, seed, None);
+    if first.ok() {
+        return first;
+    }
+    let mut again = run_traced(scenario, seed, Some(60));
+    if again.violations != first.violations {
+        again.violations.push(format!(
+            "the run is not reproducible: the first run found {:?}",
+            first.violations.first()
+        ));
+    }
+    again
+}
+
+/// Runs `scenario` with `seed`, keeping the last `trace_len` steps if asked.
+pub fn run_traced(scenario: &Scenario, seed: u64, trace_len: Option<usize>) -> Report {
+    let mut sim = Sim::new(scenario, seed, trace_len);
+    let trace = sim.run();
+    Report {
+        scenario: scenario.name,
+        seed,
+        violations: std::mem::take(&mut sim.check.violations),
+        trace,
+        stats: sim.stats.clone(),
+    }
+}

@@ -1,0 +1,172 @@
+//! The cluster simulator over many seeds: every scenario of the catalogue, each seed one
+//! reproducible run whose invariants are checked after every step.
+//!
+//! `CELLMESH_SIM_SEEDS` sets the seeds per scenario (default 300: 2,100 runs in all);
+//! `CELLMESH_SIM_SEED` runs one seed of every scenario (or of `CELLMESH_SIM_SCENARIO`) and prints
+//! its report, with `CELLMESH_SIM_TRACE` steps of trace.
+
+use cellmesh_sim::{catalogue, named, run, run_traced, Fault, FaultPlan, Report, Scenario};
+use rand::rngs::StdRng;
+
+fn seeds_per_scenario() -> u64 {
+    std::env::var("CELLMESH_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(300)
+}
+
+/// Runs every seed of `name`; panics with the failed seeds and the first one's report.
+fn seeds_of(name: &str) {
+    let s = named(name).expect("a scenario of the catalogue");
+    let n = seeds_per_scenario();
+    let failed: Vec<Report> = (1..=n)
+        .map(|seed| run(&s, seed))
+        .filter(|r| !r.ok())
+        .collect();
+    if let Some(first) = failed.first() {
+        let list: Vec<String> = failed
+            .iter()
+            .map(|r| {
+                let v = r.violations.first().map(String::as_str).unwrap_or("");
+                format!("\n  seed {}: {v}", r.seed)
+            })
+            .collect();
+        panic!(
+            "{} of {n} seeds of {name} broke an invariant:{}\n\nthe first:\n{first}",
+            failed.len(),
+            list.concat()
+        );
+    }
+}
+
+#[test]
+fn walk() {
+    seeds_of("walk");
+}
+
+#[test]
+fn cuts() {
+    seeds_of("cuts");
+}
+
+#[test]
+fn replan() {
+    seeds_of("replan");
+}
+
+#[test]
+fn overload() {
+    seeds_of("overload");
+}
+
+#[test]
+fn geos() {
+    seeds_of("geos");
+}
+
+#[test]
+fn logins() {
+    seeds_of("logins");
+}
+
+#[test]
+fn stores() {
+    seeds_of("stores");
+}
+
+#[test]
+fn the_suite_runs_every_scenario_of_the_catalogue_with_enough_seeds() {
+    let names: Vec<&str> = catalogue().iter().map(|s| s.name).collect();
+    assert_eq!(
+        names,
+        ["walk", "cuts", "replan", "overload", "logins", "stores", "geos"]
+    );
+    assert!(
+        seeds_per_scenario() * names.len() as u64 >= 2_000
+            || std::env::var("CELLMESH_SIM_SEEDS").is_ok()
+    );
+}
+
+#[test]
+fn one_seed_on_demand() {
+    let Some(seed) = std::env::var("CELLMESH_SIM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    else {
+        return;
+    };
+    let only = std::env::var("CELLMESH_SIM_SCENARIO").ok();
+    let trace = std::env::var("CELLMESH_SIM_TRACE")
+        .ok()
+        .and_then(|t| t.parse().ok());
+    let scenarios = match only {
+        Some(name) => vec![named(&name).expect("a scenario")],
+        None => catalogue(),
+    };
+    for s in &scenarios {
+        match trace {
+            Some(len) => println!("{}", run_traced(s, seed, Some(len))),
+            None => println!("{}", run(s, seed)),
+        }
+    }
+}
+
+#[test]
+fn a_seed_reproduces_its_run() {
+    for s in catalogue().iter().take(3) {
+        let a = run_traced(s, 7, Some(200));
+        let b = run_traced(s, 7, Some(200));
+        assert_eq!(
+            a.stats, b.stats,
+            "{}: the same seed gave other figures",
+            s.name
+        );
+        assert_eq!(
+            a.trace, b.trace,
+            "{}: the same seed gave another trace",
+            s.name
+        );
+        assert!(!a.trace.is_empty());
+        let c = run_traced(s, 8, Some(200));
+        assert_ne!(
+            a.trace, c.trace,
+            "{}: another seed gave the same run",
+            s.name
+        );
+    }
+}
+
+/// Faults of the tripwire scenario: the walk, failed at a time drawn from the seed.
+fn tripwire(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    plan.at(s.during(rng, 1_000), Fault::Tripwire);
+}
+
+#[test]
+fn a_failed_run_names_its_seed_stops_and_reproduces_its_trace() {
+    let s = Scenario {
+        faults: tripwire,
+        ..Scenario::base("tripwire")
+    };
+    let bad = run(&s, 11);
+    assert!(!bad.ok());
+    assert_eq!(bad.seed, 11);
+    assert_eq!(bad.violations.len(), 1, "the run stops at the first: {bad}");
+    assert!(bad.violations[0].contains("the tripwire"), "{bad}");
+    assert!(!bad.trace.is_empty(), "a failed run carries its trace");
+    assert!(
+        bad.trace.last().is_some_and(|t| t.contains("Tripwire")),
+        "the trace ends where it failed: {bad}"
+    );
+    let again = run(&s, 11);
+    assert_eq!(
+        (&again.violations, &again.trace),
+        (&bad.violations, &bad.trace)
+    );
+    let report = bad.to_string();
+    assert!(
+        report.contains("scenario tripwire seed 11: FAILED"),
+        "{report}"
+    );
+    // Another seed trips elsewhere.
+    assert_ne!(run(&s, 12).violations, bad.violations);
+}
