@@ -1327,30 +1327,26 @@ impl<'a> Sim<'a> {
 
     // ------------------------------------------------------------------ the end
 
+    /// Every live core.
+    fn cores(&self) -> impl Iterator<Item = (NodeId, &Core)> {
+        self.nodes
+            .iter()
+            .filter_map(|n| Some((n.id, n.core.as_ref()?)))
+    }
+
+    fn sum_over_cores(&self, f: impl Fn(&Core) -> u64) -> u64 {
+        self.cores().map(|(_, c)| f(c)).sum()
+    }
+
     fn final_checks(&mut self) {
         let report = self.census.report();
-        let cores: Vec<(NodeId, Vec<cellmesh_sidecar::Real>)> = self
-            .nodes
-            .iter()
-            .filter_map(|n| Some((n.id, n.core.as_ref()?.reals())))
-            .collect();
-        let in_flight: u64 = self
-            .nodes
-            .iter()
-            .filter_map(|n| n.core.as_ref())
-            .map(|c| c.handoffs_in_flight() as u64)
-            .sum();
-        let held: u64 = self
-            .nodes
-            .iter()
-            .filter_map(|n| n.core.as_ref())
-            .map(|c| c.held_frames() as u64)
-            .sum();
+        let cores: Vec<(NodeId, Vec<cellmesh_sidecar::Real>)> =
+            self.cores().map(|(id, c)| (id, c.reals())).collect();
+        let in_flight = self.sum_over_cores(|c| c.handoffs_in_flight() as u64);
+        let held = self.sum_over_cores(|c| c.held_frames() as u64);
         if held > 0 {
             let detail: Vec<String> = self
-                .nodes
-                .iter()
-                .filter_map(|n| Some((n.id, n.core.as_ref()?)))
+                .cores()
                 .flat_map(|(id, c)| {
                     c.held_detail().into_iter().map(move |h| {
                         format!(
@@ -1385,32 +1381,17 @@ impl<'a> Sim<'a> {
             i.2 += s.inputs_no_player;
             i.3 += s.inputs_stale_session;
         }
-        let dropped: u64 = self
-            .nodes
-            .iter()
-            .filter_map(|n| n.core.as_ref())
-            .map(|c| c.metrics().inputs_dropped_total())
-            .sum();
+        let dropped = self.sum_over_cores(|c| c.metrics().inputs_dropped_total());
         self.stats.inputs_dropped = dropped;
         for reason in cellmesh_sidecar::metrics::INPUT_DROP_REASONS {
-            let n: u64 = self
-                .nodes
-                .iter()
-                .filter_map(|n| n.core.as_ref())
-                .map(|c| c.metrics().inputs_dropped_for(reason))
-                .sum();
+            let n = self.sum_over_cores(|c| c.metrics().inputs_dropped_for(reason));
             if n > 0 {
                 self.stats.input_drops.insert(reason, n);
             }
         }
         self.stats.inputs_delivered = self.check.delivered();
         self.stats.inputs_lost_in_network = self.check.lost();
-        self.stats.handoffs = self
-            .nodes
-            .iter()
-            .filter_map(|n| n.core.as_ref())
-            .map(|c| c.metrics().handoffs_out.get())
-            .sum();
+        self.stats.handoffs = self.sum_over_cores(|c| c.metrics().handoffs_out.get());
         // One avatar per account, whatever its sessions did.
         for c in &self.clients {
             let holders: Vec<(NodeId, u64)> = self

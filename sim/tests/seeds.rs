@@ -1,9 +1,8 @@
 //! The cluster simulator over many seeds: every scenario of the catalogue, each seed one
 //! reproducible run whose invariants are checked after every step.
 //!
-//! `CELLMESH_SIM_SEEDS` sets the seeds per scenario (default 300: 2,100 runs in all);
-//! `CELLMESH_SIM_SEED` runs one seed of every scenario (or of `CELLMESH_SIM_SCENARIO`) and prints
-//! its report, with `CELLMESH_SIM_TRACE` steps of trace.
+//! `CELLMESH_SIM_SEEDS` sets the seeds per scenario (default 300: 2,100 runs in all); one seed
+//! with its trace is `cellmesh sim --scenario NAME --seed N --trace STEPS`.
 
 use cellmesh_sim::{catalogue, named, run, run_traced, Fault, FaultPlan, Report, Scenario};
 use rand::rngs::StdRng;
@@ -85,30 +84,6 @@ fn the_suite_runs_every_scenario_of_the_catalogue_with_enough_seeds() {
         seeds_per_scenario() * names.len() as u64 >= 2_000
             || std::env::var("CELLMESH_SIM_SEEDS").is_ok()
     );
-}
-
-#[test]
-fn one_seed_on_demand() {
-    let Some(seed) = std::env::var("CELLMESH_SIM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    else {
-        return;
-    };
-    let only = std::env::var("CELLMESH_SIM_SCENARIO").ok();
-    let trace = std::env::var("CELLMESH_SIM_TRACE")
-        .ok()
-        .and_then(|t| t.parse().ok());
-    let scenarios = match only {
-        Some(name) => vec![named(&name).expect("a scenario")],
-        None => catalogue(),
-    };
-    for s in &scenarios {
-        match trace {
-            Some(len) => println!("{}", run_traced(s, seed, Some(len))),
-            None => println!("{}", run(s, seed)),
-        }
-    }
 }
 
 #[test]

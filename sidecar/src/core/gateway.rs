@@ -256,15 +256,19 @@ impl Core {
                 return;
             }
         };
+        // Two logins raced and the newer one won, here or on another gateway that told this
+        // node first: this one is displaced before it began (its avatar is never spawned).
         let me = self.cfg.node_id;
-        if self
+        let local = self.gw.sessions.by_account.get(&account).copied();
+        let newer_here = local
+            .and_then(|o| self.gw.sessions.get(o)?.epoch)
+            .is_some_and(|e| e > reg.epoch);
+        let newer_elsewhere = self
             .routing
             .routes
             .get(&account)
-            .is_some_and(|r| r.gateway_node != me && r.session_epoch > reg.epoch)
-        {
-            // A newer login on another gateway registered first and told this node: this one is
-            // displaced before it began (its avatar is never spawned).
+            .is_some_and(|r| r.gateway_node != me && r.session_epoch > reg.epoch);
+        if newer_here || newer_elsewhere {
             self.queue_for_link(
                 link,
                 detach(
@@ -276,26 +280,7 @@ impl Core {
             self.forget_session(key);
             return;
         }
-        if let Some(&other) = self.gw.sessions.by_account.get(&account) {
-            let other_epoch = self
-                .gw
-                .sessions
-                .get(other)
-                .and_then(|o| o.epoch)
-                .unwrap_or(0);
-            if other_epoch > reg.epoch {
-                // Two logins raced and the newer one won: this one is already displaced.
-                self.queue_for_link(
-                    link,
-                    detach(
-                        session_id,
-                        KickReason::Displaced,
-                        "a newer login of this account exists",
-                    ),
-                );
-                self.forget_session(key);
-                return;
-            }
+        if let Some(other) = local {
             // The older session goes without a PlayerLeave: the game sees a new PlayerJoin.
             if let Some(o) = self.gw.sessions.get(other) {
                 let (olink, osid) = (o.link, o.session_id);

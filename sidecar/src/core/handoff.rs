@@ -19,7 +19,7 @@ use cellmesh_proto::mesh::{self, mesh_message};
 
 use super::wire::*;
 use super::*;
-use crate::model::entities::{NewEntity, TickChanges};
+use crate::model::entities::TickChanges;
 use crate::model::handoff::{
     Admit, Completed, Fence, HandoffSource, HandoffTarget, InputRoute, Offer, OfferChecks,
     OfferDecision, Thawed,
@@ -660,18 +660,8 @@ impl Core {
         self.handoff.adopting.remove(&a.entity_id);
         let me = self.cfg.node_id;
         let epoch = o.entity_epoch;
-        for m in members_of(&o) {
-            let id = m.id;
-            let full = NewEntity {
-                id,
-                position: m.position,
-                owner_account: m.owner_account,
-                is_master: m.is_master,
-                parent_id: m.parent_id,
-                components: m.components,
-                origin: None,
-                epoch,
-            };
+        for full in members_of(&o) {
+            let id = full.id;
             if let Err(e) = self.table.to_local(full) {
                 tracing::error!(entity = id, error = %e, "installing an adopted entity failed");
                 continue;

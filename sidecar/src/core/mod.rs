@@ -62,15 +62,6 @@ pub struct Now {
     pub unix_ms: u64,
 }
 
-impl Now {
-    pub fn plus_ms(self, ms: u64) -> Now {
-        Now {
-            mono_ms: self.mono_ms + ms,
-            unix_ms: self.unix_ms + ms,
-        }
-    }
-}
-
 /// What the world tells the node.
 #[derive(Debug)]
 pub enum Input {
@@ -287,14 +278,6 @@ impl Core {
         }
     }
 
-    pub fn node_id(&self) -> NodeId {
-        self.cfg.node_id
-    }
-
-    pub fn partition(&self) -> &Partition {
-        &self.auth.partition
-    }
-
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
     }
@@ -443,10 +426,6 @@ impl Core {
             self.out.ready = ready;
             self.out.pending.push_back(Output::Ready(ready));
         }
-    }
-
-    pub fn is_ready(&self) -> bool {
-        self.out.ready
     }
 
     /// Turns everything queued into frames, one batch per link and one for the game.

@@ -6,7 +6,7 @@ use cellmesh_proto::local::{self, AudienceKind, ErrorCode};
 use cellmesh_proto::mesh::{self, PieceKind};
 
 use crate::model::audience::Audience;
-use crate::model::entities::{Component, Entity, EntityChange, Position};
+use crate::model::entities::{Component, Entity, EntityChange, NewEntity, Position};
 use crate::model::fold::Part;
 
 pub(crate) fn local_vec3(v: &mesh::MeshVec3) -> local::Vec3 {
@@ -48,39 +48,39 @@ pub(crate) fn components_of(wire: &[mesh::OwnedComponent]) -> Vec<(u32, Componen
         .collect()
 }
 
-/// One member of an offer as the target installs it.
-pub(crate) struct Member {
-    pub id: u64,
-    pub position: Position,
-    pub owner_account: String,
-    pub is_master: bool,
-    pub parent_id: u64,
-    pub components: Vec<(u32, Component)>,
-}
-
-pub(crate) fn members_of(o: &mesh::HandoffOffer) -> Vec<Member> {
-    let pos = |v: &Option<mesh::MeshVec3>| {
-        v.as_ref()
-            .map(|v| Position::new(v.x, v.y, v.z))
-            .unwrap_or_default()
+/// The members of an offer (its root, then its attachments) as the target installs them: its
+/// own entities under the offered epoch.
+pub(crate) fn members_of(o: &mesh::HandoffOffer) -> Vec<NewEntity> {
+    let pos = |v: &Option<mesh::MeshVec3>| v.as_ref().map(position).unwrap_or_default();
+    let member = |id, at, owner: &str, master, parent_id, c: &[mesh::OwnedComponent]| NewEntity {
+        id,
+        position: pos(at),
+        owner_account: owner.to_string(),
+        is_master: master,
+        parent_id,
+        components: components_of(c),
+        origin: None,
+        epoch: o.entity_epoch,
     };
-    let mut out = vec![Member {
-        id: o.entity_id,
-        position: pos(&o.position),
-        owner_account: o.owner_account.clone(),
-        is_master: o.is_master,
-        parent_id: 0,
-        components: components_of(&o.components),
-    }];
-    out.extend(o.attachments.iter().map(|a| Member {
-        id: a.entity_id,
-        position: pos(&a.position),
-        owner_account: a.owner_account.clone(),
-        is_master: a.is_master,
-        parent_id: a.parent_id,
-        components: components_of(&a.components),
-    }));
-    out
+    std::iter::once(member(
+        o.entity_id,
+        &o.position,
+        &o.owner_account,
+        o.is_master,
+        0,
+        &o.components,
+    ))
+    .chain(o.attachments.iter().map(|a| {
+        member(
+            a.entity_id,
+            &a.position,
+            &a.owner_account,
+            a.is_master,
+            a.parent_id,
+            &a.components,
+        )
+    }))
+    .collect()
 }
 
 pub(crate) fn vec3(p: Position) -> mesh::MeshVec3 {

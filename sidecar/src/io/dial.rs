@@ -71,14 +71,7 @@ async fn dial_once(
         w,
         MeteredCodec::<MeshFrame>::new(ctx.max_frame, &ctx.metrics, Peer::Sidecar),
     );
-    let hello = MeshFrame::one(mesh_message::Body::Hello(mesh::LinkHello {
-        version: Some(mesh::ProtocolVersion::current()),
-        role: PeerRole::Sidecar as i32,
-        id: ctx.node_id.to_string(),
-        geo: ctx.geo.clone(),
-        partition_epoch: ctx.partition_epoch,
-        node_id: ctx.node_id,
-    }));
+    let hello = ctx.hello();
     writer.send(hello).await.map_err(|e| e.to_string())?;
     let reply = tokio::select! {
         _ = stop.cancelled() => return Err("stopped".into()),

@@ -44,6 +44,20 @@ pub(crate) struct MeshCtx {
     pub tasks: TaskTracker,
 }
 
+impl MeshCtx {
+    /// This node's `LinkHello`, as it dials or answers.
+    pub(crate) fn hello(&self) -> MeshFrame {
+        MeshFrame::one(mesh_message::Body::Hello(mesh::LinkHello {
+            version: Some(mesh::ProtocolVersion::current()),
+            role: PeerRole::Sidecar as i32,
+            id: self.node_id.to_string(),
+            geo: self.geo.clone(),
+            partition_epoch: self.partition_epoch,
+            node_id: self.node_id,
+        }))
+    }
+}
+
 pub(crate) async fn accept_loop(listener: TcpListener, ctx: MeshCtx) {
     loop {
         let accepted = tokio::select! {
@@ -178,14 +192,7 @@ async fn run(
             return (false, reason);
         }
     };
-    let ours = MeshFrame::one(mesh_message::Body::Hello(mesh::LinkHello {
-        version: Some(mesh::ProtocolVersion::current()),
-        role: PeerRole::Sidecar as i32,
-        id: ctx.node_id.to_string(),
-        geo: ctx.geo.clone(),
-        partition_epoch: ctx.partition_epoch,
-        node_id: ctx.node_id,
-    }));
+    let ours = ctx.hello();
     if let Err(e) = writer.send(ours).await {
         return (false, format!("writing LinkHello failed: {e}"));
     }
