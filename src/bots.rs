@@ -11,6 +11,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use std::collections::HashMap;
 
 use cellmesh_arena::{schema, Census};
+use cellmesh_geo_router::geometry::{Pos, WorldShape};
 use cellmesh_proto::client::{self, ClientError, ClientReceiver, ClientSender};
 use cellmesh_proto::edge::{client_message, server_message, DeltaKind, KickReason, Pong};
 use rand::rngs::StdRng;
@@ -62,6 +63,9 @@ pub struct BotStats {
     pub errors: AtomicU64,
     /// Vanishes of entities well inside the view that no game despawned.
     pub vanished_on_handoff: AtomicU64,
+    /// Inputs sent on sessions that ended by a kick or an error: at most what those connections
+    /// lost before the proxy read it.
+    pub inputs_on_broken_sessions: AtomicU64,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -76,6 +80,7 @@ pub struct BotTotals {
     pub kicks: u64,
     pub errors: u64,
     pub vanished_on_handoff: u64,
+    pub inputs_on_broken_sessions: u64,
 }
 
 impl BotStats {
@@ -92,6 +97,7 @@ impl BotStats {
             kicks: l(&self.kicks),
             errors: l(&self.errors),
             vanished_on_handoff: l(&self.vanished_on_handoff),
+            inputs_on_broken_sessions: l(&self.inputs_on_broken_sessions),
         }
     }
 }
@@ -122,19 +128,25 @@ pub async fn run_bot(
             Ok((tx, rx, welcome)) => {
                 stats.logins.fetch_add(1, Ordering::Relaxed);
                 stats.online.fetch_add(1, Ordering::Relaxed);
-                let world = World {
+                let world = WorldShape {
                     width: welcome.world_width,
                     height: welcome.world_height,
-                    chunk: welcome.chunk_size,
+                    chunk_size: welcome.chunk_size,
+                    ..WorldShape::default()
                 };
+                let mut sent = 0;
                 let ended = play(
-                    &account, &cfg, &stats, &stop, &mut rng, &mut seq, world, tx, rx,
+                    &account, &cfg, &stats, &stop, &mut rng, &mut seq, &mut sent, world, tx, rx,
                 )
                 .await;
                 stats.online.fetch_sub(1, Ordering::Relaxed);
                 match ended {
                     Ok(()) => return,
                     Err(e) => {
+                        // What the proxy had not read yet went down with the connection.
+                        stats
+                            .inputs_on_broken_sessions
+                            .fetch_add(sent, Ordering::Relaxed);
                         stats.errors.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(%account, error = %e, "bot lost its session");
                     }
@@ -152,29 +164,11 @@ pub async fn run_bot(
     }
 }
 
-/// The world as the gateway described it: a torus, in metres.
-#[derive(Debug, Clone, Copy)]
-struct World {
-    width: f64,
-    height: f64,
-    chunk: f64,
-}
-
-impl World {
-    /// The shortest signed step from `a` to `b` along an axis of length `size`.
-    fn delta(a: f64, b: f64, size: f64) -> f64 {
-        if size <= 0.0 {
-            return b - a;
-        }
-        let d = b - a;
-        d - (d / size).round() * size
-    }
-
-    fn chunks_apart(&self, a: (f64, f64), b: (f64, f64)) -> f64 {
-        let dx = Self::delta(a.0, b.0, self.width).abs();
-        let dy = Self::delta(a.1, b.1, self.height).abs();
-        dx.max(dy) / self.chunk.max(1e-9)
-    }
+/// How far apart two positions are, in chunks (Chebyshev, the short way round the torus): the
+/// measure of the sidecars' view.
+fn chunks_apart(world: &WorldShape, a: (f64, f64), b: (f64, f64)) -> f64 {
+    let (dx, dy) = world.delta(Pos { x: a.0, y: a.1 }, Pos { x: b.0, y: b.1 });
+    dx.abs().max(dy.abs()) / world.chunk_size.max(1e-9)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -185,7 +179,8 @@ async fn play(
     stop: &CancellationToken,
     rng: &mut StdRng,
     seq: &mut u64,
-    world: World,
+    sent: &mut u64,
+    world: WorldShape,
     mut tx: ClientSender,
     mut rx: ClientReceiver,
 ) -> Result<(), ClientError> {
@@ -228,7 +223,7 @@ async fn play(
                                     stats.vanishes.fetch_add(1, Ordering::Relaxed);
                                     let was = seen.remove(&d.entity_id);
                                     let close = match (was, my_pos) {
-                                        (Some(p), Some(me)) => world.chunks_apart(p, me) <= inside,
+                                        (Some(p), Some(me)) => chunks_apart(&world, p, me) <= inside,
                                         _ => false,
                                     };
                                     let despawned = cfg.census.as_ref().is_none_or(|c| c.is_despawned(d.entity_id));
@@ -265,6 +260,7 @@ async fn play(
                 dir = steer(dir, my_pos, cfg, world, rng);
                 *seq += 1;
                 tx.input(*seq, schema::input(dir.0, dir.1)).await?;
+                *sent += 1;
                 stats.inputs_sent.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -276,13 +272,16 @@ fn steer(
     dir: (f32, f32),
     pos: Option<(f64, f64)>,
     cfg: &BotConfig,
-    world: World,
+    world: WorldShape,
     rng: &mut StdRng,
 ) -> (f32, f32) {
     if let Some((x, y)) = pos {
         // Home the short way round the torus.
-        let hx = World::delta(x, cfg.home.0, world.width);
-        let hy = World::delta(y, cfg.home.1, world.height);
+        let home = Pos {
+            x: cfg.home.0,
+            y: cfg.home.1,
+        };
+        let (hx, hy) = world.delta(Pos { x, y }, home);
         if hx.hypot(hy) > cfg.roam {
             return (hx as f32, hy as f32);
         }
@@ -311,10 +310,11 @@ mod tests {
             roam: 10.0,
             ..BotConfig::default()
         };
-        let world = World {
+        let world = WorldShape {
             width: 1000.0,
             height: 1000.0,
-            chunk: 10.0,
+            chunk_size: 10.0,
+            region_size: 100.0,
         };
         let mut rng = StdRng::seed_from_u64(1);
         let d = steer((1.0, 0.0), Some((100.0, 0.0)), &cfg, world, &mut rng);
@@ -324,6 +324,6 @@ mod tests {
         assert!(d.0 > 0.0 && d.1.abs() < 1e-6);
         let d = steer((0.0, 0.0), Some((1.0, 1.0)), &cfg, world, &mut rng);
         assert!(d != (0.0, 0.0));
-        assert!((world.chunks_apart((995.0, 5.0), (5.0, 995.0)) - 1.0).abs() < 1e-9);
+        assert!((chunks_apart(&world, (995.0, 5.0), (5.0, 995.0)) - 1.0).abs() < 1e-9);
     }
 }

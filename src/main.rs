@@ -142,6 +142,9 @@ async fn main() -> anyhow::Result<()> {
                 s.rtt_ms_p99,
                 s.errors
             );
+            if !s.inputs_undelivered.is_empty() {
+                println!("undelivered inputs by reason: {:?}", s.inputs_undelivered);
+            }
             let problems = s.problems();
             anyhow::ensure!(
                 problems.is_empty(),

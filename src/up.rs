@@ -77,8 +77,12 @@ pub struct Summary {
     pub inputs_dropped_by_proxy: u64,
     /// Inputs the sidecars dropped, each under a named reason (`inputs_dropped_total{reason}`).
     pub inputs_dropped_by_sidecars: u64,
-    /// Sent, less delivered and dropped under a reason: 0 when every input is accounted for.
+    /// Every input sent and not delivered, by where and why it was lost (see [`InputLedger`]).
+    pub inputs_undelivered: BTreeMap<String, u64>,
+    /// Sent, less delivered and undelivered under a reason: 0 when every input is accounted for.
     pub inputs_unaccounted: i64,
+    /// Every hop's input counters the reasons were drawn from.
+    pub inputs_by_hop: InputLedger,
     pub ghosts_render: u64,
     pub ghosts_sim: u64,
     pub subscriptions: u64,
@@ -118,12 +122,11 @@ impl Summary {
         }
         if self.inputs_unaccounted != 0 {
             p.push(format!(
-                "{} inputs unaccounted for ({} sent, {} delivered, {} dropped by the proxy, {} by the sidecars)",
+                "{} inputs unaccounted for ({} sent, {} delivered, undelivered by reason {:?})",
                 self.inputs_unaccounted,
                 self.inputs_sent,
                 self.inputs_delivered,
-                self.inputs_dropped_by_proxy,
-                self.inputs_dropped_by_sidecars
+                self.inputs_undelivered
             ));
         }
         if !self.census_at_rest {
@@ -132,6 +135,94 @@ impl Summary {
         p
     }
 }
+
+/// Every hop's input counters at the end of a run: bots → proxy → gateway sidecar → (peer
+/// sidecars) → game. Each hop counts what it read, passed on, dropped under a reason, and what
+/// it wrote to connections that broke since, so every undelivered input gets a name.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct InputLedger {
+    pub bots_sent: u64,
+    /// Sent on sessions that ended by a kick or an error.
+    pub bots_on_broken_sessions: u64,
+    pub proxy_received: u64,
+    pub proxy_rate_limited: u64,
+    pub proxy_lost: BTreeMap<&'static str, u64>,
+    pub proxy_written: u64,
+    /// Written to gateway link connections that ended since.
+    pub proxy_on_ended_links: u64,
+    pub sidecars_from_proxies: u64,
+    pub sidecars_from_peers: u64,
+    pub sidecars_forwarded: u64,
+    pub sidecars_lost_in_links: u64,
+    /// Forwarded on peer links that ended since.
+    pub sidecars_on_ended_links: u64,
+    pub sidecars_dropped: BTreeMap<&'static str, u64>,
+    /// Inputs applied at a source after a refusal although a copy went to the target...
+    pub sidecars_copies_applied: u64,
+    /// ...and copies the target dropped for it: each pair is one input.
+    pub sidecars_copies_refused: u64,
+    pub delivered: u64,
+}
+
+impl InputLedger {
+    /// The undelivered inputs by reason, and what no reason explains (sent − delivered − named;
+    /// negative if inputs were counted twice).
+    ///
+    /// A connection that breaks loses what it carried and its reader never read. That loss is
+    /// the gap between what one hop wrote and the next read, and it is named only up to what was
+    /// written to connections that broke: a gap larger than that stays unaccounted.
+    pub fn undelivered(&self) -> (BTreeMap<String, u64>, i64) {
+        let mut by = BTreeMap::new();
+        let mut add = |name: String, n: u64| {
+            if n > 0 {
+                *by.entry(name).or_insert(0) += n;
+            }
+        };
+        let broken = |written: u64, read: u64, bound: u64| written.saturating_sub(read).min(bound);
+        add(
+            "client_connection_broken".into(),
+            broken(
+                self.bots_sent,
+                self.proxy_received,
+                self.bots_on_broken_sessions,
+            ),
+        );
+        add("proxy_rate_limited".into(), self.proxy_rate_limited);
+        for (reason, n) in &self.proxy_lost {
+            add(format!("proxy_{reason}"), *n);
+        }
+        add(
+            "gateway_link_broken".into(),
+            broken(
+                self.proxy_written,
+                self.sidecars_from_proxies,
+                self.proxy_on_ended_links,
+            ),
+        );
+        add("peer_link_closed".into(), self.sidecars_lost_in_links);
+        add(
+            "peer_link_broken".into(),
+            broken(
+                self.sidecars_forwarded
+                    .saturating_sub(self.sidecars_lost_in_links),
+                self.sidecars_from_peers,
+                self.sidecars_on_ended_links,
+            ),
+        );
+        for (reason, n) in &self.sidecars_dropped {
+            add(format!("sidecar_{reason}"), *n);
+        }
+        let named: u64 = by.values().sum();
+        // An input applied at the source after a refusal also left as a copy, which the target
+        // dropped (counted by neither hop) or a link lost (named above): take the copy back out.
+        let copies = self.sidecars_copies_applied as i64 - self.sidecars_copies_refused as i64;
+        let unaccounted = self.bots_sent as i64 - self.delivered as i64 - named as i64 + copies;
+        (by, unaccounted)
+    }
+}
+
+/// How long a silent mesh link lives before either end closes it (the proxy's and the sidecar's).
+const LINK_SILENCE: Duration = Duration::from_secs(5);
 
 /// Where everything meets: the corner every cell of a grid touches, across the wrap seam.
 const MEETING_POINT: (f64, f64) = (0.0, 0.0);
@@ -164,6 +255,14 @@ struct NodeTotals {
     handoffs_refused: u64,
     in_doubt_now: u64,
     stale_epoch_drops: u64,
+    inputs_from_proxies: u64,
+    inputs_from_peers: u64,
+    inputs_forwarded: u64,
+    inputs_lost_in_links: u64,
+    inputs_on_ended_links: u64,
+    inputs_copies_applied: u64,
+    inputs_copies_refused: u64,
+    inputs_dropped_by_reason: BTreeMap<&'static str, u64>,
 }
 
 fn totals(sidecars: &[cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
@@ -183,6 +282,16 @@ fn totals(sidecars: &[cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
         t.handoffs_refused += s.handoffs_refused;
         t.in_doubt_now += s.in_doubt_now;
         t.stale_epoch_drops += s.stale_epoch_drops;
+        t.inputs_from_proxies += s.inputs_from_proxies;
+        t.inputs_from_peers += s.inputs_from_peers;
+        t.inputs_forwarded += s.inputs_forwarded;
+        t.inputs_lost_in_links += s.inputs_lost_in_links;
+        t.inputs_on_ended_links += s.inputs_on_ended_links;
+        t.inputs_copies_applied += s.inputs_copies_applied;
+        t.inputs_copies_refused += s.inputs_copies_refused;
+        for (reason, n) in s.inputs_dropped_by_reason {
+            *t.inputs_dropped_by_reason.entry(reason).or_insert(0) += n;
+        }
     }
     t
 }
@@ -393,27 +502,53 @@ pub async fn run(
         println!();
     }
 
-    // Bots first, then let in-flight inputs land before reading the counters.
+    // Bots first; then every game halts (the world comes to rest for the census), and in-flight
+    // inputs land before the counters are read. An overloaded cluster is seconds behind, so this
+    // waits until every input is accounted for, or the ledger holds still for longer than a dead
+    // link takes to be noticed (whose inputs are named only once it is), at most 30 s.
     bot_stop.cancel();
     for t in bot_tasks {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
-    // Inputs still in flight land within a few ticks; a busy machine takes longer, so wait until
-    // the delivered count holds still (at most 5 s).
-    let settle = Instant::now() + Duration::from_secs(5);
-    let mut delivered = totals(&sidecars).inputs_delivered;
-    loop {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let now = totals(&sidecars).inputs_delivered;
-        if now == delivered || Instant::now() >= settle {
-            break;
-        }
-        delivered = now;
-    }
-    let (s, p, b) = (totals(&sidecars), proxy.stats(), bot_stats.totals());
-    // The census reads a world at rest: every game halts, and it waits until no node has a real
-    // frozen for a handoff and two reads 300 ms apart agree (at most 10 s).
     halt.store(true, std::sync::atomic::Ordering::Relaxed);
+    let ledger = || {
+        let (s, p, b) = (totals(&sidecars), proxy.stats(), bot_stats.totals());
+        let ledger = InputLedger {
+            bots_sent: b.inputs_sent,
+            bots_on_broken_sessions: b.inputs_on_broken_sessions,
+            proxy_received: p.inputs_received,
+            proxy_rate_limited: p.inputs_dropped,
+            proxy_lost: p.inputs_lost.clone(),
+            proxy_written: p.inputs_written,
+            proxy_on_ended_links: p.inputs_on_ended_links,
+            sidecars_from_proxies: s.inputs_from_proxies,
+            sidecars_from_peers: s.inputs_from_peers,
+            sidecars_forwarded: s.inputs_forwarded,
+            sidecars_lost_in_links: s.inputs_lost_in_links,
+            sidecars_on_ended_links: s.inputs_on_ended_links,
+            sidecars_dropped: s.inputs_dropped_by_reason.clone(),
+            sidecars_copies_applied: s.inputs_copies_applied,
+            sidecars_copies_refused: s.inputs_copies_refused,
+            delivered: s.inputs_delivered,
+        };
+        (ledger, s, p, b)
+    };
+    let settle = Instant::now() + Duration::from_secs(30);
+    let (mut inputs_by_hop, mut s, mut p, mut b) = ledger();
+    let mut still = 0;
+    let still_for = (LINK_SILENCE + Duration::from_secs(1)).as_millis() / 300;
+    while inputs_by_hop.undelivered().1 != 0 && still < still_for && Instant::now() < settle {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let next = ledger();
+        still = if next.0 == inputs_by_hop {
+            still + 1
+        } else {
+            0
+        };
+        (inputs_by_hop, s, p, b) = next;
+    }
+    // The census reads a world at rest: it waits until no node has a real frozen for a handoff
+    // and two reads 300 ms apart agree (at most 10 s).
     let rest_deadline = Instant::now() + Duration::from_secs(10);
     let mut previous = census(&sidecars, &games);
     let census_at_rest = loop {
@@ -463,6 +598,7 @@ pub async fn run(
         let _ = tokio::time::timeout(Duration::from_secs(5), sidecar.wait()).await;
     }
 
+    let (inputs_undelivered, inputs_unaccounted) = inputs_by_hop.undelivered();
     let summary = Summary {
         duration_s: started.elapsed().as_secs_f64(),
         nodes: opts.nodes,
@@ -481,10 +617,9 @@ pub async fn run(
         rtt_samples: p.rtt_samples,
         inputs_dropped_by_proxy: p.inputs_dropped,
         inputs_dropped_by_sidecars: s.inputs_dropped,
-        inputs_unaccounted: b.inputs_sent as i64
-            - s.inputs_delivered as i64
-            - p.inputs_dropped as i64
-            - s.inputs_dropped as i64,
+        inputs_undelivered,
+        inputs_unaccounted,
+        inputs_by_hop,
         ghosts_render: s.ghosts_render,
         ghosts_sim: s.ghosts_sim,
         subscriptions: s.subscriptions,
@@ -513,6 +648,84 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn clean(sent: u64) -> InputLedger {
+        InputLedger {
+            bots_sent: sent,
+            proxy_received: sent,
+            proxy_written: sent,
+            sidecars_from_proxies: sent,
+            delivered: sent,
+            ..InputLedger::default()
+        }
+    }
+
+    #[test]
+    fn a_clean_run_leaves_nothing_undelivered() {
+        assert_eq!(clean(100).undelivered(), (BTreeMap::new(), 0));
+    }
+
+    #[test]
+    fn every_hop_names_its_losses() {
+        let l = InputLedger {
+            bots_sent: 100,
+            bots_on_broken_sessions: 30,
+            // 5 never read by the proxy, within the 30 sent on broken sessions.
+            proxy_received: 95,
+            proxy_rate_limited: 2,
+            proxy_lost: [("link_closed", 3)].into_iter().collect(),
+            // 90 written, 4 lost in a gateway link that broke.
+            proxy_written: 90,
+            proxy_on_ended_links: 40,
+            sidecars_from_proxies: 86,
+            // 20 forwarded: 1 never written, 2 lost in flight, 17 read by peers.
+            sidecars_forwarded: 20,
+            sidecars_lost_in_links: 1,
+            sidecars_on_ended_links: 10,
+            sidecars_from_peers: 17,
+            sidecars_dropped: [("input_late", 1)].into_iter().collect(),
+            // One input applied at its source after a refusal; its copy was one of the 2 lost.
+            sidecars_copies_applied: 1,
+            sidecars_copies_refused: 0,
+            delivered: 83,
+        };
+        let (by, unaccounted) = l.undelivered();
+        let want: BTreeMap<String, u64> = [
+            ("client_connection_broken", 5),
+            ("proxy_rate_limited", 2),
+            ("proxy_link_closed", 3),
+            ("gateway_link_broken", 4),
+            ("peer_link_closed", 1),
+            ("peer_link_broken", 2),
+            ("sidecar_input_late", 1),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        assert_eq!((by, unaccounted), (want, 0));
+    }
+
+    #[test]
+    fn a_gap_no_broken_connection_explains_stays_unaccounted() {
+        // 3 inputs vanish between the proxy and the gateway, and no link broke.
+        let mut l = clean(100);
+        l.sidecars_from_proxies = 97;
+        l.delivered = 97;
+        assert_eq!(l.undelivered(), (BTreeMap::new(), 3));
+        // Broken links explain at most what they carried.
+        l.proxy_on_ended_links = 2;
+        let (by, unaccounted) = l.undelivered();
+        assert_eq!((by["gateway_link_broken"], unaccounted), (2, 1));
+        // An input delivered twice shows as a negative remainder.
+        let mut twice = clean(10);
+        twice.delivered = 11;
+        assert_eq!(twice.undelivered().1, -1);
+        // A refused copy the target dropped balances the original applied at the source.
+        let mut refused = clean(10);
+        refused.sidecars_copies_applied = 1;
+        refused.sidecars_copies_refused = 1;
+        assert_eq!(refused.undelivered().1, 0);
+    }
 
     #[test]
     fn grids_are_as_square_as_the_count_allows() {

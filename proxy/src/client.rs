@@ -24,7 +24,8 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::codec::{FramedRead, FramedWrite};
 
-use crate::link::LinkConn;
+use crate::link::{LinkConn, LinkGone};
+use crate::metrics::InputLoss;
 use crate::ping::{PingTracker, RTT_WINDOW};
 use crate::ratelimit::{FloodMeter, Verdict};
 use crate::session::{SessionControl, SessionInfo, SessionRoute, ToSession};
@@ -105,7 +106,10 @@ impl Client {
                     self.close_session(session, &end);
                     end
                 }
-                Err(end) => end,
+                Err(end) => {
+                    self.lose(InputLoss::SessionEnded, &pending);
+                    end
+                }
             },
             Err(end) => end,
         };
@@ -149,7 +153,12 @@ impl Client {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let account = auth::admit(&hello, cfg.token_secret.as_bytes(), now).map_err(End::Kick)?;
-        Ok((account.into(), messages.collect()))
+        let pending: Vec<ClientMessage> = messages.collect();
+        self.shared
+            .metrics
+            .inputs_received
+            .inc_by(inputs_in(&pending));
+        Ok((account.into(), pending))
     }
 
     /// Picks a gateway, routes a new session id to this task and asks the gateway to attach it.
@@ -199,7 +208,10 @@ impl Client {
     async fn serve_session(&mut self, s: &mut Session, pending: Vec<ClientMessage>) -> End {
         let (attached, early) = match self.await_attached(s).await {
             Ok(a) => a,
-            Err(end) => return end,
+            Err(end) => {
+                self.lose(InputLoss::SessionEnded, &pending);
+                return end;
+            }
         };
         let welcome = Welcome {
             version: Some(ProtocolVersion::current()),
@@ -216,6 +228,7 @@ impl Client {
         ))];
         frames.extend(early);
         if let Err(end) = self.write(frames).await {
+            self.lose(InputLoss::SessionEnded, &pending);
             return end;
         }
         let info = Arc::new(SessionInfo::new(
@@ -270,9 +283,8 @@ impl Client {
         let cfg = &shared.cfg;
         let mut pings = PingTracker::new(RTT_WINDOW);
         let mut flood = FloodMeter::new(cfg.rate.flood_kick_drops);
-        for m in pending {
-            self.on_message(m, s, info, &mut pings, &mut flood).await?;
-        }
+        self.relay_messages(pending, s, info, &mut pings, &mut flood)
+            .await?;
         let mut ping_timer =
             tokio::time::interval_at(Instant::now() + cfg.ping_interval(), cfg.ping_interval());
         ping_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -310,9 +322,8 @@ impl Client {
                     if frame.messages.is_empty() {
                         return Err(malformed(format!("expected ClientMessage, got {EMPTY_FRAME}")));
                     }
-                    for m in frame.messages {
-                        self.on_message(m, s, info, &mut pings, &mut flood).await?;
-                    }
+                    shared.metrics.inputs_received.inc_by(inputs_in(&frame.messages));
+                    self.relay_messages(frame.messages, s, info, &mut pings, &mut flood).await?;
                 }
                 _ = ping_timer.tick() => {
                     let nonce = rand::random();
@@ -324,6 +335,31 @@ impl Client {
                 }
             }
         }
+    }
+
+    /// Handles a frame's messages in order; if the session ends part way, the inputs left unread
+    /// are counted as lost with it.
+    async fn relay_messages(
+        &mut self,
+        messages: Vec<ClientMessage>,
+        s: &Session,
+        info: &SessionInfo,
+        pings: &mut PingTracker,
+        flood: &mut FloodMeter,
+    ) -> Result<(), End> {
+        let mut messages = messages.into_iter();
+        while let Some(m) = messages.next() {
+            if let Err(end) = self.on_message(m, s, info, pings, flood).await {
+                self.lose(InputLoss::SessionEnded, messages.as_slice());
+                return Err(end);
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts the inputs among `messages` as lost for `why`.
+    fn lose(&self, why: InputLoss, messages: &[ClientMessage]) {
+        self.shared.metrics.lost(why, inputs_in(messages));
     }
 
     async fn on_message(
@@ -345,6 +381,11 @@ impl Client {
                         payload: input.payload,
                     };
                     s.conn.send(mesh_message::Body::Input(msg)).map_err(|e| {
+                        let why = match e {
+                            LinkGone::Stalled => InputLoss::LinkStalled,
+                            LinkGone::Closed => InputLoss::LinkClosed,
+                        };
+                        shared.metrics.lost(why, 1);
                         kick(
                             KickReason::GatewayUnavailable,
                             format!("gateway {}: {e}", s.conn.gateway),
@@ -513,6 +554,14 @@ impl Client {
         })
         .await;
     }
+}
+
+/// How many of `messages` are inputs.
+fn inputs_in(messages: &[ClientMessage]) -> u64 {
+    messages
+        .iter()
+        .filter(|m| matches!(m.body, Some(client_message::Body::Input(_))))
+        .count() as u64
 }
 
 fn body_name(b: &client_message::Body) -> &'static str {

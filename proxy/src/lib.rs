@@ -37,6 +37,7 @@ mod ratelimit;
 mod session;
 
 pub use config::{ProxyConfig, RateConfig};
+pub use metrics::INPUT_LOSS_REASONS;
 
 use crate::gateway::Gateways;
 use crate::metrics::Metrics;
@@ -52,7 +53,16 @@ pub struct ProxyStats {
     pub sessions: u64,
     pub sessions_peak: u64,
     pub inputs_accepted: u64,
+    /// Inputs dropped by a rate limit.
     pub inputs_dropped: u64,
+    /// Inputs read from clients.
+    pub inputs_received: u64,
+    /// Inputs read and not relayed, by reason ([`INPUT_LOSS_REASONS`]); reasons with none left out.
+    pub inputs_lost: std::collections::BTreeMap<&'static str, u64>,
+    /// Inputs written to gateway links.
+    pub inputs_written: u64,
+    /// Inputs written to link connections that ended since (at most what they lost in flight).
+    pub inputs_on_ended_links: u64,
     pub kicks: u64,
     pub rtt_ms_p50: f64,
     pub rtt_ms_p99: f64,

@@ -29,6 +29,7 @@ use tokio::sync::mpsc;
 use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 
+use crate::metrics::InputLoss;
 use crate::session::{SessionRoute, ToSession};
 use crate::Shared;
 
@@ -243,14 +244,24 @@ pub(crate) async fn run(link: Arc<Link>, shared: Arc<Shared>, stop: Cancellation
             Ok((reader, writer, peer)) => {
                 attempt = 0;
                 tracing::info!(gateway = %link.gateway, node = peer.node_id, peer = %peer.id, "mesh link up");
-                let (tx, rx) = mpsc::channel(shared.cfg.link_outbox_frames);
+                let (tx, mut rx) = mpsc::channel(shared.cfg.link_outbox_frames);
                 let conn = Arc::new(LinkConn::new(link.gateway.clone(), tx));
                 *link.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn.clone());
                 link.set_status(LinkState::Up, Some(peer), None);
                 shared.metrics.link_up(&link.gateway, true);
                 shared.refresh_ready();
 
-                let ended = serve(reader, writer, rx, &conn, &shared, &stop).await;
+                let mut written = 0;
+                let ended =
+                    serve(reader, writer, &mut rx, &mut written, &conn, &shared, &stop).await;
+                // What this connection carried may have died with it; what it never wrote did.
+                shared.metrics.inputs_on_ended_links.inc_by(written);
+                rx.close();
+                let mut unsent = 0;
+                while let Ok(m) = rx.try_recv() {
+                    unsent += u64::from(matches!(m.body, Some(Body::Input(_))));
+                }
+                shared.metrics.lost(InputLoss::LinkClosed, unsent);
 
                 *link.current.lock().unwrap_or_else(|p| p.into_inner()) = None;
                 shared.metrics.link_up(&link.gateway, false);
@@ -360,13 +371,14 @@ fn check_hello(h: LinkHello) -> anyhow::Result<PeerInfo> {
 async fn serve(
     reader: LinkReader,
     writer: LinkWriter,
-    outbox: mpsc::Receiver<MeshMessage>,
+    outbox: &mut mpsc::Receiver<MeshMessage>,
+    written: &mut u64,
     conn: &LinkConn,
     shared: &Shared,
     stop: &CancellationToken,
 ) -> anyhow::Result<()> {
     tokio::select! {
-        r = write_loop(writer, outbox, shared, stop) => r,
+        r = write_loop(writer, outbox, written, shared, stop) => r,
         r = read_loop(reader, conn, shared) => r,
         _ = conn.stalled.cancelled() => {
             shared.metrics.error("link_outbox_full");
@@ -375,9 +387,12 @@ async fn serve(
     }
 }
 
+/// Writes the outbox to the gateway. `written` counts the inputs handed to the socket (a batch
+/// that fails part way counts whole: some of it may have gone out).
 async fn write_loop(
     mut writer: LinkWriter,
-    mut outbox: mpsc::Receiver<MeshMessage>,
+    outbox: &mut mpsc::Receiver<MeshMessage>,
+    written: &mut u64,
     shared: &Shared,
     stop: &CancellationToken,
 ) -> anyhow::Result<()> {
@@ -389,31 +404,40 @@ async fn write_loop(
             _ = stop.cancelled() => {
                 // Client tasks have ended by now; their last `Detach`es are still queued.
                 while let Ok(m) = outbox.try_recv() {
-                    feed(&mut writer, m, shared).await?;
+                    feed(&mut writer, m, written, shared).await?;
                 }
                 let _ = tokio::time::timeout(HEARTBEAT_EVERY, SinkExt::<MeshFrame>::close(&mut writer)).await;
                 return Ok(());
             }
             m = outbox.recv() => {
                 let Some(m) = m else { return Ok(()) };
-                feed(&mut writer, m, shared).await?;
+                feed(&mut writer, m, written, shared).await?;
                 for _ in 1..WRITE_BATCH {
                     match outbox.try_recv() {
-                        Ok(m) => feed(&mut writer, m, shared).await?,
+                        Ok(m) => feed(&mut writer, m, written, shared).await?,
                         Err(_) => break,
                     }
                 }
                 SinkExt::<MeshFrame>::flush(&mut writer).await.context("writing to the gateway")?;
             }
             _ = beat.tick() => {
-                feed(&mut writer, Body::Heartbeat(Heartbeat { sent_unix_ms: unix_ms() }).into(), shared).await?;
+                feed(&mut writer, Body::Heartbeat(Heartbeat { sent_unix_ms: unix_ms() }).into(), written, shared).await?;
                 SinkExt::<MeshFrame>::flush(&mut writer).await.context("writing to the gateway")?;
             }
         }
     }
 }
 
-async fn feed(writer: &mut LinkWriter, m: MeshMessage, shared: &Shared) -> anyhow::Result<()> {
+async fn feed(
+    writer: &mut LinkWriter,
+    m: MeshMessage,
+    written: &mut u64,
+    shared: &Shared,
+) -> anyhow::Result<()> {
+    if matches!(m.body, Some(Body::Input(_))) {
+        *written += 1;
+        shared.metrics.inputs_written.inc();
+    }
     let frame = MeshFrame { messages: vec![m] };
     shared.metrics.link_out.frame(frame.encoded_len());
     writer.feed(frame).await.context("writing to the gateway")

@@ -69,6 +69,14 @@ pub(crate) struct Metrics {
     sessions: Gauge,
     sessions_peak: AtomicU64,
     pub inputs_accepted: Counter,
+    /// Client inputs read from clients (each ends accepted, rate-limited or lost).
+    pub inputs_received: Counter,
+    lost: [Counter; INPUT_LOSS_REASONS.len()],
+    /// Client inputs written to gateway links.
+    pub inputs_written: Counter,
+    /// Inputs written to link connections that have ended since: an upper bound on what those
+    /// connections lost in flight.
+    pub inputs_on_ended_links: Counter,
     dropped_account: Counter,
     dropped_address: Counter,
     kicks: Family<ReasonLabels, Counter>,
@@ -76,6 +84,25 @@ pub(crate) struct Metrics {
     rtt_ms: Histogram,
     rtt: Mutex<hdrhistogram::Histogram<u64>>,
     link_up: Family<GatewayLabels, Gauge>,
+}
+
+/// Every reason the proxy loses a client input it read and did not rate-limit
+/// (`inputs_lost_total{reason}`).
+pub const INPUT_LOSS_REASONS: [&str; 3] = [
+    // The gateway link's outbox was full (the link is torn down).
+    "link_stalled",
+    // The gateway link had closed, or closed with the input still in its outbox.
+    "link_closed",
+    // The session ended while the rest of the client's frame was unread.
+    "session_ended",
+];
+
+/// Why the proxy lost an input (see [`INPUT_LOSS_REASONS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum InputLoss {
+    LinkStalled = 0,
+    LinkClosed = 1,
+    SessionEnded = 2,
 }
 
 /// Highest RTT the summary histogram tracks, in microseconds (one minute).
@@ -138,6 +165,30 @@ impl Metrics {
             "Client inputs dropped by a rate limit",
             dropped.clone(),
         );
+        let inputs_received = Counter::default();
+        reg.register(
+            "inputs_received",
+            "Client inputs read from clients",
+            inputs_received.clone(),
+        );
+        let inputs_lost = Family::<ReasonLabels, Counter>::default();
+        reg.register(
+            "inputs_lost",
+            "Client inputs read and not relayed to the gateway, by reason (rate limits apart)",
+            inputs_lost.clone(),
+        );
+        let inputs_written = Counter::default();
+        reg.register(
+            "inputs_written",
+            "Client inputs written to gateway links",
+            inputs_written.clone(),
+        );
+        let inputs_on_ended_links = Counter::default();
+        reg.register(
+            "inputs_on_ended_links",
+            "Client inputs written to gateway link connections that have ended since (at most what they lost in flight)",
+            inputs_on_ended_links.clone(),
+        );
         let kicks = Family::<ReasonLabels, Counter>::default();
         reg.register("kicks", "Clients kicked, by reason", kicks.clone());
         let rtt_ms = Histogram::new([
@@ -166,6 +217,11 @@ impl Metrics {
             sessions,
             sessions_peak: AtomicU64::new(0),
             inputs_accepted,
+            inputs_received,
+            lost: INPUT_LOSS_REASONS
+                .map(|reason| inputs_lost.get_or_create_owned(&ReasonLabels { reason })),
+            inputs_written,
+            inputs_on_ended_links,
             dropped_account: dropped.get_or_create_owned(&LimitLabels { limit: "account" }),
             dropped_address: dropped.get_or_create_owned(&LimitLabels { limit: "address" }),
             kicks,
@@ -195,6 +251,12 @@ impl Metrics {
             self.dropped_account.inc();
         } else {
             self.dropped_address.inc();
+        }
+    }
+
+    pub(crate) fn lost(&self, why: InputLoss, inputs: u64) {
+        if inputs > 0 {
+            self.lost[why as usize].inc_by(inputs);
         }
     }
 
@@ -240,6 +302,15 @@ impl Metrics {
             sessions_peak: self.sessions_peak.load(Ordering::Relaxed),
             inputs_accepted: self.inputs_accepted.get(),
             inputs_dropped: self.dropped_account.get() + self.dropped_address.get(),
+            inputs_received: self.inputs_received.get(),
+            inputs_lost: INPUT_LOSS_REASONS
+                .iter()
+                .zip(&self.lost)
+                .map(|(r, c)| (*r, c.get()))
+                .filter(|(_, n)| *n > 0)
+                .collect(),
+            inputs_written: self.inputs_written.get(),
+            inputs_on_ended_links: self.inputs_on_ended_links.get(),
             kicks: self.kicks_total.load(Ordering::Relaxed),
             rtt_ms_p50,
             rtt_ms_p99,
@@ -267,7 +338,10 @@ mod tests {
             m.rtt(Duration::from_millis(ms));
         }
         m.client_in.frame(10);
+        m.lost(InputLoss::LinkClosed, 3);
+        m.lost(InputLoss::SessionEnded, 0);
         let s = m.stats();
+        assert_eq!(s.inputs_lost, [("link_closed", 3)].into_iter().collect());
         assert_eq!((s.sessions, s.sessions_peak), (1, 2));
         assert_eq!(
             (s.inputs_dropped, s.kicks, s.rtt_samples, s.frames_in),
@@ -283,6 +357,8 @@ mod tests {
             "cellmesh_proxy_inputs_dropped_total{limit=\"address\"} 1",
             "cellmesh_proxy_bytes_total{peer=\"client\",direction=\"in\"} 14",
             "cellmesh_proxy_rtt_ms_count 5",
+            "cellmesh_proxy_inputs_lost_total{reason=\"link_closed\"} 3",
+            "cellmesh_proxy_inputs_lost_total{reason=\"link_stalled\"} 0",
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }

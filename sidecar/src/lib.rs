@@ -64,6 +64,8 @@ pub struct SidecarStats {
     pub inputs_delivered: u64,
     /// Client inputs dropped before reaching the game, under a named reason.
     pub inputs_dropped: u64,
+    /// The same by reason ([`metrics::INPUT_DROP_REASONS`]); reasons with none left out.
+    pub inputs_dropped_by_reason: std::collections::BTreeMap<&'static str, u64>,
     pub batches_sent: u64,
     pub deltas_sent: u64,
     pub errors: u64,
@@ -79,6 +81,16 @@ pub struct SidecarStats {
     pub cross_node_updates: u64,
     pub dropped_unknown_account: u64,
     pub inputs_forwarded: u64,
+    pub inputs_from_proxies: u64,
+    pub inputs_from_peers: u64,
+    /// Forwarded inputs a peer link never wrote.
+    pub inputs_lost_in_links: u64,
+    /// Forwarded inputs written to peer links that ended since (at most what they lost).
+    pub inputs_on_ended_links: u64,
+    /// Inputs applied after a refusal whose copies went to the target, and copies a target
+    /// dropped behind a refusal: both count one input twice, so a ledger takes them back out.
+    pub inputs_copies_applied: u64,
+    pub inputs_copies_refused: u64,
     /// Handoffs this node completed as the source.
     pub handoffs: u64,
     pub handoffs_refused: u64,
@@ -96,6 +108,11 @@ impl SidecarHandle {
             entities: m.entities.get().max(0) as u64,
             inputs_delivered: m.inputs_delivered.get(),
             inputs_dropped: m.inputs_dropped_total(),
+            inputs_dropped_by_reason: metrics::INPUT_DROP_REASONS
+                .iter()
+                .map(|r| (*r, m.inputs_dropped_for(r)))
+                .filter(|(_, n)| *n > 0)
+                .collect(),
             batches_sent: m.batches_sent.get(),
             deltas_sent: m.deltas_sent.get(),
             errors: m.errors_total(),
@@ -110,6 +127,12 @@ impl SidecarHandle {
             cross_node_updates: m.cross_node_updates.get(),
             dropped_unknown_account: m.dropped_unknown_account.get(),
             inputs_forwarded: m.inputs_forwarded.get(),
+            inputs_from_proxies: m.inputs_from_proxies.get(),
+            inputs_from_peers: m.inputs_from_peers.get(),
+            inputs_lost_in_links: m.inputs_lost_in_links.get(),
+            inputs_on_ended_links: m.inputs_on_ended_links.get(),
+            inputs_copies_applied: m.inputs_copies_applied.get(),
+            inputs_copies_refused: m.inputs_copies_refused.get(),
             handoffs: m.handoffs_out.get(),
             handoffs_refused: m.handoffs_refused.get(),
             in_doubt_now: m.handoffs_in_doubt.get().max(0) as u64,

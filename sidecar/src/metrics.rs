@@ -129,6 +129,19 @@ pub struct Metrics {
     pub cross_node_updates: Counter,
     pub dropped_unknown_account: Counter,
     pub inputs_forwarded: Counter,
+    /// Client inputs from proxies (a gateway's `SessionInput`s).
+    pub inputs_from_proxies: Counter,
+    /// Client inputs forwarded here by peers (`ForwardInput`s received).
+    pub inputs_from_peers: Counter,
+    /// Forwarded inputs a peer link never wrote: it was full, gone, or closed with them queued.
+    pub inputs_lost_in_links: Counter,
+    /// Forwarded inputs written to peer links that have ended since: at most what those links
+    /// lost in flight.
+    pub inputs_on_ended_links: Counter,
+    /// Inputs a source applied after a refusal whose forwarded copies the target dropped (or
+    /// the link lost): one input, counted on both sides.
+    pub inputs_copies_applied: Counter,
+    pub inputs_copies_refused: Counter,
     pub ghosts_render: Gauge,
     pub ghosts_sim: Gauge,
     pub subscriptions: Gauge,
@@ -178,6 +191,12 @@ impl Default for Metrics {
             cross_node_updates: Default::default(),
             dropped_unknown_account: Default::default(),
             inputs_forwarded: Default::default(),
+            inputs_from_proxies: Default::default(),
+            inputs_from_peers: Default::default(),
+            inputs_lost_in_links: Default::default(),
+            inputs_on_ended_links: Default::default(),
+            inputs_copies_applied: Default::default(),
+            inputs_copies_refused: Default::default(),
             ghosts_render: Default::default(),
             ghosts_sim: Default::default(),
             subscriptions: Default::default(),
@@ -313,6 +332,36 @@ impl Metrics {
             m.inputs_forwarded.clone(),
         );
         r.register(
+            "inputs_from_proxies",
+            "Client inputs received from proxies",
+            m.inputs_from_proxies.clone(),
+        );
+        r.register(
+            "inputs_from_peers",
+            "Client inputs forwarded here by other nodes",
+            m.inputs_from_peers.clone(),
+        );
+        r.register(
+            "inputs_lost_in_links",
+            "Forwarded client inputs a peer link never wrote (full, gone, or closed with them queued)",
+            m.inputs_lost_in_links.clone(),
+        );
+        r.register(
+            "inputs_on_ended_links",
+            "Forwarded client inputs written to peer links that have ended since (at most what they lost in flight)",
+            m.inputs_on_ended_links.clone(),
+        );
+        r.register(
+            "inputs_copies_applied",
+            "Inputs applied here after a refused handoff, whose copies were forwarded to the target",
+            m.inputs_copies_applied.clone(),
+        );
+        r.register(
+            "inputs_copies_refused",
+            "Forwarded input copies dropped behind a refused handoff (the source applies the original)",
+            m.inputs_copies_refused.clone(),
+        );
+        r.register(
             "ghosts_render",
             "Render ghosts (replicas of foreign entities)",
             m.ghosts_render.clone(),
@@ -399,6 +448,12 @@ impl Metrics {
     pub fn error(&self, kind: &'static str) {
         self.errors.get_or_create(&KindLabel { kind }).inc();
         self.errors_all.inc();
+    }
+
+    /// Copies of inputs forwarded behind an offer this node refused (the source applies them).
+    pub fn copies_refused(&self, n: u64) {
+        self.drop_msg("input_copy_refused", n);
+        self.inputs_copies_refused.inc_by(n);
     }
 
     pub fn drop_msg(&self, reason: &'static str, n: u64) {

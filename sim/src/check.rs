@@ -41,6 +41,10 @@ pub(crate) struct Checker {
     delivered: BTreeMap<(String, u64), u32>,
     /// (account, seq) of inputs in frames lost with a broken link.
     lost: BTreeSet<(String, u64)>,
+    /// node -> the entities it holds as unfrozen reals (as of its last step).
+    unfrozen: BTreeMap<NodeId, BTreeSet<u64>>,
+    /// entity -> the nodes holding it as an unfrozen real.
+    writers: BTreeMap<u64, BTreeSet<NodeId>>,
 }
 
 impl Checker {
@@ -73,46 +77,68 @@ impl Checker {
         self.sent.insert((account.to_string(), seq));
     }
 
-    /// After a core handled an input: no two writers, no epoch owned twice, ghosts fenced.
-    pub fn after_step(&mut self, now: u64, cores: &[(NodeId, &Core)]) {
-        let mut writers: BTreeMap<u64, Vec<NodeId>> = BTreeMap::new();
+    /// After `node`'s core handled an input: no two writers, no epoch owned twice, ghosts fenced.
+    /// Only the core that stepped can have changed, so only it is read; the writers of every
+    /// entity are kept across steps.
+    pub fn after_step(&mut self, now: u64, node: NodeId, core: &Core) {
         let mut found = Vec::new();
-        for (node, core) in cores {
-            for Real { id, epoch, frozen } in core.reals() {
-                match self.owners.get(&(id, epoch)) {
-                    Some(o) if o != node => found.push(format!(
-                        "entity {id} is a real of n{node} at epoch {epoch}, which n{o} owned"
-                    )),
-                    Some(_) => {}
-                    None => {
-                        self.owners.insert((id, epoch), *node);
-                    }
+        let mut unfrozen = BTreeSet::new();
+        for Real { id, epoch, frozen } in core.reals() {
+            match self.owners.get(&(id, epoch)) {
+                Some(o) if *o != node => found.push(format!(
+                    "entity {id} is a real of n{node} at epoch {epoch}, which n{o} owned"
+                )),
+                Some(_) => {}
+                None => {
+                    self.owners.insert((id, epoch), node);
                 }
-                if !frozen {
-                    writers.entry(id).or_default().push(*node);
+            }
+            if !frozen {
+                unfrozen.insert(id);
+            }
+        }
+        for e in core.entities().iter() {
+            let Some(origin) = e.origin else { continue };
+            if let Some(o) = self.owners.get(&(e.id, e.epoch)) {
+                if *o != origin {
+                    found.push(format!(
+                        "n{node} keeps a ghost of {} at epoch {} written by n{origin}, but n{o} owns that epoch",
+                        e.id, e.epoch
+                    ));
                 }
             }
         }
-        for (node, core) in cores {
-            for e in core.entities().iter() {
-                let Some(origin) = e.origin else { continue };
-                if let Some(o) = self.owners.get(&(e.id, e.epoch)) {
-                    if *o != origin {
-                        found.push(format!(
-                            "n{node} keeps a ghost of {} at epoch {} written by n{origin}, but n{o} owns that epoch",
-                            e.id, e.epoch
-                        ));
-                    }
+        let before = self.unfrozen.remove(&node).unwrap_or_default();
+        for id in before.difference(&unfrozen) {
+            if let Some(w) = self.writers.get_mut(id) {
+                w.remove(&node);
+                if w.is_empty() {
+                    self.writers.remove(id);
                 }
             }
         }
-        for (id, w) in writers {
+        for id in unfrozen.difference(&before) {
+            let w = self.writers.entry(*id).or_default();
+            w.insert(node);
             if w.len() > 1 {
                 found.push(format!("entity {id} has two writers: {w:?}"));
             }
         }
+        self.unfrozen.insert(node, unfrozen);
         for f in found {
             self.violation(now, f);
+        }
+    }
+
+    /// `node`'s process died: it writes nothing any more.
+    pub fn node_gone(&mut self, node: NodeId) {
+        for id in self.unfrozen.remove(&node).unwrap_or_default() {
+            if let Some(w) = self.writers.get_mut(&id) {
+                w.remove(&node);
+                if w.is_empty() {
+                    self.writers.remove(&id);
+                }
+            }
         }
     }
 

@@ -181,6 +181,16 @@ fn replan(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     }
 }
 
+/// One node's regions go to the others (as `cellmesh partition plan --nodes 1,2,3` retires node
+/// 4): everything it holds is handed away, and nothing vanishes from the views meanwhile.
+fn retire(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    let gone = rng.random_range(1..=s.nodes);
+    let staying: Vec<NodeId> = (1..=s.nodes).filter(|&n| n != gone).collect();
+    let regions = (s.grid * s.grid) as usize;
+    let owners = (0..regions).map(|i| staying[i % staying.len()]).collect();
+    plan.at(s.during(rng, 2_000), Fault::Replan(owners));
+}
+
 fn overload(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     for _ in 0..rng.random_range(1..=3) {
         let node = rng.random_range(1..=s.nodes);
@@ -241,6 +251,10 @@ pub fn catalogue() -> Vec<Scenario> {
         Scenario {
             faults: replan,
             ..Scenario::base("replan")
+        },
+        Scenario {
+            faults: retire,
+            ..Scenario::base("retire")
         },
         Scenario {
             slow_tick_every: 10,

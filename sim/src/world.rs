@@ -545,6 +545,7 @@ impl<'a> Sim<'a> {
         n.game = None;
         n.proxy_link = None;
         n.links.clear();
+        self.check.node_gone(id);
         self.census.release_holder(id);
         // Its links break; peers notice soon after.
         let uids: Vec<u64> = self
@@ -587,12 +588,10 @@ impl<'a> Sim<'a> {
             }
         }
         self.drain(id);
-        let cores: Vec<(NodeId, &Core)> = self
-            .nodes
-            .iter()
-            .filter_map(|n| Some((n.id, n.core.as_ref()?)))
-            .collect();
-        self.check.after_step(self.now, &cores);
+        let (now, node) = (self.now, &self.nodes[(id - 1) as usize]);
+        if let Some(core) = node.core.as_ref() {
+            self.check.after_step(now, id, core);
+        }
     }
 
     fn drain(&mut self, id: NodeId) {
@@ -1359,6 +1358,20 @@ impl<'a> Sim<'a> {
                 .collect();
             self.check
                 .violation(self.now, format!("held: {}", detail.join("; ")));
+        }
+        // A node the partition gives no region has handed everything away.
+        let owning = self.partition.nodes();
+        for (id, reals) in &cores {
+            if !owning.contains(id) && !reals.is_empty() {
+                let ids: Vec<u64> = reals.iter().map(|r| r.id).take(8).collect();
+                self.check.violation(
+                    self.now,
+                    format!(
+                        "n{id} owns no region but still holds {} reals, e.g. {ids:?}",
+                        reals.len()
+                    ),
+                );
+            }
         }
         self.stats.entities_at_end = report.alive.len() as u64;
         self.stats.flaps = self.clients.iter().map(|c| c.flaps).sum();

@@ -1,7 +1,7 @@
 //! The cluster simulator over many seeds: every scenario of the catalogue, each seed one
 //! reproducible run whose invariants are checked after every step.
 //!
-//! `CELLMESH_SIM_SEEDS` sets the seeds per scenario (default 300: 2,100 runs in all); one seed
+//! `CELLMESH_SIM_SEEDS` sets the seeds per scenario (default 250: 2,000 runs in all); one seed
 //! with its trace is `cellmesh sim --scenario NAME --seed N --trace STEPS`.
 
 use cellmesh_sim::{catalogue, named, run, run_traced, Fault, FaultPlan, Report, Scenario};
@@ -11,7 +11,7 @@ fn seeds_per_scenario() -> u64 {
     std::env::var("CELLMESH_SIM_SEEDS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(300)
+        .unwrap_or(250)
 }
 
 /// Runs every seed of `name`; panics with the failed seeds and the first one's report.
@@ -54,6 +54,11 @@ fn replan() {
 }
 
 #[test]
+fn retire() {
+    seeds_of("retire");
+}
+
+#[test]
 fn overload() {
     seeds_of("overload");
 }
@@ -78,7 +83,7 @@ fn the_suite_runs_every_scenario_of_the_catalogue_with_enough_seeds() {
     let names: Vec<&str> = catalogue().iter().map(|s| s.name).collect();
     assert_eq!(
         names,
-        ["walk", "cuts", "replan", "overload", "logins", "stores", "geos"]
+        ["walk", "cuts", "replan", "retire", "overload", "logins", "stores", "geos"]
     );
     assert!(
         seeds_per_scenario() * names.len() as u64 >= 2_000

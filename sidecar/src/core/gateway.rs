@@ -355,6 +355,7 @@ impl Core {
     }
 
     pub(crate) fn on_input(&mut self, link: LinkId, i: mesh::SessionInput) {
+        self.metrics.inputs_from_proxies.inc();
         let Some(s) = self
             .gw
             .sessions

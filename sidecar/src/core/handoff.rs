@@ -361,6 +361,9 @@ impl Core {
                 .into(),
             );
         }
+        self.metrics
+            .inputs_copies_applied
+            .inc_by(thawed.forwarded_copies);
         for i in thawed.inputs {
             self.input_to_game(i);
         }
@@ -595,7 +598,7 @@ impl Core {
                     .iter()
                     .filter(|f| matches!(f, Fenced::Input(_)))
                     .count() as u64;
-                self.metrics.drop_msg("input_copy_refused", copies);
+                self.metrics.copies_refused(copies);
                 self.metrics.handoff(from, me, "refused");
                 self.send_peer(
                     from,
@@ -977,7 +980,7 @@ impl Core {
         let hops = i.hops + 1;
         if i.entity_id != 0 && self.handoff.fence.is_burnt(i.entity_id, i.entity_epoch) {
             // A copy forwarded behind an offer this node refused: its source applies the original.
-            return self.metrics.drop_msg("input_copy_refused", 1);
+            return self.metrics.copies_refused(1);
         }
         match master {
             Some((id, None, epoch)) => {
@@ -1050,7 +1053,7 @@ impl Core {
             Admit::Accept(_) => self.metrics.drop_input("input_epoch_conflict"),
             Admit::Dropped(_) if self.handoff.fence.is_burnt(id, epoch) => {
                 // A copy forwarded behind a refused offer: its source applies the original.
-                self.metrics.drop_msg("input_copy_refused", 1);
+                self.metrics.copies_refused(1);
             }
             Admit::Dropped(_) => {
                 self.metrics.stale_epoch_drops.inc();

@@ -312,7 +312,10 @@ impl Core {
             }
             B::PlayerJoin(j) => self.on_peer_player_join(node, j),
             B::PlayerLeave(l) => self.on_peer_player_leave(l),
-            B::ForwardInput(i) => self.input_for_master(i),
+            B::ForwardInput(i) => {
+                self.metrics.inputs_from_peers.inc();
+                self.input_for_master(i)
+            }
             B::Anchor(a) => self.on_anchor(node, a),
             B::Routed(r) => self.on_routed(r),
             B::SessionMoved(m) => self.on_session_moved(m),

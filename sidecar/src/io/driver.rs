@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::mesh::MeshCtx;
+use super::mesh::{self, MeshCtx};
 use super::{dial, store, Event, GameHandle, GameOut, LinkHandle};
 use crate::core::{ConnId, Core, Input, LinkId, Now, Output};
 use crate::metrics::Metrics;
@@ -166,13 +166,24 @@ impl Driver {
                 }
                 Output::ToLink { link, frame } => {
                     let Some(l) = self.links.get(&link) else {
+                        let lost = mesh::forwarded_inputs(&frame);
+                        self.metrics.inputs_lost_in_links.inc_by(lost);
                         continue;
                     };
-                    if let Err(TrySendError::Full(_)) = l.outbox.try_send(frame) {
-                        l.kill.cancel();
-                        self.links.remove(&link);
-                        let now = self.now();
-                        self.core.handle(now, Input::LinkStalled { link });
+                    match l.outbox.try_send(frame) {
+                        Ok(()) => {}
+                        Err(TrySendError::Full(frame)) => {
+                            let lost = mesh::forwarded_inputs(&frame);
+                            self.metrics.inputs_lost_in_links.inc_by(lost);
+                            l.kill.cancel();
+                            self.links.remove(&link);
+                            let now = self.now();
+                            self.core.handle(now, Input::LinkStalled { link });
+                        }
+                        Err(TrySendError::Closed(frame)) => {
+                            let lost = mesh::forwarded_inputs(&frame);
+                            self.metrics.inputs_lost_in_links.inc_by(lost);
+                        }
                     }
                 }
                 Output::KillLink { link } => {

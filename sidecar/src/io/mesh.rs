@@ -232,6 +232,49 @@ pub(crate) async fn pump(
     ctx: &MeshCtx,
     who: &str,
 ) -> (bool, String) {
+    let mut written = 0;
+    let ended = pump_until_closed(
+        reader,
+        writer,
+        link,
+        &mut queue,
+        &mut written,
+        kill,
+        ctx,
+        who,
+    )
+    .await;
+    // Inputs this link carried may have died with it; those it never wrote did.
+    ctx.metrics.inputs_on_ended_links.inc_by(written);
+    queue.close();
+    while let Ok(frame) = queue.try_recv() {
+        ctx.metrics
+            .inputs_lost_in_links
+            .inc_by(forwarded_inputs(&frame));
+    }
+    ended
+}
+
+/// How many forwarded client inputs `frame` carries.
+pub(crate) fn forwarded_inputs(frame: &MeshFrame) -> u64 {
+    frame
+        .messages
+        .iter()
+        .filter(|m| matches!(m.body, Some(mesh_message::Body::ForwardInput(_))))
+        .count() as u64
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn pump_until_closed(
+    reader: &mut Reader,
+    writer: &mut Writer,
+    link: u64,
+    queue: &mut mpsc::Receiver<MeshFrame>,
+    written: &mut u64,
+    kill: CancellationToken,
+    ctx: &MeshCtx,
+    who: &str,
+) -> (bool, String) {
     let mut heartbeat = tokio::time::interval_at(Instant::now() + HEARTBEAT_EVERY, HEARTBEAT_EVERY);
     let dead = tokio::time::sleep(DEAD_AFTER);
     tokio::pin!(dead);
@@ -241,15 +284,17 @@ pub(crate) async fn pump(
             _ = kill.cancelled() => return (true, "closed by the node".into()),
             out = queue.recv() => {
                 let Some(frame) = out else { return (true, "sidecar let go of the link".into()) };
-                let written = async {
+                let write = async {
+                    *written += forwarded_inputs(&frame);
                     writer.feed(frame).await?;
                     while let Ok(more) = queue.try_recv() {
+                        *written += forwarded_inputs(&more);
                         writer.feed(more).await?;
                     }
                     SinkExt::<MeshFrame>::flush(writer).await
                 };
                 let r = tokio::select! {
-                    r = written => r,
+                    r = write => r,
                     _ = kill.cancelled() => continue,
                 };
                 if let Err(e) = r {

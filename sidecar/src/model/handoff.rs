@@ -114,6 +114,8 @@ pub struct Thawed<I> {
     pub members: Vec<EntityId>,
     pub inputs: Vec<I>,
     pub freeze_ms: u64,
+    /// How many of `inputs` were also forwarded to the target (whose copies it drops).
+    pub forwarded_copies: u64,
 }
 
 /// Where an input for an entity goes.
@@ -142,7 +144,9 @@ struct Outgoing<I> {
     phase: Phase,
     /// Held before the offer, or copies of those forwarded since (given back on a refusal).
     inputs: Vec<I>,
-    /// Copies whose forward could not be sent.
+    /// Inputs routed to the target behind the offer (a copy of each kept in `inputs`)...
+    copies: u64,
+    /// ...and those whose forward could not be sent.
     unforwarded: u64,
 }
 
@@ -200,6 +204,7 @@ impl<I: Clone> HandoffSource<I> {
                     parts: HashMap::default(),
                 },
                 inputs: Vec::new(),
+                copies: 0,
                 unforwarded: 0,
             },
         );
@@ -338,6 +343,7 @@ impl<I: Clone> HandoffSource<I> {
                 }
                 Phase::Offered { .. } => {
                     o.inputs.push(input.clone());
+                    o.copies += 1;
                     InputRoute::Forward {
                         to: o.to,
                         epoch: o.offered,
@@ -472,6 +478,7 @@ impl<I: Clone> HandoffSource<I> {
             members: o.members,
             inputs: o.inputs,
             freeze_ms: now_ms.saturating_sub(o.since_ms),
+            forwarded_copies: o.copies.saturating_sub(o.unforwarded),
         }
     }
 }
@@ -994,7 +1001,9 @@ mod tests {
             Thawed {
                 members: vec![10],
                 inputs: vec![1, 2],
-                freeze_ms: 500
+                freeze_ms: 500,
+                // 1 was held and went with the offer; 2 was forwarded behind it.
+                forwarded_copies: 1,
             }
         );
         assert!(!s.is_frozen(10));
