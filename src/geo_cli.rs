@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use cellmesh_geo_router::geosim;
+use cellmesh_geosim as geosim;
 
 #[derive(clap::Args, Debug)]
 pub struct GeoArgs {
@@ -16,7 +16,7 @@ pub enum GeoCommand {
     /// Run a bubble-placement scenario in virtual time: a timeline of the decisions with their
     /// reasons, and a summary against always-core and an oracle without hysteresis.
     Simulate {
-        /// Scenario file (TOML), e.g. one of geo-router/scenarios/.
+        /// Scenario file (TOML), e.g. one of geosim/scenarios/.
         scenario: PathBuf,
         /// Print the summary and timeline as JSON instead of text.
         #[arg(long)]

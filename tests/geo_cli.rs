@@ -5,7 +5,7 @@ use std::process::Command;
 
 #[test]
 fn every_shipped_scenario_simulates_to_text_json_and_svg() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("geo-router/scenarios");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("geosim/scenarios");
     let out_dir = tempfile::tempdir().unwrap();
     let mut seen = 0;
     for entry in std::fs::read_dir(&dir).unwrap() {

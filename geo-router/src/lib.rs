@@ -5,14 +5,14 @@
 //!   between two epochs (pure, no I/O).
 //! - [`topology`]: the committed partition, node leases (the fencing tokens) and node records,
 //!   in MongoDB or in memory.
-//! - [`bubbles`]: which datacenter simulates each group of players (pure, virtual time).
-//! - [`geosim`]: the scenario simulator that tunes the bubble policy (`cellmesh geo simulate`).
+//! - [`bubbles`]: which datacenter simulates each group of players (pure, virtual time). The
+//!   scenario simulator that tunes it is the `cellmesh-geosim` crate, kept apart so that what
+//!   links this crate does not link its plotting.
 //! - [`store`]: the stores behind traits: the session directory (Redis per geo, or in memory) and
 //!   player records (MongoDB, or in memory).
 
 pub mod bubbles;
 pub mod geometry;
-pub mod geosim;
 pub mod partition;
 pub mod store;
 pub mod topology;

@@ -1,5 +1,6 @@
-//! The bubble placement simulator: runs [`bubbles::Placement`](crate::bubbles::Placement) over a
-//! scenario in virtual time, for network engineers tuning its parameters.
+//! The bubble placement simulator: runs
+//! [`bubbles::Placement`](cellmesh_geo_router::bubbles::Placement) over a scenario in virtual
+//! time, for network engineers tuning its parameters.
 //!
 //! A scenario ([`Scenario`], from TOML) gives the sites, an RTT model per (player location,
 //! site) with jitter from a seeded generator, players with roles and waypoints, edge outages and
@@ -7,6 +8,9 @@
 //! returns a [`Report`]: a timeline of decisions with their reasons, and a summary judged against
 //! two yardsticks, everyone on the core and an oracle that knows the true RTTs and has no
 //! hysteresis. [`render_svg`] draws it. Nothing here reads files or clocks.
+//!
+//! A crate of its own, apart from `cellmesh-geo-router`, so that the data plane (the sidecar and
+//! the proxy) does not link the plotting; `tests/data_plane_deps.rs` holds that.
 
 mod plot;
 mod run;

@@ -9,14 +9,16 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::bubbles::{Decision, Member, MemberId, Placement, Reason, RttBook, SiteId, Sites};
+use cellmesh_geo_router::bubbles::{
+    Decision, Member, MemberId, Placement, Reason, RttBook, SiteId, Sites,
+};
 
 use super::scenario::{Scenario, LOGIN_PROBES};
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SimError {
     #[error("placement: {0}")]
-    Placement(#[from] crate::bubbles::BubbleError),
+    Placement(#[from] cellmesh_geo_router::bubbles::BubbleError),
 }
 
 /// Everything a run produced.
