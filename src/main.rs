@@ -107,6 +107,16 @@ fn init_tracing(default: &str) {
         .init();
 }
 
+/// Prints the one line on stdout that names the addresses a process bound, so whoever started it
+/// with port 0 learns the ports (the format is documented in the README). Nobody reading stdout is
+/// no reason to stop serving: write errors are ignored.
+fn report_listening(line: std::fmt::Arguments) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -180,6 +190,10 @@ async fn main() -> anyhow::Result<()> {
                 cellmesh_sidecar::start_in(cfg, stores, topology, stop.clone()).await?
             };
             tracing::info!(local = %handle.local_addr, mesh = %handle.mesh_addr, admin = %handle.admin_addr, "sidecar running");
+            report_listening(format_args!(
+                "cellmesh sidecar listening local={} mesh={} admin={}",
+                handle.local_addr, handle.mesh_addr, handle.admin_addr
+            ));
             tokio::select! {
                 _ = signal::shutdown() => {}
                 _ = stop.cancelled() => {}
@@ -208,6 +222,10 @@ async fn main() -> anyhow::Result<()> {
             let stop = CancellationToken::new();
             let handle = cellmesh_proxy::start(cfg, stop.clone()).await?;
             tracing::info!(clients = %handle.client_addr, admin = %handle.admin_addr, "proxy running");
+            report_listening(format_args!(
+                "cellmesh proxy listening clients={} admin={}",
+                handle.client_addr, handle.admin_addr
+            ));
             signal::shutdown().await;
             tracing::info!("shutting down");
             stop.cancel();

@@ -4,14 +4,15 @@
 //! spreads sessions over both, and one client sees the NPCs of both nodes.
 
 use std::collections::HashSet;
-use std::process::Stdio;
 use std::time::Duration;
 
 use cellmesh_arena::{schema, ArenaConfig};
 use cellmesh_proto::edge::{client_message, server_message, DeltaKind, Pong};
 use cellmesh_proto::sdk::SidecarAddr;
-use support::{commit_plan, free_port, required, run_id, spawn_sidecar, wait_ready};
-use tokio::process::Command;
+use cellmesh_test_support::{
+    commit_plan, proxy_command, required, run_id, unix_now, wait_ready, ProxyProcess,
+};
+use support::{start_sidecar, CELLMESH};
 
 mod support;
 
@@ -22,19 +23,18 @@ async fn two_sidecar_processes_serve_one_world() {
     let run = run_id();
     let topology = format!("{}/cm_cluster_{run}", mongo.trim_end_matches('/'));
     let geo = format!("cluster-{run}");
-    let bin = env!("CARGO_BIN_EXE_cellmesh");
 
     // The operator commits a 2×1 grid: node 1 west of x = 65 536 m, node 2 east of it.
-    commit_plan(&topology, "2x1", "1,2");
+    commit_plan(CELLMESH, &topology, "2x1", "1,2");
 
-    let mut n1 = spawn_sidecar(1, &topology, &redis, &geo);
-    let mut n2 = spawn_sidecar(2, &topology, &redis, &geo);
+    let mut n1 = start_sidecar(1, &topology, &redis, &geo).await;
+    let mut n2 = start_sidecar(2, &topology, &redis, &geo).await;
 
     // Both arenas stand at the border, so one view holds NPCs of both nodes.
     let mut arenas = Vec::new();
     for (node, x) in [(&n1, 65_500.0), (&n2, 65_572.0)] {
         let cfg = ArenaConfig {
-            sidecar: SidecarAddr::Tcp(format!("127.0.0.1:{}", node.local)),
+            sidecar: SidecarAddr::Tcp(node.local.to_string()),
             npcs: 4,
             center: (x, 1000.0),
             spread: 50.0,
@@ -45,33 +45,25 @@ async fn two_sidecar_processes_serve_one_world() {
             tokio::time::sleep(Duration::from_secs(90)),
         )));
     }
-    wait_ready(n1.admin, &mut n1.child).await;
-    wait_ready(n2.admin, &mut n2.child).await;
+    wait_ready(n1.admin, &mut n1.process).await;
+    wait_ready(n2.admin, &mut n2.process).await;
 
-    let (client, admin) = (free_port(), free_port());
-    let mut proxy = Command::new(bin)
-        .arg("proxy")
-        .env("CELLMESH_GEO", &geo)
-        .env("CELLMESH_CLIENT_LISTEN", format!("127.0.0.1:{client}"))
-        .env("CELLMESH_ADMIN_LISTEN", format!("127.0.0.1:{admin}"))
-        .env(
-            "CELLMESH_GATEWAYS",
-            format!("[\"127.0.0.1:{}\", \"127.0.0.1:{}\"]", n1.mesh, n2.mesh),
-        )
-        .env("CELLMESH_TOKEN_SECRET", "cluster-test")
-        .stdout(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    wait_ready(admin, &mut proxy).await;
+    let mut proxy = ProxyProcess::start(
+        "proxy",
+        proxy_command(CELLMESH)
+            .env("CELLMESH_GEO", &geo)
+            .env(
+                "CELLMESH_GATEWAYS",
+                format!("[\"{}\", \"{}\"]", n1.mesh, n2.mesh),
+            )
+            .env("CELLMESH_TOKEN_SECRET", "cluster-test"),
+    )
+    .await;
+    wait_ready(proxy.admin, &mut proxy.process).await;
 
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let token = cellmesh_proto::token::sign(b"cluster-test", "ada", now + 120);
+    let token = cellmesh_proto::token::sign(b"cluster-test", "ada", unix_now() + 120);
     let (mut tx, mut rx, welcome) =
-        cellmesh_proto::client::login(&format!("127.0.0.1:{client}"), &token)
+        cellmesh_proto::client::login(&proxy.clients.to_string(), &token)
             .await
             .expect("login");
     assert!([1, 2].contains(&welcome.gateway_node), "{welcome:?}");

@@ -13,14 +13,16 @@
 //! first: the target accepts the offers and sends `Adopt`, which nobody answers, so the source
 //! holds them in doubt.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use support::{admin_state, commit_plan, free_port, required, run_id, Log};
-use tokio::process::{Child, Command};
-use tokio::task::JoinHandle;
+use cellmesh_test_support::{
+    admin_state, commit_plan, required, run_id, sidecar_command, Process, SidecarProcess,
+};
+use support::CELLMESH;
+use tokio::process::Command;
 use tokio::time::Instant;
 
 mod support;
@@ -79,156 +81,43 @@ fn arena_bin() -> &'static Path {
     })
 }
 
-/// A child process with its stdout and stderr collected.
-struct Proc {
-    name: String,
-    child: Child,
-    log: Log,
-    readers: Vec<JoinHandle<()>>,
-}
-
-impl Proc {
-    fn spawn(name: String, cmd: &mut Command) -> Self {
-        let mut child = cmd
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
-        let log = Log::default();
-        let readers = vec![
-            log.collect(child.stdout.take().expect("piped")),
-            log.collect(child.stderr.take().expect("piped")),
-        ];
-        Self {
-            name,
-            child,
-            log,
-            readers,
-        }
-    }
-
-    /// Everything the process wrote, once it has exited (its pipes close).
-    async fn last_words(&mut self) -> String {
-        for reader in self.readers.drain(..) {
-            let _ = tokio::time::timeout(Duration::from_secs(5), reader).await;
-        }
-        self.log.text()
-    }
-
-    fn signal(&self, signal: &str) {
-        let pid = self.child.id().expect("the process runs").to_string();
-        let status = std::process::Command::new("kill")
-            .args([&format!("-{signal}"), &pid])
-            .status()
-            .expect("running kill");
-        assert!(status.success(), "kill -{signal} {} failed", self.name);
-    }
-
-    /// SIGKILL, and waits until it is gone.
-    async fn kill(&mut self) {
-        self.child.kill().await.expect("killing the process");
-    }
-
-    /// SIGTERM; waits for the exit and returns what the process wrote.
-    async fn terminate(mut self) -> String {
-        self.signal("TERM");
-        let status = tokio::time::timeout(Duration::from_secs(10), self.child.wait())
-            .await
-            .unwrap_or_else(|_| panic!("{} did not exit on SIGTERM", self.name))
-            .expect("waiting for the process");
-        let log = self.last_words().await;
-        assert!(
-            status.success(),
-            "{} exited with {status}:\n{log}",
-            self.name
-        );
-        log
-    }
-
-    fn tail(&self) -> String {
-        let text = self.log.text();
-        let start = text.len().saturating_sub(3000);
-        let start = (start..text.len())
-            .find(|&i| text.is_char_boundary(i))
-            .unwrap_or(0);
-        format!("--- {} ---\n{}", self.name, &text[start..])
-    }
-}
-
-/// A `cellmesh sidecar` process and the addresses it keeps over restarts.
+/// A `cellmesh sidecar` process and the addresses it bound.
 struct Sidecar {
     node: u32,
     topology: String,
-    local: u16,
-    mesh: u16,
-    admin: u16,
-    proc: Proc,
+    proc: SidecarProcess,
 }
 
 impl Sidecar {
     async fn start(node: u32, topology: &str, deadline: Instant) -> Self {
-        let (local, mesh, admin) = (free_port(), free_port(), free_port());
-        let proc = Self::launch(node, topology, (local, mesh, admin), deadline).await;
         Self {
             node,
             topology: topology.into(),
-            local,
-            mesh,
-            admin,
-            proc,
+            proc: Self::launch(node, topology, deadline).await,
         }
     }
 
-    /// Starts the node again on the same addresses once its predecessor's lease has lapsed.
+    /// Starts the node again once its predecessor's lease has lapsed. What is under test is the
+    /// node id coming back, not its ports: the new process binds new ones and peers learn them
+    /// from the record it publishes.
     async fn restart(&mut self, deadline: Instant) {
-        self.proc = Self::launch(
-            self.node,
-            &self.topology,
-            (self.local, self.mesh, self.admin),
-            deadline,
-        )
-        .await;
+        self.proc = Self::launch(self.node, &self.topology, deadline).await;
     }
 
     /// Runs the sidecar; one refused because the node id is still leased is started again.
-    async fn launch(
-        node: u32,
-        topology: &str,
-        (local, mesh, admin): (u16, u16, u16),
-        deadline: Instant,
-    ) -> Proc {
+    async fn launch(node: u32, topology: &str, deadline: Instant) -> SidecarProcess {
         loop {
-            let mut proc = Proc::spawn(
+            let started = SidecarProcess::try_start(
                 format!("sidecar {node}"),
-                Command::new(env!("CARGO_BIN_EXE_cellmesh"))
-                    .arg("sidecar")
+                sidecar_command(CELLMESH)
                     .env("CELLMESH_NODE_ID", node.to_string())
-                    .env("CELLMESH_LOCAL_LISTEN", format!("127.0.0.1:{local}"))
-                    .env("CELLMESH_MESH_LISTEN", format!("127.0.0.1:{mesh}"))
-                    .env("CELLMESH_ADMIN_LISTEN", format!("127.0.0.1:{admin}"))
                     .env("CELLMESH_TOPOLOGY_URL", topology)
                     .env("CELLMESH_NODE_LEASE_MS", NODE_LEASE_MS),
-            );
-            loop {
-                if admin_state(admin).await.is_some() {
-                    return proc;
-                }
-                if let Some(status) = proc.child.try_wait().expect("polling the sidecar") {
-                    let log = proc.last_words().await;
-                    assert!(
-                        log.contains("is leased by"),
-                        "sidecar {node} exited with {status}:\n{log}"
-                    );
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "sidecar {node} did not start:\n{}",
-                    proc.log.text()
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
+            )
+            .await;
+            match started {
+                Ok(proc) => return proc,
+                Err(exited) => assert!(exited.log.contains("is leased by"), "{exited}"),
             }
             assert!(
                 Instant::now() < deadline,
@@ -238,9 +127,22 @@ impl Sidecar {
         }
     }
 
+    fn local(&self) -> SocketAddr {
+        self.proc.local
+    }
+
+    fn process(&self) -> &Process {
+        &self.proc.process
+    }
+
+    /// SIGKILL, and waits until it is gone.
+    async fn kill(&mut self) {
+        self.proc.process.kill().await;
+    }
+
     /// The node's state once it has started.
     async fn state(&self) -> Option<NodeState> {
-        admin_state(self.admin)
+        admin_state(self.proc.admin)
             .await
             .filter(|s| s["starting"] != true)
             .map(|s| NodeState::of(&s))
@@ -264,7 +166,7 @@ async fn until_leased(mut nodes: [&mut Sidecar; 2], deadline: Instant) {
                         "node {} lost its lease as it started; starting it again",
                         node.node
                     );
-                    node.proc.kill().await;
+                    node.kill().await;
                     node.restart(deadline).await;
                 }
                 _ => {}
@@ -274,7 +176,7 @@ async fn until_leased(mut nodes: [&mut Sidecar; 2], deadline: Instant) {
             return;
         }
         if Instant::now() >= deadline {
-            let logs: Vec<String> = nodes.iter().map(|n| n.proc.tail()).collect();
+            let logs: Vec<String> = nodes.iter().map(|n| n.process().tail()).collect();
             panic!("the nodes never linked:\n{}", logs.join("\n"));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -336,7 +238,7 @@ async fn until_states<const N: usize>(
     deadline: Instant,
     what: &str,
     nodes: [&Sidecar; N],
-    procs: &[&Proc],
+    procs: &[&Process],
     expect: impl Fn(&[NodeState; N]) -> bool,
 ) -> [NodeState; N] {
     let mut seen: Option<[NodeState; N]> = None;
@@ -359,7 +261,7 @@ async fn until_states<const N: usize>(
         };
         seen = None;
         if Instant::now() >= deadline {
-            let mut logs: Vec<String> = nodes.iter().map(|n| n.proc.tail()).collect();
+            let mut logs: Vec<String> = nodes.iter().map(|n| n.process().tail()).collect();
             logs.extend(procs.iter().map(|p| p.tail()));
             panic!(
                 "timed out waiting for {what}: {complaint}\n{}",
@@ -370,11 +272,11 @@ async fn until_states<const N: usize>(
     }
 }
 
-fn arena(node: &Sidecar, name: &str, npcs: u64, center: (f64, f64)) -> Proc {
-    Proc::spawn(
+fn arena(node: &Sidecar, name: &str, npcs: u64, center: (f64, f64)) -> Process {
+    Process::spawn(
         format!("arena {name}"),
         Command::new(arena_bin())
-            .args(["--sidecar", &format!("127.0.0.1:{}", node.local)])
+            .args(["--sidecar", &node.local().to_string()])
             .args(["--npcs", &npcs.to_string()])
             .args(["--center", &format!("{},{}", center.0, center.1)])
             .args(["--spread", &SPREAD.to_string()])
@@ -409,9 +311,9 @@ struct InFlight {
     source: Sidecar,
     target: Sidecar,
     /// Node 1's game holding the in-flight NPCs frozen.
-    source_game: Proc,
+    source_game: Process,
     /// Node 2's game, stopped (SIGSTOP).
-    target_game: Proc,
+    target_game: Process,
     deadline: Instant,
 }
 
@@ -421,7 +323,7 @@ async fn in_flight(tag: &str) -> InFlight {
     let mongo = required("CELLMESH_TEST_MONGO_URL");
     let run = run_id();
     let topology = format!("{}/cm_handoff_{tag}_{run}", mongo.trim_end_matches('/'));
-    commit_plan(&topology, "2x1", "1,2");
+    commit_plan(CELLMESH, &topology, "2x1", "1,2");
 
     let mut source = Sidecar::start(1, &topology, deadline).await;
     let mut target = Sidecar::start(2, &topology, deadline).await;
@@ -481,7 +383,7 @@ async fn killing_the_target_mid_handoff_leaves_every_entity_held_once() {
         deadline,
     } = in_flight("target").await;
 
-    target.proc.kill().await;
+    target.kill().await;
     target_game.kill().await;
     target.restart(deadline).await;
     until_leased([&mut source, &mut target], deadline).await;
@@ -517,14 +419,14 @@ async fn killing_the_source_mid_handoff_keeps_what_was_handed_over() {
         deadline,
     } = in_flight("source").await;
 
-    source.proc.kill().await;
+    source.kill().await;
     source_game.kill().await;
     target_game.signal("CONT");
     until_states(
         deadline,
         "the target to keep what it was handed",
         [&target],
-        &[&target_game, &source.proc],
+        &[&target_game, source.process()],
         |[t]| t.lease_live && t.in_flight == 0 && t.adopting == 0 && t.reals == SETTLED + IN_FLIGHT,
     )
     .await;

@@ -10,7 +10,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use cellmesh_arena::{schema, ArenaConfig, Census};
 use cellmesh_geo_router::geometry::WorldShape;
@@ -23,12 +23,10 @@ use cellmesh_proto::edge::{client_message, server_message, Batch, DeltaKind, Pon
 use cellmesh_proto::sdk::SidecarAddr;
 use cellmesh_proxy::ProxyConfig;
 use cellmesh_sidecar::{SidecarConfig, SidecarHandle};
-use support::Log;
+use cellmesh_test_support::{required, unix_now, Log};
 use tokio::process::{Child, Command};
 use tokio::time::{timeout_at, Instant};
 use tokio_util::sync::CancellationToken;
-
-mod support;
 
 const KIND: u32 = 1;
 const HEALTH: u32 = 2;
@@ -39,12 +37,7 @@ const CENTER: (f64, f64) = (640.0, 320.0);
 const DEADLINE: Duration = Duration::from_secs(30);
 
 fn python() -> String {
-    std::env::var("CELLMESH_TEST_PYTHON").unwrap_or_else(|_| {
-        panic!(
-            "CELLMESH_TEST_PYTHON is not set: run ./scripts/test.sh, which creates a Python venv with \
-             protobuf and grpcio-tools and exports its interpreter as CELLMESH_TEST_PYTHON"
-        )
-    })
+    required("CELLMESH_TEST_PYTHON")
 }
 
 fn game_dir() -> PathBuf {
@@ -64,12 +57,7 @@ async fn login_alice(
     secret: &str,
     deadline: Instant,
 ) -> (ClientSender, ClientReceiver, cellmesh_proto::edge::Welcome) {
-    let expiry = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-        + 3600;
-    let token = cellmesh_proto::token::sign(secret.as_bytes(), "alice", expiry);
+    let token = cellmesh_proto::token::sign(secret.as_bytes(), "alice", unix_now() + 3600);
     timeout_at(
         deadline,
         client::login(&proxy.client_addr.to_string(), &token),

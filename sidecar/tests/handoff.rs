@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use cellmesh_geo_router::geometry::WorldShape;
@@ -25,6 +25,7 @@ use cellmesh_proto::edge::{self, DeltaKind};
 use cellmesh_proto::local::{self, game_message, sidecar_message, AudienceKind, ErrorCode};
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame};
 use cellmesh_sidecar::{Real, SidecarConfig, SidecarHandle, SidecarStats};
+use cellmesh_test_support::{unix_ms, PATIENCE};
 use futures::{SinkExt, StreamExt};
 use prost::Message;
 use support::*;
@@ -41,8 +42,6 @@ const HEALTH: u32 = 2;
 const INVENTORY: u32 = 3;
 /// What the scripted games put in a snapshot.
 const STATE: &[u8] = b"complete state of alice";
-/// Waits across a cut link: the dialling node redials with a back-off of up to 2 s.
-const HEAL: Duration = Duration::from_secs(8);
 /// How long each polling round listens before the games tick again.
 const POLL: Duration = Duration::from_millis(15);
 const RETRY_MS: u64 = 1_000;
@@ -69,23 +68,17 @@ fn config(node_id: u32) -> SidecarConfig {
     }
 }
 
-fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
-
-/// A deadline for a polling loop: `check` panics naming what never happened.
+/// A deadline for a polling loop: `check` panics naming what never happened. [`PATIENCE`] covers
+/// waits across a cut link too: the dialling node redials with a back-off of up to 2 s.
 struct Patience {
     until: Instant,
     what: String,
 }
 
 impl Patience {
-    fn new(what: impl Into<String>, d: Duration) -> Self {
+    fn new(what: impl Into<String>) -> Self {
         Self {
-            until: Instant::now() + d,
+            until: Instant::now() + PATIENCE,
             what: what.into(),
         }
     }
@@ -203,7 +196,7 @@ impl Cluster {
     }
 
     async fn stats_until(&self, id: u32, what: &str, f: impl Fn(&SidecarStats) -> bool) {
-        let p = Patience::new(format!("node {id}: {what}"), HEAL);
+        let p = Patience::new(format!("node {id}: {what}"));
         while !f(&self.h(id).stats()) {
             p.check();
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -232,7 +225,7 @@ impl Cluster {
     }
 
     async fn state_until(&self, id: u32, what: &str, f: impl Fn(&serde_json::Value) -> bool) {
-        let p = Patience::new(format!("node {id}: {what}"), WAIT);
+        let p = Patience::new(format!("node {id}: {what}"));
         while !f(&self.state(id).await) {
             p.check();
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -253,7 +246,7 @@ impl Cluster {
         what: &str,
         mut f: impl FnMut(&ToGame) -> Option<T>,
     ) -> T {
-        let p = Patience::new(format!("node {node}'s game: {what}"), WAIT);
+        let p = Patience::new(format!("node {node}'s game: {what}"));
         loop {
             p.check();
             self.tick().await;
@@ -280,7 +273,7 @@ impl Cluster {
     }
 
     async fn census_until(&self, id: u64, want: &[(u32, Real)]) {
-        let p = Patience::new(format!("a census of {want:?}"), HEAL);
+        let p = Patience::new(format!("a census of {want:?}"));
         loop {
             let got = self.census(id);
             if got == want {
@@ -533,7 +526,7 @@ async fn play(c: &mut Cluster, node: u32, x: u64, claims: &mut Claims) {
 /// Plays both games of a pair until node 1 let go of `x` and the census agrees with the claims,
 /// then a while longer, in which nothing more may happen to it.
 async fn finish(c: &mut Cluster, claims: &mut Claims, x: u64) {
-    let p = Patience::new("the handoff to complete", HEAL);
+    let p = Patience::new("the handoff to complete");
     loop {
         p.check();
         c.tick().await;
@@ -742,7 +735,7 @@ impl Relay {
         what: &str,
         mut f: impl FnMut(&mesh_message::Body) -> Option<T>,
     ) -> T {
-        let p = Patience::new(format!("the relay to see {what}"), WAIT);
+        let p = Patience::new(format!("the relay to see {what}"));
         loop {
             if let Some(t) = self.seen(dir, &mut f).pop() {
                 return t;
@@ -888,7 +881,7 @@ async fn a_player_crosses_the_border_with_nothing_lost_doubled_or_seen() {
     };
     c.tick_until_game(2, "a ghost of X", ghost_enter_of(x))
         .await;
-    let p = Patience::new("both clients to see X", WAIT);
+    let p = Patience::new("both clients to see X");
     while alice.count(DeltaKind::Appear) == 0 || bob.count(DeltaKind::Appear) == 0 {
         p.check();
         c.tick().await;
@@ -959,7 +952,7 @@ async fn a_player_crosses_the_border_with_nothing_lost_doubled_or_seen() {
         )],
         removed_types: vec![],
     }));
-    let p = Patience::new("node 2's writes to reach both clients", WAIT);
+    let p = Patience::new("node 2's writes to reach both clients");
     loop {
         p.check();
         c.tick().await;
@@ -1206,7 +1199,7 @@ async fn replay(c: &Cluster, relay: &Relay, offer: &mesh::HandoffOffer) {
     };
     let (before, stale) = (answers(relay), c.h(2).stats().stale_epoch_drops);
     relay.inject(mesh_message::Body::HandoffOffer(offer.clone()));
-    let p = Patience::new("an answer to the replayed offer", WAIT);
+    let p = Patience::new("an answer to the replayed offer");
     while answers(relay) == before && c.h(2).stats().stale_epoch_drops == stale {
         p.check();
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -1476,7 +1469,7 @@ async fn a_node_that_lost_its_lease_freezes_everything_it_owns() {
         v.sort_by_key(|r| r.1.id);
         v
     };
-    let p = Patience::new("both entities in the census", WAIT);
+    let p = Patience::new("both entities in the census");
     while census(&c) != both(false) {
         p.check();
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1510,7 +1503,7 @@ async fn a_node_that_lost_its_lease_freezes_everything_it_owns() {
     assert_eq!(e.code, ErrorCode::NotOwner as i32, "{e:?}");
     assert!(!e.fatal);
     assert_eq!(c.ready(1).await, 503);
-    let p = Patience::new("both entities frozen in the census", WAIT);
+    let p = Patience::new("both entities frozen in the census");
     while census(&c) != both(true) {
         p.check();
         tokio::time::sleep(Duration::from_millis(20)).await;

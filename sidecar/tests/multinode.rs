@@ -17,6 +17,7 @@ use cellmesh_geo_router::topology::TopologyStore;
 use cellmesh_proto::edge::{self, DeltaKind, KickReason};
 use cellmesh_proto::local::{self, game_message, sidecar_message, AudienceKind};
 use cellmesh_sidecar::{SidecarConfig, SidecarHandle};
+use cellmesh_test_support::{required, run_id};
 use support::*;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
@@ -711,11 +712,7 @@ async fn displacement(stores: Stores) {
     let mut l1 = MeshLink::dial(w.node(1).h().mesh_addr, "edge-a").await;
     let mut l2 = MeshLink::dial(w.node(2).h().mesh_addr, "edge-b").await;
     // Unique per run: the Redis directory outlives the test.
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let account = format!("alice-{nanos}");
+    let account = format!("alice-{}", run_id());
     w.join(1, &mut l1, 1, &account, chunk(5, 5)).await;
     let first = w
         .until(&mut l1, 1, "the first batch", |b| Some(b.tick))
@@ -755,9 +752,7 @@ async fn a_second_login_on_another_gateway_wins() {
 
 #[tokio::test]
 async fn the_session_directory_in_redis_routes_across_gateways() {
-    let url = std::env::var("CELLMESH_TEST_REDIS_URL").unwrap_or_else(|_| {
-        panic!("CELLMESH_TEST_REDIS_URL is not set: run ./scripts/test.sh, which starts Redis")
-    });
+    let url = required("CELLMESH_TEST_REDIS_URL");
     let stores = Stores::open(&url, "memory", "test-multinode")
         .await
         .expect("Redis answers");

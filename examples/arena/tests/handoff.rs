@@ -3,7 +3,6 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Duration;
 
 use cellmesh_arena::schema::{self, SampleSnapshot, SnapshotKind, SNAPSHOT_VERSION};
 use cellmesh_arena::{ArenaConfig, ArenaStats, Census};
@@ -13,6 +12,7 @@ use cellmesh_proto::local::{
     Input, PlayerJoin, PlayerLeave, SidecarFrame, Vec3, Welcome, WorldShape,
 };
 use cellmesh_proto::sdk::SidecarAddr;
+use cellmesh_test_support::{within, PATIENCE};
 use futures::{SinkExt, StreamExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
@@ -21,8 +21,6 @@ use tokio_util::codec::Framed;
 
 const NODE: u32 = 9;
 const SIZE: f64 = 1000.0;
-/// Bounds every wait; the arena answers within a tick or two.
-const PATIENCE: Duration = Duration::from_secs(10);
 
 /// The sidecar's end of the local protocol.
 struct Sidecar {
@@ -44,9 +42,8 @@ impl Sidecar {
             if let Some(b) = self.unread.pop_front() {
                 return b;
             }
-            let frame = tokio::time::timeout(PATIENCE, self.io.next())
+            let frame = within("a frame from the arena", self.io.next())
                 .await
-                .expect("a frame from the arena in time")
                 .expect("the arena is connected")
                 .unwrap();
             self.unread
@@ -134,9 +131,8 @@ async fn start(
     let arena = tokio::spawn(cellmesh_arena::run(cfg, async move {
         let _ = stopped.await;
     }));
-    let (socket, _) = tokio::time::timeout(PATIENCE, listener.accept())
+    let (socket, _) = within("the arena to connect", listener.accept())
         .await
-        .unwrap()
         .unwrap();
     let mut sc = Sidecar {
         io: Framed::new(socket, FrameCodec::default()),

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use cellmesh_proto::client::{self, ClientError, ClientReceiver, ClientSender};
@@ -20,6 +20,7 @@ use cellmesh_proto::mesh::{
     ProtocolVersion, SessionRtt, ToClient,
 };
 use cellmesh_proxy::{ProxyConfig, ProxyHandle};
+pub use cellmesh_test_support::{unix_now, PATIENCE};
 use futures::{SinkExt, StreamExt};
 use prost::Message;
 use tokio::io::AsyncWriteExt;
@@ -30,16 +31,6 @@ use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 
 pub const SECRET: &str = "test-secret";
-/// Upper bound for anything a test waits for.
-pub const PATIENCE: Duration = Duration::from_secs(5);
-
-pub fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-}
-
 pub fn token(account: &str) -> String {
     cellmesh_proto::token::sign(SECRET.as_bytes(), account, unix_now() + 3600)
 }

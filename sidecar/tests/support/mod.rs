@@ -4,7 +4,6 @@
 #![allow(dead_code)]
 
 use std::collections::VecDeque;
-use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -18,6 +17,7 @@ use cellmesh_proto::local::{
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, PeerRole};
 use cellmesh_proto::sdk::{self, GameReceiver, GameSender, SdkConfig};
 use cellmesh_sidecar::{SidecarConfig, SidecarHandle};
+pub use cellmesh_test_support::within;
 use futures::{SinkExt, StreamExt};
 use prost::Message;
 use tokio::io::AsyncWriteExt;
@@ -26,14 +26,7 @@ use tokio::sync::mpsc;
 use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 
-pub const WAIT: Duration = Duration::from_secs(5);
 pub const CHUNK: f64 = 32.0;
-
-pub async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
-    tokio::time::timeout(WAIT, fut)
-        .await
-        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
-}
 
 // ---------------------------------------------------------------------------- sidecar
 
