@@ -1181,7 +1181,8 @@ impl<'a> Sim<'a> {
         }
     }
 
-    /// Where every entity held by a live game is.
+    /// Where every entity held by a live game is. One its owner despawned is gone, even while an
+    /// old owner still holds it frozen, waiting to be told to evict it.
     fn truth(&self) -> BTreeMap<u64, (f64, f64)> {
         let mut t = BTreeMap::new();
         for n in &self.nodes {
@@ -1189,7 +1190,9 @@ impl<'a> Sim<'a> {
                 continue;
             };
             for h in a.held() {
-                t.insert(h.id, h.pos);
+                if !self.census.is_despawned(h.id) {
+                    t.insert(h.id, h.pos);
+                }
             }
         }
         t
