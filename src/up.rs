@@ -66,6 +66,9 @@ pub struct Summary {
     pub inputs_sent: u64,
     pub inputs_delivered: u64,
     pub inputs_applied: u64,
+    /// Inputs the games received and ignored, by why: `duplicate` (a sequence number already
+    /// applied: a double delivery), `while_frozen`, `no_player`, `stale_session`.
+    pub inputs_ignored_by_games: BTreeMap<String, u64>,
     pub updates_delivered: u64,
     pub batches_delivered: u64,
     pub entities: u64,
@@ -583,11 +586,22 @@ pub async fn run(
 
     stop.cancel();
     let mut arena_stats = ArenaStats::default();
+    let mut inputs_ignored_by_games = BTreeMap::new();
     for arena in arenas {
         match tokio::time::timeout(Duration::from_secs(5), arena).await {
             Ok(Ok(Ok(st))) => {
                 arena_stats.inputs_applied += st.inputs_applied;
                 arena_stats.errors_from_sidecar += st.errors_from_sidecar;
+                for (why, n) in [
+                    ("duplicate", st.inputs_duplicate),
+                    ("while_frozen", st.inputs_while_frozen),
+                    ("no_player", st.inputs_no_player),
+                    ("stale_session", st.inputs_stale_session),
+                ] {
+                    if n > 0 {
+                        *inputs_ignored_by_games.entry(why.to_string()).or_insert(0) += n;
+                    }
+                }
             }
             Ok(Ok(Err(e))) => tracing::warn!(error = %e, "arena ended with an error"),
             _ => {}
@@ -607,6 +621,7 @@ pub async fn run(
         inputs_sent: b.inputs_sent,
         inputs_delivered: s.inputs_delivered,
         inputs_applied: arena_stats.inputs_applied,
+        inputs_ignored_by_games,
         updates_delivered: b.updates_delivered,
         batches_delivered: b.batches,
         entities: s.entities,
