@@ -49,6 +49,9 @@ impl Default for BotConfig {
     }
 }
 
+/// How long a leaving bot waits for the proxy to close after its `Bye`.
+const BYE_LINGER: Duration = Duration::from_secs(3);
+
 /// Counters shared by all bots of one run.
 #[derive(Debug, Default)]
 pub struct BotStats {
@@ -199,6 +202,15 @@ async fn play(
         tokio::select! {
             _ = stop.cancelled() => {
                 let _ = tx.close().await;
+                // Leave as a client should: read until the proxy closes, so it reads every input
+                // sent before the Bye (closing at once would reset the connection under them).
+                let gone = tokio::time::timeout(BYE_LINGER, async {
+                    while let Some(Ok(_)) = rx.next().await {}
+                })
+                .await;
+                if gone.is_err() {
+                    stats.inputs_on_broken_sessions.fetch_add(*sent, Ordering::Relaxed);
+                }
                 return Ok(());
             }
             msg = rx.next() => {

@@ -70,6 +70,26 @@ pub(crate) async fn join(
     )
 }
 
+#[derive(Debug, PartialEq, Eq)]
+enum Reported {
+    Yes,
+    /// The node's inbox stayed full: skipped this round.
+    Busy,
+    /// The node is gone.
+    Gone,
+}
+
+/// Hands the node what membership read, waiting at most one round: an overloaded node must not
+/// hold up the renewal of its own lease (a lease that lapses freezes everything it owns). What is
+/// skipped is read again, fresher, next round.
+async fn report(node: &mpsc::Sender<Event>, input: Input) -> Reported {
+    match tokio::time::timeout(MEMBERSHIP_EVERY, node.send(Event::Core(input))).await {
+        Ok(Ok(())) => Reported::Yes,
+        Ok(Err(_)) => Reported::Gone,
+        Err(_) => Reported::Busy,
+    }
+}
+
 /// Keeps the lease, publishes the record, and reports the live peers until `shutdown`; then
 /// gives the lease up.
 pub(crate) async fn membership(
@@ -112,13 +132,12 @@ pub(crate) async fn membership(
         }
         match topology.partition().await {
             Ok(Some(p)) if p.epoch() > partition_epoch => {
-                partition_epoch = p.epoch();
-                if node
-                    .send(Event::Core(Input::Partition(Box::new(p))))
-                    .await
-                    .is_err()
-                {
-                    break;
+                let epoch = p.epoch();
+                match report(&node, Input::Partition(Box::new(p))).await {
+                    Reported::Yes => partition_epoch = epoch,
+                    // Read again next round.
+                    Reported::Busy => {}
+                    Reported::Gone => break,
                 }
             }
             Ok(_) => {}
@@ -131,11 +150,7 @@ pub(crate) async fn membership(
                     .filter(|e| e.lease.node != me && e.lease.is_live(now))
                     .map(|e| (e.lease.node, e.lease.epoch))
                     .collect();
-                if node
-                    .send(Event::Core(Input::PeerLeases(leases)))
-                    .await
-                    .is_err()
-                {
+                if report(&node, Input::PeerLeases(leases)).await == Reported::Gone {
                     break;
                 }
                 let peers = entries
@@ -148,7 +163,7 @@ pub(crate) async fn membership(
                         })
                     })
                     .collect();
-                if node.send(Event::Core(Input::Peers(peers))).await.is_err() {
+                if report(&node, Input::Peers(peers)).await == Reported::Gone {
                     break;
                 }
             }

@@ -144,7 +144,7 @@ struct Outgoing<I> {
     phase: Phase,
     /// Held before the offer, or copies of those forwarded since (given back on a refusal).
     inputs: Vec<I>,
-    /// Inputs routed to the target behind the offer (a copy of each kept in `inputs`)...
+    /// Inputs sent to the target with or behind the offer (a copy of each kept in `inputs`)...
     copies: u64,
     /// ...and those whose forward could not be sent.
     unforwarded: u64,
@@ -238,6 +238,8 @@ impl<I: Clone> HandoffSource<I> {
         o.phase = Phase::Offered {
             parts: ordered.clone(),
         };
+        // The inputs held so far go to the target right behind the offer: copies from now on.
+        o.copies = o.inputs.len() as u64;
         Ok(Some(Offer {
             to: o.to,
             root,
@@ -1002,8 +1004,9 @@ mod tests {
                 members: vec![10],
                 inputs: vec![1, 2],
                 freeze_ms: 500,
-                // 1 was held and went with the offer; 2 was forwarded behind it.
-                forwarded_copies: 1,
+                // 1 was held and went right behind the offer, 2 was routed behind it: the
+                // target has copies of both.
+                forwarded_copies: 2,
             }
         );
         assert!(!s.is_frozen(10));
