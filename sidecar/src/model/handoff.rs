@@ -252,9 +252,12 @@ impl<I: Clone> HandoffSource<I> {
     /// The offer could not even be queued (no link to the target): it never left, so the unit
     /// may thaw. Only for that certainty; a lost link after sending leaves the unit in doubt.
     pub fn unsent(&mut self, root: EntityId, now_ms: u64) -> Result<Thawed<I>, HandoffError> {
-        self.out
-            .get(&root)
+        let o = self
+            .out
+            .get_mut(&root)
             .ok_or(HandoffError::NotInHandoff(root))?;
+        // Nothing followed an offer that never left.
+        o.copies = 0;
         Ok(self.thaw(root, now_ms))
     }
 
@@ -1024,6 +1027,8 @@ mod tests {
         s.snapshot(10, snap("a")).unwrap().unwrap();
         let t = s.unsent(10, 20).unwrap();
         assert_eq!(t.inputs, vec![7]);
+        // The held input never followed the offer: no copy of it is anywhere else.
+        assert_eq!(t.forwarded_copies, 0);
         assert!(!s.is_frozen(10));
     }
 
