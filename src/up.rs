@@ -224,9 +224,6 @@ impl InputLedger {
     }
 }
 
-/// How long a silent mesh link lives before either end closes it (the proxy's and the sidecar's).
-const LINK_SILENCE: Duration = Duration::from_secs(5);
-
 /// Where everything meets: the corner every cell of a grid touches, across the wrap seam.
 const MEETING_POINT: (f64, f64) = (0.0, 0.0);
 /// Side of the square every arena's NPCs roam, around the meeting point, metres: they cross
@@ -539,7 +536,8 @@ pub async fn run(
     let settle = Instant::now() + Duration::from_secs(30);
     let (mut inputs_by_hop, mut s, mut p, mut b) = ledger();
     let mut still = 0;
-    let still_for = (LINK_SILENCE + Duration::from_secs(1)).as_millis() / 300;
+    // The proxy's link silence (the sidecar's is the same).
+    let still_for = (cellmesh_proxy::LINK_SILENCE + Duration::from_secs(1)).as_millis() / 300;
     while inputs_by_hop.undelivered().1 != 0 && still < still_for && Instant::now() < settle {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let next = ledger();

@@ -19,6 +19,7 @@ use cellmesh_geo_router::store::redis::RedisDirectory;
 use cellmesh_geo_router::store::{
     PlayerRecord, PlayerRecords, SessionDirectory, SessionEntry, StoreError,
 };
+use cellmesh_test_support::required;
 
 const LONG_LEASE: Duration = Duration::from_secs(60);
 /// Generous: bounds waits for things that must happen, never asserted as a latency.
@@ -75,16 +76,6 @@ fn unique(test: &str) -> String {
     format!("t{}_{nanos:x}_{n}_{test}", std::process::id())
 }
 
-fn test_url(var: &str) -> String {
-    match std::env::var(var) {
-        Ok(url) if !url.is_empty() => url,
-        _ => panic!(
-            "{var} is not set. Run ./scripts/test.sh, which installs and starts Redis and a \
-             MongoDB-compatible server and sets it; or set it to a server you run yourself."
-        ),
-    }
-}
-
 struct RedisBackend {
     url: String,
     /// Prepended to every geo name the test uses.
@@ -94,7 +85,7 @@ struct RedisBackend {
 impl RedisBackend {
     fn new(test: &str) -> Self {
         Self {
-            url: test_url("CELLMESH_TEST_REDIS_URL"),
+            url: required("CELLMESH_TEST_REDIS_URL"),
             prefix: unique(test),
         }
     }
@@ -142,7 +133,7 @@ struct MongoBackend {
 
 impl MongoBackend {
     fn new(test: &str) -> Self {
-        let base = test_url("CELLMESH_TEST_MONGO_URL");
+        let base = required("CELLMESH_TEST_MONGO_URL");
         // Database names are at most 63 bytes; the unique part comes first.
         let database: String = unique(test).chars().take(60).collect();
         Self {

@@ -37,6 +37,7 @@ mod ratelimit;
 mod session;
 
 pub use config::{ProxyConfig, RateConfig};
+pub use link::LINK_SILENCE;
 pub use metrics::INPUT_LOSS_REASONS;
 
 use crate::gateway::Gateways;

@@ -36,7 +36,7 @@ use crate::Shared;
 /// Both ends beat this often.
 pub(crate) const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 /// A link that received nothing for this long is dead.
-pub(crate) const LINK_SILENCE: Duration = Duration::from_secs(5);
+pub const LINK_SILENCE: Duration = Duration::from_secs(5);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const BACKOFF_FIRST: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);

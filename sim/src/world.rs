@@ -969,19 +969,21 @@ impl<'a> Sim<'a> {
             }
         }
         if !out.is_empty() {
-            self.send_from_game(node, inc, conn, out);
+            let d = LOCAL_DELAY.draw(&mut self.rng);
+            self.send_from_game(node, inc, conn, out, d);
         }
     }
 
+    /// The game's messages reach its sidecar `delay` ms from now, in order.
     fn send_from_game(
         &mut self,
         node: NodeId,
         inc: u32,
         conn: ConnId,
         out: Vec<game_message::Body>,
+        delay: u64,
     ) {
-        let d = LOCAL_DELAY.draw(&mut self.rng);
-        let at = self.fifo(Stream::FromGame(node), d);
+        let at = self.fifo(Stream::FromGame(node), delay);
         let messages = out.into_iter().map(GameMessage::from).collect();
         self.schedule_at(
             at,
@@ -1020,16 +1022,7 @@ impl<'a> Sim<'a> {
         let next = self.s.tick_ms + extra;
         if !out.is_empty() {
             // The tick's batch leaves when the tick is done.
-            let messages = out.into_iter().map(GameMessage::from).collect();
-            let at = self.fifo(Stream::FromGame(node), extra);
-            self.schedule_at(
-                at,
-                Ev::Core {
-                    node,
-                    inc,
-                    input: Input::GameFrame { conn, messages },
-                },
-            );
+            self.send_from_game(node, inc, conn, out, extra);
         }
         self.schedule(next, Ev::GameTick { node, inc });
     }

@@ -434,11 +434,9 @@ impl Core {
         for (link, messages) in std::mem::take(&mut self.out.to_links) {
             if !self.mesh.links.contains_key(&link) {
                 // The link closed while these waited: the inputs among them are never written.
-                let inputs = messages
-                    .iter()
-                    .filter(|m| matches!(m.body, Some(mesh_message::Body::ForwardInput(_))))
-                    .count() as u64;
-                self.metrics.inputs_lost_in_links.inc_by(inputs);
+                self.metrics
+                    .inputs_lost_in_links
+                    .inc_by(wire::forwarded_inputs(&messages));
                 continue;
             }
             let (frames, oversize) = pack(messages, max);

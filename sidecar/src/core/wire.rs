@@ -9,6 +9,14 @@ use crate::model::audience::Audience;
 use crate::model::entities::{Component, Entity, EntityChange, NewEntity, Position};
 use crate::model::fold::Part;
 
+/// How many forwarded client inputs are among `messages` (what a lost frame costs in inputs).
+pub(crate) fn forwarded_inputs(messages: &[mesh::MeshMessage]) -> u64 {
+    messages
+        .iter()
+        .filter(|m| matches!(m.body, Some(mesh::mesh_message::Body::ForwardInput(_))))
+        .count() as u64
+}
+
 pub(crate) fn local_vec3(v: &mesh::MeshVec3) -> local::Vec3 {
     local::Vec3 {
         x: v.x,

@@ -15,8 +15,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::mesh::{self, MeshCtx};
+use super::mesh::MeshCtx;
 use super::{dial, store, Event, GameHandle, GameOut, LinkHandle};
+use crate::core::wire::forwarded_inputs;
 use crate::core::{ConnId, Core, Input, LinkId, Now, Output};
 use crate::metrics::Metrics;
 use crate::Real;
@@ -166,23 +167,20 @@ impl Driver {
                 }
                 Output::ToLink { link, frame } => {
                     let Some(l) = self.links.get(&link) else {
-                        let lost = mesh::forwarded_inputs(&frame);
+                        let lost = forwarded_inputs(&frame.messages);
                         self.metrics.inputs_lost_in_links.inc_by(lost);
                         continue;
                     };
-                    match l.outbox.try_send(frame) {
-                        Ok(()) => {}
-                        Err(TrySendError::Full(frame)) => {
-                            let lost = mesh::forwarded_inputs(&frame);
-                            self.metrics.inputs_lost_in_links.inc_by(lost);
+                    if let Err(e) = l.outbox.try_send(frame) {
+                        let full = matches!(e, TrySendError::Full(_));
+                        let (TrySendError::Full(frame) | TrySendError::Closed(frame)) = e;
+                        let lost = forwarded_inputs(&frame.messages);
+                        self.metrics.inputs_lost_in_links.inc_by(lost);
+                        if full {
                             l.kill.cancel();
                             self.links.remove(&link);
                             let now = self.now();
                             self.core.handle(now, Input::LinkStalled { link });
-                        }
-                        Err(TrySendError::Closed(frame)) => {
-                            let lost = mesh::forwarded_inputs(&frame);
-                            self.metrics.inputs_lost_in_links.inc_by(lost);
                         }
                     }
                 }

@@ -22,6 +22,7 @@ use tokio_util::task::TaskTracker;
 
 use super::codec::MeteredCodec;
 use super::{unix_ms, Event, LinkHandle, HELLO_TIMEOUT};
+use crate::core::wire::forwarded_inputs;
 use crate::core::Input;
 use crate::metrics::{Metrics, Peer};
 
@@ -250,18 +251,9 @@ pub(crate) async fn pump(
     while let Ok(frame) = queue.try_recv() {
         ctx.metrics
             .inputs_lost_in_links
-            .inc_by(forwarded_inputs(&frame));
+            .inc_by(forwarded_inputs(&frame.messages));
     }
     ended
-}
-
-/// How many forwarded client inputs `frame` carries.
-pub(crate) fn forwarded_inputs(frame: &MeshFrame) -> u64 {
-    frame
-        .messages
-        .iter()
-        .filter(|m| matches!(m.body, Some(mesh_message::Body::ForwardInput(_))))
-        .count() as u64
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -285,10 +277,10 @@ async fn pump_until_closed(
             out = queue.recv() => {
                 let Some(frame) = out else { return (true, "sidecar let go of the link".into()) };
                 let write = async {
-                    *written += forwarded_inputs(&frame);
+                    *written += forwarded_inputs(&frame.messages);
                     writer.feed(frame).await?;
                     while let Ok(more) = queue.try_recv() {
-                        *written += forwarded_inputs(&more);
+                        *written += forwarded_inputs(&more.messages);
                         writer.feed(more).await?;
                     }
                     SinkExt::<MeshFrame>::flush(writer).await

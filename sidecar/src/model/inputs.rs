@@ -25,6 +25,17 @@ struct Account<I> {
     pending: BTreeMap<u64, I>,
 }
 
+impl<I> Account<I> {
+    fn new(session_epoch: u64, window_until: u64) -> Self {
+        Self {
+            session_epoch,
+            last: 0,
+            window_until,
+            pending: BTreeMap::new(),
+        }
+    }
+}
+
 /// What to do with an input.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Ordered<I> {
@@ -56,15 +67,8 @@ impl<I> InputOrder<I> {
         if let Some(a) = self.accounts.get_mut(account) {
             a.window_until = a.window_until.max(until_ms);
         } else {
-            self.accounts.insert(
-                account.to_string(),
-                Account {
-                    session_epoch: 0,
-                    last: 0,
-                    window_until: until_ms,
-                    pending: BTreeMap::new(),
-                },
-            );
+            self.accounts
+                .insert(account.to_string(), Account::new(0, until_ms));
         }
     }
 
@@ -82,12 +86,7 @@ impl<I> InputOrder<I> {
         let a = self
             .accounts
             .entry(account.to_string())
-            .or_insert_with(|| Account {
-                session_epoch,
-                last: 0,
-                window_until: 0,
-                pending: BTreeMap::new(),
-            });
+            .or_insert_with(|| Account::new(session_epoch, 0));
         if session_epoch >= a.session_epoch {
             if session_epoch > a.session_epoch {
                 a.pending.clear();
@@ -111,12 +110,7 @@ impl<I> InputOrder<I> {
         let a = self
             .accounts
             .entry(account.to_string())
-            .or_insert_with(|| Account {
-                session_epoch,
-                last: 0,
-                window_until: 0,
-                pending: BTreeMap::new(),
-            });
+            .or_insert_with(|| Account::new(session_epoch, 0));
         if session_epoch > a.session_epoch {
             // A new session numbers its inputs afresh.
             a.session_epoch = session_epoch;
