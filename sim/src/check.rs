@@ -41,6 +41,9 @@ pub(crate) struct Checker {
     delivered: BTreeMap<(String, u64), u32>,
     /// (account, seq) of inputs in frames lost with a broken link.
     lost: BTreeSet<(String, u64)>,
+    /// Forwarded inputs in frames lost with a broken link, each copy counted: what a driver
+    /// reports, as opposed to `lost`, which knows which inputs another copy delivered.
+    lost_forwards: u64,
     /// node -> the entities it holds as unfrozen reals (as of its last step).
     unfrozen: BTreeMap<NodeId, BTreeSet<u64>>,
     /// entity -> the nodes holding it as an unfrozen real.
@@ -60,9 +63,15 @@ impl Checker {
     pub fn lost_in_network(&mut self, messages: &[cellmesh_proto::mesh::MeshMessage]) {
         for m in messages {
             if let Some(mesh_message::Body::ForwardInput(i)) = &m.body {
+                self.lost_forwards += 1;
                 self.lost.insert((i.account.clone(), i.seq));
             }
         }
+    }
+
+    /// Forwarded inputs lost with a link, each copy counted.
+    pub fn lost_forwards(&self) -> u64 {
+        self.lost_forwards
     }
 
     /// Inputs lost with a link and never delivered by another way.
@@ -274,6 +283,16 @@ impl Checker {
                 format!(
                     "inputs: {} delivered to games, {} applied; ignored: {frozen} for a frozen avatar, {repeat} repeats, {no_player} with no avatar there, {old_session} of an older session",
                     stats.inputs_delivered, stats.inputs_applied
+                ),
+            );
+        }
+        let unaccounted = stats.counted.unaccounted(stats.inputs_sent);
+        if unaccounted != 0 {
+            self.violation(
+                now,
+                format!(
+                    "the nodes' counters leave {unaccounted} of {} inputs unaccounted: {:?}",
+                    stats.inputs_sent, stats.counted
                 ),
             );
         }

@@ -87,6 +87,44 @@ pub struct Stats {
     pub inputs_ignored: (u64, u64, u64, u64),
     pub flaps: u64,
     pub entities_at_end: u64,
+    /// The same inputs as the nodes' and games' own counters tell them (what `up` reads).
+    pub counted: Counted,
+}
+
+/// An input ledger from counters alone, as an operator reads it from metrics: no identity of
+/// inputs, so a copy forwarded behind an offer and its original are told apart only by what
+/// the nodes count of them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counted {
+    /// Inputs games read (applied or ignored).
+    pub delivered: u64,
+    /// Inputs the nodes dropped under a reason.
+    pub dropped: u64,
+    /// Forwarded inputs lost with a broken link, each copy counted.
+    pub lost_forwards: u64,
+    /// Inputs a source applied after a refusal, whose copies also left.
+    pub copies_applied: u64,
+    /// Copies a target dropped because it refused the offer they followed.
+    pub copies_refused: u64,
+}
+
+impl Counted {
+    /// Sent inputs the counters leave unexplained (negative: counted twice).
+    pub fn unaccounted(&self, sent: u64) -> i64 {
+        sent as i64 + self.copies_applied as i64
+            - self.copies_refused as i64
+            - self.delivered as i64
+            - self.dropped as i64
+            - self.lost_forwards as i64
+    }
+
+    fn add(&mut self, o: Counted) {
+        self.delivered += o.delivered;
+        self.dropped += o.dropped;
+        self.lost_forwards += o.lost_forwards;
+        self.copies_applied += o.copies_applied;
+        self.copies_refused += o.copies_refused;
+    }
 }
 
 /// Where a core's link leads.
@@ -232,6 +270,8 @@ pub(crate) struct Sim<'a> {
     /// An entity whose every change of holder is traced (`CELLMESH_SIM_WATCH`).
     watch: Option<u64>,
     pub(crate) stats: Stats,
+    /// What killed nodes and their games had counted before they died.
+    departed: Counted,
     halted: bool,
 }
 
@@ -282,6 +322,7 @@ impl<'a> Sim<'a> {
             streams: BTreeMap::new(),
             watch: trace_len.and_then(|_| std::env::var("CELLMESH_SIM_WATCH").ok()?.parse().ok()),
             stats: Stats::default(),
+            departed: Counted::default(),
             halted: false,
         };
         for id in 1..=s.nodes {
@@ -547,6 +588,8 @@ impl<'a> Sim<'a> {
         n.links.clear();
         self.check.node_gone(id);
         self.census.release_holder(id);
+        let counted = self.counted_by(id);
+        self.departed.add(counted);
         // Its links break; peers notice soon after.
         let uids: Vec<u64> = self
             .links
@@ -1329,6 +1372,37 @@ impl<'a> Sim<'a> {
             .filter_map(|n| Some((n.id, n.core.as_ref()?)))
     }
 
+    /// One node's (and its game's) input counters.
+    fn counted_by(&self, id: NodeId) -> Counted {
+        let n = &self.nodes[id as usize - 1];
+        let delivered = n
+            .game
+            .as_ref()
+            .and_then(|g| g.arena.as_ref())
+            .map_or(0, |a| {
+                let s = &a.stats;
+                s.inputs_applied
+                    + s.inputs_while_frozen
+                    + s.inputs_duplicate
+                    + s.inputs_no_player
+                    + s.inputs_stale_session
+            });
+        let Some(c) = n.core.as_ref() else {
+            return Counted {
+                delivered,
+                ..Counted::default()
+            };
+        };
+        let m = c.metrics();
+        Counted {
+            delivered,
+            dropped: m.inputs_dropped_total(),
+            lost_forwards: 0,
+            copies_applied: m.inputs_copies_applied.get(),
+            copies_refused: m.inputs_copies_refused.get(),
+        }
+    }
+
     fn sum_over_cores(&self, f: impl Fn(&Core) -> u64) -> u64 {
         self.cores().map(|(_, c)| f(c)).sum()
     }
@@ -1400,6 +1474,12 @@ impl<'a> Sim<'a> {
         }
         self.stats.inputs_delivered = self.check.delivered();
         self.stats.inputs_lost_in_network = self.check.lost();
+        let mut counted = self.departed;
+        for n in 1..=self.s.nodes {
+            counted.add(self.counted_by(n));
+        }
+        counted.lost_forwards = self.check.lost_forwards();
+        self.stats.counted = counted;
         self.stats.handoffs = self.sum_over_cores(|c| c.metrics().handoffs_out.get());
         // One avatar per account, whatever its sessions did.
         for c in &self.clients {

@@ -125,6 +125,13 @@ impl<I> InputOrder<I> {
             a.pending.insert(seq, input);
             return Ordered::Held;
         }
+        if !waiting && !a.pending.is_empty() {
+            // The window ended before the timer let the held ones go: they still go first.
+            a.pending.insert(seq, input);
+            let pending = std::mem::take(&mut a.pending);
+            a.last = pending.last_key_value().map_or(seq, |(s, _)| *s);
+            return Ordered::Deliver(pending.into_values().collect());
+        }
         a.last = seq;
         let mut out = vec![input];
         while let Some(next) = a.pending.remove(&(a.last + 1)) {
@@ -190,6 +197,19 @@ mod tests {
         // Outside a window a gap (an input dropped at the edge) costs nothing.
         assert_eq!(delivered(o.offer(0, "a", 1, 5, 5)), [5]);
         assert_eq!(o.offer(0, "a", 1, 4, 4), Ordered::Late(4));
+    }
+
+    #[test]
+    fn an_input_after_the_window_follows_the_ones_held_for_it() {
+        let mut o = InputOrder::default();
+        o.resume("a", 1, 9, 500);
+        // 10..=12 were lost with a link: 13 and 14 wait for them.
+        assert_eq!(o.offer(100, "a", 1, 13, 13), Ordered::Held);
+        assert_eq!(o.offer(200, "a", 1, 14, 14), Ordered::Held);
+        // The window ended and 15 arrives before the timer fires: it does not overtake them.
+        assert_eq!(delivered(o.offer(501, "a", 1, 15, 15)), [13, 14, 15]);
+        assert!(o.due(600).is_empty());
+        assert_eq!(o.offer(601, "a", 1, 14, 14), Ordered::Late(14));
     }
 
     #[test]
