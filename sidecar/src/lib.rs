@@ -97,6 +97,8 @@ pub struct SidecarStats {
     pub in_doubt_now: u64,
     pub stale_epoch_drops: u64,
     pub held_frames: u64,
+    /// Client inputs held now (for frozen entities, unseen epochs, or order after an adoption).
+    pub inputs_held: u64,
 }
 
 impl SidecarHandle {
@@ -138,6 +140,7 @@ impl SidecarHandle {
             in_doubt_now: m.handoffs_in_doubt.get().max(0) as u64,
             stale_epoch_drops: m.stale_epoch_drops.get(),
             held_frames: m.held_frames.get().max(0) as u64,
+            inputs_held: m.inputs_held.get().max(0) as u64,
         }
     }
 

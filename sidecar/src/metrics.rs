@@ -154,6 +154,9 @@ pub struct Metrics {
     pub handoff_freeze: Histogram,
     pub stale_epoch_drops: Counter,
     pub held_frames: Gauge,
+    /// Client inputs this node holds now: for a frozen entity, behind an epoch not seen yet,
+    /// or waiting for an older one after an adoption.
+    pub inputs_held: Gauge,
     /// Freeze durations for the summary percentiles (prometheus buckets are too coarse).
     pub freeze_ms: Arc<Mutex<hdrhistogram::Histogram<u64>>>,
     // Totals over every label, for `SidecarStats` (not registered: the families carry them).
@@ -210,6 +213,7 @@ impl Default for Metrics {
             ]),
             stale_epoch_drops: Default::default(),
             held_frames: Default::default(),
+            inputs_held: Default::default(),
             freeze_ms: Arc::new(Mutex::new(
                 hdrhistogram::Histogram::new_with_bounds(1, FREEZE_MAX_MS, 3)
                     .expect("static histogram bounds are valid"),
@@ -405,6 +409,11 @@ impl Metrics {
             "held_frames",
             "Entity frames and inputs held for an entity epoch not seen yet",
             m.held_frames.clone(),
+        );
+        r.register(
+            "inputs_held",
+            "Client inputs held now: for a frozen entity, for an entity epoch not seen yet, or for an older input after an adoption",
+            m.inputs_held.clone(),
         );
         m
     }

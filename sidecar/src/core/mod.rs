@@ -297,6 +297,16 @@ impl Core {
         self.handoff.fence.held()
     }
 
+    /// Client inputs held here now (see `Metrics::inputs_held`).
+    pub fn inputs_held(&self) -> usize {
+        self.handoff.out.held_inputs()
+            + self
+                .handoff
+                .fence
+                .held_where(|f| matches!(f, handoff::Fenced::Input(_)))
+            + self.handoff.input_order.held()
+    }
+
     /// What the epoch fence holds, entity by entity.
     pub fn held_detail(&self) -> Vec<HeldFrames> {
         self.handoff
@@ -396,6 +406,7 @@ impl Core {
             self.next_publish_ms = now + PUBLISH_EVERY_MS;
             self.sweep_stale_ghosts();
             self.release_overdue_frames();
+            self.metrics.inputs_held.set(self.inputs_held() as i64);
             if self.dirty {
                 self.dirty = false;
                 self.out.pending.push_back(Output::Publish);

@@ -399,6 +399,11 @@ impl<I: Clone> HandoffSource<I> {
         self.out.len()
     }
 
+    /// Inputs held for frozen entities (to apply on a thaw; the copies of some went on).
+    pub fn held_inputs(&self) -> usize {
+        self.out.values().map(|o| o.inputs.len()).sum()
+    }
+
     /// Offers sent and not answered.
     pub fn in_doubt(&self) -> impl Iterator<Item = (EntityId, NodeId, Epoch)> + '_ {
         self.out
@@ -806,6 +811,16 @@ impl<F> Fence<F> {
             .flat_map(|m| m.values())
             .map(Vec::len)
             .sum()
+    }
+
+    /// Held frames that `is` picks.
+    pub fn held_where(&self, is: impl Fn(&F) -> bool) -> usize {
+        self.held
+            .values()
+            .flat_map(|m| m.values())
+            .flatten()
+            .filter(|(_, f)| is(f))
+            .count()
     }
 
     pub fn stale_drops(&self) -> u64 {
