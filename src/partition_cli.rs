@@ -217,7 +217,7 @@ fn show(
 ) -> anyhow::Result<String> {
     let Some(p) = current else {
         if args.json {
-            let nodes: Vec<_> = leases.iter().map(|e| lease_json(e, now_unix_ms)).collect();
+            let nodes: Vec<_> = leases.iter().map(lease_json).collect();
             return Ok(format!(
                 "{:#}\n",
                 json!({ "epoch": 0, "partition": null, "leases": nodes })
@@ -230,12 +230,12 @@ fn show(
         for n in &mut nodes {
             let id = n["node"].as_u64();
             let entry = leases.iter().find(|e| Some(u64::from(e.lease.node)) == id);
-            n["lease"] = entry.map_or(json!(null), |e| lease_json(e, now_unix_ms));
+            n["lease"] = entry.map_or(json!(null), lease_json);
         }
         let others: Vec<_> = leases
             .iter()
             .filter(|e| !p.nodes().contains(&e.lease.node))
-            .map(|e| lease_json(e, now_unix_ms))
+            .map(lease_json)
             .collect();
         let out = json!({
             "epoch": p.epoch(),
@@ -425,11 +425,12 @@ fn nodes_table(out: &mut String, p: &Partition, leases: Option<(&[NodeEntry], u6
             let entry = entries.iter().find(|e| e.lease.node == node);
             let lease = match entry {
                 None => "none".to_string(),
-                Some(e) if e.lease.is_live(now) => format!(
-                    "epoch {}, {} for {:.1} s",
+                // Live by the store's clock; the time left is read against this machine's.
+                Some(e) if e.live => format!(
+                    "epoch {}, {} for ~{:.1} s",
                     e.lease.epoch,
                     e.lease.holder,
-                    e.lease.remaining(now).as_secs_f64()
+                    e.lease.expires_unix_ms.saturating_sub(now) as f64 / 1000.0
                 ),
                 Some(e) => format!("epoch {}, lapsed", e.lease.epoch),
             };
@@ -501,13 +502,13 @@ fn nodes_json(p: &Partition, radius: u32) -> anyhow::Result<Vec<serde_json::Valu
         .collect()
 }
 
-fn lease_json(e: &NodeEntry, now_unix_ms: u64) -> serde_json::Value {
+fn lease_json(e: &NodeEntry) -> serde_json::Value {
     json!({
         "node": e.lease.node,
         "holder": e.lease.holder,
         "epoch": e.lease.epoch,
         "expires_unix_ms": e.lease.expires_unix_ms,
-        "live": e.lease.is_live(now_unix_ms),
+        "live": e.live,
         "record": e.record,
     })
 }

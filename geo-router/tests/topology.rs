@@ -1,6 +1,7 @@
 //! The topology store's contract, run against the in-memory store and the real MongoDB named by
 //! `CELLMESH_TEST_MONGO_URL` (`./scripts/test.sh` starts one and sets it; without it the MongoDB
-//! tests fail, they never pass by skipping). Time is virtual: every call is handed its `now`.
+//! tests fail, they never pass by skipping). The store keeps the time: the memory store's clock is
+//! virtual here, MongoDB's is the server's own, so its lease tests use short leases and sleep.
 //!
 //! Each MongoDB test works in its own database, so tests run in parallel and re-run against the
 //! same server without seeing each other's data.
@@ -17,13 +18,14 @@ use cellmesh_geo_router::topology::mongo::MongoTopology;
 use cellmesh_geo_router::topology::{
     self, ids, Acquire, Commit, Lease, LeasedIds, NodeRecord, TopologyError, TopologyStore,
 };
-use futures::future::join_all;
+use futures::future::{join_all, BoxFuture};
 use mongodb::bson::doc;
 
 /// Virtual time: far from the real clock, so nothing here can depend on it.
 const T0: u64 = 1_800_000_000_000;
 const TTL: Duration = Duration::from_secs(10);
-const TTL_MS: u64 = 10_000;
+/// MongoDB's leases run in real time: long enough for a slow answer, short enough to wait out.
+const MONGO_TTL: Duration = Duration::from_millis(1_500);
 
 // ---------------------------------------------------------------------------------------------
 // Backends
@@ -117,77 +119,94 @@ fn record(node: u32, tag: &str) -> NodeRecord {
     }
 }
 
-/// Leases: grants, refusals, renewals, lapses, take-overs and the fencing they imply.
-async fn leases(store: &dyn TopologyStore) {
-    let a = granted(store.acquire_lease(3, "a", T0, TTL).await.unwrap());
+/// How a test lets the store's clock run: virtual time for the memory store, real time (a
+/// short lease and sleeps) for MongoDB, whose clock is its own.
+type Pass = Box<dyn Fn(Duration) -> BoxFuture<'static, ()> + Send + Sync>;
+
+/// A memory store on a virtual clock starting at `T0`, and how to move that clock.
+fn virtual_memory() -> (MemoryTopology, Pass) {
+    let now = Arc::new(AtomicU64::new(T0));
+    let read = now.clone();
+    let store = MemoryTopology::with_clock(Arc::new(move || read.load(Ordering::SeqCst)));
+    let pass: Pass = Box::new(move |d| {
+        now.fetch_add(d.as_millis() as u64, Ordering::SeqCst);
+        Box::pin(async {})
+    });
+    (store, pass)
+}
+
+fn real_time() -> Pass {
+    Box::new(|d| Box::pin(tokio::time::sleep(d)))
+}
+
+/// Leases: grants, refusals, renewals, lapses, take-overs and the fencing they imply. Every
+/// instant is the store's own: no caller's clock can make a live lease look lapsed.
+async fn leases(store: &dyn TopologyStore, ttl: Duration, pass: &Pass) {
+    let lapse = ttl + ttl / 5;
+    let a = granted(store.acquire_lease(3, "a", ttl).await.unwrap());
     assert_eq!(
-        a,
-        Lease {
-            node: 3,
-            holder: "a".into(),
-            epoch: 1,
-            expires_unix_ms: T0 + TTL_MS
-        }
+        (a.node, a.holder.as_str(), a.epoch, a.ids_floor_unix_ms),
+        (3, "a", 1, 0)
     );
     // Held: the refusal names the holder.
-    assert_eq!(
-        held(store.acquire_lease(3, "b", T0 + 5_000, TTL).await.unwrap()),
-        a
-    );
+    assert_eq!(held(store.acquire_lease(3, "b", ttl).await.unwrap()), a);
+    pass(ttl / 2).await;
     let a = store
-        .renew_lease(&a, T0 + 9_000, TTL)
+        .renew_lease(&a, ttl)
         .await
         .unwrap()
-        .expect("renewed");
-    assert_eq!((a.epoch, a.expires_unix_ms), (1, T0 + 19_000));
-    assert!(a.is_live(T0 + 18_999) && !a.is_live(T0 + 19_000));
-    held(store.acquire_lease(3, "b", T0 + 18_999, TTL).await.unwrap());
+        .expect("renewed while live");
+    assert_eq!(a.epoch, 1);
+    held(store.acquire_lease(3, "b", ttl).await.unwrap());
+    assert!(store.nodes().await.unwrap()[0].live);
 
-    // Lapsed at its expiry instant: b takes over under a new epoch, and a is fenced off.
-    let b = granted(store.acquire_lease(3, "b", T0 + 19_000, TTL).await.unwrap());
+    // Lapsed by the store's clock: b takes over under a new epoch, and a is fenced off.
+    pass(lapse).await;
+    assert!(!store.nodes().await.unwrap()[0].live);
+    let b = granted(store.acquire_lease(3, "b", ttl).await.unwrap());
     assert_eq!((b.holder.as_str(), b.epoch), ("b", 2));
-    assert_eq!(store.renew_lease(&a, T0 + 19_001, TTL).await.unwrap(), None);
-    assert!(!store.release_lease(&a).await.unwrap());
-    assert!(!store
-        .publish_node(&a, &record(3, "a"), T0 + 19_001)
-        .await
-        .unwrap());
-    assert_eq!(
-        held(store.acquire_lease(3, "a", T0 + 19_001, TTL).await.unwrap()),
-        b
+    assert!(
+        b.ids_floor_unix_ms >= a.expires_unix_ms,
+        "b mints past every id a could have minted: {b:?} after {a:?}"
     );
+    assert_eq!(store.renew_lease(&a, ttl).await.unwrap(), None);
+    assert!(!store.release_lease(&a).await.unwrap());
+    assert!(!store.publish_node(&a, &record(3, "a")).await.unwrap());
+    assert_eq!(held(store.acquire_lease(3, "a", ttl).await.unwrap()), b);
 
     // The record belongs to the current holder and is shown with its lease.
-    assert!(store
-        .publish_node(&b, &record(3, "b"), T0 + 19_002)
-        .await
-        .unwrap());
+    assert!(store.publish_node(&b, &record(3, "b")).await.unwrap());
     let nodes = store.nodes().await.unwrap();
     assert_eq!(nodes.len(), 1);
     assert_eq!(
-        (&nodes[0].lease, nodes[0].record.as_ref()),
-        (&b, Some(&record(3, "b")))
+        (&nodes[0].lease, nodes[0].record.as_ref(), nodes[0].live),
+        (&b, Some(&record(3, "b")), true)
     );
 
     // A lapsed lease is not renewed even if nobody took it: the holder must ask again (and
     // re-read the partition), getting a new epoch and an empty record.
-    assert_eq!(store.renew_lease(&b, T0 + 29_000, TTL).await.unwrap(), None);
-    let b = granted(store.acquire_lease(3, "b", T0 + 29_000, TTL).await.unwrap());
+    pass(lapse).await;
+    assert_eq!(store.renew_lease(&b, ttl).await.unwrap(), None);
+    let b = granted(store.acquire_lease(3, "b", ttl).await.unwrap());
     assert_eq!(b.epoch, 3);
     assert_eq!(store.nodes().await.unwrap()[0].record, None);
 
     // A holder asking again while it holds gets a new epoch; its old grant is fenced off.
-    let b4 = granted(store.acquire_lease(3, "b", T0 + 30_000, TTL).await.unwrap());
+    let b4 = granted(store.acquire_lease(3, "b", ttl).await.unwrap());
     assert_eq!(b4.epoch, 4);
-    assert_eq!(store.renew_lease(&b, T0 + 30_001, TTL).await.unwrap(), None);
+    assert_eq!(store.renew_lease(&b, ttl).await.unwrap(), None);
 
-    // Released: free at once for anyone.
+    // Released: free at once for anyone, whose ids still start past the released holder's.
     assert!(store.release_lease(&b4).await.unwrap());
-    let a = granted(store.acquire_lease(3, "a", T0 + 30_002, TTL).await.unwrap());
+    let a = granted(store.acquire_lease(3, "a", ttl).await.unwrap());
     assert_eq!(a.epoch, 5);
+    assert!(
+        a.ids_floor_unix_ms >= b4.expires_unix_ms,
+        "{a:?} after {b4:?}"
+    );
 
     // Nodes are independent; the list is by node id.
-    let other = granted(store.acquire_lease(0, "b", T0 + 30_002, TTL).await.unwrap());
+    let other = granted(store.acquire_lease(0, "b", ttl).await.unwrap());
     assert_eq!(other.epoch, 1);
     let ids: Vec<u32> = store
         .nodes()
@@ -200,34 +219,39 @@ async fn leases(store: &dyn TopologyStore) {
 
     // Bad requests are refused before they reach the store.
     let err = |r: Result<Acquire, TopologyError>| r.unwrap_err().to_string();
-    assert!(err(store.acquire_lease(1024, "a", T0, TTL).await).contains("node id 1024"));
-    assert!(err(store.acquire_lease(1, "", T0, TTL).await).contains("holder"));
-    assert!(err(store.acquire_lease(1, "a", T0, Duration::ZERO).await).contains("ttl"));
-    let e = store
-        .publish_node(&a, &record(4, "a"), T0 + 30_003)
-        .await
-        .unwrap_err();
+    assert!(err(store.acquire_lease(1024, "a", ttl).await).contains("node id 1024"));
+    assert!(err(store.acquire_lease(1, "", ttl).await).contains("holder"));
+    assert!(err(store.acquire_lease(1, "a", Duration::ZERO).await).contains("ttl"));
+    let e = store.publish_node(&a, &record(4, "a")).await.unwrap_err();
     assert!(
         e.to_string().contains("node 4") && e.to_string().contains("node 3"),
         "{e}"
     );
 }
 
-/// The node part of ids comes from the lease, and minting stops when the lease lapses.
-async fn ids_from_leases(store: &dyn TopologyStore) {
-    let now = ids::ID_EPOCH_UNIX_MS + 1_000_000;
-    let lease = granted(store.acquire_lease(17, "minter", now, TTL).await.unwrap());
+/// The node part of ids comes from the lease, minting stops when the lease lapses, and a
+/// successor's ids come after every id of the holder before it, whatever their clocks.
+async fn ids_from_leases(store: &dyn TopologyStore, ttl: Duration, pass: &Pass) {
+    let lease = granted(store.acquire_lease(17, "minter", ttl).await.unwrap());
     let mut minter = LeasedIds::new(&lease).unwrap();
+    // A clock a little behind the store's.
+    let now = lease.expires_unix_ms - ttl.as_millis() as u64 - 100;
     let id = minter.mint(now).unwrap();
     assert_eq!((ids::node_of(id), ids::unix_ms_of(id)), (17, now));
-    assert!(minter.mint(now + TTL_MS).is_err(), "minted past the lease");
-    let renewed = store
-        .renew_lease(&lease, now + 5_000, TTL)
-        .await
-        .unwrap()
-        .unwrap();
+    assert!(
+        minter.mint(lease.expires_unix_ms).is_err(),
+        "minted past the lease"
+    );
+    let renewed = store.renew_lease(&lease, ttl).await.unwrap().unwrap();
     minter.renewed(&renewed).unwrap();
-    assert!(minter.mint(now + TTL_MS).unwrap() > id);
+    // Right up to the lease's expiry, borrowing from the future if its clock says so.
+    let last = minter.mint(renewed.expires_unix_ms - 1).unwrap();
+    assert!(last > id);
+    pass(ttl + ttl / 5).await;
+    let next = granted(store.acquire_lease(17, "successor", ttl).await.unwrap());
+    // Its clock runs far behind: its first id still follows the last of the old holder.
+    let first = LeasedIds::new(&next).unwrap().mint(now).unwrap();
+    assert!(first > last, "{first} after {last}");
 }
 
 fn shape() -> WorldShape {
@@ -296,11 +320,7 @@ async fn races(stores: Vec<Arc<dyn TopologyStore>>) {
     for node in 0..8 {
         let attempts = stores.iter().cycle().take(12).enumerate().map(|(i, s)| {
             let s = s.clone();
-            async move {
-                s.acquire_lease(node, &format!("c{i}"), T0, TTL)
-                    .await
-                    .unwrap()
-            }
+            async move { s.acquire_lease(node, &format!("c{i}"), TTL).await.unwrap() }
         });
         let outcomes = join_all(attempts).await;
         let winners: Vec<&Lease> = outcomes
@@ -334,8 +354,10 @@ async fn races(stores: Vec<Arc<dyn TopologyStore>>) {
 
 #[tokio::test]
 async fn memory_leases() {
-    leases(&MemoryTopology::default()).await;
-    ids_from_leases(&MemoryTopology::default()).await;
+    let (store, pass) = virtual_memory();
+    leases(&store, TTL, &pass).await;
+    let (store, pass) = virtual_memory();
+    ids_from_leases(&store, TTL, &pass).await;
 }
 
 #[tokio::test]
@@ -352,7 +374,7 @@ async fn memory_races() {
 #[tokio::test]
 async fn urls_choose_the_store() {
     let store = topology::open("memory").await.unwrap();
-    granted(store.acquire_lease(1, "a", T0, TTL).await.unwrap());
+    granted(store.acquire_lease(1, "a", TTL).await.unwrap());
     let e = topology::open("redis://u:secret@h:1")
         .await
         .err()
@@ -370,8 +392,8 @@ async fn urls_choose_the_store() {
 #[tokio::test]
 async fn mongo_leases() {
     let db = TestDb::new("leases");
-    leases(&db.open().await).await;
-    ids_from_leases(&db.open().await).await;
+    leases(&db.open().await, MONGO_TTL, &real_time()).await;
+    ids_from_leases(&db.open().await, MONGO_TTL, &real_time()).await;
     db.drop_all().await;
 }
 

@@ -11,7 +11,7 @@ mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -110,6 +110,8 @@ impl Drop for TestNode {
 /// Nodes started in this process under one committed partition; each may have a scripted game.
 struct Cluster {
     topology: Arc<dyn TopologyStore>,
+    /// How far the topology store's clock runs ahead of this machine's (ms).
+    store_ahead_ms: Arc<AtomicU64>,
     stores: Stores,
     nodes: BTreeMap<u32, TestNode>,
     tick: u64,
@@ -120,10 +122,16 @@ impl Cluster {
     async fn plan(cols: u32, rows: u32, table: Vec<u32>) -> Self {
         let grid = Grid::new(&world(), cols, rows, table).unwrap();
         let partition = Partition::new(world(), 1, Layout::Grid(grid)).unwrap();
-        let topology: Arc<dyn TopologyStore> = Arc::new(MemoryTopology::default());
+        let store_ahead_ms = Arc::new(AtomicU64::new(0));
+        let ahead = store_ahead_ms.clone();
+        let topology: Arc<dyn TopologyStore> =
+            Arc::new(MemoryTopology::with_clock(Arc::new(move || {
+                unix_ms() + ahead.load(Ordering::SeqCst)
+            })));
         topology.commit_partition(0, &partition).await.unwrap();
         Self {
             topology,
+            store_ahead_ms,
             stores: Stores::in_memory(),
             nodes: BTreeMap::new(),
             tick: 0,
@@ -1476,11 +1484,20 @@ async fn a_node_that_lost_its_lease_freezes_everything_it_owns() {
     }
     assert_eq!(c.ready(1).await, 200);
 
-    // Another holder takes node 1's id: by its clock, node 1's lease has lapsed.
-    let later = unix_ms() + lease.as_millis() as u64 + 1_000;
+    // A contender cannot take a live lease, however its own clock runs: the store judges.
+    let refused = c
+        .topology
+        .acquire_lease(1, "another-process", lease)
+        .await
+        .unwrap();
+    assert!(matches!(refused, Acquire::Held(_)), "{refused:?}");
+    // The store's clock jumps past node 1's expiry: its next renewal is refused, and another
+    // holder takes the id.
+    c.store_ahead_ms
+        .store(lease.as_millis() as u64 + 1_000, Ordering::SeqCst);
     let taken = c
         .topology
-        .acquire_lease(1, "another-process", later, lease)
+        .acquire_lease(1, "another-process", lease)
         .await
         .unwrap();
     assert!(matches!(taken, Acquire::Granted(_)), "{taken:?}");

@@ -492,6 +492,7 @@ impl<'a> Sim<'a> {
             cellmesh_sidecar::metrics::Metrics::default(),
             self.partition.clone(),
             true,
+            None,
             now,
         );
         let n = self.node(id);

@@ -10,9 +10,9 @@
 //! | 10 | node id (`0..=1023`) |
 //! | 12 | sequence within the millisecond |
 //!
-//! The minter never stamps an id at or past its lease's expiry. A successor can only be granted
-//! the node once that instant has passed, so it mints from later milliseconds than any id of the
-//! old holder, even one that borrowed milliseconds ahead of its clock.
+//! The minter never stamps an id at or past its lease's expiry, and starts at the lease's
+//! `ids_floor_unix_ms`: the latest expiry any earlier grant of the node had. So a successor mints
+//! from later milliseconds than any id of an old holder, whatever either one's clock says.
 
 use super::{Lease, TopologyError};
 
@@ -72,12 +72,25 @@ impl LeasedIds {
         if lease.node > MAX_NODE_ID {
             return Err(TopologyError::NodeId(lease.node));
         }
-        // Starting at millisecond 1 keeps every id nonzero, even for node 0 at the epoch itself.
+        // Counting on from the millisecond before the floor, with its sequence used up, makes
+        // the first id the floor's or later; millisecond 1 at least keeps every id nonzero.
+        let floor = lease.ids_floor_unix_ms.saturating_sub(ID_EPOCH_UNIX_MS);
         Ok(Self {
             node: lease.node,
             expires_unix_ms: lease.expires_unix_ms,
-            last_ms: 1,
+            last_ms: floor.saturating_sub(1).max(1),
             last_seq: MAX_SEQ,
+        })
+    }
+
+    /// A minter with no lease to answer to: a lone node that shares its ids with nobody.
+    pub fn unbounded(node: u32) -> Result<Self, TopologyError> {
+        Self::new(&Lease {
+            node,
+            holder: String::new(),
+            epoch: 0,
+            expires_unix_ms: u64::MAX,
+            ids_floor_unix_ms: 0,
         })
     }
 
@@ -89,8 +102,25 @@ impl LeasedIds {
                 lease: lease.node,
             });
         }
-        self.expires_unix_ms = lease.expires_unix_ms;
+        self.extend(lease.expires_unix_ms);
         Ok(())
+    }
+
+    /// The lease now runs until `expires_unix_ms` (never shortened: a late answer to an older
+    /// renewal changes nothing).
+    pub fn extend(&mut self, expires_unix_ms: u64) {
+        self.expires_unix_ms = self.expires_unix_ms.max(expires_unix_ms);
+    }
+
+    /// `count` consecutive ids, or none if the lease cannot cover them all.
+    pub fn mint_many(&mut self, now_unix_ms: u64, count: usize) -> Result<Vec<u64>, TopologyError> {
+        let before = (self.last_ms, self.last_seq);
+        let ids: Result<Vec<u64>, TopologyError> =
+            (0..count).map(|_| self.mint(now_unix_ms)).collect();
+        if ids.is_err() {
+            (self.last_ms, self.last_seq) = before;
+        }
+        ids
     }
 
     pub fn node(&self) -> u32 {
@@ -131,6 +161,7 @@ pub fn unix_ms_of(id: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     const T: u64 = ID_EPOCH_UNIX_MS + 1_000_000;
 
@@ -140,6 +171,7 @@ mod tests {
             holder: "h".into(),
             epoch: 1,
             expires_unix_ms,
+            ids_floor_unix_ms: 0,
         }
     }
 
@@ -175,5 +207,65 @@ mod tests {
         ids.renewed(&lease(3, T + 100)).unwrap();
         assert_eq!(unix_ms_of(ids.mint(T).unwrap()), T + 2);
         assert!(ids.renewed(&lease(4, T + 100)).is_err());
+    }
+
+    #[test]
+    fn never_zero_even_before_the_epoch() {
+        let mut m = LeasedIds::unbounded(0).unwrap();
+        assert_ne!(m.mint(0).unwrap(), 0);
+        assert_ne!(m.mint(ID_EPOCH_UNIX_MS).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_batch_the_lease_cannot_cover_mints_nothing() {
+        let mut ids = LeasedIds::new(&lease(3, T + 1)).unwrap();
+        assert!(ids.mint_many(T, 5000).is_err());
+        // Nothing was used up: the whole millisecond is still there.
+        assert_eq!(ids.mint_many(T, 4096).unwrap().len(), 4096);
+    }
+
+    proptest! {
+        /// Any clock sequence, any two nodes: ids increase per node, carry their node, and no
+        /// id is minted twice.
+        #[test]
+        fn monotonic_and_unique_across_nodes(
+            steps in proptest::collection::vec((0u64..3, -50i64..50, 1usize..300), 1..40),
+            node_a in 0u32..=MAX_NODE_ID, node_b in 0u32..=MAX_NODE_ID,
+        ) {
+            prop_assume!(node_a != node_b);
+            let mut minters = [
+                LeasedIds::unbounded(node_a).unwrap(),
+                LeasedIds::unbounded(node_b).unwrap(),
+            ];
+            let mut last = [0u64; 2];
+            let mut seen = std::collections::HashSet::new();
+            let mut clock = T as i64;
+            for (which, jump, count) in steps {
+                clock += jump;
+                let i = (which % 2) as usize;
+                for id in minters[i].mint_many(clock as u64, count).unwrap() {
+                    prop_assert!(id > last[i]);
+                    last[i] = id;
+                    prop_assert_eq!(node_of(id), [node_a, node_b][i]);
+                    prop_assert!(seen.insert(id));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_successor_mints_past_every_id_of_the_holders_before_it() {
+        // The old holder's clock ran 5 s ahead: it minted up to just before its expiry...
+        let mut old = LeasedIds::new(&lease(7, T + 1_000)).unwrap();
+        let last_old = old.mint(T + 999).unwrap();
+        // ...and the successor's clock runs 5 s behind: it still starts at that expiry.
+        let next = Lease {
+            ids_floor_unix_ms: T + 1_000,
+            ..lease(7, T + 20_000)
+        };
+        let mut new = LeasedIds::new(&next).unwrap();
+        let first_new = new.mint(T - 4_000).unwrap();
+        assert!(first_new > last_old);
+        assert_eq!(unix_ms_of(first_new), T + 1_000);
     }
 }

@@ -1,7 +1,7 @@
 //! The topology in this process's memory: the embedded default, with the same rules as MongoDB.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -12,27 +12,57 @@ use super::{
 };
 use crate::partition::{NodeId, Partition};
 
-#[derive(Default)]
+/// The store's clock: unix milliseconds.
+pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
+
 pub struct MemoryTopology {
     inner: Mutex<State>,
+    clock: Clock,
+}
+
+impl Default for MemoryTopology {
+    fn default() -> Self {
+        Self::with_clock(Arc::new(system_unix_ms))
+    }
+}
+
+/// This process's wall clock, unix milliseconds.
+fn system_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 #[derive(Default)]
 struct State {
     partition: Option<Partition>,
-    nodes: BTreeMap<NodeId, NodeEntry>,
+    nodes: BTreeMap<NodeId, Stored>,
+}
+
+struct Stored {
+    entry: NodeEntry,
+    /// The latest expiry any grant of this node had: where the next holder's ids start.
+    ids_below_unix_ms: u64,
 }
 
 impl State {
     /// The entry of `lease.node` if `lease` is still its current grant.
-    fn current(&mut self, lease: &Lease) -> Option<&mut NodeEntry> {
+    fn current(&mut self, lease: &Lease) -> Option<&mut Stored> {
         self.nodes
             .get_mut(&lease.node)
-            .filter(|e| e.lease.holder == lease.holder && e.lease.epoch == lease.epoch)
+            .filter(|s| s.entry.lease.holder == lease.holder && s.entry.lease.epoch == lease.epoch)
     }
 }
 
 impl MemoryTopology {
+    /// A store that reads time from `clock` (virtual time in tests).
+    pub fn with_clock(clock: Clock) -> Self {
+        Self {
+            inner: Mutex::new(State::default()),
+            clock,
+        }
+    }
+
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.inner.lock().expect("topology lock poisoned")
     }
@@ -63,28 +93,34 @@ impl TopologyStore for MemoryTopology {
         &self,
         node: NodeId,
         holder: &str,
-        now_unix_ms: u64,
         ttl: Duration,
     ) -> Result<Acquire, TopologyError> {
-        let expires_unix_ms = check_request(node, holder, now_unix_ms, ttl)?;
+        let ttl_ms = check_request(node, holder, ttl)?;
+        let now = (self.clock)();
         let mut state = self.state();
         let previous = state.nodes.get(&node);
-        if let Some(e) =
-            previous.filter(|e| e.lease.is_live(now_unix_ms) && e.lease.holder != holder)
+        if let Some(s) = previous
+            .filter(|s| now < s.entry.lease.expires_unix_ms && s.entry.lease.holder != holder)
         {
-            return Ok(Acquire::Held(e.lease.clone()));
+            return Ok(Acquire::Held(s.entry.lease.clone()));
         }
+        let floor = previous.map_or(0, |s| s.ids_below_unix_ms);
         let lease = Lease {
             node,
             holder: holder.to_string(),
-            epoch: previous.map_or(0, |e| e.lease.epoch) + 1,
-            expires_unix_ms,
+            epoch: previous.map_or(0, |s| s.entry.lease.epoch) + 1,
+            expires_unix_ms: now + ttl_ms,
+            ids_floor_unix_ms: floor,
         };
         state.nodes.insert(
             node,
-            NodeEntry {
-                lease: lease.clone(),
-                record: None,
+            Stored {
+                entry: NodeEntry {
+                    lease: lease.clone(),
+                    live: true,
+                    record: None,
+                },
+                ids_below_unix_ms: floor.max(lease.expires_unix_ms),
             },
         );
         Ok(Acquire::Granted(lease))
@@ -93,17 +129,18 @@ impl TopologyStore for MemoryTopology {
     async fn renew_lease(
         &self,
         lease: &Lease,
-        now_unix_ms: u64,
         ttl: Duration,
     ) -> Result<Option<Lease>, TopologyError> {
-        let expires_unix_ms = check_request(lease.node, &lease.holder, now_unix_ms, ttl)?;
+        let ttl_ms = check_request(lease.node, &lease.holder, ttl)?;
+        let now = (self.clock)();
         let mut state = self.state();
         Ok(state
             .current(lease)
-            .filter(|e| e.lease.is_live(now_unix_ms))
-            .map(|e| {
-                e.lease.expires_unix_ms = expires_unix_ms;
-                e.lease.clone()
+            .filter(|s| now < s.entry.lease.expires_unix_ms)
+            .map(|s| {
+                s.entry.lease.expires_unix_ms = now + ttl_ms;
+                s.ids_below_unix_ms = s.ids_below_unix_ms.max(now + ttl_ms);
+                s.entry.lease.clone()
             }))
     }
 
@@ -111,7 +148,7 @@ impl TopologyStore for MemoryTopology {
         let mut state = self.state();
         Ok(state
             .current(lease)
-            .map(|e| e.lease.expires_unix_ms = 0)
+            .map(|s| s.entry.lease.expires_unix_ms = 0)
             .is_some())
     }
 
@@ -119,18 +156,27 @@ impl TopologyStore for MemoryTopology {
         &self,
         lease: &Lease,
         record: &NodeRecord,
-        now_unix_ms: u64,
     ) -> Result<bool, TopologyError> {
         record.check_lease(lease)?;
+        let now = (self.clock)();
         let mut state = self.state();
         Ok(state
             .current(lease)
-            .filter(|e| e.lease.is_live(now_unix_ms))
-            .map(|e| e.record = Some(record.clone()))
+            .filter(|s| now < s.entry.lease.expires_unix_ms)
+            .map(|s| s.entry.record = Some(record.clone()))
             .is_some())
     }
 
     async fn nodes(&self) -> Result<Vec<NodeEntry>, TopologyError> {
-        Ok(self.state().nodes.values().cloned().collect())
+        let now = (self.clock)();
+        Ok(self
+            .state()
+            .nodes
+            .values()
+            .map(|s| NodeEntry {
+                live: now < s.entry.lease.expires_unix_ms,
+                ..s.entry.clone()
+            })
+            .collect())
     }
 }

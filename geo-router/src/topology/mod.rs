@@ -6,9 +6,13 @@
 //!   it replaces, so two planners racing from the same epoch cannot both win.
 //! - **Leases**: a node may own its area, mint entity ids and write only while it holds the lease
 //!   of its node id. Every grant bumps the lease's epoch, which is the fencing token: once a
-//!   lapsed lease is taken over, the old holder's renewals and fenced writes fail. Callers pass
-//!   the time (`now_unix_ms`), so the rules are testable with virtual time; the store keeps
-//!   expiry instants, and holders' clocks must agree to well within a lease's length.
+//!   lapsed lease is taken over, the old holder's renewals and fenced writes fail. Lapse is
+//!   judged by the store's own clock, never a caller's: a contender whose clock runs ahead
+//!   cannot take a live lease. A holder cannot read the store's clock, so it stops writing at a
+//!   deadline of its own monotonic clock (`ttl` after it *sent* the request that was granted),
+//!   which passes no later than the store's expiry whatever the two wall clocks say.
+//!   A holder names one process: callers add a random nonce, so two processes (two containers
+//!   with pid 1) never share a name.
 //! - **Node records**: where a node's mesh and admin endpoints are, published under its lease.
 
 pub mod ids;
@@ -55,26 +59,20 @@ pub enum TopologyError {
     LeaseLapsed { node: NodeId, expires_unix_ms: u64 },
 }
 
-/// A node's lease: `holder` (one process) owns node id `node` until `expires_unix_ms`.
+/// A node's lease: `holder` (one process) owns node id `node` until `expires_unix_ms` of the
+/// store's clock.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {
     pub node: NodeId,
     pub holder: String,
     /// The fencing token: bumped on every grant, never reused for this node.
     pub epoch: u64,
-    /// 0 once released.
+    /// By the store's clock; 0 once released.
     pub expires_unix_ms: u64,
-}
-
-impl Lease {
-    pub fn is_live(&self, now_unix_ms: u64) -> bool {
-        now_unix_ms < self.expires_unix_ms
-    }
-
-    /// Time left at `now_unix_ms`; zero once lapsed.
-    pub fn remaining(&self, now_unix_ms: u64) -> Duration {
-        Duration::from_millis(self.expires_unix_ms.saturating_sub(now_unix_ms))
-    }
+    /// The latest expiry any earlier grant of this node had (store clock): no earlier holder
+    /// minted an id at or past it, so this grant's ids start there.
+    #[serde(default)]
+    pub ids_floor_unix_ms: u64,
 }
 
 /// The answer to a lease request.
@@ -112,6 +110,8 @@ impl NodeRecord {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeEntry {
     pub lease: Lease,
+    /// Whether the lease was live by the store's clock when it was read.
+    pub live: bool,
     /// Cleared whenever the lease changes hands: a record always belongs to the current holder.
     pub record: Option<NodeRecord>,
 }
@@ -140,21 +140,20 @@ pub trait TopologyStore: Send + Sync {
     ) -> Result<Commit, TopologyError>;
 
     /// Grants `holder` the lease of `node` for `ttl` if it is free, lapsed, or already
-    /// `holder`'s; every grant gets a new epoch.
+    /// `holder`'s; every grant gets a new epoch. Lapse is judged by the store's clock.
     async fn acquire_lease(
         &self,
         node: NodeId,
         holder: &str,
-        now_unix_ms: u64,
         ttl: Duration,
     ) -> Result<Acquire, TopologyError>;
 
-    /// Extends `lease` to `now + ttl` if it is still live and still the current grant (same
-    /// holder and epoch); `None` once lapsed or taken over: the holder must stop writing.
+    /// Extends `lease` to the store's now + `ttl` if it is still live and still the current
+    /// grant (same holder and epoch); `None` once lapsed or taken over: the holder must stop
+    /// writing.
     async fn renew_lease(
         &self,
         lease: &Lease,
-        now_unix_ms: u64,
         ttl: Duration,
     ) -> Result<Option<Lease>, TopologyError>;
 
@@ -162,14 +161,10 @@ pub trait TopologyStore: Send + Sync {
     async fn release_lease(&self, lease: &Lease) -> Result<bool, TopologyError>;
 
     /// Publishes `record` under `lease`, if the lease is live and current; false otherwise.
-    async fn publish_node(
-        &self,
-        lease: &Lease,
-        record: &NodeRecord,
-        now_unix_ms: u64,
-    ) -> Result<bool, TopologyError>;
+    async fn publish_node(&self, lease: &Lease, record: &NodeRecord)
+        -> Result<bool, TopologyError>;
 
-    /// Every node that ever held a lease, by id.
+    /// Every node that ever held a lease, by id, with its liveness by the store's clock.
     async fn nodes(&self) -> Result<Vec<NodeEntry>, TopologyError>;
 
     /// Closes connections and waits for background work; the store is unusable afterwards. A
@@ -189,13 +184,8 @@ pub async fn open(url: &str) -> Result<Arc<dyn TopologyStore>, TopologyError> {
     }
 }
 
-/// Checks what a lease request carries before it reaches a store.
-fn check_request(
-    node: NodeId,
-    holder: &str,
-    now_unix_ms: u64,
-    ttl: Duration,
-) -> Result<u64, TopologyError> {
+/// Checks what a lease request carries before it reaches a store; the ttl in milliseconds.
+fn check_request(node: NodeId, holder: &str, ttl: Duration) -> Result<u64, TopologyError> {
     if node > MAX_NODE_ID {
         return Err(TopologyError::NodeId(node));
     }
@@ -205,11 +195,17 @@ fn check_request(
     if ttl.is_zero() || ttl > MAX_LEASE_TTL {
         return Err(TopologyError::Ttl(ttl));
     }
-    // Stored as BSON int64, with room for the ttl on top.
-    if now_unix_ms > i64::MAX as u64 / 2 {
-        return Err(TopologyError::Time(now_unix_ms));
-    }
-    Ok(now_unix_ms + ttl.as_millis() as u64)
+    Ok(ttl.as_millis() as u64)
+}
+
+/// A holder name unique to this process: `{prefix}-{pid}-{random}`. The pid alone repeats (every
+/// container's first process is pid 1), and a store grants a live lease again to the same name.
+pub fn process_holder(prefix: &str) -> String {
+    format!(
+        "{prefix}-{}-{:016x}",
+        std::process::id(),
+        rand::random::<u64>()
+    )
 }
 
 fn check_commit(expected_epoch: u64, next: &Partition) -> Result<(), TopologyError> {
@@ -233,6 +229,7 @@ mod tests {
             holder: "h".into(),
             epoch: 1,
             expires_unix_ms: 10,
+            ids_floor_unix_ms: 0,
         };
         let mut record = NodeRecord {
             node: 2,

@@ -4,10 +4,12 @@
 //! - `partition`: one document, `{_id: "current", epoch, partition}`. A commit is an insert (first
 //!   epoch; a duplicate `_id` means someone else was first) or a replace filtered on the epoch it
 //!   replaces.
-//! - `nodes`: one document per node id, `{_id: node, holder, epoch, expires_unix_ms, record}`. A
-//!   grant is one `findOneAndUpdate` filtered on "lapsed or mine" with upsert: when the lease is
-//!   held, the filter misses the existing document and the upsert's insert fails on the duplicate
-//!   `_id`, so of two contenders exactly one wins.
+//! - `nodes`: one document per node id, `{_id: node, holder, epoch, expires_unix_ms,
+//!   ids_floor_unix_ms, ids_below_unix_ms, record}`. A grant is one `findOneAndUpdate` filtered
+//!   on "lapsed or mine" with upsert: when the lease is held, the filter misses the existing
+//!   document and the upsert's insert fails on the duplicate `_id`, so of two contenders exactly
+//!   one wins. Every time is the server's (`$$NOW` in update pipelines and `$expr` filters):
+//!   lapse never depends on a caller's clock.
 //!
 //! Writes and reads use majority concerns, so a grant survives a primary's failover.
 
@@ -50,7 +52,12 @@ struct NodeDoc {
     epoch: i64,
     expires_unix_ms: i64,
     #[serde(default)]
+    ids_floor_unix_ms: i64,
+    #[serde(default)]
     record: Option<RecordDoc>,
+    /// Added by the server when listing: live by its clock.
+    #[serde(default)]
+    live: bool,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -73,7 +80,9 @@ impl NodeDoc {
                 holder: self.holder,
                 epoch: unsigned("epoch", self.epoch)?,
                 expires_unix_ms: unsigned("expires_unix_ms", self.expires_unix_ms)?,
+                ids_floor_unix_ms: unsigned("ids_floor_unix_ms", self.ids_floor_unix_ms)?,
             },
+            live: self.live,
             record: self.record.map(|r| NodeRecord {
                 node,
                 geo: r.geo,
@@ -106,6 +115,20 @@ fn current(lease: &Lease) -> Result<Document, TopologyError> {
     Ok(
         doc! { "_id": i64::from(lease.node), "holder": &lease.holder, "epoch": as_i64(lease.epoch)? },
     )
+}
+
+/// The server's clock, unix milliseconds, in an aggregation expression.
+fn server_now() -> Document {
+    doc! { "$toLong": "$$NOW" }
+}
+
+/// A filter clause: the lease is live by the server's clock.
+fn live() -> Document {
+    doc! { "$expr": { "$gt": ["$expires_unix_ms", server_now()] } }
+}
+
+fn ttl_ms(ttl: u64) -> Result<i64, TopologyError> {
+    i64::try_from(ttl).map_err(|_| TopologyError::Ttl(std::time::Duration::from_millis(ttl)))
 }
 
 fn as_i64(v: u64) -> Result<i64, TopologyError> {
@@ -168,16 +191,33 @@ impl MongoTopology {
         Ok(self.partition().await?.map_or(0, |p| p.epoch()))
     }
 
+    /// One node's entry, its liveness judged by the server.
     async fn entry(&self, node: NodeId) -> Result<Option<NodeEntry>, TopologyError> {
-        let found = self
-            .bounded(
-                "read lease",
-                self.nodes.find_one(doc! { "_id": i64::from(node) }),
-            )
+        Ok(self
+            .list(doc! { "_id": i64::from(node) })
+            .await?
+            .into_iter()
+            .next())
+    }
+
+    async fn list(&self, filter: Document) -> Result<Vec<NodeEntry>, TopologyError> {
+        let pipeline = [
+            doc! { "$match": filter },
+            doc! { "$addFields": { "live": { "$gt": ["$expires_unix_ms", server_now()] } } },
+            doc! { "$sort": { "_id": 1 } },
+        ];
+        let cursor = self
+            .bounded("list nodes", self.nodes.aggregate(pipeline))
             .await?;
-        found
-            .map(|d| d.into_entry().map_err(|why| self.corrupt(&why)))
-            .transpose()
+        let docs: Vec<Document> = self.bounded("list nodes", cursor.try_collect()).await?;
+        docs.into_iter()
+            .map(|d| {
+                mongodb::bson::from_document::<NodeDoc>(d)
+                    .map_err(|e| e.to_string())
+                    .and_then(NodeDoc::into_entry)
+                    .map_err(|why| self.corrupt(&why))
+            })
+            .collect()
     }
 
     fn corrupt(&self, why: &str) -> TopologyError {
@@ -234,20 +274,29 @@ impl TopologyStore for MongoTopology {
         &self,
         node: NodeId,
         holder: &str,
-        now_unix_ms: u64,
         ttl: Duration,
     ) -> Result<Acquire, TopologyError> {
-        let expires = as_i64(check_request(node, holder, now_unix_ms, ttl)?)?;
-        let now = as_i64(now_unix_ms)?;
+        let ttl = ttl_ms(check_request(node, holder, ttl)?)?;
         let filter = doc! {
             "_id": i64::from(node),
-            "$or": [ { "expires_unix_ms": { "$lte": now } }, { "holder": holder } ],
+            "$or": [
+                { "$expr": { "$lte": ["$expires_unix_ms", server_now()] } },
+                { "holder": holder },
+            ],
         };
-        let update = doc! {
-            "$set": { "holder": holder, "expires_unix_ms": expires },
-            "$inc": { "epoch": 1_i64 },
-            "$unset": { "record": "" },
-        };
+        let expires = doc! { "$add": [server_now(), ttl] };
+        let update = vec![
+            doc! { "$set": {
+                "holder": holder,
+                "epoch": { "$add": [{ "$ifNull": ["$epoch", 0_i64] }, 1_i64] },
+                "expires_unix_ms": expires,
+                "ids_floor_unix_ms": { "$ifNull": ["$ids_below_unix_ms", 0_i64] },
+            } },
+            doc! { "$set": {
+                "ids_below_unix_ms": { "$max": ["$ids_floor_unix_ms", "$expires_unix_ms"] },
+            } },
+            doc! { "$unset": "record" },
+        ];
         // A holder that lapses between our failed grant and our read shows as lapsed; asking
         // again then grants or names the new holder.
         for _ in 0..3 {
@@ -269,7 +318,7 @@ impl TopologyStore for MongoTopology {
                 Some(None) => return Err(self.corrupt("upsert returned no document")),
                 None => self.entry(node).await?,
             };
-            if let Some(e) = entry.filter(|e| e.lease.is_live(now_unix_ms)) {
+            if let Some(e) = entry.filter(|e| e.live) {
                 return Ok(Acquire::Held(e.lease));
             }
         }
@@ -283,15 +332,20 @@ impl TopologyStore for MongoTopology {
     async fn renew_lease(
         &self,
         lease: &Lease,
-        now_unix_ms: u64,
         ttl: Duration,
     ) -> Result<Option<Lease>, TopologyError> {
-        let expires = as_i64(check_request(lease.node, &lease.holder, now_unix_ms, ttl)?)?;
+        let ttl = ttl_ms(check_request(lease.node, &lease.holder, ttl)?)?;
         let mut filter = current(lease)?;
-        filter.insert("expires_unix_ms", doc! { "$gt": as_i64(now_unix_ms)? });
+        filter.extend(live());
+        let update = vec![
+            doc! { "$set": { "expires_unix_ms": { "$add": [server_now(), ttl] } } },
+            doc! { "$set": {
+                "ids_below_unix_ms": { "$max": ["$ids_below_unix_ms", "$expires_unix_ms"] },
+            } },
+        ];
         let renew = self
             .nodes
-            .find_one_and_update(filter, doc! { "$set": { "expires_unix_ms": expires } })
+            .find_one_and_update(filter, update)
             .return_document(ReturnDocument::After);
         let renewed = self.bounded("renew lease", renew).await?;
         renewed
@@ -315,11 +369,10 @@ impl TopologyStore for MongoTopology {
         &self,
         lease: &Lease,
         record: &NodeRecord,
-        now_unix_ms: u64,
     ) -> Result<bool, TopologyError> {
         record.check_lease(lease)?;
         let mut filter = current(lease)?;
-        filter.insert("expires_unix_ms", doc! { "$gt": as_i64(now_unix_ms)? });
+        filter.extend(live());
         let fields = RecordDoc {
             geo: record.geo.clone(),
             mesh_addr: record.mesh_addr.clone(),
@@ -333,16 +386,7 @@ impl TopologyStore for MongoTopology {
     }
 
     async fn nodes(&self) -> Result<Vec<NodeEntry>, TopologyError> {
-        let cursor = self
-            .bounded(
-                "list nodes",
-                self.nodes.find(doc! {}).sort(doc! { "_id": 1 }),
-            )
-            .await?;
-        let docs: Vec<NodeDoc> = self.bounded("list nodes", cursor.try_collect()).await?;
-        docs.into_iter()
-            .map(|d| d.into_entry().map_err(|why| self.corrupt(&why)))
-            .collect()
+        self.list(doc! {}).await
     }
 
     async fn close(&self) {

@@ -32,6 +32,9 @@ pub(crate) struct Authority {
     pub area: Vec<ChunkRect>,
     /// False once the node lease was lost: everything is frozen, nothing is written.
     pub lease_live: bool,
+    /// The node stops writing at this time (monotonic ms) unless a renewal lands first: the
+    /// store's expiry passes no earlier, whatever the wall clocks say. None: no lease (alone).
+    pub lease_until_ms: Option<u64>,
     /// While draining: the time (monotonic ms) the node exits at the latest.
     pub draining: Option<u64>,
 }
@@ -44,6 +47,7 @@ impl Authority {
             prev_partitions: Vec::new(),
             changed_at_ms: 0,
             lease_live: true,
+            lease_until_ms: None,
             draining: None,
         }
     }
@@ -54,6 +58,35 @@ const SETTLE_MIN_MS: u64 = 1_000;
 
 impl Core {
     // ------------------------------------------------------------------ the node's own lot
+
+    /// A renewal landed: minting and writing go on until its terms.
+    pub(crate) fn on_lease_renewed(&mut self, terms: LeaseTerms) {
+        if !self.auth.lease_live {
+            // Lost is lost: the world may already have moved on without this node.
+            return;
+        }
+        self.auth.lease_until_ms = Some(
+            self.auth
+                .lease_until_ms
+                .map_or(terms.until_ms, |u| u.max(terms.until_ms)),
+        );
+        // A lease of another node id would be a driver bug; minting then stays bounded.
+        let _ = self.game.ids.renewed(&terms.lease);
+    }
+
+    /// No renewal landed before the lease's deadline: stop writing now, before the store could
+    /// grant the id to anyone else.
+    pub(crate) fn check_lease_deadline(&mut self) {
+        if self.auth.lease_live
+            && self
+                .auth
+                .lease_until_ms
+                .is_some_and(|u| self.now.mono_ms >= u)
+        {
+            tracing::error!("no renewal of the node lease landed before its deadline");
+            self.on_lease_lost();
+        }
+    }
 
     /// Another process holds this node's id: everything is frozen rather than written twice.
     pub(crate) fn on_lease_lost(&mut self) {

@@ -12,6 +12,7 @@ use crate::model::audience::Audience;
 use crate::model::entities::{EntityError, EntityUpdate, NewEntity};
 use crate::model::fold::{TickEvent, TickSend};
 use crate::model::ids::IdMinter;
+use cellmesh_geo_router::topology::Lease;
 
 /// The game connected to this node, as the node knows it.
 pub(crate) struct GameSlot {
@@ -31,13 +32,19 @@ pub(crate) struct LocalGame {
 }
 
 impl LocalGame {
-    pub fn new(cfg: &SidecarConfig) -> Self {
+    /// Ids are minted under `lease` (none: a lone node, whose ids nobody else mints).
+    pub fn new(cfg: &SidecarConfig, lease: Option<&Lease>) -> Self {
+        let ids = match lease {
+            Some(l) => IdMinter::new(l),
+            None => IdMinter::unbounded(cfg.node_id),
+        };
         Self {
             slot: None,
             tick_events: Vec::new(),
             tick_sends: Vec::new(),
             last_tick: 0,
-            ids: IdMinter::new(cfg.node_id),
+            // The config checked the node id against the id layout.
+            ids: ids.expect("a node id that fits the id layout"),
         }
     }
 }
@@ -296,7 +303,13 @@ impl Core {
             );
             return self.game_error(ErrorCode::InvalidValue, detail, 0);
         }
-        let ids = self.game.ids.mint_many(self.now.unix_ms, count);
+        let ids = match self.game.ids.mint_many(self.now.unix_ms, count) {
+            Ok(ids) => ids,
+            Err(e) => {
+                let detail = format!("ReserveIds {}: {e}", r.request_id);
+                return self.game_error(ErrorCode::NotOwner, detail, 0);
+            }
+        };
         self.out.to_game.push(
             sidecar_message::Body::IdsReserved(local::IdsReserved {
                 request_id: r.request_id,

@@ -27,6 +27,7 @@ use std::sync::Arc;
 
 use cellmesh_geo_router::partition::{NodeId, Partition};
 use cellmesh_geo_router::store::{PlayerRecord, SessionEntry};
+use cellmesh_geo_router::topology::Lease;
 use cellmesh_proto::local::{self, GameMessage, SidecarFrame, SidecarMessage};
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage};
 use prost::Message;
@@ -108,8 +109,12 @@ pub enum Input {
     Peers(Vec<PeerInfo>),
     /// Peers' lease epochs (their incarnations) from the topology store.
     PeerLeases(Vec<(NodeId, u64)>),
-    /// The node lease was taken over: this node must stop writing.
+    /// The node lease was taken over, or no renewal landed before its deadline: this node
+    /// must stop writing.
     LeaseLost,
+    /// The node lease was renewed: ids may be minted until its new expiry, and writing goes on
+    /// until the new deadline.
+    LeaseRenewed(LeaseTerms),
     /// A newer partition was committed.
     Partition(Box<Partition>),
     /// SIGTERM: stop accepting handoffs, hand away what the partition gives to others, exit.
@@ -248,25 +253,38 @@ pub struct Core {
     next_publish_ms: u64,
 }
 
+/// The node lease as the core holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseTerms {
+    pub lease: Lease,
+    /// When this node stops writing unless a renewal lands first (monotonic ms, the core's
+    /// clock): the driver sets it a lease's length after it *sent* the granted request.
+    pub until_ms: u64,
+}
+
 impl Core {
     /// A node serving `partition` as `cfg.node_id`; `clustered` when it has peers to link to
     /// (a lone node owns the whole world and never hands anything off).
+    /// Ids are minted, and the node writes, under `lease` when it holds one.
     pub fn new(
         cfg: Arc<SidecarConfig>,
         metrics: Metrics,
         partition: Arc<Partition>,
         clustered: bool,
+        lease: Option<LeaseTerms>,
         now: Now,
     ) -> Self {
+        let mut auth = Authority::new(&cfg, partition.clone());
+        auth.lease_until_ms = lease.as_ref().map(|l| l.until_ms);
         Self {
             table: EntityTable::new(cfg.world),
-            game: LocalGame::new(&cfg),
+            game: LocalGame::new(&cfg, lease.as_ref().map(|l| &l.lease)),
             gw: Gateway::new(&cfg),
             mesh: Mesh::new(clustered),
             repl: Replication::new(&cfg, &partition),
             routing: Routing::default(),
             handoff: Handoffs::default(),
-            auth: Authority::new(&cfg, partition),
+            auth,
             out: Outbox::default(),
             shutting_down: false,
             dirty: true,
@@ -325,6 +343,7 @@ impl Core {
     /// Handles one input at time `now` (which never goes backwards).
     pub fn handle(&mut self, now: Now, input: Input) {
         self.now = now.max(self.now);
+        self.check_lease_deadline();
         if !matches!(input, Input::Timer) {
             self.dirty = true;
         }
@@ -363,6 +382,7 @@ impl Core {
             Input::Peers(peers) => self.on_peers(peers),
             Input::PeerLeases(leases) => self.on_peer_leases(leases),
             Input::LeaseLost => self.on_lease_lost(),
+            Input::LeaseRenewed(terms) => self.on_lease_renewed(terms),
             Input::Partition(p) => self.apply_partition(*p),
             Input::Drain => self.begin_drain(),
             Input::Timer => self.on_timer(),
@@ -392,7 +412,17 @@ impl Core {
     /// When the node wants [`Input::Timer`], at the latest.
     pub fn poll_timeout(&self) -> Option<u64> {
         let inputs = self.handoff.input_order.next_due().unwrap_or(u64::MAX);
-        Some(self.next_renew_ms.min(self.next_publish_ms).min(inputs))
+        let lease = self
+            .auth
+            .lease_until_ms
+            .filter(|_| self.auth.lease_live)
+            .unwrap_or(u64::MAX);
+        Some(
+            self.next_renew_ms
+                .min(self.next_publish_ms)
+                .min(inputs)
+                .min(lease),
+        )
     }
 
     fn on_timer(&mut self) {
@@ -642,6 +672,70 @@ mod tests {
     use super::*;
     use bytes::Bytes;
     use cellmesh_proto::local::sidecar_message;
+
+    fn lone_core(lease_until_ms: u64) -> Core {
+        use cellmesh_geo_router::partition::{Grid, Layout};
+        let cfg = SidecarConfig::default();
+        let grid = Grid::new(&cfg.world, 1, 1, vec![cfg.node_id]).unwrap();
+        let partition = Partition::new(cfg.world, 1, Layout::Grid(grid)).unwrap();
+        let lease = core_lease();
+        Core::new(
+            Arc::new(cfg),
+            Metrics::default(),
+            Arc::new(partition),
+            true,
+            Some(LeaseTerms {
+                lease,
+                until_ms: lease_until_ms,
+            }),
+            Now::default(),
+        )
+    }
+
+    fn at(mono_ms: u64) -> Now {
+        Now {
+            mono_ms,
+            unix_ms: 1_800_000_000_000 + mono_ms,
+        }
+    }
+
+    #[test]
+    fn a_node_stops_writing_at_its_lease_deadline_unless_a_renewal_lands() {
+        let mut core = lone_core(1_000);
+        assert!(
+            core.poll_timeout().unwrap() <= 1_000,
+            "a timer wakes it then"
+        );
+        core.handle(at(999), Input::Timer);
+        assert_eq!(core.state()["lease_live"], true);
+        // A renewal moves the deadline; an older answer arriving late cannot move it back.
+        let renewed = |until_ms| {
+            Input::LeaseRenewed(LeaseTerms {
+                lease: core_lease(),
+                until_ms,
+            })
+        };
+        core.handle(at(999), renewed(2_000));
+        core.handle(at(999), renewed(1_500));
+        core.handle(at(1_999), Input::Timer);
+        assert_eq!(core.state()["lease_live"], true);
+        core.handle(at(2_000), Input::Timer);
+        assert_eq!(core.state()["lease_live"], false);
+        // Lost is lost: a renewal that lands now changes nothing.
+        core.handle(at(2_001), renewed(5_000));
+        core.handle(at(2_002), Input::Timer);
+        assert_eq!(core.state()["lease_live"], false);
+    }
+
+    fn core_lease() -> Lease {
+        Lease {
+            node: SidecarConfig::default().node_id,
+            holder: "test".into(),
+            epoch: 1,
+            expires_unix_ms: u64::MAX,
+            ids_floor_unix_ms: 0,
+        }
+    }
 
     #[test]
     fn pack_splits_in_order_and_drops_the_impossible() {

@@ -18,7 +18,7 @@ use tokio_util::task::TaskTracker;
 use super::mesh::MeshCtx;
 use super::{dial, store, Event, GameHandle, GameOut, LinkHandle};
 use crate::core::wire::forwarded_inputs;
-use crate::core::{ConnId, Core, Input, LinkId, Now, Output};
+use crate::core::{ConnId, Core, Input, LeaseTerms, LinkId, Now, Output};
 use crate::metrics::Metrics;
 use crate::Real;
 
@@ -26,6 +26,11 @@ use crate::Real;
 const EVENTS_PER_FLUSH: usize = 64;
 
 /// The time now: monotonic since `start`, and the wall clock.
+/// `at` on the core's monotonic clock (milliseconds since `start`; 0 if before it).
+pub(crate) fn mono_ms(start: Instant, at: Instant) -> u64 {
+    at.saturating_duration_since(start).as_millis() as u64
+}
+
 pub(crate) fn now(start: Instant) -> Now {
     Now {
         mono_ms: start.elapsed().as_millis() as u64,
@@ -119,6 +124,10 @@ impl Driver {
                     rest,
                 }
             }
+            Event::LeaseRenewed { lease, deadline } => Input::LeaseRenewed(LeaseTerms {
+                lease,
+                until_ms: mono_ms(self.start, deadline),
+            }),
             Event::Core(input) => {
                 match &input {
                     Input::GameClosed { conn, .. } => {

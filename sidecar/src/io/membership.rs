@@ -1,8 +1,13 @@
 //! Membership: how this node joins the cluster and keeps its place in it.
 //!
-//! - [`join`] reads the committed partition from the topology store, takes the lease of this
-//!   node's id (the fence on its area) and publishes where its mesh listener is.
-//! - [`membership`] renews that lease every half second and tells the node which peers hold a
+//! - [`join`] reads the committed partition from the topology store and takes the lease of this
+//!   node's id (the fence on its area) under a holder name no other process shares.
+//! - [`keep_lease`] renews that lease every half second, in a task of its own so nothing else
+//!   can delay it. The store judges lapse by its own clock; this process stops writing at a
+//!   deadline of its own monotonic clock, a lease's length after it *sent* the last request
+//!   the store granted. That instant passes no later than the store's expiry, so a node cut off
+//!   from the store stops before another can be granted its id.
+//! - [`membership`] publishes where the mesh listener is and tells the node which peers hold a
 //!   live lease and where they listen, their lease epochs, and any newer partition.
 
 use std::sync::Arc;
@@ -10,11 +15,12 @@ use std::time::Duration;
 
 use anyhow::Context;
 use cellmesh_geo_router::partition::Partition;
-use cellmesh_geo_router::topology::{Acquire, Lease, NodeRecord, TopologyStore};
-use tokio::sync::mpsc;
+use cellmesh_geo_router::topology::{self, Acquire, Lease, NodeRecord, TopologyStore};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::{unix_ms, Event};
+use super::Event;
 use crate::config::SidecarConfig;
 use crate::core::{Input, PeerInfo};
 
@@ -22,11 +28,19 @@ const MEMBERSHIP_EVERY: Duration = Duration::from_millis(500);
 /// Tries at the node lease before giving up on a store slower than the lease.
 const LEASE_ATTEMPTS: usize = 5;
 
+/// A lease as this process holds it.
+#[derive(Debug, Clone)]
+pub(crate) struct Held {
+    pub lease: Lease,
+    /// Stop writing here unless a renewal lands first.
+    pub deadline: Instant,
+}
+
 /// Reads the partition and takes this node's lease.
 pub(crate) async fn join(
     topology: &dyn TopologyStore,
     cfg: &SidecarConfig,
-) -> anyhow::Result<(Partition, Lease)> {
+) -> anyhow::Result<(Partition, Held)> {
     let partition = topology
         .partition()
         .await
@@ -40,24 +54,33 @@ pub(crate) async fn join(
         partition.shape(),
         cfg.world
     );
-    let holder = format!("sidecar-{}-{}", cfg.node_id, std::process::id());
+    let holder = topology::process_holder(&format!("sidecar-{}", cfg.node_id));
     let ttl = Duration::from_millis(cfg.node_lease_ms);
-    // A grant that lapsed before it came back (the store answered slower than the lease) is
-    // taken again with a fresh clock; the node never starts on a dead lease.
+    // A grant that came back after its deadline (the store answered slower than the lease) is
+    // taken again; the node never starts on a dead lease.
     for _ in 0..LEASE_ATTEMPTS {
+        let sent = Instant::now();
         match topology
-            .acquire_lease(cfg.node_id, &holder, unix_ms(), ttl)
+            .acquire_lease(cfg.node_id, &holder, ttl)
             .await
             .context("taking the node lease")?
         {
-            Acquire::Granted(lease) if lease.is_live(unix_ms()) => return Ok((partition, lease)),
+            Acquire::Granted(lease) if Instant::now() < sent + ttl => {
+                return Ok((
+                    partition,
+                    Held {
+                        lease,
+                        deadline: sent + ttl,
+                    },
+                ))
+            }
             Acquire::Granted(lease) => tracing::warn!(
                 node = cfg.node_id,
-                expires_unix_ms = lease.expires_unix_ms,
+                epoch = lease.epoch,
                 "the node lease lapsed before the store answered; taking it again"
             ),
             Acquire::Held(other) => anyhow::bail!(
-                "node id {} is leased by {:?} until {} ms: another sidecar runs as this node",
+                "node id {} is leased by {:?} until {} ms (the store's clock): another sidecar runs as this node",
                 cfg.node_id,
                 other.holder,
                 other.expires_unix_ms
@@ -70,6 +93,71 @@ pub(crate) async fn join(
     )
 }
 
+/// Renews the lease until `shutdown`, then gives it up. Each grant moves the deadline to a
+/// lease's length after its request was sent, and is handed to the node (through `renewed` too,
+/// for the record's publisher). When the store says the lease is gone, or no renewal lands
+/// before the deadline, the node is told to stop writing and the task ends.
+pub(crate) async fn keep_lease(
+    topology: Arc<dyn TopologyStore>,
+    mut held: Held,
+    ttl: Duration,
+    node: mpsc::Sender<Event>,
+    renewed: watch::Sender<Lease>,
+    shutdown: CancellationToken,
+) {
+    let me = held.lease.node;
+    let mut every = tokio::time::interval(MEMBERSHIP_EVERY);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tokio::time::sleep_until(held.deadline) => {
+                return lost(&node, me, "no renewal of the node lease landed before its deadline").await;
+            }
+            _ = every.tick() => {}
+        }
+        let sent = Instant::now();
+        match tokio::time::timeout_at(held.deadline, topology.renew_lease(&held.lease, ttl)).await {
+            Err(_) => {
+                return lost(
+                    &node,
+                    me,
+                    "no renewal of the node lease landed before its deadline",
+                )
+                .await;
+            }
+            Ok(Ok(Some(lease))) => {
+                held = Held {
+                    lease,
+                    deadline: sent + ttl,
+                };
+                renewed.send_replace(held.lease.clone());
+                let event = Event::LeaseRenewed {
+                    lease: held.lease.clone(),
+                    deadline: held.deadline,
+                };
+                // A node too busy to take it this round gets the next one; its own deadline
+                // only comes earlier meanwhile, never later.
+                if tokio::time::timeout(MEMBERSHIP_EVERY, node.send(event))
+                    .await
+                    .is_ok_and(|r| r.is_err())
+                {
+                    break;
+                }
+            }
+            Ok(Ok(None)) => {
+                return lost(&node, me, "the node lease lapsed or was taken over").await;
+            }
+            Ok(Err(e)) => tracing::warn!(node = me, error = %e, "renewing the node lease failed"),
+        }
+    }
+    let _ = topology.release_lease(&held.lease).await;
+}
+
+async fn lost(node: &mpsc::Sender<Event>, me: u32, why: &str) {
+    tracing::error!(node = me, "{why}: this node stops writing");
+    let _ = node.send(Event::Core(Input::LeaseLost)).await;
+}
+
 #[derive(Debug, PartialEq, Eq)]
 enum Reported {
     Yes,
@@ -79,9 +167,8 @@ enum Reported {
     Gone,
 }
 
-/// Hands the node what membership read, waiting at most one round: an overloaded node must not
-/// hold up the renewal of its own lease (a lease that lapses freezes everything it owns). What is
-/// skipped is read again, fresher, next round.
+/// Hands the node what membership read, waiting at most one round: a busy node's inbox must not
+/// stall the reads. What is skipped is read again, fresher, next round.
 async fn report(node: &mpsc::Sender<Event>, input: Input) -> Reported {
     match tokio::time::timeout(MEMBERSHIP_EVERY, node.send(Event::Core(input))).await {
         Ok(Ok(())) => Reported::Yes,
@@ -90,18 +177,17 @@ async fn report(node: &mpsc::Sender<Event>, input: Input) -> Reported {
     }
 }
 
-/// Keeps the lease, publishes the record, and reports the live peers until `shutdown`; then
-/// gives the lease up.
+/// Publishes the record under the current lease and reports the live peers and any newer
+/// partition until `shutdown`.
 pub(crate) async fn membership(
     topology: Arc<dyn TopologyStore>,
-    mut lease: Lease,
+    lease: watch::Receiver<Lease>,
     record: NodeRecord,
-    ttl: Duration,
     partition_epoch: u64,
     node: mpsc::Sender<Event>,
     shutdown: CancellationToken,
 ) {
-    let me = lease.node;
+    let me = record.node;
     let mut partition_epoch = partition_epoch;
     let mut every = tokio::time::interval(MEMBERSHIP_EVERY);
     let mut published = false;
@@ -110,19 +196,9 @@ pub(crate) async fn membership(
             _ = shutdown.cancelled() => break,
             _ = every.tick() => {}
         }
-        let now = unix_ms();
-        match topology.renew_lease(&lease, now, ttl).await {
-            Ok(Some(l)) => lease = l,
-            Ok(None) => {
-                // Another holder has the id now: this node must stop writing (handoff's fence).
-                tracing::error!(node = me, "the node lease was lost");
-                let _ = node.send(Event::Core(Input::LeaseLost)).await;
-                break;
-            }
-            Err(e) => tracing::warn!(node = me, error = %e, "renewing the node lease failed"),
-        }
         if !published {
-            match topology.publish_node(&lease, &record, now).await {
+            let current = lease.borrow().clone();
+            match topology.publish_node(&current, &record).await {
                 Ok(true) => published = true,
                 Ok(false) => tracing::warn!(node = me, "publishing the node record was refused"),
                 Err(e) => {
@@ -145,17 +221,16 @@ pub(crate) async fn membership(
         }
         match topology.nodes().await {
             Ok(entries) => {
-                let leases = entries
-                    .iter()
-                    .filter(|e| e.lease.node != me && e.lease.is_live(now))
-                    .map(|e| (e.lease.node, e.lease.epoch))
+                let live: Vec<_> = entries
+                    .into_iter()
+                    .filter(|e| e.lease.node != me && e.live)
                     .collect();
+                let leases = live.iter().map(|e| (e.lease.node, e.lease.epoch)).collect();
                 if report(&node, Input::PeerLeases(leases)).await == Reported::Gone {
                     break;
                 }
-                let peers = entries
+                let peers = live
                     .into_iter()
-                    .filter(|e| e.lease.node != me && e.lease.is_live(now))
                     .filter_map(|e| {
                         e.record.map(|r| PeerInfo {
                             node: r.node,
@@ -170,5 +245,4 @@ pub(crate) async fn membership(
             Err(e) => tracing::warn!(node = me, error = %e, "listing the nodes failed"),
         }
     }
-    let _ = topology.release_lease(&lease).await;
 }

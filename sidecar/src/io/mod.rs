@@ -26,16 +26,16 @@ use cellmesh_admin::prometheus_client::registry::Registry;
 use cellmesh_admin::Admin;
 use cellmesh_geo_router::partition::Partition;
 use cellmesh_geo_router::store::Stores;
-use cellmesh_geo_router::topology::{Lease, NodeRecord, TopologyStore};
+use cellmesh_geo_router::topology::{NodeRecord, TopologyStore};
 use cellmesh_proto::local::{self, GameMessage, SidecarFrame};
 use cellmesh_proto::mesh::{LinkHello, MeshFrame, MeshMessage};
 use tokio::net::{TcpListener, UnixListener};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{LocalListen, SidecarConfig};
-use crate::core::{ConnId, Core, Input, LinkId};
+use crate::core::{ConnId, Core, Input, LeaseTerms, LinkId};
 use crate::metrics::Metrics;
 use crate::SidecarHandle;
 use driver::Driver;
@@ -72,6 +72,11 @@ pub(crate) enum Event {
         handle: LinkHandle,
         rest: Vec<MeshMessage>,
     },
+    /// The node lease was renewed: the driver turns the deadline into the core's clock.
+    LeaseRenewed {
+        lease: cellmesh_geo_router::topology::Lease,
+        deadline: tokio::time::Instant,
+    },
     /// Anything else, for the core as it is.
     Core(Input),
 }
@@ -102,7 +107,7 @@ pub(crate) async fn launch(
     cfg: SidecarConfig,
     stores: Stores,
     partition: Partition,
-    membership: Option<(Arc<dyn TopologyStore>, Lease)>,
+    membership: Option<(Arc<dyn TopologyStore>, membership::Held)>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<SidecarHandle> {
     let cfg = Arc::new(cfg);
@@ -141,7 +146,8 @@ pub(crate) async fn launch(
     };
     let census = Arc::default();
     let clustered = membership.is_some();
-    if let Some((topology, lease)) = membership {
+    let held = membership.as_ref().map(|(_, h)| h.clone());
+    if let Some((topology, held)) = membership {
         let advertise = match cfg.mesh_advertise.trim() {
             "" => mesh_addr.to_string(),
             a => a.to_string(),
@@ -152,11 +158,19 @@ pub(crate) async fn launch(
             mesh_addr: advertise,
             admin_addr: admin_addr.to_string(),
         };
+        let (renewed, lease) = watch::channel(held.lease.clone());
+        tasks.spawn(membership::keep_lease(
+            topology.clone(),
+            held,
+            Duration::from_millis(cfg.node_lease_ms),
+            inbox.clone(),
+            renewed,
+            shutdown.clone(),
+        ));
         tasks.spawn(membership::membership(
             topology,
             lease,
             record,
-            Duration::from_millis(cfg.node_lease_ms),
             partition.epoch(),
             inbox.clone(),
             shutdown.clone(),
@@ -168,6 +182,10 @@ pub(crate) async fn launch(
         metrics.clone(),
         Arc::new(partition),
         clustered,
+        held.map(|h| LeaseTerms {
+            until_ms: driver::mono_ms(start, h.deadline),
+            lease: h.lease,
+        }),
         driver::now(start),
     );
     published
