@@ -1,10 +1,16 @@
 //! The session directory in the geo's Redis.
 //!
-//! Keys, for geo `G` and account `A`:
-//! - `cellmesh:G:session:A`: hash `{node, epoch}` with the lease as its TTL, so a dead gateway's
+//! Keys, for geo `G` and account `A` (the account is the hash tag, so one script's keys share a
+//! slot on Redis Cluster):
+//! - `cellmesh:G:{A}:session`: hash `{node, epoch}` with the lease as its TTL, so a dead gateway's
 //!   sessions vanish by themselves;
-//! - `cellmesh:G:session_epoch:A`: the account's epoch counter. It never expires, so an epoch is
-//!   never handed out twice even after the session itself expired.
+//! - `cellmesh:G:{A}:session_epoch`: the account's last epoch, kept for [`EPOCH_KEEP`].
+//!
+//! An epoch is `max(last + 1, the server's unix ms × 1024)`. The time floor keeps epochs strictly
+//! greater than any handed out before even when the counter is gone: expired, or lost with the
+//! writes a failover to a replica dropped (Redis replicates asynchronously). Repeating an epoch
+//! would let a displaced session's stale frames pass the fence. It assumes fewer than 1024 logins
+//! of one account per millisecond, and replica clocks that agree to well within a second.
 //!
 //! Every write is one Lua script, so register, renew and release are atomic against each other
 //! and against concurrent logins of the same account on other gateways.
@@ -28,12 +34,22 @@ const RECONNECT_RETRIES: usize = 3;
 /// PEXPIRE inside the register script would leave a session that never expires.
 const MAX_LEASE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
-/// KEYS: session, epoch counter. ARGV: node, lease ms. Returns the new epoch.
+/// How long an account's last epoch is kept after its last login: past it, the time floor alone
+/// keeps new epochs greater.
+pub const EPOCH_KEEP: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// KEYS: session, last epoch. ARGV: node, lease ms, epoch keep ms. Returns the new epoch.
+/// (Numbers stay below 2^53, exact in Lua's doubles, until the year 2248.)
 static REGISTER: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-        local epoch = redis.call('INCR', KEYS[2])
-        redis.call('HSET', KEYS[1], 'node', ARGV[1], 'epoch', epoch)
+        local t = redis.call('TIME')
+        local floor = (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) * 1024
+        local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+        local epoch = math.max(last + 1, floor)
+        local shown = string.format('%.0f', epoch)
+        redis.call('SET', KEYS[2], shown, 'PX', ARGV[3])
+        redis.call('HSET', KEYS[1], 'node', ARGV[1], 'epoch', shown)
         redis.call('PEXPIRE', KEYS[1], ARGV[2])
         return epoch
         ",
@@ -107,11 +123,11 @@ impl RedisDirectory {
     }
 
     fn session_key(&self, account: &str) -> String {
-        format!("{}session:{account}", self.prefix)
+        format!("{}{{{account}}}:session", self.prefix)
     }
 
     fn epoch_key(&self, account: &str) -> String {
-        format!("{}session_epoch:{account}", self.prefix)
+        format!("{}{{{account}}}:session_epoch", self.prefix)
     }
 
     fn error(&self, op: &str, e: RedisError) -> StoreError {
@@ -152,6 +168,7 @@ impl SessionDirectory for RedisDirectory {
             .key(self.epoch_key(account))
             .arg(gateway_node)
             .arg(lease_ms(lease))
+            .arg(lease_ms(EPOCH_KEEP))
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(|e| self.error("register", e))
