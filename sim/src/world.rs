@@ -1581,6 +1581,13 @@ fn describe_mesh(m: &MeshMessage) -> String {
         Some(B::Input(i)) => format!("Input(s{} #{})", i.session_id, i.seq),
         Some(B::Subscribe(s)) => format!("Sub({} chunks)", s.chunks.len()),
         Some(B::Unsubscribe(s)) => format!("Unsub({} chunks)", s.chunks.len()),
+        Some(B::Anchor(a)) => {
+            let p = a.position.unwrap_or_default();
+            format!(
+                "Anchor({} e{} ep{} at ({:.0}, {:.0}))",
+                a.account, a.entity_id, a.entity_epoch, p.x, p.y
+            )
+        }
         Some(other) => format!("{other:?}").chars().take(80).collect(),
         None => "?".into(),
     }

@@ -20,6 +20,8 @@ pub(crate) mod handoff;
 pub(crate) mod peers;
 pub(crate) mod replication;
 pub(crate) mod routing;
+#[cfg(test)]
+mod scripted_tests;
 pub(crate) mod wire;
 
 use std::collections::{BTreeMap, VecDeque};

@@ -205,6 +205,22 @@ impl Core {
                 .get(account)
                 .is_none_or(|r| r.gateway_node != node)
         });
+        // Anchors sent while the link was down were lost, so that gateway's views still stand
+        // where its players' avatars were then (or where a previous owner last saw them). They
+        // are re-anchored now, not at the avatar's next change: a frozen or idle avatar has none,
+        // and a moving one's comes after this node has told the gateway that the ghosts outside
+        // the stale view are gone (the avatar itself included).
+        let mut players: Vec<(String, u64)> = self
+            .routing
+            .remote_players
+            .iter()
+            .filter(|(_, r)| r.gateway_node == node)
+            .map(|(account, r)| (account.clone(), r.session_epoch))
+            .collect();
+        players.sort();
+        for (account, session_epoch) in players {
+            self.send_anchor(node, &account, session_epoch);
+        }
         // Offers in doubt towards it get their answer now.
         self.resume_offers(node);
     }
