@@ -73,6 +73,16 @@ fn logins() {
     seeds_of("logins");
 }
 
+/// Seeds past the default count that once broke `logins`: run whatever the count.
+#[test]
+fn logins_seeds_that_once_failed() {
+    let s = named("logins").expect("a scenario of the catalogue");
+    for seed in [407, 411] {
+        let r = run(&s, seed);
+        assert!(r.ok(), "{r}");
+    }
+}
+
 #[test]
 fn stores() {
     seeds_of("stores");

@@ -195,8 +195,9 @@ impl Core {
                 if !self.may_write(d.entity_id) {
                     return;
                 }
-                if let Err(e) = self.table.despawn(d.entity_id) {
-                    self.entity_error(e);
+                match self.table.despawn(d.entity_id) {
+                    Ok(gone) => self.despawned_while_frozen(&[gone]),
+                    Err(e) => self.entity_error(e),
                 }
             }
             B::Event(e) => self.on_event(e),
@@ -433,7 +434,8 @@ impl Core {
         }
         // The game's entities go with it; clients see them vanish at once. Ghosts stay: their
         // owners still send them.
-        self.table.clear_local();
+        let gone = self.table.clear_local();
+        self.despawned_while_frozen(&gone);
         self.repl.sim.clear();
         self.out.to_game.clear();
         self.end_tick(self.game.last_tick + 1);

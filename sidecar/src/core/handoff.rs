@@ -19,10 +19,10 @@ use cellmesh_proto::mesh::{self, mesh_message};
 
 use super::wire::*;
 use super::*;
-use crate::model::entities::TickChanges;
+use crate::model::entities::{Entity, TickChanges};
 use crate::model::handoff::{
-    Admit, Completed, Fence, HandoffSource, HandoffTarget, InputRoute, Offer, OfferChecks,
-    OfferDecision, Thawed,
+    Admit, AfterDespawn, Completed, Fence, HandoffSource, HandoffTarget, InputRoute, Offer,
+    OfferChecks, OfferDecision, Thawed,
 };
 use crate::model::inputs::{InputOrder, Ordered};
 use crate::model::subs::{self};
@@ -322,6 +322,28 @@ impl Core {
         self.metrics
             .handoffs_in_doubt
             .set(self.handoff.out.in_doubt().count() as i64);
+    }
+
+    /// The game despawned `ids` (or went away with them): a unit frozen for a handoff waits
+    /// for no snapshot of them. The rest of the unit is offered, or thawed if its root went.
+    pub(crate) fn despawned_while_frozen(&mut self, gone: &[Entity]) {
+        let ids: Vec<u64> = gone.iter().map(|e| e.id).collect();
+        for after in self.handoff.out.despawned(&ids, self.now.mono_ms) {
+            match after {
+                AfterDespawn::Offer(offer) => self.send_offer(offer, false),
+                AfterDespawn::Abandoned { root, to, thawed } => {
+                    self.metrics.handoff(self.cfg.node_id, to, "abandoned");
+                    // A leave kept for the new owner is moot: the avatar is gone.
+                    if let Some(e) = gone.iter().find(|e| e.id == root && e.is_master) {
+                        self.handoff.leaving.remove(&e.owner_account);
+                    }
+                    // The attachments left are roots of their own now: checked at the next tick.
+                    self.handoff.recheck.extend(thawed.members.iter().copied());
+                    self.thaw(root, thawed, "the entity was despawned before its snapshot");
+                    self.handoff.retry.remove(&root);
+                }
+            }
+        }
     }
 
     /// `account` left: if its master is frozen in a handoff, the leave is kept for the new owner.

@@ -118,6 +118,20 @@ pub struct Thawed<I> {
     pub forwarded_copies: u64,
 }
 
+/// What a despawn of frozen members leaves of their unit's handoff.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AfterDespawn<I> {
+    /// The members left all have their snapshot: send the offer.
+    Offer(Offer<I>),
+    /// The root went before the offer left: nothing is offered to `to`. Thaw the members left
+    /// (`thawed.members`, without the root), then apply the held inputs locally.
+    Abandoned {
+        root: EntityId,
+        to: NodeId,
+        thawed: Thawed<I>,
+    },
+}
+
 /// Where an input for an entity goes.
 #[derive(Debug, Clone, PartialEq)]
 pub enum InputRoute<I> {
@@ -227,8 +241,58 @@ impl<I: Clone> HandoffSource<I> {
             return Ok(None);
         };
         parts.insert(id, state);
+        Ok(self.offer_if_complete(root))
+    }
+
+    /// The game despawned `ids` (a despawn it sent before it saw the Freeze, or the game went
+    /// away): no snapshot of them will ever come, so a unit still waiting for one would stay
+    /// frozen, in flight, for good. A member goes from its unit; a unit whose root went is
+    /// abandoned (its offer never left, so the rest may thaw). An offer already sent stands:
+    /// the target may adopt from its snapshot.
+    pub fn despawned(&mut self, ids: &[EntityId], now_ms: u64) -> Vec<AfterDespawn<I>> {
+        let mut units = Vec::new();
+        let mut roots_gone = HashSet::default();
+        for &id in ids {
+            let Some(&root) = self.root_of.get(&id) else {
+                continue;
+            };
+            let o = self.out.get_mut(&root).expect("a member's unit exists");
+            let Phase::Freezing { parts } = &mut o.phase else {
+                continue;
+            };
+            if !units.contains(&root) {
+                units.push(root);
+            }
+            if id == root {
+                roots_gone.insert(root);
+            } else {
+                o.members.retain(|m| *m != id);
+                parts.remove(&id);
+                self.root_of.remove(&id);
+            }
+        }
+        let mut out = Vec::new();
+        for root in units {
+            if roots_gone.contains(&root) {
+                let to = self.out[&root].to;
+                let mut thawed = self.thaw(root, now_ms);
+                thawed.members.retain(|m| *m != root);
+                out.push(AfterDespawn::Abandoned { root, to, thawed });
+            } else if let Some(offer) = self.offer_if_complete(root) {
+                out.push(AfterDespawn::Offer(offer));
+            }
+        }
+        out
+    }
+
+    /// Once every member of a freezing unit has its snapshot: the offer, which is final.
+    fn offer_if_complete(&mut self, root: EntityId) -> Option<Offer<I>> {
+        let o = self.out.get_mut(&root)?;
+        let Phase::Freezing { parts } = &mut o.phase else {
+            return None;
+        };
         if o.members.iter().any(|m| !parts.contains_key(m)) {
-            return Ok(None);
+            return None;
         }
         let ordered: Vec<_> = o
             .members
@@ -240,13 +304,13 @@ impl<I: Clone> HandoffSource<I> {
         };
         // The inputs held so far go to the target right behind the offer: copies from now on.
         o.copies = o.inputs.len() as u64;
-        Ok(Some(Offer {
+        Some(Offer {
             to: o.to,
             root,
             epoch: o.offered,
             parts: ordered,
             inputs: o.inputs.clone(),
-        }))
+        })
     }
 
     /// The offer could not even be queued (no link to the target): it never left, so the unit
@@ -1000,6 +1064,76 @@ mod tests {
         );
         s.forget(12);
         assert_eq!(s.route_input(12, 4), InputRoute::Local(4));
+    }
+
+    #[test]
+    fn a_root_despawned_before_its_snapshot_abandons_the_handoff() {
+        // The game despawned the avatar (a leave) before it saw the Freeze: no snapshot of it
+        // will come, so waiting for one kept the unit in flight for good.
+        let mut s = HandoffSource::<u32>::default();
+        s.begin(10, 1, &[11], B, 1_000).unwrap();
+        assert_eq!(s.route_input(10, 1), InputRoute::Held);
+        assert_eq!(s.snapshot(11, snap("b")).unwrap(), None);
+        assert_eq!(
+            s.despawned(&[10], 1_020),
+            vec![AfterDespawn::Abandoned {
+                root: 10,
+                to: B,
+                thawed: Thawed {
+                    members: vec![11],
+                    inputs: vec![1],
+                    freeze_ms: 20,
+                    forwarded_copies: 0,
+                },
+            }]
+        );
+        assert_eq!(s.in_flight(), 0);
+        assert!(!s.is_frozen(11));
+        assert_eq!(s.route_input(10, 2), InputRoute::Local(2));
+        // The attachment left may be handed over on its own.
+        assert!(s.begin(11, 1, &[], B, 1_030).is_ok());
+    }
+
+    #[test]
+    fn a_member_despawned_before_its_snapshot_leaves_the_unit() {
+        let mut s = HandoffSource::<u32>::default();
+        s.begin(10, 1, &[11, 12], B, 0).unwrap();
+        assert_eq!(s.snapshot(10, snap("a")).unwrap(), None);
+        assert_eq!(s.snapshot(12, snap("c")).unwrap(), None);
+        assert_eq!(s.route_input(10, 1), InputRoute::Held);
+        // The one snapshot missing was the despawned member's: the offer goes without it.
+        let after = s.despawned(&[11], 10);
+        let [AfterDespawn::Offer(offer)] = after.as_slice() else {
+            panic!("expected the offer: {after:?}");
+        };
+        assert_eq!(offer.parts, vec![(10, snap("a")), (12, snap("c"))]);
+        assert_eq!((offer.to, offer.epoch, &offer.inputs), (B, 2, &vec![1]));
+        assert!(!s.is_frozen(11));
+        assert_eq!(s.in_doubt().collect::<Vec<_>>(), vec![(10, B, 2)]);
+        // Once offered, the unit waits for the target's answer whatever goes locally (the
+        // target may adopt from the snapshot).
+        assert_eq!(s.despawned(&[10, 12], 20), vec![]);
+        assert_eq!(s.in_doubt().count(), 1);
+        assert!(s.acked(10, 2, B, 30).is_ok());
+        assert_eq!(s.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_game_gone_while_freezing_abandons_the_whole_unit() {
+        let mut s = HandoffSource::<u32>::default();
+        s.begin(10, 1, &[11], B, 0).unwrap();
+        assert_eq!(s.snapshot(10, snap("a")).unwrap(), None);
+        // The attachment first: the root's snapshot alone must not be offered, the root is gone.
+        let after = s.despawned(&[11, 10, 99], 5);
+        assert!(
+            matches!(
+                after.as_slice(),
+                [AfterDespawn::Abandoned { root: 10, thawed, .. }] if thawed.members.is_empty()
+            ),
+            "{after:?}"
+        );
+        assert_eq!(s.in_flight(), 0);
+        assert_eq!(s.despawned(&[10], 6), vec![], "nothing in flight any more");
     }
 
     #[test]
