@@ -404,7 +404,11 @@ impl Core {
     }
 
     pub(crate) fn on_peer_player_leave(&mut self, l: mesh::PeerPlayerLeave) {
-        let Some(r) = self.routing.remote_players.get(&l.account) else {
+        if let Some(r) = self.routing.remote_players.get(&l.account) {
+            if r.session_epoch > l.session_epoch {
+                return self.metrics.drop_msg("stale_session", 1);
+            }
+        } else {
             // The avatar was handed on before the gateway heard: the leave follows it.
             let owner = self
                 .table
@@ -416,11 +420,15 @@ impl Core {
                 });
             if let Some(owner) = owner {
                 self.send_peer(owner, mesh_message::Body::PlayerLeave(l));
+                return;
             }
-            return;
-        };
-        if r.session_epoch > l.session_epoch {
-            return self.metrics.drop_msg("stale_session", 1);
+            if self.table.master_of(&l.account).is_none() {
+                return;
+            }
+            // Written here with no session known: adopted under a session that a newer login
+            // had displaced (the adopt leaves the route to the newer one); this is that
+            // session's leave, sent on by the source once acked. The game drops a leave older
+            // than its avatar's session.
         }
         self.routing.remote_players.remove(&l.account);
         self.routing.anchor_sent.remove(&l.account);
