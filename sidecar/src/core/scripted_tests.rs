@@ -15,6 +15,11 @@ const AVATAR: u64 = 7;
 
 /// Node 1 of two on 16 x 16 chunks of 32 m: node 1 owns x 0..256 m, node 2 the rest.
 fn node() -> Core {
+    leased_node(None)
+}
+
+/// The same node, writing under `lease`.
+fn leased_node(lease: Option<LeaseTerms>) -> Core {
     let world = WorldShape {
         width: 512.0,
         height: 512.0,
@@ -33,6 +38,7 @@ fn node() -> Core {
         Metrics::default(),
         Arc::new(partition),
         true,
+        lease,
         at(0),
     );
     core.handle(
@@ -167,4 +173,46 @@ fn a_gateway_is_reanchored_as_soon_as_its_link_is_back() {
 
     link_up(&mut core, 200, 11, GATEWAY);
     assert_eq!(anchors(&mut core, 11), vec![(AVATAR, 100.0, 40.0)]);
+}
+
+fn lease_of_me() -> Lease {
+    Lease {
+        node: ME,
+        holder: "test".into(),
+        epoch: 1,
+        expires_unix_ms: u64::MAX,
+        ids_floor_unix_ms: 0,
+    }
+}
+
+fn renewed(until_ms: u64) -> Input {
+    Input::LeaseRenewed(LeaseTerms {
+        lease: lease_of_me(),
+        until_ms,
+    })
+}
+
+#[test]
+fn a_node_stops_writing_at_its_lease_deadline_unless_a_renewal_lands() {
+    let mut core = leased_node(Some(LeaseTerms {
+        lease: lease_of_me(),
+        until_ms: 1_000,
+    }));
+    assert!(
+        core.poll_timeout().unwrap() <= 1_000,
+        "a timer wakes it then"
+    );
+    core.handle(at(999), Input::Timer);
+    assert_eq!(core.state()["lease_live"], true);
+    // A renewal moves the deadline; an older answer arriving late cannot move it back.
+    core.handle(at(999), renewed(2_000));
+    core.handle(at(999), renewed(1_500));
+    core.handle(at(1_999), Input::Timer);
+    assert_eq!(core.state()["lease_live"], true);
+    core.handle(at(2_000), Input::Timer);
+    assert_eq!(core.state()["lease_live"], false);
+    // Lost is lost: a renewal that lands now changes nothing.
+    core.handle(at(2_001), renewed(5_000));
+    core.handle(at(2_002), Input::Timer);
+    assert_eq!(core.state()["lease_live"], false);
 }
