@@ -20,7 +20,9 @@ use cellmesh_geo_router::geometry::WorldShape;
 use cellmesh_geo_router::partition::{Grid, Layout, Partition};
 use cellmesh_geo_router::store::Stores;
 use cellmesh_geo_router::topology::memory::MemoryTopology;
-use cellmesh_geo_router::topology::{Acquire, TopologyStore};
+use cellmesh_geo_router::topology::{
+    Acquire, Commit, Lease, NodeEntry, NodeRecord, TopologyError, TopologyStore,
+};
 use cellmesh_proto::edge::{self, DeltaKind};
 use cellmesh_proto::local::{self, game_message, sidecar_message, AudienceKind, ErrorCode};
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame};
@@ -107,9 +109,69 @@ impl Drop for TestNode {
     }
 }
 
+/// The topology store as one node sees it: silent (every call pending, as a store that stalls
+/// or a network that partitions it from that node) while `cut` is set.
+struct NodeView {
+    store: Arc<dyn TopologyStore>,
+    cut: Arc<AtomicBool>,
+}
+
+impl NodeView {
+    async fn call<T>(&self, f: impl std::future::Future<Output = T>) -> T {
+        if self.cut.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        f.await
+    }
+}
+
+#[async_trait::async_trait]
+impl TopologyStore for NodeView {
+    async fn partition(&self) -> Result<Option<Partition>, TopologyError> {
+        self.call(self.store.partition()).await
+    }
+    async fn commit_partition(
+        &self,
+        expected: u64,
+        next: &Partition,
+    ) -> Result<Commit, TopologyError> {
+        self.call(self.store.commit_partition(expected, next)).await
+    }
+    async fn acquire_lease(
+        &self,
+        node: u32,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Acquire, TopologyError> {
+        self.call(self.store.acquire_lease(node, holder, ttl)).await
+    }
+    async fn renew_lease(
+        &self,
+        lease: &Lease,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, TopologyError> {
+        self.call(self.store.renew_lease(lease, ttl)).await
+    }
+    async fn release_lease(&self, lease: &Lease) -> Result<bool, TopologyError> {
+        self.call(self.store.release_lease(lease)).await
+    }
+    async fn publish_node(
+        &self,
+        lease: &Lease,
+        record: &NodeRecord,
+    ) -> Result<bool, TopologyError> {
+        self.call(self.store.publish_node(lease, record)).await
+    }
+    async fn nodes(&self) -> Result<Vec<NodeEntry>, TopologyError> {
+        self.call(self.store.nodes()).await
+    }
+}
+
 /// Nodes started in this process under one committed partition; each may have a scripted game.
 struct Cluster {
     topology: Arc<dyn TopologyStore>,
+    /// Per node: set to cut it off from the topology store.
+    store_cut: BTreeMap<u32, Arc<AtomicBool>>,
     /// How far the topology store's clock runs ahead of this machine's (ms).
     store_ahead_ms: Arc<AtomicU64>,
     stores: Stores,
@@ -131,6 +193,7 @@ impl Cluster {
         topology.commit_partition(0, &partition).await.unwrap();
         Self {
             topology,
+            store_cut: BTreeMap::new(),
             store_ahead_ms,
             stores: Stores::in_memory(),
             nodes: BTreeMap::new(),
@@ -141,14 +204,14 @@ impl Cluster {
     async fn start(&mut self, cfg: SidecarConfig, with_game: bool) {
         let id = cfg.node_id;
         let stop = CancellationToken::new();
-        let handle = cellmesh_sidecar::start_in(
-            cfg,
-            self.stores.clone(),
-            self.topology.clone(),
-            stop.clone(),
-        )
-        .await
-        .expect("node starts");
+        let cut = self.store_cut.entry(id).or_default().clone();
+        let view = Arc::new(NodeView {
+            store: self.topology.clone(),
+            cut,
+        });
+        let handle = cellmesh_sidecar::start_in(cfg, self.stores.clone(), view, stop.clone())
+            .await
+            .expect("node starts");
         self.nodes.insert(
             id,
             TestNode {
@@ -1455,6 +1518,51 @@ async fn the_fence_drops_stale_frames_and_inputs_and_holds_future_frames() {
 }
 
 // ---------------------------------------------------------------------------- the lease
+
+#[tokio::test]
+async fn a_node_cut_off_from_the_topology_store_stops_writing_at_its_lease_deadline() {
+    let mut c = Cluster::plan(2, 1, vec![1, 2]).await;
+    let mut cfg = config(1);
+    cfg.node_lease_ms = 2_000;
+    let lease = Duration::from_millis(cfg.node_lease_ms);
+    c.start(cfg, true).await;
+    let a = c.id(1);
+    c.game(1).push(npc(a, chunk(2, 2)));
+    c.tick().await;
+    let p = Patience::new("the entity in the census");
+    while c.census(a) != vec![(1, real(a, 1, false))] {
+        p.check();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The store neither answers nor refuses: no renewal lands, and nothing says the lease is
+    // gone. The node must stop on its own clock, at its deadline, before the store's expiry
+    // could let another process have its id.
+    c.store_cut[&1].store(true, Ordering::SeqCst);
+    let cut_at = Instant::now();
+    let f = c
+        .game(1)
+        .expect("Freeze", |m| match m {
+            ToGame::Freeze(f) => Some((f.entity_id, f.entity_epoch)),
+            _ => None,
+        })
+        .await;
+    let after = cut_at.elapsed();
+    assert_eq!(f, (a, 1));
+    // A lease after the last renewal left (at most a half-second round before the cut), not
+    // after a store timeout (5 s): generous for a loaded machine, still well short of that.
+    assert!(
+        after <= lease + Duration::from_millis(1_500),
+        "froze {after:?} after the cut"
+    );
+    assert_eq!(c.ready(1).await, 503);
+    c.state_until(1, "lease_live false", |s| s["lease_live"] == false)
+        .await;
+    let p = Patience::new("the entity frozen in the census");
+    while c.census(a) != vec![(1, real(a, 1, true))] {
+        p.check();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
 
 #[tokio::test]
 async fn a_node_that_lost_its_lease_freezes_everything_it_owns() {
