@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 PROTO_DIR = HERE.parent.parent / "proto" / "proto"
 GENERATED_DIR = HERE / "generated"
 
-PROTOCOL = (1, 0)
+PROTOCOL = (1, 1)
 TICK_HZ = 20
 TICK_SECS = 1.0 / TICK_HZ
 MAX_FRAME = 1 << 20  # the sidecar's default frame limit
@@ -96,6 +96,7 @@ class Entity:
     last_seq: int = 0
     inputs_applied: int = 0
     frozen: bool = False  # being handed to another node: neither moved nor written
+    epoch: int = 1  # the entity epoch it is written under (a checkpoint names it)
     leaving: bool = False  # its player left while it was frozen: despawned if it is thawed
 
 
@@ -276,6 +277,8 @@ class World:
             self.apply_input(msg.input)
         elif body == "freeze":
             self.freeze(msg.freeze)
+        elif body == "checkpoint":
+            self.checkpoint(msg.checkpoint)
         elif body == "thaw":
             self.thaw(msg.thaw)
         elif body == "evict":
@@ -368,6 +371,16 @@ class World:
             entity_id=e.id, entity_epoch=freeze.entity_epoch, state=encode_snapshot(e))))
         log.info("froze %s (entity %d, epoch %d) for a handoff", e.kind, e.id, freeze.entity_epoch)
 
+    def checkpoint(self, checkpoint):
+        """Answers the complete state of each entity asked for, without freezing it: the sidecar keeps
+        it, so a crash of this game loses at most a checkpoint interval."""
+        for entity_id in checkpoint.entity_ids:
+            e = self.entity(entity_id)
+            if e is None:
+                continue
+            self.outbox.append(self.pb.GameMessage(checkpoint_state=self.pb.CheckpointState(
+                entity_id=e.id, entity_epoch=e.epoch, state=encode_snapshot(e))))
+
     def thaw(self, thaw):
         """The handoff was refused: the entity is this game's again."""
         e = self.entity(thaw.entity_id)
@@ -403,7 +416,8 @@ class World:
             # Unanswered, the handoff stays in doubt: better than an entity without its state.
             log.error("cannot adopt entity %d: %s", adopt.entity_id, e)
             return
-        for e in entities:
+        for e, a in zip(entities, (adopt, *adopt.attachments)):
+            e.epoch = a.entity_epoch
             self.ghosts.pop(e.id, None)
             if self.entity(e.id) is e:
                 self._resume(e)

@@ -209,6 +209,23 @@ class HandoffTest(WorldCase):
         self.assertEqual((alice.x, alice.y, alice.last_seq), (*where, 41))
         self.assertEqual(w.inputs_while_frozen, 1)
 
+    def test_a_checkpoint_answers_the_state_without_freezing_under_the_adopted_epoch(self):
+        w, alice = self.walking()
+        w.handle(sidecar_msg(checkpoint=pb.Checkpoint(entity_ids=[alice.id, 424242])))
+        out = w.tick(0.1)
+        [state] = bodies(out, "checkpoint_state")
+        self.assertEqual((state.entity_id, state.entity_epoch), (alice.id, 1))
+        self.assertEqual(self.decoded(state)["name"], "alice")
+        self.assertFalse(alice.frozen)
+        self.assertEqual(len(for_entity(out, "update", alice.id)), 1, "still simulated")
+        # An adopted entity is checkpointed under the epoch it was adopted with.
+        w.handle(ghost_enter(9001, 0.25, 10.0))
+        w.handle(adopt(9001, 4, ARENA_PLAYER, (0.25, 10.0), owner="bob", is_master=True))
+        w.tick(0.1)
+        w.handle(sidecar_msg(checkpoint=pb.Checkpoint(entity_ids=[9001])))
+        [state] = bodies(w.tick(0.1), "checkpoint_state")
+        self.assertEqual((state.entity_id, state.entity_epoch), (9001, 4))
+
     def test_a_frozen_npc_snapshot_carries_its_heading_and_turn(self):
         w = self.world(npcs=1)
         w.tick(0.05)

@@ -127,7 +127,14 @@ async fn protocol_version_from_the_future() {
     .await;
     let k = c.kick().await;
     assert_eq!(reason(&k), KickReason::VersionMismatch);
-    assert_eq!(k.detail, "client protocol 2.7, proxy speaks 1.0");
+    assert_eq!(
+        k.detail,
+        format!(
+            "client protocol 2.7, proxy speaks {}.{}",
+            cellmesh_proto::PROTOCOL_MAJOR,
+            cellmesh_proto::PROTOCOL_MINOR
+        )
+    );
 
     proxy.assert_healthy(&mut neighbour, 1).await;
 }

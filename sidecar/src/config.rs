@@ -55,6 +55,9 @@ pub struct SidecarConfig {
     pub handoff_margin_chunks: u32,
     /// After a refused handoff, the entity is not offered again for this long.
     pub handoff_retry_ms: u64,
+    /// Every entity that changed is checkpointed (its state asked of the game) this often;
+    /// 0: never.
+    pub checkpoint_interval_ms: u64,
     /// On SIGTERM, how long the node may take to hand its entities away before it exits.
     pub drain_timeout_ms: u64,
 }
@@ -93,6 +96,7 @@ impl Default for SidecarConfig {
             ghost_min_lifespan_ms: 2_000,
             handoff_margin_chunks: 1,
             handoff_retry_ms: 1_000,
+            checkpoint_interval_ms: 2_000,
             drain_timeout_ms: 30_000,
         }
     }
@@ -128,6 +132,8 @@ pub enum ConfigError {
     Lease(u64),
     #[error("node_lease_ms {0} is below the minimum of 1000")]
     NodeLease(u64),
+    #[error("checkpoint_interval_ms {0} is below the minimum of 100 (0 turns checkpoints off)")]
+    CheckpointInterval(u64),
 }
 
 impl SidecarConfig {
@@ -173,6 +179,9 @@ impl SidecarConfig {
         }
         if self.node_lease_ms < 1000 {
             return Err(ConfigError::NodeLease(self.node_lease_ms));
+        }
+        if (1..100).contains(&self.checkpoint_interval_ms) {
+            return Err(ConfigError::CheckpointInterval(self.checkpoint_interval_ms));
         }
         Ok(())
     }

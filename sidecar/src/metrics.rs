@@ -157,6 +157,9 @@ pub struct Metrics {
     /// Client inputs this node holds now: for a frozen entity, behind an epoch not seen yet,
     /// or waiting for an older one after an adoption.
     pub inputs_held: Gauge,
+    /// Checkpoints the game answered, and their bytes.
+    pub checkpoints: Counter,
+    pub checkpoint_bytes: Counter,
     /// Freeze durations for the summary percentiles (prometheus buckets are too coarse).
     pub freeze_ms: Arc<Mutex<hdrhistogram::Histogram<u64>>>,
     // Totals over every label, for `SidecarStats` (not registered: the families carry them).
@@ -214,6 +217,8 @@ impl Default for Metrics {
             stale_epoch_drops: Default::default(),
             held_frames: Default::default(),
             inputs_held: Default::default(),
+            checkpoints: Default::default(),
+            checkpoint_bytes: Default::default(),
             freeze_ms: Arc::new(Mutex::new(
                 hdrhistogram::Histogram::new_with_bounds(1, FREEZE_MAX_MS, 3)
                     .expect("static histogram bounds are valid"),
@@ -411,6 +416,16 @@ impl Metrics {
             m.held_frames.clone(),
         );
         r.register(
+            "checkpoints",
+            "Entity checkpoints the game answered (each entity that changed, once per checkpoint_interval_ms)",
+            m.checkpoints.clone(),
+        );
+        r.register(
+            "checkpoint_bytes",
+            "Bytes of the entity checkpoints the game answered",
+            m.checkpoint_bytes.clone(),
+        );
+        r.register(
             "inputs_held",
             "Client inputs held now: for a frozen entity, for an entity epoch not seen yet, or for an older input after an adoption",
             m.inputs_held.clone(),
@@ -460,6 +475,12 @@ impl Metrics {
     }
 
     /// Copies of inputs forwarded behind an offer this node refused (the source applies them).
+    /// One checkpoint of `bytes` bytes kept.
+    pub fn checkpoint(&self, bytes: usize) {
+        self.checkpoints.inc();
+        self.checkpoint_bytes.inc_by(bytes as u64);
+    }
+
     pub fn copies_refused(&self, n: u64) {
         self.drop_msg("input_copy_refused", n);
         self.inputs_copies_refused.inc_by(n);

@@ -168,7 +168,14 @@ async fn a_protocol_version_from_the_future() {
     c.send_frame(&hello(2, 0)).await;
     let e = c.fatal_error().await;
     assert_eq!(code(&e), ErrorCode::VersionMismatch);
-    assert_eq!(e.detail, "game speaks 2.0, sidecar speaks 1.0");
+    assert_eq!(
+        e.detail,
+        format!(
+            "game speaks 2.0, sidecar speaks {}.{}",
+            cellmesh_proto::PROTOCOL_MAJOR,
+            cellmesh_proto::PROTOCOL_MINOR
+        )
+    );
     n.still_works().await;
 }
 

@@ -60,7 +60,14 @@ async fn handshake_welcome_and_readiness() {
         .state_until("the game in /state", |s| s["game_connected"] == true)
         .await;
     assert_eq!(state["node_id"], 7);
-    assert_eq!(state["game"]["version"], "1.0");
+    assert_eq!(
+        state["game"]["version"],
+        format!(
+            "{}.{}",
+            cellmesh_proto::PROTOCOL_MAJOR,
+            cellmesh_proto::PROTOCOL_MINOR
+        )
+    );
     assert!(sc.h().stats().game_connected);
     let metrics = sc.metrics().await;
     assert!(
@@ -397,7 +404,11 @@ async fn link_handshake_rules() {
     };
     assert_eq!(
         refused(link_hello("edge-9", 2)).await,
-        "peer \"edge-9\" speaks protocol 2.0, sidecar speaks 1.0"
+        format!(
+            "peer \"edge-9\" speaks protocol 2.0, sidecar speaks {}.{}",
+            cellmesh_proto::PROTOCOL_MAJOR,
+            cellmesh_proto::PROTOCOL_MINOR
+        )
     );
     let mut as_sidecar = link_hello("node-3", 1);
     if let Some(mesh_message::Body::Hello(h)) = &mut as_sidecar.messages[0].body {

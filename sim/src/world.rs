@@ -87,6 +87,8 @@ pub struct Stats {
     pub inputs_ignored: (u64, u64, u64, u64),
     pub flaps: u64,
     pub entities_at_end: u64,
+    /// Checkpoints the games answered and the nodes kept.
+    pub checkpoints: u64,
     /// The same inputs as the nodes' and games' own counters tell them (what `up` reads).
     pub counted: Counted,
 }
@@ -1409,6 +1411,27 @@ impl<'a> Sim<'a> {
     }
 
     fn final_checks(&mut self) {
+        // Every entity is checkpointed within an interval of its last change (a game busy with
+        // a long tick answers late: the slack covers one).
+        let slack = self.s.slow_tick_ms + 500;
+        let missing: Vec<String> = self
+            .cores()
+            .flat_map(|(id, c)| {
+                c.checkpoints_missing(slack)
+                    .into_iter()
+                    .map(move |e| format!("n{id} e{e}"))
+            })
+            .take(8)
+            .collect();
+        if !missing.is_empty() {
+            self.check.violation(
+                self.now,
+                format!(
+                    "reals without the checkpoint they are due: {}",
+                    missing.join(", ")
+                ),
+            );
+        }
         let report = self.census.report();
         let cores: Vec<(NodeId, Vec<cellmesh_sidecar::Real>)> =
             self.cores().map(|(id, c)| (id, c.reals())).collect();
@@ -1482,6 +1505,7 @@ impl<'a> Sim<'a> {
         counted.lost_forwards = self.check.lost_forwards();
         self.stats.counted = counted;
         self.stats.handoffs = self.sum_over_cores(|c| c.metrics().handoffs_out.get());
+        self.stats.checkpoints = self.sum_over_cores(|c| c.metrics().checkpoints.get());
         // One avatar per account, whatever its sessions did.
         for c in &self.clients {
             let holders: Vec<(NodeId, u64)> = self

@@ -126,6 +126,19 @@ fn a_seed_reproduces_its_run() {
     }
 }
 
+#[test]
+fn every_entity_is_checkpointed() {
+    // The final checks hold every real to a checkpoint under its epoch; this says they are not
+    // vacuous: the games answered at least one per entity.
+    let r = run(&named("walk").unwrap(), 1);
+    assert!(r.ok(), "{r}");
+    assert!(
+        r.stats.checkpoints >= r.stats.entities_at_end && r.stats.entities_at_end > 0,
+        "{:?}",
+        r.stats
+    );
+}
+
 /// Faults of the tripwire scenario: the walk, failed at a time drawn from the seed.
 fn tripwire(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     plan.at(s.during(rng, 1_000), Fault::Tripwire);

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use cellmesh_proto::local::{
-    game_message::Body, sidecar_message, Adopt, Adopted, Audience, AudienceKind, Component,
-    Despawn, Event, ReserveIds, Snapshot, Spawn, Update, Vec3, Welcome,
+    game_message::Body, sidecar_message, Adopt, Adopted, Audience, AudienceKind, CheckpointState,
+    Component, Despawn, Event, ReserveIds, Snapshot, Spawn, Update, Vec3, Welcome,
 };
 use cellmesh_proto::sdk::GameSender;
 use rand::rngs::StdRng;
@@ -138,6 +138,8 @@ struct Entity {
     health: (u32, u32),
     /// Handed to the sidecar for a handoff: neither moved nor written until `Thaw` or `Evict`.
     frozen: bool,
+    /// The entity epoch it is written under (a checkpoint names it).
+    epoch: u64,
     role: Role,
 }
 
@@ -190,6 +192,7 @@ impl Entity {
 /// One entity of an `Adopt`, checked and decoded before anything is created.
 struct Adoption {
     id: u64,
+    epoch: u64,
     pos: (f64, f64),
     z: f64,
     owner_account: String,
@@ -332,6 +335,7 @@ impl Arena {
                     dir,
                     health,
                     frozen: false,
+                    epoch: 1,
                     role: Role::Npc { name, turn_in },
                 },
             );
@@ -393,6 +397,7 @@ impl Arena {
                 dir: (0.0, 0.0),
                 health,
                 frozen: false,
+                epoch: 1,
                 role: Role::Player(Player {
                     account,
                     session_epoch: epoch,
@@ -521,6 +526,20 @@ impl Arena {
                 }));
                 self.stats.snapshots += 1;
             }
+            M::Checkpoint(c) => {
+                // Answered at once, frozen or not: the state as it stands.
+                for id in c.entity_ids {
+                    let Some(e) = self.entities.get(&id) else {
+                        continue;
+                    };
+                    out.push(Body::CheckpointState(CheckpointState {
+                        entity_id: id,
+                        entity_epoch: e.epoch,
+                        state: e.snapshot().encode(),
+                    }));
+                    self.stats.checkpoints += 1;
+                }
+            }
             M::Thaw(t) => {
                 let Some(e) = self.entities.get_mut(&t.entity_id) else {
                     tracing::warn!(
@@ -614,6 +633,7 @@ impl Arena {
         let z = if z.is_finite() { z } else { 0.0 };
         todo.push(Adoption {
             id: a.entity_id,
+            epoch: a.entity_epoch,
             pos: self.torus.normalise(pos),
             z,
             owner_account: a.owner_account,
@@ -633,6 +653,7 @@ impl Arena {
                 e.frozen = false;
                 e.pos = a.pos;
                 e.z = a.z;
+                e.epoch = a.epoch;
                 self.stats.adopted += 1;
                 if let Some(c) = self.census() {
                     c.adopted(a.id, self.node);
@@ -676,6 +697,7 @@ impl Arena {
                 dir: (s.dir[0], s.dir[1]),
                 health: (s.health[0], s.health[1]),
                 frozen: false,
+                epoch: a.epoch,
                 role,
             },
         );

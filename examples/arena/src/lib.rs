@@ -71,6 +71,8 @@ pub struct ArenaStats {
     pub frozen: u64,
     /// Snapshots sent (a repeated Freeze is answered again).
     pub snapshots: u64,
+    /// Checkpoints answered.
+    pub checkpoints: u64,
     pub adopted: u64,
     pub evicted: u64,
     /// Handoffs refused: entities resumed.

@@ -9,6 +9,7 @@ use super::wire::*;
 use super::*;
 use crate::config::SidecarConfig;
 use crate::model::audience::Audience;
+use crate::model::checkpoints::Checkpoints;
 use crate::model::entities::{EntityError, EntityUpdate, NewEntity};
 use crate::model::fold::{TickEvent, TickSend};
 use crate::model::ids::IdMinter;
@@ -29,6 +30,8 @@ pub(crate) struct LocalGame {
     pub tick_sends: Vec<TickSend>,
     pub last_tick: u64,
     pub ids: IdMinter,
+    /// The latest state of every entity written here, asked of the game.
+    pub checkpoints: Checkpoints,
 }
 
 impl LocalGame {
@@ -45,12 +48,15 @@ impl LocalGame {
             last_tick: 0,
             // The config checked the node id against the id layout.
             ids: ids.expect("a node id that fits the id layout"),
+            checkpoints: Checkpoints::new(cfg.checkpoint_interval_ms),
         }
     }
 }
 
 /// The epoch every entity starts with; each handoff adds one.
 pub(crate) const FIRST_EPOCH: u64 = 1;
+/// Most entities one `Checkpoint` asks for (a publish round asks for one batch).
+const MAX_CHECKPOINTS_ASKED: usize = 512;
 /// Most ids one `ReserveIds` may ask for.
 const MAX_RESERVE: usize = 65_536;
 
@@ -196,7 +202,10 @@ impl Core {
                     return;
                 }
                 match self.table.despawn(d.entity_id) {
-                    Ok(gone) => self.despawned_while_frozen(&[gone]),
+                    Ok(gone) => {
+                        self.game.checkpoints.forget(gone.id);
+                        self.despawned_while_frozen(&[gone]);
+                    }
                     Err(e) => self.entity_error(e),
                 }
             }
@@ -222,6 +231,50 @@ impl Core {
             B::ChunkEvent(_) => self.metrics.drop_msg("chunk_event_unsupported", 1),
             B::Snapshot(s) => self.on_snapshot(s),
             B::Adopted(a) => self.on_adopted(a),
+            B::CheckpointState(c) => self.on_checkpoint_state(c),
+        }
+    }
+
+    /// A checkpoint the game answered: kept if it is of an entity written here, under its
+    /// current epoch (an answer that crossed a handoff is of no use).
+    pub(crate) fn on_checkpoint_state(&mut self, c: local::CheckpointState) {
+        let current = self
+            .table
+            .get_local(c.entity_id)
+            .map(|e| e.epoch)
+            .filter(|_| self.auth.lease_live);
+        if current != Some(c.entity_epoch) {
+            return self.metrics.drop_msg("checkpoint_stale", 1);
+        }
+        self.metrics.checkpoint(c.state.len());
+        self.game
+            .checkpoints
+            .taken(c.entity_id, c.entity_epoch, c.state, self.now.mono_ms);
+    }
+
+    /// Asks the game for the checkpoints now due (games of protocol 1.1 and later).
+    pub(crate) fn ask_for_checkpoints(&mut self) {
+        let speaks = self
+            .game
+            .slot
+            .as_ref()
+            .and_then(|g| g.hello.version.as_ref())
+            .is_some_and(|v| v.minor >= 1);
+        if !speaks || !self.auth.lease_live {
+            return;
+        }
+        let due = self
+            .game
+            .checkpoints
+            .take_due(self.now.mono_ms, MAX_CHECKPOINTS_ASKED);
+        let entity_ids: Vec<u64> = due
+            .into_iter()
+            .filter(|id| self.table.get_local(*id).is_some())
+            .collect();
+        if !entity_ids.is_empty() {
+            self.out
+                .to_game
+                .push(sidecar_message::Body::Checkpoint(local::Checkpoint { entity_ids }).into());
         }
     }
 
@@ -240,8 +293,9 @@ impl Core {
             origin: None,
             epoch: FIRST_EPOCH,
         };
-        if let Err(e) = self.table.spawn(spawn) {
-            self.entity_error(e);
+        match self.table.spawn(spawn) {
+            Ok(()) => self.game.checkpoints.touched(s.entity_id, self.now.mono_ms),
+            Err(e) => self.entity_error(e),
         }
     }
 
@@ -260,8 +314,9 @@ impl Core {
             changed,
             removed: u.removed_types,
         };
-        if let Err(e) = self.table.update(update) {
-            self.entity_error(e);
+        match self.table.update(update) {
+            Ok(_) => self.game.checkpoints.touched(u.entity_id, self.now.mono_ms),
+            Err(e) => self.entity_error(e),
         }
     }
 
@@ -435,6 +490,9 @@ impl Core {
         // The game's entities go with it; clients see them vanish at once. Ghosts stay: their
         // owners still send them.
         let gone = self.table.clear_local();
+        for e in &gone {
+            self.game.checkpoints.forget(e.id);
+        }
         self.despawned_while_frozen(&gone);
         self.repl.sim.clear();
         self.out.to_game.clear();

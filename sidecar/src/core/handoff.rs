@@ -236,6 +236,14 @@ impl Core {
                 s.entity_id,
             );
         }
+        // A handoff's snapshot is the freshest checkpoint there is (if it is refused, the entity
+        // stays here with exactly this state).
+        self.game.checkpoints.taken(
+            s.entity_id,
+            s.entity_epoch,
+            s.state.clone(),
+            self.now.mono_ms,
+        );
         match self.handoff.out.snapshot(s.entity_id, s.state) {
             Ok(Some(offer)) => self.send_offer(offer, false),
             Ok(None) => {}
@@ -446,6 +454,7 @@ impl Core {
             self.out
                 .to_game
                 .push(sidecar_message::Body::Evict(local::Evict { entity_id: id }).into());
+            self.game.checkpoints.forget(id);
             self.handoff.mass.remove(&id);
             self.handoff.retry.remove(&id);
             self.repl.newly_held.remove(&id);
@@ -692,6 +701,8 @@ impl Core {
                 continue;
             }
             self.handoff.out.forget(id);
+            // Written here now: checkpointed under its new epoch, soon.
+            self.game.checkpoints.touched(id, self.now.mono_ms);
         }
         // The player's inputs and routes follow its master.
         if o.is_master && !o.owner_account.is_empty() {

@@ -317,6 +317,18 @@ impl Core {
         self.handoff.fence.held()
     }
 
+    /// Reals written here, unfrozen, that lack the checkpoint they should have by now: none
+    /// kept under their epoch, and none asked for or due within `slack_ms`.
+    pub fn checkpoints_missing(&self, slack_ms: u64) -> Vec<u64> {
+        let now = self.now.mono_ms;
+        self.table
+            .iter()
+            .filter(|e| e.origin.is_none() && !self.handoff.out.is_frozen(e.id))
+            .filter(|e| self.game.checkpoints.missing(e.id, e.epoch, now, slack_ms))
+            .map(|e| e.id)
+            .collect()
+    }
+
     /// Client inputs held here now (see `Metrics::inputs_held`).
     pub fn inputs_held(&self) -> usize {
         self.handoff.out.held_inputs()
@@ -438,6 +450,7 @@ impl Core {
             self.next_publish_ms = now + PUBLISH_EVERY_MS;
             self.sweep_stale_ghosts();
             self.release_overdue_frames();
+            self.ask_for_checkpoints();
             self.metrics.inputs_held.set(self.inputs_held() as i64);
             if self.dirty {
                 self.dirty = false;

@@ -127,6 +127,7 @@ fn message_name(body: &game_message::Body) -> &'static str {
         B::TickEnd(_) => "TickEnd",
         B::Health(_) => "Health",
         B::ReserveIds(_) => "ReserveIds",
+        B::CheckpointState(_) => "CheckpointState",
     }
 }
 
@@ -378,7 +379,10 @@ mod tests {
     fn other_major_names_both_versions() {
         let e = check_hello(frame(vec![hello(2, 0)])).unwrap_err();
         assert_eq!((e.code, e.fatal), (ErrorCode::VersionMismatch as i32, true));
-        assert_eq!(e.detail, "game speaks 2.0, sidecar speaks 1.0");
+        assert_eq!(
+            e.detail,
+            format!("game speaks 2.0, sidecar speaks {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}")
+        );
     }
 
     #[test]

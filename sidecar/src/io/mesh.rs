@@ -351,7 +351,10 @@ mod tests {
     fn link_hello_rules() {
         assert!(check_link_hello(hello(1, PeerRole::Proxy), 5).is_ok());
         let e = check_link_hello(hello(2, PeerRole::Proxy), 5).unwrap_err();
-        assert_eq!(e, "peer \"edge-1\" speaks protocol 2.3, sidecar speaks 1.0");
+        assert_eq!(
+            e,
+            format!("peer \"edge-1\" speaks protocol 2.3, sidecar speaks {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}")
+        );
         assert!(check_link_hello(hello(1, PeerRole::RoleUnspecified), 5)
             .unwrap_err()
             .contains("proxy and sidecar links only"));

@@ -5,9 +5,11 @@
 //! - [`audience`]: who may see what; [`route`]: routing by account;
 //! - [`subs`]: node-level chunk subscriptions; [`ghosts`]: simulation ghosts;
 //! - [`handoff`]: the handoff state machines and the epoch fence; [`ids`]: snowflake ids;
-//! - [`inputs`]: the order of a player's inputs at the node writing its master.
+//! - [`inputs`]: the order of a player's inputs at the node writing its master;
+//! - [`checkpoints`]: the latest state of every entity the node writes, asked of the game.
 
 pub mod audience;
+pub mod checkpoints;
 pub mod entities;
 pub mod fold;
 pub mod ghosts;

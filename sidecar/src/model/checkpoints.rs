@@ -1,0 +1,213 @@
+//! Checkpoints: the latest complete state of every entity this node writes, in the game's own
+//! codec, so that a crash of the game (or later of the node) does not take the world with it.
+//!
+//! Every `interval_ms` each entity that changed since its last checkpoint is asked for again
+//! (`Checkpoint` to the game, which answers `CheckpointState` in its next tick without freezing
+//! anything). The first request of an entity comes at a phase drawn from its id, so a node's
+//! requests spread over the interval instead of arriving in one burst; later ones come an
+//! interval after the last, which keeps the spread. A request the game never answers is asked
+//! again an interval later. A handoff's snapshot is a checkpoint too.
+//!
+//! Pure: the caller passes the time.
+
+use bytes::Bytes;
+use rustc_hash::FxHashMap as HashMap;
+
+use super::handoff::EntityId;
+
+/// One entity's latest checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Kept {
+    /// The entity epoch it was taken under: only that epoch's writer may restore it.
+    pub epoch: u64,
+    pub state: Bytes,
+    /// When it was taken (monotonic ms).
+    pub at_ms: u64,
+}
+
+#[derive(Debug)]
+pub struct Checkpoints {
+    interval_ms: u64,
+    kept: HashMap<EntityId, Kept>,
+    /// Entities changed since their last checkpoint: when each may be asked for.
+    due: HashMap<EntityId, u64>,
+    /// Asked for and not answered yet: since when.
+    asked: HashMap<EntityId, u64>,
+}
+
+impl Checkpoints {
+    /// `interval_ms` 0: no checkpoints are asked for (handoff snapshots are still kept).
+    pub fn new(interval_ms: u64) -> Self {
+        Self {
+            interval_ms,
+            kept: HashMap::default(),
+            due: HashMap::default(),
+            asked: HashMap::default(),
+        }
+    }
+
+    /// `id` changed (spawned, updated, adopted) at `now_ms`.
+    pub fn touched(&mut self, id: EntityId, now_ms: u64) {
+        if self.interval_ms == 0 || self.due.contains_key(&id) || self.asked.contains_key(&id) {
+            return;
+        }
+        let at = match self.kept.get(&id) {
+            Some(k) => (k.at_ms + self.interval_ms).max(now_ms),
+            None => now_ms + phase(id, self.interval_ms),
+        };
+        self.due.insert(id, at);
+    }
+
+    /// Up to `max` entities to ask for at `now_ms`, oldest due first; they count as asked.
+    pub fn take_due(&mut self, now_ms: u64, max: usize) -> Vec<EntityId> {
+        // Asked an interval ago and never answered: ask again.
+        let unanswered: Vec<EntityId> = self
+            .asked
+            .iter()
+            .filter(|(_, since)| now_ms >= **since + self.interval_ms)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in unanswered {
+            self.asked.remove(&id);
+            self.due.insert(id, now_ms);
+        }
+        let mut ready: Vec<(u64, EntityId)> = self
+            .due
+            .iter()
+            .filter(|(_, at)| **at <= now_ms)
+            .map(|(id, at)| (*at, *id))
+            .collect();
+        ready.sort_unstable();
+        ready.truncate(max);
+        ready
+            .into_iter()
+            .map(|(_, id)| {
+                self.due.remove(&id);
+                self.asked.insert(id, now_ms);
+                id
+            })
+            .collect()
+    }
+
+    /// The state of `id` under `epoch`, from the game at `now_ms` (an answer, or a handoff's
+    /// snapshot). The caller checked that `epoch` is the entity's current one.
+    pub fn taken(&mut self, id: EntityId, epoch: u64, state: Bytes, now_ms: u64) {
+        self.asked.remove(&id);
+        self.kept.insert(
+            id,
+            Kept {
+                epoch,
+                state,
+                at_ms: now_ms,
+            },
+        );
+    }
+
+    /// `id` is no longer written here (despawned, handed away, or its game is gone).
+    pub fn forget(&mut self, id: EntityId) -> Option<Kept> {
+        self.due.remove(&id);
+        self.asked.remove(&id);
+        self.kept.remove(&id)
+    }
+
+    pub fn latest(&self, id: EntityId) -> Option<&Kept> {
+        self.kept.get(&id)
+    }
+
+    /// Whether `id`, written here under `epoch`, lacks a checkpoint it should have by `now_ms`:
+    /// none kept under that epoch, and none asked for or due within `slack_ms` of now.
+    pub fn missing(&self, id: EntityId, epoch: u64, now_ms: u64, slack_ms: u64) -> bool {
+        if self.interval_ms == 0 || self.kept.get(&id).is_some_and(|k| k.epoch == epoch) {
+            return false;
+        }
+        let pending = self
+            .due
+            .get(&id)
+            .map(|at| *at + slack_ms)
+            .or_else(|| self.asked.get(&id).map(|since| *since + slack_ms));
+        pending.is_none_or(|until| now_ms > until)
+    }
+
+    /// The earliest time an entity is due (for the node's timer).
+    pub fn next_due(&self) -> Option<u64> {
+        self.due.values().min().copied()
+    }
+
+    pub fn kept(&self) -> usize {
+        self.kept.len()
+    }
+}
+
+/// Where in the interval an entity's checkpoints fall: spread by its id.
+fn phase(id: EntityId, interval_ms: u64) -> u64 {
+    // Ids of one node share their high bits; a multiplicative hash spreads the low ones.
+    (id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % interval_ms.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const I: u64 = 2_000;
+
+    #[test]
+    fn first_requests_spread_over_the_interval() {
+        let mut c = Checkpoints::new(I);
+        for id in 0..1_000u64 {
+            c.touched(402_371_326_771_204_600 + id, 0);
+        }
+        // Every one is due within the interval, and no tenth of it holds more than a fifth.
+        let mut per_tenth = [0usize; 10];
+        for at in c.due.values() {
+            assert!(*at < I);
+            per_tenth[(*at * 10 / I) as usize] += 1;
+        }
+        assert!(per_tenth.iter().all(|n| *n < 200), "{per_tenth:?}");
+        assert_eq!(c.take_due(I, usize::MAX).len(), 1_000);
+    }
+
+    #[test]
+    fn only_what_changed_is_asked_again_an_interval_later() {
+        let mut c = Checkpoints::new(I);
+        c.touched(1, 0);
+        let first = c.next_due().unwrap();
+        assert_eq!(c.take_due(first, 10), [1]);
+        // Asked: changes meanwhile do not ask twice.
+        c.touched(1, first + 10);
+        assert!(c.take_due(first + 10, 10).is_empty());
+        c.taken(1, 1, Bytes::from_static(b"a"), first + 50);
+        assert_eq!(c.latest(1).unwrap().at_ms, first + 50);
+        // Unchanged: never asked again.
+        assert!(c.take_due(first + 10 * I, 10).is_empty());
+        // Changed: asked an interval after the last checkpoint, not before.
+        c.touched(1, first + 100);
+        assert!(c.take_due(first + 50 + I - 1, 10).is_empty());
+        assert_eq!(c.take_due(first + 50 + I, 10), [1]);
+    }
+
+    #[test]
+    fn an_unanswered_request_is_asked_again() {
+        let mut c = Checkpoints::new(I);
+        c.touched(7, 0);
+        let at = c.next_due().unwrap();
+        assert_eq!(c.take_due(at, 10), [7]);
+        assert!(c.take_due(at + I - 1, 10).is_empty());
+        assert_eq!(c.take_due(at + I, 10), [7]);
+    }
+
+    #[test]
+    fn forgotten_entities_are_never_asked_for() {
+        let mut c = Checkpoints::new(I);
+        c.touched(7, 0);
+        c.taken(7, 1, Bytes::from_static(b"a"), 0);
+        assert!(c.forget(7).is_some());
+        assert!(c.take_due(10 * I, 10).is_empty());
+        assert_eq!(c.kept(), 0);
+        // Off: nothing asked, snapshots still kept.
+        let mut off = Checkpoints::new(0);
+        off.touched(1, 0);
+        assert!(off.take_due(u64::MAX, 10).is_empty());
+        off.taken(1, 2, Bytes::from_static(b"s"), 5);
+        assert_eq!(off.latest(1).unwrap().epoch, 2);
+    }
+}
