@@ -58,6 +58,10 @@ pub struct SidecarConfig {
     /// Every entity that changed is checkpointed (its state asked of the game) this often;
     /// 0: never.
     pub checkpoint_interval_ms: u64,
+    /// A game that disconnects has this long to come back and get its entities back from
+    /// their checkpoints (clients see them stand still meanwhile); past it, or with no
+    /// checkpoint, they are despawned. 0: despawned at once.
+    pub game_grace_ms: u64,
     /// On SIGTERM, how long the node may take to hand its entities away before it exits.
     pub drain_timeout_ms: u64,
 }
@@ -97,6 +101,7 @@ impl Default for SidecarConfig {
             handoff_margin_chunks: 1,
             handoff_retry_ms: 1_000,
             checkpoint_interval_ms: 2_000,
+            game_grace_ms: 5_000,
             drain_timeout_ms: 30_000,
         }
     }

@@ -160,6 +160,8 @@ pub struct Metrics {
     /// Checkpoints the game answered, and their bytes.
     pub checkpoints: Counter,
     pub checkpoint_bytes: Counter,
+    /// Entities a returning game took back from their checkpoints.
+    pub restored: Counter,
     /// Freeze durations for the summary percentiles (prometheus buckets are too coarse).
     pub freeze_ms: Arc<Mutex<hdrhistogram::Histogram<u64>>>,
     // Totals over every label, for `SidecarStats` (not registered: the families carry them).
@@ -219,6 +221,7 @@ impl Default for Metrics {
             inputs_held: Default::default(),
             checkpoints: Default::default(),
             checkpoint_bytes: Default::default(),
+            restored: Default::default(),
             freeze_ms: Arc::new(Mutex::new(
                 hdrhistogram::Histogram::new_with_bounds(1, FREEZE_MAX_MS, 3)
                     .expect("static histogram bounds are valid"),
@@ -424,6 +427,11 @@ impl Metrics {
             "checkpoint_bytes",
             "Bytes of the entity checkpoints the game answered",
             m.checkpoint_bytes.clone(),
+        );
+        r.register(
+            "entities_restored",
+            "Entities a game that came back within game_grace_ms took back from their checkpoints",
+            m.restored.clone(),
         );
         r.register(
             "inputs_held",

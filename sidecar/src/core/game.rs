@@ -9,6 +9,8 @@ use super::wire::*;
 use super::*;
 use crate::config::SidecarConfig;
 use crate::model::audience::Audience;
+use std::collections::BTreeSet;
+
 use crate::model::checkpoints::Checkpoints;
 use crate::model::entities::{EntityError, EntityUpdate, NewEntity};
 use crate::model::fold::{TickEvent, TickSend};
@@ -32,6 +34,10 @@ pub(crate) struct LocalGame {
     pub ids: IdMinter,
     /// The latest state of every entity written here, asked of the game.
     pub checkpoints: Checkpoints,
+    /// Since when the game has been gone with its entities kept for its return (monotonic ms).
+    pub gone_since: Option<u64>,
+    /// Entities handed back to a returning game with `Adopt`, not yet `Adopted`.
+    pub restoring: BTreeSet<u64>,
 }
 
 impl LocalGame {
@@ -49,6 +55,8 @@ impl LocalGame {
             // The config checked the node id against the id layout.
             ids: ids.expect("a node id that fits the id layout"),
             checkpoints: Checkpoints::new(cfg.checkpoint_interval_ms),
+            gone_since: None,
+            restoring: BTreeSet::new(),
         }
     }
 }
@@ -109,6 +117,7 @@ impl Core {
             })
             .into(),
         );
+        self.restore_to_game();
         // Sessions outlive a game restart: the new game hears about every attached player.
         let joins: Vec<SidecarMessage> = self
             .gw
@@ -487,15 +496,99 @@ impl Core {
                 s.last_position = Some([e.position.x, e.position.y, e.position.z]);
             }
         }
-        // The game's entities go with it; clients see them vanish at once. Ghosts stay: their
-        // owners still send them.
+        self.repl.sim.clear();
+        self.game.restoring.clear();
+        if self.cfg.game_grace_ms > 0 && self.auth.lease_live {
+            // Kept for the game's return: clients see them stand still. A handoff still waiting
+            // for a snapshot will not get one: those units are abandoned (thawed, kept here).
+            self.game.gone_since = Some(self.now.mono_ms);
+            self.abandon_freezing("the game went away before its snapshot");
+            self.out.to_game.clear();
+            self.end_tick(self.game.last_tick + 1);
+            return;
+        }
+        self.out.to_game.clear();
+        self.drop_game_entities();
+    }
+
+    /// The game's entities go with it; clients see them vanish. Ghosts stay: their owners still
+    /// send them.
+    pub(crate) fn drop_game_entities(&mut self) {
+        self.game.gone_since = None;
+        self.game.restoring.clear();
         let gone = self.table.clear_local();
         for e in &gone {
             self.game.checkpoints.forget(e.id);
         }
         self.despawned_while_frozen(&gone);
-        self.repl.sim.clear();
-        self.out.to_game.clear();
         self.end_tick(self.game.last_tick + 1);
+    }
+
+    /// A game that did not come back within its grace: its entities are despawned.
+    pub(crate) fn expire_game_grace(&mut self) {
+        if self.game.slot.is_none()
+            && self
+                .game
+                .gone_since
+                .is_some_and(|t| self.now.mono_ms >= t + self.cfg.game_grace_ms)
+        {
+            tracing::warn!(
+                "the game did not come back within game_grace_ms: its entities are despawned"
+            );
+            self.drop_game_entities();
+        }
+    }
+
+    /// A game back within its grace gets every entity it wrote from the latest checkpoint, as
+    /// an `Adopt` under the entity's epoch (before any `PlayerJoin`, so a player finds its
+    /// avatar). One with no checkpoint cannot be restored and is despawned.
+    fn restore_to_game(&mut self) {
+        if self.game.gone_since.take().is_none() {
+            return;
+        }
+        let kept: Vec<_> = self
+            .table
+            .iter()
+            .filter(|e| e.origin.is_none())
+            .map(|e| {
+                (
+                    e.id,
+                    e.epoch,
+                    e.position,
+                    e.owner_account.clone(),
+                    e.is_master,
+                )
+            })
+            .collect();
+        for (id, epoch, p, owner_account, is_master) in kept {
+            let Some(state) = self.game.checkpoints.latest(id).map(|k| k.state.clone()) else {
+                tracing::warn!(
+                    entity = id,
+                    "no checkpoint to give back to the game: despawned"
+                );
+                if let Ok(gone) = self.table.despawn(id) {
+                    self.game.checkpoints.forget(gone.id);
+                }
+                self.metrics.drop_msg("restore_without_checkpoint", 1);
+                continue;
+            };
+            self.game.restoring.insert(id);
+            self.out.to_game.push(
+                sidecar_message::Body::Adopt(local::Adopt {
+                    entity_id: id,
+                    entity_epoch: epoch,
+                    position: Some(local::Vec3 {
+                        x: p.x,
+                        y: p.y,
+                        z: p.z,
+                    }),
+                    state,
+                    owner_account,
+                    is_master,
+                    attachments: vec![],
+                })
+                .into(),
+            );
+        }
     }
 }

@@ -354,6 +354,16 @@ impl Core {
         }
     }
 
+    /// Every unit still waiting for a snapshot is thawed: its game went away (its entities kept
+    /// for its return), so no snapshot will come.
+    pub(crate) fn abandon_freezing(&mut self, reason: &str) {
+        for (root, to, thawed) in self.handoff.out.abandon_freezing(self.now.mono_ms) {
+            self.metrics.handoff(self.cfg.node_id, to, "abandoned");
+            self.thaw(root, thawed, reason);
+            self.handoff.retry.remove(&root);
+        }
+    }
+
     /// `account` left: if its master is frozen in a handoff, the leave is kept for the new owner.
     pub(crate) fn leave_follows_handoff(&mut self, account: &str, epoch: u64, reason: &str) {
         let frozen = self
@@ -672,6 +682,16 @@ impl Core {
     }
 
     pub(crate) fn on_adopted(&mut self, a: local::Adopted) {
+        let restored = self
+            .table
+            .get_local(a.entity_id)
+            .is_some_and(|e| e.epoch == a.entity_epoch);
+        if restored && self.game.restoring.remove(&a.entity_id) {
+            // A returning game took back what it wrote: it writes it again from here on.
+            self.metrics.restored.inc();
+            self.game.checkpoints.touched(a.entity_id, self.now.mono_ms);
+            return;
+        }
         let offer = self
             .handoff
             .adopting

@@ -451,6 +451,7 @@ impl Core {
             self.sweep_stale_ghosts();
             self.release_overdue_frames();
             self.ask_for_checkpoints();
+            self.expire_game_grace();
             self.metrics.inputs_held.set(self.inputs_held() as i64);
             if self.dirty {
                 self.dirty = false;

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cellmesh_geo_router::geometry::WorldShape;
 use cellmesh_geo_router::partition::{Grid, Layout, NodeId, Partition};
-use cellmesh_proto::local::{self, game_message};
+use cellmesh_proto::local::{self, game_message, sidecar_message};
 use cellmesh_proto::mesh::{self, mesh_message};
 
 use super::*;
@@ -215,4 +215,158 @@ fn a_node_stops_writing_at_its_lease_deadline_unless_a_renewal_lands() {
     core.handle(at(2_001), renewed(5_000));
     core.handle(at(2_002), Input::Timer);
     assert_eq!(core.state()["lease_live"], false);
+}
+
+/// Everything queued for the game, in order.
+fn to_game(core: &mut Core) -> Vec<sidecar_message::Body> {
+    let mut found = Vec::new();
+    while let Some(out) = core.poll_output() {
+        if let Output::ToGame { frame, .. } = out {
+            found.extend(frame.messages.into_iter().filter_map(|m| m.body));
+        }
+    }
+    found
+}
+
+fn hello(core: &mut Core, ms: u64, conn: ConnId) {
+    core.handle(
+        at(ms),
+        Input::GameHello {
+            conn,
+            hello: local::Hello {
+                version: Some(local::ProtocolVersion::current()),
+                tick_rate_hz: 20,
+                game: "test".into(),
+            },
+            rest: vec![],
+        },
+    );
+}
+
+#[test]
+fn a_game_that_comes_back_within_its_grace_gets_its_entities_from_their_checkpoints() {
+    const NPC: u64 = 8;
+    let mut core = node();
+    game_tick(
+        &mut core,
+        50,
+        1,
+        game_message::Body::Spawn(local::Spawn {
+            entity_id: AVATAR,
+            position: pos(40.0, 40.0),
+            ..Default::default()
+        }),
+    );
+    game_tick(
+        &mut core,
+        60,
+        2,
+        game_message::Body::Spawn(local::Spawn {
+            entity_id: NPC,
+            position: pos(50.0, 40.0),
+            ..Default::default()
+        }),
+    );
+    // The avatar's checkpoint is asked for within an interval and answered; the NPC's answer
+    // never comes.
+    let mut asked = Vec::new();
+    for ms in (100..=2_100).step_by(100) {
+        core.handle(at(ms), Input::Timer);
+        for m in to_game(&mut core) {
+            if let sidecar_message::Body::Checkpoint(c) = m {
+                asked.extend(c.entity_ids);
+            }
+        }
+    }
+    assert!(asked.contains(&AVATAR) && asked.contains(&NPC), "{asked:?}");
+    game_tick(
+        &mut core,
+        2_150,
+        3,
+        game_message::Body::CheckpointState(local::CheckpointState {
+            entity_id: AVATAR,
+            entity_epoch: 1,
+            state: bytes::Bytes::from_static(b"avatar"),
+        }),
+    );
+    // A stale answer (another epoch) is not kept.
+    game_tick(
+        &mut core,
+        2_160,
+        4,
+        game_message::Body::CheckpointState(local::CheckpointState {
+            entity_id: NPC,
+            entity_epoch: 9,
+            state: bytes::Bytes::from_static(b"npc"),
+        }),
+    );
+
+    core.handle(
+        at(3_000),
+        Input::GameClosed {
+            conn: 1,
+            reason: "crashed".into(),
+        },
+    );
+    core.handle(at(3_100), Input::Timer);
+    assert_eq!(core.reals().len(), 2, "kept for the game's return");
+    hello(&mut core, 4_000, 2);
+    let back = to_game(&mut core);
+    let adopts: Vec<(u64, u64, &[u8])> = back
+        .iter()
+        .filter_map(|m| match m {
+            sidecar_message::Body::Adopt(a) => Some((a.entity_id, a.entity_epoch, &a.state[..])),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(adopts, vec![(AVATAR, 1, &b"avatar"[..])]);
+    // The NPC had no checkpoint: despawned, not resurrected from nothing.
+    assert_eq!(
+        core.reals().iter().map(|r| r.id).collect::<Vec<_>>(),
+        vec![AVATAR]
+    );
+    core.handle(
+        at(4_050),
+        Input::GameFrame {
+            conn: 2,
+            messages: vec![game_message::Body::Adopted(local::Adopted {
+                entity_id: AVATAR,
+                entity_epoch: 1,
+            })
+            .into()],
+        },
+    );
+    assert_eq!(core.metrics().restored.get(), 1);
+}
+
+#[test]
+fn a_game_that_does_not_come_back_in_time_loses_its_entities() {
+    let mut core = node();
+    game_tick(
+        &mut core,
+        50,
+        1,
+        game_message::Body::Spawn(local::Spawn {
+            entity_id: AVATAR,
+            position: pos(40.0, 40.0),
+            ..Default::default()
+        }),
+    );
+    core.handle(
+        at(100),
+        Input::GameClosed {
+            conn: 1,
+            reason: "crashed".into(),
+        },
+    );
+    let grace = SidecarConfig::default().game_grace_ms;
+    core.handle(at(100 + grace - 1), Input::Timer);
+    assert_eq!(core.reals().len(), 1);
+    core.handle(at(100 + grace + 100), Input::Timer);
+    assert!(core.reals().is_empty());
+    // A game that connects now starts from nothing.
+    hello(&mut core, 100 + grace + 200, 2);
+    assert!(!to_game(&mut core)
+        .iter()
+        .any(|m| matches!(m, sidecar_message::Body::Adopt(_))));
 }

@@ -285,6 +285,22 @@ impl<I: Clone> HandoffSource<I> {
         out
     }
 
+    /// Every unit still waiting for snapshots, thawed (their game is gone, the entities kept):
+    /// (root, target, what to thaw). Offers already sent stand.
+    pub fn abandon_freezing(&mut self, now_ms: u64) -> Vec<(EntityId, NodeId, Thawed<I>)> {
+        let mut roots: Vec<(EntityId, NodeId)> = self
+            .out
+            .iter()
+            .filter(|(_, o)| matches!(o.phase, Phase::Freezing { .. }))
+            .map(|(r, o)| (*r, o.to))
+            .collect();
+        roots.sort_unstable();
+        roots
+            .into_iter()
+            .map(|(root, to)| (root, to, self.thaw(root, now_ms)))
+            .collect()
+    }
+
     /// Once every member of a freezing unit has its snapshot: the offer, which is final.
     fn offer_if_complete(&mut self, root: EntityId) -> Option<Offer<I>> {
         let o = self.out.get_mut(&root)?;
