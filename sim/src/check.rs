@@ -44,6 +44,8 @@ pub(crate) struct Checker {
     /// Forwarded inputs in frames lost with a broken link, each copy counted: what a driver
     /// reports, as opposed to `lost`, which knows which inputs another copy delivered.
     lost_forwards: u64,
+    /// (account, seq) of inputs written to a game that crashed before it read them.
+    lost_with_game: BTreeSet<(String, u64)>,
     /// node -> the entities it holds as unfrozen reals (as of its last step).
     unfrozen: BTreeMap<NodeId, BTreeSet<u64>>,
     /// entity -> the nodes holding it as an unfrozen real.
@@ -67,6 +69,28 @@ impl Checker {
                 self.lost.insert((i.account.clone(), i.seq));
             }
         }
+    }
+
+    /// A frame the sidecar wrote to a game that crashed before reading it: its inputs never
+    /// reached a game after all.
+    pub fn frame_lost_with_game(&mut self, frame: &SidecarFrame) {
+        for m in &frame.messages {
+            if let Some(sidecar_message::Body::Input(i)) = &m.body {
+                let key = (i.account.clone(), i.seq);
+                if let Some(n) = self.delivered.get_mut(&key) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.delivered.remove(&key);
+                    }
+                }
+                self.lost_with_game.insert(key);
+            }
+        }
+    }
+
+    /// Inputs lost with a crashed game.
+    pub fn lost_with_game(&self) -> u64 {
+        self.lost_with_game.len() as u64
     }
 
     /// Forwarded inputs lost with a link, each copy counted.
@@ -296,8 +320,10 @@ impl Checker {
                 ),
             );
         }
-        let accounted =
-            stats.inputs_delivered + stats.inputs_dropped + stats.inputs_lost_in_network;
+        let accounted = stats.inputs_delivered
+            + stats.inputs_dropped
+            + stats.inputs_lost_in_network
+            + stats.inputs_lost_with_game;
         if accounted != stats.inputs_sent {
             let missing: Vec<&(String, u64)> = self
                 .sent

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
-use cellmesh_arena::{Arena, ArenaConfig, Census};
+use cellmesh_arena::{Arena, ArenaConfig, ArenaStats, Census};
 use cellmesh_geo_router::geometry::WorldShape;
 use cellmesh_geo_router::partition::{Grid, Layout, NodeId, Partition};
 use cellmesh_proto::local::{self, game_message, sidecar_message, GameMessage, SidecarFrame};
@@ -82,6 +82,8 @@ pub struct Stats {
     pub input_drops: BTreeMap<&'static str, u64>,
     /// Inputs in frames lost with a broken link or a killed node (the network's loss).
     pub inputs_lost_in_network: u64,
+    /// Inputs written to a game that crashed before it read them.
+    pub inputs_lost_with_game: u64,
     pub inputs_applied: u64,
     /// Inputs games ignored: (for a frozen avatar, a repeat, no such avatar, an older session).
     pub inputs_ignored: (u64, u64, u64, u64),
@@ -104,6 +106,8 @@ pub struct Counted {
     pub dropped: u64,
     /// Forwarded inputs lost with a broken link, each copy counted.
     pub lost_forwards: u64,
+    /// Inputs written to a game that crashed before it read them.
+    pub lost_with_game: u64,
     /// Inputs a source applied after a refusal, whose copies also left.
     pub copies_applied: u64,
     /// Copies a target dropped because it refused the offer they followed.
@@ -118,12 +122,14 @@ impl Counted {
             - self.delivered as i64
             - self.dropped as i64
             - self.lost_forwards as i64
+            - self.lost_with_game as i64
     }
 
     fn add(&mut self, o: Counted) {
         self.delivered += o.delivered;
         self.dropped += o.dropped;
         self.lost_forwards += o.lost_forwards;
+        self.lost_with_game += o.lost_with_game;
         self.copies_applied += o.copies_applied;
         self.copies_refused += o.copies_refused;
     }
@@ -177,6 +183,8 @@ struct SimNode {
     timer_at: Option<u64>,
     dialling: BTreeSet<NodeId>,
     lease_epoch: u64,
+    /// Games started since the node did (a crashed game comes back under a new connection).
+    game_generation: u32,
 }
 
 /// An ordered connection outside the mesh links.
@@ -207,13 +215,20 @@ enum Ev {
         to: NodeId,
         reason: String,
     },
-    /// A frame from the sidecar reaches the game.
+    /// A frame from the sidecar reaches the game (the one on connection `conn`).
     ToGame {
         node: NodeId,
         inc: u32,
+        conn: ConnId,
         frame: SidecarFrame,
     },
     GameTick {
+        node: NodeId,
+        inc: u32,
+        conn: ConnId,
+    },
+    /// A game that crashed starts again and connects to its sidecar.
+    GameBack {
         node: NodeId,
         inc: u32,
     },
@@ -274,6 +289,8 @@ pub(crate) struct Sim<'a> {
     pub(crate) stats: Stats,
     /// What killed nodes and their games had counted before they died.
     departed: Counted,
+    /// What crashed games had counted.
+    game_stats: Vec<ArenaStats>,
     halted: bool,
 }
 
@@ -325,6 +342,7 @@ impl<'a> Sim<'a> {
             watch: trace_len.and_then(|_| std::env::var("CELLMESH_SIM_WATCH").ok()?.parse().ok()),
             stats: Stats::default(),
             departed: Counted::default(),
+            game_stats: Vec::new(),
             halted: false,
         };
         for id in 1..=s.nodes {
@@ -340,6 +358,7 @@ impl<'a> Sim<'a> {
                 timer_at: None,
                 dialling: BTreeSet::new(),
                 lease_epoch: 0,
+                game_generation: 0,
             });
             sim.start_node(id);
         }
@@ -452,8 +471,14 @@ impl<'a> Sim<'a> {
                     );
                 }
             }
-            Ev::ToGame { node, inc, frame } => self.game_receives(node, inc, frame),
-            Ev::GameTick { node, inc } => self.game_tick(node, inc),
+            Ev::ToGame {
+                node,
+                inc,
+                conn,
+                frame,
+            } => self.game_receives(node, inc, conn, frame),
+            Ev::GameTick { node, inc, conn } => self.game_tick(node, inc, conn),
+            Ev::GameBack { node, inc } => self.game_back(node, inc),
             Ev::GameWake { node, inc } => self.game_wake(node, inc),
             Ev::Timer { node, inc } => {
                 if !self.live(node, inc) {
@@ -506,7 +531,8 @@ impl<'a> Sim<'a> {
         n.timer_at = None;
         n.lease_epoch += 1;
         let inc = n.incarnation;
-        let conn = u64::from(inc);
+        n.game_generation = 0;
+        let conn = u64::from(inc) << 16;
         n.game = Some(Game {
             conn,
             arena: None,
@@ -536,6 +562,21 @@ impl<'a> Sim<'a> {
                 rest: vec![],
             },
         );
+        self.connect_game(id, conn);
+        let first_tick = self.rng.random_range(0..self.s.tick_ms);
+        self.schedule(
+            first_tick,
+            Ev::GameTick {
+                node: id,
+                inc,
+                conn,
+            },
+        );
+        self.membership();
+    }
+
+    /// The game on connection `conn` says Hello to its sidecar.
+    fn connect_game(&mut self, id: NodeId, conn: ConnId) {
         let hello = local::Hello {
             version: Some(local::ProtocolVersion::current()),
             tick_rate_hz: (1000 / self.s.tick_ms.max(1)) as u32,
@@ -549,9 +590,6 @@ impl<'a> Sim<'a> {
                 rest: vec![],
             },
         );
-        let first_tick = self.rng.random_range(0..self.s.tick_ms);
-        self.schedule(first_tick, Ev::GameTick { node: id, inc });
-        self.membership();
     }
 
     /// Tells every live core who its live peers are and their lease epochs (what the topology
@@ -627,6 +665,12 @@ impl<'a> Sim<'a> {
         };
         let before = watch.map(|e| core.entities().get(e).map(|e| (e.origin, e.epoch)));
         core.handle(now, input);
+        // An entity whose game crashed before its first checkpoint came back is gone, as if
+        // its spawn had been lost with the crash.
+        for gone in core.take_unrestorable() {
+            self.census.despawned(gone, id);
+        }
+        let core = self.node(id).core.as_mut().expect("handled above");
         if let (Some(e), Some(before)) = (watch, before) {
             let after = core.entities().get(e).map(|e| (e.origin, e.epoch));
             if after != before {
@@ -690,6 +734,7 @@ impl<'a> Sim<'a> {
                     Ev::ToGame {
                         node: id,
                         inc,
+                        conn,
                         frame,
                     },
                 );
@@ -935,12 +980,14 @@ impl<'a> Sim<'a> {
 
     // ------------------------------------------------------------------ the game
 
-    fn game_receives(&mut self, node: NodeId, inc: u32, frame: SidecarFrame) {
+    fn game_receives(&mut self, node: NodeId, inc: u32, conn: ConnId, frame: SidecarFrame) {
         if !self.live(node, inc) {
             return;
         }
         let now = self.now;
-        let Some(g) = self.node(node).game.as_mut() else {
+        let Some(g) = self.node(node).game.as_mut().filter(|g| g.conn == conn) else {
+            // Written to a game that crashed meanwhile.
+            self.check.frame_lost_with_game(&frame);
             return;
         };
         if g.busy_until > now || !g.backlog.is_empty() {
@@ -1041,8 +1088,12 @@ impl<'a> Sim<'a> {
         );
     }
 
-    fn game_tick(&mut self, node: NodeId, inc: u32) {
+    fn game_tick(&mut self, node: NodeId, inc: u32, conn: ConnId) {
         if !self.live(node, inc) {
+            return;
+        }
+        if self.node(node).game.as_ref().is_none_or(|g| g.conn != conn) {
+            // The game this tick belonged to crashed.
             return;
         }
         let slow = self.s.slow_tick_every > 0 && self.rng.random_ratio(1, self.s.slow_tick_every);
@@ -1070,7 +1121,66 @@ impl<'a> Sim<'a> {
             // The tick's batch leaves when the tick is done.
             self.send_from_game(node, inc, conn, out, extra);
         }
-        self.schedule(next, Ev::GameTick { node, inc });
+        self.schedule(next, Ev::GameTick { node, inc, conn });
+    }
+
+    /// The game crashes: its state is lost and its connection closes; it comes back after
+    /// `down_ms`.
+    fn crash_game(&mut self, node: NodeId, down_ms: u64) {
+        if !self.node(node).alive {
+            return;
+        }
+        let Some(g) = self.node(node).game.take() else {
+            return;
+        };
+        self.note(|| format!("n{node} GAME CRASHED for {down_ms} ms"));
+        for frame in &g.backlog {
+            self.check.frame_lost_with_game(frame);
+        }
+        self.census.release_holder(node);
+        self.departed.add(Counted {
+            delivered: g.arena.as_ref().map_or(0, |a| {
+                let s = &a.stats;
+                s.inputs_applied
+                    + s.inputs_while_frozen
+                    + s.inputs_duplicate
+                    + s.inputs_no_player
+                    + s.inputs_stale_session
+            }),
+            ..Counted::default()
+        });
+        self.game_stats
+            .push(g.arena.map(|a| a.stats).unwrap_or_default());
+        self.feed(
+            node,
+            Input::GameClosed {
+                conn: g.conn,
+                reason: "crashed".into(),
+            },
+        );
+        let inc = self.node(node).incarnation;
+        self.schedule(down_ms, Ev::GameBack { node, inc });
+    }
+
+    fn game_back(&mut self, node: NodeId, inc: u32) {
+        if !self.live(node, inc) || self.node(node).game.is_some() {
+            return;
+        }
+        let n = self.node(node);
+        n.game_generation += 1;
+        let conn = (u64::from(inc) << 16) | u64::from(n.game_generation);
+        n.game = Some(Game {
+            conn,
+            arena: None,
+            busy_until: 0,
+            in_flight: 0,
+            backlog: VecDeque::new(),
+            tick: 0,
+        });
+        self.note(|| format!("n{node} game back"));
+        self.connect_game(node, conn);
+        let first_tick = self.rng.random_range(0..self.s.tick_ms);
+        self.schedule(first_tick, Ev::GameTick { node, inc, conn });
     }
 
     // ------------------------------------------------------------------ clients
@@ -1345,6 +1455,7 @@ impl<'a> Sim<'a> {
                 self.store.down_until = self.now + ms;
                 self.schedule(ms, Ev::StoreUp);
             }
+            Fault::GameRestart { node, down_ms } => self.crash_game(node, down_ms),
             Fault::GameStall { node, ms } => {
                 let now = self.now;
                 if let Some(g) = self.node(node).game.as_mut() {
@@ -1401,6 +1512,7 @@ impl<'a> Sim<'a> {
             delivered,
             dropped: m.inputs_dropped_total(),
             lost_forwards: 0,
+            lost_with_game: 0,
             copies_applied: m.inputs_copies_applied.get(),
             copies_refused: m.inputs_copies_refused.get(),
         }
@@ -1469,19 +1581,16 @@ impl<'a> Sim<'a> {
         }
         self.stats.entities_at_end = report.alive.len() as u64;
         self.stats.flaps = self.clients.iter().map(|c| c.flaps).sum();
-        let applied: u64 = self
+        // Every game that ran: the live ones and those that crashed.
+        let games: Vec<ArenaStats> = self
             .nodes
             .iter()
             .filter_map(|n| n.game.as_ref()?.arena.as_ref())
-            .map(|a| a.stats.inputs_applied)
-            .sum();
-        self.stats.inputs_applied = applied;
-        for a in self
-            .nodes
-            .iter()
-            .filter_map(|n| n.game.as_ref()?.arena.as_ref())
-        {
-            let s = &a.stats;
+            .map(|a| a.stats.clone())
+            .chain(self.game_stats.iter().cloned())
+            .collect();
+        self.stats.inputs_applied = games.iter().map(|s| s.inputs_applied).sum();
+        for s in &games {
             let i = &mut self.stats.inputs_ignored;
             i.0 += s.inputs_while_frozen;
             i.1 += s.inputs_duplicate;
@@ -1503,6 +1612,8 @@ impl<'a> Sim<'a> {
             counted.add(self.counted_by(n));
         }
         counted.lost_forwards = self.check.lost_forwards();
+        counted.lost_with_game = self.check.lost_with_game();
+        self.stats.inputs_lost_with_game = self.check.lost_with_game();
         self.stats.counted = counted;
         self.stats.handoffs = self.sum_over_cores(|c| c.metrics().handoffs_out.get());
         self.stats.checkpoints = self.sum_over_cores(|c| c.metrics().checkpoints.get());

@@ -44,6 +44,11 @@ fn walk() {
 }
 
 #[test]
+fn restarts() {
+    seeds_of("restarts");
+}
+
+#[test]
 fn cuts() {
     seeds_of("cuts");
 }
@@ -93,7 +98,7 @@ fn the_suite_runs_every_scenario_of_the_catalogue_with_enough_seeds() {
     let names: Vec<&str> = catalogue().iter().map(|s| s.name).collect();
     assert_eq!(
         names,
-        ["walk", "cuts", "replan", "retire", "overload", "logins", "stores", "geos"]
+        ["walk", "cuts", "replan", "retire", "overload", "logins", "stores", "restarts", "geos"]
     );
     assert!(
         seeds_per_scenario() * names.len() as u64 >= 2_000

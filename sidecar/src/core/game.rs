@@ -38,6 +38,8 @@ pub(crate) struct LocalGame {
     pub gone_since: Option<u64>,
     /// Entities handed back to a returning game with `Adopt`, not yet `Adopted`.
     pub restoring: BTreeSet<u64>,
+    /// Entities despawned because their game went away before any checkpoint of them came.
+    pub unrestorable: Vec<u64>,
 }
 
 impl LocalGame {
@@ -57,6 +59,7 @@ impl LocalGame {
             checkpoints: Checkpoints::new(cfg.checkpoint_interval_ms),
             gone_since: None,
             restoring: BTreeSet::new(),
+            unrestorable: Vec::new(),
         }
     }
 }
@@ -118,11 +121,20 @@ impl Core {
             .into(),
         );
         self.restore_to_game();
-        // Sessions outlive a game restart: the new game hears about every attached player.
+        // Sessions outlive a game restart: the new game hears about every attached player whose
+        // avatar this node simulates (one simulated elsewhere stays there: a join here would
+        // spawn a second avatar).
+        let me = self.cfg.node_id;
         let joins: Vec<SidecarMessage> = self
             .gw
             .sessions
             .iter()
+            .filter(|s| {
+                self.gw
+                    .master_owner
+                    .get(&s.account)
+                    .is_none_or(|owner| *owner == me)
+            })
             .filter_map(|s| {
                 let epoch = s.epoch?;
                 Some(
@@ -411,6 +423,9 @@ impl Core {
     /// Folds the tick into one batch per client and queues them on their links.
     pub(crate) fn end_tick(&mut self, tick: u64) {
         self.game.last_tick = tick;
+        // New entities are asked for in the tick they appear: until a checkpoint of them comes
+        // back, a crash of the game would lose them.
+        self.ask_for_checkpoints();
         let changes = self.table.take_changes();
         let events = std::mem::take(&mut self.game.tick_events);
         let sends = std::mem::take(&mut self.game.tick_sends);
@@ -568,6 +583,7 @@ impl Core {
                 );
                 if let Ok(gone) = self.table.despawn(id) {
                     self.game.checkpoints.forget(gone.id);
+                    self.game.unrestorable.push(gone.id);
                 }
                 self.metrics.drop_msg("restore_without_checkpoint", 1);
                 continue;

@@ -721,8 +721,20 @@ impl Core {
                 continue;
             }
             self.handoff.out.forget(id);
-            // Written here now: checkpointed under its new epoch, soon.
-            self.game.checkpoints.touched(id, self.now.mono_ms);
+            // The offer's snapshot is the first checkpoint of it here, under its new epoch.
+            let state = if id == o.entity_id {
+                Some(o.state.clone())
+            } else {
+                o.attachments
+                    .iter()
+                    .find(|a| a.entity_id == id)
+                    .map(|a| a.state.clone())
+            };
+            if let Some(state) = state {
+                self.game
+                    .checkpoints
+                    .taken(id, epoch, state, self.now.mono_ms);
+            }
         }
         // The player's inputs and routes follow its master.
         if o.is_master && !o.owner_account.is_empty() {

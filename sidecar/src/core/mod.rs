@@ -329,6 +329,12 @@ impl Core {
             .collect()
     }
 
+    /// Entities despawned since the last call because their game went away before any
+    /// checkpoint of them came back (for a census of the world).
+    pub fn take_unrestorable(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.game.unrestorable)
+    }
+
     /// Client inputs held here now (see `Metrics::inputs_held`).
     pub fn inputs_held(&self) -> usize {
         self.handoff.out.held_inputs()

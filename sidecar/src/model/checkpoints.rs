@@ -1,12 +1,13 @@
 //! Checkpoints: the latest complete state of every entity this node writes, in the game's own
 //! codec, so that a crash of the game (or later of the node) does not take the world with it.
 //!
-//! Every `interval_ms` each entity that changed since its last checkpoint is asked for again
-//! (`Checkpoint` to the game, which answers `CheckpointState` in its next tick without freezing
-//! anything). The first request of an entity comes at a phase drawn from its id, so a node's
-//! requests spread over the interval instead of arriving in one burst; later ones come an
-//! interval after the last, which keeps the spread. A request the game never answers is asked
-//! again an interval later. A handoff's snapshot is a checkpoint too.
+//! A new entity is asked for at once (until its first checkpoint nothing could restore it).
+//! After that, each entity that changed since its last checkpoint is asked for again at its own
+//! slot of every interval, a phase drawn from its id, so a node's requests spread over the
+//! interval instead of arriving in one burst, and no checkpoint is more than an interval older
+//! than the next (`Checkpoint` to the game, which answers `CheckpointState` in its next tick
+//! without freezing anything). A request the game never answers is asked again an interval
+//! later. A handoff's snapshot is a checkpoint too.
 //!
 //! Pure: the caller passes the time.
 
@@ -52,8 +53,10 @@ impl Checkpoints {
             return;
         }
         let at = match self.kept.get(&id) {
-            Some(k) => (k.at_ms + self.interval_ms).max(now_ms),
-            None => now_ms + phase(id, self.interval_ms),
+            Some(k) => {
+                next_slot(k.at_ms, phase(id, self.interval_ms), self.interval_ms).max(now_ms)
+            }
+            None => now_ms,
         };
         self.due.insert(id, at);
     }
@@ -138,6 +141,16 @@ impl Checkpoints {
     }
 }
 
+/// The first time after `after_ms` that falls at `phase` within an interval.
+fn next_slot(after_ms: u64, phase: u64, interval_ms: u64) -> u64 {
+    let slot = after_ms - after_ms % interval_ms + phase;
+    if slot > after_ms {
+        slot
+    } else {
+        slot + interval_ms
+    }
+}
+
 /// Where in the interval an entity's checkpoints fall: spread by its id.
 fn phase(id: EntityId, interval_ms: u64) -> u64 {
     // Ids of one node share their high bits; a multiplicative hash spreads the low ones.
@@ -151,38 +164,50 @@ mod tests {
     const I: u64 = 2_000;
 
     #[test]
-    fn first_requests_spread_over_the_interval() {
+    fn new_entities_are_asked_at_once_and_then_spread_over_the_interval() {
         let mut c = Checkpoints::new(I);
-        for id in 0..1_000u64 {
-            c.touched(402_371_326_771_204_600 + id, 0);
+        let ids: Vec<u64> = (0..1_000u64).map(|i| 402_371_326_771_204_600 + i).collect();
+        for &id in &ids {
+            c.touched(id, 0);
         }
-        // Every one is due within the interval, and no tenth of it holds more than a fifth.
+        assert_eq!(
+            c.take_due(0, usize::MAX).len(),
+            1_000,
+            "all at once, the first time"
+        );
+        for &id in &ids {
+            c.taken(id, 1, Bytes::from_static(b"s"), 10);
+            c.touched(id, 20);
+        }
+        // Every repeat falls within the next interval, and no tenth of it holds more than a
+        // fifth of them.
         let mut per_tenth = [0usize; 10];
         for at in c.due.values() {
-            assert!(*at < I);
-            per_tenth[(*at * 10 / I) as usize] += 1;
+            assert!(*at > 10 && *at <= 10 + I, "{at}");
+            per_tenth[(*at % I * 10 / I) as usize] += 1;
         }
         assert!(per_tenth.iter().all(|n| *n < 200), "{per_tenth:?}");
-        assert_eq!(c.take_due(I, usize::MAX).len(), 1_000);
     }
 
     #[test]
-    fn only_what_changed_is_asked_again_an_interval_later() {
+    fn only_what_changed_is_asked_again_at_its_slot() {
         let mut c = Checkpoints::new(I);
         c.touched(1, 0);
-        let first = c.next_due().unwrap();
-        assert_eq!(c.take_due(first, 10), [1]);
+        assert_eq!(c.take_due(0, 10), [1]);
         // Asked: changes meanwhile do not ask twice.
-        c.touched(1, first + 10);
-        assert!(c.take_due(first + 10, 10).is_empty());
-        c.taken(1, 1, Bytes::from_static(b"a"), first + 50);
-        assert_eq!(c.latest(1).unwrap().at_ms, first + 50);
+        c.touched(1, 10);
+        assert!(c.take_due(10, 10).is_empty());
+        c.taken(1, 1, Bytes::from_static(b"a"), 50);
+        assert_eq!(c.latest(1).unwrap().at_ms, 50);
         // Unchanged: never asked again.
-        assert!(c.take_due(first + 10 * I, 10).is_empty());
-        // Changed: asked an interval after the last checkpoint, not before.
-        c.touched(1, first + 100);
-        assert!(c.take_due(first + 50 + I - 1, 10).is_empty());
-        assert_eq!(c.take_due(first + 50 + I, 10), [1]);
+        assert!(c.take_due(10 * I, 10).is_empty());
+        // Changed: asked at its slot, never more than an interval after the last checkpoint.
+        c.touched(1, 100);
+        let slot = c.next_due().unwrap();
+        assert!(slot > 50 && slot <= 50 + I, "{slot}");
+        assert_eq!(slot % I, phase(1, I));
+        assert!(c.take_due(slot - 1, 10).is_empty());
+        assert_eq!(c.take_due(slot, 10), [1]);
     }
 
     #[test]
