@@ -66,8 +66,8 @@ impl LocalGame {
 
 /// The epoch every entity starts with; each handoff adds one.
 pub(crate) const FIRST_EPOCH: u64 = 1;
-/// Most entities one `Checkpoint` asks for (a publish round asks for one batch).
-const MAX_CHECKPOINTS_ASKED: usize = 512;
+/// Most entities one `Checkpoint` asks for; the next batch waits for its answers.
+const MAX_CHECKPOINTS_ASKED: usize = 256;
 /// Most ids one `ReserveIds` may ask for.
 const MAX_RESERVE: usize = 65_536;
 
@@ -265,6 +265,7 @@ impl Core {
             .map(|e| e.epoch)
             .filter(|_| self.auth.lease_live);
         if current != Some(c.entity_epoch) {
+            self.game.checkpoints.answered_in_vain(c.entity_id);
             return self.metrics.drop_msg("checkpoint_stale", 1);
         }
         self.metrics.checkpoint(c.state.len());
@@ -281,7 +282,12 @@ impl Core {
             .as_ref()
             .and_then(|g| g.hello.version.as_ref())
             .is_some_and(|v| v.minor >= 1);
-        if !speaks || !self.auth.lease_live {
+        // One batch at a time: a game that is slow to answer is not asked for more (its
+        // connection must stay free for what it cannot do without).
+        if !speaks
+            || !self.auth.lease_live
+            || self.game.checkpoints.outstanding(self.now.mono_ms) > 0
+        {
             return;
         }
         let due = self

@@ -131,6 +131,20 @@ impl Checkpoints {
         pending.is_none_or(|until| now_ms > until)
     }
 
+    /// Requests not answered yet, and not given up on (an interval old) at `now_ms`.
+    pub fn outstanding(&self, now_ms: u64) -> usize {
+        self.asked
+            .values()
+            .filter(|since| now_ms < **since + self.interval_ms)
+            .count()
+    }
+
+    /// The game answered for `id`, but with nothing to keep (another epoch): asked again when
+    /// it next changes.
+    pub fn answered_in_vain(&mut self, id: EntityId) {
+        self.asked.remove(&id);
+    }
+
     /// The earliest time an entity is due (for the node's timer).
     pub fn next_due(&self) -> Option<u64> {
         self.due.values().min().copied()
@@ -216,8 +230,13 @@ mod tests {
         c.touched(7, 0);
         let at = c.next_due().unwrap();
         assert_eq!(c.take_due(at, 10), [7]);
+        assert_eq!(c.outstanding(at + I - 1), 1);
         assert!(c.take_due(at + I - 1, 10).is_empty());
+        // Given up on after an interval: no longer holds back the next batch, and asked again.
+        assert_eq!(c.outstanding(at + I), 0);
         assert_eq!(c.take_due(at + I, 10), [7]);
+        c.answered_in_vain(7);
+        assert_eq!(c.outstanding(at + I), 0);
     }
 
     #[test]
