@@ -1519,6 +1519,14 @@ async fn the_fence_drops_stale_frames_and_inputs_and_holds_future_frames() {
 
 // ---------------------------------------------------------------------------- the lease
 
+/// Any Freeze, as (entity, epoch).
+fn freeze_any(m: &ToGame) -> Option<(u64, u64)> {
+    match m {
+        ToGame::Freeze(f) => Some((f.entity_id, f.entity_epoch)),
+        _ => None,
+    }
+}
+
 #[tokio::test]
 async fn a_node_cut_off_from_the_topology_store_stops_writing_at_its_lease_deadline() {
     let mut c = Cluster::plan(2, 1, vec![1, 2]).await;
@@ -1539,13 +1547,7 @@ async fn a_node_cut_off_from_the_topology_store_stops_writing_at_its_lease_deadl
     // could let another process have its id.
     c.store_cut[&1].store(true, Ordering::SeqCst);
     let cut_at = Instant::now();
-    let f = c
-        .game(1)
-        .expect("Freeze", |m| match m {
-            ToGame::Freeze(f) => Some((f.entity_id, f.entity_epoch)),
-            _ => None,
-        })
-        .await;
+    let f = c.game(1).expect("Freeze", freeze_any).await;
     let after = cut_at.elapsed();
     assert_eq!(f, (a, 1));
     // A lease after the last renewal left (at most a half-second round before the cut), not
@@ -1612,13 +1614,7 @@ async fn a_node_that_lost_its_lease_freezes_everything_it_owns() {
 
     let mut frozen = BTreeSet::new();
     while frozen.len() < 2 {
-        let f = c
-            .game(1)
-            .expect("Freeze", |m| match m {
-                ToGame::Freeze(f) => Some((f.entity_id, f.entity_epoch)),
-                _ => None,
-            })
-            .await;
+        let f = c.game(1).expect("Freeze", freeze_any).await;
         frozen.insert(f);
     }
     assert_eq!(frozen, BTreeSet::from([(a, 1), (b, 1)]));

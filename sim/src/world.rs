@@ -159,6 +159,15 @@ struct PeerLink {
     in_flight_ba: usize,
 }
 
+/// Inputs a game read: applied or ignored.
+fn delivered_to(s: &ArenaStats) -> u64 {
+    s.inputs_applied
+        + s.inputs_while_frozen
+        + s.inputs_duplicate
+        + s.inputs_no_player
+        + s.inputs_stale_session
+}
+
 struct Game {
     conn: ConnId,
     arena: Option<Arena>,
@@ -169,6 +178,20 @@ struct Game {
     /// Frames that arrived during a long tick, in order.
     backlog: VecDeque<SidecarFrame>,
     tick: u64,
+}
+
+impl Game {
+    /// A game just started on connection `conn`: no arena until its Welcome.
+    fn new(conn: ConnId) -> Self {
+        Self {
+            conn,
+            arena: None,
+            busy_until: 0,
+            in_flight: 0,
+            backlog: VecDeque::new(),
+            tick: 0,
+        }
+    }
 }
 
 struct SimNode {
@@ -533,14 +556,7 @@ impl<'a> Sim<'a> {
         let inc = n.incarnation;
         n.game_generation = 0;
         let conn = u64::from(inc) << 16;
-        n.game = Some(Game {
-            conn,
-            arena: None,
-            busy_until: 0,
-            in_flight: 0,
-            backlog: VecDeque::new(),
-            tick: 0,
-        });
+        n.game = Some(Game::new(conn));
         // The proxy's link, then the game, then membership: who else is alive, under which lease.
         let link = n.next_link;
         n.next_link += 1;
@@ -1139,14 +1155,7 @@ impl<'a> Sim<'a> {
         }
         self.census.release_holder(node);
         self.departed.add(Counted {
-            delivered: g.arena.as_ref().map_or(0, |a| {
-                let s = &a.stats;
-                s.inputs_applied
-                    + s.inputs_while_frozen
-                    + s.inputs_duplicate
-                    + s.inputs_no_player
-                    + s.inputs_stale_session
-            }),
+            delivered: g.arena.as_ref().map_or(0, |a| delivered_to(&a.stats)),
             ..Counted::default()
         });
         self.game_stats
@@ -1169,14 +1178,7 @@ impl<'a> Sim<'a> {
         let n = self.node(node);
         n.game_generation += 1;
         let conn = (u64::from(inc) << 16) | u64::from(n.game_generation);
-        n.game = Some(Game {
-            conn,
-            arena: None,
-            busy_until: 0,
-            in_flight: 0,
-            backlog: VecDeque::new(),
-            tick: 0,
-        });
+        n.game = Some(Game::new(conn));
         self.note(|| format!("n{node} game back"));
         self.connect_game(node, conn);
         let first_tick = self.rng.random_range(0..self.s.tick_ms);
@@ -1493,14 +1495,7 @@ impl<'a> Sim<'a> {
             .game
             .as_ref()
             .and_then(|g| g.arena.as_ref())
-            .map_or(0, |a| {
-                let s = &a.stats;
-                s.inputs_applied
-                    + s.inputs_while_frozen
-                    + s.inputs_duplicate
-                    + s.inputs_no_player
-                    + s.inputs_stale_session
-            });
+            .map_or(0, |a| delivered_to(&a.stats));
         let Some(c) = n.core.as_ref() else {
             return Counted {
                 delivered,

@@ -112,6 +112,20 @@ fn anchors(core: &mut Core, link: LinkId) -> Vec<(u64, f64, f64)> {
     found
 }
 
+/// The game spawns `id` at `at` in tick `tick` (no owner).
+fn spawn(core: &mut Core, ms: u64, tick: u64, id: u64, at: Option<local::Vec3>) {
+    game_tick(
+        core,
+        ms,
+        tick,
+        game_message::Body::Spawn(local::Spawn {
+            entity_id: id,
+            position: at,
+            ..Default::default()
+        }),
+    );
+}
+
 fn pos(x: f64, y: f64) -> Option<local::Vec3> {
     Some(local::Vec3 { x, y, z: 0.0 })
 }
@@ -247,26 +261,8 @@ fn hello(core: &mut Core, ms: u64, conn: ConnId) {
 fn a_game_that_comes_back_within_its_grace_gets_its_entities_from_their_checkpoints() {
     const NPC: u64 = 8;
     let mut core = node();
-    game_tick(
-        &mut core,
-        50,
-        1,
-        game_message::Body::Spawn(local::Spawn {
-            entity_id: AVATAR,
-            position: pos(40.0, 40.0),
-            ..Default::default()
-        }),
-    );
-    game_tick(
-        &mut core,
-        60,
-        2,
-        game_message::Body::Spawn(local::Spawn {
-            entity_id: NPC,
-            position: pos(50.0, 40.0),
-            ..Default::default()
-        }),
-    );
+    spawn(&mut core, 50, 1, AVATAR, pos(40.0, 40.0));
+    spawn(&mut core, 60, 2, NPC, pos(50.0, 40.0));
     // The avatar's checkpoint is asked for within an interval and answered; the NPC's answer
     // never comes.
     let mut asked = Vec::new();
@@ -342,16 +338,7 @@ fn a_game_that_comes_back_within_its_grace_gets_its_entities_from_their_checkpoi
 #[test]
 fn a_game_that_does_not_come_back_in_time_loses_its_entities() {
     let mut core = node();
-    game_tick(
-        &mut core,
-        50,
-        1,
-        game_message::Body::Spawn(local::Spawn {
-            entity_id: AVATAR,
-            position: pos(40.0, 40.0),
-            ..Default::default()
-        }),
-    );
+    spawn(&mut core, 50, 1, AVATAR, pos(40.0, 40.0));
     core.handle(
         at(100),
         Input::GameClosed {
