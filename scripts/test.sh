@@ -168,6 +168,8 @@ export CELLMESH_TEST_REDIS_URL="redis://127.0.0.1:$redis_port"
 export CELLMESH_TEST_MONGO_URL="mongodb://127.0.0.1:$mongo_port"
 export CELLMESH_TEST_PYTHON="$venv/bin/python"
 export RUST_BACKTRACE=1
+# A one-off build gains nothing from incremental state, which would only take disk.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 
 # ------------------------------------------------------------------------------------------------
 # Tests: both runs always happen, so one failing does not hide the other's result.
