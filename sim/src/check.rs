@@ -2,7 +2,8 @@
 //!
 //! - never two unfrozen writers of one entity, and never two nodes owning one entity at one
 //!   epoch; a ghost's frames come from the owner of its epoch;
-//! - an entity frozen for a handoff is thawed only after a refusal, or if its offer never left;
+//! - an entity frozen for a handoff is thawed only after a refusal, if its offer never left, or
+//!   once its target died (the restore of the dead node's world gives it back);
 //! - every input reaches a game at most once, and at the end every input sent was delivered,
 //!   counted under a named drop reason, or lost with a broken link;
 //! - at quiescence every entity a game holds is the unfrozen real of exactly one node, nothing
@@ -26,6 +27,10 @@ use crate::world::Stats;
 struct Freeze {
     offered: bool,
     refused: bool,
+    /// The node the offer went to, and whether its process died since (the restore of its
+    /// world may give the unit back to its source).
+    to: Option<NodeId>,
+    target_died: bool,
 }
 
 #[derive(Default)]
@@ -165,6 +170,11 @@ impl Checker {
 
     /// `node`'s process died: it writes nothing any more.
     pub fn node_gone(&mut self, node: NodeId) {
+        for f in self.freezes.values_mut() {
+            if f.to == Some(node) {
+                f.target_died = true;
+            }
+        }
         for id in self.unfrozen.remove(&node).unwrap_or_default() {
             if let Some(w) = self.writers.get_mut(&id) {
                 w.remove(&node);
@@ -203,7 +213,7 @@ impl Checker {
                 }
                 Some(sidecar_message::Body::Thaw(t)) => {
                     match self.freezes.remove(&(node, t.entity_id)) {
-                        Some(f) if f.refused || !f.offered => {}
+                        Some(f) if f.refused || !f.offered || f.target_died => {}
                         Some(_) => self.violation(
                             now,
                             format!(
@@ -232,6 +242,7 @@ impl Checker {
                 Some(mesh_message::Body::HandoffOffer(o)) => {
                     if let Some(f) = self.freezes.get_mut(&(from, o.entity_id)) {
                         f.offered = true;
+                        f.to = Some(to);
                     }
                 }
                 Some(mesh_message::Body::HandoffRefused(r)) => {
@@ -320,8 +331,14 @@ impl Checker {
                 ),
             );
         }
+        // Copies of applied inputs that never reached their target are counted where they
+        // went (a link lost with the copies queued on it, whose target died): not inputs lost.
+        let c = &stats.counted;
+        let copies_unanswered = c.copies_applied as i64 - c.copies_refused as i64;
+        let copies_lost_in_network = c.lost_forwards as i64 - stats.inputs_lost_in_network as i64;
+        let copies_dropped = (copies_unanswered - copies_lost_in_network).max(0) as u64;
         let accounted = stats.inputs_delivered
-            + stats.inputs_dropped
+            + stats.inputs_dropped.saturating_sub(copies_dropped)
             + stats.inputs_lost_in_network
             + stats.inputs_lost_with_game;
         if accounted != stats.inputs_sent {

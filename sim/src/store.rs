@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use cellmesh_geo_router::partition::NodeId;
 use cellmesh_geo_router::store::{PlayerRecord, SessionEntry};
+use cellmesh_proto::mesh::HandoffOffer;
 use cellmesh_sidecar::core::{Registration, StoreReply, StoreRequest};
 
 /// What the driver answers when a store call times out.
@@ -17,6 +18,8 @@ pub(crate) struct SimStore {
     /// The last epoch handed out per account: epochs never repeat.
     epochs: BTreeMap<String, u64>,
     players: BTreeMap<String, PlayerRecord>,
+    /// (node, lease epoch) -> entity -> its checkpoint.
+    checkpoints: BTreeMap<(NodeId, u64), BTreeMap<u64, HandoffOffer>>,
     /// No answers before this time.
     pub down_until: u64,
 }
@@ -45,7 +48,18 @@ impl SimStore {
                     account,
                     result: Err(err()),
                 }),
-                StoreRequest::EndSession { .. } | StoreRequest::Release { .. } => None,
+                StoreRequest::LoadCheckpoints { node, lease_epoch } => {
+                    Some(StoreReply::CheckpointsLoaded {
+                        node,
+                        lease_epoch,
+                        result: Err(err()),
+                    })
+                }
+                StoreRequest::EndSession { .. }
+                | StoreRequest::Release { .. }
+                | StoreRequest::PutCheckpoints { .. }
+                | StoreRequest::DropCheckpoints { .. }
+                | StoreRequest::CommitPartition { .. } => None,
             };
             return (reply, TIMEOUT_MS);
         }
@@ -106,6 +120,39 @@ impl SimStore {
                 self.release(&account, epoch);
                 None
             }
+            StoreRequest::PutCheckpoints {
+                node,
+                lease_epoch,
+                put,
+                remove,
+            } => {
+                let kept = self.checkpoints.entry((node, lease_epoch)).or_default();
+                for id in remove {
+                    kept.remove(&id);
+                }
+                for c in put {
+                    kept.insert(c.entity_id, c);
+                }
+                None
+            }
+            StoreRequest::LoadCheckpoints { node, lease_epoch } => {
+                let all = self
+                    .checkpoints
+                    .get(&(node, lease_epoch))
+                    .map(|k| k.values().cloned().collect())
+                    .unwrap_or_default();
+                Some(StoreReply::CheckpointsLoaded {
+                    node,
+                    lease_epoch,
+                    result: Ok(all),
+                })
+            }
+            StoreRequest::DropCheckpoints { node, lease_epoch } => {
+                self.checkpoints.remove(&(node, lease_epoch));
+                None
+            }
+            // The world commits partitions itself (it publishes them to the nodes).
+            StoreRequest::CommitPartition { .. } => None,
         };
         (reply, 0)
     }

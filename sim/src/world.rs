@@ -10,7 +10,9 @@ use cellmesh_geo_router::geometry::WorldShape;
 use cellmesh_geo_router::partition::{Grid, Layout, NodeId, Partition};
 use cellmesh_proto::local::{self, game_message, sidecar_message, GameMessage, SidecarFrame};
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage, PeerRole};
-use cellmesh_sidecar::core::{ConnId, Core, Input, LinkId, Now, Output, PeerInfo};
+use cellmesh_sidecar::core::{
+    ConnId, Core, Input, LinkId, Now, Output, PeerInfo, StoreReply, StoreRequest,
+};
 use cellmesh_sidecar::SidecarConfig;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -82,7 +84,8 @@ pub struct Stats {
     pub input_drops: BTreeMap<&'static str, u64>,
     /// Inputs in frames lost with a broken link or a killed node (the network's loss).
     pub inputs_lost_in_network: u64,
-    /// Inputs written to a game that crashed before it read them.
+    /// Inputs written to a game that crashed before it read them, or held by a process that
+    /// was killed.
     pub inputs_lost_with_game: u64,
     pub inputs_applied: u64,
     /// Inputs games ignored: (for a frozen avatar, a repeat, no such avatar, an older session).
@@ -206,6 +209,8 @@ struct SimNode {
     timer_at: Option<u64>,
     dialling: BTreeSet<NodeId>,
     lease_epoch: u64,
+    /// When its process died: its lease lapses a lease length later.
+    died_at: Option<u64>,
     /// Games started since the node did (a crashed game comes back under a new connection).
     game_generation: u32,
 }
@@ -259,6 +264,9 @@ enum Ev {
         node: NodeId,
         inc: u32,
     },
+    /// The topology store's word on who holds a lease reaches every node (a dead node's lease
+    /// lapses a lease length after it died).
+    Membership,
     Timer {
         node: NodeId,
         inc: u32,
@@ -314,6 +322,10 @@ pub(crate) struct Sim<'a> {
     departed: Counted,
     /// What crashed games had counted.
     game_stats: Vec<ArenaStats>,
+    /// Inputs killed cores held that no other node had a copy of.
+    inputs_lost_with_nodes: u64,
+    /// Inputs the cores of killed nodes dropped, by reason.
+    departed_drops: BTreeMap<&'static str, u64>,
     halted: bool,
 }
 
@@ -366,6 +378,8 @@ impl<'a> Sim<'a> {
             stats: Stats::default(),
             departed: Counted::default(),
             game_stats: Vec::new(),
+            departed_drops: BTreeMap::new(),
+            inputs_lost_with_nodes: 0,
             halted: false,
         };
         for id in 1..=s.nodes {
@@ -381,6 +395,7 @@ impl<'a> Sim<'a> {
                 timer_at: None,
                 dialling: BTreeSet::new(),
                 lease_epoch: 0,
+                died_at: None,
                 game_generation: 0,
             });
             sim.start_node(id);
@@ -523,6 +538,7 @@ impl<'a> Sim<'a> {
             Ev::Dial { from, to, inc } => self.dial(from, to, inc),
             Ev::Fault(f) => self.fault(f),
             Ev::StoreUp => {}
+            Ev::Membership => self.membership(),
         }
     }
 
@@ -553,7 +569,12 @@ impl<'a> Sim<'a> {
         n.dialling.clear();
         n.timer_at = None;
         n.lease_epoch += 1;
-        let inc = n.incarnation;
+        n.died_at = None;
+        let (inc, lease_epoch) = (n.incarnation, n.lease_epoch);
+        n.core
+            .as_mut()
+            .expect("set above")
+            .set_incarnation(lease_epoch);
         n.game_generation = 0;
         let conn = u64::from(inc) << 16;
         n.game = Some(Game::new(conn));
@@ -611,13 +632,21 @@ impl<'a> Sim<'a> {
     /// Tells every live core who its live peers are and their lease epochs (what the topology
     /// store's membership task reports).
     fn membership(&mut self) {
+        let (now, lease_ms) = (self.now, self.s.lease_ms);
+        // A dead process's lease stays until it lapses.
         let live: Vec<(NodeId, u64)> = self
             .nodes
             .iter()
-            .filter(|n| n.alive)
+            .filter(|n| n.alive || n.died_at.is_some_and(|t| now < t + lease_ms))
             .map(|n| (n.id, n.lease_epoch))
             .collect();
-        for &(id, _) in &live {
+        let alive: Vec<NodeId> = self
+            .nodes
+            .iter()
+            .filter(|n| n.alive)
+            .map(|n| n.id)
+            .collect();
+        for &id in &alive {
             let peers: Vec<PeerInfo> = live
                 .iter()
                 .filter(|(n, _)| *n != id)
@@ -632,21 +661,69 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// A partition committed to the store: each live node reads it at its own membership tick.
+    fn publish_partition(&mut self, p: Partition) {
+        self.partition = Arc::new(p);
+        let ids: Vec<NodeId> = self
+            .nodes
+            .iter()
+            .filter(|n| n.alive)
+            .map(|n| n.id)
+            .collect();
+        for id in ids {
+            let d = self.rng.random_range(0..500);
+            let inc = self.node(id).incarnation;
+            self.schedule(
+                d,
+                Ev::Core {
+                    node: id,
+                    inc,
+                    input: Input::Partition(Box::new((*self.partition).clone())),
+                },
+            );
+        }
+    }
+
     fn kill(&mut self, id: NodeId) {
         if !self.node(id).alive {
             return;
         }
         self.note(|| format!("n{id} KILLED"));
+        // What its core and game counted goes with them: kept for the final ledgers.
+        let counted = self.counted_by(id);
+        self.departed.add(counted);
+        if let Some(c) = self.nodes[id as usize - 1].core.as_ref() {
+            // Inputs it held that no other node has a copy of die with it.
+            self.inputs_lost_with_nodes += c.inputs_only_here() as u64;
+            // Spawned too late for their first checkpoint to reach the store: gone with it, as
+            // if their spawn had been lost.
+            for e in c.unpersisted() {
+                self.census.despawned(e, id);
+            }
+            for reason in cellmesh_sidecar::metrics::INPUT_DROP_REASONS {
+                let n = c.metrics().inputs_dropped_for(reason);
+                if n > 0 {
+                    *self.departed_drops.entry(reason).or_default() += n;
+                }
+            }
+        }
+        let n = self.node(id);
+        if let Some(g) = n.game.take() {
+            for frame in &g.backlog {
+                self.check.frame_lost_with_game(frame);
+            }
+            self.game_stats
+                .push(g.arena.map(|a| a.stats).unwrap_or_default());
+        }
+        let now = self.now;
         let n = self.node(id);
         n.alive = false;
+        n.died_at = Some(now);
         n.core = None;
-        n.game = None;
         n.proxy_link = None;
         n.links.clear();
         self.check.node_gone(id);
         self.census.release_holder(id);
-        let counted = self.counted_by(id);
-        self.departed.add(counted);
         // Its links break; peers notice soon after.
         let uids: Vec<u64> = self
             .links
@@ -665,7 +742,8 @@ impl<'a> Sim<'a> {
                 self.schedule(back, Ev::Login { client: c });
             }
         }
-        self.membership();
+        // The store lets its lease lapse a lease length later.
+        self.schedule(self.s.lease_ms, Ev::Membership);
     }
 
     /// Hands an input to a core, then carries out what it asks for.
@@ -780,6 +858,27 @@ impl<'a> Sim<'a> {
             }
             Output::StopDial { node } => {
                 self.node(id).dialling.remove(&node);
+            }
+            Output::Store(StoreRequest::CommitPartition { partition }) => {
+                let epoch = partition.epoch();
+                let result = if self.now < self.store.down_until {
+                    Err("no answer within 5 s".to_string())
+                } else if epoch == self.partition.epoch() + 1 {
+                    self.note(|| format!("n{id} commits partition {epoch}"));
+                    self.publish_partition(*partition);
+                    Ok(())
+                } else {
+                    Err(format!("the store is at epoch {}", self.partition.epoch()))
+                };
+                let d = self.s.store_delay.draw(&mut self.rng) * 2;
+                self.schedule(
+                    d,
+                    Ev::Core {
+                        node: id,
+                        inc,
+                        input: Input::Store(StoreReply::PartitionCommitted { epoch, result }),
+                    },
+                );
             }
             Output::Store(req) => {
                 let (reply, extra) = self.store.execute(self.now, req);
@@ -998,6 +1097,8 @@ impl<'a> Sim<'a> {
 
     fn game_receives(&mut self, node: NodeId, inc: u32, conn: ConnId, frame: SidecarFrame) {
         if !self.live(node, inc) {
+            // Written to a game killed with its node.
+            self.check.frame_lost_with_game(&frame);
             return;
         }
         let now = self.now;
@@ -1193,7 +1294,7 @@ impl<'a> Sim<'a> {
         let alive: Vec<NodeId> = self
             .nodes
             .iter()
-            .filter(|n| n.alive)
+            .filter(|n| n.alive && (self.s.gateways.is_empty() || self.s.gateways.contains(&n.id)))
             .map(|n| n.id)
             .collect();
         if alive.is_empty() {
@@ -1421,27 +1522,8 @@ impl<'a> Sim<'a> {
             Fault::Replan(owners) => {
                 let epoch = self.partition.epoch() + 1;
                 let grid = Grid::new(&self.world, self.s.grid, self.s.grid, owners).expect("grid");
-                self.partition =
-                    Arc::new(Partition::new(self.world, epoch, Layout::Grid(grid)).expect("plan"));
-                let ids: Vec<NodeId> = self
-                    .nodes
-                    .iter()
-                    .filter(|n| n.alive)
-                    .map(|n| n.id)
-                    .collect();
-                for id in ids {
-                    // Each node reads the committed partition at its own membership tick.
-                    let d = self.rng.random_range(0..500);
-                    let inc = self.node(id).incarnation;
-                    self.schedule(
-                        d,
-                        Ev::Core {
-                            node: id,
-                            inc,
-                            input: Input::Partition(Box::new((*self.partition).clone())),
-                        },
-                    );
-                }
+                let p = Partition::new(self.world, epoch, Layout::Grid(grid)).expect("plan");
+                self.publish_partition(p);
             }
             Fault::Relogin {
                 client,
@@ -1592,10 +1674,12 @@ impl<'a> Sim<'a> {
             i.2 += s.inputs_no_player;
             i.3 += s.inputs_stale_session;
         }
+        // What the cores counted, the killed ones' included.
         let dropped = self.sum_over_cores(|c| c.metrics().inputs_dropped_total());
-        self.stats.inputs_dropped = dropped;
+        self.stats.inputs_dropped = dropped + self.departed.dropped;
         for reason in cellmesh_sidecar::metrics::INPUT_DROP_REASONS {
-            let n = self.sum_over_cores(|c| c.metrics().inputs_dropped_for(reason));
+            let n = self.sum_over_cores(|c| c.metrics().inputs_dropped_for(reason))
+                + self.departed_drops.get(reason).copied().unwrap_or(0);
             if n > 0 {
                 self.stats.input_drops.insert(reason, n);
             }
@@ -1607,8 +1691,9 @@ impl<'a> Sim<'a> {
             counted.add(self.counted_by(n));
         }
         counted.lost_forwards = self.check.lost_forwards();
-        counted.lost_with_game = self.check.lost_with_game();
-        self.stats.inputs_lost_with_game = self.check.lost_with_game();
+        counted.lost_with_game = self.check.lost_with_game() + self.inputs_lost_with_nodes;
+        self.stats.inputs_lost_with_game =
+            self.check.lost_with_game() + self.inputs_lost_with_nodes;
         self.stats.counted = counted;
         self.stats.handoffs = self.sum_over_cores(|c| c.metrics().handoffs_out.get());
         self.stats.checkpoints = self.sum_over_cores(|c| c.metrics().checkpoints.get());

@@ -49,6 +49,11 @@ fn restarts() {
 }
 
 #[test]
+fn kills() {
+    seeds_of("kills");
+}
+
+#[test]
 fn cuts() {
     seeds_of("cuts");
 }
@@ -98,7 +103,10 @@ fn the_suite_runs_every_scenario_of_the_catalogue_with_enough_seeds() {
     let names: Vec<&str> = catalogue().iter().map(|s| s.name).collect();
     assert_eq!(
         names,
-        ["walk", "cuts", "replan", "retire", "overload", "logins", "stores", "restarts", "geos"]
+        [
+            "walk", "cuts", "replan", "retire", "overload", "logins", "stores", "restarts",
+            "kills", "geos"
+        ]
     );
     assert!(
         seeds_per_scenario() * names.len() as u64 >= 2_000

@@ -12,6 +12,7 @@
 
 mod bsp;
 mod diff;
+mod failover;
 mod grid;
 
 pub use bsp::{Axis, Bsp, BspEntry, BspEntryKind, BspTree};

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
-use super::{PlayerRecord, PlayerRecords, SessionDirectory, SessionEntry, StoreError};
+use super::{
+    CheckpointStore, PlayerRecord, PlayerRecords, SessionDirectory, SessionEntry, StoreError,
+};
 
 #[derive(Default)]
 pub struct MemoryDirectory {
@@ -111,6 +113,48 @@ impl PlayerRecords for MemoryPlayers {
             .lock()
             .expect("players lock poisoned")
             .insert(record.account.clone(), record.clone());
+        Ok(())
+    }
+}
+
+/// One process's checkpoints: entity id -> checkpoint.
+type Kept = std::collections::BTreeMap<u64, Vec<u8>>;
+
+/// Checkpoints by process (node, lease epoch), then by entity.
+#[derive(Default)]
+pub struct MemoryCheckpoints {
+    inner: Mutex<HashMap<(u32, u64), Kept>>,
+}
+
+#[async_trait]
+impl CheckpointStore for MemoryCheckpoints {
+    async fn write(
+        &self,
+        node: u32,
+        lease_epoch: u64,
+        put: Vec<(u64, Vec<u8>)>,
+        remove: Vec<u64>,
+    ) -> Result<(), StoreError> {
+        let mut map = self.inner.lock().expect("checkpoint lock poisoned");
+        let kept = map.entry((node, lease_epoch)).or_default();
+        for id in remove {
+            kept.remove(&id);
+        }
+        kept.extend(put);
+        Ok(())
+    }
+
+    async fn load(&self, node: u32, lease_epoch: u64) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
+        let map = self.inner.lock().expect("checkpoint lock poisoned");
+        Ok(map
+            .get(&(node, lease_epoch))
+            .map(|k| k.iter().map(|(id, c)| (*id, c.clone())).collect())
+            .unwrap_or_default())
+    }
+
+    async fn drop_all(&self, node: u32, lease_epoch: u64) -> Result<(), StoreError> {
+        let mut map = self.inner.lock().expect("checkpoint lock poisoned");
+        map.remove(&(node, lease_epoch));
         Ok(())
     }
 }

@@ -105,11 +105,34 @@ pub trait PlayerRecords: Send + Sync {
     async fn save(&self, record: &PlayerRecord) -> Result<(), StoreError>;
 }
 
+/// The checkpoints of every live process of a geo, each under its incarnation (node id and
+/// lease epoch): entity id -> the latest opaque checkpoint. What a dead process left is read
+/// once to restore its world elsewhere, then dropped.
+#[async_trait]
+pub trait CheckpointStore: Send + Sync {
+    /// Writes `put` and removes `remove` among the checkpoints of one process, atomically.
+    async fn write(
+        &self,
+        node: u32,
+        lease_epoch: u64,
+        put: Vec<(u64, Vec<u8>)>,
+        remove: Vec<u64>,
+    ) -> Result<(), StoreError>;
+
+    /// Every checkpoint the process left, in entity order.
+    async fn load(&self, node: u32, lease_epoch: u64) -> Result<Vec<(u64, Vec<u8>)>, StoreError>;
+
+    /// Forgets the process's checkpoints (its world is restored).
+    async fn drop_all(&self, node: u32, lease_epoch: u64) -> Result<(), StoreError>;
+}
+
 /// The stores one process uses.
 #[derive(Clone)]
 pub struct Stores {
     pub directory: Arc<dyn SessionDirectory>,
     pub players: Arc<dyn PlayerRecords>,
+    /// In the geo's Redis, beside the directory.
+    pub checkpoints: Arc<dyn CheckpointStore>,
 }
 
 impl Stores {
@@ -118,6 +141,7 @@ impl Stores {
         Self {
             directory: Arc::new(memory::MemoryDirectory::default()),
             players: Arc::new(memory::MemoryPlayers::default()),
+            checkpoints: Arc::new(memory::MemoryCheckpoints::default()),
         }
     }
 
@@ -128,13 +152,18 @@ impl Stores {
         players_url: &str,
         geo: &str,
     ) -> Result<Self, StoreError> {
-        let directory: Arc<dyn SessionDirectory> = match directory_url {
-            "memory" | "" => Arc::new(memory::MemoryDirectory::default()),
-            u if u.starts_with("redis://") || u.starts_with("rediss://") => {
-                Arc::new(redis::RedisDirectory::connect(u, geo).await?)
-            }
-            other => return Err(StoreError::BadUrl(other.to_string())),
-        };
+        let (directory, checkpoints): (Arc<dyn SessionDirectory>, Arc<dyn CheckpointStore>) =
+            match directory_url {
+                "memory" | "" => (
+                    Arc::new(memory::MemoryDirectory::default()),
+                    Arc::new(memory::MemoryCheckpoints::default()),
+                ),
+                u if u.starts_with("redis://") || u.starts_with("rediss://") => {
+                    let redis = Arc::new(redis::RedisDirectory::connect(u, geo).await?);
+                    (redis.clone(), redis)
+                }
+                other => return Err(StoreError::BadUrl(other.to_string())),
+            };
         let players: Arc<dyn PlayerRecords> = match players_url {
             "memory" | "" => Arc::new(memory::MemoryPlayers::default()),
             u if u.starts_with("mongodb://") || u.starts_with("mongodb+srv://") => {
@@ -142,7 +171,11 @@ impl Stores {
             }
             other => return Err(StoreError::BadUrl(other.to_string())),
         };
-        Ok(Self { directory, players })
+        Ok(Self {
+            directory,
+            players,
+            checkpoints,
+        })
     }
 }
 

@@ -4,7 +4,10 @@
 //! slot on Redis Cluster):
 //! - `cellmesh:G:{A}:session`: hash `{node, epoch}` with the lease as its TTL, so a dead gateway's
 //!   sessions vanish by themselves;
-//! - `cellmesh:G:{A}:session_epoch`: the account's last epoch, kept for [`EPOCH_KEEP`].
+//! - `cellmesh:G:{A}:session_epoch`: the account's last epoch, kept for [`EPOCH_KEEP`];
+//! - `cellmesh:G:{node-N-L}:checkpoints`: hash entity id -> checkpoint of the process that held
+//!   node `N` under lease epoch `L`, kept [`CHECKPOINT_KEEP`] past its last write (a process
+//!   that died with nobody left to restore it leaves nothing behind for good).
 //!
 //! An epoch is `max(last + 1, the server's unix ms × 1024)`. The time floor keeps epochs strictly
 //! greater than any handed out before even when the counter is gone: expired, or lost with the
@@ -22,7 +25,7 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script};
 
-use super::{redact_url, SessionDirectory, SessionEntry, StoreError};
+use super::{redact_url, CheckpointStore, SessionDirectory, SessionEntry, StoreError};
 
 /// Bound on `connect`: reaching the server and getting its answer to a PING.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -37,6 +40,9 @@ const MAX_LEASE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 /// How long an account's last epoch is kept after its last login: past it, the time floor alone
 /// keeps new epochs greater.
 pub const EPOCH_KEEP: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// How long a process's checkpoints outlive its last write.
+pub const CHECKPOINT_KEEP: Duration = Duration::from_secs(24 * 3600);
 
 /// KEYS: session, last epoch. ARGV: node, lease ms, epoch keep ms. Returns the new epoch.
 /// (Numbers stay below 2^53, exact in Lua's doubles, until the year 2248.)
@@ -130,6 +136,10 @@ impl RedisDirectory {
         format!("{}{{{account}}}:session_epoch", self.prefix)
     }
 
+    fn checkpoints_key(&self, node: u32, lease_epoch: u64) -> String {
+        format!("{}{{node-{node}-{lease_epoch}}}:checkpoints", self.prefix)
+    }
+
     fn error(&self, op: &str, e: RedisError) -> StoreError {
         if e.kind() == redis::ErrorKind::UnexpectedReturnType || e.kind() == redis::ErrorKind::Parse
         {
@@ -217,6 +227,56 @@ impl SessionDirectory for RedisDirectory {
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(|e| self.error("release", e))
+    }
+}
+
+#[async_trait]
+impl CheckpointStore for RedisDirectory {
+    async fn write(
+        &self,
+        node: u32,
+        lease_epoch: u64,
+        put: Vec<(u64, Vec<u8>)>,
+        remove: Vec<u64>,
+    ) -> Result<(), StoreError> {
+        let key = self.checkpoints_key(node, lease_epoch);
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        if !remove.is_empty() {
+            pipe.cmd("HDEL").arg(&key).arg(&remove).ignore();
+        }
+        if !put.is_empty() {
+            pipe.cmd("HSET").arg(&key);
+            for (id, c) in &put {
+                pipe.arg(id).arg(c.as_slice());
+            }
+            pipe.ignore();
+        }
+        pipe.cmd("PEXPIRE")
+            .arg(&key)
+            .arg(lease_ms(CHECKPOINT_KEEP))
+            .ignore();
+        pipe.query_async::<()>(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.error("write checkpoints", e))
+    }
+
+    async fn load(&self, node: u32, lease_epoch: u64) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
+        let mut all: Vec<(u64, Vec<u8>)> = redis::cmd("HGETALL")
+            .arg(self.checkpoints_key(node, lease_epoch))
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.error("load checkpoints", e))?;
+        all.sort_unstable_by_key(|(id, _)| *id);
+        Ok(all)
+    }
+
+    async fn drop_all(&self, node: u32, lease_epoch: u64) -> Result<(), StoreError> {
+        redis::cmd("DEL")
+            .arg(self.checkpoints_key(node, lease_epoch))
+            .query_async::<()>(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.error("drop checkpoints", e))
     }
 }
 

@@ -41,8 +41,6 @@ pub(crate) struct Handoffs {
     pub recheck: BTreeSet<u64>,
     /// Entities in chunks a new partition gave away: handed over with no margin.
     pub mass: HashSet<u64>,
-    /// Peers that restarted with offers in doubt towards them: redirected when their link is up.
-    pub redirect_to: BTreeSet<NodeId>,
     /// Masters handed away from here, by account, so late input finds them with no ghost left.
     pub departed_masters: HashMap<String, u64>,
     /// Players who left while their master was frozen for a handoff: the leave goes to the new
@@ -314,6 +312,7 @@ impl Core {
                 })
                 .unwrap_or(0),
         };
+        let (to, kept) = (offer.to, msg.clone());
         if !self.send_peer(offer.to, mesh_message::Body::HandoffOffer(msg)) {
             // It never left: the unit may thaw (a link lost after sending leaves it in doubt).
             if let Ok(thawed) = self.handoff.out.unsent(root, self.now.mono_ms) {
@@ -322,6 +321,17 @@ impl Core {
             }
             return;
         }
+        // Kept until the target has surely checkpointed it (see `restore`).
+        let to_lease = self.restore.live.get(&to).copied().unwrap_or(0);
+        self.restore.sent.insert(
+            root,
+            super::restore::SentOffer {
+                at_ms: self.now.mono_ms,
+                to,
+                to_lease,
+                offer: kept,
+            },
+        );
         for i in offer.inputs {
             if !self.send_forward(offer.to, root, offer.epoch, i, 0) {
                 self.handoff.out.forward_failed(root);
@@ -417,6 +427,9 @@ impl Core {
     }
 
     pub(crate) fn on_handoff_ack(&mut self, from: NodeId, a: mesh::HandoffAck) {
+        if self.on_restore_answer(from, a.entity_id, a.entity_epoch, None) {
+            return;
+        }
         match self
             .handoff
             .out
@@ -432,12 +445,16 @@ impl Core {
     }
 
     pub(crate) fn on_handoff_refused(&mut self, from: NodeId, r: mesh::HandoffRefused) {
+        if self.on_restore_answer(from, r.entity_id, r.entity_epoch, Some(&r.reason)) {
+            return;
+        }
         match self
             .handoff
             .out
             .refused(r.entity_id, r.entity_epoch, from, self.now.mono_ms)
         {
             Ok(thawed) => {
+                self.restore.sent.remove(&r.entity_id);
                 self.metrics.handoff(self.cfg.node_id, from, "refused");
                 self.metrics.handoffs_refused.inc();
                 tracing::debug!(entity = r.entity_id, peer = from, reason = %r.reason, "handoff refused");
@@ -522,8 +539,12 @@ impl Core {
                 self.handoff.fence.forget(id);
             }
             if let Some(account) = master {
-                // Late inputs follow it even when no ghost of it stays here.
+                // Late inputs follow it even when no ghost of it stays here; so do those still
+                // held here for a gap in their order (the new owner orders them from here on).
                 self.handoff.departed_masters.insert(account.clone(), id);
+                for i in self.handoff.input_order.forget(&account) {
+                    self.forward_routed(id, done.to, done.epoch, i, 0);
+                }
                 if let Some(leave) = self.handoff.leaving.remove(&account) {
                     self.send_peer(done.to, mesh_message::Body::PlayerLeave(leave));
                 }
@@ -547,15 +568,13 @@ impl Core {
     /// adopted answers with another ack), or re-made under a new epoch if a new process holds
     /// its id (it never saw the old offer; it adopts from the snapshot).
     pub(crate) fn resume_offers(&mut self, node: NodeId) {
-        let successor = self.handoff.redirect_to.remove(&node);
         for root in self.handoff.out.towards(node) {
-            let offer = if successor {
-                self.handoff.out.redirect(root, node)
-            } else {
-                self.handoff.out.repeat(root)
-            };
-            if let Ok(offer) = offer {
-                self.send_offer(offer, successor);
+            if self.restore.in_doubt_to_dead.contains_key(&root) {
+                // Made to a process that died: the restore of its world settles it.
+                continue;
+            }
+            if let Ok(offer) = self.handoff.out.repeat(root) {
+                self.send_offer(offer, false);
             }
         }
     }
@@ -564,17 +583,12 @@ impl Core {
         for (node, epoch) in leases {
             let before = self.mesh.peer_lease.insert(node, epoch);
             if before.is_some_and(|b| b != epoch) {
+                // Offers in doubt towards the old process wait for the restore of its world.
                 tracing::info!(
                     peer = node,
                     lease_epoch = epoch,
                     "a new process holds the peer's node id"
                 );
-                if !self.handoff.out.towards(node).is_empty() {
-                    self.handoff.redirect_to.insert(node);
-                    if self.mesh.peers.get(&node).is_some_and(|p| p.link.is_some()) {
-                        self.resume_offers(node);
-                    }
-                }
             }
         }
     }
@@ -584,6 +598,20 @@ impl Core {
     pub(crate) fn on_handoff_offer(&mut self, from: NodeId, o: mesh::HandoffOffer) {
         let me = self.cfg.node_id;
         let id = o.entity_id;
+        if !self.restore.live.contains_key(&from) && from != me && self.restore.is_dead_node(from) {
+            // From a process that died: its world is restored from elsewhere.
+            return self.metrics.drop_msg("offer_from_dead", 1);
+        }
+        if o.successor && self.table.get_local(id).is_some() {
+            // A restore of what this node writes already (two rounds crossed): never adopted
+            // twice.
+            let refused = mesh::HandoffRefused {
+                entity_id: id,
+                entity_epoch: o.entity_epoch,
+                reason: super::restore::ALREADY_WRITES.into(),
+            };
+            return self.answer_offer(from, mesh_message::Body::HandoffRefused(refused));
+        }
         let at = o.position.as_ref().map(|p| Pos { x: p.x, y: p.y });
         let owns = at.is_some_and(|p| self.auth.partition.owner_of(p).ok() == Some(me));
         let checks = OfferChecks {
@@ -619,7 +647,7 @@ impl Core {
             }
             OfferDecision::Pending => {}
             OfferDecision::Ack => {
-                self.send_peer(
+                self.answer_offer(
                     from,
                     mesh_message::Body::HandoffAck(mesh::HandoffAck {
                         entity_id: id,
@@ -641,7 +669,7 @@ impl Core {
                     .count() as u64;
                 self.metrics.copies_refused(copies);
                 self.metrics.handoff(from, me, "refused");
-                self.send_peer(
+                self.answer_offer(
                     from,
                     mesh_message::Body::HandoffRefused(mesh::HandoffRefused {
                         entity_id: id,
@@ -774,13 +802,27 @@ impl Core {
             }
         }
         self.metrics.handoff(source, me, "adopted");
-        self.send_peer(
+        self.answer_offer(
             source,
             mesh_message::Body::HandoffAck(mesh::HandoffAck {
                 entity_id: o.entity_id,
                 entity_epoch: epoch,
             }),
         );
+    }
+
+    /// The answer to an offer: to its source, or to this node's own restore of a dead
+    /// process's entity.
+    fn answer_offer(&mut self, source: NodeId, body: mesh_message::Body) {
+        if source != self.cfg.node_id {
+            self.send_peer(source, body);
+            return;
+        }
+        match body {
+            mesh_message::Body::HandoffAck(a) => self.on_handoff_ack(source, a),
+            mesh_message::Body::HandoffRefused(r) => self.on_handoff_refused(source, r),
+            _ => {}
+        }
     }
 
     // ------------------------------------------------------------------ observers
@@ -955,8 +997,12 @@ impl Core {
             .handoff
             .fence
             .advance(m.entity_id, m.entity_epoch, m.owner_node);
-        // A ghost of the sender follows the new owner (if this node subscribes there).
-        if let Some((_, chunk)) = held.filter(|h| h.0 == Some(node)) {
+        // A ghost of the sender follows the new owner (if this node subscribes there); so does
+        // a ghost of a dead process, on the word of the node that restored it.
+        let from_writer = |origin: Option<NodeId>| {
+            origin.is_some_and(|o| o == node || self.restore.is_dead_node(o))
+        };
+        if let Some((_, chunk)) = held.filter(|h| from_writer(h.0)) {
             if self.repl.subs.has(chunk, m.owner_node) || self.follow(chunk, m.owner_node) {
                 self.table
                     .set_origin(m.entity_id, m.owner_node, m.entity_epoch);
@@ -1101,6 +1147,9 @@ impl Core {
                         InputRoute::Local(input) => self.input_to_game(input),
                         InputRoute::Held => {}
                     },
+                    // Stamped for a master this process never held: it died with a process
+                    // whose node id this one holds now (the restore re-anchors the gateway).
+                    _ if i.entity_id != 0 => self.metrics.drop_input("input_master_gone"),
                     _ => self.input_to_game(input),
                 }
             }

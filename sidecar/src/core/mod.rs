@@ -19,6 +19,7 @@ pub(crate) mod gateway;
 pub(crate) mod handoff;
 pub(crate) mod peers;
 pub(crate) mod replication;
+pub(crate) mod restore;
 pub(crate) mod routing;
 #[cfg(test)]
 mod scripted_tests;
@@ -181,6 +182,20 @@ pub enum StoreRequest {
     EndSession { record: PlayerRecord, epoch: u64 },
     /// Releases a directory entry (a registration nobody wants any more).
     Release { account: String, epoch: u64 },
+    /// Writes checkpoints of this process (`node` under `lease_epoch`) and removes those of
+    /// entities it no longer writes. Each is a successor offer a restore can make as it is.
+    PutCheckpoints {
+        node: NodeId,
+        lease_epoch: u64,
+        put: Vec<mesh::HandoffOffer>,
+        remove: Vec<u64>,
+    },
+    /// Every checkpoint a dead process left.
+    LoadCheckpoints { node: NodeId, lease_epoch: u64 },
+    /// A dead process's checkpoints, once its world is restored.
+    DropCheckpoints { node: NodeId, lease_epoch: u64 },
+    /// Commits `partition` if the store's current epoch is the one before it.
+    CommitPartition { partition: Box<Partition> },
 }
 
 /// The answers of store calls that have one.
@@ -198,6 +213,15 @@ pub enum StoreReply {
     LookedUp {
         account: String,
         result: Result<Option<SessionEntry>, String>,
+    },
+    CheckpointsLoaded {
+        node: NodeId,
+        lease_epoch: u64,
+        result: Result<Vec<mesh::HandoffOffer>, String>,
+    },
+    PartitionCommitted {
+        epoch: u64,
+        result: Result<(), String>,
     },
 }
 
@@ -247,6 +271,7 @@ pub struct Core {
     pub(crate) routing: Routing,
     pub(crate) handoff: Handoffs,
     pub(crate) auth: Authority,
+    pub(crate) restore: restore::Restore,
     pub(crate) out: Outbox,
     shutting_down: bool,
     /// Something changed since the last publish.
@@ -287,6 +312,10 @@ impl Core {
             routing: Routing::default(),
             handoff: Handoffs::default(),
             auth,
+            restore: restore::Restore {
+                incarnation: lease.as_ref().map_or(0, |l| l.lease.epoch),
+                ..Default::default()
+            },
             out: Outbox::default(),
             shutting_down: false,
             dirty: true,
@@ -300,6 +329,28 @@ impl Core {
 
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
+    }
+
+    /// Names this process's incarnation (its lease epoch) where no lease is passed to
+    /// [`Core::new`] (the simulator's stores have none): checkpoints go to the store under it.
+    pub fn set_incarnation(&mut self, lease_epoch: u64) {
+        self.restore.incarnation = lease_epoch;
+    }
+
+    /// Entities this process spawned whose first checkpoint has not reached the store yet: if
+    /// the process died now, nothing could restore them (what it adopted, its source can).
+    pub fn unpersisted(&self) -> Vec<u64> {
+        self.table
+            .iter()
+            .filter(|e| e.origin.is_none() && e.epoch == game::FIRST_EPOCH)
+            .filter(|e| !self.restore.stored.contains(&e.id))
+            .map(|e| e.id)
+            .collect()
+    }
+
+    /// Dead processes whose world this node has not seen restored yet.
+    pub fn restores_pending(&self) -> usize {
+        self.restore.dead.len()
     }
 
     /// Every entity the node holds, reals and render ghosts (read-only).
@@ -338,6 +389,16 @@ impl Core {
     /// Client inputs held here now (see `Metrics::inputs_held`).
     pub fn inputs_held(&self) -> usize {
         self.handoff.out.held_inputs()
+            + self
+                .handoff
+                .fence
+                .held_where(|f| matches!(f, handoff::Fenced::Input(_)))
+            + self.handoff.input_order.held()
+    }
+
+    /// Client inputs held here that no other node has a copy of: lost if this process died now.
+    pub fn inputs_only_here(&self) -> usize {
+        self.handoff.out.inputs_not_forwarded()
             + self
                 .handoff
                 .fence
@@ -399,8 +460,19 @@ impl Core {
             Input::Store(StoreReply::LookedUp { account, result }) => {
                 self.on_looked_up(account, result)
             }
+            Input::Store(StoreReply::CheckpointsLoaded {
+                node,
+                lease_epoch,
+                result,
+            }) => self.on_checkpoints_loaded(node, lease_epoch, result),
+            Input::Store(StoreReply::PartitionCommitted { epoch, result }) => {
+                self.on_partition_committed(epoch, result)
+            }
             Input::Peers(peers) => self.on_peers(peers),
-            Input::PeerLeases(leases) => self.on_peer_leases(leases),
+            Input::PeerLeases(leases) => {
+                self.note_leases(&leases);
+                self.on_peer_leases(leases)
+            }
             Input::LeaseLost => self.on_lease_lost(),
             Input::LeaseRenewed(terms) => self.on_lease_renewed(terms),
             Input::Partition(p) => self.apply_partition(*p),
@@ -408,6 +480,7 @@ impl Core {
             Input::Timer => self.on_timer(),
             Input::Shutdown => self.shutdown(),
         }
+        self.flush_checkpoints();
         self.count_fence_discards();
     }
 
@@ -458,6 +531,9 @@ impl Core {
             self.release_overdue_frames();
             self.ask_for_checkpoints();
             self.expire_game_grace();
+            self.flush_checkpoints();
+            self.prune_sent_offers();
+            self.restore_step();
             self.metrics.inputs_held.set(self.inputs_held() as i64);
             if self.dirty {
                 self.dirty = false;

@@ -326,6 +326,10 @@ impl Core {
                     });
                 }
             }
+            B::RestoreQuery(q) => self.on_restore_query(node, q),
+            B::RestoreReport(r) => self.on_restore_report(node, r),
+            B::RestoreResolved(r) => self.on_restore_resolved(r),
+            B::RestoreDone(d) => self.on_restore_done(d),
             B::PlayerJoin(j) => self.on_peer_player_join(node, j),
             B::PlayerLeave(l) => self.on_peer_player_leave(l),
             B::ForwardInput(i) => {

@@ -247,6 +247,10 @@ impl Core {
         let stale: Vec<(u64, u64)> = self.repl.stale.iter().map(|(k, v)| (*k, *v)).collect();
         let mut gone = Vec::new();
         for (id, since) in stale {
+            if self.awaits_restore(id) {
+                // A dead process's ghost stays until its restored owner writes it.
+                continue;
+            }
             let Some((origin, chunk)) = self.table.get(id).and_then(|e| Some((e.origin?, e.chunk)))
             else {
                 gone.push((id, false));

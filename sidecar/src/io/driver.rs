@@ -9,6 +9,7 @@ use std::time::Duration;
 use cellmesh_admin::Admin;
 use cellmesh_geo_router::partition::NodeId;
 use cellmesh_geo_router::store::Stores;
+use cellmesh_geo_router::topology::TopologyStore;
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::time::Instant;
@@ -45,6 +46,8 @@ pub(crate) struct Driver {
     pub links: HashMap<LinkId, LinkHandle>,
     pub dialers: HashMap<NodeId, CancellationToken>,
     pub stores: Stores,
+    /// Where partitions are committed (a cluster node's): a dead node's re-plan.
+    pub topology: Option<Arc<dyn TopologyStore>>,
     /// For store answers.
     pub inbox: mpsc::Sender<Event>,
     pub tasks: TaskTracker,
@@ -216,13 +219,16 @@ impl Driver {
                     }
                 }
                 Output::Store(request) => {
-                    let (stores, inbox, metrics) = (
+                    let (stores, topology, inbox, metrics) = (
                         self.stores.clone(),
+                        self.topology.clone(),
                         self.inbox.clone(),
                         self.metrics.clone(),
                     );
                     self.tasks.spawn(async move {
-                        if let Some(reply) = store::execute(&stores, request, &metrics).await {
+                        let reply =
+                            store::execute(&stores, topology.as_deref(), request, &metrics).await;
+                        if let Some(reply) = reply {
                             let _ = inbox.send(Event::Core(Input::Store(reply))).await;
                         }
                     });

@@ -147,6 +147,7 @@ pub(crate) async fn launch(
     let census = Arc::default();
     let clustered = membership.is_some();
     let held = membership.as_ref().map(|(_, h)| h.clone());
+    let topology = membership.as_ref().map(|(t, _)| t.clone());
     if let Some((topology, held)) = membership {
         let advertise = match cfg.mesh_advertise.trim() {
             "" => mesh_addr.to_string(),
@@ -199,6 +200,7 @@ pub(crate) async fn launch(
         links: Default::default(),
         dialers: Default::default(),
         stores,
+        topology,
         inbox: inbox.clone(),
         tasks: tasks.clone(),
         admin: admin.clone(),

@@ -4,6 +4,9 @@
 use std::time::Duration;
 
 use cellmesh_geo_router::store::{StoreError, Stores};
+use cellmesh_geo_router::topology::{Commit, TopologyStore};
+use cellmesh_proto::mesh::HandoffOffer;
+use prost::Message;
 
 use crate::core::{Registration, StoreReply, StoreRequest};
 use crate::metrics::Metrics;
@@ -23,6 +26,7 @@ async fn timed<T>(
 /// Carries out one request; the answer, for the requests that have one.
 pub(crate) async fn execute(
     stores: &Stores,
+    topology: Option<&dyn TopologyStore>,
     request: StoreRequest,
     metrics: &Metrics,
 ) -> Option<StoreReply> {
@@ -81,6 +85,69 @@ pub(crate) async fn execute(
         StoreRequest::Release { account, epoch } => {
             let _ = timed(stores.directory.release(&account, epoch)).await;
             None
+        }
+        StoreRequest::PutCheckpoints {
+            node,
+            lease_epoch,
+            put,
+            remove,
+        } => {
+            let put = put
+                .into_iter()
+                .map(|c| (c.entity_id, c.encode_to_vec()))
+                .collect();
+            let written = timed(stores.checkpoints.write(node, lease_epoch, put, remove)).await;
+            if let Err(e) = written {
+                // The next flush writes these entities again only if they change: counted, so a
+                // store that keeps failing shows.
+                metrics.error("checkpoint_write");
+                tracing::warn!(error = %e, "writing checkpoints failed");
+            }
+            None
+        }
+        StoreRequest::LoadCheckpoints { node, lease_epoch } => {
+            let result = timed(stores.checkpoints.load(node, lease_epoch))
+                .await
+                .and_then(|all| {
+                    all.into_iter()
+                        .map(|(id, bytes)| {
+                            HandoffOffer::decode(bytes.as_slice())
+                                .map_err(|e| format!("checkpoint of entity {id}: {e}"))
+                        })
+                        .collect()
+                });
+            Some(StoreReply::CheckpointsLoaded {
+                node,
+                lease_epoch,
+                result,
+            })
+        }
+        StoreRequest::DropCheckpoints { node, lease_epoch } => {
+            if let Err(e) = timed(stores.checkpoints.drop_all(node, lease_epoch)).await {
+                metrics.error("store");
+                tracing::warn!(node, error = %e, "dropping a dead node's checkpoints failed");
+            }
+            None
+        }
+        StoreRequest::CommitPartition { partition } => {
+            let epoch = partition.epoch();
+            let result = match topology {
+                None => Err("no topology store: a lone node commits nothing".to_string()),
+                Some(t) => match tokio::time::timeout(
+                    STORE_TIMEOUT,
+                    t.commit_partition(epoch.saturating_sub(1), &partition),
+                )
+                .await
+                {
+                    Ok(Ok(Commit::Committed)) => Ok(()),
+                    Ok(Ok(Commit::Stale { current_epoch })) => {
+                        Err(format!("the store is at epoch {current_epoch}"))
+                    }
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err(format!("no answer within {} s", STORE_TIMEOUT.as_secs())),
+                },
+            };
+            Some(StoreReply::PartitionCommitted { epoch, result })
         }
     }
 }

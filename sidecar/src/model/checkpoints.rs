@@ -34,6 +34,9 @@ pub struct Checkpoints {
     due: HashMap<EntityId, u64>,
     /// Asked for and not answered yet: since when.
     asked: HashMap<EntityId, u64>,
+    /// Taken, or let go, since the store last heard: what the next flush writes.
+    taken_since_flush: std::collections::BTreeSet<EntityId>,
+    forgotten_since_flush: std::collections::BTreeSet<EntityId>,
 }
 
 impl Checkpoints {
@@ -44,6 +47,8 @@ impl Checkpoints {
             kept: HashMap::default(),
             due: HashMap::default(),
             asked: HashMap::default(),
+            taken_since_flush: Default::default(),
+            forgotten_since_flush: Default::default(),
         }
     }
 
@@ -96,6 +101,8 @@ impl Checkpoints {
     /// snapshot). The caller checked that `epoch` is the entity's current one.
     pub fn taken(&mut self, id: EntityId, epoch: u64, state: Bytes, now_ms: u64) {
         self.asked.remove(&id);
+        self.taken_since_flush.insert(id);
+        self.forgotten_since_flush.remove(&id);
         self.kept.insert(
             id,
             Kept {
@@ -110,7 +117,29 @@ impl Checkpoints {
     pub fn forget(&mut self, id: EntityId) -> Option<Kept> {
         self.due.remove(&id);
         self.asked.remove(&id);
-        self.kept.remove(&id)
+        self.taken_since_flush.remove(&id);
+        let kept = self.kept.remove(&id);
+        if kept.is_some() {
+            self.forgotten_since_flush.insert(id);
+        }
+        kept
+    }
+
+    /// Entities taken since the last [`take_changes`](Self::take_changes).
+    pub fn changed_since_flush(&self) -> impl Iterator<Item = EntityId> + '_ {
+        self.taken_since_flush.iter().copied()
+    }
+
+    /// What changed since the last call: (taken, let go), for the store.
+    pub fn take_changes(&mut self) -> (Vec<EntityId>, Vec<EntityId>) {
+        (
+            std::mem::take(&mut self.taken_since_flush)
+                .into_iter()
+                .collect(),
+            std::mem::take(&mut self.forgotten_since_flush)
+                .into_iter()
+                .collect(),
+        )
     }
 
     pub fn latest(&self, id: EntityId) -> Option<&Kept> {

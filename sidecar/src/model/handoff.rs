@@ -301,6 +301,55 @@ impl<I: Clone> HandoffSource<I> {
             .collect()
     }
 
+    /// Units towards `to` still waiting for snapshots, thawed: their target died, and their
+    /// offer never left.
+    pub fn abandon_freezing_towards(
+        &mut self,
+        to: NodeId,
+        now_ms: u64,
+    ) -> Vec<(EntityId, NodeId, Thawed<I>)> {
+        let mut roots: Vec<EntityId> = self
+            .out
+            .iter()
+            .filter(|(_, o)| o.to == to && matches!(o.phase, Phase::Freezing { .. }))
+            .map(|(r, _)| *r)
+            .collect();
+        roots.sort_unstable();
+        roots
+            .into_iter()
+            .map(|root| (root, to, self.thaw(root, now_ms)))
+            .collect()
+    }
+
+    /// The target of an in-doubt offer died and the unit was settled without it: `owner` writes
+    /// it under `epoch` now (restored from the offer's snapshot or from a newer checkpoint).
+    pub fn resolve(
+        &mut self,
+        root: EntityId,
+        owner: NodeId,
+        epoch: Epoch,
+        now_ms: u64,
+    ) -> Result<Completed, HandoffError> {
+        let o = self
+            .out
+            .get_mut(&root)
+            .ok_or(HandoffError::NotInHandoff(root))?;
+        if !matches!(o.phase, Phase::Offered { .. }) {
+            return Err(HandoffError::NotOffered(root));
+        }
+        o.to = owner;
+        o.offered = epoch;
+        Ok(self.complete(root, now_ms))
+    }
+
+    /// A unit handed to a process that died was restored on `owner` under `epoch`: late
+    /// inputs follow it there.
+    pub fn redirect_departed(&mut self, id: EntityId, owner: NodeId, epoch: Epoch) {
+        if let Some(d) = self.departed.get_mut(&id) {
+            *d = (owner, epoch);
+        }
+    }
+
     /// Once every member of a freezing unit has its snapshot: the offer, which is final.
     fn offer_if_complete(&mut self, root: EntityId) -> Option<Offer<I>> {
         let o = self.out.get_mut(&root)?;
@@ -469,6 +518,11 @@ impl<I: Clone> HandoffSource<I> {
         }
     }
 
+    /// The node the unit `member` is frozen in is (being) offered to, and the epoch offered.
+    pub fn target_of_member(&self, member: EntityId) -> Option<(NodeId, Epoch)> {
+        self.root_of.get(&member).and_then(|r| self.target_of(*r))
+    }
+
     /// The node the unit of `root` is (being) offered to, and the epoch offered.
     pub fn target_of(&self, root: EntityId) -> Option<(NodeId, Epoch)> {
         self.out.get(&root).map(|o| (o.to, o.offered))
@@ -477,6 +531,15 @@ impl<I: Clone> HandoffSource<I> {
     /// Handoffs begun and not finished (frozen, whether offered or not).
     pub fn in_flight(&self) -> usize {
         self.out.len()
+    }
+
+    /// Inputs held for units whose offer has not left: no copy of them went anywhere.
+    pub fn inputs_not_forwarded(&self) -> usize {
+        self.out
+            .values()
+            .filter(|o| matches!(o.phase, Phase::Freezing { .. }))
+            .map(|o| o.inputs.len())
+            .sum()
     }
 
     /// Inputs held for frozen entities (to apply on a thaw; the copies of some went on).

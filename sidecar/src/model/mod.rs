@@ -17,5 +17,6 @@ pub mod handoff;
 pub mod ids;
 pub mod inputs;
 pub mod interest;
+pub mod restore;
 pub mod route;
 pub mod subs;

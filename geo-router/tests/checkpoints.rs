@@ -1,0 +1,131 @@
+//! The checkpoint store's contract, against the in-memory store and the real Redis named by
+//! `CELLMESH_TEST_REDIS_URL` (`./scripts/test.sh` starts it; without it the Redis tests fail,
+//! they never pass by skipping). Each test works under its own geo name.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use cellmesh_geo_router::store::memory::MemoryCheckpoints;
+use cellmesh_geo_router::store::redis::RedisDirectory;
+use cellmesh_geo_router::store::CheckpointStore;
+use cellmesh_test_support::required;
+
+fn unique(test: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("t{}_{nanos:x}_{n}_{test}", std::process::id())
+}
+
+async fn redis(geo: &str) -> Arc<dyn CheckpointStore> {
+    let url = required("CELLMESH_TEST_REDIS_URL");
+    Arc::new(RedisDirectory::connect(&url, geo).await.unwrap())
+}
+
+fn memory() -> Arc<dyn CheckpointStore> {
+    Arc::new(MemoryCheckpoints::default())
+}
+
+fn c(id: u64, body: &str) -> (u64, Vec<u8>) {
+    (id, body.as_bytes().to_vec())
+}
+
+async fn writes_replace_remove_and_load_in_entity_order(store: Arc<dyn CheckpointStore>) {
+    store
+        .write(3, 7, vec![c(20, "b"), c(10, "a")], vec![])
+        .await
+        .unwrap();
+    // A newer checkpoint replaces the older; a removal and a write go together.
+    store
+        .write(3, 7, vec![c(10, "a2"), c(30, "c")], vec![20])
+        .await
+        .unwrap();
+    let all = store.load(3, 7).await.unwrap();
+    assert_eq!(all, vec![c(10, "a2"), c(30, "c")]);
+    // Binary checkpoints survive as they are.
+    store
+        .write(3, 7, vec![(40, vec![0, 255, 10, 13, 0])], vec![])
+        .await
+        .unwrap();
+    assert_eq!(
+        store.load(3, 7).await.unwrap().last(),
+        Some(&(40, vec![0, 255, 10, 13, 0]))
+    );
+}
+
+async fn each_process_has_its_own_and_a_drop_forgets_only_its_own(store: Arc<dyn CheckpointStore>) {
+    store.write(3, 7, vec![c(1, "old")], vec![]).await.unwrap();
+    // The same node id under a new lease is another process.
+    store.write(3, 8, vec![c(2, "new")], vec![]).await.unwrap();
+    store
+        .write(4, 7, vec![c(3, "other")], vec![])
+        .await
+        .unwrap();
+    assert_eq!(store.load(3, 7).await.unwrap(), vec![c(1, "old")]);
+    assert_eq!(store.load(3, 8).await.unwrap(), vec![c(2, "new")]);
+    store.drop_all(3, 7).await.unwrap();
+    assert!(store.load(3, 7).await.unwrap().is_empty());
+    assert_eq!(store.load(3, 8).await.unwrap(), vec![c(2, "new")]);
+    assert_eq!(store.load(4, 7).await.unwrap(), vec![c(3, "other")]);
+    // Nothing written: nothing loaded, and no error.
+    assert!(store.load(9, 1).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn memory_writes_replace_remove_and_load_in_entity_order() {
+    writes_replace_remove_and_load_in_entity_order(memory()).await;
+}
+
+#[tokio::test]
+async fn memory_each_process_has_its_own_and_a_drop_forgets_only_its_own() {
+    each_process_has_its_own_and_a_drop_forgets_only_its_own(memory()).await;
+}
+
+#[tokio::test]
+async fn redis_writes_replace_remove_and_load_in_entity_order() {
+    let store = redis(&unique("ckpt_write")).await;
+    writes_replace_remove_and_load_in_entity_order(store).await;
+}
+
+#[tokio::test]
+async fn redis_each_process_has_its_own_and_a_drop_forgets_only_its_own() {
+    let store = redis(&unique("ckpt_drop")).await;
+    each_process_has_its_own_and_a_drop_forgets_only_its_own(store).await;
+}
+
+#[tokio::test]
+async fn redis_geos_do_not_see_each_others_checkpoints() {
+    let geo = unique("ckpt_geo");
+    let (a, b) = (
+        redis(&format!("{geo}-a")).await,
+        redis(&format!("{geo}-b")).await,
+    );
+    a.write(1, 1, vec![c(5, "a")], vec![]).await.unwrap();
+    assert!(b.load(1, 1).await.unwrap().is_empty());
+    assert_eq!(a.load(1, 1).await.unwrap(), vec![c(5, "a")]);
+}
+
+#[tokio::test]
+async fn redis_keys_expire_and_share_one_slot_per_process() {
+    let url = required("CELLMESH_TEST_REDIS_URL");
+    let geo = unique("ckpt_ttl");
+    let store = RedisDirectory::connect(&url, &geo).await.unwrap();
+    store.write(2, 9, vec![c(1, "x")], vec![]).await.unwrap();
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let key = format!("cellmesh:{geo}:{{node-2-9}}:checkpoints");
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    // Kept a day past the last write, then gone by itself.
+    assert!(
+        ttl > 23 * 3600 * 1000 && ttl <= 24 * 3600 * 1000,
+        "ttl {ttl}"
+    );
+}

@@ -1,0 +1,807 @@
+//! Restoring a dead process's world on the live nodes (DESIGN §8).
+//!
+//! Every owner writes the checkpoints it keeps to the store under its own incarnation (node id
+//! and lease epoch). When an incarnation dies (its lease lapsed, or a new process holds its
+//! id), every node stops taking anything from it, and the decider, the lowest live node, runs
+//! one round for it:
+//!
+//! 1. if the dead node still owns cells and no new process holds its id, it commits a partition
+//!    without it (the store's compare-and-set lets one such commit win);
+//! 2. it asks every live peer what it writes or adopts, and which offers it made to the dead
+//!    node (their snapshots may be newer than its checkpoints); a peer that answered takes
+//!    nothing from the dead process any more;
+//! 3. with every answer, the checkpoints, and every peer on its partition, it decides (see
+//!    [`crate::model::restore`]) and offers each entity nobody writes to the owner of its
+//!    position as a successor handoff under an epoch above every candidate's;
+//! 4. each ack moves the entity's ghosts to its new owner and settles the offers made of it to
+//!    the dead node; with every restore answered, `RestoreDone` lets the peers drop the dead
+//!    process's ghosts that nobody took over.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use cellmesh_geo_router::geometry::Pos;
+use cellmesh_geo_router::partition::NodeId;
+use cellmesh_proto::mesh::{self, mesh_message};
+
+use super::*;
+use crate::model::restore::{self as model, Restoration};
+
+/// A process of the cluster: its node id and the lease epoch it held.
+pub type Incarnation = (NodeId, u64);
+
+/// How often the changed checkpoints are written to the store.
+const FLUSH_EVERY_MS: u64 = 250;
+/// A restore offer with no answer is made again after this long.
+const RESTORE_RETRY_MS: u64 = 1_000;
+/// The refusal of a restore offer by a node that writes the entity already.
+pub(crate) const ALREADY_WRITES: &str = "the target writes the entity already";
+/// Reals listed per report message (a report can be long: it is sent in parts).
+const HELD_PER_MESSAGE: usize = 4_096;
+
+/// One round this node decides.
+#[derive(Default)]
+pub(crate) struct Round {
+    /// Peers asked (again after their link comes back).
+    asked: BTreeSet<NodeId>,
+    /// Peers whose report is complete, and what they said.
+    reported: BTreeSet<NodeId>,
+    held: BTreeMap<u64, (NodeId, u64)>,
+    offered: Vec<(NodeId, mesh::HandoffOffer, bool)>,
+    checkpoints: Option<Vec<mesh::HandoffOffer>>,
+    loading: bool,
+    decided: bool,
+}
+
+/// An offer this node made.
+#[derive(Debug, Clone)]
+pub(crate) struct SentOffer {
+    pub at_ms: u64,
+    pub to: NodeId,
+    /// The lease epoch of the target's process then (0: not known).
+    pub to_lease: u64,
+    pub offer: mesh::HandoffOffer,
+}
+
+/// A restore offer out from this node.
+#[derive(Debug, Clone)]
+pub(crate) struct Offering {
+    dead: Incarnation,
+    target: NodeId,
+    offer: mesh::HandoffOffer,
+    reporters: Vec<NodeId>,
+    /// Made again (to the owner of its position then) from this time if not answered.
+    retry_at_ms: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct Restore {
+    /// This process's lease epoch (0: no lease, nothing is checkpointed to the store).
+    pub incarnation: u64,
+    /// The live peers and their lease epochs, as the store last said.
+    pub live: BTreeMap<NodeId, u64>,
+    /// Dead processes whose world is not restored yet, each with the ghosts of it held here
+    /// when it died and their epochs then (they stay until a restored owner takes them over,
+    /// under a newer epoch, or the round ends).
+    pub dead: BTreeMap<Incarnation, BTreeMap<u64, u64>>,
+    /// Every dead process this node heard of: nothing is taken from them.
+    pub fenced: BTreeSet<Incarnation>,
+    /// Offers this node made, kept while in doubt and for a while after the ack: the target
+    /// may die before it checkpoints what it adopted, and a round must know what moved between
+    /// live nodes while it asked them. root -> the offer.
+    pub sent: BTreeMap<u64, SentOffer>,
+    /// In-doubt offers to a process that died: frozen until the decider settles them.
+    pub in_doubt_to_dead: BTreeMap<u64, Incarnation>,
+    pub rounds: BTreeMap<Incarnation, Round>,
+    pub offering: BTreeMap<u64, Offering>,
+    /// The partition epoch a re-plan was asked from (once per epoch).
+    pub replan_from: Option<u64>,
+    pub next_flush_ms: u64,
+    /// Entities whose checkpoint the store holds (under this process's incarnation).
+    pub stored: BTreeSet<u64>,
+    /// Nodes whose process died with no new one holding their id: the partition gives them
+    /// nothing while they stay so.
+    pub departed: BTreeSet<NodeId>,
+}
+
+impl Restore {
+    /// Whether `node`'s ghosts may belong to a dead process whose world is being restored.
+    pub fn is_dead_node(&self, node: NodeId) -> bool {
+        self.dead.keys().any(|(n, _)| *n == node)
+    }
+
+    fn dead_ghost(&self, id: u64, epoch: u64) -> bool {
+        self.dead.values().any(|g| g.get(&id) == Some(&epoch))
+    }
+}
+
+impl Core {
+    // ------------------------------------------------------------------ every node
+
+    /// The store's word on who is alive: a process whose lease is gone, or whose id a new
+    /// process holds, is dead.
+    pub(crate) fn note_leases(&mut self, leases: &[(NodeId, u64)]) {
+        let now: BTreeMap<NodeId, u64> = leases.iter().copied().collect();
+        let gone: Vec<Incarnation> = self
+            .restore
+            .live
+            .iter()
+            .filter(|(n, e)| now.get(n) != Some(e))
+            .map(|(n, e)| (*n, *e))
+            .collect();
+        self.restore.live = now;
+        let back: Vec<NodeId> = self.restore.live.keys().copied().collect();
+        for n in back {
+            self.restore.departed.remove(&n);
+        }
+        for inc in gone {
+            self.mark_dead(inc);
+        }
+    }
+
+    /// Nothing more is taken from `inc`: handoffs towards it that never left thaw, those in
+    /// doubt wait for the decider, and its ghosts stay until its world is restored.
+    pub(crate) fn mark_dead(&mut self, inc: Incarnation) {
+        if !self.restore.fenced.insert(inc) {
+            return;
+        }
+        let (node, lease_epoch) = inc;
+        tracing::warn!(
+            peer = node,
+            lease_epoch,
+            "a peer's process is dead: its world will be restored from its checkpoints"
+        );
+        self.metrics.error("peer_dead");
+        let ghosts: BTreeMap<u64, u64> = self
+            .table
+            .ghosts_of(node)
+            .into_iter()
+            .filter_map(|id| Some((id, self.table.get(id)?.epoch)))
+            .collect();
+        self.restore.dead.insert(inc, ghosts);
+        if !self.restore.live.contains_key(&node) {
+            self.restore.departed.insert(node);
+            if let Some(link) = self.mesh.peers.get(&node).and_then(|p| p.link) {
+                self.close_link(link, "its process is dead");
+            }
+        }
+        for (root, _, thawed) in self
+            .handoff
+            .out
+            .abandon_freezing_towards(node, self.now.mono_ms)
+        {
+            self.metrics.handoff(self.cfg.node_id, node, "abandoned");
+            self.thaw(root, thawed, "the target died before the offer left");
+            self.handoff.retry.remove(&root);
+        }
+        for (root, to, _) in self.handoff.out.in_doubt().collect::<Vec<_>>() {
+            if to == node {
+                self.restore.in_doubt_to_dead.insert(root, inc);
+            }
+        }
+    }
+
+    /// The decider asks what this node holds of the dead process's world.
+    pub(crate) fn on_restore_query(&mut self, from: NodeId, q: mesh::RestoreQuery) {
+        let inc = (q.node, q.lease_epoch);
+        self.mark_dead(inc);
+        let (held, offered, in_doubt) = self.report_of(inc);
+        let mut parts: Vec<mesh::RestoreReport> = held
+            .chunks(HELD_PER_MESSAGE)
+            .map(|c| mesh::RestoreReport {
+                node: q.node,
+                lease_epoch: q.lease_epoch,
+                held: c.to_vec(),
+                ..Default::default()
+            })
+            .collect();
+        parts.extend(offered.into_iter().map(|o| mesh::RestoreReport {
+            node: q.node,
+            lease_epoch: q.lease_epoch,
+            offered: vec![o],
+            ..Default::default()
+        }));
+        parts.push(mesh::RestoreReport {
+            node: q.node,
+            lease_epoch: q.lease_epoch,
+            last: true,
+            in_doubt,
+            ..Default::default()
+        });
+        for p in parts {
+            self.send_peer(from, mesh_message::Body::RestoreReport(p));
+        }
+    }
+
+    /// Every real this node writes or adopts, every offer it made to `dead_node` that it still
+    /// keeps, and which of those are in doubt (their units frozen here).
+    fn report_of(
+        &self,
+        (dead_node, dead_lease): Incarnation,
+    ) -> (Vec<mesh::RealHeld>, Vec<mesh::HandoffOffer>, Vec<u64>) {
+        // A unit frozen in an offer to the dead node is a candidate, not a holding: the offer
+        // may have been adopted there.
+        let out = &self.handoff.out;
+        let mut held: Vec<mesh::RealHeld> = self
+            .table
+            .iter()
+            .filter(|e| e.origin.is_none())
+            .filter(|e| {
+                out.target_of_member(e.id)
+                    .is_none_or(|(to, _)| to != dead_node)
+            })
+            .map(|e| mesh::RealHeld {
+                entity_id: e.id,
+                entity_epoch: e.epoch,
+                owner_node: 0,
+            })
+            .collect();
+        for o in self.handoff.adopting.values() {
+            held.push(mesh::RealHeld {
+                entity_id: o.entity_id,
+                entity_epoch: o.entity_epoch,
+                owner_node: 0,
+            });
+            held.extend(o.attachments.iter().map(|a| mesh::RealHeld {
+                entity_id: a.entity_id,
+                entity_epoch: o.entity_epoch,
+                owner_node: 0,
+            }));
+        }
+        let to_dead =
+            |s: &SentOffer| s.to == dead_node && (s.to_lease == dead_lease || s.to_lease == 0);
+        // Handed to a live process lately: it writes them (or is adopting them) now, even if
+        // its own report went before it adopted.
+        for s in self.restore.sent.values().filter(|s| !to_dead(s)) {
+            held.push(mesh::RealHeld {
+                entity_id: s.offer.entity_id,
+                entity_epoch: s.offer.entity_epoch,
+                owner_node: s.to,
+            });
+        }
+        let offered: Vec<mesh::HandoffOffer> = self
+            .restore
+            .sent
+            .values()
+            .filter(|s| to_dead(s))
+            .map(|s| s.offer.clone())
+            .collect();
+        let in_doubt = offered
+            .iter()
+            .map(|o| o.entity_id)
+            .filter(|id| self.handoff.out.target_of(*id).is_some())
+            .collect();
+        (held, offered, in_doubt)
+    }
+
+    /// The decider's word on an offer this node made to a dead process.
+    pub(crate) fn on_restore_resolved(&mut self, r: mesh::RestoreResolved) {
+        let id = r.entity_id;
+        self.restore.sent.remove(&id);
+        if r.owner_node == self.cfg.node_id {
+            // Back to this node, which still holds it frozen: the offer counts as refused.
+            let Some((dead, _)) = self.restore.in_doubt_to_dead.remove(&id) else {
+                return;
+            };
+            let Some((to, offered)) = self.handoff.out.target_of(id) else {
+                return;
+            };
+            if let Ok(thawed) = self.handoff.out.refused(id, offered, to, self.now.mono_ms) {
+                self.metrics.handoff(self.cfg.node_id, dead, "returned");
+                self.thaw(
+                    id,
+                    thawed,
+                    "its target died; this node owns its position now",
+                );
+            }
+            return;
+        }
+        if self.restore.in_doubt_to_dead.remove(&id).is_some() {
+            match self
+                .handoff
+                .out
+                .resolve(id, r.owner_node, r.entity_epoch, self.now.mono_ms)
+            {
+                Ok(done) => self.complete_handoff(done),
+                Err(e) => tracing::debug!(entity = id, error = %e, "restore word on no offer"),
+            }
+        } else {
+            self.handoff
+                .out
+                .redirect_departed(id, r.owner_node, r.entity_epoch);
+        }
+    }
+
+    /// The dead process's world is restored: its ghosts nobody took over are gone.
+    pub(crate) fn on_restore_done(&mut self, d: mesh::RestoreDone) {
+        let inc = (d.node, d.lease_epoch);
+        self.restore.fenced.insert(inc);
+        let Some(ghosts) = self.restore.dead.remove(&inc) else {
+            return;
+        };
+        for (id, epoch) in ghosts {
+            // Not taken over: still the dead process's, under the epoch it wrote (a new process
+            // under the same node id that restored it writes a newer one).
+            let still = self.table.get(id).is_some_and(|e| {
+                e.origin == Some(d.node) && e.epoch == epoch && !self.restore.dead_ghost(id, epoch)
+            });
+            if still && !self.ghost_orphaned(id) {
+                tracing::debug!(entity = id, "ghost of a dead process dropped: not restored");
+                self.repl.stale.remove(&id);
+                let _ = self.table.despawn(id);
+                self.handoff.fence.forget(id);
+            }
+        }
+    }
+
+    /// Whether `id` is a ghost of a dead process waiting for its restore (not swept as stale).
+    pub(crate) fn awaits_restore(&self, id: u64) -> bool {
+        self.table
+            .get(id)
+            .is_some_and(|e| e.origin.is_some() && self.restore.dead_ghost(id, e.epoch))
+    }
+
+    // ------------------------------------------------------------------ checkpoints to the store
+
+    /// Writes the checkpoints taken (and forgets those let go) since the last flush: every
+    /// `FLUSH_EVERY_MS`, and at once for an entity the store has no checkpoint of yet (until it
+    /// does, nothing could restore it).
+    pub(crate) fn flush_checkpoints(&mut self) {
+        let now = self.now.mono_ms;
+        if self.restore.incarnation == 0 || !self.mesh.clustered {
+            return;
+        }
+        let first = self
+            .game
+            .checkpoints
+            .changed_since_flush()
+            .any(|id| !self.restore.stored.contains(&id));
+        if now < self.restore.next_flush_ms && !first {
+            return;
+        }
+        self.restore.next_flush_ms = now + FLUSH_EVERY_MS;
+        let (taken, forgotten) = self.game.checkpoints.take_changes();
+        let put: Vec<mesh::HandoffOffer> = taken
+            .into_iter()
+            .filter_map(|id| self.checkpoint_record(id))
+            .collect();
+        if put.is_empty() && forgotten.is_empty() {
+            return;
+        }
+        for c in &put {
+            self.restore.stored.insert(c.entity_id);
+        }
+        for id in &forgotten {
+            self.restore.stored.remove(id);
+        }
+        self.store(StoreRequest::PutCheckpoints {
+            node: self.cfg.node_id,
+            lease_epoch: self.restore.incarnation,
+            put,
+            remove: forgotten,
+        });
+    }
+
+    /// The checkpoint of `id` as the store keeps it: an offer a successor could adopt.
+    fn checkpoint_record(&self, id: u64) -> Option<mesh::HandoffOffer> {
+        let e = self.table.get_local(id)?;
+        let kept = self.game.checkpoints.latest(id)?;
+        let session = (e.is_master && !e.owner_account.is_empty())
+            .then(|| self.session_of(&e.owner_account))
+            .flatten();
+        Some(mesh::HandoffOffer {
+            entity_id: id,
+            entity_epoch: kept.epoch,
+            partition_epoch: 0,
+            position: Some(super::wire::vec3(e.position)),
+            state: kept.state.clone(),
+            owner_account: e.owner_account.clone(),
+            is_master: e.is_master,
+            attachments: vec![],
+            components: super::wire::owned_components(e),
+            gateway_node: session.map_or(0, |s| s.0),
+            session_epoch: session.map_or(0, |s| s.1),
+            successor: true,
+            unseen: false,
+            last_input_seq: session
+                .and_then(|s| {
+                    let (epoch, seq) = self.handoff.input_order.last_of(&e.owner_account)?;
+                    (epoch == s.1).then_some(seq)
+                })
+                .unwrap_or(0),
+        })
+    }
+
+    /// Forgets offers settled long enough ago that their targets have checkpointed them.
+    pub(crate) fn prune_sent_offers(&mut self) {
+        let now = self.now.mono_ms;
+        let keep_ms = self.cfg.node_lease_ms * 2 + FLUSH_EVERY_MS * 4;
+        let out = &self.handoff.out;
+        self.restore
+            .sent
+            .retain(|root, s| out.is_frozen(*root) || now < s.at_ms + keep_ms);
+    }
+
+    // ------------------------------------------------------------------ the decider
+
+    fn is_decider(&self) -> bool {
+        let me = self.cfg.node_id;
+        self.auth.lease_live && self.mesh.clustered && self.restore.live.keys().all(|n| *n >= me)
+    }
+
+    /// Moves every round this node decides one step on.
+    pub(crate) fn restore_step(&mut self) {
+        if !self.is_decider() {
+            return;
+        }
+        // First a partition that gives no cell to a dead node (whether its world is restored
+        // yet or not: a later re-plan may have given it cells again); rounds wait for it.
+        let me = self.cfg.node_id;
+        let gone: Vec<NodeId> = self
+            .restore
+            .departed
+            .iter()
+            .copied()
+            .filter(|n| *n != me && self.auth.partition.chunks_of(*n) > 0)
+            .collect();
+        if !gone.is_empty() {
+            return self.ask_replan(&gone);
+        }
+        let pending: Vec<Incarnation> = self.restore.dead.keys().copied().collect();
+        for inc in pending {
+            self.advance_round(inc);
+        }
+        self.retry_restores();
+    }
+
+    fn advance_round(&mut self, inc: Incarnation) {
+        let (node, lease_epoch) = inc;
+        let me = self.cfg.node_id;
+        let peers: Vec<NodeId> = self
+            .restore
+            .live
+            .keys()
+            .copied()
+            .filter(|n| *n != me)
+            .collect();
+        let linked: BTreeSet<NodeId> = self.up_peers().into_iter().collect();
+        let round = self.restore.rounds.entry(inc).or_default();
+        round
+            .asked
+            .retain(|n| linked.contains(n) || round.reported.contains(n));
+        let ask: Vec<NodeId> = peers
+            .iter()
+            .copied()
+            .filter(|n| linked.contains(n) && !round.asked.contains(n))
+            .collect();
+        round.asked.extend(ask.iter().copied());
+        let load = round.checkpoints.is_none() && !round.loading && !round.decided;
+        round.loading |= load;
+        let decided = round.decided;
+        let ready = peers.iter().all(|n| round.reported.contains(n)) && round.checkpoints.is_some();
+        for n in ask {
+            self.send_peer(
+                n,
+                mesh_message::Body::RestoreQuery(mesh::RestoreQuery { node, lease_epoch }),
+            );
+        }
+        if load {
+            self.store(StoreRequest::LoadCheckpoints { node, lease_epoch });
+        }
+        if decided {
+            if !self.restore.offering.values().any(|o| o.dead == inc) {
+                self.finish_round(inc);
+            }
+            return;
+        }
+        let epoch = self.auth.partition.epoch();
+        let on_partition = peers
+            .iter()
+            .all(|n| self.mesh.peer_partition.get(n).copied().unwrap_or(0) >= epoch);
+        if ready && on_partition {
+            self.decide_round(inc);
+        }
+    }
+
+    /// Commits the partition without the `dead` (once per partition epoch; a losing commit
+    /// learns the winner's partition like any other).
+    fn ask_replan(&mut self, dead: &[NodeId]) {
+        let from = self.auth.partition.epoch();
+        if self.restore.replan_from == Some(from) {
+            return;
+        }
+        let mut live: Vec<NodeId> = self.restore.live.keys().copied().collect();
+        live.push(self.cfg.node_id);
+        match self.auth.partition.without(dead, &live) {
+            Ok(Some(p)) => {
+                tracing::warn!(
+                    ?dead,
+                    epoch = p.epoch(),
+                    "committing a partition without dead nodes"
+                );
+                self.restore.replan_from = Some(from);
+                self.store(StoreRequest::CommitPartition {
+                    partition: Box::new(p),
+                });
+            }
+            Ok(None) => {}
+            Err(e) => tracing::error!(?dead, error = %e, "no partition without the dead nodes"),
+        }
+    }
+
+    pub(crate) fn on_partition_committed(&mut self, epoch: u64, result: Result<(), String>) {
+        if let Err(e) = result {
+            // Another commit won (its partition arrives as any other), or the store failed:
+            // asked again at the next step.
+            tracing::info!(epoch, error = %e, "re-plan without a dead node not committed");
+            if self.restore.replan_from == Some(epoch.saturating_sub(1)) {
+                self.restore.replan_from = None;
+            }
+        }
+    }
+
+    pub(crate) fn on_restore_report(&mut self, from: NodeId, r: mesh::RestoreReport) {
+        let Some(round) = self.restore.rounds.get_mut(&(r.node, r.lease_epoch)) else {
+            return;
+        };
+        if round.reported.contains(&from) || round.decided {
+            return;
+        }
+        for h in r.held {
+            let owner = if h.owner_node == 0 {
+                from
+            } else {
+                h.owner_node
+            };
+            hold(&mut round.held, h.entity_id, owner, h.entity_epoch);
+        }
+        round
+            .offered
+            .extend(r.offered.into_iter().map(|o| (from, o, false)));
+        if r.last {
+            // The last part says which of this reporter's offers are still in doubt.
+            for (n, o, in_doubt) in round.offered.iter_mut() {
+                if *n == from && r.in_doubt.contains(&o.entity_id) {
+                    *in_doubt = true;
+                }
+            }
+            round.reported.insert(from);
+        }
+    }
+
+    pub(crate) fn on_checkpoints_loaded(
+        &mut self,
+        node: NodeId,
+        lease_epoch: u64,
+        result: Result<Vec<mesh::HandoffOffer>, String>,
+    ) {
+        let Some(round) = self.restore.rounds.get_mut(&(node, lease_epoch)) else {
+            return;
+        };
+        round.loading = false;
+        match result {
+            Ok(c) => round.checkpoints = Some(c),
+            Err(e) => {
+                self.metrics.error("store");
+                tracing::warn!(node, error = %e, "loading a dead node's checkpoints failed; retrying");
+            }
+        }
+    }
+
+    fn decide_round(&mut self, inc: Incarnation) {
+        let me = self.cfg.node_id;
+        let (own_held, own_offered, own_in_doubt) = self.report_of(inc);
+        let round = self.restore.rounds.get_mut(&inc).expect("advanced above");
+        round.decided = true;
+        let mut held = std::mem::take(&mut round.held);
+        for h in own_held {
+            let owner = if h.owner_node == 0 { me } else { h.owner_node };
+            hold(&mut held, h.entity_id, owner, h.entity_epoch);
+        }
+        let mut offered = std::mem::take(&mut round.offered);
+        offered.extend(own_offered.into_iter().map(|o| {
+            let in_doubt = own_in_doubt.contains(&o.entity_id);
+            (me, o, in_doubt)
+        }));
+        let checkpoints = round.checkpoints.take().unwrap_or_default();
+        let partition = self.auth.partition.clone();
+        let mut live: BTreeSet<NodeId> = self.restore.live.keys().copied().collect();
+        live.insert(me);
+        let d = model::decide(&checkpoints, &held, &offered, |o| {
+            let p = o.position.as_ref()?;
+            let owner = partition.owner_of(Pos { x: p.x, y: p.y }).ok()?;
+            live.contains(&owner).then_some(owner)
+        });
+        tracing::info!(
+            dead = inc.0,
+            lease_epoch = inc.1,
+            checkpoints = checkpoints.len(),
+            restores = d.restore.len(),
+            settled = d.settled.len(),
+            homeless = d.homeless.len(),
+            "restoring a dead process's world"
+        );
+        for (reporter, id, epoch, owner) in d.settled {
+            self.resolve_for(reporter, id, epoch, owner);
+        }
+        for (reporter, id) in d.returned {
+            self.resolve_for(reporter, id, 0, reporter);
+        }
+        for r in d.restore {
+            self.offer_restore(inc, r);
+        }
+        for r in d.homeless {
+            // Offered once a live node owns the position (see `retry_restores`).
+            self.restore.offering.insert(
+                r.offer.entity_id,
+                Offering {
+                    dead: inc,
+                    target: 0,
+                    offer: r.offer,
+                    reporters: r.reporters,
+                    retry_at_ms: self.now.mono_ms,
+                },
+            );
+        }
+    }
+
+    fn offer_restore(&mut self, dead: Incarnation, r: Restoration) {
+        let Restoration {
+            target,
+            mut offer,
+            reporters,
+        } = r;
+        offer.partition_epoch = self.auth.partition.epoch();
+        let id = offer.entity_id;
+        self.restore.offering.insert(
+            id,
+            Offering {
+                dead,
+                target,
+                offer: offer.clone(),
+                reporters,
+                retry_at_ms: self.now.mono_ms + RESTORE_RETRY_MS,
+            },
+        );
+        if target == self.cfg.node_id {
+            self.on_handoff_offer(target, offer);
+        } else {
+            self.send_peer(target, mesh_message::Body::HandoffOffer(offer));
+        }
+    }
+
+    /// Restore offers with no answer, or refused, are made again to whoever owns the position
+    /// now, above the epoch they were refused under.
+    fn retry_restores(&mut self) {
+        let now = self.now.mono_ms;
+        let due: Vec<u64> = self
+            .restore
+            .offering
+            .iter()
+            .filter(|(_, o)| now >= o.retry_at_ms)
+            .map(|(id, _)| *id)
+            .collect();
+        let me = self.cfg.node_id;
+        for id in due {
+            let Some(mut o) = self.restore.offering.remove(&id) else {
+                continue;
+            };
+            let owner = o
+                .offer
+                .position
+                .as_ref()
+                .and_then(|p| self.auth.partition.owner_of(Pos { x: p.x, y: p.y }).ok())
+                .filter(|n| *n == me || self.restore.live.contains_key(n));
+            let Some(owner) = owner else {
+                // Nobody owns its position yet: asked again later.
+                o.retry_at_ms = now + RESTORE_RETRY_MS;
+                self.restore.offering.insert(id, o);
+                continue;
+            };
+            if owner != o.target && o.target != 0 {
+                o.offer.entity_epoch += 1;
+            }
+            let r = Restoration {
+                target: owner,
+                offer: o.offer,
+                reporters: o.reporters,
+            };
+            self.offer_restore(o.dead, r);
+        }
+    }
+
+    /// A target's answer to a restore offer; false when it answers no restore of this node.
+    pub(crate) fn on_restore_answer(
+        &mut self,
+        from: NodeId,
+        id: u64,
+        epoch: u64,
+        refused: Option<&str>,
+    ) -> bool {
+        let Some(o) = self.restore.offering.get(&id) else {
+            return false;
+        };
+        if o.target != from || o.offer.entity_epoch != epoch {
+            return false;
+        }
+        let o = self.restore.offering.remove(&id).expect("checked above");
+        if refused == Some(ALREADY_WRITES) {
+            // A live node writes it after all (it moved between live nodes while the round
+            // asked them): nothing to restore; offers made of it to the dead node settle there.
+            for &r in &o.reporters {
+                self.resolve_for(r, id, epoch, from);
+            }
+            return true;
+        }
+        if let Some(reason) = refused {
+            tracing::debug!(entity = id, target = from, %reason, "restore refused; trying again");
+            self.restore.offering.insert(
+                id,
+                Offering {
+                    offer: mesh::HandoffOffer {
+                        entity_epoch: epoch + 1,
+                        ..o.offer
+                    },
+                    retry_at_ms: self.now.mono_ms + RESTORE_RETRY_MS / 4,
+                    ..o
+                },
+            );
+            return true;
+        }
+        self.metrics.handoff(o.dead.0, from, "restored");
+        let me = self.cfg.node_id;
+        let mut members = vec![id];
+        members.extend(o.offer.attachments.iter().map(|a| a.entity_id));
+        for m in members {
+            for &r in &o.reporters {
+                self.resolve_for(r, m, epoch, from);
+            }
+            let moved = mesh::EntityMoved {
+                entity_id: m,
+                entity_epoch: epoch,
+                owner_node: from,
+                holders: vec![],
+            };
+            for n in self.up_peers() {
+                if n != from {
+                    self.send_peer(n, mesh_message::Body::EntityMoved(moved.clone()));
+                }
+            }
+            if from != me {
+                self.on_entity_moved(o.dead.0, moved);
+            }
+        }
+        true
+    }
+
+    fn resolve_for(&mut self, reporter: NodeId, id: u64, epoch: u64, owner: NodeId) {
+        let r = mesh::RestoreResolved {
+            entity_id: id,
+            entity_epoch: epoch,
+            owner_node: owner,
+        };
+        if reporter == self.cfg.node_id {
+            self.on_restore_resolved(r);
+        } else {
+            self.send_peer(reporter, mesh_message::Body::RestoreResolved(r));
+        }
+    }
+
+    fn finish_round(&mut self, inc: Incarnation) {
+        let (node, lease_epoch) = inc;
+        self.restore.rounds.remove(&inc);
+        let done = mesh::RestoreDone { node, lease_epoch };
+        self.broadcast(mesh_message::Body::RestoreDone(done));
+        self.on_restore_done(done);
+        self.store(StoreRequest::DropCheckpoints { node, lease_epoch });
+    }
+}
+
+/// Notes that `owner` writes `id` under `epoch`, unless a newer epoch is known.
+fn hold(held: &mut BTreeMap<u64, (NodeId, u64)>, id: u64, owner: NodeId, epoch: u64) {
+    match held.get(&id) {
+        Some((_, e)) if *e >= epoch => {}
+        _ => {
+            held.insert(id, (owner, epoch));
+        }
+    }
+}
