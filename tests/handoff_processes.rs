@@ -85,15 +85,18 @@ fn arena_bin() -> &'static Path {
 struct Sidecar {
     node: u32,
     topology: String,
+    /// The session directory and checkpoint store (`memory`: each process its own).
+    directory: String,
     proc: SidecarProcess,
 }
 
 impl Sidecar {
-    async fn start(node: u32, topology: &str, deadline: Instant) -> Self {
+    async fn start(node: u32, topology: &str, directory: &str, deadline: Instant) -> Self {
         Self {
             node,
             topology: topology.into(),
-            proc: Self::launch(node, topology, deadline).await,
+            directory: directory.into(),
+            proc: Self::launch(node, topology, directory, deadline).await,
         }
     }
 
@@ -101,17 +104,23 @@ impl Sidecar {
     /// node id coming back, not its ports: the new process binds new ones and peers learn them
     /// from the record it publishes.
     async fn restart(&mut self, deadline: Instant) {
-        self.proc = Self::launch(self.node, &self.topology, deadline).await;
+        self.proc = Self::launch(self.node, &self.topology, &self.directory, deadline).await;
     }
 
     /// Runs the sidecar; one refused because the node id is still leased is started again.
-    async fn launch(node: u32, topology: &str, deadline: Instant) -> SidecarProcess {
+    async fn launch(
+        node: u32,
+        topology: &str,
+        directory: &str,
+        deadline: Instant,
+    ) -> SidecarProcess {
         loop {
             let started = SidecarProcess::try_start(
                 format!("sidecar {node}"),
                 sidecar_command(CELLMESH)
                     .env("CELLMESH_NODE_ID", node.to_string())
                     .env("CELLMESH_TOPOLOGY_URL", topology)
+                    .env("CELLMESH_DIRECTORY_URL", directory)
                     .env("CELLMESH_NODE_LEASE_MS", NODE_LEASE_MS),
             )
             .await;
@@ -317,7 +326,7 @@ struct InFlight {
     deadline: Instant,
 }
 
-async fn in_flight(tag: &str) -> InFlight {
+async fn in_flight(tag: &str, directory: &str) -> InFlight {
     arena_bin();
     let deadline = Instant::now() + DEADLINE;
     let mongo = required("CELLMESH_TEST_MONGO_URL");
@@ -325,8 +334,8 @@ async fn in_flight(tag: &str) -> InFlight {
     let topology = format!("{}/cm_handoff_{tag}_{run}", mongo.trim_end_matches('/'));
     commit_plan(CELLMESH, &topology, "2x1", "1,2");
 
-    let mut source = Sidecar::start(1, &topology, deadline).await;
-    let mut target = Sidecar::start(2, &topology, deadline).await;
+    let mut source = Sidecar::start(1, &topology, directory, deadline).await;
+    let mut target = Sidecar::start(2, &topology, directory, deadline).await;
     until_leased([&mut source, &mut target], deadline).await;
     let target_game = arena(&target, "2", 0, CROSSING);
 
@@ -368,10 +377,11 @@ async fn in_flight(tag: &str) -> InFlight {
     }
 }
 
-/// The target dies with every in-flight entity's `Adopt` unanswered. Its restart (same node id,
-/// once the old lease lapsed) adopts them from the source's snapshots: each ends on node 2
-/// exactly once, nothing stays in doubt, and the source resurrects none of the entities that
-/// died with node 2's game.
+/// The target dies with every in-flight entity's `Adopt` unanswered. Its world is restored on
+/// its restart (same node id, once the old lease lapsed): the in-flight entities from the
+/// source's snapshots, and those handed over earlier from the snapshots the source kept of them
+/// (these sidecars keep checkpoints in memory, so nothing newer survived). Each ends on node 2
+/// exactly once, nothing stays in doubt, and the source writes none of them again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_target_mid_handoff_leaves_every_entity_held_once() {
     let _one = ONE_CLUSTER.lock().await;
@@ -381,7 +391,7 @@ async fn killing_the_target_mid_handoff_leaves_every_entity_held_once() {
         source_game,
         mut target_game,
         deadline,
-    } = in_flight("target").await;
+    } = in_flight("target", "memory").await;
 
     target.kill().await;
     target_game.kill().await;
@@ -389,25 +399,26 @@ async fn killing_the_target_mid_handoff_leaves_every_entity_held_once() {
     until_leased([&mut source, &mut target], deadline).await;
     let target_game = arena(&target, "2 (restarted)", 0, CROSSING);
 
-    // The settled NPCs lived in node 2's game and died with it; the in-flight ones live on.
     until_states(
         deadline,
-        "the restarted target to adopt what was in flight",
+        "the restarted target to restore its world",
         [&source, &target],
         &[&source_game, &target_game],
-        |[s, t]| s.settled() && t.settled() && s.reals == 0 && t.reals == IN_FLIGHT,
+        |[s, t]| s.settled() && t.settled() && s.reals == 0 && t.reals == SETTLED + IN_FLIGHT,
     )
     .await;
 
     let log = source_game.terminate().await;
     assert_eq!(arena_stat(&log, "evicted"), IN_FLIGHT, "{log}");
     let log = target_game.terminate().await;
-    assert_eq!(arena_stat(&log, "adopted"), IN_FLIGHT, "{log}");
+    assert_eq!(arena_stat(&log, "adopted"), SETTLED + IN_FLIGHT, "{log}");
 }
 
 /// The source dies with every in-flight entity offered and accepted: the target keeps what was
-/// handed over before (and completes the adoptions its game answers after the source is gone),
-/// and the restarted source holds only what its new game spawns.
+/// handed over before (and completes the adoptions its game answers after the source is gone).
+/// Once the source's lease lapses the world moves on without it (the partition gives its area
+/// to the target), so the restarted source joins empty: what its new game spawns there is
+/// handed to the target.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_source_mid_handoff_keeps_what_was_handed_over() {
     let _one = ONE_CLUSTER.lock().await;
@@ -417,7 +428,7 @@ async fn killing_the_source_mid_handoff_keeps_what_was_handed_over() {
         mut source_game,
         target_game,
         deadline,
-    } = in_flight("source").await;
+    } = in_flight("source", "memory").await;
 
     source.kill().await;
     source_game.kill().await;
@@ -437,14 +448,74 @@ async fn killing_the_source_mid_handoff_keeps_what_was_handed_over() {
     let source_game = arena(&source, "1 (restarted)", home, HOME);
     until_states(
         deadline,
-        "the restarted source to rejoin",
+        "the restarted source to rejoin with no area",
         [&source, &target],
         &[&source_game, &target_game],
-        |[s, t]| s.settled() && t.settled() && s.reals == home && t.reals == SETTLED + IN_FLIGHT,
+        |[s, t]| {
+            s.settled() && t.settled() && s.reals == 0 && t.reals == SETTLED + IN_FLIGHT + home
+        },
     )
     .await;
 
     let log = target_game.terminate().await;
-    assert_eq!(arena_stat(&log, "adopted"), SETTLED + IN_FLIGHT, "{log}");
-    source_game.terminate().await;
+    assert_eq!(
+        arena_stat(&log, "adopted"),
+        SETTLED + IN_FLIGHT + home,
+        "{log}"
+    );
+    let log = source_game.terminate().await;
+    assert_eq!(arena_stat(&log, "evicted"), home, "{log}");
+}
+
+/// The target dies for good with entities in flight. Once its lease lapses, the source commits
+/// a partition without it and restores its world: the NPCs it had adopted from the checkpoints
+/// it left in the geo's Redis (adopted by the source's game), those in flight from the source's
+/// own snapshots (thawed where they stand, now in the source's area). Every NPC ends on node 1
+/// exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_killed_for_good_has_its_world_restored_from_its_redis_checkpoints() {
+    let _one = ONE_CLUSTER.lock().await;
+    let redis = required("CELLMESH_TEST_REDIS_URL");
+    let InFlight {
+        source,
+        mut target,
+        source_game,
+        mut target_game,
+        deadline,
+    } = in_flight("for_good", &redis).await;
+
+    target.kill().await;
+    target_game.kill().await;
+    until_states(
+        deadline,
+        "the source to restore the dead node's world",
+        [&source],
+        &[&source_game, target.process()],
+        // Alone now: no peer is up.
+        |[s]| {
+            s.lease_live
+                && s.peers_up == 0
+                && s.in_flight == 0
+                && s.adopting == 0
+                && s.reals == SETTLED + IN_FLIGHT
+        },
+    )
+    .await;
+    let state = admin_state(source.proc.admin)
+        .await
+        .expect("the source's state");
+    assert!(
+        state["partition_epoch"].as_u64() > Some(1),
+        "no partition without the dead node: {state}"
+    );
+
+    // The dead node's checkpoints came from Redis (its process and memory are gone).
+    let log = source.process().tail();
+    assert!(
+        log.contains(&format!("checkpoints={SETTLED}")),
+        "the restore read no checkpoints of the dead node:\n{log}"
+    );
+    let log = source_game.terminate().await;
+    assert_eq!(arena_stat(&log, "adopted"), SETTLED, "{log}");
+    assert_eq!(arena_stat(&log, "evicted"), 0, "{log}");
 }
