@@ -110,6 +110,13 @@ pub struct Summary {
     /// Whether the world came to rest before the census (false: the figures above read a world
     /// still handing entities over).
     pub census_at_rest: bool,
+    /// The cost of checkpoints in the geo's store: writes (one atomic write per node flush),
+    /// checkpoints and bytes they carried, and the same per second per 1,000 entities.
+    pub checkpoint_writes: u64,
+    pub checkpoints_stored: u64,
+    pub checkpoint_stored_bytes: u64,
+    pub checkpoint_writes_per_s_per_1000_entities: f64,
+    pub checkpoint_bytes_per_s_per_1000_entities: f64,
 }
 
 impl Summary {
@@ -272,6 +279,9 @@ struct NodeTotals {
     inputs_copies_refused: u64,
     inputs_held: u64,
     inputs_dropped_by_reason: BTreeMap<&'static str, u64>,
+    checkpoint_writes: u64,
+    checkpoints_stored: u64,
+    checkpoint_stored_bytes: u64,
 }
 
 fn totals(sidecars: &[cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
@@ -299,6 +309,9 @@ fn totals(sidecars: &[cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
         t.inputs_copies_applied += s.inputs_copies_applied;
         t.inputs_copies_refused += s.inputs_copies_refused;
         t.inputs_held += s.inputs_held;
+        t.checkpoint_writes += s.checkpoint_writes;
+        t.checkpoints_stored += s.checkpoints_stored;
+        t.checkpoint_stored_bytes += s.checkpoint_stored_bytes;
         for (reason, n) in s.inputs_dropped_by_reason {
             *t.inputs_dropped_by_reason.entry(reason).or_insert(0) += n;
         }
@@ -484,6 +497,8 @@ pub async fn run(
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.tick().await;
     let mut last = (Instant::now(), 0u64, 0u64);
+    // The most entities the nodes wrote at once: what the checkpoint cost is per.
+    let mut entities_peak = 0u64;
     let end = opts.duration.map(|d| tokio::time::Instant::now() + d);
     tokio::pin!(interrupt);
     loop {
@@ -491,6 +506,7 @@ pub async fn run(
             _ = &mut interrupt => break,
             _ = async { match end { Some(e) => tokio::time::sleep_until(e).await, None => std::future::pending().await } } => break,
             _ = tick.tick() => {
+                entities_peak = entities_peak.max(totals(&sidecars).entities);
                 if !opts.status { continue }
                 let (s, p, b) = (totals(&sidecars), proxy.stats(), bot_stats.totals());
                 let dt = last.0.elapsed().as_secs_f64().max(1e-3);
@@ -663,6 +679,19 @@ pub async fn run(
         entities_lost: lost.len() as u64,
         entities_duplicated: duplicated.len() as u64,
         census_at_rest,
+        checkpoint_writes: s.checkpoint_writes,
+        checkpoints_stored: s.checkpoints_stored,
+        checkpoint_stored_bytes: s.checkpoint_stored_bytes,
+        checkpoint_writes_per_s_per_1000_entities: per_s_per_1000(
+            s.checkpoint_writes,
+            started.elapsed().as_secs_f64(),
+            entities_peak,
+        ),
+        checkpoint_bytes_per_s_per_1000_entities: per_s_per_1000(
+            s.checkpoint_stored_bytes,
+            started.elapsed().as_secs_f64(),
+            entities_peak,
+        ),
     };
     if let Some(path) = &opts.summary_json {
         std::fs::write(path, serde_json::to_string_pretty(&summary)? + "\n")
@@ -671,9 +700,26 @@ pub async fn run(
     Ok(summary)
 }
 
+/// A count over a run, per second and per 1,000 entities (0 for an empty or instant run).
+fn per_s_per_1000(count: u64, seconds: f64, entities: u64) -> f64 {
+    if seconds <= 0.0 || entities == 0 {
+        return 0.0;
+    }
+    count as f64 / seconds / (entities as f64 / 1000.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn costs_are_per_second_and_per_thousand_entities() {
+        // 600 writes over 30 s for 300 entities: 20/s, 66.7/s per 1,000.
+        let r = per_s_per_1000(600, 30.0, 300);
+        assert!((r - 66.666).abs() < 0.01, "{r}");
+        assert_eq!(per_s_per_1000(600, 0.0, 300), 0.0);
+        assert_eq!(per_s_per_1000(600, 30.0, 0), 0.0);
+    }
 
     fn clean(sent: u64) -> InputLedger {
         InputLedger {

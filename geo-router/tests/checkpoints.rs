@@ -73,6 +73,8 @@ async fn each_process_has_its_own_and_a_drop_forgets_only_its_own(store: Arc<dyn
     assert_eq!(store.load(4, 7).await.unwrap(), vec![c(3, "other")]);
     // Nothing written: nothing loaded, and no error.
     assert!(store.load(9, 1).await.unwrap().is_empty());
+    // The processes with checkpoints left: the dropped one is not among them.
+    assert_eq!(store.processes().await.unwrap(), vec![(3, 8), (4, 7)]);
 }
 
 #[tokio::test]

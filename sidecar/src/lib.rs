@@ -99,6 +99,10 @@ pub struct SidecarStats {
     pub held_frames: u64,
     /// Client inputs held now (for frozen entities, unseen epochs, or order after an adoption).
     pub inputs_held: u64,
+    /// Writes of checkpoints to the geo's store, the checkpoints and bytes they carried.
+    pub checkpoint_writes: u64,
+    pub checkpoints_stored: u64,
+    pub checkpoint_stored_bytes: u64,
 }
 
 impl SidecarHandle {
@@ -141,6 +145,9 @@ impl SidecarHandle {
             stale_epoch_drops: m.stale_epoch_drops.get(),
             held_frames: m.held_frames.get().max(0) as u64,
             inputs_held: m.inputs_held.get().max(0) as u64,
+            checkpoint_writes: m.checkpoint_writes.get(),
+            checkpoints_stored: m.checkpoints_stored.get(),
+            checkpoint_stored_bytes: m.checkpoint_stored_bytes.get(),
         }
     }
 

@@ -165,6 +165,12 @@ pub struct Metrics {
     pub checkpoint_bytes: Counter,
     /// Entities a returning game took back from their checkpoints.
     pub restored: Counter,
+    /// Writes of checkpoints to the store, the checkpoints and bytes they carried, and the
+    /// checkpoints removed.
+    pub checkpoint_writes: Counter,
+    pub checkpoints_stored: Counter,
+    pub checkpoint_stored_bytes: Counter,
+    pub checkpoints_removed: Counter,
     /// Freeze durations for the summary percentiles (prometheus buckets are too coarse).
     pub freeze_ms: Arc<Mutex<hdrhistogram::Histogram<u64>>>,
     // Totals over every label, for `SidecarStats` (not registered: the families carry them).
@@ -225,6 +231,10 @@ impl Default for Metrics {
             checkpoints: Default::default(),
             checkpoint_bytes: Default::default(),
             restored: Default::default(),
+            checkpoint_writes: Default::default(),
+            checkpoints_stored: Default::default(),
+            checkpoint_stored_bytes: Default::default(),
+            checkpoints_removed: Default::default(),
             freeze_ms: Arc::new(Mutex::new(
                 hdrhistogram::Histogram::new_with_bounds(1, FREEZE_MAX_MS, 3)
                     .expect("static histogram bounds are valid"),
@@ -430,6 +440,26 @@ impl Metrics {
             "checkpoint_bytes",
             "Bytes of the entity checkpoints the game answered",
             m.checkpoint_bytes.clone(),
+        );
+        r.register(
+            "checkpoint_writes",
+            "Writes of checkpoints to the geo's store (one atomic write per flush)",
+            m.checkpoint_writes.clone(),
+        );
+        r.register(
+            "checkpoints_stored",
+            "Entity checkpoints written to the geo's store",
+            m.checkpoints_stored.clone(),
+        );
+        r.register(
+            "checkpoint_stored_bytes",
+            "Bytes of the entity checkpoints written to the geo's store",
+            m.checkpoint_stored_bytes.clone(),
+        );
+        r.register(
+            "checkpoints_removed",
+            "Entity checkpoints removed from the geo's store (handed away or despawned)",
+            m.checkpoints_removed.clone(),
         );
         r.register(
             "entities_restored",

@@ -322,7 +322,8 @@ pub fn catalogue() -> Vec<Scenario> {
             ..Scenario::base("restarts")
         },
         Scenario {
-            gateways: &[1, 2],
+            // Node 1, the lowest, decides restores: its own death hands the decision on.
+            gateways: &[2, 4],
             faults: kills,
             ..Scenario::base("kills")
         },

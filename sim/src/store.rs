@@ -55,9 +55,21 @@ impl SimStore {
                         result: Err(err()),
                     })
                 }
+                StoreRequest::ListCheckpointed => {
+                    Some(StoreReply::Checkpointed { result: Err(err()) })
+                }
+                StoreRequest::PutCheckpoints {
+                    lease_epoch,
+                    put,
+                    remove,
+                    ..
+                } => Some(StoreReply::CheckpointsNotWritten {
+                    lease_epoch,
+                    put: put.iter().map(|c| c.entity_id).collect(),
+                    remove,
+                }),
                 StoreRequest::EndSession { .. }
                 | StoreRequest::Release { .. }
-                | StoreRequest::PutCheckpoints { .. }
                 | StoreRequest::DropCheckpoints { .. }
                 | StoreRequest::CommitPartition { .. } => None,
             };
@@ -151,6 +163,14 @@ impl SimStore {
                 self.checkpoints.remove(&(node, lease_epoch));
                 None
             }
+            StoreRequest::ListCheckpointed => Some(StoreReply::Checkpointed {
+                result: Ok(self
+                    .checkpoints
+                    .iter()
+                    .filter(|(_, kept)| !kept.is_empty())
+                    .map(|(k, _)| *k)
+                    .collect()),
+            }),
             // The world commits partitions itself (it publishes them to the nodes).
             StoreRequest::CommitPartition { .. } => None,
         };

@@ -157,4 +157,15 @@ impl CheckpointStore for MemoryCheckpoints {
         map.remove(&(node, lease_epoch));
         Ok(())
     }
+
+    async fn processes(&self) -> Result<Vec<(u32, u64)>, StoreError> {
+        let map = self.inner.lock().expect("checkpoint lock poisoned");
+        let mut all: Vec<(u32, u64)> = map
+            .iter()
+            .filter(|(_, kept)| !kept.is_empty())
+            .map(|(k, _)| *k)
+            .collect();
+        all.sort_unstable();
+        Ok(all)
+    }
 }

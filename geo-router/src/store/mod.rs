@@ -124,6 +124,10 @@ pub trait CheckpointStore: Send + Sync {
 
     /// Forgets the process's checkpoints (its world is restored).
     async fn drop_all(&self, node: u32, lease_epoch: u64) -> Result<(), StoreError>;
+
+    /// Every process (node, lease epoch) that has checkpoints here: a process that died and
+    /// whose world nobody restored yet is among them.
+    async fn processes(&self) -> Result<Vec<(u32, u64)>, StoreError>;
 }
 
 /// The stores one process uses.

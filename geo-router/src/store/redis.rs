@@ -278,6 +278,41 @@ impl CheckpointStore for RedisDirectory {
             .await
             .map_err(|e| self.error("drop checkpoints", e))
     }
+
+    async fn processes(&self) -> Result<Vec<(u32, u64)>, StoreError> {
+        // SCAN walks the keyspace in steps, never blocking the server as KEYS would.
+        let pattern = format!("{}{{node-*}}:checkpoints", self.prefix);
+        let mut conn = self.conn.clone();
+        let mut cursor: u64 = 0;
+        let mut all = Vec::new();
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| self.error("list checkpoints", e))?;
+            for key in keys {
+                let process = key
+                    .strip_prefix(&self.prefix)
+                    .and_then(|k| k.strip_prefix("{node-"))
+                    .and_then(|k| k.strip_suffix("}:checkpoints"))
+                    .and_then(|k| k.split_once('-'))
+                    .and_then(|(n, l)| Some((n.parse().ok()?, l.parse().ok()?)));
+                all.extend(process);
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        all.sort_unstable();
+        all.dedup();
+        Ok(all)
+    }
 }
 
 #[cfg(test)]

@@ -194,6 +194,8 @@ pub enum StoreRequest {
     LoadCheckpoints { node: NodeId, lease_epoch: u64 },
     /// A dead process's checkpoints, once its world is restored.
     DropCheckpoints { node: NodeId, lease_epoch: u64 },
+    /// Every process with checkpoints in the store.
+    ListCheckpointed,
     /// Commits `partition` if the store's current epoch is the one before it.
     CommitPartition { partition: Box<Partition> },
 }
@@ -222,6 +224,16 @@ pub enum StoreReply {
     PartitionCommitted {
         epoch: u64,
         result: Result<(), String>,
+    },
+    /// The processes with checkpoints in the store: (node, lease epoch).
+    Checkpointed {
+        result: Result<Vec<(NodeId, u64)>, String>,
+    },
+    /// A `PutCheckpoints` the store refused: the entities of both lists go in the next write.
+    CheckpointsNotWritten {
+        lease_epoch: u64,
+        put: Vec<u64>,
+        remove: Vec<u64>,
     },
 }
 
@@ -468,6 +480,12 @@ impl Core {
             Input::Store(StoreReply::PartitionCommitted { epoch, result }) => {
                 self.on_partition_committed(epoch, result)
             }
+            Input::Store(StoreReply::Checkpointed { result }) => self.on_checkpointed(result),
+            Input::Store(StoreReply::CheckpointsNotWritten {
+                lease_epoch,
+                put,
+                remove,
+            }) => self.on_checkpoints_not_written(lease_epoch, put, remove),
             Input::Peers(peers) => self.on_peers(peers),
             Input::PeerLeases(leases) => {
                 self.note_leases(&leases);

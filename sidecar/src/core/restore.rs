@@ -23,6 +23,8 @@ use cellmesh_geo_router::geometry::Pos;
 use cellmesh_geo_router::partition::NodeId;
 use cellmesh_proto::mesh::{self, mesh_message};
 
+use prost::Message;
+
 use super::*;
 use crate::model::restore::{self as model, Restoration};
 
@@ -31,6 +33,9 @@ pub type Incarnation = (NodeId, u64);
 
 /// How often the changed checkpoints are written to the store.
 const FLUSH_EVERY_MS: u64 = 250;
+/// How often the decider lists the processes with checkpoints in the store (a dead one whose
+/// death it did not see, as a new process, is found there).
+const LIST_EVERY_MS: u64 = 2_000;
 /// A restore offer with no answer is made again after this long.
 const RESTORE_RETRY_MS: u64 = 1_000;
 /// The refusal of a restore offer by a node that writes the entity already.
@@ -45,7 +50,8 @@ pub(crate) struct Round {
     asked: BTreeSet<NodeId>,
     /// Peers whose report is complete, and what they said.
     reported: BTreeSet<NodeId>,
-    held: BTreeMap<u64, (NodeId, u64)>,
+    /// entity -> (owner, epoch, the owner's lease epoch).
+    held: BTreeMap<u64, (NodeId, u64, u64)>,
     offered: Vec<(NodeId, mesh::HandoffOffer, bool)>,
     checkpoints: Option<Vec<mesh::HandoffOffer>>,
     loading: bool,
@@ -101,6 +107,11 @@ pub(crate) struct Restore {
     /// Nodes whose process died with no new one holding their id: the partition gives them
     /// nothing while they stay so.
     pub departed: BTreeSet<NodeId>,
+    /// When the decider next lists the processes with checkpoints, and whether it is listing.
+    pub next_list_ms: u64,
+    pub listing: bool,
+    /// Processes with checkpoints and no lease in this node's view, since when (monotonic ms).
+    pub suspects: BTreeMap<Incarnation, u64>,
 }
 
 impl Restore {
@@ -233,6 +244,7 @@ impl Core {
                 entity_id: e.id,
                 entity_epoch: e.epoch,
                 owner_node: 0,
+                owner_lease: self.restore.incarnation,
             })
             .collect();
         for o in self.handoff.adopting.values() {
@@ -240,22 +252,31 @@ impl Core {
                 entity_id: o.entity_id,
                 entity_epoch: o.entity_epoch,
                 owner_node: 0,
+                owner_lease: self.restore.incarnation,
             });
             held.extend(o.attachments.iter().map(|a| mesh::RealHeld {
                 entity_id: a.entity_id,
                 entity_epoch: o.entity_epoch,
                 owner_node: 0,
+                owner_lease: self.restore.incarnation,
             }));
         }
         let to_dead =
             |s: &SentOffer| s.to == dead_node && (s.to_lease == dead_lease || s.to_lease == 0);
         // Handed to a live process lately: it writes them (or is adopting them) now, even if
         // its own report went before it adopted.
-        for s in self.restore.sent.values().filter(|s| !to_dead(s)) {
+        let live = &self.restore.live;
+        for s in self
+            .restore
+            .sent
+            .values()
+            .filter(|s| live.get(&s.to) == Some(&s.to_lease))
+        {
             held.push(mesh::RealHeld {
                 entity_id: s.offer.entity_id,
                 entity_epoch: s.offer.entity_epoch,
                 owner_node: s.to,
+                owner_lease: s.to_lease,
             });
         }
         let offered: Vec<mesh::HandoffOffer> = self
@@ -373,12 +394,40 @@ impl Core {
         for id in &forgotten {
             self.restore.stored.remove(id);
         }
+        self.metrics.checkpoint_writes.inc();
+        self.metrics.checkpoints_stored.inc_by(put.len() as u64);
+        self.metrics
+            .checkpoint_stored_bytes
+            .inc_by(put.iter().map(|c| c.encoded_len() as u64).sum());
+        self.metrics
+            .checkpoints_removed
+            .inc_by(forgotten.len() as u64);
         self.store(StoreRequest::PutCheckpoints {
             node: self.cfg.node_id,
             lease_epoch: self.restore.incarnation,
             put,
             remove: forgotten,
         });
+    }
+
+    /// A checkpoint write the store refused: what it carried is written again at the next flush
+    /// (what changed since goes with it), so the store never keeps less than it was sent.
+    pub(crate) fn on_checkpoints_not_written(
+        &mut self,
+        lease_epoch: u64,
+        put: Vec<u64>,
+        remove: Vec<u64>,
+    ) {
+        if lease_epoch != self.restore.incarnation {
+            return;
+        }
+        for id in put {
+            self.restore.stored.remove(&id);
+            self.game.checkpoints.unflushed(id, true);
+        }
+        for id in remove {
+            self.game.checkpoints.unflushed(id, false);
+        }
     }
 
     /// The checkpoint of `id` as the store keeps it: an offer a successor could adopt.
@@ -446,14 +495,99 @@ impl Core {
         if !gone.is_empty() {
             return self.ask_replan(&gone);
         }
+        let now = self.now.mono_ms;
+        if now >= self.restore.next_list_ms && !self.restore.listing {
+            self.restore.next_list_ms = now + LIST_EVERY_MS;
+            self.restore.listing = true;
+            self.store(StoreRequest::ListCheckpointed);
+        }
+        // Every dead process's round asks its questions; they are decided together, once
+        // the restores of the last decision are all answered: a process restored by one round
+        // and dead again by the next has its older checkpoints weighed against its newer ones.
         let pending: Vec<Incarnation> = self.restore.dead.keys().copied().collect();
-        for inc in pending {
-            self.advance_round(inc);
+        let mut ready = true;
+        for &inc in &pending {
+            ready &= self.prepare_round(inc);
         }
         self.retry_restores();
+        if !self.restore.offering.is_empty() {
+            return;
+        }
+        let (decided, undecided): (Vec<Incarnation>, Vec<Incarnation>) = pending
+            .into_iter()
+            .filter(|inc| self.restore.rounds.contains_key(inc))
+            .partition(|inc| self.restore.rounds[inc].decided);
+        for inc in decided {
+            self.finish_round(inc);
+        }
+        let epoch = self.auth.partition.epoch();
+        let on_partition = self
+            .restore
+            .live
+            .keys()
+            .filter(|n| **n != me)
+            .all(|n| self.mesh.peer_partition.get(n).copied().unwrap_or(0) >= epoch);
+        if ready && on_partition && !undecided.is_empty() {
+            self.decide_rounds(&undecided);
+        }
     }
 
-    fn advance_round(&mut self, inc: Incarnation) {
+    /// The processes with checkpoints in the store: one that is surely dead and was not seen
+    /// to die (this process started after it, or it died while another decided) gets a round.
+    /// Surely dead: a newer process holds its node id (this one included), its node was seen to
+    /// die with nobody holding the id since, or it held no lease in this node's view for two
+    /// listings in a row (a process that just started is in the view within one membership
+    /// read, well inside that).
+    pub(crate) fn on_checkpointed(&mut self, result: Result<Vec<(NodeId, u64)>, String>) {
+        self.restore.listing = false;
+        let all = match result {
+            Ok(all) => all,
+            Err(e) => {
+                self.metrics.error("store");
+                return tracing::warn!(error = %e, "listing checkpointed processes failed");
+            }
+        };
+        let me = (self.cfg.node_id, self.restore.incarnation);
+        let now = self.now.mono_ms;
+        let unleased: BTreeSet<Incarnation> = all
+            .iter()
+            .copied()
+            .filter(|&(n, l)| (n, l) != me && self.restore.live.get(&n) != Some(&l))
+            .collect();
+        self.restore
+            .suspects
+            .retain(|inc, _| unleased.contains(inc));
+        for (node, lease_epoch) in all {
+            let long_unleased = unleased.contains(&(node, lease_epoch))
+                && *self
+                    .restore
+                    .suspects
+                    .entry((node, lease_epoch))
+                    .or_insert(now)
+                    + LIST_EVERY_MS
+                    <= now;
+            let newer = if node == me.0 {
+                lease_epoch < me.1
+            } else {
+                self.restore
+                    .live
+                    .get(&node)
+                    .is_some_and(|live| lease_epoch < *live)
+            };
+            let gone = !self.restore.live.contains_key(&node)
+                && node != me.0
+                && self.restore.departed.contains(&node);
+            if (newer || gone || long_unleased)
+                && !self.restore.dead.contains_key(&(node, lease_epoch))
+            {
+                self.restore.fenced.remove(&(node, lease_epoch));
+                self.mark_dead((node, lease_epoch));
+            }
+        }
+    }
+
+    /// Asks what a round still needs; whether it has it all (or was decided already).
+    fn prepare_round(&mut self, inc: Incarnation) -> bool {
         let (node, lease_epoch) = inc;
         let me = self.cfg.node_id;
         let peers: Vec<NodeId> = self
@@ -487,19 +621,7 @@ impl Core {
         if load {
             self.store(StoreRequest::LoadCheckpoints { node, lease_epoch });
         }
-        if decided {
-            if !self.restore.offering.values().any(|o| o.dead == inc) {
-                self.finish_round(inc);
-            }
-            return;
-        }
-        let epoch = self.auth.partition.epoch();
-        let on_partition = peers
-            .iter()
-            .all(|n| self.mesh.peer_partition.get(n).copied().unwrap_or(0) >= epoch);
-        if ready && on_partition {
-            self.decide_round(inc);
-        }
+        decided || ready
     }
 
     /// Commits the partition without the `dead` (once per partition epoch; a losing commit
@@ -552,7 +674,11 @@ impl Core {
             } else {
                 h.owner_node
             };
-            hold(&mut round.held, h.entity_id, owner, h.entity_epoch);
+            hold(
+                &mut round.held,
+                h.entity_id,
+                (owner, h.entity_epoch, h.owner_lease),
+            );
         }
         round
             .offered
@@ -587,33 +713,61 @@ impl Core {
         }
     }
 
-    fn decide_round(&mut self, inc: Incarnation) {
+    /// Decides the rounds of `incs` together: one entity, one restore, from the newest of what
+    /// every dead process left and every offer made to them.
+    fn decide_rounds(&mut self, incs: &[Incarnation]) {
         let me = self.cfg.node_id;
-        let (own_held, own_offered, own_in_doubt) = self.report_of(inc);
-        let round = self.restore.rounds.get_mut(&inc).expect("advanced above");
-        round.decided = true;
-        let mut held = std::mem::take(&mut round.held);
-        for h in own_held {
-            let owner = if h.owner_node == 0 { me } else { h.owner_node };
-            hold(&mut held, h.entity_id, owner, h.entity_epoch);
+        let mut held = BTreeMap::new();
+        let mut offered = Vec::new();
+        let mut checkpoints = Vec::new();
+        for &inc in incs {
+            let (own_held, own_offered, own_in_doubt) = self.report_of(inc);
+            let round = self.restore.rounds.get_mut(&inc).expect("prepared above");
+            round.decided = true;
+            for (id, h) in std::mem::take(&mut round.held) {
+                hold(&mut held, id, h);
+            }
+            for h in own_held {
+                let owner = if h.owner_node == 0 { me } else { h.owner_node };
+                hold(
+                    &mut held,
+                    h.entity_id,
+                    (owner, h.entity_epoch, h.owner_lease),
+                );
+            }
+            offered.extend(std::mem::take(&mut round.offered));
+            offered.extend(own_offered.into_iter().map(|o| {
+                let in_doubt = own_in_doubt.contains(&o.entity_id);
+                (me, o, in_doubt)
+            }));
+            checkpoints.extend(round.checkpoints.take().unwrap_or_default());
         }
-        let mut offered = std::mem::take(&mut round.offered);
-        offered.extend(own_offered.into_iter().map(|o| {
-            let in_doubt = own_in_doubt.contains(&o.entity_id);
-            (me, o, in_doubt)
-        }));
-        let checkpoints = round.checkpoints.take().unwrap_or_default();
+        let inc = incs[0];
         let partition = self.auth.partition.clone();
         let mut live: BTreeSet<NodeId> = self.restore.live.keys().copied().collect();
         live.insert(me);
+        // Only a live process holds anything: not one that died since it was reported (a node
+        // id a new process holds now included).
+        let incarnation = self.restore.incarnation;
+        let leases = &self.restore.live;
+        let held: BTreeMap<u64, (NodeId, u64)> = held
+            .into_iter()
+            .filter(|(_, (owner, _, lease))| {
+                if *owner == me {
+                    *lease == incarnation
+                } else {
+                    leases.get(owner) == Some(lease)
+                }
+            })
+            .map(|(id, (owner, epoch, _))| (id, (owner, epoch)))
+            .collect();
         let d = model::decide(&checkpoints, &held, &offered, |o| {
             let p = o.position.as_ref()?;
             let owner = partition.owner_of(Pos { x: p.x, y: p.y }).ok()?;
             live.contains(&owner).then_some(owner)
         });
         tracing::info!(
-            dead = inc.0,
-            lease_epoch = inc.1,
+            dead = ?incs,
             checkpoints = checkpoints.len(),
             restores = d.restore.len(),
             settled = d.settled.len(),
@@ -796,12 +950,12 @@ impl Core {
     }
 }
 
-/// Notes that `owner` writes `id` under `epoch`, unless a newer epoch is known.
-fn hold(held: &mut BTreeMap<u64, (NodeId, u64)>, id: u64, owner: NodeId, epoch: u64) {
+/// Notes that `(owner, epoch, owner's lease)` writes `id`, unless a newer epoch is known.
+fn hold(held: &mut BTreeMap<u64, (NodeId, u64, u64)>, id: u64, h: (NodeId, u64, u64)) {
     match held.get(&id) {
-        Some((_, e)) if *e >= epoch => {}
+        Some((_, e, _)) if *e >= h.1 => {}
         _ => {
-            held.insert(id, (owner, epoch));
+            held.insert(id, h);
         }
     }
 }

@@ -92,18 +92,30 @@ pub(crate) async fn execute(
             put,
             remove,
         } => {
+            let ids: Vec<u64> = put.iter().map(|c| c.entity_id).collect();
             let put = put
                 .into_iter()
                 .map(|c| (c.entity_id, c.encode_to_vec()))
                 .collect();
-            let written = timed(stores.checkpoints.write(node, lease_epoch, put, remove)).await;
-            if let Err(e) = written {
-                // The next flush writes these entities again only if they change: counted, so a
-                // store that keeps failing shows.
-                metrics.error("checkpoint_write");
-                tracing::warn!(error = %e, "writing checkpoints failed");
+            let written = timed(
+                stores
+                    .checkpoints
+                    .write(node, lease_epoch, put, remove.clone()),
+            )
+            .await;
+            match written {
+                Ok(()) => None,
+                Err(e) => {
+                    // The node writes them again with its next flush.
+                    metrics.error("checkpoint_write");
+                    tracing::warn!(error = %e, "writing checkpoints failed");
+                    Some(StoreReply::CheckpointsNotWritten {
+                        lease_epoch,
+                        put: ids,
+                        remove,
+                    })
+                }
             }
-            None
         }
         StoreRequest::LoadCheckpoints { node, lease_epoch } => {
             let result = timed(stores.checkpoints.load(node, lease_epoch))
@@ -129,6 +141,9 @@ pub(crate) async fn execute(
             }
             None
         }
+        StoreRequest::ListCheckpointed => Some(StoreReply::Checkpointed {
+            result: timed(stores.checkpoints.processes()).await,
+        }),
         StoreRequest::CommitPartition { partition } => {
             let epoch = partition.epoch();
             let result = match topology {

@@ -130,6 +130,16 @@ impl Checkpoints {
         self.taken_since_flush.iter().copied()
     }
 
+    /// A write to the store failed: `id` goes in the next one again, as the checkpoint it has
+    /// then (`taken`), or as a removal if it is no longer kept.
+    pub fn unflushed(&mut self, id: EntityId, taken: bool) {
+        if self.kept.contains_key(&id) {
+            self.taken_since_flush.insert(id);
+        } else if !taken || !self.taken_since_flush.contains(&id) {
+            self.forgotten_since_flush.insert(id);
+        }
+    }
+
     /// What changed since the last call: (taken, let go), for the store.
     pub fn take_changes(&mut self) -> (Vec<EntityId>, Vec<EntityId>) {
         (
