@@ -2,24 +2,12 @@
 //! `CELLMESH_TEST_REDIS_URL` (`./scripts/test.sh` starts it; without it the Redis tests fail,
 //! they never pass by skipping). Each test works under its own geo name.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use cellmesh_geo_router::store::memory::MemoryCheckpoints;
 use cellmesh_geo_router::store::redis::RedisDirectory;
 use cellmesh_geo_router::store::CheckpointStore;
-use cellmesh_test_support::required;
-
-fn unique(test: &str) -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    format!("t{}_{nanos:x}_{n}_{test}", std::process::id())
-}
+use cellmesh_test_support::{required, unique_name as unique};
 
 async fn redis(geo: &str) -> Arc<dyn CheckpointStore> {
     let url = required("CELLMESH_TEST_REDIS_URL");

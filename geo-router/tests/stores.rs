@@ -8,9 +8,8 @@
 
 use std::collections::HashMap;
 use std::net::TcpListener;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use cellmesh_geo_router::store::memory::{MemoryDirectory, MemoryPlayers};
@@ -19,7 +18,7 @@ use cellmesh_geo_router::store::redis::RedisDirectory;
 use cellmesh_geo_router::store::{
     PlayerRecord, PlayerRecords, SessionDirectory, SessionEntry, StoreError,
 };
-use cellmesh_test_support::required;
+use cellmesh_test_support::{required, unique_name as unique};
 
 const LONG_LEASE: Duration = Duration::from_secs(60);
 /// Generous: bounds waits for things that must happen, never asserted as a latency.
@@ -63,17 +62,6 @@ impl Players for MemoryBackend {
     async fn open(&self) -> Arc<dyn PlayerRecords> {
         self.players.clone()
     }
-}
-
-/// A name no other test, nor an earlier run, uses.
-fn unique(test: &str) -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    format!("t{}_{nanos:x}_{n}_{test}", std::process::id())
 }
 
 struct RedisBackend {

@@ -8,7 +8,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use cellmesh_geo_router::geometry::WorldShape;
 use cellmesh_geo_router::partition::{Bsp, Grid, Layout, Partition};
@@ -46,14 +46,8 @@ impl TestDb {
                  MongoDB-compatible server and sets it"
             ),
         };
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
         // Database names are at most 63 bytes; the unique part comes first.
-        let database: String = format!("t{}_{nanos:x}_{n}_{test}", std::process::id())
+        let database: String = cellmesh_test_support::unique_name(test)
             .chars()
             .take(60)
             .collect();

@@ -68,6 +68,18 @@ pub fn run_id() -> String {
     format!("{}_{}", std::process::id(), since_epoch().subsec_nanos())
 }
 
+/// A name for `test` that no other test, nor an earlier run, uses: process, time and a counter
+/// first (a name cut short stays unique), the test's name last.
+pub fn unique_name(test: &str) -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!(
+        "t{}_{:x}_{n}_{test}",
+        std::process::id(),
+        since_epoch().as_nanos()
+    )
+}
+
 /// Everything a process wrote so far, collected while it runs (a full pipe would stall it).
 #[derive(Clone, Default)]
 pub struct Log(Arc<Mutex<String>>);

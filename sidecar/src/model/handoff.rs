@@ -11,7 +11,8 @@
 //!
 //! The one failure the mesh cannot absorb is two writers of one entity, so the source never
 //! thaws on a timeout: an unanswered offer stays frozen until the target answers, the link comes
-//! back and the offer is repeated, or the target's successor adopts it from the snapshot.
+//! back and the offer is repeated, or the target's process dies and the restore of its world
+//! settles the unit ([`HandoffSource::resolve`], or a refusal on the decider's word).
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -288,17 +289,7 @@ impl<I: Clone> HandoffSource<I> {
     /// Every unit still waiting for snapshots, thawed (their game is gone, the entities kept):
     /// (root, target, what to thaw). Offers already sent stand.
     pub fn abandon_freezing(&mut self, now_ms: u64) -> Vec<(EntityId, NodeId, Thawed<I>)> {
-        let mut roots: Vec<(EntityId, NodeId)> = self
-            .out
-            .iter()
-            .filter(|(_, o)| matches!(o.phase, Phase::Freezing { .. }))
-            .map(|(r, o)| (*r, o.to))
-            .collect();
-        roots.sort_unstable();
-        roots
-            .into_iter()
-            .map(|(root, to)| (root, to, self.thaw(root, now_ms)))
-            .collect()
+        self.abandon_freezing_where(|_| true, now_ms)
     }
 
     /// Units towards `to` still waiting for snapshots, thawed: their target died, and their
@@ -308,16 +299,24 @@ impl<I: Clone> HandoffSource<I> {
         to: NodeId,
         now_ms: u64,
     ) -> Vec<(EntityId, NodeId, Thawed<I>)> {
-        let mut roots: Vec<EntityId> = self
+        self.abandon_freezing_where(|t| t == to, now_ms)
+    }
+
+    fn abandon_freezing_where(
+        &mut self,
+        towards: impl Fn(NodeId) -> bool,
+        now_ms: u64,
+    ) -> Vec<(EntityId, NodeId, Thawed<I>)> {
+        let mut roots: Vec<(EntityId, NodeId)> = self
             .out
             .iter()
-            .filter(|(_, o)| o.to == to && matches!(o.phase, Phase::Freezing { .. }))
-            .map(|(r, _)| *r)
+            .filter(|(_, o)| towards(o.to) && matches!(o.phase, Phase::Freezing { .. }))
+            .map(|(r, o)| (*r, o.to))
             .collect();
         roots.sort_unstable();
         roots
             .into_iter()
-            .map(|root| (root, to, self.thaw(root, now_ms)))
+            .map(|(root, to)| (root, to, self.thaw(root, now_ms)))
             .collect()
     }
 
@@ -450,21 +449,6 @@ impl<I: Clone> HandoffSource<I> {
             parts: parts.clone(),
             inputs: Vec::new(),
         })
-    }
-
-    /// The target died: its area's next lease holder `to` adopts the in-doubt unit from the
-    /// snapshot under a new epoch, above anything the dead target may have written.
-    pub fn redirect(&mut self, root: EntityId, to: NodeId) -> Result<Offer<I>, HandoffError> {
-        let o = self
-            .out
-            .get_mut(&root)
-            .ok_or(HandoffError::NotInHandoff(root))?;
-        if !matches!(o.phase, Phase::Offered { .. }) {
-            return Err(HandoffError::NotOffered(root));
-        }
-        o.to = to;
-        o.offered += 1;
-        self.repeat(root)
     }
 
     pub fn route_input(&mut self, entity: EntityId, input: I) -> InputRoute<I> {
@@ -1273,16 +1257,26 @@ mod tests {
     }
 
     #[test]
-    fn a_dead_targets_successor_adopts_under_a_new_epoch() {
+    fn a_dead_targets_unit_is_settled_by_its_restore() {
         let mut s = HandoffSource::<u32>::default();
         s.begin(10, 3, &[], B, 0).unwrap();
-        assert_eq!(s.redirect(10, C), Err(HandoffError::NotOffered(10)));
+        s.begin(20, 3, &[], B, 0).unwrap();
+        s.begin(30, 3, &[], C, 0).unwrap();
+        assert_eq!(s.resolve(10, C, 1004, 1), Err(HandoffError::NotOffered(10)));
         s.snapshot(10, snap("a")).unwrap().unwrap();
-        let o = s.redirect(10, C).unwrap();
-        assert_eq!((o.to, o.epoch, o.parts), (C, 5, vec![(10, snap("a"))]));
+        // What was still freezing towards the dead node thaws; the rest waits.
+        let thawed = s.abandon_freezing_towards(B, 1);
+        assert_eq!(thawed.iter().map(|t| t.0).collect::<Vec<_>>(), vec![20]);
+        assert!(s.is_frozen(10) && s.is_frozen(30));
+        // Restored on C under the restore's epoch: late inputs follow it there.
+        let done = s.resolve(10, C, 1004, 2).unwrap();
+        assert_eq!((done.to, done.epoch), (C, 1004));
+        assert!(!s.is_frozen(10));
+        assert_eq!(s.departed_to(10), Some((C, 1004)));
         // The dead target's ack no longer counts.
-        assert!(s.acked(10, 4, B, 1).is_err());
-        assert_eq!(s.acked(10, 5, C, 1).unwrap().epoch, 5);
+        assert!(s.acked(10, 4, B, 3).is_err());
+        s.redirect_departed(10, 4, 2004);
+        assert_eq!(s.departed_to(10), Some((4, 2004)));
     }
 
     #[test]
