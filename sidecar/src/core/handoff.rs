@@ -9,6 +9,7 @@
 
 use std::collections::BTreeSet;
 
+use bytes::Bytes;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use cellmesh_geo_router::geometry::Pos;
@@ -262,6 +263,33 @@ impl Core {
             .map(|r| (r.gateway_node, r.session_epoch))
     }
 
+    /// An offer of `e` under `epoch` with its game's `state`, as a target adopts it: where it
+    /// stands, what it is, and for a player's master the session it routes to and the last
+    /// input its game was handed (a handoff's offer and a checkpoint in the store alike).
+    pub(crate) fn offer_of(&self, e: &Entity, epoch: u64, state: Bytes) -> mesh::HandoffOffer {
+        let session = (e.is_master && !e.owner_account.is_empty())
+            .then(|| self.session_of(&e.owner_account))
+            .flatten();
+        mesh::HandoffOffer {
+            entity_id: e.id,
+            entity_epoch: epoch,
+            position: Some(vec3(e.position)),
+            state,
+            owner_account: e.owner_account.clone(),
+            is_master: e.is_master,
+            components: owned_components(e),
+            gateway_node: session.map_or(0, |s| s.0),
+            session_epoch: session.map_or(0, |s| s.1),
+            last_input_seq: session
+                .and_then(|s| {
+                    let (epoch, seq) = self.handoff.input_order.last_of(&e.owner_account)?;
+                    (epoch == s.1).then_some(seq)
+                })
+                .unwrap_or(0),
+            ..Default::default()
+        }
+    }
+
     pub(crate) fn send_offer(&mut self, offer: Offer<local::Input>, successor: bool) {
         let root = offer.root;
         let Some(e) = self.table.get_local(root) else {
@@ -271,9 +299,6 @@ impl Core {
             );
             return;
         };
-        let session = (e.is_master && !e.owner_account.is_empty())
-            .then(|| self.session_of(&e.owner_account))
-            .flatten();
         let mut parts = offer.parts.iter();
         let state = parts.next().map(|p| p.1.clone()).unwrap_or_default();
         let attachments = parts
@@ -291,26 +316,12 @@ impl Core {
             })
             .collect();
         let msg = mesh::HandoffOffer {
-            entity_id: root,
-            entity_epoch: offer.epoch,
             partition_epoch: self.auth.partition.epoch(),
-            position: Some(vec3(e.position)),
-            state,
-            owner_account: e.owner_account.clone(),
-            is_master: e.is_master,
             attachments,
-            components: owned_components(e),
-            gateway_node: session.map_or(0, |s| s.0),
-            session_epoch: session.map_or(0, |s| s.1),
             successor,
             unseen: subs::distance_to_area(&self.cfg.world, &self.auth.area, e.chunk)
                 > self.cfg.reach_chunks(),
-            last_input_seq: session
-                .and_then(|s| {
-                    let (epoch, seq) = self.handoff.input_order.last_of(&e.owner_account)?;
-                    (epoch == s.1).then_some(seq)
-                })
-                .unwrap_or(0),
+            ..self.offer_of(e, offer.epoch, state)
         };
         let (to, kept) = (offer.to, msg.clone());
         if !self.send_peer(offer.to, mesh_message::Body::HandoffOffer(msg)) {
@@ -575,20 +586,6 @@ impl Core {
             }
             if let Ok(offer) = self.handoff.out.repeat(root) {
                 self.send_offer(offer, false);
-            }
-        }
-    }
-
-    pub(crate) fn on_peer_leases(&mut self, leases: Vec<(NodeId, u64)>) {
-        for (node, epoch) in leases {
-            let before = self.mesh.peer_lease.insert(node, epoch);
-            if before.is_some_and(|b| b != epoch) {
-                // Offers in doubt towards the old process wait for the restore of its world.
-                tracing::info!(
-                    peer = node,
-                    lease_epoch = epoch,
-                    "a new process holds the peer's node id"
-                );
             }
         }
     }

@@ -355,7 +355,7 @@ impl Core {
         self.table
             .iter()
             .filter(|e| e.origin.is_none() && e.epoch == game::FIRST_EPOCH)
-            .filter(|e| !self.restore.stored.contains(&e.id))
+            .filter(|e| !self.game.checkpoints.is_stored(e.id))
             .map(|e| e.id)
             .collect()
     }
@@ -487,10 +487,7 @@ impl Core {
                 remove,
             }) => self.on_checkpoints_not_written(lease_epoch, put, remove),
             Input::Peers(peers) => self.on_peers(peers),
-            Input::PeerLeases(leases) => {
-                self.note_leases(&leases);
-                self.on_peer_leases(leases)
-            }
+            Input::PeerLeases(leases) => self.note_leases(&leases),
             Input::LeaseLost => self.on_lease_lost(),
             Input::LeaseRenewed(terms) => self.on_lease_renewed(terms),
             Input::Partition(p) => self.apply_partition(*p),

@@ -57,8 +57,6 @@ pub(crate) struct Mesh {
     pub clustered: bool,
     /// The partition epoch each peer acknowledged (BigWorld's `hasBeenCreated`).
     pub peer_partition: HashMap<NodeId, u64>,
-    /// Each peer's lease epoch: a new one means a new process holds the node id.
-    pub peer_lease: HashMap<NodeId, u64>,
 }
 
 impl Mesh {
@@ -68,7 +66,6 @@ impl Mesh {
             peers: BTreeMap::new(),
             clustered,
             peer_partition: HashMap::default(),
-            peer_lease: HashMap::default(),
         }
     }
 }

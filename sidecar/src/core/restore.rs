@@ -102,8 +102,6 @@ pub(crate) struct Restore {
     /// The partition epoch a re-plan was asked from (once per epoch).
     pub replan_from: Option<u64>,
     pub next_flush_ms: u64,
-    /// Entities whose checkpoint the store holds (under this process's incarnation).
-    pub stored: BTreeSet<u64>,
     /// Nodes whose process died with no new one holding their id: the partition gives them
     /// nothing while they stay so.
     pub departed: BTreeSet<NodeId>,
@@ -371,12 +369,7 @@ impl Core {
         if self.restore.incarnation == 0 || !self.mesh.clustered {
             return;
         }
-        let first = self
-            .game
-            .checkpoints
-            .changed_since_flush()
-            .any(|id| !self.restore.stored.contains(&id));
-        if now < self.restore.next_flush_ms && !first {
+        if now < self.restore.next_flush_ms && !self.game.checkpoints.fresh() {
             return;
         }
         self.restore.next_flush_ms = now + FLUSH_EVERY_MS;
@@ -388,12 +381,8 @@ impl Core {
         if put.is_empty() && forgotten.is_empty() {
             return;
         }
-        for c in &put {
-            self.restore.stored.insert(c.entity_id);
-        }
-        for id in &forgotten {
-            self.restore.stored.remove(id);
-        }
+        let ids: Vec<u64> = put.iter().map(|c| c.entity_id).collect();
+        self.game.checkpoints.written(&ids, &forgotten);
         self.metrics.checkpoint_writes.inc();
         self.metrics.checkpoints_stored.inc_by(put.len() as u64);
         self.metrics
@@ -421,12 +410,8 @@ impl Core {
         if lease_epoch != self.restore.incarnation {
             return;
         }
-        for id in put {
-            self.restore.stored.remove(&id);
-            self.game.checkpoints.unflushed(id, true);
-        }
-        for id in remove {
-            self.game.checkpoints.unflushed(id, false);
+        for id in put.into_iter().chain(remove) {
+            self.game.checkpoints.unflushed(id);
         }
     }
 
@@ -434,29 +419,9 @@ impl Core {
     fn checkpoint_record(&self, id: u64) -> Option<mesh::HandoffOffer> {
         let e = self.table.get_local(id)?;
         let kept = self.game.checkpoints.latest(id)?;
-        let session = (e.is_master && !e.owner_account.is_empty())
-            .then(|| self.session_of(&e.owner_account))
-            .flatten();
         Some(mesh::HandoffOffer {
-            entity_id: id,
-            entity_epoch: kept.epoch,
-            partition_epoch: 0,
-            position: Some(super::wire::vec3(e.position)),
-            state: kept.state.clone(),
-            owner_account: e.owner_account.clone(),
-            is_master: e.is_master,
-            attachments: vec![],
-            components: super::wire::owned_components(e),
-            gateway_node: session.map_or(0, |s| s.0),
-            session_epoch: session.map_or(0, |s| s.1),
             successor: true,
-            unseen: false,
-            last_input_seq: session
-                .and_then(|s| {
-                    let (epoch, seq) = self.handoff.input_order.last_of(&e.owner_account)?;
-                    (epoch == s.1).then_some(seq)
-                })
-                .unwrap_or(0),
+            ..self.offer_of(e, kept.epoch, kept.state.clone())
         })
     }
 

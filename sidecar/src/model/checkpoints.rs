@@ -37,6 +37,10 @@ pub struct Checkpoints {
     /// Taken, or let go, since the store last heard: what the next flush writes.
     taken_since_flush: std::collections::BTreeSet<EntityId>,
     forgotten_since_flush: std::collections::BTreeSet<EntityId>,
+    /// Entities whose checkpoint the store holds.
+    stored: rustc_hash::FxHashSet<EntityId>,
+    /// Something was taken that the store holds no checkpoint of yet: the next flush is due now.
+    fresh: bool,
 }
 
 impl Checkpoints {
@@ -49,6 +53,8 @@ impl Checkpoints {
             asked: HashMap::default(),
             taken_since_flush: Default::default(),
             forgotten_since_flush: Default::default(),
+            stored: Default::default(),
+            fresh: false,
         }
     }
 
@@ -103,6 +109,7 @@ impl Checkpoints {
         self.asked.remove(&id);
         self.taken_since_flush.insert(id);
         self.forgotten_since_flush.remove(&id);
+        self.fresh |= !self.stored.contains(&id);
         self.kept.insert(
             id,
             Kept {
@@ -125,23 +132,20 @@ impl Checkpoints {
         kept
     }
 
-    /// Entities taken since the last [`take_changes`](Self::take_changes).
-    pub fn changed_since_flush(&self) -> impl Iterator<Item = EntityId> + '_ {
-        self.taken_since_flush.iter().copied()
+    /// Whether an entity was taken that the store holds no checkpoint of yet (until it does,
+    /// nothing could restore it).
+    pub fn fresh(&self) -> bool {
+        self.fresh
     }
 
-    /// A write to the store failed: `id` goes in the next one again, as the checkpoint it has
-    /// then (`taken`), or as a removal if it is no longer kept.
-    pub fn unflushed(&mut self, id: EntityId, taken: bool) {
-        if self.kept.contains_key(&id) {
-            self.taken_since_flush.insert(id);
-        } else if !taken || !self.taken_since_flush.contains(&id) {
-            self.forgotten_since_flush.insert(id);
-        }
+    /// Whether the store holds a checkpoint of `id` (as far as writes that went out tell).
+    pub fn is_stored(&self, id: EntityId) -> bool {
+        self.stored.contains(&id)
     }
 
     /// What changed since the last call: (taken, let go), for the store.
     pub fn take_changes(&mut self) -> (Vec<EntityId>, Vec<EntityId>) {
+        self.fresh = false;
         (
             std::mem::take(&mut self.taken_since_flush)
                 .into_iter()
@@ -150,6 +154,26 @@ impl Checkpoints {
                 .into_iter()
                 .collect(),
         )
+    }
+
+    /// A write with these checkpoints and removals went to the store.
+    pub fn written(&mut self, put: &[EntityId], removed: &[EntityId]) {
+        self.stored.extend(put.iter().copied());
+        for id in removed {
+            self.stored.remove(id);
+        }
+    }
+
+    /// A write to the store failed: `id` goes in the next one again, as the checkpoint it has
+    /// then, or as a removal if it is no longer kept.
+    pub fn unflushed(&mut self, id: EntityId) {
+        self.stored.remove(&id);
+        if self.kept.contains_key(&id) {
+            self.taken_since_flush.insert(id);
+            self.fresh = true;
+        } else {
+            self.forgotten_since_flush.insert(id);
+        }
     }
 
     pub fn latest(&self, id: EntityId) -> Option<&Kept> {

@@ -58,45 +58,39 @@ pub fn decide(
     offered: &[(NodeId, HandoffOffer, bool)],
     owner_of: impl Fn(&HandoffOffer) -> Option<NodeId>,
 ) -> Decision {
+    // Every candidate state of each entity: (the offer, from a checkpoint?, its reporter and
+    // whether its unit is still frozen there).
+    type Candidate<'a> = (&'a HandoffOffer, bool, Option<(NodeId, bool)>);
+    let mut by_id: BTreeMap<EntityId, Vec<Candidate>> = BTreeMap::new();
+    for c in checkpoints {
+        by_id.entry(c.entity_id).or_default().push((c, true, None));
+    }
+    for (n, o, in_doubt) in offered {
+        by_id
+            .entry(o.entity_id)
+            .or_default()
+            .push((o, false, Some((*n, *in_doubt))));
+    }
+    // Roots of offers first: a unit's attachments then follow their root.
+    let offered_roots: BTreeSet<EntityId> = offered.iter().map(|(_, o, _)| o.entity_id).collect();
+    let order = offered_roots.iter().copied().chain(
+        by_id
+            .keys()
+            .copied()
+            .filter(|id| !offered_roots.contains(id)),
+    );
     let mut d = Decision::default();
     // Entities covered by a unit that wins (its attachments come with it).
     let mut covered: BTreeSet<EntityId> = BTreeSet::new();
-    let mut ids: BTreeSet<EntityId> = checkpoints.iter().map(|c| c.entity_id).collect();
-    ids.extend(offered.iter().map(|(_, o, _)| o.entity_id));
-    // Roots of offers first: a unit's attachments then follow their root.
-    let mut order: Vec<EntityId> = offered.iter().map(|(_, o, _)| o.entity_id).collect();
-    order.sort_unstable();
-    order.dedup();
-    order.extend(
-        ids.iter()
-            .filter(|id| !order.contains(id))
-            .copied()
-            .collect::<Vec<_>>(),
-    );
     for id in order {
-        if covered.contains(&id) {
+        if !covered.insert(id) {
             continue;
         }
-        let reporters: Vec<NodeId> = offered
+        let candidates = &by_id[&id];
+        let reporters: Vec<NodeId> = candidates.iter().filter_map(|c| Some(c.2?.0)).collect();
+        let top = candidates
             .iter()
-            .filter(|(_, o, _)| o.entity_id == id)
-            .map(|(n, _, _)| *n)
-            .collect();
-        let frozen_at: Vec<NodeId> = offered
-            .iter()
-            .filter(|(_, o, in_doubt)| o.entity_id == id && *in_doubt)
-            .map(|(n, _, _)| *n)
-            .collect();
-        let top = checkpoints
-            .iter()
-            .filter(|c| c.entity_id == id)
-            .chain(
-                offered
-                    .iter()
-                    .filter(|(_, o, _)| o.entity_id == id)
-                    .map(|(_, o, _)| o),
-            )
-            .map(|o| o.entity_epoch)
+            .map(|c| c.0.entity_epoch)
             .max()
             .unwrap_or(0);
         // A live holder under an epoch below the dead node's was outrun: it handed the entity on
@@ -107,21 +101,13 @@ pub fn decide(
             }
             continue;
         }
-        let from_checkpoint = checkpoints.iter().filter(|c| c.entity_id == id);
-        let from_offers = offered
-            .iter()
-            .filter(|(_, o, _)| o.entity_id == id)
-            .map(|(_, o, _)| o);
         // The newest state; a checkpoint wins a tie (taken after adopting that epoch).
-        let best = from_checkpoint
-            .map(|c| (c.entity_epoch, 1u8, c))
-            .chain(from_offers.map(|o| (o.entity_epoch, 0u8, o)))
-            .max_by_key(|(e, pref, _)| (*e, *pref))
-            .map(|(_, _, o)| o);
-        let Some(best) = best else { continue };
-        covered.insert(id);
+        let Some(&(best, _, _)) = candidates.iter().max_by_key(|c| (c.0.entity_epoch, c.1)) else {
+            continue;
+        };
         let target = owner_of(best);
-        if let Some(target) = target.filter(|t| frozen_at.contains(t)) {
+        let frozen_there = |t: NodeId| candidates.iter().any(|c| c.2 == Some((t, true)));
+        if let Some(target) = target.filter(|t| frozen_there(*t)) {
             // Still frozen there: thawing it is the restore.
             d.returned.push((target, id));
             for r in reporters.iter().filter(|r| **r != target) {
