@@ -16,7 +16,7 @@ use cellmesh_geo_router::store::memory::{MemoryDirectory, MemoryPlayers};
 use cellmesh_geo_router::store::mongo::MongoPlayers;
 use cellmesh_geo_router::store::redis::RedisDirectory;
 use cellmesh_geo_router::store::{
-    PlayerRecord, PlayerRecords, SessionDirectory, SessionEntry, StoreError,
+    MasterEntry, PlayerRecord, PlayerRecords, SessionDirectory, SessionEntry, StoreError,
 };
 use cellmesh_test_support::{required, unique_name as unique};
 
@@ -335,6 +335,44 @@ async fn geos_are_isolated(backend: impl Directories) {
     backend.clean_up().await;
 }
 
+fn master(node: u32, entity_id: u64, entity_epoch: u64) -> MasterEntry {
+    MasterEntry {
+        node,
+        lease_epoch: 7,
+        entity_id,
+        entity_epoch,
+    }
+}
+
+async fn the_master_record_keeps_the_latest_owner(backend: impl Directories) {
+    let dir = backend.open("eu").await;
+    assert_eq!(dir.master("alice").await.unwrap(), None);
+    dir.set_master("alice", master(1, 10, 3)).await.unwrap();
+    // The next owner of the same avatar writes a later epoch; the previous owner's late write
+    // of an older one loses.
+    dir.set_master("alice", master(2, 10, 4)).await.unwrap();
+    dir.set_master("alice", master(1, 10, 3)).await.unwrap();
+    assert_eq!(dir.master("alice").await.unwrap(), Some(master(2, 10, 4)));
+    // A clear by the previous owner does nothing; the current owner's does.
+    dir.clear_master("alice", 10, 3).await.unwrap();
+    assert_eq!(dir.master("alice").await.unwrap(), Some(master(2, 10, 4)));
+    // Another avatar (a new spawn) replaces whatever epoch the old one had.
+    dir.set_master("alice", master(3, 11, 1)).await.unwrap();
+    assert_eq!(dir.master("alice").await.unwrap(), Some(master(3, 11, 1)));
+    dir.clear_master("alice", 10, 4).await.unwrap();
+    assert_eq!(dir.master("alice").await.unwrap(), Some(master(3, 11, 1)));
+    dir.clear_master("alice", 11, 1).await.unwrap();
+    assert_eq!(dir.master("alice").await.unwrap(), None);
+    // Sessions and the master record are independent: a released session keeps the avatar.
+    let epoch = dir.register("bob", 1, LONG_LEASE).await.unwrap();
+    dir.set_master("bob", master(4, 20, 1)).await.unwrap();
+    assert!(dir.release("bob", epoch).await.unwrap());
+    assert_eq!(dir.master("bob").await.unwrap(), Some(master(4, 20, 1)));
+    let other = backend.open("eu-west").await;
+    assert_eq!(other.master("bob").await.unwrap(), None);
+    backend.clean_up().await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The player records contract
 
@@ -422,6 +460,7 @@ contract! {
         epochs_never_repeat_across_expiry_and_release,
         concurrent_registers_get_distinct_epochs_and_the_last_wins,
         geos_are_isolated,
+        the_master_record_keeps_the_latest_owner,
     ],
     players: [
         a_player_record_round_trips,

@@ -9,7 +9,7 @@ use prometheus_client::registry::Registry;
 use std::sync::{Arc, Mutex};
 
 /// Every reason a client input is dropped for before it reaches a game (`inputs_dropped`).
-pub const INPUT_DROP_REASONS: [&str; 11] = [
+pub const INPUT_DROP_REASONS: [&str; 12] = [
     // The proxy named a session this gateway does not have, or one still registering.
     "unknown_session",
     "session_attaching",
@@ -24,6 +24,9 @@ pub const INPUT_DROP_REASONS: [&str; 11] = [
     // Addressed to a master that died with its process (until its restore re-anchors the
     // gateway).
     "input_master_gone",
+    // For a session whose avatar is being restored (its owner died): until the restored owner
+    // anchors the session.
+    "input_avatar_restoring",
     // Held for an epoch change that never came (the entity left this node's sight).
     "input_held_dropped",
     // The fence follows a newer epoch than the entity table (never seen; counted if it is).

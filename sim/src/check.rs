@@ -76,6 +76,12 @@ impl Checker {
         }
     }
 
+    /// A client's input that reached its gateway's proxy link after the gateway died.
+    pub fn client_input_lost(&mut self, account: &str, seq: u64) {
+        self.lost_forwards += 1;
+        self.lost.insert((account.to_string(), seq));
+    }
+
     /// A frame the sidecar wrote to a game that crashed before reading it: its inputs never
     /// reached a game after all.
     pub fn frame_lost_with_game(&mut self, frame: &SidecarFrame) {

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use cellmesh_geo_router::partition::NodeId;
-use cellmesh_geo_router::store::{PlayerRecord, SessionEntry};
+use cellmesh_geo_router::store::{MasterEntry, PlayerRecord, SessionEntry};
 use cellmesh_proto::mesh::HandoffOffer;
 use cellmesh_sidecar::core::{Registration, StoreReply, StoreRequest};
 
@@ -18,6 +18,7 @@ pub(crate) struct SimStore {
     /// The last epoch handed out per account: epochs never repeat.
     epochs: BTreeMap<String, u64>,
     players: BTreeMap<String, PlayerRecord>,
+    masters: BTreeMap<String, MasterEntry>,
     /// (node, lease epoch) -> entity -> its checkpoint.
     checkpoints: BTreeMap<(NodeId, u64), BTreeMap<u64, HandoffOffer>>,
     /// No answers before this time.
@@ -58,6 +59,9 @@ impl SimStore {
                 StoreRequest::ListCheckpointed => {
                     Some(StoreReply::Checkpointed { result: Err(err()) })
                 }
+                StoreRequest::WriteMasters { set, .. } => Some(StoreReply::MastersNotWritten {
+                    accounts: set.into_iter().map(|(a, _)| a).collect(),
+                }),
                 StoreRequest::PutCheckpoints {
                     lease_epoch,
                     put,
@@ -88,10 +92,15 @@ impl SimStore {
                 self.directory
                     .insert(account.clone(), (node, epoch, now + lease_ms));
                 let record = self.players.get(&account).cloned();
+                let master = self.masters.get(&account).copied();
                 Some(StoreReply::Registered {
                     session,
                     account,
-                    result: Ok(Registration { epoch, record }),
+                    result: Ok(Registration {
+                        epoch,
+                        record,
+                        master,
+                    }),
                 })
             }
             StoreRequest::Renew { sessions, lease_ms } => Some(StoreReply::Renewed {
@@ -130,6 +139,23 @@ impl SimStore {
             }
             StoreRequest::Release { account, epoch } => {
                 self.release(&account, epoch);
+                None
+            }
+            StoreRequest::WriteMasters { set, clear } => {
+                for (account, entry) in set {
+                    if entry.replaces(self.masters.get(&account)) {
+                        self.masters.insert(account, entry);
+                    }
+                }
+                for (account, id, epoch) in clear {
+                    if self
+                        .masters
+                        .get(&account)
+                        .is_some_and(|m| m.entity_id == id && m.entity_epoch == epoch)
+                    {
+                        self.masters.remove(&account);
+                    }
+                }
                 None
             }
             StoreRequest::PutCheckpoints {

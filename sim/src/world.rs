@@ -312,6 +312,8 @@ pub(crate) struct Sim<'a> {
     census: Arc<Census>,
     pub(crate) check: Checker,
     next_session: u64,
+    /// Which client each session id belongs to.
+    session_client: BTreeMap<u64, usize>,
     next_gateway: usize,
     trace: Option<(usize, VecDeque<String>)>,
     streams: BTreeMap<Stream, u64>,
@@ -371,6 +373,7 @@ impl<'a> Sim<'a> {
             census: Arc::new(Census::default()),
             check: Checker::default(),
             next_session: 1,
+            session_client: BTreeMap::new(),
             next_gateway: 0,
             trace: trace_len.map(|n| (n, VecDeque::new())),
             streams: BTreeMap::new(),
@@ -482,6 +485,16 @@ impl<'a> Sim<'a> {
             Ev::Core { node, inc, input } => {
                 if self.live(node, inc) {
                     self.feed(node, input);
+                } else if let Input::LinkFrame { messages, .. } = &input {
+                    // A client's input on its way to a gateway that died is lost with it.
+                    for m in messages {
+                        if let Some(mesh_message::Body::Input(i)) = &m.body {
+                            if let Some(c) = self.session_client.get(&i.session_id) {
+                                let account = self.clients[*c].account.clone();
+                                self.check.client_input_lost(&account, i.seq);
+                            }
+                        }
+                    }
                 }
             }
             Ev::PeerFrame { uid, to, frame } => self.peer_frame(uid, to, frame),
@@ -1312,6 +1325,7 @@ impl<'a> Sim<'a> {
         };
         let session_id = self.next_session;
         self.next_session += 1;
+        self.session_client.insert(session_id, c);
         let inc = self.node(gateway).incarnation;
         let account = self.clients[c].account.clone();
         self.clients[c].begin(gateway, session_id);
@@ -1712,6 +1726,15 @@ impl<'a> Sim<'a> {
                 self.check.violation(
                     self.now,
                     format!("{} has {} avatars: {holders:?}", c.account, ids.len()),
+                );
+            }
+            if ids.is_empty() && !c.ended && c.epoch.is_some() {
+                self.check.violation(
+                    self.now,
+                    format!(
+                        "{} has a session on n{} and no avatar in any game",
+                        c.account, c.gateway
+                    ),
                 );
             }
         }

@@ -54,6 +54,11 @@ fn kills() {
 }
 
 #[test]
+fn gateway_kills() {
+    seeds_of("gateway_kills");
+}
+
+#[test]
 fn cuts() {
     seeds_of("cuts");
 }
@@ -104,8 +109,17 @@ fn the_suite_runs_every_scenario_of_the_catalogue_with_enough_seeds() {
     assert_eq!(
         names,
         [
-            "walk", "cuts", "replan", "retire", "overload", "logins", "stores", "restarts",
-            "kills", "geos"
+            "walk",
+            "cuts",
+            "replan",
+            "retire",
+            "overload",
+            "logins",
+            "stores",
+            "restarts",
+            "kills",
+            "gateway_kills",
+            "geos"
         ]
     );
     assert!(

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use super::{
-    CheckpointStore, PlayerRecord, PlayerRecords, SessionDirectory, SessionEntry, StoreError,
+    CheckpointStore, MasterEntry, PlayerRecord, PlayerRecords, SessionDirectory, SessionEntry,
+    StoreError,
 };
 
 #[derive(Default)]
@@ -21,6 +22,7 @@ struct Slot {
     /// Highest epoch ever handed out; survives expiry so epochs never repeat.
     epoch: u64,
     live: Option<(SessionEntry, Instant)>,
+    master: Option<MasterEntry>,
 }
 
 impl Slot {
@@ -89,6 +91,38 @@ impl SessionDirectory for MemoryDirectory {
             }
             _ => Ok(false),
         }
+    }
+
+    async fn master(&self, account: &str) -> Result<Option<MasterEntry>, StoreError> {
+        let map = self.inner.lock().expect("directory lock poisoned");
+        Ok(map.get(account).and_then(|s| s.master))
+    }
+
+    async fn set_master(&self, account: &str, entry: MasterEntry) -> Result<(), StoreError> {
+        let mut map = self.inner.lock().expect("directory lock poisoned");
+        let slot = map.entry(account.to_string()).or_default();
+        if entry.replaces(slot.master.as_ref()) {
+            slot.master = Some(entry);
+        }
+        Ok(())
+    }
+
+    async fn clear_master(
+        &self,
+        account: &str,
+        entity_id: u64,
+        entity_epoch: u64,
+    ) -> Result<(), StoreError> {
+        let mut map = self.inner.lock().expect("directory lock poisoned");
+        if let Some(slot) = map.get_mut(account) {
+            if slot
+                .master
+                .is_some_and(|m| m.entity_id == entity_id && m.entity_epoch == entity_epoch)
+            {
+                slot.master = None;
+            }
+        }
+        Ok(())
     }
 }
 

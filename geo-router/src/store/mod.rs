@@ -86,6 +86,41 @@ pub trait SessionDirectory: Send + Sync {
 
     /// Removes the entry if `session_epoch` is still the current one; false if it was not.
     async fn release(&self, account: &str, session_epoch: u64) -> Result<bool, StoreError>;
+
+    /// Where `account`'s avatar (its master entity) is simulated, as its owners last wrote.
+    async fn master(&self, account: &str) -> Result<Option<MasterEntry>, StoreError>;
+
+    /// Records the owner of `account`'s master, unless a later owner of the same entity (a
+    /// higher entity epoch) wrote already: a late write of a previous owner loses.
+    async fn set_master(&self, account: &str, entry: MasterEntry) -> Result<(), StoreError>;
+
+    /// Forgets the record if it still names `entity_id` under `entity_epoch` (the avatar is gone
+    /// from that owner and nobody wrote since).
+    async fn clear_master(
+        &self,
+        account: &str,
+        entity_id: u64,
+        entity_epoch: u64,
+    ) -> Result<(), StoreError>;
+}
+
+/// The one process simulating an account's avatar: the node, the lease epoch of its process, the
+/// entity and its epoch. A login anywhere in the geo finds the avatar through it instead of
+/// spawning a second one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MasterEntry {
+    pub node: u32,
+    pub lease_epoch: u64,
+    pub entity_id: u64,
+    pub entity_epoch: u64,
+}
+
+impl MasterEntry {
+    /// Whether `self` may replace `current`: another entity (a new avatar), or a later epoch of
+    /// the same one.
+    pub fn replaces(&self, current: Option<&MasterEntry>) -> bool {
+        current.is_none_or(|c| c.entity_id != self.entity_id || c.entity_epoch <= self.entity_epoch)
+    }
 }
 
 /// What the world remembers about a player between sessions.

@@ -5,6 +5,8 @@
 //! - `cellmesh:G:{A}:session`: hash `{node, epoch}` with the lease as its TTL, so a dead gateway's
 //!   sessions vanish by themselves;
 //! - `cellmesh:G:{A}:session_epoch`: the account's last epoch, kept for [`EPOCH_KEEP`];
+//! - `cellmesh:G:{A}:master`: hash `{node, lease, id, epoch}`, the process simulating the
+//!   account's avatar, kept [`CHECKPOINT_KEEP`] past its last write;
 //! - `cellmesh:G:{node-N-L}:checkpoints`: hash entity id -> checkpoint of the process that held
 //!   node `N` under lease epoch `L`, kept [`CHECKPOINT_KEEP`] past its last write (a process
 //!   that died with nobody left to restore it leaves nothing behind for good).
@@ -25,7 +27,7 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script};
 
-use super::{redact_url, CheckpointStore, SessionDirectory, SessionEntry, StoreError};
+use super::{redact_url, CheckpointStore, MasterEntry, SessionDirectory, SessionEntry, StoreError};
 
 /// Bound on `connect`: reaching the server and getting its answer to a PING.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -88,6 +90,35 @@ static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     )
 });
 
+/// KEYS: master. ARGV: node, lease epoch, entity id, entity epoch, keep ms. A later epoch of the
+/// same entity already written wins (see [`MasterEntry::replaces`]).
+static SET_MASTER: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+        local cur = redis.call('HMGET', KEYS[1], 'id', 'epoch')
+        if cur[1] == ARGV[3] and tonumber(cur[2]) > tonumber(ARGV[4]) then
+            return 0
+        end
+        redis.call('HSET', KEYS[1], 'node', ARGV[1], 'lease', ARGV[2], 'id', ARGV[3], 'epoch', ARGV[4])
+        redis.call('PEXPIRE', KEYS[1], ARGV[5])
+        return 1
+        ",
+    )
+});
+
+/// KEYS: master. ARGV: entity id, entity epoch. Deletes the record if it still names them.
+static CLEAR_MASTER: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+        local cur = redis.call('HMGET', KEYS[1], 'id', 'epoch')
+        if cur[1] == ARGV[1] and cur[2] == ARGV[2] then
+            return redis.call('DEL', KEYS[1])
+        end
+        return 0
+        ",
+    )
+});
+
 /// The session directory of one geo, in that geo's Redis.
 #[derive(Clone)]
 pub struct RedisDirectory {
@@ -134,6 +165,10 @@ impl RedisDirectory {
 
     fn epoch_key(&self, account: &str) -> String {
         format!("{}{{{account}}}:session_epoch", self.prefix)
+    }
+
+    fn master_key(&self, account: &str) -> String {
+        format!("{}{{{account}}}:master", self.prefix)
     }
 
     fn checkpoints_key(&self, node: u32, lease_epoch: u64) -> String {
@@ -227,6 +262,61 @@ impl SessionDirectory for RedisDirectory {
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(|e| self.error("release", e))
+    }
+
+    async fn master(&self, account: &str) -> Result<Option<MasterEntry>, StoreError> {
+        type Fields = (Option<u32>, Option<u64>, Option<u64>, Option<u64>);
+        let fields: Fields = redis::cmd("HMGET")
+            .arg(self.master_key(account))
+            .arg(&["node", "lease", "id", "epoch"])
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.error("master", e))?;
+        match fields {
+            (Some(node), Some(lease_epoch), Some(entity_id), Some(entity_epoch)) => {
+                Ok(Some(MasterEntry {
+                    node,
+                    lease_epoch,
+                    entity_id,
+                    entity_epoch,
+                }))
+            }
+            (None, None, None, None) => Ok(None),
+            _ => Err(StoreError::Corrupt(format!(
+                "redis at {}: the master record of `{account}` lacks a field",
+                self.url
+            ))),
+        }
+    }
+
+    async fn set_master(&self, account: &str, entry: MasterEntry) -> Result<(), StoreError> {
+        SET_MASTER
+            .key(self.master_key(account))
+            .arg(entry.node)
+            .arg(entry.lease_epoch)
+            .arg(entry.entity_id)
+            .arg(entry.entity_epoch)
+            .arg(lease_ms(CHECKPOINT_KEEP))
+            .invoke_async::<u32>(&mut self.conn.clone())
+            .await
+            .map(|_| ())
+            .map_err(|e| self.error("set_master", e))
+    }
+
+    async fn clear_master(
+        &self,
+        account: &str,
+        entity_id: u64,
+        entity_epoch: u64,
+    ) -> Result<(), StoreError> {
+        CLEAR_MASTER
+            .key(self.master_key(account))
+            .arg(entity_id)
+            .arg(entity_epoch)
+            .invoke_async::<u32>(&mut self.conn.clone())
+            .await
+            .map(|_| ())
+            .map_err(|e| self.error("clear_master", e))
     }
 }
 

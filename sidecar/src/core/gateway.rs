@@ -10,13 +10,13 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap as HashMap;
 
-use cellmesh_geo_router::geometry::Pos;
 use cellmesh_geo_router::partition::NodeId;
 use cellmesh_geo_router::store::PlayerRecord;
 use cellmesh_proto::edge::KickReason;
 use cellmesh_proto::local::{self, sidecar_message};
 use cellmesh_proto::mesh::{self, mesh_message, MeshMessage};
 
+use super::avatars::AvatarAt;
 use super::*;
 use crate::config::SidecarConfig;
 use crate::model::fold::Clients;
@@ -299,46 +299,35 @@ impl Core {
             s.home_geo = Some(r.home_geo);
         }
         let last_position = s.last_position;
-        let join = local::PlayerJoin {
-            account: account.clone(),
-            session_epoch: reg.epoch,
-            last_position: last_position.map(|[x, y, z]| local::Vec3 { x, y, z }),
-        };
         self.gw.sessions.by_account.insert(account.clone(), key);
         self.gw.clients.add(key, &account);
         self.metrics
             .sessions
             .set(self.gw.sessions.attached() as i64);
-        self.announce_session(&account, reg.epoch);
-        // The avatar is spawned by the game of the node owning where it stands (the player's
-        // last position); a player with none starts in this node's world.
-        // An avatar already simulated for this account (a new login displacing a session on
-        // this gateway) keeps being simulated where it is: its game sees a new PlayerJoin.
-        let known = self.gw.master_owner.get(&account).copied();
-        if known.is_none() {
-            // A new session learns its master's epoch from the master's owner.
-            self.gw.master_epoch.remove(&account);
-        }
-        let owner = known
-            .or_else(|| {
-                last_position.and_then(|[x, y, _]| self.auth.partition.owner_of(Pos { x, y }).ok())
-            })
-            .unwrap_or(me);
-        let remote_join = mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
-            account: account.clone(),
-            session_epoch: reg.epoch,
-            last_position: last_position.map(|[x, y, z]| mesh::MeshVec3 { x, y, z }),
-            gateway_node: 0,
-        });
-        if owner != me && self.send_peer(owner, remote_join) {
-            self.gw.master_owner.insert(account.clone(), owner);
-        } else {
-            self.gw.master_owner.insert(account.clone(), me);
-            if self.game.slot.is_some() {
-                self.out
-                    .to_game
-                    .push(sidecar_message::Body::PlayerJoin(join).into());
+        // An avatar already simulated for this account (a session displaced here, or one the
+        // directory's master record names) keeps being simulated where it is: its game sees a
+        // new PlayerJoin. With none, one is spawned.
+        let at = match self.gw.master_owner.get(&account).copied() {
+            Some(owner) if owner == me => AvatarAt::Here,
+            Some(owner) => AvatarAt::Peer(owner),
+            None => {
+                // A new session learns its master's epoch from the master's owner.
+                self.gw.master_epoch.remove(&account);
+                self.avatar_at(&account, reg.master)
             }
+        };
+        self.announce_session(&account, reg.epoch, at == AvatarAt::Nowhere);
+        match at {
+            AvatarAt::Here => self.join_here(&account, reg.epoch, last_position),
+            AvatarAt::Peer(owner) => {
+                if self.send_join(owner, &account, reg.epoch, last_position) {
+                    self.gw.master_owner.insert(account.clone(), owner);
+                } else {
+                    self.await_avatar(&account, reg.master);
+                }
+            }
+            AvatarAt::Restoring => self.await_avatar(&account, reg.master),
+            AvatarAt::Nowhere => self.spawn_avatar(&account, reg.epoch, last_position),
         }
         self.queue_for_link(
             link,
@@ -367,6 +356,9 @@ impl Core {
         let Some(epoch) = s.epoch else {
             return self.metrics.drop_input("session_attaching");
         };
+        if self.avatars.awaiting.contains_key(&s.account) {
+            return self.metrics.drop_input("input_avatar_restoring");
+        }
         let owner = self
             .gw
             .master_owner
@@ -431,6 +423,7 @@ impl Core {
             .unwrap_or(self.cfg.node_id);
         self.gw.master_epoch.remove(account);
         self.gw.clients.set_remote_anchor(account, None);
+        self.avatars.awaiting.remove(account);
         if owner != self.cfg.node_id {
             self.send_peer(
                 owner,
@@ -440,6 +433,8 @@ impl Core {
                     reason: reason.to_string(),
                 }),
             );
+        } else if reason == "displaced" {
+            self.defer_displaced_leave(account, epoch);
         } else if self.game.slot.is_some() {
             self.leave_follows_handoff(account, epoch, reason);
             let leave = local::PlayerLeave {

@@ -559,6 +559,26 @@ impl Core {
                 if let Some(leave) = self.handoff.leaving.remove(&account) {
                     self.send_peer(done.to, mesh_message::Body::PlayerLeave(leave));
                 }
+                // A newer session joined while the offer was out: its join follows the avatar
+                // (the offer carries the session it was made under).
+                let offered = self
+                    .restore
+                    .sent
+                    .get(&id)
+                    .map_or(0, |s| s.offer.session_epoch);
+                if let Some(r) = self.routing.remote_players.get(&account).copied() {
+                    if r.session_epoch > offered && r.gateway_node != done.to {
+                        self.send_peer(
+                            done.to,
+                            mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
+                                account: account.clone(),
+                                session_epoch: r.session_epoch,
+                                last_position: None,
+                                gateway_node: r.gateway_node,
+                            }),
+                        );
+                    }
+                }
                 self.routing.remote_players.remove(&account);
                 self.routing.anchor_sent.remove(&account);
                 if self.gw.clients.key_of(&account).is_some() {
@@ -769,28 +789,37 @@ impl Core {
                 .input_order
                 .resume(&account, o.session_epoch, o.last_input_seq, until);
             self.handoff.departed_masters.remove(&account);
-            if o.gateway_node == me {
+            // The session the avatar serves: the one the offer carries, or a newer one that
+            // logged in meanwhile (on any gateway, after the old one died, say) and waits for
+            // this avatar instead of spawning another.
+            let local = self.session_epoch(&account).map(|(_, e)| e);
+            let newer_remote = self
+                .routing
+                .routes
+                .get(&account)
+                .filter(|r| r.gateway_node != me && r.session_epoch > o.session_epoch)
+                .filter(|r| local.is_none_or(|l| r.session_epoch > l))
+                .copied();
+            if let Some(entry) = newer_remote {
+                self.join_session(&account, entry);
+            } else if o.gateway_node == me || local.is_some_and(|l| l > o.session_epoch) {
                 // Gateway side only: the epoch its inputs are stamped with.
                 self.gw.master_epoch.insert(account.clone(), epoch);
                 self.gw.master_owner.insert(account.clone(), me);
                 self.gw.clients.set_remote_anchor(&account, None);
                 self.gw.anchor_pos.remove(&account);
+                if let Some(l) = local.filter(|l| *l > o.session_epoch) {
+                    self.join_here(&account, l, None);
+                }
             } else if o.gateway_node != 0 {
                 let entry = SessionEntry {
                     gateway_node: o.gateway_node,
                     session_epoch: o.session_epoch,
                 };
-                let newer = self
-                    .routing
-                    .routes
-                    .get(&account)
-                    .is_some_and(|r| r.session_epoch > o.session_epoch);
-                if !newer {
-                    self.routing.routes.insert(account.clone(), entry);
-                    self.routing.remote_players.insert(account.clone(), entry);
-                    self.routing.anchor_sent.remove(&account);
-                    self.send_anchor(o.gateway_node, &account, o.session_epoch);
-                }
+                self.routing.routes.insert(account.clone(), entry);
+                self.routing.remote_players.insert(account.clone(), entry);
+                self.routing.anchor_sent.remove(&account);
+                self.send_anchor(o.gateway_node, &account, o.session_epoch);
             }
         }
         for m in std::iter::once(o.entity_id).chain(o.attachments.iter().map(|a| a.entity_id)) {

@@ -10,10 +10,12 @@
 //! [`game`] (the local game and its ticks), [`gateway`] (client sessions), [`peers`] (links to
 //! proxies and other sidecars), [`replication`] (subscriptions, render and simulation ghosts),
 //! [`routing`] (routing by account, anchors), [`handoff`] (moving reals, the epoch fence, inputs)
+//! [`avatars`] (one avatar per account, found through the directory's master record)
 //! and [`authority`] (lease, partition, drain). [`wire`] holds the one copy of each conversion
 //! between the model and the wire.
 
 pub(crate) mod authority;
+pub(crate) mod avatars;
 pub(crate) mod game;
 pub(crate) mod gateway;
 pub(crate) mod handoff;
@@ -29,7 +31,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use cellmesh_geo_router::partition::{NodeId, Partition};
-use cellmesh_geo_router::store::{PlayerRecord, SessionEntry};
+use cellmesh_geo_router::store::{MasterEntry, PlayerRecord, SessionEntry};
 use cellmesh_geo_router::topology::Lease;
 use cellmesh_proto::local::{self, GameMessage, SidecarFrame, SidecarMessage};
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage};
@@ -182,6 +184,12 @@ pub enum StoreRequest {
     EndSession { record: PlayerRecord, epoch: u64 },
     /// Releases a directory entry (a registration nobody wants any more).
     Release { account: String, epoch: u64 },
+    /// Records where this node simulates avatars (`set`), and forgets those it no longer does
+    /// (`clear`: account, entity, entity epoch), in the directory's master records.
+    WriteMasters {
+        set: Vec<(String, MasterEntry)>,
+        clear: Vec<(String, u64, u64)>,
+    },
     /// Writes checkpoints of this process (`node` under `lease_epoch`) and removes those of
     /// entities it no longer writes. Each is a successor offer a restore can make as it is.
     PutCheckpoints {
@@ -235,12 +243,16 @@ pub enum StoreReply {
         put: Vec<u64>,
         remove: Vec<u64>,
     },
+    /// A `WriteMasters` the store refused: these accounts' records are written again.
+    MastersNotWritten { accounts: Vec<String> },
 }
 
 #[derive(Debug, Clone)]
 pub struct Registration {
     pub epoch: u64,
     pub record: Option<cellmesh_geo_router::store::PlayerRecord>,
+    /// Where the account's avatar is simulated, if it has one.
+    pub master: Option<MasterEntry>,
 }
 
 /// Frames the epoch fence holds for one entity.
@@ -284,6 +296,7 @@ pub struct Core {
     pub(crate) handoff: Handoffs,
     pub(crate) auth: Authority,
     pub(crate) restore: restore::Restore,
+    pub(crate) avatars: avatars::Avatars,
     pub(crate) out: Outbox,
     shutting_down: bool,
     /// Something changed since the last publish.
@@ -328,6 +341,7 @@ impl Core {
                 incarnation: lease.as_ref().map_or(0, |l| l.lease.epoch),
                 ..Default::default()
             },
+            avatars: avatars::Avatars::default(),
             out: Outbox::default(),
             shutting_down: false,
             dirty: true,
@@ -410,7 +424,12 @@ impl Core {
 
     /// Client inputs held here that no other node has a copy of: lost if this process died now.
     pub fn inputs_only_here(&self) -> usize {
+        let in_doubt_to_dead = self
+            .handoff
+            .out
+            .inputs_offered_to(|n| self.restore.in_doubt_to_dead_node(n));
         self.handoff.out.inputs_not_forwarded()
+            + in_doubt_to_dead
             + self
                 .handoff
                 .fence
@@ -486,6 +505,9 @@ impl Core {
                 put,
                 remove,
             }) => self.on_checkpoints_not_written(lease_epoch, put, remove),
+            Input::Store(StoreReply::MastersNotWritten { accounts }) => {
+                self.on_masters_not_written(accounts)
+            }
             Input::Peers(peers) => self.on_peers(peers),
             Input::PeerLeases(leases) => self.note_leases(&leases),
             Input::LeaseLost => self.on_lease_lost(),
@@ -496,6 +518,7 @@ impl Core {
             Input::Shutdown => self.shutdown(),
         }
         self.flush_checkpoints();
+        self.sync_master_records();
         self.count_fence_discards();
     }
 
@@ -549,6 +572,7 @@ impl Core {
             self.flush_checkpoints();
             self.prune_sent_offers();
             self.restore_step();
+            self.avatars_step();
             self.metrics.inputs_held.set(self.inputs_held() as i64);
             if self.dirty {
                 self.dirty = false;

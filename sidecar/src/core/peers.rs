@@ -190,6 +190,7 @@ impl Core {
                     account: s.account.clone(),
                     session_epoch: s.epoch?,
                     gateway_node: self.cfg.node_id,
+                    new_avatar: false,
                 }))
             })
             .collect();
@@ -344,6 +345,16 @@ impl Core {
                     .is_some_and(|r| r.session_epoch == e.session_epoch)
                 {
                     self.routing.routes.remove(&e.account);
+                }
+                // The avatar of a session that ended is released even if the gateway's leave
+                // never comes (it went to an owner the gateway was still waiting for).
+                if self
+                    .routing
+                    .remote_players
+                    .get(&e.account)
+                    .is_some_and(|r| r.session_epoch <= e.session_epoch)
+                {
+                    self.release_remote_player(&e.account, "session_ended");
                 }
             }
             other => {

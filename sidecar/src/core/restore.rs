@@ -118,6 +118,11 @@ impl Restore {
         self.dead.keys().any(|(n, _)| *n == node)
     }
 
+    /// Whether an offer in doubt towards `node` went to a process that died.
+    pub fn in_doubt_to_dead_node(&self, node: NodeId) -> bool {
+        self.in_doubt_to_dead.values().any(|(n, _)| *n == node)
+    }
+
     fn dead_ghost(&self, id: u64, epoch: u64) -> bool {
         self.dead.values().any(|g| g.get(&id) == Some(&epoch))
     }
@@ -334,6 +339,7 @@ impl Core {
     pub(crate) fn on_restore_done(&mut self, d: mesh::RestoreDone) {
         let inc = (d.node, d.lease_epoch);
         self.restore.fenced.insert(inc);
+        self.avatars_restored(inc);
         let Some(ghosts) = self.restore.dead.remove(&inc) else {
             return;
         };

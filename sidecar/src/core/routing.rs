@@ -250,6 +250,9 @@ impl Core {
         result: Result<Option<SessionEntry>, String>,
     ) {
         self.routing.looking_up.remove(&account);
+        if let Ok(entry) = &result {
+            self.on_orphan_looked_up(&account, *entry);
+        }
         let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.routing.parked)
             .into_iter()
             .partition(|(a, _)| *a == account);
@@ -432,6 +435,9 @@ impl Core {
         }
         self.routing.remote_players.remove(&l.account);
         self.routing.anchor_sent.remove(&l.account);
+        if l.reason == "displaced" {
+            return self.defer_displaced_leave(&l.account, l.session_epoch);
+        }
         self.leave_follows_handoff(&l.account, l.session_epoch, &l.reason);
         if self.game.slot.is_some() {
             self.out.to_game.push(
@@ -476,6 +482,7 @@ impl Core {
         self.gw
             .master_epoch
             .insert(a.account.clone(), a.entity_epoch);
+        self.avatars.awaiting.remove(&a.account);
         let chunk = self.cfg.world.chunk_of(Pos { x: p.x, y: p.y });
         self.gw.clients.set_remote_anchor(&a.account, Some(chunk));
         self.gw.master_owner.insert(a.account.clone(), node);
@@ -536,14 +543,19 @@ impl Core {
                 self.displace(key, "the account logged in on another gateway");
             }
         }
+        if m.new_avatar && m.gateway_node != self.cfg.node_id {
+            self.on_new_avatar_elsewhere(&m.account, m.session_epoch);
+        }
     }
 
-    /// Tells every peer that `account` now has a session here.
-    pub(crate) fn announce_session(&mut self, account: &str, epoch: u64) {
+    /// Tells every peer that `account` now has a session here, and whether its gateway spawns
+    /// the avatar anew.
+    pub(crate) fn announce_session(&mut self, account: &str, epoch: u64, new_avatar: bool) {
         self.broadcast(mesh_message::Body::SessionMoved(mesh::SessionMoved {
             account: account.to_string(),
             session_epoch: epoch,
             gateway_node: self.cfg.node_id,
+            new_avatar,
         }));
     }
 

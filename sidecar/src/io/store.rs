@@ -40,8 +40,17 @@ pub(crate) async fn execute(
             let lease = Duration::from_millis(lease_ms);
             let result = async {
                 let epoch = timed(stores.directory.register(&account, node, lease)).await?;
-                match timed(stores.players.load(&account)).await {
-                    Ok(record) => Ok(Registration { epoch, record }),
+                let read = async {
+                    let record = timed(stores.players.load(&account)).await?;
+                    let master = timed(stores.directory.master(&account)).await?;
+                    Ok::<_, String>((record, master))
+                };
+                match read.await {
+                    Ok((record, master)) => Ok(Registration {
+                        epoch,
+                        record,
+                        master,
+                    }),
                     Err(e) => {
                         let _ = timed(stores.directory.release(&account, epoch)).await;
                         Err(e)
@@ -85,6 +94,27 @@ pub(crate) async fn execute(
         StoreRequest::Release { account, epoch } => {
             let _ = timed(stores.directory.release(&account, epoch)).await;
             None
+        }
+        StoreRequest::WriteMasters { set, clear } => {
+            let mut failed = Vec::new();
+            for (account, entry) in set {
+                if let Err(e) = timed(stores.directory.set_master(&account, entry)).await {
+                    tracing::warn!(%account, error = %e, "writing the avatar's master record failed; retrying");
+                    failed.push(account);
+                }
+            }
+            for (account, id, epoch) in clear {
+                if let Err(e) = timed(stores.directory.clear_master(&account, id, epoch)).await {
+                    // Harmless if left: a login sent to this node finds no avatar and spawns.
+                    tracing::debug!(%account, error = %e, "clearing the avatar's master record failed");
+                }
+            }
+            if failed.is_empty() {
+                None
+            } else {
+                metrics.error("store");
+                Some(StoreReply::MastersNotWritten { accounts: failed })
+            }
         }
         StoreRequest::PutCheckpoints {
             node,

@@ -117,6 +117,8 @@ pub struct EntityTable {
     entities: HashMap<u64, Entity>,
     residents: HashMap<ChunkPos, HashSet<u64>>,
     masters: HashMap<String, u64>,
+    /// Bumped whenever an avatar is spawned, adopted, handed away or despawned here.
+    masters_version: u64,
     changes: TickChanges,
 }
 
@@ -127,6 +129,7 @@ impl EntityTable {
             entities: HashMap::default(),
             residents: HashMap::default(),
             masters: HashMap::default(),
+            masters_version: 0,
             changes: TickChanges::new(),
         }
     }
@@ -161,6 +164,16 @@ impl EntityTable {
         self.masters
             .get(account)
             .and_then(|id| self.entities.get(id))
+    }
+
+    /// Changes whenever [`Self::masters`] or one of their epochs may have changed.
+    pub fn masters_version(&self) -> u64 {
+        self.masters_version
+    }
+
+    /// Every account with an avatar here (real or ghost), and its entity.
+    pub fn masters(&self) -> impl Iterator<Item = (&str, u64)> {
+        self.masters.iter().map(|(a, id)| (a.as_str(), *id))
     }
 
     fn place(&self, p: Position) -> (Position, ChunkPos) {
@@ -198,6 +211,7 @@ impl EntityTable {
         self.residents.entry(chunk).or_default().insert(e.id);
         if entity.is_master && !entity.owner_account.is_empty() {
             self.masters.insert(entity.owner_account.clone(), e.id);
+            self.masters_version += 1;
         }
         self.entities.insert(e.id, entity);
         // A respawn within the tick keeps `despawned`: clients that saw the old one lose it first.
@@ -268,6 +282,7 @@ impl EntityTable {
         }
         if self.masters.get(&entity.owner_account) == Some(&id) {
             self.masters.remove(&entity.owner_account);
+            self.masters_version += 1;
         }
         let change = self.changes.entry(id).or_default();
         if change.spawned && !change.despawned {
@@ -348,11 +363,13 @@ impl EntityTable {
         if e.owner_account != owner || e.is_master != master {
             if self.masters.get(&e.owner_account) == Some(&e.id) {
                 self.masters.remove(&e.owner_account);
+                self.masters_version += 1;
             }
             e.owner_account = owner;
             e.is_master = master;
             if e.is_master && !e.owner_account.is_empty() {
                 self.masters.insert(e.owner_account.clone(), e.id);
+                self.masters_version += 1;
             }
         }
         Ok(())
@@ -366,6 +383,9 @@ impl EntityTable {
         };
         e.origin = Some(owner);
         e.epoch = epoch;
+        if e.is_master {
+            self.masters_version += 1;
+        }
         e.components.retain(|_, c| c.audience.is_public());
         // Changes of this tick were the old owner's to send; they are stale now.
         self.changes.remove(&id);
@@ -385,16 +405,19 @@ impl EntityTable {
         check_finite(full.id, &full.position)?;
         e.origin = None;
         e.epoch = full.epoch;
+        self.masters_version += 1;
         e.parent_id = full.parent_id;
         e.components = full.components.into_iter().collect();
         if e.owner_account != full.owner_account || e.is_master != full.is_master {
             if self.masters.get(&e.owner_account) == Some(&e.id) {
                 self.masters.remove(&e.owner_account);
+                self.masters_version += 1;
             }
             e.owner_account = full.owner_account;
             e.is_master = full.is_master;
             if e.is_master && !e.owner_account.is_empty() {
                 self.masters.insert(e.owner_account.clone(), e.id);
+                self.masters_version += 1;
             }
         }
         // Always a recorded move: the new owner's first frame to its subscribers is a full one.

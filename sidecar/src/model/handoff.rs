@@ -526,6 +526,15 @@ impl<I: Clone> HandoffSource<I> {
             .sum()
     }
 
+    /// Inputs held for units offered to one of `dead`: their copies died with the target.
+    pub fn inputs_offered_to(&self, dead: impl Fn(NodeId) -> bool) -> usize {
+        self.out
+            .values()
+            .filter(|o| matches!(o.phase, Phase::Offered { .. }) && dead(o.to))
+            .map(|o| o.inputs.len())
+            .sum()
+    }
+
     /// Inputs held for frozen entities (to apply on a thaw; the copies of some went on).
     pub fn held_inputs(&self) -> usize {
         self.out.values().map(|o| o.inputs.len()).sum()

@@ -1,0 +1,460 @@
+//! One avatar per account: a login anywhere in the geo finds the avatar wherever it lives.
+//!
+//! The node writing a player's master records where it is in the directory's master record
+//! (`account → node, lease epoch, entity, entity epoch`) as soon as an avatar is spawned,
+//! adopted or despawned here.
+//! A gateway registering a session reads the record with the registration and sends the
+//! player's join to that node instead of spawning. When the record names a process that died,
+//! the avatar is being restored: the gateway waits for the restored owner's anchor (the restored
+//! owner joins the newest session it knows of) for at most [`Core::avatar_wait_ms`], then spawns.
+//! An owner whose player's gateway link is down asks the directory where the session is: gone
+//! for good releases the avatar, a newer session on another gateway is joined.
+
+use rustc_hash::FxHashMap as HashMap;
+
+use cellmesh_geo_router::geometry::Pos;
+use cellmesh_geo_router::partition::NodeId;
+use cellmesh_geo_router::store::{MasterEntry, SessionEntry};
+use cellmesh_proto::local::{self, sidecar_message};
+use cellmesh_proto::mesh::{self, mesh_message};
+
+use super::*;
+
+/// How often the session of a player whose gateway link is down is looked up.
+pub(crate) const ORPHAN_CHECK_EVERY_MS: u64 = 1_000;
+/// How long a session still waits for its avatar's anchor once the restore of the process that
+/// wrote it is over (the restored owner's anchor and the decider's word travel different links).
+pub(crate) const RESTORED_GRACE_MS: u64 = 500;
+/// How long a displaced session's avatar waits for the newer session's join before it leaves.
+pub(crate) const DISPLACED_GRACE_MS: u64 = 3_000;
+
+#[derive(Default)]
+pub(crate) struct Avatars {
+    /// The master records as this node last wrote them.
+    written: HashMap<String, MasterEntry>,
+    /// The entity table's masters version they were written at (`None`: write again).
+    synced_version: Option<u64>,
+    /// Gateway side: sessions waiting for a restored avatar's anchor: until (monotonic ms),
+    /// and the dead process that wrote it.
+    pub awaiting: HashMap<String, (u64, Option<(NodeId, u64)>)>,
+    /// Owner side: when each player whose gateway link is down was last looked up.
+    orphan_checked: HashMap<String, u64>,
+    /// Owner side: leaves of displaced sessions, (session epoch, due): the newer session's join
+    /// usually follows at once from its gateway, and keeps the avatar.
+    displaced: HashMap<String, (u64, u64)>,
+    /// Owner side: accounts whose newer session (this epoch) spawns a new avatar elsewhere.
+    spawned_elsewhere: HashMap<String, u64>,
+}
+
+/// Where a login finds the account's avatar.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AvatarAt {
+    /// Nowhere: it is spawned.
+    Nowhere,
+    /// This node writes it.
+    Here,
+    /// A live peer writes it.
+    Peer(NodeId),
+    /// Its owner's process died: its restore will anchor the session.
+    Restoring,
+}
+
+impl Core {
+    pub(crate) fn avatars_step(&mut self) {
+        let spawned = std::mem::take(&mut self.avatars.spawned_elsewhere);
+        self.avatars.spawned_elsewhere = spawned
+            .into_iter()
+            .filter(|(a, _)| self.writes_master(a))
+            .collect();
+        self.apply_displaced_leaves();
+        self.expire_avatar_waits();
+        self.check_orphans();
+    }
+
+    /// How long a session waits for a restored avatar before one is spawned: the owner's lease
+    /// must lapse and the restore run.
+    pub(crate) fn avatar_wait_ms(&self) -> u64 {
+        2 * self.cfg.node_lease_ms + 5_000
+    }
+
+    // ------------------------------------------------------------------ owner side
+
+    /// Writes the master records of avatars this node now writes, and clears those of avatars
+    /// it despawned. One handed away is left to its new owner (a clear racing the new owner's
+    /// write would leave a moment with no record, when a login would spawn a second avatar).
+    pub(crate) fn sync_master_records(&mut self) {
+        let version = self.table.masters_version();
+        if self.avatars.synced_version == Some(version)
+            || self.restore.incarnation == 0
+            || !self.auth.lease_live
+            || !self.mesh.clustered
+        {
+            return;
+        }
+        self.avatars.synced_version = Some(version);
+        let (me, lease_epoch) = (self.cfg.node_id, self.restore.incarnation);
+        let current: HashMap<String, MasterEntry> = self
+            .table
+            .masters()
+            .filter_map(|(account, id)| {
+                let e = self.table.get_local(id)?;
+                let entry = MasterEntry {
+                    node: me,
+                    lease_epoch,
+                    entity_id: id,
+                    entity_epoch: e.epoch,
+                };
+                Some((account.to_string(), entry))
+            })
+            .collect();
+        let set: Vec<(String, MasterEntry)> = current
+            .iter()
+            .filter(|(a, m)| self.avatars.written.get(*a) != Some(m))
+            .map(|(a, m)| (a.clone(), *m))
+            .collect();
+        let clear: Vec<(String, u64, u64)> = self
+            .avatars
+            .written
+            .iter()
+            .filter(|(a, m)| !current.contains_key(*a) && self.table.get(m.entity_id).is_none())
+            .map(|(a, m)| (a.clone(), m.entity_id, m.entity_epoch))
+            .collect();
+        self.avatars.written = current;
+        if !set.is_empty() || !clear.is_empty() {
+            self.store(StoreRequest::WriteMasters { set, clear });
+        }
+    }
+
+    /// The leave of a session a newer login displaced: kept for [`DISPLACED_GRACE_MS`], so the
+    /// avatar serves the newer session instead of leaving and spawning again (the new gateway
+    /// found it through the master record; its join and this leave race on different links).
+    pub(crate) fn defer_displaced_leave(&mut self, account: &str, epoch: u64) {
+        let now = self.now.mono_ms;
+        let slot = self
+            .avatars
+            .displaced
+            .entry(account.to_string())
+            .or_insert((epoch, now + DISPLACED_GRACE_MS));
+        slot.0 = slot.0.max(epoch);
+        if self
+            .avatars
+            .spawned_elsewhere
+            .get(account)
+            .is_some_and(|e| *e > epoch)
+        {
+            slot.1 = now;
+            self.apply_displaced_leaves();
+        }
+    }
+
+    /// A newer session of `account` spawns a new avatar on another node: the older one here,
+    /// if any, leaves without waiting out the grace.
+    pub(crate) fn on_new_avatar_elsewhere(&mut self, account: &str, epoch: u64) {
+        if !self.writes_master(account) {
+            return;
+        }
+        let seen = self
+            .avatars
+            .spawned_elsewhere
+            .entry(account.to_string())
+            .or_insert(epoch);
+        *seen = (*seen).max(epoch);
+        if let Some(slot) = self.avatars.displaced.get_mut(account) {
+            if slot.0 < epoch {
+                slot.1 = self.now.mono_ms;
+                self.apply_displaced_leaves();
+            }
+        }
+    }
+
+    fn apply_displaced_leaves(&mut self) {
+        let now = self.now.mono_ms;
+        let due: Vec<(String, u64)> = self
+            .avatars
+            .displaced
+            .iter()
+            .filter(|(_, (_, due))| now >= *due)
+            .map(|(a, (e, _))| (a.clone(), *e))
+            .collect();
+        for (account, epoch) in due {
+            self.avatars.displaced.remove(&account);
+            self.avatars.spawned_elsewhere.remove(&account);
+            let served = self
+                .routing
+                .remote_players
+                .get(&account)
+                .is_some_and(|r| r.session_epoch > epoch)
+                || self.session_epoch(&account).is_some_and(|(_, e)| e > epoch);
+            let here = self.writes_master(&account);
+            if served || !here {
+                continue;
+            }
+            self.leave_follows_handoff(&account, epoch, "displaced");
+            if self.game.slot.is_some() {
+                self.out.to_game.push(
+                    sidecar_message::Body::PlayerLeave(local::PlayerLeave {
+                        account,
+                        session_epoch: epoch,
+                        reason: "displaced".into(),
+                    })
+                    .into(),
+                );
+            }
+        }
+    }
+
+    /// The store refused a write: these records are written again at the next sync.
+    pub(crate) fn on_masters_not_written(&mut self, accounts: Vec<String>) {
+        for a in accounts {
+            self.avatars.written.remove(&a);
+        }
+        self.avatars.synced_version = None;
+    }
+
+    /// Players whose avatar this node writes and whose gateway link is down: their session may
+    /// have moved (a gateway that died) or ended for good.
+    fn check_orphans(&mut self) {
+        let now = self.now.mono_ms;
+        let due: Vec<String> = self
+            .routing
+            .remote_players
+            .iter()
+            .filter(|(account, r)| {
+                !self.peer_link_up(r.gateway_node)
+                    && self.writes_master(account)
+                    && self
+                        .avatars
+                        .orphan_checked
+                        .get(*account)
+                        .is_none_or(|t| now >= t + ORPHAN_CHECK_EVERY_MS)
+            })
+            .map(|(a, _)| a.clone())
+            .collect();
+        self.avatars
+            .orphan_checked
+            .retain(|a, _| self.routing.remote_players.contains_key(a));
+        for account in due {
+            self.avatars.orphan_checked.insert(account.clone(), now);
+            if self.routing.looking_up.insert(account.clone()) {
+                self.store(StoreRequest::Lookup { account });
+            }
+        }
+    }
+
+    /// Whether this node writes `account`'s avatar.
+    pub(crate) fn writes_master(&self, account: &str) -> bool {
+        self.table
+            .master_of(account)
+            .is_some_and(|e| e.origin.is_none())
+    }
+
+    fn peer_link_up(&self, node: NodeId) -> bool {
+        node == self.cfg.node_id || self.mesh.peers.get(&node).is_some_and(|p| p.link.is_some())
+    }
+
+    /// The directory's word on the session of a player whose gateway link is down.
+    pub(crate) fn on_orphan_looked_up(&mut self, account: &str, entry: Option<SessionEntry>) {
+        let Some(r) = self.routing.remote_players.get(account).copied() else {
+            return;
+        };
+        if self.peer_link_up(r.gateway_node) || !self.writes_master(account) {
+            return;
+        }
+        match entry {
+            None => {
+                // The session is gone for good: so is its avatar.
+                tracing::debug!(%account, gateway = r.gateway_node, "the player's session ended with its gateway: avatar released");
+                self.release_remote_player(account, "gateway_gone");
+            }
+            Some(e) if e.session_epoch > r.session_epoch && e.gateway_node != self.cfg.node_id => {
+                self.join_session(account, e);
+            }
+            _ => {}
+        }
+    }
+
+    /// The session of a player whose avatar this node simulates for another gateway ended.
+    pub(crate) fn release_remote_player(&mut self, account: &str, reason: &str) {
+        let Some(r) = self.routing.remote_players.remove(account) else {
+            return;
+        };
+        self.routing.anchor_sent.remove(account);
+        self.avatars.orphan_checked.remove(account);
+        if !self.writes_master(account) {
+            return;
+        }
+        self.leave_follows_handoff(account, r.session_epoch, reason);
+        if self.game.slot.is_some() {
+            self.out.to_game.push(
+                sidecar_message::Body::PlayerLeave(local::PlayerLeave {
+                    account: account.to_string(),
+                    session_epoch: r.session_epoch,
+                    reason: reason.to_string(),
+                })
+                .into(),
+            );
+        }
+    }
+
+    /// The avatar this node writes serves the newer session `entry` of another gateway.
+    pub(crate) fn join_session(&mut self, account: &str, entry: SessionEntry) {
+        self.routing.routes.insert(account.to_string(), entry);
+        self.routing
+            .remote_players
+            .insert(account.to_string(), entry);
+        self.routing.anchor_sent.remove(account);
+        if self.game.slot.is_some() {
+            self.out.to_game.push(
+                sidecar_message::Body::PlayerJoin(local::PlayerJoin {
+                    account: account.to_string(),
+                    session_epoch: entry.session_epoch,
+                    last_position: None,
+                })
+                .into(),
+            );
+        }
+        self.send_anchor(entry.gateway_node, account, entry.session_epoch);
+    }
+
+    // ------------------------------------------------------------------ gateway side
+
+    /// Where a login of `account` finds its avatar, from the directory's record.
+    pub(crate) fn avatar_at(&self, account: &str, master: Option<MasterEntry>) -> AvatarAt {
+        let Some(m) = master else {
+            return AvatarAt::Nowhere;
+        };
+        let me = self.cfg.node_id;
+        if m.node == me && m.lease_epoch == self.restore.incarnation {
+            if self.writes_master(account) {
+                return AvatarAt::Here;
+            }
+            let departed = self
+                .handoff
+                .departed_masters
+                .get(account)
+                .and_then(|id| self.handoff.out.departed_to(*id));
+            return match departed {
+                Some((owner, _)) if owner != me => AvatarAt::Peer(owner),
+                // Despawned since (the record is cleared soon).
+                _ => AvatarAt::Nowhere,
+            };
+        }
+        if self.restore.fenced.contains(&(m.node, m.lease_epoch)) {
+            return AvatarAt::Restoring;
+        }
+        match self.restore.live.get(&m.node) {
+            Some(l) if *l == m.lease_epoch => AvatarAt::Peer(m.node),
+            // A newer process holds the id, or the lease lapsed: the writer is dead.
+            Some(_) => AvatarAt::Restoring,
+            None if self.restore.live.is_empty() => AvatarAt::Peer(m.node),
+            None => AvatarAt::Restoring,
+        }
+    }
+
+    /// A session whose avatar is being restored waits for the restored owner's anchor.
+    pub(crate) fn await_avatar(&mut self, account: &str, master: Option<MasterEntry>) {
+        let until = self.now.mono_ms + self.avatar_wait_ms();
+        let dead = master.map(|m| (m.node, m.lease_epoch));
+        self.avatars
+            .awaiting
+            .insert(account.to_string(), (until, dead));
+        self.gw.master_owner.remove(account);
+    }
+
+    /// The world of `inc` is restored: a session still waiting for an avatar it wrote waits
+    /// only a little longer (the restore had no checkpoint of it).
+    pub(crate) fn avatars_restored(&mut self, inc: (NodeId, u64)) {
+        let soon = self.now.mono_ms + RESTORED_GRACE_MS;
+        for (until, dead) in self.avatars.awaiting.values_mut() {
+            if *dead == Some(inc) {
+                *until = (*until).min(soon);
+            }
+        }
+    }
+
+    /// Sessions that waited too long for a restored avatar get a new one (the restore found no
+    /// checkpoint of it).
+    fn expire_avatar_waits(&mut self) {
+        let now = self.now.mono_ms;
+        let due: Vec<String> = self
+            .avatars
+            .awaiting
+            .iter()
+            .filter(|(_, (until, _))| now >= *until)
+            .map(|(a, _)| a.clone())
+            .collect();
+        for account in due {
+            self.avatars.awaiting.remove(&account);
+            let Some((key, epoch)) = self.session_epoch(&account) else {
+                continue;
+            };
+            if self.gw.master_owner.contains_key(&account) {
+                continue;
+            }
+            tracing::warn!(%account, "no restored avatar anchored the session in time: spawning one");
+            self.metrics.error("avatar_not_restored");
+            let last = self.gw.sessions.get(key).and_then(|s| s.last_position);
+            self.announce_session(&account, epoch, true);
+            self.spawn_avatar(&account, epoch, last);
+        }
+    }
+
+    /// The avatar is spawned by the game of the node owning where it stands (the player's last
+    /// position); a player with none starts in this node's world.
+    pub(crate) fn spawn_avatar(&mut self, account: &str, epoch: u64, last: Option<[f64; 3]>) {
+        let me = self.cfg.node_id;
+        let owner = last
+            .and_then(|[x, y, _]| self.auth.partition.owner_of(Pos { x, y }).ok())
+            .unwrap_or(me);
+        if owner != me && self.send_join(owner, account, epoch, last) {
+            self.gw.master_owner.insert(account.to_string(), owner);
+            return;
+        }
+        self.join_here(account, epoch, last);
+    }
+
+    /// The game here simulates (or spawns) the avatar of the local session `epoch`.
+    pub(crate) fn join_here(&mut self, account: &str, epoch: u64, last: Option<[f64; 3]>) {
+        let me = self.cfg.node_id;
+        self.gw.master_owner.insert(account.to_string(), me);
+        self.avatars.awaiting.remove(account);
+        // An avatar simulated here for another gateway serves this session now.
+        self.routing.remote_players.remove(account);
+        self.routing.anchor_sent.remove(account);
+        if let Some(e) = self.table.master_of(account).filter(|e| e.origin.is_none()) {
+            let epoch = e.epoch;
+            self.gw.master_epoch.insert(account.to_string(), epoch);
+            self.gw.clients.set_remote_anchor(account, None);
+            self.gw.anchor_pos.remove(account);
+        }
+        if self.game.slot.is_some() {
+            self.out.to_game.push(
+                sidecar_message::Body::PlayerJoin(local::PlayerJoin {
+                    account: account.to_string(),
+                    session_epoch: epoch,
+                    last_position: last.map(|[x, y, z]| local::Vec3 { x, y, z }),
+                })
+                .into(),
+            );
+        }
+    }
+
+    /// Asks `owner`'s game to simulate the avatar of this gateway's session `epoch`.
+    pub(crate) fn send_join(
+        &mut self,
+        owner: NodeId,
+        account: &str,
+        epoch: u64,
+        last: Option<[f64; 3]>,
+    ) -> bool {
+        self.send_peer(
+            owner,
+            mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
+                account: account.to_string(),
+                session_epoch: epoch,
+                last_position: last.map(|[x, y, z]| mesh::MeshVec3 { x, y, z }),
+                gateway_node: 0,
+            }),
+        )
+    }
+}
