@@ -61,6 +61,8 @@ pub struct BotStats {
     pub appears: AtomicU64,
     pub vanishes: AtomicU64,
     pub logins: AtomicU64,
+    /// Welcomes after the first: the session moved to another gateway, the connection stayed.
+    pub sessions_moved: AtomicU64,
     pub online: AtomicU64,
     pub kicks: AtomicU64,
     pub errors: AtomicU64,
@@ -69,6 +71,8 @@ pub struct BotStats {
     /// Inputs sent on sessions that ended by a kick or an error: at most what those connections
     /// lost before the proxy read it.
     pub inputs_on_broken_sessions: AtomicU64,
+    /// The accounts logged in now.
+    pub online_accounts: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -79,6 +83,7 @@ pub struct BotTotals {
     pub appears: u64,
     pub vanishes: u64,
     pub logins: u64,
+    pub sessions_moved: u64,
     pub online: u64,
     pub kicks: u64,
     pub errors: u64,
@@ -96,12 +101,25 @@ impl BotStats {
             appears: l(&self.appears),
             vanishes: l(&self.vanishes),
             logins: l(&self.logins),
+            sessions_moved: l(&self.sessions_moved),
             online: l(&self.online),
             kicks: l(&self.kicks),
             errors: l(&self.errors),
             vanished_on_handoff: l(&self.vanished_on_handoff),
             inputs_on_broken_sessions: l(&self.inputs_on_broken_sessions),
         }
+    }
+}
+
+fn set_online(stats: &BotStats, account: &str, online: bool) {
+    let mut set = stats
+        .online_accounts
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if online {
+        set.insert(account.to_string());
+    } else {
+        set.remove(account);
     }
 }
 
@@ -131,6 +149,7 @@ pub async fn run_bot(
             Ok((tx, rx, welcome)) => {
                 stats.logins.fetch_add(1, Ordering::Relaxed);
                 stats.online.fetch_add(1, Ordering::Relaxed);
+                set_online(&stats, &account, true);
                 let world = WorldShape {
                     width: welcome.world_width,
                     height: welcome.world_height,
@@ -143,6 +162,7 @@ pub async fn run_bot(
                 )
                 .await;
                 stats.online.fetch_sub(1, Ordering::Relaxed);
+                set_online(&stats, &account, false);
                 match ended {
                     Ok(()) => return,
                     Err(e) => {
@@ -258,6 +278,12 @@ async fn play(
                     }
                     Some(server_message::Body::Ping(p)) => {
                         tx.send(client_message::Body::Pong(Pong { nonce: p.nonce })).await?;
+                    }
+                    Some(server_message::Body::Welcome(_)) => {
+                        // The session moved to another gateway: the view starts over.
+                        stats.sessions_moved.fetch_add(1, Ordering::Relaxed);
+                        seen.clear();
+                        my_entity = None;
                     }
                     Some(server_message::Body::Kick(k)) => {
                         if k.reason != KickReason::Shutdown as i32 || !stop.is_cancelled() {

@@ -41,6 +41,10 @@ enum Command {
         summary_json: Option<PathBuf>,
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Every SECS seconds kill a random node (its sidecar and game, all state lost) and
+        /// start a fresh one under its id; the summary gains the restore figures.
+        #[arg(long, value_name = "SECS")]
+        chaos: Option<f64>,
     },
     /// Run a sidecar beside a game server.
     Sidecar {
@@ -128,8 +132,12 @@ async fn main() -> anyhow::Result<()> {
             duration,
             summary_json,
             seed,
+            chaos,
         } => {
             init_tracing("warn");
+            if let Some(c) = chaos {
+                anyhow::ensure!(c >= 1.0, "--chaos must be at least 1 second");
+            }
             let opts = up::UpOptions {
                 bots,
                 npcs,
@@ -138,6 +146,7 @@ async fn main() -> anyhow::Result<()> {
                 summary_json,
                 seed,
                 status: true,
+                chaos: chaos.map(Duration::from_secs_f64),
             };
             let s = up::run(opts, signal::shutdown()).await?;
             println!(
@@ -154,6 +163,20 @@ async fn main() -> anyhow::Result<()> {
             );
             if !s.inputs_undelivered.is_empty() {
                 println!("undelivered inputs by reason: {:?}", s.inputs_undelivered);
+            }
+            if s.nodes_killed > 0 {
+                println!(
+                    "chaos: {} nodes killed, {} entities restored (restore p50 {:.0} ms p99 {:.0} ms from the kill, progress lost p99 {:.0} ms), sessions kept {} dropped {}, accounts with two avatars {}, sessions without avatar {}",
+                    s.nodes_killed,
+                    s.entities_restored,
+                    s.restore_ms_p50,
+                    s.restore_ms_p99,
+                    s.progress_lost_ms_p99,
+                    s.sessions_kept,
+                    s.sessions_dropped,
+                    s.accounts_with_two_avatars,
+                    s.sessions_without_avatar
+                );
             }
             let problems = s.problems();
             anyhow::ensure!(

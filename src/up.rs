@@ -4,6 +4,10 @@
 //! arenas and the bots meet around the corner where every cell touches the others across the
 //! wrap seam, so updates, ghosts and routed messages cross nodes all the time. Prints a live
 //! status line and, on exit, a summary (optionally as JSON).
+//!
+//! With `--chaos SECS`, every node runs on a runtime of its own, and every SECS seconds one is
+//! killed the way a crash kills a process (its runtime is dropped: every task and socket at
+//! once, nothing flushed, its lease left to lapse) and a fresh one is started under its id.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -26,6 +30,7 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::bots::{self, BotConfig, BotStats};
+use rand::{Rng, SeedableRng};
 
 #[derive(Debug, Clone)]
 pub struct UpOptions {
@@ -40,6 +45,8 @@ pub struct UpOptions {
     pub seed: u64,
     /// Print the live status line.
     pub status: bool,
+    /// Kill a random node this often (and start a fresh one).
+    pub chaos: Option<Duration>,
 }
 
 impl Default for UpOptions {
@@ -52,6 +59,7 @@ impl Default for UpOptions {
             summary_json: None,
             seed: 1,
             status: true,
+            chaos: None,
         }
     }
 }
@@ -117,6 +125,24 @@ pub struct Summary {
     pub checkpoint_stored_bytes: u64,
     pub checkpoint_writes_per_s_per_1000_entities: f64,
     pub checkpoint_bytes_per_s_per_1000_entities: f64,
+    /// `--chaos`: nodes killed, and the entities of theirs restored on live nodes: how long after
+    /// the kill (the lease's lapse included) each was simulated again, and how far back its
+    /// state went (the kill less when its restored state was taken).
+    pub nodes_killed: u64,
+    pub entities_restored: u64,
+    pub restore_ms_p50: f64,
+    pub restore_ms_p99: f64,
+    pub progress_lost_ms_p50: f64,
+    pub progress_lost_ms_p99: f64,
+    /// Sessions moved to another gateway with the client connected, and sessions that ended
+    /// without the client asking (kicked, or the connection lost).
+    pub sessions_kept: u64,
+    pub sessions_dropped: u64,
+    /// Before the bots leave: accounts with more than one avatar in the world, and logged-in
+    /// accounts with none. After they left: avatars still in the world.
+    pub accounts_with_two_avatars: u64,
+    pub sessions_without_avatar: u64,
+    pub avatars_after_logout: u64,
 }
 
 impl Summary {
@@ -141,6 +167,30 @@ impl Summary {
         }
         if !self.census_at_rest {
             p.push("the world did not come to rest for the census".to_string());
+        }
+        if self.accounts_with_two_avatars > 0 {
+            p.push(format!(
+                "{} accounts with two avatars",
+                self.accounts_with_two_avatars
+            ));
+        }
+        if self.sessions_without_avatar > 0 {
+            p.push(format!(
+                "{} sessions without an avatar",
+                self.sessions_without_avatar
+            ));
+        }
+        if self.avatars_after_logout > 0 {
+            p.push(format!(
+                "{} avatars left after every player logged out",
+                self.avatars_after_logout
+            ));
+        }
+        if self.nodes_killed > 0 && self.sessions_dropped > 0 {
+            p.push(format!(
+                "{} sessions dropped while nodes were killed",
+                self.sessions_dropped
+            ));
         }
         p
     }
@@ -174,6 +224,8 @@ pub struct InputLedger {
     /// Held at the end: for an entity still frozen (a handoff in doubt), for an epoch not seen
     /// yet, or for an older input after an adoption. An input and its copy can both be held.
     pub sidecars_held: u64,
+    /// Held by nodes when they were killed (`--chaos`): lost with them.
+    pub sidecars_held_by_killed: u64,
     pub delivered: u64,
 }
 
@@ -230,7 +282,13 @@ impl InputLedger {
         // dropped (counted by neither hop) or a link lost (named above): take the copy back out.
         let copies = self.sidecars_copies_applied as i64 - self.sidecars_copies_refused as i64;
         let open = self.bots_sent as i64 - self.delivered as i64 - named as i64 + copies;
-        // What nodes still hold explains a gap up to its size (an input and its copy are two).
+        // What killed nodes held, then what nodes still hold, explain a gap up to its size (an
+        // input and its copy are two).
+        let killed = (open.max(0) as u64).min(self.sidecars_held_by_killed);
+        if killed > 0 {
+            by.insert("sidecar_lost_with_node".into(), killed);
+        }
+        let open = open - killed as i64;
         let held = (open.max(0) as u64).min(self.sidecars_held);
         if held > 0 {
             by.insert("sidecar_held_at_end".into(), held);
@@ -238,6 +296,13 @@ impl InputLedger {
         (by, open - held as i64)
     }
 }
+
+/// The node lease under `--chaos`: the world of a killed node is restored once it lapses.
+const CHAOS_NODE_LEASE_MS: u64 = 1_500;
+/// No kill this close to the end of a run: the world settles before the census.
+const CHAOS_QUIET_AT_END: Duration = Duration::from_secs(10);
+/// A killed node's fresh process must be up within this long (its lease lapses first).
+const CHAOS_RESTART_WITHIN_MS: u64 = 30_000;
 
 /// Where everything meets: the corner every cell of a grid touches, across the wrap seam.
 const MEETING_POINT: (f64, f64) = (0.0, 0.0);
@@ -284,7 +349,137 @@ struct NodeTotals {
     checkpoint_stored_bytes: u64,
 }
 
-fn totals(sidecars: &[cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
+impl NodeTotals {
+    /// Adds the counters of `o` (not its gauges): what a killed node counted stays counted.
+    fn add_counters(&mut self, o: &NodeTotals) {
+        self.inputs_delivered += o.inputs_delivered;
+        self.inputs_dropped += o.inputs_dropped;
+        self.errors += o.errors;
+        self.routed_messages += o.routed_messages;
+        self.cross_node_updates += o.cross_node_updates;
+        self.dropped_unknown_account += o.dropped_unknown_account;
+        self.handoffs += o.handoffs;
+        self.handoffs_refused += o.handoffs_refused;
+        self.stale_epoch_drops += o.stale_epoch_drops;
+        self.inputs_from_proxies += o.inputs_from_proxies;
+        self.inputs_from_peers += o.inputs_from_peers;
+        self.inputs_forwarded += o.inputs_forwarded;
+        self.inputs_lost_in_links += o.inputs_lost_in_links;
+        self.inputs_on_ended_links += o.inputs_on_ended_links;
+        self.inputs_copies_applied += o.inputs_copies_applied;
+        self.inputs_copies_refused += o.inputs_copies_refused;
+        self.checkpoint_writes += o.checkpoint_writes;
+        self.checkpoints_stored += o.checkpoints_stored;
+        self.checkpoint_stored_bytes += o.checkpoint_stored_bytes;
+        for (reason, n) in &o.inputs_dropped_by_reason {
+            *self.inputs_dropped_by_reason.entry(reason).or_insert(0) += n;
+        }
+    }
+}
+
+/// One node of the run: its sidecar and its arena, on the runtime they were started on (one of
+/// their own under `--chaos`, so that a kill drops every task and socket at once).
+struct NodeRun {
+    id: u32,
+    sidecar: cellmesh_sidecar::SidecarHandle,
+    arena: tokio::task::JoinHandle<anyhow::Result<ArenaStats>>,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+/// What every node of the run is started with.
+#[derive(Clone)]
+struct NodeEnv {
+    world: WorldShape,
+    stores: Stores,
+    topology: Arc<dyn TopologyStore>,
+    games: Arc<Census>,
+    halt: Arc<std::sync::atomic::AtomicBool>,
+    stop: CancellationToken,
+    seed: u64,
+    /// Short leases under `--chaos`, so a killed node's world is restored within seconds.
+    node_lease_ms: Option<u64>,
+    own_runtime: bool,
+}
+
+/// Starts node `id`'s sidecar (its mesh listener on `mesh_listen`) and its arena with `npcs`.
+async fn start_node(
+    env: &NodeEnv,
+    id: u32,
+    mesh_listen: String,
+    npcs: u32,
+    runtime: Option<tokio::runtime::Runtime>,
+) -> (Option<tokio::runtime::Runtime>, anyhow::Result<NodeRun>) {
+    let handle = runtime
+        .as_ref()
+        .map_or_else(tokio::runtime::Handle::current, |r| r.handle().clone());
+    let mut cfg = SidecarConfig {
+        node_id: id,
+        world: env.world,
+        local_listen: "127.0.0.1:0".into(),
+        mesh_listen,
+        admin_listen: "127.0.0.1:0".into(),
+        ..SidecarConfig::default()
+    };
+    if let Some(ms) = env.node_lease_ms {
+        cfg.node_lease_ms = ms;
+    }
+    let started = handle.spawn(cellmesh_sidecar::start_in(
+        cfg,
+        env.stores.clone(),
+        env.topology.clone(),
+        env.stop.child_token(),
+    ));
+    let sidecar = match started.await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            return (
+                runtime,
+                Err(e.context(format!("starting the sidecar of node {id}"))),
+            )
+        }
+        Err(e) => return (runtime, Err(anyhow::anyhow!("starting node {id}: {e}"))),
+    };
+    let arena_cfg = ArenaConfig {
+        sidecar: SidecarAddr::Tcp(sidecar.local_addr.clone()),
+        npcs,
+        seed: env.seed.wrapping_add(u64::from(id)),
+        center: MEETING_POINT,
+        spread: ARENA_SPREAD,
+        census: Some(env.games.clone()),
+        halt: Some(env.halt.clone()),
+        ..ArenaConfig::default()
+    };
+    let arena_stop = env.stop.child_token();
+    let arena = handle.spawn(async move {
+        cellmesh_arena::run(arena_cfg, async move { arena_stop.cancelled().await }).await
+    });
+    (
+        None,
+        Ok(NodeRun {
+            id,
+            sidecar,
+            arena,
+            runtime,
+        }),
+    )
+}
+
+fn node_runtime(id: u32) -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(format!("node-{id}"))
+        .enable_all()
+        .build()
+        .with_context(|| format!("a runtime for node {id}"))
+}
+
+/// Drops a node's runtime the way a crash ends a process: every task and socket at once.
+async fn crash(runtime: tokio::runtime::Runtime) {
+    let _ =
+        tokio::task::spawn_blocking(move || runtime.shutdown_timeout(Duration::from_secs(2))).await;
+}
+
+fn totals_of(sidecars: &[&cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
     let mut t = NodeTotals::default();
     for s in sidecars.iter().map(|h| h.stats()) {
         t.entities += s.entities;
@@ -319,6 +514,12 @@ fn totals(sidecars: &[cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
     t
 }
 
+fn totals(nodes: &[NodeRun], departed: &NodeTotals) -> NodeTotals {
+    let mut t = totals_of(&nodes.iter().map(|n| &n.sidecar).collect::<Vec<_>>());
+    t.add_counters(departed);
+    t
+}
+
 /// One census: the reals every node writes, against what the games spawned and despawned.
 #[derive(Debug, PartialEq, Eq)]
 struct CensusRead {
@@ -329,11 +530,11 @@ struct CensusRead {
     frozen: usize,
 }
 
-fn census(sidecars: &[cellmesh_sidecar::SidecarHandle], games: &Census) -> CensusRead {
+fn census(nodes: &[NodeRun], games: &Census) -> CensusRead {
     let report = games.report();
     let mut held: BTreeMap<u64, Vec<cellmesh_sidecar::Real>> = BTreeMap::new();
-    for s in sidecars {
-        for r in s.reals() {
+    for n in nodes {
+        for r in n.sidecar.reals() {
             held.entry(r.id).or_default().push(r);
         }
     }
@@ -391,44 +592,34 @@ pub async fn run(
 
     let games = Arc::new(Census::default());
     let halt = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut sidecars = Vec::with_capacity(opts.nodes);
-    let mut arenas = Vec::with_capacity(opts.nodes);
+    let env = NodeEnv {
+        world,
+        stores: stores.clone(),
+        topology: topology.clone(),
+        games: games.clone(),
+        halt: halt.clone(),
+        stop: stop.clone(),
+        seed: opts.seed,
+        node_lease_ms: opts.chaos.map(|_| CHAOS_NODE_LEASE_MS),
+        own_runtime: opts.chaos.is_some(),
+    };
+    let mut nodes: Vec<NodeRun> = Vec::with_capacity(opts.nodes);
     let per_arena = opts.npcs.div_ceil(opts.nodes as u32);
     for (i, &node_id) in ids.iter().enumerate() {
-        let cfg = SidecarConfig {
-            node_id,
-            world,
-            local_listen: "127.0.0.1:0".into(),
-            mesh_listen: "127.0.0.1:0".into(),
-            admin_listen: "127.0.0.1:0".into(),
-            ..SidecarConfig::default()
-        };
-        let sidecar =
-            cellmesh_sidecar::start_in(cfg, stores.clone(), topology.clone(), stop.child_token())
-                .await
-                .with_context(|| format!("starting the sidecar of node {node_id}"))?;
-        let arena_cfg = ArenaConfig {
-            sidecar: SidecarAddr::Tcp(sidecar.local_addr.clone()),
-            npcs: per_arena.min(opts.npcs.saturating_sub(per_arena * i as u32)),
-            seed: opts.seed.wrapping_add(i as u64),
-            center: MEETING_POINT,
-            spread: ARENA_SPREAD,
-            census: Some(games.clone()),
-            halt: Some(halt.clone()),
-            ..ArenaConfig::default()
-        };
-        let arena_stop = stop.child_token();
-        arenas.push(tokio::spawn(async move {
-            cellmesh_arena::run(arena_cfg, async move { arena_stop.cancelled().await }).await
-        }));
-        sidecars.push(sidecar);
+        let runtime = env.own_runtime.then(|| node_runtime(node_id)).transpose()?;
+        let npcs = per_arena.min(opts.npcs.saturating_sub(per_arena * i as u32));
+        let (_, node) = start_node(&env, node_id, "127.0.0.1:0".into(), npcs, runtime).await;
+        nodes.push(node?);
     }
     let (home, roam) = (MEETING_POINT, ARENA_SPREAD / 2.0);
 
     let mut proxy_cfg = ProxyConfig {
         client_listen: "127.0.0.1:0".into(),
         admin_listen: "127.0.0.1:0".into(),
-        gateways: sidecars.iter().map(|s| s.mesh_addr.to_string()).collect(),
+        gateways: nodes
+            .iter()
+            .map(|n| n.sidecar.mesh_addr.to_string())
+            .collect(),
         // A secret of this run only: nobody outside it can sign a login.
         token_secret: format!("{:032x}", rand::random::<u128>()),
         ..ProxyConfig::default()
@@ -450,16 +641,16 @@ pub async fn run(
         let st = s.stats();
         st.game_connected && st.peers_up as usize == opts.nodes - 1
     };
-    while !(sidecars.iter().all(linked) && proxy.admin.is_ready()) {
+    while !(nodes.iter().all(|n| linked(&n.sidecar)) && proxy.admin.is_ready()) {
         anyhow::ensure!(
             Instant::now() < deadline,
             "the cluster did not become ready within 15 s"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let admins: Vec<String> = sidecars
+    let admins: Vec<String> = nodes
         .iter()
-        .map(|s| format!("http://{}", s.admin_addr))
+        .map(|n| format!("http://{}", n.sidecar.admin_addr))
         .collect();
     println!(
         "cellmesh up: {} nodes ({cols}×{rows}), sidecar admin {} · proxy clients {} admin http://{} · {} bots",
@@ -500,19 +691,74 @@ pub async fn run(
     // The most entities the nodes wrote at once: what the checkpoint cost is per.
     let mut entities_peak = 0u64;
     let end = opts.duration.map(|d| tokio::time::Instant::now() + d);
+    // What killed nodes counted, held and restored, and when each was killed.
+    let mut departed = NodeTotals::default();
+    let mut held_by_killed = 0u64;
+    let mut departed_freeze = hdrhistogram::Histogram::<u64>::new(3).expect("valid histogram");
+    let mut departed_arenas: Vec<ArenaStats> = Vec::new();
+    let mut restored: Vec<cellmesh_sidecar::core::Restored> = Vec::new();
+    let mut kills: Vec<(u32, u64)> = Vec::new();
+    let mut chaos_rng = rand::rngs::StdRng::seed_from_u64(opts.seed);
+    let next_kill = |from: tokio::time::Instant| {
+        opts.chaos
+            .map(|every| from + every)
+            // The world gets time to settle before the end.
+            .filter(|at| end.is_none_or(|e| *at + CHAOS_QUIET_AT_END <= e))
+    };
+    let mut kill_at = next_kill(tokio::time::Instant::now());
     tokio::pin!(interrupt);
     loop {
         tokio::select! {
             _ = &mut interrupt => break,
             _ = async { match end { Some(e) => tokio::time::sleep_until(e).await, None => std::future::pending().await } } => break,
+            _ = async { match kill_at { Some(k) => tokio::time::sleep_until(k).await, None => std::future::pending().await } } => {
+                let victim = chaos_rng.random_range(0..nodes.len());
+                for n in &nodes {
+                    restored.extend(n.sidecar.take_restored());
+                }
+                let id = nodes[victim].id;
+                let mesh_listen = nodes[victim].sidecar.mesh_addr.to_string();
+                let runtime = nodes[victim].runtime.take().expect("chaos nodes own their runtime");
+                crash(runtime).await;
+                kills.push((id, unix_ms()));
+                games.release_holder(id);
+                let dead = nodes.remove(victim);
+                let last = totals_of(&[&dead.sidecar]);
+                departed.add_counters(&last);
+                held_by_killed += last.inputs_held;
+                let _ = departed_freeze.add(dead.sidecar.freeze_ms());
+                restored.extend(dead.sidecar.take_restored());
+                if let Ok(Ok(Ok(st))) = tokio::time::timeout(Duration::from_millis(100), dead.arena).await {
+                    departed_arenas.push(st);
+                }
+                tracing::warn!(node = id, "chaos: node killed; starting a fresh one");
+                // The fresh process takes the node id once the dead one's lease lapsed.
+                let mut runtime = Some(node_runtime(id)?);
+                let fresh = loop {
+                    let (rt, started) = start_node(&env, id, mesh_listen.clone(), 0, runtime.take()).await;
+                    match started {
+                        Ok(n) => break n,
+                        Err(e) => {
+                            runtime = rt;
+                            anyhow::ensure!(unix_ms() < kills.last().expect("pushed").1 + CHAOS_RESTART_WITHIN_MS, "chaos: node {id} did not start again: {e:#}");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                    }
+                };
+                nodes.insert(victim, fresh);
+                kill_at = next_kill(kill_at.expect("a kill was due"));
+            }
             _ = tick.tick() => {
-                entities_peak = entities_peak.max(totals(&sidecars).entities);
+                entities_peak = entities_peak.max(totals(&nodes, &departed).entities);
+                for n in &nodes {
+                    restored.extend(n.sidecar.take_restored());
+                }
                 if !opts.status { continue }
-                let (s, p, b) = (totals(&sidecars), proxy.stats(), bot_stats.totals());
+                let (s, p, b) = (totals(&nodes, &departed), proxy.stats(), bot_stats.totals());
                 let dt = last.0.elapsed().as_secs_f64().max(1e-3);
                 let line = format!(
-                    "t={:>4.0}s nodes={} sessions={:>4} entities={:>5} ghosts={}/{} subs={} xnode={} routed={} handoffs={} in_doubt={} inputs/s={:>6.0} updates/s={:>7.0} rtt p50={:.2}ms p99={:.2}ms errors={}",
-                    started.elapsed().as_secs_f64(), opts.nodes, p.sessions, s.entities,
+                    "t={:>4.0}s nodes={} killed={} sessions={:>4} entities={:>5} ghosts={}/{} subs={} xnode={} routed={} handoffs={} in_doubt={} inputs/s={:>6.0} updates/s={:>7.0} rtt p50={:.2}ms p99={:.2}ms errors={}",
+                    started.elapsed().as_secs_f64(), opts.nodes, kills.len(), p.sessions, s.entities,
                     s.ghosts_render, s.ghosts_sim, s.subscriptions, s.cross_node_updates, s.routed_messages,
                     s.handoffs, s.in_doubt_now,
                     (s.inputs_delivered - last.1) as f64 / dt,
@@ -532,13 +778,30 @@ pub async fn run(
     // inputs land before the counters are read. An overloaded cluster is seconds behind, so this
     // waits until every input is accounted for, or the ledger holds still for longer than a dead
     // link takes to be noticed (whose inputs are named only once it is), at most 30 s.
+    // One avatar per logged-in account, none for anyone else (read before the bots leave).
+    let avatars = games.avatars();
+    let accounts_with_two_avatars = avatars.values().filter(|ids| ids.len() > 1).count() as u64;
+    let sessions_without_avatar = bot_stats
+        .online_accounts
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .filter(|a| !avatars.contains_key(*a))
+        .count() as u64;
+    if accounts_with_two_avatars > 0 || sessions_without_avatar > 0 {
+        tracing::error!(
+            accounts_with_two_avatars,
+            sessions_without_avatar,
+            "avatars do not match the sessions"
+        );
+    }
     bot_stop.cancel();
     for t in bot_tasks {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
     halt.store(true, std::sync::atomic::Ordering::Relaxed);
     let ledger = || {
-        let (s, p, b) = (totals(&sidecars), proxy.stats(), bot_stats.totals());
+        let (s, p, b) = (totals(&nodes, &departed), proxy.stats(), bot_stats.totals());
         let ledger = InputLedger {
             bots_sent: b.inputs_sent,
             bots_on_broken_sessions: b.inputs_on_broken_sessions,
@@ -556,6 +819,7 @@ pub async fn run(
             sidecars_copies_applied: s.inputs_copies_applied,
             sidecars_copies_refused: s.inputs_copies_refused,
             sidecars_held: s.inputs_held,
+            sidecars_held_by_killed: held_by_killed,
             delivered: s.inputs_delivered,
         };
         (ledger, s, p, b)
@@ -580,10 +844,10 @@ pub async fn run(
     // The census reads a world at rest: it waits until no node has a real frozen for a handoff
     // and two reads 300 ms apart agree (at most 10 s).
     let rest_deadline = Instant::now() + Duration::from_secs(10);
-    let mut previous = census(&sidecars, &games);
+    let mut previous = census(&nodes, &games);
     let census_at_rest = loop {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let now = census(&sidecars, &games);
+        let now = census(&nodes, &games);
         if now.frozen == 0 && now == previous {
             previous = now;
             break true;
@@ -605,18 +869,37 @@ pub async fn run(
             "the census found entities lost or doubled"
         );
     }
-    let mut freeze = hdrhistogram::Histogram::<u64>::new(3).expect("valid histogram");
-    for sidecar in &sidecars {
-        let _ = freeze.add(sidecar.freeze_ms());
+    let mut freeze = departed_freeze;
+    for n in &nodes {
+        let _ = freeze.add(n.sidecar.freeze_ms());
+        restored.extend(n.sidecar.take_restored());
     }
-    let in_doubt_now = totals(&sidecars).in_doubt_now;
+    let in_doubt_now = totals(&nodes, &departed).in_doubt_now;
+    let avatars_after_logout = games.avatars().values().map(|ids| ids.len() as u64).sum();
 
     stop.cancel();
     let mut arena_stats = ArenaStats::default();
     let mut inputs_ignored_by_games = BTreeMap::new();
-    for arena in arenas {
-        match tokio::time::timeout(Duration::from_secs(5), arena).await {
-            Ok(Ok(Ok(st))) => {
+    let mut ended = Vec::new();
+    for n in nodes.iter_mut() {
+        let arena = std::mem::replace(
+            &mut n.arena,
+            tokio::spawn(async { Ok(ArenaStats::default()) }),
+        );
+        ended.push(
+            match tokio::time::timeout(Duration::from_secs(5), arena).await {
+                Ok(Ok(r)) => Some(r),
+                _ => None,
+            },
+        );
+    }
+    let all = departed_arenas
+        .into_iter()
+        .map(|st| Some(Ok(st)))
+        .chain(ended);
+    for arena in all {
+        match arena {
+            Some(Ok(st)) => {
                 arena_stats.inputs_applied += st.inputs_applied;
                 arena_stats.errors_from_sidecar += st.errors_from_sidecar;
                 for (why, n) in [
@@ -630,14 +913,20 @@ pub async fn run(
                     }
                 }
             }
-            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "arena ended with an error"),
-            _ => {}
+            Some(Err(e)) => tracing::warn!(error = %e, "arena ended with an error"),
+            None => {}
         }
     }
     let _ = tokio::time::timeout(Duration::from_secs(5), proxy.wait()).await;
-    for sidecar in sidecars {
-        let _ = tokio::time::timeout(Duration::from_secs(5), sidecar.wait()).await;
+    for n in nodes {
+        let _ = tokio::time::timeout(Duration::from_secs(5), n.sidecar.wait()).await;
+        if let Some(rt) = n.runtime {
+            let _ =
+                tokio::task::spawn_blocking(move || rt.shutdown_timeout(Duration::from_secs(1)))
+                    .await;
+        }
     }
+    let chaos = chaos_figures(&kills, &restored);
 
     let (inputs_undelivered, inputs_unaccounted) = inputs_by_hop.undelivered();
     let summary = Summary {
@@ -692,12 +981,77 @@ pub async fn run(
             started.elapsed().as_secs_f64(),
             entities_peak,
         ),
+        nodes_killed: kills.len() as u64,
+        entities_restored: chaos.restored,
+        restore_ms_p50: chaos.restore_ms.0,
+        restore_ms_p99: chaos.restore_ms.1,
+        progress_lost_ms_p50: chaos.progress_lost_ms.0,
+        progress_lost_ms_p99: chaos.progress_lost_ms.1,
+        sessions_kept: b.sessions_moved,
+        sessions_dropped: b.errors,
+        accounts_with_two_avatars,
+        sessions_without_avatar,
+        avatars_after_logout,
     };
     if let Some(path) = &opts.summary_json {
         std::fs::write(path, serde_json::to_string_pretty(&summary)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(summary)
+}
+
+/// The restore figures of a `--chaos` run.
+#[derive(Debug, Default, PartialEq)]
+struct ChaosFigures {
+    restored: u64,
+    /// (p50, p99) from the kill to the entity simulated again.
+    restore_ms: (f64, f64),
+    /// (p50, p99) of the kill less when the restored state was taken.
+    progress_lost_ms: (f64, f64),
+}
+
+/// Each restore of a killed node's entity, against the latest kill of that node before it.
+fn chaos_figures(
+    kills: &[(u32, u64)],
+    restored: &[cellmesh_sidecar::core::Restored],
+) -> ChaosFigures {
+    let mut restore = hdrhistogram::Histogram::<u64>::new(3).expect("valid histogram");
+    let mut lost = hdrhistogram::Histogram::<u64>::new(3).expect("valid histogram");
+    let mut n = 0;
+    for r in restored {
+        let Some(killed_at) = kills
+            .iter()
+            .filter(|(node, at)| *node == r.dead_node && *at <= r.restored_unix_ms)
+            .map(|(_, at)| *at)
+            .max()
+        else {
+            continue;
+        };
+        n += 1;
+        let _ = restore.record(r.restored_unix_ms - killed_at);
+        let _ = lost.record(killed_at.saturating_sub(r.state_unix_ms));
+    }
+    let q = |h: &hdrhistogram::Histogram<u64>| {
+        if h.is_empty() {
+            (0.0, 0.0)
+        } else {
+            (
+                h.value_at_quantile(0.5) as f64,
+                h.value_at_quantile(0.99) as f64,
+            )
+        }
+    };
+    ChaosFigures {
+        restored: n,
+        restore_ms: q(&restore),
+        progress_lost_ms: q(&lost),
+    }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// A count over a run, per second and per 1,000 entities (0 for an empty or instant run).
@@ -760,6 +1114,7 @@ mod tests {
             sidecars_copies_applied: 1,
             sidecars_copies_refused: 0,
             sidecars_held: 0,
+            sidecars_held_by_killed: 0,
             delivered: 83,
         };
         let (by, unaccounted) = l.undelivered();
@@ -814,6 +1169,48 @@ mod tests {
         twice.delivered = 11;
         twice.sidecars_held = 2;
         assert_eq!(twice.undelivered(), (BTreeMap::new(), -1));
+    }
+
+    #[test]
+    fn inputs_held_by_killed_nodes_are_named_before_those_held_at_the_end() {
+        let mut l = clean(100);
+        l.delivered = 94;
+        l.sidecars_held_by_killed = 4;
+        l.sidecars_held = 5;
+        let (by, unaccounted) = l.undelivered();
+        assert_eq!(
+            (by["sidecar_lost_with_node"], by["sidecar_held_at_end"], unaccounted),
+            (4, 2, 0)
+        );
+    }
+
+    fn restored(node: u32, state: u64, at: u64) -> cellmesh_sidecar::core::Restored {
+        cellmesh_sidecar::core::Restored {
+            entity_id: at,
+            dead_node: node,
+            dead_lease_epoch: 1,
+            owner: 2,
+            state_unix_ms: state,
+            restored_unix_ms: at,
+        }
+    }
+
+    #[test]
+    fn restores_are_timed_from_the_latest_kill_of_their_node() {
+        // Node 4 killed at 1,000 and 5,000; node 3 at 3,000.
+        let kills = [(4, 1_000), (3, 3_000), (4, 5_000)];
+        let f = chaos_figures(
+            &kills,
+            &[
+                restored(4, 400, 3_000),  // 2,000 after the first kill of 4, 600 of progress lost
+                restored(3, 2_500, 5_000), // 2,000 after the kill of 3, 500 lost
+                restored(4, 4_900, 7_000), // 2,000 after the second kill of 4, 100 lost
+                restored(2, 0, 7_000),     // a node never killed: not counted
+            ],
+        );
+        assert_eq!(f.restored, 3);
+        assert_eq!(f.restore_ms, (2_000.0, 2_000.0));
+        assert_eq!(f.progress_lost_ms.1, 600.0);
     }
 
     #[test]

@@ -17,6 +17,7 @@ async fn four_nodes_serve_one_world_without_errors() {
         summary_json: None,
         seed: 5,
         status: false,
+        chaos: None,
     };
     let s = run(opts, std::future::pending()).await.expect("up runs");
     assert_eq!(s.nodes, 4);

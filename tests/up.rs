@@ -18,6 +18,7 @@ async fn up_with_four_nodes_delivers_every_input_and_hands_off_without_loss() {
         summary_json: None,
         seed: 11,
         status: false,
+        chaos: None,
     };
     let s = run(opts, std::future::pending()).await.expect("up runs");
     eprintln!("{s:?}");
@@ -44,6 +45,47 @@ async fn up_with_four_nodes_delivers_every_input_and_hands_off_without_loss() {
     // Every input is delivered (none is dropped on a clean run); the census reads a world at rest.
     assert_eq!(s.inputs_delivered, s.inputs_sent, "{s:?}");
     assert!(s.census_at_rest, "{s:?}");
+    assert_eq!(s.inputs_unaccounted, 0, "{s:?}");
+    assert!(s.problems().is_empty(), "{:?}: {s:?}", s.problems());
+}
+
+/// Nodes killed as a crash kills a process (every task and socket at once) and started again:
+/// every killed world is restored on the live nodes, every session moves to a live gateway with
+/// its client connected and finds its one avatar, and nothing is lost or doubled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_with_chaos_restores_every_killed_world_and_keeps_every_session() {
+    let opts = UpOptions {
+        bots: 40,
+        npcs: 40,
+        nodes: 4,
+        duration: Some(Duration::from_secs(32)),
+        summary_json: None,
+        seed: 3,
+        status: false,
+        chaos: Some(Duration::from_secs(7)),
+    };
+    let s = run(opts, std::future::pending()).await.expect("up runs");
+    eprintln!("{s:?}");
+    // Kills at 7, 14 and 21 s; none in the last 10 s.
+    assert_eq!(s.nodes_killed, 3, "{s:?}");
+    assert!(s.entities_restored > 0, "{s:?}");
+    assert!(
+        s.restore_ms_p50 > 0.0 && s.restore_ms_p99 >= s.restore_ms_p50,
+        "{s:?}"
+    );
+    assert!(s.sessions_kept > 0, "no session moved: {s:?}");
+    assert_eq!(
+        (
+            s.sessions_dropped,
+            s.accounts_with_two_avatars,
+            s.sessions_without_avatar,
+            s.avatars_after_logout,
+            s.entities_lost,
+            s.entities_duplicated,
+        ),
+        (0, 0, 0, 0, 0, 0),
+        "(sessions dropped, two avatars, no avatar, avatars after logout, lost, duplicated): {s:?}"
+    );
     assert_eq!(s.inputs_unaccounted, 0, "{s:?}");
     assert!(s.problems().is_empty(), "{:?}: {s:?}", s.problems());
 }

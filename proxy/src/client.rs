@@ -1,5 +1,7 @@
 //! One task per client connection: `ClientHello` and the token, `Attach` to a gateway,
-//! `Welcome`, then relay both ways until the client leaves or is kicked.
+//! `Welcome`, then relay both ways until the client leaves or is kicked. When the gateway's
+//! link breaks, the session is attached to another gateway and the client gets a new `Welcome`
+//! (its view starts over) on the same connection.
 //!
 //! Everything a client can do wrong ends in a `Kick` to that client alone: its task owns its
 //! socket, its queue is bounded, and no lock is held across an await.
@@ -35,6 +37,10 @@ use crate::{auth, Shared};
 const KICK_LINGER: Duration = Duration::from_secs(1);
 /// Frames relayed to a client before one flush.
 const WRITE_BATCH: usize = 64;
+/// Gateways one session may be moved to over its life before the client is kicked instead.
+const MAX_MOVES: u32 = 16;
+/// How often a session whose gateway link broke looks for another link that is up.
+const MOVE_POLL: Duration = Duration::from_millis(100);
 
 /// What a frame of another protocol looks like: its messages use another field number, so it
 /// decodes as a `ClientFrame` with none.
@@ -48,6 +54,8 @@ enum End {
     Kick(Kick),
     /// The client left: `Bye`, a disconnect, or a broken stream.
     Left(String),
+    /// The gateway's link broke: the session moves to another gateway.
+    GatewayLost(String),
 }
 
 fn kick(reason: KickReason, detail: impl Into<String>) -> End {
@@ -100,20 +108,63 @@ pub(crate) async fn serve(shared: Arc<Shared>, stream: TcpStream, peer: SocketAd
 impl Client {
     async fn run(mut self) {
         let end = match self.hello().await {
-            Ok((account, pending)) => match self.open_session(account) {
-                Ok(mut session) => {
-                    let end = self.serve_session(&mut session, pending).await;
-                    self.close_session(session, &end);
-                    end
-                }
-                Err(end) => {
-                    self.lose(InputLoss::SessionEnded, &pending);
-                    end
-                }
-            },
+            Ok((account, pending)) => self.serve_account(account, pending).await,
             Err(end) => end,
         };
         self.finish(end).await;
+    }
+
+    /// Serves the account's session on a gateway, and on another each time its gateway's link
+    /// breaks (the sidecars find the player's avatar wherever it lives).
+    async fn serve_account(&mut self, account: Arc<str>, mut pending: Vec<ClientMessage>) -> End {
+        let mut moves = 0;
+        loop {
+            let mut session = match self.open_session(account.clone()) {
+                Ok(s) => s,
+                Err(end) => {
+                    self.lose(InputLoss::SessionEnded, &pending);
+                    return end;
+                }
+            };
+            let end = self
+                .serve_session(&mut session, std::mem::take(&mut pending))
+                .await;
+            let from = session.conn.gateway.clone();
+            self.close_session(session, &end);
+            let End::GatewayLost(why) = end else {
+                return end;
+            };
+            if moves == MAX_MOVES {
+                return kick(
+                    KickReason::GatewayUnavailable,
+                    format!("{why} (the session moved {MAX_MOVES} times already)"),
+                );
+            }
+            moves += 1;
+            if let Err(end) = self.await_a_gateway(&why).await {
+                return end;
+            }
+            self.shared.metrics.sessions_moved.inc();
+            tracing::info!(%account, %from, %why, "gateway link lost: moving the session to another gateway");
+        }
+    }
+
+    /// Waits (up to the hello timeout) for a gateway link that is up.
+    async fn await_a_gateway(&self, why: &str) -> Result<(), End> {
+        let deadline = Instant::now() + self.shared.cfg.hello_timeout();
+        while !self.shared.gateways.any_up() {
+            if Instant::now() >= deadline {
+                return Err(kick(
+                    KickReason::GatewayUnavailable,
+                    format!("{why}; no other gateway link is up"),
+                ));
+            }
+            tokio::select! {
+                _ = self.control.stopped() => return Err(End::Kick(self.control.reason())),
+                _ = tokio::time::sleep(MOVE_POLL) => {}
+            }
+        }
+        Ok(())
     }
 
     /// Waits for the `ClientHello` and admits it; returns the account and any messages that
@@ -258,7 +309,7 @@ impl Client {
                 Ok(Some(ToSession::Attached(a))) => return Ok((a, early)),
                 Ok(Some(ToSession::Frame(f))) => early.push(f),
                 Ok(Some(ToSession::Detach(k))) => return Err(End::Kick(k)),
-                Ok(None) => return Err(self.route_dropped()),
+                Ok(None) => return Err(self.route_dropped(s)),
                 Err(_) => {
                     return Err(kick(
                         KickReason::GatewayUnavailable,
@@ -314,7 +365,7 @@ impl Client {
                     }
                     Some(ToSession::Detach(k)) => return Err(End::Kick(k)),
                     Some(ToSession::Attached(_)) => shared.metrics.error("unexpected_message"),
-                    None => return Err(self.route_dropped()),
+                    None => return Err(self.route_dropped(s)),
                 },
                 r = self.reader.next() => {
                     idle.as_mut().reset(Instant::now() + cfg.idle_timeout());
@@ -386,10 +437,8 @@ impl Client {
                             LinkGone::Closed => InputLoss::LinkClosed,
                         };
                         shared.metrics.lost(why, 1);
-                        kick(
-                            KickReason::GatewayUnavailable,
-                            format!("gateway {}: {e}", s.conn.gateway),
-                        )
+                        // The link is going (a full outbox closes it): the session moves.
+                        End::GatewayLost(format!("gateway {}: {e}", s.conn.gateway))
                     })?;
                     shared.metrics.inputs_accepted.inc();
                     info.inputs_accepted
@@ -443,14 +492,14 @@ impl Client {
         Ok(())
     }
 
-    /// The link dropped this session's route: it kicks the session first, so the reason is
-    /// known (the queue and the stop can be seen in either order).
-    fn route_dropped(&self) -> End {
-        End::Kick(
-            self.control.kicked().unwrap_or_else(|| {
-                Kick::new(KickReason::GatewayUnavailable, "gateway link closed")
-            }),
-        )
+    /// The link dropped this session's route: a link that ends a session kicks it first, so
+    /// the reason is known (the queue and the stop can be seen in either order); with no kick,
+    /// the link broke and the session moves.
+    fn route_dropped(&self, s: &Session) -> End {
+        match self.control.kicked() {
+            Some(k) => End::Kick(k),
+            None => End::GatewayLost(format!("link to gateway {} lost", s.conn.gateway)),
+        }
     }
 
     /// Counts a received frame, or turns a failed read into the end of the connection.
@@ -508,7 +557,9 @@ impl Client {
         if s.conn.release(s.id) {
             let (kick_reason, detail) = match end {
                 End::Kick(k) => (k.reason as u32, k.detail.clone()),
-                End::Left(why) => (KickReason::KickUnspecified as u32, why.clone()),
+                End::Left(why) | End::GatewayLost(why) => {
+                    (KickReason::KickUnspecified as u32, why.clone())
+                }
             };
             let _ = s.conn.send(mesh_message::Body::Detach(Detach {
                 session_id: s.id,
@@ -532,6 +583,7 @@ impl Client {
         } = self;
         let kick = match end {
             End::Kick(kick) => kick,
+            End::GatewayLost(why) => Kick::new(KickReason::GatewayUnavailable, why),
             End::Left(why) => {
                 tracing::debug!(%peer, "client left: {why}");
                 return;

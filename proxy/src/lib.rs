@@ -53,6 +53,8 @@ const HOUSEKEEPING_EVERY: Duration = Duration::from_secs(10);
 pub struct ProxyStats {
     pub sessions: u64,
     pub sessions_peak: u64,
+    /// Sessions moved to another gateway after their gateway's link broke.
+    pub sessions_moved: u64,
     pub inputs_accepted: u64,
     /// Inputs dropped by a rate limit.
     pub inputs_dropped: u64,

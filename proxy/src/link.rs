@@ -3,8 +3,8 @@
 //! The link task dials with back-off, exchanges `LinkHello`, then runs a reader and a writer over
 //! the one TCP stream: the writer drains the link's bounded outbox and beats every second; the
 //! reader dispatches each inbound message by `session_id` to that session's bounded outbox. A link
-//! silent for five seconds is dead; its sessions are kicked (`GATEWAY_UNAVAILABLE`) and the link
-//! is dialled again.
+//! silent for five seconds is dead; its sessions move to another gateway (their client tasks see
+//! their route dropped and attach again elsewhere) and the link is dialled again.
 //!
 //! Nothing here waits on a client: a full session outbox kicks that session, and a full link
 //! outbox closes the link rather than stalling every client task that feeds it.
@@ -272,12 +272,20 @@ pub(crate) async fn run(link: Arc<Link>, shared: Arc<Shared>, stop: Cancellation
                     shared.metrics.error("link_lost");
                     tracing::warn!(gateway = %link.gateway, sessions = orphans.len(), %error, "mesh link lost");
                 }
-                let why = error.as_deref().unwrap_or("proxy shutting down");
-                let kick = format!("link to gateway {} lost: {why}", link.gateway);
-                for route in orphans {
-                    route
-                        .control
-                        .kick(Kick::new(KickReason::GatewayUnavailable, kick.clone()));
+                if error.is_none() {
+                    let kick = format!(
+                        "link to gateway {} closed: proxy shutting down",
+                        link.gateway
+                    );
+                    for route in orphans {
+                        route
+                            .control
+                            .kick(Kick::new(KickReason::Shutdown, kick.clone()));
+                    }
+                } else {
+                    // Dropping the routes ends each session's queue once drained: its client
+                    // task attaches the session to another gateway, the client stays connected.
+                    drop(orphans);
                 }
                 link.set_status(LinkState::Down, None, error);
             }

@@ -61,6 +61,8 @@ impl Flow {
 pub(crate) struct Metrics {
     pub connections: Gauge,
     pub connections_accepted: Counter,
+    /// Sessions moved to another gateway after their gateway's link broke.
+    pub sessions_moved: Counter,
     pub client_in: Flow,
     pub client_out: Flow,
     pub link_in: Flow,
@@ -123,6 +125,13 @@ impl Metrics {
             "connections_accepted",
             "Client connections accepted",
             connections_accepted.clone(),
+        );
+
+        let sessions_moved = Counter::default();
+        reg.register(
+            "sessions_moved",
+            "Sessions moved to another gateway after their gateway's link broke (the client stays connected)",
+            sessions_moved.clone(),
         );
 
         let frames = Family::<TrafficLabels, Counter>::default();
@@ -209,6 +218,7 @@ impl Metrics {
         let metrics = Self {
             connections,
             connections_accepted,
+            sessions_moved,
             client_in: flow("client", "in"),
             client_out: flow("client", "out"),
             link_in: flow("gateway", "in"),
@@ -300,6 +310,7 @@ impl Metrics {
         ProxyStats {
             sessions: self.sessions.get().max(0) as u64,
             sessions_peak: self.sessions_peak.load(Ordering::Relaxed),
+            sessions_moved: self.sessions_moved.get(),
             inputs_accepted: self.inputs_accepted.get(),
             inputs_dropped: self.dropped_account.get() + self.dropped_address.get(),
             inputs_received: self.inputs_received.get(),

@@ -194,46 +194,21 @@ async fn slow_consumer_is_kicked_alone() {
     drop(slow);
 }
 
-#[tokio::test]
-async fn lost_link_kicks_its_sessions_and_is_redialled() {
-    let gw = TestGateway::start(1).await;
-    let proxy = TestProxy::start(config(&[&gw])).await;
-    let mut c = proxy.login("alice").await;
-    c.echo(1).await;
-    gw.drop_links();
-    let k = c.kick().await;
-    assert_eq!(reason(&k), KickReason::GatewayUnavailable);
-    assert!(k.detail.contains("lost"), "{}", k.detail);
-
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    let mut again = loop {
-        match TestClient::login(&proxy.addr(), &token("alice")).await {
-            Ok(c) => break c,
-            Err(ClientError::Kicked(k)) if reason(&k) == KickReason::GatewayUnavailable => {
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "link never came back"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(e) => panic!("{e}"),
+/// Reads past anything else until the next `Welcome` on the same connection.
+async fn next_welcome(c: &mut TestClient) -> cellmesh_proto::edge::Welcome {
+    loop {
+        match c.next().await.map(|m| m.body) {
+            Some(Some(server_message::Body::Welcome(w))) => return w,
+            Some(Some(server_message::Body::Kick(k))) => panic!("kicked instead of moved: {k:?}"),
+            Some(_) => {}
+            None => panic!("connection closed instead of moving the session"),
         }
-    };
-    assert!(
-        again.welcome.session_id > c.welcome.session_id,
-        "session ids are never reused on a link"
-    );
-    again.echo(2).await;
-    assert_eq!(gw.hellos().len(), 2);
-    assert!(proxy.handle.admin.is_ready());
+    }
 }
 
-#[tokio::test]
-async fn sessions_are_spread_round_robin_over_gateways() {
-    let (g1, g2) = (TestGateway::start(1).await, TestGateway::start(2).await);
-    let proxy = TestProxy::start(config(&[&g1, &g2])).await;
+async fn links_up(proxy: &TestProxy) {
     let deadline = tokio::time::Instant::now() + PATIENCE;
-    while state(&proxy).await["links"]
+    while state(proxy).await["links"]
         .as_array()
         .unwrap()
         .iter()
@@ -245,6 +220,86 @@ async fn sessions_are_spread_round_robin_over_gateways() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+#[tokio::test]
+async fn a_lost_link_moves_its_sessions_to_another_gateway_on_the_same_connection() {
+    let (g1, g2) = (TestGateway::start(1).await, TestGateway::start(2).await);
+    let proxy = TestProxy::start(config(&[&g1, &g2])).await;
+    links_up(&proxy).await;
+    let mut c = proxy.login("alice").await;
+    c.echo(1).await;
+    let (lost, other) = match c.welcome.gateway_node {
+        1 => (&g1, &g2),
+        _ => (&g2, &g1),
+    };
+    lost.drop_links();
+    let moved = next_welcome(&mut c).await;
+    assert_eq!(moved.account, "alice");
+    assert_eq!(
+        moved.gateway_node, other.node_id,
+        "moved to the gateway whose link is up"
+    );
+    // The new gateway got an Attach for the account; the client keeps playing through it.
+    other
+        .wait_for("Attach{alice}", |r| {
+            r.iter()
+                .any(|b| matches!(b, Mesh::Attach(a) if a.account == "alice" && a.session_id == moved.session_id))
+        })
+        .await;
+    c.echo(2).await;
+    let metrics = http_get(proxy.handle.admin_addr, "/metrics")
+        .await
+        .unwrap()
+        .1;
+    assert!(
+        metrics.contains("cellmesh_proxy_sessions_moved_total 1"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn a_lone_gateway_whose_link_breaks_gets_the_session_back_once_redialled() {
+    let gw = TestGateway::start(1).await;
+    let proxy = TestProxy::start(config(&[&gw])).await;
+    let mut c = proxy.login("alice").await;
+    c.echo(1).await;
+    gw.drop_links();
+    let moved = next_welcome(&mut c).await;
+    assert!(
+        moved.session_id > c.welcome.session_id,
+        "session ids are never reused on a link"
+    );
+    c.echo(2).await;
+    assert_eq!(gw.hellos().len(), 2);
+    assert!(proxy.handle.admin.is_ready());
+}
+
+#[tokio::test]
+async fn a_session_with_no_gateway_left_is_kicked() {
+    let gw = TestGateway::start(1).await;
+    let proxy = TestProxy::start(ProxyConfig {
+        hello_timeout_ms: 300,
+        ..config(&[&gw])
+    })
+    .await;
+    let mut c = proxy.login("alice").await;
+    c.echo(1).await;
+    gw.stop();
+    let k = c.kick().await;
+    assert_eq!(reason(&k), KickReason::GatewayUnavailable);
+    assert!(
+        k.detail.contains("no other gateway link is up"),
+        "{}",
+        k.detail
+    );
+}
+
+#[tokio::test]
+async fn sessions_are_spread_round_robin_over_gateways() {
+    let (g1, g2) = (TestGateway::start(1).await, TestGateway::start(2).await);
+    let proxy = TestProxy::start(config(&[&g1, &g2])).await;
+    links_up(&proxy).await;
     let mut per_node = HashMap::new();
     let mut clients = Vec::new();
     for i in 0..4 {

@@ -53,6 +53,7 @@ pub struct SidecarHandle {
     tasks: TaskTracker,
     inbox: mpsc::WeakSender<Event>,
     census: Arc<Mutex<Vec<Real>>>,
+    restored: Arc<Mutex<Vec<core::Restored>>>,
 }
 
 /// Counters for tests and the CLI status line.
@@ -164,6 +165,12 @@ impl SidecarHandle {
     /// (at most 100 ms old), for a census.
     pub fn reals(&self) -> Vec<Real> {
         self.census.lock().expect("census lock poisoned").clone()
+    }
+
+    /// The entities of dead processes whose restore this node decided and saw acked, since
+    /// the last call.
+    pub fn take_restored(&self) -> Vec<core::Restored> {
+        std::mem::take(&mut *self.restored.lock().expect("restore log lock poisoned"))
     }
 
     /// Starts a graceful drain (what SIGTERM does): `/ready` goes false, handoffs are refused,

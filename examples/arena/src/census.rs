@@ -20,6 +20,8 @@ struct Inner {
     spawned: BTreeSet<u64>,
     despawned: BTreeSet<u64>,
     holders: BTreeMap<u64, Vec<u32>>,
+    /// The account of every player avatar spawned.
+    avatars: BTreeMap<u64, String>,
 }
 
 /// What the census saw, at one moment.
@@ -62,6 +64,24 @@ impl Census {
         let mut c = self.lock();
         c.spawned.insert(id);
         hold(&mut c.holders, id, holder);
+    }
+
+    /// `holder` created `id`, the avatar of `account`.
+    pub fn spawned_avatar(&self, id: u64, holder: u32, account: &str) {
+        self.spawned(id, holder);
+        self.lock().avatars.insert(id, account.to_string());
+    }
+
+    /// The avatars alive in the world (spawned, not despawned), by account: one each.
+    pub fn avatars(&self) -> BTreeMap<String, Vec<u64>> {
+        let c = self.lock();
+        let mut by: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+        for (id, account) in &c.avatars {
+            if !c.despawned.contains(id) {
+                by.entry(account.clone()).or_default().push(*id);
+            }
+        }
+        by
     }
 
     /// `holder` despawned `id`: it is gone from the world.
@@ -123,6 +143,22 @@ fn release(holders: &mut BTreeMap<u64, Vec<u32>>, id: u64, holder: u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn avatars_are_counted_per_account_until_despawned() {
+        let c = Census::default();
+        c.spawned_avatar(1, 10, "alice");
+        c.spawned_avatar(2, 11, "alice");
+        c.spawned_avatar(3, 10, "bob");
+        c.spawned(4, 10);
+        assert_eq!(c.avatars()["alice"], vec![1, 2]);
+        c.despawned(1, 10);
+        c.despawned(3, 10);
+        assert_eq!(
+            c.avatars(),
+            BTreeMap::from([("alice".to_string(), vec![2])])
+        );
+    }
 
     #[test]
     fn a_clean_handoff_leaves_one_holder() {

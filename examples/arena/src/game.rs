@@ -389,6 +389,9 @@ impl Arena {
         }));
         self.stats.players_joined += 1;
         self.players.insert(account.clone(), id);
+        if let Some(c) = self.census() {
+            c.spawned_avatar(id, self.node, &account);
+        }
         self.entities.insert(
             id,
             Entity {
@@ -409,9 +412,6 @@ impl Arena {
                 }),
             },
         );
-        if let Some(c) = self.census() {
-            c.spawned(id, self.node);
-        }
     }
 
     fn player_mut(&mut self, account: &str) -> Option<(&mut Entity, u64)> {

@@ -22,11 +22,16 @@ use super::*;
 
 /// How often the session of a player whose gateway link is down is looked up.
 pub(crate) const ORPHAN_CHECK_EVERY_MS: u64 = 1_000;
+/// The start of the reason a gateway gives for the sessions of a proxy link that broke.
+pub(crate) const PROXY_LINK_LOST: &str = "link to the proxy lost";
 /// How long a session still waits for its avatar's anchor once the restore of the process that
-/// wrote it is over (the restored owner's anchor and the decider's word travel different links).
-pub(crate) const RESTORED_GRACE_MS: u64 = 500;
-/// How long a displaced session's avatar waits for the newer session's join before it leaves.
-pub(crate) const DISPLACED_GRACE_MS: u64 = 3_000;
+/// wrote it is over (the restored owner's anchor and the decider's word travel different links,
+/// and a restored owner that has just started may not be linked to the gateway yet).
+pub(crate) const RESTORED_GRACE_MS: u64 = 2_000;
+/// How long the avatar of a session that was displaced, or whose proxy link broke, waits for
+/// a newer session's join before it leaves (the proxy moves a session whose gateway link broke
+/// to another gateway).
+pub(crate) const LEAVE_GRACE_MS: u64 = 3_000;
 
 #[derive(Default)]
 pub(crate) struct Avatars {
@@ -39,11 +44,9 @@ pub(crate) struct Avatars {
     pub awaiting: HashMap<String, (u64, Option<(NodeId, u64)>)>,
     /// Owner side: when each player whose gateway link is down was last looked up.
     orphan_checked: HashMap<String, u64>,
-    /// Owner side: leaves of displaced sessions, (session epoch, due): the newer session's join
-    /// usually follows at once from its gateway, and keeps the avatar.
+    /// Owner side: leaves of displaced or cut-off sessions, (session epoch, due): the newer
+    /// session's join usually follows at once from its gateway, and keeps the avatar.
     displaced: HashMap<String, (u64, u64)>,
-    /// Owner side: accounts whose newer session (this epoch) spawns a new avatar elsewhere.
-    spawned_elsewhere: HashMap<String, u64>,
 }
 
 /// Where a login finds the account's avatar.
@@ -61,12 +64,7 @@ pub(crate) enum AvatarAt {
 
 impl Core {
     pub(crate) fn avatars_step(&mut self) {
-        let spawned = std::mem::take(&mut self.avatars.spawned_elsewhere);
-        self.avatars.spawned_elsewhere = spawned
-            .into_iter()
-            .filter(|(a, _)| self.writes_master(a))
-            .collect();
-        self.apply_displaced_leaves();
+        self.apply_deferred_leaves();
         self.expire_avatar_waits();
         self.check_orphans();
     }
@@ -125,49 +123,70 @@ impl Core {
         }
     }
 
-    /// The leave of a session a newer login displaced: kept for [`DISPLACED_GRACE_MS`], so the
-    /// avatar serves the newer session instead of leaving and spawning again (the new gateway
-    /// found it through the master record; its join and this leave race on different links).
-    pub(crate) fn defer_displaced_leave(&mut self, account: &str, epoch: u64) {
+    /// Whether a leave for `reason` waits for a newer session (see [`LEAVE_GRACE_MS`]).
+    pub(crate) fn leave_waits(reason: &str) -> bool {
+        reason == "displaced" || reason.starts_with(PROXY_LINK_LOST)
+    }
+
+    /// The leave of a session a newer login displaced, or whose proxy link broke: kept for
+    /// [`LEAVE_GRACE_MS`], so the avatar serves the newer session instead of leaving and
+    /// spawning again (the new gateway found it through the master record; its join and this
+    /// leave race on different links).
+    pub(crate) fn defer_leave(&mut self, account: &str, epoch: u64) {
         let now = self.now.mono_ms;
         let slot = self
             .avatars
             .displaced
             .entry(account.to_string())
-            .or_insert((epoch, now + DISPLACED_GRACE_MS));
+            .or_insert((epoch, now + LEAVE_GRACE_MS));
         slot.0 = slot.0.max(epoch);
-        if self
-            .avatars
-            .spawned_elsewhere
-            .get(account)
-            .is_some_and(|e| *e > epoch)
-        {
-            slot.1 = now;
-            self.apply_displaced_leaves();
-        }
     }
 
-    /// A newer session of `account` spawns a new avatar on another node: the older one here,
-    /// if any, leaves without waiting out the grace.
-    pub(crate) fn on_new_avatar_elsewhere(&mut self, account: &str, epoch: u64) {
-        if !self.writes_master(account) {
+    /// Another gateway announced a session of `account` (`m`): if this node writes the
+    /// account's avatar and serves an older session with it, the avatar serves the new one (its
+    /// gateway may be waiting for it, or have sent its join elsewhere), or, when that gateway
+    /// spawns a new avatar, this one leaves at once: never two.
+    pub(crate) fn avatar_meets_session(&mut self, m: &mesh::SessionMoved) {
+        if m.gateway_node == self.cfg.node_id || !self.writes_master(&m.account) {
             return;
         }
-        let seen = self
-            .avatars
-            .spawned_elsewhere
-            .entry(account.to_string())
-            .or_insert(epoch);
-        *seen = (*seen).max(epoch);
-        if let Some(slot) = self.avatars.displaced.get_mut(account) {
-            if slot.0 < epoch {
-                slot.1 = self.now.mono_ms;
-                self.apply_displaced_leaves();
-            }
+        let served = self
+            .routing
+            .remote_players
+            .get(&m.account)
+            .map(|r| r.session_epoch)
+            .or_else(|| self.session_epoch(&m.account).map(|(_, e)| e))
+            .unwrap_or(0);
+        if m.session_epoch <= served {
+            return;
+        }
+        if !m.new_avatar {
+            let entry = SessionEntry {
+                gateway_node: m.gateway_node,
+                session_epoch: m.session_epoch,
+            };
+            return self.join_session(&m.account, entry);
+        }
+        tracing::debug!(account = %m.account, "a newer session spawns a new avatar: this one leaves");
+        self.avatars.displaced.remove(&m.account);
+        self.routing.remote_players.remove(&m.account);
+        self.routing.anchor_sent.remove(&m.account);
+        // Every session before the new one is over.
+        let epoch = m.session_epoch - 1;
+        self.leave_follows_handoff(&m.account, epoch, "new_avatar_elsewhere");
+        if self.game.slot.is_some() {
+            self.out.to_game.push(
+                sidecar_message::Body::PlayerLeave(local::PlayerLeave {
+                    account: m.account.clone(),
+                    session_epoch: epoch,
+                    reason: "new_avatar_elsewhere".into(),
+                })
+                .into(),
+            );
         }
     }
 
-    fn apply_displaced_leaves(&mut self) {
+    fn apply_deferred_leaves(&mut self) {
         let now = self.now.mono_ms;
         let due: Vec<(String, u64)> = self
             .avatars
@@ -178,7 +197,6 @@ impl Core {
             .collect();
         for (account, epoch) in due {
             self.avatars.displaced.remove(&account);
-            self.avatars.spawned_elsewhere.remove(&account);
             let served = self
                 .routing
                 .remote_players
@@ -188,6 +206,15 @@ impl Core {
             let here = self.writes_master(&account);
             if served || !here {
                 continue;
+            }
+            if self
+                .routing
+                .remote_players
+                .get(&account)
+                .is_some_and(|r| r.session_epoch <= epoch)
+            {
+                self.routing.remote_players.remove(&account);
+                self.routing.anchor_sent.remove(&account);
             }
             self.leave_follows_handoff(&account, epoch, "displaced");
             if self.game.slot.is_some() {

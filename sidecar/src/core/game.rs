@@ -56,7 +56,9 @@ impl LocalGame {
             last_tick: 0,
             // The config checked the node id against the id layout.
             ids: ids.expect("a node id that fits the id layout"),
-            checkpoints: Checkpoints::new(cfg.checkpoint_interval_ms),
+            checkpoints: Checkpoints::new(super::restore::checkpoint_ask_every_ms(
+                cfg.checkpoint_interval_ms,
+            )),
             gone_since: None,
             restoring: BTreeSet::new(),
             unrestorable: Vec::new(),

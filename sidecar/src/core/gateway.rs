@@ -433,8 +433,8 @@ impl Core {
                     reason: reason.to_string(),
                 }),
             );
-        } else if reason == "displaced" {
-            self.defer_displaced_leave(account, epoch);
+        } else if Self::leave_waits(reason) {
+            self.defer_leave(account, epoch);
         } else if self.game.slot.is_some() {
             self.leave_follows_handoff(account, epoch, reason);
             let leave = local::PlayerLeave {

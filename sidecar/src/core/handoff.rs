@@ -286,6 +286,7 @@ impl Core {
                     (epoch == s.1).then_some(seq)
                 })
                 .unwrap_or(0),
+            state_unix_ms: self.now.unix_ms,
             ..Default::default()
         }
     }
@@ -1032,6 +1033,11 @@ impl Core {
             if self.repl.subs.has(chunk, m.owner_node) || self.follow(chunk, m.owner_node) {
                 self.table
                     .set_origin(m.entity_id, m.owner_node, m.entity_epoch);
+                // A stale ghost waits for its new writer from now on (a restored owner may be
+                // a process that has only just started, not linked here yet).
+                if let Some(since) = self.repl.stale.get_mut(&m.entity_id) {
+                    *since = self.now.mono_ms;
+                }
             } else {
                 tracing::debug!(
                     me,

@@ -44,6 +44,7 @@ use crate::model::entities::EntityTable;
 
 pub use gateway::SessionKey;
 pub use peers::PeerInfo;
+pub use restore::Restored;
 
 use authority::Authority;
 use game::LocalGame;
@@ -420,6 +421,11 @@ impl Core {
                 .fence
                 .held_where(|f| matches!(f, handoff::Fenced::Input(_)))
             + self.handoff.input_order.held()
+    }
+
+    /// The restores this node decided and saw acked since the last call.
+    pub fn take_restored(&mut self) -> Vec<Restored> {
+        std::mem::take(&mut self.restore.log)
     }
 
     /// Client inputs held here that no other node has a copy of: lost if this process died now.

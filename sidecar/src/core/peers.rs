@@ -17,6 +17,7 @@ use rustc_hash::FxHashMap as HashMap;
 use cellmesh_geo_router::partition::NodeId;
 use cellmesh_proto::mesh::{self, mesh_message};
 
+use super::avatars::PROXY_LINK_LOST;
 use super::wire::*;
 use super::*;
 use crate::model::audience::Audience;
@@ -111,7 +112,7 @@ impl Core {
         }
         tracing::info!(link, proxy = %l.hello.id, %reason, "proxy link closed");
         for key in l.sessions {
-            self.end_session(key, &format!("link to the proxy lost: {reason}"));
+            self.end_session(key, &format!("{PROXY_LINK_LOST}: {reason}"));
         }
     }
 
@@ -347,14 +348,15 @@ impl Core {
                     self.routing.routes.remove(&e.account);
                 }
                 // The avatar of a session that ended is released even if the gateway's leave
-                // never comes (it went to an owner the gateway was still waiting for).
+                // never comes (it went to an owner the gateway was still waiting for), unless a
+                // newer session joins it meanwhile (the proxy moved the session).
                 if self
                     .routing
                     .remote_players
                     .get(&e.account)
                     .is_some_and(|r| r.session_epoch <= e.session_epoch)
                 {
-                    self.release_remote_player(&e.account, "session_ended");
+                    self.defer_leave(&e.account, e.session_epoch);
                 }
             }
             other => {

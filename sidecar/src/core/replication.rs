@@ -264,7 +264,9 @@ impl Core {
                     .map(|p| p.up_since_ms)
             };
             // Whoever may write it now must have been reachable for a while to have refreshed
-            // it: while one of them is not, the ghost stays (up to a node lease).
+            // it: while one of them is not, the ghost stays, up to two node leases (a writer
+            // that died is noticed a lease and a membership poll after it did, and from then
+            // on its ghosts wait for their restore).
             let mut writers = self.owners_near(chunk);
             writers.push(origin);
             let reachable_since = writers
@@ -274,7 +276,7 @@ impl Core {
                 .try_fold(since, |acc, up| up.map(|t| acc.max(t)));
             let expired = match reachable_since {
                 Some(t) => now >= t + STALE_RESYNC_GRACE_MS,
-                None => now >= since + self.cfg.node_lease_ms,
+                None => now >= since + 2 * self.cfg.node_lease_ms,
             };
             if expired {
                 gone.push((id, true));

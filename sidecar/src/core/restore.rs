@@ -32,7 +32,16 @@ use crate::model::restore::{self as model, Restoration};
 pub type Incarnation = (NodeId, u64);
 
 /// How often the changed checkpoints are written to the store.
-const FLUSH_EVERY_MS: u64 = 250;
+pub(crate) const FLUSH_EVERY_MS: u64 = 250;
+/// How long a game may take to answer a checkpoint request (a couple of ticks).
+const ANSWER_MS: u64 = 100;
+
+/// How often each entity's checkpoint is asked of the game, so that the one in the store is at
+/// most `interval_ms` old: the interval less a flush and the game's answer (at most a quarter
+/// of it).
+pub(crate) fn checkpoint_ask_every_ms(interval_ms: u64) -> u64 {
+    interval_ms - (FLUSH_EVERY_MS + ANSWER_MS).min(interval_ms / 4)
+}
 /// How often the decider lists the processes with checkpoints in the store (a dead one whose
 /// death it did not see, as a new process, is found there).
 const LIST_EVERY_MS: u64 = 2_000;
@@ -79,6 +88,22 @@ pub(crate) struct Offering {
     retry_at_ms: u64,
 }
 
+/// Restores kept for the driver to publish between two publishes, at most.
+const RESTORE_LOG_MAX: usize = 100_000;
+
+/// One entity of a dead process restored on a live node, as its decider saw the ack.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Restored {
+    pub entity_id: u64,
+    pub dead_node: NodeId,
+    pub dead_lease_epoch: u64,
+    /// The node that writes it now.
+    pub owner: NodeId,
+    /// When the state it was restored from was taken, and when it was restored (wall-clock ms).
+    pub state_unix_ms: u64,
+    pub restored_unix_ms: u64,
+}
+
 #[derive(Default)]
 pub(crate) struct Restore {
     /// This process's lease epoch (0: no lease, nothing is checkpointed to the store).
@@ -110,6 +135,8 @@ pub(crate) struct Restore {
     pub listing: bool,
     /// Processes with checkpoints and no lease in this node's view, since when (monotonic ms).
     pub suspects: BTreeMap<Incarnation, u64>,
+    /// Restores this node decided and saw acked, since the driver last took them.
+    pub log: Vec<Restored>,
 }
 
 impl Restore {
@@ -425,8 +452,10 @@ impl Core {
     fn checkpoint_record(&self, id: u64) -> Option<mesh::HandoffOffer> {
         let e = self.table.get_local(id)?;
         let kept = self.game.checkpoints.latest(id)?;
+        let age = self.now.mono_ms.saturating_sub(kept.at_ms);
         Some(mesh::HandoffOffer {
             successor: true,
+            state_unix_ms: self.now.unix_ms.saturating_sub(age),
             ..self.offer_of(e, kept.epoch, kept.state.clone())
         })
     }
@@ -876,6 +905,18 @@ impl Core {
         let me = self.cfg.node_id;
         let mut members = vec![id];
         members.extend(o.offer.attachments.iter().map(|a| a.entity_id));
+        for &m in &members {
+            if self.restore.log.len() < RESTORE_LOG_MAX {
+                self.restore.log.push(Restored {
+                    entity_id: m,
+                    dead_node: o.dead.0,
+                    dead_lease_epoch: o.dead.1,
+                    owner: from,
+                    state_unix_ms: o.offer.state_unix_ms,
+                    restored_unix_ms: self.now.unix_ms,
+                });
+            }
+        }
         for m in members {
             for &r in &o.reporters {
                 self.resolve_for(r, m, epoch, from);

@@ -435,8 +435,8 @@ impl Core {
         }
         self.routing.remote_players.remove(&l.account);
         self.routing.anchor_sent.remove(&l.account);
-        if l.reason == "displaced" {
-            return self.defer_displaced_leave(&l.account, l.session_epoch);
+        if Self::leave_waits(&l.reason) {
+            return self.defer_leave(&l.account, l.session_epoch);
         }
         self.leave_follows_handoff(&l.account, l.session_epoch, &l.reason);
         if self.game.slot.is_some() {
@@ -543,9 +543,7 @@ impl Core {
                 self.displace(key, "the account logged in on another gateway");
             }
         }
-        if m.new_avatar && m.gateway_node != self.cfg.node_id {
-            self.on_new_avatar_elsewhere(&m.account, m.session_epoch);
-        }
+        self.avatar_meets_session(&m);
     }
 
     /// Tells every peer that `account` now has a session here, and whether its gateway spawns

@@ -19,12 +19,14 @@ use tokio_util::task::TaskTracker;
 use super::mesh::MeshCtx;
 use super::{dial, store, Event, GameHandle, GameOut, LinkHandle};
 use crate::core::wire::forwarded_inputs;
-use crate::core::{ConnId, Core, Input, LeaseTerms, LinkId, Now, Output};
+use crate::core::{ConnId, Core, Input, LeaseTerms, LinkId, Now, Output, Restored};
 use crate::metrics::Metrics;
 use crate::Real;
 
 /// Events handled before the outputs are carried out, so one burst becomes one frame per peer.
 const EVENTS_PER_FLUSH: usize = 64;
+/// Restores kept for the handle's owner to take, at most; later ones are not kept.
+const RESTORED_KEPT: usize = 100_000;
 
 /// The time now: monotonic since `start`, and the wall clock.
 /// `at` on the core's monotonic clock (milliseconds since `start`; 0 if before it).
@@ -54,6 +56,8 @@ pub(crate) struct Driver {
     pub admin: Arc<Admin>,
     pub published: Arc<Mutex<serde_json::Value>>,
     pub census: Arc<Mutex<Vec<Real>>>,
+    /// Restores decided here, until the handle's owner takes them (at most [`RESTORED_KEPT`]).
+    pub restored: Arc<Mutex<Vec<Restored>>>,
     pub mesh_ctx: MeshCtx,
     pub metrics: Metrics,
     pub shutdown: CancellationToken,
@@ -237,6 +241,12 @@ impl Driver {
                 Output::Publish => {
                     *self.published.lock().expect("state lock poisoned") = self.core.state();
                     *self.census.lock().expect("census lock poisoned") = self.core.reals();
+                    let restored = self.core.take_restored();
+                    if !restored.is_empty() {
+                        let mut log = self.restored.lock().expect("restore log lock poisoned");
+                        let room = RESTORED_KEPT.saturating_sub(log.len());
+                        log.extend(restored.into_iter().take(room));
+                    }
                 }
                 Output::Stop => self.shutdown.cancel(),
             }

@@ -145,6 +145,7 @@ pub(crate) async fn launch(
         tasks: tasks.clone(),
     };
     let census = Arc::default();
+    let restored = Arc::default();
     let clustered = membership.is_some();
     let held = membership.as_ref().map(|(_, h)| h.clone());
     let topology = membership.as_ref().map(|(t, _)| t.clone());
@@ -206,6 +207,7 @@ pub(crate) async fn launch(
         admin: admin.clone(),
         published,
         census: Arc::clone(&census),
+        restored: Arc::clone(&restored),
         mesh_ctx: mesh_ctx.clone(),
         metrics: metrics.clone(),
         shutdown: shutdown.clone(),
@@ -241,6 +243,7 @@ pub(crate) async fn launch(
         tasks,
         inbox: weak,
         census,
+        restored,
     })
 }
 
