@@ -1179,7 +1179,11 @@ mod tests {
         l.sidecars_held = 5;
         let (by, unaccounted) = l.undelivered();
         assert_eq!(
-            (by["sidecar_lost_with_node"], by["sidecar_held_at_end"], unaccounted),
+            (
+                by["sidecar_lost_with_node"],
+                by["sidecar_held_at_end"],
+                unaccounted
+            ),
             (4, 2, 0)
         );
     }
@@ -1202,10 +1206,10 @@ mod tests {
         let f = chaos_figures(
             &kills,
             &[
-                restored(4, 400, 3_000),  // 2,000 after the first kill of 4, 600 of progress lost
+                restored(4, 400, 3_000), // 2,000 after the first kill of 4, 600 of progress lost
                 restored(3, 2_500, 5_000), // 2,000 after the kill of 3, 500 lost
                 restored(4, 4_900, 7_000), // 2,000 after the second kill of 4, 100 lost
-                restored(2, 0, 7_000),     // a node never killed: not counted
+                restored(2, 0, 7_000),   // a node never killed: not counted
             ],
         );
         assert_eq!(f.restored, 3);

@@ -584,10 +584,20 @@ impl Core {
                 self.routing.anchor_sent.remove(&account);
                 if self.gw.clients.key_of(&account).is_some() {
                     // This node is the player's gateway: its input goes to the new owner now.
+                    // An anchor the new owner sent first (the ack was lost and a later frame
+                    // proved it) says where the avatar is now; the frozen copy's place is old.
+                    let anchored = self.gw.master_owner.get(&account) == Some(&done.to)
+                        && self
+                            .gw
+                            .master_epoch
+                            .get(&account)
+                            .is_some_and(|e| *e >= done.epoch);
                     self.gw.master_owner.insert(account.clone(), done.to);
-                    self.gw.master_epoch.insert(account.clone(), done.epoch);
-                    self.gw.clients.set_remote_anchor(&account, Some(chunk));
-                    self.gw.anchor_pos.insert(account, [pos.x, pos.y, pos.z]);
+                    if !anchored {
+                        self.gw.master_epoch.insert(account.clone(), done.epoch);
+                        self.gw.clients.set_remote_anchor(&account, Some(chunk));
+                        self.gw.anchor_pos.insert(account, [pos.x, pos.y, pos.z]);
+                    }
                 }
             }
         }

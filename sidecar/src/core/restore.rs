@@ -110,6 +110,9 @@ pub(crate) struct Restore {
     pub incarnation: u64,
     /// The live peers and their lease epochs, as the store last said.
     pub live: BTreeMap<NodeId, u64>,
+    /// Whether the store said yet: a process that has just started knows no peer, and must
+    /// not take itself for the lowest live node.
+    pub leases_heard: bool,
     /// Dead processes whose world is not restored yet, each with the ghosts of it held here
     /// when it died and their epochs then (they stay until a restored owner takes them over,
     /// under a newer epoch, or the round ends).
@@ -161,6 +164,7 @@ impl Core {
     /// The store's word on who is alive: a process whose lease is gone, or whose id a new
     /// process holds, is dead.
     pub(crate) fn note_leases(&mut self, leases: &[(NodeId, u64)]) {
+        self.restore.leases_heard = true;
         let now: BTreeMap<NodeId, u64> = leases.iter().copied().collect();
         let gone: Vec<Incarnation> = self
             .restore
@@ -474,7 +478,10 @@ impl Core {
 
     fn is_decider(&self) -> bool {
         let me = self.cfg.node_id;
-        self.auth.lease_live && self.mesh.clustered && self.restore.live.keys().all(|n| *n >= me)
+        self.auth.lease_live
+            && self.mesh.clustered
+            && self.restore.leases_heard
+            && self.restore.live.keys().all(|n| *n >= me)
     }
 
     /// Moves every round this node decides one step on.
