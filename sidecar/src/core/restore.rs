@@ -381,7 +381,11 @@ impl Core {
                 e.origin == Some(d.node) && e.epoch == epoch && !self.restore.dead_ghost(id, epoch)
             });
             if still && !self.ghost_orphaned(id) {
-                tracing::debug!(entity = id, "ghost of a dead process dropped: not restored");
+                tracing::debug!(
+                    me = self.cfg.node_id,
+                    entity = id,
+                    "ghost of a dead process dropped: not restored"
+                );
                 self.repl.stale.remove(&id);
                 let _ = self.table.despawn(id);
                 self.handoff.fence.forget(id);
@@ -565,6 +569,14 @@ impl Core {
             .suspects
             .retain(|inc, _| unleased.contains(inc));
         for (node, lease_epoch) in all {
+            let inc = (node, lease_epoch);
+            if self.restore.fenced.contains(&inc) && !self.restore.dead.contains_key(&inc) {
+                // Restored already (here or by another decider): the listing predates the
+                // drop of its checkpoints, or the drop failed. A second round would take the
+                // ghosts of a new process under the same id for the dead one's.
+                self.store(StoreRequest::DropCheckpoints { node, lease_epoch });
+                continue;
+            }
             let long_unleased = unleased.contains(&(node, lease_epoch))
                 && *self
                     .restore
@@ -774,6 +786,7 @@ impl Core {
             live.contains(&owner).then_some(owner)
         });
         tracing::info!(
+            me = self.cfg.node_id,
             dead = ?incs,
             checkpoints = checkpoints.len(),
             restores = d.restore.len(),
