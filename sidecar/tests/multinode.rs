@@ -723,9 +723,18 @@ async fn displacement(stores: Stores) {
     assert_eq!(attached.gateway_node, 2);
     let kicked = l1.expect_detach(1).await;
     assert_eq!(kicked.kick_reason, KickReason::Displaced as u32);
-    // Node 1's game hears the old session leave; node 2's game spawns the new avatar.
-    let join = w.node(2).game.expect_join(&account).await;
+    // One avatar per account: the new gateway found it in the directory's master record, so
+    // node 1's game keeps it and hears the new session join; node 2's game spawns none, and the
+    // old session's leave never reaches a game (it waits for, and is met by, the newer join).
+    let join = w.node(1).game.expect_join(&account).await;
     assert_eq!(join.session_epoch, attached.session_epoch);
+    let heard = w.node(2).game.drain(Duration::from_millis(300)).await;
+    assert!(
+        !heard
+            .iter()
+            .any(|m| matches!(m, sidecar_message::Body::PlayerJoin(j) if j.account == account)),
+        "{heard:?}"
+    );
 
     // Node 1's game writes to the account: it reaches the session on gateway 2 only.
     w.node(1).game.push(game_message::Body::Send(local::Send {
@@ -743,6 +752,13 @@ async fn displacement(stores: Stores) {
         .batches_within(1, Duration::from_millis(200))
         .await
         .is_empty());
+    let heard = w.node(1).game.drain(Duration::from_millis(3_500)).await;
+    assert!(
+        !heard
+            .iter()
+            .any(|m| matches!(m, sidecar_message::Body::PlayerLeave(_))),
+        "{heard:?}"
+    );
 }
 
 #[tokio::test]

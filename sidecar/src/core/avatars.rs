@@ -44,9 +44,9 @@ pub(crate) struct Avatars {
     pub awaiting: HashMap<String, (u64, Option<(NodeId, u64)>)>,
     /// Owner side: when each player whose gateway link is down was last looked up.
     orphan_checked: HashMap<String, u64>,
-    /// Owner side: leaves of displaced or cut-off sessions, (session epoch, due): the newer
-    /// session's join usually follows at once from its gateway, and keeps the avatar.
-    displaced: HashMap<String, (u64, u64)>,
+    /// Owner side: leaves of displaced or cut-off sessions, (session epoch, due, reason): the
+    /// newer session's join usually follows at once from its gateway, and keeps the avatar.
+    displaced: HashMap<String, (u64, u64, String)>,
 }
 
 /// Where a login finds the account's avatar.
@@ -132,13 +132,13 @@ impl Core {
     /// [`LEAVE_GRACE_MS`], so the avatar serves the newer session instead of leaving and
     /// spawning again (the new gateway found it through the master record; its join and this
     /// leave race on different links).
-    pub(crate) fn defer_leave(&mut self, account: &str, epoch: u64) {
+    pub(crate) fn defer_leave(&mut self, account: &str, epoch: u64, reason: &str) {
         let now = self.now.mono_ms;
         let slot = self
             .avatars
             .displaced
             .entry(account.to_string())
-            .or_insert((epoch, now + LEAVE_GRACE_MS));
+            .or_insert((epoch, now + LEAVE_GRACE_MS, reason.to_string()));
         slot.0 = slot.0.max(epoch);
     }
 
@@ -188,24 +188,45 @@ impl Core {
 
     fn apply_deferred_leaves(&mut self) {
         let now = self.now.mono_ms;
-        let due: Vec<(String, u64)> = self
+        let due: Vec<String> = self
             .avatars
             .displaced
             .iter()
-            .filter(|(_, (_, due))| now >= *due)
-            .map(|(a, (e, _))| (a.clone(), *e))
+            .filter(|(_, (_, due, _))| now >= *due)
+            .map(|(a, _)| a.clone())
             .collect();
-        for (account, epoch) in due {
-            self.avatars.displaced.remove(&account);
+        for account in due {
+            let Some((epoch, _, reason)) = self.avatars.displaced.remove(&account) else {
+                continue;
+            };
             let served = self
                 .routing
                 .remote_players
                 .get(&account)
                 .is_some_and(|r| r.session_epoch > epoch)
                 || self.session_epoch(&account).is_some_and(|(_, e)| e > epoch);
-            let here = self.writes_master(&account);
-            if served || !here {
+            if served {
                 continue;
+            }
+            if !self.writes_master(&account) {
+                // Handed on meanwhile: the leave follows it (no second wait there).
+                let owner = self
+                    .handoff
+                    .departed_masters
+                    .get(&account)
+                    .and_then(|id| self.handoff.out.departed_to(*id))
+                    .map(|(owner, _)| owner);
+                if let Some(owner) = owner.filter(|o| *o != self.cfg.node_id) {
+                    self.send_peer(
+                        owner,
+                        mesh_message::Body::PlayerLeave(mesh::PeerPlayerLeave {
+                            account: account.clone(),
+                            session_epoch: epoch,
+                            reason: "session_over".into(),
+                        }),
+                    );
+                    continue;
+                }
             }
             if self
                 .routing
@@ -216,13 +237,13 @@ impl Core {
                 self.routing.remote_players.remove(&account);
                 self.routing.anchor_sent.remove(&account);
             }
-            self.leave_follows_handoff(&account, epoch, "displaced");
+            self.leave_follows_handoff(&account, epoch, &reason);
             if self.game.slot.is_some() {
                 self.out.to_game.push(
                     sidecar_message::Body::PlayerLeave(local::PlayerLeave {
                         account,
                         session_epoch: epoch,
-                        reason: "displaced".into(),
+                        reason,
                     })
                     .into(),
                 );

@@ -434,7 +434,7 @@ impl Core {
                 }),
             );
         } else if Self::leave_waits(reason) {
-            self.defer_leave(account, epoch);
+            self.defer_leave(account, epoch, reason);
         } else if self.game.slot.is_some() {
             self.leave_follows_handoff(account, epoch, reason);
             let leave = local::PlayerLeave {

@@ -356,7 +356,7 @@ impl Core {
                     .get(&e.account)
                     .is_some_and(|r| r.session_epoch <= e.session_epoch)
                 {
-                    self.defer_leave(&e.account, e.session_epoch);
+                    self.defer_leave(&e.account, e.session_epoch, "session_ended");
                 }
             }
             other => {

@@ -436,7 +436,7 @@ impl Core {
         self.routing.remote_players.remove(&l.account);
         self.routing.anchor_sent.remove(&l.account);
         if Self::leave_waits(&l.reason) {
-            return self.defer_leave(&l.account, l.session_epoch);
+            return self.defer_leave(&l.account, l.session_epoch, &l.reason);
         }
         self.leave_follows_handoff(&l.account, l.session_epoch, &l.reason);
         if self.game.slot.is_some() {
