@@ -172,14 +172,19 @@ impl Core {
         self.routing.remote_players.remove(&m.account);
         self.routing.anchor_sent.remove(&m.account);
         // Every session before the new one is over.
-        let epoch = m.session_epoch - 1;
-        self.leave_follows_handoff(&m.account, epoch, "new_avatar_elsewhere");
+        self.leave_game(&m.account, m.session_epoch - 1, "new_avatar_elsewhere");
+    }
+
+    /// The game hears session `epoch` of `account` leave (after the handoff of a frozen avatar,
+    /// if one is in flight).
+    pub(crate) fn leave_game(&mut self, account: &str, epoch: u64, reason: &str) {
+        self.leave_follows_handoff(account, epoch, reason);
         if self.game.slot.is_some() {
             self.out.to_game.push(
                 sidecar_message::Body::PlayerLeave(local::PlayerLeave {
-                    account: m.account.clone(),
+                    account: account.to_string(),
                     session_epoch: epoch,
-                    reason: "new_avatar_elsewhere".into(),
+                    reason: reason.to_string(),
                 })
                 .into(),
             );
@@ -237,17 +242,7 @@ impl Core {
                 self.routing.remote_players.remove(&account);
                 self.routing.anchor_sent.remove(&account);
             }
-            self.leave_follows_handoff(&account, epoch, &reason);
-            if self.game.slot.is_some() {
-                self.out.to_game.push(
-                    sidecar_message::Body::PlayerLeave(local::PlayerLeave {
-                        account,
-                        session_epoch: epoch,
-                        reason,
-                    })
-                    .into(),
-                );
-            }
+            self.leave_game(&account, epoch, &reason);
         }
     }
 
@@ -331,17 +326,7 @@ impl Core {
         if !self.writes_master(account) {
             return;
         }
-        self.leave_follows_handoff(account, r.session_epoch, reason);
-        if self.game.slot.is_some() {
-            self.out.to_game.push(
-                sidecar_message::Body::PlayerLeave(local::PlayerLeave {
-                    account: account.to_string(),
-                    session_epoch: r.session_epoch,
-                    reason: reason.to_string(),
-                })
-                .into(),
-            );
-        }
+        self.leave_game(account, r.session_epoch, reason);
     }
 
     /// The avatar this node writes serves the newer session `entry` of another gateway.

@@ -13,7 +13,6 @@ use rustc_hash::FxHashMap as HashMap;
 use cellmesh_geo_router::partition::NodeId;
 use cellmesh_geo_router::store::PlayerRecord;
 use cellmesh_proto::edge::KickReason;
-use cellmesh_proto::local::{self, sidecar_message};
 use cellmesh_proto::mesh::{self, mesh_message, MeshMessage};
 
 use super::avatars::AvatarAt;
@@ -436,15 +435,7 @@ impl Core {
         } else if Self::leave_waits(reason) {
             self.defer_leave(account, epoch, reason);
         } else if self.game.slot.is_some() {
-            self.leave_follows_handoff(account, epoch, reason);
-            let leave = local::PlayerLeave {
-                account: account.to_string(),
-                session_epoch: epoch,
-                reason: reason.to_string(),
-            };
-            self.out
-                .to_game
-                .push(sidecar_message::Body::PlayerLeave(leave).into());
+            self.leave_game(account, epoch, reason);
         }
     }
 

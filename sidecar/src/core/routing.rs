@@ -438,17 +438,7 @@ impl Core {
         if Self::leave_waits(&l.reason) {
             return self.defer_leave(&l.account, l.session_epoch, &l.reason);
         }
-        self.leave_follows_handoff(&l.account, l.session_epoch, &l.reason);
-        if self.game.slot.is_some() {
-            self.out.to_game.push(
-                sidecar_message::Body::PlayerLeave(local::PlayerLeave {
-                    account: l.account,
-                    session_epoch: l.session_epoch,
-                    reason: l.reason,
-                })
-                .into(),
-            );
-        }
+        self.leave_game(&l.account, l.session_epoch, &l.reason);
     }
 
     // ------------------------------------------------------------------ gateway side
