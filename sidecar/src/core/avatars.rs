@@ -7,8 +7,12 @@
 //! player's join to that node instead of spawning. When the record names a process that died,
 //! the avatar is being restored: the gateway waits for the restored owner's anchor (the restored
 //! owner joins the newest session it knows of) for at most [`Core::avatar_wait_ms`], then spawns.
-//! An owner whose player's gateway link is down asks the directory where the session is: gone
-//! for good releases the avatar, a newer session on another gateway is joined.
+//! A node writing an avatar joins any newer session of its account a gateway announces
+//! (`SessionMoved`), and lets its avatar go at once when that gateway spawns a new one: of two
+//! avatars the older always goes. The leave of a displaced or cut-off session waits
+//! [`LEAVE_GRACE_MS`] for the newer join. An owner whose player's gateway link is down asks the
+//! directory where the session is: gone for good releases the avatar, a newer session on
+//! another gateway is joined.
 
 use rustc_hash::FxHashMap as HashMap;
 
