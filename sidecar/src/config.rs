@@ -36,6 +36,9 @@ pub struct SidecarConfig {
     pub players_url: String,
     /// Lease of a session's directory entry; renewed at a third of it while attached.
     pub session_lease_ms: u64,
+    /// Every attached session's player record (last position) is saved this often, besides on
+    /// logout; 0: on logout only.
+    pub player_record_every_ms: u64,
     /// Topology store holding the partition and the node leases (`mongodb://…`): the node joins
     /// the cluster it describes. Empty: a lone node that owns the whole world.
     pub topology_url: String,
@@ -92,6 +95,7 @@ impl Default for SidecarConfig {
             directory_url: "memory".into(),
             players_url: "memory".into(),
             session_lease_ms: 30_000,
+            player_record_every_ms: 60_000,
             topology_url: String::new(),
             mesh_advertise: String::new(),
             node_lease_ms: 10_000,
@@ -137,6 +141,8 @@ pub enum ConfigError {
     Lease(u64),
     #[error("node_lease_ms {0} is below the minimum of 1000")]
     NodeLease(u64),
+    #[error("player_record_every_ms {0} is below the minimum of 1000 (0: on logout only)")]
+    PlayerRecordEvery(u64),
     #[error("checkpoint_interval_ms {0} is below the minimum of 100 (0 turns checkpoints off)")]
     CheckpointInterval(u64),
 }
@@ -184,6 +190,9 @@ impl SidecarConfig {
         }
         if self.node_lease_ms < 1000 {
             return Err(ConfigError::NodeLease(self.node_lease_ms));
+        }
+        if (1..1000).contains(&self.player_record_every_ms) {
+            return Err(ConfigError::PlayerRecordEvery(self.player_record_every_ms));
         }
         if (1..100).contains(&self.checkpoint_interval_ms) {
             return Err(ConfigError::CheckpointInterval(self.checkpoint_interval_ms));

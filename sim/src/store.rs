@@ -73,6 +73,7 @@ impl SimStore {
                     remove,
                 }),
                 StoreRequest::EndSession { .. }
+                | StoreRequest::SaveRecords { .. }
                 | StoreRequest::Release { .. }
                 | StoreRequest::DropCheckpoints { .. }
                 | StoreRequest::CommitPartition { .. } => None,
@@ -139,6 +140,12 @@ impl SimStore {
             }
             StoreRequest::Release { account, epoch } => {
                 self.release(&account, epoch);
+                None
+            }
+            StoreRequest::SaveRecords { records } => {
+                for r in records {
+                    self.players.insert(r.account.clone(), r);
+                }
                 None
             }
             StoreRequest::WriteMasters { set, clear } => {

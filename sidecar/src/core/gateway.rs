@@ -50,6 +50,8 @@ pub(crate) struct Gateway {
     pub master_epoch: HashMap<String, u64>,
     /// The last known position of avatars simulated elsewhere.
     pub anchor_pos: HashMap<String, [f64; 3]>,
+    /// When the attached players' records are saved next (monotonic ms).
+    pub next_records_ms: u64,
 }
 
 impl Gateway {
@@ -61,6 +63,7 @@ impl Gateway {
             master_owner: HashMap::default(),
             master_epoch: HashMap::default(),
             anchor_pos: HashMap::default(),
+            next_records_ms: cfg.player_record_every_ms,
         }
     }
 }
@@ -396,20 +399,48 @@ impl Core {
         };
         self.release_avatar(&s.account, epoch, reason);
         self.announce_session_end(&s.account, epoch);
+        let record = self.player_record(&s);
+        self.gw.anchor_pos.remove(&s.account);
+        self.store(StoreRequest::EndSession { record, epoch });
+        tracing::debug!(account = %s.account, epoch, %reason, "session ended");
+    }
+
+    /// What the world remembers of a session's player: where its avatar stands (here, as its
+    /// owner last anchored it, or as the record said at login).
+    fn player_record(&self, s: &Session) -> PlayerRecord {
         let last_position = self
             .table
             .master_of(&s.account)
             .map(|e| [e.position.x, e.position.y, e.position.z])
-            .or(self.gw.anchor_pos.remove(&s.account))
+            .or(self.gw.anchor_pos.get(&s.account).copied())
             .or(s.last_position);
-        let record = PlayerRecord {
+        PlayerRecord {
             account: s.account.clone(),
             last_position,
-            home_geo: s.home_geo.unwrap_or_else(|| self.cfg.geo.clone()),
+            home_geo: s.home_geo.clone().unwrap_or_else(|| self.cfg.geo.clone()),
             updated_unix_ms: self.now.unix_ms,
-        };
-        self.store(StoreRequest::EndSession { record, epoch });
-        tracing::debug!(account = %s.account, epoch, %reason, "session ended");
+        }
+    }
+
+    /// Saves the records of the attached players every `player_record_every_ms`, so a crash
+    /// of the gateway loses at most that much of where they were.
+    pub(crate) fn save_player_records(&mut self) {
+        let every = self.cfg.player_record_every_ms;
+        if every == 0 || self.now.mono_ms < self.gw.next_records_ms {
+            return;
+        }
+        self.gw.next_records_ms = self.now.mono_ms + every;
+        let records: Vec<PlayerRecord> = self
+            .gw
+            .sessions
+            .iter()
+            .filter(|s| s.epoch.is_some())
+            .map(|s| self.player_record(s))
+            .filter(|r| r.last_position.is_some())
+            .collect();
+        if !records.is_empty() {
+            self.store(StoreRequest::SaveRecords { records });
+        }
     }
 
     /// Tells the game simulating `account`'s avatar (this node's or a peer's) that the session

@@ -183,6 +183,8 @@ pub enum StoreRequest {
     Lookup { account: String },
     /// A session ended: saves the player record, then releases the directory entry.
     EndSession { record: PlayerRecord, epoch: u64 },
+    /// Saves the records of players still attached (their last position so far).
+    SaveRecords { records: Vec<PlayerRecord> },
     /// Releases a directory entry (a registration nobody wants any more).
     Release { account: String, epoch: u64 },
     /// Records where this node simulates avatars (`set`), and forgets those it no longer does
@@ -579,6 +581,7 @@ impl Core {
             self.prune_sent_offers();
             self.restore_step();
             self.avatars_step();
+            self.save_player_records();
             self.metrics.inputs_held.set(self.inputs_held() as i64);
             if self.dirty {
                 self.dirty = false;

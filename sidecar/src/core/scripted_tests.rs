@@ -357,3 +357,111 @@ fn a_game_that_does_not_come_back_in_time_loses_its_entities() {
         .iter()
         .any(|m| matches!(m, sidecar_message::Body::Adopt(_))));
 }
+
+/// The store requests queued so far.
+fn store_requests(core: &mut Core) -> Vec<StoreRequest> {
+    let mut found = Vec::new();
+    while let Some(out) = core.poll_output() {
+        if let Output::Store(r) = out {
+            found.push(r);
+        }
+    }
+    found
+}
+
+/// A proxy link (20) attaches `account`'s session 1, registered under session epoch 5.
+fn attach(core: &mut Core, ms: u64, account: &str) {
+    core.handle(
+        at(ms),
+        Input::LinkUp {
+            link: 20,
+            hello: mesh::LinkHello {
+                version: Some(mesh::ProtocolVersion::current()),
+                role: mesh::PeerRole::Proxy as i32,
+                id: "edge".into(),
+                geo: "test".into(),
+                partition_epoch: 0,
+                node_id: 0,
+            },
+            remote: "edge".into(),
+            rest: vec![mesh_message::Body::Attach(mesh::Attach {
+                session_id: 1,
+                account: account.into(),
+                remote_addr: String::new(),
+            })
+            .into()],
+        },
+    );
+    let key = store_requests(core)
+        .into_iter()
+        .find_map(|r| match r {
+            StoreRequest::Register { session, .. } => Some(session),
+            _ => None,
+        })
+        .expect("the attach registers the session");
+    core.handle(
+        at(ms),
+        Input::Store(StoreReply::Registered {
+            session: key,
+            account: account.into(),
+            result: Ok(Registration {
+                epoch: 5,
+                record: None,
+                master: None,
+            }),
+        }),
+    );
+}
+
+/// The records of attached players are saved every `player_record_every_ms` (not only on
+/// logout), with where their avatars stand then.
+#[test]
+fn attached_players_records_are_saved_periodically_with_their_last_position() {
+    let mut core = node();
+    attach(&mut core, 10, "alice");
+    game_tick(
+        &mut core,
+        20,
+        1,
+        game_message::Body::Spawn(local::Spawn {
+            entity_id: AVATAR,
+            position: pos(40.0, 50.0),
+            owner_account: "alice".into(),
+            is_master: true,
+            ..Default::default()
+        }),
+    );
+    game_tick(
+        &mut core,
+        30_000,
+        2,
+        game_message::Body::Update(local::Update {
+            entity_id: AVATAR,
+            position: pos(60.0, 70.0),
+            ..Default::default()
+        }),
+    );
+    let records = |reqs: Vec<StoreRequest>| -> Vec<PlayerRecord> {
+        reqs.into_iter()
+            .flat_map(|r| match r {
+                StoreRequest::SaveRecords { records } => records,
+                _ => vec![],
+            })
+            .collect()
+    };
+    core.handle(at(59_000), Input::Timer);
+    assert!(
+        records(store_requests(&mut core)).is_empty(),
+        "not before a minute"
+    );
+    core.handle(at(60_000), Input::Timer);
+    let saved = records(store_requests(&mut core));
+    assert_eq!(saved.len(), 1, "{saved:?}");
+    assert_eq!(saved[0].account, "alice");
+    assert_eq!(saved[0].last_position, Some([60.0, 70.0, 0.0]));
+    // And a minute after that, not before.
+    core.handle(at(90_000), Input::Timer);
+    assert!(records(store_requests(&mut core)).is_empty());
+    core.handle(at(120_000), Input::Timer);
+    assert_eq!(records(store_requests(&mut core)).len(), 1);
+}

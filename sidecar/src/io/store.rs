@@ -91,6 +91,15 @@ pub(crate) async fn execute(
             }
             None
         }
+        StoreRequest::SaveRecords { records } => {
+            for record in records {
+                if let Err(e) = timed(stores.players.save(&record)).await {
+                    metrics.error("store");
+                    tracing::warn!(account = %record.account, error = %e, "saving the player record failed");
+                }
+            }
+            None
+        }
         StoreRequest::Release { account, epoch } => {
             let _ = timed(stores.directory.release(&account, epoch)).await;
             None
