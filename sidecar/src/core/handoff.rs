@@ -540,7 +540,9 @@ impl Core {
                 e.position,
                 (e.is_master && !e.owner_account.is_empty()).then(|| e.owner_account.clone()),
             );
-            if self.repl.subs.has(chunk, done.to) {
+            // A chunk a client here views is followed at the new owner (subscribed now if it
+            // was not yet): the entity stays as its ghost, with no vanish.
+            if self.repl.subs.has(chunk, done.to) || self.follow(chunk, done.to) {
                 self.table.to_ghost(id, done.to, done.epoch);
                 for f in self.handoff.fence.advance(id, done.epoch, done.to) {
                     self.apply_fenced(f);
