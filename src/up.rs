@@ -882,12 +882,8 @@ pub async fn run(
     let mut inputs_ignored_by_games = BTreeMap::new();
     let mut ended = Vec::new();
     for n in nodes.iter_mut() {
-        let arena = std::mem::replace(
-            &mut n.arena,
-            tokio::spawn(async { Ok(ArenaStats::default()) }),
-        );
         ended.push(
-            match tokio::time::timeout(Duration::from_secs(5), arena).await {
+            match tokio::time::timeout(Duration::from_secs(5), &mut n.arena).await {
                 Ok(Ok(r)) => Some(r),
                 _ => None,
             },

@@ -219,12 +219,7 @@ impl Core {
             }
             if !self.writes_master(&account) {
                 // Handed on meanwhile: the leave follows it (no second wait there).
-                let owner = self
-                    .handoff
-                    .departed_masters
-                    .get(&account)
-                    .and_then(|id| self.handoff.out.departed_to(*id))
-                    .map(|(owner, _)| owner);
+                let owner = self.departed_owner(&account);
                 if let Some(owner) = owner.filter(|o| *o != self.cfg.node_id) {
                     self.send_peer(
                         owner,
@@ -286,6 +281,12 @@ impl Core {
                 self.store(StoreRequest::Lookup { account });
             }
         }
+    }
+
+    /// The node this node handed `account`'s avatar to, while it remembers.
+    pub(crate) fn departed_owner(&self, account: &str) -> Option<NodeId> {
+        let id = self.handoff.departed_masters.get(account)?;
+        Some(self.handoff.out.departed_to(*id)?.0)
     }
 
     /// Whether this node writes `account`'s avatar.
@@ -365,13 +366,8 @@ impl Core {
             if self.writes_master(account) {
                 return AvatarAt::Here;
             }
-            let departed = self
-                .handoff
-                .departed_masters
-                .get(account)
-                .and_then(|id| self.handoff.out.departed_to(*id));
-            return match departed {
-                Some((owner, _)) if owner != me => AvatarAt::Peer(owner),
+            return match self.departed_owner(account) {
+                Some(owner) if owner != me => AvatarAt::Peer(owner),
                 // Despawned since (the record is cleared soon).
                 _ => AvatarAt::Nowhere,
             };

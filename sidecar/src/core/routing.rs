@@ -363,10 +363,7 @@ impl Core {
             .table
             .master_of(&j.account)
             .and_then(|e| e.origin)
-            .or_else(|| {
-                let id = self.handoff.departed_masters.get(&j.account)?;
-                Some(self.handoff.out.departed_to(*id)?.0)
-            })
+            .or_else(|| self.departed_owner(&j.account))
             .filter(|owner| *owner != me && j.gateway_node == 0);
         if let Some(owner) = elsewhere {
             j.gateway_node = gateway;
@@ -417,10 +414,7 @@ impl Core {
                 .table
                 .master_of(&l.account)
                 .and_then(|e| e.origin)
-                .or_else(|| {
-                    let id = self.handoff.departed_masters.get(&l.account)?;
-                    Some(self.handoff.out.departed_to(*id)?.0)
-                });
+                .or_else(|| self.departed_owner(&l.account));
             if let Some(owner) = owner {
                 self.send_peer(owner, mesh_message::Body::PlayerLeave(l));
                 return;

@@ -405,7 +405,9 @@ impl EntityTable {
         check_finite(full.id, &full.position)?;
         e.origin = None;
         e.epoch = full.epoch;
-        self.masters_version += 1;
+        if e.is_master {
+            self.masters_version += 1;
+        }
         e.parent_id = full.parent_id;
         e.components = full.components.into_iter().collect();
         if e.owner_account != full.owner_account || e.is_master != full.is_master {
