@@ -11,11 +11,13 @@
 //!   node `N` under lease epoch `L`, kept [`CHECKPOINT_KEEP`] past its last write (a process
 //!   that died with nobody left to restore it leaves nothing behind for good).
 //!
-//! An epoch is `max(last + 1, the server's unix ms × 1024)`. The time floor keeps epochs strictly
-//! greater than any handed out before even when the counter is gone: expired, or lost with the
-//! writes a failover to a replica dropped (Redis replicates asynchronously). Repeating an epoch
-//! would let a displaced session's stale frames pass the fence. It assumes fewer than 1024 logins
-//! of one account per millisecond, and replica clocks that agree to well within a second.
+//! An epoch is `max(last + 1, the server's unix time in microseconds)`. The time floor keeps
+//! epochs strictly greater than any handed out before even when the counter is gone: expired, or
+//! lost with the writes a failover to a replica dropped (Redis replicates asynchronously).
+//! Repeating an epoch would let a displaced session's stale frames pass the fence. It assumes
+//! fewer than one login of an account per microsecond, and replica clocks that agree to well
+//! within a second. (A millisecond floor was not enough: two logins within one millisecond around
+//! a lost counter got the same epoch.)
 //!
 //! Every write is one Lua script, so register, renew and release are atomic against each other
 //! and against concurrent logins of the same account on other gateways.
@@ -47,12 +49,12 @@ pub const EPOCH_KEEP: Duration = Duration::from_secs(30 * 24 * 3600);
 pub const CHECKPOINT_KEEP: Duration = Duration::from_secs(24 * 3600);
 
 /// KEYS: session, last epoch. ARGV: node, lease ms, epoch keep ms. Returns the new epoch.
-/// (Numbers stay below 2^53, exact in Lua's doubles, until the year 2248.)
+/// (Numbers stay below 2^53, exact in Lua's doubles, until the year 2255.)
 static REGISTER: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
         local t = redis.call('TIME')
-        local floor = (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) * 1024
+        local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
         local last = tonumber(redis.call('GET', KEYS[2]) or '0')
         local epoch = math.max(last + 1, floor)
         local shown = string.format('%.0f', epoch)
