@@ -45,6 +45,10 @@ enum Command {
         /// start a fresh one under its id; the summary gains the restore figures.
         #[arg(long, value_name = "SECS")]
         chaos: Option<f64>,
+        /// With --chaos: restart each killed node in place, keeping its state dir, so that it
+        /// takes its node id over at once instead of waiting out the lease.
+        #[arg(long, requires = "chaos")]
+        chaos_in_place: bool,
     },
     /// Run a sidecar beside a game server.
     Sidecar {
@@ -133,6 +137,7 @@ async fn main() -> anyhow::Result<()> {
             summary_json,
             seed,
             chaos,
+            chaos_in_place,
         } => {
             init_tracing("warn");
             if let Some(c) = chaos {
@@ -147,6 +152,7 @@ async fn main() -> anyhow::Result<()> {
                 seed,
                 status: true,
                 chaos: chaos.map(Duration::from_secs_f64),
+                chaos_in_place,
             };
             let s = up::run(opts, signal::shutdown()).await?;
             println!(
@@ -220,6 +226,11 @@ async fn main() -> anyhow::Result<()> {
             tokio::select! {
                 _ = signal::shutdown() => {}
                 _ = stop.cancelled() => {}
+            }
+            if let Some(why) = handle.failure() {
+                // Nothing to drain: everything is frozen and restored elsewhere.
+                handle.wait().await;
+                anyhow::bail!("{why}");
             }
             // Drain: not ready, no handoffs accepted, what others own now handed to them.
             tracing::info!("draining; a second signal stops at once");

@@ -47,6 +47,10 @@ pub struct UpOptions {
     pub status: bool,
     /// Kill a random node this often (and start a fresh one).
     pub chaos: Option<Duration>,
+    /// The fresh process starts in place of the killed one, keeping its state dir: it takes the
+    /// node id over at once. Otherwise the killed node's machine is gone with it, and the fresh
+    /// process waits for the lease to lapse.
+    pub chaos_in_place: bool,
 }
 
 impl Default for UpOptions {
@@ -60,6 +64,7 @@ impl Default for UpOptions {
             seed: 1,
             status: true,
             chaos: None,
+            chaos_in_place: false,
         }
     }
 }
@@ -301,7 +306,7 @@ impl InputLedger {
 const CHAOS_NODE_LEASE_MS: u64 = 1_500;
 /// No kill this close to the end of a run: the world settles before the census.
 const CHAOS_QUIET_AT_END: Duration = Duration::from_secs(10);
-/// A killed node's fresh process must be up within this long (its lease lapses first).
+/// A killed node's fresh process must be up within this long.
 const CHAOS_RESTART_WITHIN_MS: u64 = 30_000;
 
 /// Where everything meets: the corner every cell of a grid touches, across the wrap seam.
@@ -399,6 +404,31 @@ struct NodeEnv {
     /// Short leases under `--chaos`, so a killed node's world is restored within seconds.
     node_lease_ms: Option<u64>,
     own_runtime: bool,
+    /// The nodes' state dir, of this run only (so are the in-memory topology and its leases);
+    /// none unless killed nodes restart in place.
+    state_dir: Option<Arc<RunDir>>,
+}
+
+/// A directory of this run, removed with it.
+struct RunDir(PathBuf);
+
+impl RunDir {
+    fn create() -> anyhow::Result<Self> {
+        let dir = std::env::temp_dir().join(format!(
+            "cellmesh-up-{}-{:016x}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("creating the state dir {}", dir.display()))?;
+        Ok(Self(dir))
+    }
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// Starts node `id`'s sidecar (its mesh listener on `mesh_listen`) and its arena with `npcs`.
@@ -418,6 +448,11 @@ async fn start_node(
         local_listen: "127.0.0.1:0".into(),
         mesh_listen,
         admin_listen: "127.0.0.1:0".into(),
+        state_dir: env
+            .state_dir
+            .as_ref()
+            .map(|d| d.0.to_string_lossy().into_owned())
+            .unwrap_or_default(),
         ..SidecarConfig::default()
     };
     if let Some(ms) = env.node_lease_ms {
@@ -602,6 +637,11 @@ pub async fn run(
         seed: opts.seed,
         node_lease_ms: opts.chaos.map(|_| CHAOS_NODE_LEASE_MS),
         own_runtime: opts.chaos.is_some(),
+        state_dir: if opts.chaos_in_place {
+            Some(Arc::new(RunDir::create()?))
+        } else {
+            None
+        },
     };
     let mut nodes: Vec<NodeRun> = Vec::with_capacity(opts.nodes);
     let per_arena = opts.npcs.div_ceil(opts.nodes as u32);
@@ -732,7 +772,8 @@ pub async fn run(
                     departed_arenas.push(st);
                 }
                 tracing::warn!(node = id, "chaos: node killed; starting a fresh one");
-                // The fresh process takes the node id once the dead one's lease lapsed.
+                // In place, the fresh process finds the dead one's lock gone with its runtime and
+                // takes its lease over at once; otherwise it gets the id once the lease lapsed.
                 let mut runtime = Some(node_runtime(id)?);
                 let fresh = loop {
                     let (rt, started) = start_node(&env, id, mesh_listen.clone(), 0, runtime.take()).await;

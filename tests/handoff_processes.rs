@@ -81,49 +81,84 @@ fn arena_bin() -> &'static Path {
     })
 }
 
-/// A `cellmesh sidecar` process and the addresses it bound.
-struct Sidecar {
+/// How a node's processes are started.
+#[derive(Clone)]
+struct Spec {
     node: u32,
     topology: String,
     /// The session directory and checkpoint store (`memory`: each process its own).
     directory: String,
+    /// The node's state dir, kept across restarts as a host's disk is; `None`: each process one
+    /// of its own, so a restart waits out the lease.
+    state_dir: Option<PathBuf>,
+    /// `None`: the default node lease.
+    lease_ms: Option<&'static str>,
+    /// `None`: the default geo.
+    geo: Option<String>,
+}
+
+impl Spec {
+    /// The short lease and a state dir per process, so a restart waits out the lease.
+    fn waiting(node: u32, topology: &str, directory: &str) -> Self {
+        Self {
+            node,
+            topology: topology.into(),
+            directory: directory.into(),
+            state_dir: None,
+            lease_ms: Some(NODE_LEASE_MS),
+            geo: None,
+        }
+    }
+
+    fn command(&self) -> Command {
+        let mut cmd = sidecar_command(CELLMESH);
+        cmd.env("CELLMESH_NODE_ID", self.node.to_string())
+            .env("CELLMESH_TOPOLOGY_URL", &self.topology)
+            .env("CELLMESH_DIRECTORY_URL", &self.directory);
+        if let Some(ms) = self.lease_ms {
+            cmd.env("CELLMESH_NODE_LEASE_MS", ms);
+        }
+        if let Some(dir) = &self.state_dir {
+            cmd.env("CELLMESH_STATE_DIR", dir);
+        }
+        if let Some(geo) = &self.geo {
+            cmd.env("CELLMESH_GEO", geo);
+        }
+        cmd
+    }
+}
+
+/// A `cellmesh sidecar` process and the addresses it bound.
+struct Sidecar {
+    spec: Spec,
     proc: SidecarProcess,
 }
 
 impl Sidecar {
     async fn start(node: u32, topology: &str, directory: &str, deadline: Instant) -> Self {
+        Self::start_as(Spec::waiting(node, topology, directory), deadline).await
+    }
+
+    async fn start_as(spec: Spec, deadline: Instant) -> Self {
         Self {
-            node,
-            topology: topology.into(),
-            directory: directory.into(),
-            proc: Self::launch(node, topology, directory, deadline).await,
+            proc: Self::launch(&spec, deadline).await,
+            spec,
         }
     }
 
-    /// Starts the node again once its predecessor's lease has lapsed. What is under test is the
-    /// node id coming back, not its ports: the new process binds new ones and peers learn them
-    /// from the record it publishes.
+    /// Starts the node again, once its predecessor's lease has lapsed unless it takes the lease
+    /// over. What is under test is the node id coming back, not its ports: the new process binds
+    /// new ones and peers learn them from the record it publishes.
     async fn restart(&mut self, deadline: Instant) {
-        self.proc = Self::launch(self.node, &self.topology, &self.directory, deadline).await;
+        self.proc = Self::launch(&self.spec, deadline).await;
     }
 
     /// Runs the sidecar; one refused because the node id is still leased is started again.
-    async fn launch(
-        node: u32,
-        topology: &str,
-        directory: &str,
-        deadline: Instant,
-    ) -> SidecarProcess {
+    async fn launch(spec: &Spec, deadline: Instant) -> SidecarProcess {
+        let node = spec.node;
         loop {
-            let started = SidecarProcess::try_start(
-                format!("sidecar {node}"),
-                sidecar_command(CELLMESH)
-                    .env("CELLMESH_NODE_ID", node.to_string())
-                    .env("CELLMESH_TOPOLOGY_URL", topology)
-                    .env("CELLMESH_DIRECTORY_URL", directory)
-                    .env("CELLMESH_NODE_LEASE_MS", NODE_LEASE_MS),
-            )
-            .await;
+            let started =
+                SidecarProcess::try_start(format!("sidecar {node}"), &mut spec.command()).await;
             match started {
                 Ok(proc) => return proc,
                 Err(exited) => assert!(exited.log.contains("is leased by"), "{exited}"),
@@ -173,7 +208,7 @@ async fn until_leased(mut nodes: [&mut Sidecar; 2], deadline: Instant) {
                 Some(s) if !s.lease_live => {
                     eprintln!(
                         "node {} lost its lease as it started; starting it again",
-                        node.node
+                        node.spec.node
                     );
                     node.kill().await;
                     node.restart(deadline).await;
@@ -523,4 +558,203 @@ async fn a_node_killed_for_good_has_its_world_restored_from_its_redis_checkpoint
     let log = source_game.terminate().await;
     assert_eq!(arena_stat(&log, "adopted"), SETTLED, "{log}");
     assert_eq!(arena_stat(&log, "evicted"), 0, "{log}");
+}
+
+/// Inside node 1's area and inside node 2's, far from every border: NPCs there stay home.
+const WEST: (f64, f64) = (32_768.0, 1000.0);
+const EAST: (f64, f64) = (98_304.0, 1000.0);
+/// A new entity's checkpoint is asked of the game within a checkpoint interval (2 s) of its
+/// birth and written to the store within a flush (250 ms) of the answer.
+const CHECKPOINTED: Duration = Duration::from_secs(3);
+/// How soon a node restarted in place must be whole again: well under its lease (10 s).
+const IN_PLACE_WITHIN: Duration = Duration::from_secs(5);
+
+/// Polls the nodes' states until `expect` holds, and says when it first did; panics at
+/// `deadline` with the last states and the logs.
+async fn first_time<const N: usize>(
+    deadline: Instant,
+    what: &str,
+    nodes: [&Sidecar; N],
+    procs: &[&Process],
+    expect: impl Fn(&[NodeState; N]) -> bool,
+) -> Instant {
+    loop {
+        let mut states = Vec::with_capacity(N);
+        for node in nodes {
+            if let Some(s) = node.state().await {
+                states.push(s);
+            }
+        }
+        let now = Instant::now();
+        match <[NodeState; N]>::try_from(states) {
+            Ok(states) if expect(&states) => return now,
+            states if now >= deadline => {
+                let mut logs: Vec<String> = nodes.iter().map(|n| n.process().tail()).collect();
+                logs.extend(procs.iter().map(|p| p.tail()));
+                panic!(
+                    "timed out waiting for {what}: {states:?}\n{}",
+                    logs.join("\n")
+                );
+            }
+            _ => tokio::time::sleep(Duration::from_millis(25)).await,
+        }
+    }
+}
+
+/// A sidecar `kill -9`ed with its game and restarted in place at once (the same state dir, the
+/// default 10 s node lease) takes its node id over without waiting out the old lease: the peer
+/// sees a new lease epoch for node 2, takes the old process for dead, and restores its world
+/// to the new process (the partition still gives it the area) from the checkpoints in the geo's
+/// Redis. Every entity ends where it was, once, within a fraction of the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_restarted_in_place_takes_its_node_id_over_at_once() {
+    let _one = ONE_CLUSTER.lock().await;
+    arena_bin();
+    let deadline = Instant::now() + DEADLINE;
+    let (redis, mongo) = (
+        required("CELLMESH_TEST_REDIS_URL"),
+        required("CELLMESH_TEST_MONGO_URL"),
+    );
+    let run = run_id();
+    let topology = format!("{}/cm_handoff_in_place_{run}", mongo.trim_end_matches('/'));
+    commit_plan(CELLMESH, &topology, "2x1", "1,2");
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let spec = |node: u32| Spec {
+        node,
+        topology: topology.clone(),
+        directory: redis.clone(),
+        state_dir: Some(dirs[node as usize - 1].path().to_path_buf()),
+        lease_ms: None,
+        // Checkpoints in Redis are keyed by geo, node and lease epoch: a geo of this run's own.
+        geo: Some(format!("in_place_{run}")),
+    };
+    let mut west = Sidecar::start_as(spec(1), deadline).await;
+    let mut east = Sidecar::start_as(spec(2), deadline).await;
+    until_leased([&mut west, &mut east], deadline).await;
+    let (west_npcs, east_npcs) = (3, 6);
+    let west_game = arena(&west, "1", west_npcs, WEST);
+    let mut east_game = arena(&east, "2", east_npcs, EAST);
+    let whole = |[w, e]: &[NodeState; 2]| {
+        w.settled() && e.settled() && w.reals == west_npcs && e.reals == east_npcs
+    };
+    until_states(
+        deadline,
+        "both worlds to settle",
+        [&west, &east],
+        &[&west_game, &east_game],
+        whole,
+    )
+    .await;
+    tokio::time::sleep(CHECKPOINTED).await;
+
+    east.kill().await;
+    east_game.kill().await;
+    let restarted = Instant::now();
+    east.proc = SidecarProcess::try_start("sidecar 2 (restarted)", &mut east.spec.command())
+        .await
+        .unwrap_or_else(|refused| panic!("the restarted sidecar was refused: {refused}"));
+    let east_game = arena(&east, "2 (restarted)", 0, EAST);
+    let at = first_time(
+        deadline,
+        "the restarted node's world to be whole",
+        [&west, &east],
+        &[&west_game, &east_game],
+        whole,
+    )
+    .await;
+    let took = at - restarted;
+    eprintln!("restart to world whole: {} ms", took.as_millis());
+    assert!(
+        took < IN_PLACE_WITHIN,
+        "the world was whole only {took:?} after the restart\n{}\n{}",
+        west.process().tail(),
+        east.process().tail()
+    );
+    // And stays so.
+    until_states(
+        deadline,
+        "the world to stay whole",
+        [&west, &east],
+        &[&west_game, &east_game],
+        whole,
+    )
+    .await;
+
+    let log = east.process().log.text();
+    assert!(
+        log.contains("took the node lease over"),
+        "the restarted sidecar took no lease over:\n{log}"
+    );
+    let log = west.process().log.text();
+    assert!(
+        log.contains("a peer's process is dead"),
+        "node 1 never took the old process for dead:\n{log}"
+    );
+    // Node 2's new game got each of its entities once, and node 1's nothing.
+    let log = east_game.terminate().await;
+    assert_eq!(arena_stat(&log, "adopted"), east_npcs, "{log}");
+    let log = west_game.terminate().await;
+    assert_eq!(
+        (arena_stat(&log, "adopted"), arena_stat(&log, "evicted")),
+        (0, 0),
+        "{log}"
+    );
+}
+
+/// A second sidecar started as a node that runs on this host with the same state dir exits at
+/// once naming the lock, before it asks the store for anything; the first runs on, its lease
+/// untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_sidecar_as_a_running_node_of_this_host_is_refused() {
+    let _one = ONE_CLUSTER.lock().await;
+    let deadline = Instant::now() + DEADLINE;
+    let mongo = required("CELLMESH_TEST_MONGO_URL");
+    let topology = format!(
+        "{}/cm_handoff_locked_{}",
+        mongo.trim_end_matches('/'),
+        run_id()
+    );
+    commit_plan(CELLMESH, &topology, "2x1", "1,2");
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        state_dir: Some(dir.path().to_path_buf()),
+        lease_ms: None,
+        ..Spec::waiting(1, &topology, "memory")
+    };
+    let mut first = Sidecar::start_as(spec.clone(), deadline).await;
+    first_time(deadline, "node 1's lease", [&first], &[], |[s]| {
+        s.lease_live
+    })
+    .await;
+    let recorded = std::fs::read_to_string(dir.path().join("node-1.lease")).unwrap();
+
+    let refused = match SidecarProcess::try_start("sidecar 1 (second)", &mut spec.command()).await {
+        Ok(second) => panic!("a second sidecar ran as node 1:\n{}", second.process.tail()),
+        Err(refused) => refused,
+    };
+    assert!(!refused.status.success(), "{refused}");
+    let lock = dir.path().join("node-1.lock");
+    assert!(
+        refused.log.contains(&format!(
+            "another sidecar on this host runs as node 1: {} is locked",
+            lock.display()
+        )),
+        "{refused}"
+    );
+
+    // A few renewals later the first still runs and holds its lease.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert!(
+        first.proc.process.child.try_wait().unwrap().is_none(),
+        "the first sidecar exited:\n{}",
+        first.process().tail()
+    );
+    let state = first.state().await.expect("the first sidecar answers");
+    assert!(state.lease_live, "{state:?}");
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("node-1.lease")).unwrap(),
+        recorded,
+        "the lease recorded changed"
+    );
+    first.proc.process.terminate().await;
 }

@@ -18,6 +18,7 @@ async fn four_nodes_serve_one_world_without_errors() {
         seed: 5,
         status: false,
         chaos: None,
+        chaos_in_place: false,
     };
     let s = run(opts, std::future::pending()).await.expect("up runs");
     assert_eq!(s.nodes, 4);

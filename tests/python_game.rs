@@ -574,6 +574,8 @@ async fn python_game_and_rust_arena_hand_an_avatar_back_and_forth() {
             local_listen: "127.0.0.1:0".into(),
             mesh_listen: "127.0.0.1:0".into(),
             admin_listen: "127.0.0.1:0".into(),
+            // In-process nodes with an in-memory topology: nothing to take over on a restart.
+            state_dir: String::new(),
             ..SidecarConfig::default()
         };
         nodes.push(

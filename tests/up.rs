@@ -19,6 +19,7 @@ async fn up_with_four_nodes_delivers_every_input_and_hands_off_without_loss() {
         seed: 11,
         status: false,
         chaos: None,
+        chaos_in_place: false,
     };
     let s = run(opts, std::future::pending()).await.expect("up runs");
     eprintln!("{s:?}");
@@ -54,6 +55,17 @@ async fn up_with_four_nodes_delivers_every_input_and_hands_off_without_loss() {
 /// its client connected and finds its one avatar, and nothing is lost or doubled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_with_chaos_restores_every_killed_world_and_keeps_every_session() {
+    chaos_keeps_everything(false).await;
+}
+
+/// The same with every killed node restarted in place: it takes its node id over at once (its
+/// state dir proves its predecessor dead) and gets its own world back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_with_chaos_in_place_restores_every_killed_world_and_keeps_every_session() {
+    chaos_keeps_everything(true).await;
+}
+
+async fn chaos_keeps_everything(in_place: bool) {
     let opts = UpOptions {
         bots: 40,
         npcs: 40,
@@ -63,6 +75,7 @@ async fn up_with_chaos_restores_every_killed_world_and_keeps_every_session() {
         seed: 3,
         status: false,
         chaos: Some(Duration::from_secs(7)),
+        chaos_in_place: in_place,
     };
     let s = run(opts, std::future::pending()).await.expect("up runs");
     eprintln!("{s:?}");

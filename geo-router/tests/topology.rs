@@ -223,6 +223,112 @@ async fn leases(store: &dyn TopologyStore, ttl: Duration, pass: &Pass) {
     );
 }
 
+/// Takeovers: a process that proves its predecessor dead replaces that exact grant at once, live
+/// or lapsed; any other grant is fenced as if it acquired.
+async fn takeovers(store: &dyn TopologyStore, ttl: Duration, pass: &Pass) {
+    let lapse = ttl + ttl / 5;
+    let old = granted(store.acquire_lease(5, "old", ttl).await.unwrap());
+    assert!(store.publish_node(&old, &record(5, "old")).await.unwrap());
+    let old = store.renew_lease(&old, ttl).await.unwrap().expect("live");
+
+    // Its recorded successor takes the live lease over under the next epoch; the old grant is
+    // fenced off, and its record is gone with it.
+    let new = granted(store.take_over_lease(&old, "new", ttl).await.unwrap());
+    assert_eq!(
+        (new.node, new.holder.as_str(), new.epoch),
+        (5, "new", old.epoch + 1)
+    );
+    assert!(
+        new.ids_floor_unix_ms >= old.expires_unix_ms,
+        "the successor mints past every id the old holder could have: {new:?} after {old:?}"
+    );
+    assert_eq!(store.renew_lease(&old, ttl).await.unwrap(), None);
+    assert!(!store.release_lease(&old).await.unwrap());
+    assert!(!store.publish_node(&old, &record(5, "old")).await.unwrap());
+    let entry = store.nodes().await.unwrap().remove(0);
+    assert_eq!((&entry.lease, entry.record, entry.live), (&new, None, true));
+
+    // Naming a grant that is not the current one is an ordinary request: the live holder keeps
+    // it, whether the grant named is an older epoch or another holder's.
+    assert_eq!(
+        held(store.take_over_lease(&old, "third", ttl).await.unwrap()),
+        new
+    );
+    let other_holder = Lease {
+        holder: "someone-else".into(),
+        ..new.clone()
+    };
+    assert_eq!(
+        held(
+            store
+                .take_over_lease(&other_holder, "third", ttl)
+                .await
+                .unwrap()
+        ),
+        new
+    );
+    let new = store
+        .renew_lease(&new, ttl)
+        .await
+        .unwrap()
+        .expect("still live");
+
+    // A lapsed grant that is still the current one is taken over too, ids past its expiry.
+    pass(lapse).await;
+    let next = granted(store.take_over_lease(&new, "next", ttl).await.unwrap());
+    assert_eq!(next.epoch, new.epoch + 1);
+    assert!(next.ids_floor_unix_ms >= new.expires_unix_ms, "{next:?}");
+
+    // A released grant is free anyway; a stale one of a free node is simply a grant.
+    assert!(store.release_lease(&next).await.unwrap());
+    let after = granted(store.take_over_lease(&old, "after", ttl).await.unwrap());
+    assert_eq!(after.epoch, next.epoch + 1);
+    assert!(after.ids_floor_unix_ms >= next.expires_unix_ms, "{after:?}");
+
+    // A node never leased has nothing to replace: the first grant.
+    let fresh = Lease {
+        node: 6,
+        ..old.clone()
+    };
+    let first = granted(store.take_over_lease(&fresh, "first", ttl).await.unwrap());
+    assert_eq!((first.node, first.epoch), (6, 1));
+
+    // The new holder's name is checked like any other request's.
+    let e = store.take_over_lease(&first, "", ttl).await.unwrap_err();
+    assert!(e.to_string().contains("holder"), "{e}");
+}
+
+/// Contenders all naming the same grant: exactly one takes it over, the others are refused
+/// naming the winner.
+async fn takeover_races(stores: Vec<Arc<dyn TopologyStore>>) {
+    for node in 20..24 {
+        let dead = granted(stores[0].acquire_lease(node, "dead", TTL).await.unwrap());
+        let attempts = stores.iter().cycle().take(8).enumerate().map(|(i, s)| {
+            let (s, dead) = (s.clone(), dead.clone());
+            async move {
+                s.take_over_lease(&dead, &format!("s{i}"), TTL)
+                    .await
+                    .unwrap()
+            }
+        });
+        let outcomes = join_all(attempts).await;
+        let winners: Vec<&Lease> = outcomes
+            .iter()
+            .filter_map(|o| match o {
+                Acquire::Granted(l) => Some(l),
+                Acquire::Held(_) => None,
+            })
+            .collect();
+        assert_eq!(winners.len(), 1, "node {node}: {outcomes:?}");
+        assert_eq!(winners[0].epoch, dead.epoch + 1);
+        for o in &outcomes {
+            if let Acquire::Held(l) = o {
+                assert_eq!(l, winners[0], "a refusal names the winner");
+            }
+        }
+    }
+}
+
 /// The node part of ids comes from the lease, minting stops when the lease lapses, and a
 /// successor's ids come after every id of the holder before it, whatever their clocks.
 async fn ids_from_leases(store: &dyn TopologyStore, ttl: Duration, pass: &Pass) {
@@ -355,6 +461,13 @@ async fn memory_leases() {
 }
 
 #[tokio::test]
+async fn memory_takeovers() {
+    let (store, pass) = virtual_memory();
+    takeovers(&store, TTL, &pass).await;
+    takeover_races(vec![Arc::new(MemoryTopology::default())]).await;
+}
+
+#[tokio::test]
 async fn memory_commits() {
     commits(&MemoryTopology::default()).await;
 }
@@ -388,6 +501,19 @@ async fn mongo_leases() {
     let db = TestDb::new("leases");
     leases(&db.open().await, MONGO_TTL, &real_time()).await;
     ids_from_leases(&db.open().await, MONGO_TTL, &real_time()).await;
+    db.drop_all().await;
+}
+
+#[tokio::test]
+async fn mongo_takeovers() {
+    let db = TestDb::new("takeovers");
+    takeovers(&db.open().await, MONGO_TTL, &real_time()).await;
+    // Separate connections stand for separate processes.
+    let mut stores: Vec<Arc<dyn TopologyStore>> = Vec::new();
+    for _ in 0..4 {
+        stores.push(Arc::new(db.open().await));
+    }
+    takeover_races(stores).await;
     db.drop_all().await;
 }
 

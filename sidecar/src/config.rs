@@ -47,6 +47,11 @@ pub struct SidecarConfig {
     pub mesh_advertise: String,
     /// Lease of this node's id and area in the topology store; renewed every half second.
     pub node_lease_ms: u64,
+    /// A directory of this host's own (never shared or copied) where a cluster node keeps a lock
+    /// and its last lease grant, so that a process restarted in place after a crash takes its
+    /// node id back at once instead of waiting out the old lease. Relative to the working
+    /// directory; empty: none, a restart waits out the lease.
+    pub state_dir: String,
     /// Foreign entities within this many chunks of the node's area become simulation ghosts...
     pub interaction_band_chunks: u32,
     /// ...and stay until this many chunks further out...
@@ -99,6 +104,7 @@ impl Default for SidecarConfig {
             topology_url: String::new(),
             mesh_advertise: String::new(),
             node_lease_ms: 10_000,
+            state_dir: "cellmesh-state".into(),
             interaction_band_chunks: 1,
             ghost_keep_margin_chunks: 1,
             ghost_min_lifespan_ms: 2_000,
@@ -302,6 +308,17 @@ mod tests {
             (ok.node_id, ok.world.width, ok.view_radius_chunks),
             (7, 65536.0, 5)
         );
+    }
+
+    #[test]
+    fn the_state_dir_is_on_by_default_and_an_empty_one_turns_it_off() {
+        let load = |env: Vec<(String, String)>| {
+            cellmesh_admin::config::load_with_env::<SidecarConfig>(None, env).unwrap()
+        };
+        assert_eq!(load(Vec::new()).state_dir, "cellmesh-state");
+        let var = |v: &str| vec![("CELLMESH_STATE_DIR".to_string(), v.to_string())];
+        assert_eq!(load(var("")).state_dir, "");
+        assert_eq!(load(var("node-state")).state_dir, "node-state");
     }
 
     fn toml_from_str(text: &str) -> Result<SidecarConfig, String> {

@@ -52,6 +52,7 @@ pub struct SidecarHandle {
     node: JoinHandle<()>,
     tasks: TaskTracker,
     inbox: mpsc::WeakSender<Event>,
+    failure: Arc<Mutex<Option<String>>>,
     census: Arc<Mutex<Vec<Real>>>,
     restored: Arc<Mutex<Vec<core::Restored>>>,
 }
@@ -173,6 +174,12 @@ impl SidecarHandle {
         std::mem::take(&mut *self.restored.lock().expect("restore log lock poisoned"))
     }
 
+    /// Why the sidecar stopped by itself, when it could not go on (its node lease was lost):
+    /// the process should exit with this error.
+    pub fn failure(&self) -> Option<String> {
+        self.failure.lock().expect("failure lock poisoned").clone()
+    }
+
     /// Starts a graceful drain (what SIGTERM does): `/ready` goes false, handoffs are refused,
     /// what the partition gives to other nodes is handed to them, then the sidecar shuts down.
     pub fn drain(&self) {
@@ -203,7 +210,7 @@ pub async fn start(
     // One region covering the world, so the game is told one rectangle.
     let whole = Grid::new(&cfg.world, 1, 1, vec![cfg.node_id]).context("the world")?;
     let partition = Partition::new(cfg.world, 0, Layout::Grid(whole)).context("the world")?;
-    io::launch(cfg, stores, partition, None, shutdown).await
+    io::launch(cfg, stores, partition, None, None, shutdown).await
 }
 
 /// Starts a sidecar as one node of a cluster: it serves the area the committed partition in
@@ -215,6 +222,14 @@ pub async fn start_in(
     shutdown: CancellationToken,
 ) -> anyhow::Result<SidecarHandle> {
     cfg.validate().context("invalid sidecar configuration")?;
-    let (partition, lease) = io::membership::join(topology.as_ref(), &cfg).await?;
-    io::launch(cfg, stores, partition, Some((topology, lease)), shutdown).await
+    let (partition, lease, state) = io::membership::join(topology.as_ref(), &cfg).await?;
+    io::launch(
+        cfg,
+        stores,
+        partition,
+        Some((topology, lease)),
+        state,
+        shutdown,
+    )
+    .await
 }

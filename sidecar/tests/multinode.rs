@@ -72,6 +72,8 @@ fn config(node_id: u32, shape: WorldShape) -> SidecarConfig {
         mesh_listen: "127.0.0.1:0".into(),
         admin_listen: "127.0.0.1:0".into(),
         ghost_min_lifespan_ms: 300,
+        // Nodes of parallel tests share this process and their ids: none locks a state dir.
+        state_dir: String::new(),
         ..SidecarConfig::default()
     }
 }

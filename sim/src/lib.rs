@@ -10,6 +10,7 @@
 
 mod check;
 mod client;
+mod leases;
 pub mod scenario;
 mod store;
 mod world;

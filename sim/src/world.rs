@@ -8,10 +8,11 @@ use std::sync::Arc;
 use cellmesh_arena::{Arena, ArenaConfig, ArenaStats, Census};
 use cellmesh_geo_router::geometry::WorldShape;
 use cellmesh_geo_router::partition::{Grid, Layout, NodeId, Partition};
+use cellmesh_geo_router::topology::{self, Lease};
 use cellmesh_proto::local::{self, game_message, sidecar_message, GameMessage, SidecarFrame};
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage, PeerRole};
 use cellmesh_sidecar::core::{
-    ConnId, Core, Input, LinkId, Now, Output, PeerInfo, StoreReply, StoreRequest,
+    ConnId, Core, Input, LeaseTerms, LinkId, Now, Output, PeerInfo, StoreReply, StoreRequest,
 };
 use cellmesh_sidecar::SidecarConfig;
 use rand::rngs::StdRng;
@@ -19,6 +20,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::check::Checker;
 use crate::client::Client;
+use crate::leases::{Answer, Clock, SimLeases};
 use crate::scenario::{Delay, Fault, FaultPlan, Scenario};
 use crate::store::SimStore;
 
@@ -30,6 +32,12 @@ const LOCAL_DELAY: Delay = Delay::ms(0, 1);
 const INPUTS_STOP_BEFORE_END_MS: u64 = 1_000;
 /// Chunks from a client's avatar within which nothing may vanish while it exists.
 const INSIDE_VIEW: i64 = 3;
+/// The topology store's view of the leases reaches the nodes this often.
+const MEMBERSHIP_EVERY_MS: u64 = 250;
+/// A process that lost its lease exits; its supervisor starts it again this long after.
+const SUPERVISOR_RESTART_MS: u64 = 1_000;
+/// A request for the lease that got no answer is given up after this long, and made again.
+const JOIN_TIMEOUT_MS: u64 = 2_000;
 
 /// What one run found.
 #[derive(Debug, Clone)]
@@ -208,11 +216,43 @@ struct SimNode {
     proxy_link: Option<LinkId>,
     timer_at: Option<u64>,
     dialling: BTreeSet<NodeId>,
-    lease_epoch: u64,
-    /// When its process died: its lease lapses a lease length later.
-    died_at: Option<u64>,
+    /// The process (its holder number) running as this node, or that last did, and the machine
+    /// it runs on.
+    holder: u64,
+    machine: u64,
+    /// The last grant that process held.
+    lease: Option<Lease>,
+    clock: Clock,
+    /// A renewal of the lease is on its way.
+    renewing: bool,
+    /// Processes waiting for the store to grant them this node id, by holder.
+    pending: BTreeMap<u64, Pending>,
     /// Games started since the node did (a crashed game comes back under a new connection).
     game_generation: u32,
+}
+
+/// A process of a node id that asks the store for the lease, and starts once granted.
+struct Pending {
+    clock: Clock,
+    machine: u64,
+    /// The grant (holder, epoch) it succeeds: a process restarted in place proves that its
+    /// predecessor on this machine is gone (the sidecar's locked state file).
+    successor_of: Option<(u64, u64)>,
+    /// A request is on its way (requests go one at a time).
+    asking: bool,
+}
+
+/// A lease request on its way to the store, or its answer on its way back.
+#[derive(Debug, Clone)]
+enum LeaseCall {
+    Join,
+    Renew(Lease),
+}
+
+#[derive(Debug)]
+enum LeaseAnswer {
+    Join(Answer),
+    Renewed(Option<Lease>),
 }
 
 /// An ordered connection outside the mesh links.
@@ -264,9 +304,37 @@ enum Ev {
         node: NodeId,
         inc: u32,
     },
-    /// The topology store's word on who holds a lease reaches every node (a dead node's lease
-    /// lapses a lease length after it died).
+    /// The topology store's word on who holds a lease reaches every node.
     Membership,
+    /// A process's lease task: time to renew.
+    LeaseTick {
+        node: NodeId,
+        inc: u32,
+    },
+    /// A lease request reaches the topology store.
+    LeaseAtStore {
+        node: NodeId,
+        holder: u64,
+        call: LeaseCall,
+        sent_local: u64,
+    },
+    /// The store's answer reaches the process.
+    LeaseReply {
+        node: NodeId,
+        holder: u64,
+        sent_local: u64,
+        answer: LeaseAnswer,
+    },
+    /// A process waiting for its node's lease asks (again).
+    AskLease {
+        node: NodeId,
+        holder: u64,
+    },
+    /// A process that lost its lease exits.
+    LeaseExit {
+        node: NodeId,
+        inc: u32,
+    },
     Timer {
         node: NodeId,
         inc: u32,
@@ -308,6 +376,14 @@ pub(crate) struct Sim<'a> {
     next_uid: u64,
     cut: BTreeSet<(NodeId, NodeId)>,
     store: SimStore,
+    leases: SimLeases,
+    next_holder: u64,
+    /// machine -> the topology store hears nothing from it before this time.
+    store_cut: BTreeMap<u64, u64>,
+    /// The topology store answers nothing before this time.
+    topology_stall_until: u64,
+    /// The live leases the nodes were last told of.
+    last_live: Vec<(NodeId, u64)>,
     partition: Arc<Partition>,
     census: Arc<Census>,
     pub(crate) check: Checker,
@@ -369,6 +445,11 @@ impl<'a> Sim<'a> {
             next_uid: 1,
             cut: BTreeSet::new(),
             store: SimStore::default(),
+            leases: SimLeases::default(),
+            next_holder: 1,
+            store_cut: BTreeMap::new(),
+            topology_stall_until: 0,
+            last_live: Vec::new(),
             partition,
             census: Arc::new(Census::default()),
             check: Checker::default(),
@@ -397,12 +478,17 @@ impl<'a> Sim<'a> {
                 proxy_link: None,
                 timer_at: None,
                 dialling: BTreeSet::new(),
-                lease_epoch: 0,
-                died_at: None,
+                holder: 0,
+                machine: 0,
+                lease: None,
+                clock: Clock::default(),
+                renewing: false,
+                pending: BTreeMap::new(),
                 game_generation: 0,
             });
-            sim.start_node(id);
+            sim.ask_lease(id, None);
         }
+        sim.schedule(MEMBERSHIP_EVERY_MS, Ev::Membership);
         for c in 0..s.players as usize {
             let at = sim.rng.random_range(200..1_000);
             sim.schedule(at, Ev::Login { client: c });
@@ -443,10 +529,12 @@ impl<'a> Sim<'a> {
         self.queue.insert((at.max(self.now), self.seq), ev);
     }
 
-    fn time(&self) -> Now {
+    /// The time as node `id`'s process reads it.
+    fn time_of(&self, id: NodeId) -> Now {
+        let c = &self.nodes[id as usize - 1].clock;
         Now {
-            mono_ms: self.now,
-            unix_ms: START_UNIX_MS + self.now,
+            mono_ms: c.local(self.now),
+            unix_ms: c.unix(self.now, START_UNIX_MS),
         }
     }
 
@@ -551,7 +639,31 @@ impl<'a> Sim<'a> {
             Ev::Dial { from, to, inc } => self.dial(from, to, inc),
             Ev::Fault(f) => self.fault(f),
             Ev::StoreUp => {}
-            Ev::Membership => self.membership(),
+            Ev::Membership => {
+                self.membership(false);
+                self.schedule(MEMBERSHIP_EVERY_MS, Ev::Membership);
+            }
+            Ev::LeaseTick { node, inc } => self.lease_tick(node, inc),
+            Ev::LeaseAtStore {
+                node,
+                holder,
+                call,
+                sent_local,
+            } => self.lease_at_store(node, holder, call, sent_local),
+            Ev::LeaseReply {
+                node,
+                holder,
+                sent_local,
+                answer,
+            } => self.lease_reply(node, holder, sent_local, answer),
+            Ev::AskLease { node, holder } => self.send_join(node, holder),
+            Ev::LeaseExit { node, inc } => {
+                if self.live(node, inc) {
+                    self.note(|| format!("n{node} exits: its lease was lost"));
+                    self.kill(node);
+                    self.schedule(SUPERVISOR_RESTART_MS, Ev::Fault(Fault::Restart(node)));
+                }
+            }
         }
     }
 
@@ -562,16 +674,270 @@ impl<'a> Sim<'a> {
 
     // ------------------------------------------------------------------ nodes
 
-    fn start_node(&mut self, id: NodeId) {
+    // ------------------------------------------------------------------ leases
+
+    /// A new process of node `id` starts and asks the store for its lease: on the machine of
+    /// its last process, as the successor of its grant `successor_of`, when restarted in place;
+    /// on a machine of its own otherwise.
+    fn ask_lease(&mut self, id: NodeId, successor_of: Option<(u64, u64)>) {
+        let holder = self.next_holder;
+        self.next_holder += 1;
+        let machine = match successor_of {
+            Some(_) => self.node(id).machine,
+            None => holder,
+        };
+        let (slowest, fastest) = self.s.clock_ppm;
+        let skew = self.s.clock_skew_ms as i64;
+        let clock = Clock {
+            base_true: self.now,
+            base_local: self.rng.random_range(0..1_000_000),
+            rate_ppm: if slowest < fastest {
+                self.rng.random_range(slowest..=fastest)
+            } else {
+                slowest
+            },
+            unix_skew_ms: if skew > 0 {
+                self.rng.random_range(-skew..=skew)
+            } else {
+                0
+            },
+        };
+        self.note(|| format!("n{id} process {holder} starts ({clock:?})"));
+        self.node(id).pending.insert(
+            holder,
+            Pending {
+                clock,
+                machine,
+                successor_of,
+                asking: false,
+            },
+        );
+        self.send_join(id, holder);
+    }
+
+    fn send_join(&mut self, node: NodeId, holder: u64) {
+        let now = self.now;
+        let Some(p) = self.node(node).pending.get_mut(&holder) else {
+            return;
+        };
+        if p.asking {
+            return;
+        }
+        p.asking = true;
+        let sent_local = p.clock.local(now);
+        self.send_lease_call(node, holder, LeaseCall::Join, sent_local);
+        // No answer (the store cannot hear it): the process tries again.
+        self.schedule(JOIN_TIMEOUT_MS, Ev::AskLease { node, holder });
+    }
+
+    /// The machine process `holder` of node `node` runs on.
+    fn machine_of(&self, node: NodeId, holder: u64) -> u64 {
+        let n = &self.nodes[node as usize - 1];
+        n.pending.get(&holder).map_or(n.machine, |p| p.machine)
+    }
+
+    fn cut_from_store(&self, node: NodeId, holder: u64) -> bool {
+        let machine = self.machine_of(node, holder);
+        self.store_cut.get(&machine).is_some_and(|&t| self.now < t)
+    }
+
+    fn send_lease_call(&mut self, node: NodeId, holder: u64, call: LeaseCall, sent_local: u64) {
+        if self.cut_from_store(node, holder) {
+            self.note(|| format!("n{node} process {holder}: lease request lost ({call:?})"));
+            return;
+        }
+        let d = self.s.store_delay.draw(&mut self.rng);
+        self.schedule(
+            d,
+            Ev::LeaseAtStore {
+                node,
+                holder,
+                call,
+                sent_local,
+            },
+        );
+    }
+
+    /// The topology store handles a lease request, by its own clock.
+    fn lease_at_store(&mut self, node: NodeId, holder: u64, call: LeaseCall, sent_local: u64) {
+        if self.now < self.topology_stall_until {
+            let at = self.topology_stall_until;
+            self.schedule_at(
+                at,
+                Ev::LeaseAtStore {
+                    node,
+                    holder,
+                    call,
+                    sent_local,
+                },
+            );
+            return;
+        }
+        let (now, ttl) = (self.now, self.s.lease_ms);
+        let answer = match call {
+            LeaseCall::Join => {
+                let Some(p) = self.nodes[node as usize - 1].pending.get(&holder) else {
+                    return;
+                };
+                let successor_of = p.successor_of;
+                LeaseAnswer::Join(self.leases.acquire(
+                    now,
+                    START_UNIX_MS,
+                    node,
+                    holder,
+                    successor_of,
+                    ttl,
+                ))
+            }
+            LeaseCall::Renew(lease) => LeaseAnswer::Renewed(self.leases.renew(
+                now,
+                START_UNIX_MS,
+                node,
+                holder,
+                lease.epoch,
+                ttl,
+            )),
+        };
+        self.note(|| format!("store: n{node} process {holder}: {answer:?}"));
+        if self.cut_from_store(node, holder) {
+            return;
+        }
+        let d = self.s.store_delay.draw(&mut self.rng);
+        self.schedule(
+            d,
+            Ev::LeaseReply {
+                node,
+                holder,
+                sent_local,
+                answer,
+            },
+        );
+    }
+
+    fn lease_reply(&mut self, node: NodeId, holder: u64, sent_local: u64, answer: LeaseAnswer) {
+        let writable = topology::writable_ms(self.s.lease_ms);
+        match answer {
+            LeaseAnswer::Join(answer) => {
+                let Some(p) = self.node(node).pending.get_mut(&holder) else {
+                    return;
+                };
+                p.asking = false;
+                match answer {
+                    Answer::Granted(lease) => {
+                        let p = self.node(node).pending.remove(&holder).expect("above");
+                        let until = sent_local + writable;
+                        self.granted(node, holder, p.clock, p.machine, lease, until);
+                    }
+                    // Restarted in place, and the id went to another process meanwhile: this
+                    // one exits ("another sidecar runs as this node").
+                    Answer::Held { .. } if p.successor_of.is_some() => {
+                        self.node(node).pending.remove(&holder);
+                    }
+                    // A process elsewhere asks again the moment the lease lapses (as fast as
+                    // anyone could).
+                    Answer::Held { until } => {
+                        self.schedule_at(until, Ev::AskLease { node, holder });
+                    }
+                }
+            }
+            LeaseAnswer::Renewed(renewed) => {
+                let n = self.node(node);
+                if !n.alive || n.holder != holder {
+                    return;
+                }
+                n.renewing = false;
+                match renewed {
+                    Some(lease) => {
+                        n.lease = Some(lease.clone());
+                        let terms = LeaseTerms {
+                            lease,
+                            until_ms: sent_local + writable,
+                        };
+                        self.feed(node, Input::LeaseRenewed(terms));
+                    }
+                    None => self.feed(node, Input::LeaseLost),
+                }
+            }
+        }
+    }
+
+    /// The store granted node `id` to process `holder`: no other process of the id may still
+    /// write. A process of the id still running exits (it lost its lease, or should have).
+    fn granted(
+        &mut self,
+        id: NodeId,
+        holder: u64,
+        clock: Clock,
+        machine: u64,
+        lease: Lease,
+        until: u64,
+    ) {
+        let now = self.now;
+        let n = &self.nodes[id as usize - 1];
+        if let Some(core) = n.core.as_ref().filter(|_| n.alive) {
+            let local = n.clock.local(now);
+            if core.writes_at(local) {
+                let old = n.holder;
+                self.check.violation(
+                    now,
+                    format!(
+                        "two writers of node {id}: the store granted it to process {holder} \
+                         (epoch {}) while process {old} may still write",
+                        lease.epoch
+                    ),
+                );
+            }
+            self.kill(id);
+        }
+        self.node(id).machine = machine;
+        self.start_node(id, holder, clock, lease, until);
+    }
+
+    /// The lease task of node `node`'s process: renew, one request at a time.
+    fn lease_tick(&mut self, node: NodeId, inc: u32) {
+        if !self.live(node, inc) {
+            return;
+        }
+        let (now, every) = (self.now, topology::renew_every_ms(self.s.lease_ms));
+        let n = self.node(node);
+        let local = n.clock.local(now);
+        let next = n.clock.true_at(local + every);
+        let call = (!n.renewing)
+            .then(|| n.lease.clone())
+            .flatten()
+            .filter(|_| n.core.as_ref().is_some_and(|c| !c.lease_lost()));
+        let holder = n.holder;
+        if let Some(lease) = call {
+            self.node(node).renewing = true;
+            self.send_lease_call(node, holder, LeaseCall::Renew(lease), local);
+        }
+        self.schedule_at(next, Ev::LeaseTick { node, inc });
+    }
+
+    // ------------------------------------------------------------------ nodes
+
+    /// Process `holder` starts as node `id` under `lease`, writing until `until` (its clock)
+    /// unless a renewal lands.
+    fn start_node(&mut self, id: NodeId, holder: u64, clock: Clock, lease: Lease, until: u64) {
         let mut cfg = self.cfg.clone();
         cfg.node_id = id;
-        let now = self.time();
+        self.node(id).clock = clock;
+        let now = self.time_of(id);
+        self.note(|| {
+            format!(
+                "n{id} process {holder} runs under lease epoch {}",
+                lease.epoch
+            )
+        });
         let core = Core::new(
             Arc::new(cfg),
             cellmesh_sidecar::metrics::Metrics::default(),
             self.partition.clone(),
             true,
-            None,
+            Some(LeaseTerms {
+                lease: lease.clone(),
+                until_ms: until,
+            }),
             now,
         );
         let n = self.node(id);
@@ -581,13 +947,10 @@ impl<'a> Sim<'a> {
         n.links.clear();
         n.dialling.clear();
         n.timer_at = None;
-        n.lease_epoch += 1;
-        n.died_at = None;
-        let (inc, lease_epoch) = (n.incarnation, n.lease_epoch);
-        n.core
-            .as_mut()
-            .expect("set above")
-            .set_incarnation(lease_epoch);
+        n.holder = holder;
+        n.lease = Some(lease);
+        n.renewing = false;
+        let inc = n.incarnation;
         n.game_generation = 0;
         let conn = u64::from(inc) << 16;
         n.game = Some(Game::new(conn));
@@ -596,6 +959,8 @@ impl<'a> Sim<'a> {
         n.next_link += 1;
         n.links.insert(link, Far::Proxy);
         n.proxy_link = Some(link);
+        // The lease task renews at once, then every `renew_every_ms`.
+        self.schedule(0, Ev::LeaseTick { node: id, inc });
         self.feed(
             id,
             Input::LinkUp {
@@ -622,7 +987,7 @@ impl<'a> Sim<'a> {
                 conn,
             },
         );
-        self.membership();
+        self.membership(true);
     }
 
     /// The game on connection `conn` says Hello to its sidecar.
@@ -643,16 +1008,14 @@ impl<'a> Sim<'a> {
     }
 
     /// Tells every live core who its live peers are and their lease epochs (what the topology
-    /// store's membership task reports).
-    fn membership(&mut self) {
-        let (now, lease_ms) = (self.now, self.s.lease_ms);
+    /// store's membership task reports): when the store's leases changed, or `always`.
+    fn membership(&mut self, always: bool) {
         // A dead process's lease stays until it lapses.
-        let live: Vec<(NodeId, u64)> = self
-            .nodes
-            .iter()
-            .filter(|n| n.alive || n.died_at.is_some_and(|t| now < t + lease_ms))
-            .map(|n| (n.id, n.lease_epoch))
-            .collect();
+        let live = self.leases.live(self.now);
+        if !always && live == self.last_live {
+            return;
+        }
+        self.last_live = live.clone();
         let alive: Vec<NodeId> = self
             .nodes
             .iter()
@@ -707,7 +1070,13 @@ impl<'a> Sim<'a> {
         self.departed.add(counted);
         if let Some(c) = self.nodes[id as usize - 1].core.as_ref() {
             // Inputs it held that no other node has a copy of die with it.
-            self.inputs_lost_with_nodes += c.inputs_only_here() as u64;
+            let dead: BTreeSet<NodeId> = self
+                .nodes
+                .iter()
+                .filter(|n| !n.alive)
+                .map(|n| n.id)
+                .collect();
+            self.inputs_lost_with_nodes += c.inputs_only_here_if(|n| dead.contains(&n)) as u64;
             // Spawned too late for their first checkpoint to reach the store: gone with it, as
             // if their spawn had been lost.
             for e in c.unpersisted() {
@@ -728,10 +1097,8 @@ impl<'a> Sim<'a> {
             self.game_stats
                 .push(g.arena.map(|a| a.stats).unwrap_or_default());
         }
-        let now = self.now;
         let n = self.node(id);
         n.alive = false;
-        n.died_at = Some(now);
         n.core = None;
         n.proxy_link = None;
         n.links.clear();
@@ -755,13 +1122,11 @@ impl<'a> Sim<'a> {
                 self.schedule(back, Ev::Login { client: c });
             }
         }
-        // The store lets its lease lapse a lease length later.
-        self.schedule(self.s.lease_ms, Ev::Membership);
     }
 
     /// Hands an input to a core, then carries out what it asks for.
     fn feed(&mut self, id: NodeId, input: Input) {
-        let now = self.time();
+        let now = self.time_of(id);
         if self.trace.is_some() {
             let d = describe_input(&input);
             self.note(|| format!("n{id} <- {d}"));
@@ -802,7 +1167,14 @@ impl<'a> Sim<'a> {
             self.act(id, out);
         }
         let inc = self.node(id).incarnation;
-        let next = self.node(id).core.as_ref().and_then(|c| c.poll_timeout());
+        let clock = self.node(id).clock;
+        // The core's deadlines are on its own clock.
+        let next = self
+            .node(id)
+            .core
+            .as_ref()
+            .and_then(|c| c.poll_timeout())
+            .map(|t| clock.true_at(t));
         if let Some(t) = next {
             let n = self.node(id);
             if n.timer_at.is_none_or(|at| t < at) {
@@ -909,6 +1281,11 @@ impl<'a> Sim<'a> {
             }
             Output::Ready(_) | Output::Publish => {}
             Output::Stop => self.kill(id),
+            // The process exits (right after this step); its supervisor starts it again.
+            Output::Exit { .. } => {
+                let inc = self.node(id).incarnation;
+                self.schedule(0, Ev::LeaseExit { node: id, inc });
+            }
         }
     }
 
@@ -1529,10 +1906,23 @@ impl<'a> Sim<'a> {
             }
             Fault::Kill(n) => self.kill(n),
             Fault::Restart(n) => {
-                if !self.node(n).alive {
-                    self.start_node(n);
+                // Restarted in place: the successor of the last process's grant.
+                let node = self.node(n);
+                if !node.alive && node.pending.values().all(|p| p.successor_of.is_none()) {
+                    let previous = node.lease.as_ref().map(|l| (node.holder, l.epoch));
+                    self.ask_lease(n, previous);
                 }
             }
+            Fault::StoreCut { node, ms } => {
+                let until = self.now + ms;
+                let machine = self.node(node).machine;
+                let t = self.store_cut.entry(machine).or_default();
+                *t = (*t).max(until);
+            }
+            Fault::TopologyStall { ms } => {
+                self.topology_stall_until = self.topology_stall_until.max(self.now + ms);
+            }
+            Fault::Contender(n) => self.ask_lease(n, None),
             Fault::Replan(owners) => {
                 let epoch = self.partition.epoch() + 1;
                 let grid = Grid::new(&self.world, self.s.grid, self.s.grid, owners).expect("grid");

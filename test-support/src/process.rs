@@ -5,7 +5,7 @@
 
 use std::fmt;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -22,15 +22,50 @@ pub const PROXY_LISTENING: &str = "cellmesh proxy listening";
 /// A loopback listener on a port the OS picks when the process binds.
 const ANY_PORT: &str = "127.0.0.1:0";
 
-/// `cellmesh sidecar` with every listener on port 0; the caller adds the rest of the
-/// configuration.
+/// `cellmesh sidecar` with every listener on port 0 and a state dir of its own (tests run many
+/// sidecars with the same node id at once); the caller adds the rest of the configuration, and
+/// sets `CELLMESH_STATE_DIR` itself to restart a node in place.
 pub fn sidecar_command(bin: impl AsRef<Path>) -> Command {
     let mut cmd = Command::new(bin.as_ref());
     cmd.arg("sidecar")
         .env("CELLMESH_LOCAL_LISTEN", ANY_PORT)
         .env("CELLMESH_MESH_LISTEN", ANY_PORT)
-        .env("CELLMESH_ADMIN_LISTEN", ANY_PORT);
+        .env("CELLMESH_ADMIN_LISTEN", ANY_PORT)
+        .env(
+            STATE_DIR_VAR,
+            state_root().join(crate::unique_name("sidecar")),
+        );
     cmd
+}
+
+const STATE_DIR_VAR: &str = "CELLMESH_STATE_DIR";
+
+/// Where [`sidecar_command`] puts each sidecar's state dir.
+fn state_root() -> PathBuf {
+    std::env::temp_dir().join("cellmesh-test-state")
+}
+
+/// A state dir [`sidecar_command`] chose, removed with the [`SidecarProcess`] it was for.
+struct OwnStateDir(PathBuf);
+
+impl OwnStateDir {
+    /// The state dir `cmd` was given, if [`sidecar_command`] chose it (one a test chose is the
+    /// test's to remove).
+    fn of(cmd: &Command) -> Option<Self> {
+        cmd.as_std()
+            .get_envs()
+            .find(|(k, _)| *k == STATE_DIR_VAR)
+            .and_then(|(_, v)| v)
+            .map(PathBuf::from)
+            .filter(|p| p.starts_with(state_root()))
+            .map(Self)
+    }
+}
+
+impl Drop for OwnStateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// `cellmesh proxy` with every listener on port 0; the caller adds the rest of the configuration.
@@ -227,6 +262,7 @@ pub struct SidecarProcess {
     pub mesh: SocketAddr,
     pub admin: SocketAddr,
     pub process: Process,
+    _state_dir: Option<OwnStateDir>,
 }
 
 impl SidecarProcess {
@@ -241,6 +277,7 @@ impl SidecarProcess {
     /// Like [`start`](Self::start), but a process that exits before reporting is returned as an
     /// error, for a test that expects some starts to be refused.
     pub async fn try_start(name: impl Into<String>, cmd: &mut Command) -> Result<Self, Exited> {
+        let state_dir = OwnStateDir::of(cmd);
         let (process, report) = Process::spawn_reporting(name, cmd, SIDECAR_LISTENING).await?;
         let at = |key| address(&process.name, &report, key);
         Ok(Self {
@@ -248,6 +285,7 @@ impl SidecarProcess {
             mesh: at("mesh"),
             admin: at("admin"),
             process,
+            _state_dir: state_dir,
         })
     }
 }

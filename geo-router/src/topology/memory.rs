@@ -52,6 +52,42 @@ impl State {
             .get_mut(&lease.node)
             .filter(|s| s.entry.lease.holder == lease.holder && s.entry.lease.epoch == lease.epoch)
     }
+
+    /// Grants `holder` the lease of `node` unless another holder's is live.
+    fn acquire(&mut self, node: NodeId, holder: &str, now: u64, ttl_ms: u64) -> Acquire {
+        match self.nodes.get(&node) {
+            Some(s) if now < s.entry.lease.expires_unix_ms && s.entry.lease.holder != holder => {
+                Acquire::Held(s.entry.lease.clone())
+            }
+            _ => Acquire::Granted(self.grant(node, holder, now, ttl_ms)),
+        }
+    }
+
+    /// Replaces whatever grant `node` has with a new one for `holder`, under the next epoch,
+    /// with an empty record; its ids start past every earlier grant's expiry.
+    fn grant(&mut self, node: NodeId, holder: &str, now: u64, ttl_ms: u64) -> Lease {
+        let previous = self.nodes.get(&node);
+        let floor = previous.map_or(0, |s| s.ids_below_unix_ms);
+        let lease = Lease {
+            node,
+            holder: holder.to_string(),
+            epoch: previous.map_or(0, |s| s.entry.lease.epoch) + 1,
+            expires_unix_ms: now + ttl_ms,
+            ids_floor_unix_ms: floor,
+        };
+        self.nodes.insert(
+            node,
+            Stored {
+                entry: NodeEntry {
+                    lease: lease.clone(),
+                    live: true,
+                    record: None,
+                },
+                ids_below_unix_ms: floor.max(lease.expires_unix_ms),
+            },
+        );
+        lease
+    }
 }
 
 impl MemoryTopology {
@@ -97,33 +133,27 @@ impl TopologyStore for MemoryTopology {
     ) -> Result<Acquire, TopologyError> {
         let ttl_ms = check_request(node, holder, ttl)?;
         let now = (self.clock)();
+        Ok(self.state().acquire(node, holder, now, ttl_ms))
+    }
+
+    async fn take_over_lease(
+        &self,
+        previous: &Lease,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Acquire, TopologyError> {
+        let ttl_ms = check_request(previous.node, holder, ttl)?;
+        let now = (self.clock)();
         let mut state = self.state();
-        let previous = state.nodes.get(&node);
-        if let Some(s) = previous
-            .filter(|s| now < s.entry.lease.expires_unix_ms && s.entry.lease.holder != holder)
-        {
-            return Ok(Acquire::Held(s.entry.lease.clone()));
+        if state.current(previous).is_some() {
+            return Ok(Acquire::Granted(state.grant(
+                previous.node,
+                holder,
+                now,
+                ttl_ms,
+            )));
         }
-        let floor = previous.map_or(0, |s| s.ids_below_unix_ms);
-        let lease = Lease {
-            node,
-            holder: holder.to_string(),
-            epoch: previous.map_or(0, |s| s.entry.lease.epoch) + 1,
-            expires_unix_ms: now + ttl_ms,
-            ids_floor_unix_ms: floor,
-        };
-        state.nodes.insert(
-            node,
-            Stored {
-                entry: NodeEntry {
-                    lease: lease.clone(),
-                    live: true,
-                    record: None,
-                },
-                ids_below_unix_ms: floor.max(lease.expires_unix_ms),
-            },
-        );
-        Ok(Acquire::Granted(lease))
+        Ok(state.acquire(previous.node, holder, now, ttl_ms))
     }
 
     async fn renew_lease(

@@ -12,7 +12,9 @@
 //!   deadline of its own monotonic clock (`ttl` after it *sent* the request that was granted),
 //!   which passes no later than the store's expiry whatever the two wall clocks say.
 //!   A holder names one process: callers add a random nonce, so two processes (two containers
-//!   with pid 1) never share a name.
+//!   with pid 1) never share a name. A process that can prove its predecessor is dead (a sidecar
+//!   restarted in place: the predecessor's lock on the state dir is gone) takes the lease over at
+//!   once instead of waiting it out, naming the exact grant it replaces.
 //! - **Node records**: where a node's mesh and admin endpoints are, published under its lease.
 
 pub mod ids;
@@ -32,6 +34,23 @@ pub use ids::{LeasedIds, MAX_NODE_ID};
 
 /// Longest lease accepted: a lapsed holder's area stays frozen for at most this long.
 pub const MAX_LEASE_TTL: Duration = Duration::from_secs(3600);
+/// How far a holder's monotonic clock may run slow against the store's, in parts per million:
+/// a holder writes for its lease's length less this share, so that even such a clock stops it
+/// before the store's expiry. (Quartz drifts by tens of ppm; 1% covers a badly slewed one.)
+pub const MAX_CLOCK_DRIFT_PPM: u64 = 10_000;
+
+/// How long after *sending* a request the store granted its holder may write, for a lease of
+/// `ttl_ms`: the ttl less [`MAX_CLOCK_DRIFT_PPM`] of it.
+pub fn writable_ms(ttl_ms: u64) -> u64 {
+    ttl_ms - ttl_ms * MAX_CLOCK_DRIFT_PPM / 1_000_000
+}
+
+/// How often a holder renews a lease of `ttl_ms`: every half second, and at least four times a
+/// lease, so that a store stalled for most of a lease costs nobody theirs.
+pub fn renew_every_ms(ttl_ms: u64) -> u64 {
+    (ttl_ms / 4).clamp(1, 500)
+}
+
 /// Longest holder name accepted.
 pub const MAX_HOLDER_LEN: usize = 128;
 
@@ -144,6 +163,18 @@ pub trait TopologyStore: Send + Sync {
     async fn acquire_lease(
         &self,
         node: NodeId,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Acquire, TopologyError>;
+
+    /// Grants `holder` the lease of `previous.node` under a new epoch if `previous` is still its
+    /// current grant (same holder and epoch), live or lapsed: the caller has proved that
+    /// `previous`'s holder is dead, so its lease need not be waited out. Otherwise it is
+    /// [`acquire_lease`](Self::acquire_lease). As with every grant, the new one's ids start at
+    /// or past the replaced grant's expiry, and the node record (the old holder's) is cleared.
+    async fn take_over_lease(
+        &self,
+        previous: &Lease,
         holder: &str,
         ttl: Duration,
     ) -> Result<Acquire, TopologyError>;

@@ -8,7 +8,9 @@
 //!   ids_floor_unix_ms, ids_below_unix_ms, record}`. A grant is one `findOneAndUpdate` filtered
 //!   on "lapsed or mine" with upsert: when the lease is held, the filter misses the existing
 //!   document and the upsert's insert fails on the duplicate `_id`, so of two contenders exactly
-//!   one wins. Every time is the server's (`$$NOW` in update pipelines and `$expr` filters):
+//!   one wins. A takeover is one `findOneAndUpdate` filtered on the exact grant it replaces
+//!   (node, holder and epoch), without upsert; if that grant is gone it is an ordinary grant.
+//!   Every time is the server's (`$$NOW` in update pipelines and `$expr` filters):
 //!   lapse never depends on a caller's clock.
 //!
 //! Writes and reads use majority concerns, so a grant survives a primary's failover.
@@ -125,6 +127,23 @@ fn server_now() -> Document {
 /// A filter clause: the lease is live by the server's clock.
 fn live() -> Document {
     doc! { "$expr": { "$gt": ["$expires_unix_ms", server_now()] } }
+}
+
+/// The update pipeline of a grant to `holder` for `ttl` ms: the next epoch, the expiry by the
+/// server's clock, ids from past every earlier grant's expiry, and no record.
+fn grant(holder: &str, ttl: i64) -> Vec<Document> {
+    vec![
+        doc! { "$set": {
+            "holder": holder,
+            "epoch": { "$add": [{ "$ifNull": ["$epoch", 0_i64] }, 1_i64] },
+            "expires_unix_ms": { "$add": [server_now(), ttl] },
+            "ids_floor_unix_ms": { "$ifNull": ["$ids_below_unix_ms", 0_i64] },
+        } },
+        doc! { "$set": {
+            "ids_below_unix_ms": { "$max": ["$ids_floor_unix_ms", "$expires_unix_ms"] },
+        } },
+        doc! { "$unset": "record" },
+    ]
 }
 
 fn ttl_ms(ttl: u64) -> Result<i64, TopologyError> {
@@ -284,19 +303,7 @@ impl TopologyStore for MongoTopology {
                 { "holder": holder },
             ],
         };
-        let expires = doc! { "$add": [server_now(), ttl] };
-        let update = vec![
-            doc! { "$set": {
-                "holder": holder,
-                "epoch": { "$add": [{ "$ifNull": ["$epoch", 0_i64] }, 1_i64] },
-                "expires_unix_ms": expires,
-                "ids_floor_unix_ms": { "$ifNull": ["$ids_below_unix_ms", 0_i64] },
-            } },
-            doc! { "$set": {
-                "ids_below_unix_ms": { "$max": ["$ids_floor_unix_ms", "$expires_unix_ms"] },
-            } },
-            doc! { "$unset": "record" },
-        ];
+        let update = grant(holder, ttl);
         // A holder that lapses between our failed grant and our read shows as lapsed; asking
         // again then grants or names the new holder.
         for _ in 0..3 {
@@ -327,6 +334,27 @@ impl TopologyStore for MongoTopology {
             self.url
         ))
         .into())
+    }
+
+    async fn take_over_lease(
+        &self,
+        previous: &Lease,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<Acquire, TopologyError> {
+        let millis = ttl_ms(check_request(previous.node, holder, ttl)?)?;
+        // Filtered on the exact grant, live or not; no upsert: a node never leased has no grant
+        // to replace, and acquiring covers it.
+        let take = self
+            .nodes
+            .find_one_and_update(current(previous)?, grant(holder, millis))
+            .return_document(ReturnDocument::After);
+        if let Some(d) = self.bounded("take over lease", take).await? {
+            return Ok(Acquire::Granted(
+                d.into_entry().map_err(|why| self.corrupt(&why))?.lease,
+            ));
+        }
+        self.acquire_lease(previous.node, holder, ttl).await
     }
 
     async fn renew_lease(

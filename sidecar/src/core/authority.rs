@@ -88,6 +88,19 @@ impl Core {
         }
     }
 
+    /// Whether this process may still write at `mono_ms` of its own clock: its lease is neither
+    /// lost nor past its deadline. (The simulator checks it whenever the store grants this
+    /// node's id to another process.)
+    pub fn writes_at(&self, mono_ms: u64) -> bool {
+        self.auth.lease_live && self.auth.lease_until_ms.is_none_or(|u| mono_ms < u)
+    }
+
+    /// The lease was lost: this process writes nothing ever again and should exit, so that its
+    /// supervisor starts it afresh.
+    pub fn lease_lost(&self) -> bool {
+        !self.auth.lease_live
+    }
+
     /// Another process holds this node's id: everything is frozen rather than written twice.
     pub(crate) fn on_lease_lost(&mut self) {
         self.metrics.error("lease_lost");
@@ -104,7 +117,12 @@ impl Core {
             .collect();
         tracing::error!(
             entities = owned.len(),
-            "the node lease was lost: freezing everything this node owns"
+            "the node lease was lost: freezing everything this node owns, then exiting"
+        );
+        self.out.exit = Some(
+            "the node lease was lost: another process may hold this node id now; everything \
+             this process wrote is frozen and restored elsewhere from its checkpoints"
+                .into(),
         );
         for (id, epoch) in owned {
             self.out.to_game.push(

@@ -386,8 +386,18 @@ impl Core {
 
     /// A session whose avatar is being restored waits for the restored owner's anchor.
     pub(crate) fn await_avatar(&mut self, account: &str, master: Option<MasterEntry>) {
-        let until = self.now.mono_ms + self.avatar_wait_ms();
         let dead = master.map(|m| (m.node, m.lease_epoch));
+        // A world restored already (its RestoreDone came before this login) brings nothing
+        // more: the avatar is back by now, or never will be.
+        let restored = dead.is_some_and(|inc| {
+            self.restore.fenced.contains(&inc) && !self.restore.dead.contains_key(&inc)
+        });
+        let wait = if restored {
+            RESTORED_GRACE_MS
+        } else {
+            self.avatar_wait_ms()
+        };
+        let until = self.now.mono_ms + wait;
         self.avatars
             .awaiting
             .insert(account.to_string(), (until, dead));

@@ -711,6 +711,17 @@ impl Core {
             OfferDecision::Stale => {
                 self.metrics.stale_epoch_drops.inc();
                 self.metrics.drop_msg("stale_offer", 1);
+                if o.successor {
+                    // A restore under an epoch this node saw already (its decider died and the
+                    // next one chose the same): refused, so it comes again above it instead of
+                    // being retried unanswered forever.
+                    let refused = mesh::HandoffRefused {
+                        entity_id: id,
+                        entity_epoch: o.entity_epoch,
+                        reason: super::restore::STALE_RESTORE.into(),
+                    };
+                    self.answer_offer(from, mesh_message::Body::HandoffRefused(refused));
+                }
             }
         }
     }
@@ -815,6 +826,9 @@ impl Core {
                 .copied();
             if let Some(entry) = newer_remote {
                 self.join_session(&account, entry);
+            } else if o.gateway_node == me && local.is_none() {
+                // The session was this node id's, but of a process that died: nothing here
+                // routes for it, and a later login must not take the avatar for this node's.
             } else if o.gateway_node == me || local.is_some_and(|l| l > o.session_epoch) {
                 // Gateway side only: the epoch its inputs are stamped with.
                 self.gw.master_epoch.insert(account.clone(), epoch);

@@ -161,6 +161,10 @@ pub enum Output {
     Publish,
     /// The drain is over: the driver shuts the sidecar down.
     Stop,
+    /// The node cannot go on (its lease was lost, everything it wrote is frozen): the driver
+    /// shuts the sidecar down and the process exits with this error, so that its supervisor
+    /// starts it afresh. Comes after everything queued before it.
+    Exit { reason: String },
 }
 
 /// A store call the node asks for. Each is run with a timeout; failures come back as errors.
@@ -281,6 +285,8 @@ pub(crate) struct Outbox {
     pub to_links: BTreeMap<LinkId, Vec<MeshMessage>>,
     pending: VecDeque<Output>,
     ready: bool,
+    /// Why the node exits, once what is queued is out.
+    exit: Option<String>,
 }
 
 /// One sidecar's node: everything it knows and decides.
@@ -432,10 +438,16 @@ impl Core {
 
     /// Client inputs held here that no other node has a copy of: lost if this process died now.
     pub fn inputs_only_here(&self) -> usize {
+        self.inputs_only_here_if(|_| false)
+    }
+
+    /// As [`Core::inputs_only_here`], also counting the copies offered to nodes `dead` says
+    /// died (which a simulator knows before this node hears of it).
+    pub fn inputs_only_here_if(&self, dead: impl Fn(NodeId) -> bool) -> usize {
         let in_doubt_to_dead = self
             .handoff
             .out
-            .inputs_offered_to(|n| self.restore.in_doubt_to_dead_node(n));
+            .inputs_offered_to(|n| dead(n) || self.restore.in_doubt_to_dead_node(n));
         self.handoff.out.inputs_not_forwarded()
             + in_doubt_to_dead
             + self
@@ -545,7 +557,10 @@ impl Core {
         if self.out.pending.is_empty() {
             self.pack_outboxes();
         }
-        self.out.pending.pop_front()
+        self.out
+            .pending
+            .pop_front()
+            .or_else(|| self.out.exit.take().map(|reason| Output::Exit { reason }))
     }
 
     /// When the node wants [`Input::Timer`], at the latest.

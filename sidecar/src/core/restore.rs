@@ -49,6 +49,8 @@ const LIST_EVERY_MS: u64 = 2_000;
 const RESTORE_RETRY_MS: u64 = 1_000;
 /// The refusal of a restore offer by a node that writes the entity already.
 pub(crate) const ALREADY_WRITES: &str = "the target writes the entity already";
+/// The refusal of a restore offer under an epoch the target has seen already.
+pub(crate) const STALE_RESTORE: &str = "the target saw this epoch of the entity already";
 /// Reals listed per report message (a report can be long: it is sent in parts).
 const HELD_PER_MESSAGE: usize = 4_096;
 

@@ -61,6 +61,8 @@ pub(crate) struct Driver {
     pub mesh_ctx: MeshCtx,
     pub metrics: Metrics,
     pub shutdown: CancellationToken,
+    /// Why the node stopped, when it could not go on (the handle reports it).
+    pub failure: Arc<Mutex<Option<String>>>,
 }
 
 impl Driver {
@@ -249,6 +251,11 @@ impl Driver {
                     }
                 }
                 Output::Stop => self.shutdown.cancel(),
+                Output::Exit { reason } => {
+                    tracing::error!("{reason}: the sidecar exits");
+                    *self.failure.lock().expect("failure lock poisoned") = Some(reason);
+                    self.shutdown.cancel();
+                }
             }
         }
     }

@@ -1,15 +1,20 @@
 //! Membership: how this node joins the cluster and keeps its place in it.
 //!
 //! - [`join`] reads the committed partition from the topology store and takes the lease of this
-//!   node's id (the fence on its area) under a holder name no other process shares.
-//! - [`keep_lease`] renews that lease every half second, in a task of its own so nothing else
-//!   can delay it. The store judges lapse by its own clock; this process stops writing at a
-//!   deadline of its own monotonic clock, a lease's length after it *sent* the last request
-//!   the store granted. That instant passes no later than the store's expiry, so a node cut off
-//!   from the store stops before another can be granted its id.
+//!   node's id (the fence on its area) under a holder name no other process shares. With a
+//!   `state_dir`, it first locks the node there (one live process per node and host), and takes
+//!   over at once the grant a crashed predecessor recorded there (see [`super::state_dir`]).
+//! - [`keep_lease`] renews that lease every half second (at least four times a lease), in a task
+//!   of its own so nothing else can delay it. The store judges lapse by its own clock; this
+//!   process stops writing at a deadline of its own monotonic clock, a lease's length less 1%
+//!   (`topology::writable_ms`) after it *sent* the last request the store granted. That instant
+//!   passes no later than the store's expiry even on a clock running up to 1% slow, so a node
+//!   cut off from the store stops before another can be granted its id. The node then exits
+//!   (see `Input::LeaseLost`): its supervisor starts it afresh.
 //! - [`membership`] publishes where the mesh listener is and tells the node which peers hold a
 //!   live lease and where they listen, their lease epochs, and any newer partition.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,6 +25,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::state_dir::StateDir;
 use super::Event;
 use crate::config::SidecarConfig;
 use crate::core::{Input, PeerInfo};
@@ -36,11 +42,17 @@ pub(crate) struct Held {
     pub deadline: Instant,
 }
 
-/// Reads the partition and takes this node's lease.
+/// Locks this node's state dir (if any), reads the partition and takes this node's lease: over
+/// from the grant the state dir recorded, if that is still the store's, else as a new one. The
+/// lock must be kept as long as the node runs.
 pub(crate) async fn join(
     topology: &dyn TopologyStore,
     cfg: &SidecarConfig,
-) -> anyhow::Result<(Partition, Held)> {
+) -> anyhow::Result<(Partition, Held, Option<StateDir>)> {
+    let state = match cfg.state_dir.as_str() {
+        "" => None,
+        dir => Some(StateDir::lock(Path::new(dir), cfg.node_id)?),
+    };
     let partition = topology
         .partition()
         .await
@@ -56,22 +68,52 @@ pub(crate) async fn join(
     );
     let holder = topology::process_holder(&format!("sidecar-{}", cfg.node_id));
     let ttl = Duration::from_millis(cfg.node_lease_ms);
+    let writable = Duration::from_millis(topology::writable_ms(cfg.node_lease_ms));
+    // Holding the lock, this process is the only one of this host that may have been granted
+    // the recorded lease since: whoever was is dead, and need not be waited out.
+    let mut previous = state.as_ref().and_then(StateDir::last_lease);
     // A grant that came back after its deadline (the store answered slower than the lease) is
     // taken again; the node never starts on a dead lease.
     for _ in 0..LEASE_ATTEMPTS {
         let sent = Instant::now();
-        match topology
-            .acquire_lease(cfg.node_id, &holder, ttl)
-            .await
-            .context("taking the node lease")?
-        {
-            Acquire::Granted(lease) if Instant::now() < sent + ttl => {
+        let answer = match previous.take() {
+            Some(previous) => {
+                let answer = topology
+                    .take_over_lease(&previous, &holder, ttl)
+                    .await
+                    .context("taking the node lease over")?;
+                match &answer {
+                    Acquire::Granted(lease) if lease.epoch == previous.epoch + 1 => {
+                        tracing::info!(
+                            node = cfg.node_id,
+                            "took the node lease over from this node's previous process, epoch {} -> {}",
+                            previous.epoch,
+                            lease.epoch
+                        )
+                    }
+                    _ => {}
+                }
+                answer
+            }
+            None => topology
+                .acquire_lease(cfg.node_id, &holder, ttl)
+                .await
+                .context("taking the node lease")?,
+        };
+        if let (Acquire::Granted(lease), Some(state)) = (&answer, &state) {
+            if let Err(e) = state.record(lease) {
+                tracing::warn!(node = cfg.node_id, error = %e, "recording the node lease in state_dir failed: a restart will wait out this lease");
+            }
+        }
+        match answer {
+            Acquire::Granted(lease) if Instant::now() < sent + writable => {
                 return Ok((
                     partition,
                     Held {
                         lease,
-                        deadline: sent + ttl,
+                        deadline: sent + writable,
                     },
+                    state,
                 ))
             }
             Acquire::Granted(lease) => tracing::warn!(
@@ -106,7 +148,10 @@ pub(crate) async fn keep_lease(
     shutdown: CancellationToken,
 ) {
     let me = held.lease.node;
-    let mut every = tokio::time::interval(MEMBERSHIP_EVERY);
+    let writable = Duration::from_millis(topology::writable_ms(ttl.as_millis() as u64));
+    let mut every = tokio::time::interval(Duration::from_millis(topology::renew_every_ms(
+        ttl.as_millis() as u64,
+    )));
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -128,7 +173,7 @@ pub(crate) async fn keep_lease(
             Ok(Ok(Some(lease))) => {
                 held = Held {
                     lease,
-                    deadline: sent + ttl,
+                    deadline: sent + writable,
                 };
                 renewed.send_replace(held.lease.clone());
                 let event = Event::LeaseRenewed {

@@ -6,6 +6,8 @@
 //! - [`mesh`]: links from proxies (and peer sidecars) to this node's mesh listener;
 //! - [`dial`]: links this node keeps to peers with a higher node id;
 //! - [`membership`]: the node lease, the node record, the partition and the live peers;
+//! - [`state_dir`]: the lock and last lease grant that let a process restarted in place take
+//!   its node id back at once;
 //! - [`store`]: the store executor; [`codec`]: the metered frame codec.
 
 pub(crate) mod codec;
@@ -14,6 +16,7 @@ pub(crate) mod driver;
 pub(crate) mod game;
 pub(crate) mod membership;
 pub(crate) mod mesh;
+pub(crate) mod state_dir;
 pub(crate) mod store;
 
 use std::path::Path;
@@ -102,14 +105,17 @@ pub(crate) struct LinkHandle {
 }
 
 /// Binds the listeners, starts the connection tasks, the membership task (for a cluster node)
-/// and the driver.
+/// and the driver. The state dir's lock is held until both the driver and the lease task have
+/// ended (or their runtime is dropped, as a crash drops everything).
 pub(crate) async fn launch(
     cfg: SidecarConfig,
     stores: Stores,
     partition: Partition,
     membership: Option<(Arc<dyn TopologyStore>, membership::Held)>,
+    state: Option<state_dir::StateDir>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<SidecarHandle> {
+    let state = state.map(Arc::new);
     let cfg = Arc::new(cfg);
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
@@ -161,14 +167,21 @@ pub(crate) async fn launch(
             admin_addr: admin_addr.to_string(),
         };
         let (renewed, lease) = watch::channel(held.lease.clone());
-        tasks.spawn(membership::keep_lease(
+        let keep = membership::keep_lease(
             topology.clone(),
             held,
             Duration::from_millis(cfg.node_lease_ms),
             inbox.clone(),
             renewed,
             shutdown.clone(),
-        ));
+        );
+        // Locked until the lease is given up: a successor started meanwhile must not take over
+        // a lease this process may still renew.
+        let locked = state.clone();
+        tasks.spawn(async move {
+            keep.await;
+            drop(locked);
+        });
         tasks.spawn(membership::membership(
             topology,
             lease,
@@ -194,6 +207,7 @@ pub(crate) async fn launch(
         .lock()
         .expect("state lock poisoned")
         .clone_from(&core.state());
+    let failure = Arc::new(Mutex::new(None));
     let driver = Driver {
         core,
         start,
@@ -211,11 +225,14 @@ pub(crate) async fn launch(
         mesh_ctx: mesh_ctx.clone(),
         metrics: metrics.clone(),
         shutdown: shutdown.clone(),
+        failure: Arc::clone(&failure),
     };
     // Should the driver ever end (or panic), everything else stops with it.
     let stop_all = shutdown.clone().drop_guard();
     let node = tokio::spawn(async move {
         let _stop_all = stop_all;
+        // Locked while the node may write.
+        let _state = state;
         driver.run(events).await
     });
     tasks.spawn(game::accept_loop(
@@ -242,6 +259,7 @@ pub(crate) async fn launch(
         node,
         tasks,
         inbox: weak,
+        failure,
         census,
         restored,
     })
