@@ -19,7 +19,8 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use cellmesh_test_support::{
-    admin_state, commit_plan, required, run_id, sidecar_command, Process, SidecarProcess,
+    admin_state, commit_plan, proxy_command, required, run_id, sidecar_command, unix_now,
+    wait_ready, Process, ProxyProcess, SidecarProcess,
 };
 use support::CELLMESH;
 use tokio::process::Command;
@@ -361,13 +362,20 @@ struct InFlight {
     deadline: Instant,
 }
 
-async fn in_flight(tag: &str, directory: &str) -> InFlight {
-    arena_bin();
-    let deadline = Instant::now() + DEADLINE;
+/// A topology database of this run's own in the test MongoDB, with a 2 × 1 grid committed
+/// (node 1 west, node 2 east): its url, and the run's id.
+fn west_east_topology(tag: &str) -> (String, String) {
     let mongo = required("CELLMESH_TEST_MONGO_URL");
     let run = run_id();
     let topology = format!("{}/cm_handoff_{tag}_{run}", mongo.trim_end_matches('/'));
     commit_plan(CELLMESH, &topology, "2x1", "1,2");
+    (topology, run)
+}
+
+async fn in_flight(tag: &str, directory: &str) -> InFlight {
+    arena_bin();
+    let deadline = Instant::now() + DEADLINE;
+    let (topology, _) = west_east_topology(tag);
 
     let mut source = Sidecar::start(1, &topology, directory, deadline).await;
     let mut target = Sidecar::start(2, &topology, directory, deadline).await;
@@ -611,13 +619,8 @@ async fn a_sidecar_restarted_in_place_takes_its_node_id_over_at_once() {
     let _one = ONE_CLUSTER.lock().await;
     arena_bin();
     let deadline = Instant::now() + DEADLINE;
-    let (redis, mongo) = (
-        required("CELLMESH_TEST_REDIS_URL"),
-        required("CELLMESH_TEST_MONGO_URL"),
-    );
-    let run = run_id();
-    let topology = format!("{}/cm_handoff_in_place_{run}", mongo.trim_end_matches('/'));
-    commit_plan(CELLMESH, &topology, "2x1", "1,2");
+    let redis = required("CELLMESH_TEST_REDIS_URL");
+    let (topology, run) = west_east_topology("in_place");
     let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
     let spec = |node: u32| Spec {
         node,
@@ -708,13 +711,7 @@ async fn a_sidecar_restarted_in_place_takes_its_node_id_over_at_once() {
 async fn a_second_sidecar_as_a_running_node_of_this_host_is_refused() {
     let _one = ONE_CLUSTER.lock().await;
     let deadline = Instant::now() + DEADLINE;
-    let mongo = required("CELLMESH_TEST_MONGO_URL");
-    let topology = format!(
-        "{}/cm_handoff_locked_{}",
-        mongo.trim_end_matches('/'),
-        run_id()
-    );
-    commit_plan(CELLMESH, &topology, "2x1", "1,2");
+    let (topology, _) = west_east_topology("locked");
     let dir = tempfile::tempdir().unwrap();
     let spec = Spec {
         state_dir: Some(dir.path().to_path_buf()),
@@ -757,4 +754,185 @@ async fn a_second_sidecar_as_a_running_node_of_this_host_is_refused() {
         "the lease recorded changed"
     );
     first.proc.process.terminate().await;
+}
+
+/// The proxy's token secret in the relogin test.
+const SECRET: &str = "relogin-test";
+
+/// A client of the proxy: answers pings and sends an input every 100 ms until stopped or
+/// kicked; says how it ended.
+fn client(
+    mut tx: cellmesh_proto::client::ClientSender,
+    mut rx: cellmesh_proto::client::ClientReceiver,
+    stop: tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<String> {
+    use cellmesh_proto::edge::{client_message, server_message, Pong};
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_millis(100));
+        let mut seq = 0;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return "logged out".to_string(),
+                _ = every.tick() => {
+                    seq += 1;
+                    if tx.input(seq, bytes::Bytes::from_static(b"{\"move\":[1,0]}")).await.is_err() {
+                        return "closed".to_string();
+                    }
+                }
+                msg = rx.next() => match msg {
+                    Some(Ok(m)) => match m.body {
+                        Some(server_message::Body::Ping(p)) => {
+                            let _ = tx.send(client_message::Body::Pong(Pong { nonce: p.nonce })).await;
+                        }
+                        Some(server_message::Body::Kick(k)) => return format!("kicked: {}", k.reason),
+                        _ => {}
+                    },
+                    _ => return "closed".to_string(),
+                },
+            }
+        }
+    })
+}
+
+/// The nodes writing `account`'s avatar, among those that answer.
+async fn writers_of(account: &str, nodes: &[&Sidecar]) -> Vec<u32> {
+    let mut writers = Vec::new();
+    for n in nodes {
+        if let Some(s) = admin_state(n.proc.admin).await {
+            if s["masters"]
+                .as_array()
+                .is_some_and(|m| m.iter().any(|a| a == account))
+            {
+                writers.push(n.spec.node);
+            }
+        }
+    }
+    writers
+}
+
+/// Crash-and-relogin races with real processes: a player's gateway is `kill -9`ed with its game,
+/// and the player logs in again at once on a new connection, while the proxy moves the old
+/// session to the live node and the dead node's world is restored there. Never do two nodes
+/// write the player's avatar; once things settle exactly one does and no input is held; after
+/// the dead node is back and the player logs out, none does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_player_logging_in_again_through_its_gateways_crash_keeps_one_avatar() {
+    let _one = ONE_CLUSTER.lock().await;
+    arena_bin();
+    let deadline = Instant::now() + DEADLINE;
+    let redis = required("CELLMESH_TEST_REDIS_URL");
+    let (topology, run) = west_east_topology("relogin");
+    let geo = format!("relogin_{run}");
+    let spec = |node: u32| Spec {
+        geo: Some(geo.clone()),
+        ..Spec::waiting(node, &topology, &redis)
+    };
+    let mut west = Sidecar::start_as(spec(1), deadline).await;
+    let mut east = Sidecar::start_as(spec(2), deadline).await;
+    until_leased([&mut west, &mut east], deadline).await;
+    let mut games = [arena(&west, "1", 2, WEST), arena(&east, "2", 2, EAST)];
+    until_states(
+        deadline,
+        "both worlds to settle",
+        [&west, &east],
+        &[&games[0], &games[1]],
+        |[w, e]| w.settled() && e.settled(),
+    )
+    .await;
+    let mut proxy = ProxyProcess::start(
+        "proxy",
+        proxy_command(CELLMESH)
+            .env("CELLMESH_GEO", &geo)
+            .env(
+                "CELLMESH_GATEWAYS",
+                format!("[\"{}\", \"{}\"]", west.proc.mesh, east.proc.mesh),
+            )
+            .env("CELLMESH_TOKEN_SECRET", SECRET),
+    )
+    .await;
+    wait_ready(proxy.admin, &mut proxy.process).await;
+    let clients = proxy.clients.to_string();
+    let login = || async {
+        let token = cellmesh_proto::token::sign(SECRET.as_bytes(), "ada", unix_now() + 300);
+        cellmesh_proto::client::login(&clients, &token)
+            .await
+            .expect("login")
+    };
+
+    let (tx, rx, welcome) = login().await;
+    let stop_first = tokio_util::sync::CancellationToken::new();
+    let first = client(tx, rx, stop_first.clone());
+    while writers_of("ada", &[&west, &east]).await.len() != 1 {
+        assert!(Instant::now() < deadline, "no node writes ada's avatar");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(CHECKPOINTED).await;
+
+    // Her gateway dies with its game; she logs in again at once.
+    let gateway = welcome.gateway_node;
+    let before = writers_of("ada", &[&west, &east]).await;
+    eprintln!("ada's gateway: node {gateway}; her avatar on node {before:?}");
+    let (dead, live) = if gateway == 1 {
+        (&mut west, &east)
+    } else {
+        (&mut east, &west)
+    };
+    let dead_game = (gateway - 1) as usize;
+    dead.kill().await;
+    games[dead_game].kill().await;
+    let (tx, rx, _) = login().await;
+    let stop_second = tokio_util::sync::CancellationToken::new();
+    let second = client(tx, rx, stop_second.clone());
+    // Never two writers while her world is restored; then exactly one, steadily.
+    let mut steady = 0;
+    while steady < 10 {
+        assert!(Instant::now() < deadline, "ada's avatar never came back");
+        let writers = writers_of("ada", &[live]).await;
+        assert!(
+            writers.len() <= 1,
+            "two nodes write ada's avatar: {writers:?}"
+        );
+        steady = if writers.len() == 1 { steady + 1 } else { 0 };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "ada's avatar back on node {:?}",
+        writers_of("ada", &[live]).await
+    );
+    // The first session was displaced by the second (or moved, then displaced).
+    let ended = tokio::time::timeout_at(deadline, first)
+        .await
+        .expect("the first session ends")
+        .unwrap();
+    assert!(ended.starts_with("kicked") || ended == "closed", "{ended}");
+    drop(stop_first);
+
+    // The dead node comes back once its lease lapsed; still one avatar, nothing held.
+    dead.restart(deadline).await;
+    games[dead_game] = arena(dead, "again", 0, if gateway == 1 { WEST } else { EAST });
+    until_states(
+        deadline,
+        "both nodes to settle again",
+        [&west, &east],
+        &[&games[0], &games[1]],
+        |[w, e]| w.settled() && e.settled(),
+    )
+    .await;
+    let writers = writers_of("ada", &[&west, &east]).await;
+    assert_eq!(writers.len(), 1, "{writers:?}");
+    for n in [&west, &east] {
+        let s = admin_state(n.proc.admin).await.expect("a state");
+        assert_eq!(s["inputs_held"], 0, "node {}: {s}", n.spec.node);
+    }
+
+    // She logs out: no avatar is left anywhere.
+    stop_second.cancel();
+    assert_eq!(second.await.unwrap(), "logged out");
+    while !writers_of("ada", &[&west, &east]).await.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "ada's avatar outlived her logout"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

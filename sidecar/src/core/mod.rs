@@ -756,6 +756,14 @@ impl Core {
             "ghosts_sim": self.repl.sim.len(),
             "subscriptions": self.repl.subs.len(),
             "subscribers": self.repl.subscribers.len(),
+            // The accounts whose avatar this node writes.
+            "masters": self
+                .table
+                .masters()
+                .filter(|(_, id)| self.table.get_local(*id).is_some())
+                .map(|(account, _)| account)
+                .collect::<Vec<_>>(),
+            "inputs_held": self.inputs_held(),
             "handoffs_in_flight": self.handoff.out.in_flight(),
             "handoffs_in_doubt": self.handoff.out.in_doubt().map(|(id, to, epoch)| json!({"entity": id, "to": to, "epoch": epoch})).collect::<Vec<_>>(),
             "adopting": self.handoff.adopting.len(),
