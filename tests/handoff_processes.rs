@@ -198,14 +198,22 @@ impl Sidecar {
 /// publishes after renewing its lease.
 ///
 /// The short lease used here can lapse when the MongoDB-compatible server stalls under load; the
-/// node then freezes and stays out, as it must. Such a node is started anew before anything is
+/// node then freezes and exits, as it must. Such a node is started anew before anything is
 /// killed, since what is under test is the handoff, not the node's start.
-async fn until_leased(mut nodes: [&mut Sidecar; 2], deadline: Instant) {
+async fn until_leased<const N: usize>(mut nodes: [&mut Sidecar; N], deadline: Instant) {
     loop {
         let mut linked = 0;
         for node in nodes.iter_mut() {
+            if matches!(node.proc.process.child.try_wait(), Ok(Some(_))) {
+                eprintln!(
+                    "node {} exited as it started (its lease lapsed); starting it again",
+                    node.spec.node
+                );
+                node.restart(deadline).await;
+                continue;
+            }
             match node.state().await {
-                Some(s) if s.lease_live && s.peers_up == 1 => linked += 1,
+                Some(s) if s.lease_live && s.peers_up == N - 1 => linked += 1,
                 Some(s) if !s.lease_live => {
                     eprintln!(
                         "node {} lost its lease as it started; starting it again",
@@ -268,9 +276,14 @@ impl NodeState {
 
     /// Serving, linked to its peer, and done with every handoff.
     fn settled(&self) -> bool {
+        self.settled_with(1)
+    }
+
+    /// Serving, linked to `peers` peers, and done with every handoff.
+    fn settled_with(&self, peers: usize) -> bool {
         self.lease_live
             && self.game_connected
-            && self.peers_up == 1
+            && self.peers_up == peers
             && self.in_flight == 0
             && self.in_doubt.is_empty()
             && self.adopting == 0
@@ -935,4 +948,205 @@ async fn a_player_logging_in_again_through_its_gateways_crash_keeps_one_avatar()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The four nodes' arenas stand around the corner all regions of a 2 × 2 grid touch, so every
+/// view there holds entities of every node.
+const CORNER: (f64, f64) = (65_536.0, 65_536.0);
+
+fn near_corner(node: u32) -> (f64, f64) {
+    let dx = if node % 2 == 1 { -60.0 } else { 60.0 };
+    let dy = if node <= 2 { -60.0 } else { 60.0 };
+    (CORNER.0 + dx, CORNER.1 + dy)
+}
+
+/// Every account that has an avatar, with the nodes writing it, among the nodes that answer.
+async fn avatars(nodes: &[&Sidecar]) -> std::collections::BTreeMap<String, Vec<u32>> {
+    let mut all: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
+    for n in nodes {
+        if let Some(s) = admin_state(n.proc.admin).await {
+            for a in s["masters"].as_array().into_iter().flatten() {
+                let account = a.as_str().expect("an account").to_string();
+                all.entry(account).or_default().push(n.spec.node);
+            }
+        }
+    }
+    all
+}
+
+/// Waits until each of `bots` bots has its avatar written by exactly one of `live`, five reads
+/// in a row; never two writers meanwhile.
+async fn one_avatar_each(
+    live: &[&Sidecar],
+    bots: usize,
+    deadline: Instant,
+    stats: &cellmesh::bots::BotStats,
+    what: &str,
+) {
+    let mut steady = 0;
+    let mut last = Default::default();
+    while steady < 5 {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: bots' avatars {last:?}, bots {:?}",
+            stats.totals()
+        );
+        last = avatars(live).await;
+        for (account, writers) in &last {
+            assert!(
+                writers.len() <= 1,
+                "{what}: {account} written by {writers:?}"
+            );
+        }
+        let one_each = last.len() == bots && last.values().all(|w| w.len() == 1);
+        steady = if one_each { steady + 1 } else { 0 };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The entities `live` write.
+async fn reals(live: &[&Sidecar]) -> u64 {
+    let mut sum = 0;
+    for n in live {
+        sum += n.state().await.map_or(0, |s| s.reals);
+    }
+    sum
+}
+
+/// Four `cellmesh sidecar` processes with their games on the real MongoDB and Redis, a proxy
+/// and a dozen bots, as an operator runs them. One sidecar and its game are `kill -9`ed for
+/// good: the other nodes restore its entities, and every bot stays connected and has its one
+/// avatar again. Then one game alone is killed and restarted: its sidecar gives it back its
+/// entities and players, and again every bot keeps its connection and its one avatar.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_nodes_lose_a_node_and_a_game_and_every_player_keeps_its_avatar() {
+    use cellmesh::bots::{run_bot, BotConfig, BotStats};
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+
+    const BOTS: usize = 12;
+    const NPCS: u64 = 3;
+    let _one = ONE_CLUSTER.lock().await;
+    arena_bin();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let redis = required("CELLMESH_TEST_REDIS_URL");
+    let mongo = required("CELLMESH_TEST_MONGO_URL");
+    let run = run_id();
+    let topology = format!("{}/cm_four_{run}", mongo.trim_end_matches('/'));
+    commit_plan(CELLMESH, &topology, "2x2", "1,2,3,4");
+    let geo = format!("four_{run}");
+    let spec = |node: u32| Spec {
+        geo: Some(geo.clone()),
+        ..Spec::waiting(node, &topology, &redis)
+    };
+    let mut nodes = Vec::new();
+    for node in 1..=4 {
+        nodes.push(Sidecar::start_as(spec(node), deadline).await);
+    }
+    {
+        let [a, b, c, d] = &mut nodes[..] else {
+            unreachable!()
+        };
+        until_leased([a, b, c, d], deadline).await;
+    }
+    let mut games: Vec<Process> = nodes
+        .iter()
+        .map(|n| arena(n, &n.spec.node.to_string(), NPCS, near_corner(n.spec.node)))
+        .collect();
+    let mut proxy = ProxyProcess::start(
+        "proxy",
+        proxy_command(CELLMESH)
+            .env("CELLMESH_GEO", &geo)
+            .env(
+                "CELLMESH_GATEWAYS",
+                serde_json::to_string(
+                    &nodes
+                        .iter()
+                        .map(|n| n.proc.mesh.to_string())
+                        .collect::<Vec<_>>(),
+                )
+                .unwrap(),
+            )
+            .env("CELLMESH_TOKEN_SECRET", SECRET),
+    )
+    .await;
+    wait_ready(proxy.admin, &mut proxy.process).await;
+    let cfg = Arc::new(BotConfig {
+        proxy: proxy.clients.to_string(),
+        secret: SECRET.into(),
+        home: CORNER,
+        roam: 120.0,
+        ..BotConfig::default()
+    });
+    let stats = Arc::new(BotStats::default());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let bots: Vec<_> = (0..BOTS)
+        .map(|i| {
+            tokio::spawn(run_bot(
+                format!("bot-{i}"),
+                cfg.clone(),
+                stats.clone(),
+                stop.clone(),
+            ))
+        })
+        .collect();
+
+    let all: Vec<&Sidecar> = nodes.iter().collect();
+    one_avatar_each(&all, BOTS, deadline, &stats, "every bot to have its avatar").await;
+    let total = 4 * NPCS + BOTS as u64;
+    assert_eq!(reals(&all).await, total);
+    tokio::time::sleep(CHECKPOINTED).await;
+
+    // Node 4 dies for good with its game.
+    nodes[3].kill().await;
+    games[3].kill().await;
+    let live: Vec<&Sidecar> = nodes[..3].iter().collect();
+    let what = "every avatar back after node 4 died";
+    one_avatar_each(&live, BOTS, deadline, &stats, what).await;
+    while reals(&live).await != total {
+        assert!(
+            Instant::now() < deadline,
+            "node 4's world was not restored: {} of {total} entities",
+            reals(&live).await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    eprintln!("node 4's world restored: {total} entities on nodes 1-3");
+
+    // Node 3's game alone crashes and comes back: the sidecar gives it its entities again.
+    let held = nodes[2].state().await.expect("node 3 answers").reals;
+    games[2].kill().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    games[2] = arena(&nodes[2], "3 (again)", 0, near_corner(3));
+    let what = "every avatar back after node 3's game restarted";
+    one_avatar_each(&live, BOTS, deadline, &stats, what).await;
+    while reals(&live).await != total {
+        assert!(Instant::now() < deadline, "node 3's game lost entities");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let log = std::mem::replace(&mut games[2], arena(&nodes[0], "spare", 0, CORNER))
+        .terminate()
+        .await;
+    let adopted = arena_stat(&log, "adopted");
+    assert!(
+        adopted >= held,
+        "node 3's new game got {adopted} of its {held} entities"
+    );
+    let t = stats.totals();
+    eprintln!("node 3's new game got back {adopted} entities (it held {held}); bots {t:?}");
+    assert_eq!(
+        (t.kicks, t.errors),
+        (0, 0),
+        "a bot lost its connection: {t:?}"
+    );
+    // Observers kept what was restored in view: nothing vanished well inside a view.
+    assert_eq!(t.vanished_on_handoff, 0, "{t:?}");
+    assert_eq!(t.online, BOTS as u64, "{t:?}");
+    assert!(t.sessions_moved > 0, "node 4 was nobody's gateway? {t:?}");
+    stop.cancel();
+    for b in bots {
+        b.await.unwrap();
+    }
+    assert_eq!(stats.online.load(Ordering::Relaxed), 0);
 }
