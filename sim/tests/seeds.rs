@@ -117,6 +117,18 @@ fn kills_seeds_that_once_failed() {
     }
 }
 
+/// Seeds past the default count that once broke `gateway_kills`: run whatever the count.
+#[test]
+fn gateway_kills_seeds_that_once_failed() {
+    let s = named("gateway_kills").expect("a scenario of the catalogue");
+    // A process started after its node id's old one died, asked about that one later, took the
+    // new one's ghosts for the dead one's and dropped them when its world was restored.
+    for seed in [406, 584] {
+        let r = run(&s, seed);
+        assert!(r.ok(), "{r}");
+    }
+}
+
 #[test]
 fn skew() {
     seeds_of("skew");

@@ -121,6 +121,10 @@ pub(crate) struct Restore {
     pub dead: BTreeMap<Incarnation, BTreeMap<u64, u64>>,
     /// Every dead process this node heard of: nothing is taken from them.
     pub fenced: BTreeSet<Incarnation>,
+    /// Every process the store said was alive while this one ran: only those can have written
+    /// the ghosts held here (a process that started after its node id's previous one died holds
+    /// ghosts of the new one only).
+    pub known: BTreeSet<Incarnation>,
     /// Offers this node made, kept while in doubt and for a while after the ack: the target
     /// may die before it checkpoints what it adopted, and a round must know what moved between
     /// live nodes while it asked them. root -> the offer.
@@ -167,6 +171,7 @@ impl Core {
     /// process holds, is dead.
     pub(crate) fn note_leases(&mut self, leases: &[(NodeId, u64)]) {
         self.restore.leases_heard = true;
+        self.restore.known.extend(leases.iter().copied());
         let now: BTreeMap<NodeId, u64> = leases.iter().copied().collect();
         let gone: Vec<Incarnation> = self
             .restore
@@ -198,12 +203,17 @@ impl Core {
             "a peer's process is dead: its world will be restored from its checkpoints"
         );
         self.metrics.error("peer_dead");
-        let ghosts: BTreeMap<u64, u64> = self
-            .table
-            .ghosts_of(node)
-            .into_iter()
-            .filter_map(|id| Some((id, self.table.get(id)?.epoch)))
-            .collect();
+        // The ghosts of its node id, unless this process never saw it alive: then they are a
+        // newer process's, and stay when its world is restored.
+        let ghosts: BTreeMap<u64, u64> = if self.restore.known.contains(&inc) {
+            self.table
+                .ghosts_of(node)
+                .into_iter()
+                .filter_map(|id| Some((id, self.table.get(id)?.epoch)))
+                .collect()
+        } else {
+            BTreeMap::new()
+        };
         self.restore.dead.insert(inc, ghosts);
         if !self.restore.live.contains_key(&node) {
             self.restore.departed.insert(node);
