@@ -88,14 +88,18 @@ fn logins() {
     seeds_of("logins");
 }
 
-/// Seeds past the default count that once broke `logins`: run whatever the count.
-#[test]
-fn logins_seeds_that_once_failed() {
-    let s = named("logins").expect("a scenario of the catalogue");
-    for seed in [303, 407, 411] {
+/// Seeds past the default count that once broke `name`: run whatever the count.
+fn seeds_hold(name: &str, seeds: &[u64]) {
+    let s = named(name).expect("a scenario of the catalogue");
+    for &seed in seeds {
         let r = run(&s, seed);
         assert!(r.ok(), "{r}");
     }
+}
+
+#[test]
+fn logins_seeds_that_once_failed() {
+    seeds_hold("logins", &[303, 407, 411]);
 }
 
 #[test]
@@ -103,30 +107,20 @@ fn stores() {
     seeds_of("stores");
 }
 
-/// Seeds past the default count that once broke `kills`: run whatever the count.
 #[test]
 fn kills_seeds_that_once_failed() {
-    let s = named("kills").expect("a scenario of the catalogue");
     // 167: a restore offer whose decider died was chosen again under the same epoch by the
     // next decider; the target had refused that epoch once and dropped it unanswered forever.
     // 290: inputs held for an offer to a node that had died were lost with their holder too,
     // but counted nowhere, as their holder had not heard of the death yet.
-    for seed in [167, 290] {
-        let r = run(&s, seed);
-        assert!(r.ok(), "{r}");
-    }
+    seeds_hold("kills", &[167, 290]);
 }
 
-/// Seeds past the default count that once broke `gateway_kills`: run whatever the count.
 #[test]
 fn gateway_kills_seeds_that_once_failed() {
-    let s = named("gateway_kills").expect("a scenario of the catalogue");
     // A process started after its node id's old one died, asked about that one later, took the
     // new one's ghosts for the dead one's and dropped them when its world was restored.
-    for seed in [406, 584] {
-        let r = run(&s, seed);
-        assert!(r.ok(), "{r}");
-    }
+    seeds_hold("gateway_kills", &[406, 584]);
 }
 
 #[test]
