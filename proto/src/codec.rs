@@ -1,8 +1,10 @@
 //! The frame codec shared by every cellmesh protocol: a 4-byte big-endian length, then one
 //! protobuf message of exactly that many bytes.
 //!
-//! The decoder checks the length against a maximum before it reserves anything, so a hostile
-//! length prefix costs nothing; a stream that ends inside a frame is a typed error.
+//! The decoder checks the length against a maximum and never reserves room for a frame it has not
+//! received: the buffer grows only as bytes arrive, so a hostile length prefix costs nothing; a
+//! stream that ends inside a frame is a typed error. The maximum can change between frames (the
+//! edge admits a few KiB until a client has logged in).
 
 use std::marker::PhantomData;
 
@@ -78,6 +80,11 @@ impl<D> FrameCodec<D> {
         self.max_frame
     }
 
+    /// Changes the largest frame accepted from the next frame on.
+    pub fn set_max_frame(&mut self, max_frame: usize) {
+        self.max_frame = max_frame;
+    }
+
     fn check_len(&self, len: usize) -> Result<(), FrameError> {
         if len > self.max_frame {
             return Err(FrameError::TooLarge {
@@ -100,8 +107,8 @@ impl<D: Message + Default> Decoder for FrameCodec<D> {
         let len = u32::from_be_bytes([src[0], src[1], src[2], src[3]]) as usize;
         self.check_len(len)?;
         if src.len() < HEADER + len {
-            // `len` is bounded by the maximum, so this reservation is too.
-            src.reserve(HEADER + len - src.len());
+            // No reservation for the rest: a peer that announces a large frame and sends little
+            // of it holds only what it sent (the reader grows the buffer as bytes arrive).
             return Ok(None);
         }
         src.advance(HEADER);
@@ -279,6 +286,125 @@ mod tests {
         assert_eq!(a, b);
     }
 
+    #[test]
+    fn a_frame_announced_at_the_maximum_reserves_nothing() {
+        for max in [DEFAULT_MAX_FRAME, 4096] {
+            let mut codec = FrameCodec::<GameFrame>::with_max(max);
+            let mut buf = BytesMut::with_capacity(64);
+            buf.put_u32(max as u32);
+            buf.put_slice(&[0x0a, 0x00, 0x0a]);
+            assert!(codec.decode(&mut buf).unwrap().is_none());
+            assert!(
+                buf.capacity() <= 64,
+                "capacity grew to {} for 7 bytes held",
+                buf.capacity()
+            );
+            assert_eq!(buf.len(), 7, "nothing consumed before the frame is whole");
+        }
+    }
+
+    #[test]
+    fn the_maximum_applies_from_the_next_frame() {
+        let mut data = frame_bytes(&sample());
+        data.extend_from_slice(&frame_bytes(&sample()));
+        let len = data.len() / 2 - HEADER;
+        let mut codec = FrameCodec::<GameFrame>::with_max(len);
+        assert_eq!(codec.decode(&mut data).unwrap(), Some(sample()));
+        codec.set_max_frame(len - 1);
+        let err = codec.decode(&mut data).unwrap_err();
+        assert!(matches!(err, FrameError::TooLarge { max, .. } if max == len - 1));
+    }
+
+    /// Feeds `pieces` in turn and records each frame (re-encoded, so NaN fields compare equal)
+    /// or the error that ended the stream. Checks on the way that the decoder never reserves: the
+    /// buffer is grown to exactly what it holds, so any more capacity came from `decode`.
+    fn outcome<D: Message + Default>(
+        pieces: &[&[u8]],
+        max: usize,
+    ) -> Vec<Result<Vec<u8>, &'static str>> {
+        let mut codec = FrameCodec::<D>::with_max(max);
+        let mut buf = BytesMut::new();
+        let mut out = Vec::new();
+        for p in pieces {
+            let mut grown = BytesMut::with_capacity(buf.len() + p.len());
+            grown.extend_from_slice(&buf);
+            grown.extend_from_slice(p);
+            buf = grown;
+            loop {
+                let capacity = buf.capacity();
+                let res = codec.decode(&mut buf);
+                assert!(buf.capacity() <= capacity, "decode reserved ahead");
+                assert!(buf.capacity() <= max + HEADER + p.len());
+                match res {
+                    Ok(Some(f)) => out.push(Ok(f.encode_to_vec())),
+                    Ok(None) => break,
+                    Err(e) => {
+                        out.push(Err(e.kind()));
+                        return out;
+                    }
+                }
+            }
+        }
+        match codec.decode_eof(&mut buf) {
+            Ok(Some(f)) => out.push(Ok(f.encode_to_vec())),
+            Ok(None) => {}
+            Err(e) => out.push(Err(e.kind())),
+        }
+        out
+    }
+
+    fn split_at_cuts<'a>(data: &'a [u8], cuts: &[usize]) -> Vec<&'a [u8]> {
+        let mut points: Vec<usize> = cuts.iter().map(|c| c % (data.len() + 1)).collect();
+        points.sort_unstable();
+        let mut pieces = Vec::new();
+        let mut last = 0;
+        for p in points {
+            pieces.push(&data[last..p]);
+            last = p;
+        }
+        pieces.push(&data[last..]);
+        pieces
+    }
+
+    /// A valid frame of `msg` with `noise` spliced in at `at`.
+    fn noisy_stream<M: Message>(msg: &M, noise: &[u8], at: usize) -> Vec<u8> {
+        let mut data = Vec::new();
+        data.extend_from_slice(&(msg.encoded_len() as u32).to_be_bytes());
+        data.extend_from_slice(&msg.encode_to_vec());
+        let at = at % (data.len() + 1);
+        data.splice(at..at, noise.iter().copied());
+        data
+    }
+
+    fn mesh_sample(n: u64) -> crate::mesh::MeshFrame {
+        use crate::mesh::{mesh_message::Body, EntityGone, Heartbeat, MeshFrame};
+        MeshFrame {
+            messages: vec![
+                Body::Heartbeat(Heartbeat { sent_unix_ms: n }).into(),
+                Body::EntityGone(EntityGone {
+                    entity_id: n,
+                    entity_epoch: 1,
+                    position: None,
+                })
+                .into(),
+            ],
+        }
+    }
+
+    fn client_sample(n: u64) -> crate::edge::ClientFrame {
+        use crate::edge::{client_message::Body, ClientFrame, ClientInput, Ping};
+        ClientFrame {
+            messages: vec![
+                Body::Ping(Ping { nonce: n }).into(),
+                Body::Input(ClientInput {
+                    seq: n,
+                    payload: vec![1, 2, 3].into(),
+                })
+                .into(),
+            ],
+        }
+    }
+
     proptest! {
         /// Arbitrary bytes fed in arbitrary pieces: never a panic, never a reservation past the
         /// maximum, and the outcome does not depend on how the input was split.
@@ -286,54 +412,75 @@ mod tests {
         fn arbitrary_bytes_and_splits(data in proptest::collection::vec(any::<u8>(), 0..2048),
                                       cuts in proptest::collection::vec(any::<usize>(), 0..8),
                                       max in 0usize..600) {
-            let run = |pieces: Vec<&[u8]>| {
-                let mut codec = FrameCodec::<GameFrame>::with_max(max);
-                let mut buf = BytesMut::new();
-                let mut out = Vec::new();
-                for p in pieces {
-                    buf.extend_from_slice(p);
-                    loop {
-                        match codec.decode(&mut buf) {
-                            Ok(Some(f)) => out.push(Ok(f)),
-                            Ok(None) => break,
-                            Err(e) => { out.push(Err(e.kind())); return out; }
-                        }
-                        assert!(buf.capacity() <= data.len().max(max + HEADER) + 64);
-                    }
-                }
-                match codec.decode_eof(&mut buf) {
-                    Ok(Some(f)) => out.push(Ok(f)),
-                    Ok(None) => {}
-                    Err(e) => out.push(Err(e.kind())),
-                }
-                out
-            };
-            let whole = run(vec![&data[..]]);
-            let mut points: Vec<usize> = cuts.iter().map(|c| c % (data.len() + 1)).collect();
-            points.sort_unstable();
-            let mut pieces = Vec::new();
-            let mut last = 0;
-            for p in points { pieces.push(&data[last..p]); last = p; }
-            pieces.push(&data[last..]);
-            let split = run(pieces);
-            prop_assert_eq!(whole, split);
+            let whole = outcome::<GameFrame>(&[&data], max);
+            prop_assert_eq!(whole, outcome::<GameFrame>(&split_at_cuts(&data, &cuts), max));
+        }
+
+        /// The same for the mesh protocol, from a valid frame with noise spliced in.
+        #[test]
+        fn mesh_frames_with_noise_and_splits(n in any::<u64>(),
+                                             noise in proptest::collection::vec(any::<u8>(), 0..64),
+                                             at in any::<usize>(),
+                                             cuts in proptest::collection::vec(any::<usize>(), 0..8),
+                                             max in 0usize..600) {
+            let data = noisy_stream(&mesh_sample(n), &noise, at);
+            let whole = outcome::<crate::mesh::MeshFrame>(&[&data], max);
+            prop_assert_eq!(whole, outcome::<crate::mesh::MeshFrame>(&split_at_cuts(&data, &cuts), max));
+        }
+
+        /// The same for the edge protocol (client to proxy).
+        #[test]
+        fn client_frames_with_noise_and_splits(n in any::<u64>(),
+                                               noise in proptest::collection::vec(any::<u8>(), 0..64),
+                                               at in any::<usize>(),
+                                               cuts in proptest::collection::vec(any::<usize>(), 0..8),
+                                               max in 0usize..600) {
+            let data = noisy_stream(&client_sample(n), &noise, at);
+            let whole = outcome::<crate::edge::ClientFrame>(&[&data], max);
+            prop_assert_eq!(whole, outcome::<crate::edge::ClientFrame>(&split_at_cuts(&data, &cuts), max));
         }
 
         /// Any sequence of valid frames survives any split.
         #[test]
         fn valid_frames_survive_any_split(ticks in proptest::collection::vec(any::<u64>(), 1..20),
                                           cut in any::<usize>()) {
-            let mut data = BytesMut::new();
-            let mut codec = FrameCodec::<GameFrame>::default();
             let frames: Vec<GameFrame> = ticks.iter().map(|t| GameFrame { messages: vec![GameMessage { body: Some(Body::TickEnd(local::TickEnd { tick: *t })) }] }).collect();
-            for f in &frames { codec.encode(f.clone(), &mut data).unwrap(); }
-            let cut = cut % (data.len() + 1);
-            let mut buf = BytesMut::from(&data[..cut]);
-            let mut got = Vec::new();
-            while let Some(f) = codec.decode(&mut buf).unwrap() { got.push(f); }
-            buf.extend_from_slice(&data[cut..]);
-            while let Some(f) = codec.decode(&mut buf).unwrap() { got.push(f); }
-            prop_assert_eq!(got, frames);
+            prop_assert_eq!(decode_split(&frames, cut), frames);
         }
+
+        #[test]
+        fn valid_mesh_frames_survive_any_split(ns in proptest::collection::vec(any::<u64>(), 1..20),
+                                               cut in any::<usize>()) {
+            let frames: Vec<_> = ns.into_iter().map(mesh_sample).collect();
+            prop_assert_eq!(decode_split(&frames, cut), frames);
+        }
+
+        #[test]
+        fn valid_client_frames_survive_any_split(ns in proptest::collection::vec(any::<u64>(), 1..20),
+                                                 cut in any::<usize>()) {
+            let frames: Vec<_> = ns.into_iter().map(client_sample).collect();
+            prop_assert_eq!(decode_split(&frames, cut), frames);
+        }
+    }
+
+    /// Encodes `frames` into one stream and decodes it in two pieces cut at `cut`.
+    fn decode_split<D: Message + Default + Clone>(frames: &[D], cut: usize) -> Vec<D> {
+        let mut data = BytesMut::new();
+        let mut codec = FrameCodec::<D>::default();
+        for f in frames {
+            codec.encode(f.clone(), &mut data).unwrap();
+        }
+        let cut = cut % (data.len() + 1);
+        let mut buf = BytesMut::from(&data[..cut]);
+        let mut got = Vec::new();
+        while let Some(f) = codec.decode(&mut buf).unwrap() {
+            got.push(f);
+        }
+        buf.extend_from_slice(&data[cut..]);
+        while let Some(f) = codec.decode(&mut buf).unwrap() {
+            got.push(f);
+        }
+        assert!(codec.decode_eof(&mut buf).unwrap().is_none());
+        got
     }
 }

@@ -6,11 +6,13 @@
 //!
 //! Every protocol uses the same framing ([`codec::FrameCodec`]): a 4-byte big-endian length and
 //! one protobuf message. [`sdk`] is the Rust SDK for game servers; [`client`] is the edge client
-//! used by bots and tests; [`token`] signs and checks the edge login tokens.
+//! used by bots and tests; [`token`] signs and checks the edge login tokens; [`cookie`] seals and
+//! opens the handover hint cookies (DESIGN §12).
 
 pub mod batch;
 pub mod client;
 pub mod codec;
+pub mod cookie;
 pub mod sdk;
 pub mod token;
 

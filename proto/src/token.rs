@@ -6,6 +6,10 @@ use sha2::Sha256;
 
 type HmacSha256 = Hmac<Sha256>;
 
+/// Longest token [`verify`] reads: longer ones are refused before any parsing, so a hostile
+/// `ClientHello` costs a length check.
+pub const MAX_TOKEN_LEN: usize = 1024;
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TokenError {
     #[error("malformed token: {0}")]
@@ -31,6 +35,9 @@ pub fn sign(secret: &[u8], account: &str, expiry_unix: u64) -> String {
 
 /// Checks a token's signature and expiry at `now_unix`; returns the account it names.
 pub fn verify(secret: &[u8], token: &str, now_unix: u64) -> Result<String, TokenError> {
+    if token.len() > MAX_TOKEN_LEN {
+        return Err(TokenError::Malformed("token too long"));
+    }
     let mut parts = token.rsplitn(3, '.');
     let tag = parts.next().ok_or(TokenError::Malformed("no signature"))?;
     let expiry = parts.next().ok_or(TokenError::Malformed("no expiry"))?;
@@ -41,9 +48,21 @@ pub fn verify(secret: &[u8], token: &str, now_unix: u64) -> Result<String, Token
     let expiry: u64 = expiry
         .parse()
         .map_err(|_| TokenError::Malformed("expiry is not a number"))?;
-    let tag = hex::decode(tag).map_err(|_| TokenError::Malformed("signature is not hex"))?;
-    mac(secret, &format!("{account}.{expiry}"))
-        .verify_slice(&tag)
+    // Only the signer's own spelling of the tag: `hex` would also take upper case, so one token
+    // could be written many ways.
+    let mut raw_tag = [0u8; 32];
+    if !tag.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        || hex::decode_to_slice(tag, &mut raw_tag).is_err()
+    {
+        return Err(TokenError::Malformed(
+            "signature is not 64 lower-case hex digits",
+        ));
+    }
+    // The MAC covers the text as received, not as re-printed from the parsed expiry: a `+` or
+    // zeros before it would otherwise pass as the same token.
+    let signed = &token[..token.len() - tag.len() - 1];
+    mac(secret, signed)
+        .verify_slice(&raw_tag)
         .map_err(|_| TokenError::BadSignature)?;
     if expiry <= now_unix {
         return Err(TokenError::Expired {
@@ -83,5 +102,36 @@ mod tests {
             verify(b"s3cret", "a.b.zz", 0),
             Err(TokenError::Malformed(_))
         ));
+    }
+
+    #[test]
+    fn only_the_signers_spelling_is_accepted() {
+        let t = sign(b"s3cret", "alice", 1000);
+        let (signed, tag) = t.rsplit_once('.').unwrap();
+        let upper = format!("{signed}.{}", tag.to_uppercase());
+        assert!(matches!(
+            verify(b"s3cret", &upper, 999),
+            Err(TokenError::Malformed(_))
+        ));
+        for expiry in ["+1000", "01000"] {
+            let respelled = format!("alice.{expiry}.{tag}");
+            assert_eq!(
+                verify(b"s3cret", &respelled, 999),
+                Err(TokenError::BadSignature),
+                "{respelled}"
+            );
+        }
+    }
+
+    #[test]
+    fn too_long_is_refused_before_parsing() {
+        let long = sign(b"s3cret", &"a".repeat(MAX_TOKEN_LEN), 1000);
+        assert_eq!(
+            verify(b"s3cret", &long, 999),
+            Err(TokenError::Malformed("token too long"))
+        );
+        let longest = sign(b"s3cret", &"a".repeat(MAX_TOKEN_LEN - 70), 1000);
+        assert_eq!(longest.len(), MAX_TOKEN_LEN);
+        assert!(verify(b"s3cret", &longest, 999).is_ok());
     }
 }
