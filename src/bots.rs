@@ -38,7 +38,7 @@ impl Default for BotConfig {
     fn default() -> Self {
         Self {
             proxy: "127.0.0.1:7300".into(),
-            secret: "dev-secret-change-me".into(),
+            secret: cellmesh_proxy::config::DEFAULT_TOKEN_SECRET.into(),
             input_hz: 10.0,
             home: (1000.0, 1000.0),
             roam: 150.0,
@@ -286,7 +286,8 @@ async fn play(
                         my_entity = None;
                     }
                     Some(server_message::Body::Kick(k)) => {
-                        if k.reason != KickReason::Shutdown as i32 || !stop.is_cancelled() {
+                        let leaving = [KickReason::Shutdown as i32, KickReason::Reconnect as i32];
+                        if !leaving.contains(&k.reason) || !stop.is_cancelled() {
                             stats.kicks.fetch_add(1, Ordering::Relaxed);
                         }
                         return Err(ClientError::Kicked(k));

@@ -664,13 +664,18 @@ pub async fn run(
         token_secret: format!("{:032x}", rand::random::<u128>()),
         ..ProxyConfig::default()
     };
-    // Every bot connects from 127.0.0.1: the per-address limit must admit all of them.
-    let per_address = (opts.bots as u32).saturating_mul(proxy_cfg.rate.account_inputs_per_sec);
-    proxy_cfg.rate.address_inputs_per_sec = proxy_cfg.rate.address_inputs_per_sec.max(per_address);
-    proxy_cfg.rate.address_burst = proxy_cfg
-        .rate
-        .address_burst
-        .max(per_address.saturating_mul(2));
+    // Every bot connects from 127.0.0.1: the per-address limits must admit all of them (twice
+    // over, for a bot reconnecting while its old connection closes).
+    let bots = u32::try_from(opts.bots)
+        .unwrap_or(u32::MAX)
+        .saturating_mul(2);
+    proxy_cfg.rate.address_accounts = proxy_cfg.rate.address_accounts.max(bots);
+    proxy_cfg.max_connections_per_address =
+        proxy_cfg.max_connections_per_address.max(bots as usize);
+    proxy_cfg.max_connections = proxy_cfg.max_connections.max(bots as usize);
+    // One process stops as a whole: nothing to drain towards.
+    proxy_cfg.drain_grace_ms = 0;
+    proxy_cfg.drain_spread_ms = 0;
     let secret = proxy_cfg.token_secret.clone();
     let proxy = cellmesh_proxy::start(proxy_cfg, stop.child_token())
         .await

@@ -110,3 +110,76 @@ async fn sidecar_and_proxy_as_processes() {
     sidecar.process.terminate().await;
     arena.abort();
 }
+
+/// SIGTERM drains the proxy process: not ready at once, players still served through the grace;
+/// a second SIGTERM stops it at once, each player told why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_process_drains_on_sigterm_and_stops_on_the_second() {
+    let sidecar = SidecarProcess::start("sidecar", &mut sidecar_command(CELLMESH)).await;
+    let mut proxy = ProxyProcess::start(
+        "proxy",
+        proxy_command(CELLMESH)
+            .env("CELLMESH_GATEWAYS", sidecar.mesh.to_string())
+            .env("CELLMESH_TOKEN_SECRET", "drain-test")
+            .env("CELLMESH_DRAIN_GRACE_MS", "60000"),
+    )
+    .await;
+    wait_ready(proxy.admin, &mut proxy.process).await;
+    let token = cellmesh_proto::token::sign(b"drain-test", "ada", unix_now() + 60);
+    let (mut tx, mut rx, _) = cellmesh_proto::client::login(&proxy.clients.to_string(), &token)
+        .await
+        .expect("login");
+
+    proxy.process.signal("TERM");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, _) = cellmesh_admin::http_get(proxy.admin, "/ready")
+            .await
+            .expect("the admin server still answers while draining");
+        if status == 503 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "still ready");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Within the grace the player is still served: a ping is answered.
+    tx.send(client_message::Body::Ping(cellmesh_proto::edge::Ping {
+        nonce: 77,
+    }))
+    .await
+    .unwrap();
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(5), rx.next())
+            .await
+            .expect("served during the grace")
+            .expect("open")
+            .unwrap();
+        match m.body {
+            Some(server_message::Body::Pong(p)) if p.nonce == 77 => break,
+            Some(server_message::Body::Kick(k)) => panic!("kicked within the grace: {k:?}"),
+            _ => {}
+        }
+    }
+
+    proxy.process.signal("TERM");
+    let kick = loop {
+        let m = tokio::time::timeout(Duration::from_secs(5), rx.next())
+            .await
+            .expect("kicked at once on the second signal")
+            .expect("open")
+            .unwrap();
+        if let Some(server_message::Body::Kick(k)) = m.body {
+            break k;
+        }
+    };
+    assert_eq!(
+        kick.reason,
+        cellmesh_proto::edge::KickReason::Shutdown as i32
+    );
+    let status = tokio::time::timeout(Duration::from_secs(5), proxy.process.child.wait())
+        .await
+        .expect("the proxy exits at once on the second signal")
+        .unwrap();
+    assert!(status.success(), "{status}");
+    drop(sidecar);
+}

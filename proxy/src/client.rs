@@ -26,6 +26,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::codec::{FramedRead, FramedWrite};
 
+use crate::connlimit::ConnectionPermit;
 use crate::link::{LinkConn, LinkGone};
 use crate::metrics::InputLoss;
 use crate::ping::{PingTracker, RTT_WINDOW};
@@ -86,23 +87,34 @@ struct Client {
     writer: FramedWrite<OwnedWriteHalf, FrameCodec<ClientFrame>>,
 }
 
-/// Serves one client connection to its end.
-pub(crate) async fn serve(shared: Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
+/// Serves one client connection to its end; `permit` holds its place under the connection limits.
+pub(crate) async fn serve(
+    shared: Arc<Shared>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    permit: ConnectionPermit,
+) {
     shared.metrics.connections.inc();
     shared.metrics.connections_accepted.inc();
     let _ = stream.set_nodelay(true);
     let (r, w) = stream.into_split();
-    let max = shared.cfg.max_frame_bytes;
+    let cfg = &shared.cfg;
+    let id = shared.next_connection_id();
+    let control = SessionControl::new(&shared.clients_stop);
+    shared.register_client(id, control.clone());
     let client = Client {
-        id: shared.next_connection_id(),
-        control: SessionControl::new(&shared.clients_stop),
+        id,
+        control,
         shared: shared.clone(),
         peer,
-        reader: FramedRead::new(r, FrameCodec::with_max(max)),
-        writer: FramedWrite::new(w, FrameCodec::with_max(max)),
+        // Until the login is admitted a stranger may send only a small frame.
+        reader: FramedRead::new(r, FrameCodec::with_max(cfg.hello_max_frame_bytes)),
+        writer: FramedWrite::new(w, FrameCodec::with_max(cfg.max_frame_bytes)),
     };
     client.run().await;
+    shared.unregister_client(id);
     shared.metrics.connections.dec();
+    drop(permit);
 }
 
 impl Client {
@@ -204,6 +216,9 @@ impl Client {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let account = auth::admit(&hello, cfg.token_secret.as_bytes(), now).map_err(End::Kick)?;
+        self.reader
+            .decoder_mut()
+            .set_max_frame(cfg.client_max_frame_bytes);
         let pending: Vec<ClientMessage> = messages.collect();
         self.shared
             .metrics
@@ -431,18 +446,23 @@ impl Client {
                         seq: input.seq,
                         payload: input.payload,
                     };
-                    s.conn.send(mesh_message::Body::Input(msg)).map_err(|e| {
-                        let why = match e {
-                            LinkGone::Stalled => InputLoss::LinkStalled,
-                            LinkGone::Closed => InputLoss::LinkClosed,
-                        };
-                        shared.metrics.lost(why, 1);
-                        // The link is going (a full outbox closes it): the session moves.
-                        End::GatewayLost(format!("gateway {}: {e}", s.conn.gateway))
-                    })?;
-                    shared.metrics.inputs_accepted.inc();
-                    info.inputs_accepted
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    match s.conn.send_data(mesh_message::Body::Input(msg)) {
+                        Ok(()) => {
+                            shared.metrics.inputs_accepted.inc();
+                            info.inputs_accepted
+                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        // A burst the link cannot take now costs this input, not the session:
+                        // a sustained stall closes the link (and moves its sessions) by itself.
+                        Err(LinkGone::Full) => shared.metrics.lost(InputLoss::LinkFull, 1),
+                        Err(e @ (LinkGone::Stalled | LinkGone::Closed)) => {
+                            shared.metrics.lost(InputLoss::LinkClosed, 1);
+                            return Err(End::GatewayLost(format!(
+                                "gateway {}: {e}",
+                                s.conn.gateway
+                            )));
+                        }
+                    }
                 }
                 verdict => {
                     shared.metrics.dropped(verdict == Verdict::OverAccountRate);
@@ -454,7 +474,7 @@ impl Client {
                             KickReason::Flood,
                             format!(
                                 "{} inputs over the rate limit within 1 s (limits: {}/s per account, {}/s per address)",
-                                r.flood_kick_drops, r.account_inputs_per_sec, r.address_inputs_per_sec
+                                r.flood_kick_drops, r.account_inputs_per_sec, r.address_inputs_per_sec()
                             ),
                         ));
                     }
@@ -474,8 +494,11 @@ impl Client {
                             rtt_ms_p50: sum.p50_ms as f32,
                             rtt_ms_min: sum.min_ms as f32,
                         };
-                        // Advisory: if the link is stalled it is being closed anyway.
-                        let _ = s.conn.send(mesh_message::Body::Rtt(rtt));
+                        // Advisory: dropped first when the link is busy.
+                        if let Err(LinkGone::Full) = s.conn.send_data(mesh_message::Body::Rtt(rtt))
+                        {
+                            shared.metrics.rtt_reports_dropped.inc();
+                        }
                     }
                 }
             }

@@ -23,11 +23,31 @@ pub struct ProxyConfig {
     pub hello_timeout_ms: u64,
     pub idle_timeout_ms: u64,
     pub ping_interval_ms: u64,
+    /// Largest frame accepted from a client before its login is admitted: a hello is small, and
+    /// a stranger must not hold more than this much of the proxy's memory.
+    pub hello_max_frame_bytes: usize,
+    /// Largest frame accepted from a logged-in client.
+    pub client_max_frame_bytes: usize,
+    /// Largest frame on a gateway link, and sent to a client.
     pub max_frame_bytes: usize,
+    /// Client connections open at once; one more is told `Kick{OVERLOADED}` and closed.
+    pub max_connections: usize,
+    /// Client connections open at once from one address (an IPv6 address counts by its /64).
+    /// Generous: a carrier-grade NAT puts many players behind one address.
+    pub max_connections_per_address: usize,
     /// Frames queued towards one client before it is kicked as a slow consumer.
     pub client_outbox_frames: usize,
-    /// Messages queued towards one gateway before that link is closed as stalled.
+    /// Inputs and RTT reports queued towards one gateway; past it they are dropped and counted,
+    /// while session control (attach, detach) still has room of its own.
     pub link_outbox_frames: usize,
+    /// A link whose outbox stays full this long is closed (its sessions move to another gateway).
+    pub link_stall_ms: u64,
+    /// On shutdown: how long the proxy stays not ready, still serving everyone, so that load
+    /// balancers stop sending new players before the first is asked to reconnect.
+    pub drain_grace_ms: u64,
+    /// Then: the window over which clients are asked to reconnect, one at a time at jittered
+    /// moments, so the other proxies are not hit by every player at once.
+    pub drain_spread_ms: u64,
     pub rate: RateConfig,
 }
 
@@ -36,8 +56,9 @@ pub struct ProxyConfig {
 pub struct RateConfig {
     pub account_inputs_per_sec: u32,
     pub account_burst: u32,
-    pub address_inputs_per_sec: u32,
-    pub address_burst: u32,
+    /// The per-address limit is this many accounts' worth (rate and burst): it stops one host
+    /// flooding with many accounts, without punishing players who share a carrier-grade NAT.
+    pub address_accounts: u32,
     /// Inputs dropped within one second that earn a `Kick{FLOOD}`.
     pub flood_kick_drops: u32,
 }
@@ -54,9 +75,16 @@ impl Default for ProxyConfig {
             hello_timeout_ms: 5000,
             idle_timeout_ms: 30_000,
             ping_interval_ms: 1000,
+            hello_max_frame_bytes: 4096,
+            client_max_frame_bytes: 16 * 1024,
             max_frame_bytes: cellmesh_proto::codec::DEFAULT_MAX_FRAME,
+            max_connections: 20_000,
+            max_connections_per_address: 256,
             client_outbox_frames: 256,
             link_outbox_frames: 8192,
+            link_stall_ms: 5000,
+            drain_grace_ms: 5000,
+            drain_spread_ms: 10_000,
             rate: RateConfig::default(),
         }
     }
@@ -67,8 +95,7 @@ impl Default for RateConfig {
         Self {
             account_inputs_per_sec: 60,
             account_burst: 120,
-            address_inputs_per_sec: 600,
-            address_burst: 1200,
+            address_accounts: 64,
             flood_kick_drops: 200,
         }
     }
@@ -81,27 +108,43 @@ impl ProxyConfig {
             ("hello_timeout_ms", self.hello_timeout_ms),
             ("idle_timeout_ms", self.idle_timeout_ms),
             ("ping_interval_ms", self.ping_interval_ms),
+            ("hello_max_frame_bytes", self.hello_max_frame_bytes as u64),
+            ("client_max_frame_bytes", self.client_max_frame_bytes as u64),
             ("max_frame_bytes", self.max_frame_bytes as u64),
+            ("max_connections", self.max_connections as u64),
+            (
+                "max_connections_per_address",
+                self.max_connections_per_address as u64,
+            ),
             ("client_outbox_frames", self.client_outbox_frames as u64),
             ("link_outbox_frames", self.link_outbox_frames as u64),
+            ("link_stall_ms", self.link_stall_ms),
             (
                 "rate.account_inputs_per_sec",
                 self.rate.account_inputs_per_sec.into(),
             ),
             ("rate.account_burst", self.rate.account_burst.into()),
-            (
-                "rate.address_inputs_per_sec",
-                self.rate.address_inputs_per_sec.into(),
-            ),
-            ("rate.address_burst", self.rate.address_burst.into()),
+            ("rate.address_accounts", self.rate.address_accounts.into()),
             ("rate.flood_kick_drops", self.rate.flood_kick_drops.into()),
         ];
         for (key, value) in positive {
             anyhow::ensure!(value > 0, "config: {key} must be greater than 0");
         }
+        for (key, value) in [
+            ("hello_max_frame_bytes", self.hello_max_frame_bytes),
+            ("client_max_frame_bytes", self.client_max_frame_bytes),
+            ("max_frame_bytes", self.max_frame_bytes),
+        ] {
+            anyhow::ensure!(
+                value <= u32::MAX as usize,
+                "config: {key} must fit the 4-byte length prefix"
+            );
+        }
         anyhow::ensure!(
-            self.max_frame_bytes <= u32::MAX as usize,
-            "config: max_frame_bytes must fit the 4-byte length prefix"
+            self.hello_max_frame_bytes <= self.client_max_frame_bytes,
+            "config: hello_max_frame_bytes ({}) must not exceed client_max_frame_bytes ({})",
+            self.hello_max_frame_bytes,
+            self.client_max_frame_bytes
         );
         anyhow::ensure!(
             !self.gateways.is_empty(),
@@ -111,7 +154,19 @@ impl ProxyConfig {
             !self.token_secret.is_empty(),
             "config: token_secret must not be empty"
         );
+        anyhow::ensure!(
+            self.token_secret != DEFAULT_TOKEN_SECRET || listens_on_loopback(&self.client_listen),
+            "config: token_secret is the public built-in default and client_listen {} is reachable \
+             from other hosts, where anyone could sign a login: set token_secret (or \
+             CELLMESH_TOKEN_SECRET) to the login service's secret",
+            self.client_listen
+        );
         Ok(())
+    }
+
+    /// True while the proxy runs with the public default secret (allowed on loopback only).
+    pub fn uses_default_secret(&self) -> bool {
+        self.token_secret == DEFAULT_TOKEN_SECRET
     }
 
     pub fn hello_timeout(&self) -> Duration {
@@ -123,6 +178,37 @@ impl ProxyConfig {
     pub fn ping_interval(&self) -> Duration {
         Duration::from_millis(self.ping_interval_ms)
     }
+    pub fn link_stall(&self) -> Duration {
+        Duration::from_millis(self.link_stall_ms)
+    }
+    pub fn drain_grace(&self) -> Duration {
+        Duration::from_millis(self.drain_grace_ms)
+    }
+    pub fn drain_spread(&self) -> Duration {
+        Duration::from_millis(self.drain_spread_ms)
+    }
+}
+
+impl RateConfig {
+    /// The per-address limit: `address_accounts` accounts' worth.
+    pub fn address_inputs_per_sec(&self) -> u32 {
+        self.account_inputs_per_sec
+            .saturating_mul(self.address_accounts)
+    }
+    pub fn address_burst(&self) -> u32 {
+        self.account_burst.saturating_mul(self.address_accounts)
+    }
+}
+
+/// Whether `listen` (`host:port`) only accepts connections from this host. A name other than
+/// `localhost` may resolve anywhere, so it counts as reachable.
+fn listens_on_loopback(listen: &str) -> bool {
+    if let Ok(addr) = listen.parse::<std::net::SocketAddr>() {
+        return addr.ip().is_loopback();
+    }
+    listen
+        .rsplit_once(':')
+        .is_some_and(|(host, _)| host.eq_ignore_ascii_case("localhost"))
 }
 
 #[cfg(test)]
@@ -141,6 +227,56 @@ mod tests {
             ..ProxyConfig::default()
         };
         assert!(c.validate().unwrap_err().to_string().contains("gateways"));
+    }
+
+    #[test]
+    fn default_secret_is_refused_beyond_loopback() {
+        for listen in ["127.0.0.1:7300", "[::1]:7300", "localhost:7300"] {
+            let c = ProxyConfig {
+                client_listen: listen.into(),
+                ..ProxyConfig::default()
+            };
+            c.validate()
+                .unwrap_or_else(|e| panic!("{listen} is loopback: {e}"));
+        }
+        for listen in [
+            "0.0.0.0:7300",
+            "[::]:7300",
+            "10.1.2.3:7300",
+            "edge.example:7300",
+        ] {
+            let c = ProxyConfig {
+                client_listen: listen.into(),
+                ..ProxyConfig::default()
+            };
+            let err = c.validate().unwrap_err().to_string();
+            assert!(
+                err.contains("token_secret") && err.contains("CELLMESH_TOKEN_SECRET"),
+                "{listen}: {err}"
+            );
+            let own = ProxyConfig {
+                token_secret: "the login service's".into(),
+                ..c
+            };
+            own.validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn address_limit_is_a_multiple_of_the_account_limit() {
+        let r = RateConfig {
+            account_inputs_per_sec: 60,
+            account_burst: 120,
+            address_accounts: 64,
+            ..RateConfig::default()
+        };
+        assert_eq!(r.address_inputs_per_sec(), 3840);
+        assert_eq!(r.address_burst(), 7680);
+        let huge = RateConfig {
+            address_accounts: u32::MAX,
+            ..r
+        };
+        assert_eq!(huge.address_inputs_per_sec(), u32::MAX);
     }
 
     #[test]

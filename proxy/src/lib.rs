@@ -8,8 +8,12 @@
 //! ```
 //!
 //! [`start`] binds the client listener and the admin server (`/live`, `/ready`, `/metrics`,
-//! `/state`), dials the gateways, and runs until its shutdown token is cancelled: readiness flips
-//! first, then every client gets `Kick{SHUTDOWN}`, then the links and the admin server stop.
+//! `/state`), dials the gateways, and runs until its shutdown token is cancelled. Then it drains:
+//! readiness flips at once while everyone is still served for `drain_grace_ms`, so load balancers
+//! stop sending players here; then the listener closes and each client is told
+//! `Kick{RECONNECT}` at its own jittered moment within `drain_spread_ms`, so the other proxies
+//! take them over gradually; then the links and the admin server stop.
+//! [`ProxyHandle::stop_now`] cuts the drain short (everyone left gets `Kick{SHUTDOWN}` at once).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -28,6 +32,7 @@ use tokio_util::task::TaskTracker;
 mod auth;
 mod client;
 pub mod config;
+mod connlimit;
 mod gateway;
 mod link;
 mod listener;
@@ -40,10 +45,11 @@ pub use config::{ProxyConfig, RateConfig};
 pub use link::LINK_SILENCE;
 pub use metrics::INPUT_LOSS_REASONS;
 
+use crate::connlimit::ConnectionLimits;
 use crate::gateway::Gateways;
 use crate::metrics::Metrics;
 use crate::ratelimit::InputLimits;
-use crate::session::SessionInfo;
+use crate::session::{SessionControl, SessionInfo};
 
 /// How often rate-limit buckets of departed clients are forgotten.
 const HOUSEKEEPING_EVERY: Duration = Duration::from_secs(10);
@@ -55,6 +61,10 @@ pub struct ProxyStats {
     pub sessions_peak: u64,
     /// Sessions moved to another gateway after their gateway's link broke.
     pub sessions_moved: u64,
+    /// Connections refused by a connection limit.
+    pub connections_refused: u64,
+    /// RTT reports not sent because a gateway link's outbox was full.
+    pub rtt_reports_dropped: u64,
     pub inputs_accepted: u64,
     /// Inputs dropped by a rate limit.
     pub inputs_dropped: u64,
@@ -90,6 +100,17 @@ impl ProxyHandle {
         self.shared.metrics.stats()
     }
 
+    /// Ends a drain at once: every client left is kicked now (a second signal does this).
+    pub fn stop_now(&self) {
+        self.shared.clients_stop.cancel();
+    }
+
+    /// A token whose cancellation is [`Self::stop_now`], for use after [`Self::wait`] took the
+    /// handle.
+    pub fn stopper(&self) -> CancellationToken {
+        self.shared.clients_stop.clone()
+    }
+
     /// Waits until the proxy has shut down and all its tasks have ended.
     pub async fn wait(self) {
         if let Err(e) = self.join.await {
@@ -104,8 +125,11 @@ pub(crate) struct Shared {
     pub(crate) metrics: Metrics,
     pub(crate) limits: InputLimits,
     pub(crate) gateways: Gateways,
-    /// Stops the listener and every client task (each through its own child token).
+    pub(crate) connections: ConnectionLimits,
+    /// Stops every client task at once (each through its own child token).
     pub(crate) clients_stop: CancellationToken,
+    /// Every client connection's control, so the drain can ask each to leave in its turn.
+    clients: Mutex<HashMap<u64, Arc<SessionControl>>>,
     client_addr: SocketAddr,
     admin: Arc<Admin>,
     sessions: Mutex<HashMap<u64, Arc<SessionInfo>>>,
@@ -118,6 +142,30 @@ pub(crate) struct Shared {
 impl Shared {
     pub(crate) fn next_connection_id(&self) -> u64 {
         self.next_connection.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn register_client(&self, connection: u64, control: Arc<SessionControl>) {
+        self.clients
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(connection, control);
+    }
+
+    pub(crate) fn unregister_client(&self, connection: u64) {
+        self.clients
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&connection);
+    }
+
+    /// The controls of every client connection open now.
+    fn client_controls(&self) -> Vec<Arc<SessionControl>> {
+        self.clients
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect()
     }
 
     pub(crate) fn register_session(&self, connection: u64, info: Arc<SessionInfo>) {
@@ -165,13 +213,25 @@ impl Shared {
                 "hello_timeout_ms": cfg.hello_timeout_ms,
                 "idle_timeout_ms": cfg.idle_timeout_ms,
                 "ping_interval_ms": cfg.ping_interval_ms,
+                "hello_max_frame_bytes": cfg.hello_max_frame_bytes,
+                "client_max_frame_bytes": cfg.client_max_frame_bytes,
                 "max_frame_bytes": cfg.max_frame_bytes,
+                "max_connections": cfg.max_connections,
+                "max_connections_per_address": cfg.max_connections_per_address,
                 "client_outbox_frames": cfg.client_outbox_frames,
                 "link_outbox_frames": cfg.link_outbox_frames,
+                "link_stall_ms": cfg.link_stall_ms,
+                "drain_grace_ms": cfg.drain_grace_ms,
+                "drain_spread_ms": cfg.drain_spread_ms,
                 "rate": cfg.rate,
+                "default_token_secret": cfg.uses_default_secret(),
             },
             "ready": self.admin.is_ready(),
             "draining": self.draining.load(Ordering::SeqCst),
+            "connections": {
+                "open": self.connections.open().0,
+                "addresses": self.connections.open().1,
+            },
             "links": self.gateways.links().iter().map(|l| l.to_json()).collect::<Vec<_>>(),
             "sessions": sessions.iter().map(|s| s.to_json()).collect::<Vec<_>>(),
             "stats": self.metrics.stats(),
@@ -182,9 +242,10 @@ impl Shared {
 /// Starts the proxy; it runs until `shutdown` is cancelled (then see [`ProxyHandle::wait`]).
 pub async fn start(cfg: ProxyConfig, shutdown: CancellationToken) -> anyhow::Result<ProxyHandle> {
     cfg.validate()?;
-    if cfg.token_secret == config::DEFAULT_TOKEN_SECRET {
+    if cfg.uses_default_secret() {
+        // Allowed on loopback only (`validate` refuses it elsewhere), for trying things out.
         tracing::warn!(
-            "token_secret is the built-in default: anyone can sign a login; set token_secret (or CELLMESH_TOKEN_SECRET)"
+            "token_secret is the built-in default: anyone here can sign a login; set token_secret (or CELLMESH_TOKEN_SECRET)"
         );
     }
     let listener = TcpListener::bind(&cfg.client_listen)
@@ -203,7 +264,12 @@ pub async fn start(cfg: ProxyConfig, shutdown: CancellationToken) -> anyhow::Res
         Shared {
             limits: InputLimits::new(&cfg.rate),
             gateways: Gateways::new(&cfg.gateways),
+            connections: ConnectionLimits::new(
+                cfg.max_connections,
+                cfg.max_connections_per_address,
+            ),
             clients_stop: CancellationToken::new(),
+            clients: Mutex::default(),
             client_addr,
             admin,
             sessions: Mutex::default(),
@@ -234,16 +300,33 @@ pub async fn start(cfg: ProxyConfig, shutdown: CancellationToken) -> anyhow::Res
     }
     background.spawn(housekeeping(shared.clone(), background_stop.clone()));
     let clients = TaskTracker::new();
-    clients.spawn(listener::run(listener, shared.clone(), clients.clone()));
+    let accepting = CancellationToken::new();
+    clients.spawn(listener::run(
+        listener,
+        shared.clone(),
+        clients.clone(),
+        accepting.clone(),
+    ));
     tracing::info!(name = %shared.cfg.name, %client_addr, %admin_addr, gateways = ?shared.cfg.gateways, "proxy started");
 
     let join = tokio::spawn({
         let shared = shared.clone();
         async move {
             shutdown.cancelled().await;
-            tracing::info!("proxy draining");
+            let (grace, spread) = (shared.cfg.drain_grace(), shared.cfg.drain_spread());
+            tracing::info!(
+                grace_ms = grace.as_millis() as u64,
+                spread_ms = spread.as_millis() as u64,
+                "proxy draining; a second signal stops at once"
+            );
             shared.draining.store(true, Ordering::SeqCst);
             shared.refresh_ready();
+            let now = shared.clients_stop.clone();
+            tokio::select! {
+                _ = now.cancelled() => {}
+                _ = drain(&shared, &accepting, grace, spread) => {}
+            }
+            accepting.cancel();
             shared.clients_stop.cancel();
             clients.close();
             clients.wait().await;
@@ -263,6 +346,58 @@ pub async fn start(cfg: ProxyConfig, shutdown: CancellationToken) -> anyhow::Res
     })
 }
 
+/// Serves everyone for `grace`, stops accepting, then asks each client to reconnect at its own
+/// jittered moment within `spread`, and waits for them to leave.
+async fn drain(shared: &Shared, accepting: &CancellationToken, grace: Duration, spread: Duration) {
+    tokio::time::sleep(grace).await;
+    accepting.cancel();
+    let mut clients = shared.client_controls();
+    let start = tokio::time::Instant::now();
+    let at = drain_schedule(clients.len(), spread, rand::random);
+    // The map's order is arbitrary but not random: shuffle by sorting on a random key.
+    let mut keyed: Vec<(u64, Arc<SessionControl>)> =
+        clients.drain(..).map(|c| (rand::random(), c)).collect();
+    keyed.sort_unstable_by_key(|(k, _)| *k);
+    tracing::info!(
+        clients = keyed.len(),
+        "asking clients to reconnect elsewhere"
+    );
+    let reconnect = || {
+        cellmesh_proto::edge::Kick::new(
+            cellmesh_proto::edge::KickReason::Reconnect,
+            "this proxy is draining: reconnect now, to the same address",
+        )
+    };
+    for ((_, control), offset) in keyed.into_iter().zip(at) {
+        tokio::time::sleep_until(start + offset).await;
+        control.kick(reconnect());
+    }
+    // A connection accepted just before the listener closed may have registered since.
+    loop {
+        let left = shared.client_controls();
+        if left.is_empty() {
+            return;
+        }
+        for control in left.iter().filter(|c| c.kicked().is_none()) {
+            control.kick(reconnect());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// When each of `n` clients is asked to leave: one per slot of `spread / n`, at a random point
+/// within its slot (`unit` draws from [0, 1)), so the rate stays even and no two proxies
+/// draining together line their kicks up.
+fn drain_schedule(n: usize, spread: Duration, mut unit: impl FnMut() -> f64) -> Vec<Duration> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let slot = spread.as_secs_f64() / n as f64;
+    (0..n)
+        .map(|i| Duration::from_secs_f64(slot * (i as f64 + unit().clamp(0.0, 1.0))))
+        .collect()
+}
+
 async fn housekeeping(shared: Arc<Shared>, stop: CancellationToken) {
     let mut tick = tokio::time::interval(HOUSEKEEPING_EVERY);
     loop {
@@ -270,5 +405,24 @@ async fn housekeeping(shared: Arc<Shared>, stop: CancellationToken) {
             _ = stop.cancelled() => return,
             _ = tick.tick() => shared.limits.forget_idle(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drain_schedule_spreads_evenly_with_jitter_inside_each_slot() {
+        let spread = Duration::from_secs(10);
+        let mut draws = [0.0, 0.5, 0.999, 0.25].into_iter().cycle();
+        let at = drain_schedule(4, spread, || draws.next().unwrap());
+        let ms: Vec<u128> = at.iter().map(|d| d.as_millis()).collect();
+        assert_eq!(ms, [0, 3750, 7497, 8125]);
+        assert!(at.windows(2).all(|w| w[0] <= w[1]), "in order: {ms:?}");
+        assert!(at.iter().all(|d| *d < spread));
+        assert!(drain_schedule(0, spread, || 0.5).is_empty());
+        let zero = drain_schedule(3, Duration::ZERO, || 0.7);
+        assert!(zero.iter().all(|d| d.is_zero()), "no spread: all at once");
     }
 }

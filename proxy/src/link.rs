@@ -6,8 +6,11 @@
 //! silent for five seconds is dead; its sessions move to another gateway (their client tasks see
 //! their route dropped and attach again elsewhere) and the link is dialled again.
 //!
-//! Nothing here waits on a client: a full session outbox kicks that session, and a full link
-//! outbox closes the link rather than stalling every client task that feeds it.
+//! Nothing here waits on a client: a full session outbox kicks that session. A link outbox that
+//! is full drops inputs and RTT reports (counted), never blocking a client task, while session
+//! control (attach, detach) keeps room of its own; only an outbox full for `link_stall_ms`, or a
+//! link silent for five seconds, closes the link. A burst of a few ms must not kick a gateway's
+//! every session.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,6 +45,10 @@ const BACKOFF_FIRST: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// Messages written before one flush, so a burst costs one syscall, not one each.
 const WRITE_BATCH: usize = 256;
+/// Room in a link's outbox kept for session control when inputs have filled the rest.
+pub(crate) const CONTROL_RESERVE: usize = 1024;
+/// How often a link checks whether its outbox has been full for too long.
+const STALL_CHECK_EVERY: Duration = Duration::from_millis(100);
 
 /// Delay before redial `attempt` (0-based): doubling from 100 ms, capped at 5 s.
 pub(crate) fn backoff(attempt: u32) -> Duration {
@@ -96,7 +103,11 @@ struct Routes {
 /// Why a message could not be queued on a link.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum LinkGone {
+    /// Inputs and RTT reports fill the outbox: this one is dropped, the link stays.
     #[error("the link's outbox is full")]
+    Full,
+    /// Even session control found no room: the link is closed.
+    #[error("the link's outbox is full, even for session control")]
     Stalled,
     #[error("the link is closed")]
     Closed,
@@ -106,9 +117,14 @@ pub(crate) enum LinkGone {
 #[derive(Debug)]
 pub(crate) struct LinkConn {
     pub gateway: Arc<str>,
+    /// Bounded at `link_outbox_frames` + [`CONTROL_RESERVE`].
     outbox: mpsc::Sender<MeshMessage>,
     routes: Mutex<Routes>,
     stalled: CancellationToken,
+    opened: Instant,
+    /// Milliseconds after `opened` (plus one, so zero means "not full") when data first found the
+    /// outbox full, in the current streak.
+    full_since: AtomicU64,
 }
 
 impl LinkConn {
@@ -118,6 +134,42 @@ impl LinkConn {
             outbox,
             routes: Mutex::default(),
             stalled: CancellationToken::new(),
+            opened: Instant::now(),
+            full_since: AtomicU64::new(0),
+        }
+    }
+
+    /// Queues an input or an RTT report unless only the control reserve is left.
+    pub(crate) fn send_data(&self, body: Body) -> Result<(), LinkGone> {
+        if self.outbox.is_closed() {
+            return Err(LinkGone::Closed);
+        }
+        if self.outbox.capacity() <= CONTROL_RESERVE {
+            let now = self.opened.elapsed().as_millis() as u64 + 1;
+            let _ = self
+                .full_since
+                .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed);
+            return Err(LinkGone::Full);
+        }
+        if self.full_since.load(Ordering::Relaxed) != 0 {
+            self.full_since.store(0, Ordering::Relaxed);
+        }
+        self.send(body)
+    }
+
+    /// How long data has found the outbox full without a break, if it does now.
+    fn full_for(&self) -> Option<Duration> {
+        if self.outbox.capacity() > CONTROL_RESERVE {
+            self.full_since.store(0, Ordering::Relaxed);
+            return None;
+        }
+        match self.full_since.load(Ordering::Relaxed) {
+            0 => None,
+            since => Some(
+                self.opened
+                    .elapsed()
+                    .saturating_sub(Duration::from_millis(since - 1)),
+            ),
         }
     }
 
@@ -140,7 +192,8 @@ impl LinkConn {
         self.routes().map.remove(&session_id).is_some()
     }
 
-    /// Queues one message for the gateway without waiting.
+    /// Queues one session-control message for the gateway without waiting; it may use the
+    /// reserve. With no room even there, the link is closed.
     pub(crate) fn send(&self, body: Body) -> Result<(), LinkGone> {
         self.outbox.try_send(body.into()).map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => {
@@ -244,7 +297,7 @@ pub(crate) async fn run(link: Arc<Link>, shared: Arc<Shared>, stop: Cancellation
             Ok((reader, writer, peer)) => {
                 attempt = 0;
                 tracing::info!(gateway = %link.gateway, node = peer.node_id, peer = %peer.id, "mesh link up");
-                let (tx, mut rx) = mpsc::channel(shared.cfg.link_outbox_frames);
+                let (tx, mut rx) = mpsc::channel(shared.cfg.link_outbox_frames + CONTROL_RESERVE);
                 let conn = Arc::new(LinkConn::new(link.gateway.clone(), tx));
                 *link.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn.clone());
                 link.set_status(LinkState::Up, Some(peer), None);
@@ -390,7 +443,22 @@ async fn serve(
         r = read_loop(reader, conn, shared) => r,
         _ = conn.stalled.cancelled() => {
             shared.metrics.error("link_outbox_full");
-            Err(anyhow!("outbox full ({} messages): the gateway stopped reading", shared.cfg.link_outbox_frames))
+            Err(anyhow!("outbox full ({} messages), even for session control: the gateway stopped reading", shared.cfg.link_outbox_frames + CONTROL_RESERVE))
+        }
+        stalled = stall_watch(conn, shared.cfg.link_stall()) => {
+            shared.metrics.error("link_outbox_full");
+            Err(anyhow!("outbox full for {} ms: the gateway stopped reading", stalled.as_millis()))
+        }
+    }
+}
+
+/// Completes once the outbox has stayed full for `limit`.
+async fn stall_watch(conn: &LinkConn, limit: Duration) -> Duration {
+    let mut tick = tokio::time::interval(STALL_CHECK_EVERY);
+    loop {
+        tick.tick().await;
+        if let Some(full) = conn.full_for().filter(|f| *f >= limit) {
+            return full;
         }
     }
 }
@@ -426,11 +494,11 @@ async fn write_loop(
                         Err(_) => break,
                     }
                 }
-                SinkExt::<MeshFrame>::flush(&mut writer).await.context("writing to the gateway")?;
+                flush(&mut writer, shared).await?;
             }
             _ = beat.tick() => {
                 feed(&mut writer, Body::Heartbeat(Heartbeat { sent_unix_ms: unix_ms() }).into(), written, shared).await?;
-                SinkExt::<MeshFrame>::flush(&mut writer).await.context("writing to the gateway")?;
+                flush(&mut writer, shared).await?;
             }
         }
     }
@@ -448,7 +516,30 @@ async fn feed(
     }
     let frame = MeshFrame { messages: vec![m] };
     shared.metrics.link_out.frame(frame.encoded_len());
-    writer.feed(frame).await.context("writing to the gateway")
+    unstalled(shared, writer.feed(frame)).await
+}
+
+async fn flush(writer: &mut LinkWriter, shared: &Shared) -> anyhow::Result<()> {
+    unstalled(shared, SinkExt::<MeshFrame>::flush(writer)).await
+}
+
+/// A write the gateway does not take within `link_stall_ms` ends the link: its socket buffers
+/// are full, so it has stopped reading.
+async fn unstalled(
+    shared: &Shared,
+    write: impl std::future::Future<Output = Result<(), cellmesh_proto::codec::FrameError>>,
+) -> anyhow::Result<()> {
+    let stall = shared.cfg.link_stall();
+    match tokio::time::timeout(stall, write).await {
+        Ok(r) => r.context("writing to the gateway"),
+        Err(_) => {
+            shared.metrics.error("link_write_stalled");
+            bail!(
+                "a write blocked for {} ms: the gateway stopped reading",
+                stall.as_millis()
+            )
+        }
+    }
 }
 
 fn unix_ms() -> u64 {
@@ -591,14 +682,45 @@ mod tests {
         assert!(!conn.release(1), "a closed connection forgot its sessions");
     }
 
+    fn input(seq: u64) -> Body {
+        Body::Input(cellmesh_proto::mesh::SessionInput {
+            session_id: 1,
+            seq,
+            payload: Default::default(),
+        })
+    }
+
     #[test]
-    fn full_outbox_marks_the_link_stalled() {
-        let (tx, _rx) = mpsc::channel(1);
+    fn a_full_outbox_drops_data_keeps_room_for_control_and_the_link() {
+        let (tx, mut rx) = mpsc::channel(4 + CONTROL_RESERVE);
         let conn = LinkConn::new("g".into(), tx);
-        let beat = || Body::Heartbeat(Heartbeat { sent_unix_ms: 0 });
-        assert_eq!(conn.send(beat()), Ok(()));
-        assert_eq!(conn.send(beat()), Err(LinkGone::Stalled));
+        for seq in 0..4 {
+            assert_eq!(conn.send_data(input(seq)), Ok(()));
+        }
+        assert_eq!(conn.send_data(input(4)), Err(LinkGone::Full));
+        assert!(
+            !conn.stalled.is_cancelled(),
+            "a burst does not close the link"
+        );
+        assert!(conn.full_for().is_some());
+        let attach = || {
+            Body::Attach(cellmesh_proto::mesh::Attach {
+                session_id: 9,
+                ..Default::default()
+            })
+        };
+        for _ in 0..CONTROL_RESERVE {
+            assert_eq!(conn.send(attach()), Ok(()));
+        }
+        // Control has used its reserve too: the gateway stopped reading, the link closes.
+        assert_eq!(conn.send(attach()), Err(LinkGone::Stalled));
         assert!(conn.stalled.is_cancelled());
+        // Once the writer drained the queue, data flows again and the streak ends.
+        while rx.try_recv().is_ok() {}
+        assert_eq!(conn.full_for(), None);
+        assert_eq!(conn.send_data(input(5)), Ok(()));
+        drop(rx);
+        assert_eq!(conn.send_data(input(6)), Err(LinkGone::Closed));
     }
 
     #[test]

@@ -15,6 +15,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use crate::connlimit::Refusal;
 use crate::ProxyStats;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -61,6 +62,10 @@ impl Flow {
 pub(crate) struct Metrics {
     pub connections: Gauge,
     pub connections_accepted: Counter,
+    refused_total: Counter,
+    refused_address: Counter,
+    /// RTT reports not sent because the gateway link's outbox was full (they are advisory).
+    pub rtt_reports_dropped: Counter,
     /// Sessions moved to another gateway after their gateway's link broke.
     pub sessions_moved: Counter,
     pub client_in: Flow,
@@ -91,8 +96,8 @@ pub(crate) struct Metrics {
 /// Every reason the proxy loses a client input it read and did not rate-limit
 /// (`inputs_lost_total{reason}`).
 pub const INPUT_LOSS_REASONS: [&str; 3] = [
-    // The gateway link's outbox was full (the link is torn down).
-    "link_stalled",
+    // The gateway link's outbox was full: the input was dropped, the link and session kept.
+    "link_full",
     // The gateway link had closed, or closed with the input still in its outbox.
     "link_closed",
     // The session ended while the rest of the client's frame was unread.
@@ -102,7 +107,7 @@ pub const INPUT_LOSS_REASONS: [&str; 3] = [
 /// Why the proxy lost an input (see [`INPUT_LOSS_REASONS`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum InputLoss {
-    LinkStalled = 0,
+    LinkFull = 0,
     LinkClosed = 1,
     SessionEnded = 2,
 }
@@ -125,6 +130,19 @@ impl Metrics {
             "connections_accepted",
             "Client connections accepted",
             connections_accepted.clone(),
+        );
+
+        let refused = Family::<LimitLabels, Counter>::default();
+        reg.register(
+            "connections_refused",
+            "Client connections refused by a connection limit (total or per address)",
+            refused.clone(),
+        );
+        let rtt_reports_dropped = Counter::default();
+        reg.register(
+            "rtt_reports_dropped",
+            "RTT reports not sent to the gateway because its link's outbox was full",
+            rtt_reports_dropped.clone(),
         );
 
         let sessions_moved = Counter::default();
@@ -218,6 +236,9 @@ impl Metrics {
         let metrics = Self {
             connections,
             connections_accepted,
+            refused_total: refused.get_or_create_owned(&LimitLabels { limit: "total" }),
+            refused_address: refused.get_or_create_owned(&LimitLabels { limit: "address" }),
+            rtt_reports_dropped,
             sessions_moved,
             client_in: flow("client", "in"),
             client_out: flow("client", "out"),
@@ -254,6 +275,13 @@ impl Metrics {
         let reason = reason.as_str_name();
         self.kicks.get_or_create(&ReasonLabels { reason }).inc();
         self.kicks_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn refused(&self, refusal: Refusal) {
+        match refusal {
+            Refusal::Total(_) => self.refused_total.inc(),
+            Refusal::Address(_) => self.refused_address.inc(),
+        };
     }
 
     pub(crate) fn dropped(&self, by_account: bool) {
@@ -311,6 +339,8 @@ impl Metrics {
             sessions: self.sessions.get().max(0) as u64,
             sessions_peak: self.sessions_peak.load(Ordering::Relaxed),
             sessions_moved: self.sessions_moved.get(),
+            connections_refused: self.refused_total.get() + self.refused_address.get(),
+            rtt_reports_dropped: self.rtt_reports_dropped.get(),
             inputs_accepted: self.inputs_accepted.get(),
             inputs_dropped: self.dropped_account.get() + self.dropped_address.get(),
             inputs_received: self.inputs_received.get(),
@@ -369,7 +399,8 @@ mod tests {
             "cellmesh_proxy_bytes_total{peer=\"client\",direction=\"in\"} 14",
             "cellmesh_proxy_rtt_ms_count 5",
             "cellmesh_proxy_inputs_lost_total{reason=\"link_closed\"} 3",
-            "cellmesh_proxy_inputs_lost_total{reason=\"link_stalled\"} 0",
+            "cellmesh_proxy_inputs_lost_total{reason=\"link_full\"} 0",
+            "cellmesh_proxy_connections_refused_total{limit=\"address\"} 0",
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }

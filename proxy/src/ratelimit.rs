@@ -1,6 +1,10 @@
 //! Input rate limits: one GCRA bucket per account and one per client address (`governor`), and a
 //! per-session flood meter that turns sustained excess into a kick.
 //!
+//! The address limit is a multiple of the account limit (`rate.address_accounts`): it bounds what
+//! one host can push through many accounts, while the players behind one carrier-grade NAT each
+//! keep their own account's rate. An IPv6 address counts by its /64, which one host owns whole.
+//!
 //! An input over either limit is dropped and counted, never queued: a queue would only delay the
 //! moment the client is told to slow down and let it buy latency for everyone behind it.
 
@@ -15,6 +19,7 @@ use governor::state::keyed::DashMapStateStore;
 use governor::{Quota, RateLimiter};
 
 use crate::config::RateConfig;
+use crate::connlimit::address_key;
 
 type Keyed<K, C> = RateLimiter<K, DashMapStateStore<K>, C, NoOpMiddleware<<C as Clock>::Instant>>;
 
@@ -50,7 +55,7 @@ impl<C: Clock + Clone> InputLimits<C> {
                 clock.clone(),
             ),
             address: RateLimiter::dashmap_with_clock(
-                quota(cfg.address_inputs_per_sec, cfg.address_burst),
+                quota(cfg.address_inputs_per_sec(), cfg.address_burst()),
                 clock,
             ),
         }
@@ -62,7 +67,7 @@ impl<C: Clock + Clone> InputLimits<C> {
         if self.account.check_key(account).is_err() {
             return Verdict::OverAccountRate;
         }
-        if self.address.check_key(&addr).is_err() {
+        if self.address.check_key(&address_key(addr)).is_err() {
             return Verdict::OverAddressRate;
         }
         Verdict::Accept
@@ -123,8 +128,7 @@ mod tests {
         RateConfig {
             account_inputs_per_sec: 10,
             account_burst: 20,
-            address_inputs_per_sec: 100,
-            address_burst: 30,
+            address_accounts: 2,
             flood_kick_drops: 5,
         }
     }
@@ -155,12 +159,30 @@ mod tests {
     fn address_limit_spans_accounts() {
         let limits = InputLimits::with_clock(&cfg(), FakeRelativeClock::default());
         let (a, b): (Arc<str>, Arc<str>) = ("a".into(), "b".into());
-        for _ in 0..15 {
+        // Two accounts' worth per address: both use their whole burst, a third finds none left.
+        for _ in 0..20 {
             assert_eq!(limits.check(&a, ip(1)), Verdict::Accept);
             assert_eq!(limits.check(&b, ip(1)), Verdict::Accept);
         }
         assert_eq!(limits.check(&"c".into(), ip(1)), Verdict::OverAddressRate);
         assert_eq!(limits.check(&"c".into(), ip(2)), Verdict::Accept);
+    }
+
+    #[test]
+    fn an_ipv6_host_is_limited_by_its_slash_64() {
+        let limits = InputLimits::with_clock(&cfg(), FakeRelativeClock::default());
+        let v6 = |last: u16| IpAddr::from([0x2001, 0xdb8, 0, 1, 0, 0, 0, last]);
+        // Forty accounts' bursts from forty addresses of one /64 share one address bucket.
+        let accepted = (0..40u16)
+            .filter(|i| limits.check(&format!("acct-{i}").into(), v6(*i)) == Verdict::Accept)
+            .count();
+        assert_eq!(accepted, 40, "one input each fits the /64's burst of 40");
+        assert_eq!(
+            limits.check(&"one-more".into(), v6(999)),
+            Verdict::OverAddressRate
+        );
+        let other_net = IpAddr::from([0x2001, 0xdb8, 0, 2, 0, 0, 0, 1]);
+        assert_eq!(limits.check(&"one-more".into(), other_net), Verdict::Accept);
     }
 
     #[test]

@@ -347,10 +347,10 @@ async fn shutdown_flips_readiness_then_kicks_then_stops() {
     let id = c.welcome.session_id;
     proxy.stop.cancel();
     let k = c.kick().await;
-    assert_eq!(reason(&k), KickReason::Shutdown);
+    assert_eq!(reason(&k), KickReason::Reconnect);
     assert!(!proxy.handle.admin.is_ready());
-    gw.wait_for("Detach{SHUTDOWN}", |r| {
-        r.iter().any(|b| matches!(b, Mesh::Detach(d) if d.session_id == id && d.kick_reason == KickReason::Shutdown as u32))
+    gw.wait_for("Detach{RECONNECT}", |r| {
+        r.iter().any(|b| matches!(b, Mesh::Detach(d) if d.session_id == id && d.kick_reason == KickReason::Reconnect as u32))
     })
     .await;
     let addr = proxy.addr();

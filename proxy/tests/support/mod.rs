@@ -57,6 +57,8 @@ struct GatewayInner {
     epoch: AtomicU64,
     next_link: AtomicU64,
     drop_links: Mutex<CancellationToken>,
+    /// False while the gateway stops reading its links (a stalled sidecar).
+    reading: tokio::sync::watch::Sender<bool>,
 }
 
 impl TestGateway {
@@ -71,6 +73,7 @@ impl TestGateway {
             epoch: AtomicU64::new(0),
             next_link: AtomicU64::new(1),
             drop_links: Mutex::new(CancellationToken::new()),
+            reading: tokio::sync::watch::Sender::new(true),
         });
         let stop = CancellationToken::new();
         tokio::spawn({
@@ -142,6 +145,15 @@ impl TestGateway {
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    /// Stops reading every link (writing and beating go on) until [`Self::resume_reading`].
+    pub fn pause_reading(&self) {
+        self.inner.reading.send_replace(false);
+    }
+
+    pub fn resume_reading(&self) {
+        self.inner.reading.send_replace(true);
     }
 
     /// Closes every open link (the proxy is expected to redial).
@@ -247,15 +259,28 @@ async fn serve_link(
             }
         }
     });
+    let mut reading = inner.reading.subscribe();
     loop {
-        let frame = tokio::select! {
+        let paused = tokio::select! {
             _ = drop.cancelled() => break,
             _ = stop.cancelled() => break,
-            f = reader.next() => match f { Some(Ok(f)) => f, _ => break },
+            _ = reading.wait_for(|r| !*r) => true,
+            f = reader.next() => match f {
+                Some(Ok(frame)) => {
+                    for body in frame.messages.into_iter().filter_map(|m| m.body) {
+                        handle(&inner, link, &tx, body);
+                    }
+                    false
+                }
+                _ => break,
+            },
         };
-        for m in frame.messages {
-            let Some(body) = m.body else { continue };
-            handle(&inner, link, &tx, body);
+        if paused {
+            tokio::select! {
+                _ = drop.cancelled() => break,
+                _ = stop.cancelled() => break,
+                _ = reading.wait_for(|r| *r) => {}
+            }
         }
     }
     inner.links.lock().unwrap().remove(&link);
@@ -328,6 +353,9 @@ pub fn config(gateways: &[&TestGateway]) -> ProxyConfig {
         admin_listen: "127.0.0.1:0".into(),
         gateways: gateways.iter().map(|g| g.addr.to_string()).collect(),
         token_secret: SECRET.into(),
+        // Tests that drain say so; the rest stop at once.
+        drain_grace_ms: 0,
+        drain_spread_ms: 0,
         ..ProxyConfig::default()
     }
 }
