@@ -168,6 +168,9 @@ export CELLMESH_TEST_REDIS_URL="redis://127.0.0.1:$redis_port"
 export CELLMESH_TEST_MONGO_URL="mongodb://127.0.0.1:$mongo_port"
 export CELLMESH_TEST_PYTHON="$venv/bin/python"
 export RUST_BACKTRACE=1
+# The fuzz targets (wire codecs, token and cookie parsers, config overlay, command line) run this
+# many seconds each; a plain `cargo test` gives them one.
+export CELLMESH_FUZZ_SECONDS="${CELLMESH_FUZZ_SECONDS:-10}"
 # A one-off build gains nothing from incremental state, which would only take disk.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 

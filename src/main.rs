@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use cellmesh::{bots, signal, up};
-use clap::{Parser, Subcommand};
+use cellmesh_proxy::config::DEFAULT_TOKEN_SECRET;
+use clap::{Args, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
@@ -23,33 +24,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run a local cluster in this process: sidecar + arena game, proxy and bots, with live status.
-    Up {
-        /// Number of bots playing through the proxy.
-        #[arg(long, default_value_t = 50)]
-        bots: usize,
-        /// NPCs the arena spawns.
-        #[arg(long, default_value_t = 100)]
-        npcs: u32,
-        /// Nodes (sidecar + arena each) sharing the world on a grid; 4 makes a 2×2 grid.
-        #[arg(long, default_value_t = 4)]
-        nodes: usize,
-        /// Stop after this many seconds (default: run until Ctrl-C).
-        #[arg(long)]
-        duration: Option<f64>,
-        /// Write a JSON summary here on exit.
-        #[arg(long)]
-        summary_json: Option<PathBuf>,
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// Every SECS seconds kill a random node (its sidecar and game, all state lost) and
-        /// start a fresh one under its id; the summary gains the restore figures.
-        #[arg(long, value_name = "SECS")]
-        chaos: Option<f64>,
-        /// With --chaos: restart each killed node in place, keeping its state dir, so that it
-        /// takes its node id over at once instead of waiting out the lease.
-        #[arg(long, requires = "chaos")]
-        chaos_in_place: bool,
-    },
+    Up(UpArgs),
     /// Run a sidecar beside a game server.
     Sidecar {
         /// TOML config file; every key can be overridden by CELLMESH_* variables.
@@ -70,12 +45,8 @@ enum Command {
     Token {
         #[arg(long)]
         account: String,
-        #[arg(
-            long,
-            env = "CELLMESH_TOKEN_SECRET",
-            default_value = "dev-secret-change-me"
-        )]
-        secret: String,
+        #[command(flatten)]
+        secret: SecretArg,
         /// Validity in seconds.
         #[arg(long, default_value_t = 3600)]
         ttl: u64,
@@ -88,20 +59,132 @@ enum Command {
     /// time, with faults; every invariant checked after every step.
     Sim(cellmesh::sim_cli::SimArgs),
     /// Run bots against a running proxy.
-    Bots {
-        #[arg(long, default_value = "127.0.0.1:7300")]
-        proxy: String,
-        #[arg(long, default_value_t = 10)]
-        count: usize,
-        #[arg(
-            long,
-            env = "CELLMESH_TOKEN_SECRET",
-            default_value = "dev-secret-change-me"
-        )]
-        secret: String,
-        #[arg(long)]
-        duration: Option<f64>,
-    },
+    Bots(BotsArgs),
+}
+
+/// `--secret`: the proxies' token secret, never shown by `--help` when it comes from the
+/// environment.
+#[derive(Args, Debug)]
+struct SecretArg {
+    #[arg(
+        long,
+        env = "CELLMESH_TOKEN_SECRET",
+        default_value = DEFAULT_TOKEN_SECRET,
+        hide_env_values = true
+    )]
+    secret: String,
+}
+
+#[derive(Args, Debug)]
+struct UpArgs {
+    /// Number of bots playing through the proxy.
+    #[arg(long, default_value_t = 50)]
+    bots: usize,
+    /// NPCs the arena spawns.
+    #[arg(long, default_value_t = 100)]
+    npcs: u32,
+    /// Nodes (sidecar + arena each) sharing the world on a grid; 4 makes a 2×2 grid.
+    #[arg(long, default_value_t = 4)]
+    nodes: usize,
+    /// Stop after this many seconds (default: run until Ctrl-C).
+    #[arg(long, value_name = "SECS", value_parser = seconds, allow_negative_numbers = true)]
+    duration: Option<Duration>,
+    /// Write a JSON summary here on exit.
+    #[arg(long)]
+    summary_json: Option<PathBuf>,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Every SECS seconds (at least 1) kill a random node (its sidecar and game, all state lost)
+    /// and start a fresh one under its id; the summary gains the restore figures.
+    #[arg(long, value_name = "SECS", value_parser = chaos_seconds, allow_negative_numbers = true)]
+    chaos: Option<Duration>,
+    /// With --chaos: restart each killed node in place, keeping its state dir, so that it
+    /// takes its node id over at once instead of waiting out the lease.
+    #[arg(long, requires = "chaos")]
+    chaos_in_place: bool,
+}
+
+impl UpArgs {
+    fn options(self) -> up::UpOptions {
+        up::UpOptions {
+            bots: self.bots,
+            npcs: self.npcs,
+            nodes: self.nodes,
+            duration: self.duration,
+            summary_json: self.summary_json,
+            seed: self.seed,
+            status: true,
+            chaos: self.chaos,
+            chaos_in_place: self.chaos_in_place,
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+struct BotsArgs {
+    #[arg(long, default_value = "127.0.0.1:7300")]
+    proxy: String,
+    #[arg(long, default_value_t = 10)]
+    count: usize,
+    #[command(flatten)]
+    secret: SecretArg,
+    /// Stop after this many seconds (default: run until Ctrl-C).
+    #[arg(long, value_name = "SECS", value_parser = seconds, allow_negative_numbers = true)]
+    duration: Option<Duration>,
+}
+
+impl BotsArgs {
+    fn config(&self) -> bots::BotConfig {
+        bots::BotConfig {
+            proxy: self.proxy.clone(),
+            secret: self.secret.secret.clone(),
+            ..bots::BotConfig::default()
+        }
+    }
+}
+
+/// The longest a seconds flag may ask for: a year. More is a typo, and far more than the clocks
+/// can add.
+const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
+
+/// A seconds flag: a number of seconds from 0 to [`MAX_SECONDS`], fractions allowed (clap names
+/// the flag in the error).
+fn seconds(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("expected a number of seconds such as 30 or 0.5, got `{s}`"))?;
+    if !(0.0..=MAX_SECONDS).contains(&secs) {
+        return Err(format!(
+            "expected seconds from 0 to {MAX_SECONDS} (a year), got `{s}`"
+        ));
+    }
+    Duration::try_from_secs_f64(secs).map_err(|e| e.to_string())
+}
+
+/// `--chaos`: [`seconds`], at least one (nodes need time to come up between kills).
+fn chaos_seconds(s: &str) -> Result<Duration, String> {
+    let every = seconds(s)?;
+    if every < Duration::from_secs(1) {
+        return Err(format!("expected at least 1 second, got `{s}`"));
+    }
+    Ok(every)
+}
+
+/// When a token signed at `now` (Unix seconds) for `ttl` seconds expires.
+fn token_expiry(now: u64, ttl: u64) -> anyhow::Result<u64> {
+    now.checked_add(ttl)
+        .with_context(|| format!("--ttl {ttl} runs past the end of time"))
+}
+
+/// The proxy's configuration as `--print-config` shows it: the token secret hidden, unless it is
+/// the public default, left for whoever kept it to see.
+fn proxy_config_shown(cfg: &cellmesh_proxy::ProxyConfig) -> cellmesh_proxy::ProxyConfig {
+    let mut shown = cfg.clone();
+    if shown.token_secret != DEFAULT_TOKEN_SECRET {
+        shown.token_secret = "***".into();
+    }
+    shown
 }
 
 fn init_tracing(default: &str) {
@@ -129,31 +212,9 @@ fn report_listening(line: std::fmt::Arguments) {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Up {
-            bots,
-            npcs,
-            nodes,
-            duration,
-            summary_json,
-            seed,
-            chaos,
-            chaos_in_place,
-        } => {
+        Command::Up(args) => {
             init_tracing("warn");
-            if let Some(c) = chaos {
-                anyhow::ensure!(c >= 1.0, "--chaos must be at least 1 second");
-            }
-            let opts = up::UpOptions {
-                bots,
-                npcs,
-                nodes,
-                duration: duration.map(Duration::from_secs_f64),
-                summary_json,
-                seed,
-                status: true,
-                chaos: chaos.map(Duration::from_secs_f64),
-                chaos_in_place,
-            };
+            let opts = args.options();
             let s = up::run(opts, signal::shutdown()).await?;
             println!(
                 "summary: {:.1}s, sessions peak {}, inputs {}/{} delivered ({:.1}%), {} updates delivered, rtt p50 {:.2} ms p99 {:.2} ms, errors {}",
@@ -199,7 +260,7 @@ async fn main() -> anyhow::Result<()> {
             let cfg: cellmesh_sidecar::SidecarConfig =
                 cellmesh_admin::config::load(config.as_deref())?;
             if print_config {
-                print!("{}", toml::to_string_pretty(&cfg)?);
+                print!("{}", toml::to_string_pretty(&cfg.redacted())?);
                 return Ok(());
             }
             let stores = cellmesh_geo_router::store::Stores::open(
@@ -250,7 +311,7 @@ async fn main() -> anyhow::Result<()> {
             init_tracing("info");
             let cfg: cellmesh_proxy::ProxyConfig = cellmesh_admin::config::load(config.as_deref())?;
             if print_config {
-                print!("{}", toml::to_string_pretty(&cfg)?);
+                print!("{}", toml::to_string_pretty(&proxy_config_shown(&cfg))?);
                 return Ok(());
             }
             let stop = CancellationToken::new();
@@ -261,9 +322,19 @@ async fn main() -> anyhow::Result<()> {
                 handle.client_addr, handle.admin_addr
             ));
             signal::shutdown().await;
-            tracing::info!("shutting down");
+            tracing::info!("draining; a second signal stops at once");
             stop.cancel();
-            handle.wait().await;
+            let now = handle.stopper();
+            let drained = handle.wait();
+            tokio::pin!(drained);
+            tokio::select! {
+                _ = &mut drained => {}
+                _ = signal::shutdown() => {
+                    tracing::warn!("stopping before the drain finished");
+                    now.cancel();
+                    drained.await;
+                }
+            }
         }
         Command::Partition(args) => cellmesh::partition_cli::run(args).await?,
         Command::Geo(args) => cellmesh::geo_cli::run(args)?,
@@ -278,21 +349,17 @@ async fn main() -> anyhow::Result<()> {
                 .as_secs();
             println!(
                 "{}",
-                cellmesh_proto::token::sign(secret.as_bytes(), &account, now + ttl)
+                cellmesh_proto::token::sign(
+                    secret.secret.as_bytes(),
+                    &account,
+                    token_expiry(now, ttl)?
+                )
             );
         }
-        Command::Bots {
-            proxy,
-            count,
-            secret,
-            duration,
-        } => {
+        Command::Bots(args) => {
             init_tracing("warn");
-            let cfg = Arc::new(bots::BotConfig {
-                proxy,
-                secret,
-                ..bots::BotConfig::default()
-            });
+            let cfg = Arc::new(args.config());
+            let (count, duration) = (args.count, args.duration);
             let stats = Arc::new(bots::BotStats::default());
             let stop = CancellationToken::new();
             let tasks: Vec<_> = (0..count)
@@ -307,7 +374,7 @@ async fn main() -> anyhow::Result<()> {
                 .collect();
             match duration {
                 Some(d) => {
-                    tokio::select! { _ = signal::shutdown() => {}, _ = tokio::time::sleep(Duration::from_secs_f64(d)) => {} }
+                    tokio::select! { _ = signal::shutdown() => {}, _ = tokio::time::sleep(d) => {} }
                 }
                 None => signal::shutdown().await,
             }
@@ -319,4 +386,249 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn seconds_are_finite_not_negative_and_at_most_a_year() {
+        assert_eq!(seconds("1.5"), Ok(Duration::from_millis(1500)));
+        assert_eq!(seconds("0"), Ok(Duration::ZERO));
+        assert_eq!(seconds("31536000"), Ok(Duration::from_secs(31_536_000)));
+        for bad in [
+            "-1",
+            "-0.001",
+            "NaN",
+            "nan",
+            "inf",
+            "-inf",
+            "1e300",
+            "31536000.5",
+            "",
+            "1s",
+            "ü",
+        ] {
+            assert!(seconds(bad).is_err(), "{bad:?} was taken");
+        }
+        assert_eq!(chaos_seconds("1"), Ok(Duration::from_secs(1)));
+        assert!(chaos_seconds("0.5").is_err());
+    }
+
+    #[test]
+    fn a_negative_duration_is_a_usage_error_naming_the_flag() {
+        for argv in [
+            ["cellmesh", "up", "--duration", "-1"],
+            ["cellmesh", "up", "--chaos", "-1"],
+            ["cellmesh", "bots", "--duration", "-1"],
+        ] {
+            let err = Cli::try_parse_from(argv).err().expect("refused");
+            assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation);
+            assert!(err.to_string().contains(argv[2]), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_token_expiry_past_the_end_of_time_is_an_error() {
+        assert_eq!(token_expiry(10, 5).unwrap(), 15);
+        assert!(token_expiry(10, u64::MAX).is_err());
+    }
+
+    #[test]
+    fn the_proxy_secret_is_hidden_unless_it_is_the_public_default() {
+        let cfg = cellmesh_proxy::ProxyConfig::default();
+        assert_eq!(proxy_config_shown(&cfg).token_secret, DEFAULT_TOKEN_SECRET);
+        let cfg = cellmesh_proxy::ProxyConfig {
+            token_secret: "s3cret".into(),
+            ..cfg
+        };
+        assert_eq!(proxy_config_shown(&cfg).token_secret, "***");
+    }
+
+    /// A subcommand path (`partition plan` is two words), the flags it takes and those it needs.
+    struct Cmd {
+        path: Vec<String>,
+        flags: Vec<String>,
+        required: Vec<String>,
+    }
+
+    fn commands() -> Vec<Cmd> {
+        fn walk(cmd: &clap::Command, path: &mut Vec<String>, out: &mut Vec<Cmd>) {
+            let long = |a: &clap::Arg| a.get_long().map(|l| format!("--{l}"));
+            out.push(Cmd {
+                path: path.clone(),
+                flags: cmd.get_arguments().filter_map(long).collect(),
+                required: cmd
+                    .get_arguments()
+                    .filter(|a| a.is_required_set())
+                    .filter_map(long)
+                    .collect(),
+            });
+            for sub in cmd.get_subcommands() {
+                path.push(sub.get_name().to_string());
+                walk(sub, path, out);
+                path.pop();
+            }
+        }
+        let mut out = Vec::new();
+        walk(&Cli::command(), &mut Vec::new(), &mut out);
+        out
+    }
+
+    const VALUES: &[&str] = &[
+        "",
+        " ",
+        "0",
+        "1",
+        "-1",
+        "-0",
+        "0.5",
+        "1.5",
+        "-0.5",
+        "NaN",
+        "nan",
+        "-nan",
+        "inf",
+        "-inf",
+        "infinity",
+        "1e308",
+        "1e309",
+        "-1e309",
+        "1e-320",
+        "31536000",
+        "31536001",
+        "18446744073709551615",
+        "18446744073709551616",
+        "-9223372036854775808",
+        "4294967295",
+        "4294967296",
+        "1x1",
+        "0x0",
+        "16x16",
+        "4294967295x4294967295",
+        "1,2,3",
+        "1,,2",
+        ",",
+        "1×1",
+        "grid",
+        "bsp",
+        "memory",
+        "mongodb://u:p@h/db",
+        "a.toml",
+        "--",
+        "-",
+        "--help",
+        "-h",
+        "--version",
+        "ü",
+        "🦀",
+        "\u{202e}",
+        "٣",
+        "1_000",
+        "0x10",
+        "+5",
+    ];
+
+    fn random_value(rng: &mut StdRng) -> String {
+        match rng.random_range(0..7) {
+            0 => rng.random::<f64>().to_string(),
+            1 => f64::from_bits(rng.random()).to_string(),
+            2 => rng.random::<i64>().to_string(),
+            3 => rng.random::<u64>().to_string(),
+            4 => (0..rng.random_range(0..8))
+                .map(|_| char::from_u32(rng.random_range(0..0x11_0000)).unwrap_or('x'))
+                .collect(),
+            _ => VALUES[rng.random_range(0..VALUES.len())].to_string(),
+        }
+    }
+
+    fn random_argv(rng: &mut StdRng, commands: &[Cmd]) -> Vec<String> {
+        let mut argv = vec!["cellmesh".to_string()];
+        let cmd = &commands[rng.random_range(0..commands.len())];
+        argv.extend(cmd.path.iter().cloned());
+        // Mostly with what the command needs, to get past the first refusal.
+        if rng.random_bool(0.7) {
+            for flag in &cmd.required {
+                argv.push(flag.clone());
+                argv.push(random_value(rng));
+            }
+        }
+        let all_flags: Vec<&String> = commands.iter().flat_map(|c| &c.flags).collect();
+        for _ in 0..rng.random_range(0..6) {
+            match rng.random_range(0..10) {
+                // A flag of this command, mostly with a value, sometimes joined by `=`.
+                0..=5 if !cmd.flags.is_empty() => {
+                    let flag = &cmd.flags[rng.random_range(0..cmd.flags.len())];
+                    match rng.random_range(0..5) {
+                        0 => argv.push(flag.clone()),
+                        1 => argv.push(format!("{flag}={}", random_value(rng))),
+                        _ => argv.extend([flag.clone(), random_value(rng)]),
+                    }
+                }
+                6 => argv.push(all_flags[rng.random_range(0..all_flags.len())].clone()),
+                _ => argv.push(random_value(rng)),
+            }
+        }
+        argv
+    }
+
+    /// What `main` does with a parsed command before it runs anything.
+    fn convert(command: Command) {
+        match command {
+            Command::Up(args) => {
+                let _ = args.options();
+            }
+            Command::Bots(args) => {
+                let _ = (args.config(), args.duration);
+            }
+            Command::Token { ttl, .. } => {
+                let _ = token_expiry(u64::MAX / 2, ttl);
+            }
+            _ => {}
+        }
+    }
+
+    /// Arbitrary argument vectors are parsed, and the commands converted, without a panic.
+    /// `CELLMESH_FUZZ_SECONDS=S` runs for S seconds instead of a fixed number of cases;
+    /// `CELLMESH_FUZZ_SEED=N` replays a seed.
+    #[test]
+    fn arbitrary_command_lines_never_panic() {
+        let commands = commands();
+        let seed = std::env::var("CELLMESH_FUZZ_SEED")
+            .ok()
+            .map(|s| s.parse().expect("CELLMESH_FUZZ_SEED is a u64"))
+            .unwrap_or_else(rand::random::<u64>);
+        let deadline = std::env::var("CELLMESH_FUZZ_SECONDS").ok().map(|s| {
+            let secs: f64 = s.parse().expect("CELLMESH_FUZZ_SECONDS is seconds");
+            std::time::Instant::now() + Duration::try_from_secs_f64(secs).expect("seconds")
+        });
+        eprintln!("command line fuzz: CELLMESH_FUZZ_SEED={seed}");
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut cases = 0u64;
+        while deadline.map_or(cases < 5_000, |d| std::time::Instant::now() < d) {
+            let argv = random_argv(&mut rng, &commands);
+            let shown = argv.clone();
+            let run = std::panic::catch_unwind(move || match Cli::try_parse_from(argv) {
+                Ok(cli) => convert(cli.command),
+                Err(e) => {
+                    let _ = e.render().to_string();
+                }
+            });
+            assert!(
+                run.is_ok(),
+                "CELLMESH_FUZZ_SEED={seed}, case {cases}: {shown:?} panicked"
+            );
+            cases += 1;
+        }
+        eprintln!("command line fuzz: {cases} cases");
+    }
 }

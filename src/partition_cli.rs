@@ -15,6 +15,10 @@ use serde_json::json;
 
 /// Widest region table printed; larger grids are listed per node only (or in `--json`).
 const MAX_TABLE_COLS: u32 = 32;
+/// Most regions a plan may have.
+const MAX_REGIONS: i64 = 1 << 20;
+/// Most chunks on a side of the world a plan may have.
+const MAX_CHUNKS_PER_SIDE: i64 = 1 << 24;
 /// Side of the owner map printed for a BSP, in samples.
 const MAP_SAMPLES: i64 = 16;
 
@@ -63,11 +67,11 @@ pub struct PlanArgs {
     pub kind: Kind,
     /// World size in metres, `W` or `WxH` (default: the committed partition's world, else the
     /// default 131072 m square).
-    #[arg(long, value_parser = parse_world)]
+    #[arg(long, value_parser = parse_world, allow_negative_numbers = true)]
     pub world: Option<(f64, f64)>,
-    #[arg(long)]
+    #[arg(long, value_parser = parse_metres, allow_negative_numbers = true)]
     pub chunk_size: Option<f64>,
-    #[arg(long)]
+    #[arg(long, value_parser = parse_metres, allow_negative_numbers = true)]
     pub region_size: Option<f64>,
     /// Write the plan as the next epoch, unless someone committed since it was read.
     #[arg(long)]
@@ -91,10 +95,36 @@ fn parse_grid(s: &str) -> Result<(u32, u32), String> {
 
 fn parse_world(s: &str) -> Result<(f64, f64), String> {
     let bad = || format!("expected metres as W or WxH such as 131072x65536, got `{s}`");
-    let side = |v: &str| v.trim().parse::<f64>().map_err(|_| bad());
+    let side = |v: &str| {
+        v.trim()
+            .parse::<f64>()
+            .map_err(|_| bad())
+            .and_then(in_range)
+    };
     match s.split_once(['x', 'X', '×']) {
         Some((w, h)) => Ok((side(w)?, side(h)?)),
         None => side(s).map(|w| (w, w)),
+    }
+}
+
+/// Longest length a flag takes, in metres: more is a typo.
+const MAX_METRES: f64 = 1e9;
+
+fn parse_metres(s: &str) -> Result<f64, String> {
+    s.trim()
+        .parse::<f64>()
+        .map_err(|_| format!("expected metres such as 32 or 8192, got `{s}`"))
+        .and_then(in_range)
+}
+
+/// Refuses lengths that are not a number of metres above 0 and at most [`MAX_METRES`].
+fn in_range(metres: f64) -> Result<f64, String> {
+    if metres > 0.0 && metres <= MAX_METRES {
+        Ok(metres)
+    } else {
+        Err(format!(
+            "expected metres above 0 and at most {MAX_METRES}, got {metres}"
+        ))
     }
 }
 
@@ -169,6 +199,15 @@ fn build_plan(current: Option<&Partition>, args: &PlanArgs) -> anyhow::Result<Pa
         shape.region_size = region;
     }
     shape.validate().context("world")?;
+    // Areas are counted in chunks, in i64: a world of tiny chunks would overflow them.
+    if shape.chunks_x().max(shape.chunks_y()) > MAX_CHUNKS_PER_SIDE {
+        bail!(
+            "a world of {}×{} chunks is more than the {MAX_CHUNKS_PER_SIDE} a side may have: \
+             take larger chunks (--chunk-size) or a smaller world (--world)",
+            shape.chunks_x(),
+            shape.chunks_y()
+        );
+    }
     if let Some(c) = current.filter(|c| c.shape() != &shape) {
         bail!(
             "the committed partition (epoch {}) is for a {} world; a plan keeps the world (this \
@@ -178,9 +217,18 @@ fn build_plan(current: Option<&Partition>, args: &PlanArgs) -> anyhow::Result<Pa
             describe_world(&shape)
         );
     }
-    let (cols, rows) = args
-        .grid
-        .unwrap_or((shape.regions_x() as u32, shape.regions_y() as u32));
+    let (cols, rows) = args.grid.map_or_else(
+        || (shape.regions_x(), shape.regions_y()),
+        |(c, r)| (c.into(), r.into()),
+    );
+    // The region table is built whole: a world of tiny regions would not fit in memory.
+    if cols.saturating_mul(rows) > MAX_REGIONS {
+        bail!(
+            "a grid of {cols}×{rows} regions is more than the {MAX_REGIONS} a plan may have: \
+             take larger regions (--region-size) or fewer (--grid)"
+        );
+    }
+    let (cols, rows) = (u32::try_from(cols)?, u32::try_from(rows)?);
     let grid = || match &args.table {
         Some(table) => Grid::new(&shape, cols, rows, table.clone()),
         None => Grid::even(&shape, cols, rows, &args.nodes),
@@ -560,6 +608,23 @@ mod tests {
             (Some((4, 2)), vec![1, 2, 3], Kind::Bsp, true)
         );
         assert_eq!(parse_world("1024x512"), Ok((1024.0, 512.0)));
+        for bad in ["-1", "0", "NaN", "inf", "1e10", "1024x-512", "1024xnan"] {
+            assert!(parse_world(bad).is_err(), "{bad}");
+        }
+        for bad in ["-32", "0", "nan", "-inf", "1e300", ""] {
+            assert!(parse_metres(bad).is_err(), "{bad}");
+        }
+        let negative = [
+            "cellmesh",
+            "partition",
+            "plan",
+            "--nodes",
+            "1",
+            "--chunk-size",
+            "-32",
+        ];
+        let err = Cli::try_parse_from(negative).err().expect("refused");
+        assert!(err.to_string().contains("--chunk-size"), "{err}");
         assert!(parse_grid("4by2").unwrap_err().contains("COLSxROWS"));
         let no_nodes = Cli::try_parse_from(["cellmesh", "partition", "plan", "--grid", "2x2"]);
         assert!(no_nodes.is_err());
@@ -641,6 +706,23 @@ mod tests {
             .await
             .unwrap_err();
         assert!(format!("{e:#}").contains("world width"), "{e:#}");
+        for (too_many, what) in [
+            ("--grid 4294967295x4294967295", "regions is more than"),
+            ("--chunk-size 1 --region-size 1", "regions is more than"),
+            (
+                "--world 1e9 --chunk-size 1 --region-size 1",
+                "chunks is more than",
+            ),
+            (
+                "--world 1e9 --chunk-size 0.001 --region-size 1",
+                "chunks is more than",
+            ),
+        ] {
+            let e = exec(&store, &format!("partition plan --nodes 1 {too_many}"))
+                .await
+                .unwrap_err();
+            assert!(format!("{e:#}").contains(what), "{e:#}");
+        }
         exec(
             &store,
             &format!("partition plan --nodes 1 {SMALL} --commit"),

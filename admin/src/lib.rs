@@ -6,9 +6,11 @@
 //! - `GET /state`: a JSON view of the process's state.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -110,19 +112,10 @@ pub async fn serve(
     admin: Arc<Admin>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    loop {
-        let (stream, peer) = tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
-            r = listener.accept() => match r {
-                Ok(x) => x,
-                Err(e) => {
-                    tracing::warn!(error = %e, "admin accept failed");
-                    continue;
-                }
-            },
-        };
+    let conns = shutdown.clone();
+    accept_loop(|| listener.accept(), &shutdown, |stream, peer| {
         let admin = admin.clone();
-        let shutdown = shutdown.clone();
+        let shutdown = conns.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
                 let resp = admin.respond(&req);
@@ -135,6 +128,79 @@ pub async fn serve(
                 _ = shutdown.cancelled() => {}
             }
         });
+    })
+    .await;
+    Ok(())
+}
+
+/// The pause after a failed accept; each failure in a row doubles it, up to the longest.
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
+/// The longest pause between tries of a failing accept.
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// Hands what `accept` accepts to `handle` until `shutdown` is cancelled. An accept that fails
+/// (out of file descriptors or buffers: it fails again at once) pauses the loop, longer each time
+/// in a row, instead of spinning; the streak is logged once, when it starts and when it ends.
+async fn accept_loop<S, A, F>(
+    mut accept: A,
+    shutdown: &CancellationToken,
+    mut handle: impl FnMut(S, SocketAddr),
+) where
+    A: FnMut() -> F,
+    F: Future<Output = std::io::Result<(S, SocketAddr)>>,
+{
+    let mut backoff = Backoff::default();
+    loop {
+        let accepted = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = accept() => r,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                if let Some(failures) = backoff.reset() {
+                    tracing::info!(failures, "admin accepting again");
+                }
+                handle(stream, peer);
+            }
+            Err(e) => {
+                let (pause, first) = backoff.fail();
+                if first {
+                    tracing::warn!(error = %e, "admin accept failing; retrying with backoff");
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(pause) => {}
+                }
+            }
+        }
+    }
+}
+
+/// The pause after each failure of a streak.
+#[derive(Debug, Default)]
+struct Backoff {
+    failures: u32,
+    next: Duration,
+}
+
+impl Backoff {
+    /// Counts a failure; returns the pause before the next try and whether it starts a streak.
+    fn fail(&mut self) -> (Duration, bool) {
+        self.failures = self.failures.saturating_add(1);
+        let pause = if self.failures == 1 {
+            ACCEPT_BACKOFF_MIN
+        } else {
+            (self.next * 2).min(ACCEPT_BACKOFF_MAX)
+        };
+        self.next = pause;
+        (pause, self.failures == 1)
+    }
+
+    /// Ends the streak, if any; returns how many failures it had.
+    fn reset(&mut self) -> Option<u32> {
+        let failures = std::mem::take(&mut self.failures);
+        self.next = Duration::ZERO;
+        (failures > 0).then_some(failures)
     }
 }
 
@@ -207,5 +273,56 @@ mod tests {
         );
         assert_eq!(http_get(addr, "/nope").await.unwrap().0, 404);
         stop.cancel();
+    }
+
+    /// An accept that fails as it does out of file descriptors, and how many times it was tried;
+    /// past `cap` tries it stops the loop, so that a spinning loop fails the test instead of
+    /// hanging it.
+    fn failing_accept<'a>(
+        tries: &'a std::cell::Cell<u32>,
+        cap: u32,
+        stop: &CancellationToken,
+    ) -> impl FnMut() -> std::future::Ready<std::io::Result<((), SocketAddr)>> + 'a {
+        let stop = stop.clone();
+        move || {
+            tries.set(tries.get() + 1);
+            if tries.get() >= cap {
+                stop.cancel();
+            }
+            std::future::ready(Err(std::io::Error::from_raw_os_error(24)))
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_accept_is_retried_with_backoff_not_in_a_spin() {
+        let stop = CancellationToken::new();
+        let tries = std::cell::Cell::new(0);
+        let timer = stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            timer.cancel();
+        });
+        accept_loop(failing_accept(&tries, 10_000, &stop), &stop, |(), _| {}).await;
+        // 10, 20, … 640 ms, then 1 s each: 11 tries in 5 s.
+        assert!(
+            (5..=20).contains(&tries.get()),
+            "{} accepts in 5 s",
+            tries.get()
+        );
+    }
+
+    #[test]
+    fn the_backoff_doubles_to_its_cap_and_restarts_after_a_success() {
+        let mut b = Backoff::default();
+        let ms = |(d, first): (Duration, bool)| (d.as_millis(), first);
+        assert_eq!(ms(b.fail()), (10, true));
+        assert_eq!(ms(b.fail()), (20, false));
+        for _ in 0..10 {
+            b.fail();
+        }
+        assert_eq!(ms(b.fail()), (1000, false));
+        assert_eq!(b.reset(), Some(13));
+        assert_eq!(b.reset(), None);
+        assert_eq!(ms(b.fail()), (10, true));
     }
 }

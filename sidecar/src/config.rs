@@ -81,6 +81,17 @@ impl SidecarConfig {
     pub fn reach_chunks(&self) -> i64 {
         i64::from(self.handoff_margin_chunks) + 2
     }
+
+    /// This configuration as it may be shown: the stores' URLs without their passwords.
+    pub fn redacted(&self) -> Self {
+        use cellmesh_geo_router::store::redact_url;
+        Self {
+            directory_url: redact_url(&self.directory_url),
+            players_url: redact_url(&self.players_url),
+            topology_url: redact_url(&self.topology_url),
+            ..self.clone()
+        }
+    }
 }
 
 impl Default for SidecarConfig {

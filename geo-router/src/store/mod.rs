@@ -32,7 +32,7 @@ pub enum StoreError {
 }
 
 /// `url` as it may appear in logs and errors: the password, if any, replaced by `***`.
-pub(crate) fn redact_url(url: &str) -> String {
+pub fn redact_url(url: &str) -> String {
     let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
         return url.to_string();
     };
@@ -236,5 +236,28 @@ mod tests {
         assert_eq!(redact_url("mongodb://app@h/db"), "mongodb://app@h/db");
         assert_eq!(redact_url("mongodb://h/db?x=a@b"), "mongodb://h/db?x=a@b");
         assert_eq!(redact_url("memory"), "memory");
+    }
+
+    #[test]
+    fn user_only_and_option_carrying_urls_are_redacted_right() {
+        assert_eq!(
+            redact_url("mongodb://app:pw@h1:27017,h2:27017/db?replicaSet=rs0&authSource=admin"),
+            "mongodb://app:***@h1:27017,h2:27017/db?replicaSet=rs0&authSource=admin"
+        );
+        assert_eq!(
+            redact_url("mongodb+srv://app:pw@cluster0.example.net/db?retryWrites=true&w=majority"),
+            "mongodb+srv://app:***@cluster0.example.net/db?retryWrites=true&w=majority"
+        );
+        assert_eq!(
+            redact_url("mongodb://app:pw@h/db?x=a@b"),
+            "mongodb://app:***@h/db?x=a@b"
+        );
+        assert_eq!(
+            redact_url("rediss://default:pw@h:6380/0"),
+            "rediss://default:***@h:6380/0"
+        );
+        assert_eq!(redact_url("redis://app@h:1"), "redis://app@h:1");
+        assert_eq!(redact_url("redis://:@h:1"), "redis://:***@h:1");
+        assert_eq!(redact_url(""), "");
     }
 }
