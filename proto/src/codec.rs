@@ -53,6 +53,8 @@ pub struct RawFrame(pub Bytes);
 #[derive(Debug)]
 pub struct FrameCodec<D> {
     max_frame: usize,
+    /// Body length of the frame decoded last, so a reader can count bytes without walking it.
+    last_frame_len: usize,
     _decodes: PhantomData<fn() -> D>,
 }
 
@@ -72,8 +74,14 @@ impl<D> FrameCodec<D> {
     pub fn with_max(max_frame: usize) -> Self {
         Self {
             max_frame,
+            last_frame_len: 0,
             _decodes: PhantomData,
         }
+    }
+
+    /// The body length of the frame [`Decoder::decode`] returned last.
+    pub fn last_frame_len(&self) -> usize {
+        self.last_frame_len
     }
 
     pub fn max_frame(&self) -> usize {
@@ -112,6 +120,7 @@ impl<D: Message + Default> Decoder for FrameCodec<D> {
             return Ok(None);
         }
         src.advance(HEADER);
+        self.last_frame_len = len;
         let body = src.split_to(len).freeze();
         D::decode(body)
             .map(Some)
@@ -200,9 +209,11 @@ mod tests {
     #[test]
     fn round_trip() {
         let mut buf = frame_bytes(&sample());
-        let got = FrameCodec::<GameFrame>::default().decode(&mut buf).unwrap();
+        let mut codec = FrameCodec::<GameFrame>::default();
+        let got = codec.decode(&mut buf).unwrap();
         assert_eq!(got, Some(sample()));
         assert!(buf.is_empty());
+        assert_eq!(codec.last_frame_len(), sample().encoded_len());
     }
 
     #[test]

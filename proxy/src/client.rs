@@ -42,6 +42,8 @@ const WRITE_BATCH: usize = 64;
 const MAX_MOVES: u32 = 16;
 /// How often a session whose gateway link broke looks for another link that is up.
 const MOVE_POLL: Duration = Duration::from_millis(100);
+/// Shortest period of the idleness check (a quarter of the idle timeout otherwise).
+const IDLE_CHECK_MIN: Duration = Duration::from_millis(10);
 
 /// What a frame of another protocol looks like: its messages use another field number, so it
 /// decodes as a `ClientFrame` with none.
@@ -354,8 +356,13 @@ impl Client {
         let mut ping_timer =
             tokio::time::interval_at(Instant::now() + cfg.ping_interval(), cfg.ping_interval());
         ping_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        let idle = tokio::time::sleep(cfg.idle_timeout());
-        tokio::pin!(idle);
+        // Idleness is a timestamp checked on a tick: re-arming a timer on every frame read would
+        // cost a timer-wheel update per input.
+        let idle_check_every = (cfg.idle_timeout() / 4).max(IDLE_CHECK_MIN);
+        let mut idle_check =
+            tokio::time::interval_at(Instant::now() + idle_check_every, idle_check_every);
+        idle_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut last_heard = Instant::now();
         // Unbiased: a gateway that always has output must not starve the client's input.
         loop {
             tokio::select! {
@@ -383,7 +390,7 @@ impl Client {
                     None => return Err(self.route_dropped(s)),
                 },
                 r = self.reader.next() => {
-                    idle.as_mut().reset(Instant::now() + cfg.idle_timeout());
+                    last_heard = Instant::now();
                     let frame = self.received(r)?;
                     if frame.messages.is_empty() {
                         return Err(malformed(format!("expected ClientMessage, got {EMPTY_FRAME}")));
@@ -396,8 +403,10 @@ impl Client {
                     pings.sent(nonce, std::time::Instant::now());
                     self.send(server_message::Body::Ping(Ping { nonce })).await?;
                 }
-                _ = &mut idle => {
-                    return Err(kick(KickReason::Idle, format!("no message for {} ms", cfg.idle_timeout_ms)));
+                _ = idle_check.tick() => {
+                    if last_heard.elapsed() >= cfg.idle_timeout() {
+                        return Err(kick(KickReason::Idle, format!("no message for {} ms", cfg.idle_timeout_ms)));
+                    }
                 }
             }
         }
@@ -486,7 +495,7 @@ impl Client {
             }
             Some(Body::Pong(p)) => {
                 if let Some(rtt) = pings.pong(p.nonce, std::time::Instant::now()) {
-                    shared.metrics.rtt(rtt);
+                    shared.metrics.rtt(self.id, rtt);
                     if let Some(sum) = pings.summary() {
                         info.set_rtt(sum);
                         let rtt = SessionRtt {
@@ -530,7 +539,9 @@ impl Client {
         let metrics = &self.shared.metrics;
         match read {
             Some(Ok(frame)) => {
-                metrics.client_in.frame(prost::Message::encoded_len(&frame));
+                metrics
+                    .client_in
+                    .frame(self.reader.decoder().last_frame_len());
                 Ok(frame)
             }
             Some(Err(FrameError::Io(e))) => {

@@ -18,7 +18,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{anyhow, bail, Context};
-use cellmesh_proto::codec::FrameCodec;
+use bytes::{Bytes, BytesMut};
+use cellmesh_proto::codec::{FrameCodec, RawFrame};
 use cellmesh_proto::edge::{Kick, KickReason};
 use cellmesh_proto::mesh::{
     mesh_message::Body, Heartbeat, LinkHello, MeshFrame, MeshMessage, PeerRole, ProtocolVersion,
@@ -49,6 +50,8 @@ const WRITE_BATCH: usize = 256;
 pub(crate) const CONTROL_RESERVE: usize = 1024;
 /// How often a link checks whether its outbox has been full for too long.
 const STALL_CHECK_EVERY: Duration = Duration::from_millis(100);
+/// How often a link checks whether the gateway has gone silent.
+const SILENCE_CHECK_EVERY: Duration = Duration::from_millis(250);
 
 /// Delay before redial `attempt` (0-based): doubling from 100 ms, capped at 5 s.
 pub(crate) fn backoff(attempt: u32) -> Duration {
@@ -474,63 +477,118 @@ async fn write_loop(
 ) -> anyhow::Result<()> {
     let mut beat = tokio::time::interval(HEARTBEAT_EVERY);
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut batch = FrameBatch::new(shared.cfg.max_frame_bytes);
     loop {
         tokio::select! {
             biased;
             _ = stop.cancelled() => {
                 // Client tasks have ended by now; their last `Detach`es are still queued.
                 while let Ok(m) = outbox.try_recv() {
-                    feed(&mut writer, m, written, shared).await?;
+                    batch.push(m)?;
                 }
+                write(&mut writer, &mut batch, written, shared).await?;
                 let _ = tokio::time::timeout(HEARTBEAT_EVERY, SinkExt::<MeshFrame>::close(&mut writer)).await;
                 return Ok(());
             }
             m = outbox.recv() => {
                 let Some(m) = m else { return Ok(()) };
-                feed(&mut writer, m, written, shared).await?;
+                batch.push(m)?;
                 for _ in 1..WRITE_BATCH {
                     match outbox.try_recv() {
-                        Ok(m) => feed(&mut writer, m, written, shared).await?,
+                        Ok(m) => batch.push(m)?,
                         Err(_) => break,
                     }
                 }
-                flush(&mut writer, shared).await?;
+                write(&mut writer, &mut batch, written, shared).await?;
             }
             _ = beat.tick() => {
-                feed(&mut writer, Body::Heartbeat(Heartbeat { sent_unix_ms: unix_ms() }).into(), written, shared).await?;
-                flush(&mut writer, shared).await?;
+                batch.push(Body::Heartbeat(Heartbeat { sent_unix_ms: unix_ms() }).into())?;
+                write(&mut writer, &mut batch, written, shared).await?;
             }
         }
     }
 }
 
-async fn feed(
+/// Messages bound for the gateway, encoded once, straight into `MeshFrame` bodies: as many per
+/// frame as fit under the maximum, so a burst costs a few frames, not one each.
+struct FrameBatch {
+    max: usize,
+    open: BytesMut,
+    full: Vec<Bytes>,
+    inputs: u64,
+}
+
+impl FrameBatch {
+    fn new(max: usize) -> Self {
+        Self {
+            max,
+            open: BytesMut::new(),
+            full: Vec::new(),
+            inputs: 0,
+        }
+    }
+
+    /// Appends `m` to the open frame; starts a new frame when it would not fit.
+    fn push(&mut self, m: MeshMessage) -> anyhow::Result<()> {
+        self.inputs += u64::from(matches!(m.body, Some(Body::Input(_))));
+        let mark = self.open.len();
+        // A `MeshFrame` body is its messages, each under field `messages`: encoding them one
+        // after another is encoding the frame.
+        prost::encoding::message::encode(MESH_FRAME_MESSAGES, &m, &mut self.open);
+        if self.open.len() > self.max {
+            if mark == 0 {
+                let len = self.open.len();
+                self.open.clear();
+                bail!(
+                    "a message of {len} bytes exceeds max_frame_bytes {}",
+                    self.max
+                );
+            }
+            let last = self.open.split_off(mark);
+            self.full
+                .push(std::mem::replace(&mut self.open, last).freeze());
+        }
+        Ok(())
+    }
+
+    /// The frames to write, the open one closed, and how many inputs they carry.
+    fn take(&mut self) -> (Vec<Bytes>, u64) {
+        if !self.open.is_empty() {
+            let open = self.open.split().freeze();
+            self.full.push(open);
+        }
+        (
+            std::mem::take(&mut self.full),
+            std::mem::take(&mut self.inputs),
+        )
+    }
+}
+
+/// `MeshFrame.messages`' field number.
+const MESH_FRAME_MESSAGES: u32 = 5;
+
+/// Writes the batch's frames and flushes, under one stall deadline: a write the gateway does not
+/// take within `link_stall_ms` ends the link (its socket buffers are full, so it stopped reading).
+/// `written` counts the inputs handed to the socket (a batch that fails part way counts whole:
+/// some of it may have gone out).
+async fn write(
     writer: &mut LinkWriter,
-    m: MeshMessage,
+    batch: &mut FrameBatch,
     written: &mut u64,
     shared: &Shared,
 ) -> anyhow::Result<()> {
-    if matches!(m.body, Some(Body::Input(_))) {
-        *written += 1;
-        shared.metrics.inputs_written.inc();
-    }
-    let frame = MeshFrame { messages: vec![m] };
-    shared.metrics.link_out.frame(frame.encoded_len());
-    unstalled(shared, writer.feed(frame)).await
-}
-
-async fn flush(writer: &mut LinkWriter, shared: &Shared) -> anyhow::Result<()> {
-    unstalled(shared, SinkExt::<MeshFrame>::flush(writer)).await
-}
-
-/// A write the gateway does not take within `link_stall_ms` ends the link: its socket buffers
-/// are full, so it has stopped reading.
-async fn unstalled(
-    shared: &Shared,
-    write: impl std::future::Future<Output = Result<(), cellmesh_proto::codec::FrameError>>,
-) -> anyhow::Result<()> {
+    let (frames, inputs) = batch.take();
+    *written += inputs;
+    shared.metrics.inputs_written.inc_by(inputs);
+    let io = async {
+        for f in frames {
+            shared.metrics.link_out.frame(f.len());
+            writer.feed(RawFrame(f)).await?;
+        }
+        SinkExt::<RawFrame>::flush(writer).await
+    };
     let stall = shared.cfg.link_stall();
-    match tokio::time::timeout(stall, write).await {
+    match tokio::time::timeout(stall, io).await {
         Ok(r) => r.context("writing to the gateway"),
         Err(_) => {
             shared.metrics.error("link_write_stalled");
@@ -549,17 +607,33 @@ fn unix_ms() -> u64 {
 }
 
 async fn read_loop(mut reader: LinkReader, conn: &LinkConn, shared: &Shared) -> anyhow::Result<()> {
+    // Silence is a timestamp checked on a tick, not a timer re-armed for every frame.
+    let mut silence_check = tokio::time::interval(SILENCE_CHECK_EVERY);
+    silence_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut last_heard = Instant::now();
     loop {
-        let frame = match tokio::time::timeout(LINK_SILENCE, reader.next()).await {
-            Err(_) => bail!("gateway silent for {} s", LINK_SILENCE.as_secs()),
-            Ok(None) => bail!("gateway closed the link"),
-            Ok(Some(Err(e))) => {
+        let read = tokio::select! {
+            r = reader.next() => r,
+            _ = silence_check.tick() => {
+                if last_heard.elapsed() >= LINK_SILENCE {
+                    bail!("gateway silent for {} s", LINK_SILENCE.as_secs());
+                }
+                continue;
+            }
+        };
+        last_heard = Instant::now();
+        let frame = match read {
+            None => bail!("gateway closed the link"),
+            Some(Err(e)) => {
                 shared.metrics.error(e.kind());
                 return Err(e).context("reading from the gateway");
             }
-            Ok(Some(Ok(frame))) => frame,
+            Some(Ok(frame)) => frame,
         };
-        shared.metrics.link_in.frame(frame.encoded_len());
+        shared
+            .metrics
+            .link_in
+            .frame(reader.decoder().last_frame_len());
         if frame.messages.is_empty() {
             unexpected(
                 shared,
@@ -721,6 +795,57 @@ mod tests {
         assert_eq!(conn.send_data(input(5)), Ok(()));
         drop(rx);
         assert_eq!(conn.send_data(input(6)), Err(LinkGone::Closed));
+    }
+
+    #[test]
+    fn a_batch_packs_messages_into_frames_under_the_maximum_in_order() {
+        use tokio_util::codec::Decoder;
+        let mut batch = FrameBatch::new(100);
+        for seq in 0..10 {
+            let body = Body::Input(cellmesh_proto::mesh::SessionInput {
+                session_id: 1,
+                seq,
+                payload: vec![seq as u8; 20].into(),
+            });
+            batch.push(body.into()).unwrap();
+        }
+        batch
+            .push(Body::Heartbeat(Heartbeat { sent_unix_ms: 5 }).into())
+            .unwrap();
+        let (frames, inputs) = batch.take();
+        assert_eq!(inputs, 10);
+        assert!(
+            frames.len() > 1 && frames.len() < 11,
+            "{} frames",
+            frames.len()
+        );
+        let mut seqs = Vec::new();
+        for f in &frames {
+            assert!(f.len() <= 100, "{}", f.len());
+            let mut buf = BytesMut::new();
+            buf.extend_from_slice(&(f.len() as u32).to_be_bytes());
+            buf.extend_from_slice(f);
+            let frame = FrameCodec::<MeshFrame>::with_max(100)
+                .decode(&mut buf)
+                .unwrap()
+                .unwrap();
+            for m in frame.messages {
+                match m.body {
+                    Some(Body::Input(i)) => seqs.push(i.seq),
+                    Some(Body::Heartbeat(h)) => assert_eq!(h.sent_unix_ms, 5),
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        assert_eq!(seqs, (0..10).collect::<Vec<_>>());
+        assert_eq!(batch.take(), (vec![], 0), "taking empties the batch");
+
+        let mut small = FrameBatch::new(10);
+        let big = Body::Input(cellmesh_proto::mesh::SessionInput {
+            payload: vec![0; 50].into(),
+            ..Default::default()
+        });
+        assert!(small.push(big.into()).is_err());
     }
 
     #[test]

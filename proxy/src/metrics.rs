@@ -89,7 +89,9 @@ pub(crate) struct Metrics {
     kicks: Family<ReasonLabels, Counter>,
     kicks_total: AtomicU64,
     rtt_ms: Histogram,
-    rtt: Mutex<hdrhistogram::Histogram<u64>>,
+    /// Exact RTT quantiles for [`ProxyStats`], sharded by connection so that pongs of different
+    /// clients do not queue on one lock; merged when read.
+    rtt: [Mutex<hdrhistogram::Histogram<u64>>; RTT_SHARDS],
     link_up: Family<GatewayLabels, Gauge>,
 }
 
@@ -114,6 +116,12 @@ pub(crate) enum InputLoss {
 
 /// Highest RTT the summary histogram tracks, in microseconds (one minute).
 const RTT_MAX_US: u64 = 60_000_000;
+const RTT_SHARDS: usize = 16;
+
+fn rtt_histogram() -> hdrhistogram::Histogram<u64> {
+    hdrhistogram::Histogram::new_with_bounds(1, RTT_MAX_US, 3)
+        .expect("static histogram bounds are valid")
+}
 
 impl Metrics {
     /// The metrics and the registry that exposes them.
@@ -258,10 +266,7 @@ impl Metrics {
             kicks,
             kicks_total: AtomicU64::new(0),
             rtt_ms,
-            rtt: Mutex::new(
-                hdrhistogram::Histogram::new_with_bounds(1, RTT_MAX_US, 3)
-                    .expect("static histogram bounds are valid"),
-            ),
+            rtt: std::array::from_fn(|_| Mutex::new(rtt_histogram())),
             link_up,
         };
         (metrics, reg)
@@ -308,10 +313,11 @@ impl Metrics {
         self.sessions.dec();
     }
 
-    pub(crate) fn rtt(&self, rtt: Duration) {
+    /// Records one RTT measured on connection `connection`.
+    pub(crate) fn rtt(&self, connection: u64, rtt: Duration) {
         self.rtt_ms.observe(rtt.as_secs_f64() * 1000.0);
         let us = (rtt.as_micros() as u64).clamp(1, RTT_MAX_US);
-        self.rtt
+        self.rtt[connection as usize % RTT_SHARDS]
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .saturating_record(us);
@@ -327,7 +333,11 @@ impl Metrics {
 
     pub(crate) fn stats(&self) -> ProxyStats {
         let (rtt_ms_p50, rtt_ms_p99, rtt_samples) = {
-            let h = self.rtt.lock().unwrap_or_else(|p| p.into_inner());
+            let mut h = rtt_histogram();
+            for shard in &self.rtt {
+                let shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+                h.add(&*shard).expect("shards share their bounds");
+            }
             let ms = |q| h.value_at_quantile(q) as f64 / 1000.0;
             if h.is_empty() {
                 (0.0, 0.0, 0)
@@ -375,8 +385,8 @@ mod tests {
         m.dropped(true);
         m.dropped(false);
         m.kick(KickReason::Flood);
-        for ms in [10, 20, 30, 40, 1000] {
-            m.rtt(Duration::from_millis(ms));
+        for (connection, ms) in [10, 20, 30, 40, 1000].into_iter().enumerate() {
+            m.rtt(connection as u64, Duration::from_millis(ms));
         }
         m.client_in.frame(10);
         m.lost(InputLoss::LinkClosed, 3);
