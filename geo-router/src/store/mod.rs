@@ -201,14 +201,14 @@ impl Stores {
                     let redis = Arc::new(redis::RedisDirectory::connect(u, geo).await?);
                     (redis.clone(), redis)
                 }
-                other => return Err(StoreError::BadUrl(other.to_string())),
+                other => return Err(StoreError::BadUrl(redact_url(other))),
             };
         let players: Arc<dyn PlayerRecords> = match players_url {
             "memory" | "" => Arc::new(memory::MemoryPlayers::default()),
             u if u.starts_with("mongodb://") || u.starts_with("mongodb+srv://") => {
                 Arc::new(mongo::MongoPlayers::connect(u).await?)
             }
-            other => return Err(StoreError::BadUrl(other.to_string())),
+            other => return Err(StoreError::BadUrl(redact_url(other))),
         };
         Ok(Self {
             directory,
@@ -220,7 +220,25 @@ impl Stores {
 
 #[cfg(test)]
 mod tests {
-    use super::redact_url;
+    use super::{redact_url, StoreError, Stores};
+
+    #[tokio::test]
+    async fn a_url_of_no_known_scheme_is_refused_without_its_password() {
+        for (directory, players) in [
+            ("reddis://:s3cret@h:1", "memory"),
+            ("memory", "mongo://u:s3cret@h/db"),
+        ] {
+            let Err(err) = Stores::open(directory, players, "local").await else {
+                panic!("{directory} {players} opened");
+            };
+            assert!(matches!(err, StoreError::BadUrl(_)), "{err}");
+            let shown = err.to_string();
+            assert!(
+                !shown.contains("s3cret") && shown.contains("***"),
+                "{shown}"
+            );
+        }
+    }
 
     #[test]
     fn redacted_urls_keep_everything_but_the_password() {
