@@ -2,28 +2,10 @@
 //! 256-leaf BSP of the same regions (O(depth), depth 8). Both allocate nothing per lookup.
 use std::hint::black_box;
 
-use cellmesh_geo_router::geometry::{Pos, WorldShape};
+use cellmesh_benches::positions;
+use cellmesh_geo_router::geometry::WorldShape;
 use cellmesh_geo_router::partition::{Bsp, Grid, Layout, NodeId, Partition};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-
-/// Positions spread over the world, as the sidecar keeps them (one outside it costs a float
-/// remainder per axis more).
-fn positions(shape: &WorldShape, n: usize) -> Vec<Pos> {
-    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
-    let mut next = move || {
-        // xorshift64*: deterministic, no dependency.
-        state ^= state >> 12;
-        state ^= state << 25;
-        state ^= state >> 27;
-        (state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
-    };
-    (0..n)
-        .map(|_| Pos {
-            x: next() * shape.width,
-            y: next() * shape.height,
-        })
-        .collect()
-}
 
 fn owner_of(c: &mut Criterion) {
     let shape = WorldShape::default();
@@ -33,7 +15,9 @@ fn owner_of(c: &mut Criterion) {
     assert_eq!(bsp.leaf_count(), 256);
     let grid = Partition::new(shape, 1, Layout::Grid(grid)).unwrap();
     let bsp = Partition::new(shape, 1, Layout::Bsp(bsp)).unwrap();
-    let points = positions(&shape, 1024);
+    // Spread over the world, as the sidecar keeps them (one outside it costs a float remainder
+    // per axis more).
+    let points = positions(&shape, 1024, 0x9e37_79b9_7f4a_7c15);
 
     let mut g = c.benchmark_group("owner_of");
     g.throughput(Throughput::Elements(points.len() as u64));
