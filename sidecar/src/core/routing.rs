@@ -96,7 +96,14 @@ impl Core {
             };
             let mut views = route::account_views(e, changes.get(&id).unwrap_or(&no_change));
             let held_by = newly_held.get(&id);
-            for (account, view) in route::account_views(e, &whole) {
+            // The whole entity's views matter only to a client that newly sees it.
+            let owed_whole = held_by.is_some() || !newly_attached.is_empty();
+            let whole_views = if owed_whole {
+                route::account_views(e, &whole)
+            } else {
+                Default::default()
+            };
+            for (account, view) in whole_views {
                 let fresh = newly_attached.contains(&account)
                     || match self.target(&account) {
                         Target::Remote { gateway, .. } => {
