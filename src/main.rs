@@ -280,12 +280,14 @@ async fn main() -> anyhow::Result<()> {
                 cellmesh_sidecar::start_in(cfg, stores, topology, stop.clone()).await?
             };
             tracing::info!(local = %handle.local_addr, mesh = %handle.mesh_addr, admin = %handle.admin_addr, "sidecar running");
+            // Listening for signals before saying so: whoever read the line may signal at once.
+            let interrupted = signal::shutdown();
             report_listening(format_args!(
                 "cellmesh sidecar listening local={} mesh={} admin={}",
                 handle.local_addr, handle.mesh_addr, handle.admin_addr
             ));
             tokio::select! {
-                _ = signal::shutdown() => {}
+                _ = interrupted => {}
                 _ = stop.cancelled() => {}
             }
             if let Some(why) = handle.failure() {
@@ -317,11 +319,13 @@ async fn main() -> anyhow::Result<()> {
             let stop = CancellationToken::new();
             let handle = cellmesh_proxy::start(cfg, stop.clone()).await?;
             tracing::info!(clients = %handle.client_addr, admin = %handle.admin_addr, "proxy running");
+            // Listening for signals before saying so: whoever read the line may signal at once.
+            let interrupted = signal::shutdown();
             report_listening(format_args!(
                 "cellmesh proxy listening clients={} admin={}",
                 handle.client_addr, handle.admin_addr
             ));
-            signal::shutdown().await;
+            interrupted.await;
             tracing::info!("draining; a second signal stops at once");
             stop.cancel();
             let now = handle.stopper();

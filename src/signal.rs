@@ -1,25 +1,36 @@
 //! Process signals: Ctrl-C and SIGTERM both mean "shut down gracefully".
 
-/// Completes on the first SIGINT or SIGTERM.
-pub async fn shutdown() {
+use std::future::Future;
+
+/// Listens for SIGINT and SIGTERM from this call on (not from the first poll: a signal that
+/// arrives before the future is awaited must not take the process down by its default action);
+/// the future completes on the first one.
+pub fn shutdown() -> impl Future<Output = ()> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
-        let mut term = match signal(SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM; Ctrl-C only");
-                let _ = tokio::signal::ctrl_c().await;
-                return;
+        let term = signal(SignalKind::terminate());
+        let int = signal(SignalKind::interrupt());
+        async move {
+            match (term, int) {
+                (Ok(mut term), Ok(mut int)) => {
+                    tokio::select! {
+                        _ = term.recv() => {}
+                        _ = int.recv() => {}
+                    }
+                }
+                (term, int) => {
+                    let e = term.err().or(int.err());
+                    tracing::warn!(error = ?e, "cannot listen for SIGTERM or SIGINT; Ctrl-C only");
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
-        };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
