@@ -17,14 +17,7 @@ use cellmesh_sidecar::model::handoff::{
 };
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
-const CHECKS: OfferChecks = OfferChecks {
-    owns_position: true,
-    lease_live: true,
-    partition_epoch_matches: true,
-    has_ghost: true,
-    draining: false,
-    game_connected: true,
-};
+const CHECKS: OfferChecks = OfferChecks::PASSING;
 
 /// The handoff state of one node.
 struct Node {

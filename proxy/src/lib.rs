@@ -204,6 +204,7 @@ impl Shared {
             .cloned()
             .collect();
         sessions.sort_by(|a, b| (&a.account, a.session_id).cmp(&(&b.account, b.session_id)));
+        let (open_connections, open_addresses) = self.connections.open();
         serde_json::json!({
             "proxy": {
                 "name": cfg.name,
@@ -229,8 +230,8 @@ impl Shared {
             "ready": self.admin.is_ready(),
             "draining": self.draining.load(Ordering::SeqCst),
             "connections": {
-                "open": self.connections.open().0,
-                "addresses": self.connections.open().1,
+                "open": open_connections,
+                "addresses": open_addresses,
             },
             "links": self.gateways.links().iter().map(|l| l.to_json()).collect::<Vec<_>>(),
             "sessions": sessions.iter().map(|s| s.to_json()).collect::<Vec<_>>(),

@@ -6,11 +6,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cellmesh_proto::codec::encode_body;
-use cellmesh_proto::edge::{server_message, Kick, KickReason, ServerFrame};
+use cellmesh_proto::codec::FrameCodec;
+use cellmesh_proto::edge::{server_message, ClientFrame, Kick, KickReason, ServerFrame};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
+use tokio_util::codec::Encoder;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -73,10 +74,14 @@ pub(crate) async fn run(
 /// Tells a refused client why, then closes without resetting the connection.
 async fn refuse(mut stream: TcpStream, refusal: Refusal) {
     let kick = Kick::new(KickReason::Overloaded, refusal.detail());
-    let body = encode_body(&ServerFrame::one(server_message::Body::Kick(kick)));
-    let mut frame = Vec::with_capacity(4 + body.len());
-    frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
-    frame.extend_from_slice(&body);
+    let mut frame = bytes::BytesMut::new();
+    let encoded = FrameCodec::<ClientFrame>::default().encode(
+        ServerFrame::one(server_message::Body::Kick(kick)),
+        &mut frame,
+    );
+    if encoded.is_err() {
+        return;
+    }
     let _ = tokio::time::timeout(REFUSAL_LINGER, async {
         stream.write_all(&frame).await?;
         stream.shutdown().await?;

@@ -124,7 +124,7 @@ async fn connections_past_a_limit_are_told_overloaded_and_the_place_comes_back()
 }
 
 #[tokio::test]
-async fn the_total_connection_limit_spans_addresses() {
+async fn the_total_connection_limit_counts_connections_of_every_state() {
     let gw = TestGateway::start(1).await;
     let proxy = TestProxy::start(ProxyConfig {
         max_connections: 2,

@@ -645,6 +645,18 @@ pub struct OfferChecks {
 }
 
 impl OfferChecks {
+    /// Every check an offer can pass passes (a target that accepts).
+    pub const PASSING: Self = Self {
+        owns_position: true,
+        lease_live: true,
+        partition_epoch_matches: true,
+        has_ghost: true,
+        draining: false,
+        game_connected: true,
+    };
+}
+
+impl OfferChecks {
     fn refusal(&self) -> Option<Refusal> {
         if self.draining {
             Some(Refusal::Draining)
@@ -1014,14 +1026,7 @@ mod tests {
     const C: NodeId = 3;
 
     fn ok() -> OfferChecks {
-        OfferChecks {
-            owns_position: true,
-            lease_live: true,
-            partition_epoch_matches: true,
-            has_ghost: true,
-            draining: false,
-            game_connected: true,
-        }
+        OfferChecks::PASSING
     }
 
     fn snap(s: &'static str) -> Bytes {
