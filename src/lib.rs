@@ -1,6 +1,7 @@
 //! The `cellmesh` command: one CLI for every process of the mesh, and `cellmesh up`, a whole local
 //! cluster in one process over real loopback sockets.
 
+pub mod bench_cli;
 pub mod bots;
 pub mod geo_cli;
 pub mod partition_cli;

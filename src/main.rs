@@ -60,6 +60,14 @@ enum Command {
     Sim(cellmesh::sim_cli::SimArgs),
     /// Run bots against a running proxy.
     Bots(BotsArgs),
+    /// Measure the mesh beside its baselines (hop, fanout, transport, edge, handoff, memory).
+    Bench(cellmesh::bench_cli::BenchArgs),
+    /// A minimal framed TCP forwarder: the baseline `bench` starts as processes.
+    #[command(hide = true)]
+    Forwarder {
+        #[arg(long)]
+        to: std::net::SocketAddr,
+    },
 }
 
 /// `--secret`: the proxies' token secret, never shown by `--help` when it comes from the
@@ -343,6 +351,11 @@ async fn main() -> anyhow::Result<()> {
         Command::Partition(args) => cellmesh::partition_cli::run(args).await?,
         Command::Geo(args) => cellmesh::geo_cli::run(args)?,
         Command::Sim(args) => cellmesh::sim_cli::run(args)?,
+        Command::Bench(args) => {
+            init_tracing("warn");
+            cellmesh::bench_cli::run(args).await?
+        }
+        Command::Forwarder { to } => cellmesh_benches::load::forwarder::run_process(to).await?,
         Command::Token {
             account,
             secret,

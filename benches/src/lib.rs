@@ -1,4 +1,7 @@
-//! Shared helpers for the benchmarks: deterministic inputs, so two runs measure the same work.
+//! The criterion micro-benchmarks' shared helpers (deterministic inputs, so two runs measure the
+//! same work), and in [`load`] the cluster load generator behind `cellmesh bench`.
+
+pub mod load;
 
 use bytes::Bytes;
 use cellmesh_geo_router::geometry::{Pos, WorldShape};

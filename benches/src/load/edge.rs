@@ -1,0 +1,9 @@
+//! `edge`: not measured yet.
+
+use serde_json::Value;
+
+use super::Options;
+
+pub async fn run(_opts: &Options) -> anyhow::Result<Value> {
+    anyhow::bail!("the edge scenario is not built yet")
+}

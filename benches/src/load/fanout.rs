@@ -1,0 +1,9 @@
+//! `fanout`: not measured yet.
+
+use serde_json::Value;
+
+use super::Options;
+
+pub async fn run(_opts: &Options) -> anyhow::Result<Value> {
+    anyhow::bail!("the fanout scenario is not built yet")
+}

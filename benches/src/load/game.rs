@@ -1,0 +1,418 @@
+//! A synthetic game server and synthetic clients: only what the mesh needs to carry their
+//! traffic, so the game's own cost does not hide the mesh's.
+//!
+//! Every update a game writes carries a stamp (nanoseconds on this process's clock, and a
+//! sequence number) in the first [`STAMP_LEN`] bytes of its public component; a client reads the
+//! stamp back to measure the update's latency through the mesh.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bytes::{BufMut, Bytes, BytesMut};
+use cellmesh_proto::client;
+use cellmesh_proto::edge::{client_message, server_message, Pong};
+use cellmesh_proto::local::{
+    game_message::Body, sidecar_message, Adopted, Audience, AudienceKind, CheckpointState,
+    Component, ReserveIds, Snapshot, Spawn, Update, Vec3,
+};
+use cellmesh_proto::sdk::{self, SdkConfig};
+use hdrhistogram::Histogram;
+use tokio_util::sync::CancellationToken;
+
+use super::report::nanos_histogram;
+
+/// Bytes of a stamp: send time in nanoseconds, then a sequence number.
+pub const STAMP_LEN: usize = 16;
+/// The component type every stamped update writes.
+pub const STAMPED: u32 = 1;
+
+/// Nanoseconds since the first call in this process: the one clock games and clients share.
+pub fn now_ns() -> u64 {
+    static ORIGIN: OnceLock<Instant> = OnceLock::new();
+    ORIGIN.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+/// A payload of `len` bytes (at least [`STAMP_LEN`]) stamped now with `seq`.
+pub fn stamped(len: usize, seq: u64) -> Bytes {
+    let mut b = BytesMut::with_capacity(len.max(STAMP_LEN));
+    b.put_u64_le(now_ns());
+    b.put_u64_le(seq);
+    b.resize(len.max(STAMP_LEN), 0);
+    b.freeze()
+}
+
+/// The stamp of a payload: `(sent_ns, seq)`.
+pub fn read_stamp(payload: &[u8]) -> Option<(u64, u64)> {
+    let ns = u64::from_le_bytes(payload.get(..8)?.try_into().ok()?);
+    let seq = u64::from_le_bytes(payload.get(8..16)?.try_into().ok()?);
+    Some((ns, seq))
+}
+
+/// NPCs walking to and fro along x at `speed` metres per tick, turning at `min_x` and `max_x`
+/// (so they cross a border between the two).
+#[derive(Debug, Clone, Copy)]
+pub struct Walk {
+    pub speed: f64,
+    pub min_x: f64,
+    pub max_x: f64,
+}
+
+impl Walk {
+    /// One step from `x` going `dir` (±1): the new x and direction.
+    fn step(self, x: f64, dir: f64) -> (f64, f64) {
+        let x = x + dir * self.speed;
+        if x >= self.max_x {
+            (self.max_x, -1.0)
+        } else if x <= self.min_x {
+            (self.min_x, 1.0)
+        } else {
+            (x, dir)
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct GameConfig {
+    /// The sidecar's local-protocol address (`host:port`).
+    pub sidecar: String,
+    pub tick_hz: u32,
+    /// NPCs spawned once ids arrive.
+    pub npcs: Vec<(f64, f64)>,
+    /// Bytes of the stamped public component of every entity (at least [`STAMP_LEN`]).
+    pub payload_bytes: usize,
+    /// Every tick, every NPC held and not frozen gets a freshly stamped component.
+    pub update_npcs: bool,
+    pub walk: Option<Walk>,
+    /// Where the avatar of a joining player appears.
+    pub avatar_at: (f64, f64),
+}
+
+impl Default for GameConfig {
+    fn default() -> Self {
+        Self {
+            sidecar: String::new(),
+            tick_hz: 20,
+            npcs: Vec::new(),
+            payload_bytes: 32,
+            update_npcs: true,
+            walk: None,
+            avatar_at: (0.0, 0.0),
+        }
+    }
+}
+
+/// What a synthetic game did.
+#[derive(Debug, Default)]
+pub struct GameStats {
+    pub ticks: AtomicU64,
+    pub spawned: AtomicU64,
+    pub updates: AtomicU64,
+    pub snapshots: AtomicU64,
+    pub adopted: AtomicU64,
+    pub evicted: AtomicU64,
+    pub errors: AtomicU64,
+}
+
+struct Npc {
+    at: (f64, f64),
+    /// Which way it walks along x: ±1.
+    dir: f64,
+    frozen: bool,
+    epoch: u64,
+}
+
+/// Snapshot state: position and walking direction.
+fn encode_state(at: (f64, f64), dir: f64) -> Bytes {
+    let mut b = BytesMut::with_capacity(24);
+    b.put_f64_le(at.0);
+    b.put_f64_le(at.1);
+    b.put_f64_le(dir);
+    b.freeze()
+}
+
+fn decode_state(b: &[u8]) -> Option<((f64, f64), f64)> {
+    let f = |i: usize| Some(f64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?));
+    Some(((f(0)?, f(8)?), f(16)?))
+}
+
+fn vec3(at: (f64, f64)) -> Vec3 {
+    Vec3 {
+        x: at.0,
+        y: at.1,
+        z: 0.0,
+    }
+}
+
+fn public(payload: Bytes) -> Component {
+    Component {
+        r#type: STAMPED,
+        payload,
+        audience: Some(Audience {
+            kind: AudienceKind::PublicInRange as i32,
+            accounts: Vec::new(),
+        }),
+    }
+}
+
+/// Runs a synthetic game until `stop` or until its sidecar goes away.
+pub async fn run(
+    cfg: GameConfig,
+    stats: Arc<GameStats>,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
+    let mut sdk_cfg = SdkConfig::tcp(cfg.sidecar.clone(), "bench");
+    sdk_cfg.tick_rate_hz = cfg.tick_hz;
+    sdk_cfg.connect_deadline = Some(Duration::from_secs(10));
+    let (mut tx, mut rx, _welcome) = sdk::connect(sdk_cfg)
+        .await
+        .context("connecting the synthetic game")?;
+    let mut ids: Vec<u64> = Vec::new();
+    let mut to_spawn = cfg.npcs.clone();
+    let mut joining: Vec<(String, (f64, f64))> = Vec::new();
+    let mut npcs: HashMap<u64, Npc> = HashMap::new();
+    let mut avatars: HashMap<String, u64> = HashMap::new();
+    let want = cfg.npcs.len() as u32 + 64;
+    tx.push(Body::ReserveIds(ReserveIds {
+        request_id: 1,
+        count: want,
+    }));
+    tx.flush().await?;
+    let mut requested = true;
+    let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(cfg.tick_hz)));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (mut tick, mut seq) = (0u64, 0u64);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            msg = rx.next() => {
+                let Some(msg) = msg else { break };
+                let Some(body) = msg.context("reading from the sidecar")?.body else { continue };
+                use sidecar_message::Body as M;
+                match body {
+                    M::IdsReserved(r) => {
+                        ids.extend(r.ids);
+                        requested = false;
+                    }
+                    M::PlayerJoin(j) => {
+                        let at = j.last_position.map_or(cfg.avatar_at, |p| (p.x, p.y));
+                        if !avatars.contains_key(&j.account) {
+                            joining.push((j.account, at));
+                        }
+                    }
+                    M::PlayerLeave(l) => {
+                        if let Some(id) = avatars.remove(&l.account) {
+                            tx.push(Body::Despawn(cellmesh_proto::local::Despawn { entity_id: id }));
+                        }
+                    }
+                    M::Freeze(f) => {
+                        if let Some(n) = npcs.get_mut(&f.entity_id) {
+                            n.frozen = true;
+                            tx.push(Body::Snapshot(Snapshot {
+                                entity_id: f.entity_id,
+                                entity_epoch: f.entity_epoch,
+                                state: encode_state(n.at, n.dir),
+                            }));
+                            stats.snapshots.fetch_add(1, Relaxed);
+                        }
+                    }
+                    M::Thaw(t) => {
+                        if let Some(n) = npcs.get_mut(&t.entity_id) {
+                            n.frozen = false;
+                        }
+                    }
+                    M::Evict(e) => {
+                        if npcs.remove(&e.entity_id).is_some() {
+                            stats.evicted.fetch_add(1, Relaxed);
+                        }
+                    }
+                    M::Adopt(a) => {
+                        let (at, dir) = decode_state(&a.state).unwrap_or_else(|| {
+                            (a.position.as_ref().map_or((0.0, 0.0), |p| (p.x, p.y)), 1.0)
+                        });
+                        npcs.insert(a.entity_id, Npc { at, dir, frozen: false, epoch: a.entity_epoch });
+                        tx.push(Body::Adopted(Adopted { entity_id: a.entity_id, entity_epoch: a.entity_epoch }));
+                        stats.adopted.fetch_add(1, Relaxed);
+                    }
+                    M::Checkpoint(c) => {
+                        for id in c.entity_ids {
+                            if let Some(n) = npcs.get(&id) {
+                                tx.push(Body::CheckpointState(CheckpointState {
+                                    entity_id: id,
+                                    entity_epoch: n.epoch,
+                                    state: encode_state(n.at, n.dir),
+                                }));
+                            }
+                        }
+                    }
+                    M::Error(e) => {
+                        stats.errors.fetch_add(1, Relaxed);
+                        tracing::debug!(?e, "sidecar reported an error");
+                    }
+                    _ => {}
+                }
+            }
+            _ = ticker.tick() => {
+                tick += 1;
+                while !ids.is_empty() && (!to_spawn.is_empty() || !joining.is_empty()) {
+                    let id = ids.pop().expect("not empty");
+                    if let Some((account, at)) = joining.pop() {
+                        tx.push(Body::Spawn(Spawn {
+                            entity_id: id,
+                            position: Some(vec3(at)),
+                            components: vec![public(stamped(cfg.payload_bytes, 0))],
+                            owner_account: account.clone(),
+                            is_master: true,
+                            parent_id: 0,
+                        }));
+                        avatars.insert(account, id);
+                    } else if let Some(at) = to_spawn.pop() {
+                        tx.push(Body::Spawn(Spawn {
+                            entity_id: id,
+                            position: Some(vec3(at)),
+                            components: vec![public(stamped(cfg.payload_bytes, 0))],
+                            owner_account: String::new(),
+                            is_master: false,
+                            parent_id: 0,
+                        }));
+                        npcs.insert(id, Npc { at, dir: 1.0, frozen: false, epoch: 1 });
+                    }
+                    stats.spawned.fetch_add(1, Relaxed);
+                }
+                if ids.len() < 32 && !requested {
+                    tx.push(Body::ReserveIds(ReserveIds { request_id: tick, count: want }));
+                    requested = true;
+                }
+                if cfg.update_npcs {
+                    let mut n_updates = 0;
+                    for (&id, n) in npcs.iter_mut().filter(|(_, n)| !n.frozen) {
+                        let position = cfg.walk.map(|w| {
+                            (n.at.0, n.dir) = w.step(n.at.0, n.dir);
+                            vec3(n.at)
+                        });
+                        seq += 1;
+                        tx.push(Body::Update(Update {
+                            entity_id: id,
+                            position,
+                            changed: vec![public(stamped(cfg.payload_bytes, seq))],
+                            removed_types: Vec::new(),
+                        }));
+                        n_updates += 1;
+                    }
+                    stats.updates.fetch_add(n_updates, Relaxed);
+                }
+                stats.ticks.fetch_add(1, Relaxed);
+                tx.end_tick(tick).await.context("sending the tick")?;
+            }
+        }
+    }
+    let _ = tx.close().await;
+    Ok(())
+}
+
+/// What one synthetic client saw.
+#[derive(Debug)]
+pub struct Watched {
+    /// Latency of every stamped update received after the measurement began, in nanoseconds.
+    pub latency: Histogram<u64>,
+    pub updates: u64,
+    /// Entities that appeared in view.
+    pub appeared: u64,
+}
+
+/// Logs in with `token` through the proxy at `proxy`, answers pings, and records the latency of
+/// every stamped update from `measure_from_ns` on, until `stop`.
+pub async fn watch(
+    proxy: String,
+    token: String,
+    measure_from_ns: u64,
+    stop: CancellationToken,
+) -> anyhow::Result<Watched> {
+    let (mut tx, mut rx, _welcome) = client::login(&proxy, &token)
+        .await
+        .map_err(|e| anyhow::anyhow!("bench client login: {e}"))?;
+    let mut seen = Watched {
+        latency: nanos_histogram(),
+        updates: 0,
+        appeared: 0,
+    };
+    loop {
+        let msg = tokio::select! {
+            _ = stop.cancelled() => break,
+            m = rx.next() => m,
+        };
+        let Some(msg) = msg else {
+            anyhow::bail!("the proxy closed the bench client's connection")
+        };
+        let msg = msg.map_err(|e| anyhow::anyhow!("bench client: {e}"))?;
+        match msg.body {
+            Some(server_message::Body::Batch(b)) => {
+                let now = now_ns();
+                for d in b.deltas {
+                    if d.kind == cellmesh_proto::edge::DeltaKind::Appear as i32 {
+                        seen.appeared += 1;
+                        continue;
+                    }
+                    for c in d.components.iter().filter(|c| c.r#type == STAMPED) {
+                        let Some((sent, _)) = read_stamp(&c.payload) else {
+                            continue;
+                        };
+                        if sent >= measure_from_ns {
+                            seen.updates += 1;
+                            let _ = seen.latency.record(now.saturating_sub(sent).max(1));
+                        }
+                    }
+                }
+            }
+            Some(server_message::Body::Ping(p)) => {
+                tx.send(client_message::Body::Pong(Pong { nonce: p.nonce }))
+                    .await
+                    .map_err(|e| anyhow::anyhow!("bench client pong: {e}"))?;
+            }
+            Some(server_message::Body::Kick(k)) => anyhow::bail!("bench client kicked: {k:?}"),
+            _ => {}
+        }
+    }
+    let _ = tx.close().await;
+    Ok(seen)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stamp_reads_back_and_pads_to_the_payload_size() {
+        let before = now_ns();
+        let p = stamped(40, 7);
+        assert_eq!(p.len(), 40);
+        let (ns, seq) = read_stamp(&p).unwrap();
+        assert!(ns >= before && ns <= now_ns());
+        assert_eq!(seq, 7);
+        assert!(read_stamp(&p[..15]).is_none());
+        assert_eq!(stamped(3, 1).len(), STAMP_LEN);
+    }
+
+    #[test]
+    fn snapshot_state_round_trips() {
+        assert_eq!(
+            decode_state(&encode_state((1.5, -2.0), -1.0)),
+            Some(((1.5, -2.0), -1.0))
+        );
+        assert_eq!(decode_state(&[0; 23]), None);
+    }
+
+    #[test]
+    fn a_walk_turns_at_both_ends() {
+        let w = Walk {
+            speed: 2.0,
+            min_x: 0.0,
+            max_x: 5.0,
+        };
+        assert_eq!(w.step(4.0, 1.0), (5.0, -1.0));
+        assert_eq!(w.step(5.0, -1.0), (3.0, -1.0));
+        assert_eq!(w.step(1.0, -1.0), (0.0, 1.0));
+    }
+}

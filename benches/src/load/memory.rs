@@ -1,0 +1,9 @@
+//! `memory`: not measured yet.
+
+use serde_json::Value;
+
+use super::Options;
+
+pub async fn run(_opts: &Options) -> anyhow::Result<Value> {
+    anyhow::bail!("the memory scenario is not built yet")
+}

@@ -1,0 +1,9 @@
+//! `transport`: not measured yet.
+
+use serde_json::Value;
+
+use super::Options;
+
+pub async fn run(_opts: &Options) -> anyhow::Result<Value> {
+    anyhow::bail!("the transport scenario is not built yet")
+}
