@@ -12,7 +12,7 @@ use crate::model::audience::Audience;
 use std::collections::BTreeSet;
 
 use crate::model::checkpoints::Checkpoints;
-use crate::model::entities::{EntityError, EntityUpdate, NewEntity};
+use crate::model::entities::{merge_changes, EntityError, EntityUpdate, NewEntity};
 use crate::model::fold::{TickEvent, TickSend};
 use crate::model::ids::IdMinter;
 use cellmesh_geo_router::topology::Lease;
@@ -434,37 +434,80 @@ impl Core {
         // New entities are asked for in the tick they appear: until a checkpoint of them comes
         // back, a crash of the game would lose them.
         self.ask_for_checkpoints();
-        let changes = self.table.take_changes();
+        // Clients already got the ghosts' changes sent on arrival; the rest of the tick's work
+        // sees the whole tick.
+        let fresh = self.table.take_changes();
+        let changes = if self.gw.ghost_changes_sent.is_empty() {
+            None
+        } else {
+            let mut all = std::mem::take(&mut self.gw.ghost_changes_sent);
+            merge_changes(&mut all, &fresh);
+            Some(all)
+        };
+        let changes = changes.as_ref().unwrap_or(&fresh);
         let events = std::mem::take(&mut self.game.tick_events);
         let sends = std::mem::take(&mut self.game.tick_sends);
         // Other nodes first: public changes to subscribers, the rest to gateways by account.
-        self.replicate(&changes);
+        self.replicate(changes);
         self.replicate_events(&events);
-        let sends = self.route_tick(&changes, &events, sends);
-        self.send_anchors(&changes);
+        let sends = self.route_tick(changes, &events, sends);
+        self.send_anchors(changes);
         let budget = self.cfg.max_frame_bytes - TO_CLIENT_OVERHEAD;
         let out = self
             .gw
             .clients
-            .fold(tick, &self.table, &changes, &events, &sends, budget);
+            .fold(tick, &self.table, &fresh, &events, &sends, budget);
         self.settle_partition();
         self.update_subscriptions();
-        self.step_sim_ghosts(&changes, self.now.mono_ms);
-        self.check_handoffs(&changes);
-        self.metrics
-            .subscribers
-            .set(self.repl.subscribers.len() as i64);
+        self.step_sim_ghosts(changes, self.now.mono_ms);
+        self.check_handoffs(changes);
         self.metrics.ticks.inc();
         self.metrics.deltas_sent.inc_by(out.deltas);
         self.metrics.deltas_encoded.inc_by(out.deltas_encoded);
         self.metrics
             .drop_msg("unknown_account", out.unknown_accounts);
+        self.set_table_gauges();
+        self.send_to_clients(out.frames, budget);
+    }
+
+    /// The gauges of what the node holds: at every tick, and after every peer frame (which
+    /// subscribes, unsubscribes and writes ghosts between ticks).
+    pub(crate) fn set_table_gauges(&self) {
+        self.metrics
+            .subscribers
+            .set(self.repl.subscribers.len() as i64);
         let ghosts = self.table.ghost_count();
         self.metrics
             .entities
             .set(self.table.len().saturating_sub(ghosts) as i64);
         self.metrics.ghosts_render.set(ghosts as i64);
-        for (key, server_frame) in out.frames {
+    }
+
+    /// Render ghosts' changes reach the clients that see them as they arrive from their owner,
+    /// not at this node's next tick: a neighbour's update would otherwise wait up to a whole tick
+    /// here (every tick, with games ticking in phase). The changes stay for the tick's other
+    /// work, which sees them merged with the rest at its end.
+    pub(crate) fn send_ghost_changes(&mut self) {
+        if self.gw.clients.is_empty() {
+            return;
+        }
+        let changes = self.table.take_ghost_changes();
+        if changes.is_empty() {
+            return;
+        }
+        let budget = self.cfg.max_frame_bytes - TO_CLIENT_OVERHEAD;
+        let out =
+            self.gw
+                .clients
+                .fold(self.game.last_tick, &self.table, &changes, &[], &[], budget);
+        self.metrics.deltas_sent.inc_by(out.deltas);
+        self.metrics.deltas_encoded.inc_by(out.deltas_encoded);
+        self.send_to_clients(out.frames, budget);
+        merge_changes(&mut self.gw.ghost_changes_sent, &changes);
+    }
+
+    fn send_to_clients(&mut self, frames: Vec<(SessionKey, bytes::Bytes)>, budget: usize) {
+        for (key, server_frame) in frames {
             let Some(s) = self.gw.sessions.get(key) else {
                 continue;
             };

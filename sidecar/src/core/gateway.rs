@@ -18,6 +18,7 @@ use cellmesh_proto::mesh::{self, mesh_message, MeshMessage};
 use super::avatars::AvatarAt;
 use super::*;
 use crate::config::SidecarConfig;
+use crate::model::entities::TickChanges;
 use crate::model::fold::Clients;
 use crate::model::interest::InterestShape;
 
@@ -52,6 +53,9 @@ pub(crate) struct Gateway {
     pub anchor_pos: HashMap<String, [f64; 3]>,
     /// When the attached players' records are saved next (monotonic ms).
     pub next_records_ms: u64,
+    /// Render ghosts' changes already sent to clients this tick: the tick's other consumers
+    /// still get them, merged with the rest, at its end.
+    pub ghost_changes_sent: TickChanges,
 }
 
 impl Gateway {
@@ -64,6 +68,7 @@ impl Gateway {
             master_epoch: HashMap::default(),
             anchor_pos: HashMap::default(),
             next_records_ms: cfg.player_record_every_ms,
+            ghost_changes_sent: TickChanges::new(),
         }
     }
 }

@@ -479,6 +479,7 @@ impl Core {
         if !matches!(input, Input::Timer) {
             self.dirty = true;
         }
+        let from_peer = matches!(input, Input::LinkFrame { .. } | Input::LinkUp { .. });
         match input {
             Input::GameHello { conn, hello, rest } => self.on_game_hello(conn, hello, rest),
             Input::GameFrame { conn, messages } => self.on_game_frame(conn, messages),
@@ -536,6 +537,10 @@ impl Core {
             Input::Drain => self.begin_drain(),
             Input::Timer => self.on_timer(),
             Input::Shutdown => self.shutdown(),
+        }
+        if from_peer {
+            self.send_ghost_changes();
+            self.set_table_gauges();
         }
         self.flush_checkpoints();
         self.sync_master_records();

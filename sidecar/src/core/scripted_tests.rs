@@ -465,3 +465,101 @@ fn attached_players_records_are_saved_periodically_with_their_last_position() {
     core.handle(at(120_000), Input::Timer);
     assert_eq!(records(store_requests(&mut core)).len(), 1);
 }
+
+/// The client `alice` on proxy link 20, her avatar at (240, 50) near node 2's border (x 256), and
+/// the link to node 2 (link 30) up: her view takes in node 2's chunks.
+fn alice_at_the_border(core: &mut Core) {
+    link_up(core, 0, 30, GATEWAY);
+    attach(core, 10, "alice");
+    game_tick(
+        core,
+        20,
+        1,
+        game_message::Body::Spawn(local::Spawn {
+            entity_id: AVATAR,
+            position: pos(240.0, 50.0),
+            owner_account: "alice".into(),
+            is_master: true,
+            ..Default::default()
+        }),
+    );
+    while core.poll_output().is_some() {}
+}
+
+/// Node 2 sends the state of its entity 99 at `x`.
+fn from_node_2(core: &mut Core, ms: u64, full: bool, x: f64) {
+    core.handle(
+        at(ms),
+        Input::LinkFrame {
+            link: 30,
+            messages: vec![mesh_message::Body::EntityState(mesh::EntityState {
+                entity_id: 99,
+                entity_epoch: 1,
+                full,
+                position: Some(mesh::MeshVec3 { x, y: 50.0, z: 0.0 }),
+                components: vec![mesh::PublicComponent {
+                    r#type: 1,
+                    payload: vec![1, 2, 3].into(),
+                }],
+                ..Default::default()
+            })
+            .into()],
+        },
+    );
+}
+
+/// The deltas of entity 99 queued for alice's proxy link, by kind.
+fn deltas_of_99(core: &mut Core) -> Vec<i32> {
+    use prost::Message;
+    let mut kinds = Vec::new();
+    while let Some(out) = core.poll_output() {
+        let Output::ToLink { link: 20, frame } = out else {
+            continue;
+        };
+        for m in frame.messages {
+            let Some(mesh_message::Body::ToClient(c)) = m.body else {
+                continue;
+            };
+            let sf = cellmesh_proto::edge::ServerFrame::decode(c.server_frame).unwrap();
+            for m in sf.messages {
+                if let Some(cellmesh_proto::edge::server_message::Body::Batch(b)) = m.body {
+                    kinds.extend(
+                        b.deltas
+                            .iter()
+                            .filter(|d| d.entity_id == 99)
+                            .map(|d| d.kind),
+                    );
+                }
+            }
+        }
+    }
+    kinds
+}
+
+/// A neighbour's update reaches the clients that see it when it arrives, not at this node's
+/// next tick (up to a whole tick later), and the tick does not send it again.
+#[test]
+fn a_ghosts_change_reaches_clients_on_arrival_and_only_once() {
+    use cellmesh_proto::edge::DeltaKind;
+    let mut core = node();
+    alice_at_the_border(&mut core);
+    from_node_2(&mut core, 30, true, 270.0);
+    assert_eq!(deltas_of_99(&mut core), [DeltaKind::Appear as i32]);
+    from_node_2(&mut core, 35, false, 275.0);
+    assert_eq!(deltas_of_99(&mut core), [DeltaKind::Update as i32]);
+
+    // The tick sends alice nothing more of it; its other work still sees the ghost's changes.
+    game_tick(
+        &mut core,
+        50,
+        2,
+        game_message::Body::Update(local::Update {
+            entity_id: AVATAR,
+            position: pos(241.0, 50.0),
+            ..Default::default()
+        }),
+    );
+    assert_eq!(deltas_of_99(&mut core), Vec::<i32>::new());
+    from_node_2(&mut core, 60, false, 280.0);
+    assert_eq!(deltas_of_99(&mut core), [DeltaKind::Update as i32]);
+}

@@ -111,6 +111,34 @@ pub struct EntityChange {
 /// Everything that changed in one tick, by entity id (ordered, so batches are deterministic).
 pub type TickChanges = BTreeMap<u64, EntityChange>;
 
+/// Folds `later` (changes recorded after `earlier` was taken) into `earlier`, as if both had
+/// been recorded as one: what the table would have recorded had nothing been taken in between.
+pub fn merge_changes(earlier: &mut TickChanges, later: &TickChanges) {
+    for (&id, b) in later {
+        let Some(a) = earlier.get_mut(&id) else {
+            earlier.insert(id, b.clone());
+            continue;
+        };
+        if b.despawned || b.spawned {
+            // The entity present at the start is gone if `a` despawned it, or if `b` despawned
+            // the one `a` ended with and that one was it (`a` spawned none).
+            *a = EntityChange {
+                despawned: a.despawned || (!a.spawned && b.despawned),
+                spawned: b.spawned,
+                ..Default::default()
+            };
+        } else if !a.spawned {
+            a.moved |= b.moved;
+            for (&t, before) in &b.components {
+                a.components.entry(t).or_insert_with(|| before.clone());
+            }
+        }
+        if *a == EntityChange::default() {
+            earlier.remove(&id);
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct EntityTable {
     world: WorldShape,
@@ -120,6 +148,11 @@ pub struct EntityTable {
     /// Bumped whenever an avatar is spawned, adopted, handed away or despawned here.
     masters_version: u64,
     changes: TickChanges,
+    /// Render ghosts despawned since the changes were last taken: a despawn's change no longer
+    /// has the entity to say it was a ghost.
+    ghosts_gone: HashSet<u64>,
+    /// How many entities are render ghosts, kept as they change (read after every peer frame).
+    ghosts: usize,
 }
 
 impl EntityTable {
@@ -131,6 +164,8 @@ impl EntityTable {
             masters: HashMap::default(),
             masters_version: 0,
             changes: TickChanges::new(),
+            ghosts_gone: HashSet::default(),
+            ghosts: 0,
         }
     }
 
@@ -213,6 +248,7 @@ impl EntityTable {
             self.masters.insert(entity.owner_account.clone(), e.id);
             self.masters_version += 1;
         }
+        self.ghosts += usize::from(entity.origin.is_some());
         self.entities.insert(e.id, entity);
         // A respawn within the tick keeps `despawned`: clients that saw the old one lose it first.
         let change = self.changes.entry(e.id).or_default();
@@ -284,6 +320,10 @@ impl EntityTable {
             self.masters.remove(&entity.owner_account);
             self.masters_version += 1;
         }
+        if entity.origin.is_some() {
+            self.ghosts -= 1;
+            self.ghosts_gone.insert(id);
+        }
         let change = self.changes.entry(id).or_default();
         if change.spawned && !change.despawned {
             // Born and gone within one tick: no client ever saw it.
@@ -320,7 +360,28 @@ impl EntityTable {
 
     /// The changes since the last call; starts the next tick.
     pub fn take_changes(&mut self) -> TickChanges {
+        self.ghosts_gone.clear();
         std::mem::take(&mut self.changes)
+    }
+
+    /// Takes the changes of render ghosts only (those that are ghosts now, and ghosts despawned),
+    /// so they can reach clients before the tick ends; the node's own entities' changes stay for
+    /// the tick. [`merge_changes`] puts the two back together for what needs the whole tick.
+    pub fn take_ghost_changes(&mut self) -> TickChanges {
+        let entities = &self.entities;
+        let gone = &mut self.ghosts_gone;
+        let mut taken = TickChanges::new();
+        self.changes.retain(|id, change| {
+            let ghost = match entities.get(id) {
+                Some(e) => e.origin.is_some(),
+                None => gone.remove(id),
+            };
+            if ghost {
+                taken.insert(*id, std::mem::take(change));
+            }
+            !ghost
+        });
+        taken
     }
 
     pub fn pending_changes(&self) -> &TickChanges {
@@ -383,6 +444,7 @@ impl EntityTable {
         };
         e.origin = Some(owner);
         e.epoch = epoch;
+        self.ghosts += 1;
         if e.is_master {
             self.masters_version += 1;
         }
@@ -404,6 +466,7 @@ impl EntityTable {
         }
         check_finite(full.id, &full.position)?;
         e.origin = None;
+        self.ghosts -= 1;
         e.epoch = full.epoch;
         if e.is_master {
             self.masters_version += 1;
@@ -422,14 +485,16 @@ impl EntityTable {
                 self.masters_version += 1;
             }
         }
-        // Always a recorded move: the new owner's first frame to its subscribers is a full one.
+        // Always a recorded move (a spawn already says everything): the new owner's first frame
+        // to its subscribers is a full one.
         let id = full.id;
         self.update(EntityUpdate {
             id,
             position: Some(full.position),
             ..Default::default()
         })?;
-        self.changes.entry(id).or_default().moved = true;
+        let change = self.changes.entry(id).or_default();
+        change.moved |= !change.spawned;
         Ok(())
     }
 
@@ -452,10 +517,7 @@ impl EntityTable {
 
     /// Render ghosts held.
     pub fn ghost_count(&self) -> usize {
-        self.entities
-            .values()
-            .filter(|e| e.origin.is_some())
-            .count()
+        self.ghosts
     }
 }
 
@@ -681,5 +743,119 @@ mod tests {
         assert_eq!(t.clear().len(), 2);
         assert!(t.master_of("alice").is_none() && t.is_empty());
         assert_eq!(t.residents(ChunkPos { x: 0, y: 0 }).count(), 0);
+    }
+
+    /// One operation of a random history on a few ids, ghosts among them.
+    #[derive(Debug, Clone)]
+    enum Op {
+        Spawn { id: u64, ghost: bool },
+        Move { id: u64, x: f64 },
+        Set { id: u64, t: u32 },
+        Remove { id: u64, t: u32 },
+        Despawn { id: u64 },
+        ToGhost { id: u64 },
+        ToLocal { id: u64 },
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        let id = 1u64..4;
+        prop_oneof![
+            (id.clone(), any::<bool>()).prop_map(|(id, ghost)| Op::Spawn { id, ghost }),
+            (id.clone(), 0.0..1000.0f64).prop_map(|(id, x)| Op::Move { id, x }),
+            (id.clone(), 1u32..3).prop_map(|(id, t)| Op::Set { id, t }),
+            (id.clone(), 1u32..3).prop_map(|(id, t)| Op::Remove { id, t }),
+            id.clone().prop_map(|id| Op::Despawn { id }),
+            id.clone().prop_map(|id| Op::ToGhost { id }),
+            id.prop_map(|id| Op::ToLocal { id }),
+        ]
+    }
+
+    fn apply(t: &mut EntityTable, op: &Op) {
+        // Refused operations (a duplicate spawn, an unknown id) change nothing: ignored.
+        let _ = match *op {
+            Op::Spawn { id, ghost } => t.spawn(NewEntity {
+                origin: ghost.then_some(9),
+                ..npc(id, 1.0, 1.0)
+            }),
+            Op::Move { id, x } => t.update(EntityUpdate {
+                id,
+                position: Some(Position::new(x, 5.0, 0.0)),
+                ..Default::default()
+            }),
+            Op::Set { id, t: ty } => t.update(EntityUpdate {
+                id,
+                changed: vec![(ty, public("s"))],
+                ..Default::default()
+            }),
+            Op::Remove { id, t: ty } => t.update(EntityUpdate {
+                id,
+                removed: vec![ty],
+                ..Default::default()
+            }),
+            Op::Despawn { id } => t.despawn(id).map(|_| ()),
+            Op::ToGhost { id } => Ok(drop(t.to_ghost(id, 9, 2))),
+            Op::ToLocal { id } => t.to_local(npc(id, 2.0, 2.0)),
+        };
+        let ghosts = t.entities.values().filter(|e| e.origin.is_some()).count();
+        assert_eq!(t.ghost_count(), ghosts, "after {op:?}");
+    }
+
+    proptest::proptest! {
+        /// Ghosts' changes taken part-way through a tick (any number of times, as peer frames
+        /// arrive) and merged back with the rest at its end are what the tick records whole.
+        #[test]
+        fn changes_taken_in_parts_merge_to_the_whole_tick(
+            start in proptest::collection::vec(op(), 0..8),
+            tick in proptest::collection::vec((op(), proptest::bool::ANY), 0..24),
+        ) {
+            let (mut whole, mut parts) = (table(), table());
+            for o in &start {
+                apply(&mut whole, o);
+                apply(&mut parts, o);
+            }
+            whole.take_changes();
+            parts.take_changes();
+            let mut merged = TickChanges::new();
+            // A local entity handed away drops its tick's changes (the new owner sends them):
+            // a history with one has nothing to compare after a take.
+            for (o, take) in tick.iter().filter(|(o, _)| !matches!(o, Op::ToGhost { .. })) {
+                apply(&mut whole, o);
+                apply(&mut parts, o);
+                if *take {
+                    merge_changes(&mut merged, &parts.take_ghost_changes());
+                }
+            }
+            merge_changes(&mut merged, &parts.take_changes());
+            proptest::prop_assert_eq!(merged, whole.take_changes());
+        }
+    }
+
+    #[test]
+    fn ghost_changes_are_taken_apart_from_the_nodes_own() {
+        let mut t = table();
+        t.spawn(npc(1, 1.0, 1.0)).unwrap();
+        for id in [2, 3] {
+            t.spawn(NewEntity {
+                origin: Some(9),
+                ..npc(id, 1.0, 1.0)
+            })
+            .unwrap();
+        }
+        t.take_changes();
+        for id in [1, 2] {
+            t.update(EntityUpdate {
+                id,
+                position: Some(Position::new(40.0, 1.0, 0.0)),
+                ..Default::default()
+            })
+            .unwrap();
+        }
+        t.despawn(3).unwrap();
+        let ghosts = t.take_ghost_changes();
+        assert_eq!(ghosts.keys().copied().collect::<Vec<_>>(), [2, 3]);
+        assert!(ghosts[&2].moved && ghosts[&3].despawned);
+        assert!(t.take_ghost_changes().is_empty());
+        assert_eq!(t.take_changes().keys().copied().collect::<Vec<_>>(), [1]);
     }
 }
