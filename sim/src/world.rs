@@ -1060,6 +1060,35 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// Entities spawned in game frames still on their way to a sidecar (`from(node, inc, conn)`)
+    /// that will never read them: gone with the process or game that sent them.
+    fn spawns_in_flight_lost(
+        &mut self,
+        from: impl Fn(NodeId, u32, ConnId) -> bool,
+        holder: NodeId,
+    ) {
+        let lost: Vec<u64> = self
+            .queue
+            .values()
+            .filter_map(|ev| match ev {
+                Ev::Core {
+                    node,
+                    inc,
+                    input: Input::GameFrame { conn, messages },
+                } if from(*node, *inc, *conn) => Some(messages),
+                _ => None,
+            })
+            .flatten()
+            .filter_map(|m| match &m.body {
+                Some(game_message::Body::Spawn(s)) => Some(s.entity_id),
+                _ => None,
+            })
+            .collect();
+        for id in lost {
+            self.census.despawned(id, holder);
+        }
+    }
+
     fn kill(&mut self, id: NodeId) {
         if !self.node(id).alive {
             return;
@@ -1089,6 +1118,9 @@ impl<'a> Sim<'a> {
                 }
             }
         }
+        // Spawned in a frame its sidecar never read: lost the same way.
+        let inc = self.node(id).incarnation;
+        self.spawns_in_flight_lost(|node, i, _| node == id && i == inc, id);
         let n = self.node(id);
         if let Some(g) = n.game.take() {
             for frame in &g.backlog {
@@ -1644,6 +1676,9 @@ impl<'a> Sim<'a> {
         for frame in &g.backlog {
             self.check.frame_lost_with_game(frame);
         }
+        // Its frames on the way reach a sidecar that no longer reads that connection.
+        let conn = g.conn;
+        self.spawns_in_flight_lost(|n, _, c| n == node && c == conn, node);
         self.census.release_holder(node);
         self.departed.add(Counted {
             delivered: g.arena.as_ref().map_or(0, |a| delivered_to(&a.stats)),
