@@ -183,6 +183,16 @@ cargo test --workspace --all-targets --no-fail-fast "$@" || status=$?
 section "cargo test --workspace --doc"
 cargo test --workspace --doc "$@" || status=$?
 
+# The load generator's smoke test: every scenario small, on the test build, and the report must
+# hold every figure with its baseline and ratio. Speed is never judged here: these machines are
+# shared, and the figures only mean something from a release build on a quiet one.
+if (($# == 0)); then
+    section "cellmesh bench --all --quick"
+    mkdir -p "$repo/target"
+    bench_json="$repo/target/bench-quick.json"
+    cargo run --quiet --bin cellmesh -- bench --all --quick --check --json "$bench_json" || status=$?
+fi
+
 section "done"
 if ((status == 0)); then echo "all tests passed"; else echo "tests failed (status $status)"; fi
 exit "$status"

@@ -108,3 +108,18 @@ fn help_shows_no_secret_from_the_environment() {
         assert!(!stdout.contains("s3cret"), "{process} --help:\n{stdout}");
     }
 }
+
+#[test]
+fn bench_names_its_scenarios_when_given_none_or_an_unknown_one() {
+    let out = cellmesh(&["bench", "hops"], &[]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    for name in ["hop", "fanout", "transport", "edge", "handoff", "memory"] {
+        assert!(stderr.contains(name), "{name} not named: {stderr}");
+    }
+
+    let out = cellmesh(&["bench"], &[]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("--all"), "{stderr}");
+}
