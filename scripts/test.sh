@@ -60,6 +60,14 @@ else
     apt_install redis-server
 fi
 
+# The edge bench's baseline.
+if command -v haproxy >/dev/null; then
+    echo "haproxy: $(haproxy -v | head -n1 | cut -d' ' -f3)"
+else
+    echo "installing haproxy"
+    apt_install haproxy
+fi
+
 if ! command -v python3 >/dev/null || ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
     echo "installing python3 with venv"
     apt_install python3 python3-venv

@@ -38,7 +38,7 @@ pub struct Cluster {
 }
 
 /// A runtime of one worker thread: one component's share of the machine.
-fn component_runtime(name: &str) -> anyhow::Result<Runtime> {
+pub fn component_runtime(name: &str) -> anyhow::Result<Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name(name)

@@ -224,9 +224,8 @@ pub async fn run(
                         }
                     }
                     M::Evict(e) => {
-                        if npcs.remove(&e.entity_id).is_some() {
-                            stats.evicted.fetch_add(1, Relaxed);
-                        }
+                        let evicted = npcs.remove(&e.entity_id).is_some();
+                        stats.evicted.fetch_add(u64::from(evicted), Relaxed);
                     }
                     M::Adopt(a) => {
                         let (at, dir) = decode_state(&a.state).unwrap_or_else(|| {

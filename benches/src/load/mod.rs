@@ -7,12 +7,14 @@
 
 pub mod cluster;
 pub mod edge;
+pub mod external;
 pub mod fanout;
 pub mod forwarder;
 pub mod game;
 pub mod handoff;
 pub mod hop;
 pub mod memory;
+pub mod phases;
 pub mod report;
 pub mod transport;
 
