@@ -236,6 +236,17 @@ async fn main() -> anyhow::Result<()> {
                 s.rtt_ms_p99,
                 s.errors
             );
+            println!(
+                "handoffs: {} completed, {} refused, freeze p50 {:.0} ms p99 {:.0} ms, ticks missed p50 {:.0} p99 {:.0}, sidecars' share of the freeze p50 {:.0} ms p99 {:.0} ms",
+                s.handoffs,
+                s.handoffs_refused,
+                s.handoff_freeze_ms_p50,
+                s.handoff_freeze_ms_p99,
+                s.handoff_ticks_missed_p50,
+                s.handoff_ticks_missed_p99,
+                s.handoff_freeze_sidecars_ms_p50,
+                s.handoff_freeze_sidecars_ms_p99
+            );
             if !s.inputs_undelivered.is_empty() {
                 println!("undelivered inputs by reason: {:?}", s.inputs_undelivered);
             }

@@ -110,6 +110,12 @@ pub struct Summary {
     pub handoffs_refused: u64,
     pub handoff_freeze_ms_p50: f64,
     pub handoff_freeze_ms_p99: f64,
+    /// Per completed handoff, game ticks in which nobody simulated the entity.
+    pub handoff_ticks_missed_p50: f64,
+    pub handoff_ticks_missed_p99: f64,
+    /// The sidecars' own share of the freeze: the freeze less the time the two games took.
+    pub handoff_freeze_sidecars_ms_p50: f64,
+    pub handoff_freeze_sidecars_ms_p99: f64,
     /// Offers unanswered at the end (entities frozen, in doubt).
     pub in_doubt_now: u64,
     pub stale_epoch_drops: u64,
@@ -379,6 +385,32 @@ impl NodeTotals {
         for (reason, n) in &o.inputs_dropped_by_reason {
             *self.inputs_dropped_by_reason.entry(reason).or_insert(0) += n;
         }
+    }
+}
+
+/// The handoff histograms of every node of the run, killed ones included.
+struct HandoffCosts {
+    freeze: hdrhistogram::Histogram<u64>,
+    ticks_missed: hdrhistogram::Histogram<u64>,
+    sidecars_ms: hdrhistogram::Histogram<u64>,
+}
+
+impl Default for HandoffCosts {
+    fn default() -> Self {
+        let h = || hdrhistogram::Histogram::<u64>::new(3).expect("valid histogram");
+        Self {
+            freeze: h(),
+            ticks_missed: h(),
+            sidecars_ms: h(),
+        }
+    }
+}
+
+impl HandoffCosts {
+    fn add(&mut self, s: &cellmesh_sidecar::SidecarHandle) {
+        let _ = self.freeze.add(s.freeze_ms());
+        let _ = self.ticks_missed.add(s.ticks_missed());
+        let _ = self.sidecars_ms.add(s.freeze_sidecars_ms());
     }
 }
 
@@ -739,7 +771,7 @@ pub async fn run(
     // What killed nodes counted, held and restored, and when each was killed.
     let mut departed = NodeTotals::default();
     let mut held_by_killed = 0u64;
-    let mut departed_freeze = hdrhistogram::Histogram::<u64>::new(3).expect("valid histogram");
+    let mut departed_handoffs = HandoffCosts::default();
     let mut departed_arenas: Vec<ArenaStats> = Vec::new();
     let mut restored: Vec<cellmesh_sidecar::core::Restored> = Vec::new();
     let mut kills: Vec<(u32, u64)> = Vec::new();
@@ -771,7 +803,7 @@ pub async fn run(
                 let last = totals_of(&[&dead.sidecar]);
                 departed.add_counters(&last);
                 held_by_killed += last.inputs_held;
-                let _ = departed_freeze.add(dead.sidecar.freeze_ms());
+                departed_handoffs.add(&dead.sidecar);
                 restored.extend(dead.sidecar.take_restored());
                 if let Ok(Ok(Ok(st))) = tokio::time::timeout(Duration::from_millis(100), dead.arena).await {
                     departed_arenas.push(st);
@@ -915,9 +947,9 @@ pub async fn run(
             "the census found entities lost or doubled"
         );
     }
-    let mut freeze = departed_freeze;
+    let mut handoff_costs = departed_handoffs;
     for n in &nodes {
-        let _ = freeze.add(n.sidecar.freeze_ms());
+        handoff_costs.add(&n.sidecar);
         restored.extend(n.sidecar.take_restored());
     }
     let in_doubt_now = totals(&nodes, &departed).in_doubt_now;
@@ -1001,8 +1033,12 @@ pub async fn run(
         dropped_unknown_account: s.dropped_unknown_account,
         handoffs: s.handoffs,
         handoffs_refused: s.handoffs_refused,
-        handoff_freeze_ms_p50: freeze.value_at_quantile(0.5) as f64,
-        handoff_freeze_ms_p99: freeze.value_at_quantile(0.99) as f64,
+        handoff_freeze_ms_p50: handoff_costs.freeze.value_at_quantile(0.5) as f64,
+        handoff_freeze_ms_p99: handoff_costs.freeze.value_at_quantile(0.99) as f64,
+        handoff_ticks_missed_p50: handoff_costs.ticks_missed.value_at_quantile(0.5) as f64,
+        handoff_ticks_missed_p99: handoff_costs.ticks_missed.value_at_quantile(0.99) as f64,
+        handoff_freeze_sidecars_ms_p50: handoff_costs.sidecars_ms.value_at_quantile(0.5) as f64,
+        handoff_freeze_sidecars_ms_p99: handoff_costs.sidecars_ms.value_at_quantile(0.99) as f64,
         in_doubt_now,
         stale_epoch_drops: s.stale_epoch_drops,
         vanished_on_handoff: b.vanished_on_handoff,

@@ -162,6 +162,26 @@ impl SidecarHandle {
             .clone()
     }
 
+    /// Per handoff this node completed as the source: game ticks in which nobody simulated the
+    /// entity (see [`model::handoff::freeze_cost`]).
+    pub fn ticks_missed(&self) -> hdrhistogram::Histogram<u64> {
+        self.metrics
+            .ticks_missed
+            .lock()
+            .expect("ticks missed histogram lock poisoned")
+            .clone()
+    }
+
+    /// Per handoff this node completed as the source: the sidecars' own share of the freeze
+    /// (milliseconds), the freeze less the time the two games took to answer.
+    pub fn freeze_sidecars_ms(&self) -> hdrhistogram::Histogram<u64> {
+        self.metrics
+            .freeze_sidecars_ms
+            .lock()
+            .expect("freeze share histogram lock poisoned")
+            .clone()
+    }
+
     /// Every entity this node writes (its reals) with its epoch, as of the last published state
     /// (at most 100 ms old), for a census.
     pub fn reals(&self) -> Vec<Real> {

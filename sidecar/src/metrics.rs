@@ -8,6 +8,8 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use std::sync::{Arc, Mutex};
 
+use crate::model::handoff::FreezeCost;
+
 /// Every reason a client input is dropped for before it reaches a game (`inputs_dropped`).
 pub const INPUT_DROP_REASONS: [&str; 12] = [
     // The proxy named a session this gateway does not have, or one still registering.
@@ -100,6 +102,12 @@ pub struct HandoffLabel {
 /// Longest freeze the summary histogram tracks, in milliseconds (ten minutes).
 const FREEZE_MAX_MS: u64 = 600_000;
 
+/// A histogram of 0 to [`FREEZE_MAX_MS`] (milliseconds or ticks), three significant digits.
+fn freeze_histogram() -> hdrhistogram::Histogram<u64> {
+    hdrhistogram::Histogram::new_with_bounds(1, FREEZE_MAX_MS, 3)
+        .expect("static histogram bounds are valid")
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
     pub reason: &'static str,
@@ -158,6 +166,10 @@ pub struct Metrics {
     pub handoffs_refused: Counter,
     pub handoffs_in_doubt: Gauge,
     pub handoff_freeze: Histogram,
+    /// Per completed handoff: game ticks in which nobody simulated the unit, and the sidecars'
+    /// own share of the freeze (see [`crate::model::handoff::freeze_cost`]).
+    pub handoff_ticks_missed: Histogram,
+    pub handoff_freeze_sidecars: Histogram,
     pub stale_epoch_drops: Counter,
     pub held_frames: Gauge,
     /// Client inputs this node holds now: for a frozen entity, behind an epoch not seen yet,
@@ -176,6 +188,9 @@ pub struct Metrics {
     pub checkpoints_removed: Counter,
     /// Freeze durations for the summary percentiles (prometheus buckets are too coarse).
     pub freeze_ms: Arc<Mutex<hdrhistogram::Histogram<u64>>>,
+    /// The same for ticks missed and the sidecars' share of the freeze (ms).
+    pub ticks_missed: Arc<Mutex<hdrhistogram::Histogram<u64>>>,
+    pub freeze_sidecars_ms: Arc<Mutex<hdrhistogram::Histogram<u64>>>,
     // Totals over every label, for `SidecarStats` (not registered: the families carry them).
     errors_all: Counter,
     frames_in_all: Counter,
@@ -228,6 +243,10 @@ impl Default for Metrics {
             handoff_freeze: Histogram::new([
                 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0,
             ]),
+            handoff_ticks_missed: Histogram::new([0.0, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0]),
+            handoff_freeze_sidecars: Histogram::new([
+                0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0,
+            ]),
             stale_epoch_drops: Default::default(),
             held_frames: Default::default(),
             inputs_held: Default::default(),
@@ -238,10 +257,9 @@ impl Default for Metrics {
             checkpoints_stored: Default::default(),
             checkpoint_stored_bytes: Default::default(),
             checkpoints_removed: Default::default(),
-            freeze_ms: Arc::new(Mutex::new(
-                hdrhistogram::Histogram::new_with_bounds(1, FREEZE_MAX_MS, 3)
-                    .expect("static histogram bounds are valid"),
-            )),
+            freeze_ms: Arc::new(Mutex::new(freeze_histogram())),
+            ticks_missed: Arc::new(Mutex::new(freeze_histogram())),
+            freeze_sidecars_ms: Arc::new(Mutex::new(freeze_histogram())),
             errors_all: Default::default(),
             frames_in_all: Default::default(),
             frames_out_all: Default::default(),
@@ -425,6 +443,16 @@ impl Metrics {
             m.handoff_freeze.clone(),
         );
         r.register(
+            "handoff_ticks_missed",
+            "Per completed handoff, game ticks in which nobody simulated the entity (the target's first simulated tick minus the source's last, minus one)",
+            m.handoff_ticks_missed.clone(),
+        );
+        r.register(
+            "handoff_freeze_sidecars_ms",
+            "Per completed handoff, the freeze less the time the two games took to answer: what the sidecars and the link cost",
+            m.handoff_freeze_sidecars.clone(),
+        );
+        r.register(
             "stale_epoch_drops",
             "Entity frames and inputs dropped for an old (or refused) entity epoch",
             m.stale_epoch_drops.clone(),
@@ -495,6 +523,26 @@ impl Metrics {
             .lock()
             .expect("freeze histogram lock poisoned")
             .record(ms.clamp(1, FREEZE_MAX_MS));
+    }
+
+    /// What a completed handoff cost: its ticks missed (if the game's tick rate is known) and
+    /// the sidecars' share of its freeze.
+    pub fn freeze_cost(&self, cost: &FreezeCost) {
+        if let Some(ticks) = cost.ticks_missed {
+            self.handoff_ticks_missed.observe(ticks as f64);
+            let _ = self
+                .ticks_missed
+                .lock()
+                .expect("ticks missed histogram lock poisoned")
+                .record(ticks.min(FREEZE_MAX_MS));
+        }
+        self.handoff_freeze_sidecars
+            .observe(cost.sidecars_ms as f64);
+        let _ = self
+            .freeze_sidecars_ms
+            .lock()
+            .expect("freeze share histogram lock poisoned")
+            .record(cost.sidecars_ms.min(FREEZE_MAX_MS));
     }
 
     /// Counts one message to (`out`) or from (`in`) peer `node`.

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -88,6 +88,13 @@ pub struct GameConfig {
     pub walk: Option<Walk>,
     /// Where the avatar of a joining player appears.
     pub avatar_at: (f64, f64),
+    /// Which way each NPC of `npcs` first walks along x (±1), by index; east when absent.
+    pub npc_dirs: Vec<f64>,
+    /// Where the game notes when it froze, answered, adopted and evicted each entity.
+    pub handoff_log: Option<Arc<HandoffLog>>,
+    /// When the first tick comes (at once when absent): sets the phase of this game's ticks
+    /// against another's.
+    pub first_tick_at: Option<tokio::time::Instant>,
 }
 
 impl Default for GameConfig {
@@ -100,6 +107,9 @@ impl Default for GameConfig {
             update_npcs: true,
             walk: None,
             avatar_at: (0.0, 0.0),
+            npc_dirs: Vec::new(),
+            handoff_log: None,
+            first_tick_at: None,
         }
     }
 }
@@ -113,7 +123,125 @@ pub struct GameStats {
     pub snapshots: AtomicU64,
     pub adopted: AtomicU64,
     pub evicted: AtomicU64,
+    pub thawed: AtomicU64,
     pub errors: AtomicU64,
+}
+
+/// When the games saw each step of one handoff, on the clock they share ([`now_ns`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HandoffSeen {
+    /// The source game's last `TickEnd` before the `Freeze` came: the end of the entity's last
+    /// simulated tick there (it freezes the entity as the `Freeze` comes).
+    pub last_tick_end_ns: u64,
+    pub freeze_ns: u64,
+    /// The frame carrying the `Snapshot` went.
+    pub snapshot_ns: u64,
+    /// The target game got the `Adopt`...
+    pub adopt_ns: u64,
+    /// ...and ended its first tick with the entity, in the frame carrying `Adopted`.
+    pub first_tick_end_ns: u64,
+    /// The source game got the `Evict`.
+    pub evict_ns: u64,
+}
+
+impl HandoffSeen {
+    /// From the end of the entity's last tick at the source to the end of its first at the
+    /// target.
+    pub fn gap_ns(&self) -> u64 {
+        self.first_tick_end_ns.saturating_sub(self.last_tick_end_ns)
+    }
+
+    /// The freeze as the games see it (from the tick whose end triggered it to the `Evict`)
+    /// less their own time answering `Freeze` and `Adopt`: the sidecars, the link between them
+    /// and the four crossings of the local protocol.
+    pub fn sidecars_ns(&self) -> u64 {
+        let games = self.snapshot_ns.saturating_sub(self.freeze_ns)
+            + self.first_tick_end_ns.saturating_sub(self.adopt_ns);
+        self.evict_ns
+            .saturating_sub(self.last_tick_end_ns)
+            .saturating_sub(games)
+    }
+}
+
+#[derive(Debug, Default)]
+struct HandoffNotes {
+    /// Handoffs under way, by entity.
+    pending: HashMap<u64, PendingHandoff>,
+    done: Vec<HandoffSeen>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct PendingHandoff {
+    last_tick_end_ns: u64,
+    freeze_ns: u64,
+    snapshot_ns: Option<u64>,
+    adopt_ns: Option<u64>,
+    first_tick_end_ns: Option<u64>,
+}
+
+/// What the games of one process saw of every handoff between them: both ends write here, so
+/// one clock times the whole handoff.
+#[derive(Debug, Default)]
+pub struct HandoffLog {
+    notes: Mutex<HandoffNotes>,
+}
+
+impl HandoffLog {
+    fn note(&self, id: u64, f: impl FnOnce(&mut PendingHandoff)) {
+        let mut n = self.notes.lock().expect("handoff log lock poisoned");
+        f(n.pending.entry(id).or_default());
+    }
+
+    fn frozen(&self, id: u64, last_tick_end_ns: u64) {
+        let mut n = self.notes.lock().expect("handoff log lock poisoned");
+        n.pending.insert(
+            id,
+            PendingHandoff {
+                last_tick_end_ns,
+                freeze_ns: now_ns(),
+                ..PendingHandoff::default()
+            },
+        );
+    }
+
+    fn thawed(&self, id: u64) {
+        let mut n = self.notes.lock().expect("handoff log lock poisoned");
+        n.pending.remove(&id);
+    }
+
+    fn evicted(&self, id: u64) {
+        let evict_ns = now_ns();
+        let mut n = self.notes.lock().expect("handoff log lock poisoned");
+        let Some(p) = n.pending.remove(&id) else {
+            return;
+        };
+        if let (Some(snapshot_ns), Some(adopt_ns), Some(first_tick_end_ns)) =
+            (p.snapshot_ns, p.adopt_ns, p.first_tick_end_ns)
+        {
+            n.done.push(HandoffSeen {
+                last_tick_end_ns: p.last_tick_end_ns,
+                freeze_ns: p.freeze_ns,
+                snapshot_ns,
+                adopt_ns,
+                first_tick_end_ns,
+                evict_ns,
+            });
+        }
+    }
+
+    /// Handoffs whose `Freeze` came before `before_ns` and that are neither evicted nor thawed.
+    pub fn frozen_since_before(&self, before_ns: u64) -> usize {
+        let n = self.notes.lock().expect("handoff log lock poisoned");
+        n.pending
+            .values()
+            .filter(|p| p.freeze_ns > 0 && p.freeze_ns < before_ns)
+            .count()
+    }
+
+    /// The handoffs completed since the last call.
+    pub fn take(&self) -> Vec<HandoffSeen> {
+        std::mem::take(&mut self.notes.lock().expect("handoff log lock poisoned").done)
+    }
 }
 
 struct Npc {
@@ -181,9 +309,17 @@ pub async fn run(
     }));
     tx.flush().await?;
     let mut requested = true;
-    let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(cfg.tick_hz)));
+    let mut ticker = tokio::time::interval_at(
+        cfg.first_tick_at.unwrap_or_else(tokio::time::Instant::now),
+        Duration::from_secs_f64(1.0 / f64::from(cfg.tick_hz)),
+    );
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let (mut tick, mut seq) = (0u64, 0u64);
+    let mut dirs = cfg.npc_dirs.clone();
+    dirs.resize(cfg.npcs.len(), 1.0);
+    // For the handoff log: when the last tick ended, and what the next frame answers.
+    let mut last_tick_end_ns = now_ns();
+    let (mut answering, mut adopting): (Vec<u64>, Vec<u64>) = (Vec::new(), Vec::new());
     loop {
         tokio::select! {
             _ = stop.cancelled() => break,
@@ -209,6 +345,10 @@ pub async fn run(
                     }
                     M::Freeze(f) => {
                         if let Some(n) = npcs.get_mut(&f.entity_id) {
+                            if let Some(log) = &cfg.handoff_log {
+                                log.frozen(f.entity_id, last_tick_end_ns);
+                                answering.push(f.entity_id);
+                            }
                             n.frozen = true;
                             tx.push(Body::Snapshot(Snapshot {
                                 entity_id: f.entity_id,
@@ -221,17 +361,31 @@ pub async fn run(
                     M::Thaw(t) => {
                         if let Some(n) = npcs.get_mut(&t.entity_id) {
                             n.frozen = false;
+                            stats.thawed.fetch_add(1, Relaxed);
+                            if let Some(log) = &cfg.handoff_log {
+                                log.thawed(t.entity_id);
+                            }
                         }
                     }
                     M::Evict(e) => {
-                        let evicted = npcs.remove(&e.entity_id).is_some();
-                        stats.evicted.fetch_add(u64::from(evicted), Relaxed);
+                        let held = npcs.remove(&e.entity_id).is_some();
+                        if held {
+                            stats.evicted.fetch_add(1, Relaxed);
+                            if let Some(log) = &cfg.handoff_log {
+                                log.evicted(e.entity_id);
+                            }
+                        }
                     }
                     M::Adopt(a) => {
                         let (at, dir) = decode_state(&a.state).unwrap_or_else(|| {
                             (a.position.as_ref().map_or((0.0, 0.0), |p| (p.x, p.y)), 1.0)
                         });
                         npcs.insert(a.entity_id, Npc { at, dir, frozen: false, epoch: a.entity_epoch });
+                        if let Some(log) = &cfg.handoff_log {
+                            let adopt_ns = now_ns();
+                            log.note(a.entity_id, |p| p.adopt_ns = Some(adopt_ns));
+                            adopting.push(a.entity_id);
+                        }
                         tx.push(Body::Adopted(Adopted { entity_id: a.entity_id, entity_epoch: a.entity_epoch }));
                         stats.adopted.fetch_add(1, Relaxed);
                     }
@@ -276,7 +430,8 @@ pub async fn run(
                             is_master: false,
                             parent_id: 0,
                         }));
-                        npcs.insert(id, Npc { at, dir: 1.0, frozen: false, epoch: 1 });
+                        let dir = dirs.pop().unwrap_or(1.0);
+                        npcs.insert(id, Npc { at, dir, frozen: false, epoch: 1 });
                     }
                     stats.spawned.fetch_add(1, Relaxed);
                 }
@@ -303,6 +458,15 @@ pub async fn run(
                     stats.updates.fetch_add(n_updates, Relaxed);
                 }
                 stats.ticks.fetch_add(1, Relaxed);
+                last_tick_end_ns = now_ns();
+                if let Some(log) = &cfg.handoff_log {
+                    for id in answering.drain(..) {
+                        log.note(id, |p| p.snapshot_ns = Some(last_tick_end_ns));
+                    }
+                    for id in adopting.drain(..) {
+                        log.note(id, |p| p.first_tick_end_ns = Some(last_tick_end_ns));
+                    }
+                }
                 tx.end_tick(tick).await.context("sending the tick")?;
             }
         }

@@ -398,6 +398,7 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
         B::HandoffAck(HandoffAck {
             entity_id: 7,
             entity_epoch: 3,
+            adopt_timing: Some(AdoptTiming { game_ms: 41 }),
         }),
         B::HandoffRefused(HandoffRefused {
             entity_id: 7,

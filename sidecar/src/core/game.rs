@@ -31,6 +31,9 @@ pub(crate) struct LocalGame {
     pub tick_events: Vec<TickEvent>,
     pub tick_sends: Vec<TickSend>,
     pub last_tick: u64,
+    /// When the game's last `TickEnd` came (monotonic ms): where a handoff's snapshot finds the
+    /// end of its entity's last simulated tick.
+    pub last_tick_end_ms: Option<u64>,
     pub ids: IdMinter,
     /// The latest state of every entity written here, asked of the game.
     pub checkpoints: Checkpoints,
@@ -54,6 +57,7 @@ impl LocalGame {
             tick_events: Vec::new(),
             tick_sends: Vec::new(),
             last_tick: 0,
+            last_tick_end_ms: None,
             // The config checked the node id against the id layout.
             ids: ids.expect("a node id that fits the id layout"),
             checkpoints: Checkpoints::new(super::restore::checkpoint_ask_every_ms(
@@ -239,7 +243,10 @@ impl Core {
                 payload: s.payload,
             }),
             B::ReserveIds(r) => self.on_reserve_ids(r),
-            B::TickEnd(t) => self.end_tick(t.tick),
+            B::TickEnd(t) => {
+                self.game.last_tick_end_ms = Some(self.now.mono_ms);
+                self.end_tick(t.tick)
+            }
             B::Load(l) => {
                 if let Some(g) = self.game.slot.as_mut() {
                     g.load = Some(l);

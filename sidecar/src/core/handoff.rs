@@ -22,8 +22,8 @@ use super::wire::*;
 use super::*;
 use crate::model::entities::{Entity, TickChanges};
 use crate::model::handoff::{
-    Admit, AfterDespawn, Completed, Fence, HandoffSource, HandoffTarget, InputRoute, Offer,
-    OfferChecks, OfferDecision, Thawed,
+    freeze_cost, Admit, AfterDespawn, Completed, Fence, HandoffSource, HandoffTarget, InputRoute,
+    Offer, OfferChecks, OfferDecision, Thawed,
 };
 use crate::model::inputs::{InputOrder, Ordered};
 use crate::model::subs::{self};
@@ -36,6 +36,8 @@ pub(crate) struct Handoffs {
     pub fence: Fence<Fenced>,
     /// Offers being adopted by the game: root -> the offer.
     pub adopting: HashMap<u64, mesh::HandoffOffer>,
+    /// When the `Adopt` of each offer in `adopting` went to the game (monotonic ms).
+    pub adopt_sent_ms: HashMap<u64, u64>,
     /// Entities not offered again before this time (monotonic ms), after a refusal.
     pub retry: HashMap<u64, u64>,
     /// Entities to check for a handoff at the next tick even if they did not move.
@@ -333,12 +335,16 @@ impl Core {
             }
             return;
         }
+        // The game's part of the freeze is over (a repeated offer keeps the first answer).
+        let now = self.now.mono_ms;
+        let last_tick = self.game.last_tick_end_ms.unwrap_or(0);
+        self.handoff.out.answered(root, now, last_tick);
         // Kept until the target has surely checkpointed it (see `restore`).
         let to_lease = self.restore.live.get(&to).copied().unwrap_or(0);
         self.restore.sent.insert(
             root,
             super::restore::SentOffer {
-                at_ms: self.now.mono_ms,
+                at_ms: now,
                 to,
                 to_lease,
                 offer: kept,
@@ -447,7 +453,10 @@ impl Core {
             .out
             .acked(a.entity_id, a.entity_epoch, from, self.now.mono_ms)
         {
-            Ok(done) => self.complete_handoff(done),
+            Ok(done) => {
+                self.note_freeze_cost(&done, a.adopt_timing);
+                self.complete_handoff(done)
+            }
             // A repeated ack of a handoff already complete, or of an offer not made.
             Err(e) => {
                 self.metrics.drop_msg("handoff_ack_unexpected", 1);
@@ -477,6 +486,24 @@ impl Core {
                 tracing::debug!(peer = from, error = %e, "handoff refusal ignored");
             }
         }
+    }
+
+    /// What an acked handoff cost (see [`freeze_cost`]), when the ack says how long the target's
+    /// game took. An ack repeated after a lost link, or a handoff proved by the target's frames,
+    /// has no such word: its freeze is counted, its cost is not.
+    fn note_freeze_cost(&self, done: &Completed, timing: Option<mesh::AdoptTiming>) {
+        let (Some(answered), Some(timing)) = (done.answered, timing) else {
+            return;
+        };
+        let tick_ms = self
+            .game
+            .slot
+            .as_ref()
+            .map(|g| g.hello.tick_rate_hz)
+            .filter(|hz| *hz > 0)
+            .map(|hz| 1000.0 / f64::from(hz));
+        let cost = freeze_cost(answered, self.now.mono_ms, timing.game_ms, tick_ms);
+        self.metrics.freeze_cost(&cost);
     }
 
     /// The target owns the unit: the game evicts it, this node keeps it as a render ghost (no
@@ -674,6 +701,7 @@ impl Core {
                     .to_game
                     .push(sidecar_message::Body::Adopt(adopt).into());
                 self.handoff.adopting.insert(id, o);
+                self.handoff.adopt_sent_ms.insert(id, self.now.mono_ms);
             }
             OfferDecision::Pending => {}
             OfferDecision::Ack => {
@@ -682,6 +710,7 @@ impl Core {
                     mesh_message::Body::HandoffAck(mesh::HandoffAck {
                         entity_id: id,
                         entity_epoch: o.entity_epoch,
+                        adopt_timing: None,
                     }),
                 );
             }
@@ -781,6 +810,13 @@ impl Core {
             );
         };
         self.handoff.adopting.remove(&a.entity_id);
+        let adopt_timing =
+            self.handoff
+                .adopt_sent_ms
+                .remove(&a.entity_id)
+                .map(|sent| mesh::AdoptTiming {
+                    game_ms: self.now.mono_ms.saturating_sub(sent),
+                });
         let me = self.cfg.node_id;
         let epoch = o.entity_epoch;
         for full in members_of(&o) {
@@ -860,6 +896,7 @@ impl Core {
             mesh_message::Body::HandoffAck(mesh::HandoffAck {
                 entity_id: o.entity_id,
                 entity_epoch: epoch,
+                adopt_timing,
             }),
         );
     }

@@ -563,3 +563,220 @@ fn a_ghosts_change_reaches_clients_on_arrival_and_only_once() {
     from_node_2(&mut core, 60, false, 280.0);
     assert_eq!(deltas_of_99(&mut core), [DeltaKind::Update as i32]);
 }
+
+/// Everything queued: for the game, and for the links as (link, message), in order.
+fn outputs(
+    core: &mut Core,
+) -> (
+    Vec<sidecar_message::Body>,
+    Vec<(LinkId, mesh_message::Body)>,
+) {
+    let (mut game, mut links) = (Vec::new(), Vec::new());
+    while let Some(out) = core.poll_output() {
+        match out {
+            Output::ToGame { frame, .. } => {
+                game.extend(frame.messages.into_iter().filter_map(|m| m.body))
+            }
+            Output::ToLink { link, frame } => links.extend(
+                frame
+                    .messages
+                    .into_iter()
+                    .filter_map(|m| m.body.map(|b| (link, b))),
+            ),
+            _ => {}
+        }
+    }
+    (game, links)
+}
+
+/// The link to node 2.
+const PEER_LINK: LinkId = 10;
+const NPC: u64 = 30;
+
+/// The game ends tick `tick` at `ms` with nothing else in the frame, or with `body` first.
+fn game_frame(core: &mut Core, ms: u64, tick: u64, body: Option<game_message::Body>) {
+    let tick_end = game_message::Body::TickEnd(local::TickEnd { tick });
+    core.handle(
+        at(ms),
+        Input::GameFrame {
+            conn: 1,
+            messages: body.into_iter().chain([tick_end]).map(Into::into).collect(),
+        },
+    );
+}
+
+/// Node 1 hands an NPC to node 2. The game spawns it in the tick ending at 50 ms and walks it
+/// four chunks into node 2's area (beyond the reach node 2 watches, so no ghost is waited for)
+/// in the tick ending at 100 ms, which freezes it. The game answers the Freeze in the frame of
+/// its next tick, or `late_ticks` ticks of 50 ms after that. Returns the epoch offered and when
+/// the offer left.
+fn freeze_and_answer(core: &mut Core, late_ticks: u64) -> (u64, u64) {
+    link_up(core, 10, PEER_LINK, GATEWAY);
+    spawn(core, 50, 1, NPC, pos(100.0, 40.0));
+    game_tick(
+        core,
+        100,
+        2,
+        game_message::Body::Update(local::Update {
+            entity_id: NPC,
+            position: pos(12.0 * 32.0 + 10.0, 40.0),
+            ..Default::default()
+        }),
+    );
+    let (game, _) = outputs(core);
+    assert!(
+        game.iter()
+            .any(|m| matches!(m, sidecar_message::Body::Freeze(f) if f.entity_id == NPC)),
+        "{game:?}"
+    );
+    let mut ms = 100;
+    for tick in 3..3 + late_ticks {
+        ms += 50;
+        game_frame(core, ms, tick, None);
+    }
+    ms += 50;
+    let snapshot = game_message::Body::Snapshot(local::Snapshot {
+        entity_id: NPC,
+        entity_epoch: 1,
+        state: bytes::Bytes::from_static(b"npc"),
+    });
+    game_frame(core, ms, 3 + late_ticks, Some(snapshot));
+    let (_, links) = outputs(core);
+    let epoch = links
+        .iter()
+        .find_map(|(l, m)| match m {
+            mesh_message::Body::HandoffOffer(o) if *l == PEER_LINK && o.entity_id == NPC => {
+                Some(o.entity_epoch)
+            }
+            _ => None,
+        })
+        .expect("the offer went to node 2");
+    (epoch, ms)
+}
+
+fn ack(core: &mut Core, ms: u64, epoch: u64, adopt_timing: Option<mesh::AdoptTiming>) {
+    core.handle(
+        at(ms),
+        Input::LinkFrame {
+            link: PEER_LINK,
+            messages: vec![mesh_message::Body::HandoffAck(mesh::HandoffAck {
+                entity_id: NPC,
+                entity_epoch: epoch,
+                adopt_timing,
+            })
+            .into()],
+        },
+    );
+    let (game, _) = outputs(core);
+    assert!(
+        game.iter()
+            .any(|m| matches!(m, sidecar_message::Body::Evict(e) if e.entity_id == NPC)),
+        "{game:?}"
+    );
+}
+
+/// (count, max) of one of the metrics' histograms.
+fn recorded(h: &std::sync::Mutex<hdrhistogram::Histogram<u64>>) -> (u64, u64) {
+    let h = h.lock().unwrap();
+    (h.len(), h.max())
+}
+
+/// At the ack, the source works out what the handoff cost: the unit's last tick at the source
+/// ended at the last TickEnd before the snapshot's frame; the ack says the target's game took
+/// 39 ms, and it came 62 ms after the offer left, so the sidecars and the link took 23 ms and
+/// the target's first tick ended ~11 ms before the ack. 50 + 39 + 11.5 ms between the two
+/// ticks' ends at 20 Hz is two tick periods: one tick missed.
+#[test]
+fn an_acked_handoff_counts_the_ticks_missed_and_the_sidecars_share_of_the_freeze() {
+    for late_ticks in [0, 1] {
+        let mut core = node();
+        let (epoch, answered) = freeze_and_answer(&mut core, late_ticks);
+        ack(
+            &mut core,
+            answered + 62,
+            epoch,
+            Some(mesh::AdoptTiming { game_ms: 39 }),
+        );
+        let m = core.metrics();
+        // A game that answers a tick late simulated the unit in that tick: the freeze is a tick
+        // longer, the ticks missed and the sidecars' share the same.
+        assert_eq!(recorded(&m.freeze_ms), (1, 112 + 50 * late_ticks));
+        assert_eq!(recorded(&m.ticks_missed), (1, 1), "late by {late_ticks}");
+        assert_eq!(recorded(&m.freeze_sidecars_ms), (1, 23));
+    }
+}
+
+#[test]
+fn an_ack_that_does_not_say_how_long_the_target_s_game_took_counts_only_the_freeze() {
+    let mut core = node();
+    let (epoch, answered) = freeze_and_answer(&mut core, 0);
+    ack(&mut core, answered + 30, epoch, None);
+    let m = core.metrics();
+    assert_eq!(recorded(&m.freeze_ms), (1, 80));
+    assert_eq!(recorded(&m.ticks_missed).0, 0);
+    assert_eq!(recorded(&m.freeze_sidecars_ms).0, 0);
+}
+
+/// The target's ack says how long its game took to adopt: from the Adopt to the frame carrying
+/// `Adopted` (whose tick is the unit's first there), here one tick later than it could have.
+#[test]
+fn a_target_acks_with_the_time_its_game_took_to_adopt() {
+    let mut core = node();
+    link_up(&mut core, 10, PEER_LINK, GATEWAY);
+    let offer = mesh::HandoffOffer {
+        entity_id: NPC,
+        entity_epoch: 2,
+        partition_epoch: 1,
+        position: Some(mesh::MeshVec3 {
+            x: 100.0,
+            y: 40.0,
+            z: 0.0,
+        }),
+        state: bytes::Bytes::from_static(b"npc"),
+        unseen: true,
+        ..Default::default()
+    };
+    let offered = |core: &mut Core, ms: u64| {
+        core.handle(
+            at(ms),
+            Input::LinkFrame {
+                link: PEER_LINK,
+                messages: vec![mesh_message::Body::HandoffOffer(offer.clone()).into()],
+            },
+        );
+    };
+    let acks = |core: &mut Core| -> Vec<mesh::HandoffAck> {
+        outputs(core)
+            .1
+            .into_iter()
+            .filter_map(|(l, m)| match m {
+                mesh_message::Body::HandoffAck(a) if l == PEER_LINK => Some(a),
+                _ => None,
+            })
+            .collect()
+    };
+    offered(&mut core, 1_000);
+    let (game, _) = outputs(&mut core);
+    assert!(
+        game.iter()
+            .any(|m| matches!(m, sidecar_message::Body::Adopt(a) if a.entity_id == NPC)),
+        "{game:?}"
+    );
+    game_frame(&mut core, 1_010, 5, None);
+    assert!(acks(&mut core).is_empty());
+    let adopted = game_message::Body::Adopted(local::Adopted {
+        entity_id: NPC,
+        entity_epoch: 2,
+    });
+    game_frame(&mut core, 1_060, 6, Some(adopted));
+    let timed = |game_ms: Option<u64>| mesh::HandoffAck {
+        entity_id: NPC,
+        entity_epoch: 2,
+        adopt_timing: game_ms.map(|game_ms| mesh::AdoptTiming { game_ms }),
+    };
+    assert_eq!(acks(&mut core), vec![timed(Some(60))]);
+    // The same offer again (the source did not hear the ack): acked again, with no time, as
+    // the source's freeze holds the lost ack's wait too.
+    offered(&mut core, 1_100);
+    assert_eq!(acks(&mut core), vec![timed(None)]);
+}

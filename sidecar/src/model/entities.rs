@@ -794,7 +794,10 @@ mod tests {
                 ..Default::default()
             }),
             Op::Despawn { id } => t.despawn(id).map(|_| ()),
-            Op::ToGhost { id } => Ok(drop(t.to_ghost(id, 9, 2))),
+            Op::ToGhost { id } => t
+                .to_ghost(id, 9, 2)
+                .then_some(())
+                .ok_or(EntityError::Unknown(id)),
             Op::ToLocal { id } => t.to_local(npc(id, 2.0, 2.0)),
         };
         let ghosts = t.entities.values().filter(|e| e.origin.is_some()).count();

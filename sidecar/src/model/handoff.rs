@@ -7,7 +7,9 @@
 //! - [`HandoffSource`]: Idle → Freezing → Offered ("in doubt") → done (acked) or thawed (refused);
 //! - [`HandoffTarget`]: the checks an offer must pass, idempotent on a replayed offer;
 //! - [`Fence`]: per-entity epochs; frames from an older epoch are dropped, from a newer one held
-//!   until the epoch change is seen (BigWorld's `numTimesRealOffloaded`, `ghostSetNextReal`).
+//!   until the epoch change is seen (BigWorld's `numTimesRealOffloaded`, `ghostSetNextReal`);
+//! - [`freeze_cost`]: what a completed handoff cost in game ticks, and the sidecars' own share
+//!   of its freeze.
 //!
 //! The one failure the mesh cannot absorb is two writers of one entity, so the source never
 //! thaws on a timeout: an unanswered offer stays frozen until the target answers, the link comes
@@ -104,6 +106,9 @@ pub struct Completed {
     pub members: Vec<EntityId>,
     pub epoch: Epoch,
     pub freeze_ms: u64,
+    /// When the source game answered the freeze (see [`HandoffSource::answered`]), if it was
+    /// noted: with the target's adopt time, what [`freeze_cost`] needs.
+    pub answered: Option<Answered>,
     /// Inputs routed behind the offer whose forward could not be sent (see
     /// [`HandoffSource::forward_failed`]): lost now that the target owns the unit.
     pub unforwarded: u64,
@@ -156,6 +161,7 @@ struct Outgoing<I> {
     members: Vec<EntityId>,
     offered: Epoch,
     since_ms: u64,
+    answered: Option<Answered>,
     phase: Phase,
     /// Held before the offer, or copies of those forwarded since (given back on a refusal).
     inputs: Vec<I>,
@@ -215,6 +221,7 @@ impl<I: Clone> HandoffSource<I> {
                 members: members.clone(),
                 offered,
                 since_ms: now_ms,
+                answered: None,
                 phase: Phase::Freezing {
                     parts: HashMap::default(),
                 },
@@ -375,6 +382,20 @@ impl<I: Clone> HandoffSource<I> {
             parts: ordered,
             inputs: o.inputs.clone(),
         })
+    }
+
+    /// The source game's snapshots of `root`'s unit are all in and its offer left, at `at_ms`;
+    /// the game's last `TickEnd` before the frame that carried them came at `last_tick_ms`. Only
+    /// the first offer counts: a repeat after a lost link changes nothing.
+    pub fn answered(&mut self, root: EntityId, at_ms: u64, last_tick_ms: u64) {
+        if let Some(o) = self.out.get_mut(&root) {
+            // The Freeze went at the end of a tick: no tick before that one is the last.
+            let last_tick_ms = last_tick_ms.max(o.since_ms).min(at_ms);
+            o.answered.get_or_insert(Answered {
+                at_ms,
+                last_tick_ms,
+            });
+        }
     }
 
     /// The offer could not even be queued (no link to the target): it never left, so the unit
@@ -614,6 +635,7 @@ impl<I: Clone> HandoffSource<I> {
             members: o.members,
             epoch: o.offered,
             freeze_ms: now_ms.saturating_sub(o.since_ms),
+            answered: o.answered,
             unforwarded: o.unforwarded,
         }
     }
@@ -626,6 +648,71 @@ impl<I: Clone> HandoffSource<I> {
             freeze_ms: now_ms.saturating_sub(o.since_ms),
             forwarded_copies: o.copies.saturating_sub(o.unforwarded),
         }
+    }
+}
+
+/// When the source game answered a freeze, on the source's clock (ms).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Answered {
+    /// The snapshot that completed the offer arrived (and the offer left).
+    pub at_ms: u64,
+    /// The game's last `TickEnd` before the frame that carried that snapshot: the end of the
+    /// unit's last simulated tick at the source (a game freezes an entity on `Freeze` and
+    /// answers in its next frame, so the tick that frame ends did not simulate it).
+    pub last_tick_ms: u64,
+}
+
+/// What one completed handoff cost.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FreezeCost {
+    /// From the end of the unit's last simulated tick at the source to the end of its first at
+    /// the target (estimated: the two sidecars share no clock).
+    pub gap_ms: f64,
+    /// Ticks of the game in which nobody simulated the unit (none without a tick period).
+    pub ticks_missed: Option<u64>,
+    /// The freeze less the time the two games took to answer: what the sidecars and the link
+    /// between them cost.
+    pub sidecars_ms: u64,
+}
+
+/// What a handoff cost, worked out by its source when the ack arrives: `answered` and
+/// `acked_ms` on the source's clock, `target_game_ms` the target game's time from `Adopt` to
+/// `Adopted` as the ack reports it, `tick_ms` the game's tick period.
+///
+/// *Ticks missed* is the target's first simulated tick minus the source's last, minus one. With
+/// no tick clock common to the two games it is taken from the time between the ends of those
+/// two ticks: `max(0, round(gap / tick_ms) - 1)`. The source's last tick ended at
+/// `answered.last_tick_ms`; the target's first is the tick whose `TickEnd` came in the frame
+/// that carried `Adopted` (a game adopts on `Adopt` and simulates the entity in that tick), so
+/// it ended as the target sent the ack, one link crossing before `acked_ms`. That crossing is
+/// taken as half the offer-to-ack round trip less the target game's time:
+///
+/// `gap = (answered - last_tick) + target_game + sidecars / 2`
+///
+/// *The sidecars' share* is the freeze (`Freeze` sent to ack received) less the source game's
+/// time (`Freeze` sent to the snapshot received) and the target game's: `acked - answered -
+/// target_game`. It holds both link crossings and the work of both sidecars, to the
+/// millisecond of their clocks. A game that sends `Adopted` outside its tick's batch is taken
+/// as simulating the entity from then.
+pub fn freeze_cost(
+    answered: Answered,
+    acked_ms: u64,
+    target_game_ms: u64,
+    tick_ms: Option<f64>,
+) -> FreezeCost {
+    let last_tick_ms = answered.last_tick_ms.min(answered.at_ms);
+    let sidecars_ms = acked_ms
+        .saturating_sub(answered.at_ms)
+        .saturating_sub(target_game_ms);
+    let gap_ms =
+        (answered.at_ms - last_tick_ms) as f64 + target_game_ms as f64 + sidecars_ms as f64 / 2.0;
+    let ticks_missed = tick_ms
+        .filter(|t| *t > 0.0)
+        .map(|t| ((gap_ms / t).round() - 1.0).max(0.0) as u64);
+    FreezeCost {
+        gap_ms,
+        ticks_missed,
+        sidecars_ms,
     }
 }
 
@@ -1094,6 +1181,10 @@ mod tests {
         );
         assert_eq!(offer.inputs, vec![1]);
         assert_eq!(s.in_doubt().collect::<Vec<_>>(), vec![(10, B, 5)]);
+        // The game's last tick before its answer ended as the Freeze went; a repeated offer
+        // does not move when the game answered.
+        s.answered(10, 1_050, 1_000);
+        s.answered(10, 1_070, 1_050);
         // Meanwhile inputs follow the offer, in order, under the new epoch.
         assert_eq!(
             s.route_input(10, 2),
@@ -1121,6 +1212,10 @@ mod tests {
                 members: vec![10, 11, 12],
                 epoch: 5,
                 freeze_ms: 80,
+                answered: Some(Answered {
+                    at_ms: 1_050,
+                    last_tick_ms: 1_000
+                }),
                 unforwarded: 0,
             }
         );
@@ -1141,6 +1236,100 @@ mod tests {
         );
         s.forget(12);
         assert_eq!(s.route_input(12, 4), InputRoute::Local(4));
+    }
+
+    /// 20 Hz games. The source's tick ending at 1 000 triggers the Freeze; the game answers
+    /// `source_late_ticks` ticks later than its next frame; the offer crosses to the target and
+    /// the ack back in `link` ms each; the target's tick ends `target_tick_after_offer` ms after
+    /// the offer came. The cost, and the true gap between the end of the unit's last tick at the
+    /// source and of its first at the target (on the clock the test shares).
+    fn handoff_at_20_hz(
+        source_late_ticks: u64,
+        target_tick_after_offer: u64,
+        link: u64,
+    ) -> (FreezeCost, u64) {
+        const TICK: u64 = 50;
+        let frozen: u64 = 1_000;
+        // The game answers in the frame that ends its next tick (or later, for a late game):
+        // the last tick it simulated the unit in is the one before.
+        let answered_at = frozen + TICK * (1 + source_late_ticks);
+        let answered = Answered {
+            at_ms: answered_at,
+            last_tick_ms: answered_at - TICK,
+        };
+        let adopt_sent = answered_at + link;
+        // The target's first tick with the unit ends in the frame that carries `Adopted`.
+        let first_tick_end = adopt_sent + target_tick_after_offer;
+        let acked = first_tick_end + link;
+        let cost = freeze_cost(
+            answered,
+            acked,
+            first_tick_end - adopt_sent,
+            Some(TICK as f64),
+        );
+        (cost, first_tick_end - answered.last_tick_ms)
+    }
+
+    #[test]
+    fn ticks_missed_count_the_game_ticks_between_the_source_s_last_and_the_target_s_first() {
+        // The target's tick ends 9 ms after the offer came: it simulates the unit in the tick
+        // that follows the source's last, give or take the games' phases. Nothing missed.
+        let (c, truth) = handoff_at_20_hz(0, 9, 1);
+        assert_eq!(c.gap_ms, truth as f64);
+        assert_eq!((c.ticks_missed, c.sidecars_ms), (Some(0), 2));
+        // Its tick ends 39 ms after: nearer the slot of the tick after next. One missed.
+        let (c, truth) = handoff_at_20_hz(0, 39, 1);
+        assert_eq!(c.gap_ms, truth as f64);
+        assert_eq!((c.ticks_missed, c.sidecars_ms), (Some(1), 2));
+        // A slow link is the sidecars' share, and it is estimated out of the gap (symmetric).
+        let (c, truth) = handoff_at_20_hz(0, 9, 20);
+        assert_eq!(c.gap_ms, truth as f64);
+        assert_eq!((c.ticks_missed, c.sidecars_ms), (Some(1), 40));
+    }
+
+    #[test]
+    fn a_target_game_that_adopts_one_tick_late_costs_one_more_tick_not_sidecar_time() {
+        let (prompt, _) = handoff_at_20_hz(0, 9, 1);
+        let (late, truth) = handoff_at_20_hz(0, 59, 1);
+        assert_eq!(late.gap_ms, truth as f64);
+        assert_eq!(late.ticks_missed, prompt.ticks_missed.map(|t| t + 1));
+        assert_eq!(late.sidecars_ms, prompt.sidecars_ms);
+    }
+
+    #[test]
+    fn a_source_game_that_answers_one_tick_late_simulated_the_unit_in_that_tick() {
+        // Its writes before the snapshot still count (`writable`), so its last simulated tick is
+        // the one before the answer: the freeze is a tick longer, the cost in ticks the same.
+        let (prompt, _) = handoff_at_20_hz(0, 9, 1);
+        let (late, truth) = handoff_at_20_hz(1, 9, 1);
+        assert_eq!(late.gap_ms, truth as f64);
+        assert_eq!(
+            (late.ticks_missed, late.sidecars_ms),
+            (prompt.ticks_missed, prompt.sidecars_ms)
+        );
+    }
+
+    #[test]
+    fn an_answer_that_came_with_no_tick_in_between_counts_from_the_freeze() {
+        // The game answered at once, outside its tick: its last simulated tick is the one whose
+        // end triggered the Freeze.
+        let answered = Answered {
+            at_ms: 1_002,
+            last_tick_ms: 1_000,
+        };
+        let c = freeze_cost(answered, 1_040, 30, Some(50.0));
+        assert_eq!(
+            (c.gap_ms, c.ticks_missed, c.sidecars_ms),
+            (36.0, Some(0), 8)
+        );
+        // Clocks that disagree never make a negative share or gap.
+        let c = freeze_cost(answered, 1_010, 30, Some(50.0));
+        assert_eq!(
+            (c.gap_ms, c.ticks_missed, c.sidecars_ms),
+            (32.0, Some(0), 0)
+        );
+        // Without the game's tick rate there is nothing to count ticks in.
+        assert_eq!(freeze_cost(answered, 1_040, 30, None).ticks_missed, None);
     }
 
     #[test]
