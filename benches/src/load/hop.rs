@@ -2,6 +2,10 @@
 //! client's gateway, and the proxy, to the client; beside the same number of minimal framed
 //! forwarders in this process (the loopback's limit) and as processes (the limit of a layout of
 //! one process per component).
+//!
+//! The client may receive a little fewer updates than the game sent: two updates of the entity
+//! that reach the gateway in one peer frame are folded into one (the client gets the latest
+//! state), as they are for any client.
 
 use std::time::Duration;
 
@@ -86,6 +90,8 @@ async fn through_the_mesh(
     let x = border_x(&cluster.world, 2, 1);
     let y = 1000.0;
     let stop = CancellationToken::new();
+    // The source stops first, so that what the client counts is what was sent in the window.
+    let stop_source = stop.child_token();
     let source = Arc::new(GameStats::default());
     let games = [
         (
@@ -111,7 +117,8 @@ async fn through_the_mesh(
     ];
     let games: Vec<_> = games
         .into_iter()
-        .map(|(cfg, stats)| tokio::spawn(game::run(cfg, stats, stop.clone())))
+        .zip([stop_source.clone(), stop.clone()])
+        .map(|((cfg, stats), stop)| tokio::spawn(game::run(cfg, stats, stop)))
         .collect();
     cluster
         .wait_until("both games connected", |c| {
@@ -129,6 +136,7 @@ async fn through_the_mesh(
     tokio::time::sleep(warm_up).await;
     let before = source.updates.load(Relaxed);
     tokio::time::sleep(measure).await;
+    stop_source.cancel();
     let sent = source.updates.load(Relaxed) - before;
     // What was sent in the window gets a moment to arrive.
     tokio::time::sleep(Duration::from_millis(200)).await;

@@ -1,6 +1,7 @@
 //! Folding a tick into one batch per client (DESIGN §7).
 //!
-//! At `TickEnd` every client session gets, in one edge `Batch`, what changed for it:
+//! At `TickEnd` every client session gets, in one edge `Batch`, what changed for it (render
+//! ghosts' changes are folded the same way as each peer frame brings them, between ticks):
 //!
 //! - `APPEAR`: an entity entered its view, with its full visible state;
 //! - `UPDATE`: a seen entity moved or changed a component the client may see, or removed one it
