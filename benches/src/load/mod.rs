@@ -13,6 +13,7 @@ pub mod game;
 pub mod handoff;
 pub mod hop;
 pub mod memory;
+pub mod probe;
 pub mod report;
 pub mod transport;
 
