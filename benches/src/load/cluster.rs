@@ -34,7 +34,21 @@ pub struct Cluster {
     pub proxy: ProxyHandle,
     secret: String,
     stop: CancellationToken,
-    runtimes: Vec<Runtime>,
+    /// Held for its drop, after the stop above.
+    _runtimes: Runtimes,
+}
+
+/// The components' runtimes, shut down in the background when dropped: a runtime dropped the
+/// ordinary way inside an async context panics, even on the way out of a failed start.
+#[derive(Default)]
+struct Runtimes(Vec<Runtime>);
+
+impl Drop for Runtimes {
+    fn drop(&mut self) {
+        for rt in self.0.drain(..) {
+            rt.shutdown_background();
+        }
+    }
 }
 
 /// A runtime of one worker thread: one component's share of the machine.
@@ -71,6 +85,15 @@ pub fn border_x(world: &WorldShape, nodes: u32, n: u32) -> f64 {
 
 impl Cluster {
     pub async fn start(spec: ClusterSpec) -> anyhow::Result<Self> {
+        Self::start_with(spec, |_| {}).await
+    }
+
+    /// Like [`Cluster::start`], with every sidecar's configuration passed through `configure`
+    /// first (its addresses, node id and world are the cluster's: leave them be).
+    pub async fn start_with(
+        spec: ClusterSpec,
+        configure: impl Fn(&mut SidecarConfig),
+    ) -> anyhow::Result<Self> {
         let world = WorldShape::default();
         let partition = strips(world, spec.nodes)?;
         let topology: Arc<dyn TopologyStore> = Arc::new(MemoryTopology::default());
@@ -80,18 +103,22 @@ impl Cluster {
             .context("committing the partition")?;
         let stores = Stores::in_memory();
         let stop = CancellationToken::new();
-        let mut runtimes = Vec::new();
+        let mut runtimes = Runtimes::default();
         let mut sidecars = Vec::new();
         for id in 1..=spec.nodes {
             let rt = component_runtime(&format!("sidecar-{id}"))?;
-            let cfg = SidecarConfig {
+            let mut cfg = SidecarConfig {
                 node_id: id,
                 world,
                 local_listen: "127.0.0.1:0".into(),
                 mesh_listen: "127.0.0.1:0".into(),
                 admin_listen: "127.0.0.1:0".into(),
+                // No state dir: clusters started one after another in this process would
+                // find the last one's node locks still held, and none belongs in the working directory.
+                state_dir: String::new(),
                 ..SidecarConfig::default()
             };
+            configure(&mut cfg);
             let handle = rt
                 .spawn(cellmesh_sidecar::start_in(
                     cfg,
@@ -103,7 +130,7 @@ impl Cluster {
                 .context("the sidecar task")?
                 .with_context(|| format!("starting sidecar {id}"))?;
             sidecars.push(handle);
-            runtimes.push(rt);
+            runtimes.0.push(rt);
         }
         let gateways: Vec<u32> = if spec.gateways.is_empty() {
             (1..=spec.nodes).collect()
@@ -134,7 +161,7 @@ impl Cluster {
             .await
             .context("the proxy task")?
             .context("starting the proxy")?;
-        runtimes.push(rt);
+        runtimes.0.push(rt);
         let cluster = Self {
             world,
             partition,
@@ -142,7 +169,7 @@ impl Cluster {
             proxy,
             secret,
             stop,
-            runtimes,
+            _runtimes: runtimes,
         };
         cluster
             .wait_until("the sidecars linked", |c| {
@@ -178,6 +205,11 @@ impl Cluster {
         self.proxy.client_addr.to_string()
     }
 
+    /// The secret the proxy checks logins against, for clients that sign their own.
+    pub fn token_secret(&self) -> &str {
+        &self.secret
+    }
+
     /// A login for `account`, valid for an hour.
     pub fn token(&self, account: &str) -> String {
         let expiry = std::time::SystemTime::now()
@@ -191,10 +223,8 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        // Then the runtimes go.
         self.stop.cancel();
-        for rt in self.runtimes.drain(..) {
-            rt.shutdown_background();
-        }
     }
 }
 

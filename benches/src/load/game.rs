@@ -6,7 +6,7 @@
 //! stamp back to measure the update's latency through the mesh.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -37,8 +37,13 @@ pub fn now_ns() -> u64 {
 
 /// A payload of `len` bytes (at least [`STAMP_LEN`]) stamped now with `seq`.
 pub fn stamped(len: usize, seq: u64) -> Bytes {
+    stamped_at(len, seq, now_ns())
+}
+
+/// A payload of `len` bytes (at least [`STAMP_LEN`]) stamped `ns` with `seq`.
+pub fn stamped_at(len: usize, seq: u64, ns: u64) -> Bytes {
     let mut b = BytesMut::with_capacity(len.max(STAMP_LEN));
-    b.put_u64_le(now_ns());
+    b.put_u64_le(ns);
     b.put_u64_le(seq);
     b.resize(len.max(STAMP_LEN), 0);
     b.freeze()
@@ -86,7 +91,7 @@ pub struct GameConfig {
     /// Every tick, every NPC held and not frozen gets a freshly stamped component.
     pub update_npcs: bool,
     pub walk: Option<Walk>,
-    /// Where the avatar of a joining player appears.
+    /// Where the avatar of a joining player appears...
     pub avatar_at: (f64, f64),
     /// Which way each NPC of `npcs` first walks along x (±1), by index; east when absent.
     pub npc_dirs: Vec<f64>,
@@ -95,6 +100,13 @@ pub struct GameConfig {
     /// When the first tick comes (at once when absent): sets the phase of this game's ticks
     /// against another's.
     pub first_tick_at: Option<tokio::time::Instant>,
+    /// ...moved by this once for every player who joined before it, so avatars can stand apart.
+    pub avatar_step: (f64, f64),
+    /// NPCs spawned in one tick, at most: a large crowd arrives over several ticks, in frames
+    /// of a bounded size.
+    pub spawn_per_tick: usize,
+    /// What the scenario changes while the game runs.
+    pub control: Option<Arc<GameControl>>,
 }
 
 impl Default for GameConfig {
@@ -110,9 +122,104 @@ impl Default for GameConfig {
             npc_dirs: Vec::new(),
             handoff_log: None,
             first_tick_at: None,
+            avatar_step: (0.0, 0.0),
+            spawn_per_tick: usize::MAX,
+            control: None,
         }
     }
 }
+
+/// A span of stamp times, `[from, until)` in [`now_ns`] nanoseconds, that a game and its
+/// clients agree on: what the game stamped within it is what the clients should receive.
+#[derive(Debug, Default)]
+pub struct Window(Mutex<(u64, u64)>);
+
+impl Window {
+    pub fn open(&self, from_ns: u64, until_ns: u64) {
+        *self.0.lock().expect("window lock poisoned") = (from_ns, until_ns);
+    }
+
+    /// A copy to test many stamps against.
+    pub fn get(&self) -> (u64, u64) {
+        *self.0.lock().expect("window lock poisoned")
+    }
+}
+
+fn within((from, until): (u64, u64), ns: u64) -> bool {
+    (from..until).contains(&ns)
+}
+
+/// What a scenario changes in a running game, and what the game counts for it.
+#[derive(Debug)]
+pub struct GameControl {
+    /// NPCs updated per tick, at most (the same ones every tick).
+    update_limit: AtomicUsize,
+    /// NPCs to spawn besides [`GameConfig::npcs`].
+    spawn: Mutex<Vec<(f64, f64)>>,
+    /// Every avatar moves by this at the next tick.
+    avatar_shift: Mutex<Option<(f64, f64)>>,
+    pub window: Arc<Window>,
+    /// Updates stamped within `window`.
+    stamped_in_window: AtomicU64,
+}
+
+impl GameControl {
+    pub fn new(window: Arc<Window>) -> Self {
+        Self {
+            update_limit: AtomicUsize::new(usize::MAX),
+            spawn: Mutex::new(Vec::new()),
+            avatar_shift: Mutex::new(None),
+            window,
+            stamped_in_window: AtomicU64::new(0),
+        }
+    }
+
+    pub fn set_update_limit(&self, npcs: usize) {
+        self.update_limit.store(npcs, Relaxed);
+    }
+
+    pub fn spawn(&self, at: impl IntoIterator<Item = (f64, f64)>) {
+        self.spawn.lock().expect("spawn lock poisoned").extend(at);
+    }
+
+    pub fn shift_avatars(&self, by: (f64, f64)) {
+        *self.avatar_shift.lock().expect("shift lock poisoned") = Some(by);
+    }
+
+    /// Whether a shift waits for the game's next tick.
+    pub fn avatar_shift_pending(&self) -> bool {
+        self.avatar_shift
+            .lock()
+            .expect("shift lock poisoned")
+            .is_some()
+    }
+
+    /// The updates stamped within the window since the last call.
+    pub fn take_stamped_in_window(&self) -> u64 {
+        self.stamped_in_window.swap(0, Relaxed)
+    }
+
+    fn take_spawns(&self) -> Vec<(f64, f64)> {
+        std::mem::take(&mut *self.spawn.lock().expect("spawn lock poisoned"))
+    }
+
+    fn take_avatar_shift(&self) -> Option<(f64, f64)> {
+        self.avatar_shift
+            .lock()
+            .expect("shift lock poisoned")
+            .take()
+    }
+}
+
+impl Default for GameControl {
+    /// With a window of its own, never opened.
+    fn default() -> Self {
+        Self::new(Arc::default())
+    }
+}
+
+/// Most ids asked for at once (the sidecar answers at most 65 536 in one frame).
+const MAX_IDS_PER_REQUEST: usize = 60_000;
 
 /// What a synthetic game did.
 #[derive(Debug, Default)]
@@ -301,11 +408,14 @@ pub async fn run(
     let mut to_spawn = cfg.npcs.clone();
     let mut joining: Vec<(String, (f64, f64))> = Vec::new();
     let mut npcs: HashMap<u64, Npc> = HashMap::new();
-    let mut avatars: HashMap<String, u64> = HashMap::new();
-    let want = cfg.npcs.len() as u32 + 64;
+    // Account -> its avatar and where it stands.
+    let mut avatars: HashMap<String, (u64, (f64, f64))> = HashMap::new();
+    let mut joins = 0u32;
+    // Enough for what waits to spawn, and some to spare.
+    let ids_wanted = |waiting: usize| (waiting + 64).min(MAX_IDS_PER_REQUEST) as u32;
     tx.push(Body::ReserveIds(ReserveIds {
         request_id: 1,
-        count: want,
+        count: ids_wanted(to_spawn.len()),
     }));
     tx.flush().await?;
     let mut requested = true;
@@ -333,13 +443,19 @@ pub async fn run(
                         requested = false;
                     }
                     M::PlayerJoin(j) => {
-                        let at = j.last_position.map_or(cfg.avatar_at, |p| (p.x, p.y));
+                        let n = f64::from(joins);
+                        let spot = (
+                            cfg.avatar_at.0 + n * cfg.avatar_step.0,
+                            cfg.avatar_at.1 + n * cfg.avatar_step.1,
+                        );
+                        let at = j.last_position.map_or(spot, |p| (p.x, p.y));
                         if !avatars.contains_key(&j.account) {
+                            joins += 1;
                             joining.push((j.account, at));
                         }
                     }
                     M::PlayerLeave(l) => {
-                        if let Some(id) = avatars.remove(&l.account) {
+                        if let Some((id, _)) = avatars.remove(&l.account) {
                             tx.push(Body::Despawn(cellmesh_proto::local::Despawn { entity_id: id }));
                         }
                     }
@@ -409,8 +525,11 @@ pub async fn run(
             }
             _ = ticker.tick() => {
                 tick += 1;
-                while !ids.is_empty() && (!to_spawn.is_empty() || !joining.is_empty()) {
-                    let id = ids.pop().expect("not empty");
+                if let Some(c) = &cfg.control {
+                    to_spawn.extend(c.take_spawns());
+                }
+                let mut npc_budget = cfg.spawn_per_tick;
+                while let Some(&id) = ids.last() {
                     if let Some((account, at)) = joining.pop() {
                         tx.push(Body::Spawn(Spawn {
                             entity_id: id,
@@ -420,8 +539,9 @@ pub async fn run(
                             is_master: true,
                             parent_id: 0,
                         }));
-                        avatars.insert(account, id);
-                    } else if let Some(at) = to_spawn.pop() {
+                        avatars.insert(account, (id, at));
+                    } else if npc_budget > 0 && !to_spawn.is_empty() {
+                        let at = to_spawn.pop().expect("not empty");
                         tx.push(Body::Spawn(Spawn {
                             entity_id: id,
                             position: Some(vec3(at)),
@@ -432,30 +552,55 @@ pub async fn run(
                         }));
                         let dir = dirs.pop().unwrap_or(1.0);
                         npcs.insert(id, Npc { at, dir, frozen: false, epoch: 1 });
+                        npc_budget -= 1;
+                    } else {
+                        break;
                     }
+                    ids.pop();
                     stats.spawned.fetch_add(1, Relaxed);
                 }
-                if ids.len() < 32 && !requested {
-                    tx.push(Body::ReserveIds(ReserveIds { request_id: tick, count: want }));
+                let waiting = to_spawn.len() + joining.len();
+                if ids.len() < waiting.max(32) && !requested {
+                    tx.push(Body::ReserveIds(ReserveIds { request_id: tick, count: ids_wanted(waiting) }));
                     requested = true;
                 }
+                if let Some(by) = cfg.control.as_ref().and_then(|c| c.take_avatar_shift()) {
+                    for (id, at) in avatars.values_mut() {
+                        *at = (at.0 + by.0, at.1 + by.1);
+                        tx.push(Body::Update(Update {
+                            entity_id: *id,
+                            position: Some(vec3(*at)),
+                            changed: Vec::new(),
+                            removed_types: Vec::new(),
+                        }));
+                    }
+                }
                 if cfg.update_npcs {
-                    let mut n_updates = 0;
-                    for (&id, n) in npcs.iter_mut().filter(|(_, n)| !n.frozen) {
+                    let limit = cfg.control.as_ref().map_or(usize::MAX, |c| c.update_limit.load(Relaxed));
+                    let window = cfg.control.as_ref().map(|c| c.window.get());
+                    let (mut n_updates, mut in_window) = (0, 0);
+                    for (&id, n) in npcs.iter_mut().filter(|(_, n)| !n.frozen).take(limit) {
                         let position = cfg.walk.map(|w| {
                             (n.at.0, n.dir) = w.step(n.at.0, n.dir);
                             vec3(n.at)
                         });
                         seq += 1;
+                        let ns = now_ns();
+                        if window.is_some_and(|w| within(w, ns)) {
+                            in_window += 1;
+                        }
                         tx.push(Body::Update(Update {
                             entity_id: id,
                             position,
-                            changed: vec![public(stamped(cfg.payload_bytes, seq))],
+                            changed: vec![public(stamped_at(cfg.payload_bytes, seq, ns))],
                             removed_types: Vec::new(),
                         }));
                         n_updates += 1;
                     }
                     stats.updates.fetch_add(n_updates, Relaxed);
+                    if let Some(c) = &cfg.control {
+                        c.stamped_in_window.fetch_add(in_window, Relaxed);
+                    }
                 }
                 stats.ticks.fetch_add(1, Relaxed);
                 last_tick_end_ns = now_ns();
@@ -485,6 +630,22 @@ pub struct Watched {
     pub appeared: u64,
 }
 
+impl Watched {
+    pub fn new() -> Self {
+        Self {
+            latency: nanos_histogram(),
+            updates: 0,
+            appeared: 0,
+        }
+    }
+}
+
+impl Default for Watched {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// Logs in with `token` through the proxy at `proxy`, answers pings, and records the latency of
 /// every stamped update from `measure_from_ns` on, until `stop`.
 pub async fn watch(
@@ -493,14 +654,26 @@ pub async fn watch(
     measure_from_ns: u64,
     stop: CancellationToken,
 ) -> anyhow::Result<Watched> {
+    let window = Arc::new(Window::default());
+    window.open(measure_from_ns, u64::MAX);
+    let seen = Arc::new(Mutex::new(Watched::new()));
+    watch_window(proxy, token, window, seen.clone(), stop).await?;
+    let seen = std::mem::take(&mut *seen.lock().expect("client tally lock poisoned"));
+    Ok(seen)
+}
+
+/// Like [`watch`], but into `seen`, which the scenario reads and resets between windows: every
+/// entity that appears, and the latency of the updates stamped within `window`.
+pub async fn watch_window(
+    proxy: String,
+    token: String,
+    window: Arc<Window>,
+    seen: Arc<Mutex<Watched>>,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
     let (mut tx, mut rx, _welcome) = client::login(&proxy, &token)
         .await
         .map_err(|e| anyhow::anyhow!("bench client login: {e}"))?;
-    let mut seen = Watched {
-        latency: nanos_histogram(),
-        updates: 0,
-        appeared: 0,
-    };
     loop {
         let msg = tokio::select! {
             _ = stop.cancelled() => break,
@@ -513,6 +686,9 @@ pub async fn watch(
         match msg.body {
             Some(server_message::Body::Batch(b)) => {
                 let now = now_ns();
+                // Under the lock, so that a reset between windows never splits a batch.
+                let mut seen = seen.lock().expect("client tally lock poisoned");
+                let window = window.get();
                 for d in b.deltas {
                     if d.kind == cellmesh_proto::edge::DeltaKind::Appear as i32 {
                         seen.appeared += 1;
@@ -522,7 +698,7 @@ pub async fn watch(
                         let Some((sent, _)) = read_stamp(&c.payload) else {
                             continue;
                         };
-                        if sent >= measure_from_ns {
+                        if within(window, sent) {
                             seen.updates += 1;
                             let _ = seen.latency.record(now.saturating_sub(sent).max(1));
                         }
@@ -539,7 +715,15 @@ pub async fn watch(
         }
     }
     let _ = tx.close().await;
-    Ok(seen)
+    Ok(())
+}
+
+/// `result`; when it failed and so did a game or client task (`tasks`), with why that did.
+pub fn with_cause<T>(result: anyhow::Result<T>, tasks: anyhow::Result<()>) -> anyhow::Result<T> {
+    match (result, tasks) {
+        (Err(e), Err(cause)) => Err(anyhow::anyhow!("{e:#} (a task failed: {cause:#})")),
+        (result, _) => result,
+    }
 }
 
 #[cfg(test)]
@@ -556,6 +740,16 @@ mod tests {
         assert_eq!(seq, 7);
         assert!(read_stamp(&p[..15]).is_none());
         assert_eq!(stamped(3, 1).len(), STAMP_LEN);
+        assert_eq!(read_stamp(&stamped_at(32, 9, 1234)), Some((1234, 9)));
+    }
+
+    #[test]
+    fn a_window_holds_its_start_and_not_its_end() {
+        let w = Window::default();
+        assert!(!within(w.get(), 0), "a window never opened holds nothing");
+        w.open(10, 20);
+        assert!(within(w.get(), 10) && within(w.get(), 19));
+        assert!(!within(w.get(), 9) && !within(w.get(), 20));
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod handoff;
 pub mod hop;
 pub mod memory;
 pub mod phases;
+pub mod probe;
 pub mod report;
 pub mod transport;
 
