@@ -212,13 +212,18 @@ impl Cluster {
 
     /// A login for `account`, valid for an hour.
     pub fn token(&self, account: &str) -> String {
-        let expiry = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_secs()
-            + 3600;
-        cellmesh_proto::token::sign(self.secret.as_bytes(), account, expiry)
+        hour_token(&self.secret, account)
     }
+}
+
+/// A login for `account` signed with `secret`, valid for an hour.
+pub fn hour_token(secret: &str, account: &str) -> String {
+    let expiry = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs()
+        + 3600;
+    cellmesh_proto::token::sign(secret.as_bytes(), account, expiry)
 }
 
 impl Drop for Cluster {

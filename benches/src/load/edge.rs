@@ -623,12 +623,7 @@ impl EdgeProxy {
 
     /// A login for `account`, valid for an hour.
     fn token(&self, account: &str) -> String {
-        let expiry = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_secs()
-            + 3600;
-        cellmesh_proto::token::sign(self.secret.as_bytes(), account, expiry)
+        super::cluster::hour_token(&self.secret, account)
     }
 }
 
