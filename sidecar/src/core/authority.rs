@@ -56,6 +56,10 @@ impl Authority {
 /// The previous partition is forgotten no sooner than this after a change.
 const SETTLE_MIN_MS: u64 = 1_000;
 
+/// Chunks whose nearby owners are cached at most: a few views' worth many times over (a view
+/// of radius 5 is 121 chunks), a few megabytes at most.
+pub(crate) const NEAR_CACHE_MAX: usize = 1 << 15;
+
 impl Core {
     // ------------------------------------------------------------------ the node's own lot
 
@@ -209,7 +213,8 @@ impl Core {
         false
     }
 
-    /// The nodes that may own an entity in `chunk`, cached per partition.
+    /// The nodes that may own an entity in `chunk`, cached per partition (at most
+    /// [`NEAR_CACHE_MAX`] chunks).
     pub(crate) fn owners_near(
         &mut self,
         chunk: cellmesh_geo_router::geometry::ChunkPos,
@@ -224,6 +229,11 @@ impl Core {
             near.extend(subs::owners_near(prev, chunk, reach));
         }
         let v: Vec<NodeId> = near.into_iter().collect();
+        if self.repl.near_cache.len() >= NEAR_CACHE_MAX {
+            // Roaming views would otherwise fill it with every chunk they ever held (the world
+            // has millions); it refills with the chunks in use.
+            self.repl.near_cache.clear();
+        }
         self.repl.near_cache.insert(chunk, v.clone());
         v
     }

@@ -780,3 +780,17 @@ fn a_target_acks_with_the_time_its_game_took_to_adopt() {
     offered(&mut core, 1_100);
     assert_eq!(acks(&mut core), vec![timed(None)]);
 }
+
+/// The cache of which nodes own what is near a chunk stays bounded however many chunks views
+/// roam over, and answers the same after it is emptied.
+#[test]
+fn the_owners_near_cache_stays_bounded() {
+    use cellmesh_geo_router::geometry::ChunkPos;
+    let mut core = node();
+    let first = core.owners_near(ChunkPos { x: 7, y: 3 });
+    for i in 0..(authority::NEAR_CACHE_MAX as i64 + 100) {
+        core.owners_near(ChunkPos { x: i, y: i / 16 });
+        assert!(core.repl.near_cache.len() <= authority::NEAR_CACHE_MAX);
+    }
+    assert_eq!(core.owners_near(ChunkPos { x: 7, y: 3 }), first);
+}
