@@ -479,7 +479,10 @@ impl Core {
         if !matches!(input, Input::Timer) {
             self.dirty = true;
         }
-        let from_peer = matches!(input, Input::LinkFrame { .. } | Input::LinkUp { .. });
+        let link = match &input {
+            Input::LinkFrame { link, .. } | Input::LinkUp { link, .. } => Some(*link),
+            _ => None,
+        };
         match input {
             Input::GameHello { conn, hello, rest } => self.on_game_hello(conn, hello, rest),
             Input::GameFrame { conn, messages } => self.on_game_frame(conn, messages),
@@ -538,6 +541,10 @@ impl Core {
             Input::Timer => self.on_timer(),
             Input::Shutdown => self.shutdown(),
         }
+        // Only a peer sidecar's frames write ghosts: a proxy's inputs skip the scan.
+        let from_peer = link
+            .and_then(|l| self.mesh.links.get(&l))
+            .is_some_and(|l| l.peer.is_some());
         if from_peer {
             self.send_ghost_changes();
             self.set_table_gauges();
