@@ -164,6 +164,8 @@ pub struct Metrics {
     /// Handoffs this node completed as the source (the entity left).
     pub handoffs_out: Counter,
     pub handoffs_refused: Counter,
+    /// Entities the game released (`Release`) that stayed here, thawed.
+    pub releases_kept: Counter,
     pub handoffs_in_doubt: Gauge,
     pub handoff_freeze: Histogram,
     /// Per completed handoff: game ticks in which nobody simulated the unit, and the sidecars'
@@ -240,6 +242,7 @@ impl Default for Metrics {
             handoffs_out: Default::default(),
             handoffs_refused: Default::default(),
             handoffs_in_doubt: Default::default(),
+            releases_kept: Default::default(),
             handoff_freeze: Histogram::new([
                 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0,
             ]),
@@ -429,8 +432,13 @@ impl Metrics {
         );
         r.register(
             "handoffs",
-            "Handoffs by source node, target node and outcome (started, completed, refused, unsent)",
+            "Handoffs by source node, target node and outcome (started by a Freeze, released by the game, completed, refused, unsent, abandoned)",
             m.handoffs.clone(),
+        );
+        r.register(
+            "handoff_releases_kept",
+            "Units the game released that stayed on this node (not past the margin, or no target ready): thawed at once",
+            m.releases_kept.clone(),
         );
         r.register(
             "handoffs_in_doubt",

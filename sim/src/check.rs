@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use cellmesh_arena::CensusReport;
 use cellmesh_geo_router::partition::NodeId;
-use cellmesh_proto::local::{sidecar_message, SidecarFrame};
+use cellmesh_proto::local::{game_message, sidecar_message, GameMessage, SidecarFrame};
 use cellmesh_proto::mesh::{mesh_message, MeshFrame};
 use cellmesh_sidecar::core::Core;
 use cellmesh_sidecar::Real;
@@ -237,6 +237,16 @@ impl Checker {
                     self.freezes.remove(&(node, e.entity_id));
                 }
                 _ => {}
+            }
+        }
+    }
+
+    /// A frame a game sends its sidecar: an entity it releases is frozen from then on, as after
+    /// a Freeze (one that crossed a Freeze keeps the record of that Freeze).
+    pub fn frame_from_game(&mut self, node: NodeId, messages: &[GameMessage]) {
+        for m in messages {
+            if let Some(game_message::Body::Release(r)) = &m.body {
+                self.freezes.entry((node, r.entity_id)).or_default();
             }
         }
     }

@@ -1164,9 +1164,13 @@ impl<'a> Sim<'a> {
             self.note(|| format!("n{id} <- {d}"));
         }
         let watch = self.watch;
-        let Some(core) = self.node(id).core.as_mut() else {
+        if self.node(id).core.is_none() {
             return;
-        };
+        }
+        if let Input::GameFrame { messages, .. } = &input {
+            self.check.frame_from_game(id, messages);
+        }
+        let core = self.node(id).core.as_mut().expect("checked above");
         let before = watch.map(|e| core.entities().get(e).map(|e| (e.origin, e.epoch)));
         core.handle(now, input);
         // An entity whose game crashed before its first checkpoint came back is gone, as if
@@ -1584,6 +1588,9 @@ impl<'a> Sim<'a> {
                         player_speed: s.player_speed,
                         npc_speed: s.npc_speed,
                         census: Some(census.clone()),
+                        // Both ways of handing over, side by side: games of even nodes release
+                        // what walks out, the others wait for the sidecar's Freeze.
+                        release: node % 2 == 0,
                         ..ArenaConfig::default()
                     };
                     let mut arena = Arena::new(cfg, &w);

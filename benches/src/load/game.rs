@@ -16,9 +16,9 @@ use cellmesh_proto::client;
 use cellmesh_proto::edge::{client_message, server_message, Pong};
 use cellmesh_proto::local::{
     game_message::Body, sidecar_message, Adopted, Audience, AudienceKind, CheckpointState,
-    Component, ReserveIds, Snapshot, Spawn, Update, Vec3,
+    Component, Release, ReserveIds, Snapshot, Spawn, Update, Vec3,
 };
-use cellmesh_proto::sdk::{self, SdkConfig};
+use cellmesh_proto::sdk::{self, OwnedArea, SdkConfig};
 use hdrhistogram::Histogram;
 use tokio_util::sync::CancellationToken;
 
@@ -107,6 +107,9 @@ pub struct GameConfig {
     pub spawn_per_tick: usize,
     /// What the scenario changes while the game runs.
     pub control: Option<Arc<GameControl>>,
+    /// Hand an NPC over with `Release` in the tick it walks out of the node's area, rather
+    /// than wait for the sidecar's `Freeze`.
+    pub release: bool,
 }
 
 impl Default for GameConfig {
@@ -125,6 +128,7 @@ impl Default for GameConfig {
             avatar_step: (0.0, 0.0),
             spawn_per_tick: usize::MAX,
             control: None,
+            release: false,
         }
     }
 }
@@ -228,6 +232,8 @@ pub struct GameStats {
     pub spawned: AtomicU64,
     pub updates: AtomicU64,
     pub snapshots: AtomicU64,
+    /// NPCs handed over with `Release`.
+    pub released: AtomicU64,
     pub adopted: AtomicU64,
     pub evicted: AtomicU64,
     pub thawed: AtomicU64,
@@ -306,6 +312,21 @@ impl HandoffLog {
             PendingHandoff {
                 last_tick_end_ns,
                 freeze_ns: now_ns(),
+                ..PendingHandoff::default()
+            },
+        );
+    }
+
+    /// The game released `id` in the tick that ended at `tick_end_ns`: its last tick here,
+    /// and its snapshot, in one.
+    fn released(&self, id: u64, tick_end_ns: u64) {
+        let mut n = self.notes.lock().expect("handoff log lock poisoned");
+        n.pending.insert(
+            id,
+            PendingHandoff {
+                last_tick_end_ns: tick_end_ns,
+                freeze_ns: tick_end_ns,
+                snapshot_ns: Some(tick_end_ns),
                 ..PendingHandoff::default()
             },
         );
@@ -401,9 +422,10 @@ pub async fn run(
     let mut sdk_cfg = SdkConfig::tcp(cfg.sidecar.clone(), "bench");
     sdk_cfg.tick_rate_hz = cfg.tick_hz;
     sdk_cfg.connect_deadline = Some(Duration::from_secs(10));
-    let (mut tx, mut rx, _welcome) = sdk::connect(sdk_cfg)
+    let (mut tx, mut rx, welcome) = sdk::connect(sdk_cfg)
         .await
         .context("connecting the synthetic game")?;
+    let mut area = OwnedArea::from_welcome(&welcome);
     let mut ids: Vec<u64> = Vec::new();
     let mut to_spawn = cfg.npcs.clone();
     let mut joining: Vec<(String, (f64, f64))> = Vec::new();
@@ -430,6 +452,8 @@ pub async fn run(
     // For the handoff log: when the last tick ended, and what the next frame answers.
     let mut last_tick_end_ns = now_ns();
     let (mut answering, mut adopting): (Vec<u64>, Vec<u64>) = (Vec::new(), Vec::new());
+    // NPCs released in the tick under way.
+    let mut releasing: Vec<u64> = Vec::new();
     loop {
         tokio::select! {
             _ = stop.cancelled() => break,
@@ -516,6 +540,7 @@ pub async fn run(
                             }
                         }
                     }
+                    M::PartitionChanged(p) => area.set_rects(p.owned_area),
                     M::Error(e) => {
                         stats.errors.fetch_add(1, Relaxed);
                         tracing::debug!(?e, "sidecar reported an error");
@@ -579,6 +604,7 @@ pub async fn run(
                     let limit = cfg.control.as_ref().map_or(usize::MAX, |c| c.update_limit.load(Relaxed));
                     let window = cfg.control.as_ref().map(|c| c.window.get());
                     let (mut n_updates, mut in_window) = (0, 0);
+                    releasing.clear();
                     for (&id, n) in npcs.iter_mut().filter(|(_, n)| !n.frozen).take(limit) {
                         let position = cfg.walk.map(|w| {
                             (n.at.0, n.dir) = w.step(n.at.0, n.dir);
@@ -596,6 +622,17 @@ pub async fn run(
                             removed_types: Vec::new(),
                         }));
                         n_updates += 1;
+                        if cfg.release && area.release_due(n.at.0, n.at.1) {
+                            n.frozen = true;
+                            tx.push(Body::Release(Release {
+                                entity_id: id,
+                                entity_epoch: n.epoch,
+                                state: encode_state(n.at, n.dir),
+                                attachments: Vec::new(),
+                            }));
+                            stats.released.fetch_add(1, Relaxed);
+                            releasing.push(id);
+                        }
                     }
                     stats.updates.fetch_add(n_updates, Relaxed);
                     if let Some(c) = &cfg.control {
@@ -605,6 +642,9 @@ pub async fn run(
                 stats.ticks.fetch_add(1, Relaxed);
                 last_tick_end_ns = now_ns();
                 if let Some(log) = &cfg.handoff_log {
+                    for id in releasing.drain(..) {
+                        log.released(id, last_tick_end_ns);
+                    }
                     for id in answering.drain(..) {
                         log.note(id, |p| p.snapshot_ns = Some(last_tick_end_ns));
                     }

@@ -7,14 +7,17 @@ use std::sync::Arc;
 use bytes::Bytes;
 use cellmesh_proto::local::{
     game_message::Body, sidecar_message, Adopt, Adopted, Audience, AudienceKind, CheckpointState,
-    Component, Despawn, Event, ReserveIds, Snapshot, Spawn, Update, Vec3, Welcome,
+    Component, Despawn, Event, Release, ReserveIds, Snapshot, Spawn, Update, Vec3, Welcome,
 };
-use cellmesh_proto::sdk::GameSender;
+use cellmesh_proto::sdk::{GameSender, OwnedArea};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::schema::{self, SampleSnapshot, SnapshotKind, SNAPSHOT_VERSION};
 use crate::{ArenaConfig, ArenaStats, Census};
+
+/// Ticks an entity whose release was kept waits before it is released again.
+const RELEASE_BACKOFF_TICKS: u64 = 20;
 
 /// Where the arena writes: the SDK's batch in a run, a plain list in tests and simulations.
 pub trait Outbox {
@@ -138,6 +141,11 @@ struct Entity {
     health: (u32, u32),
     /// Handed to the sidecar for a handoff: neither moved nor written until `Thaw` or `Evict`.
     frozen: bool,
+    /// Released by this arena (not frozen by the sidecar's `Freeze`).
+    released: bool,
+    /// Not released again before this tick: a release the sidecar kept (no target ready) is
+    /// left to its own `Freeze`, rather than repeated every tick.
+    release_after: u64,
     /// The entity epoch it is written under (a checkpoint names it).
     epoch: u64,
     role: Role,
@@ -209,6 +217,8 @@ pub struct Arena {
     /// This arena's label in the census: its node id.
     node: u32,
     torus: Torus,
+    /// The area this arena's node owns, by which it releases what walks out of it.
+    area: OwnedArea,
     rng: StdRng,
     ids: Vec<u64>,
     next_request: u64,
@@ -222,6 +232,8 @@ pub struct Arena {
     waiting: Vec<PendingJoin>,
     /// Nothing moves any more (a simulator's quiet end).
     halted: bool,
+    /// Ticks simulated.
+    ticks: u64,
     pub stats: ArenaStats,
 }
 
@@ -241,6 +253,7 @@ impl Arena {
             cfg,
             node: welcome.node_id,
             torus: Torus::from_welcome(welcome),
+            area: OwnedArea::from_welcome(welcome),
             rng,
             ids: Vec::new(),
             next_request: 1,
@@ -250,6 +263,7 @@ impl Arena {
             players: HashMap::new(),
             waiting: Vec::new(),
             halted: false,
+            ticks: 0,
             stats: ArenaStats::default(),
         }
     }
@@ -335,6 +349,8 @@ impl Arena {
                     dir,
                     health,
                     frozen: false,
+                    released: false,
+                    release_after: 0,
                     epoch: 1,
                     role: Role::Npc { name, turn_in },
                 },
@@ -400,6 +416,8 @@ impl Arena {
                 dir: (0.0, 0.0),
                 health,
                 frozen: false,
+                released: false,
+                release_after: 0,
                 epoch: 1,
                 role: Role::Player(Player {
                     account,
@@ -552,6 +570,12 @@ impl Arena {
                     return;
                 }
                 e.frozen = false;
+                if std::mem::take(&mut e.released) {
+                    // Kept: no node could take it yet, or it is within the margin. The
+                    // sidecar's own Freeze hands it over once one can.
+                    e.release_after = self.ticks + RELEASE_BACKOFF_TICKS;
+                    self.stats.releases_kept += 1;
+                }
                 self.stats.thawed += 1;
                 tracing::debug!(entity = t.entity_id, reason = %t.reason, "handoff refused, resuming");
                 if let Role::Player(Player {
@@ -589,6 +613,7 @@ impl Arena {
             }
             M::Adopt(a) => self.adopt(out, a),
             M::PartitionChanged(p) => {
+                self.area.set_rects(p.owned_area.clone());
                 tracing::info!(
                     epoch = p.partition_epoch,
                     rects = p.owned_area.len(),
@@ -697,6 +722,8 @@ impl Arena {
                 dir: (s.dir[0], s.dir[1]),
                 health: (s.health[0], s.health[1]),
                 frozen: false,
+                released: false,
+                release_after: 0,
                 epoch: a.epoch,
                 role,
             },
@@ -709,11 +736,15 @@ impl Arena {
 
     pub fn tick(&mut self, out: &mut impl Outbox, dt: f64) {
         let halted = self.halted;
+        self.ticks += 1;
+        let now = self.ticks;
         let Self {
             cfg,
             torus,
+            area,
             rng,
             entities,
+            stats,
             ..
         } = self;
         let half = cfg.spread / 2.0;
@@ -777,6 +808,22 @@ impl Arena {
                         }));
                     }
                 }
+            }
+            // Walked out of the area this tick: handed over with this tick's state, so the next
+            // owner simulates it in its very next tick (no Freeze round trip). Not a player's
+            // avatar: its inputs on their way here would be lost; the sidecar's Freeze holds
+            // them back.
+            let npc = matches!(e.role, Role::Npc { .. });
+            if cfg.release && npc && now >= e.release_after && area.release_due(e.pos.0, e.pos.1) {
+                e.frozen = true;
+                e.released = true;
+                out.push(Body::Release(Release {
+                    entity_id: id,
+                    entity_epoch: e.epoch,
+                    state: e.snapshot().encode(),
+                    attachments: vec![],
+                }));
+                stats.released += 1;
             }
         }
     }
@@ -943,6 +990,155 @@ mod tests {
         assert_eq!(t.normalise((-1e-18, 0.0)).0, 0.0);
         let flat = Torus::default();
         assert_eq!(flat.delta((990.0, 0.0), (10.0, 0.0)), (-980.0, 0.0));
+    }
+
+    /// An arena owning only the chunk east of the origin (no margin): its NPCs, wandering
+    /// around the origin, keep walking out of it.
+    fn arena_owning_one_chunk(census: &Arc<Census>) -> Arena {
+        let mut w = welcome();
+        w.owned_area = vec![cellmesh_proto::local::Rect {
+            x: 0.0,
+            y: 0.0,
+            width: 32.0,
+            height: 32.0,
+        }];
+        w.handoff_margin_chunks = 0;
+        let cfg = ArenaConfig {
+            npcs: 20,
+            center: (0.0, 0.0),
+            spread: 40.0,
+            census: Some(census.clone()),
+            ..ArenaConfig::default()
+        };
+        let mut a = Arena::new(cfg, &w);
+        let mut out = Vec::new();
+        a.request_ids(&mut out);
+        a.on_message(
+            &mut out,
+            M::IdsReserved(IdsReserved {
+                request_id: 1,
+                ids: (1000..1100).collect(),
+            }),
+        );
+        a
+    }
+
+    fn releases(out: &[Body]) -> Vec<&Release> {
+        out.iter()
+            .filter_map(|b| match b {
+                Body::Release(r) => Some(r),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// An NPC that walks out of the area is released in that tick, after its last move, with
+    /// its whole state; from then on it is frozen (neither moved nor written).
+    #[test]
+    fn an_npc_that_walks_out_of_the_area_is_released_with_its_state_and_frozen() {
+        let census = Arc::new(Census::default());
+        let mut a = arena_owning_one_chunk(&census);
+        let mut out = Vec::new();
+        let mut ticks = 0;
+        while releases(&out).is_empty() {
+            out.clear();
+            a.tick(&mut out, 0.05);
+            ticks += 1;
+            assert!(ticks < 200, "no NPC ever left the area");
+        }
+        let released: Vec<(u64, u64, SampleSnapshot)> = releases(&out)
+            .iter()
+            .map(|r| {
+                let snap = SampleSnapshot::decode(&r.state).expect("a decodable snapshot");
+                (r.entity_id, r.entity_epoch, snap)
+            })
+            .collect();
+        for (id, epoch, snap) in &released {
+            assert_eq!(*epoch, 1);
+            assert_eq!(snap.kind, SnapshotKind::Npc);
+            let e = &a.entities[id];
+            assert!(e.frozen);
+            let off = (snap.pos[0] - e.pos.0).hypot(snap.pos[1] - e.pos.1);
+            assert!(
+                off < 1e-6,
+                "the tick's own state: {:?} vs {:?}",
+                snap.pos,
+                e.pos
+            );
+            assert!(!a
+                .area
+                .chunks_outside(e.pos.0, e.pos.1)
+                .is_some_and(|d| d == 0));
+            // Its last move comes before the release in the tick's batch.
+            let moved = out
+                .iter()
+                .position(|b| matches!(b, Body::Update(u) if u.entity_id == *id));
+            let rel = out
+                .iter()
+                .position(|b| matches!(b, Body::Release(r) if r.entity_id == *id));
+            assert!(moved < rel, "{out:?}");
+        }
+        assert_eq!(a.stats.released, released.len() as u64);
+        let mut next = Vec::new();
+        a.tick(&mut next, 0.05);
+        for (id, _, _) in &released {
+            assert!(!writes(&next, *id), "a released NPC was written: {next:?}");
+            assert!(releases(&next).iter().all(|r| r.entity_id != *id));
+        }
+    }
+
+    /// A release the sidecar kept (thawed) is not repeated at every tick: the entity moves on,
+    /// and is released again only after a back-off (the sidecar's Freeze may come first).
+    #[test]
+    fn a_kept_release_is_not_repeated_before_the_back_off() {
+        let census = Arc::new(Census::default());
+        let mut a = arena_owning_one_chunk(&census);
+        let id = loop {
+            let mut out = Vec::new();
+            a.tick(&mut out, 0.05);
+            if let Some(r) = releases(&out).first() {
+                break r.entity_id;
+            }
+        };
+        let mut out = Vec::new();
+        a.on_message(
+            &mut out,
+            M::Thaw(Thaw {
+                entity_id: id,
+                reason: "released, but kept: no node could take it".into(),
+            }),
+        );
+        assert_eq!(a.stats.releases_kept, 1);
+        for _ in 0..RELEASE_BACKOFF_TICKS - 1 {
+            let mut out = Vec::new();
+            a.tick(&mut out, 0.05);
+            assert!(writes(&out, id), "a thawed NPC moves again");
+            assert!(releases(&out).iter().all(|r| r.entity_id != id));
+        }
+        // Once the back-off is over it goes as soon as it stands outside.
+        let mut released_again = false;
+        for _ in 0..400 {
+            let mut out = Vec::new();
+            a.tick(&mut out, 0.05);
+            if releases(&out).iter().any(|r| r.entity_id == id) {
+                released_again = true;
+                break;
+            }
+        }
+        assert!(released_again);
+    }
+
+    /// With `release` off the arena leaves every handoff to the sidecar's Freeze.
+    #[test]
+    fn an_arena_that_does_not_release_waits_for_the_freeze() {
+        let census = Arc::new(Census::default());
+        let mut a = arena_owning_one_chunk(&census);
+        a.cfg.release = false;
+        for _ in 0..200 {
+            let mut out = Vec::new();
+            a.tick(&mut out, 0.05);
+            assert!(releases(&out).is_empty());
+        }
     }
 
     #[test]

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use cellmesh_proto::local::{game_message::Body, Load};
-use cellmesh_proto::sdk::{self, SdkConfig, SidecarAddr};
+use cellmesh_proto::sdk::{self, SdkConfig, SidecarAddr, TickClock};
 
 pub use census::{Census, CensusReport};
 pub use game::{Arena, Held, Outbox};
@@ -40,6 +40,9 @@ pub struct ArenaConfig {
     pub census: Option<Arc<Census>>,
     /// Once set, nothing moves any more (a census of a world at rest).
     pub halt: Option<Arc<AtomicBool>>,
+    /// Hand an entity over with `Release` in the tick it walks out of the node's area (else
+    /// the sidecar's `Freeze` does it, a tick later).
+    pub release: bool,
 }
 
 impl Default for ArenaConfig {
@@ -55,6 +58,7 @@ impl Default for ArenaConfig {
             npc_speed: schema::NPC_SPEED,
             census: None,
             halt: None,
+            release: true,
         }
     }
 }
@@ -67,8 +71,12 @@ pub struct ArenaStats {
     pub inputs_duplicate: u64,
     pub players_joined: u64,
     pub errors_from_sidecar: u64,
-    /// Entities frozen for a handoff.
+    /// Entities frozen for a handoff by the sidecar's `Freeze`.
     pub frozen: u64,
+    /// Entities this arena released (`Release`) as they walked out of its area...
+    pub released: u64,
+    /// ...and of those, how many the sidecar kept (thawed).
+    pub releases_kept: u64,
     /// Snapshots sent (a repeated Freeze is answered again).
     pub snapshots: u64,
     /// Checkpoints answered.
@@ -96,6 +104,13 @@ impl Drop for Holding {
     }
 }
 
+/// Microseconds since the Unix epoch on the wall clock, which the common tick clock counts in.
+fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
 /// Runs the arena until `shutdown` completes or the sidecar goes away. When it ends (or its task
 /// is dropped) its census entries are released: read a census report before stopping arenas.
 pub async fn run(
@@ -110,14 +125,17 @@ pub async fn run(
         .context("connecting to the sidecar")?;
     tracing::info!(node = welcome.node_id, "arena joined its sidecar");
     let tick_len = Duration::from_secs_f64(1.0 / cfg.tick_hz.max(1) as f64);
+    // Ticks start on the world's common clock, so an entity released at the end of a tick here
+    // is adopted for the next one on its new node.
+    let clock = TickClock::from_welcome(&welcome, cfg.tick_hz);
     let _holding = Holding(cfg.census.clone().map(|c| (c, welcome.node_id)));
     let halt = cfg.halt.clone();
     let mut arena = Arena::new(cfg, &welcome);
     arena.request_ids(&mut tx);
     tx.flush().await?;
-    let mut ticker = tokio::time::interval(tick_len);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut tick: u64 = 0;
+    let (mut tick, wait) = clock.next_tick(unix_us());
+    let mut next_at = tokio::time::Instant::now() + wait;
+    let mut ticks: u64 = 0;
     let mut last_load = tokio::time::Instant::now();
     tokio::pin!(shutdown);
     loop {
@@ -128,9 +146,9 @@ pub async fn run(
                 Some(Err(e)) => return Err(e).context("reading from the sidecar"),
                 None => { tracing::info!("sidecar closed the connection"); break }
             },
-            _ = ticker.tick() => {
+            _ = tokio::time::sleep_until(next_at) => {
                 let started = tokio::time::Instant::now();
-                tick += 1;
+                ticks += 1;
                 if halt.as_ref().is_some_and(|h| h.load(Ordering::Relaxed)) {
                     arena.halt();
                 }
@@ -144,8 +162,12 @@ pub async fn run(
                         entity_count: arena.entity_count() as u32,
                     }));
                 }
-                arena.stats.ticks = tick;
+                arena.stats.ticks = ticks;
                 tx.end_tick(tick).await.context("sending the tick")?;
+                // The next tick of the common clock (one that is already late is skipped).
+                let (next, wait) = clock.next_tick(unix_us());
+                tick = next.max(tick + 1);
+                next_at = tokio::time::Instant::now() + wait;
             }
         }
     }

@@ -24,6 +24,10 @@ struct Args {
     /// Metres per second a player walks
     #[arg(long, default_value_t = cellmesh_arena::schema::PLAYER_SPEED)]
     player_speed: f64,
+    /// Leave every handoff to the sidecar's Freeze instead of releasing entities that walk out
+    /// of the node's area
+    #[arg(long)]
+    no_release: bool,
 }
 
 #[tokio::main]
@@ -52,6 +56,7 @@ async fn main() -> anyhow::Result<()> {
         seed: a.seed,
         player_speed: a.player_speed,
         census: None,
+        release: !a.no_release,
         ..ArenaConfig::default()
     };
     let stats = run(cfg, shutdown_signal()).await?;

@@ -77,6 +77,12 @@ const MAX_CHECKPOINTS_ASKED: usize = 256;
 /// Most ids one `ReserveIds` may ask for.
 const MAX_RESERVE: usize = 65_536;
 
+/// Where the world's common tick clock starts (`Welcome.tick_phase`): the Unix epoch, which
+/// every host agrees on without a word, so games of one tick rate tick in phase everywhere.
+const TICK_ORIGIN_UNIX_MS: u64 = 0;
+/// The tick rate the phase is given in for a game that named none.
+const DEFAULT_TICK_HZ: u32 = 20;
+
 impl Core {
     pub(crate) fn on_game_hello(
         &mut self,
@@ -103,6 +109,7 @@ impl Core {
             return;
         }
         tracing::info!(conn, game = %hello.game, "game connected");
+        let hello_rate = hello.tick_rate_hz;
         self.game.slot = Some(GameSlot {
             conn,
             hello,
@@ -123,6 +130,15 @@ impl Core {
                 }),
                 owned_area: self.owned_rects(),
                 partition_epoch: self.auth.partition.epoch(),
+                tick_phase: Some(local::TickPhase {
+                    origin_unix_ms: TICK_ORIGIN_UNIX_MS,
+                    tick_rate_hz: if hello_rate > 0 {
+                        hello_rate
+                    } else {
+                        DEFAULT_TICK_HZ
+                    },
+                }),
+                handoff_margin_chunks: self.cfg.handoff_margin_chunks,
             })
             .into(),
         );
@@ -262,6 +278,7 @@ impl Core {
             B::Snapshot(s) => self.on_snapshot(s),
             B::Adopted(a) => self.on_adopted(a),
             B::CheckpointState(c) => self.on_checkpoint_state(c),
+            B::Release(r) => self.on_release(r),
         }
     }
 

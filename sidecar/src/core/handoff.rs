@@ -7,7 +7,7 @@
 //! `EntityMoved`. Target: the offer's checks → `Adopt` → the game's `Adopted` → the ghost
 //! becomes the node's own entity → `HandoffAck`. An offer with no answer stays frozen.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use bytes::Bytes;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
@@ -20,7 +20,7 @@ use cellmesh_proto::mesh::{self, mesh_message};
 
 use super::wire::*;
 use super::*;
-use crate::model::entities::{Entity, TickChanges};
+use crate::model::entities::{Entity, EntityError, TickChanges};
 use crate::model::handoff::{
     freeze_cost, Admit, AfterDespawn, Completed, Fence, HandoffSource, HandoffTarget, InputRoute,
     Offer, OfferChecks, OfferDecision, Thawed,
@@ -55,6 +55,28 @@ pub(crate) struct Handoffs {
     pub ghost_wait: HashMap<u64, u64>,
     /// Entities the fence holds frames for, since when (monotonic ms).
     pub held_since: HashMap<u64, u64>,
+    /// Units the game released in the tick under way, by root: offered at its `TickEnd`.
+    pub released: BTreeMap<u64, Released>,
+    /// Every member of a unit in `released` -> its root (the game must not write them).
+    pub released_by: HashMap<u64, u64>,
+}
+
+/// A unit the game handed over itself (`Release`): its snapshots, taken as its tick ended.
+#[derive(Debug, Clone)]
+pub(crate) struct Released {
+    pub epoch: u64,
+    pub state: Bytes,
+    pub attachments: Vec<local::Snapshot>,
+}
+
+/// Whether an owned entity is handed over now.
+enum Due {
+    /// It stays: not far enough past the border (or nowhere else to go).
+    No,
+    /// It is due, but not yet: the target is unreachable, behind on the partition, holds no
+    /// ghost of it yet, or refused lately. Checked again at the next tick.
+    Later(&'static str),
+    Now(NodeId),
 }
 
 /// Frames of a newer epoch wait this long for the old owner's word (`EntityMoved`); then the
@@ -82,14 +104,27 @@ pub(crate) enum Fenced {
 impl Core {
     // ------------------------------------------------------------------ source
 
-    /// After the tick's moves: offers every owned entity standing far enough in another node's
-    /// area (and those a new partition gave away, or that wait for a retry).
+    /// After the tick's moves: offers what the game released, then every other owned entity
+    /// standing far enough in another node's area (and those a new partition gave away, or that
+    /// wait for a retry).
     pub(crate) fn check_handoffs(&mut self, changes: &TickChanges) {
-        if self.game.slot.is_none() || !self.auth.lease_live || !self.mesh.clustered {
+        let released = std::mem::take(&mut self.handoff.released);
+        self.handoff.released_by.clear();
+        let alone = if self.game.slot.is_none() {
+            Some("the game went away")
+        } else if !self.auth.lease_live {
+            Some("this node lost its lease")
+        } else if !self.mesh.clustered {
+            Some("this node is alone in the world")
+        } else {
+            None
+        };
+        if let Some(reason) = alone {
+            for (root, r) in released {
+                self.keep_released(root, &r, reason);
+            }
             return;
         }
-        let me = self.cfg.node_id;
-        let now = self.now.mono_ms;
         let mut ids = std::mem::take(&mut self.handoff.recheck);
         ids.extend(
             changes
@@ -97,79 +132,269 @@ impl Core {
                 .filter(|(_, c)| c.moved || c.spawned)
                 .map(|(id, _)| *id),
         );
+        for (root, r) in released {
+            ids.remove(&root);
+            self.offer_released(root, r);
+        }
         for id in ids {
-            let Some(e) = self.table.get_local(id) else {
-                self.handoff.mass.remove(&id);
-                self.handoff.ghost_wait.remove(&id);
-                continue;
-            };
-            // Attachments move with their root.
-            if e.parent_id != 0 && self.table.get_local(e.parent_id).is_some() {
-                continue;
+            if let Due::Now(to) = self.handoff_due(id) {
+                self.begin_handoff(id, to);
             }
-            if self.handoff.out.is_frozen(id) {
-                continue;
-            }
-            let margin = if self.handoff.mass.contains(&id) {
-                0
-            } else {
-                i64::from(self.cfg.handoff_margin_chunks)
-            };
-            let Some(to) = crate::model::handoff::trigger(
-                &self.auth.partition,
-                me,
-                &self.auth.area,
-                e.chunk,
-                margin,
-            ) else {
-                self.handoff.mass.remove(&id);
-                self.handoff.ghost_wait.remove(&id);
-                continue;
-            };
-            // The target must hold the entity's ghost when the offer reaches it: this node has
-            // sent it the full state on the same ordered link (or it stands beyond the reach the
-            // target subscribes to, and the offer says so).
-            let unseen = subs::distance_to_area(&self.cfg.world, &self.auth.area, e.chunk)
-                > self.cfg.reach_chunks();
-            let seen = unseen
-                || self
-                    .repl
-                    .replicas
-                    .get(&id)
-                    .is_some_and(|holders| holders.contains(&to));
-            // A target that never subscribes (no game to tick, say) is offered all the same after
-            // a while, and answers for itself.
-            let waited = *self.handoff.ghost_wait.entry(id).or_insert(now);
-            let seen = seen || now >= waited + GHOST_WAIT_MS;
-            let ready = self.mesh.peers.get(&to).is_some_and(|p| p.link.is_some())
-                && self.mesh.peer_partition.get(&to).copied().unwrap_or(0)
-                    >= self.auth.partition.epoch()
-                && seen;
-            if !ready || self.handoff.retry.get(&id).is_some_and(|t| *t > now) {
-                // Not yet: the target is unreachable, behind on the partition, holds no ghost
-                // yet, or refused lately.
-                self.handoff.recheck.insert(id);
-                continue;
-            }
-            let epoch = e.epoch;
-            let attachments = self.attachments_of(id);
+        }
+    }
+
+    /// Whether owned entity `id` is handed over now, keeping the bookkeeping of those that
+    /// wait (a retry at the next tick, how long they waited for the target's ghost).
+    fn handoff_due(&mut self, id: u64) -> Due {
+        let me = self.cfg.node_id;
+        let now = self.now.mono_ms;
+        let Some(e) = self.table.get_local(id) else {
+            self.handoff.mass.remove(&id);
             self.handoff.ghost_wait.remove(&id);
-            match self.handoff.out.begin(id, epoch, &attachments, to, now) {
-                Ok(freeze) => {
-                    self.metrics.handoff(me, to, "started");
-                    for m in freeze.members {
-                        let epoch = self.table.get(m).map_or(epoch, |e| e.epoch);
-                        self.out.to_game.push(
-                            sidecar_message::Body::Freeze(local::Freeze {
-                                entity_id: m,
-                                entity_epoch: epoch,
-                            })
-                            .into(),
-                        );
+            return Due::No;
+        };
+        // Attachments move with their root.
+        if e.parent_id != 0 && self.table.get_local(e.parent_id).is_some() {
+            return Due::No;
+        }
+        if self.handoff.out.is_frozen(id) {
+            return Due::No;
+        }
+        let margin = if self.handoff.mass.contains(&id) {
+            0
+        } else {
+            i64::from(self.cfg.handoff_margin_chunks)
+        };
+        let Some(to) = crate::model::handoff::trigger(
+            &self.auth.partition,
+            me,
+            &self.auth.area,
+            e.chunk,
+            margin,
+        ) else {
+            self.handoff.mass.remove(&id);
+            self.handoff.ghost_wait.remove(&id);
+            return Due::No;
+        };
+        // The target must hold the entity's ghost when the offer reaches it: this node has
+        // sent it the full state on the same ordered link (or it stands beyond the reach the
+        // target subscribes to, and the offer says so).
+        let unseen = subs::distance_to_area(&self.cfg.world, &self.auth.area, e.chunk)
+            > self.cfg.reach_chunks();
+        let seen = unseen
+            || self
+                .repl
+                .replicas
+                .get(&id)
+                .is_some_and(|holders| holders.contains(&to));
+        // A target that never subscribes (no game to tick, say) is offered all the same after
+        // a while, and answers for itself.
+        let waited = *self.handoff.ghost_wait.entry(id).or_insert(now);
+        let seen = seen || now >= waited + GHOST_WAIT_MS;
+        let why = if !self.mesh.peers.get(&to).is_some_and(|p| p.link.is_some()) {
+            Some("the node that owns its position is unreachable")
+        } else if self.mesh.peer_partition.get(&to).copied().unwrap_or(0)
+            < self.auth.partition.epoch()
+        {
+            Some("the node that owns its position is behind on the partition")
+        } else if !seen {
+            Some("the node that owns its position holds no ghost of it yet")
+        } else if self.handoff.retry.get(&id).is_some_and(|t| *t > now) {
+            Some("the node that owns its position refused it lately")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            self.handoff.recheck.insert(id);
+            return Due::Later(why);
+        }
+        self.handoff.ghost_wait.remove(&id);
+        Due::Now(to)
+    }
+
+    /// Freezes `root`'s unit in the game for a handoff to `to`.
+    fn begin_handoff(&mut self, root: u64, to: NodeId) {
+        let me = self.cfg.node_id;
+        let Some(epoch) = self.table.get_local(root).map(|e| e.epoch) else {
+            return;
+        };
+        let attachments = self.attachments_of(root);
+        match self
+            .handoff
+            .out
+            .begin(root, epoch, &attachments, to, self.now.mono_ms)
+        {
+            Ok(freeze) => {
+                self.metrics.handoff(me, to, "started");
+                for m in freeze.members {
+                    self.freeze_in_game(m);
+                }
+            }
+            Err(e) => tracing::debug!(entity = root, error = %e, "handoff not begun"),
+        }
+    }
+
+    fn freeze_in_game(&mut self, id: u64) {
+        let Some(epoch) = self.table.get(id).map(|e| e.epoch) else {
+            return;
+        };
+        self.out.to_game.push(
+            sidecar_message::Body::Freeze(local::Freeze {
+                entity_id: id,
+                entity_epoch: epoch,
+            })
+            .into(),
+        );
+    }
+
+    /// `Release` from the game: checked now, offered at the tick's end (after the tick's state
+    /// went to the subscribers, as an offer after a `Freeze` does). Every release is answered
+    /// by an `Evict` or a `Thaw` (after an `Error` if it was wrong), so the game never holds an
+    /// entity frozen for nothing.
+    pub(crate) fn on_release(&mut self, r: local::Release) {
+        let id = r.entity_id;
+        let Some(e) = self.table.get_local(id) else {
+            self.entity_error(EntityError::Unknown(id));
+            return self.thaw_released(id, "the sidecar holds no such entity of this game");
+        };
+        let (epoch, parent) = (e.epoch, e.parent_id);
+        if r.entity_epoch != epoch {
+            let detail = format!(
+                "Release of entity {id} under epoch {}, the entity is at epoch {epoch}",
+                r.entity_epoch
+            );
+            self.game_error(ErrorCode::InvalidValue, detail.clone(), id);
+            return self.thaw_released(id, &detail);
+        }
+        if self.handoff.out.is_frozen(id) {
+            // It crossed our `Freeze`: its snapshots answer it.
+            let root = local::Snapshot {
+                entity_id: id,
+                entity_epoch: epoch,
+                state: r.state,
+            };
+            for s in std::iter::once(root).chain(r.attachments) {
+                self.on_snapshot(s);
+            }
+            return;
+        }
+        if self.handoff.released_by.contains_key(&id) {
+            // The first release is answered; this one is not.
+            return self.game_error(
+                ErrorCode::UnexpectedMessage,
+                format!("entity {id} was released already in this tick"),
+                id,
+            );
+        }
+        if !self.may_write(id) {
+            return self.thaw_released(id, "this node may not hand it over now");
+        }
+        let mut members = self.attachments_of(id);
+        members.push(id);
+        if members
+            .iter()
+            .any(|m| self.table.get_local(*m).is_some_and(|e| e.is_master))
+        {
+            // Inputs already on their way to the game would reach an avatar frozen there, with
+            // nobody to apply them; a Freeze holds them here instead.
+            return self.thaw_released(
+                id,
+                "a player's avatar is handed over by Freeze, so that no input on its way to the game is lost",
+            );
+        }
+        if parent != 0 && self.table.get_local(parent).is_some() {
+            let detail = format!(
+                "entity {id} is attached to entity {parent}: release the root, whose unit it moves with"
+            );
+            self.game_error(ErrorCode::InvalidValue, detail.clone(), id);
+            return self.thaw_released(id, &detail);
+        }
+        for m in members {
+            self.handoff.released_by.insert(m, id);
+        }
+        self.handoff.released.insert(
+            id,
+            Released {
+                epoch,
+                state: r.state,
+                attachments: r.attachments,
+            },
+        );
+    }
+
+    fn thaw_released(&mut self, id: u64, reason: &str) {
+        self.metrics.releases_kept.inc();
+        self.out.to_game.push(
+            sidecar_message::Body::Thaw(local::Thaw {
+                entity_id: id,
+                reason: format!("released, but kept: {reason}"),
+            })
+            .into(),
+        );
+    }
+
+    /// A unit the game released: offered now if it is due and its target ready, else thawed.
+    fn offer_released(&mut self, root: u64, r: Released) {
+        let me = self.cfg.node_id;
+        let to = match self.handoff_due(root) {
+            Due::Now(to) => to,
+            Due::No => {
+                return self.keep_released(
+                    root,
+                    &r,
+                    "it is inside this node's area or within the handoff margin of it",
+                )
+            }
+            Due::Later(why) => return self.keep_released(root, &r, why),
+        };
+        let attachments = self.attachments_of(root);
+        let begun = self
+            .handoff
+            .out
+            .begin(root, r.epoch, &attachments, to, self.now.mono_ms);
+        if let Err(e) = begun {
+            tracing::debug!(entity = root, error = %e, "released unit not offered");
+            return self.keep_released(root, &r, "it is in another handoff");
+        }
+        self.metrics.handoff(me, to, "released");
+        let now = self.now.mono_ms;
+        // What the game's release holds is the freshest checkpoint there is, as a snapshot.
+        let mut parts: Vec<(u64, Bytes)> = vec![(root, r.state)];
+        for a in r.attachments {
+            let current = self.table.get_local(a.entity_id).map(|e| e.epoch);
+            if attachments.contains(&a.entity_id) && current == Some(a.entity_epoch) {
+                parts.push((a.entity_id, a.state));
+            }
+        }
+        let mut offer = None;
+        let mut snapshotted = Vec::with_capacity(parts.len());
+        for (id, state) in parts {
+            let epoch = self.table.get_local(id).map_or(r.epoch, |e| e.epoch);
+            self.game.checkpoints.taken(id, epoch, state.clone(), now);
+            snapshotted.push(id);
+            if let Ok(Some(o)) = self.handoff.out.snapshot(id, state) {
+                offer = Some(o);
+            }
+        }
+        match offer {
+            Some(offer) => self.send_offer(offer, false),
+            // Attachments the release did not carry: their snapshots are asked for.
+            None => {
+                for m in attachments {
+                    if !snapshotted.contains(&m) {
+                        self.freeze_in_game(m);
                     }
                 }
-                Err(e) => tracing::debug!(entity = id, error = %e, "handoff not begun"),
             }
+        }
+    }
+
+    /// A released unit stays here: the game resumes it.
+    fn keep_released(&mut self, root: u64, r: &Released, reason: &str) {
+        tracing::debug!(entity = root, reason, "released entity kept");
+        let members = std::iter::once(root).chain(r.attachments.iter().map(|a| a.entity_id));
+        for id in members.collect::<Vec<_>>() {
+            self.thaw_released(id, reason);
         }
     }
 
@@ -194,6 +419,17 @@ impl Core {
             self.game_error(
                 ErrorCode::NotOwner,
                 format!("entity {id}: this node lost its lease; everything it owned is frozen"),
+                id,
+            );
+            return false;
+        }
+        if let Some(root) = self.handoff.released_by.get(&id) {
+            let root = *root;
+            self.game_error(
+                ErrorCode::NotOwner,
+                format!(
+                    "entity {id} was released for a handoff (with entity {root}): the game must not write it until Thaw or Evict"
+                ),
                 id,
             );
             return false;
@@ -385,6 +621,9 @@ impl Core {
     /// Every unit still waiting for a snapshot is thawed: its game went away (its entities kept
     /// for its return), so no snapshot will come.
     pub(crate) fn abandon_freezing(&mut self, reason: &str) {
+        // What it released is kept here too (its entities stay for its return).
+        self.handoff.released.clear();
+        self.handoff.released_by.clear();
         for (root, to, thawed) in self.handoff.out.abandon_freezing(self.now.mono_ms) {
             self.metrics.handoff(self.cfg.node_id, to, "abandoned");
             self.thaw(root, thawed, reason);

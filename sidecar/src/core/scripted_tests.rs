@@ -794,3 +794,292 @@ fn the_owners_near_cache_stays_bounded() {
     }
     assert_eq!(core.owners_near(ChunkPos { x: 7, y: 3 }), first);
 }
+
+/// The game releases `NPC` (spawned at 50 ms) in the frame of tick 2 at `ms`, after moving it
+/// to `x`; `extra` goes between the release and the TickEnd.
+fn release_at(core: &mut Core, ms: u64, x: f64, extra: Option<game_message::Body>) {
+    link_up(core, 10, PEER_LINK, GATEWAY);
+    spawn(core, 50, 1, NPC, pos(100.0, 40.0));
+    let _ = outputs(core);
+    let messages = [
+        game_message::Body::Update(local::Update {
+            entity_id: NPC,
+            position: pos(x, 40.0),
+            ..Default::default()
+        }),
+        game_message::Body::Release(local::Release {
+            entity_id: NPC,
+            entity_epoch: 1,
+            state: bytes::Bytes::from_static(b"npc"),
+            attachments: vec![],
+        }),
+    ]
+    .into_iter()
+    .chain(extra)
+    .chain([game_message::Body::TickEnd(local::TickEnd { tick: 2 })]);
+    core.handle(
+        at(ms),
+        Input::GameFrame {
+            conn: 1,
+            messages: messages.map(Into::into).collect(),
+        },
+    );
+}
+
+fn offer_to_node_2(links: &[(LinkId, mesh_message::Body)]) -> Option<&mesh::HandoffOffer> {
+    links.iter().find_map(|(l, m)| match m {
+        mesh_message::Body::HandoffOffer(o) if *l == PEER_LINK && o.entity_id == NPC => Some(o),
+        _ => None,
+    })
+}
+
+#[test]
+fn the_welcome_gives_the_common_tick_phase_and_the_handoff_margin() {
+    let mut core = node();
+    let game = to_game(&mut core);
+    let Some(sidecar_message::Body::Welcome(w)) = game.first() else {
+        panic!("no Welcome first: {game:?}");
+    };
+    assert_eq!(
+        w.tick_phase,
+        Some(local::TickPhase {
+            origin_unix_ms: 0,
+            tick_rate_hz: 20
+        })
+    );
+    assert_eq!(w.handoff_margin_chunks, 1);
+    assert_eq!(
+        w.version.as_ref().map(|v| v.minor),
+        Some(cellmesh_proto::PROTOCOL_MINOR)
+    );
+}
+
+/// A game that releases an entity it moved out of its area hands it over in that very frame:
+/// no Freeze, the offer leaves at once with the game's own snapshot, and with the target's
+/// game adopting it in its next tick the unit misses no tick.
+#[test]
+fn a_released_entity_is_offered_in_the_frame_that_released_it() {
+    let mut core = node();
+    release_at(&mut core, 100, 12.0 * 32.0 + 10.0, None);
+    let (game, links) = outputs(&mut core);
+    assert!(
+        !game
+            .iter()
+            .any(|m| matches!(m, sidecar_message::Body::Freeze(_))),
+        "{game:?}"
+    );
+    let offer = offer_to_node_2(&links).expect("the offer went to node 2 in the same frame");
+    assert_eq!(offer.state.as_ref(), b"npc");
+    assert_eq!(offer.entity_epoch, 2);
+    let epoch = offer.entity_epoch;
+    // The target's game adopted it 44 ms later, in its next tick; the ack came 6 ms after that.
+    ack(
+        &mut core,
+        150,
+        epoch,
+        Some(mesh::AdoptTiming { game_ms: 44 }),
+    );
+    let m = core.metrics();
+    assert_eq!(recorded(&m.freeze_ms), (1, 50));
+    assert_eq!(recorded(&m.ticks_missed), (1, 0));
+    assert_eq!(recorded(&m.freeze_sidecars_ms), (1, 6));
+    let released = crate::metrics::HandoffLabel {
+        from: "1".into(),
+        to: "2".into(),
+        outcome: "released",
+    };
+    assert_eq!(m.handoffs.get_or_create(&released).get(), 1);
+}
+
+/// An entity released a chunk past the line (within the margin) stays: the game gets a Thaw
+/// that says why, and writes it as before.
+#[test]
+fn a_release_within_the_margin_is_thawed_and_the_entity_written_again() {
+    let mut core = node();
+    release_at(&mut core, 100, 8.0 * 32.0 + 5.0, None);
+    let (game, links) = outputs(&mut core);
+    assert!(offer_to_node_2(&links).is_none(), "{links:?}");
+    assert!(
+        game.iter().any(|m| matches!(m,
+            sidecar_message::Body::Thaw(t) if t.entity_id == NPC && t.reason.contains("margin"))),
+        "{game:?}"
+    );
+    assert_eq!(core.metrics().releases_kept.get(), 1);
+    game_tick(
+        &mut core,
+        150,
+        3,
+        game_message::Body::Update(local::Update {
+            entity_id: NPC,
+            position: pos(8.0 * 32.0 + 6.0, 40.0),
+            ..Default::default()
+        }),
+    );
+    let game = to_game(&mut core);
+    assert!(
+        !game
+            .iter()
+            .any(|m| matches!(m, sidecar_message::Body::Error(_))),
+        "{game:?}"
+    );
+}
+
+/// A released entity is frozen from the Release on: a write after it in the same tick is
+/// refused by name, and the offer carries the released state.
+#[test]
+fn a_write_after_a_release_is_refused() {
+    let mut core = node();
+    let write = game_message::Body::Update(local::Update {
+        entity_id: NPC,
+        position: pos(100.0, 40.0),
+        ..Default::default()
+    });
+    release_at(&mut core, 100, 12.0 * 32.0 + 10.0, Some(write));
+    let (game, links) = outputs(&mut core);
+    assert!(
+        game.iter().any(|m| matches!(m,
+            sidecar_message::Body::Error(e) if e.code == local::ErrorCode::NotOwner as i32
+                && e.entity_id == NPC && e.detail.contains("released"))),
+        "{game:?}"
+    );
+    let offer = offer_to_node_2(&links).expect("offered all the same");
+    let at = offer.position.as_ref().expect("a position");
+    assert_eq!(
+        at.x,
+        12.0 * 32.0 + 10.0,
+        "the write after the release was not applied"
+    );
+}
+
+/// A release of the wrong epoch is refused by name and thawed: the entity stays the game's to
+/// write (and the sidecar's own Freeze hands it over).
+#[test]
+fn a_release_under_a_stale_epoch_is_refused() {
+    let mut core = node();
+    link_up(&mut core, 10, PEER_LINK, GATEWAY);
+    spawn(&mut core, 50, 1, NPC, pos(100.0, 40.0));
+    let _ = outputs(&mut core);
+    game_tick(
+        &mut core,
+        100,
+        2,
+        game_message::Body::Release(local::Release {
+            entity_id: NPC,
+            entity_epoch: 9,
+            state: bytes::Bytes::from_static(b"npc"),
+            attachments: vec![],
+        }),
+    );
+    let (game, links) = outputs(&mut core);
+    assert!(
+        game.iter().any(|m| matches!(m,
+            sidecar_message::Body::Error(e) if e.code == local::ErrorCode::InvalidValue as i32
+                && e.detail.contains("epoch 9"))),
+        "{game:?}"
+    );
+    assert!(offer_to_node_2(&links).is_none());
+    assert!(game
+        .iter()
+        .any(|m| matches!(m, sidecar_message::Body::Thaw(t) if t.entity_id == NPC)));
+}
+
+/// The game released an entity the sidecar had just frozen (the two crossed): the release
+/// answers the Freeze, and the offer leaves.
+#[test]
+fn a_release_that_crosses_a_freeze_answers_it() {
+    let mut core = node();
+    link_up(&mut core, 10, PEER_LINK, GATEWAY);
+    spawn(&mut core, 50, 1, NPC, pos(100.0, 40.0));
+    game_tick(
+        &mut core,
+        100,
+        2,
+        game_message::Body::Update(local::Update {
+            entity_id: NPC,
+            position: pos(12.0 * 32.0 + 10.0, 40.0),
+            ..Default::default()
+        }),
+    );
+    let (game, _) = outputs(&mut core);
+    assert!(game
+        .iter()
+        .any(|m| matches!(m, sidecar_message::Body::Freeze(f) if f.entity_id == NPC)));
+    game_tick(
+        &mut core,
+        150,
+        3,
+        game_message::Body::Release(local::Release {
+            entity_id: NPC,
+            entity_epoch: 1,
+            state: bytes::Bytes::from_static(b"released"),
+            attachments: vec![],
+        }),
+    );
+    let (game, links) = outputs(&mut core);
+    let offer = offer_to_node_2(&links).expect("the release answered the freeze");
+    assert_eq!(offer.state.as_ref(), b"released");
+    assert!(
+        !game.iter().any(|m| matches!(
+            m,
+            sidecar_message::Body::Error(_) | sidecar_message::Body::Thaw(_)
+        )),
+        "{game:?}"
+    );
+}
+
+/// A player's avatar is not released: inputs on their way to the game would reach it frozen.
+/// The release is thawed with the reason, and the Freeze hands it over.
+#[test]
+fn a_players_avatar_is_kept_when_released() {
+    let mut core = node();
+    link_up(&mut core, 10, PEER_LINK, GATEWAY);
+    game_tick(
+        &mut core,
+        50,
+        1,
+        game_message::Body::Spawn(local::Spawn {
+            entity_id: AVATAR,
+            position: pos(100.0, 40.0),
+            owner_account: "alice".into(),
+            is_master: true,
+            ..Default::default()
+        }),
+    );
+    let _ = outputs(&mut core);
+    core.handle(
+        at(100),
+        Input::GameFrame {
+            conn: 1,
+            messages: [
+                game_message::Body::Update(local::Update {
+                    entity_id: AVATAR,
+                    position: pos(12.0 * 32.0 + 10.0, 40.0),
+                    ..Default::default()
+                }),
+                game_message::Body::Release(local::Release {
+                    entity_id: AVATAR,
+                    entity_epoch: 1,
+                    state: bytes::Bytes::from_static(b"alice"),
+                    attachments: vec![],
+                }),
+                game_message::Body::TickEnd(local::TickEnd { tick: 2 }),
+            ]
+            .map(Into::into)
+            .to_vec(),
+        },
+    );
+    let (game, links) = outputs(&mut core);
+    assert!(
+        game.iter().any(|m| matches!(m,
+            sidecar_message::Body::Thaw(t) if t.entity_id == AVATAR && t.reason.contains("avatar"))),
+        "{game:?}"
+    );
+    assert!(
+        game.iter()
+            .any(|m| matches!(m, sidecar_message::Body::Freeze(f) if f.entity_id == AVATAR)),
+        "the Freeze hands it over: {game:?}"
+    );
+    assert!(!links
+        .iter()
+        .any(|(_, m)| matches!(m, mesh_message::Body::HandoffOffer(_))));
+}

@@ -128,6 +128,7 @@ fn message_name(body: &game_message::Body) -> &'static str {
         B::Health(_) => "Health",
         B::ReserveIds(_) => "ReserveIds",
         B::CheckpointState(_) => "CheckpointState",
+        B::Release(_) => "Release",
     }
 }
 
