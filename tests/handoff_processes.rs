@@ -485,7 +485,11 @@ async fn killing_the_target_mid_handoff_leaves_every_entity_held_once() {
         assert_eq!(arena_stat(&source_log, "adopted"), SETTLED, "{source_log}");
         assert_eq!(arena_stat(&target_log, "adopted"), 0, "{target_log}");
     } else {
-        assert_eq!(arena_stat(&source_log, "evicted"), IN_FLIGHT, "{source_log}");
+        assert_eq!(
+            arena_stat(&source_log, "evicted"),
+            IN_FLIGHT,
+            "{source_log}"
+        );
         assert_eq!(
             arena_stat(&target_log, "adopted"),
             SETTLED + IN_FLIGHT,
