@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 PROTO_DIR = HERE.parent.parent / "proto" / "proto"
 GENERATED_DIR = HERE / "generated"
 
-PROTOCOL = (1, 1)
+PROTOCOL = (1, 2)
 TICK_HZ = 20
 TICK_SECS = 1.0 / TICK_HZ
 MAX_FRAME = 1 << 20  # the sidecar's default frame limit
@@ -40,6 +40,7 @@ KIND, HEALTH, INVENTORY, INPUT_ACK = 1, 2, 3, 4
 PLAYER_SPEED = 5.0
 NPC_SPEED = 2.0
 NPC_ROAM_RADIUS = 25.0  # NPCs turn back towards their home beyond this distance
+RELEASE_BACKOFF_TICKS = 20  # a released NPC the sidecar kept is not released again before this
 NPC_TURN_TICKS = (20, 80)  # an NPC keeps a heading for this many ticks (1 to 4 s)
 ID_SPARE = 16  # ids kept in reserve so a joining player spawns without waiting a round trip
 NPC_NAMES = ["wolf", "boar", "crow", "toad", "moth", "slime", "golem", "sprite"]
@@ -96,6 +97,8 @@ class Entity:
     last_seq: int = 0
     inputs_applied: int = 0
     frozen: bool = False  # being handed to another node: neither moved nor written
+    released: bool = False  # frozen by this game's own Release (not by the sidecar's Freeze)
+    release_after: int = 0  # not released again before this tick (a release that was kept)
     epoch: int = 1  # the entity epoch it is written under (a checkpoint names it)
     leaving: bool = False  # its player left while it was frozen: despawned if it is thawed
 
@@ -115,6 +118,47 @@ def wrap_coord(v, size):
         return v
     v %= size
     return 0.0 if v >= size else v  # a tiny negative v rounds up to size itself
+
+
+class OwnedArea:
+    """The area this game's node owns (Welcome, then PartitionChanged), and the rule the sidecar hands
+    entities over by: one is due for a Release once it stands more than `margin` whole chunks past
+    the area's edge, on a world that wraps around."""
+
+    def __init__(self, world_size=(0.0, 0.0), chunk_size=0.0, rects=(), margin=0):
+        self.width, self.height = world_size
+        self.chunk = chunk_size
+        self.rects = list(rects)  # (x, y, width, height) in metres
+        self.margin = margin
+
+    def chunks_outside(self, x, y):
+        """Whole chunks from the chunk holding (x, y) to the nearest chunk of the area (0 inside, 1 in
+        the first chunk past the edge); None without a world shape or an area."""
+        c = self.chunk
+        if c <= 0 or self.width <= 0 or self.height <= 0 or not self.rects:
+            return None
+        nx, ny = max(1, round(self.width / c)), max(1, round(self.height / c))
+        cx, cy = math.floor(x / c) % nx, math.floor(y / c) % ny
+
+        def axis(a0, a1, b, n):
+            k = (a0 - b) // n
+            return min(max(0, b + j * n - a1 + 1, a0 - b - j * n) for j in range(k - 1, k + 3))
+
+        return min(max(axis(round(rx / c), round((rx + rw) / c), cx, nx),
+                       axis(round(ry / c), round((ry + rh) / c), cy, ny))
+                   for rx, ry, rw, rh in self.rects)
+
+    def release_due(self, x, y):
+        d = self.chunks_outside(x, y)
+        return d is not None and d > self.margin
+
+
+def next_tick_at(now_unix, origin_unix_ms, rate_hz):
+    """(tick, its start in Unix seconds): the first tick of the world's common clock (tick k starts at
+    origin + k / rate) that starts at or after `now_unix`."""
+    origin = origin_unix_ms / 1000.0
+    k = max(0, math.ceil((now_unix - origin) * rate_hz - 1e-9))
+    return k, origin + k / rate_hz
 
 
 def wrap_delta(d, size):
@@ -211,9 +255,11 @@ def decode_snapshot(state):
 class World:
     """All game state; the caller feeds it sidecar messages and asks it for one frame per tick."""
 
-    def __init__(self, pb, center, npc_count, rng, world_size=(0.0, 0.0)):
+    def __init__(self, pb, center, npc_count, rng, world_size=(0.0, 0.0), area=None, release=True):
         self.pb = pb
         self.rng = rng
+        self.area = area or OwnedArea()
+        self.release = release  # NPCs that walk out of the area are released in that tick
         self.width, self.height = world_size
         self.center = self.wrap(*center)
         self.players = {}  # account -> Entity
@@ -226,6 +272,8 @@ class World:
         self.tick_no = 0
         self.inputs_duplicate = 0  # seq not above the last applied one: already applied
         self.inputs_while_frozen = 0  # the sidecar holds these during a handoff; any that slip by
+        self.released = 0  # NPCs handed over with Release...
+        self.releases_kept = 0  # ...and of those, how many the sidecar kept (thawed)
 
     def wrap(self, x, y):
         """(x, y) on the torus, normalised as the sidecar reports positions."""
@@ -288,6 +336,7 @@ class World:
         elif body in ("ghost_enter", "ghost_update", "ghost_leave"):
             self.ghost(body, getattr(msg, body))
         elif body == "partition_changed":
+            self.area.rects = [(r.x, r.y, r.width, r.height) for r in msg.partition_changed.owned_area]
             log.info("partition epoch %d: this node now owns %d area(s)",
                      msg.partition_changed.partition_epoch, len(msg.partition_changed.owned_area))
         elif body == "error":
@@ -388,6 +437,12 @@ class World:
             log.warning("Thaw of entity %d, which this game does not hold frozen", thaw.entity_id)
             return
         log.info("thawed %s (entity %d): %s", e.kind, e.id, thaw.reason or "no reason")
+        if e.released:
+            # Kept: no node could take it yet, or it is within the margin. The sidecar's own Freeze
+            # hands it over once one can; releasing it again at every tick would only churn.
+            e.released = False
+            e.release_after = self.tick_no + RELEASE_BACKOFF_TICKS
+            self.releases_kept += 1
         self._resume(e)
 
     def _resume(self, e):
@@ -542,6 +597,15 @@ class World:
                     update.position.CopyFrom(pb.Vec3(x=e.x, y=e.y, z=e.z))
                 e.dirty.clear()
                 out.append(pb.GameMessage(update=update))
+            # An NPC that walked out of the area is handed over with this tick's state, so its next
+            # owner simulates it in its very next tick. Not a player's avatar: inputs on their way
+            # here would reach it frozen; the sidecar's Freeze holds them back.
+            if (self.release and e.id and not e.account and moved and self.tick_no >= e.release_after
+                    and self.area.release_due(e.x, e.y)):
+                e.frozen = e.released = True
+                self.released += 1
+                out.append(pb.GameMessage(release=pb.Release(
+                    entity_id=e.id, entity_epoch=e.epoch, state=encode_snapshot(e))))
         self.tick_no += 1
         out.append(pb.GameMessage(tick_end=pb.TickEnd(tick=self.tick_no)))
         return out
@@ -632,7 +696,16 @@ async def serve(pb, args, reader, writer, stop, rng):
     shape = welcome.world
     log.info("joined node %d (protocol %d.%d, world %.0fx%.0f m)", welcome.node_id,
              welcome.version.major, welcome.version.minor, shape.width, shape.height)
-    world = World(pb, args.center, args.npcs, rng, (shape.width, shape.height))
+    area = OwnedArea((shape.width, shape.height), shape.chunk_size,
+                     [(r.x, r.y, r.width, r.height) for r in welcome.owned_area],
+                     welcome.handoff_margin_chunks)
+    world = World(pb, args.center, args.npcs, rng, (shape.width, shape.height), area,
+                  release=not args.no_release)
+    # Ticks start on the world's common clock, so what one node releases at the end of a tick the
+    # next adopts for its following one. An older sidecar names no phase: the Unix epoch, our rate.
+    phase = welcome.tick_phase if welcome.HasField("tick_phase") else None
+    origin_ms = phase.origin_unix_ms if phase else 0
+    rate = phase.tick_rate_hz if phase and phase.tick_rate_hz else TICK_HZ
     for msg in rest:
         world.handle(msg)
 
@@ -645,7 +718,11 @@ async def serve(pb, args, reader, writer, stop, rng):
     reader_task = asyncio.create_task(read_loop())
     stop_task = asyncio.create_task(stop.wait())
     clock = asyncio.get_running_loop().time
-    last = next_tick = next_load = clock()
+    last = next_load = clock()
+    tick_k, start = next_tick_at(time.time(), origin_ms, rate)
+    next_tick = clock() + max(0.0, start - time.time())
+    await asyncio.wait({reader_task, stop_task}, timeout=max(0.0, next_tick - clock()),
+                       return_when=asyncio.FIRST_COMPLETED)
     try:
         while not stop.is_set() and not reader_task.done():
             now = clock()
@@ -659,7 +736,12 @@ async def serve(pb, args, reader, writer, stop, rng):
                     tick_ms=tick_ms, budget_ms=TICK_SECS * 1000, entity_count=world.entity_count())))
             writer.write(encode_frame(pb, messages))
             await writer.drain()
-            next_tick = max(next_tick + TICK_SECS, clock())  # after a stall, resume; never catch up
+            # The next tick of the common clock; after a stall, the next one to come (never catch up).
+            k, start = next_tick_at(time.time(), origin_ms, rate)
+            if k <= tick_k:  # woken a hair early: still the next one
+                k, start = tick_k + 1, origin_ms / 1000.0 + (tick_k + 1) / rate
+            tick_k = k
+            next_tick = clock() + max(0.0, start - time.time())
             await asyncio.wait({reader_task, stop_task}, timeout=max(0.0, next_tick - clock()),
                                return_when=asyncio.FIRST_COMPLETED)
         if reader_task.done():
@@ -720,6 +802,8 @@ def parse_args(argv=None):
     p.add_argument("--npcs", type=int, default=8, help="number of wandering NPCs")
     p.add_argument("--center", type=center, default=(1000.0, 1000.0), help="X,Y the NPCs roam around")
     p.add_argument("--duration", type=float, default=0, help="seconds to run; 0 = until SIGINT/SIGTERM")
+    p.add_argument("--no-release", action="store_true",
+                   help="leave every handoff to the sidecar's Freeze instead of releasing NPCs that walk out")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     if args.npcs < 0:

@@ -240,6 +240,53 @@ class HandoffTest(WorldCase):
         self.assertGreater(state["turn_in"], 0)
         self.assertAlmostEqual(math.hypot(*state["dir"]), 1.0)
 
+    def test_the_owned_area_follows_the_sidecars_handoff_rule(self):
+        area = game.OwnedArea((1024.0, 1024.0), 32.0, [(0.0, 0.0, 512.0, 1024.0)], 1)
+        self.assertEqual(area.chunks_outside(100.0, 100.0), 0)
+        self.assertEqual(area.chunks_outside(512.01, 100.0), 1)  # a centimetre over the line
+        self.assertFalse(area.release_due(543.9, 100.0))
+        self.assertTrue(area.release_due(544.0, 100.0))
+        self.assertEqual(area.chunks_outside(1000.0, 100.0), 1)  # across the seam
+        self.assertIsNone(game.OwnedArea((1024.0, 1024.0), 32.0, [], 1).chunks_outside(600.0, 1.0))
+        self.assertEqual(game.next_tick_at(1.05, 1000, 30), (2, 1.0 + 2 / 30))
+        self.assertEqual(game.next_tick_at(1.1, 1000, 30)[0], 3)
+
+    def test_an_npc_that_walks_out_of_the_area_is_released_with_its_state_then_frozen(self):
+        area = game.OwnedArea((4096.0, 4096.0), 64.0, [(0.0, 0.0, 512.0, 4096.0)], 1)
+        w = game.World(pb, (500.0, 700.0), 1, random.Random(7), (4096.0, 4096.0), area)
+        reserve = bodies(w.tick(0.05), "reserve_ids")[0]
+        w.handle(sidecar_msg(ids_reserved=pb.IdsReserved(
+            request_id=reserve.request_id, ids=range(100, 100 + reserve.count))))
+        w.tick(0.05)
+        npc = w.npcs[0]
+        self.assertFalse(bodies(w.tick(0.05), "release"), "inside the area: kept")
+        npc.x, npc.vx, npc.vy, npc.turn_in = 700.0, game.NPC_SPEED, 0.0, 10  # 3 chunks past the line
+        messages = w.tick(0.05)
+        [release] = for_entity(messages, "release", npc.id)
+        kinds = [m.WhichOneof("body") for m in messages]
+        self.assertLess(kinds.index("update"), kinds.index("release"), "its last move first")
+        state = self.decoded(release)
+        self.assertEqual(state["pos"], [npc.x, npc.y, 0.0])
+        self.assertEqual(release.entity_epoch, npc.epoch)
+        self.assertTrue(npc.frozen)
+        self.assertEqual(w.released, 1)
+        self.assertFalse(for_entity(w.tick(0.05), "update", npc.id), "frozen once released")
+        # Kept by the sidecar: it moves again, and is not released again before the back-off.
+        w.handle(sidecar_msg(thaw=pb.Thaw(entity_id=npc.id, reason="released, but kept")))
+        self.assertEqual(w.releases_kept, 1)
+        for _ in range(game.RELEASE_BACKOFF_TICKS - 1):
+            npc.vx, npc.vy = game.NPC_SPEED, 0.0
+            messages = w.tick(0.05)
+            self.assertTrue(for_entity(messages, "update", npc.id))
+            self.assertFalse(for_entity(messages, "release", npc.id))
+
+    def test_a_players_avatar_is_never_released(self):
+        w, alice = self.walking()
+        w.area = game.OwnedArea((4096.0, 4096.0), 64.0, [(0.0, 0.0, 64.0, 64.0)], 0)
+        alice.x = 2000.0
+        self.assertFalse(bodies(w.tick(0.1), "release"))
+        self.assertFalse(alice.frozen)
+
     def test_thaw_resumes_moving_and_writing(self):
         w, alice = self.walking()
         w.handle(freeze(alice.id, 7))
