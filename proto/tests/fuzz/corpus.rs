@@ -95,6 +95,16 @@ pub fn game_frames() -> Vec<Vec<u8>> {
             entity_epoch: 5,
             state: payload(16),
         }),
+        B::Release(Release {
+            entity_id: 7,
+            entity_epoch: 5,
+            state: payload(16),
+            attachments: vec![Snapshot {
+                entity_id: 8,
+                entity_epoch: 5,
+                state: payload(4),
+            }],
+        }),
     ];
     let mut frames: Vec<GameFrame> = all
         .iter()
@@ -151,6 +161,11 @@ pub fn sidecar_frames() -> Vec<Vec<u8>> {
             }),
             owned_area: vec![rect, rect],
             partition_epoch: 6,
+            tick_phase: Some(TickPhase {
+                origin_unix_ms: 0,
+                tick_rate_hz: 30,
+            }),
+            handoff_margin_chunks: 1,
         }),
         B::PlayerJoin(PlayerJoin {
             account: "ada".into(),

@@ -471,6 +471,7 @@ impl Core {
         let changes = changes.as_ref().unwrap_or(&fresh);
         let events = std::mem::take(&mut self.game.tick_events);
         let sends = std::mem::take(&mut self.game.tick_sends);
+        self.offer_releases();
         // Other nodes first: public changes to subscribers, the rest to gateways by account.
         self.replicate(changes);
         self.replicate_events(&events);

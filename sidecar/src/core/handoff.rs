@@ -104,10 +104,13 @@ pub(crate) enum Fenced {
 impl Core {
     // ------------------------------------------------------------------ source
 
-    /// After the tick's moves: offers what the game released, then every other owned entity
-    /// standing far enough in another node's area (and those a new partition gave away, or that
-    /// wait for a retry).
-    pub(crate) fn check_handoffs(&mut self, changes: &TickChanges) {
+    /// At the tick's end, before its state goes out: offers what the game released in it, so
+    /// the offer leads the tick's traffic on the link and its target's game gets the `Adopt` as
+    /// early as it can. (The target holds the ghost already: an offer waits for that.)
+    pub(crate) fn offer_releases(&mut self) {
+        if self.handoff.released.is_empty() {
+            return;
+        }
         let released = std::mem::take(&mut self.handoff.released);
         self.handoff.released_by.clear();
         let alone = if self.game.slot.is_none() {
@@ -119,10 +122,18 @@ impl Core {
         } else {
             None
         };
-        if let Some(reason) = alone {
-            for (root, r) in released {
-                self.keep_released(root, &r, reason);
+        for (root, r) in released {
+            match alone {
+                Some(reason) => self.keep_released(root, &r, reason),
+                None => self.offer_released(root, r),
             }
+        }
+    }
+
+    /// After the tick's moves: offers every owned entity standing far enough in another node's
+    /// area (and those a new partition gave away, or that wait for a retry).
+    pub(crate) fn check_handoffs(&mut self, changes: &TickChanges) {
+        if self.game.slot.is_none() || !self.auth.lease_live || !self.mesh.clustered {
             return;
         }
         let mut ids = std::mem::take(&mut self.handoff.recheck);
@@ -132,10 +143,6 @@ impl Core {
                 .filter(|(_, c)| c.moved || c.spawned)
                 .map(|(id, _)| *id),
         );
-        for (root, r) in released {
-            ids.remove(&root);
-            self.offer_released(root, r);
-        }
         for id in ids {
             if let Due::Now(to) = self.handoff_due(id) {
                 self.begin_handoff(id, to);
@@ -247,8 +254,7 @@ impl Core {
         );
     }
 
-    /// `Release` from the game: checked now, offered at the tick's end (after the tick's state
-    /// went to the subscribers, as an offer after a `Freeze` does). Every release is answered
+    /// `Release` from the game: checked now, offered at the tick's end. Every release is answered
     /// by an `Evict` or a `Thaw` (after an `Error` if it was wrong), so the game never holds an
     /// entity frozen for nothing.
     pub(crate) fn on_release(&mut self, r: local::Release) {

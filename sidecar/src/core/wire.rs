@@ -249,7 +249,6 @@ pub(crate) fn error_kind(code: ErrorCode) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::BTreeMap;
 
     fn entity() -> Entity {
         Entity {
@@ -259,7 +258,7 @@ mod tests {
             owner_account: "alice".into(),
             is_master: true,
             parent_id: 0,
-            components: BTreeMap::from([
+            components: litemap::LiteMap::from_iter([
                 (
                     1,
                     Component {
@@ -287,7 +286,7 @@ mod tests {
         assert_eq!(full.components.len(), 1);
         assert_eq!(full.components[0].r#type, 1);
         let ch = EntityChange {
-            components: BTreeMap::from([(3, Some(Audience::OwnerOnly))]),
+            components: litemap::LiteMap::from_iter([(3, Some(Audience::OwnerOnly))]),
             ..Default::default()
         };
         assert!(
@@ -297,7 +296,7 @@ mod tests {
         // Public -> owner-only is a removal for subscribers.
         let ch = EntityChange {
             moved: true,
-            components: BTreeMap::from([(3, Some(Audience::PublicInRange))]),
+            components: litemap::LiteMap::from_iter([(3, Some(Audience::PublicInRange))]),
             ..Default::default()
         };
         let d = public_delta(&e, &ch).unwrap();

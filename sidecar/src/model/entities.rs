@@ -7,6 +7,7 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use bytes::Bytes;
 use cellmesh_geo_router::geometry::{ChunkPos, Pos, WorldShape};
+use litemap::LiteMap;
 
 use crate::model::audience::Audience;
 
@@ -43,7 +44,9 @@ pub struct Entity {
     /// The player's own avatar: the anchor of the owner's view.
     pub is_master: bool,
     pub parent_id: u64,
-    pub components: BTreeMap<u32, Component>,
+    /// Sorted by type in one small vector: a ghost has one or two components, and a tree's
+    /// nodes would cost it hundreds of bytes.
+    pub components: LiteMap<u32, Component>,
     /// `None` for this node's own entities; the owning node for a render ghost (a replica of a
     /// foreign entity: public components only, written only by frames from its owner).
     pub origin: Option<u32>,
@@ -105,7 +108,7 @@ pub struct EntityChange {
     pub moved: bool,
     /// Component types set or removed during the tick, with the audience each had at the tick
     /// start (`None`: it did not exist). Whether it exists now is in the table.
-    pub components: BTreeMap<u32, Option<Audience>>,
+    pub components: LiteMap<u32, Option<Audience>>,
 }
 
 /// Everything that changed in one tick, by entity id (ordered, so batches are deterministic).
@@ -658,7 +661,7 @@ mod tests {
         // Type 1 remembers its audience at the tick start, type 2 that it did not exist; 99 never did.
         assert_eq!(
             ch.components,
-            BTreeMap::from([(1, Some(Audience::PublicInRange)), (2, None)])
+            litemap::LiteMap::from_iter([(1, Some(Audience::PublicInRange)), (2, None)])
         );
     }
 

@@ -250,7 +250,7 @@ mod tests {
             owner_account: "alice".into(),
             is_master: true,
             parent_id: 0,
-            components: BTreeMap::from([
+            components: litemap::LiteMap::from_iter([
                 (1, comp(Audience::PublicInRange)),
                 (2, comp(Audience::OwnerAndParty(party))),
                 (3, comp(Audience::OwnerOnly)),
@@ -270,7 +270,7 @@ mod tests {
         let mut e2 = e.clone();
         e2.components.remove(&3);
         let removed = EntityChange {
-            components: BTreeMap::from([(3, Some(Audience::OwnerOnly))]),
+            components: litemap::LiteMap::from_iter([(3, Some(Audience::OwnerOnly))]),
             ..Default::default()
         };
         let v = account_views(&e2, &removed);
@@ -278,7 +278,7 @@ mod tests {
         assert_eq!((v["alice"].0.len(), v["alice"].1.clone()), (0, vec![3]));
         // A public change alone concerns no account.
         let public = EntityChange {
-            components: BTreeMap::from([(1, Some(Audience::PublicInRange))]),
+            components: litemap::LiteMap::from_iter([(1, Some(Audience::PublicInRange))]),
             moved: true,
             ..Default::default()
         };
