@@ -58,10 +58,6 @@ pub async fn run(opts: &Options) -> anyhow::Result<Value> {
         "freeze_p99_vs_tick": ratio(p99(&release, "freeze_ms"), tick_ms),
         "freeze_p99_release_vs_freeze": ratio(p99(&release, "freeze_ms"), p99(&freeze, "freeze_ms")),
         "sidecars_share_p99_vs_target": ratio(p99(&release, "sidecars_share_ms"), SIDECARS_TARGET_MS),
-        "none_missed_release_vs_freeze": ratio(
-            release["ticks_missed"]["none_missed"].as_f64().unwrap_or(f64::NAN),
-            freeze["ticks_missed"]["none_missed"].as_f64().unwrap_or(f64::NAN),
-        ),
     });
     Ok(out)
 }
