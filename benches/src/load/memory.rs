@@ -14,15 +14,14 @@
 //! `heap` does not depend on what ran before.
 //!
 //! - `entities` (the control of the next): node 1's game spawns G static NPCs deep inside node
-//!   1, where no other node looks. Per entity: node 1's entity table and indexes, the spawn
-//!   frames their payloads still point into, and the synthetic game's own record.
+//!   1, where no other node looks. Per entity: node 1's entity table and indexes, its payload
+//!   (copied out of the spawn frame), and the synthetic game's own record.
 //! - `ghosts`: node 3's game spawns G NPCs the same way, in the chunk column two chunks east of
 //!   its border with node 2, which node 2 always subscribes to (its ghost keep margin), so node
 //!   2 holds a render ghost of each (and no simulation ghost: that column is outside the
 //!   interaction band). Per ghost: this growth minus the control's (node 3 grows as node 1 did),
-//!   over G: node 2's ghost with its payload, which points into the mesh frame it came in (so
-//!   static ghosts keep their frames allocated), and node 3's record of where each of its
-//!   entities is replicated. No client views them. `payload_bytes` is the size of each ghost's
+//!   over G: node 2's ghost with its payload (copied out of the mesh frame it came in, so the
+//!   frame is freed), and node 3's record of where each of its entities is replicated. No client views them. `payload_bytes` is the size of each ghost's
 //!   only component.
 //! - `sessions`: S bots (`cellmesh bots`, a process of their own, so the clients' memory is not
 //!   counted) log in through the proxy, half to node 2 and half to node 3, whose games spawn each

@@ -6,7 +6,7 @@ use cellmesh_proto::local::{self, AudienceKind, ErrorCode};
 use cellmesh_proto::mesh::{self, PieceKind};
 
 use crate::model::audience::Audience;
-use crate::model::entities::{Component, Entity, EntityChange, NewEntity, Position};
+use crate::model::entities::{detached, Component, Entity, EntityChange, NewEntity, Position};
 use crate::model::fold::Part;
 
 /// How many forwarded client inputs are among `messages` (what a lost frame costs in inputs).
@@ -164,7 +164,7 @@ pub(crate) fn public_components(list: Vec<mesh::PublicComponent>) -> Vec<(u32, C
                 c.r#type,
                 Component {
                     audience: Audience::PublicInRange,
-                    payload: c.payload,
+                    payload: detached(c.payload),
                 },
             )
         })
@@ -223,7 +223,7 @@ pub(crate) fn local_components(
                 c.r#type,
                 Component {
                     audience,
-                    payload: c.payload,
+                    payload: detached(c.payload),
                 },
             ))
         })

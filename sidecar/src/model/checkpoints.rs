@@ -106,6 +106,8 @@ impl Checkpoints {
     /// The state of `id` under `epoch`, from the game at `now_ms` (an answer, or a handoff's
     /// snapshot). The caller checked that `epoch` is the entity's current one.
     pub fn taken(&mut self, id: EntityId, epoch: u64, state: Bytes, now_ms: u64) {
+        // Kept until the next one, for good if the entity stops changing.
+        let state = crate::model::entities::detached(state);
         self.asked.remove(&id);
         self.taken_since_flush.insert(id);
         self.forgotten_since_flush.remove(&id);

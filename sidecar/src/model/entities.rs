@@ -34,6 +34,22 @@ pub struct Component {
     pub payload: Bytes,
 }
 
+/// Payloads up to this size are copied out of the frame they arrived in when they are kept.
+pub const DETACH_UP_TO: usize = 4096;
+
+/// `b`, in an allocation of its own when it is small. A slice of a decoded frame keeps the
+/// whole frame (up to the frame limit) allocated for as long as it is held, and an entity that
+/// stops changing holds its last state for good: a world of idle entities would keep one frame
+/// per entity. A copy costs one small allocation when the state changes; larger payloads keep
+/// their frame's share small and stay slices.
+pub fn detached(b: Bytes) -> Bytes {
+    if b.len() <= DETACH_UP_TO {
+        Bytes::copy_from_slice(&b)
+    } else {
+        b
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Entity {
     pub id: u64,
@@ -540,6 +556,23 @@ fn check_finite(id: u64, p: &Position) -> Result<(), EntityError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn small_payloads_are_detached_from_their_frame_and_large_ones_are_not() {
+        let frame = Bytes::from(vec![7u8; 65_536]);
+        let range = frame.as_ptr() as usize..frame.as_ptr() as usize + frame.len();
+        let small = detached(frame.slice(100..164));
+        assert_eq!(small.as_ref(), &[7u8; 64][..]);
+        assert!(
+            !range.contains(&(small.as_ptr() as usize)),
+            "a copy of its own"
+        );
+        let large = detached(frame.slice(0..DETACH_UP_TO + 1));
+        assert!(
+            range.contains(&(large.as_ptr() as usize)),
+            "still the frame's"
+        );
+    }
 
     fn table() -> EntityTable {
         EntityTable::new(WorldShape {
