@@ -231,7 +231,7 @@ pub struct OwnedArea {
 impl OwnedArea {
     pub fn from_welcome(welcome: &Welcome) -> Self {
         Self {
-            world: welcome.world.clone().unwrap_or_default(),
+            world: welcome.world.unwrap_or_default(),
             rects: welcome.owned_area.clone(),
             margin_chunks: i64::from(welcome.handoff_margin_chunks),
         }

@@ -1590,7 +1590,7 @@ impl<'a> Sim<'a> {
                         census: Some(census.clone()),
                         // Both ways of handing over, side by side: games of even nodes release
                         // what walks out, the others wait for the sidecar's Freeze.
-                        release: node % 2 == 0,
+                        release: node.is_multiple_of(2),
                         ..ArenaConfig::default()
                     };
                     let mut arena = Arena::new(cfg, &w);

@@ -1065,10 +1065,10 @@ mod tests {
                 snap.pos,
                 e.pos
             );
-            assert!(!a
-                .area
-                .chunks_outside(e.pos.0, e.pos.1)
-                .is_some_and(|d| d == 0));
+            assert!(
+                a.area.release_due(e.pos.0, e.pos.1),
+                "released outside the area"
+            );
             // Its last move comes before the release in the tick's batch.
             let moved = out
                 .iter()

@@ -198,7 +198,7 @@ impl Core {
         // a while, and answers for itself.
         let waited = *self.handoff.ghost_wait.entry(id).or_insert(now);
         let seen = seen || now >= waited + GHOST_WAIT_MS;
-        let why = if !self.mesh.peers.get(&to).is_some_and(|p| p.link.is_some()) {
+        let why = if self.mesh.peers.get(&to).is_none_or(|p| p.link.is_none()) {
             Some("the node that owns its position is unreachable")
         } else if self.mesh.peer_partition.get(&to).copied().unwrap_or(0)
             < self.auth.partition.epoch()
