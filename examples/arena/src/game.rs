@@ -854,6 +854,11 @@ mod tests {
     }
 
     fn arena(npcs: u32, census: &Arc<Census>) -> Arena {
+        arena_welcomed(npcs, census, &welcome())
+    }
+
+    /// An arena of `npcs` around the origin, welcomed with `w`, with ids to spawn them.
+    fn arena_welcomed(npcs: u32, census: &Arc<Census>, w: &Welcome) -> Arena {
         let cfg = ArenaConfig {
             npcs,
             center: (0.0, 0.0),
@@ -861,7 +866,7 @@ mod tests {
             census: Some(census.clone()),
             ..ArenaConfig::default()
         };
-        let mut a = Arena::new(cfg, &welcome());
+        let mut a = Arena::new(cfg, w);
         let mut out = Vec::new();
         a.request_ids(&mut out);
         a.on_message(
@@ -1003,24 +1008,7 @@ mod tests {
             height: 32.0,
         }];
         w.handoff_margin_chunks = 0;
-        let cfg = ArenaConfig {
-            npcs: 20,
-            center: (0.0, 0.0),
-            spread: 40.0,
-            census: Some(census.clone()),
-            ..ArenaConfig::default()
-        };
-        let mut a = Arena::new(cfg, &w);
-        let mut out = Vec::new();
-        a.request_ids(&mut out);
-        a.on_message(
-            &mut out,
-            M::IdsReserved(IdsReserved {
-                request_id: 1,
-                ids: (1000..1100).collect(),
-            }),
-        );
-        a
+        arena_welcomed(20, census, &w)
     }
 
     fn releases(out: &[Body]) -> Vec<&Release> {
