@@ -312,6 +312,11 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
         B::Refused(LinkRefused {
             reason: "major 2".into(),
         }),
+        B::Admission(Admission {
+            open: false,
+            reason: "tick_overrun".into(),
+            retry_after_ms: 5000,
+        }),
         B::Subscribe(Subscribe {
             chunks: chunks.clone(),
         }),
@@ -520,6 +525,7 @@ pub fn server_frames() -> Vec<Vec<u8>> {
             cookie: cookies()[0].clone().into(),
         }),
         B::Kick(Kick::new(KickReason::Idle, "idle for 60 s")),
+        B::Kick(Kick::server_full("every gateway is full", 5000)),
     ];
     let mut frames: Vec<ServerFrame> = all.iter().map(|b| ServerFrame::one(b.clone())).collect();
     frames.push(ServerFrame {
