@@ -11,9 +11,10 @@
 //! proxies and other sidecars), [`replication`] (subscriptions, render and simulation ghosts),
 //! [`routing`] (routing by account, anchors), [`handoff`] (moving reals, the epoch fence, inputs)
 //! [`avatars`] (one avatar per account, found through the directory's master record)
-//! and [`authority`] (lease, partition, drain). [`wire`] holds the one copy of each conversion
-//! between the model and the wire.
+//! [`authority`] (lease, partition, drain) and [`admission`] (whether new sessions are taken).
+//! [`wire`] holds the one copy of each conversion between the model and the wire.
 
+pub(crate) mod admission;
 pub(crate) mod authority;
 pub(crate) mod avatars;
 pub(crate) mod game;
@@ -108,6 +109,12 @@ pub enum Input {
     /// The link's outbox is full: the other end is not reading (the driver has already cut it).
     LinkStalled {
         link: LinkId,
+    },
+    /// The link's outbox holds `frames` frames: the driver says so while it holds at least
+    /// `admission.outbox_high_frames` (at most every [`BACKLOG_REPORT_EVERY_MS`] per link).
+    LinkBacklog {
+        link: LinkId,
+        frames: usize,
     },
     /// A store request came back.
     Store(StoreReply),
@@ -277,6 +284,8 @@ pub struct HeldFrames {
 pub(crate) const TO_CLIENT_OVERHEAD: usize = 64;
 /// How often the state is published (if it changed) and a drain checked.
 const PUBLISH_EVERY_MS: u64 = 100;
+/// How often, at most, the driver reports the backlog of one link's outbox.
+pub const BACKLOG_REPORT_EVERY_MS: u64 = 100;
 
 /// What the node queued and has not handed to the driver yet.
 #[derive(Default)]
@@ -306,6 +315,8 @@ pub struct Core {
     pub(crate) auth: Authority,
     pub(crate) restore: restore::Restore,
     pub(crate) avatars: avatars::Avatars,
+    /// Whether the node takes new sessions.
+    pub(crate) admission: crate::model::admission::Admission,
     pub(crate) out: Outbox,
     shutting_down: bool,
     /// Something changed since the last publish.
@@ -351,6 +362,10 @@ impl Core {
                 ..Default::default()
             },
             avatars: avatars::Avatars::default(),
+            admission: {
+                metrics.admission_open.set(1);
+                crate::model::admission::Admission::new(cfg.admission.clone())
+            },
             out: Outbox::default(),
             shutting_down: false,
             dirty: true,
@@ -506,6 +521,7 @@ impl Core {
             }
             Input::LinkClosed { link, reason } => self.close_link(link, &reason),
             Input::LinkStalled { link } => self.on_link_stalled(link),
+            Input::LinkBacklog { link, frames } => self.on_link_backlog(link, frames),
             Input::Store(StoreReply::Registered {
                 session,
                 account,
@@ -609,6 +625,7 @@ impl Core {
             self.restore_step();
             self.avatars_step();
             self.save_player_records();
+            self.evaluate_admission();
             self.metrics.inputs_held.set(self.inputs_held() as i64);
             if self.dirty {
                 self.dirty = false;
@@ -695,7 +712,11 @@ impl Core {
                 self.metrics.peer_outbox_full.get_or_create(&label).inc();
                 "outbox full: the peer is not reading"
             }
-            None => "outbox full: the proxy is not reading",
+            None => {
+                // Pressure past all doubt: this node's client batches could not get out.
+                self.on_link_backlog(link, self.cfg.link_outbox_frames);
+                "outbox full: the proxy is not reading"
+            }
         };
         self.close_link(link, why);
     }
@@ -782,6 +803,7 @@ impl Core {
             "held_frames": self.handoff.fence.held(),
             "lease_live": self.auth.lease_live,
             "draining": self.auth.draining.is_some(),
+            "admission": self.admission_state(),
         })
     }
 

@@ -794,3 +794,144 @@ fn the_owners_near_cache_stays_bounded() {
     }
     assert_eq!(core.owners_near(ChunkPos { x: 7, y: 3 }), first);
 }
+
+/// A proxy link `link` comes up.
+fn proxy_up(core: &mut Core, ms: u64, link: LinkId) {
+    core.handle(
+        at(ms),
+        Input::LinkUp {
+            link,
+            hello: mesh::LinkHello {
+                version: Some(mesh::ProtocolVersion::current()),
+                role: mesh::PeerRole::Proxy as i32,
+                id: format!("edge-{link}"),
+                geo: "test".into(),
+                partition_epoch: 0,
+                node_id: 0,
+            },
+            remote: "edge".into(),
+            rest: vec![],
+        },
+    );
+}
+
+/// The game reports its load: `tick_ms` of a 50 ms budget.
+fn load(core: &mut Core, ms: u64, tick_ms: f32) {
+    core.handle(
+        at(ms),
+        Input::GameFrame {
+            conn: 1,
+            messages: vec![game_message::Body::Load(local::Load {
+                tick_ms,
+                budget_ms: 50.0,
+                entity_count: 1,
+            })
+            .into()],
+        },
+    );
+}
+
+/// The admission messages queued, as (link, open, reason, retry hint).
+fn admissions(core: &mut Core) -> Vec<(LinkId, bool, String, u32)> {
+    outputs(core)
+        .1
+        .into_iter()
+        .filter_map(|(link, b)| match b {
+            mesh_message::Body::Admission(a) => Some((link, a.open, a.reason, a.retry_after_ms)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn closings(core: &Core, reason: &'static str) -> u64 {
+    core.metrics
+        .admission_closings
+        .get_or_create(&crate::metrics::ReasonLabel { reason })
+        .get()
+}
+
+/// A game that overruns its tick closes the node to new sessions: every proxy link hears it
+/// (one that comes up later too), and a calm held for `reopen_after_ms` opens it again.
+#[test]
+fn a_tick_overrun_closes_admission_on_every_proxy_link_and_a_calm_reopens_it() {
+    let mut core = node();
+    link_up(&mut core, 0, PEER_LINK, GATEWAY);
+    proxy_up(&mut core, 0, 20);
+    assert_eq!(admissions(&mut core), [], "open needs no word");
+    assert_eq!(core.metrics.admission_open.get(), 1);
+
+    load(&mut core, 1000, 30.0);
+    assert_eq!(admissions(&mut core), []);
+    load(&mut core, 2000, 47.0);
+    let closed = (false, "tick_overrun".to_string(), 5000);
+    assert_eq!(
+        admissions(&mut core),
+        [(20, closed.0, closed.1.clone(), closed.2)],
+        "the proxy link hears it, the peer link does not"
+    );
+    assert_eq!(core.metrics.admission_open.get(), 0);
+    assert_eq!(closings(&core, "tick_overrun"), 1);
+    assert_eq!(core.state()["admission"]["open"], false);
+    assert_eq!(core.state()["admission"]["reason"], "tick_overrun");
+
+    // A proxy that connects while the node is closed hears it at once.
+    proxy_up(&mut core, 2500, 21);
+    assert_eq!(
+        admissions(&mut core),
+        [(21, closed.0, closed.1.clone(), closed.2)]
+    );
+
+    // Calm from 3 s on; reopened 5 s after the last hot report, not before.
+    let mut opened = Vec::new();
+    for t in (2100..=8000).step_by(100) {
+        if t % 1000 == 0 {
+            load(&mut core, t, 20.0);
+        } else {
+            core.handle(at(t), Input::Timer);
+        }
+        opened.extend(admissions(&mut core).into_iter().map(|a| (t, a)));
+    }
+    assert_eq!(
+        opened,
+        [
+            (7000, (20, true, String::new(), 0)),
+            (7000, (21, true, String::new(), 0))
+        ]
+    );
+    assert_eq!(core.metrics.admission_open.get(), 1);
+    assert_eq!(core.state()["admission"]["open"], true);
+    assert_eq!(closings(&core, "tick_overrun"), 1, "closed once");
+}
+
+/// A proxy link whose outbox backs up closes the node with its own reason; a backed-up peer
+/// link does not (this node's client batches do not wait there).
+#[test]
+fn a_backed_up_proxy_link_closes_admission_and_a_peer_link_does_not() {
+    let mut core = node();
+    link_up(&mut core, 0, PEER_LINK, GATEWAY);
+    proxy_up(&mut core, 0, 20);
+    core.handle(
+        at(100),
+        Input::LinkBacklog {
+            link: PEER_LINK,
+            frames: 5000,
+        },
+    );
+    assert_eq!(admissions(&mut core), []);
+    core.handle(
+        at(200),
+        Input::LinkBacklog {
+            link: 20,
+            frames: 128,
+        },
+    );
+    assert_eq!(
+        admissions(&mut core),
+        [(20, false, "outbox_pressure".to_string(), 5000)]
+    );
+    assert_eq!(closings(&core, "outbox_pressure"), 1);
+    core.handle(at(5100), Input::Timer);
+    assert_eq!(admissions(&mut core), [], "not 5 s calm yet");
+    core.handle(at(5200), Input::Timer);
+    assert_eq!(admissions(&mut core), [(20, true, String::new(), 0)]);
+}
