@@ -16,8 +16,8 @@ use cellmesh_proto::edge::{
     ServerMessage, Welcome,
 };
 use cellmesh_proto::mesh::{
-    mesh_message::Body, Attached, Detach, Heartbeat, LinkHello, MeshFrame, MeshMessage, PeerRole,
-    ProtocolVersion, SessionRtt, ToClient,
+    mesh_message::Body, Admission, Attached, Detach, Heartbeat, LinkHello, MeshFrame, MeshMessage,
+    PeerRole, ProtocolVersion, SessionRtt, ToClient,
 };
 use cellmesh_proxy::{ProxyConfig, ProxyHandle};
 pub use cellmesh_test_support::{unix_now, PATIENCE};
@@ -59,6 +59,8 @@ struct GatewayInner {
     drop_links: Mutex<CancellationToken>,
     /// False while the gateway stops reading its links (a stalled sidecar).
     reading: tokio::sync::watch::Sender<bool>,
+    /// What it says of new sessions while closed (told to every link, and to each new one).
+    closed: Mutex<Option<Admission>>,
 }
 
 impl TestGateway {
@@ -74,6 +76,7 @@ impl TestGateway {
             next_link: AtomicU64::new(1),
             drop_links: Mutex::new(CancellationToken::new()),
             reading: tokio::sync::watch::Sender::new(true),
+            closed: Mutex::new(None),
         });
         let stop = CancellationToken::new();
         tokio::spawn({
@@ -156,6 +159,33 @@ impl TestGateway {
         self.inner.reading.send_replace(true);
     }
 
+    /// Says on every link (and on each that comes up later) that the node admits no new
+    /// session, for `reason`, with the retry hint `retry_after_ms`.
+    pub fn close_admission(&self, reason: &str, retry_after_ms: u32) {
+        let a = Admission {
+            open: false,
+            reason: reason.into(),
+            retry_after_ms,
+        };
+        *self.inner.closed.lock().unwrap() = Some(a.clone());
+        self.tell_links(a);
+    }
+
+    /// Says on every link that the node admits new sessions again.
+    pub fn open_admission(&self) {
+        *self.inner.closed.lock().unwrap() = None;
+        self.tell_links(Admission {
+            open: true,
+            ..Default::default()
+        });
+    }
+
+    fn tell_links(&self, a: Admission) {
+        for tx in self.inner.links.lock().unwrap().values() {
+            let _ = tx.send(Body::Admission(a.clone()).into());
+        }
+    }
+
     /// Closes every open link (the proxy is expected to redial).
     pub fn drop_links(&self) {
         let mut token = self.inner.drop_links.lock().unwrap();
@@ -235,6 +265,9 @@ async fn serve_link(
         return;
     }
     let (tx, mut rx) = mpsc::unbounded_channel::<MeshMessage>();
+    if let Some(a) = inner.closed.lock().unwrap().clone() {
+        let _ = tx.send(Body::Admission(a).into());
+    }
     inner.links.lock().unwrap().insert(link, tx.clone());
     let writer_task = tokio::spawn({
         let (drop, stop) = (drop.clone(), stop.clone());
