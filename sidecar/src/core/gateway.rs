@@ -56,6 +56,8 @@ pub(crate) struct Gateway {
     /// Render ghosts' changes already sent to clients this tick: the tick's other consumers
     /// still get them, merged with the rest, at its end.
     pub ghost_changes_sent: TickChanges,
+    /// Peer frames changed render ghosts since they were last folded for clients.
+    pub ghosts_due: bool,
 }
 
 impl Gateway {
@@ -69,6 +71,7 @@ impl Gateway {
             anchor_pos: HashMap::default(),
             next_records_ms: cfg.player_record_every_ms,
             ghost_changes_sent: TickChanges::new(),
+            ghosts_due: false,
         }
     }
 }

@@ -557,12 +557,14 @@ impl Core {
             Input::Timer => self.on_timer(),
             Input::Shutdown => self.shutdown(),
         }
-        // Only a peer sidecar's frames write ghosts: a proxy's inputs skip the scan.
+        // Only a peer sidecar's frames write ghosts: a proxy's inputs skip the scan. Their
+        // changes are folded for clients once the driver asks for output, once for all the peer
+        // frames it handled meanwhile.
         let from_peer = link
             .and_then(|l| self.mesh.links.get(&l))
             .is_some_and(|l| l.peer.is_some());
         if from_peer {
-            self.send_ghost_changes();
+            self.gw.ghosts_due = true;
             self.set_table_gauges();
         }
         self.flush_checkpoints();
@@ -581,8 +583,17 @@ impl Core {
 
     /// The next thing to do, if any. Messages queued by the handlers are packed here into as
     /// few frames as fit, one batch per connection.
+    ///
+    /// Render ghosts' changes are folded for clients here, not per peer frame: a node that falls
+    /// behind handles a backlog of peer frames in one go, and folding each would queue one batch
+    /// per frame for every client (work and bytes growing with the backlog, each batch waiting
+    /// behind the last, and clients cut as slow consumers). Folded together, each client gets at
+    /// most one batch for all of them, with each entity's newest state.
     pub fn poll_output(&mut self) -> Option<Output> {
         if self.out.pending.is_empty() {
+            if std::mem::take(&mut self.gw.ghosts_due) {
+                self.send_ghost_changes();
+            }
             self.pack_outboxes();
         }
         self.out

@@ -935,3 +935,60 @@ fn a_backed_up_proxy_link_closes_admission_and_a_peer_link_does_not() {
     core.handle(at(5200), Input::Timer);
     assert_eq!(admissions(&mut core), [(20, true, String::new(), 0)]);
 }
+
+/// The batches queued for alice's proxy link, each as the (kind, x) of entity 99's deltas.
+fn batches_of_99(core: &mut Core) -> Vec<Vec<(i32, f64)>> {
+    use prost::Message;
+    let mut batches = Vec::new();
+    while let Some(out) = core.poll_output() {
+        let Output::ToLink { link: 20, frame } = out else {
+            continue;
+        };
+        for m in frame.messages {
+            let Some(mesh_message::Body::ToClient(c)) = m.body else {
+                continue;
+            };
+            let sf = cellmesh_proto::edge::ServerFrame::decode(c.server_frame).unwrap();
+            for m in sf.messages {
+                if let Some(cellmesh_proto::edge::server_message::Body::Batch(b)) = m.body {
+                    batches.push(
+                        b.deltas
+                            .iter()
+                            .filter(|d| d.entity_id == 99)
+                            .map(|d| (d.kind, d.position.as_ref().map_or(f64::NAN, |p| p.x)))
+                            .collect(),
+                    );
+                }
+            }
+        }
+    }
+    batches
+}
+
+/// A backlog of peer frames handled in one go (as the driver does, up to a burst, before it
+/// asks for output) costs each client one batch with the newest state, not one per frame.
+#[test]
+fn a_backlog_of_peer_frames_reaches_a_client_as_one_batch_with_the_newest_state() {
+    use cellmesh_proto::edge::DeltaKind;
+    let mut core = node();
+    alice_at_the_border(&mut core);
+    from_node_2(&mut core, 30, true, 270.0);
+    assert_eq!(
+        batches_of_99(&mut core),
+        [vec![(DeltaKind::Appear as i32, 270.0)]]
+    );
+    for (i, x) in [271.0, 272.0, 273.0, 274.0, 275.0].into_iter().enumerate() {
+        from_node_2(&mut core, 40 + i as u64, false, x);
+    }
+    assert_eq!(
+        batches_of_99(&mut core),
+        [vec![(DeltaKind::Update as i32, 275.0)]],
+        "five frames, one batch, the last position"
+    );
+    // One frame at a time, one batch each, as before.
+    from_node_2(&mut core, 50, false, 276.0);
+    assert_eq!(
+        batches_of_99(&mut core),
+        [vec![(DeltaKind::Update as i32, 276.0)]]
+    );
+}
