@@ -276,6 +276,7 @@ impl Client {
             session_id: id,
             account: session.account.to_string(),
             remote_addr: self.peer.to_string(),
+            moved: !new_login,
         };
         if let Err(e) = session.conn.send(mesh_message::Body::Attach(attach)) {
             session.conn.release(id);
@@ -339,7 +340,13 @@ impl Client {
             match next {
                 Ok(Some(ToSession::Attached(a))) => return Ok((a, early)),
                 Ok(Some(ToSession::Frame(f))) => early.push(f),
-                Ok(Some(ToSession::Detach(k))) => return Err(End::Kick(k)),
+                Ok(Some(ToSession::Detach(k))) => {
+                    if k.reason == KickReason::ServerFull as i32 {
+                        // The gateway closed before this proxy heard: refused all the same.
+                        self.shared.metrics.logins_refused_server_full.inc();
+                    }
+                    return Err(End::Kick(k));
+                }
                 Ok(None) => return Err(self.route_dropped(s)),
                 Err(_) => {
                     return Err(kick(
@@ -613,6 +620,7 @@ impl Client {
                 session_id: s.id,
                 kick_reason,
                 detail,
+                retry_after_ms: 0,
             }));
         }
         if s.info.is_some() {

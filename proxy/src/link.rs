@@ -733,7 +733,7 @@ fn dispatch(m: MeshMessage, conn: &LinkConn, shared: &Shared) -> anyhow::Result<
                 let kick = Kick {
                     reason: d.kick_reason as i32,
                     detail: d.detail,
-                    retry_after_ms: 0,
+                    retry_after_ms: d.retry_after_ms,
                 };
                 if let Err(e) = route.outbox.try_send(ToSession::Detach(kick)) {
                     let ToSession::Detach(kick) = e.into_inner() else {

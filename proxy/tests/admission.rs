@@ -127,3 +127,23 @@ async fn with_one_of_two_gateways_closed_logins_go_to_the_open_one() {
         k.detail
     );
 }
+
+#[tokio::test]
+async fn an_attach_the_gateway_refuses_is_a_server_full_kick_with_its_hint() {
+    let gw = TestGateway::start(4).await;
+    let proxy = TestProxy::start(config(&[&gw])).await;
+    let mut admitted = proxy.login("alice").await;
+    // The gateway closed, and the proxy has not heard: its attach answer says so.
+    gw.refuse_attaches(
+        "the server is full: node 4 admits no new session (login_burst)",
+        1000,
+    );
+    let Err(ClientError::Kicked(k)) = TestClient::login(&proxy.addr(), &token("bob")).await else {
+        panic!("a refused attach must end the login");
+    };
+    assert_eq!(reason(&k), KickReason::ServerFull);
+    assert_eq!(k.retry_after_ms, 1000);
+    assert!(k.detail.contains("login_burst"), "{}", k.detail);
+    assert_eq!(proxy.handle.stats().logins_refused, 1);
+    admitted.echo(1).await;
+}

@@ -1751,6 +1751,7 @@ impl<'a> Sim<'a> {
                 session_id,
                 account,
                 remote_addr: format!("client-{c}"),
+                moved: false,
             }),
         );
         let first = self.s.input_every_ms;

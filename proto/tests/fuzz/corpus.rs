@@ -281,6 +281,7 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
             session_id: 1,
             account: "ada".into(),
             remote_addr: "203.0.113.7:5000".into(),
+            moved: true,
         }),
         B::Attached(Attached {
             session_id: 1,
@@ -294,6 +295,13 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
             session_id: 1,
             kick_reason: 3,
             detail: "displaced".into(),
+            retry_after_ms: 0,
+        }),
+        B::Detach(Detach {
+            session_id: 2,
+            kick_reason: 14,
+            detail: "the server is full".into(),
+            retry_after_ms: 1000,
         }),
         B::Input(SessionInput {
             session_id: 1,

@@ -61,6 +61,8 @@ struct GatewayInner {
     reading: tokio::sync::watch::Sender<bool>,
     /// What it says of new sessions while closed (told to every link, and to each new one).
     closed: Mutex<Option<Admission>>,
+    /// Set while it refuses new sessions' attaches `SERVER_FULL` (detail, retry hint).
+    refusing: Mutex<Option<(String, u32)>>,
 }
 
 impl TestGateway {
@@ -77,6 +79,7 @@ impl TestGateway {
             drop_links: Mutex::new(CancellationToken::new()),
             reading: tokio::sync::watch::Sender::new(true),
             closed: Mutex::new(None),
+            refusing: Mutex::new(None),
         });
         let stop = CancellationToken::new();
         tokio::spawn({
@@ -169,6 +172,12 @@ impl TestGateway {
         };
         *self.inner.closed.lock().unwrap() = Some(a.clone());
         self.tell_links(a);
+    }
+
+    /// Refuses the attach of every new session `SERVER_FULL` (a moved one is attached), as a
+    /// node that closed before the proxy heard does.
+    pub fn refuse_attaches(&self, detail: &str, retry_after_ms: u32) {
+        *self.inner.refusing.lock().unwrap() = Some((detail.into(), retry_after_ms));
     }
 
     /// Says on every link that the node admits new sessions again.
@@ -327,6 +336,16 @@ async fn serve_link(
 
 fn handle(inner: &GatewayInner, link: u64, tx: &mpsc::UnboundedSender<MeshMessage>, body: Body) {
     match &body {
+        Body::Attach(a) if !a.moved && inner.refusing.lock().unwrap().is_some() => {
+            let (detail, retry_after_ms) = inner.refusing.lock().unwrap().clone().unwrap();
+            let refusal = Detach {
+                session_id: a.session_id,
+                kick_reason: KickReason::ServerFull as u32,
+                detail,
+                retry_after_ms,
+            };
+            let _ = tx.send(Body::Detach(refusal).into());
+        }
         Body::Attach(a) => {
             let old = inner
                 .sessions
@@ -338,6 +357,7 @@ fn handle(inner: &GatewayInner, link: u64, tx: &mpsc::UnboundedSender<MeshMessag
                     session_id: old_session,
                     kick_reason: KickReason::Displaced as u32,
                     detail: "account logged in elsewhere".into(),
+                    retry_after_ms: 0,
                 };
                 if let Some(old_tx) = inner.links.lock().unwrap().get(&old_link) {
                     let _ = old_tx.send(Body::Detach(detach).into());

@@ -14,9 +14,10 @@ use crate::model::admission::Change;
 impl Core {
     /// The game's `Load` report.
     pub(crate) fn on_game_load(&mut self, l: &local::Load) {
+        let sessions = self.gw.sessions.attached();
         let change = self
             .admission
-            .on_load(self.now.mono_ms, l.tick_ms, l.budget_ms);
+            .on_load(self.now.mono_ms, l.tick_ms, l.budget_ms, sessions);
         if matches!(change, Some(Change::Closed(_))) {
             tracing::warn!(
                 tick_ms = l.tick_ms,
@@ -42,6 +43,31 @@ impl Core {
             );
         }
         self.admission_changed(change);
+    }
+
+    /// Whether a new session may attach; counted against the allowance since the last report.
+    pub(crate) fn admit_login(&mut self) -> bool {
+        let (admitted, change) = self.admission.on_login(self.now.mono_ms);
+        self.admission_changed(change);
+        if !admitted {
+            self.metrics.drop_msg("attach_refused_server_full", 1);
+        }
+        admitted
+    }
+
+    /// The answer to an attach refused for admission: the proxy kicks the client `SERVER_FULL`
+    /// with the hint. It catches what the proxies sent before they heard the node closed.
+    pub(crate) fn refusal(&self, session_id: u64) -> mesh_message::Body {
+        let reason = self.admission.closed().map_or("", |(r, _)| r.as_str());
+        mesh_message::Body::Detach(mesh::Detach {
+            session_id,
+            kick_reason: cellmesh_proto::edge::KickReason::ServerFull as u32,
+            detail: format!(
+                "the server is full: node {} admits no new session ({reason})",
+                self.cfg.node_id
+            ),
+            retry_after_ms: self.admission.retry_after_ms(),
+        })
     }
 
     /// Reopens once calm long enough (on the timer).

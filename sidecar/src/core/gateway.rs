@@ -154,6 +154,7 @@ fn detach(session_id: u64, reason: KickReason, detail: impl Into<String>) -> mes
         session_id,
         kick_reason: reason as u32,
         detail: detail.into(),
+        retry_after_ms: 0,
     })
 }
 
@@ -219,6 +220,10 @@ impl Core {
                 "attach for a session id already in use; ignored"
             );
             return;
+        }
+        // A session that moves here was admitted already; a new one only while the node admits.
+        if !a.moved && !self.admit_login() {
+            return self.queue_for_link(link, self.refusal(a.session_id));
         }
         let key = self
             .gw

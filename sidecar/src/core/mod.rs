@@ -833,6 +833,7 @@ impl Core {
                         session_id,
                         kick_reason: cellmesh_proto::edge::KickReason::Shutdown as u32,
                         detail: "the node is shutting down".into(),
+                        retry_after_ms: 0,
                     }),
                 );
             }

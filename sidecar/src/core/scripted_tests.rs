@@ -388,6 +388,7 @@ fn attach(core: &mut Core, ms: u64, account: &str) {
                 session_id: 1,
                 account: account.into(),
                 remote_addr: String::new(),
+                moved: false,
             })
             .into()],
         },
@@ -991,4 +992,95 @@ fn a_backlog_of_peer_frames_reaches_a_client_as_one_batch_with_the_newest_state(
         batches_of_99(&mut core),
         [vec![(DeltaKind::Update as i32, 276.0)]]
     );
+}
+
+/// A proxy link's attach of `account` as session `session_id`, moved from another gateway or new.
+fn attach_on(core: &mut Core, ms: u64, link: LinkId, session_id: u64, account: &str, moved: bool) {
+    core.handle(
+        at(ms),
+        Input::LinkFrame {
+            link,
+            messages: vec![mesh_message::Body::Attach(mesh::Attach {
+                session_id,
+                account: account.into(),
+                remote_addr: String::new(),
+                moved,
+            })
+            .into()],
+        },
+    );
+}
+
+/// What the node did with the attaches just made: (session, registered?) and the refusals as
+/// (session, kick reason, retry hint, detail).
+#[allow(clippy::type_complexity)]
+fn attach_answers(core: &mut Core) -> (usize, Vec<(u64, u32, u32, String)>) {
+    let mut registered = 0;
+    let mut refused = Vec::new();
+    while let Some(out) = core.poll_output() {
+        match out {
+            Output::Store(StoreRequest::Register { .. }) => registered += 1,
+            Output::ToLink { frame, .. } => {
+                for m in frame.messages {
+                    if let Some(mesh_message::Body::Detach(d)) = m.body {
+                        refused.push((d.session_id, d.kick_reason, d.retry_after_ms, d.detail));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    (registered, refused)
+}
+
+/// Between two load reports the node admits only so many new sessions; the next is refused
+/// `SERVER_FULL` with a short hint (its proxy had not heard yet), and a session that moves here
+/// from a broken gateway is never refused. An overrun refuses with the long hint.
+#[test]
+fn a_login_burst_is_paced_and_a_closed_node_refuses_new_sessions_but_not_moved_ones() {
+    use cellmesh_proto::edge::KickReason;
+    let mut core = node();
+    proxy_up(&mut core, 0, 20);
+    load(&mut core, 1000, 10.0);
+    while core.poll_output().is_some() {}
+    for i in 1..=20 {
+        attach_on(&mut core, 1100, 20, i, &format!("p{i}"), false);
+    }
+    let (registered, refused) = attach_answers(&mut core);
+    assert_eq!((registered, refused.len()), (20, 0), "{refused:?}");
+    assert_eq!(
+        core.admission.closed().map(|(r, _)| r.as_str()),
+        Some("login_burst"),
+        "the allowance (at least 20 a report) is used up"
+    );
+
+    attach_on(&mut core, 1200, 20, 21, "p21", false);
+    attach_on(&mut core, 1200, 20, 22, "p22", true);
+    let (registered, refused) = attach_answers(&mut core);
+    assert_eq!(registered, 1, "the moved session is attached");
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    let (session, reason, hint, detail) = &refused[0];
+    assert_eq!(
+        (*session, *reason, *hint),
+        (21, KickReason::ServerFull as u32, 1000)
+    );
+    assert!(
+        detail.contains("node 1") && detail.contains("login_burst"),
+        "{detail}"
+    );
+
+    // The next report is calm: new sessions are taken again.
+    load(&mut core, 2000, 10.0);
+    assert_eq!(admissions(&mut core), [(20, true, String::new(), 0)]);
+    attach_on(&mut core, 2100, 20, 23, "p23", false);
+    assert_eq!(attach_answers(&mut core), (1, vec![]));
+
+    // An overrun: refused with the overload hint.
+    load(&mut core, 3000, 49.0);
+    while core.poll_output().is_some() {}
+    attach_on(&mut core, 3100, 20, 24, "p24", false);
+    let (registered, refused) = attach_answers(&mut core);
+    assert_eq!(registered, 0);
+    assert_eq!(refused[0].2, 5000);
+    assert!(refused[0].3.contains("tick_overrun"), "{:?}", refused[0]);
 }

@@ -19,6 +19,13 @@
 //! `load_stale_ms` no longer counts, so a game that stops reporting does not keep the node
 //! closed forever.
 //!
+//! A report comes about once a second, and a crowd logs in faster than that: everyone who comes
+//! between two reports would be admitted on the strength of the last one. So logins are paced:
+//! between two reports at most `login_burst_share` of the sessions the last one was made with
+//! are admitted (at least `login_burst_min`); past that the node is closed (`login_burst`) until
+//! the next report, which reopens it unless it shows an overrun. Without a fresh report nothing
+//! is paced (there is nothing to pace by).
+//!
 //! Pure: every call takes the time (monotonic ms) as an argument.
 
 use serde::{Deserialize, Serialize};
@@ -38,8 +45,13 @@ pub struct AdmissionConfig {
     pub load_stale_ms: u64,
     /// A proxy link whose outbox holds this many frames or more is under pressure.
     pub outbox_high_frames: usize,
-    /// How long a refused client is told to wait before it tries again.
+    /// How long a client refused for overload is told to wait before it tries again.
     pub retry_after_ms: u32,
+    /// Between two `Load` reports, at most this share of the sessions held at the last one are
+    /// admitted...
+    pub login_burst_share: f64,
+    /// ...and at least this many.
+    pub login_burst_min: u32,
 }
 
 impl Default for AdmissionConfig {
@@ -51,6 +63,8 @@ impl Default for AdmissionConfig {
             load_stale_ms: 3_000,
             outbox_high_frames: 128,
             retry_after_ms: 5_000,
+            login_burst_share: 0.1,
+            login_burst_min: 20,
         }
     }
 }
@@ -75,25 +89,44 @@ impl AdmissionConfig {
         if self.outbox_high_frames == 0 {
             return Err("admission.outbox_high_frames must be at least 1, got 0".into());
         }
+        let burst = self.login_burst_share;
+        if !(burst.is_finite() && burst >= 0.0) {
+            return Err(format!(
+                "admission.login_burst_share must be 0 or more, got {burst}"
+            ));
+        }
+        if self.login_burst_min == 0 {
+            return Err("admission.login_burst_min must be at least 1, got 0".into());
+        }
         Ok(())
     }
 }
+
+/// How long a client refused for a login burst is told to wait: about until the next report.
+pub const LOGIN_BURST_RETRY_MS: u32 = 1_000;
 
 /// Why the node closed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Reason {
     TickOverrun,
     OutboxPressure,
+    /// Not overload: as many logins came since the last report as it may vouch for.
+    LoginBurst,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 2] = [Reason::TickOverrun, Reason::OutboxPressure];
+    pub const ALL: [Reason; 3] = [
+        Reason::TickOverrun,
+        Reason::OutboxPressure,
+        Reason::LoginBurst,
+    ];
 
     /// Its name in metrics, on the wire and in `/state`.
     pub fn as_str(self) -> &'static str {
         match self {
             Reason::TickOverrun => "tick_overrun",
             Reason::OutboxPressure => "outbox_pressure",
+            Reason::LoginBurst => "login_burst",
         }
     }
 }
@@ -110,6 +143,8 @@ struct LoadSample {
     at_ms: u64,
     /// `tick_ms / budget_ms`.
     share: f64,
+    /// Sessions the node held when it came.
+    sessions: usize,
 }
 
 /// The decision and what it was made from.
@@ -121,6 +156,8 @@ pub struct Admission {
     load: Option<LoadSample>,
     /// The last time something hot was seen: the reopen clock starts over from it.
     last_hot_ms: Option<u64>,
+    /// Sessions admitted since the last report.
+    admitted_since_report: usize,
 }
 
 impl Admission {
@@ -131,6 +168,7 @@ impl Admission {
             closed: None,
             load: None,
             last_hot_ms: None,
+            admitted_since_report: 0,
         }
     }
 
@@ -143,8 +181,13 @@ impl Admission {
         self.closed
     }
 
+    /// How long a refused client should wait: until about the next report after a burst,
+    /// longer after an overload.
     pub fn retry_after_ms(&self) -> u32 {
-        self.cfg.retry_after_ms
+        match self.closed {
+            Some((Reason::LoginBurst, _)) => LOGIN_BURST_RETRY_MS,
+            _ => self.cfg.retry_after_ms,
+        }
     }
 
     /// The game's latest `tick_ms / budget_ms`, while it counts.
@@ -152,8 +195,15 @@ impl Admission {
         self.fresh_load(now_ms).map(|l| l.share)
     }
 
-    /// A `Load` report from the game. One without a usable budget tells nothing and is ignored.
-    pub fn on_load(&mut self, now_ms: u64, tick_ms: f32, budget_ms: f32) -> Option<Change> {
+    /// A `Load` report from the game, with the sessions the node holds now. One without a
+    /// usable budget tells nothing and is ignored.
+    pub fn on_load(
+        &mut self,
+        now_ms: u64,
+        tick_ms: f32,
+        budget_ms: f32,
+        sessions: usize,
+    ) -> Option<Change> {
         let (tick, budget) = (f64::from(tick_ms), f64::from(budget_ms));
         if !(tick.is_finite() && budget.is_finite() && tick >= 0.0 && budget > 0.0) {
             return None;
@@ -162,14 +212,39 @@ impl Admission {
         self.load = Some(LoadSample {
             at_ms: now_ms,
             share,
+            sessions,
         });
+        self.admitted_since_report = 0;
         if share >= self.cfg.open_below_load {
             self.hot(now_ms);
         }
         if share >= self.cfg.close_at_load {
             return self.close(now_ms, Reason::TickOverrun);
         }
+        if matches!(self.closed, Some((Reason::LoginBurst, _))) {
+            // A fresh report, and no overrun in it: a fresh allowance.
+            self.closed = None;
+            return Some(Change::Opened);
+        }
         self.evaluate(now_ms)
+    }
+
+    /// A new session wants in: whether it is admitted, and what changed if it used up the
+    /// allowance since the last report (it is admitted; the next is not).
+    pub fn on_login(&mut self, now_ms: u64) -> (bool, Option<Change>) {
+        if self.closed.is_some() {
+            return (false, None);
+        }
+        let Some(load) = self.fresh_load(now_ms) else {
+            return (true, None);
+        };
+        self.admitted_since_report += 1;
+        let allowed = ((load.sessions as f64 * self.cfg.login_burst_share).ceil() as usize)
+            .max(self.cfg.login_burst_min as usize);
+        if self.admitted_since_report >= allowed {
+            return (true, self.close(now_ms, Reason::LoginBurst));
+        }
+        (true, None)
     }
 
     /// A proxy link's outbox held `frames` frames; pressure from `outbox_high_frames` on.
@@ -183,7 +258,15 @@ impl Admission {
 
     /// Reopens once calm long enough; called on the node's timer as well as on each input.
     pub fn evaluate(&mut self, now_ms: u64) -> Option<Change> {
-        self.closed?;
+        let (reason, _) = self.closed?;
+        if reason == Reason::LoginBurst {
+            // Paced by reports: none coming any more, nothing to pace by.
+            if self.fresh_load(now_ms).is_none() {
+                self.closed = None;
+                return Some(Change::Opened);
+            }
+            return None;
+        }
         let calm_for = now_ms.saturating_sub(self.last_hot_ms.unwrap_or(0));
         let load_calm = self
             .fresh_load(now_ms)
@@ -199,12 +282,20 @@ impl Admission {
         self.last_hot_ms = Some(self.last_hot_ms.map_or(now_ms, |t| t.max(now_ms)));
     }
 
+    /// Closes for `reason`; an overload takes over from a burst (the proxies hear the new
+    /// reason and hint).
     fn close(&mut self, now_ms: u64, reason: Reason) -> Option<Change> {
-        if self.closed.is_some() {
-            return None;
+        match self.closed {
+            Some((Reason::LoginBurst, since)) if reason != Reason::LoginBurst => {
+                self.closed = Some((reason, since));
+                Some(Change::Closed(reason))
+            }
+            Some(_) => None,
+            None => {
+                self.closed = Some((reason, now_ms));
+                Some(Change::Closed(reason))
+            }
         }
-        self.closed = Some((reason, now_ms));
-        Some(Change::Closed(reason))
     }
 
     fn fresh_load(&self, now_ms: u64) -> Option<LoadSample> {
@@ -229,7 +320,7 @@ mod tests {
         let mut seen = Vec::new();
         for t in (from_ms..until_ms).step_by(100) {
             let c = if (t - from_ms) % 1000 == 0 {
-                a.on_load(t, tick_ms, BUDGET)
+                a.on_load(t, tick_ms, BUDGET, 0)
             } else {
                 a.evaluate(t)
             };
@@ -244,7 +335,7 @@ mod tests {
         assert!(a.is_open());
         assert_eq!(reports(&mut a, 0, 3000, 20.0), vec![]);
         assert_eq!(
-            a.on_load(3000, 45.0, BUDGET),
+            a.on_load(3000, 45.0, BUDGET, 0),
             Some(Change::Closed(Reason::TickOverrun)),
             "0.9 of the budget closes"
         );
@@ -265,12 +356,12 @@ mod tests {
         let mut a = policy();
         assert_eq!(reports(&mut a, 0, 10_000, 44.0), vec![], "0.88: not closed");
         assert_eq!(
-            a.on_load(10_000, 46.0, BUDGET),
+            a.on_load(10_000, 46.0, BUDGET, 0),
             Some(Change::Closed(Reason::TickOverrun))
         );
         // One calm report among hot ones starts nothing: the clock runs from the last hot one.
-        assert_eq!(a.on_load(11_000, 10.0, BUDGET), None);
-        assert_eq!(a.on_load(12_000, 40.0, BUDGET), None);
+        assert_eq!(a.on_load(11_000, 10.0, BUDGET, 0), None);
+        assert_eq!(a.on_load(12_000, 40.0, BUDGET, 0), None);
         assert_eq!(reports(&mut a, 13_000, 16_900, 10.0), vec![]);
         assert_eq!(a.evaluate(17_000), Some(Change::Opened));
         assert_eq!(a.evaluate(17_100), None, "told once");
@@ -280,7 +371,7 @@ mod tests {
     fn a_stale_report_does_not_keep_it_closed() {
         let mut a = policy();
         assert_eq!(
-            a.on_load(1000, 60.0, BUDGET),
+            a.on_load(1000, 60.0, BUDGET, 0),
             Some(Change::Closed(Reason::TickOverrun))
         );
         // The game says nothing more (it went away, or stopped reporting).
@@ -300,10 +391,10 @@ mod tests {
             ..AdmissionConfig::default()
         };
         let mut a = Admission::new(cfg);
-        a.on_load(0, 50.0, BUDGET);
+        a.on_load(0, 50.0, BUDGET, 0);
         assert_eq!(a.evaluate(5000), None, "the last word is still 1.0");
         // A report speaks for the time before it: the calm began long ago.
-        assert_eq!(a.on_load(6000, 5.0, BUDGET), Some(Change::Opened));
+        assert_eq!(a.on_load(6000, 5.0, BUDGET, 0), Some(Change::Opened));
     }
 
     #[test]
@@ -316,7 +407,7 @@ mod tests {
         );
         assert_eq!(a.on_outbox(300, 500), None, "already closed");
         // The game is fine, but the pressure goes on for two seconds.
-        a.on_load(1000, 10.0, BUDGET);
+        a.on_load(1000, 10.0, BUDGET, 0);
         for t in (400..2500).step_by(100) {
             assert_eq!(a.on_outbox(t, 300), None);
         }
@@ -324,17 +415,78 @@ mod tests {
         assert_eq!(a.evaluate(7400), Some(Change::Opened), "5 s after the last");
         // An overrun while open closes with its own reason.
         assert_eq!(
-            a.on_load(8000, 47.0, BUDGET),
+            a.on_load(8000, 47.0, BUDGET, 0),
             Some(Change::Closed(Reason::TickOverrun))
         );
     }
 
     #[test]
+    fn logins_between_two_reports_are_paced_and_the_next_calm_report_reopens() {
+        let mut a = policy();
+        // No report yet: nothing to pace by.
+        for _ in 0..100 {
+            assert_eq!(a.on_login(0), (true, None));
+        }
+        // 300 sessions at a calm report: 30 more before the next one (10 %).
+        assert_eq!(a.on_load(1000, 20.0, BUDGET, 300), None);
+        for i in 0..29 {
+            assert_eq!(a.on_login(1100), (true, None), "login {i}");
+        }
+        assert_eq!(
+            a.on_login(1100),
+            (true, Some(Change::Closed(Reason::LoginBurst))),
+            "the 30th is in; it closes behind it"
+        );
+        assert_eq!(a.on_login(1200), (false, None));
+        assert_eq!(a.retry_after_ms(), LOGIN_BURST_RETRY_MS);
+        assert_eq!(a.evaluate(1900), None, "until the next report");
+        // The next report is calm: open again, with a fresh allowance (at least the minimum).
+        assert_eq!(a.on_load(2000, 20.0, BUDGET, 100), Some(Change::Opened));
+        for _ in 0..19 {
+            assert_eq!(a.on_login(2100), (true, None));
+        }
+        assert_eq!(
+            a.on_login(2100),
+            (true, Some(Change::Closed(Reason::LoginBurst)))
+        );
+        // A report of an overrun turns the pause into an overload closing, with its hint.
+        assert_eq!(
+            a.on_load(3000, 48.0, BUDGET, 120),
+            Some(Change::Closed(Reason::TickOverrun))
+        );
+        assert_eq!(a.retry_after_ms(), 5000);
+        assert_eq!(a.closed(), Some((Reason::TickOverrun, 2100)));
+        assert_eq!(a.on_load(4000, 10.0, BUDGET, 120), None, "hysteresis now");
+        assert_eq!(a.evaluate(7999), None);
+        assert_eq!(a.evaluate(8000), Some(Change::Opened));
+    }
+
+    #[test]
+    fn a_burst_pause_ends_when_reports_stop() {
+        let mut a = policy();
+        a.on_load(0, 10.0, BUDGET, 0);
+        for _ in 0..19 {
+            a.on_login(10);
+        }
+        assert_eq!(
+            a.on_login(10),
+            (true, Some(Change::Closed(Reason::LoginBurst)))
+        );
+        assert_eq!(a.evaluate(2999), None);
+        assert_eq!(
+            a.evaluate(3000),
+            Some(Change::Opened),
+            "the report went stale"
+        );
+        assert_eq!(a.on_login(3000), (true, None), "unpaced without reports");
+    }
+
+    #[test]
     fn a_report_without_a_budget_is_ignored() {
         let mut a = policy();
-        assert_eq!(a.on_load(0, 100.0, 0.0), None);
-        assert_eq!(a.on_load(0, f32::NAN, BUDGET), None);
-        assert_eq!(a.on_load(0, -1.0, BUDGET), None);
+        assert_eq!(a.on_load(0, 100.0, 0.0, 0), None);
+        assert_eq!(a.on_load(0, f32::NAN, BUDGET, 0), None);
+        assert_eq!(a.on_load(0, -1.0, BUDGET, 0), None);
         assert!(a.is_open());
         assert_eq!(a.load_share(0), None);
     }
@@ -373,6 +525,20 @@ mod tests {
                 ..Default::default()
             },
             "admission.load_stale_ms",
+        );
+        bad(
+            AdmissionConfig {
+                login_burst_share: -0.1,
+                ..Default::default()
+            },
+            "admission.login_burst_share",
+        );
+        bad(
+            AdmissionConfig {
+                login_burst_min: 0,
+                ..Default::default()
+            },
+            "admission.login_burst_min",
         );
     }
 }
