@@ -884,8 +884,8 @@ fn a_tick_overrun_closes_admission_on_every_proxy_link_and_a_calm_reopens_it() {
 
     // Calm from 3 s on; reopened 5 s after the last hot report, not before.
     let mut opened = Vec::new();
-    for t in (2100..=8000).step_by(100) {
-        if t % 1000 == 0 {
+    for t in (2100u64..=8000).step_by(100) {
+        if t.is_multiple_of(1000) {
             load(&mut core, t, 20.0);
         } else {
             core.handle(at(t), Input::Timer);

@@ -319,7 +319,7 @@ mod tests {
     fn reports(a: &mut Admission, from_ms: u64, until_ms: u64, tick_ms: f32) -> Vec<(u64, Change)> {
         let mut seen = Vec::new();
         for t in (from_ms..until_ms).step_by(100) {
-            let c = if (t - from_ms) % 1000 == 0 {
+            let c = if (t - from_ms).is_multiple_of(1000) {
                 a.on_load(t, tick_ms, BUDGET, 0)
             } else {
                 a.evaluate(t)
