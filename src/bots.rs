@@ -51,6 +51,9 @@ impl Default for BotConfig {
 
 /// How long a leaving bot waits for the proxy to close after its `Bye`.
 const BYE_LINGER: Duration = Duration::from_secs(3);
+/// How long a bot waits before it logs in again after a failure (or a `SERVER_FULL` without a
+/// hint).
+const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// Counters shared by all bots of one run.
 #[derive(Debug, Default)]
@@ -66,6 +69,8 @@ pub struct BotStats {
     pub online: AtomicU64,
     pub kicks: AtomicU64,
     pub errors: AtomicU64,
+    /// Logins refused `SERVER_FULL` (retried after the proxy's hint; not errors).
+    pub refused_full: AtomicU64,
     /// Vanishes of entities well inside the view that no game despawned.
     pub vanished_on_handoff: AtomicU64,
     /// Inputs sent on sessions that ended by a kick or an error: at most what those connections
@@ -87,6 +92,7 @@ pub struct BotTotals {
     pub online: u64,
     pub kicks: u64,
     pub errors: u64,
+    pub refused_full: u64,
     pub vanished_on_handoff: u64,
     pub inputs_on_broken_sessions: u64,
 }
@@ -105,6 +111,7 @@ impl BotStats {
             online: l(&self.online),
             kicks: l(&self.kicks),
             errors: l(&self.errors),
+            refused_full: l(&self.refused_full),
             vanished_on_handoff: l(&self.vanished_on_handoff),
             inputs_on_broken_sessions: l(&self.inputs_on_broken_sessions),
         }
@@ -175,6 +182,17 @@ pub async fn run_bot(
                     }
                 }
             }
+            Err(ClientError::Kicked(k)) if k.reason == KickReason::ServerFull as i32 => {
+                // The server sheds load at the door: come back when it says, as a player would.
+                stats.refused_full.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%account, retry_after_ms = k.retry_after_ms, "server full: retrying later");
+                let wait = retry_wait(k.retry_after_ms, &mut rng);
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+                continue;
+            }
             Err(e) => {
                 stats.errors.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(%account, error = %e, "bot could not log in");
@@ -182,9 +200,20 @@ pub async fn run_bot(
         }
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = tokio::time::sleep(RETRY_AFTER) => {}
         }
     }
+}
+
+/// How long to wait after `SERVER_FULL`: the hint (a second without one), plus up to a quarter
+/// more, so that bots refused together do not come back together.
+fn retry_wait(hint_ms: u32, rng: &mut StdRng) -> Duration {
+    let base = if hint_ms == 0 {
+        RETRY_AFTER
+    } else {
+        Duration::from_millis(u64::from(hint_ms))
+    };
+    base.mul_f64(1.0 + rng.random_range(0.0..0.25))
 }
 
 /// How far apart two positions are, in chunks (Chebyshev, the short way round the torus): the
@@ -341,6 +370,20 @@ fn fxhash(s: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_full_server_is_retried_after_its_hint_with_jitter() {
+        let mut rng = StdRng::seed_from_u64(3);
+        for _ in 0..100 {
+            let w = retry_wait(4000, &mut rng);
+            assert!(
+                w >= Duration::from_secs(4) && w < Duration::from_secs(5),
+                "{w:?}"
+            );
+            let w = retry_wait(0, &mut rng);
+            assert!(w >= RETRY_AFTER && w < RETRY_AFTER.mul_f64(1.25), "{w:?}");
+        }
+    }
 
     #[test]
     fn steer_heads_home_when_far() {

@@ -60,7 +60,8 @@ enum Command {
     Sim(cellmesh::sim_cli::SimArgs),
     /// Run bots against a running proxy.
     Bots(BotsArgs),
-    /// Measure the mesh beside its baselines (hop, fanout, transport, edge, handoff, memory).
+    /// Measure the mesh beside its baselines (hop, fanout, transport, edge, handoff, memory,
+    /// overload).
     Bench(cellmesh::bench_cli::BenchArgs),
     /// A minimal framed TCP forwarder: the baseline `bench` starts as processes.
     #[command(hide = true)]

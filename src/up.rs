@@ -87,6 +87,8 @@ pub struct Summary {
     pub entities: u64,
     pub errors: u64,
     pub kicks: u64,
+    /// Bot logins refused `SERVER_FULL` (every gateway overloaded), retried after the hint.
+    pub logins_refused: u64,
     pub rtt_ms_p50: f64,
     pub rtt_ms_p99: f64,
     pub rtt_samples: u64,
@@ -1017,6 +1019,7 @@ pub async fn run(
         entities: s.entities,
         errors: b.errors + s.errors + arena_stats.errors_from_sidecar,
         kicks: b.kicks,
+        logins_refused: b.refused_full,
         rtt_ms_p50: p.rtt_ms_p50,
         rtt_ms_p99: p.rtt_ms_p99,
         rtt_samples: p.rtt_samples,

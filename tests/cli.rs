@@ -114,7 +114,15 @@ fn bench_names_its_scenarios_when_given_none_or_an_unknown_one() {
     let out = cellmesh(&["bench", "hops"], &[]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    for name in ["hop", "fanout", "transport", "edge", "handoff", "memory"] {
+    for name in [
+        "hop",
+        "fanout",
+        "transport",
+        "edge",
+        "handoff",
+        "memory",
+        "overload",
+    ] {
         assert!(stderr.contains(name), "{name} not named: {stderr}");
     }
 

@@ -116,6 +116,15 @@ pub mod edge {
             Self {
                 reason: reason as i32,
                 detail: detail.into(),
+                retry_after_ms: 0,
+            }
+        }
+
+        /// `SERVER_FULL`: no gateway admits new sessions; retry after `retry_after_ms`.
+        pub fn server_full(detail: impl Into<String>, retry_after_ms: u32) -> Self {
+            Self {
+                retry_after_ms,
+                ..Self::new(KickReason::ServerFull, detail)
             }
         }
     }

@@ -27,6 +27,7 @@ use tokio::time::Instant;
 use tokio_util::codec::{FramedRead, FramedWrite};
 
 use crate::connlimit::ConnectionPermit;
+use crate::gateway::NoGateway;
 use crate::link::{LinkConn, LinkGone};
 use crate::metrics::InputLoss;
 use crate::ping::{PingTracker, RTT_WINDOW};
@@ -133,7 +134,7 @@ impl Client {
     async fn serve_account(&mut self, account: Arc<str>, mut pending: Vec<ClientMessage>) -> End {
         let mut moves = 0;
         loop {
-            let mut session = match self.open_session(account.clone()) {
+            let mut session = match self.open_session(account.clone(), moves == 0) {
                 Ok(s) => s,
                 Err(end) => {
                     self.lose(InputLoss::SessionEnded, &pending);
@@ -230,12 +231,25 @@ impl Client {
     }
 
     /// Picks a gateway, routes a new session id to this task and asks the gateway to attach it.
-    fn open_session(&self, account: Arc<str>) -> Result<Session, End> {
-        let Some((link, conn)) = self.shared.gateways.pick() else {
-            return Err(kick(
-                KickReason::GatewayUnavailable,
-                "no gateway link is up",
-            ));
+    /// A new login is refused `SERVER_FULL` when every gateway up admits no new session; a
+    /// session that moves was admitted already and goes wherever a link is up.
+    fn open_session(&self, account: Arc<str>, new_login: bool) -> Result<Session, End> {
+        let (link, conn) = match self.shared.gateways.pick(new_login) {
+            Ok(picked) => picked,
+            Err(NoGateway::Down) => {
+                return Err(kick(
+                    KickReason::GatewayUnavailable,
+                    "no gateway link is up",
+                ))
+            }
+            Err(NoGateway::Full {
+                retry_after_ms,
+                detail,
+            }) => {
+                self.shared.metrics.logins_refused_server_full.inc();
+                tracing::debug!(%account, peer = %self.peer, retry_after_ms, "login refused: every gateway is full");
+                return Err(End::Kick(Kick::server_full(detail, retry_after_ms)));
+            }
         };
         let id = link.next_session_id();
         let (tx, outbox) = mpsc::channel(self.shared.cfg.client_outbox_frames);
@@ -262,6 +276,7 @@ impl Client {
             session_id: id,
             account: session.account.to_string(),
             remote_addr: self.peer.to_string(),
+            moved: !new_login,
         };
         if let Err(e) = session.conn.send(mesh_message::Body::Attach(attach)) {
             session.conn.release(id);
@@ -325,7 +340,13 @@ impl Client {
             match next {
                 Ok(Some(ToSession::Attached(a))) => return Ok((a, early)),
                 Ok(Some(ToSession::Frame(f))) => early.push(f),
-                Ok(Some(ToSession::Detach(k))) => return Err(End::Kick(k)),
+                Ok(Some(ToSession::Detach(k))) => {
+                    if k.reason == KickReason::ServerFull as i32 {
+                        // The gateway closed before this proxy heard: refused all the same.
+                        self.shared.metrics.logins_refused_server_full.inc();
+                    }
+                    return Err(End::Kick(k));
+                }
                 Ok(None) => return Err(self.route_dropped(s)),
                 Err(_) => {
                     return Err(kick(
@@ -599,6 +620,7 @@ impl Client {
                 session_id: s.id,
                 kick_reason,
                 detail,
+                retry_after_ms: 0,
             }));
         }
         if s.info.is_some() {

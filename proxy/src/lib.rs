@@ -84,6 +84,10 @@ pub struct ProxyStats {
     pub frames_in: u64,
     /// Frames sent to clients.
     pub frames_out: u64,
+    /// Logins refused `SERVER_FULL`: every gateway up admitted no new session.
+    pub logins_refused: u64,
+    /// Gateway links up whose node admits no new session now.
+    pub gateways_closed: u64,
 }
 
 /// A running proxy.
@@ -192,6 +196,13 @@ impl Shared {
         let _serial = self.readiness.lock().unwrap_or_else(|p| p.into_inner());
         let ready = !self.draining.load(Ordering::SeqCst) && self.gateways.any_up();
         self.admin.set_ready(ready);
+    }
+
+    /// The gauge of gateways that admit no new session.
+    pub(crate) fn refresh_admission(&self) {
+        self.metrics
+            .gateways_closed
+            .set(self.gateways.closed() as i64);
     }
 
     fn state_json(&self) -> serde_json::Value {

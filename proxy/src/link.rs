@@ -22,7 +22,8 @@ use bytes::{Bytes, BytesMut};
 use cellmesh_proto::codec::{FrameCodec, RawFrame};
 use cellmesh_proto::edge::{Kick, KickReason};
 use cellmesh_proto::mesh::{
-    mesh_message::Body, Heartbeat, LinkHello, MeshFrame, MeshMessage, PeerRole, ProtocolVersion,
+    mesh_message::Body, Admission, Heartbeat, LinkHello, MeshFrame, MeshMessage, PeerRole,
+    ProtocolVersion,
 };
 use cellmesh_proto::PROTOCOL_MAJOR;
 use futures::{SinkExt, StreamExt};
@@ -116,10 +117,22 @@ pub(crate) enum LinkGone {
     Closed,
 }
 
+/// Why a gateway takes no new sessions, as it said.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Closed {
+    pub reason: String,
+    pub retry_after_ms: u32,
+}
+
 /// One live connection of a link.
 #[derive(Debug)]
 pub(crate) struct LinkConn {
     pub gateway: Arc<str>,
+    /// The gateway's node id, from its `LinkHello`.
+    pub node_id: u32,
+    /// Set while the gateway says it admits no new session (each connection starts open: a
+    /// gateway that is closed says so as the link comes up).
+    closed: Mutex<Option<Closed>>,
     /// Bounded at `link_outbox_frames` + [`CONTROL_RESERVE`].
     outbox: mpsc::Sender<MeshMessage>,
     routes: Mutex<Routes>,
@@ -131,9 +144,11 @@ pub(crate) struct LinkConn {
 }
 
 impl LinkConn {
-    fn new(gateway: Arc<str>, outbox: mpsc::Sender<MeshMessage>) -> Self {
+    fn new(gateway: Arc<str>, node_id: u32, outbox: mpsc::Sender<MeshMessage>) -> Self {
         Self {
             gateway,
+            node_id,
+            closed: Mutex::new(None),
             outbox,
             routes: Mutex::default(),
             stalled: CancellationToken::new(),
@@ -174,6 +189,26 @@ impl LinkConn {
                     .saturating_sub(Duration::from_millis(since - 1)),
             ),
         }
+    }
+
+    /// Why the gateway admits no new session, while it says so.
+    pub(crate) fn closed(&self) -> Option<Closed> {
+        self.closed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The gateway's latest word on new sessions; whether it changed anything.
+    fn set_admission(&self, a: Admission) -> bool {
+        let now = (!a.open).then_some(Closed {
+            reason: a.reason,
+            retry_after_ms: a.retry_after_ms,
+        });
+        let mut closed = self.closed.lock().unwrap_or_else(|p| p.into_inner());
+        let changed = closed.is_some() != now.is_some();
+        *closed = now;
+        changed
     }
 
     fn routes(&self) -> std::sync::MutexGuard<'_, Routes> {
@@ -263,7 +298,14 @@ impl Link {
     }
 
     pub(crate) fn to_json(&self) -> serde_json::Value {
-        let sessions = self.conn().map_or(0, |c| c.sessions());
+        let conn = self.conn();
+        let sessions = conn.as_ref().map_or(0, |c| c.sessions());
+        let admission = conn.map(|c| match c.closed() {
+            None => serde_json::json!({ "open": true }),
+            Some(c) => serde_json::json!({
+                "open": false, "reason": c.reason, "retry_after_ms": c.retry_after_ms,
+            }),
+        });
         let s = self.status.lock().unwrap_or_else(|p| p.into_inner());
         let state = match s.state {
             LinkState::Connecting => "connecting",
@@ -280,7 +322,25 @@ impl Link {
                 "id": p.id, "node_id": p.node_id, "geo": p.geo, "partition_epoch": p.partition_epoch,
             })),
             "last_error": s.last_error,
+            "admission": admission,
         })
+    }
+}
+
+#[cfg(test)]
+impl Link {
+    /// A link that is up, its gateway open or `closed`; the receiver is its outbox.
+    pub(crate) fn up_for_test(
+        gateway: &str,
+        node_id: u32,
+        closed: Option<Closed>,
+    ) -> (Self, mpsc::Receiver<MeshMessage>) {
+        let link = Self::new(gateway);
+        let (tx, rx) = mpsc::channel(16);
+        let conn = LinkConn::new(gateway.into(), node_id, tx);
+        *conn.closed.lock().unwrap() = closed;
+        *link.current.lock().unwrap() = Some(Arc::new(conn));
+        (link, rx)
     }
 }
 
@@ -301,7 +361,7 @@ pub(crate) async fn run(link: Arc<Link>, shared: Arc<Shared>, stop: Cancellation
                 attempt = 0;
                 tracing::info!(gateway = %link.gateway, node = peer.node_id, peer = %peer.id, "mesh link up");
                 let (tx, mut rx) = mpsc::channel(shared.cfg.link_outbox_frames + CONTROL_RESERVE);
-                let conn = Arc::new(LinkConn::new(link.gateway.clone(), tx));
+                let conn = Arc::new(LinkConn::new(link.gateway.clone(), peer.node_id, tx));
                 *link.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(conn.clone());
                 link.set_status(LinkState::Up, Some(peer), None);
                 shared.metrics.link_up(&link.gateway, true);
@@ -322,6 +382,7 @@ pub(crate) async fn run(link: Arc<Link>, shared: Arc<Shared>, stop: Cancellation
                 *link.current.lock().unwrap_or_else(|p| p.into_inner()) = None;
                 shared.metrics.link_up(&link.gateway, false);
                 shared.refresh_ready();
+                shared.refresh_admission();
                 let error = ended.err().map(|e| format!("{e:#}"));
                 let orphans = conn.close();
                 if let Some(error) = &error {
@@ -672,6 +733,7 @@ fn dispatch(m: MeshMessage, conn: &LinkConn, shared: &Shared) -> anyhow::Result<
                 let kick = Kick {
                     reason: d.kick_reason as i32,
                     detail: d.detail,
+                    retry_after_ms: d.retry_after_ms,
                 };
                 if let Err(e) = route.outbox.try_send(ToSession::Detach(kick)) {
                     let ToSession::Detach(kick) = e.into_inner() else {
@@ -679,6 +741,20 @@ fn dispatch(m: MeshMessage, conn: &LinkConn, shared: &Shared) -> anyhow::Result<
                     };
                     route.control.kick(kick);
                 }
+            }
+        }
+        Body::Admission(a) => {
+            let open = a.open;
+            if conn.set_admission(a) {
+                match conn.closed() {
+                    Some(c) => {
+                        tracing::warn!(gateway = %conn.gateway, node = conn.node_id, reason = %c.reason, "gateway admits no new session")
+                    }
+                    None => {
+                        tracing::info!(gateway = %conn.gateway, node = conn.node_id, open, "gateway admits new sessions again")
+                    }
+                }
+                shared.refresh_admission();
             }
         }
         Body::Refused(r) => bail!("gateway refused the link: {}", r.reason),
@@ -717,6 +793,7 @@ fn body_name(b: &Body) -> &'static str {
         Body::ToClient(_) => "ToClient",
         Body::Rtt(_) => "SessionRtt",
         Body::Refused(_) => "LinkRefused",
+        Body::Admission(_) => "Admission",
         // Sidecar <-> sidecar traffic never belongs on a proxy link.
         _ => "a sidecar-to-sidecar message",
     }
@@ -738,7 +815,7 @@ mod tests {
     #[test]
     fn closed_connection_refuses_new_routes_and_hands_back_old_ones() {
         let (tx, _rx) = mpsc::channel(1);
-        let conn = LinkConn::new("g".into(), tx);
+        let conn = LinkConn::new("g".into(), 1, tx);
         let stop = CancellationToken::new();
         let route = || {
             let (tx, _rx) = mpsc::channel(1);
@@ -767,7 +844,7 @@ mod tests {
     #[test]
     fn a_full_outbox_drops_data_keeps_room_for_control_and_the_link() {
         let (tx, mut rx) = mpsc::channel(4 + CONTROL_RESERVE);
-        let conn = LinkConn::new("g".into(), tx);
+        let conn = LinkConn::new("g".into(), 1, tx);
         for seq in 0..4 {
             assert_eq!(conn.send_data(input(seq)), Ok(()));
         }

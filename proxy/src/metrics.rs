@@ -93,6 +93,10 @@ pub(crate) struct Metrics {
     /// clients do not queue on one lock; merged when read.
     rtt: [Mutex<hdrhistogram::Histogram<u64>>; RTT_SHARDS],
     link_up: Family<GatewayLabels, Gauge>,
+    /// Logins refused because no gateway admits a new session.
+    pub logins_refused_server_full: Counter,
+    /// Gateway links up whose node admits no new session.
+    pub gateways_closed: Gauge,
 }
 
 /// Every reason the proxy loses a client input it read and did not rate-limit
@@ -241,6 +245,19 @@ impl Metrics {
             link_up.clone(),
         );
 
+        let logins_refused = Family::<ReasonLabels, Counter>::default();
+        reg.register(
+            "logins_refused",
+            "Authenticated logins refused, by reason (server_full: every gateway that is up admits no new session)",
+            logins_refused.clone(),
+        );
+        let gateways_closed = Gauge::default();
+        reg.register(
+            "gateways_closed",
+            "Gateway links up whose node says it admits no new session (tick overrun, outbox pressure)",
+            gateways_closed.clone(),
+        );
+
         let metrics = Self {
             connections,
             connections_accepted,
@@ -268,6 +285,10 @@ impl Metrics {
             rtt_ms,
             rtt: std::array::from_fn(|_| Mutex::new(rtt_histogram())),
             link_up,
+            logins_refused_server_full: logins_refused.get_or_create_owned(&ReasonLabels {
+                reason: "server_full",
+            }),
+            gateways_closed,
         };
         (metrics, reg)
     }
@@ -368,6 +389,8 @@ impl Metrics {
             rtt_samples,
             frames_in: self.client_in.frames.get(),
             frames_out: self.client_out.frames.get(),
+            logins_refused: self.logins_refused_server_full.get(),
+            gateways_closed: self.gateways_closed.get().max(0) as u64,
         }
     }
 }
@@ -411,6 +434,8 @@ mod tests {
             "cellmesh_proxy_inputs_lost_total{reason=\"link_closed\"} 3",
             "cellmesh_proxy_inputs_lost_total{reason=\"link_full\"} 0",
             "cellmesh_proxy_connections_refused_total{limit=\"address\"} 0",
+            "cellmesh_proxy_logins_refused_total{reason=\"server_full\"} 0",
+            "cellmesh_proxy_gateways_closed 0",
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }

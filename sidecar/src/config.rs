@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use cellmesh_geo_router::geometry::{GeometryError, WorldShape};
 use serde::{Deserialize, Serialize};
 
+use crate::model::admission::AdmissionConfig;
 use crate::model::ids::MAX_NODE_ID;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -72,6 +73,9 @@ pub struct SidecarConfig {
     pub game_grace_ms: u64,
     /// On SIGTERM, how long the node may take to hand its entities away before it exits.
     pub drain_timeout_ms: u64,
+    /// When the node stops admitting new sessions (tick overrun, outbox pressure) and when it
+    /// opens again: see `model::admission`.
+    pub admission: AdmissionConfig,
 }
 
 impl SidecarConfig {
@@ -124,6 +128,7 @@ impl Default for SidecarConfig {
             checkpoint_interval_ms: 2_000,
             game_grace_ms: 5_000,
             drain_timeout_ms: 30_000,
+            admission: AdmissionConfig::default(),
         }
     }
 }
@@ -162,6 +167,8 @@ pub enum ConfigError {
     PlayerRecordEvery(u64),
     #[error("checkpoint_interval_ms {0} is below the minimum of 100 (0 turns checkpoints off)")]
     CheckpointInterval(u64),
+    #[error("{0}")]
+    Admission(String),
 }
 
 impl SidecarConfig {
@@ -214,6 +221,7 @@ impl SidecarConfig {
         if (1..100).contains(&self.checkpoint_interval_ms) {
             return Err(ConfigError::CheckpointInterval(self.checkpoint_interval_ms));
         }
+        self.admission.check().map_err(ConfigError::Admission)?;
         Ok(())
     }
 
@@ -296,6 +304,44 @@ mod tests {
             },
             "session_lease_ms 5",
         );
+        check(
+            SidecarConfig {
+                admission: AdmissionConfig {
+                    open_below_load: 2.0,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            "admission.open_below_load",
+        );
+    }
+
+    #[test]
+    fn admission_thresholds_come_from_the_file_and_the_environment() {
+        let dir =
+            std::env::temp_dir().join(format!("cellmesh-admission-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("sidecar.toml");
+        std::fs::write(
+            &f,
+            "[admission]\nclose_at_load = 0.8\nreopen_after_ms = 2000\n",
+        )
+        .unwrap();
+        let env = vec![(
+            "CELLMESH_ADMISSION__OUTBOX_HIGH_FRAMES".to_string(),
+            "64".to_string(),
+        )];
+        let cfg = cellmesh_admin::config::load_with_env::<SidecarConfig>(Some(&f), env).unwrap();
+        assert_eq!(
+            cfg.admission,
+            AdmissionConfig {
+                close_at_load: 0.8,
+                reopen_after_ms: 2000,
+                outbox_high_frames: 64,
+                ..AdmissionConfig::default()
+            }
+        );
+        cfg.validate().unwrap();
     }
 
     #[test]

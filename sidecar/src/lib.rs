@@ -105,6 +105,9 @@ pub struct SidecarStats {
     pub checkpoint_writes: u64,
     pub checkpoints_stored: u64,
     pub checkpoint_stored_bytes: u64,
+    /// Whether the node admits new sessions now, and how often it stopped (any reason).
+    pub admission_open: bool,
+    pub admission_closings: u64,
 }
 
 impl SidecarHandle {
@@ -150,6 +153,15 @@ impl SidecarHandle {
             checkpoint_writes: m.checkpoint_writes.get(),
             checkpoints_stored: m.checkpoints_stored.get(),
             checkpoint_stored_bytes: m.checkpoint_stored_bytes.get(),
+            admission_open: m.admission_open.get() > 0,
+            admission_closings: crate::model::admission::Reason::ALL
+                .iter()
+                .map(|r| {
+                    m.admission_closings
+                        .get_or_create(&metrics::ReasonLabel { reason: r.as_str() })
+                        .get()
+                })
+                .sum(),
         }
     }
 

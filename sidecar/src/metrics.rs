@@ -177,6 +177,9 @@ pub struct Metrics {
     /// Client inputs this node holds now: for a frozen entity, behind an epoch not seen yet,
     /// or waiting for an older one after an adoption.
     pub inputs_held: Gauge,
+    /// 1 while the node admits new sessions; its closings by reason.
+    pub admission_open: Gauge,
+    pub admission_closings: Family<ReasonLabel, Counter>,
     /// Checkpoints the game answered, and their bytes.
     pub checkpoints: Counter,
     pub checkpoint_bytes: Counter,
@@ -253,6 +256,8 @@ impl Default for Metrics {
             stale_epoch_drops: Default::default(),
             held_frames: Default::default(),
             inputs_held: Default::default(),
+            admission_open: Default::default(),
+            admission_closings: Default::default(),
             checkpoints: Default::default(),
             checkpoint_bytes: Default::default(),
             restored: Default::default(),
@@ -509,6 +514,16 @@ impl Metrics {
             "inputs_held",
             "Client inputs held now: for a frozen entity, for an entity epoch not seen yet, or for an older input after an adoption",
             m.inputs_held.clone(),
+        );
+        r.register(
+            "admission_open",
+            "1 while the node admits new sessions; 0 while it tells its proxies it is full",
+            m.admission_open.clone(),
+        );
+        r.register(
+            "admission_closings",
+            "Times the node stopped admitting new sessions, by reason (tick_overrun, outbox_pressure)",
+            m.admission_closings.clone(),
         );
         m
     }

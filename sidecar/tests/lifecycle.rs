@@ -422,6 +422,7 @@ async fn link_handshake_rules() {
         session_id: 1,
         account: "x".into(),
         remote_addr: String::new(),
+        moved: false,
     }));
     assert!(refused(attach_first).await.contains("expected LinkHello"));
 
@@ -447,6 +448,7 @@ async fn a_silent_link_dies_and_its_sessions_leave() {
         session_id: 1,
         account: "quiet".into(),
         remote_addr: String::new(),
+        moved: false,
     })))
     .await
     .unwrap();
@@ -512,6 +514,7 @@ async fn a_link_that_stops_reading_is_closed_without_stalling_the_node() {
         session_id: 1,
         account: "slow".into(),
         remote_addr: String::new(),
+        moved: false,
     })))
     .await
     .unwrap();

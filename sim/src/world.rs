@@ -1758,6 +1758,7 @@ impl<'a> Sim<'a> {
                 session_id,
                 account,
                 remote_addr: format!("client-{c}"),
+                moved: false,
             }),
         );
         let first = self.s.input_every_ms;

@@ -16,7 +16,7 @@ use cellmesh_proto::client;
 use cellmesh_proto::edge::{client_message, server_message, Pong};
 use cellmesh_proto::local::{
     game_message::Body, sidecar_message, Adopted, Audience, AudienceKind, CheckpointState,
-    Component, Release, ReserveIds, Snapshot, Spawn, Update, Vec3,
+    Component, Event, Load, Release, ReserveIds, Snapshot, Spawn, Update, Vec3,
 };
 use cellmesh_proto::sdk::{self, OwnedArea, SdkConfig};
 use hdrhistogram::Histogram;
@@ -28,6 +28,19 @@ use super::report::nanos_histogram;
 pub const STAMP_LEN: usize = 16;
 /// The component type every stamped update writes.
 pub const STAMPED: u32 = 1;
+/// The event type of an input's echo: the input's stamp, then how long the game held it
+/// ([`read_echo`]).
+pub const ECHO: u32 = 2;
+/// Bytes of an echo: the input's stamp, then nanoseconds the game held the input.
+pub const ECHO_LEN: usize = STAMP_LEN + 8;
+
+/// An echo's `(input sent_ns, input seq, held_ns)`: `held_ns` is how long the game kept the
+/// input before its tick ended (the game's own wait, not the mesh's).
+pub fn read_echo(payload: &[u8]) -> Option<(u64, u64, u64)> {
+    let (sent, seq) = read_stamp(payload)?;
+    let held = u64::from_le_bytes(payload.get(STAMP_LEN..ECHO_LEN)?.try_into().ok()?);
+    Some((sent, seq, held))
+}
 
 /// Nanoseconds since the first call in this process: the one clock games and clients share.
 pub fn now_ns() -> u64 {
@@ -110,6 +123,62 @@ pub struct GameConfig {
     /// Hand an NPC over with `Release` in the tick it walks out of the node's area, rather
     /// than wait for the sidecar's `Freeze`.
     pub release: bool,
+    /// Every player input is answered at the end of the tick that took it, with an `ECHO`
+    /// event for its owner only: the input's stamp and how long the game held it.
+    pub echo_inputs: bool,
+    /// The game sends `Load` every second: its longest tick of that second (an overrun is one
+    /// tick over budget), each tick timed from when it was due (so a game starved of CPU, whose
+    /// ticks start late, reports what a real one overrunning its budget would) to the end of its
+    /// work.
+    pub report_load: bool,
+    /// CPU work every tick, as a game simulating its world does; none: the game costs only what
+    /// its traffic does.
+    pub tick_work: Option<TickWork>,
+}
+
+/// What simulating one tick costs a game, in CPU time (not wall time: on a busy machine the
+/// work takes longer, as a real game's does).
+#[derive(Debug, Clone, Copy)]
+pub struct TickWork {
+    /// For each NPC it writes (movement, AI).
+    pub per_npc: Duration,
+    /// For each player it simulates (input, interest, what it sends).
+    pub per_player: Duration,
+}
+
+impl TickWork {
+    fn cost(&self, npcs: usize, players: usize) -> Duration {
+        self.per_npc * npcs as u32 + self.per_player * players as u32
+    }
+}
+
+/// Spends about `cpu` of CPU time computing (calibrated once: a loop, not a clock).
+fn burn(cpu: Duration) {
+    static PER_US: OnceLock<f64> = OnceLock::new();
+    let per_us = *PER_US.get_or_init(|| {
+        // The fastest of a few runs: the one least disturbed by the rest of the machine.
+        const N: u64 = 200_000;
+        let best = (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                spin(N);
+                t.elapsed()
+            })
+            .min()
+            .unwrap_or(Duration::from_millis(1));
+        N as f64 / best.as_secs_f64().max(1e-9) / 1e6
+    });
+    spin((cpu.as_secs_f64() * 1e6 * per_us) as u64);
+}
+
+fn spin(n: u64) {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for _ in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+    }
+    std::hint::black_box(x);
 }
 
 impl Default for GameConfig {
@@ -129,6 +198,9 @@ impl Default for GameConfig {
             spawn_per_tick: usize::MAX,
             control: None,
             release: false,
+            echo_inputs: false,
+            report_load: false,
+            tick_work: None,
         }
     }
 }
@@ -238,6 +310,8 @@ pub struct GameStats {
     pub evicted: AtomicU64,
     pub thawed: AtomicU64,
     pub errors: AtomicU64,
+    /// The highest `Load` tick time reported since it was last taken, in microseconds.
+    pub load_us_max: AtomicU64,
 }
 
 /// When the games saw each step of one handoff, on the clock they share ([`now_ns`]).
@@ -402,6 +476,38 @@ fn vec3(at: (f64, f64)) -> Vec3 {
     }
 }
 
+/// An input's echo: its stamp (the payload's first [`STAMP_LEN`] bytes) and `held_ns`.
+fn echo_payload(input: &[u8], held_ns: u64) -> Option<Bytes> {
+    let mut b = BytesMut::with_capacity(ECHO_LEN);
+    b.put_slice(input.get(..STAMP_LEN)?);
+    b.put_u64_le(held_ns);
+    Some(b.freeze())
+}
+
+/// Tick times over one report period, for `Load`.
+#[derive(Debug, Default)]
+struct TickTimes {
+    since: Option<tokio::time::Instant>,
+    worst: Duration,
+}
+
+impl TickTimes {
+    /// One tick, due at `due`, ended at `now`; the worst of the period once a second passed.
+    fn tick(&mut self, due: tokio::time::Instant, now: tokio::time::Instant) -> Option<Duration> {
+        let since = *self.since.get_or_insert(now);
+        self.worst = self.worst.max(now.saturating_duration_since(due));
+        if now.duration_since(since) < Duration::from_secs(1) {
+            return None;
+        }
+        let worst = self.worst;
+        *self = Self {
+            since: Some(now),
+            worst: Duration::ZERO,
+        };
+        Some(worst)
+    }
+}
+
 fn public(payload: Bytes) -> Component {
     Component {
         r#type: STAMPED,
@@ -451,6 +557,9 @@ pub async fn run(
     dirs.resize(cfg.npcs.len(), 1.0);
     // For the handoff log: when the last tick ended, and what the next frame answers.
     let mut last_tick_end_ns = now_ns();
+    // Inputs to echo at the tick's end: (avatar, payload, when it came).
+    let mut echoes: Vec<(u64, Bytes, u64)> = Vec::new();
+    let mut tick_times = TickTimes::default();
     let (mut answering, mut adopting): (Vec<u64>, Vec<u64>) = (Vec::new(), Vec::new());
     // NPCs released in the tick under way.
     let mut releasing: Vec<u64> = Vec::new();
@@ -476,6 +585,11 @@ pub async fn run(
                         if !avatars.contains_key(&j.account) {
                             joins += 1;
                             joining.push((j.account, at));
+                        }
+                    }
+                    M::Input(i) if cfg.echo_inputs => {
+                        if let Some((id, _)) = avatars.get(&i.account) {
+                            echoes.push((*id, i.payload, now_ns()));
                         }
                     }
                     M::PlayerLeave(l) => {
@@ -548,7 +662,7 @@ pub async fn run(
                     _ => {}
                 }
             }
-            _ = ticker.tick() => {
+            due = ticker.tick() => {
                 tick += 1;
                 if let Some(c) = &cfg.control {
                     to_spawn.extend(c.take_spawns());
@@ -638,6 +752,33 @@ pub async fn run(
                     if let Some(c) = &cfg.control {
                         c.stamped_in_window.fetch_add(in_window, Relaxed);
                     }
+                }
+                if let Some(work) = cfg.tick_work {
+                    burn(work.cost(npcs.len(), avatars.len()));
+                }
+                let end_ns = now_ns();
+                for (id, input, came_ns) in echoes.drain(..) {
+                    if let Some(payload) = echo_payload(&input, end_ns.saturating_sub(came_ns)) {
+                        tx.push(Body::Event(Event {
+                            entity_id: id,
+                            r#type: ECHO,
+                            payload,
+                            audience: Some(Audience {
+                                kind: AudienceKind::OwnerOnly as i32,
+                                accounts: Vec::new(),
+                            }),
+                        }));
+                    }
+                }
+                if let Some(worst) = tick_times
+                    .tick(due, tokio::time::Instant::now())
+                    .filter(|_| cfg.report_load) {
+                    stats.load_us_max.fetch_max(worst.as_micros() as u64, Relaxed);
+                    tx.push(Body::Load(Load {
+                        tick_ms: worst.as_secs_f32() * 1000.0,
+                        budget_ms: 1000.0 / cfg.tick_hz as f32,
+                        entity_count: (npcs.len() + avatars.len()) as u32,
+                    }));
                 }
                 stats.ticks.fetch_add(1, Relaxed);
                 last_tick_end_ns = now_ns();
@@ -781,6 +922,54 @@ mod tests {
         assert!(read_stamp(&p[..15]).is_none());
         assert_eq!(stamped(3, 1).len(), STAMP_LEN);
         assert_eq!(read_stamp(&stamped_at(32, 9, 1234)), Some((1234, 9)));
+    }
+
+    #[test]
+    fn an_echo_carries_the_input_stamp_and_the_time_held() {
+        let input = stamped(40, 9);
+        let (sent, _) = read_stamp(&input).unwrap();
+        let echo = echo_payload(&input, 1234).unwrap();
+        assert_eq!(echo.len(), ECHO_LEN);
+        assert_eq!(read_echo(&echo), Some((sent, 9, 1234)));
+        assert_eq!(echo_payload(&input[..10], 1), None, "no stamp, no echo");
+        assert_eq!(read_echo(&echo[..ECHO_LEN - 1]), None);
+    }
+
+    #[test]
+    fn load_is_the_worst_tick_of_the_second_from_when_it_was_due() {
+        let mut t = TickTimes::default();
+        let start = tokio::time::Instant::now();
+        // Twenty-one ticks at 20 Hz, each ended 10 ms after it was due, the last 40 ms late:
+        // the second is over at the last.
+        let mut worst = None;
+        for i in 0..21u32 {
+            let due = start + Duration::from_millis(50 * u64::from(i));
+            let late = if i == 7 { 40 } else { 10 };
+            worst = t.tick(due, due + Duration::from_millis(late));
+            if i < 20 {
+                assert_eq!(worst, None, "not a second yet at tick {i}");
+            }
+        }
+        assert_eq!(worst, Some(Duration::from_millis(40)));
+        assert_eq!(t.worst, Duration::ZERO, "the next second starts afresh");
+    }
+
+    #[test]
+    fn tick_work_costs_cpu_per_npc_and_per_player() {
+        let work = TickWork {
+            per_npc: Duration::from_micros(10),
+            per_player: Duration::from_micros(100),
+        };
+        assert_eq!(work.cost(100, 20), Duration::from_millis(3));
+        burn(Duration::from_micros(10));
+        // On an idle machine about the time asked; never much less on a busy one.
+        let t = Instant::now();
+        burn(Duration::from_millis(20));
+        assert!(
+            t.elapsed() >= Duration::from_millis(10),
+            "{:?}",
+            t.elapsed()
+        );
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod game;
 pub mod handoff;
 pub mod hop;
 pub mod memory;
+pub mod overload;
 pub mod phases;
 pub mod probe;
 pub mod report;
@@ -33,16 +34,18 @@ pub enum Scenario {
     Edge,
     Handoff,
     Memory,
+    Overload,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 6] = [
+    pub const ALL: [Scenario; 7] = [
         Scenario::Hop,
         Scenario::Fanout,
         Scenario::Transport,
         Scenario::Edge,
         Scenario::Handoff,
         Scenario::Memory,
+        Scenario::Overload,
     ];
 
     /// Its key in the report.
@@ -54,6 +57,7 @@ impl Scenario {
             Scenario::Edge => "edge",
             Scenario::Handoff => "handoff",
             Scenario::Memory => "memory",
+            Scenario::Overload => "overload",
         }
     }
 
@@ -95,6 +99,7 @@ pub async fn run(scenario: Scenario, opts: &Options) -> anyhow::Result<Value> {
         Scenario::Edge => edge::run(opts).await,
         Scenario::Handoff => handoff::run(opts).await,
         Scenario::Memory => memory::run(opts).await,
+        Scenario::Overload => overload::run(opts).await,
     }
     .map_err(|e| e.context(format!("bench {}", scenario.name())))?;
     if let Value::Object(m) = &mut section {

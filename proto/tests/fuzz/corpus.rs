@@ -296,6 +296,7 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
             session_id: 1,
             account: "ada".into(),
             remote_addr: "203.0.113.7:5000".into(),
+            moved: true,
         }),
         B::Attached(Attached {
             session_id: 1,
@@ -309,6 +310,13 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
             session_id: 1,
             kick_reason: 3,
             detail: "displaced".into(),
+            retry_after_ms: 0,
+        }),
+        B::Detach(Detach {
+            session_id: 2,
+            kick_reason: 14,
+            detail: "the server is full".into(),
+            retry_after_ms: 1000,
         }),
         B::Input(SessionInput {
             session_id: 1,
@@ -326,6 +334,11 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
         }),
         B::Refused(LinkRefused {
             reason: "major 2".into(),
+        }),
+        B::Admission(Admission {
+            open: false,
+            reason: "tick_overrun".into(),
+            retry_after_ms: 5000,
         }),
         B::Subscribe(Subscribe {
             chunks: chunks.clone(),
@@ -535,6 +548,7 @@ pub fn server_frames() -> Vec<Vec<u8>> {
             cookie: cookies()[0].clone().into(),
         }),
         B::Kick(Kick::new(KickReason::Idle, "idle for 60 s")),
+        B::Kick(Kick::server_full("every gateway is full", 5000)),
     ];
     let mut frames: Vec<ServerFrame> = all.iter().map(|b| ServerFrame::one(b.clone())).collect();
     frames.push(ServerFrame {

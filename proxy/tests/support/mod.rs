@@ -16,8 +16,8 @@ use cellmesh_proto::edge::{
     ServerMessage, Welcome,
 };
 use cellmesh_proto::mesh::{
-    mesh_message::Body, Attached, Detach, Heartbeat, LinkHello, MeshFrame, MeshMessage, PeerRole,
-    ProtocolVersion, SessionRtt, ToClient,
+    mesh_message::Body, Admission, Attached, Detach, Heartbeat, LinkHello, MeshFrame, MeshMessage,
+    PeerRole, ProtocolVersion, SessionRtt, ToClient,
 };
 use cellmesh_proxy::{ProxyConfig, ProxyHandle};
 pub use cellmesh_test_support::{unix_now, PATIENCE};
@@ -59,6 +59,10 @@ struct GatewayInner {
     drop_links: Mutex<CancellationToken>,
     /// False while the gateway stops reading its links (a stalled sidecar).
     reading: tokio::sync::watch::Sender<bool>,
+    /// What it says of new sessions while closed (told to every link, and to each new one).
+    closed: Mutex<Option<Admission>>,
+    /// Set while it refuses new sessions' attaches `SERVER_FULL` (detail, retry hint).
+    refusing: Mutex<Option<(String, u32)>>,
 }
 
 impl TestGateway {
@@ -74,6 +78,8 @@ impl TestGateway {
             next_link: AtomicU64::new(1),
             drop_links: Mutex::new(CancellationToken::new()),
             reading: tokio::sync::watch::Sender::new(true),
+            closed: Mutex::new(None),
+            refusing: Mutex::new(None),
         });
         let stop = CancellationToken::new();
         tokio::spawn({
@@ -156,6 +162,39 @@ impl TestGateway {
         self.inner.reading.send_replace(true);
     }
 
+    /// Says on every link (and on each that comes up later) that the node admits no new
+    /// session, for `reason`, with the retry hint `retry_after_ms`.
+    pub fn close_admission(&self, reason: &str, retry_after_ms: u32) {
+        let a = Admission {
+            open: false,
+            reason: reason.into(),
+            retry_after_ms,
+        };
+        *self.inner.closed.lock().unwrap() = Some(a.clone());
+        self.tell_links(a);
+    }
+
+    /// Refuses the attach of every new session `SERVER_FULL` (a moved one is attached), as a
+    /// node that closed before the proxy heard does.
+    pub fn refuse_attaches(&self, detail: &str, retry_after_ms: u32) {
+        *self.inner.refusing.lock().unwrap() = Some((detail.into(), retry_after_ms));
+    }
+
+    /// Says on every link that the node admits new sessions again.
+    pub fn open_admission(&self) {
+        *self.inner.closed.lock().unwrap() = None;
+        self.tell_links(Admission {
+            open: true,
+            ..Default::default()
+        });
+    }
+
+    fn tell_links(&self, a: Admission) {
+        for tx in self.inner.links.lock().unwrap().values() {
+            let _ = tx.send(Body::Admission(a.clone()).into());
+        }
+    }
+
     /// Closes every open link (the proxy is expected to redial).
     pub fn drop_links(&self) {
         let mut token = self.inner.drop_links.lock().unwrap();
@@ -235,6 +274,9 @@ async fn serve_link(
         return;
     }
     let (tx, mut rx) = mpsc::unbounded_channel::<MeshMessage>();
+    if let Some(a) = inner.closed.lock().unwrap().clone() {
+        let _ = tx.send(Body::Admission(a).into());
+    }
     inner.links.lock().unwrap().insert(link, tx.clone());
     let writer_task = tokio::spawn({
         let (drop, stop) = (drop.clone(), stop.clone());
@@ -294,6 +336,16 @@ async fn serve_link(
 
 fn handle(inner: &GatewayInner, link: u64, tx: &mpsc::UnboundedSender<MeshMessage>, body: Body) {
     match &body {
+        Body::Attach(a) if !a.moved && inner.refusing.lock().unwrap().is_some() => {
+            let (detail, retry_after_ms) = inner.refusing.lock().unwrap().clone().unwrap();
+            let refusal = Detach {
+                session_id: a.session_id,
+                kick_reason: KickReason::ServerFull as u32,
+                detail,
+                retry_after_ms,
+            };
+            let _ = tx.send(Body::Detach(refusal).into());
+        }
         Body::Attach(a) => {
             let old = inner
                 .sessions
@@ -305,6 +357,7 @@ fn handle(inner: &GatewayInner, link: u64, tx: &mpsc::UnboundedSender<MeshMessag
                     session_id: old_session,
                     kick_reason: KickReason::Displaced as u32,
                     detail: "account logged in elsewhere".into(),
+                    retry_after_ms: 0,
                 };
                 if let Some(old_tx) = inner.links.lock().unwrap().get(&old_link) {
                     let _ = old_tx.send(Body::Detach(detach).into());

@@ -264,6 +264,7 @@ impl Core {
                 self.end_tick(t.tick)
             }
             B::Load(l) => {
+                self.on_game_load(&l);
                 if let Some(g) = self.game.slot.as_mut() {
                     g.load = Some(l);
                 }

@@ -56,6 +56,8 @@ pub(crate) struct Gateway {
     /// Render ghosts' changes already sent to clients this tick: the tick's other consumers
     /// still get them, merged with the rest, at its end.
     pub ghost_changes_sent: TickChanges,
+    /// Peer frames changed render ghosts since they were last folded for clients.
+    pub ghosts_due: bool,
 }
 
 impl Gateway {
@@ -69,6 +71,7 @@ impl Gateway {
             anchor_pos: HashMap::default(),
             next_records_ms: cfg.player_record_every_ms,
             ghost_changes_sent: TickChanges::new(),
+            ghosts_due: false,
         }
     }
 }
@@ -151,6 +154,7 @@ fn detach(session_id: u64, reason: KickReason, detail: impl Into<String>) -> mes
         session_id,
         kick_reason: reason as u32,
         detail: detail.into(),
+        retry_after_ms: 0,
     })
 }
 
@@ -216,6 +220,10 @@ impl Core {
                 "attach for a session id already in use; ignored"
             );
             return;
+        }
+        // A session that moves here was admitted already; a new one only while the node admits.
+        if !a.moved && !self.admit_login() {
+            return self.queue_for_link(link, self.refusal(a.session_id));
         }
         let key = self
             .gw

@@ -11,9 +11,10 @@
 //! proxies and other sidecars), [`replication`] (subscriptions, render and simulation ghosts),
 //! [`routing`] (routing by account, anchors), [`handoff`] (moving reals, the epoch fence, inputs)
 //! [`avatars`] (one avatar per account, found through the directory's master record)
-//! and [`authority`] (lease, partition, drain). [`wire`] holds the one copy of each conversion
-//! between the model and the wire.
+//! [`authority`] (lease, partition, drain) and [`admission`] (whether new sessions are taken).
+//! [`wire`] holds the one copy of each conversion between the model and the wire.
 
+pub(crate) mod admission;
 pub(crate) mod authority;
 pub(crate) mod avatars;
 pub(crate) mod game;
@@ -108,6 +109,12 @@ pub enum Input {
     /// The link's outbox is full: the other end is not reading (the driver has already cut it).
     LinkStalled {
         link: LinkId,
+    },
+    /// The link's outbox holds `frames` frames: the driver says so while it holds at least
+    /// `admission.outbox_high_frames` (at most every [`BACKLOG_REPORT_EVERY_MS`] per link).
+    LinkBacklog {
+        link: LinkId,
+        frames: usize,
     },
     /// A store request came back.
     Store(StoreReply),
@@ -277,6 +284,8 @@ pub struct HeldFrames {
 pub(crate) const TO_CLIENT_OVERHEAD: usize = 64;
 /// How often the state is published (if it changed) and a drain checked.
 const PUBLISH_EVERY_MS: u64 = 100;
+/// How often, at most, the driver reports the backlog of one link's outbox.
+pub const BACKLOG_REPORT_EVERY_MS: u64 = 100;
 
 /// What the node queued and has not handed to the driver yet.
 #[derive(Default)]
@@ -306,6 +315,8 @@ pub struct Core {
     pub(crate) auth: Authority,
     pub(crate) restore: restore::Restore,
     pub(crate) avatars: avatars::Avatars,
+    /// Whether the node takes new sessions.
+    pub(crate) admission: crate::model::admission::Admission,
     pub(crate) out: Outbox,
     shutting_down: bool,
     /// Something changed since the last publish.
@@ -351,6 +362,10 @@ impl Core {
                 ..Default::default()
             },
             avatars: avatars::Avatars::default(),
+            admission: {
+                metrics.admission_open.set(1);
+                crate::model::admission::Admission::new(cfg.admission.clone())
+            },
             out: Outbox::default(),
             shutting_down: false,
             dirty: true,
@@ -506,6 +521,7 @@ impl Core {
             }
             Input::LinkClosed { link, reason } => self.close_link(link, &reason),
             Input::LinkStalled { link } => self.on_link_stalled(link),
+            Input::LinkBacklog { link, frames } => self.on_link_backlog(link, frames),
             Input::Store(StoreReply::Registered {
                 session,
                 account,
@@ -541,12 +557,14 @@ impl Core {
             Input::Timer => self.on_timer(),
             Input::Shutdown => self.shutdown(),
         }
-        // Only a peer sidecar's frames write ghosts: a proxy's inputs skip the scan.
+        // Only a peer sidecar's frames write ghosts: a proxy's inputs skip the scan. Their
+        // changes are folded for clients once the driver asks for output, once for all the peer
+        // frames it handled meanwhile.
         let from_peer = link
             .and_then(|l| self.mesh.links.get(&l))
             .is_some_and(|l| l.peer.is_some());
         if from_peer {
-            self.send_ghost_changes();
+            self.gw.ghosts_due = true;
             self.set_table_gauges();
         }
         self.flush_checkpoints();
@@ -565,8 +583,17 @@ impl Core {
 
     /// The next thing to do, if any. Messages queued by the handlers are packed here into as
     /// few frames as fit, one batch per connection.
+    ///
+    /// Render ghosts' changes are folded for clients here, not per peer frame: a node that falls
+    /// behind handles a backlog of peer frames in one go, and folding each would queue one batch
+    /// per frame for every client (work and bytes growing with the backlog, each batch waiting
+    /// behind the last, and clients cut as slow consumers). Folded together, each client gets at
+    /// most one batch for all of them, with each entity's newest state.
     pub fn poll_output(&mut self) -> Option<Output> {
         if self.out.pending.is_empty() {
+            if std::mem::take(&mut self.gw.ghosts_due) {
+                self.send_ghost_changes();
+            }
             self.pack_outboxes();
         }
         self.out
@@ -609,6 +636,7 @@ impl Core {
             self.restore_step();
             self.avatars_step();
             self.save_player_records();
+            self.evaluate_admission();
             self.metrics.inputs_held.set(self.inputs_held() as i64);
             if self.dirty {
                 self.dirty = false;
@@ -695,7 +723,11 @@ impl Core {
                 self.metrics.peer_outbox_full.get_or_create(&label).inc();
                 "outbox full: the peer is not reading"
             }
-            None => "outbox full: the proxy is not reading",
+            None => {
+                // Pressure past all doubt: this node's client batches could not get out.
+                self.on_link_backlog(link, self.cfg.link_outbox_frames);
+                "outbox full: the proxy is not reading"
+            }
         };
         self.close_link(link, why);
     }
@@ -782,6 +814,7 @@ impl Core {
             "held_frames": self.handoff.fence.held(),
             "lease_live": self.auth.lease_live,
             "draining": self.auth.draining.is_some(),
+            "admission": self.admission_state(),
         })
     }
 
@@ -800,6 +833,7 @@ impl Core {
                         session_id,
                         kick_reason: cellmesh_proto::edge::KickReason::Shutdown as u32,
                         detail: "the node is shutting down".into(),
+                        retry_after_ms: 0,
                     }),
                 );
             }

@@ -95,8 +95,9 @@ impl Core {
                 sessions: Default::default(),
             },
         );
-        if let Some(node) = peer {
-            self.on_peer_up(link, node);
+        match peer {
+            Some(node) => self.on_peer_up(link, node),
+            None => self.tell_admission(link),
         }
     }
 

@@ -388,6 +388,7 @@ fn attach(core: &mut Core, ms: u64, account: &str) {
                 session_id: 1,
                 account: account.into(),
                 remote_addr: String::new(),
+                moved: false,
             })
             .into()],
         },
@@ -1082,4 +1083,294 @@ fn a_players_avatar_is_kept_when_released() {
     assert!(!links
         .iter()
         .any(|(_, m)| matches!(m, mesh_message::Body::HandoffOffer(_))));
+}
+
+
+/// A proxy link `link` comes up.
+fn proxy_up(core: &mut Core, ms: u64, link: LinkId) {
+    core.handle(
+        at(ms),
+        Input::LinkUp {
+            link,
+            hello: mesh::LinkHello {
+                version: Some(mesh::ProtocolVersion::current()),
+                role: mesh::PeerRole::Proxy as i32,
+                id: format!("edge-{link}"),
+                geo: "test".into(),
+                partition_epoch: 0,
+                node_id: 0,
+            },
+            remote: "edge".into(),
+            rest: vec![],
+        },
+    );
+}
+
+/// The game reports its load: `tick_ms` of a 50 ms budget.
+fn load(core: &mut Core, ms: u64, tick_ms: f32) {
+    core.handle(
+        at(ms),
+        Input::GameFrame {
+            conn: 1,
+            messages: vec![game_message::Body::Load(local::Load {
+                tick_ms,
+                budget_ms: 50.0,
+                entity_count: 1,
+            })
+            .into()],
+        },
+    );
+}
+
+/// The admission messages queued, as (link, open, reason, retry hint).
+fn admissions(core: &mut Core) -> Vec<(LinkId, bool, String, u32)> {
+    outputs(core)
+        .1
+        .into_iter()
+        .filter_map(|(link, b)| match b {
+            mesh_message::Body::Admission(a) => Some((link, a.open, a.reason, a.retry_after_ms)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn closings(core: &Core, reason: &'static str) -> u64 {
+    core.metrics
+        .admission_closings
+        .get_or_create(&crate::metrics::ReasonLabel { reason })
+        .get()
+}
+
+/// A game that overruns its tick closes the node to new sessions: every proxy link hears it
+/// (one that comes up later too), and a calm held for `reopen_after_ms` opens it again.
+#[test]
+fn a_tick_overrun_closes_admission_on_every_proxy_link_and_a_calm_reopens_it() {
+    let mut core = node();
+    link_up(&mut core, 0, PEER_LINK, GATEWAY);
+    proxy_up(&mut core, 0, 20);
+    assert_eq!(admissions(&mut core), [], "open needs no word");
+    assert_eq!(core.metrics.admission_open.get(), 1);
+
+    load(&mut core, 1000, 30.0);
+    assert_eq!(admissions(&mut core), []);
+    load(&mut core, 2000, 47.0);
+    let closed = (false, "tick_overrun".to_string(), 5000);
+    assert_eq!(
+        admissions(&mut core),
+        [(20, closed.0, closed.1.clone(), closed.2)],
+        "the proxy link hears it, the peer link does not"
+    );
+    assert_eq!(core.metrics.admission_open.get(), 0);
+    assert_eq!(closings(&core, "tick_overrun"), 1);
+    assert_eq!(core.state()["admission"]["open"], false);
+    assert_eq!(core.state()["admission"]["reason"], "tick_overrun");
+
+    // A proxy that connects while the node is closed hears it at once.
+    proxy_up(&mut core, 2500, 21);
+    assert_eq!(
+        admissions(&mut core),
+        [(21, closed.0, closed.1.clone(), closed.2)]
+    );
+
+    // Calm from 3 s on; reopened 5 s after the last hot report, not before.
+    let mut opened = Vec::new();
+    for t in (2100u64..=8000).step_by(100) {
+        if t.is_multiple_of(1000) {
+            load(&mut core, t, 20.0);
+        } else {
+            core.handle(at(t), Input::Timer);
+        }
+        opened.extend(admissions(&mut core).into_iter().map(|a| (t, a)));
+    }
+    assert_eq!(
+        opened,
+        [
+            (7000, (20, true, String::new(), 0)),
+            (7000, (21, true, String::new(), 0))
+        ]
+    );
+    assert_eq!(core.metrics.admission_open.get(), 1);
+    assert_eq!(core.state()["admission"]["open"], true);
+    assert_eq!(closings(&core, "tick_overrun"), 1, "closed once");
+}
+
+/// A proxy link whose outbox backs up closes the node with its own reason; a backed-up peer
+/// link does not (this node's client batches do not wait there).
+#[test]
+fn a_backed_up_proxy_link_closes_admission_and_a_peer_link_does_not() {
+    let mut core = node();
+    link_up(&mut core, 0, PEER_LINK, GATEWAY);
+    proxy_up(&mut core, 0, 20);
+    core.handle(
+        at(100),
+        Input::LinkBacklog {
+            link: PEER_LINK,
+            frames: 5000,
+        },
+    );
+    assert_eq!(admissions(&mut core), []);
+    core.handle(
+        at(200),
+        Input::LinkBacklog {
+            link: 20,
+            frames: 128,
+        },
+    );
+    assert_eq!(
+        admissions(&mut core),
+        [(20, false, "outbox_pressure".to_string(), 5000)]
+    );
+    assert_eq!(closings(&core, "outbox_pressure"), 1);
+    core.handle(at(5100), Input::Timer);
+    assert_eq!(admissions(&mut core), [], "not 5 s calm yet");
+    core.handle(at(5200), Input::Timer);
+    assert_eq!(admissions(&mut core), [(20, true, String::new(), 0)]);
+}
+
+/// The batches queued for alice's proxy link, each as the (kind, x) of entity 99's deltas.
+fn batches_of_99(core: &mut Core) -> Vec<Vec<(i32, f64)>> {
+    use prost::Message;
+    let mut batches = Vec::new();
+    while let Some(out) = core.poll_output() {
+        let Output::ToLink { link: 20, frame } = out else {
+            continue;
+        };
+        for m in frame.messages {
+            let Some(mesh_message::Body::ToClient(c)) = m.body else {
+                continue;
+            };
+            let sf = cellmesh_proto::edge::ServerFrame::decode(c.server_frame).unwrap();
+            for m in sf.messages {
+                if let Some(cellmesh_proto::edge::server_message::Body::Batch(b)) = m.body {
+                    batches.push(
+                        b.deltas
+                            .iter()
+                            .filter(|d| d.entity_id == 99)
+                            .map(|d| (d.kind, d.position.as_ref().map_or(f64::NAN, |p| p.x)))
+                            .collect(),
+                    );
+                }
+            }
+        }
+    }
+    batches
+}
+
+/// A backlog of peer frames handled in one go (as the driver does, up to a burst, before it
+/// asks for output) costs each client one batch with the newest state, not one per frame.
+#[test]
+fn a_backlog_of_peer_frames_reaches_a_client_as_one_batch_with_the_newest_state() {
+    use cellmesh_proto::edge::DeltaKind;
+    let mut core = node();
+    alice_at_the_border(&mut core);
+    from_node_2(&mut core, 30, true, 270.0);
+    assert_eq!(
+        batches_of_99(&mut core),
+        [vec![(DeltaKind::Appear as i32, 270.0)]]
+    );
+    for (i, x) in [271.0, 272.0, 273.0, 274.0, 275.0].into_iter().enumerate() {
+        from_node_2(&mut core, 40 + i as u64, false, x);
+    }
+    assert_eq!(
+        batches_of_99(&mut core),
+        [vec![(DeltaKind::Update as i32, 275.0)]],
+        "five frames, one batch, the last position"
+    );
+    // One frame at a time, one batch each, as before.
+    from_node_2(&mut core, 50, false, 276.0);
+    assert_eq!(
+        batches_of_99(&mut core),
+        [vec![(DeltaKind::Update as i32, 276.0)]]
+    );
+}
+
+/// A proxy link's attach of `account` as session `session_id`, moved from another gateway or new.
+fn attach_on(core: &mut Core, ms: u64, link: LinkId, session_id: u64, account: &str, moved: bool) {
+    core.handle(
+        at(ms),
+        Input::LinkFrame {
+            link,
+            messages: vec![mesh_message::Body::Attach(mesh::Attach {
+                session_id,
+                account: account.into(),
+                remote_addr: String::new(),
+                moved,
+            })
+            .into()],
+        },
+    );
+}
+
+/// What the node did with the attaches just made: (session, registered?) and the refusals as
+/// (session, kick reason, retry hint, detail).
+#[allow(clippy::type_complexity)]
+fn attach_answers(core: &mut Core) -> (usize, Vec<(u64, u32, u32, String)>) {
+    let mut registered = 0;
+    let mut refused = Vec::new();
+    while let Some(out) = core.poll_output() {
+        match out {
+            Output::Store(StoreRequest::Register { .. }) => registered += 1,
+            Output::ToLink { frame, .. } => {
+                for m in frame.messages {
+                    if let Some(mesh_message::Body::Detach(d)) = m.body {
+                        refused.push((d.session_id, d.kick_reason, d.retry_after_ms, d.detail));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    (registered, refused)
+}
+
+/// Between two load reports the node admits only so many new sessions; the next is refused
+/// `SERVER_FULL` with a short hint (its proxy had not heard yet), and a session that moves here
+/// from a broken gateway is never refused. An overrun refuses with the long hint.
+#[test]
+fn a_login_burst_is_paced_and_a_closed_node_refuses_new_sessions_but_not_moved_ones() {
+    use cellmesh_proto::edge::KickReason;
+    let mut core = node();
+    proxy_up(&mut core, 0, 20);
+    load(&mut core, 1000, 10.0);
+    while core.poll_output().is_some() {}
+    for i in 1..=20 {
+        attach_on(&mut core, 1100, 20, i, &format!("p{i}"), false);
+    }
+    let (registered, refused) = attach_answers(&mut core);
+    assert_eq!((registered, refused.len()), (20, 0), "{refused:?}");
+    assert_eq!(
+        core.admission.closed().map(|(r, _)| r.as_str()),
+        Some("login_burst"),
+        "the allowance (at least 20 a report) is used up"
+    );
+
+    attach_on(&mut core, 1200, 20, 21, "p21", false);
+    attach_on(&mut core, 1200, 20, 22, "p22", true);
+    let (registered, refused) = attach_answers(&mut core);
+    assert_eq!(registered, 1, "the moved session is attached");
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    let (session, reason, hint, detail) = &refused[0];
+    assert_eq!(
+        (*session, *reason, *hint),
+        (21, KickReason::ServerFull as u32, 1000)
+    );
+    assert!(
+        detail.contains("node 1") && detail.contains("login_burst"),
+        "{detail}"
+    );
+
+    // The next report is calm: new sessions are taken again.
+    load(&mut core, 2000, 10.0);
+    assert_eq!(admissions(&mut core), [(20, true, String::new(), 0)]);
+    attach_on(&mut core, 2100, 20, 23, "p23", false);
+    assert_eq!(attach_answers(&mut core), (1, vec![]));
+
+    // An overrun: refused with the overload hint.
+    load(&mut core, 3000, 49.0);
+    while core.poll_output().is_some() {}
+    attach_on(&mut core, 3100, 20, 24, "p24", false);
+    let (registered, refused) = attach_answers(&mut core);
+    assert_eq!(registered, 0);
+    assert_eq!(refused[0].2, 5000);
+    assert!(refused[0].3.contains("tick_overrun"), "{:?}", refused[0]);
 }

@@ -88,6 +88,7 @@ async fn dial_once(
     let handle = LinkHandle {
         outbox,
         kill: kill.clone(),
+        backlog_reported_ms: None,
     };
     ctx.metrics.connected(Peer::Sidecar);
     let up = Event::LinkUp {

@@ -184,12 +184,32 @@ impl Driver {
                     self.games.remove(&conn);
                 }
                 Output::ToLink { link, frame } => {
-                    let Some(l) = self.links.get(&link) else {
+                    let Some(l) = self.links.get_mut(&link) else {
                         let lost = forwarded_inputs(&frame.messages);
                         self.metrics.inputs_lost_in_links.inc_by(lost);
                         continue;
                     };
-                    if let Err(e) = l.outbox.try_send(frame) {
+                    let sent = l.outbox.try_send(frame);
+                    // A deep outbox is latency for everyone on the link: the core hears of it
+                    // (its admission policy decides), at most every so often.
+                    let queued = l.outbox.max_capacity() - l.outbox.capacity();
+                    if sent.is_ok() && queued >= self.core.cfg.admission.outbox_high_frames {
+                        let now = now(self.start);
+                        let due = l.backlog_reported_ms.is_none_or(|t| {
+                            now.mono_ms >= t + crate::core::BACKLOG_REPORT_EVERY_MS
+                        });
+                        if due {
+                            l.backlog_reported_ms = Some(now.mono_ms);
+                            self.core.handle(
+                                now,
+                                Input::LinkBacklog {
+                                    link,
+                                    frames: queued,
+                                },
+                            );
+                        }
+                    }
+                    if let Err(e) = sent {
                         let full = matches!(e, TrySendError::Full(_));
                         let (TrySendError::Full(frame) | TrySendError::Closed(frame)) = e;
                         let lost = forwarded_inputs(&frame.messages);

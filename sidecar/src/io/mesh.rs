@@ -202,6 +202,7 @@ async fn run(
     let handle = LinkHandle {
         outbox,
         kill: kill.clone(),
+        backlog_reported_ms: None,
     };
     let rest = without_heartbeats(rest);
     if ctx

@@ -102,6 +102,8 @@ pub(crate) struct GameHandle {
 pub(crate) struct LinkHandle {
     pub outbox: mpsc::Sender<MeshFrame>,
     pub kill: CancellationToken,
+    /// When the core was last told this outbox's backlog (monotonic ms).
+    pub backlog_reported_ms: Option<u64>,
 }
 
 /// Binds the listeners, starts the connection tasks, the membership task (for a cluster node)

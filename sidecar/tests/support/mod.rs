@@ -526,6 +526,7 @@ impl MeshLink {
             session_id,
             account: account.into(),
             remote_addr: "127.0.0.1:1".into(),
+            moved: false,
         }))
         .await;
         self.expect(&format!("Attached for session {session_id}"), |m| match m {
@@ -552,6 +553,7 @@ impl MeshLink {
             session_id,
             kick_reason: edge::KickReason::KickUnspecified as u32,
             detail: "bye".into(),
+            retry_after_ms: 0,
         }))
         .await;
     }
