@@ -22,8 +22,9 @@
 //! A report comes about once a second, and a crowd logs in faster than that: everyone who comes
 //! between two reports would be admitted on the strength of the last one. So logins are paced:
 //! between two reports at most `login_burst_share` of the sessions the last one was made with
-//! are admitted (at least `login_burst_min`); past that the node is closed (`login_burst`) until
-//! the next report, which reopens it unless it shows an overrun. Without a fresh report nothing
+//! are admitted (at least `login_burst_min`), and fewer as the report nears the high mark; past
+//! that the node is closed (`login_burst`) until the next report, which reopens it unless it
+//! shows an overrun. Without a fresh report nothing
 //! is paced (there is nothing to pace by).
 //!
 //! Near the knee a few more sessions are the difference between calm and collapse, so after an
@@ -272,12 +273,25 @@ impl Admission {
             return (false, self.close(now_ms, Reason::AtCapacity));
         }
         self.admitted_since_report += 1;
-        let allowed = ((load.sessions as f64 * self.cfg.login_burst_share).ceil() as usize)
-            .max(self.cfg.login_burst_min as usize);
-        if self.admitted_since_report >= allowed {
+        if self.admitted_since_report >= self.allowance(load) {
             return (true, self.close(now_ms, Reason::LoginBurst));
         }
         (true, None)
+    }
+
+    /// New sessions admitted on the strength of `load`: while calm, `login_burst_share` of the
+    /// sessions it was made with (at least `login_burst_min`); between the marks, half the
+    /// headroom a straight line from the report to `close_at_load` leaves (at least one), so
+    /// the node nears its mark in ever smaller steps.
+    fn allowance(&self, load: LoadSample) -> usize {
+        let held = load.sessions as f64;
+        let burst = (held * self.cfg.login_burst_share).ceil();
+        if load.share < self.cfg.open_below_load {
+            return (burst as usize).max(self.cfg.login_burst_min as usize);
+        }
+        let headroom = held * (self.cfg.close_at_load / load.share - 1.0) / 2.0;
+        // The epsilon keeps a whole number that floating point made a hair short of one.
+        ((headroom.min(burst) + 1e-9).floor() as usize).max(1)
     }
 
     /// A proxy link's outbox held `frames` frames while the node held `sessions`; pressure
@@ -555,6 +569,26 @@ mod tests {
         // Reports stop: the ceiling is forgotten with them.
         a.evaluate(12_000);
         assert_eq!(a.ceiling(), None);
+    }
+
+    #[test]
+    fn between_the_marks_logins_are_paced_by_the_headroom_left() {
+        let allowed = |share_of_budget: f32, held: usize| {
+            let mut a = policy();
+            a.on_load(0, share_of_budget * BUDGET, BUDGET, held);
+            let mut n = 0;
+            while a.on_login(10, held + n).1.is_none() {
+                n += 1;
+            }
+            n + 1
+        };
+        assert_eq!(allowed(0.5, 300), 30, "calm: a tenth of 300");
+        assert_eq!(allowed(0.5, 50), 20, "calm: at least the minimum");
+        // 0.75 of the budget with 300: a line reaches 0.9 at 360; half of the 60 between.
+        assert_eq!(allowed(0.75, 300), 30);
+        assert_eq!(allowed(0.8, 300), 18, "(0.9 / 0.8 - 1) * 300 / 2");
+        assert_eq!(allowed(0.88, 300), 3);
+        assert_eq!(allowed(0.895, 10), 1, "always one");
     }
 
     #[test]
