@@ -1,35 +1,44 @@
-//! `overload`: sessions log in until the cluster is past its knee, then twice as many are
-//! offered. The nodes shed the excess at the door (the proxy refuses new logins `SERVER_FULL`
-//! while every gateway says it is full), so the sessions already admitted keep their latency.
+//! `overload`: sessions log in until the cluster is past its knee, then twice as many are offered.
+//! The nodes shed the excess at the door (the proxy refuses new logins `SERVER_FULL` while every
+//! gateway says it is full), so the sessions already admitted keep their latency.
 //!
-//! Layout: two nodes in vertical strips, both gateways. Each node's game runs on a runtime of its
-//! own (one thread, as a game server process would have), ticks at 20 Hz, updates its NPCs near
-//! the border every tick and spends CPU on each tick as a real game does ([`TICK_WORK`]: per NPC
-//! and per player), reports `Load` every second (its longest tick of the second, each tick timed
-//! from when it was due, so a game starved of CPU reports an overrun), and answers every input
-//! of its players at its tick's end with an owner-only echo. Every avatar stands near the border
-//! on its gateway's side (no handoffs), so every session sees every NPC of both nodes: its
-//! gateway folds its own game's updates at the tick's end and the other node's as they arrive.
+//! Layout: two nodes in vertical strips; node 2 is the one gateway (the proxy attaches every
+//! session there) and node 1 writes NPCs its sessions see as render ghosts. One gateway, because on
+//! two cores two gateways are not two hosts: one's overload is the other's too, and the other
+//! cannot see it in its own game until it has taken the surplus. Each node's game runs on a runtime
+//! of its own (one thread, as a game server process would have), ticks at 20 Hz, updates its NPCs
+//! near the border every tick and spends CPU on each tick as a real game does ([`TICK_WORK`]: per
+//! NPC and per player), reports `Load` every second (its second longest tick of the second, each
+//! tick timed from when it was due, so a game starved of CPU reports an overrun), and answers every
+//! input of its players at its tick's end with an owner-only echo. Every avatar stands near the
+//! border on node 2's side, so every session sees every NPC of both nodes: the gateway folds its
+//! own game's updates at the tick's end and node 1's as they arrive.
 //!
-//! Each client sends an input every 100 ms carrying a stamp. Its **RTT** is the echo's arrival
-//! less the stamp: client, proxy, gateway, game and back, the wait for the game's tick included,
-//! as a player sees it. The **mesh RTT** is that less the time the game held the input until its
-//! tick ended (up to a tick). A window counts the inputs stamped within it; an echo later than
-//! a grace (1 s; half that with `--quick`) after the window closed is not counted (`echo_delivery` says how many came).
-//! Figures are over the sessions admitted.
+//! Each client sends an input every 100 ms carrying a stamp. Its **RTT** is the echo's arrival less
+//! the stamp: client, proxy, gateway, game and back, the wait for the game's tick included, as a
+//! player sees it. The **mesh RTT** is that less the time the game held the input until its tick
+//! ended (up to a tick). A window counts the inputs stamped within it; an echo later than a grace
+//! (1 s; half that with `--quick`) after the window closed is not counted (`echo_delivery` says how
+//! many came). Figures are over the sessions admitted.
+//!
+//! The nodes run with `close_at_load` 0.6 and `open_below_load` 0.4 ([`CLOSE_AT_LOAD`]): here a
+//! game shares two cores with the mesh and every client, so a game at 60 % of its tick budget
+//! already means the machine has no room left (a game with a host of its own keeps the defaults,
+//! 0.9 and 0.7).
 //!
 //! The **knee** is found by offering more sessions each step; logins are paced by the nodes (a
-//! share of their sessions per load report), and those refused come back after the proxy's hint,
-//! as players would, until all are in or a node closes for overload. It is the first step at
-//! which a node closes admission for overload, or the admitted sessions' mesh RTT p99 exceeds a
-//! tick (`steps[].closings` says which reasons closed nodes: `login_burst` is pacing, not
-//! overload). Then twice the knee's sessions are offered and the admitted sessions measured
-//! again: `ratio` holds their RTT p99 at twice the knee over their p99 at the knee (the target
-//! is at most 1.5), and over the last step before the knee (`below_knee`), for scale.
+//! share of their sessions per load report), and those refused come back after the proxy's hint, as
+//! players would, until all are in or a node closes for overload. It is the first step at which a
+//! node closes admission for overload, or the admitted sessions' mesh RTT p99 exceeds a tick
+//! (`steps[].closings` says which reasons closed nodes: `login_burst` and `at_capacity` are
+//! pauses, not overload).
+//! Then twice the knee's sessions are offered and the admitted sessions measured again: `ratio`
+//! holds their RTT p99 at twice the knee over their p99 at the knee (the target is at most 1.5),
+//! and over the last step before the knee (`below_knee`), for scale.
 //!
-//! Everything shares the machine: the clients decode every update they receive in this
-//! process, so on a small machine the knee is where the machine runs out of cores as much as
-//! where the mesh does (`on_cpu_cores` per component, `load_average_1m`).
+//! Everything shares the machine: the clients decode every update they receive in this process, so
+//! on a small machine the knee is where the machine runs out of cores as much as where the mesh
+//! does (`on_cpu_cores` per component, `load_average_1m`).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -57,6 +66,8 @@ const TICK_HZ: u32 = 20;
 /// One tick, the latency budget of the knee.
 const TICK: Duration = Duration::from_millis(1000 / TICK_HZ as u64);
 const NODES: u32 = 2;
+/// The one gateway: the proxy attaches every session to it.
+const GATEWAY: u32 = 2;
 /// Each client's inputs.
 const INPUT_EVERY: Duration = Duration::from_millis(100);
 /// Bytes of each NPC's stamped component.
@@ -71,6 +82,11 @@ const Y: f64 = 1008.0;
 const LOGINS_WITHIN: Duration = Duration::from_secs(15);
 /// Wait before a login after a failure other than `SERVER_FULL`.
 const RELOGIN: Duration = Duration::from_secs(1);
+/// The nodes' admission marks. Here a game shares two cores with the mesh and every client, so
+/// a game at 60 % of its budget already means the machine has no room left; a game with a host
+/// of its own keeps the defaults (0.9 and 0.7).
+const CLOSE_AT_LOAD: f64 = 0.6;
+const OPEN_BELOW_LOAD: f64 = 0.4;
 /// What a tick costs each game: its NPCs and its players are simulated, not only sent.
 const TICK_WORK: TickWork = TickWork {
     per_npc: Duration::from_micros(10),
@@ -151,11 +167,17 @@ impl Plan {
 pub async fn run(opts: &Options) -> anyhow::Result<Value> {
     let plan = Plan::new(opts);
     let load_before = probe::load_average()?;
-    let cluster = Cluster::start(ClusterSpec {
-        nodes: NODES,
-        gateways: Vec::new(),
-        clients: plan.most(),
-    })
+    let cluster = Cluster::start_with(
+        ClusterSpec {
+            nodes: NODES,
+            gateways: vec![GATEWAY],
+            clients: plan.most(),
+        },
+        |cfg| {
+            cfg.admission.close_at_load = CLOSE_AT_LOAD;
+            cfg.admission.open_below_load = OPEN_BELOW_LOAD;
+        },
+    )
     .await?;
     let mut rig = Rig::start(&cluster, &plan).await?;
     let result = find_knee_and_double(&cluster, &mut rig, &plan, opts.seed).await;
@@ -174,9 +196,11 @@ pub async fn run(opts: &Options) -> anyhow::Result<Value> {
         .unwrap_or(&knee);
     Ok(json!({
         "nodes": NODES,
+        "gateway": GATEWAY,
         "tick_hz": TICK_HZ,
         "npcs_per_node": plan.npcs_per_node,
         "input_hz": 1000 / INPUT_EVERY.as_millis() as u64,
+        "admission": { "close_at_load": CLOSE_AT_LOAD, "open_below_load": OPEN_BELOW_LOAD },
         "load_average_1m": { "before": load_before, "after": load_after },
         "steps": steps.iter().map(Step::json).collect::<Vec<_>>(),
         "knee": {
@@ -275,8 +299,8 @@ struct Step {
     /// count several times).
     refused: u64,
     /// Node admission closings during the step, by reason: tick overrun, outbox pressure
-    /// (overload), login burst (pacing, not overload).
-    closings: [u64; 3],
+    /// (overload), login burst, at capacity (pauses, not overload).
+    closings: [u64; 4],
     /// Admitted sessions the proxy ended (slow consumers, gateways lost) during the step.
     sessions_lost: u64,
     rtt: Rtt,
@@ -326,6 +350,7 @@ impl Step {
                 "tick_overrun": self.closings[0],
                 "outbox_pressure": self.closings[1],
                 "login_burst": self.closings[2],
+                "at_capacity": self.closings[3],
             },
             "sessions_lost": self.sessions_lost,
             "rtt": self.rtt.json(),
@@ -386,13 +411,14 @@ impl Rig {
         let (mut games, mut game_runtimes, mut game_stats) = (Vec::new(), Vec::new(), Vec::new());
         for node in 1..=NODES {
             // Node 1's NPCs four and three chunk columns west of the border, node 2's two and
-            // three east; the avatars a chunk and a half from it: every NPC within every view,
-            // no avatar in the other node's interaction band.
-            let (npc_x, avatar_x) = if node == 1 {
-                (x - 4.0 * chunk + 1.0..x - 2.0 * chunk - 1.0, x - 48.0)
+            // three east; the avatars (node 2's) a chunk and a half east of it: every NPC within
+            // every view, no avatar in node 1's interaction band.
+            let npc_x = if node == 1 {
+                x - 4.0 * chunk + 1.0..x - 2.0 * chunk - 1.0
             } else {
-                (x + 2.0 * chunk + 1.0..x + 4.0 * chunk - 1.0, x + 48.0)
+                x + 2.0 * chunk + 1.0..x + 4.0 * chunk - 1.0
             };
+            let avatar_x = x + 48.0;
             let npcs = (0..plan.npcs_per_node)
                 .map(|_| {
                     (
@@ -608,27 +634,24 @@ fn cores_by_component(
 /// Cumulative counters a step is the difference of.
 struct Counters {
     refused: u64,
-    /// By reason: tick overrun, outbox pressure, login burst.
-    closings: [u64; 3],
+    /// By reason: tick overrun, outbox pressure, login burst, at capacity.
+    closings: [u64; 4],
     lost: u64,
 }
 
 impl Counters {
     fn read(cluster: &Cluster, seen: &Seen) -> Self {
         const NAME: &str = "cellmesh_sidecar_admission_closings_total";
-        let closings = |reason: &str| {
-            cluster
-                .sidecars
-                .iter()
-                .map(|s| probe::counter(&s.admin.metrics_text(), NAME, &[("reason", reason)]))
-                .sum()
-        };
+        // The gateway's: node 1 takes no sessions, so its admission decides nothing.
+        let text = cluster.sidecars[GATEWAY as usize - 1].admin.metrics_text();
+        let closings = |reason: &str| probe::counter(&text, NAME, &[("reason", reason)]);
         Self {
             refused: cluster.proxy.stats().logins_refused,
             closings: [
                 closings("tick_overrun"),
                 closings("outbox_pressure"),
                 closings("login_burst"),
+                closings("at_capacity"),
             ],
             lost: seen.lost.load(Relaxed),
         }
@@ -745,7 +768,7 @@ async fn play(
 mod tests {
     use super::*;
 
-    fn step(closings: [u64; 3], mesh_p99_ms: f64) -> Step {
+    fn step(closings: [u64; 4], mesh_p99_ms: f64) -> Step {
         Step {
             offered: 100,
             admitted: 100,
@@ -768,13 +791,16 @@ mod tests {
 
     #[test]
     fn the_knee_is_an_overload_closing_or_a_p99_past_a_tick_and_pacing_is_neither() {
-        assert_eq!(step([0, 0, 0], 20.0).knee_by(), "none");
-        assert_eq!(step([0, 0, 5], 20.0).knee_by(), "none", "pacing only");
-        assert_eq!(step([1, 0, 0], 20.0).knee_by(), "admission_closed");
-        assert_eq!(step([0, 1, 0], 80.0).knee_by(), "admission_closed");
-        assert_eq!(step([0, 0, 1], 50.1).knee_by(), "mesh_rtt_p99_over_a_tick");
+        assert_eq!(step([0, 0, 0, 0], 20.0).knee_by(), "none");
+        assert_eq!(step([0, 0, 5, 0], 20.0).knee_by(), "none", "pacing only");
+        assert_eq!(step([1, 0, 0, 0], 20.0).knee_by(), "admission_closed");
+        assert_eq!(step([0, 1, 0, 0], 80.0).knee_by(), "admission_closed");
         assert_eq!(
-            step([0, 0, 0], 50.0).knee_by(),
+            step([0, 0, 1, 0], 50.1).knee_by(),
+            "mesh_rtt_p99_over_a_tick"
+        );
+        assert_eq!(
+            step([0, 0, 0, 0], 50.0).knee_by(),
             "none",
             "a tick is still within"
         );

@@ -34,7 +34,8 @@ impl Core {
         if self.mesh.links.get(&link).is_none_or(|l| l.peer.is_some()) {
             return;
         }
-        let change = self.admission.on_outbox(self.now.mono_ms, frames);
+        let sessions = self.gw.sessions.attached();
+        let change = self.admission.on_outbox(self.now.mono_ms, frames, sessions);
         if matches!(change, Some(Change::Closed(_))) {
             tracing::warn!(
                 link,
@@ -47,7 +48,9 @@ impl Core {
 
     /// Whether a new session may attach; counted against the allowance since the last report.
     pub(crate) fn admit_login(&mut self) -> bool {
-        let (admitted, change) = self.admission.on_login(self.now.mono_ms);
+        // Those still attaching count: they are about to be held.
+        let sessions = self.gw.sessions.len();
+        let (admitted, change) = self.admission.on_login(self.now.mono_ms, sessions);
         self.admission_changed(change);
         if !admitted {
             self.metrics.drop_msg("attach_refused_server_full", 1);
@@ -132,6 +135,7 @@ impl Core {
             "reason": closed.map(|(r, _)| r.as_str()),
             "closed_for_ms": closed.map(|(_, since)| now.saturating_sub(since)),
             "load_share": self.admission.load_share(now),
+            "ceiling": self.admission.ceiling(),
             "retry_after_ms": self.admission.retry_after_ms(),
         })
     }

@@ -141,6 +141,11 @@ impl Sessions {
     pub fn attached(&self) -> usize {
         self.by_account.len()
     }
+
+    /// Sessions attached or attaching.
+    pub fn len(&self) -> usize {
+        self.all.len()
+    }
 }
 
 fn kick_name(reason: u32) -> String {

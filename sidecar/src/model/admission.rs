@@ -1,7 +1,7 @@
 //! Whether the node admits new sessions: overload is shed at the door, where it is cheapest, so
 //! the sessions already admitted keep their latency.
 //!
-//! Two signals close it:
+//! Two signals close it for overload:
 //!
 //! - **tick overrun**: the game's `Load` report says its tick took at least `close_at_load` of its
 //!   budget. The game is the one that knows; a game that cannot keep its tick rate makes every
@@ -22,9 +22,16 @@
 //! A report comes about once a second, and a crowd logs in faster than that: everyone who comes
 //! between two reports would be admitted on the strength of the last one. So logins are paced:
 //! between two reports at most `login_burst_share` of the sessions the last one was made with
-//! are admitted (at least `login_burst_min`); past that the node is closed (`login_burst`) until
-//! the next report, which reopens it unless it shows an overrun. Without a fresh report nothing
+//! are admitted (at least `login_burst_min`), and fewer as the report nears the high mark; past
+//! that the node is closed (`login_burst`) until the next report, which reopens it unless it
+//! shows an overrun. Without a fresh report nothing
 //! is paced (there is nothing to pace by).
+//!
+//! Near the knee a few more sessions are the difference between calm and collapse, so after an
+//! overload the node remembers how many sessions it held when it overran, its **ceiling**: open
+//! again, it admits new sessions only below it (reaching it pauses it, `at_capacity`, until the
+//! next report), and each calm report raises it by 1 % (at least one session), so capacity is
+//! probed again slowly instead of refilled at once. Without a fresh report it is forgotten.
 //!
 //! Pure: every call takes the time (monotonic ms) as an argument.
 
@@ -110,15 +117,18 @@ pub const LOGIN_BURST_RETRY_MS: u32 = 1_000;
 pub enum Reason {
     TickOverrun,
     OutboxPressure,
-    /// Not overload: as many logins came since the last report as it may vouch for.
+    /// A pause: as many logins came since the last report as it may vouch for.
     LoginBurst,
+    /// A pause: the node holds as many sessions as it held when it last overran.
+    AtCapacity,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 3] = [
+    pub const ALL: [Reason; 4] = [
         Reason::TickOverrun,
         Reason::OutboxPressure,
         Reason::LoginBurst,
+        Reason::AtCapacity,
     ];
 
     /// Its name in metrics, on the wire and in `/state`.
@@ -127,7 +137,13 @@ impl Reason {
             Reason::TickOverrun => "tick_overrun",
             Reason::OutboxPressure => "outbox_pressure",
             Reason::LoginBurst => "login_burst",
+            Reason::AtCapacity => "at_capacity",
         }
+    }
+
+    /// A pause lasts until the next report; an overload, until a calm held long enough.
+    pub fn is_pause(self) -> bool {
+        matches!(self, Reason::LoginBurst | Reason::AtCapacity)
     }
 }
 
@@ -158,6 +174,8 @@ pub struct Admission {
     last_hot_ms: Option<u64>,
     /// Sessions admitted since the last report.
     admitted_since_report: usize,
+    /// Sessions it held when it last overran, raised by calm reports: new ones only below it.
+    ceiling: Option<usize>,
 }
 
 impl Admission {
@@ -169,6 +187,7 @@ impl Admission {
             load: None,
             last_hot_ms: None,
             admitted_since_report: 0,
+            ceiling: None,
         }
     }
 
@@ -188,6 +207,11 @@ impl Admission {
             Some((Reason::LoginBurst, _)) => LOGIN_BURST_RETRY_MS,
             _ => self.cfg.retry_after_ms,
         }
+    }
+
+    /// The sessions below which new ones are admitted, after an overload.
+    pub fn ceiling(&self) -> Option<usize> {
+        self.ceiling
     }
 
     /// The game's latest `tick_ms / budget_ms`, while it counts.
@@ -217,49 +241,78 @@ impl Admission {
         self.admitted_since_report = 0;
         if share >= self.cfg.open_below_load {
             self.hot(now_ms);
+        } else if let Some(c) = self.ceiling {
+            self.ceiling = Some(c + (c / 100).max(1));
         }
         if share >= self.cfg.close_at_load {
+            self.overran_with(sessions);
             return self.close(now_ms, Reason::TickOverrun);
         }
-        if matches!(self.closed, Some((Reason::LoginBurst, _))) {
-            // A fresh report, and no overrun in it: a fresh allowance.
+        if self.closed.is_some_and(|(r, _)| r.is_pause())
+            && self.ceiling.is_none_or(|c| sessions < c)
+        {
+            // A fresh report, no overrun in it, and room below the ceiling: a fresh allowance.
             self.closed = None;
             return Some(Change::Opened);
         }
         self.evaluate(now_ms)
     }
 
-    /// A new session wants in: whether it is admitted, and what changed if it used up the
-    /// allowance since the last report (it is admitted; the next is not).
-    pub fn on_login(&mut self, now_ms: u64) -> (bool, Option<Change>) {
+    /// A new session wants in while the node holds `sessions`: whether it is admitted, and
+    /// what changed if it used up the allowance since the last report (it is admitted; the next
+    /// is not) or found the node at its ceiling (it is not).
+    pub fn on_login(&mut self, now_ms: u64, sessions: usize) -> (bool, Option<Change>) {
         if self.closed.is_some() {
             return (false, None);
         }
         let Some(load) = self.fresh_load(now_ms) else {
+            self.ceiling = None;
             return (true, None);
         };
+        if self.ceiling.is_some_and(|c| sessions >= c) {
+            return (false, self.close(now_ms, Reason::AtCapacity));
+        }
         self.admitted_since_report += 1;
-        let allowed = ((load.sessions as f64 * self.cfg.login_burst_share).ceil() as usize)
-            .max(self.cfg.login_burst_min as usize);
-        if self.admitted_since_report >= allowed {
+        if self.admitted_since_report >= self.allowance(load) {
             return (true, self.close(now_ms, Reason::LoginBurst));
         }
         (true, None)
     }
 
-    /// A proxy link's outbox held `frames` frames; pressure from `outbox_high_frames` on.
-    pub fn on_outbox(&mut self, now_ms: u64, frames: usize) -> Option<Change> {
+    /// New sessions admitted on the strength of `load`: while calm, `login_burst_share` of the
+    /// sessions it was made with (at least `login_burst_min`); between the marks, half the
+    /// headroom a straight line from the report to `close_at_load` leaves (at least one), so
+    /// the node nears its mark in ever smaller steps.
+    fn allowance(&self, load: LoadSample) -> usize {
+        let held = load.sessions as f64;
+        let burst = (held * self.cfg.login_burst_share).ceil();
+        if load.share < self.cfg.open_below_load {
+            return (burst as usize).max(self.cfg.login_burst_min as usize);
+        }
+        let headroom = held * (self.cfg.close_at_load / load.share - 1.0) / 2.0;
+        // The epsilon keeps a whole number that floating point made a hair short of one.
+        ((headroom.min(burst) + 1e-9).floor() as usize).max(1)
+    }
+
+    /// A proxy link's outbox held `frames` frames while the node held `sessions`; pressure
+    /// from `outbox_high_frames` on.
+    pub fn on_outbox(&mut self, now_ms: u64, frames: usize, sessions: usize) -> Option<Change> {
         if frames < self.cfg.outbox_high_frames {
             return self.evaluate(now_ms);
         }
         self.hot(now_ms);
+        self.overran_with(sessions);
         self.close(now_ms, Reason::OutboxPressure)
     }
 
     /// Reopens once calm long enough; called on the node's timer as well as on each input.
     pub fn evaluate(&mut self, now_ms: u64) -> Option<Change> {
+        if self.fresh_load(now_ms).is_none() {
+            // Nothing to judge a ceiling by any more.
+            self.ceiling = None;
+        }
         let (reason, _) = self.closed?;
-        if reason == Reason::LoginBurst {
+        if reason.is_pause() {
             // Paced by reports: none coming any more, nothing to pace by.
             if self.fresh_load(now_ms).is_none() {
                 self.closed = None;
@@ -282,11 +335,16 @@ impl Admission {
         self.last_hot_ms = Some(self.last_hot_ms.map_or(now_ms, |t| t.max(now_ms)));
     }
 
-    /// Closes for `reason`; an overload takes over from a burst (the proxies hear the new
+    /// The node overran holding `sessions`: no more than that come back in at once.
+    fn overran_with(&mut self, sessions: usize) {
+        self.ceiling = Some(self.ceiling.map_or(sessions, |c| c.min(sessions)));
+    }
+
+    /// Closes for `reason`; an overload takes over from a pause (the proxies hear the new
     /// reason and hint).
     fn close(&mut self, now_ms: u64, reason: Reason) -> Option<Change> {
         match self.closed {
-            Some((Reason::LoginBurst, since)) if reason != Reason::LoginBurst => {
+            Some((paused, since)) if paused.is_pause() && !reason.is_pause() => {
                 self.closed = Some((reason, since));
                 Some(Change::Closed(reason))
             }
@@ -400,16 +458,16 @@ mod tests {
     #[test]
     fn outbox_pressure_closes_and_holds_while_it_lasts() {
         let mut a = policy();
-        assert_eq!(a.on_outbox(100, 127), None, "below the mark");
+        assert_eq!(a.on_outbox(100, 127, 10), None, "below the mark");
         assert_eq!(
-            a.on_outbox(200, 128),
+            a.on_outbox(200, 128, 10),
             Some(Change::Closed(Reason::OutboxPressure))
         );
-        assert_eq!(a.on_outbox(300, 500), None, "already closed");
+        assert_eq!(a.on_outbox(300, 500, 10), None, "already closed");
         // The game is fine, but the pressure goes on for two seconds.
         a.on_load(1000, 10.0, BUDGET, 0);
         for t in (400..2500).step_by(100) {
-            assert_eq!(a.on_outbox(t, 300), None);
+            assert_eq!(a.on_outbox(t, 300, 10), None);
         }
         assert_eq!(a.evaluate(7399), None);
         assert_eq!(a.evaluate(7400), Some(Change::Opened), "5 s after the last");
@@ -425,28 +483,28 @@ mod tests {
         let mut a = policy();
         // No report yet: nothing to pace by.
         for _ in 0..100 {
-            assert_eq!(a.on_login(0), (true, None));
+            assert_eq!(a.on_login(0, 0), (true, None));
         }
         // 300 sessions at a calm report: 30 more before the next one (10 %).
         assert_eq!(a.on_load(1000, 20.0, BUDGET, 300), None);
         for i in 0..29 {
-            assert_eq!(a.on_login(1100), (true, None), "login {i}");
+            assert_eq!(a.on_login(1100, 0), (true, None), "login {i}");
         }
         assert_eq!(
-            a.on_login(1100),
+            a.on_login(1100, 0),
             (true, Some(Change::Closed(Reason::LoginBurst))),
             "the 30th is in; it closes behind it"
         );
-        assert_eq!(a.on_login(1200), (false, None));
+        assert_eq!(a.on_login(1200, 0), (false, None));
         assert_eq!(a.retry_after_ms(), LOGIN_BURST_RETRY_MS);
         assert_eq!(a.evaluate(1900), None, "until the next report");
         // The next report is calm: open again, with a fresh allowance (at least the minimum).
         assert_eq!(a.on_load(2000, 20.0, BUDGET, 100), Some(Change::Opened));
         for _ in 0..19 {
-            assert_eq!(a.on_login(2100), (true, None));
+            assert_eq!(a.on_login(2100, 0), (true, None));
         }
         assert_eq!(
-            a.on_login(2100),
+            a.on_login(2100, 0),
             (true, Some(Change::Closed(Reason::LoginBurst)))
         );
         // A report of an overrun turns the pause into an overload closing, with its hint.
@@ -462,14 +520,86 @@ mod tests {
     }
 
     #[test]
+    fn after_an_overrun_no_more_sessions_than_overran_come_back_and_calm_raises_the_ceiling() {
+        let mut a = policy();
+        assert_eq!(a.on_load(0, 20.0, BUDGET, 180), None);
+        assert_eq!(a.ceiling(), None, "no overload yet: no ceiling");
+        assert_eq!(
+            a.on_load(1000, 46.0, BUDGET, 200),
+            Some(Change::Closed(Reason::TickOverrun))
+        );
+        assert_eq!(a.ceiling(), Some(200));
+        // Calm from now on (sessions left meanwhile): open again after the hysteresis...
+        let mut t = 2000;
+        while !a.is_open() {
+            a.on_load(t, 10.0, BUDGET, 190);
+            t += 1000;
+        }
+        assert_eq!(t, 7000, "reopened by the report at 6 s");
+        // ...each calm report having raised the ceiling by 1 % (two sessions of 200).
+        assert_eq!(a.ceiling(), Some(210));
+        // New sessions up to it, not past it: reaching it pauses admission.
+        for held in 195..210 {
+            assert_eq!(a.on_login(6100, held), (true, None), "with {held} held");
+        }
+        assert_eq!(
+            a.on_login(6100, 210),
+            (false, Some(Change::Closed(Reason::AtCapacity)))
+        );
+        assert_eq!(a.retry_after_ms(), 5000);
+        assert_eq!(
+            a.on_login(6200, 209),
+            (false, None),
+            "paused until the next report"
+        );
+        // A calm report raises it (to 212), and the node takes new sessions again.
+        assert_eq!(a.on_load(7000, 10.0, BUDGET, 210), Some(Change::Opened));
+        assert_eq!(a.ceiling(), Some(212));
+        assert_eq!(a.on_login(7100, 211), (true, None));
+        assert_eq!(
+            a.on_login(7100, 212),
+            (false, Some(Change::Closed(Reason::AtCapacity)))
+        );
+        // A report between the marks raises nothing and reopens nothing.
+        assert_eq!(a.on_load(8000, 40.0, BUDGET, 212), None);
+        assert_eq!(a.ceiling(), Some(212));
+        // An overrun with fewer sessions lowers it.
+        a.on_load(9000, 48.0, BUDGET, 150);
+        assert_eq!(a.ceiling(), Some(150));
+        // Reports stop: the ceiling is forgotten with them.
+        a.evaluate(12_000);
+        assert_eq!(a.ceiling(), None);
+    }
+
+    #[test]
+    fn between_the_marks_logins_are_paced_by_the_headroom_left() {
+        let allowed = |share_of_budget: f32, held: usize| {
+            let mut a = policy();
+            a.on_load(0, share_of_budget * BUDGET, BUDGET, held);
+            let mut n = 0;
+            while a.on_login(10, held + n).1.is_none() {
+                n += 1;
+            }
+            n + 1
+        };
+        assert_eq!(allowed(0.5, 300), 30, "calm: a tenth of 300");
+        assert_eq!(allowed(0.5, 50), 20, "calm: at least the minimum");
+        // 0.75 of the budget with 300: a line reaches 0.9 at 360; half of the 60 between.
+        assert_eq!(allowed(0.75, 300), 30);
+        assert_eq!(allowed(0.8, 300), 18, "(0.9 / 0.8 - 1) * 300 / 2");
+        assert_eq!(allowed(0.88, 300), 3);
+        assert_eq!(allowed(0.895, 10), 1, "always one");
+    }
+
+    #[test]
     fn a_burst_pause_ends_when_reports_stop() {
         let mut a = policy();
         a.on_load(0, 10.0, BUDGET, 0);
         for _ in 0..19 {
-            a.on_login(10);
+            a.on_login(10, 0);
         }
         assert_eq!(
-            a.on_login(10),
+            a.on_login(10, 0),
             (true, Some(Change::Closed(Reason::LoginBurst)))
         );
         assert_eq!(a.evaluate(2999), None);
@@ -478,7 +608,7 @@ mod tests {
             Some(Change::Opened),
             "the report went stale"
         );
-        assert_eq!(a.on_login(3000), (true, None), "unpaced without reports");
+        assert_eq!(a.on_login(3000, 0), (true, None), "unpaced without reports");
     }
 
     #[test]
