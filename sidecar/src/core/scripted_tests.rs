@@ -1085,7 +1085,6 @@ fn a_players_avatar_is_kept_when_released() {
         .any(|(_, m)| matches!(m, mesh_message::Body::HandoffOffer(_))));
 }
 
-
 /// A proxy link `link` comes up.
 fn proxy_up(core: &mut Core, ms: u64, link: LinkId) {
     core.handle(
