@@ -511,30 +511,11 @@ fn from_node_2(core: &mut Core, ms: u64, full: bool, x: f64) {
 
 /// The deltas of entity 99 queued for alice's proxy link, by kind.
 fn deltas_of_99(core: &mut Core) -> Vec<i32> {
-    use prost::Message;
-    let mut kinds = Vec::new();
-    while let Some(out) = core.poll_output() {
-        let Output::ToLink { link: 20, frame } = out else {
-            continue;
-        };
-        for m in frame.messages {
-            let Some(mesh_message::Body::ToClient(c)) = m.body else {
-                continue;
-            };
-            let sf = cellmesh_proto::edge::ServerFrame::decode(c.server_frame).unwrap();
-            for m in sf.messages {
-                if let Some(cellmesh_proto::edge::server_message::Body::Batch(b)) = m.body {
-                    kinds.extend(
-                        b.deltas
-                            .iter()
-                            .filter(|d| d.entity_id == 99)
-                            .map(|d| d.kind),
-                    );
-                }
-            }
-        }
-    }
-    kinds
+    batches_of_99(core)
+        .into_iter()
+        .flatten()
+        .map(|(kind, _)| kind)
+        .collect()
 }
 
 /// A neighbour's update reaches the clients that see it when it arrives, not at this node's
