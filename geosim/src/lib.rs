@@ -19,7 +19,7 @@ mod scenario;
 pub use plot::{render_svg, PlotError};
 pub use run::{run, PlayerSummary, Report, Series, SimError, Summary, TimelineEntry, Yardstick};
 pub use scenario::{
-    Outage, OutageSpec, PlayerPlan, PlayerSpec, RttChange, RttChangeSpec, RttModel, RttSpec,
+    Outage, OutageSpec, PlayerPlan, PlayerSpec, Probe, RttChange, RttChangeSpec, RttModel, RttSpec,
     Scenario, ScenarioError, ScenarioFile, SiteSpec, WaypointSpec, LOGIN_PROBES, MAX_DURATION_S,
     MAX_PLAYERS, MAX_SAMPLES,
 };

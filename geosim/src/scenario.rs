@@ -85,6 +85,22 @@ pub struct RttSpec {
     /// `from.<location>.<site> = base RTT in ms`: every location used by a player needs every
     /// site.
     pub from: BTreeMap<String, BTreeMap<String, f64>>,
+    /// What the proxies' figure is made of.
+    #[serde(default)]
+    pub probe: Probe,
+}
+
+/// What a proxy measures a client's RTT with.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Probe {
+    /// The kernel's round-trip estimate of the TCP connection, driven by the client's kernel
+    /// ACKs: a game client that delays its answers does not move it (`measured_only` changes
+    /// are not seen).
+    #[default]
+    Tcp,
+    /// The proxy's own timed pings: a client can delay its pongs and look further away.
+    Ping,
 }
 
 fn default_jitter() -> f64 {
@@ -195,6 +211,7 @@ pub struct RttModel {
     pub jitter_ms: f64,
     pub spike_chance: f64,
     pub spike_ms: f64,
+    pub probe: Probe,
     pub locations: Vec<String>,
     /// `base_ms[location][site]`.
     pub base_ms: Vec<Vec<f64>>,
@@ -492,6 +509,7 @@ impl Scenario {
                 jitter_ms: f.rtt.jitter_ms,
                 spike_chance: f.rtt.spike_chance,
                 spike_ms: f.rtt.spike_ms,
+                probe: f.rtt.probe,
                 locations,
                 base_ms,
             },
@@ -518,10 +536,10 @@ impl Scenario {
         self.rtt_at(player, site, t_ms, false)
     }
 
-    /// What the proxies measure at `t_ms`, before jitter: the true RTT plus any delay the client
-    /// adds to its pongs.
+    /// What the proxies measure at `t_ms`, before jitter: the true RTT, plus any delay the client
+    /// adds to its answers when the probe is a ping.
     pub fn measured_rtt(&self, player: usize, site: SiteId, t_ms: u64) -> f64 {
-        self.rtt_at(player, site, t_ms, true)
+        self.rtt_at(player, site, t_ms, self.rtt.probe == Probe::Ping)
     }
 
     fn rtt_at(&self, player: usize, site: SiteId, t_ms: u64, measured: bool) -> f64 {

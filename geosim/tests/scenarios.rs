@@ -388,6 +388,47 @@ fn a_cheater_gets_the_honest_outcome() {
     );
 }
 
+/// Mallory's answers delayed from their very first ping: every answer by 90 ms, or only those
+/// to the Montreal site.
+fn inflated_from_login(probe: geosim::Probe, sites: &[&str]) -> (Scenario, Report) {
+    let mut f = file("cheater-vpn");
+    f.rtt.probe = probe;
+    let mallory = f.players.iter_mut().find(|p| p.name == "mallory").unwrap();
+    mallory.rtt_changes = sites
+        .iter()
+        .map(|site| geosim::RttChangeSpec {
+            site: site.to_string(),
+            add_ms: 90.0,
+            measured_only: true,
+            from_s: 0.0,
+            to_s: None,
+            period_s: None,
+        })
+        .collect();
+    run_file(f)
+}
+
+#[test]
+fn a_client_inflating_from_login_gets_the_honest_outcome_with_a_tcp_probe() {
+    let mut honest = file("cheater-vpn");
+    for p in &mut honest.players {
+        p.rtt_changes.clear();
+    }
+    let (_, honest) = run_file(honest);
+    for sites in [&["paris", "montreal", "hongkong"][..], &["montreal"]] {
+        let (s, cheat) = inflated_from_login(geosim::Probe::Tcp, sites);
+        assert!(moves(&s, &cheat).is_empty(), "{sites:?}");
+        assert_eq!(outcome(&cheat), outcome(&honest), "{sites:?}");
+        // Timed pings alone learn the session's baseline from the inflated answers: 92 + 90 ms to
+        // Montreal is above the cap, and mallory vetoes the others' site from the first
+        // evaluation. This is why the kernel's figure is the one placement uses.
+        let (s, pinged) = inflated_from_login(geosim::Probe::Ping, sites);
+        assert_ne!(outcome(&pinged), outcome(&honest), "{sites:?}");
+        let first = placements(&pinged).next().unwrap();
+        assert_eq!(first.to_site, site(&s, "paris"), "{sites:?}");
+    }
+}
+
 #[test]
 fn a_minority_inflating_their_ping_does_not_stop_the_majority_move() {
     let (_, honest) = run("majority-montreal");

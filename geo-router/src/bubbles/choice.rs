@@ -67,13 +67,16 @@ impl Scores {
             .any(|s| s.worst_ms <= params.fairness_cap_ms)
     }
 
-    /// Where to put a group that must be placed now (new, merged, or forced off its site):
-    /// among sites that keep everyone under the cap with the margin to spare, else under the cap,
-    /// else among all; the lowest mean, a tie going to `prefer`, then the core, then the lowest
-    /// id. `None` if no site is available.
+    /// Where to put a group that must be placed now (new, merged, or forced off its site): among
+    /// sites that keep everyone under the cap, else among all; the lowest mean, a tie going to
+    /// `prefer`, then the core, then the lowest id. `None` if no site is available.
+    ///
+    /// The cap margin plays no part: it keeps a move *for gain* from landing a player where a
+    /// tolerated rise would force the bubble straight back, and a group placed now is not moving
+    /// for gain. Holding it to the margin would let one player at 166 ms on the best site send
+    /// the whole group to a worse one.
     pub fn place(&self, params: &Params, prefer: Option<SiteId>) -> Option<SiteId> {
-        let comfortable = params.fairness_cap_ms - params.cap_margin_ms;
-        let pool: Vec<&SiteScore> = [comfortable, params.fairness_cap_ms, f64::INFINITY]
+        let pool: Vec<&SiteScore> = [params.fairness_cap_ms, f64::INFINITY]
             .into_iter()
             .map(|limit| {
                 self.sites
@@ -183,6 +186,20 @@ mod tests {
         );
         assert_eq!(s.lowest_mean(&p, PAR), MTL);
         assert_eq!(s.place(&p, None), Some(PAR));
+        assert_eq!(s.target(&p, PAR), PAR);
+    }
+
+    #[test]
+    fn a_group_placed_now_is_held_to_the_cap_not_the_margin() {
+        let p = Params::default();
+        // Three in Montreal, one at 166 ms from it: under the cap (180) but within the 15 ms
+        // margin. Montreal is best by far and keeps everyone under the cap: a new group goes
+        // there...
+        let edge = [160.0, 166.0, 300.0];
+        let s = scores(&[Role::Player; 4], &[MTL_ROW, MTL_ROW, MTL_ROW, edge]);
+        assert_eq!(s.place(&p, None), Some(MTL));
+        // ...while a bubble in Paris does not move there for gain: landing within the margin of
+        // the cap, a tolerated rise would force it straight back.
         assert_eq!(s.target(&p, PAR), PAR);
     }
 
