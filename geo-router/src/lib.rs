@@ -8,8 +8,8 @@
 //! - [`bubbles`]: which datacenter simulates each group of players (pure, virtual time). The
 //!   scenario simulator that tunes it is the `cellmesh-geosim` crate, kept apart so that what
 //!   links this crate does not link its plotting.
-//! - [`handover`]: when a bridged player is worth a reconnect to another geo's proxies, and the
-//!   signed hint cookie that saves the handed-over login a MongoDB read (pure, virtual time).
+//! - [`handover`]: when a bridged player is worth a reconnect to another geo's proxies (pure,
+//!   virtual time).
 //! - [`store`]: the stores behind traits: the session directory (Redis per geo, or in memory) and
 //!   player records (MongoDB, or in memory).
 

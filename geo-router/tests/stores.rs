@@ -12,11 +12,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use cellmesh_geo_router::store::memory::{MemoryDirectory, MemoryPlayers};
+use cellmesh_geo_router::store::memory::{MemoryBoard, MemoryDirectory, MemoryPlayers};
 use cellmesh_geo_router::store::mongo::MongoPlayers;
 use cellmesh_geo_router::store::redis::RedisDirectory;
 use cellmesh_geo_router::store::{
-    MasterEntry, PlayerRecord, PlayerRecords, SessionDirectory, SessionEntry, StoreError,
+    EdgeBoard, FarRtt, MasterEntry, PlayerRecord, PlayerRecords, SessionDirectory, SessionEntry,
+    StoreError,
 };
 use cellmesh_test_support::{required, unique_name as unique};
 
@@ -36,6 +37,13 @@ trait Directories: Send + Sync {
     async fn clean_up(&self) {}
 }
 
+/// Opens a geo's board; opening the same geo twice gives two handles (two proxies).
+#[async_trait]
+trait Boards: Send + Sync {
+    async fn open_board(&self, geo: &str) -> Arc<dyn EdgeBoard>;
+    async fn clean_up(&self) {}
+}
+
 /// Opens handles on one player-record store.
 #[async_trait]
 trait Players: Send + Sync {
@@ -46,7 +54,16 @@ trait Players: Send + Sync {
 #[derive(Default)]
 struct MemoryBackend {
     directories: Mutex<HashMap<String, Arc<MemoryDirectory>>>,
+    boards: Mutex<HashMap<String, Arc<MemoryBoard>>>,
     players: Arc<MemoryPlayers>,
+}
+
+#[async_trait]
+impl Boards for MemoryBackend {
+    async fn open_board(&self, geo: &str) -> Arc<dyn EdgeBoard> {
+        let mut map = self.boards.lock().unwrap();
+        map.entry(geo.to_string()).or_default().clone()
+    }
 }
 
 #[async_trait]
@@ -110,6 +127,18 @@ impl Directories for RedisBackend {
             }
             cursor = next;
         }
+    }
+}
+
+#[async_trait]
+impl Boards for RedisBackend {
+    async fn open_board(&self, geo: &str) -> Arc<dyn EdgeBoard> {
+        let geo = format!("{}-{geo}", self.prefix);
+        Arc::new(RedisDirectory::connect(&self.url, &geo).await.unwrap())
+    }
+
+    async fn clean_up(&self) {
+        Directories::clean_up(self).await;
     }
 }
 
@@ -382,6 +411,9 @@ fn record(account: &str, position: Option<[f64; 3]>, home_geo: &str) -> PlayerRe
         last_position: position,
         home_geo: home_geo.into(),
         updated_unix_ms: 1_790_000_000_123,
+        gateway_geo: format!("{home_geo}-gw"),
+        session_epoch: 1_790_000_000_123_456,
+        last_handover_unix_ms: position.map(|_| 1_790_000_000_100),
     }
 }
 
@@ -425,8 +457,16 @@ async fn a_missing_player_is_none(backend: impl Players) {
 // Every contract test, against every implementation of its trait.
 
 macro_rules! contract {
-    (directory: [$($dir_test:ident),* $(,)?], players: [$($players_test:ident),* $(,)?] $(,)?) => {
+    (
+        directory: [$($dir_test:ident),* $(,)?],
+        players: [$($players_test:ident),* $(,)?],
+        boards: [$($board_test:ident),* $(,)?] $(,)?
+    ) => {
         mod memory {
+            $(#[tokio::test]
+            async fn $board_test() {
+                super::$board_test(super::MemoryBackend::default()).await;
+            })*
             $(#[tokio::test]
             async fn $dir_test() {
                 super::$dir_test(super::MemoryBackend::default()).await;
@@ -437,6 +477,10 @@ macro_rules! contract {
             })*
         }
         mod redis {
+            $(#[tokio::test]
+            async fn $board_test() {
+                super::$board_test(super::RedisBackend::new(stringify!($board_test))).await;
+            })*
             $(#[tokio::test]
             async fn $dir_test() {
                 super::$dir_test(super::RedisBackend::new(stringify!($dir_test))).await;
@@ -451,8 +495,104 @@ macro_rules! contract {
     };
 }
 
+// ---------------------------------------------------------------------------------------------
+// Across geos
+
+async fn register_above_a_floor_goes_above_it(backend: impl Directories) {
+    let montreal = backend.open("montreal").await;
+    // Paris's directory handed out a high epoch (a time-based one, say); Montreal's never saw the
+    // account. A login handed over from Paris goes above it there.
+    let floor = 9_000_000_000_000_000;
+    let epoch = montreal
+        .register_above("alice", 1, LONG_LEASE, floor)
+        .await
+        .unwrap();
+    assert!(epoch > floor, "{epoch} <= {floor}");
+    let next = montreal.register("alice", 2, LONG_LEASE).await.unwrap();
+    assert!(next > epoch, "the floor is remembered: {next} <= {epoch}");
+    // A floor below what the directory has handed out changes nothing.
+    let again = montreal
+        .register_above("alice", 1, LONG_LEASE, 1)
+        .await
+        .unwrap();
+    assert!(again > next);
+    Directories::clean_up(&backend).await;
+}
+
+async fn a_hint_is_taken_once_and_expires(backend: impl Boards) {
+    let (paris, montreal) = (
+        backend.open_board("paris").await,
+        backend.open_board("montreal").await,
+    );
+    let other_proxy = backend.open_board("montreal").await;
+    assert_eq!(montreal.take_hint("alice").await.unwrap(), None);
+    let sealed = vec![2u8, 0, 255, 7, b'a'];
+    paris
+        .put_hint("alice", b"for paris", LONG_LEASE)
+        .await
+        .unwrap();
+    montreal
+        .put_hint("alice", &sealed, LONG_LEASE)
+        .await
+        .unwrap();
+    // Any proxy of the geo finds it, once; the other geo's stays apart.
+    assert_eq!(other_proxy.take_hint("alice").await.unwrap(), Some(sealed));
+    assert_eq!(montreal.take_hint("alice").await.unwrap(), None);
+    assert_eq!(
+        paris.take_hint("alice").await.unwrap().as_deref(),
+        Some(&b"for paris"[..])
+    );
+    montreal
+        .put_hint("bob", b"x", Duration::from_millis(50))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(montreal.take_hint("bob").await.unwrap(), None, "expired");
+    Boards::clean_up(&backend).await;
+}
+
+async fn far_rtts_are_kept_by_geo_and_expire(backend: impl Boards) {
+    let paris = backend.open_board("paris").await;
+    let rtt = |min_ms: f64| FarRtt {
+        min_ms,
+        median_ms: min_ms + 3.0,
+        samples: 5,
+        kernel: true,
+        measured_unix_ms: 1_790_000_000_000,
+    };
+    assert!(paris.far_rtts("alice").await.unwrap().is_empty());
+    paris
+        .put_far_rtt("alice", "montreal", rtt(12.0), LONG_LEASE)
+        .await
+        .unwrap();
+    paris
+        .put_far_rtt("alice", "hongkong", rtt(180.0), LONG_LEASE)
+        .await
+        .unwrap();
+    paris
+        .put_far_rtt("alice", "montreal", rtt(11.0), LONG_LEASE)
+        .await
+        .unwrap();
+    assert_eq!(
+        paris.far_rtts("alice").await.unwrap(),
+        vec![
+            ("hongkong".to_string(), rtt(180.0)),
+            ("montreal".to_string(), rtt(11.0))
+        ]
+    );
+    assert!(paris.far_rtts("bob").await.unwrap().is_empty());
+    paris
+        .put_far_rtt("bob", "montreal", rtt(9.0), Duration::from_millis(50))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(paris.far_rtts("bob").await.unwrap().is_empty(), "expired");
+    Boards::clean_up(&backend).await;
+}
+
 contract! {
     directory: [
+        register_above_a_floor_goes_above_it,
         register_bumps_the_epoch_and_displaces,
         stale_epochs_renew_and_release_nothing,
         an_unrenewed_lease_expires,
@@ -467,6 +607,33 @@ contract! {
         save_replaces_the_whole_record,
         a_missing_player_is_none,
     ],
+    boards: [
+        a_hint_is_taken_once_and_expires,
+        far_rtts_are_kept_by_geo_and_expire,
+    ],
+}
+
+#[tokio::test]
+async fn a_mongo_record_written_before_geos_loads_with_defaults() {
+    let backend = MongoBackend::new("a_mongo_record_written_before_geos");
+    let client = ::mongodb::Client::with_uri_str(&backend.url).await.unwrap();
+    client
+        .database(&backend.database)
+        .collection::<::mongodb::bson::Document>("players")
+        .insert_one(::mongodb::bson::doc! {
+            "_id": "alice",
+            "last_position": [1.0, 2.0, 3.0],
+            "home_geo": "eu",
+            "updated_unix_ms": 1_790_000_000_000i64,
+        })
+        .await
+        .unwrap();
+    let players = Players::open(&backend).await;
+    let r = players.load("alice").await.unwrap().unwrap();
+    assert_eq!(r.home_geo, "eu");
+    assert_eq!((r.gateway_geo.as_str(), r.session_epoch), ("", 0));
+    assert_eq!(r.last_handover_unix_ms, None);
+    Players::clean_up(&backend).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -566,7 +733,7 @@ async fn redis_epochs_stay_greater_when_the_counter_is_lost() {
         );
         last = next;
     }
-    backend.clean_up().await;
+    Directories::clean_up(&backend).await;
 }
 
 #[tokio::test]

@@ -9,8 +9,8 @@ use tokio_util::codec::{FramedRead, FramedWrite};
 
 use crate::codec::{FrameCodec, FrameError};
 use crate::edge::{
-    client_message, server_message, ClientFrame, ClientHello, ClientInput, Kick, Pong,
-    ProtocolVersion, ServerFrame, ServerMessage, Welcome,
+    client_message, server_message, ClientFrame, ClientHello, ClientInput, CookieResponse, Kick,
+    Pong, ProtocolVersion, ServerFrame, ServerMessage, Welcome,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -59,18 +59,58 @@ pub async fn login(
     addr: &str,
     token: &str,
 ) -> Result<(ClientSender, ClientReceiver, Welcome), ClientError> {
+    login_with(addr, &Login::token(token)).await
+}
+
+/// How a client logs in: its token, and the handover cookie of its last `Transfer`, if any.
+#[derive(Debug, Clone, Default)]
+pub struct Login {
+    pub token: String,
+    /// The cookie of the last `Transfer` (empty: none).
+    pub cookie: Vec<u8>,
+    /// Offer the cookie in the `ClientHello` rather than wait to be asked for it.
+    pub offer_cookie: bool,
+}
+
+impl Login {
+    pub fn token(token: &str) -> Self {
+        Self {
+            token: token.to_string(),
+            ..Self::default()
+        }
+    }
+}
+
+/// [`login`] with a cookie: offered in the hello, or given when the proxy asks.
+pub async fn login_with(
+    addr: &str,
+    login: &Login,
+) -> Result<(ClientSender, ClientReceiver, Welcome), ClientError> {
     let (mut tx, mut rx) = open(addr).await?;
-    tx.send(client_message::Body::Hello(ClientHello {
+    tx.send(client_message::Body::Hello(Box::new(ClientHello {
         version: Some(ProtocolVersion::current()),
-        token: token.to_string(),
-        cookie: Default::default(),
-    }))
+        token: login.token.clone(),
+        cookie: if login.offer_cookie {
+            login.cookie.clone().into()
+        } else {
+            Default::default()
+        },
+        probe_ticket: Default::default(),
+    })))
     .await?;
     loop {
         match rx.next().await {
             Some(Ok(ServerMessage {
                 body: Some(server_message::Body::Welcome(w)),
             })) => return Ok((tx, rx, w)),
+            Some(Ok(ServerMessage {
+                body: Some(server_message::Body::CookieRequest(_)),
+            })) => {
+                tx.send(client_message::Body::Cookie(CookieResponse {
+                    cookie: login.cookie.clone().into(),
+                }))
+                .await?;
+            }
             Some(Ok(ServerMessage {
                 body: Some(server_message::Body::Kick(k)),
             })) => return Err(ClientError::Kicked(k)),
@@ -81,6 +121,43 @@ pub async fn login(
                     .await?;
             }
             Some(Ok(_)) => return Err(ClientError::Unexpected),
+            Some(Err(e)) => return Err(e),
+            None => return Err(ClientError::Closed),
+        }
+    }
+}
+
+/// Answers an RTT probe another geo's proxy was asked for (`ProbeRequest`): connects to the
+/// target, presents its ticket, and answers its pings, each after `pong_delay` (zero for an
+/// honest client; tests delay to play a cheat), until the proxy closes. Returns the proxy's last
+/// word (`Kick{PROBE_DONE}` with what it measured).
+pub async fn answer_probe(
+    target: &crate::edge::ProbeTarget,
+    pong_delay: std::time::Duration,
+) -> Result<Kick, ClientError> {
+    let (mut tx, mut rx) = open(&format!("{}:{}", target.host, target.port)).await?;
+    tx.send(client_message::Body::Hello(Box::new(ClientHello {
+        version: Some(ProtocolVersion::current()),
+        token: String::new(),
+        cookie: Default::default(),
+        probe_ticket: target.ticket.clone(),
+    })))
+    .await?;
+    loop {
+        match rx.next().await {
+            Some(Ok(ServerMessage {
+                body: Some(server_message::Body::Ping(p)),
+            })) => {
+                if !pong_delay.is_zero() {
+                    tokio::time::sleep(pong_delay).await;
+                }
+                tx.send(client_message::Body::Pong(Pong { nonce: p.nonce }))
+                    .await?;
+            }
+            Some(Ok(ServerMessage {
+                body: Some(server_message::Body::Kick(k)),
+            })) => return Ok(k),
+            Some(Ok(_)) => {}
             Some(Err(e)) => return Err(e),
             None => return Err(ClientError::Closed),
         }

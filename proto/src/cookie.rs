@@ -6,7 +6,8 @@
 //! Layout, all integers big-endian:
 //!
 //! ```text
-//! version u8 | issued_unix_ms u64 | gateway_node u32 | geo_len u8 | target_geo |
+//! version u8 | issued_unix_ms u64 | gateway_node u32 | session_epoch u64 |
+//! has_position u8 (0 or 1) | [x f64 | y f64 | z f64 when 1] | geo_len u8 | target_geo |
 //! account_len u16 | account | HMAC-SHA256 (32 bytes)
 //! ```
 //!
@@ -21,7 +22,7 @@ use sha2::Sha256;
 type HmacSha256 = Hmac<Sha256>;
 
 /// The layout [`seal`] writes; [`open`] refuses any other by name.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Age after which a cookie is ignored.
 pub const MAX_AGE_MS: u64 = 60_000;
 /// How far ahead of the reader's clock a cookie may have been issued: geos' wall clocks differ a
@@ -32,16 +33,20 @@ pub const MAX_GEO_LEN: usize = 64;
 /// Longest account name, in bytes.
 pub const MAX_ACCOUNT_LEN: usize = 256;
 const MAC_LEN: usize = 32;
-/// Fixed part: version, issue time, gateway node and the two length prefixes.
-const FIXED_LEN: usize = 1 + 8 + 4 + 1 + 2;
+/// Fixed part: version, issue time, gateway node, session epoch, the position flag and the two
+/// length prefixes.
+const FIXED_LEN: usize = 1 + 8 + 4 + 8 + 1 + 1 + 2;
+/// The position, when the flag says there is one.
+const POSITION_LEN: usize = 3 * 8;
 /// Largest cookie [`seal`] can produce; [`open`] refuses a longer one before reading it.
-pub const MAX_COOKIE_LEN: usize = FIXED_LEN + MAX_GEO_LEN + MAX_ACCOUNT_LEN + MAC_LEN;
+pub const MAX_COOKIE_LEN: usize =
+    FIXED_LEN + POSITION_LEN + MAX_GEO_LEN + MAX_ACCOUNT_LEN + MAC_LEN;
 /// Keeps a cookie's MAC from ever matching one computed for another use of the same secret (the
 /// login tokens).
 const DOMAIN: &[u8] = b"cellmesh hint cookie\0";
 
 /// What a handover cookie tells the target geo's proxy.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct HintCookie {
     /// When the handing-over proxy issued it (wall-clock ms since the Unix epoch).
     pub issued_unix_ms: u64,
@@ -51,6 +56,11 @@ pub struct HintCookie {
     pub gateway_node: u32,
     /// The account it was issued to (non-empty, at most [`MAX_ACCOUNT_LEN`] bytes).
     pub account: String,
+    /// The epoch of the session handed over: the login it hints registers above it (each geo's
+    /// directory counts epochs on its own).
+    pub session_epoch: u64,
+    /// Where the player's avatar was (finite coordinates), if known.
+    pub last_position: Option<[f64; 3]>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -71,6 +81,9 @@ pub enum CookieError {
     BadSignature,
     #[error("cookie was issued to another account")]
     WrongAccount,
+    /// Checked by the reader, which knows its geo: the cookie sends the client elsewhere.
+    #[error("cookie is for geo `{0}`")]
+    WrongGeo(String),
     #[error("cookie expired: issued {age_ms} ms ago")]
     Expired { age_ms: u64 },
     #[error("cookie issued {ahead_ms} ms ahead of this clock")]
@@ -87,6 +100,7 @@ impl CookieError {
             CookieError::FieldTooLong { .. } => "cookie_field_too_long",
             CookieError::BadSignature => "bad_cookie_signature",
             CookieError::WrongAccount => "cookie_wrong_account",
+            CookieError::WrongGeo(_) => "cookie_wrong_geo",
             CookieError::Expired { .. } => "expired_cookie",
             CookieError::FromTheFuture { .. } => "cookie_from_the_future",
         }
@@ -134,11 +148,26 @@ pub fn seal(
 ) -> Result<Vec<u8>, CookieError> {
     check_field(GEO, cookie.target_geo.len())?;
     check_field(ACCOUNT, cookie.account.len())?;
-    let mut out =
-        Vec::with_capacity(FIXED_LEN + cookie.target_geo.len() + cookie.account.len() + MAC_LEN);
+    if cookie
+        .last_position
+        .is_some_and(|p| p.iter().any(|v| !v.is_finite()))
+    {
+        return Err(CookieError::Malformed("position is not finite"));
+    }
+    let mut out = Vec::with_capacity(MAX_COOKIE_LEN);
     out.push(VERSION);
     out.extend_from_slice(&cookie.issued_unix_ms.to_be_bytes());
     out.extend_from_slice(&cookie.gateway_node.to_be_bytes());
+    out.extend_from_slice(&cookie.session_epoch.to_be_bytes());
+    match cookie.last_position {
+        Some(p) => {
+            out.push(1);
+            for v in p {
+                out.extend_from_slice(&v.to_be_bytes());
+            }
+        }
+        None => out.push(0),
+    }
     out.push(cookie.target_geo.len() as u8);
     out.extend_from_slice(cookie.target_geo.as_bytes());
     out.extend_from_slice(&(cookie.account.len() as u16).to_be_bytes());
@@ -173,6 +202,21 @@ pub fn open(
     let mut r = Reader(&body[1..]);
     let issued_unix_ms = u64::from_be_bytes(r.array()?);
     let gateway_node = u32::from_be_bytes(r.array()?);
+    let session_epoch = u64::from_be_bytes(r.array()?);
+    let last_position = match r.array()? {
+        [0] => None,
+        [1] => {
+            let mut p = [0.0; 3];
+            for v in &mut p {
+                *v = f64::from_be_bytes(r.array()?);
+            }
+            if p.iter().any(|v| !v.is_finite()) {
+                return Err(CookieError::Malformed("position is not finite"));
+            }
+            Some(p)
+        }
+        _ => return Err(CookieError::Malformed("position flag is neither 0 nor 1")),
+    };
     let [geo_len] = r.array()?;
     let target_geo = r.text(GEO, geo_len.into())?;
     let account_len = u16::from_be_bytes(r.array()?);
@@ -201,6 +245,8 @@ pub fn open(
         target_geo: target_geo.to_owned(),
         gateway_node,
         account: issued_to.to_owned(),
+        session_epoch,
+        last_position,
     })
 }
 
@@ -244,6 +290,8 @@ mod tests {
             target_geo: "eu-west".into(),
             gateway_node: 7,
             account: "alice.smith".into(),
+            session_epoch: 1_700_000_000_123_456,
+            last_position: Some([70_000.5, 1_000.25, 0.0]),
         }
     }
 
@@ -254,7 +302,14 @@ mod tests {
     #[test]
     fn round_trip() {
         let c = sealed();
-        assert_eq!(c.len(), FIXED_LEN + 7 + 11 + MAC_LEN);
+        assert_eq!(c.len(), FIXED_LEN + POSITION_LEN + 7 + 11 + MAC_LEN);
+        let nowhere = HintCookie {
+            last_position: None,
+            ..hint()
+        };
+        let c0 = seal(SECRET, &nowhere, ADDR).unwrap();
+        assert_eq!(c0.len(), FIXED_LEN + 7 + 11 + MAC_LEN);
+        assert_eq!(open(SECRET, &c0, "alice.smith", ADDR, NOW), Ok(nowhere));
         assert_eq!(open(SECRET, &c, "alice.smith", ADDR, NOW + 1), Ok(hint()));
         let v6 = IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1));
         let c6 = seal(SECRET, &hint(), v6).unwrap();
@@ -370,10 +425,10 @@ mod tests {
     #[test]
     fn unknown_version() {
         let mut c = sealed();
-        c[0] = 2;
+        c[0] = 1;
         assert_eq!(
             open(SECRET, &c, "alice.smith", ADDR, NOW),
-            Err(CookieError::UnknownVersion(2))
+            Err(CookieError::UnknownVersion(1))
         );
     }
 
@@ -403,7 +458,7 @@ mod tests {
             })
         ));
         let mut c = sealed();
-        c[13] = MAX_GEO_LEN as u8 + 1;
+        c[FIXED_LEN - 3 + POSITION_LEN] = MAX_GEO_LEN as u8 + 1;
         assert_eq!(
             open(SECRET, &c, "alice.smith", ADDR, NOW),
             Err(CookieError::FieldTooLong {
@@ -435,9 +490,35 @@ mod tests {
     }
 
     #[test]
+    fn a_position_flag_other_than_0_or_1_and_non_finite_positions_are_refused() {
+        // The flag sits after version, issue time, gateway node and epoch. Checked before the
+        // signature, like every layout error.
+        let mut c = sealed();
+        c[21] = 2;
+        assert_eq!(
+            open(SECRET, &c, "alice.smith", ADDR, NOW),
+            Err(CookieError::Malformed("position flag is neither 0 nor 1"))
+        );
+        let mut c = sealed();
+        c[22..30].copy_from_slice(&f64::NAN.to_be_bytes());
+        assert_eq!(
+            open(SECRET, &c, "alice.smith", ADDR, NOW),
+            Err(CookieError::Malformed("position is not finite"))
+        );
+        let nan = HintCookie {
+            last_position: Some([0.0, f64::INFINITY, 0.0]),
+            ..hint()
+        };
+        assert_eq!(
+            seal(SECRET, &nan, ADDR),
+            Err(CookieError::Malformed("position is not finite"))
+        );
+    }
+
+    #[test]
     fn non_utf8_is_malformed() {
         let mut c = sealed();
-        c[FIXED_LEN - 2] = 0xff;
+        c[FIXED_LEN - 2 + POSITION_LEN] = 0xff;
         assert_eq!(
             open(SECRET, &c, "alice.smith", ADDR, NOW),
             Err(CookieError::Malformed("field is not UTF-8"))
@@ -481,6 +562,7 @@ mod tests {
             },
             CookieError::BadSignature,
             CookieError::WrongAccount,
+            CookieError::WrongGeo(String::new()),
             CookieError::Expired { age_ms: 0 },
             CookieError::FromTheFuture { ahead_ms: 0 },
         ];

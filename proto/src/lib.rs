@@ -7,18 +7,19 @@
 //! Every protocol uses the same framing ([`codec::FrameCodec`]): a 4-byte big-endian length and
 //! one protobuf message. [`sdk`] is the Rust SDK for game servers; [`client`] is the edge client
 //! used by bots and tests; [`token`] signs and checks the edge login tokens; [`cookie`] seals and
-//! opens the handover hint cookies (DESIGN §12).
+//! opens the handover hint cookies and [`ticket`] the RTT probe tickets (DESIGN §12).
 
 pub mod batch;
 pub mod client;
 pub mod codec;
 pub mod cookie;
 pub mod sdk;
+pub mod ticket;
 pub mod token;
 
 /// Version of every cellmesh protocol; a peer with another major version is refused by name.
 pub const PROTOCOL_MAJOR: u32 = 1;
-pub const PROTOCOL_MINOR: u32 = 2;
+pub const PROTOCOL_MINOR: u32 = 3;
 
 #[allow(clippy::all, missing_docs)]
 pub mod local {

@@ -57,7 +57,7 @@ const LIMITS: [usize; 2] = [FUZZ_MAX_FRAME, DEFAULT_MAX_FRAME];
 /// | GameFrame    | empty `GameMessage`s (104 B each)           | 156                 |
 /// | SidecarFrame | a chain of 60 `Adopt`s (136 B each)         | 268                 |
 /// | MeshFrame    | empty `MeshMessage`s (192 B each)           | 288                 |
-/// | ClientFrame  | empty `ClientMessage`s (72 B each)          | 108                 |
+/// | ClientFrame  | empty `ClientMessage`s (48 B; hello boxed)  | 72                  |
 /// | ServerFrame  | a `Batch` of empty `EntityDelta`s (120 B)   | 180                 |
 ///
 /// The bounds leave a third more than that, for fields yet to come. A frame of the default 1 MiB

@@ -6,6 +6,18 @@ use cellmesh_proto::{PROTOCOL_MAJOR, PROTOCOL_MINOR};
 
 /// Returns the account the hello proves, or the kick that refuses it. `now_unix` in seconds.
 pub(crate) fn admit(hello: &ClientHello, secret: &[u8], now_unix: u64) -> Result<String, Kick> {
+    check_version(hello)?;
+    token::verify(secret, &hello.token, now_unix).map_err(|e| {
+        let reason = match e {
+            TokenError::Expired { .. } => KickReason::ExpiredToken,
+            TokenError::Malformed(_) | TokenError::BadSignature => KickReason::BadToken,
+        };
+        Kick::new(reason, e.to_string())
+    })
+}
+
+/// Refuses a hello of another major version, by name.
+pub(crate) fn check_version(hello: &ClientHello) -> Result<(), Kick> {
     let (major, minor) = hello
         .version
         .as_ref()
@@ -18,13 +30,7 @@ pub(crate) fn admit(hello: &ClientHello, secret: &[u8], now_unix: u64) -> Result
             ),
         ));
     }
-    token::verify(secret, &hello.token, now_unix).map_err(|e| {
-        let reason = match e {
-            TokenError::Expired { .. } => KickReason::ExpiredToken,
-            TokenError::Malformed(_) | TokenError::BadSignature => KickReason::BadToken,
-        };
-        Kick::new(reason, e.to_string())
-    })
+    Ok(())
 }
 
 #[cfg(test)]
@@ -37,6 +43,7 @@ mod tests {
             version: Some(ProtocolVersion { major, minor: 3 }),
             token,
             cookie: Default::default(),
+            probe_ticket: Default::default(),
         }
     }
 

@@ -12,12 +12,15 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use cellmesh_geo_router::store::FarRtt;
 use cellmesh_proto::codec::{encode_body, FrameCodec, FrameError, RawFrame};
 use cellmesh_proto::edge::{
-    client_message, server_message, ClientFrame, ClientMessage, Kick, KickReason, Ping, Pong,
-    ProtocolVersion, ServerFrame, Welcome,
+    client_message, server_message, ClientFrame, ClientHello, ClientMessage, CookieRequest, Kick,
+    KickReason, Ping, Pong, ProbeRequest, ProtocolVersion, ServerFrame, Transfer, Welcome,
 };
-use cellmesh_proto::mesh::{mesh_message, Attach, Attached, Detach, SessionInput, SessionRtt};
+use cellmesh_proto::mesh::{
+    mesh_message, Attach, Attached, Detach, HandoverHint, SessionInput, SessionRtt,
+};
 use futures::{SinkExt, StreamExt};
 use tokio::io::AsyncReadExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -28,11 +31,12 @@ use tokio_util::codec::{FramedRead, FramedWrite};
 
 use crate::connlimit::ConnectionPermit;
 use crate::gateway::NoGateway;
+use crate::geo::{attach_hint, now_unix_ms, HintSource};
 use crate::link::{LinkConn, LinkGone};
 use crate::metrics::InputLoss;
 use crate::ping::{PingTracker, RTT_WINDOW};
 use crate::ratelimit::{FloodMeter, Verdict};
-use crate::session::{SessionControl, SessionInfo, SessionRoute, ToSession};
+use crate::session::{SessionControl, SessionInfo, SessionRoute, Stop, ToSession};
 use crate::{auth, Shared};
 
 /// How long a kicked client gets to receive its `Kick` before the socket is closed.
@@ -60,6 +64,8 @@ enum End {
     Left(String),
     /// The gateway's link broke: the session moves to another gateway.
     GatewayLost(String),
+    /// Handed over to another geo: the client gets the `Transfer` and reconnects there.
+    Transfer(Transfer),
 }
 
 fn kick(reason: KickReason, detail: impl Into<String>) -> End {
@@ -68,6 +74,20 @@ fn kick(reason: KickReason, detail: impl Into<String>) -> End {
 
 fn malformed(detail: impl Into<String>) -> End {
     kick(KickReason::Malformed, detail)
+}
+
+/// Pings a probe connection gets, and how far apart.
+const PROBE_PINGS: u32 = 5;
+const PROBE_INTERVAL: Duration = Duration::from_millis(200);
+/// How long after its last ping a probe waits for the last pong.
+const PROBE_LAST_WAIT: Duration = Duration::from_secs(1);
+
+/// What a connection's hello asks for.
+enum Hello {
+    /// A login: the account, the hello, and what came in the same frame after it.
+    Login(Arc<str>, ClientHello, Vec<ClientMessage>),
+    /// An RTT probe another geo's proxy asked the client for, with its ticket.
+    Probe(Bytes),
 }
 
 /// A session attached (or being attached) to a gateway.
@@ -123,18 +143,213 @@ pub(crate) async fn serve(
 impl Client {
     async fn run(mut self) {
         let end = match self.hello().await {
-            Ok((account, pending)) => self.serve_account(account, pending).await,
+            Ok(Hello::Login(account, hello, mut pending)) => {
+                match self.login_hint(&account, &hello, &mut pending).await {
+                    Ok(hint) => self.serve_account(account, pending, hint).await,
+                    Err(end) => end,
+                }
+            }
+            Ok(Hello::Probe(ticket)) => self.serve_probe(&ticket).await,
             Err(end) => end,
         };
         self.finish(end).await;
     }
 
+    /// Measures the RTT to a client of another geo that its proxy asked to probe this one, and
+    /// publishes it onto that geo's Redis: the kernel's figure where it has one (the client's
+    /// kernel answers, not the game), and the timed pings besides. No session is attached.
+    async fn serve_probe(&mut self, ticket: &[u8]) -> End {
+        let shared = self.shared.clone();
+        let done = |detail: String| kick(KickReason::ProbeDone, detail);
+        if shared.geos.single() {
+            shared.metrics.probe_refused("single_geo");
+            return done("this network has one geo".into());
+        }
+        let t = match shared.geos.open_ticket(ticket, self.peer.ip()) {
+            Ok(t) => t,
+            Err(why) => {
+                shared.metrics.probe_refused("bad_ticket");
+                tracing::debug!(peer = %self.peer, %why, "probe ticket refused");
+                return done(format!("probe refused: {why}"));
+            }
+        };
+        let mut pings = PingTracker::new(PROBE_PINGS as usize);
+        let mut timer = tokio::time::interval(PROBE_INTERVAL);
+        let (mut sent, mut last_ping) = (0, Instant::now());
+        loop {
+            let deadline = last_ping + PROBE_LAST_WAIT;
+            tokio::select! {
+                _ = self.control.stopped() => return self.stopped_end(),
+                _ = timer.tick(), if sent < PROBE_PINGS => {
+                    let nonce = rand::random();
+                    pings.sent(nonce, std::time::Instant::now());
+                    sent += 1;
+                    last_ping = Instant::now();
+                    if let Err(end) = self.send(server_message::Body::Ping(Ping { nonce })).await {
+                        return end;
+                    }
+                }
+                r = self.reader.next() => {
+                    let frame = match self.received(r) {
+                        Ok(f) => f,
+                        Err(end) => return end,
+                    };
+                    for m in frame.messages {
+                        if let Some(client_message::Body::Pong(p)) = m.body {
+                            pings.pong(p.nonce, std::time::Instant::now());
+                        }
+                    }
+                }
+                _ = tokio::time::sleep_until(deadline), if sent == PROBE_PINGS => break,
+            }
+            if sent == PROBE_PINGS
+                && pings
+                    .summary()
+                    .is_some_and(|s| s.samples as u32 == PROBE_PINGS)
+            {
+                break;
+            }
+        }
+        let kernel = crate::tcpinfo::kernel_rtt(self.reader.get_ref().as_ref());
+        let summary = pings.summary();
+        let rtt = match (kernel, summary) {
+            (Some(k), s) => FarRtt {
+                min_ms: k.min_ms,
+                median_ms: s.map_or(k.smoothed_ms, |s| s.p50_ms),
+                // Every ping the kernel sent was ACKed by the client's kernel, answered or not.
+                samples: sent,
+                kernel: true,
+                measured_unix_ms: now_unix_ms(),
+            },
+            (None, Some(s)) => FarRtt {
+                min_ms: s.min_ms,
+                median_ms: s.p50_ms,
+                samples: s.samples as u32,
+                kernel: false,
+                measured_unix_ms: now_unix_ms(),
+            },
+            (None, None) => {
+                shared.metrics.probe_refused("unanswered");
+                return done("no pong, and no kernel figure".into());
+            }
+        };
+        match shared
+            .geos
+            .publish_far_rtt(&t.origin_geo, &t.account, rtt)
+            .await
+        {
+            Ok(()) => {
+                shared.metrics.probes_served.inc();
+            }
+            Err(e) => {
+                shared.metrics.error("far_rtt_store");
+                tracing::warn!(origin = %t.origin_geo, account = %t.account, error = %e, "publishing a probe's RTT failed");
+            }
+        };
+        done(format!("measured {:.1} ms", rtt.min_ms))
+    }
+
+    /// How the task ends when it was stopped from outside.
+    fn stopped_end(&self) -> End {
+        match self.control.stop_reason() {
+            Stop::Kick(k) => End::Kick(k),
+            Stop::Transfer(t) => End::Transfer(t),
+        }
+    }
+
+    /// On a network of several geos, the handover hint of a login: this geo's Redis first, then
+    /// the cookie the client offered, or, if it offered none, the one it holds when asked. A
+    /// hint or cookie that fails its checks is counted and the gateway reads MongoDB instead.
+    async fn login_hint(
+        &mut self,
+        account: &str,
+        hello: &ClientHello,
+        pending: &mut Vec<ClientMessage>,
+    ) -> Result<Option<HandoverHint>, End> {
+        let shared = self.shared.clone();
+        let geos = &shared.geos;
+        if geos.single() {
+            return Ok(None);
+        }
+        let ip = self.peer.ip();
+        // Taken even when a cookie came along, so that a hint is used once.
+        if let Some(h) = geos.take_hint(account, ip, &shared.metrics).await {
+            shared.metrics.hint_hits.inc();
+            return Ok(Some(attach_hint(&h, HintSource::Hint)));
+        }
+        let cookie = if !hello.cookie.is_empty() {
+            hello.cookie.to_vec()
+        } else {
+            shared.metrics.cookie_requests.inc();
+            self.send(server_message::Body::CookieRequest(CookieRequest {}))
+                .await?;
+            self.await_cookie(pending).await?
+        };
+        if cookie.is_empty() {
+            return Ok(None);
+        }
+        match geos.open_cookie(&cookie, account, ip, now_unix_ms()) {
+            Ok(c) => {
+                shared.metrics.cookie_hits.inc();
+                Ok(Some(attach_hint(&c, HintSource::Cookie)))
+            }
+            Err(e) => {
+                shared.metrics.hint_refused(e.kind());
+                tracing::debug!(%account, peer = %self.peer, error = %e, "handover cookie refused; the gateway reads the player record");
+                Ok(None)
+            }
+        }
+    }
+
+    /// The client's `CookieResponse` (empty: none), within the configured wait; what it sends
+    /// meanwhile is kept for after the login.
+    async fn await_cookie(&mut self, pending: &mut Vec<ClientMessage>) -> Result<Vec<u8>, End> {
+        let deadline = Instant::now() + self.shared.geos.cookie_wait;
+        loop {
+            let read = tokio::select! {
+                _ = self.control.stopped() => return Err(self.stopped_end()),
+                r = tokio::time::timeout_at(deadline, self.reader.next()) => r,
+            };
+            let Ok(read) = read else {
+                // A client that keeps no cookies need not answer at all.
+                return Ok(Vec::new());
+            };
+            let frame = self.received(read)?;
+            let mut messages = frame.messages.into_iter();
+            while let Some(m) = messages.next() {
+                match m.body {
+                    Some(client_message::Body::Cookie(c)) => {
+                        let rest: Vec<ClientMessage> = messages.collect();
+                        self.shared.metrics.inputs_received.inc_by(inputs_in(&rest));
+                        pending.extend(rest);
+                        return Ok(c.cookie.to_vec());
+                    }
+                    Some(client_message::Body::Hello(_)) => {
+                        return Err(malformed("unexpected ClientHello: already logged in"))
+                    }
+                    _ => {
+                        self.shared
+                            .metrics
+                            .inputs_received
+                            .inc_by(inputs_in(std::slice::from_ref(&m)));
+                        pending.push(m);
+                    }
+                }
+            }
+        }
+    }
+
     /// Serves the account's session on a gateway, and on another each time its gateway's link
     /// breaks (the sidecars find the player's avatar wherever it lives).
-    async fn serve_account(&mut self, account: Arc<str>, mut pending: Vec<ClientMessage>) -> End {
+    async fn serve_account(
+        &mut self,
+        account: Arc<str>,
+        mut pending: Vec<ClientMessage>,
+        mut hint: Option<HandoverHint>,
+    ) -> End {
         let mut moves = 0;
         loop {
-            let mut session = match self.open_session(account.clone(), moves == 0) {
+            let mut session = match self.open_session(account.clone(), moves == 0, hint.take()) {
                 Ok(s) => s,
                 Err(end) => {
                     self.lose(InputLoss::SessionEnded, &pending);
@@ -175,19 +390,19 @@ impl Client {
                 ));
             }
             tokio::select! {
-                _ = self.control.stopped() => return Err(End::Kick(self.control.reason())),
+                _ = self.control.stopped() => return Err(self.stopped_end()),
                 _ = tokio::time::sleep(MOVE_POLL) => {}
             }
         }
         Ok(())
     }
 
-    /// Waits for the `ClientHello` and admits it; returns the account and any messages that
-    /// came in the same frame after the hello.
-    async fn hello(&mut self) -> Result<(Arc<str>, Vec<ClientMessage>), End> {
+    /// Waits for the `ClientHello` and admits it; returns the account, the hello and any
+    /// messages that came in the same frame after it.
+    async fn hello(&mut self) -> Result<Hello, End> {
         let cfg = &self.shared.cfg;
         let read = tokio::select! {
-            _ = self.control.stopped() => return Err(End::Kick(self.control.reason())),
+            _ = self.control.stopped() => return Err(self.stopped_end()),
             r = tokio::time::timeout(cfg.hello_timeout(), self.reader.next()) => r,
         };
         let Ok(read) = read else {
@@ -215,6 +430,10 @@ impl Client {
                 )))
             }
         };
+        if !hello.probe_ticket.is_empty() {
+            auth::check_version(&hello).map_err(End::Kick)?;
+            return Ok(Hello::Probe(hello.probe_ticket));
+        }
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
@@ -227,13 +446,18 @@ impl Client {
             .metrics
             .inputs_received
             .inc_by(inputs_in(&pending));
-        Ok((account.into(), pending))
+        Ok(Hello::Login(account.into(), *hello, pending))
     }
 
     /// Picks a gateway, routes a new session id to this task and asks the gateway to attach it.
     /// A new login is refused `SERVER_FULL` when every gateway up admits no new session; a
     /// session that moves was admitted already and goes wherever a link is up.
-    fn open_session(&self, account: Arc<str>, new_login: bool) -> Result<Session, End> {
+    fn open_session(
+        &self,
+        account: Arc<str>,
+        new_login: bool,
+        handover: Option<HandoverHint>,
+    ) -> Result<Session, End> {
         let (link, conn) = match self.shared.gateways.pick(new_login) {
             Ok(picked) => picked,
             Err(NoGateway::Down) => {
@@ -277,6 +501,7 @@ impl Client {
             account: session.account.to_string(),
             remote_addr: self.peer.to_string(),
             moved: !new_login,
+            handover,
         };
         if let Err(e) = session.conn.send(mesh_message::Body::Attach(attach)) {
             session.conn.release(id);
@@ -310,6 +535,9 @@ impl Client {
             server_message::Body::Welcome(welcome),
         ))];
         frames.extend(early);
+        if let Some(probe) = self.probe_request(&s.account) {
+            frames.push(probe);
+        }
         if let Err(end) = self.write(frames).await {
             self.lose(InputLoss::SessionEnded, &pending);
             return end;
@@ -319,6 +547,8 @@ impl Client {
             s.id,
             s.conn.gateway.clone(),
             self.peer,
+            &attached,
+            self.control.clone(),
         ));
         self.shared.register_session(self.id, info.clone());
         s.info = Some(info.clone());
@@ -334,12 +564,14 @@ impl Client {
         let mut early = Vec::new();
         loop {
             let next = tokio::select! {
-                _ = self.control.stopped() => return Err(End::Kick(self.control.reason())),
+                _ = self.control.stopped() => return Err(self.stopped_end()),
                 r = tokio::time::timeout_at(deadline, s.outbox.recv()) => r,
             };
             match next {
                 Ok(Some(ToSession::Attached(a))) => return Ok((a, early)),
                 Ok(Some(ToSession::Frame(f))) => early.push(f),
+                // Comes again within seconds; nothing to keep before the session is up.
+                Ok(Some(ToSession::Where(_))) => {}
                 Ok(Some(ToSession::Detach(k))) => {
                     if k.reason == KickReason::ServerFull as i32 {
                         // The gateway closed before this proxy heard: refused all the same.
@@ -384,10 +616,18 @@ impl Client {
             tokio::time::interval_at(Instant::now() + idle_check_every, idle_check_every);
         idle_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut last_heard = Instant::now();
+        let probe_every = shared.geos.probe_every;
+        let mut probe_timer = tokio::time::interval_at(Instant::now() + probe_every, probe_every);
+        probe_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         // Unbiased: a gateway that always has output must not starve the client's input.
         loop {
             tokio::select! {
-                _ = self.control.stopped() => return Err(End::Kick(self.control.reason())),
+                _ = probe_timer.tick(), if !shared.geos.single() => {
+                    if let Some(probe) = self.probe_request(&s.account) {
+                        self.write(vec![probe]).await?;
+                    }
+                }
+                _ = self.control.stopped() => return Err(self.stopped_end()),
                 m = s.outbox.recv() => match m {
                     Some(ToSession::Frame(f)) => {
                         let mut batch = vec![f];
@@ -395,6 +635,7 @@ impl Client {
                         while batch.len() < WRITE_BATCH {
                             match s.outbox.try_recv() {
                                 Ok(ToSession::Frame(f)) => batch.push(f),
+                                Ok(ToSession::Where(w)) => info.set_where(w),
                                 Ok(other) => { then = Some(other); break; }
                                 Err(_) => break,
                             }
@@ -408,6 +649,7 @@ impl Client {
                     }
                     Some(ToSession::Detach(k)) => return Err(End::Kick(k)),
                     Some(ToSession::Attached(_)) => shared.metrics.error("unexpected_message"),
+                    Some(ToSession::Where(w)) => info.set_where(w),
                     None => return Err(self.route_dropped(s)),
                 },
                 r = self.reader.next() => {
@@ -518,7 +760,8 @@ impl Client {
                 if let Some(rtt) = pings.pong(p.nonce, std::time::Instant::now()) {
                     shared.metrics.rtt(self.id, rtt);
                     if let Some(sum) = pings.summary() {
-                        info.set_rtt(sum);
+                        let kernel = crate::tcpinfo::kernel_rtt(self.reader.get_ref().as_ref());
+                        info.set_rtt(sum, kernel);
                         let rtt = SessionRtt {
                             session_id: s.id,
                             rtt_ms_p50: sum.p50_ms as f32,
@@ -533,6 +776,8 @@ impl Client {
                 }
             }
             Some(Body::Bye(_)) => return Err(End::Left("bye".into())),
+            // An answer that came after the login stopped waiting for it: too late to matter.
+            Some(Body::Cookie(_)) => {}
             Some(Body::Hello(_)) => {
                 return Err(malformed("unexpected ClientHello: already logged in"))
             }
@@ -543,6 +788,19 @@ impl Client {
             }
         }
         Ok(())
+    }
+
+    /// On a network of several geos, the `ProbeRequest` asking the client to probe the others.
+    fn probe_request(&self, account: &str) -> Option<Bytes> {
+        let geos = &self.shared.geos;
+        if geos.single() {
+            return None;
+        }
+        let targets = geos.probe_targets(account, self.peer.ip());
+        self.shared.metrics.probes_asked.inc();
+        Some(encode_body(&ServerFrame::one(server_message::Body::Probe(
+            ProbeRequest { targets },
+        ))))
     }
 
     /// The link dropped this session's route: a link that ends a session kicks it first, so
@@ -603,7 +861,7 @@ impl Client {
                 metrics.error(e.kind());
                 End::Left(format!("write failed: {e}"))
             }),
-            _ = self.control.stopped() => Err(End::Kick(self.control.reason())),
+            _ = self.control.stopped() => Err(self.stopped_end()),
         }
     }
 
@@ -612,6 +870,10 @@ impl Client {
         if s.conn.release(s.id) {
             let (kick_reason, detail) = match end {
                 End::Kick(k) => (k.reason as u32, k.detail.clone()),
+                End::Transfer(t) => (
+                    KickReason::Transferred as u32,
+                    format!("handed over to geo {}", t.geo),
+                ),
                 End::Left(why) | End::GatewayLost(why) => {
                     (KickReason::KickUnspecified as u32, why.clone())
                 }
@@ -628,7 +890,7 @@ impl Client {
         }
     }
 
-    /// Tells a kicked client why, then closes without resetting the connection.
+    /// Tells a kicked client why (or where to go), then closes without resetting the connection.
     async fn finish(self, end: End) {
         let Self {
             shared,
@@ -637,31 +899,45 @@ impl Client {
             mut writer,
             ..
         } = self;
-        let kick = match end {
-            End::Kick(kick) => kick,
-            End::GatewayLost(why) => Kick::new(KickReason::GatewayUnavailable, why),
+        let last = match end {
+            End::Kick(kick) => kick_message(&shared, peer, kick),
+            End::GatewayLost(why) => kick_message(
+                &shared,
+                peer,
+                Kick::new(KickReason::GatewayUnavailable, why),
+            ),
+            End::Transfer(t) => {
+                shared.metrics.transferred(&t.geo);
+                tracing::debug!(%peer, geo = %t.geo, host = %t.host, port = t.port, "client handed over");
+                server_message::Body::Transfer(t)
+            }
             End::Left(why) => {
                 tracing::debug!(%peer, "client left: {why}");
                 return;
             }
         };
-        let reason = KickReason::try_from(kick.reason).unwrap_or(KickReason::KickUnspecified);
-        shared.metrics.kick(reason);
-        tracing::debug!(%peer, reason = reason.as_str_name(), detail = %kick.detail, "client kicked");
-        let frame = encode_body(&ServerFrame::one(server_message::Body::Kick(kick)));
+        let frame = encode_body(&ServerFrame::one(last));
         shared.metrics.client_out.frame(frame.len());
         let mut reader = reader.into_inner();
         let _ = tokio::time::timeout(KICK_LINGER, async {
             writer.send(RawFrame(frame)).await?;
             SinkExt::<RawFrame>::close(&mut writer).await?;
-            // Closing with unread input would send a reset, which can destroy the kick in the
-            // client's receive buffer: read until the client closes too.
+            // Closing with unread input would send a reset, which can destroy the last message
+            // in the client's receive buffer: read until the client closes too.
             let mut sink = [0u8; 4096];
             while reader.read(&mut sink).await? > 0 {}
             Ok::<_, FrameError>(())
         })
         .await;
     }
+}
+
+/// Counts a kick and makes it the client's last message.
+fn kick_message(shared: &Shared, peer: SocketAddr, kick: Kick) -> server_message::Body {
+    let reason = KickReason::try_from(kick.reason).unwrap_or(KickReason::KickUnspecified);
+    shared.metrics.kick(reason);
+    tracing::debug!(%peer, reason = reason.as_str_name(), detail = %kick.detail, "client kicked");
+    server_message::Body::Kick(kick)
 }
 
 /// How many of `messages` are inputs.
@@ -680,5 +956,6 @@ fn body_name(b: &client_message::Body) -> &'static str {
         Body::Ping(_) => "Ping",
         Body::Pong(_) => "Pong",
         Body::Bye(_) => "Bye",
+        Body::Cookie(_) => "CookieResponse",
     }
 }

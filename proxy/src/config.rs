@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use cellmesh_geo_router::handover::HandoverParams;
 use serde::{Deserialize, Serialize};
 
 /// The token secret shipped as a default; a deployment that keeps it accepts forged logins.
@@ -18,7 +19,8 @@ pub struct ProxyConfig {
     pub admin_listen: String,
     /// Mesh addresses of the gateway sidecars; one multiplexed link each.
     pub gateways: Vec<String>,
-    /// Shared with the login service: HMAC key of the edge tokens.
+    /// Shared with the login service: HMAC key of the edge tokens. Every geo's proxies also
+    /// sign and check handover cookies with it (under a label of their own).
     pub token_secret: String,
     pub hello_timeout_ms: u64,
     pub idle_timeout_ms: u64,
@@ -49,6 +51,90 @@ pub struct ProxyConfig {
     /// moments, so the other proxies are not hit by every player at once.
     pub drain_spread_ms: u64,
     pub rate: RateConfig,
+    /// The other geos of the network; none (the default) is a single-geo network.
+    pub geos: GeosConfig,
+}
+
+/// Several geos (DESIGN §12): where the other geos' proxies are, this geo's and their Redis, and
+/// the handover policy. With no peer, nothing of it runs: no cookie is ever requested, no probe
+/// asked for, nobody handed over.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GeosConfig {
+    /// This geo's Redis (`redis://…`), where other geos' proxies leave handover hints and the
+    /// RTTs they measured to this geo's clients; `memory` for a proxy on its own.
+    pub board: String,
+    pub peers: Vec<PeerGeo>,
+    /// How long a login waits for the client's answer to a `CookieRequest`.
+    pub cookie_wait_ms: u64,
+    /// How often each client is asked to probe the other geos' proxies (and once at login).
+    pub probe_every_ms: u64,
+    pub handover: HandoverParams,
+}
+
+/// Another geo of the network.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerGeo {
+    pub name: String,
+    /// Where its proxies accept clients: `host:port` (A/AAAA records, or an address).
+    pub proxies: String,
+    /// Its Redis: handover hints for it, and the RTTs this proxy measures to its clients.
+    pub board: String,
+}
+
+impl Default for GeosConfig {
+    fn default() -> Self {
+        Self {
+            board: "memory".into(),
+            peers: Vec::new(),
+            cookie_wait_ms: 1000,
+            probe_every_ms: 60_000,
+            handover: HandoverParams::default(),
+        }
+    }
+}
+
+impl GeosConfig {
+    /// A network of one geo: none of the geo machinery runs.
+    pub fn single(&self) -> bool {
+        self.peers.is_empty()
+    }
+
+    pub fn peer(&self, name: &str) -> Option<&PeerGeo> {
+        self.peers.iter().find(|p| p.name == name)
+    }
+
+    fn validate(&self, home: &str) -> anyhow::Result<()> {
+        let mut seen = std::collections::BTreeSet::new();
+        for p in &self.peers {
+            anyhow::ensure!(
+                p.name != home,
+                "config: geos.peers names this proxy's own geo `{home}`"
+            );
+            anyhow::ensure!(
+                seen.insert(p.name.as_str()),
+                "config: geos.peers names geo `{}` twice",
+                p.name
+            );
+            anyhow::ensure!(
+                !p.proxies.is_empty(),
+                "config: geos.peers `{}` has no proxies address",
+                p.name
+            );
+        }
+        anyhow::ensure!(
+            self.cookie_wait_ms > 0,
+            "config: geos.cookie_wait_ms must be greater than 0"
+        );
+        anyhow::ensure!(
+            self.probe_every_ms > 0,
+            "config: geos.probe_every_ms must be greater than 0"
+        );
+        self.handover
+            .validate()
+            .map_err(|e| anyhow::anyhow!("config: geos.{e}"))
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -86,6 +172,7 @@ impl Default for ProxyConfig {
             drain_grace_ms: 5000,
             drain_spread_ms: 10_000,
             rate: RateConfig::default(),
+            geos: GeosConfig::default(),
         }
     }
 }
@@ -150,6 +237,7 @@ impl ProxyConfig {
             !self.gateways.is_empty(),
             "config: gateways must name at least one sidecar"
         );
+        self.geos.validate(&self.geo)?;
         anyhow::ensure!(
             !self.token_secret.is_empty(),
             "config: token_secret must not be empty"

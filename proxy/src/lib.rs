@@ -34,14 +34,17 @@ mod client;
 pub mod config;
 mod connlimit;
 mod gateway;
+mod geo;
 mod link;
 mod listener;
 mod metrics;
 mod ping;
 mod ratelimit;
 mod session;
+mod tcpinfo;
 
-pub use config::{ProxyConfig, RateConfig};
+pub use config::{GeosConfig, PeerGeo, ProxyConfig, RateConfig};
+pub use geo::Boards;
 pub use link::LINK_SILENCE;
 pub use metrics::INPUT_LOSS_REASONS;
 
@@ -88,6 +91,17 @@ pub struct ProxyStats {
     pub logins_refused: u64,
     /// Gateway links up whose node admits no new session now.
     pub gateways_closed: u64,
+    /// Logins whose handover hint came from this geo's Redis, or from the client's cookie.
+    pub hint_hits: u64,
+    pub cookie_hits: u64,
+    /// `CookieRequest`s sent (never on a single-geo network).
+    pub cookie_requests: u64,
+    /// Sessions handed over to another geo.
+    pub handovers: u64,
+    /// Sessions whose avatar is simulated in another geo now (bridged).
+    pub bridged_sessions: u64,
+    /// RTT probes of other geos' clients this proxy measured.
+    pub probes_served: u64,
 }
 
 /// A running proxy.
@@ -115,6 +129,14 @@ impl ProxyHandle {
         self.shared.clients_stop.clone()
     }
 
+    /// Hands `account`'s session over to `geo`'s proxies: the client gets `Transfer` with a
+    /// signed cookie, the same hint goes to that geo's Redis, and the session ends here (its
+    /// avatar waits for the login there). The handover policy decides this by itself; this is
+    /// for operators and tests.
+    pub async fn hand_over(&self, account: &str, geo: &str) -> Result<(), String> {
+        self.shared.hand_over(account, geo).await
+    }
+
     /// Waits until the proxy has shut down and all its tasks have ended.
     pub async fn wait(self) {
         if let Err(e) = self.join.await {
@@ -126,6 +148,7 @@ impl ProxyHandle {
 /// State shared by the listener, the client tasks and the link tasks.
 pub(crate) struct Shared {
     pub(crate) cfg: ProxyConfig,
+    pub(crate) geos: geo::Geos,
     pub(crate) metrics: Metrics,
     pub(crate) limits: InputLimits,
     pub(crate) gateways: Gateways,
@@ -198,6 +221,49 @@ impl Shared {
         self.admin.set_ready(ready);
     }
 
+    /// See [`ProxyHandle::hand_over`].
+    pub(crate) async fn hand_over(&self, account: &str, geo: &str) -> Result<(), String> {
+        let info = self
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .find(|s| &*s.account == account)
+            .cloned()
+            .ok_or_else(|| format!("no session of `{account}` on this proxy"))?;
+        self.hand_over_session(&info, geo).await
+    }
+
+    pub(crate) async fn hand_over_session(
+        &self,
+        info: &SessionInfo,
+        geo: &str,
+    ) -> Result<(), String> {
+        let account = &*info.account;
+        if geo == self.geos.home() {
+            return Err(format!("`{geo}` is this proxy's own geo"));
+        }
+        let hint = cellmesh_proto::cookie::HintCookie {
+            issued_unix_ms: geo::now_unix_ms(),
+            target_geo: geo.to_string(),
+            gateway_node: info.gateway_node,
+            account: account.to_string(),
+            session_epoch: info.session_epoch,
+            last_position: info
+                .whereabouts()
+                .and_then(|w| w.position)
+                .map(|p| [p.x, p.y, p.z]),
+        };
+        let transfer = self
+            .geos
+            .transfer(geo, hint, info.remote.ip(), &self.metrics)
+            .await?;
+        if !info.control.transfer(transfer) {
+            return Err(format!("the session of `{account}` is ending already"));
+        }
+        Ok(())
+    }
+
     /// The gauge of gateways that admit no new session.
     pub(crate) fn refresh_admission(&self) {
         self.metrics
@@ -237,6 +303,11 @@ impl Shared {
                 "drain_spread_ms": cfg.drain_spread_ms,
                 "rate": cfg.rate,
                 "default_token_secret": cfg.uses_default_secret(),
+                "geos": {
+                    "single": cfg.geos.single(),
+                    "peers": cfg.geos.peers.iter().map(|p| serde_json::json!({"name": p.name, "proxies": p.proxies})).collect::<Vec<_>>(),
+                    "handover": cfg.geos.handover,
+                },
             },
             "ready": self.admin.is_ready(),
             "draining": self.draining.load(Ordering::SeqCst),
@@ -253,7 +324,18 @@ impl Shared {
 
 /// Starts the proxy; it runs until `shutdown` is cancelled (then see [`ProxyHandle::wait`]).
 pub async fn start(cfg: ProxyConfig, shutdown: CancellationToken) -> anyhow::Result<ProxyHandle> {
+    start_with(cfg, shutdown, None).await
+}
+
+/// [`start`], with the geos' boards given rather than opened from the config (proxies of
+/// several geos in one process sharing in-memory ones).
+pub async fn start_with(
+    cfg: ProxyConfig,
+    shutdown: CancellationToken,
+    boards: Option<Boards>,
+) -> anyhow::Result<ProxyHandle> {
     cfg.validate()?;
+    let geos = geo::Geos::open(&cfg, boards.as_ref()).await?;
     if cfg.uses_default_secret() {
         // Allowed on loopback only (`validate` refuses it elsewhere), for trying things out.
         tracing::warn!(
@@ -274,6 +356,7 @@ pub async fn start(cfg: ProxyConfig, shutdown: CancellationToken) -> anyhow::Res
                 .map_or(serde_json::Value::Null, |s| s.state_json())
         });
         Shared {
+            geos,
             limits: InputLimits::new(&cfg.rate),
             gateways: Gateways::new(&cfg.gateways),
             connections: ConnectionLimits::new(
@@ -311,6 +394,9 @@ pub async fn start(cfg: ProxyConfig, shutdown: CancellationToken) -> anyhow::Res
         ));
     }
     background.spawn(housekeeping(shared.clone(), background_stop.clone()));
+    if !shared.geos.single() {
+        background.spawn(handover_loop(shared.clone(), background_stop.clone()));
+    }
     let clients = TaskTracker::new();
     let accepting = CancellationToken::new();
     clients.spawn(listener::run(
@@ -390,7 +476,7 @@ async fn drain(shared: &Shared, accepting: &CancellationToken, grace: Duration, 
         if left.is_empty() {
             return;
         }
-        for control in left.iter().filter(|c| c.kicked().is_none()) {
+        for control in left.iter().filter(|c| !c.stopping()) {
             control.kick(reconnect());
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -408,6 +494,81 @@ fn drain_schedule(n: usize, spread: Duration, mut unit: impl FnMut() -> f64) -> 
     (0..n)
         .map(|i| Duration::from_secs_f64(slot * (i as f64 + unit().clamp(0.0, 1.0))))
         .collect()
+}
+
+/// How often the handover policy looks at every session.
+const HANDOVER_EVERY: Duration = Duration::from_secs(1);
+
+/// The handover policy at work (DESIGN §12): every second, each session's whereabouts (from its
+/// gateway) and RTT figures (this proxy's own, and what other geos' proxies measured and
+/// published here) go through [`Handover::observe`]; a session it says is worth a reconnect is
+/// handed over.
+async fn handover_loop(shared: Arc<Shared>, stop: CancellationToken) {
+    use cellmesh_geo_router::geometry::{Pos, WorldShape};
+    use cellmesh_geo_router::handover::{GeoRtt, Handover, Verdict, Whereabouts};
+    let started = tokio::time::Instant::now();
+    let mut tick = tokio::time::interval(HANDOVER_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut policy: Option<Handover<u64>> = None;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let sessions: Vec<(u64, Arc<SessionInfo>)> = shared
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(k, v)| (*k, v.clone()))
+            .collect();
+        let Some((_, first)) = sessions.first() else {
+            continue;
+        };
+        let policy = policy.get_or_insert_with(|| {
+            let world = WorldShape {
+                width: first.world.0,
+                height: first.world.1,
+                ..WorldShape::default()
+            };
+            Handover::new(shared.cfg.geos.handover.clone(), world, shared.geos.home())
+        });
+        let now_ms = started.elapsed().as_millis() as u64;
+        let home = shared.geos.home().to_string();
+        for (conn, info) in &sessions {
+            let Some(w) = info.whereabouts() else {
+                continue;
+            };
+            let p = w.position.unwrap_or_default();
+            let at = Whereabouts {
+                geo: w.geo,
+                region: w.region,
+                pos: Pos { x: p.x, y: p.y },
+            };
+            let rtt = if at.geo == home {
+                GeoRtt::default()
+            } else {
+                GeoRtt {
+                    current: info.rtt_figure(),
+                    far: shared.geos.far_rtts(&info.account).await,
+                }
+            };
+            if let Verdict::HandOver { to_geo, because } = policy.observe(now_ms, conn, &at, &rtt) {
+                match shared.hand_over_session(info, &to_geo).await {
+                    Ok(()) => {
+                        tracing::info!(account = %info.account, geo = %to_geo, ?because, "handing the session over");
+                        policy.forget(conn);
+                    }
+                    Err(e) => {
+                        tracing::warn!(account = %info.account, geo = %to_geo, error = %e, "handover failed")
+                    }
+                }
+            }
+        }
+        let live: std::collections::HashSet<u64> = sessions.iter().map(|(c, _)| *c).collect();
+        policy.retain(|k| live.contains(k));
+        shared.metrics.bridged_sessions.set(policy.bridged() as i64);
+    }
 }
 
 async fn housekeeping(shared: Arc<Shared>, stop: CancellationToken) {

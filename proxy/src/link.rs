@@ -757,6 +757,13 @@ fn dispatch(m: MeshMessage, conn: &LinkConn, shared: &Shared) -> anyhow::Result<
                 shared.refresh_admission();
             }
         }
+        Body::Where(w) => {
+            // Advisory, and repeated: dropped rather than kick a client whose queue is full.
+            let routes = conn.routes();
+            if let Some(route) = routes.map.get(&w.session_id) {
+                let _ = route.outbox.try_send(ToSession::Where(w));
+            }
+        }
         Body::Refused(r) => bail!("gateway refused the link: {}", r.reason),
         other => unexpected(shared, &conn.gateway, body_name(&other)),
     }
@@ -794,6 +801,7 @@ fn body_name(b: &Body) -> &'static str {
         Body::Rtt(_) => "SessionRtt",
         Body::Refused(_) => "LinkRefused",
         Body::Admission(_) => "Admission",
+        Body::Where(_) => "SessionWhere",
         // Sidecar <-> sidecar traffic never belongs on a proxy link.
         _ => "a sidecar-to-sidecar message",
     }

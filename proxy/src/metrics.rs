@@ -97,6 +97,33 @@ pub(crate) struct Metrics {
     pub logins_refused_server_full: Counter,
     /// Gateway links up whose node admits no new session.
     pub gateways_closed: Gauge,
+    /// Logins that skipped the gateway's MongoDB read thanks to a handover hint, by source.
+    pub hint_hits: Counter,
+    pub cookie_hits: Counter,
+    /// Hints and cookies refused (forged, expired, another address or account...), by reason.
+    hints_refused: Family<KindLabels, Counter>,
+    /// `CookieRequest`s sent (multi-geo networks only).
+    pub cookie_requests: Counter,
+    /// `ProbeRequest`s sent to this proxy's clients, probes of other geos' clients measured
+    /// here, and probes refused, by reason.
+    pub probes_asked: Counter,
+    pub probes_served: Counter,
+    probes_refused: Family<ReasonLabels, Counter>,
+    /// Sessions whose avatar is simulated in another geo now.
+    pub bridged_sessions: Gauge,
+    /// Sessions handed over to another geo, by target geo.
+    transfers: Family<GeoLabels, Counter>,
+    transfers_total: AtomicU64,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GeoLabels {
+    geo: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SourceLabels {
+    source: &'static str,
 }
 
 /// Every reason the proxy loses a client input it read and did not rate-limit
@@ -258,7 +285,66 @@ impl Metrics {
             gateways_closed.clone(),
         );
 
+        let login_hints = Family::<SourceLabels, Counter>::default();
+        reg.register(
+            "login_hints",
+            "Logins that found a handover hint and so skipped the gateway's MongoDB read, by source (hint: this geo's Redis; cookie: the client's)",
+            login_hints.clone(),
+        );
+        let hints_refused = Family::<KindLabels, Counter>::default();
+        reg.register(
+            "login_hints_refused",
+            "Handover hints and cookies refused at login, by reason (the login reads MongoDB instead)",
+            hints_refused.clone(),
+        );
+        let cookie_requests = Counter::default();
+        reg.register(
+            "cookie_requests",
+            "CookieRequests sent to clients at login (never on a single-geo network)",
+            cookie_requests.clone(),
+        );
+        let transfers = Family::<GeoLabels, Counter>::default();
+        reg.register(
+            "handovers",
+            "Sessions handed over to another geo's proxies (Transfer sent), by target geo",
+            transfers.clone(),
+        );
+
+        let probes_asked = Counter::default();
+        reg.register(
+            "probes_asked",
+            "ProbeRequests sent to this proxy's clients (at login and every probe_every_ms)",
+            probes_asked.clone(),
+        );
+        let probes_served = Counter::default();
+        reg.register(
+            "probes_served",
+            "RTT probes of other geos' clients measured here and published to their geo",
+            probes_served.clone(),
+        );
+        let probes_refused = Family::<ReasonLabels, Counter>::default();
+        reg.register(
+            "probes_refused",
+            "RTT probes refused or unmeasured, by reason",
+            probes_refused.clone(),
+        );
+        let bridged_sessions = Gauge::default();
+        reg.register(
+            "bridged_sessions",
+            "Sessions whose avatar is simulated in another geo (input and view cross the geo link)",
+            bridged_sessions.clone(),
+        );
         let metrics = Self {
+            probes_asked,
+            probes_served,
+            probes_refused,
+            bridged_sessions,
+            hint_hits: login_hints.get_or_create_owned(&SourceLabels { source: "hint" }),
+            cookie_hits: login_hints.get_or_create_owned(&SourceLabels { source: "cookie" }),
+            hints_refused,
+            cookie_requests,
+            transfers,
+            transfers_total: AtomicU64::new(0),
             connections,
             connections_accepted,
             refused_total: refused.get_or_create_owned(&LimitLabels { limit: "total" }),
@@ -291,6 +377,25 @@ impl Metrics {
             gateways_closed,
         };
         (metrics, reg)
+    }
+
+    pub(crate) fn probe_refused(&self, reason: &'static str) {
+        self.probes_refused
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
+    }
+
+    pub(crate) fn hint_refused(&self, kind: &'static str) {
+        self.hints_refused.get_or_create(&KindLabels { kind }).inc();
+    }
+
+    pub(crate) fn transferred(&self, geo: &str) {
+        self.transfers
+            .get_or_create(&GeoLabels {
+                geo: geo.to_string(),
+            })
+            .inc();
+        self.transfers_total.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn error(&self, kind: &'static str) {
@@ -391,6 +496,12 @@ impl Metrics {
             frames_out: self.client_out.frames.get(),
             logins_refused: self.logins_refused_server_full.get(),
             gateways_closed: self.gateways_closed.get().max(0) as u64,
+            hint_hits: self.hint_hits.get(),
+            cookie_hits: self.cookie_hits.get(),
+            cookie_requests: self.cookie_requests.get(),
+            handovers: self.transfers_total.load(Ordering::Relaxed),
+            bridged_sessions: self.bridged_sessions.get().max(0) as u64,
+            probes_served: self.probes_served.get(),
         }
     }
 }

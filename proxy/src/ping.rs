@@ -15,6 +15,7 @@ const MAX_OUTSTANDING: usize = 8;
 pub(crate) struct RttSummary {
     pub p50_ms: f64,
     pub min_ms: f64,
+    pub samples: usize,
 }
 
 /// One session's pings in flight and its last RTT samples.
@@ -63,7 +64,11 @@ impl PingTracker {
         let min_ms = *sorted.first()?;
         // Nearest rank: the lower middle of an even count, so one slow outlier does not move it.
         let p50_ms = sorted[(sorted.len() - 1) / 2];
-        Some(RttSummary { p50_ms, min_ms })
+        Some(RttSummary {
+            p50_ms,
+            min_ms,
+            samples: sorted.len(),
+        })
     }
 
     #[cfg(test)]

@@ -117,13 +117,14 @@ async fn protocol_version_from_the_future() {
     let mut neighbour = proxy.login("neighbour").await;
 
     let mut c = RawClient::connect(&proxy.addr()).await;
-    c.write_frame(&ClientFrame::one(client_message::Body::Hello(
+    c.write_frame(&ClientFrame::one(client_message::Body::Hello(Box::new(
         ClientHello {
             version: Some(ProtocolVersion { major: 2, minor: 7 }),
             token: token("future"),
             cookie: Default::default(),
+            probe_ticket: Default::default(),
         },
-    )))
+    ))))
     .await;
     let k = c.kick().await;
     assert_eq!(reason(&k), KickReason::VersionMismatch);

@@ -188,6 +188,10 @@ pub struct Metrics {
     /// Writes of checkpoints to the store, the checkpoints and bytes they carried, and the
     /// checkpoints removed.
     pub checkpoint_writes: Counter,
+    /// Player records read at login; a handover hint saves the read.
+    pub login_record_reads: Counter,
+    /// Logins that came with a handover hint, by source (hint, cookie).
+    pub login_hints: Family<KindLabel, Counter>,
     pub checkpoints_stored: Counter,
     pub checkpoint_stored_bytes: Counter,
     pub checkpoints_removed: Counter,
@@ -262,6 +266,8 @@ impl Default for Metrics {
             checkpoint_bytes: Default::default(),
             restored: Default::default(),
             checkpoint_writes: Default::default(),
+            login_record_reads: Default::default(),
+            login_hints: Default::default(),
             checkpoints_stored: Default::default(),
             checkpoint_stored_bytes: Default::default(),
             checkpoints_removed: Default::default(),
@@ -484,6 +490,16 @@ impl Metrics {
             "checkpoint_bytes",
             "Bytes of the entity checkpoints the game answered",
             m.checkpoint_bytes.clone(),
+        );
+        r.register(
+            "login_record_reads",
+            "Player records read from the global store (MongoDB) at login; a handover hint or cookie saves the read",
+            m.login_record_reads.clone(),
+        );
+        r.register(
+            "login_hints",
+            "Logins handed over from another geo whose hint (from the geo's Redis or the client's cookie) replaced the player record read",
+            m.login_hints.clone(),
         );
         r.register(
             "checkpoint_writes",

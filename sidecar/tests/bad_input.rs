@@ -129,12 +129,14 @@ async fn a_truncated_frame() {
 async fn a_valid_frame_of_the_wrong_type() {
     let mut n = Neighbour::new().await;
     // An edge client's hello: decodes as an empty GameFrame.
-    let client_hello =
-        edge::ClientFrame::one(edge::client_message::Body::Hello(edge::ClientHello {
+    let client_hello = edge::ClientFrame::one(edge::client_message::Body::Hello(Box::new(
+        edge::ClientHello {
             version: Some(edge::ProtocolVersion::current()),
             token: "alice.1.00".into(),
             cookie: Default::default(),
-        }));
+            probe_ticket: Default::default(),
+        },
+    )));
     let mut c = n.raw().await;
     c.send_frame(&client_hello).await;
     let e = c.fatal_error().await;

@@ -279,12 +279,105 @@ async fn the_player_record_seeds_the_join() {
         last_position: Some([100.0, 200.0, 3.0]),
         home_geo: "eu".into(),
         updated_unix_ms: 1,
+        // A session in another geo's directory, which counts epochs on its own.
+        session_epoch: 5_000,
+        ..PlayerRecord::default()
     };
     s.sc.stores.players.save(&record).await.unwrap();
-    s.link.attach(1, "bob").await;
+    let attached = s.link.attach(1, "bob").await;
     let join = s.game.expect_join("bob").await;
     let p = join.last_position.unwrap();
     assert_eq!((p.x, p.y, p.z), (100.0, 200.0, 3.0));
+    assert!(
+        attached.session_epoch > 5_000,
+        "the new session goes above the record's: {}",
+        attached.session_epoch
+    );
+    assert_eq!(
+        metric(&s.sc.metrics().await, "login_record_reads_total"),
+        1.0
+    );
+}
+
+/// The value of an unlabelled sample in a metrics page.
+fn metric(page: &str, name: &str) -> f64 {
+    let full = format!("cellmesh_sidecar_{name} ");
+    page.lines()
+        .find_map(|l| l.strip_prefix(&full))
+        .unwrap_or_else(|| panic!("no {full} in\n{page}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_login_handed_over_from_another_geo_skips_the_record_read() {
+    let mut s = Scene::new().await;
+    // MongoDB says otherwise: the hint wins, and the record is not even read.
+    let stale = PlayerRecord {
+        account: "bob".into(),
+        last_position: Some([1.0, 1.0, 0.0]),
+        ..PlayerRecord::default()
+    };
+    s.sc.stores.players.save(&stale).await.unwrap();
+    s.link
+        .send(mesh_message::Body::Attach(mesh::Attach {
+            session_id: 1,
+            account: "bob".into(),
+            remote_addr: "127.0.0.1:1".into(),
+            moved: false,
+            handover: Some(mesh::HandoverHint {
+                session_epoch: 7_000,
+                last_position: Some(mesh::MeshVec3 {
+                    x: 300.0,
+                    y: 400.0,
+                    z: 0.0,
+                }),
+                issued_unix_ms: 1,
+                source: "cookie".into(),
+            }),
+        }))
+        .await;
+    let attached = s
+        .link
+        .expect("Attached", |m| match m {
+            mesh_message::Body::Attached(a) => Some(*a),
+            _ => None,
+        })
+        .await;
+    assert!(attached.session_epoch > 7_000, "{}", attached.session_epoch);
+    let p = s.game.expect_join("bob").await.last_position.unwrap();
+    assert_eq!((p.x, p.y), (300.0, 400.0));
+    let page = s.sc.metrics().await;
+    assert_eq!(metric(&page, "login_record_reads_total"), 0.0);
+    assert!(
+        page.contains("cellmesh_sidecar_login_hints_total{kind=\"cookie\"} 1"),
+        "{page}"
+    );
+
+    // Handed over again: the record saved says where the session went and when.
+    s.link
+        .send(mesh_message::Body::Detach(mesh::Detach {
+            session_id: 1,
+            kick_reason: KickReason::Transferred as u32,
+            detail: "handed over to geo paris".into(),
+            retry_after_ms: 0,
+        }))
+        .await;
+    let players = s.sc.stores.players.clone();
+    let saved = cellmesh_test_support::within("the record is saved", async {
+        loop {
+            if let Some(r) = players.load("bob").await.unwrap() {
+                if r.last_handover_unix_ms.is_some() {
+                    return r;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert_eq!(saved.session_epoch, attached.session_epoch);
+    assert_eq!(saved.gateway_geo, s.sc.cfg.geo);
 }
 
 #[tokio::test]
@@ -423,6 +516,7 @@ async fn link_handshake_rules() {
         account: "x".into(),
         remote_addr: String::new(),
         moved: false,
+        handover: None,
     }));
     assert!(refused(attach_first).await.contains("expected LinkHello"));
 
@@ -449,6 +543,7 @@ async fn a_silent_link_dies_and_its_sessions_leave() {
         account: "quiet".into(),
         remote_addr: String::new(),
         moved: false,
+        handover: None,
     })))
     .await
     .unwrap();
@@ -515,6 +610,7 @@ async fn a_link_that_stops_reading_is_closed_without_stalling_the_node() {
         account: "slow".into(),
         remote_addr: String::new(),
         moved: false,
+        handover: None,
     })))
     .await
     .unwrap();

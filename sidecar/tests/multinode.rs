@@ -473,8 +473,8 @@ async fn a_player_simulated_off_its_gateway_sees_its_own_inventory_with_its_avat
         .save(&PlayerRecord {
             account: "alice".into(),
             last_position: Some([home.x, home.y, home.z]),
-            home_geo: String::new(),
             updated_unix_ms: 1,
+            ..PlayerRecord::default()
         })
         .await
         .unwrap();

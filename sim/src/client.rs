@@ -27,6 +27,8 @@ pub(crate) struct Client {
     /// When each entity last vanished from this client's view.
     pub vanished_at: BTreeMap<u64, u64>,
     pub avatar: Option<u64>,
+    /// Handed over to another geo with this avatar: the new session must find the same one.
+    pub keep_avatar: Option<u64>,
     /// The next input's sequence number (per account, across sessions).
     pub next_seq: u64,
     pub waypoint: (f64, f64),
@@ -48,6 +50,7 @@ impl Client {
             seen: BTreeMap::new(),
             vanished_at: BTreeMap::new(),
             avatar: None,
+            keep_avatar: None,
             next_seq: 1,
             waypoint: (0.0, 0.0),
             waypoint_until: 0,
@@ -135,6 +138,14 @@ impl Client {
                         }
                         if d.owner_account == self.account {
                             self.avatar = Some(id);
+                            if let Some(kept) = self.keep_avatar.take() {
+                                if kept != id {
+                                    wrong.push(format!(
+                                        "{}: handed over with avatar {kept}, found avatar {id} instead",
+                                        self.account
+                                    ));
+                                }
+                            }
                         }
                         if self.vanished_at.get(&id).is_some_and(|t| now < t + FLAP_MS) {
                             self.flaps += 1;

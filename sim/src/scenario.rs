@@ -68,7 +68,33 @@ pub enum Fault {
     /// Marks the run as failed here: a test of the simulator's own reports (a failing seed must
     /// name itself, stop, and reproduce its trace).
     Tripwire,
+    /// The client's proxy hands its session over to a gateway in another geo (the client's own
+    /// when it plays elsewhere): the gateway hears `Detach{TRANSFERRED}`, and the client logs in
+    /// there a reconnect later with the handover's hint (its session epoch), skipping the
+    /// record read. Its avatar stays where it is simulated, and serves the new session.
+    Handover { client: usize },
 }
+
+/// Datacenters: which geo every node is in, and the one-way delay between geos.
+#[derive(Debug)]
+pub struct GeoMap {
+    pub names: &'static [&'static str],
+    /// `one_way_ms[a][b]`: the one-way delay between geos `a` and `b` (within one geo: the LAN).
+    pub one_way_ms: &'static [&'static [u64]],
+    /// The geo of each node, by node id - 1.
+    pub of_node: &'static [usize],
+    /// Uniform jitter on top of every delay.
+    pub jitter_ms: u64,
+}
+
+/// Paris (nodes 1 and 2), Montreal (node 3) and Hong Kong (node 4), at real figures: 45 ms one
+/// way Paris–Montreal, 110 ms Paris–Hong Kong, 120 ms Montreal–Hong Kong.
+pub static THREE_GEOS: GeoMap = GeoMap {
+    names: &["paris", "montreal", "hongkong"],
+    one_way_ms: &[&[1, 45, 110], &[45, 1, 120], &[110, 120, 1]],
+    of_node: &[0, 0, 1, 2],
+    jitter_ms: 3,
+};
 
 /// The faults of one run, by time.
 #[derive(Debug, Clone, Default)]
@@ -118,6 +144,10 @@ pub struct Scenario {
     pub clock_skew_ms: u64,
     /// The nodes clients log in on (empty: every live node).
     pub gateways: &'static [NodeId],
+    /// Datacenters: with a map, node-to-node delays come from it (not `mesh_delay`), each client
+    /// lives in a geo (round robin by index) and pays the delay from there to its gateway's geo
+    /// on top of `client_delay`.
+    pub geos: Option<&'static GeoMap>,
     /// Every this-many ticks on average, a game's tick runs `slow_tick_ms` long.
     pub slow_tick_every: u32,
     pub slow_tick_ms: u64,
@@ -159,11 +189,47 @@ impl Scenario {
             clock_ppm: (0, 0),
             clock_skew_ms: 0,
             gateways: &[],
+            geos: None,
             slow_tick_every: 0,
             slow_tick_ms: 0,
             link_outbox_frames: 8192,
             game_outbox_frames: 4096,
             faults: no_faults,
+        }
+    }
+
+    /// The geo of `node` (index into the map's names; 0 without a map).
+    pub fn geo_of(&self, node: NodeId) -> usize {
+        self.geos
+            .map_or(0, |g| g.of_node[(node as usize - 1) % g.of_node.len()])
+    }
+
+    pub fn geo_name(&self, node: NodeId) -> &'static str {
+        self.geos.map_or("sim", |g| g.names[self.geo_of(node)])
+    }
+
+    /// Where client `c` is: a geo index (0 without a map).
+    pub fn client_geo(&self, c: usize) -> usize {
+        self.geos.map_or(0, |g| c % g.names.len())
+    }
+
+    /// One-way delay between two nodes.
+    pub fn mesh_delay_of(&self, a: NodeId, b: NodeId) -> Delay {
+        match self.geos {
+            Some(g) => Delay::ms(g.one_way_ms[self.geo_of(a)][self.geo_of(b)], g.jitter_ms),
+            None => (self.mesh_delay)(a, b),
+        }
+    }
+
+    /// One-way delay between client `c` and its gateway `gateway`, through a proxy of the
+    /// gateway's geo.
+    pub fn client_delay_of(&self, c: usize, gateway: NodeId) -> Delay {
+        match self.geos {
+            Some(g) => Delay::ms(
+                self.client_delay.base_ms + g.one_way_ms[self.client_geo(c)][self.geo_of(gateway)],
+                self.client_delay.jitter_ms + g.jitter_ms,
+            ),
+            None => self.client_delay,
         }
     }
 
@@ -341,12 +407,13 @@ fn stores(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     logins(s, rng, plan);
 }
 
-fn geo_delay(a: NodeId, b: NodeId) -> Delay {
-    // Nodes 1 and 2 in one datacenter, 3 and 4 in another 45 ms away (Paris–Montreal).
-    if (a <= 2) == (b <= 2) {
-        Delay::ms(1, 1)
-    } else {
-        Delay::ms(45, 5)
+/// Links cut across and within geos, and one to three players handed over to another geo's
+/// gateway while their avatars keep being simulated where they are.
+fn geo_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    cuts(s, rng, plan);
+    for _ in 0..rng.random_range(1..=3) {
+        let client = rng.random_range(0..s.players as usize);
+        plan.at(s.during(rng, 1_000), Fault::Handover { client });
     }
 }
 
@@ -418,9 +485,8 @@ pub fn catalogue() -> Vec<Scenario> {
             ..Scenario::base("twins")
         },
         Scenario {
-            mesh_delay: geo_delay,
-            client_delay: Delay::ms(20, 10),
-            faults: cuts,
+            geos: Some(&THREE_GEOS),
+            faults: geo_faults,
             ..Scenario::base("geos")
         },
     ]

@@ -86,13 +86,20 @@ impl SimStore {
                 account,
                 node,
                 lease_ms,
+                handed_over_from,
             } => {
+                let record = match handed_over_from {
+                    Some(_) => None,
+                    None => self.players.get(&account).cloned(),
+                };
+                let floor = handed_over_from
+                    .or(record.as_ref().map(|r| r.session_epoch))
+                    .unwrap_or(0);
                 let epoch = self.epochs.entry(account.clone()).or_insert(0);
-                *epoch += 1;
+                *epoch = (*epoch).max(floor) + 1;
                 let epoch = *epoch;
                 self.directory
                     .insert(account.clone(), (node, epoch, now + lease_ms));
-                let record = self.players.get(&account).cloned();
                 let master = self.masters.get(&account).copied();
                 Some(StoreReply::Registered {
                     session,
@@ -133,9 +140,21 @@ impl SimStore {
                     result: Ok(entry),
                 })
             }
-            StoreRequest::EndSession { record, epoch } => {
+            StoreRequest::EndSession {
+                record,
+                epoch,
+                hold_ms,
+            } => {
                 self.players.insert(record.account.clone(), record.clone());
-                self.release(&record.account, epoch);
+                if hold_ms > 0 {
+                    if let Some(e) = self.directory.get_mut(&record.account) {
+                        if e.1 == epoch {
+                            e.2 = now + hold_ms;
+                        }
+                    }
+                } else {
+                    self.release(&record.account, epoch);
+                }
                 None
             }
             StoreRequest::Release { account, epoch } => {

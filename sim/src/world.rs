@@ -339,6 +339,12 @@ enum Ev {
         node: NodeId,
         inc: u32,
     },
+    /// A handed-over client logs in on a gateway of the geo it was sent to.
+    HandedOverLogin {
+        client: usize,
+        gateway: NodeId,
+        session_epoch: u64,
+    },
     /// A message from the gateway reaches a client (through the proxy).
     ToClient {
         client: usize,
@@ -636,6 +642,20 @@ impl<'a> Sim<'a> {
             } => self.client_receives(client, session_id, body),
             Ev::ClientInput { client, session_id } => self.client_input(client, session_id),
             Ev::Login { client } => self.login(client, None),
+            Ev::HandedOverLogin {
+                client,
+                gateway,
+                session_epoch,
+            } => self.login_with(
+                client,
+                Some(gateway),
+                Some(mesh::HandoverHint {
+                    session_epoch,
+                    last_position: None,
+                    issued_unix_ms: 0,
+                    source: "hint".into(),
+                }),
+            ),
             Ev::Dial { from, to, inc } => self.dial(from, to, inc),
             Ev::Fault(f) => self.fault(f),
             Ev::StoreUp => {}
@@ -921,6 +941,7 @@ impl<'a> Sim<'a> {
     fn start_node(&mut self, id: NodeId, holder: u64, clock: Clock, lease: Lease, until: u64) {
         let mut cfg = self.cfg.clone();
         cfg.node_id = id;
+        cfg.geo = self.s.geo_name(id).into();
         self.node(id).clock = clock;
         let now = self.time_of(id);
         self.note(|| {
@@ -1344,7 +1365,7 @@ impl<'a> Sim<'a> {
             self.schedule(again, Ev::Dial { from, to, inc });
             return;
         }
-        let delay = (self.s.mesh_delay)(from, to).draw(&mut self.rng);
+        let delay = self.s.mesh_delay_of(from, to).draw(&mut self.rng);
         let uid = self.next_uid;
         self.next_uid += 1;
         let a_link = self.new_link(from, uid);
@@ -1369,7 +1390,7 @@ impl<'a> Sim<'a> {
             version: Some(mesh::ProtocolVersion::current()),
             role: PeerRole::Sidecar as i32,
             id: node.to_string(),
-            geo: "sim".into(),
+            geo: self.s.geo_name(node).into(),
             partition_epoch: epoch,
             node_id: node,
         };
@@ -1416,7 +1437,6 @@ impl<'a> Sim<'a> {
         match self.node(id).links.get(&link).copied() {
             Some(Far::Proxy) => self.proxy_receives(id, frame),
             Some(Far::Peer(uid)) => {
-                let delay_of = self.s.mesh_delay;
                 let Some(l) = self.links.get_mut(&uid) else {
                     return;
                 };
@@ -1425,7 +1445,7 @@ impl<'a> Sim<'a> {
                     return;
                 }
                 let (to, ab) = if l.a == id { (l.b, true) } else { (l.a, false) };
-                let d = delay_of(id, to).draw(&mut self.rng);
+                let d = self.s.mesh_delay_of(id, to).draw(&mut self.rng);
                 let (last, in_flight) = if ab {
                     (&mut l.last_ab, &mut l.in_flight_ab)
                 } else {
@@ -1497,7 +1517,7 @@ impl<'a> Sim<'a> {
             if !self.nodes[node as usize - 1].links.contains_key(&link) {
                 continue;
             }
-            let d = (self.s.mesh_delay)(node, other).draw(&mut self.rng) + detect_ms;
+            let d = self.s.mesh_delay_of(node, other).draw(&mut self.rng) + detect_ms;
             // After every frame already on its way (TCP closes in order).
             let last = {
                 let l = &self.links[&uid];
@@ -1723,6 +1743,16 @@ impl<'a> Sim<'a> {
     /// A client logs in, on `gateway` or on the next live node (round robin, as the proxy
     /// picks).
     fn login(&mut self, c: usize, gateway: Option<NodeId>) {
+        self.login_with(c, gateway, None);
+    }
+
+    /// [`Self::login`], handed over from another geo with the handover's hint.
+    fn login_with(
+        &mut self,
+        c: usize,
+        gateway: Option<NodeId>,
+        handover: Option<mesh::HandoverHint>,
+    ) {
         let alive: Vec<NodeId> = self
             .nodes
             .iter()
@@ -1759,6 +1789,7 @@ impl<'a> Sim<'a> {
                 account,
                 remote_addr: format!("client-{c}"),
                 moved: false,
+                handover,
             }),
         );
         let first = self.s.input_every_ms;
@@ -1767,6 +1798,66 @@ impl<'a> Sim<'a> {
             Ev::ClientInput {
                 client: c,
                 session_id,
+            },
+        );
+    }
+
+    /// The client's proxy hands its session over to another geo (see [`Fault::Handover`]).
+    fn hand_over(&mut self, c: usize) {
+        let Some(cl) = self.clients.get(c) else {
+            return;
+        };
+        let (Some(epoch), false) = (cl.epoch, cl.ended) else {
+            return;
+        };
+        let (from, session_id) = (cl.gateway, cl.session_id);
+        let from_geo = self.s.geo_of(from);
+        let home = self.s.client_geo(c);
+        let mut targets: Vec<NodeId> = self
+            .nodes
+            .iter()
+            .filter(|n| n.alive && n.proxy_link.is_some() && self.s.geo_of(n.id) != from_geo)
+            .filter(|n| self.s.gateways.is_empty() || self.s.gateways.contains(&n.id))
+            .map(|n| n.id)
+            .collect();
+        if targets.is_empty() {
+            return;
+        }
+        // The client's own geo if it played elsewhere; any other geo otherwise.
+        targets.sort_by_key(|&n| (self.s.geo_of(n) != home, n));
+        let to = targets[0];
+        if let Some(link) = self.node(from).proxy_link {
+            let inc = self.node(from).incarnation;
+            self.client_sends(
+                c,
+                from,
+                inc,
+                link,
+                mesh_message::Body::Detach(mesh::Detach {
+                    session_id,
+                    kick_reason: cellmesh_proto::edge::KickReason::Transferred as u32,
+                    detail: format!("handed over to geo {}", self.s.geo_name(to)),
+                    retry_after_ms: 0,
+                }),
+            );
+        }
+        let account = self.clients[c].account.clone();
+        self.note(|| {
+            format!(
+                "{account}'s session {session_id} on n{from} is handed over to n{to} ({})",
+                self.s.geo_name(to)
+            )
+        });
+        // The session here is over; the client reconnects there after a round trip and a bit.
+        self.clients[c].ended = true;
+        self.clients[c].keep_avatar = self.clients[c].avatar;
+        let rtt = 2 * self.s.client_delay_of(c, to).base_ms;
+        self.schedule(
+            rtt + 50,
+            Ev::HandedOverLogin {
+                client: c,
+                gateway: to,
+                session_epoch: epoch,
             },
         );
     }
@@ -1780,7 +1871,7 @@ impl<'a> Sim<'a> {
         link: LinkId,
         body: mesh_message::Body,
     ) {
-        let d = self.s.client_delay.draw(&mut self.rng);
+        let d = self.s.client_delay_of(c, gateway).draw(&mut self.rng);
         let at = self.fifo(Stream::FromClient(c), d);
         self.schedule_at(
             at,
@@ -1811,7 +1902,7 @@ impl<'a> Sim<'a> {
             else {
                 continue;
             };
-            let d = self.s.client_delay.draw(&mut self.rng);
+            let d = self.s.client_delay_of(client, gateway).draw(&mut self.rng);
             let at = self.fifo(Stream::ToClient(client), d);
             self.schedule_at(
                 at,
@@ -1982,6 +2073,7 @@ impl<'a> Sim<'a> {
                     self.login(client, at);
                 }
             }
+            Fault::Handover { client } => self.hand_over(client),
             Fault::StoreOutage { ms } => {
                 self.store.down_until = self.now + ms;
                 self.schedule(ms, Ev::StoreUp);

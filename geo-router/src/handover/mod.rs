@@ -19,8 +19,6 @@
 //! player's avatar is simulated ([`Handover::observe`]) and the RTT figures ([`GeoRtt`]). It reads
 //! no clock and does no I/O.
 
-pub mod cookie;
-
 use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
@@ -219,6 +217,11 @@ impl<K: std::hash::Hash + Eq + Clone> Handover<K> {
 
     pub fn forget(&mut self, session: &K) {
         self.bridges.remove(session);
+    }
+
+    /// Forgets every session but those `keep` says are still there.
+    pub fn retain(&mut self, mut keep: impl FnMut(&K) -> bool) {
+        self.bridges.retain(|k, _| keep(k));
     }
 
     /// Where the session's avatar is now, and its RTT figures: the verdict at `now_ms`. Call it

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 
 use super::{
-    CheckpointStore, MasterEntry, PlayerRecord, PlayerRecords, SessionDirectory, SessionEntry,
-    StoreError,
+    CheckpointStore, EdgeBoard, FarRtt, MasterEntry, PlayerRecord, PlayerRecords, SessionDirectory,
+    SessionEntry, StoreError,
 };
 
 #[derive(Default)]
@@ -33,15 +33,16 @@ impl Slot {
 
 #[async_trait]
 impl SessionDirectory for MemoryDirectory {
-    async fn register(
+    async fn register_above(
         &self,
         account: &str,
         gateway_node: u32,
         lease: Duration,
+        floor: u64,
     ) -> Result<u64, StoreError> {
         let mut map = self.inner.lock().expect("directory lock poisoned");
         let slot = map.entry(account.to_string()).or_default();
-        slot.epoch += 1;
+        slot.epoch = slot.epoch.max(floor) + 1;
         let entry = SessionEntry {
             gateway_node,
             session_epoch: slot.epoch,
@@ -201,5 +202,76 @@ impl CheckpointStore for MemoryCheckpoints {
             .collect();
         all.sort_unstable();
         Ok(all)
+    }
+}
+
+type FarRtts = HashMap<String, (FarRtt, Instant)>;
+
+/// A geo's [`EdgeBoard`] in memory, expiry included.
+#[derive(Default)]
+pub struct MemoryBoard {
+    hints: Mutex<HashMap<String, (Vec<u8>, Instant)>>,
+    /// account -> measuring geo -> (figure, expiry).
+    rtts: Mutex<HashMap<String, FarRtts>>,
+}
+
+#[async_trait]
+impl EdgeBoard for MemoryBoard {
+    async fn put_hint(
+        &self,
+        account: &str,
+        sealed: &[u8],
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let now = Instant::now();
+        let mut hints = self.hints.lock().expect("board lock poisoned");
+        hints.retain(|_, (_, until)| *until > now);
+        hints.insert(account.to_string(), (sealed.to_vec(), now + ttl));
+        Ok(())
+    }
+
+    async fn take_hint(&self, account: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let taken = self
+            .hints
+            .lock()
+            .expect("board lock poisoned")
+            .remove(account);
+        Ok(taken
+            .filter(|(_, until)| *until > Instant::now())
+            .map(|(h, _)| h))
+    }
+
+    async fn put_far_rtt(
+        &self,
+        account: &str,
+        geo: &str,
+        rtt: FarRtt,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let mut all = self.rtts.lock().expect("board lock poisoned");
+        let now = Instant::now();
+        // Forget the expired entries of whoever is touched, so the map does not grow for good.
+        all.retain(|_, by_geo| {
+            by_geo.retain(|_, (_, until)| *until > now);
+            !by_geo.is_empty()
+        });
+        all.entry(account.to_string())
+            .or_default()
+            .insert(geo.to_string(), (rtt, now + ttl));
+        Ok(())
+    }
+
+    async fn far_rtts(&self, account: &str) -> Result<Vec<(String, FarRtt)>, StoreError> {
+        let now = Instant::now();
+        let all = self.rtts.lock().expect("board lock poisoned");
+        let mut out: Vec<(String, FarRtt)> = all
+            .get(account)
+            .into_iter()
+            .flatten()
+            .filter(|(_, (_, until))| *until > now)
+            .map(|(geo, (rtt, _))| (geo.clone(), *rtt))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
     }
 }

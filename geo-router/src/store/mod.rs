@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | [`SessionDirectory`] | Redis ([`redis::RedisDirectory`]) | per geo |
 //! | [`PlayerRecords`] | MongoDB ([`mongo::MongoPlayers`]) | global |
+//! | [`EdgeBoard`] | Redis ([`redis::RedisDirectory`]) | per geo |
 //!
 //! Both have an in-memory implementation in [`memory`] for `cellmesh up` and unit tests.
 
@@ -71,6 +72,19 @@ pub trait SessionDirectory: Send + Sync {
         account: &str,
         gateway_node: u32,
         lease: Duration,
+    ) -> Result<u64, StoreError> {
+        self.register_above(account, gateway_node, lease, 0).await
+    }
+
+    /// [`Self::register`], with an epoch also strictly greater than `floor`: the epoch of the
+    /// account's last session in another geo (each geo's directory counts on its own), so that
+    /// the avatar's owner takes the new session for the newer one.
+    async fn register_above(
+        &self,
+        account: &str,
+        gateway_node: u32,
+        lease: Duration,
+        floor: u64,
     ) -> Result<u64, StoreError>;
 
     /// The live session of `account`, if any.
@@ -124,13 +138,20 @@ impl MasterEntry {
 }
 
 /// What the world remembers about a player between sessions.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct PlayerRecord {
     pub account: String,
     /// Last position of the player's master entity (x, y, z), if it ever had one.
     pub last_position: Option<[f64; 3]>,
+    /// The geo the player was first seen in.
     pub home_geo: String,
     pub updated_unix_ms: u64,
+    /// The geo of the gateway that wrote the record (where the player was connected).
+    pub gateway_geo: String,
+    /// The session epoch of that session: a login in another geo registers above it.
+    pub session_epoch: u64,
+    /// When the player was last handed over to another geo, if ever.
+    pub last_handover_unix_ms: Option<u64>,
 }
 
 #[async_trait]
@@ -138,6 +159,58 @@ pub trait PlayerRecords: Send + Sync {
     async fn load(&self, account: &str) -> Result<Option<PlayerRecord>, StoreError>;
     /// Inserts or replaces the record of `record.account`.
     async fn save(&self, record: &PlayerRecord) -> Result<(), StoreError>;
+}
+
+/// A far proxy's measurement of a client's RTT, published onto the client's current geo.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct FarRtt {
+    pub min_ms: f64,
+    pub median_ms: f64,
+    pub samples: u32,
+    /// Whether the figures are the kernel's TCP estimate (a client cannot bend it) or timed pings.
+    pub kernel: bool,
+    pub measured_unix_ms: u64,
+}
+
+/// What a geo's proxies tell each other about players, in that geo's Redis: handover hints
+/// addressed to this geo, and the RTTs other geos' proxies measured to this geo's clients.
+///
+/// A hint is the sealed cookie the client was given (`cellmesh_proto::cookie`), so it is opened
+/// and checked exactly like the cookie; the board only keeps it for a while.
+#[async_trait]
+pub trait EdgeBoard: Send + Sync {
+    /// Pins a hint for `account`'s next login in this geo, for `ttl`.
+    async fn put_hint(&self, account: &str, sealed: &[u8], ttl: Duration)
+        -> Result<(), StoreError>;
+    /// Takes (and removes) the hint for `account`, if one is pinned and not expired.
+    async fn take_hint(&self, account: &str) -> Result<Option<Vec<u8>>, StoreError>;
+    /// Records what `geo`'s proxy measured to `account`, kept for `ttl`.
+    async fn put_far_rtt(
+        &self,
+        account: &str,
+        geo: &str,
+        rtt: FarRtt,
+        ttl: Duration,
+    ) -> Result<(), StoreError>;
+    /// Every other geo's latest measurement of `account`, by geo.
+    async fn far_rtts(&self, account: &str) -> Result<Vec<(String, FarRtt)>, StoreError>;
+}
+
+impl std::fmt::Debug for dyn EdgeBoard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EdgeBoard")
+    }
+}
+
+/// Opens a geo's board: `memory`, or `redis://…` (that geo's Redis).
+pub async fn open_board(url: &str, geo: &str) -> Result<Arc<dyn EdgeBoard>, StoreError> {
+    match url {
+        "memory" | "" => Ok(Arc::new(memory::MemoryBoard::default())),
+        u if u.starts_with("redis://") || u.starts_with("rediss://") => {
+            Ok(Arc::new(redis::RedisDirectory::connect(u, geo).await?))
+        }
+        other => Err(StoreError::BadUrl(redact_url(other))),
+    }
 }
 
 /// The checkpoints of every live process of a geo, each under its incarnation (node id and

@@ -29,6 +29,13 @@ struct PlayerDoc {
     home_geo: String,
     /// BSON has no unsigned integers; milliseconds since 1970 fit an i64 for 292 million years.
     updated_unix_ms: i64,
+    /// Absent from records written before geos had gateways of their own.
+    #[serde(default)]
+    gateway_geo: String,
+    #[serde(default)]
+    session_epoch: i64,
+    #[serde(default)]
+    last_handover_unix_ms: Option<i64>,
 }
 
 impl PlayerDoc {
@@ -38,6 +45,11 @@ impl PlayerDoc {
             last_position: r.last_position,
             home_geo: r.home_geo.clone(),
             updated_unix_ms: i64::try_from(r.updated_unix_ms).unwrap_or(i64::MAX),
+            gateway_geo: r.gateway_geo.clone(),
+            session_epoch: i64::try_from(r.session_epoch).unwrap_or(i64::MAX),
+            last_handover_unix_ms: r
+                .last_handover_unix_ms
+                .map(|t| i64::try_from(t).unwrap_or(i64::MAX)),
         }
     }
 
@@ -45,9 +57,16 @@ impl PlayerDoc {
         Ok(PlayerRecord {
             updated_unix_ms: u64::try_from(self.updated_unix_ms)
                 .map_err(|_| format!("negative updated_unix_ms {}", self.updated_unix_ms))?,
+            session_epoch: u64::try_from(self.session_epoch)
+                .map_err(|_| format!("negative session_epoch {}", self.session_epoch))?,
+            last_handover_unix_ms: self
+                .last_handover_unix_ms
+                .map(|t| u64::try_from(t).map_err(|_| format!("negative last_handover {t}")))
+                .transpose()?,
             account: self.account,
             last_position: self.last_position,
             home_geo: self.home_geo,
+            gateway_geo: self.gateway_geo,
         })
     }
 }

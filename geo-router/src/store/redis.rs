@@ -7,6 +7,10 @@
 //! - `cellmesh:G:{A}:session_epoch`: the account's last epoch, kept for [`EPOCH_KEEP`];
 //! - `cellmesh:G:{A}:master`: hash `{node, lease, id, epoch}`, the process simulating the
 //!   account's avatar, kept [`CHECKPOINT_KEEP`] past its last write;
+//! - `cellmesh:G:{A}:hint`: a handover hint for the account's next login in this geo (the sealed
+//!   cookie), with its TTL;
+//! - `cellmesh:G:{A}:far_rtt`: hash geo -> the RTT that geo's proxy measured to the account's
+//!   client (JSON), expiring as a whole after its last write;
 //! - `cellmesh:G:{node-N-L}:checkpoints`: hash entity id -> checkpoint of the process that held
 //!   node `N` under lease epoch `L`, kept [`CHECKPOINT_KEEP`] past its last write (a process
 //!   that died with nobody left to restore it leaves nothing behind for good).
@@ -29,7 +33,10 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script};
 
-use super::{redact_url, CheckpointStore, MasterEntry, SessionDirectory, SessionEntry, StoreError};
+use super::{
+    redact_url, CheckpointStore, EdgeBoard, FarRtt, MasterEntry, SessionDirectory, SessionEntry,
+    StoreError,
+};
 
 /// Bound on `connect`: reaching the server and getting its answer to a PING.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -48,15 +55,15 @@ pub const EPOCH_KEEP: Duration = Duration::from_secs(30 * 24 * 3600);
 /// How long a process's checkpoints outlive its last write.
 pub const CHECKPOINT_KEEP: Duration = Duration::from_secs(24 * 3600);
 
-/// KEYS: session, last epoch. ARGV: node, lease ms, epoch keep ms. Returns the new epoch.
-/// (Numbers stay below 2^53, exact in Lua's doubles, until the year 2255.)
+/// KEYS: session, last epoch. ARGV: node, lease ms, epoch keep ms, floor. Returns the new
+/// epoch. (Numbers stay below 2^53, exact in Lua's doubles, until the year 2255.)
 static REGISTER: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
         local t = redis.call('TIME')
         local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
         local last = tonumber(redis.call('GET', KEYS[2]) or '0')
-        local epoch = math.max(last + 1, floor)
+        local epoch = math.max(last + 1, floor, tonumber(ARGV[4]) + 1)
         local shown = string.format('%.0f', epoch)
         redis.call('SET', KEYS[2], shown, 'PX', ARGV[3])
         redis.call('HSET', KEYS[1], 'node', ARGV[1], 'epoch', shown)
@@ -173,6 +180,14 @@ impl RedisDirectory {
         format!("{}{{{account}}}:master", self.prefix)
     }
 
+    fn hint_key(&self, account: &str) -> String {
+        format!("{}{{{account}}}:hint", self.prefix)
+    }
+
+    fn far_rtt_key(&self, account: &str) -> String {
+        format!("{}{{{account}}}:far_rtt", self.prefix)
+    }
+
     fn checkpoints_key(&self, node: u32, lease_epoch: u64) -> String {
         format!("{}{{node-{node}-{lease_epoch}}}:checkpoints", self.prefix)
     }
@@ -204,18 +219,26 @@ fn lease_ms(lease: Duration) -> u64 {
 
 #[async_trait]
 impl SessionDirectory for RedisDirectory {
-    async fn register(
+    async fn register_above(
         &self,
         account: &str,
         gateway_node: u32,
         lease: Duration,
+        floor: u64,
     ) -> Result<u64, StoreError> {
+        // Lua reads numbers as doubles: a floor past 2^53 would round, and is no epoch anyway.
+        if floor >= 1 << 53 {
+            return Err(StoreError::Corrupt(format!(
+                "session epoch floor {floor} is out of range"
+            )));
+        }
         REGISTER
             .key(self.session_key(account))
             .key(self.epoch_key(account))
             .arg(gateway_node)
             .arg(lease_ms(lease))
             .arg(lease_ms(EPOCH_KEEP))
+            .arg(floor)
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(|e| self.error("register", e))
@@ -319,6 +342,73 @@ impl SessionDirectory for RedisDirectory {
             .await
             .map(|_| ())
             .map_err(|e| self.error("clear_master", e))
+    }
+}
+
+#[async_trait]
+impl EdgeBoard for RedisDirectory {
+    async fn put_hint(
+        &self,
+        account: &str,
+        sealed: &[u8],
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        redis::cmd("SET")
+            .arg(self.hint_key(account))
+            .arg(sealed)
+            .arg("PX")
+            .arg(lease_ms(ttl).max(1))
+            .query_async::<()>(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.error("put_hint", e))
+    }
+
+    async fn take_hint(&self, account: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        redis::cmd("GETDEL")
+            .arg(self.hint_key(account))
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.error("take_hint", e))
+    }
+
+    async fn put_far_rtt(
+        &self,
+        account: &str,
+        geo: &str,
+        rtt: FarRtt,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let key = self.far_rtt_key(account);
+        let json = serde_json::to_string(&rtt).expect("an RTT serialises");
+        redis::pipe()
+            .atomic()
+            .hset(&key, geo, json)
+            .ignore()
+            .pexpire(&key, lease_ms(ttl).max(1) as i64)
+            .ignore()
+            .query_async::<()>(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.error("put_far_rtt", e))
+    }
+
+    async fn far_rtts(&self, account: &str) -> Result<Vec<(String, FarRtt)>, StoreError> {
+        let all: Vec<(String, String)> = redis::cmd("HGETALL")
+            .arg(self.far_rtt_key(account))
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.error("far_rtts", e))?;
+        let mut out = all
+            .into_iter()
+            .map(|(geo, json)| {
+                serde_json::from_str(&json)
+                    .map(|rtt| (geo, rtt))
+                    .map_err(|e| {
+                        StoreError::Corrupt(format!("redis at {}: far rtt: {e}", self.url))
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
     }
 }
 

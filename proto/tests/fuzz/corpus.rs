@@ -297,6 +297,26 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
             account: "ada".into(),
             remote_addr: "203.0.113.7:5000".into(),
             moved: true,
+            handover: Some(mesh::HandoverHint {
+                session_epoch: 41,
+                last_position: Some(MeshVec3 {
+                    x: 1.0,
+                    y: 2.0,
+                    z: 0.0,
+                }),
+                issued_unix_ms: NOW_MS,
+                source: "cookie".into(),
+            }),
+        }),
+        B::Where(mesh::SessionWhere {
+            session_id: 1,
+            geo: "montreal".into(),
+            region: 7,
+            position: Some(MeshVec3 {
+                x: 3.0,
+                y: 4.0,
+                z: 0.0,
+            }),
         }),
         B::Attached(Attached {
             session_id: 1,
@@ -478,11 +498,12 @@ pub fn client_frames() -> Vec<Vec<u8>> {
     use edge::client_message::Body as B;
     use edge::*;
     let all = vec![
-        B::Hello(ClientHello {
+        B::Hello(Box::new(ClientHello {
             version: Some(ProtocolVersion::current()),
             token: token::sign(b"k", "ada", 1_700_000_000),
             cookie: cookies()[0].clone().into(),
-        }),
+            probe_ticket: b"probe".to_vec().into(),
+        })),
         B::Input(ClientInput {
             seq: 1,
             payload: payload(16),
@@ -490,6 +511,9 @@ pub fn client_frames() -> Vec<Vec<u8>> {
         B::Ping(Ping { nonce: 5 }),
         B::Pong(Pong { nonce: u64::MAX }),
         B::Bye(Bye {}),
+        B::Cookie(edge::CookieResponse {
+            cookie: cookies()[1].clone().into(),
+        }),
     ];
     let mut frames: Vec<ClientFrame> = all.iter().map(|b| ClientFrame::one(b.clone())).collect();
     frames.push(ClientFrame {
@@ -546,6 +570,16 @@ pub fn server_frames() -> Vec<Vec<u8>> {
             host: "eu-west.example".into(),
             port: 7000,
             cookie: cookies()[0].clone().into(),
+            geo: "eu-west".into(),
+        }),
+        B::CookieRequest(edge::CookieRequest {}),
+        B::Probe(edge::ProbeRequest {
+            targets: vec![edge::ProbeTarget {
+                geo: "montreal".into(),
+                host: "edge.montreal.example".into(),
+                port: 7300,
+                ticket: payload(40),
+            }],
         }),
         B::Kick(Kick::new(KickReason::Idle, "idle for 60 s")),
         B::Kick(Kick::server_full("every gateway is full", 5000)),
@@ -591,6 +625,9 @@ pub fn cookies() -> Vec<Vec<u8>> {
         target_geo: target_geo.into(),
         gateway_node,
         account: account.into(),
+        session_epoch: u64::from(gateway_node) * 1_000,
+        // Every other cookie carries a position, so both layouts are in the corpus.
+        last_position: (gateway_node % 2 == 1).then_some([1.5, -2.0, 3.25]),
     };
     let v6 = IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1));
     [

@@ -36,6 +36,11 @@ pub(crate) const RESTORED_GRACE_MS: u64 = 2_000;
 /// a newer session's join before it leaves (the proxy moves a session whose gateway link broke
 /// to another gateway).
 pub(crate) const LEAVE_GRACE_MS: u64 = 3_000;
+/// The start of the reason a gateway gives for a session its proxy handed over to another geo.
+pub(crate) const TRANSFERRED: &str = "transferred";
+/// How long the avatar of a session handed over to another geo waits for the login there: as
+/// long as the handover's hint and cookie are honoured.
+pub(crate) const TRANSFER_GRACE_MS: u64 = cellmesh_proto::cookie::MAX_AGE_MS;
 
 #[derive(Default)]
 pub(crate) struct Avatars {
@@ -129,7 +134,9 @@ impl Core {
 
     /// Whether a leave for `reason` waits for a newer session (see [`LEAVE_GRACE_MS`]).
     pub(crate) fn leave_waits(reason: &str) -> bool {
-        reason == "displaced" || reason.starts_with(PROXY_LINK_LOST)
+        reason == "displaced"
+            || reason.starts_with(PROXY_LINK_LOST)
+            || reason.starts_with(TRANSFERRED)
     }
 
     /// The leave of a session a newer login displaced, or whose proxy link broke: kept for
@@ -138,11 +145,16 @@ impl Core {
     /// leave race on different links).
     pub(crate) fn defer_leave(&mut self, account: &str, epoch: u64, reason: &str) {
         let now = self.now.mono_ms;
+        let grace = if reason.starts_with(TRANSFERRED) {
+            TRANSFER_GRACE_MS
+        } else {
+            LEAVE_GRACE_MS
+        };
         let slot = self
             .avatars
             .displaced
             .entry(account.to_string())
-            .or_insert((epoch, now + LEAVE_GRACE_MS, reason.to_string()));
+            .or_insert((epoch, now + grace, reason.to_string()));
         slot.0 = slot.0.max(epoch);
     }
 

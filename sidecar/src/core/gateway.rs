@@ -38,6 +38,8 @@ pub(crate) struct Session {
     pub home_geo: Option<String>,
     /// Proxy-measured (p50, min) round-trip time in milliseconds.
     pub rtt: Option<(f32, f32)>,
+    /// When the proxy handed the session over to another geo (wall-clock ms).
+    pub handed_over_at: Option<u64>,
 }
 
 /// The gateway side of the node: the client sessions proxies attached here, their views, and
@@ -58,7 +60,16 @@ pub(crate) struct Gateway {
     pub ghost_changes_sent: TickChanges,
     /// Peer frames changed render ghosts since they were last folded for clients.
     pub ghosts_due: bool,
+    /// What each session's proxy was last told of where its avatar is simulated: geo, region,
+    /// and when (monotonic ms).
+    pub where_sent: HashMap<SessionKey, (String, u64, u64)>,
+    /// The geo of every peer node seen, from its link's hello (kept when the link drops).
+    pub node_geo: HashMap<NodeId, String>,
 }
+
+/// A session's proxy hears where its avatar is simulated at least this often, and at once when
+/// it crosses into another region.
+pub(crate) const WHERE_EVERY_MS: u64 = 5_000;
 
 impl Gateway {
     pub fn new(cfg: &SidecarConfig) -> Self {
@@ -72,6 +83,8 @@ impl Gateway {
             next_records_ms: cfg.player_record_every_ms,
             ghost_changes_sent: TickChanges::new(),
             ghosts_due: false,
+            where_sent: HashMap::default(),
+            node_geo: HashMap::default(),
         }
     }
 }
@@ -108,6 +121,7 @@ impl Sessions {
                 last_position: None,
                 home_geo: None,
                 rtt: None,
+                handed_over_at: None,
             },
         );
         key
@@ -179,6 +193,12 @@ impl Core {
             Some(B::Attach(a)) => self.on_attach(link, a),
             Some(B::Detach(d)) => match self.gw.sessions.find(link, d.session_id) {
                 Some(key) => {
+                    if d.kick_reason == KickReason::Transferred as u32 {
+                        let now = self.now.unix_ms;
+                        if let Some(s) = self.gw.sessions.all.get_mut(&key) {
+                            s.handed_over_at = Some(now);
+                        }
+                    }
                     let reason = match d.detail.as_str() {
                         "" => kick_name(d.kick_reason),
                         detail => format!("{}: {detail}", kick_name(d.kick_reason)),
@@ -237,11 +257,28 @@ impl Core {
         if let Some(l) = self.mesh.links.get_mut(&link) {
             l.sessions.insert(key);
         }
+        // Handed over from another geo: the hint stands in for the player record.
+        let handed_over_from = a.handover.map(|h| {
+            let kind = if h.source == "cookie" {
+                "cookie"
+            } else {
+                "hint"
+            };
+            self.metrics
+                .login_hints
+                .get_or_create(&crate::metrics::KindLabel { kind })
+                .inc();
+            if let Some(s) = self.gw.sessions.all.get_mut(&key) {
+                s.last_position = h.last_position.map(|p| [p.x, p.y, p.z]);
+            }
+            h.session_epoch
+        });
         self.store(StoreRequest::Register {
             session: key,
             account: a.account,
             node: self.cfg.node_id,
             lease_ms: self.cfg.session_lease_ms,
+            handed_over_from,
         });
     }
 
@@ -419,7 +456,16 @@ impl Core {
         self.announce_session_end(&s.account, epoch);
         let record = self.player_record(&s);
         self.gw.anchor_pos.remove(&s.account);
-        self.store(StoreRequest::EndSession { record, epoch });
+        let hold_ms = if s.handed_over_at.is_some() {
+            super::avatars::TRANSFER_GRACE_MS
+        } else {
+            0
+        };
+        self.store(StoreRequest::EndSession {
+            record,
+            epoch,
+            hold_ms,
+        });
         tracing::debug!(account = %s.account, epoch, %reason, "session ended");
     }
 
@@ -437,6 +483,72 @@ impl Core {
             last_position,
             home_geo: s.home_geo.clone().unwrap_or_else(|| self.cfg.geo.clone()),
             updated_unix_ms: self.now.unix_ms,
+            gateway_geo: self.cfg.geo.clone(),
+            session_epoch: s.epoch.unwrap_or(0),
+            last_handover_unix_ms: s.handed_over_at,
+        }
+    }
+
+    /// Tells each session's proxy where its avatar is simulated (the home geo of that node, the
+    /// region, the position) when that changes region or node, and every [`WHERE_EVERY_MS`]:
+    /// the proxy's handover policy decides from it.
+    pub(crate) fn report_whereabouts(&mut self) {
+        let now = self.now.mono_ms;
+        let me = self.cfg.node_id;
+        for l in self.mesh.links.values() {
+            if let Some(node) = l.peer {
+                if !l.hello.geo.is_empty() {
+                    self.gw.node_geo.insert(node, l.hello.geo.clone());
+                }
+            }
+        }
+        let mut reports = Vec::new();
+        for s in self.gw.sessions.iter() {
+            if s.epoch.is_none() {
+                continue;
+            }
+            let owner = self.gw.master_owner.get(&s.account).copied().unwrap_or(me);
+            let pos = if owner == me {
+                self.table
+                    .master_of(&s.account)
+                    .map(|e| [e.position.x, e.position.y, e.position.z])
+            } else {
+                self.gw.anchor_pos.get(&s.account).copied()
+            };
+            let Some(pos) = pos else { continue };
+            let geo = if owner == me {
+                self.cfg.geo.clone()
+            } else {
+                match self.gw.node_geo.get(&owner) {
+                    Some(g) => g.clone(),
+                    None => continue,
+                }
+            };
+            let w = &self.cfg.world;
+            let r = w.region_of(cellmesh_geo_router::geometry::Pos {
+                x: pos[0],
+                y: pos[1],
+            });
+            let region = (r.y * w.regions_x() + r.x) as u64;
+            let due = match self.gw.where_sent.get(&s.key) {
+                Some((g, reg, at)) => *g != geo || *reg != region || now >= at + WHERE_EVERY_MS,
+                None => true,
+            };
+            if due {
+                reports.push((s.key, s.link, s.session_id, geo, region, pos));
+            }
+        }
+        for (key, link, session_id, geo, region, [x, y, z]) in reports {
+            self.gw.where_sent.insert(key, (geo.clone(), region, now));
+            self.queue_for_link(
+                link,
+                mesh_message::Body::Where(mesh::SessionWhere {
+                    session_id,
+                    geo,
+                    region,
+                    position: Some(mesh::MeshVec3 { x, y, z }),
+                }),
+            );
         }
     }
 
@@ -506,6 +618,7 @@ impl Core {
     /// Drops every trace of a session on this node, telling nobody.
     pub(crate) fn forget_session(&mut self, key: SessionKey) -> Option<Session> {
         let s = self.gw.sessions.remove(key)?;
+        self.gw.where_sent.remove(&key);
         if let Some(l) = self.mesh.links.get_mut(&s.link) {
             l.sessions.remove(&key);
         }

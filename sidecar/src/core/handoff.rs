@@ -1573,21 +1573,27 @@ impl Core {
         sent
     }
 
-    /// Delivers an input to the game if its session is current here.
-    pub(crate) fn input_to_game(&mut self, i: local::Input) {
+    /// Whether `epoch` is the session of `account` this node serves now (as its gateway, or as
+    /// the writer of its avatar for another gateway).
+    fn session_current(&self, account: &str, epoch: u64) -> bool {
         let local = self
             .gw
             .clients
-            .key_of(&i.account)
+            .key_of(account)
             .and_then(|k| self.gw.sessions.get(k))
             .and_then(|s| s.epoch)
-            == Some(i.session_epoch);
-        let remote = self
-            .routing
-            .remote_players
-            .get(&i.account)
-            .is_some_and(|r| r.session_epoch == i.session_epoch);
-        if !(local || remote) {
+            == Some(epoch);
+        local
+            || self
+                .routing
+                .remote_players
+                .get(account)
+                .is_some_and(|r| r.session_epoch == epoch)
+    }
+
+    /// Delivers an input to the game if its session is current here.
+    pub(crate) fn input_to_game(&mut self, i: local::Input) {
+        if !self.session_current(&i.account, i.session_epoch) {
             return self.metrics.drop_input("input_stale_session");
         }
         if self.game.slot.is_none() {
@@ -1607,6 +1613,9 @@ impl Core {
             Ordered::Held => {}
             Ordered::Late(_) => self.metrics.drop_input("input_late"),
         }
+        for _ in self.handoff.input_order.take_superseded() {
+            self.metrics.drop_input("input_stale_session");
+        }
     }
 
     /// Inputs held for a gap that did not fill in time: delivered in order.
@@ -1619,6 +1628,11 @@ impl Core {
     fn deliver_input(&mut self, i: local::Input) {
         if self.game.slot.is_none() {
             return self.metrics.drop_input("no_game");
+        }
+        // Held for a gap while a newer session began (a handover, a second login): the game
+        // would ignore it.
+        if !self.session_current(&i.account, i.session_epoch) {
+            return self.metrics.drop_input("input_stale_session");
         }
         self.out
             .to_game

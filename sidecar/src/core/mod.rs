@@ -177,13 +177,17 @@ pub enum Output {
 /// A store call the node asks for. Each is run with a timeout; failures come back as errors.
 #[derive(Debug, Clone)]
 pub enum StoreRequest {
-    /// Registers the session in the directory (a new epoch) and loads the player record; the
-    /// registration is released again if the record cannot be read.
+    /// Loads the player record (unless a handover hint stands in for it) and registers the
+    /// session in the directory, with a new epoch above the record's (or the hint's).
     Register {
         session: SessionKey,
         account: String,
         node: NodeId,
         lease_ms: u64,
+        /// The epoch of the session handed over from another geo, when the login came with its
+        /// hint: the record is not read and the new epoch goes above this one. `None`: the
+        /// record is read and the new epoch goes above the one it names.
+        handed_over_from: Option<u64>,
     },
     /// Renews the directory leases of attached sessions.
     Renew {
@@ -192,8 +196,14 @@ pub enum StoreRequest {
     },
     /// Where an account's session is.
     Lookup { account: String },
-    /// A session ended: saves the player record, then releases the directory entry.
-    EndSession { record: PlayerRecord, epoch: u64 },
+    /// A session ended: saves the player record, then releases the directory entry, or, when
+    /// `hold_ms` is not 0, leaves it for that long (a session handed over to another geo stays
+    /// known while the player reconnects there, so its avatar's owner keeps the avatar).
+    EndSession {
+        record: PlayerRecord,
+        epoch: u64,
+        hold_ms: u64,
+    },
     /// Saves the records of players still attached (their last position so far).
     SaveRecords { records: Vec<PlayerRecord> },
     /// Releases a directory entry (a registration nobody wants any more).
@@ -636,6 +646,7 @@ impl Core {
             self.restore_step();
             self.avatars_step();
             self.save_player_records();
+            self.report_whereabouts();
             self.evaluate_admission();
             self.metrics.inputs_held.set(self.inputs_held() as i64);
             if self.dirty {

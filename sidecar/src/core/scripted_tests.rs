@@ -389,6 +389,7 @@ fn attach(core: &mut Core, ms: u64, account: &str) {
                 account: account.into(),
                 remote_addr: String::new(),
                 moved: false,
+                handover: None,
             })
             .into()],
         },
@@ -465,6 +466,88 @@ fn attached_players_records_are_saved_periodically_with_their_last_position() {
     assert!(records(store_requests(&mut core)).is_empty());
     core.handle(at(120_000), Input::Timer);
     assert_eq!(records(store_requests(&mut core)).len(), 1);
+}
+
+use cellmesh_proto::edge::KickReason;
+
+/// A session handed over to another geo keeps its avatar for the login there, as long as the
+/// handover's hint lives, where a client that just left loses it at once.
+#[test]
+fn a_handed_over_players_avatar_waits_for_the_login_in_the_other_geo() {
+    let leaves = |core: &mut Core| {
+        to_game(core)
+            .into_iter()
+            .filter(|b| matches!(b, sidecar_message::Body::PlayerLeave(_)))
+            .count()
+    };
+    let detach = |core: &mut Core, ms: u64, reason: KickReason| {
+        core.handle(
+            at(ms),
+            Input::LinkFrame {
+                link: 20,
+                messages: vec![mesh_message::Body::Detach(mesh::Detach {
+                    session_id: 1,
+                    kick_reason: reason as u32,
+                    detail: "handed over to geo paris".into(),
+                    retry_after_ms: 0,
+                })
+                .into()],
+            },
+        );
+    };
+    for (reason, waits) in [
+        (KickReason::Transferred, true),
+        (KickReason::KickUnspecified, false),
+    ] {
+        let mut core = node();
+        attach(&mut core, 10, "alice");
+        game_tick(
+            &mut core,
+            20,
+            1,
+            game_message::Body::Spawn(local::Spawn {
+                entity_id: AVATAR,
+                position: pos(40.0, 50.0),
+                owner_account: "alice".into(),
+                is_master: true,
+                ..Default::default()
+            }),
+        );
+        to_game(&mut core);
+        detach(&mut core, 1_000, reason);
+        let (mut saved, mut left) = (Vec::<PlayerRecord>::new(), 0);
+        while let Some(out) = core.poll_output() {
+            match out {
+                Output::Store(StoreRequest::EndSession { record, .. }) => saved.push(record),
+                Output::ToGame { frame, .. } => {
+                    left += frame
+                        .messages
+                        .iter()
+                        .filter(|m| matches!(m.body, Some(sidecar_message::Body::PlayerLeave(_))))
+                        .count()
+                }
+                _ => {}
+            }
+        }
+        assert_eq!(saved.len(), 1, "{reason:?}");
+        assert_eq!(saved[0].session_epoch, 5);
+        assert_eq!(saved[0].last_handover_unix_ms.is_some(), waits);
+        if !waits {
+            assert_eq!(left, 1, "a client that left: the avatar leaves");
+            continue;
+        }
+        assert_eq!(left, 0);
+        for ms in [1_001, 5_000, 30_000, 60_000] {
+            core.handle(at(ms), Input::Timer);
+            assert_eq!(leaves(&mut core), 0, "still waiting at {ms} ms");
+        }
+        core.handle(at(61_100), Input::Timer);
+        assert_eq!(
+            leaves(&mut core),
+            1,
+            "nobody logged in there: the avatar leaves"
+        );
+    }
 }
 
 /// The client `alice` on proxy link 20, her avatar at (240, 50) near node 2's border (x 256), and
@@ -1275,6 +1358,7 @@ fn attach_on(core: &mut Core, ms: u64, link: LinkId, session_id: u64, account: &
                 account: account.into(),
                 remote_addr: String::new(),
                 moved,
+                handover: None,
             })
             .into()],
         },

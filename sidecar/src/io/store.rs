@@ -36,17 +36,29 @@ pub(crate) async fn execute(
             account,
             node,
             lease_ms,
+            handed_over_from,
         } => {
             let lease = Duration::from_millis(lease_ms);
             let result = async {
-                let epoch = timed(stores.directory.register(&account, node, lease)).await?;
-                let read = async {
-                    let record = timed(stores.players.load(&account)).await?;
-                    let master = timed(stores.directory.master(&account)).await?;
-                    Ok::<_, String>((record, master))
+                // The record first: the epoch it names (a session in another geo, whose
+                // directory counts on its own) is the floor of the new one.
+                let (record, floor) = match handed_over_from {
+                    Some(epoch) => (None, epoch),
+                    None => {
+                        metrics.login_record_reads.inc();
+                        let record = timed(stores.players.load(&account)).await?;
+                        let floor = record.as_ref().map_or(0, |r| r.session_epoch);
+                        (record, floor)
+                    }
                 };
-                match read.await {
-                    Ok((record, master)) => Ok(Registration {
+                let epoch = timed(
+                    stores
+                        .directory
+                        .register_above(&account, node, lease, floor),
+                )
+                .await?;
+                match timed(stores.directory.master(&account)).await {
+                    Ok(master) => Ok(Registration {
                         epoch,
                         record,
                         master,
@@ -80,12 +92,23 @@ pub(crate) async fn execute(
             let result = timed(stores.directory.lookup(&account)).await;
             Some(StoreReply::LookedUp { account, result })
         }
-        StoreRequest::EndSession { record, epoch } => {
+        StoreRequest::EndSession {
+            record,
+            epoch,
+            hold_ms,
+        } => {
             if let Err(e) = timed(stores.players.save(&record)).await {
                 metrics.error("store");
                 tracing::warn!(account = %record.account, error = %e, "saving the player record failed");
             }
-            if let Err(e) = timed(stores.directory.release(&record.account, epoch)).await {
+            let ended = if hold_ms > 0 {
+                // Displaced by the login in the other geo, or expired if it never comes.
+                let hold = Duration::from_millis(hold_ms);
+                timed(stores.directory.renew(&record.account, epoch, hold)).await
+            } else {
+                timed(stores.directory.release(&record.account, epoch)).await
+            };
+            if let Err(e) = ended {
                 metrics.error("store");
                 tracing::warn!(account = %record.account, error = %e, "releasing the session failed");
             }

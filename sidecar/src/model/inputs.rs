@@ -50,12 +50,16 @@ pub enum Ordered<I> {
 #[derive(Debug)]
 pub struct InputOrder<I> {
     accounts: HashMap<String, Account<I>>,
+    /// Inputs still held for an older session when a newer one began: not delivered, and
+    /// handed back by [`Self::take_superseded`] so the caller counts them.
+    superseded: Vec<I>,
 }
 
 impl<I> Default for InputOrder<I> {
     fn default() -> Self {
         Self {
             accounts: HashMap::default(),
+            superseded: Vec::new(),
         }
     }
 }
@@ -112,10 +116,11 @@ impl<I> InputOrder<I> {
             .entry(account.to_string())
             .or_insert_with(|| Account::new(session_epoch, 0));
         if session_epoch > a.session_epoch {
-            // A new session numbers its inputs afresh.
+            // A new session numbers its inputs afresh; what the old one still held is counted.
             a.session_epoch = session_epoch;
             a.last = 0;
-            a.pending.clear();
+            self.superseded
+                .extend(std::mem::take(&mut a.pending).into_values());
         }
         if session_epoch < a.session_epoch || (a.last != 0 && seq <= a.last) {
             return Ordered::Late(input);
@@ -171,6 +176,11 @@ impl<I> InputOrder<I> {
             .remove(account)
             .map(|a| a.pending.into_values().collect())
             .unwrap_or_default()
+    }
+
+    /// Inputs a newer session's first input superseded while they were held (see `offer`).
+    pub fn take_superseded(&mut self) -> Vec<I> {
+        std::mem::take(&mut self.superseded)
     }
 
     pub fn held(&self) -> usize {
@@ -244,6 +254,20 @@ mod tests {
         assert_eq!(delivered(o.offer(0, "a", 1, 40, 40)), [40]);
         assert_eq!(delivered(o.offer(0, "a", 2, 1, 1)), [1]);
         assert_eq!(o.offer(0, "a", 1, 41, 41), Ordered::Late(41));
+        assert!(o.take_superseded().is_empty());
+    }
+
+    #[test]
+    fn inputs_an_older_session_still_held_are_handed_back_when_a_newer_one_begins() {
+        let mut o = InputOrder::default();
+        assert_eq!(delivered(o.offer(0, "a", 1, 24, 24)), [24]);
+        o.expect_reorder("a", 500);
+        // 26 overtook 25, then the session was handed over: the new one's first input comes.
+        assert_eq!(o.offer(10, "a", 1, 26, 26), Ordered::Held);
+        assert_eq!(delivered(o.offer(20, "a", 2, 27, 27)), [27]);
+        assert_eq!(o.take_superseded(), [26], "counted by the caller, not lost");
+        assert_eq!(o.held(), 0);
+        assert!(o.take_superseded().is_empty());
     }
 
     #[test]

@@ -527,6 +527,7 @@ impl MeshLink {
             account: account.into(),
             remote_addr: "127.0.0.1:1".into(),
             moved: false,
+            handover: None,
         }))
         .await;
         self.expect(&format!("Attached for session {session_id}"), |m| match m {

@@ -1,0 +1,331 @@
+//! The proxy's part in a network of several geos (DESIGN §12): handover hints at login, and the
+//! handover itself.
+//!
+//! A player handed over to another geo gets `Transfer{host, port, cookie}`; the same hint goes
+//! to the target geo's Redis. At login there, the proxy takes the hint from its geo's Redis, or
+//! checks the cookie the client offers in its hello, or asks for it (`CookieRequest`) when it
+//! offered none: whichever is valid saves the gateway its MongoDB read. Both are the one sealed
+//! cookie of `cellmesh_proto::cookie`: bound to the account and the client's address, and
+//! ignored after 60 s. Anything refused is counted by reason, and the login reads MongoDB, which
+//! stays the authority. On a single-geo network none of this runs.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use cellmesh_geo_router::handover::RttFigure;
+use cellmesh_geo_router::store::{self, EdgeBoard, FarRtt};
+use cellmesh_proto::cookie::{self, CookieError, HintCookie};
+use cellmesh_proto::edge::{ProbeTarget, Transfer};
+use cellmesh_proto::mesh::{HandoverHint, MeshVec3};
+use cellmesh_proto::ticket::{self, ProbeTicket};
+
+use crate::config::ProxyConfig;
+use crate::metrics::Metrics;
+
+/// How long a hint waits on the target geo's Redis: as long as a cookie is honoured.
+pub(crate) const HINT_TTL: Duration = Duration::from_millis(cookie::MAX_AGE_MS);
+/// Bound on one call to a geo's Redis at login or handover: a slow store costs the hint, not
+/// the login.
+const BOARD_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a far proxy's measurement counts: a few probe periods.
+const FAR_RTT_TTL: Duration = Duration::from_secs(300);
+
+/// The boards (Redis) of every geo, for proxies that share in-memory ones (one process).
+#[derive(Clone)]
+pub struct Boards {
+    pub by_geo: HashMap<String, Arc<dyn EdgeBoard>>,
+}
+
+/// Where a login's hint came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HintSource {
+    Hint,
+    Cookie,
+}
+
+impl HintSource {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Hint => "hint",
+            Self::Cookie => "cookie",
+        }
+    }
+}
+
+struct Peer {
+    proxies: String,
+    board: Arc<dyn EdgeBoard>,
+}
+
+/// The geos this proxy knows, with their boards.
+pub(crate) struct Geos {
+    home: String,
+    board: Arc<dyn EdgeBoard>,
+    peers: HashMap<String, Peer>,
+    secret: Vec<u8>,
+    pub cookie_wait: Duration,
+    pub probe_every: Duration,
+}
+
+pub(crate) fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Geos {
+    /// Opens the boards the config names, or takes them from `boards` where it has them.
+    pub(crate) async fn open(cfg: &ProxyConfig, boards: Option<&Boards>) -> anyhow::Result<Self> {
+        let g = &cfg.geos;
+        let open = |geo: &str, url: &str| {
+            let shared = boards.and_then(|b| b.by_geo.get(geo).cloned());
+            let (geo, url) = (geo.to_string(), url.to_string());
+            async move {
+                match shared {
+                    Some(b) => Ok(b),
+                    None => store::open_board(&url, &geo)
+                        .await
+                        .map_err(|e| anyhow::anyhow!("geo `{geo}` board: {e}")),
+                }
+            }
+        };
+        let board = open(&cfg.geo, &g.board).await?;
+        let mut peers = HashMap::new();
+        for p in &g.peers {
+            let board = open(&p.name, &p.board).await?;
+            peers.insert(
+                p.name.clone(),
+                Peer {
+                    proxies: p.proxies.clone(),
+                    board,
+                },
+            );
+        }
+        Ok(Self {
+            home: cfg.geo.clone(),
+            board,
+            peers,
+            secret: cfg.token_secret.as_bytes().to_vec(),
+            cookie_wait: Duration::from_millis(g.cookie_wait_ms),
+            probe_every: Duration::from_millis(g.probe_every_ms),
+        })
+    }
+
+    /// A network of one geo: no hint, no cookie, no handover.
+    pub(crate) fn single(&self) -> bool {
+        self.peers.is_empty()
+    }
+
+    /// Opens a cookie (or a hint, which is the same sealed cookie) for a login here.
+    pub(crate) fn open_cookie(
+        &self,
+        sealed: &[u8],
+        account: &str,
+        ip: IpAddr,
+        now_unix_ms: u64,
+    ) -> Result<HintCookie, CookieError> {
+        let c = cookie::open(&self.secret, sealed, account, ip, now_unix_ms)?;
+        if c.target_geo != self.home {
+            return Err(CookieError::WrongGeo(c.target_geo));
+        }
+        Ok(c)
+    }
+
+    /// Takes and checks the hint this geo's Redis holds for `account`.
+    pub(crate) async fn take_hint(
+        &self,
+        account: &str,
+        ip: IpAddr,
+        metrics: &Metrics,
+    ) -> Option<HintCookie> {
+        let sealed = match tokio::time::timeout(BOARD_TIMEOUT, self.board.take_hint(account)).await
+        {
+            Ok(Ok(sealed)) => sealed?,
+            Ok(Err(e)) => {
+                metrics.error("hint_store");
+                tracing::warn!(%account, error = %e, "reading the handover hint failed");
+                return None;
+            }
+            Err(_) => {
+                metrics.error("hint_store");
+                tracing::warn!(%account, "reading the handover hint timed out");
+                return None;
+            }
+        };
+        match self.open_cookie(&sealed, account, ip, now_unix_ms()) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                metrics.hint_refused(e.kind());
+                tracing::debug!(%account, error = %e, "handover hint refused");
+                None
+            }
+        }
+    }
+
+    /// Seals the hint for handing `account`'s session over to `geo`, pins it on that geo's
+    /// Redis, and returns the `Transfer` the client gets. A store that fails costs the pinned
+    /// copy only: the cookie travels with the client all the same.
+    pub(crate) async fn transfer(
+        &self,
+        geo: &str,
+        hint: HintCookie,
+        ip: IpAddr,
+        metrics: &Metrics,
+    ) -> Result<Transfer, String> {
+        let peer = self
+            .peers
+            .get(geo)
+            .ok_or_else(|| format!("geo `{geo}` is not among this proxy's peers"))?;
+        let (host, port) = split_host_port(&peer.proxies)
+            .ok_or_else(|| format!("geo `{geo}` proxies `{}` is not host:port", peer.proxies))?;
+        let sealed = cookie::seal(&self.secret, &hint, ip).map_err(|e| e.to_string())?;
+        match tokio::time::timeout(
+            BOARD_TIMEOUT,
+            peer.board.put_hint(&hint.account, &sealed, HINT_TTL),
+        )
+        .await
+        {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                metrics.error("hint_store");
+                tracing::warn!(account = %hint.account, %geo, error = %e, "pinning the handover hint failed; the cookie remains");
+            }
+            Err(_) => {
+                metrics.error("hint_store");
+                tracing::warn!(account = %hint.account, %geo, "pinning the handover hint timed out; the cookie remains");
+            }
+        }
+        Ok(Transfer {
+            host: host.to_string(),
+            port: port.into(),
+            cookie: sealed.into(),
+            geo: geo.to_string(),
+        })
+    }
+
+    pub(crate) fn home(&self) -> &str {
+        &self.home
+    }
+
+    /// What a client of this geo is asked to probe: every other geo's proxies, each with a
+    /// ticket that names the client's account, this geo and that one.
+    pub(crate) fn probe_targets(&self, account: &str, ip: IpAddr) -> Vec<ProbeTarget> {
+        let now = now_unix_ms();
+        let mut targets: Vec<ProbeTarget> = self
+            .peers
+            .iter()
+            .filter_map(|(geo, peer)| {
+                let (host, port) = split_host_port(&peer.proxies)?;
+                let t = ProbeTicket {
+                    issued_unix_ms: now,
+                    origin_geo: self.home.clone(),
+                    target_geo: geo.clone(),
+                    account: account.to_string(),
+                };
+                let ticket = ticket::seal(&self.secret, &t, ip).ok()?;
+                Some(ProbeTarget {
+                    geo: geo.clone(),
+                    host: host.to_string(),
+                    port: port.into(),
+                    ticket: ticket.into(),
+                })
+            })
+            .collect();
+        targets.sort_by(|a, b| a.geo.cmp(&b.geo));
+        targets
+    }
+
+    /// Checks a probe ticket presented here; the error says why it is refused.
+    pub(crate) fn open_ticket(&self, bytes: &[u8], ip: IpAddr) -> Result<ProbeTicket, String> {
+        let t = ticket::open(&self.secret, bytes, ip, now_unix_ms()).map_err(|e| e.to_string())?;
+        if t.target_geo != self.home {
+            return Err(format!("ticket for geo `{}`", t.target_geo));
+        }
+        if !self.peers.contains_key(&t.origin_geo) {
+            return Err(format!("ticket from unknown geo `{}`", t.origin_geo));
+        }
+        Ok(t)
+    }
+
+    /// Publishes what this proxy measured to a client of `origin` onto that geo's Redis.
+    pub(crate) async fn publish_far_rtt(
+        &self,
+        origin: &str,
+        account: &str,
+        rtt: FarRtt,
+    ) -> Result<(), String> {
+        let peer = self
+            .peers
+            .get(origin)
+            .ok_or_else(|| format!("unknown geo `{origin}`"))?;
+        tokio::time::timeout(
+            BOARD_TIMEOUT,
+            peer.board
+                .put_far_rtt(account, &self.home, rtt, FAR_RTT_TTL),
+        )
+        .await
+        .map_err(|_| "timed out".to_string())?
+        .map_err(|e| e.to_string())
+    }
+
+    /// What other geos' proxies measured to `account`, as the handover policy reads it.
+    pub(crate) async fn far_rtts(&self, account: &str) -> HashMap<String, RttFigure> {
+        match tokio::time::timeout(BOARD_TIMEOUT, self.board.far_rtts(account)).await {
+            Ok(Ok(all)) => all
+                .into_iter()
+                .map(|(geo, r)| {
+                    (
+                        geo,
+                        RttFigure {
+                            min_ms: r.min_ms,
+                            median_ms: r.median_ms,
+                            samples: r.samples,
+                        },
+                    )
+                })
+                .collect(),
+            _ => HashMap::new(),
+        }
+    }
+}
+
+/// What the gateway gets in place of its MongoDB read.
+pub(crate) fn attach_hint(c: &HintCookie, source: HintSource) -> HandoverHint {
+    HandoverHint {
+        session_epoch: c.session_epoch,
+        last_position: c.last_position.map(|[x, y, z]| MeshVec3 { x, y, z }),
+        issued_unix_ms: c.issued_unix_ms,
+        source: source.name().to_string(),
+    }
+}
+
+/// `host:port`, `[v6]:port`.
+fn split_host_port(s: &str) -> Option<(&str, u16)> {
+    let (host, port) = s.rsplit_once(':')?;
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    (!host.is_empty()).then_some(())?;
+    Some((host, port.parse().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_and_port_are_split() {
+        assert_eq!(
+            split_host_port("edge.montreal.example:7300"),
+            Some(("edge.montreal.example", 7300))
+        );
+        assert_eq!(split_host_port("[::1]:7300"), Some(("::1", 7300)));
+        assert_eq!(split_host_port("10.0.0.1:7300"), Some(("10.0.0.1", 7300)));
+        assert_eq!(split_host_port("nohost"), None);
+        assert_eq!(split_host_port(":7300"), None);
+        assert_eq!(split_host_port("h:notaport"), None);
+    }
+}
