@@ -535,7 +535,7 @@ impl Client {
             server_message::Body::Welcome(welcome),
         ))];
         frames.extend(early);
-        if let Some(probe) = self.probe_request(&s.account) {
+        if let Some(probe) = self.probe_request(&s.account).await {
             frames.push(probe);
         }
         if let Err(end) = self.write(frames).await {
@@ -623,7 +623,7 @@ impl Client {
         loop {
             tokio::select! {
                 _ = probe_timer.tick(), if !shared.geos.single() => {
-                    if let Some(probe) = self.probe_request(&s.account) {
+                    if let Some(probe) = self.probe_request(&s.account).await {
                         self.write(vec![probe]).await?;
                     }
                 }
@@ -791,12 +791,14 @@ impl Client {
     }
 
     /// On a network of several geos, the `ProbeRequest` asking the client to probe the others.
-    fn probe_request(&self, account: &str) -> Option<Bytes> {
+    async fn probe_request(&self, account: &str) -> Option<Bytes> {
         let geos = &self.shared.geos;
         if geos.single() {
             return None;
         }
-        let targets = geos.probe_targets(account, self.peer.ip());
+        let targets = geos
+            .probe_targets(account, self.peer.ip(), &self.shared.metrics)
+            .await;
         self.shared.metrics.probes_asked.inc();
         Some(encode_body(&ServerFrame::one(server_message::Body::Probe(
             ProbeRequest { targets },

@@ -69,6 +69,8 @@ pub struct GeosConfig {
     pub cookie_wait_ms: u64,
     /// How often each client is asked to probe the other geos' proxies (and once at login).
     pub probe_every_ms: u64,
+    /// DNS servers (`ip:port`) that resolve the peers' `proxies` names; empty: the system's.
+    pub dns_servers: Vec<String>,
     pub handover: HandoverParams,
 }
 
@@ -77,7 +79,8 @@ pub struct GeosConfig {
 #[serde(deny_unknown_fields)]
 pub struct PeerGeo {
     pub name: String,
-    /// Where its proxies accept clients: `host:port` (A/AAAA records, or an address).
+    /// Where its proxies accept clients, found by DNS: `host:port` (A and AAAA records), an SRV
+    /// name (`_cellmesh._tcp.montreal.example`, no port), or a literal `ip:port`.
     pub proxies: String,
     /// Its Redis: handover hints for it, and the RTTs this proxy measures to its clients.
     pub board: String,
@@ -90,6 +93,7 @@ impl Default for GeosConfig {
             peers: Vec::new(),
             cookie_wait_ms: 1000,
             probe_every_ms: 60_000,
+            dns_servers: Vec::new(),
             handover: HandoverParams::default(),
         }
     }

@@ -22,6 +22,7 @@ use cellmesh_proto::mesh::{HandoverHint, MeshVec3};
 use cellmesh_proto::ticket::{self, ProbeTicket};
 
 use crate::config::ProxyConfig;
+use crate::discovery::Discovery;
 use crate::metrics::Metrics;
 
 /// How long a hint waits on the target geo's Redis: as long as a cookie is honoured.
@@ -67,6 +68,8 @@ pub(crate) struct Geos {
     secret: Vec<u8>,
     pub cookie_wait: Duration,
     pub probe_every: Duration,
+    /// `None` on a single-geo network: nothing to find.
+    discovery: Option<Discovery>,
 }
 
 pub(crate) fn now_unix_ms() -> u64 {
@@ -110,6 +113,11 @@ impl Geos {
             secret: cfg.token_secret.as_bytes().to_vec(),
             cookie_wait: Duration::from_millis(g.cookie_wait_ms),
             probe_every: Duration::from_millis(g.probe_every_ms),
+            discovery: if g.peers.is_empty() {
+                None
+            } else {
+                Some(Discovery::new(&g.dns_servers)?)
+            },
         })
     }
 
@@ -178,8 +186,7 @@ impl Geos {
             .peers
             .get(geo)
             .ok_or_else(|| format!("geo `{geo}` is not among this proxy's peers"))?;
-        let (host, port) = split_host_port(&peer.proxies)
-            .ok_or_else(|| format!("geo `{geo}` proxies `{}` is not host:port", peer.proxies))?;
+        let (host, port) = self.find(&peer.proxies, metrics).await?;
         let sealed = cookie::seal(&self.secret, &hint, ip).map_err(|e| e.to_string())?;
         match tokio::time::timeout(
             BOARD_TIMEOUT,
@@ -209,30 +216,48 @@ impl Geos {
         &self.home
     }
 
+    /// Where a peer's proxies are now, by DNS (a literal address needs none).
+    async fn find(&self, proxies: &str, metrics: &Metrics) -> Result<(String, u16), String> {
+        let Some(d) = &self.discovery else {
+            return Err("a single-geo network has no peer".into());
+        };
+        d.first(proxies).await.inspect_err(|e| {
+            metrics.error("dns");
+            tracing::warn!(%proxies, error = %e, "finding a peer geo's proxies failed");
+        })
+    }
+
     /// What a client of this geo is asked to probe: every other geo's proxies, each with a
-    /// ticket that names the client's account, this geo and that one.
-    pub(crate) fn probe_targets(&self, account: &str, ip: IpAddr) -> Vec<ProbeTarget> {
+    /// ticket that names the client's account, this geo and that one. A geo whose proxies
+    /// cannot be found now is left out (and counted).
+    pub(crate) async fn probe_targets(
+        &self,
+        account: &str,
+        ip: IpAddr,
+        metrics: &Metrics,
+    ) -> Vec<ProbeTarget> {
         let now = now_unix_ms();
-        let mut targets: Vec<ProbeTarget> = self
-            .peers
-            .iter()
-            .filter_map(|(geo, peer)| {
-                let (host, port) = split_host_port(&peer.proxies)?;
-                let t = ProbeTicket {
-                    issued_unix_ms: now,
-                    origin_geo: self.home.clone(),
-                    target_geo: geo.clone(),
-                    account: account.to_string(),
-                };
-                let ticket = ticket::seal(&self.secret, &t, ip).ok()?;
-                Some(ProbeTarget {
-                    geo: geo.clone(),
-                    host: host.to_string(),
-                    port: port.into(),
-                    ticket: ticket.into(),
-                })
-            })
-            .collect();
+        let mut targets = Vec::new();
+        for (geo, peer) in &self.peers {
+            let Ok((host, port)) = self.find(&peer.proxies, metrics).await else {
+                continue;
+            };
+            let t = ProbeTicket {
+                issued_unix_ms: now,
+                origin_geo: self.home.clone(),
+                target_geo: geo.clone(),
+                account: account.to_string(),
+            };
+            let Ok(ticket) = ticket::seal(&self.secret, &t, ip) else {
+                continue;
+            };
+            targets.push(ProbeTarget {
+                geo: geo.clone(),
+                host,
+                port: port.into(),
+                ticket: ticket.into(),
+            });
+        }
         targets.sort_by(|a, b| a.geo.cmp(&b.geo));
         targets
     }
@@ -298,34 +323,5 @@ pub(crate) fn attach_hint(c: &HintCookie, source: HintSource) -> HandoverHint {
         last_position: c.last_position.map(|[x, y, z]| MeshVec3 { x, y, z }),
         issued_unix_ms: c.issued_unix_ms,
         source: source.name().to_string(),
-    }
-}
-
-/// `host:port`, `[v6]:port`.
-fn split_host_port(s: &str) -> Option<(&str, u16)> {
-    let (host, port) = s.rsplit_once(':')?;
-    let host = host
-        .strip_prefix('[')
-        .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(host);
-    (!host.is_empty()).then_some(())?;
-    Some((host, port.parse().ok()?))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn host_and_port_are_split() {
-        assert_eq!(
-            split_host_port("edge.montreal.example:7300"),
-            Some(("edge.montreal.example", 7300))
-        );
-        assert_eq!(split_host_port("[::1]:7300"), Some(("::1", 7300)));
-        assert_eq!(split_host_port("10.0.0.1:7300"), Some(("10.0.0.1", 7300)));
-        assert_eq!(split_host_port("nohost"), None);
-        assert_eq!(split_host_port(":7300"), None);
-        assert_eq!(split_host_port("h:notaport"), None);
     }
 }

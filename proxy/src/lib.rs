@@ -33,6 +33,7 @@ mod auth;
 mod client;
 pub mod config;
 mod connlimit;
+mod discovery;
 mod gateway;
 mod geo;
 mod link;
