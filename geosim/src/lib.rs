@@ -17,7 +17,9 @@ mod run;
 mod scenario;
 
 pub use plot::{render_svg, PlotError};
-pub use run::{run, PlayerSummary, Report, Series, SimError, Summary, TimelineEntry, Yardstick};
+pub use run::{
+    run, MoveMark, PlayerSummary, Report, Series, SimError, Summary, TimelineEntry, Yardstick,
+};
 pub use scenario::{
     Outage, OutageSpec, PlayerPlan, PlayerSpec, Probe, RttChange, RttChangeSpec, RttModel, RttSpec,
     Scenario, ScenarioError, ScenarioFile, SiteSpec, WaypointSpec, LOGIN_PROBES, MAX_DURATION_S,

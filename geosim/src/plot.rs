@@ -1,8 +1,16 @@
 //! The run as an SVG: players' RTT over time, the weighted means of the policy and its two
-//! yardsticks, the fairness cap, and the moves.
+//! yardsticks, the fairness cap, the sites' outages (shaded), and the moves, each labelled with its
+//! group and kind (gain, cap, merge, fallback). Labels are laid out in rows so that none overlaps
+//! another; past [`MAX_LABELLED_MOVES`] moves (a crowd of a thousand players), the moves are drawn
+//! as one lane per group under the chart instead, ticks coloured by kind, so the picture stays
+//! legible.
 
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
+
+use std::collections::BTreeMap;
+
+use cellmesh_geo_router::bubbles::BubbleId;
 
 use super::run::Report;
 
@@ -11,6 +19,18 @@ const MAX_PLAYER_LINES: usize = 8;
 
 const WIDTH: u32 = 1200;
 const HEIGHT: u32 = 560;
+/// Beyond this many moves, they are drawn in lanes rather than labelled one by one.
+pub const MAX_LABELLED_MOVES: usize = 30;
+/// Rows of move labels above the data.
+const LABEL_ROWS: usize = 4;
+/// Lanes drawn at most; the groups with fewer moves share the last.
+const MAX_LANES: usize = 24;
+const LANE_H: u32 = 14;
+/// The plotting area's width in pixels (the figure less the margins and the y labels).
+const PLOT_PX: f64 = (WIDTH - 60 - 2 * 16) as f64;
+/// Width of one character of a 13-px label, in pixels (a generous estimate).
+const CHAR_PX: f64 = 7.5;
+const OUTAGE: RGBColor = RGBColor(214, 39, 40);
 
 /// Players' lines: strong colours, none of them the red, grey, green and black of the cap and the
 /// means, nor the purple of moves.
@@ -25,6 +45,16 @@ const PALETTE: [RGBColor; 8] = [
     RGBColor(200, 150, 0),
 ];
 const MOVE: RGBColor = RGBColor(148, 103, 189);
+/// Moves by kind: gain in the moves' purple, the forced ones in colours of their own.
+fn kind_colour(kind: &str) -> RGBColor {
+    match kind {
+        "cap" => RGBColor(214, 90, 0),
+        "merge" => RGBColor(0, 128, 128),
+        "fallback" => RGBColor(120, 60, 20),
+        _ => MOVE,
+    }
+}
+const KINDS: [&str; 4] = ["gain", "cap", "merge", "fallback"];
 const CORE: RGBColor = RGBColor(110, 110, 110);
 const ORACLE: RGBColor = RGBColor(0, 150, 70);
 
@@ -106,6 +136,28 @@ fn player_lines(report: &Report, locations: &[String]) -> Vec<(String, Vec<Optio
         .collect()
 }
 
+/// Where each label goes: `Some((row, left, right_anchored))` in x units, or `None` when no row
+/// has room (counted as "more"). A label is `(x, width)`: it starts at its move's `x`, or ends there
+/// when it would run past `x_max`. Within a row labels keep `gap` apart: none ever overlaps another.
+pub fn place_labels(
+    labels: &[(f64, f64)],
+    x_max: f64,
+    rows: usize,
+    gap: f64,
+) -> Vec<Option<(usize, f64, bool)>> {
+    let mut row_end = vec![f64::NEG_INFINITY; rows];
+    labels
+        .iter()
+        .map(|&(x, w)| {
+            let right = x + w > x_max;
+            let (left, end) = if right { (x - w, x) } else { (x, x + w) };
+            let row = (0..rows).find(|&r| row_end[r] + gap <= left)?;
+            row_end[row] = end;
+            Some((row, left, right))
+        })
+        .collect()
+}
+
 /// One legend entry: label, colour, line width, dashed.
 struct Key {
     label: String,
@@ -171,24 +223,65 @@ pub fn render_svg(report: &Report) -> Result<String, PlotError> {
         width: 1,
         dashed: true,
     });
-    if !series.moves.is_empty() {
+    for kind in KINDS {
+        if series.moves.iter().any(|m| m.kind == kind) {
+            keys.push(Key {
+                label: format!("bubble move: {kind} (label: group kind from→to)"),
+                colour: kind_colour(kind),
+                width: 2,
+                dashed: true,
+            });
+        }
+    }
+    if !series.outages.is_empty() {
         keys.push(Key {
-            label: "bubble move or merge".into(),
-            colour: MOVE,
-            width: 2,
-            dashed: true,
+            label: "site down (shaded)".into(),
+            colour: OUTAGE,
+            width: 8,
+            dashed: false,
         });
     }
     const KEY_ROW: u32 = 22;
     let key_rows = keys.len().div_ceil(2) as u32;
     let legend_h = key_rows * KEY_ROW + 24;
+    // Lanes: the groups by number of moves, the last lane for all the rest.
+    let lanes_mode = series.moves.len() > MAX_LABELLED_MOVES;
+    let mut lanes: Vec<(String, Vec<usize>)> = Vec::new();
+    if lanes_mode {
+        let mut by_group: BTreeMap<BubbleId, Vec<usize>> = BTreeMap::new();
+        for (i, m) in series.moves.iter().enumerate() {
+            by_group.entry(m.group).or_default().push(i);
+        }
+        let mut groups: Vec<(BubbleId, Vec<usize>)> = by_group.into_iter().collect();
+        groups.sort_by_key(|(g, v)| (std::cmp::Reverse(v.len()), *g));
+        let rest: Vec<usize> = groups
+            .iter()
+            .skip(MAX_LANES - 1)
+            .flat_map(|(_, v)| v.iter().copied())
+            .collect();
+        let others = groups.len().saturating_sub(MAX_LANES - 1);
+        groups.truncate(MAX_LANES - 1);
+        lanes = groups
+            .into_iter()
+            .map(|(g, v)| (format!("{g} ({})", v.len()), v))
+            .collect();
+        if others > 0 {
+            lanes.push((format!("{others} more groups"), rest));
+        }
+    }
+    let lanes_h = if lanes_mode {
+        lanes.len() as u32 * LANE_H + 40
+    } else {
+        0
+    };
 
     let mut svg = String::new();
     {
-        let root =
-            SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT + legend_h)).into_drawing_area();
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, HEIGHT + lanes_h + legend_h))
+            .into_drawing_area();
         root.fill(&WHITE).map_err(err)?;
-        let (top, bottom) = root.split_vertically(HEIGHT);
+        let (top, rest) = root.split_vertically(HEIGHT);
+        let (lane_area, bottom) = rest.split_vertically(lanes_h);
         let mut chart = ChartBuilder::on(&top)
             .caption(
                 format!(
@@ -220,30 +313,88 @@ pub fn render_svg(report: &Report) -> Result<String, PlotError> {
             .draw()
             .map_err(err)?;
 
-        // Moves first, under everything else. Labels of close moves are staggered, and those
-        // near the right edge are written to the left of their line.
-        for (i, (t, label)) in series.moves.iter().enumerate() {
-            let x = t / 60.0;
+        // Outages first, shaded over the whole height, each named at its top.
+        for (site, from, to) in &series.outages {
+            let (a, b) = (from / 60.0, (to / 60.0).min(x_max));
+            chart
+                .draw_series([Rectangle::new(
+                    [(a, 0.0), (b, y_top)],
+                    OUTAGE.mix(0.10).filled(),
+                )])
+                .map_err(err)?;
+            chart
+                .draw_series([Text::new(
+                    format!("{site} down"),
+                    (a + 0.004 * x_max, y_top * 0.97),
+                    ("sans-serif", 13)
+                        .into_font()
+                        .color(&OUTAGE)
+                        .pos(Pos::new(HPos::Left, VPos::Top)),
+                )])
+                .map_err(err)?;
+        }
+        // Moves, under the lines: a dashed line each; a label each in the rows above the data,
+        // laid out so that none overlaps another (or, in lanes mode, no label here at all).
+        let x_per_px = x_max / PLOT_PX;
+        let labels: Vec<String> = series.moves.iter().map(|m| m.label()).collect();
+        let placed = if lanes_mode {
+            vec![None; labels.len()]
+        } else {
+            let sizes: Vec<(f64, f64)> = series
+                .moves
+                .iter()
+                .zip(&labels)
+                .map(|(m, l)| {
+                    (
+                        m.t_s / 60.0,
+                        (l.chars().count() as f64 * CHAR_PX + 8.0) * x_per_px,
+                    )
+                })
+                .collect();
+            place_labels(&sizes, x_max, LABEL_ROWS, 6.0 * x_per_px)
+        };
+        let mut unlabelled = 0;
+        for (m, (label, at)) in series.moves.iter().zip(labels.iter().zip(&placed)) {
+            let x = m.t_s / 60.0;
+            let colour = kind_colour(m.kind);
             chart
                 .draw_series(DashedLineSeries::new(
                     [(x, 0.0), (x, data_top * 1.12)],
                     6,
                     3,
-                    MOVE.stroke_width(2),
+                    colour.stroke_width(if lanes_mode { 1 } else { 2 }),
                 ))
                 .map_err(err)?;
-            let right = x > x_max * 0.75;
-            let anchor = if right { HPos::Right } else { HPos::Left };
-            let nudge = if right { -0.005 } else { 0.005 } * x_max;
-            let font = ("sans-serif", 13)
-                .into_font()
-                .color(&MOVE)
-                .pos(Pos::new(anchor, VPos::Center));
+            let Some((row, left, right)) = *at else {
+                unlabelled += 1;
+                continue;
+            };
+            let pad = 4.0 * x_per_px;
+            let (tx, anchor) = if right {
+                (left + (x - left) - pad, HPos::Right)
+            } else {
+                (left + pad, HPos::Left)
+            };
             chart
                 .draw_series([Text::new(
                     label.clone(),
-                    (x + nudge, data_top * (1.22 - 0.05 * (i % 3) as f64)),
-                    font,
+                    (tx, data_top * (1.24 - 0.045 * row as f64)),
+                    ("sans-serif", 13)
+                        .into_font()
+                        .color(&colour)
+                        .pos(Pos::new(anchor, VPos::Center)),
+                )])
+                .map_err(err)?;
+        }
+        if unlabelled > 0 && !lanes_mode {
+            chart
+                .draw_series([Text::new(
+                    format!("+{unlabelled} moves not labelled"),
+                    (x_max * 0.995, y_top * 0.99),
+                    ("sans-serif", 12)
+                        .into_font()
+                        .color(&MOVE)
+                        .pos(Pos::new(HPos::Right, VPos::Top)),
                 )])
                 .map_err(err)?;
         }
@@ -274,6 +425,58 @@ pub fn render_svg(report: &Report) -> Result<String, PlotError> {
             chart
                 .draw_series(LineSeries::new(seg, BLACK.stroke_width(3)))
                 .map_err(err)?;
+        }
+
+        // The lanes: one row per group, a tick per move in its kind's colour.
+        if lanes_mode {
+            let left = 76 + 60;
+            let right = WIDTH as i32 - 16;
+            let px = |t_s: f64| left + ((t_s / 60.0 / x_max) * (right - left) as f64) as i32;
+            lane_area
+                .draw(&Text::new(
+                    format!(
+                        "{} moves, one lane per group (most moves first)",
+                        series.moves.len()
+                    ),
+                    (16, 8),
+                    ("sans-serif", 14)
+                        .into_font()
+                        .color(&BLACK)
+                        .pos(Pos::new(HPos::Left, VPos::Top)),
+                ))
+                .map_err(err)?;
+            for (k, (name, idx)) in lanes.iter().enumerate() {
+                let y = 30 + k as i32 * LANE_H as i32;
+                lane_area
+                    .draw(&Text::new(
+                        name.clone(),
+                        (16, y + LANE_H as i32 / 2),
+                        ("sans-serif", 11)
+                            .into_font()
+                            .color(&BLACK)
+                            .pos(Pos::new(HPos::Left, VPos::Center)),
+                    ))
+                    .map_err(err)?;
+                lane_area
+                    .draw(&PathElement::new(
+                        [
+                            (left, y + LANE_H as i32 - 1),
+                            (right, y + LANE_H as i32 - 1),
+                        ],
+                        BLACK.mix(0.08),
+                    ))
+                    .map_err(err)?;
+                for &i in idx {
+                    let m = &series.moves[i];
+                    let x = px(m.t_s);
+                    lane_area
+                        .draw(&PathElement::new(
+                            [(x, y + 2), (x, y + LANE_H as i32 - 3)],
+                            kind_colour(m.kind).stroke_width(2),
+                        ))
+                        .map_err(err)?;
+                }
+            }
         }
 
         // The legend, in two columns under the chart.
@@ -327,5 +530,50 @@ mod tests {
             ]
         );
         assert!(steps(&xs, &[None; 5]).is_empty());
+    }
+
+    proptest::proptest! {
+        /// However many labels and wherever their moves are, no two placed in one row overlap,
+        /// and each placed label touches its move's line.
+        #[test]
+        fn placed_labels_never_overlap(
+            labels in proptest::collection::vec((0.0f64..60.0, 0.5f64..12.0), 0..80),
+            rows in 1usize..6,
+        ) {
+            let mut labels = labels;
+            labels.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let placed = place_labels(&labels, 60.0, rows, 0.2);
+            let mut spans: Vec<(usize, f64, f64)> = Vec::new();
+            for (&(x, w), p) in labels.iter().zip(&placed) {
+                let Some((row, left, right)) = *p else { continue };
+                proptest::prop_assert!(row < rows);
+                let touches = if right { (left + w - x).abs() < 1e-9 } else { left == x };
+                proptest::prop_assert!(touches, "label at {left} does not touch its move at {x}");
+                for &(r, a, b) in &spans {
+                    proptest::prop_assert!(r != row || left >= b + 0.2 - 1e-9 || left + w + 0.2 <= a + 1e-9,
+                        "row {row}: [{left}, {}] overlaps [{a}, {b}]", left + w);
+                }
+                spans.push((row, left, left + w));
+            }
+        }
+    }
+
+    #[test]
+    fn close_moves_are_labelled_on_separate_rows() {
+        let placed = place_labels(
+            &[(1.0, 5.0), (2.0, 5.0), (3.0, 5.0), (7.0, 2.0)],
+            60.0,
+            2,
+            0.1,
+        );
+        assert_eq!(placed[0], Some((0, 1.0, false)));
+        assert_eq!(placed[1], Some((1, 2.0, false)));
+        assert_eq!(placed[2], None, "both rows are taken there");
+        assert_eq!(placed[3], Some((0, 7.0, false)));
+        // Near the right edge a label ends at its move.
+        assert_eq!(
+            place_labels(&[(59.0, 5.0)], 60.0, 1, 0.1)[0],
+            Some((0, 54.0, true))
+        );
     }
 }

@@ -10,7 +10,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use cellmesh_geo_router::bubbles::{
-    Decision, Member, MemberId, Placement, Reason, RttBook, SiteId, Sites,
+    BubbleId, Decision, Member, MemberId, Placement, Reason, RttBook, SiteId, Sites,
 };
 
 use super::scenario::{Scenario, LOGIN_PROBES};
@@ -117,8 +117,28 @@ pub struct Series {
     pub policy_ms: Vec<Option<f64>>,
     pub always_core_ms: Vec<Option<f64>>,
     pub oracle_ms: Vec<Option<f64>>,
-    /// Moves: time and a short label.
-    pub moves: Vec<(f64, String)>,
+    /// Bubble moves, in time order.
+    pub moves: Vec<MoveMark>,
+    /// Sites down: site name, from and to (s).
+    pub outages: Vec<(String, f64, f64)>,
+}
+
+/// One bubble move as the plot draws it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoveMark {
+    pub t_s: f64,
+    pub group: BubbleId,
+    /// `gain`, `cap`, `merge` or `fallback`.
+    pub kind: &'static str,
+    pub from: String,
+    pub to: String,
+}
+
+impl MoveMark {
+    /// `#3 gain paris→montreal`.
+    pub fn label(&self) -> String {
+        format!("{} {} {}→{}", self.group, self.kind, self.from, self.to)
+    }
 }
 
 /// Running totals for one yardstick.
@@ -190,6 +210,17 @@ pub fn run(s: &Scenario) -> Result<Report, SimError> {
     let mut oracle_decisions = Vec::new();
     let mut series = Series {
         player_rtt_ms: vec![Vec::new(); n],
+        outages: s
+            .outages
+            .iter()
+            .map(|o| {
+                (
+                    s.sites.name(o.site).to_string(),
+                    o.from_ms as f64 / 1000.0,
+                    o.to_ms as f64 / 1000.0,
+                )
+            })
+            .collect(),
         ..Series::default()
     };
     let (mut t_policy, mut t_core, mut t_oracle) = (Tally::new(n), Tally::new(n), Tally::new(n));
@@ -262,17 +293,21 @@ pub fn run(s: &Scenario) -> Result<Report, SimError> {
             }
         }
         for d in &eval.decisions {
-            let label = match d.reason {
-                Reason::Merge { .. } => format!("merge onto {}", s.sites.name(d.to_site)),
+            let kind = match d.reason {
+                Reason::Merge { .. } => "merge",
                 Reason::Merged { .. } | Reason::Crossed { .. } => continue,
-                _ if d.is_move() => format!(
-                    "{}→{}",
-                    s.sites.name(d.from_site.unwrap_or(d.to_site)),
-                    s.sites.name(d.to_site)
-                ),
+                Reason::CapForced { .. } if d.is_move() => "cap",
+                Reason::Fallback { .. } if d.is_move() => "fallback",
+                _ if d.is_move() => "gain",
                 _ => continue,
             };
-            series.moves.push((t, label));
+            series.moves.push(MoveMark {
+                t_s: t,
+                group: d.group_id,
+                kind,
+                from: s.sites.name(d.from_site.unwrap_or(d.to_site)).to_string(),
+                to: s.sites.name(d.to_site).to_string(),
+            });
         }
         let (mut rp, mut rc, mut ro) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..n {

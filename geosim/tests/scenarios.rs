@@ -487,3 +487,70 @@ fn bad_scenarios_are_refused_with_a_clear_error() {
         assert!(e.contains(needle), "{needle:?} not in {e:?}");
     }
 }
+
+#[test]
+fn the_plot_shades_outages_and_labels_each_move_with_its_group_and_kind() {
+    let (_, r) = run("edge-outage");
+    let svg = geosim::render_svg(&r).unwrap();
+    assert!(svg.contains("montreal down"), "the outage is named");
+    let fallback = r
+        .series
+        .moves
+        .iter()
+        .find(|m| m.kind == "fallback")
+        .expect("a fallback");
+    assert_eq!(fallback.to, "paris");
+    // The fallback lies within the outage it answers.
+    let (_, from, to) = &r.series.outages[0];
+    assert!((*from..=*to).contains(&fallback.t_s), "{fallback:?}");
+    for m in &r.series.moves {
+        assert!(svg.contains(&m.label()), "{} is labelled", m.label());
+    }
+}
+
+#[test]
+fn a_thousand_players_hour_stays_legible() {
+    // Fifty groups of twenty Montreal players, far apart, and an outage of Montreal: every group
+    // falls back to Paris and returns afterwards, a hundred moves and more.
+    let mut toml = String::from(
+        r#"name = "crowds"
+duration_s = 3600
+seed = 11
+
+[[sites]]
+name = "paris"
+core = true
+
+[[sites]]
+name = "montreal"
+
+[rtt.from.paris]
+paris = 8
+montreal = 92
+
+[rtt.from.montreal]
+paris = 92
+montreal = 10
+
+[[outages]]
+site = "montreal"
+from_s = 600
+to_s = 900
+"#,
+    );
+    for g in 0..50 {
+        toml.push_str(&format!(
+            "\n[[players]]\nname = \"g{g}\"\ncount = 20\nlocation = \"montreal\"\nstart = [{}.0, 60000.0]\n",
+            2_000 + 2_500 * g
+        ));
+    }
+    let (s, r) = run_file(ScenarioFile::from_toml(&toml).unwrap());
+    assert_eq!(s.players.len(), 1000);
+    assert!(r.series.moves.len() > 90, "{} moves", r.series.moves.len());
+    let svg = geosim::render_svg(&r).unwrap();
+    assert!(svg.contains("one lane per group"));
+    assert!(svg.contains("montreal down"));
+    // One lane label per group at most, not a label per move.
+    let texts = svg.matches("<text").count();
+    assert!(texts < 120, "{texts} texts");
+}
