@@ -14,6 +14,7 @@ pub mod client;
 pub mod codec;
 pub mod cookie;
 pub mod sdk;
+pub mod shaping;
 pub mod ticket;
 pub mod token;
 

@@ -8,6 +8,23 @@ use serde::{Deserialize, Serialize};
 use crate::model::admission::AdmissionConfig;
 use crate::model::ids::MAX_NODE_ID;
 
+/// See [`SidecarConfig::shaping`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MeshShaping {
+    pub to_geos: std::collections::BTreeMap<String, cellmesh_proto::shaping::OneWay>,
+}
+
+impl MeshShaping {
+    /// The delay towards a peer of `geo` (none within this node's own geo, or unlisted).
+    pub fn towards(&self, own: &str, geo: &str) -> cellmesh_proto::shaping::OneWay {
+        if geo == own {
+            return Default::default();
+        }
+        self.to_geos.get(geo).copied().unwrap_or_default()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SidecarConfig {
@@ -76,6 +93,10 @@ pub struct SidecarConfig {
     /// When the node stops admitting new sessions (tick overrun, outbox pressure) and when it
     /// opens again: see `model::admission`.
     pub admission: AdmissionConfig,
+    /// Demo switch: a one-way delay added in-process to what this node sends over its links to
+    /// peers of other geos, by geo (`shaping.to_geos.montreal = { base_ms = 45, jitter_ms = 3 }`).
+    /// Empty (the default): nothing is delayed and nothing runs.
+    pub shaping: MeshShaping,
 }
 
 impl SidecarConfig {
@@ -129,6 +150,7 @@ impl Default for SidecarConfig {
             game_grace_ms: 5_000,
             drain_timeout_ms: 30_000,
             admission: AdmissionConfig::default(),
+            shaping: MeshShaping::default(),
         }
     }
 }
@@ -385,5 +407,23 @@ mod tests {
         std::fs::write(&f, text).unwrap();
         cellmesh_admin::config::load_with_env::<SidecarConfig>(Some(&f), Vec::new())
             .map_err(|e| format!("{e:#}"))
+    }
+
+    #[test]
+    fn shaping_delays_only_links_to_listed_other_geos() {
+        let cfg = toml_from_str(
+            "geo = \"paris\"\n[shaping.to_geos.montreal]\nbase_ms = 45\njitter_ms = 3\n",
+        )
+        .unwrap();
+        let s = &cfg.shaping;
+        assert_eq!(s.towards("paris", "montreal").base_ms, 45);
+        assert_eq!(s.towards("paris", "montreal").jitter_ms, 3);
+        assert!(s.towards("paris", "paris").is_zero());
+        assert!(s.towards("paris", "hongkong").is_zero());
+        assert!(
+            SidecarConfig::default().shaping.to_geos.is_empty(),
+            "off by default"
+        );
+        assert!(toml_from_str("[shaping.to_geos.x]\nbase = 1\n").is_err());
     }
 }

@@ -16,7 +16,7 @@ use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 
 use super::codec::MeteredCodec;
-use super::mesh::{pump, without_heartbeats, MeshCtx};
+use super::mesh::{pump, shaped, without_heartbeats, MeshCtx};
 use super::{Event, LinkHandle, HELLO_TIMEOUT};
 use crate::core::Input;
 use crate::metrics::Peer;
@@ -84,6 +84,7 @@ async fn dial_once(
     };
     let (their, rest) = check_reply(reply, peer)?;
     let (outbox, queue) = mpsc::channel(ctx.outbox_frames);
+    let queue = shaped(queue, ctx, &their.geo);
     let kill = stop.child_token();
     let handle = LinkHandle {
         outbox,

@@ -43,6 +43,24 @@ pub(crate) struct MeshCtx {
     pub next_link: Arc<AtomicU64>,
     pub shutdown: CancellationToken,
     pub tasks: TaskTracker,
+    pub shaping: crate::config::MeshShaping,
+}
+
+/// A link's queue behind the demo's in-process delay towards a peer of `geo` (see
+/// `SidecarConfig::shaping`), or as it is when there is none. What the line still holds when the
+/// link ends is counted like the rest of a closing link's queue.
+pub(crate) fn shaped(
+    queue: mpsc::Receiver<MeshFrame>,
+    ctx: &MeshCtx,
+    geo: &str,
+) -> mpsc::Receiver<MeshFrame> {
+    let delay = ctx.shaping.towards(&ctx.geo, geo);
+    let metrics = ctx.metrics.clone();
+    cellmesh_proto::shaping::delay_line(queue, delay, ctx.outbox_frames, move |f: MeshFrame| {
+        metrics
+            .inputs_lost_in_links
+            .inc_by(forwarded_inputs(&f.messages));
+    })
 }
 
 impl MeshCtx {
@@ -198,6 +216,11 @@ async fn run(
         return (false, format!("writing LinkHello failed: {e}"));
     }
     let (outbox, queue) = mpsc::channel(ctx.outbox_frames);
+    let queue = if hello.role == PeerRole::Sidecar as i32 {
+        shaped(queue, ctx, &hello.geo)
+    } else {
+        queue
+    };
     let kill = CancellationToken::new();
     let handle = LinkHandle {
         outbox,

@@ -151,6 +151,7 @@ pub(crate) async fn launch(
         next_link: Arc::new(AtomicU64::new(1)),
         shutdown: shutdown.clone(),
         tasks: tasks.clone(),
+        shaping: cfg.shaping.clone(),
     };
     let census = Arc::default();
     let restored = Arc::default();
