@@ -19,7 +19,7 @@ use std::net::IpAddr;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-type HmacSha256 = Hmac<Sha256>;
+pub(crate) type HmacSha256 = Hmac<Sha256>;
 
 /// The layout [`seal`] writes; [`open`] refuses any other by name.
 pub const VERSION: u8 = 2;
@@ -123,8 +123,19 @@ fn check_field((field, empty, max): Field, len: usize) -> Result<(), CookieError
 }
 
 fn mac(secret: &[u8], body: &[u8], client_addr: IpAddr) -> HmacSha256 {
+    domain_mac(secret, DOMAIN, body, client_addr)
+}
+
+/// HMAC-SHA256 under `secret` of a domain label, `body` and the client's address: what binds a
+/// cookie or a probe ticket to its use and to its client.
+pub(crate) fn domain_mac(
+    secret: &[u8],
+    domain: &[u8],
+    body: &[u8],
+    client_addr: IpAddr,
+) -> HmacSha256 {
     let mut mac = HmacSha256::new_from_slice(secret).expect("HMAC takes a key of any length");
-    mac.update(DOMAIN);
+    mac.update(domain);
     mac.update(body);
     // Canonical, so a client seen as `::ffff:a.b.c.d` by a dual-stack socket matches `a.b.c.d`.
     match client_addr.to_canonical() {

@@ -76,30 +76,25 @@ pub fn delay_line<T: Send + 'static>(
                     let (_, item) = line.pop_front().expect("a due item");
                     if let Err(e) = tx.send(item).await {
                         lost(e.0);
-                        for (_, item) in line.drain(..) {
-                            lost(item);
-                        }
-                        rx.close();
-                        while let Ok(item) = rx.try_recv() {
-                            lost(item);
-                        }
-                        return;
+                        return give_up(line, rx, &lost);
                     }
                 }
-                _ = tx.closed() => {
-                    for (_, item) in line.drain(..) {
-                        lost(item);
-                    }
-                    rx.close();
-                    while let Ok(item) = rx.try_recv() {
-                        lost(item);
-                    }
-                    return;
-                }
+                _ = tx.closed() => return give_up(line, rx, &lost),
             }
         }
     });
     out
+}
+
+/// The line's reader went away: everything still in the line or on its way in is lost.
+fn give_up<T>(mut line: VecDeque<(Instant, T)>, mut rx: mpsc::Receiver<T>, lost: &impl Fn(T)) {
+    for (_, item) in line.drain(..) {
+        lost(item);
+    }
+    rx.close();
+    while let Ok(item) = rx.try_recv() {
+        lost(item);
+    }
 }
 
 #[cfg(test)]

@@ -12,10 +12,9 @@
 
 use std::net::IpAddr;
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
+use hmac::Mac;
 
-type HmacSha256 = Hmac<Sha256>;
+use crate::cookie::HmacSha256;
 
 pub const VERSION: u8 = 1;
 /// A ticket is honoured this long after it was issued.
@@ -66,20 +65,7 @@ impl TicketError {
 }
 
 fn mac(secret: &[u8], body: &[u8], client: IpAddr) -> HmacSha256 {
-    let mut mac = HmacSha256::new_from_slice(secret).expect("HMAC takes a key of any length");
-    mac.update(DOMAIN);
-    mac.update(body);
-    match client.to_canonical() {
-        IpAddr::V4(a) => {
-            mac.update(&[4]);
-            mac.update(&a.octets());
-        }
-        IpAddr::V6(a) => {
-            mac.update(&[6]);
-            mac.update(&a.octets());
-        }
-    }
-    mac
+    crate::cookie::domain_mac(secret, DOMAIN, body, client)
 }
 
 /// Signs `t` for the client at `client`.

@@ -221,29 +221,24 @@ impl Client {
     }
 }
 
-/// A sample of the sidecar's metrics page (0 when the series has no sample yet).
-async fn sidecar_metric(s: &SidecarHandle, sample: &str) -> f64 {
-    let page = cellmesh_admin::http_get(s.admin_addr, "/metrics")
-        .await
-        .unwrap()
-        .1;
+/// A sample of an admin's metrics page (0 when the series has no sample yet).
+async fn metric(admin: std::net::SocketAddr, sample: &str) -> f64 {
+    let page = cellmesh_admin::http_get(admin, "/metrics").await.unwrap().1;
     page.lines()
-        .find_map(|l| l.strip_prefix(&format!("cellmesh_sidecar_{sample} ")))
+        .find_map(|l| l.strip_prefix(&format!("{sample} ")))
         .map_or(0.0, |v| v.trim().parse().unwrap())
 }
 
 async fn proxy_metric(p: &ProxyHandle, sample: &str) -> f64 {
-    let page = cellmesh_admin::http_get(p.admin_addr, "/metrics")
-        .await
-        .unwrap()
-        .1;
-    page.lines()
-        .find_map(|l| l.strip_prefix(&format!("cellmesh_proxy_{sample} ")))
-        .map_or(0.0, |v| v.trim().parse().unwrap())
+    metric(p.admin_addr, &format!("cellmesh_proxy_{sample}")).await
 }
 
 async fn reads(g: &Geo) -> f64 {
-    sidecar_metric(&g.sidecar, "login_record_reads_total").await
+    metric(
+        g.sidecar.admin_addr,
+        "cellmesh_sidecar_login_record_reads_total",
+    )
+    .await
 }
 
 /// Alice plays in Paris (a few sessions there first, so that her Paris epoch is well above
