@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use cellmesh_arena::{schema, Census};
 use cellmesh_geo_router::geometry::{Pos, WorldShape};
 use cellmesh_proto::client::{self, ClientError, ClientReceiver, ClientSender};
-use cellmesh_proto::edge::{client_message, server_message, DeltaKind, KickReason, Pong};
+use cellmesh_proto::edge::{client_message, server_message, DeltaKind, KickReason, Pong, Transfer};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -32,6 +32,28 @@ pub struct BotConfig {
     pub view_radius_chunks: u32,
     /// What the games spawned and despawned, to tell a real vanish from one a handoff caused.
     pub census: Option<Arc<Census>>,
+    /// Several geos: where the bot is, and how it reaches each proxy from there.
+    pub geo: Option<BotGeo>,
+}
+
+/// A bot on a network of several geos.
+#[derive(Debug, Clone, Default)]
+pub struct BotGeo {
+    /// Where the bot plays from (a geo name): its figures are kept per location.
+    pub location: String,
+    /// A proxy's address as the proxies name it (`Transfer`, `ProbeRequest`) -> the address this
+    /// bot dials for it: a relay that adds the latency from its location to that proxy's geo.
+    pub via: HashMap<String, String>,
+}
+
+impl BotConfig {
+    /// The address to dial for the proxy at `addr`.
+    fn dial(&self, addr: &str) -> String {
+        self.geo
+            .as_ref()
+            .and_then(|g| g.via.get(addr).cloned())
+            .unwrap_or_else(|| addr.to_string())
+    }
 }
 
 impl Default for BotConfig {
@@ -45,6 +67,7 @@ impl Default for BotConfig {
             seed: 7,
             view_radius_chunks: 5,
             census: None,
+            geo: None,
         }
     }
 }
@@ -78,6 +101,23 @@ pub struct BotStats {
     pub inputs_on_broken_sessions: AtomicU64,
     /// The accounts logged in now.
     pub online_accounts: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    /// Handovers followed (a `Transfer`, then a login at the other geo's proxy), and how long each
+    /// reconnect took, from the `Transfer` to the new `Welcome` (ms).
+    pub handovers: AtomicU64,
+    pub reconnect_ms: std::sync::Mutex<Vec<f64>>,
+    /// Click to screen: from sending an input to seeing its avatar acknowledge it (the game's
+    /// `INPUT_ACK`), in ms, by the bot's location.
+    pub input_to_update_ms: std::sync::Mutex<std::collections::BTreeMap<String, Vec<f64>>>,
+    /// Probes of other geos' proxies answered.
+    pub probes: AtomicU64,
+    /// For each bot handed over: the median click-to-screen time of its session before the
+    /// handover, and of the one after (ms).
+    pub handed_over_input_to_update_ms: std::sync::Mutex<Vec<(f64, f64)>>,
+}
+
+fn median(v: &mut [f64]) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len().checked_sub(1)? / 2).copied()
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -146,14 +186,33 @@ pub async fn run_bot(
 ) {
     let mut rng = StdRng::seed_from_u64(cfg.seed ^ fxhash(&account));
     let mut seq = 0u64;
+    // Where the bot logs in, and the cookie of the last handover (its proxy changes with one).
+    let mut proxy = cfg.proxy.clone();
+    let mut cookie: Vec<u8> = Vec::new();
+    let mut transferred_at: Option<std::time::Instant> = None;
+    // The median click-to-screen time of the session a handover ended, until the next one's.
+    let mut before_handover: Option<f64> = None;
     while !stop.is_cancelled() {
         let token = cellmesh_proto::token::sign(cfg.secret.as_bytes(), &account, now_unix() + 3600);
+        let how = client::Login {
+            token,
+            offer_cookie: !cookie.is_empty(),
+            cookie: std::mem::take(&mut cookie),
+        };
+        let dial = cfg.dial(&proxy);
         let login = tokio::select! {
             _ = stop.cancelled() => return,
-            r = client::login(&cfg.proxy, &token) => r,
+            r = client::login_with(&dial, &how) => r,
         };
         match login {
             Ok((tx, rx, welcome)) => {
+                if let Some(at) = transferred_at.take() {
+                    stats
+                        .reconnect_ms
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push(at.elapsed().as_secs_f64() * 1000.0);
+                }
                 stats.logins.fetch_add(1, Ordering::Relaxed);
                 stats.online.fetch_add(1, Ordering::Relaxed);
                 set_online(&stats, &account, true);
@@ -164,14 +223,44 @@ pub async fn run_bot(
                     ..WorldShape::default()
                 };
                 let mut sent = 0;
+                let mut samples = Vec::new();
                 let ended = play(
-                    &account, &cfg, &stats, &stop, &mut rng, &mut seq, &mut sent, world, tx, rx,
+                    &account,
+                    &cfg,
+                    &stats,
+                    &stop,
+                    &mut rng,
+                    (&mut seq, &mut sent, &mut samples),
+                    world,
+                    tx,
+                    rx,
                 )
                 .await;
+                if let (Some(before), Some(after)) = (before_handover.take(), median(&mut samples))
+                {
+                    stats
+                        .handed_over_input_to_update_ms
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push((before, after));
+                }
                 stats.online.fetch_sub(1, Ordering::Relaxed);
                 set_online(&stats, &account, false);
                 match ended {
-                    Ok(()) => return,
+                    Ok(None) => return,
+                    Ok(Some(t)) => {
+                        // Handed over: to the other geo's proxy at once, with the cookie. What
+                        // it sent after the proxy decided was not read.
+                        stats
+                            .inputs_on_broken_sessions
+                            .fetch_add(sent, Ordering::Relaxed);
+                        before_handover = median(&mut samples);
+                        stats.handovers.fetch_add(1, Ordering::Relaxed);
+                        proxy = format!("{}:{}", t.host, t.port);
+                        cookie = t.cookie.to_vec();
+                        transferred_at = Some(std::time::Instant::now());
+                        continue;
+                    }
                     Err(e) => {
                         // What the proxy had not read yet went down with the connection.
                         stats
@@ -223,6 +312,8 @@ fn chunks_apart(world: &WorldShape, a: (f64, f64), b: (f64, f64)) -> f64 {
     dx.abs().max(dy.abs()) / world.chunk_size.max(1e-9)
 }
 
+/// Plays one session: `(seq, sent, samples)` are the account's input sequence, the inputs sent
+/// on this session, and its click-to-screen samples (ms).
 #[allow(clippy::too_many_arguments)]
 async fn play(
     account: &str,
@@ -230,13 +321,16 @@ async fn play(
     stats: &BotStats,
     stop: &CancellationToken,
     rng: &mut StdRng,
-    seq: &mut u64,
-    sent: &mut u64,
+    (seq, sent, samples): (&mut u64, &mut u64, &mut Vec<f64>),
     world: WorldShape,
     mut tx: ClientSender,
     mut rx: ClientReceiver,
-) -> Result<(), ClientError> {
+) -> Result<Option<Transfer>, ClientError> {
     let me = format!("player:{account}");
+    // When each recent input was sent, for the click-to-screen time.
+    let mut sent_at: std::collections::VecDeque<(u64, std::time::Instant)> =
+        std::collections::VecDeque::new();
+    let mut acked = 0u64;
     let mut my_entity: Option<u64> = None;
     let mut my_pos: Option<(f64, f64)> = None;
     let mut dir: (f32, f32) = (0.0, 0.0);
@@ -260,7 +354,7 @@ async fn play(
                 if gone.is_err() {
                     stats.inputs_on_broken_sessions.fetch_add(*sent, Ordering::Relaxed);
                 }
-                return Ok(());
+                return Ok(None);
             }
             msg = rx.next() => {
                 let msg = match msg {
@@ -295,6 +389,28 @@ async fn play(
                                 }
                                 _ => {}
                             }
+                            if Some(d.entity_id) == my_entity {
+                                if let Some(ack) = d.components.iter().find(|c| c.r#type == schema::INPUT_ACK) {
+                                    let last = ack.payload.get(..8).map_or(0, |b| u64::from_be_bytes(b.try_into().expect("8 bytes")));
+                                    if last > acked {
+                                        acked = last;
+                                        while sent_at.front().is_some_and(|(s, _)| *s < last) {
+                                            sent_at.pop_front();
+                                        }
+                                        if let Some((s, at)) = sent_at.front().copied() {
+                                            if s == last {
+                                                sent_at.pop_front();
+                                                let ms = at.elapsed().as_secs_f64() * 1000.0;
+                                                samples.push(ms);
+                                                let location = cfg.geo.as_ref().map_or("", |g| g.location.as_str());
+                                                stats.input_to_update_ms.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+                                                    .entry(location.to_string()).or_default()
+                                                    .push(ms);
+                                            }
+                                        }
+                                    }
+                                }
+                            }
                             if let Some(p) = &d.position {
                                 if d.kind != DeltaKind::Vanish as i32 {
                                     seen.insert(d.entity_id, (p.x, p.y));
@@ -314,6 +430,28 @@ async fn play(
                         seen.clear();
                         my_entity = None;
                     }
+                    Some(server_message::Body::Transfer(t)) => {
+                        // Read what the proxy still sends until it closes, then go.
+                        let _ = tokio::time::timeout(BYE_LINGER, async {
+                            while let Some(Ok(_)) = rx.next().await {}
+                        })
+                        .await;
+                        return Ok(Some(t));
+                    }
+                    Some(server_message::Body::Probe(p)) => {
+                        // Each far proxy times the bot itself; nothing comes back here.
+                        for mut target in p.targets {
+                            let named = format!("{}:{}", target.host, target.port);
+                            if let Some((host, port)) = cfg.dial(&named).rsplit_once(':') {
+                                target.host = host.to_string();
+                                target.port = port.parse().unwrap_or(target.port);
+                            }
+                            stats.probes.fetch_add(1, Ordering::Relaxed);
+                            tokio::spawn(async move {
+                                let _ = client::answer_probe(&target, Duration::ZERO).await;
+                            });
+                        }
+                    }
                     Some(server_message::Body::Kick(k)) => {
                         let leaving = [KickReason::Shutdown as i32, KickReason::Reconnect as i32];
                         if !leaving.contains(&k.reason) || !stop.is_cancelled() {
@@ -327,6 +465,10 @@ async fn play(
             _ = input_timer.tick() => {
                 dir = steer(dir, my_pos, cfg, world, rng);
                 *seq += 1;
+                if sent_at.len() == 256 {
+                    sent_at.pop_front();
+                }
+                sent_at.push_back((*seq, std::time::Instant::now()));
                 tx.input(*seq, schema::input(dir.0, dir.1)).await?;
                 *sent += 1;
                 stats.inputs_sent.fetch_add(1, Ordering::Relaxed);

@@ -111,6 +111,20 @@ struct UpArgs {
     /// takes its node id over at once instead of waiting out the lease.
     #[arg(long, requires = "chaos")]
     chaos_in_place: bool,
+    /// Datacenters the nodes are spread over (each with its own proxy and session directory;
+    /// player records shared), with the latency between them and to the bots shaped in-process.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=4))]
+    geos: u8,
+    /// The geos' names, in order.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "paris,montreal,hongkong,sydney"
+    )]
+    geo_names: Vec<String>,
+    /// One-way delay between two geos, and between a bot and a geo it is not in (ms).
+    #[arg(long, default_value_t = 45)]
+    geo_delay_ms: u64,
 }
 
 impl UpArgs {
@@ -125,6 +139,12 @@ impl UpArgs {
             status: true,
             chaos: self.chaos,
             chaos_in_place: self.chaos_in_place,
+            geos: self
+                .geo_names
+                .into_iter()
+                .take(usize::from(self.geos))
+                .collect(),
+            geo_delay_ms: self.geo_delay_ms,
         }
     }
 }

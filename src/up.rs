@@ -51,6 +51,59 @@ pub struct UpOptions {
     /// node id over at once. Otherwise the killed node's machine is gone with it, and the fresh
     /// process waits for the lease to lapse.
     pub chaos_in_place: bool,
+    /// The geos' names; more than one spreads the nodes over them (see [`GeoLayout`]).
+    pub geos: Vec<String>,
+    /// One-way delay between geos, and from a bot to a geo it is not in.
+    pub geo_delay_ms: u64,
+}
+
+/// A run over several geos: nodes in blocks per geo, each geo with its own session directory and
+/// proxy, player records and topology shared (MongoDB is global). Latency between geos is shaped
+/// in-process on the sidecars' peer links, and between bots and proxies by relays (the kernel
+/// does not see it, so the proxies judge by their pings).
+struct GeoLayout {
+    names: Vec<String>,
+    /// The geo of each node, by node id - 1.
+    of_node: Vec<usize>,
+    one_way_ms: u64,
+}
+
+impl GeoLayout {
+    fn new(names: &[String], nodes: usize, one_way_ms: u64) -> anyhow::Result<Self> {
+        let names: Vec<String> = if names.is_empty() {
+            vec!["local".into()]
+        } else {
+            names.to_vec()
+        };
+        anyhow::ensure!(
+            nodes >= names.len(),
+            "--geos {} needs at least as many nodes (--nodes {nodes})",
+            names.len()
+        );
+        let of_node = (0..nodes).map(|i| i * names.len() / nodes).collect();
+        Ok(Self {
+            names,
+            of_node,
+            one_way_ms,
+        })
+    }
+
+    fn several(&self) -> bool {
+        self.names.len() > 1
+    }
+
+    fn geo_of(&self, node: u32) -> usize {
+        self.of_node[node as usize - 1]
+    }
+
+    /// A bot of `location` to a proxy of `geo`, one way.
+    fn to_proxy(&self, location: usize, geo: usize) -> cellmesh_proto::shaping::OneWay {
+        if location == geo {
+            cellmesh_proto::shaping::OneWay::ms(2, 1)
+        } else {
+            cellmesh_proto::shaping::OneWay::ms(self.one_way_ms, 3)
+        }
+    }
 }
 
 impl Default for UpOptions {
@@ -65,6 +118,8 @@ impl Default for UpOptions {
             status: true,
             chaos: None,
             chaos_in_place: false,
+            geos: Vec::new(),
+            geo_delay_ms: 45,
         }
     }
 }
@@ -156,6 +211,48 @@ pub struct Summary {
     pub accounts_with_two_avatars: u64,
     pub sessions_without_avatar: u64,
     pub avatars_after_logout: u64,
+    /// `--geos`: the geos, the most sessions bridged at once (simulated in another geo than
+    /// their proxy's), handovers, how long a handed-over bot took from `Transfer` to `Welcome`,
+    /// the logins whose hint or cookie saved the player record read, the reads that were made,
+    /// and the click-to-screen time by bot location.
+    pub geos: Vec<String>,
+    pub bridged_sessions: u64,
+    pub handovers: u64,
+    pub handover_reconnect_ms_p50: f64,
+    pub hint_hits: u64,
+    pub cookie_hits: u64,
+    pub mongo_reads_at_login: u64,
+    pub probes_served: u64,
+    pub input_to_update_ms: BTreeMap<String, Percentiles>,
+    /// Bots handed over and then played on: the median over them of their click-to-screen
+    /// medians before and after the handover.
+    pub handed_over_bots: usize,
+    pub handed_over_input_to_update_ms_before: f64,
+    pub handed_over_input_to_update_ms_after: f64,
+}
+
+/// The median and 99th percentile of some samples.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Percentiles {
+    pub p50: f64,
+    pub p99: f64,
+    pub samples: usize,
+}
+
+impl Percentiles {
+    fn of(mut v: Vec<f64>) -> Self {
+        v.sort_by(f64::total_cmp);
+        let at = |q: f64| {
+            v.get(((v.len() as f64 - 1.0) * q).round() as usize)
+                .copied()
+                .unwrap_or(0.0)
+        };
+        Self {
+            p50: at(0.5),
+            p99: at(0.99),
+            samples: v.len(),
+        }
+    }
 }
 
 impl Summary {
@@ -358,6 +455,7 @@ struct NodeTotals {
     inputs_held: u64,
     inputs_dropped_by_reason: BTreeMap<&'static str, u64>,
     checkpoint_writes: u64,
+    login_record_reads: u64,
     checkpoints_stored: u64,
     checkpoint_stored_bytes: u64,
 }
@@ -382,6 +480,7 @@ impl NodeTotals {
         self.inputs_copies_applied += o.inputs_copies_applied;
         self.inputs_copies_refused += o.inputs_copies_refused;
         self.checkpoint_writes += o.checkpoint_writes;
+        self.login_record_reads += o.login_record_reads;
         self.checkpoints_stored += o.checkpoints_stored;
         self.checkpoint_stored_bytes += o.checkpoint_stored_bytes;
         for (reason, n) in &o.inputs_dropped_by_reason {
@@ -429,7 +528,9 @@ struct NodeRun {
 #[derive(Clone)]
 struct NodeEnv {
     world: WorldShape,
-    stores: Stores,
+    /// The stores of each geo (index: [`GeoLayout`]'s): a directory of its own, records shared.
+    stores: Vec<Stores>,
+    geos: Arc<GeoLayout>,
     topology: Arc<dyn TopologyStore>,
     games: Arc<Census>,
     halt: Arc<std::sync::atomic::AtomicBool>,
@@ -476,8 +577,10 @@ async fn start_node(
     let handle = runtime
         .as_ref()
         .map_or_else(tokio::runtime::Handle::current, |r| r.handle().clone());
+    let geo = env.geos.geo_of(id);
     let mut cfg = SidecarConfig {
         node_id: id,
+        geo: env.geos.names[geo].clone(),
         world: env.world,
         local_listen: "127.0.0.1:0".into(),
         mesh_listen,
@@ -492,9 +595,17 @@ async fn start_node(
     if let Some(ms) = env.node_lease_ms {
         cfg.node_lease_ms = ms;
     }
+    for (g, name) in env.geos.names.iter().enumerate() {
+        if g != geo {
+            cfg.shaping.to_geos.insert(
+                name.clone(),
+                cellmesh_proto::shaping::OneWay::ms(env.geos.one_way_ms, 2),
+            );
+        }
+    }
     let started = handle.spawn(cellmesh_sidecar::start_in(
         cfg,
-        env.stores.clone(),
+        env.stores[geo].clone(),
         env.topology.clone(),
         env.stop.child_token(),
     ));
@@ -574,6 +685,7 @@ fn totals_of(sidecars: &[&cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
         t.inputs_copies_refused += s.inputs_copies_refused;
         t.inputs_held += s.inputs_held;
         t.checkpoint_writes += s.checkpoint_writes;
+        t.login_record_reads += s.login_record_reads;
         t.checkpoints_stored += s.checkpoints_stored;
         t.checkpoint_stored_bytes += s.checkpoint_stored_bytes;
         for (reason, n) in s.inputs_dropped_by_reason {
@@ -638,9 +750,21 @@ pub async fn run(
 ) -> anyhow::Result<Summary> {
     let started = Instant::now();
     let stop = CancellationToken::new();
-    let stores = Stores::in_memory();
-
     anyhow::ensure!(opts.nodes >= 1, "--nodes must be at least 1");
+    let geos = Arc::new(GeoLayout::new(&opts.geos, opts.nodes, opts.geo_delay_ms)?);
+    // One directory (and board) per geo; player records and checkpoints shared.
+    let shared = Stores::in_memory();
+    let stores: Vec<Stores> = (0..geos.names.len())
+        .map(|g| Stores {
+            directory: if g == 0 {
+                shared.directory.clone()
+            } else {
+                Arc::new(cellmesh_geo_router::store::memory::MemoryDirectory::default())
+            },
+            ..shared.clone()
+        })
+        .collect();
+
     anyhow::ensure!(
         opts.nodes as u32 <= cellmesh_geo_router::topology::MAX_NODE_ID,
         "--nodes {} is more than node ids allow",
@@ -663,7 +787,8 @@ pub async fn run(
     let halt = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let env = NodeEnv {
         world,
-        stores: stores.clone(),
+        stores,
+        geos: geos.clone(),
         topology: topology.clone(),
         games: games.clone(),
         halt: halt.clone(),
@@ -687,40 +812,90 @@ pub async fn run(
     }
     let (home, roam) = (MEETING_POINT, ARENA_SPREAD / 2.0);
 
-    let mut proxy_cfg = ProxyConfig {
-        client_listen: "127.0.0.1:0".into(),
-        admin_listen: "127.0.0.1:0".into(),
-        gateways: nodes
-            .iter()
-            .map(|n| n.sidecar.mesh_addr.to_string())
-            .collect(),
-        // A secret of this run only: nobody outside it can sign a login.
-        token_secret: format!("{:032x}", rand::random::<u128>()),
-        ..ProxyConfig::default()
-    };
+    // A secret of this run only: nobody outside it can sign a login.
+    let secret = format!("{:032x}", rand::random::<u128>());
     // Every bot connects from 127.0.0.1: the per-address limits must admit all of them (twice
     // over, for a bot reconnecting while its old connection closes).
-    let bots = u32::try_from(opts.bots)
+    let bot_conns = u32::try_from(opts.bots)
         .unwrap_or(u32::MAX)
         .saturating_mul(2);
-    proxy_cfg.rate.address_accounts = proxy_cfg.rate.address_accounts.max(bots);
-    proxy_cfg.max_connections_per_address =
-        proxy_cfg.max_connections_per_address.max(bots as usize);
-    proxy_cfg.max_connections = proxy_cfg.max_connections.max(bots as usize);
-    // One process stops as a whole: nothing to drain towards.
-    proxy_cfg.drain_grace_ms = 0;
-    proxy_cfg.drain_spread_ms = 0;
-    let secret = proxy_cfg.token_secret.clone();
-    let proxy = cellmesh_proxy::start(proxy_cfg, stop.child_token())
-        .await
-        .context("starting the proxy")?;
+    // One proxy per geo; with several, each knows the others' (picked ahead, so that each can
+    // name the rest) and their boards (shared in memory, as each geo's Redis would be).
+    let proxy_addrs: Vec<String> = (0..geos.names.len())
+        .map(|_| free_loopback_addr())
+        .collect::<anyhow::Result<_>>()?;
+    let boards = cellmesh_proxy::Boards {
+        by_geo: geos
+            .names
+            .iter()
+            .map(|g| {
+                (
+                    g.clone(),
+                    Arc::new(cellmesh_geo_router::store::memory::MemoryBoard::default())
+                        as Arc<dyn cellmesh_geo_router::store::EdgeBoard>,
+                )
+            })
+            .collect(),
+    };
+    let mut proxies = Vec::with_capacity(geos.names.len());
+    for (g, name) in geos.names.iter().enumerate() {
+        let mut cfg = ProxyConfig {
+            name: format!("proxy-{name}"),
+            geo: name.clone(),
+            client_listen: if geos.several() {
+                proxy_addrs[g].clone()
+            } else {
+                "127.0.0.1:0".into()
+            },
+            admin_listen: "127.0.0.1:0".into(),
+            gateways: nodes
+                .iter()
+                .filter(|n| geos.geo_of(n.id) == g)
+                .map(|n| n.sidecar.mesh_addr.to_string())
+                .collect(),
+            token_secret: secret.clone(),
+            ..ProxyConfig::default()
+        };
+        cfg.rate.address_accounts = cfg.rate.address_accounts.max(bot_conns);
+        cfg.max_connections_per_address = cfg.max_connections_per_address.max(bot_conns as usize);
+        cfg.max_connections = cfg.max_connections.max(bot_conns as usize);
+        // One process stops as a whole: nothing to drain towards.
+        cfg.drain_grace_ms = 0;
+        cfg.drain_spread_ms = 0;
+        if geos.several() {
+            cfg.geos.peers = geos
+                .names
+                .iter()
+                .enumerate()
+                .filter(|(o, _)| *o != g)
+                .map(|(o, other)| cellmesh_proxy::PeerGeo {
+                    name: other.clone(),
+                    proxies: proxy_addrs[o].clone(),
+                    board: "memory".into(),
+                })
+                .collect();
+            // The shaping is in-process: the kernel sees loopback, the pings see the latency.
+            cfg.geos.kernel_rtt = false;
+            cfg.geos.probe_every_ms = 10_000;
+            // A demo of a minute: settle and bridge briefly.
+            cfg.geos.handover.settle_ms = 5_000;
+            cfg.geos.handover.settle_depth_m = 20.0;
+            cfg.geos.handover.max_bridge_ms = 20_000;
+            cfg.geos.handover.min_samples = 3;
+        }
+        let proxy = cellmesh_proxy::start_with(cfg, stop.child_token(), Some(boards.clone()))
+            .await
+            .with_context(|| format!("starting the proxy of geo {name}"))?;
+        proxies.push(proxy);
+    }
 
     let deadline = Instant::now() + Duration::from_secs(15);
     let linked = |s: &cellmesh_sidecar::SidecarHandle| {
         let st = s.stats();
         st.game_connected && st.peers_up as usize == opts.nodes - 1
     };
-    while !(nodes.iter().all(|n| linked(&n.sidecar)) && proxy.admin.is_ready()) {
+    while !(nodes.iter().all(|n| linked(&n.sidecar)) && proxies.iter().all(|p| p.admin.is_ready()))
+    {
         anyhow::ensure!(
             Instant::now() < deadline,
             "the cluster did not become ready within 15 s"
@@ -731,29 +906,72 @@ pub async fn run(
         .iter()
         .map(|n| format!("http://{}", n.sidecar.admin_addr))
         .collect();
+    let edges: Vec<String> = proxies
+        .iter()
+        .zip(&geos.names)
+        .map(|(p, g)| {
+            if geos.several() {
+                format!(
+                    "{g}: clients {} admin http://{}",
+                    p.client_addr, p.admin_addr
+                )
+            } else {
+                format!("clients {} admin http://{}", p.client_addr, p.admin_addr)
+            }
+        })
+        .collect();
     println!(
-        "cellmesh up: {} nodes ({cols}×{rows}), sidecar admin {} · proxy clients {} admin http://{} · {} bots",
+        "cellmesh up: {} nodes ({cols}×{rows}), sidecar admin {} · proxy {} · {} bots",
         opts.nodes,
         admins.join(" "),
-        proxy.client_addr,
-        proxy.admin_addr,
+        edges.join(" · "),
         opts.bots
     );
 
-    let bot_cfg = Arc::new(BotConfig {
-        proxy: proxy.client_addr.to_string(),
-        secret,
-        home,
-        roam,
-        seed: opts.seed,
-        census: Some(games.clone()),
-        ..BotConfig::default()
-    });
+    // Bots: each plays from a geo (round robin); from there every proxy is a relay away that adds
+    // the latency. A quarter log in far from home (to the next geo's proxy), as travellers or
+    // misrouted players do: the handover policy is for them.
+    let mut bot_cfgs: Vec<Arc<BotConfig>> = Vec::new();
+    for location in 0..geos.names.len() {
+        let mut via = std::collections::HashMap::new();
+        if geos.several() {
+            for (g, p) in proxies.iter().enumerate() {
+                let relay = cellmesh_proto::shaping::relay(
+                    p.client_addr,
+                    geos.to_proxy(location, g),
+                    stop.child_token(),
+                )
+                .await
+                .context("starting a latency relay")?;
+                via.insert(p.client_addr.to_string(), relay.to_string());
+            }
+        }
+        for start in [location, (location + 1) % geos.names.len()] {
+            bot_cfgs.push(Arc::new(BotConfig {
+                proxy: proxies[start].client_addr.to_string(),
+                secret: secret.clone(),
+                home,
+                roam,
+                seed: opts.seed,
+                census: Some(games.clone()),
+                geo: geos.several().then(|| bots::BotGeo {
+                    location: geos.names[location].clone(),
+                    via: via.clone(),
+                }),
+                ..BotConfig::default()
+            }));
+        }
+    }
+    let bot_cfg_of = |i: usize| {
+        let n = geos.names.len();
+        let (location, far) = (i % n, i / n % 4 == 3 && n > 1);
+        bot_cfgs[location * 2 + usize::from(far)].clone()
+    };
     let bot_stats = Arc::new(BotStats::default());
     let bot_stop = CancellationToken::new();
     let mut bot_tasks = Vec::with_capacity(opts.bots);
     for i in 0..opts.bots {
-        let (cfg, stats, stop) = (bot_cfg.clone(), bot_stats.clone(), bot_stop.clone());
+        let (cfg, stats, stop) = (bot_cfg_of(i), bot_stats.clone(), bot_stop.clone());
         bot_tasks.push(tokio::spawn(bots::run_bot(
             format!("bot-{i}"),
             cfg,
@@ -785,6 +1003,7 @@ pub async fn run(
             .filter(|at| end.is_none_or(|e| *at + CHAOS_QUIET_AT_END <= e))
     };
     let mut kill_at = next_kill(tokio::time::Instant::now());
+    let mut bridged_peak = 0u64;
     tokio::pin!(interrupt);
     loop {
         tokio::select! {
@@ -833,8 +1052,10 @@ pub async fn run(
                 for n in &nodes {
                     restored.extend(n.sidecar.take_restored());
                 }
+                let p = proxy_stats(&proxies);
+                bridged_peak = bridged_peak.max(p.bridged_sessions);
                 if !opts.status { continue }
-                let (s, p, b) = (totals(&nodes, &departed), proxy.stats(), bot_stats.totals());
+                let (s, b) = (totals(&nodes, &departed), bot_stats.totals());
                 let dt = last.0.elapsed().as_secs_f64().max(1e-3);
                 let line = format!(
                     "t={:>4.0}s nodes={} killed={} sessions={:>4} entities={:>5} ghosts={}/{} subs={} xnode={} routed={} handoffs={} in_doubt={} inputs/s={:>6.0} updates/s={:>7.0} rtt p50={:.2}ms p99={:.2}ms errors={}",
@@ -845,6 +1066,11 @@ pub async fn run(
                     (b.updates_delivered - last.2) as f64 / dt,
                     p.rtt_ms_p50, p.rtt_ms_p99, b.errors + s.errors,
                 );
+                let line = if geos.several() {
+                    format!("{line} bridged={} handovers={}", p.bridged_sessions, p.handovers)
+                } else {
+                    line
+                };
                 last = (Instant::now(), s.inputs_delivered, b.updates_delivered);
                 if tty { print!("\r{line}  "); use std::io::Write; let _ = std::io::stdout().flush(); } else { println!("{line}"); }
             }
@@ -881,7 +1107,11 @@ pub async fn run(
     }
     halt.store(true, std::sync::atomic::Ordering::Relaxed);
     let ledger = || {
-        let (s, p, b) = (totals(&nodes, &departed), proxy.stats(), bot_stats.totals());
+        let (s, p, b) = (
+            totals(&nodes, &departed),
+            proxy_stats(&proxies),
+            bot_stats.totals(),
+        );
         let ledger = InputLedger {
             bots_sent: b.inputs_sent,
             bots_on_broken_sessions: b.inputs_on_broken_sessions,
@@ -993,7 +1223,9 @@ pub async fn run(
             None => {}
         }
     }
-    let _ = tokio::time::timeout(Duration::from_secs(5), proxy.wait()).await;
+    for proxy in proxies {
+        let _ = tokio::time::timeout(Duration::from_secs(5), proxy.wait()).await;
+    }
     for n in nodes {
         let _ = tokio::time::timeout(Duration::from_secs(5), n.sidecar.wait()).await;
         if let Some(rt) = n.runtime {
@@ -1005,6 +1237,11 @@ pub async fn run(
     let chaos = chaos_figures(&kills, &restored);
 
     let (inputs_undelivered, inputs_unaccounted) = inputs_by_hop.undelivered();
+    let handed_over = bot_stats
+        .handed_over_input_to_update_ms
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
     let summary = Summary {
         duration_s: started.elapsed().as_secs_f64(),
         nodes: opts.nodes,
@@ -1073,12 +1310,90 @@ pub async fn run(
         accounts_with_two_avatars,
         sessions_without_avatar,
         avatars_after_logout,
+        geos: if geos.several() {
+            geos.names.clone()
+        } else {
+            Vec::new()
+        },
+        bridged_sessions: bridged_peak,
+        handovers: p.handovers,
+        handover_reconnect_ms_p50: Percentiles::of(
+            bot_stats
+                .reconnect_ms
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone(),
+        )
+        .p50,
+        hint_hits: p.hint_hits,
+        cookie_hits: p.cookie_hits,
+        mongo_reads_at_login: s.login_record_reads,
+        probes_served: p.probes_served,
+        handed_over_bots: handed_over.len(),
+        handed_over_input_to_update_ms_before: Percentiles::of(
+            handed_over.iter().map(|(b, _)| *b).collect(),
+        )
+        .p50,
+        handed_over_input_to_update_ms_after: Percentiles::of(
+            handed_over.iter().map(|(_, a)| *a).collect(),
+        )
+        .p50,
+        input_to_update_ms: bot_stats
+            .input_to_update_ms
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .map(|(loc, v)| (loc.clone(), Percentiles::of(v.clone())))
+            .collect(),
     };
     if let Some(path) = &opts.summary_json {
         std::fs::write(path, serde_json::to_string_pretty(&summary)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(summary)
+}
+
+/// A loopback address nothing listens on now (bound and released), for a listener that others
+/// must be able to name before it starts.
+fn free_loopback_addr() -> anyhow::Result<String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.to_string())
+}
+
+/// The proxies' counters together (their RTT percentiles: the worst proxy's).
+fn proxy_stats(proxies: &[cellmesh_proxy::ProxyHandle]) -> cellmesh_proxy::ProxyStats {
+    let mut t = cellmesh_proxy::ProxyStats::default();
+    for p in proxies {
+        let s = p.stats();
+        t.sessions += s.sessions;
+        t.sessions_peak += s.sessions_peak;
+        t.sessions_moved += s.sessions_moved;
+        t.connections_refused += s.connections_refused;
+        t.rtt_reports_dropped += s.rtt_reports_dropped;
+        t.inputs_accepted += s.inputs_accepted;
+        t.inputs_dropped += s.inputs_dropped;
+        t.inputs_received += s.inputs_received;
+        for (why, n) in s.inputs_lost {
+            *t.inputs_lost.entry(why).or_insert(0) += n;
+        }
+        t.inputs_written += s.inputs_written;
+        t.inputs_on_ended_links += s.inputs_on_ended_links;
+        t.kicks += s.kicks;
+        t.rtt_ms_p50 = t.rtt_ms_p50.max(s.rtt_ms_p50);
+        t.rtt_ms_p99 = t.rtt_ms_p99.max(s.rtt_ms_p99);
+        t.rtt_samples += s.rtt_samples;
+        t.frames_in += s.frames_in;
+        t.frames_out += s.frames_out;
+        t.logins_refused += s.logins_refused;
+        t.gateways_closed += s.gateways_closed;
+        t.hint_hits += s.hint_hits;
+        t.cookie_hits += s.cookie_hits;
+        t.cookie_requests += s.cookie_requests;
+        t.handovers += s.handovers;
+        t.bridged_sessions += s.bridged_sessions;
+        t.probes_served += s.probes_served;
+    }
+    t
 }
 
 /// The restore figures of a `--chaos` run.

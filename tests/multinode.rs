@@ -19,6 +19,7 @@ async fn four_nodes_serve_one_world_without_errors() {
         status: false,
         chaos: None,
         chaos_in_place: false,
+        ..UpOptions::default()
     };
     let s = run(opts, std::future::pending()).await.expect("up runs");
     assert_eq!(s.nodes, 4);

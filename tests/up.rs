@@ -20,6 +20,7 @@ async fn up_with_four_nodes_delivers_every_input_and_hands_off_without_loss() {
         status: false,
         chaos: None,
         chaos_in_place: false,
+        ..UpOptions::default()
     };
     let s = run(opts, std::future::pending()).await.expect("up runs");
     eprintln!("{s:?}");
@@ -76,6 +77,7 @@ async fn chaos_keeps_everything(in_place: bool) {
         status: false,
         chaos: Some(Duration::from_secs(7)),
         chaos_in_place: in_place,
+        ..UpOptions::default()
     };
     let s = run(opts, std::future::pending()).await.expect("up runs");
     eprintln!("{s:?}");
@@ -134,4 +136,50 @@ fn up_binary_writes_summary_json() {
     assert_eq!(v["errors"], 0, "{v}");
     assert_eq!(v["sessions_peak"], 5, "{v}");
     assert!(stdout.contains("sessions="), "no status line in: {stdout}");
+}
+
+/// Two geos 45 ms apart, latency shaped in-process: bots bridged into the other geo's regions
+/// keep playing through their proxy; those who logged in far from home are handed over to the
+/// nearer proxy, log in there on the hint (no record read), keep their avatar, and see their
+/// inputs acknowledged sooner than before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_geos_bridge_then_hand_over_without_loss() {
+    let bots = 24;
+    let opts = UpOptions {
+        bots,
+        npcs: 40,
+        nodes: 4,
+        duration: Some(Duration::from_secs(35)),
+        seed: 7,
+        status: false,
+        geos: vec!["paris".into(), "montreal".into()],
+        geo_delay_ms: 45,
+        ..UpOptions::default()
+    };
+    let s = run(opts, std::future::pending()).await.expect("up runs");
+    eprintln!("{s:?}");
+    assert_eq!(s.geos, ["paris", "montreal"]);
+    assert_eq!(s.errors, 0, "{s:?}");
+    assert!(s.bridged_sessions > 0, "{s:?}");
+    assert!(s.handovers > 0, "{s:?}");
+    assert_eq!(
+        s.hint_hits + s.cookie_hits,
+        s.handovers,
+        "every handed-over login skipped the record read: {s:?}"
+    );
+    assert_eq!(
+        s.mongo_reads_at_login, bots as u64,
+        "only the first logins read the player record: {s:?}"
+    );
+    assert!(s.probes_served > 0, "{s:?}");
+    assert_eq!((s.entities_lost, s.entities_duplicated), (0, 0), "{s:?}");
+    assert_eq!(s.accounts_with_two_avatars, 0, "{s:?}");
+    assert_eq!(s.sessions_without_avatar, 0, "{s:?}");
+    assert_eq!(s.inputs_unaccounted, 0, "{s:?}");
+    assert!(s.handed_over_bots > 0, "{s:?}");
+    assert!(
+        s.handed_over_input_to_update_ms_after < s.handed_over_input_to_update_ms_before,
+        "a handover is worth its reconnect: {s:?}"
+    );
+    assert_eq!(s.input_to_update_ms.len(), 2, "{s:?}");
 }

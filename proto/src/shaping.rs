@@ -86,6 +86,77 @@ pub fn delay_line<T: Send + 'static>(
     out
 }
 
+/// A loopback TCP relay to `target` that delays both directions by `delay` one way: what a client
+/// in one place sees of a server in another. Returns the address to connect to instead of
+/// `target`; runs until `stop`.
+pub async fn relay(
+    target: std::net::SocketAddr,
+    delay: OneWay,
+    stop: tokio_util::sync::CancellationToken,
+) -> std::io::Result<std::net::SocketAddr> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        loop {
+            let (client, _) = tokio::select! {
+                _ = stop.cancelled() => return,
+                r = listener.accept() => match r {
+                    Ok(c) => c,
+                    Err(_) => continue,
+                },
+            };
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(target).await else {
+                    return;
+                };
+                let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    _ = async { tokio::join!(pipe(cr, sw, delay), pipe(sr, cw, delay)) } => {}
+                }
+            });
+        }
+    });
+    Ok(addr)
+}
+
+/// Copies `from` to `to`, each chunk `delay` late, in order; ends (shutting `to` down) when
+/// `from` does.
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    delay: OneWay,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (tx, rx) = mpsc::channel::<Vec<u8>>(1024);
+    let mut rx = delay_line(rx, delay, 1024, |_| {});
+    let reader = async move {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            match from.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if tx.send(buf[..n].to_vec()).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    };
+    let writer = async move {
+        while let Some(chunk) = rx.recv().await {
+            if to.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+        let _ = to.shutdown().await;
+    };
+    tokio::join!(reader, writer);
+}
+
 /// The line's reader went away: everything still in the line or on its way in is lost.
 fn give_up<T>(mut line: VecDeque<(Instant, T)>, mut rx: mpsc::Receiver<T>, lost: &impl Fn(T)) {
     for (_, item) in line.drain(..) {
@@ -128,6 +199,35 @@ mod tests {
         );
         drop(tx);
         assert_eq!(out.recv().await, None, "closes when its input does");
+    }
+
+    #[tokio::test]
+    async fn a_relay_delays_each_way() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target = server.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = server.accept().await.unwrap();
+            let mut b = [0u8; 4];
+            while s.read_exact(&mut b).await.is_ok() {
+                s.write_all(&b).await.unwrap();
+            }
+        });
+        let stop = tokio_util::sync::CancellationToken::new();
+        let via = relay(target, OneWay::ms(30, 0), stop.clone())
+            .await
+            .unwrap();
+        let mut c = tokio::net::TcpStream::connect(via).await.unwrap();
+        let mut b = [0u8; 4];
+        for _ in 0..3 {
+            let t = std::time::Instant::now();
+            c.write_all(b"ping").await.unwrap();
+            c.read_exact(&mut b).await.unwrap();
+            assert_eq!(&b, b"ping");
+            let rtt = t.elapsed();
+            assert!(rtt >= Duration::from_millis(60), "{rtt:?}");
+        }
+        stop.cancel();
     }
 
     #[tokio::test]

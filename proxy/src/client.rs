@@ -210,7 +210,7 @@ impl Client {
                 break;
             }
         }
-        let kernel = crate::tcpinfo::kernel_rtt(self.reader.get_ref().as_ref());
+        let kernel = self.kernel_rtt();
         let summary = pings.summary();
         let rtt = match (kernel, summary) {
             (Some(k), s) => FarRtt {
@@ -247,6 +247,16 @@ impl Client {
             }
         };
         done(format!("measured {:.1} ms", rtt.min_ms))
+    }
+
+    /// The kernel's RTT figures of this connection, unless the config turns them off.
+    fn kernel_rtt(&self) -> Option<crate::tcpinfo::KernelRtt> {
+        self.shared
+            .cfg
+            .geos
+            .kernel_rtt
+            .then(|| crate::tcpinfo::kernel_rtt(self.reader.get_ref().as_ref()))
+            .flatten()
     }
 
     /// How the task ends when it was stopped from outside.
@@ -760,8 +770,7 @@ impl Client {
                 if let Some(rtt) = pings.pong(p.nonce, std::time::Instant::now()) {
                     shared.metrics.rtt(self.id, rtt);
                     if let Some(sum) = pings.summary() {
-                        let kernel = crate::tcpinfo::kernel_rtt(self.reader.get_ref().as_ref());
-                        info.set_rtt(sum, kernel);
+                        info.set_rtt(sum, self.kernel_rtt());
                         let rtt = SessionRtt {
                             session_id: s.id,
                             rtt_ms_p50: sum.p50_ms as f32,

@@ -71,6 +71,10 @@ pub struct GeosConfig {
     pub probe_every_ms: u64,
     /// DNS servers (`ip:port`) that resolve the peers' `proxies` names; empty: the system's.
     pub dns_servers: Vec<String>,
+    /// Use the kernel's TCP round-trip estimate (`TCP_INFO`) where there is one, rather than the
+    /// timed pings. Off only for demos whose latency is shaped in-process, which the kernel
+    /// cannot see.
+    pub kernel_rtt: bool,
     pub handover: HandoverParams,
 }
 
@@ -94,6 +98,7 @@ impl Default for GeosConfig {
             cookie_wait_ms: 1000,
             probe_every_ms: 60_000,
             dns_servers: Vec::new(),
+            kernel_rtt: true,
             handover: HandoverParams::default(),
         }
     }

@@ -103,6 +103,8 @@ pub struct SidecarStats {
     pub inputs_held: u64,
     /// Writes of checkpoints to the geo's store, the checkpoints and bytes they carried.
     pub checkpoint_writes: u64,
+    /// Player records read at login (a handover hint saves the read).
+    pub login_record_reads: u64,
     pub checkpoints_stored: u64,
     pub checkpoint_stored_bytes: u64,
     /// Whether the node admits new sessions now, and how often it stopped (any reason).
@@ -151,6 +153,7 @@ impl SidecarHandle {
             held_frames: m.held_frames.get().max(0) as u64,
             inputs_held: m.inputs_held.get().max(0) as u64,
             checkpoint_writes: m.checkpoint_writes.get(),
+            login_record_reads: m.login_record_reads.get(),
             checkpoints_stored: m.checkpoints_stored.get(),
             checkpoint_stored_bytes: m.checkpoint_stored_bytes.get(),
             admission_open: m.admission_open.get() > 0,
