@@ -113,6 +113,10 @@ pub struct BotStats {
     /// For each bot handed over: the median click-to-screen time of its session before the
     /// handover, and of the one after (ms).
     pub handed_over_input_to_update_ms: std::sync::Mutex<Vec<(f64, f64)>>,
+    /// Handed-over bots that found, in the new geo, the same avatar with the same inventory as
+    /// before the handover, or another.
+    pub handover_avatar_kept: AtomicU64,
+    pub handover_avatar_replaced: AtomicU64,
 }
 
 fn median(v: &mut [f64]) -> Option<f64> {
@@ -190,8 +194,10 @@ pub async fn run_bot(
     let mut proxy = cfg.proxy.clone();
     let mut cookie: Vec<u8> = Vec::new();
     let mut transferred_at: Option<std::time::Instant> = None;
-    // The median click-to-screen time of the session a handover ended, until the next one's.
+    // The median click-to-screen time of the session a handover ended, and its avatar (id and
+    // inventory), until the next session's are known.
     let mut before_handover: Option<f64> = None;
+    let mut avatar_before: Option<(u64, Vec<u8>)> = None;
     while !stop.is_cancelled() {
         let token = cellmesh_proto::token::sign(cfg.secret.as_bytes(), &account, now_unix() + 3600);
         let how = client::Login {
@@ -224,18 +230,31 @@ pub async fn run_bot(
                 };
                 let mut sent = 0;
                 let mut samples = Vec::new();
+                let mut avatar = None;
                 let ended = play(
                     &account,
                     &cfg,
                     &stats,
                     &stop,
                     &mut rng,
-                    (&mut seq, &mut sent, &mut samples),
+                    (&mut seq, &mut sent, &mut samples, &mut avatar),
                     world,
                     tx,
                     rx,
                 )
                 .await;
+                if let (Some(before), Some(now)) = (avatar_before.take(), &avatar) {
+                    let same = before == *now;
+                    if !same {
+                        tracing::warn!(%account, ?before, ?now, "handed over, and found another avatar");
+                    }
+                    let counter = if same {
+                        &stats.handover_avatar_kept
+                    } else {
+                        &stats.handover_avatar_replaced
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                }
                 if let (Some(before), Some(after)) = (before_handover.take(), median(&mut samples))
                 {
                     stats
@@ -255,6 +274,7 @@ pub async fn run_bot(
                             .inputs_on_broken_sessions
                             .fetch_add(sent, Ordering::Relaxed);
                         before_handover = median(&mut samples);
+                        avatar_before = avatar;
                         stats.handovers.fetch_add(1, Ordering::Relaxed);
                         proxy = format!("{}:{}", t.host, t.port);
                         cookie = t.cookie.to_vec();
@@ -312,8 +332,9 @@ fn chunks_apart(world: &WorldShape, a: (f64, f64), b: (f64, f64)) -> f64 {
     dx.abs().max(dy.abs()) / world.chunk_size.max(1e-9)
 }
 
-/// Plays one session: `(seq, sent, samples)` are the account's input sequence, the inputs sent
-/// on this session, and its click-to-screen samples (ms).
+/// Plays one session: `(seq, sent, samples, avatar)` are the account's input sequence, the
+/// inputs sent on this session, its click-to-screen samples (ms), and its avatar (the id it
+/// appeared under, and the inventory last seen on it).
 #[allow(clippy::too_many_arguments)]
 async fn play(
     account: &str,
@@ -321,7 +342,12 @@ async fn play(
     stats: &BotStats,
     stop: &CancellationToken,
     rng: &mut StdRng,
-    (seq, sent, samples): (&mut u64, &mut u64, &mut Vec<f64>),
+    (seq, sent, samples, avatar): (
+        &mut u64,
+        &mut u64,
+        &mut Vec<f64>,
+        &mut Option<(u64, Vec<u8>)>,
+    ),
     world: WorldShape,
     mut tx: ClientSender,
     mut rx: ClientReceiver,
@@ -372,6 +398,9 @@ async fn play(
                                     let mine = d.components.iter().any(|c| c.r#type == schema::KIND && c.payload == me.as_bytes());
                                     if mine {
                                         my_entity = Some(d.entity_id);
+                                        if avatar.is_none() {
+                                            *avatar = Some((d.entity_id, Vec::new()));
+                                        }
                                     }
                                 }
                                 Ok(DeltaKind::Vanish) => {
@@ -390,6 +419,12 @@ async fn play(
                                 _ => {}
                             }
                             if Some(d.entity_id) == my_entity {
+                                // Owner-only, it may come a little after the avatar itself.
+                                if let (Some(inv), Some((id, held))) = (d.components.iter().find(|c| c.r#type == schema::INVENTORY), avatar.as_mut()) {
+                                    if *id == d.entity_id {
+                                        *held = inv.payload.to_vec();
+                                    }
+                                }
                                 if let Some(ack) = d.components.iter().find(|c| c.r#type == schema::INPUT_ACK) {
                                     let last = ack.payload.get(..8).map_or(0, |b| u64::from_be_bytes(b.try_into().expect("8 bytes")));
                                     if last > acked {

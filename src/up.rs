@@ -227,6 +227,10 @@ pub struct Summary {
     /// Bots handed over and then played on: the median over them of their click-to-screen
     /// medians before and after the handover.
     pub handed_over_bots: usize,
+    /// Handed-over bots that found the same avatar (entity and inventory) in the new geo, or
+    /// another one.
+    pub handover_avatar_kept: u64,
+    pub handover_avatar_replaced: u64,
     pub handed_over_input_to_update_ms_before: f64,
     pub handed_over_input_to_update_ms_after: f64,
 }
@@ -1330,6 +1334,12 @@ pub async fn run(
         mongo_reads_at_login: s.login_record_reads,
         probes_served: p.probes_served,
         handed_over_bots: handed_over.len(),
+        handover_avatar_kept: bot_stats
+            .handover_avatar_kept
+            .load(std::sync::atomic::Ordering::Relaxed),
+        handover_avatar_replaced: bot_stats
+            .handover_avatar_replaced
+            .load(std::sync::atomic::Ordering::Relaxed),
         handed_over_input_to_update_ms_before: Percentiles::of(
             handed_over.iter().map(|(b, _)| *b).collect(),
         )

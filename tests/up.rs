@@ -177,6 +177,11 @@ async fn two_geos_bridge_then_hand_over_without_loss() {
     assert_eq!(s.sessions_without_avatar, 0, "{s:?}");
     assert_eq!(s.inputs_unaccounted, 0, "{s:?}");
     assert!(s.handed_over_bots > 0, "{s:?}");
+    assert!(s.handover_avatar_kept > 0, "{s:?}");
+    assert_eq!(
+        s.handover_avatar_replaced, 0,
+        "a handover keeps the avatar and its inventory: {s:?}"
+    );
     assert!(
         s.handed_over_input_to_update_ms_after < s.handed_over_input_to_update_ms_before,
         "a handover is worth its reconnect: {s:?}"

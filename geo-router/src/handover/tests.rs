@@ -223,3 +223,43 @@ fn bad_parameters_are_refused_by_name() {
     assert_eq!(bad.validate().unwrap_err().name, "near_ms");
     HandoverParams::default().validate().unwrap();
 }
+
+/// What the proxies would measure of a client that delays its answers by `delay_ms` (to its own
+/// proxy when `own`, to the far one when `far`): the kernel's figure does not move, timed pings
+/// do.
+fn measured(true_current: f64, true_far: f64, own: f64, far: f64, kernel: bool) -> GeoRtt {
+    if kernel {
+        rtt(true_current, true_far)
+    } else {
+        rtt(true_current + own, true_far + far)
+    }
+}
+
+#[test]
+fn a_client_delaying_its_answers_from_login_gets_the_honest_decisions_from_kernel_figures() {
+    // A Montrealer on the Paris proxy, settling in Montreal's half and crossing on: the honest
+    // run hands them over at the crossing.
+    let path = |s: u64| {
+        let x = BORDER_X - 100.0 + 5.0 * s.min(80) as f64;
+        if s < 200 {
+            x
+        } else {
+            x + 5.0 * (s - 200) as f64
+        }
+    };
+    let honest = run(path, 900, &measured(90.0, 10.0, 0.0, 0.0, true));
+    assert!(!handovers(&honest).is_empty());
+    for (own, far) in [(90.0, 90.0), (0.0, 90.0)] {
+        // Delays every pong, or only the far site's probes: with the kernel's figures, the
+        // decisions are the honest ones, verdict for verdict.
+        let cheat = run(path, 900, &measured(90.0, 10.0, own, far, true));
+        assert_eq!(cheat, honest, "own +{own} ms, far +{far} ms");
+    }
+    // Timed pings alone: delaying every answer shifts both figures alike and still gets the
+    // honest handover; delaying only the far site's probes makes it look no nearer, and the
+    // player would stay bridged for good.
+    let pinged = run(path, 900, &measured(90.0, 10.0, 90.0, 90.0, false));
+    assert_eq!(handovers(&pinged).first(), handovers(&honest).first());
+    let pinged = run(path, 900, &measured(90.0, 10.0, 0.0, 90.0, false));
+    assert!(handovers(&pinged).is_empty());
+}

@@ -41,6 +41,9 @@ pub(crate) const TRANSFERRED: &str = "transferred";
 /// How long the avatar of a session handed over to another geo waits for the login there: as
 /// long as the handover's hint and cookie are honoured.
 pub(crate) const TRANSFER_GRACE_MS: u64 = cellmesh_proto::cookie::MAX_AGE_MS;
+/// How long a session handed over from another geo waits for its avatar's owner to anchor it:
+/// a round trip across the world and back, with room to spare.
+pub(crate) const HANDED_OVER_WAIT_MS: u64 = 3_000;
 
 #[derive(Default)]
 pub(crate) struct Avatars {
@@ -413,6 +416,16 @@ impl Core {
         self.avatars
             .awaiting
             .insert(account.to_string(), (until, dead));
+        self.gw.master_owner.remove(account);
+    }
+
+    /// A session handed over from another geo waits [`HANDED_OVER_WAIT_MS`] for its avatar's
+    /// owner to anchor it (the owner joins the newer session it is told of), then spawns one.
+    pub(crate) fn await_handed_over_avatar(&mut self, account: &str) {
+        let until = self.now.mono_ms + HANDED_OVER_WAIT_MS;
+        self.avatars
+            .awaiting
+            .insert(account.to_string(), (until, None));
         self.gw.master_owner.remove(account);
     }
 

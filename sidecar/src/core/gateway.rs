@@ -40,6 +40,8 @@ pub(crate) struct Session {
     pub rtt: Option<(f32, f32)>,
     /// When the proxy handed the session over to another geo (wall-clock ms).
     pub handed_over_at: Option<u64>,
+    /// The session was handed over to this geo from another.
+    pub handed_over_in: bool,
 }
 
 /// The gateway side of the node: the client sessions proxies attached here, their views, and
@@ -122,6 +124,7 @@ impl Sessions {
                 home_geo: None,
                 rtt: None,
                 handed_over_at: None,
+                handed_over_in: false,
             },
         );
         key
@@ -270,6 +273,7 @@ impl Core {
                 .inc();
             if let Some(s) = self.gw.sessions.all.get_mut(&key) {
                 s.last_position = h.last_position.map(|p| [p.x, p.y, p.z]);
+                s.handed_over_in = true;
             }
             h.session_epoch
         });
@@ -373,8 +377,20 @@ impl Core {
                 self.avatar_at(&account, reg.master)
             }
         };
-        self.announce_session(&account, reg.epoch, at == AvatarAt::Nowhere);
+        let handed_over_in = self.gw.sessions.get(key).is_some_and(|s| s.handed_over_in);
+        // Handed over from another geo: its avatar lives on, and its master record is in the
+        // directory of whichever geo its owner is in (this geo's may hold none, or an older
+        // owner's). Unless this node writes it, the owner hears of this newer session, joins it
+        // and anchors it here; only if none does in time is one spawned.
+        let wait_for_owner = handed_over_in && at != AvatarAt::Here;
+        if wait_for_owner {
+            self.announce_session(&account, reg.epoch, false);
+            self.await_handed_over_avatar(&account);
+        } else {
+            self.announce_session(&account, reg.epoch, at == AvatarAt::Nowhere);
+        }
         match at {
+            _ if wait_for_owner => {}
             AvatarAt::Here => self.join_here(&account, reg.epoch, last_position),
             AvatarAt::Peer(owner) => {
                 if self.send_join(owner, &account, reg.epoch, last_position) {

@@ -550,6 +550,88 @@ fn a_handed_over_players_avatar_waits_for_the_login_in_the_other_geo() {
     }
 }
 
+/// A login handed over from another geo whose avatar this geo's directory does not name waits
+/// for the avatar's owner to anchor it (the owner hears of the newer session), and spawns one
+/// only if none does in time; a plain login with no avatar spawns one at once.
+#[test]
+fn a_handed_over_login_waits_for_its_avatars_owner_before_spawning_one() {
+    for handed_over in [false, true] {
+        let mut core = node();
+        core.handle(
+            at(10),
+            Input::LinkUp {
+                link: 20,
+                hello: mesh::LinkHello {
+                    version: Some(mesh::ProtocolVersion::current()),
+                    role: mesh::PeerRole::Proxy as i32,
+                    id: "edge".into(),
+                    geo: "test".into(),
+                    partition_epoch: 0,
+                    node_id: 0,
+                },
+                remote: "edge".into(),
+                rest: vec![mesh_message::Body::Attach(mesh::Attach {
+                    session_id: 1,
+                    account: "alice".into(),
+                    remote_addr: String::new(),
+                    moved: false,
+                    handover: handed_over.then(|| mesh::HandoverHint {
+                        session_epoch: 4,
+                        last_position: None,
+                        issued_unix_ms: 0,
+                        source: "hint".into(),
+                    }),
+                })
+                .into()],
+            },
+        );
+        let reqs = store_requests(&mut core);
+        let (key, from) = reqs
+            .iter()
+            .find_map(|r| match r {
+                StoreRequest::Register {
+                    session,
+                    handed_over_from,
+                    ..
+                } => Some((*session, *handed_over_from)),
+                _ => None,
+            })
+            .expect("registered");
+        assert_eq!(from, handed_over.then_some(4));
+        core.handle(
+            at(20),
+            Input::Store(StoreReply::Registered {
+                session: key,
+                account: "alice".into(),
+                result: Ok(Registration {
+                    epoch: 5,
+                    record: None,
+                    master: None,
+                }),
+            }),
+        );
+        let joins = |core: &mut Core| {
+            to_game(core)
+                .into_iter()
+                .filter(|b| matches!(b, sidecar_message::Body::PlayerJoin(_)))
+                .count()
+        };
+        if !handed_over {
+            assert_eq!(
+                joins(&mut core),
+                1,
+                "a new player's avatar is spawned at once"
+            );
+            continue;
+        }
+        assert_eq!(joins(&mut core), 0, "the owner elsewhere is waited for");
+        core.handle(at(2_900), Input::Timer);
+        assert_eq!(joins(&mut core), 0);
+        core.handle(at(3_100), Input::Timer);
+        assert_eq!(joins(&mut core), 1, "nobody anchored it in time: spawned");
+    }
+}
+
 /// The client `alice` on proxy link 20, her avatar at (240, 50) near node 2's border (x 256), and
 /// the link to node 2 (link 30) up: her view takes in node 2's chunks.
 fn alice_at_the_border(core: &mut Core) {
