@@ -228,21 +228,16 @@ pub async fn run_bot(
                     chunk_size: welcome.chunk_size,
                     ..WorldShape::default()
                 };
-                let mut sent = 0;
-                let mut samples = Vec::new();
-                let mut avatar = None;
+                let mut log = SessionLog::default();
                 let ended = play(
-                    &account,
-                    &cfg,
-                    &stats,
-                    &stop,
-                    &mut rng,
-                    (&mut seq, &mut sent, &mut samples, &mut avatar),
-                    world,
-                    tx,
-                    rx,
+                    &account, &cfg, &stats, &stop, &mut rng, &mut seq, &mut log, world, tx, rx,
                 )
                 .await;
+                let SessionLog {
+                    sent,
+                    mut samples,
+                    avatar,
+                } = log;
                 if let (Some(before), Some(now)) = (avatar_before.take(), &avatar) {
                     let same = before == *now;
                     if !same {
@@ -332,9 +327,16 @@ fn chunks_apart(world: &WorldShape, a: (f64, f64), b: (f64, f64)) -> f64 {
     dx.abs().max(dy.abs()) / world.chunk_size.max(1e-9)
 }
 
-/// Plays one session: `(seq, sent, samples, avatar)` are the account's input sequence, the
-/// inputs sent on this session, its click-to-screen samples (ms), and its avatar (the id it
-/// appeared under, and the inventory last seen on it).
+/// What one session leaves behind: the inputs sent on it, its click-to-screen samples (ms), and
+/// its avatar (the id it appeared under, and the inventory last seen on it).
+#[derive(Default)]
+struct SessionLog {
+    sent: u64,
+    samples: Vec<f64>,
+    avatar: Option<(u64, Vec<u8>)>,
+}
+
+/// Plays one session; `seq` is the account's input sequence, across sessions.
 #[allow(clippy::too_many_arguments)]
 async fn play(
     account: &str,
@@ -342,12 +344,8 @@ async fn play(
     stats: &BotStats,
     stop: &CancellationToken,
     rng: &mut StdRng,
-    (seq, sent, samples, avatar): (
-        &mut u64,
-        &mut u64,
-        &mut Vec<f64>,
-        &mut Option<(u64, Vec<u8>)>,
-    ),
+    seq: &mut u64,
+    log: &mut SessionLog,
     world: WorldShape,
     mut tx: ClientSender,
     mut rx: ClientReceiver,
@@ -378,7 +376,7 @@ async fn play(
                 })
                 .await;
                 if gone.is_err() {
-                    stats.inputs_on_broken_sessions.fetch_add(*sent, Ordering::Relaxed);
+                    stats.inputs_on_broken_sessions.fetch_add(log.sent, Ordering::Relaxed);
                 }
                 return Ok(None);
             }
@@ -398,8 +396,8 @@ async fn play(
                                     let mine = d.components.iter().any(|c| c.r#type == schema::KIND && c.payload == me.as_bytes());
                                     if mine {
                                         my_entity = Some(d.entity_id);
-                                        if avatar.is_none() {
-                                            *avatar = Some((d.entity_id, Vec::new()));
+                                        if log.avatar.is_none() {
+                                            log.avatar = Some((d.entity_id, Vec::new()));
                                         }
                                     }
                                 }
@@ -420,7 +418,7 @@ async fn play(
                             }
                             if Some(d.entity_id) == my_entity {
                                 // Owner-only, it may come a little after the avatar itself.
-                                if let (Some(inv), Some((id, held))) = (d.components.iter().find(|c| c.r#type == schema::INVENTORY), avatar.as_mut()) {
+                                if let (Some(inv), Some((id, held))) = (d.components.iter().find(|c| c.r#type == schema::INVENTORY), log.avatar.as_mut()) {
                                     if *id == d.entity_id {
                                         *held = inv.payload.to_vec();
                                     }
@@ -436,7 +434,7 @@ async fn play(
                                             if s == last {
                                                 sent_at.pop_front();
                                                 let ms = at.elapsed().as_secs_f64() * 1000.0;
-                                                samples.push(ms);
+                                                log.samples.push(ms);
                                                 let location = cfg.geo.as_ref().map_or("", |g| g.location.as_str());
                                                 stats.input_to_update_ms.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
                                                     .entry(location.to_string()).or_default()
@@ -505,7 +503,7 @@ async fn play(
                 }
                 sent_at.push_back((*seq, std::time::Instant::now()));
                 tx.input(*seq, schema::input(dir.0, dir.1)).await?;
-                *sent += 1;
+                log.sent += 1;
                 stats.inputs_sent.fetch_add(1, Ordering::Relaxed);
             }
         }
