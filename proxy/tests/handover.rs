@@ -241,6 +241,12 @@ async fn reads(g: &Geo) -> f64 {
     .await
 }
 
+/// The hint pinned for alice in Montreal is lost (Redis flushed, a failover...).
+async fn lose_the_hint(geos: &TwoGeos) {
+    let taken = geos.montreal.board.take_hint("alice").await.unwrap();
+    assert!(taken.is_some(), "a hint was pinned");
+}
+
 /// Alice plays in Paris (a few sessions there first, so that her Paris epoch is well above
 /// anything Montreal's own directory would hand out) and is handed over to Montreal: the
 /// Transfer she gets and her Paris session's epoch.
@@ -306,14 +312,7 @@ async fn with_the_hint_lost_the_cookie_does_the_same_offered_or_asked_for() {
     let geos = two_geos("cookie").await;
     for offer_cookie in [true, false] {
         let (t, paris_epoch) = hand_alice_over(&geos).await;
-        // The hint is lost (Redis flushed, a failover...).
-        assert!(geos
-            .montreal
-            .board
-            .take_hint("alice")
-            .await
-            .unwrap()
-            .is_some());
+        lose_the_hint(&geos).await;
         let before = reads(&geos.montreal).await;
         let requests = geos.montreal.proxy.stats().cookie_requests;
         let login = Login {
@@ -341,13 +340,7 @@ async fn with_hint_and_cookie_lost_the_login_reads_mongodb_and_goes_above_the_ol
     let players = mongo_players("both").await;
     let geos = two_geos_with(players.clone()).await;
     let (_, paris_epoch) = hand_alice_over(&geos).await;
-    assert!(geos
-        .montreal
-        .board
-        .take_hint("alice")
-        .await
-        .unwrap()
-        .is_some());
+    lose_the_hint(&geos).await;
     // The record Paris saves as the session ends carries its epoch and the handover.
     let record = within("Paris saves the record", async {
         loop {

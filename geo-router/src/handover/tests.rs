@@ -98,17 +98,19 @@ fn a_player_who_crosses_back_pays_nothing() {
     );
 }
 
+/// Into Montreal's first region, 300 m deep, for two minutes; then on east into the next region.
+fn settle_then_cross(s: u64) -> f64 {
+    let x = BORDER_X - 100.0 + 5.0 * s.min(80) as f64;
+    if s < 200 {
+        x
+    } else {
+        x + 5.0 * (s - 200) as f64
+    }
+}
+
 #[test]
 fn a_settled_player_is_handed_over_at_their_next_crossing() {
-    // Into Montreal's first region, 300 m deep, for two minutes; then on east into the next region.
-    let path = |s: u64| {
-        let x = BORDER_X - 100.0 + 5.0 * s.min(80) as f64;
-        if s < 200 {
-            x
-        } else {
-            x + 5.0 * (s - 200) as f64
-        }
-    };
+    let path = settle_then_cross;
     let crossing_s = (0..).find(|&s| path(s) >= BORDER_X + REGION_M).unwrap();
     let v = run(path, crossing_s + 600, &montrealer());
     assert_eq!(
@@ -239,14 +241,7 @@ fn measured(true_current: f64, true_far: f64, own: f64, far: f64, kernel: bool) 
 fn a_client_delaying_its_answers_from_login_gets_the_honest_decisions_from_kernel_figures() {
     // A Montrealer on the Paris proxy, settling in Montreal's half and crossing on: the honest
     // run hands them over at the crossing.
-    let path = |s: u64| {
-        let x = BORDER_X - 100.0 + 5.0 * s.min(80) as f64;
-        if s < 200 {
-            x
-        } else {
-            x + 5.0 * (s - 200) as f64
-        }
-    };
+    let path = settle_then_cross;
     let honest = run(path, 900, &measured(90.0, 10.0, 0.0, 0.0, true));
     assert!(!handovers(&honest).is_empty());
     for (own, far) in [(90.0, 90.0), (0.0, 90.0)] {

@@ -369,8 +369,9 @@ fn store_requests(core: &mut Core) -> Vec<StoreRequest> {
     found
 }
 
-/// A proxy link (20) attaches `account`'s session 1, registered under session epoch 5.
-fn attach(core: &mut Core, ms: u64, account: &str) {
+/// A proxy link (20) comes up with an `Attach` of `account`'s session 1 (handed over from another
+/// geo with `handover`).
+fn proxy_attaches(core: &mut Core, ms: u64, account: &str, handover: Option<mesh::HandoverHint>) {
     core.handle(
         at(ms),
         Input::LinkUp {
@@ -389,11 +390,16 @@ fn attach(core: &mut Core, ms: u64, account: &str) {
                 account: account.into(),
                 remote_addr: String::new(),
                 moved: false,
-                handover: None,
+                handover,
             })
             .into()],
         },
     );
+}
+
+/// A proxy link (20) attaches `account`'s session 1, registered under session epoch 5.
+fn attach(core: &mut Core, ms: u64, account: &str) {
+    proxy_attaches(core, ms, account, None);
     let key = store_requests(core)
         .into_iter()
         .find_map(|r| match r {
@@ -557,34 +563,13 @@ fn a_handed_over_players_avatar_waits_for_the_login_in_the_other_geo() {
 fn a_handed_over_login_waits_for_its_avatars_owner_before_spawning_one() {
     for handed_over in [false, true] {
         let mut core = node();
-        core.handle(
-            at(10),
-            Input::LinkUp {
-                link: 20,
-                hello: mesh::LinkHello {
-                    version: Some(mesh::ProtocolVersion::current()),
-                    role: mesh::PeerRole::Proxy as i32,
-                    id: "edge".into(),
-                    geo: "test".into(),
-                    partition_epoch: 0,
-                    node_id: 0,
-                },
-                remote: "edge".into(),
-                rest: vec![mesh_message::Body::Attach(mesh::Attach {
-                    session_id: 1,
-                    account: "alice".into(),
-                    remote_addr: String::new(),
-                    moved: false,
-                    handover: handed_over.then(|| mesh::HandoverHint {
-                        session_epoch: 4,
-                        last_position: None,
-                        issued_unix_ms: 0,
-                        source: "hint".into(),
-                    }),
-                })
-                .into()],
-            },
-        );
+        let hint = handed_over.then(|| mesh::HandoverHint {
+            session_epoch: 4,
+            last_position: None,
+            issued_unix_ms: 0,
+            source: "hint".into(),
+        });
+        proxy_attaches(&mut core, 10, "alice", hint);
         let reqs = store_requests(&mut core);
         let (key, from) = reqs
             .iter()
