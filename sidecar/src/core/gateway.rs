@@ -511,13 +511,6 @@ impl Core {
     pub(crate) fn report_whereabouts(&mut self) {
         let now = self.now.mono_ms;
         let me = self.cfg.node_id;
-        for l in self.mesh.links.values() {
-            if let Some(node) = l.peer {
-                if !l.hello.geo.is_empty() {
-                    self.gw.node_geo.insert(node, l.hello.geo.clone());
-                }
-            }
-        }
         let mut reports = Vec::new();
         for s in self.gw.sessions.iter() {
             if s.epoch.is_none() {
@@ -532,11 +525,12 @@ impl Core {
                 self.gw.anchor_pos.get(&s.account).copied()
             };
             let Some(pos) = pos else { continue };
+            // Borrowed: most passes send nothing, and a string per session every 100 ms adds up.
             let geo = if owner == me {
-                self.cfg.geo.clone()
+                self.cfg.geo.as_str()
             } else {
                 match self.gw.node_geo.get(&owner) {
-                    Some(g) => g.clone(),
+                    Some(g) => g.as_str(),
                     None => continue,
                 }
             };
@@ -547,11 +541,11 @@ impl Core {
             });
             let region = (r.y * w.regions_x() + r.x) as u64;
             let due = match self.gw.where_sent.get(&s.key) {
-                Some((g, reg, at)) => *g != geo || *reg != region || now >= at + WHERE_EVERY_MS,
+                Some((g, reg, at)) => g != geo || *reg != region || now >= at + WHERE_EVERY_MS,
                 None => true,
             };
             if due {
-                reports.push((s.key, s.link, s.session_id, geo, region, pos));
+                reports.push((s.key, s.link, s.session_id, geo.to_string(), region, pos));
             }
         }
         for (key, link, session_id, geo, region, [x, y, z]) in reports {

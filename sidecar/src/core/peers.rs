@@ -82,6 +82,10 @@ impl Core {
         let peer = (hello.role == mesh::PeerRole::Sidecar as i32).then_some(hello.node_id);
         if let Some(node) = peer {
             self.mesh.peer_partition.insert(node, hello.partition_epoch);
+            if !hello.geo.is_empty() {
+                // Kept when the link drops: where an avatar is simulated is reported by geo.
+                self.gw.node_geo.insert(node, hello.geo.clone());
+            }
         }
         if peer.is_none() {
             tracing::info!(link, proxy = %hello.id, %remote, "proxy link up");
