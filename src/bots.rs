@@ -19,6 +19,9 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
+mod click_to_screen;
+pub use click_to_screen::{Bin, ClickToScreen, Figures};
+
 #[derive(Debug, Clone)]
 pub struct BotConfig {
     pub proxy: String,
@@ -106,8 +109,8 @@ pub struct BotStats {
     pub handovers: AtomicU64,
     pub reconnect_ms: std::sync::Mutex<Vec<f64>>,
     /// Click to screen: from sending an input to seeing its avatar acknowledge it (the game's
-    /// `INPUT_ACK`), in ms, by the bot's location.
-    pub input_to_update_ms: std::sync::Mutex<std::collections::BTreeMap<String, Vec<f64>>>,
+    /// `INPUT_ACK`), by the bot's location.
+    pub click_to_screen: ClickToScreen,
     /// Probes of other geos' proxies answered.
     pub probes: AtomicU64,
     /// For each bot handed over: the median click-to-screen time of its session before the
@@ -433,12 +436,11 @@ async fn play(
                                         if let Some((s, at)) = sent_at.front().copied() {
                                             if s == last {
                                                 sent_at.pop_front();
-                                                let ms = at.elapsed().as_secs_f64() * 1000.0;
+                                                let now = std::time::Instant::now();
+                                                let ms = now.duration_since(at).as_secs_f64() * 1000.0;
                                                 log.samples.push(ms);
                                                 let location = cfg.geo.as_ref().map_or("", |g| g.location.as_str());
-                                                stats.input_to_update_ms.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-                                                    .entry(location.to_string()).or_default()
-                                                    .push(ms);
+                                                stats.click_to_screen.record(location, now, ms);
                                             }
                                         }
                                     }

@@ -122,9 +122,16 @@ struct UpArgs {
         default_value = "paris,montreal,hongkong,sydney"
     )]
     geo_names: Vec<String>,
-    /// One-way delay between two geos, and between a bot and a geo it is not in (ms).
-    #[arg(long, default_value_t = 45)]
-    geo_delay_ms: u64,
+    /// One-way delays between geos, and between a bot and a geo it is not in (ms): one value
+    /// for every pair, or the upper triangle of the matrix (for 3 geos: 1–2,1–3,2–3). Default:
+    /// the cities' figures for the default names (Paris–Montreal 45, Paris–Hong Kong 110, …), 45
+    /// for other names.
+    #[arg(long, value_delimiter = ',')]
+    geo_delay_ms: Vec<u64>,
+    /// Draw the run as an SVG: click to screen by bot location over time, bridged sessions,
+    /// handovers labelled with player and cause, killed nodes shaded.
+    #[arg(long, value_name = "PATH")]
+    svg: Option<PathBuf>,
 }
 
 impl UpArgs {
@@ -145,6 +152,7 @@ impl UpArgs {
                 .take(usize::from(self.geos))
                 .collect(),
             geo_delay_ms: self.geo_delay_ms,
+            svg: self.svg,
         }
     }
 }

@@ -30,6 +30,8 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::bots::{self, BotConfig, BotStats};
+
+pub mod plot;
 use rand::{Rng, SeedableRng};
 
 #[derive(Debug, Clone)]
@@ -53,9 +55,34 @@ pub struct UpOptions {
     pub chaos_in_place: bool,
     /// The geos' names; more than one spreads the nodes over them (see [`GeoLayout`]).
     pub geos: Vec<String>,
-    /// One-way delay between geos, and from a bot to a geo it is not in.
-    pub geo_delay_ms: u64,
+    /// One-way delays between geos, and from a bot to a geo it is not in (ms): one value for
+    /// every pair, or the upper triangle of the matrix in order (1–2, 1–3, …, 2–3, …); none takes
+    /// [`known_one_way_ms`] for the geos it knows and 45 ms for the rest.
+    pub geo_delay_ms: Vec<u64>,
+    /// Draw the run as an SVG here on exit (see [`plot`]).
+    pub svg: Option<PathBuf>,
 }
+
+/// Delays between the default geos' cities, one way, roughly what the fibre gives (ms).
+const KNOWN_ONE_WAY_MS: [(&str, &str, u64); 6] = [
+    ("paris", "montreal", 45),
+    ("paris", "hongkong", 110),
+    ("paris", "sydney", 140),
+    ("montreal", "hongkong", 120),
+    ("montreal", "sydney", 110),
+    ("hongkong", "sydney", 60),
+];
+
+/// The one-way delay between two geos [`KNOWN_ONE_WAY_MS`] knows, either way round.
+pub fn known_one_way_ms(a: &str, b: &str) -> Option<u64> {
+    KNOWN_ONE_WAY_MS
+        .iter()
+        .find(|(x, y, _)| (*x == a && *y == b) || (*x == b && *y == a))
+        .map(|(_, _, ms)| *ms)
+}
+
+/// The delay between geos nobody named a figure for.
+const DEFAULT_ONE_WAY_MS: u64 = 45;
 
 /// A run over several geos: nodes in blocks per geo, each geo with its own session directory and
 /// proxy, player records and topology shared (MongoDB is global). Latency between geos is shaped
@@ -65,11 +92,12 @@ struct GeoLayout {
     names: Vec<String>,
     /// The geo of each node, by node id - 1.
     of_node: Vec<usize>,
-    one_way_ms: u64,
+    /// `one_way_ms[a][b]`: between geos `a` and `b` (unused on the diagonal).
+    one_way_ms: Vec<Vec<u64>>,
 }
 
 impl GeoLayout {
-    fn new(names: &[String], nodes: usize, one_way_ms: u64) -> anyhow::Result<Self> {
+    fn new(names: &[String], nodes: usize, delays: &[u64]) -> anyhow::Result<Self> {
         let names: Vec<String> = if names.is_empty() {
             vec!["local".into()]
         } else {
@@ -81,6 +109,7 @@ impl GeoLayout {
             names.len()
         );
         let of_node = (0..nodes).map(|i| i * names.len() / nodes).collect();
+        let one_way_ms = delay_matrix(&names, delays)?;
         Ok(Self {
             names,
             of_node,
@@ -101,9 +130,62 @@ impl GeoLayout {
         if location == geo {
             cellmesh_proto::shaping::OneWay::ms(2, 1)
         } else {
-            cellmesh_proto::shaping::OneWay::ms(self.one_way_ms, 3)
+            cellmesh_proto::shaping::OneWay::ms(self.one_way_ms[location][geo], 3)
         }
     }
+
+    /// How the delays read in a title: one figure, or each pair's.
+    fn describe_delays(&self) -> String {
+        let n = self.names.len();
+        let pairs: Vec<(usize, usize)> = (0..n)
+            .flat_map(|a| (a + 1..n).map(move |b| (a, b)))
+            .collect();
+        let first = pairs.first().map(|&(a, b)| self.one_way_ms[a][b]);
+        if pairs
+            .iter()
+            .all(|&(a, b)| Some(self.one_way_ms[a][b]) == first)
+        {
+            return first.map_or_else(String::new, |ms| format!("{ms} ms one way"));
+        }
+        let each: Vec<String> = pairs
+            .iter()
+            .map(|&(a, b)| {
+                format!(
+                    "{}–{} {}",
+                    self.names[a], self.names[b], self.one_way_ms[a][b]
+                )
+            })
+            .collect();
+        format!("{} ms one way", each.join(", "))
+    }
+}
+
+/// The symmetric matrix of one-way delays between `names` from the figures given: none, one for
+/// every pair, or the upper triangle row by row.
+fn delay_matrix(names: &[String], delays: &[u64]) -> anyhow::Result<Vec<Vec<u64>>> {
+    let n = names.len();
+    let pairs = n * n.saturating_sub(1) / 2;
+    anyhow::ensure!(
+        delays.len() <= 1 || delays.len() == pairs,
+        "--geo-delay-ms takes one delay for every pair of geos, or {pairs} for {n} geos (the \
+         upper triangle of the matrix: 1–2, 1–3, …, 2–3, …); {} were given",
+        delays.len()
+    );
+    let mut m = vec![vec![0; n]; n];
+    let mut k = 0;
+    for a in 0..n {
+        for b in a + 1..n {
+            let ms = match delays {
+                [] => known_one_way_ms(&names[a], &names[b]).unwrap_or(DEFAULT_ONE_WAY_MS),
+                [one] => *one,
+                each => each[k],
+            };
+            k += 1;
+            m[a][b] = ms;
+            m[b][a] = ms;
+        }
+    }
+    Ok(m)
 }
 
 impl Default for UpOptions {
@@ -119,7 +201,8 @@ impl Default for UpOptions {
             chaos: None,
             chaos_in_place: false,
             geos: Vec::new(),
-            geo_delay_ms: 45,
+            geo_delay_ms: Vec::new(),
+            svg: None,
         }
     }
 }
@@ -603,7 +686,7 @@ async fn start_node(
         if g != geo {
             cfg.shaping.to_geos.insert(
                 name.clone(),
-                cellmesh_proto::shaping::OneWay::ms(env.geos.one_way_ms, 2),
+                cellmesh_proto::shaping::OneWay::ms(env.geos.one_way_ms[geo][g], 2),
             );
         }
     }
@@ -755,7 +838,7 @@ pub async fn run(
     let started = Instant::now();
     let stop = CancellationToken::new();
     anyhow::ensure!(opts.nodes >= 1, "--nodes must be at least 1");
-    let geos = Arc::new(GeoLayout::new(&opts.geos, opts.nodes, opts.geo_delay_ms)?);
+    let geos = Arc::new(GeoLayout::new(&opts.geos, opts.nodes, &opts.geo_delay_ms)?);
     // One directory (and board) per geo; player records and checkpoints shared.
     let shared = Stores::in_memory();
     let stores: Vec<Stores> = (0..geos.names.len())
@@ -971,7 +1054,10 @@ pub async fn run(
         let (location, far) = (i % n, i / n % 4 == 3 && n > 1);
         bot_cfgs[location * 2 + usize::from(far)].clone()
     };
-    let bot_stats = Arc::new(BotStats::default());
+    let bot_stats = Arc::new(BotStats {
+        click_to_screen: bots::ClickToScreen::starting(started),
+        ..BotStats::default()
+    });
     let bot_stop = CancellationToken::new();
     let mut bot_tasks = Vec::with_capacity(opts.bots);
     for i in 0..opts.bots {
@@ -1008,6 +1094,27 @@ pub async fn run(
     };
     let mut kill_at = next_kill(tokio::time::Instant::now());
     let mut bridged_peak = 0u64;
+    // What the plot shows, timed from `started`.
+    let started_unix_ms = unix_ms().saturating_sub(started.elapsed().as_millis() as u64);
+    let mut bridged_over_time: Vec<(f64, u64)> = Vec::new();
+    let mut handover_marks: Vec<plot::HandoverMark> = Vec::new();
+    let mut kill_marks: Vec<plot::KillMark> = Vec::new();
+    let take_handovers = |marks: &mut Vec<plot::HandoverMark>| {
+        for (g, proxy) in proxies.iter().enumerate() {
+            marks.extend(
+                proxy
+                    .take_handovers()
+                    .into_iter()
+                    .map(|r| plot::HandoverMark {
+                        t_s: r.unix_ms.saturating_sub(started_unix_ms) as f64 / 1000.0,
+                        account: r.account,
+                        from: geos.names[g].clone(),
+                        to: r.to_geo,
+                        because: r.because,
+                    }),
+            );
+        }
+    };
     tokio::pin!(interrupt);
     loop {
         tokio::select! {
@@ -1023,6 +1130,7 @@ pub async fn run(
                 let runtime = nodes[victim].runtime.take().expect("chaos nodes own their runtime");
                 crash(runtime).await;
                 kills.push((id, unix_ms()));
+                let killed_at_s = started.elapsed().as_secs_f64();
                 games.release_holder(id);
                 let dead = nodes.remove(victim);
                 let last = totals_of(&[&dead.sidecar]);
@@ -1049,6 +1157,12 @@ pub async fn run(
                     }
                 };
                 nodes.insert(victim, fresh);
+                kill_marks.push(plot::KillMark {
+                    node: id,
+                    geo: geos.several().then(|| geos.names[geos.geo_of(id)].clone()),
+                    from_s: killed_at_s,
+                    to_s: started.elapsed().as_secs_f64(),
+                });
                 kill_at = next_kill(kill_at.expect("a kill was due"));
             }
             _ = tick.tick() => {
@@ -1058,6 +1172,10 @@ pub async fn run(
                 }
                 let p = proxy_stats(&proxies);
                 bridged_peak = bridged_peak.max(p.bridged_sessions);
+                if geos.several() {
+                    bridged_over_time.push((started.elapsed().as_secs_f64(), p.bridged_sessions));
+                }
+                take_handovers(&mut handover_marks);
                 if !opts.status { continue }
                 let (s, b) = (totals(&nodes, &departed), bot_stats.totals());
                 let dt = last.0.elapsed().as_secs_f64().max(1e-3);
@@ -1227,6 +1345,7 @@ pub async fn run(
             None => {}
         }
     }
+    take_handovers(&mut handover_marks);
     for proxy in proxies {
         let _ = tokio::time::timeout(Duration::from_secs(5), proxy.wait()).await;
     }
@@ -1349,16 +1468,47 @@ pub async fn run(
         )
         .p50,
         input_to_update_ms: bot_stats
-            .input_to_update_ms
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .iter()
-            .map(|(loc, v)| (loc.clone(), Percentiles::of(v.clone())))
+            .click_to_screen
+            .figures()
+            .into_iter()
+            .map(|(loc, f)| {
+                let p = Percentiles {
+                    p50: f.p50_ms,
+                    p99: f.p99_ms,
+                    samples: f.samples as usize,
+                };
+                (loc, p)
+            })
             .collect(),
     };
     if let Some(path) = &opts.summary_json {
         std::fs::write(path, serde_json::to_string_pretty(&summary)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &opts.svg {
+        let subtitle = if geos.several() {
+            format!(
+                "geos {} · {}",
+                geos.names.join(", "),
+                geos.describe_delays()
+            )
+        } else {
+            String::new()
+        };
+        let timeline = plot::Timeline {
+            title: format!(
+                "cellmesh up: click to screen by bot location, {} nodes, {} bots",
+                opts.nodes, opts.bots
+            ),
+            subtitle,
+            duration_s: summary.duration_s,
+            click_to_screen: bot_stats.click_to_screen.series(),
+            bridged: bridged_over_time,
+            handovers: handover_marks,
+            kills: kill_marks,
+        };
+        let svg = plot::render_svg(&timeline).context("drawing the run")?;
+        std::fs::write(path, svg).with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(summary)
 }
@@ -1471,6 +1621,39 @@ fn per_s_per_1000(count: u64, seconds: f64, entities: u64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn names(n: &[&str]) -> Vec<String> {
+        n.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn geo_delays_are_one_for_all_the_upper_triangle_or_the_cities_figures() {
+        let three = names(&["paris", "montreal", "hongkong"]);
+        let m = delay_matrix(&three, &[]).unwrap();
+        assert_eq!(m, [[0, 45, 110], [45, 0, 120], [110, 120, 0]]);
+        assert_eq!(
+            delay_matrix(&three, &[30]).unwrap(),
+            [[0, 30, 30], [30, 0, 30], [30, 30, 0]]
+        );
+        assert_eq!(
+            delay_matrix(&three, &[10, 20, 30]).unwrap(),
+            [[0, 10, 20], [10, 0, 30], [20, 30, 0]]
+        );
+        let e = delay_matrix(&three, &[10, 20]).unwrap_err().to_string();
+        assert!(e.contains("or 3 for 3 geos"), "{e}");
+        // Names it does not know: the default.
+        let m = delay_matrix(&names(&["a", "paris"]), &[]).unwrap();
+        assert_eq!(m[0][1], DEFAULT_ONE_WAY_MS);
+        let layout = GeoLayout::new(&three, 4, &[]).unwrap();
+        assert_eq!(
+            layout.describe_delays(),
+            "paris–montreal 45, paris–hongkong 110, montreal–hongkong 120 ms one way"
+        );
+        assert_eq!(
+            layout.to_proxy(2, 0),
+            cellmesh_proto::shaping::OneWay::ms(110, 3)
+        );
+    }
 
     #[test]
     fn costs_are_per_second_and_per_thousand_entities() {

@@ -145,6 +145,7 @@ fn up_binary_writes_summary_json() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_geos_bridge_then_hand_over_without_loss() {
     let bots = 24;
+    let plot = tempfile::NamedTempFile::new().expect("a temporary file");
     let opts = UpOptions {
         bots,
         npcs: 40,
@@ -153,7 +154,8 @@ async fn two_geos_bridge_then_hand_over_without_loss() {
         seed: 7,
         status: false,
         geos: vec!["paris".into(), "montreal".into()],
-        geo_delay_ms: 45,
+        geo_delay_ms: vec![45],
+        svg: Some(plot.path().to_path_buf()),
         ..UpOptions::default()
     };
     let s = run(opts, std::future::pending()).await.expect("up runs");
@@ -187,4 +189,21 @@ async fn two_geos_bridge_then_hand_over_without_loss() {
         "a handover is worth its reconnect: {s:?}"
     );
     assert_eq!(s.input_to_update_ms.len(), 2, "{s:?}");
+    // The plot names both locations' lines, and labels the handovers with their route.
+    let svg = std::fs::read_to_string(plot.path()).expect("the plot was written");
+    assert!(svg.starts_with("<svg"), "an SVG document");
+    for text in [
+        "from paris: median of each second",
+        "from montreal: median of each second",
+        "sessions bridged to another geo",
+        "geos paris, montreal · 45 ms one way",
+    ] {
+        assert!(svg.contains(text), "no `{text}` in the plot");
+    }
+    let labelled = svg.matches("paris→montreal").count() + svg.matches("montreal→paris").count();
+    assert!(
+        labelled > 0 && labelled as u64 <= s.handovers,
+        "{labelled} handover labels for {} handovers",
+        s.handovers
+    );
 }

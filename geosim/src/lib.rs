@@ -12,7 +12,7 @@
 //! A crate of its own, apart from `cellmesh-geo-router`, so that the data plane (the sidecar and
 //! the proxy) does not link the plotting; `tests/data_plane_deps.rs` holds that.
 
-mod plot;
+pub mod plot;
 mod run;
 mod scenario;
 

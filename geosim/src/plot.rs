@@ -5,6 +5,7 @@
 //! as one lane per group under the chart instead, ticks coloured by kind, so the picture stays
 //! legible.
 
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
@@ -17,7 +18,8 @@ use super::run::Report;
 /// Beyond this many lines of players, lines are drawn per location (their mean).
 const MAX_PLAYER_LINES: usize = 8;
 
-const WIDTH: u32 = 1200;
+/// The figure's width; every plot of the project has it.
+pub const WIDTH: u32 = 1200;
 const HEIGHT: u32 = 560;
 /// Beyond this many moves, they are drawn in lanes rather than labelled one by one.
 pub const MAX_LABELLED_MOVES: usize = 30;
@@ -29,12 +31,12 @@ const LANE_H: u32 = 14;
 /// The plotting area's width in pixels (the figure less the margins and the y labels).
 const PLOT_PX: f64 = (WIDTH - 60 - 2 * 16) as f64;
 /// Width of one character of a 13-px label, in pixels (a generous estimate).
-const CHAR_PX: f64 = 7.5;
-const OUTAGE: RGBColor = RGBColor(214, 39, 40);
+pub const CHAR_PX: f64 = 7.5;
+pub const OUTAGE: RGBColor = RGBColor(214, 39, 40);
 
 /// Players' lines: strong colours, none of them the red, grey, green and black of the cap and the
 /// means, nor the purple of moves.
-const PALETTE: [RGBColor; 8] = [
+pub const PALETTE: [RGBColor; 8] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(140, 86, 75),
@@ -62,12 +64,12 @@ const ORACLE: RGBColor = RGBColor(0, 150, 70);
 #[error("drawing the plot: {0}")]
 pub struct PlotError(String);
 
-fn err<E: std::fmt::Debug>(e: E) -> PlotError {
+pub fn err<E: std::fmt::Debug>(e: E) -> PlotError {
     PlotError(format!("{e:?}"))
 }
 
 /// A sampled series as steps (each value holds until the next sample), split at gaps.
-fn steps(xs: &[f64], ys: &[Option<f64>]) -> Vec<Vec<(f64, f64)>> {
+pub fn steps(xs: &[f64], ys: &[Option<f64>]) -> Vec<Vec<(f64, f64)>> {
     let mut out = vec![Vec::new()];
     for (k, (x, y)) in xs.iter().zip(ys).enumerate() {
         match y {
@@ -158,12 +160,225 @@ pub fn place_labels(
         .collect()
 }
 
+/// Items in lanes, one lane per key (`keys[i]` is item `i`'s), the keys with most items first;
+/// past [`MAX_LANES`] the rest share the last lane, named "N more `others`". Each lane is its
+/// name (from its key and number of items) and its items.
+pub fn lanes_by<K: Ord + Clone>(
+    keys: &[K],
+    name: impl Fn(&K, usize) -> String,
+    others: &str,
+) -> Vec<(String, Vec<usize>)> {
+    let mut by_key: BTreeMap<K, Vec<usize>> = BTreeMap::new();
+    for (i, k) in keys.iter().enumerate() {
+        by_key.entry(k.clone()).or_default().push(i);
+    }
+    let mut groups: Vec<(K, Vec<usize>)> = by_key.into_iter().collect();
+    groups.sort_by(|(a, x), (b, y)| y.len().cmp(&x.len()).then_with(|| a.cmp(b)));
+    let rest: Vec<usize> = groups
+        .iter()
+        .skip(MAX_LANES - 1)
+        .flat_map(|(_, v)| v.iter().copied())
+        .collect();
+    let more = groups.len().saturating_sub(MAX_LANES - 1);
+    groups.truncate(MAX_LANES - 1);
+    let mut lanes: Vec<(String, Vec<usize>)> = groups
+        .into_iter()
+        .map(|(k, v)| (name(&k, v.len()), v))
+        .collect();
+    if more > 0 {
+        lanes.push((format!("{more} more {others}"), rest));
+    }
+    lanes
+}
+
+/// The height the lanes take, their heading included.
+pub fn lanes_height(lanes: &[(String, Vec<usize>)]) -> u32 {
+    lanes.len() as u32 * LANE_H + 40
+}
+
+/// Draws `lanes` under a heading: a row each, named on the left, with a tick per item where
+/// `tick(item)` puts it (a fraction of the time axis, spanning `x_px`) in its colour.
+pub fn draw_lanes<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    heading: &str,
+    lanes: &[(String, Vec<usize>)],
+    (left, right): (i32, i32),
+    tick: impl Fn(usize) -> (f64, RGBColor),
+) -> Result<(), PlotError> {
+    let h = LANE_H as i32;
+    area.draw(&Text::new(
+        heading.to_string(),
+        (16, 8),
+        ("sans-serif", 14)
+            .into_font()
+            .color(&BLACK)
+            .pos(Pos::new(HPos::Left, VPos::Top)),
+    ))
+    .map_err(err)?;
+    for (k, (name, items)) in lanes.iter().enumerate() {
+        let y = 30 + k as i32 * h;
+        area.draw(&Text::new(
+            name.clone(),
+            (16, y + h / 2),
+            ("sans-serif", 11)
+                .into_font()
+                .color(&BLACK)
+                .pos(Pos::new(HPos::Left, VPos::Center)),
+        ))
+        .map_err(err)?;
+        area.draw(&PathElement::new(
+            [(left, y + h - 1), (right, y + h - 1)],
+            BLACK.mix(0.08),
+        ))
+        .map_err(err)?;
+        for &i in items {
+            let (at, colour) = tick(i);
+            let x = left + (at * f64::from(right - left)) as i32;
+            area.draw(&PathElement::new(
+                [(x, y + 2), (x, y + h - 3)],
+                colour.stroke_width(2),
+            ))
+            .map_err(err)?;
+        }
+    }
+    Ok(())
+}
+
+/// A moment marked on a chart: a dashed vertical line and its label.
+pub struct Mark {
+    pub x: f64,
+    pub label: String,
+    pub colour: RGBColor,
+    /// How many events it stands for (counted when its label finds no room).
+    pub count: usize,
+}
+
+/// Where marks go on a chart: its x range and scale, the top of its data, and its top.
+pub struct MarkFrame {
+    pub x_max: f64,
+    /// x units per pixel.
+    pub x_per_px: f64,
+    pub data_top: f64,
+    pub y_top: f64,
+}
+
+/// Draws `marks` as dashed lines from the axis to just over the data and, when `labelled`, each
+/// label in [`LABEL_ROWS`] rows above the data where [`place_labels`] finds it room; the events
+/// of the marks left without a label are counted top right ("+N `what` not labelled").
+pub fn draw_marks<DB: DrawingBackend>(
+    chart: &mut ChartContext<'_, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
+    marks: &[Mark],
+    f: &MarkFrame,
+    labelled: bool,
+    what: &str,
+) -> Result<(), PlotError> {
+    let placed = if labelled {
+        let sizes: Vec<(f64, f64)> = marks
+            .iter()
+            .map(|m| {
+                let w = (m.label.chars().count() as f64 * CHAR_PX + 8.0) * f.x_per_px;
+                (m.x, w)
+            })
+            .collect();
+        place_labels(&sizes, f.x_max, LABEL_ROWS, 6.0 * f.x_per_px)
+    } else {
+        vec![None; marks.len()]
+    };
+    let mut unlabelled = 0;
+    for (m, at) in marks.iter().zip(&placed) {
+        chart
+            .draw_series(DashedLineSeries::new(
+                [(m.x, 0.0), (m.x, f.data_top * 1.12)],
+                6,
+                3,
+                m.colour.stroke_width(if labelled { 2 } else { 1 }),
+            ))
+            .map_err(err)?;
+        let Some((row, left, right)) = *at else {
+            unlabelled += m.count;
+            continue;
+        };
+        let pad = 4.0 * f.x_per_px;
+        let (tx, anchor) = if right {
+            (m.x - pad, HPos::Right)
+        } else {
+            (left + pad, HPos::Left)
+        };
+        chart
+            .draw_series([Text::new(
+                m.label.clone(),
+                (tx, f.data_top * (1.24 - 0.045 * row as f64)),
+                ("sans-serif", 13)
+                    .into_font()
+                    .color(&m.colour)
+                    .pos(Pos::new(anchor, VPos::Center)),
+            )])
+            .map_err(err)?;
+    }
+    if unlabelled > 0 && labelled {
+        chart
+            .draw_series([Text::new(
+                format!("+{unlabelled} {what} not labelled"),
+                (f.x_max * 0.995, f.y_top * 0.99),
+                ("sans-serif", 12)
+                    .into_font()
+                    .color(&BLACK)
+                    .pos(Pos::new(HPos::Right, VPos::Top)),
+            )])
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
 /// One legend entry: label, colour, line width, dashed.
-struct Key {
-    label: String,
-    colour: RGBColor,
-    width: u32,
-    dashed: bool,
+pub struct Key {
+    pub label: String,
+    pub colour: RGBColor,
+    pub width: u32,
+    pub dashed: bool,
+}
+
+/// The height of one legend row.
+pub const KEY_ROW: u32 = 22;
+
+/// The height the legend of `keys` takes.
+pub fn legend_height(keys: &[Key]) -> u32 {
+    keys.len().div_ceil(2) as u32 * KEY_ROW + 24
+}
+
+/// The legend, in two columns, on an area under a chart `WIDTH` wide.
+pub fn draw_legend<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    keys: &[Key],
+) -> Result<(), PlotError> {
+    let key_rows = keys.len().div_ceil(2).max(1) as u32;
+    let col_w = (WIDTH as i32 - 120) / 2;
+    for (i, k) in keys.iter().enumerate() {
+        let (col, row) = ((i as u32 / key_rows) as i32, (i as u32 % key_rows) as i32);
+        let x = 76 + col * col_w;
+        let y = 8 + row * KEY_ROW as i32 + KEY_ROW as i32 / 2;
+        let style = k.colour.stroke_width(k.width);
+        if k.dashed {
+            for d in 0..3 {
+                let x0 = x + d * 10;
+                area.draw(&PathElement::new([(x0, y), (x0 + 6, y)], style))
+                    .map_err(err)?;
+            }
+        } else {
+            area.draw(&PathElement::new([(x, y), (x + 26, y)], style))
+                .map_err(err)?;
+        }
+        area.draw(&Text::new(
+            k.label.clone(),
+            (x + 36, y),
+            ("sans-serif", 14)
+                .into_font()
+                .color(&BLACK)
+                .pos(Pos::new(HPos::Left, VPos::Center)),
+        ))
+        .map_err(err)?;
+    }
+    Ok(())
 }
 
 /// Renders the report as an SVG document.
@@ -241,39 +456,16 @@ pub fn render_svg(report: &Report) -> Result<String, PlotError> {
             dashed: false,
         });
     }
-    const KEY_ROW: u32 = 22;
-    let key_rows = keys.len().div_ceil(2) as u32;
-    let legend_h = key_rows * KEY_ROW + 24;
+    let legend_h = legend_height(&keys);
     // Lanes: the groups by number of moves, the last lane for all the rest.
     let lanes_mode = series.moves.len() > MAX_LABELLED_MOVES;
-    let mut lanes: Vec<(String, Vec<usize>)> = Vec::new();
-    if lanes_mode {
-        let mut by_group: BTreeMap<BubbleId, Vec<usize>> = BTreeMap::new();
-        for (i, m) in series.moves.iter().enumerate() {
-            by_group.entry(m.group).or_default().push(i);
-        }
-        let mut groups: Vec<(BubbleId, Vec<usize>)> = by_group.into_iter().collect();
-        groups.sort_by_key(|(g, v)| (std::cmp::Reverse(v.len()), *g));
-        let rest: Vec<usize> = groups
-            .iter()
-            .skip(MAX_LANES - 1)
-            .flat_map(|(_, v)| v.iter().copied())
-            .collect();
-        let others = groups.len().saturating_sub(MAX_LANES - 1);
-        groups.truncate(MAX_LANES - 1);
-        lanes = groups
-            .into_iter()
-            .map(|(g, v)| (format!("{g} ({})", v.len()), v))
-            .collect();
-        if others > 0 {
-            lanes.push((format!("{others} more groups"), rest));
-        }
-    }
-    let lanes_h = if lanes_mode {
-        lanes.len() as u32 * LANE_H + 40
+    let lanes = if lanes_mode {
+        let groups: Vec<BubbleId> = series.moves.iter().map(|m| m.group).collect();
+        lanes_by(&groups, |g, n| format!("{g} ({n})"), "groups")
     } else {
-        0
+        Vec::new()
     };
+    let lanes_h = if lanes_mode { lanes_height(&lanes) } else { 0 };
 
     let mut svg = String::new();
     {
@@ -335,69 +527,23 @@ pub fn render_svg(report: &Report) -> Result<String, PlotError> {
         }
         // Moves, under the lines: a dashed line each; a label each in the rows above the data,
         // laid out so that none overlaps another (or, in lanes mode, no label here at all).
-        let x_per_px = x_max / PLOT_PX;
-        let labels: Vec<String> = series.moves.iter().map(|m| m.label()).collect();
-        let placed = if lanes_mode {
-            vec![None; labels.len()]
-        } else {
-            let sizes: Vec<(f64, f64)> = series
-                .moves
-                .iter()
-                .zip(&labels)
-                .map(|(m, l)| {
-                    (
-                        m.t_s / 60.0,
-                        (l.chars().count() as f64 * CHAR_PX + 8.0) * x_per_px,
-                    )
-                })
-                .collect();
-            place_labels(&sizes, x_max, LABEL_ROWS, 6.0 * x_per_px)
+        let marks: Vec<Mark> = series
+            .moves
+            .iter()
+            .map(|m| Mark {
+                x: m.t_s / 60.0,
+                label: m.label(),
+                colour: kind_colour(m.kind),
+                count: 1,
+            })
+            .collect();
+        let frame = MarkFrame {
+            x_max,
+            x_per_px: x_max / PLOT_PX,
+            data_top,
+            y_top,
         };
-        let mut unlabelled = 0;
-        for (m, (label, at)) in series.moves.iter().zip(labels.iter().zip(&placed)) {
-            let x = m.t_s / 60.0;
-            let colour = kind_colour(m.kind);
-            chart
-                .draw_series(DashedLineSeries::new(
-                    [(x, 0.0), (x, data_top * 1.12)],
-                    6,
-                    3,
-                    colour.stroke_width(if lanes_mode { 1 } else { 2 }),
-                ))
-                .map_err(err)?;
-            let Some((row, left, right)) = *at else {
-                unlabelled += 1;
-                continue;
-            };
-            let pad = 4.0 * x_per_px;
-            let (tx, anchor) = if right {
-                (left + (x - left) - pad, HPos::Right)
-            } else {
-                (left + pad, HPos::Left)
-            };
-            chart
-                .draw_series([Text::new(
-                    label.clone(),
-                    (tx, data_top * (1.24 - 0.045 * row as f64)),
-                    ("sans-serif", 13)
-                        .into_font()
-                        .color(&colour)
-                        .pos(Pos::new(anchor, VPos::Center)),
-                )])
-                .map_err(err)?;
-        }
-        if unlabelled > 0 && !lanes_mode {
-            chart
-                .draw_series([Text::new(
-                    format!("+{unlabelled} moves not labelled"),
-                    (x_max * 0.995, y_top * 0.99),
-                    ("sans-serif", 12)
-                        .into_font()
-                        .color(&MOVE)
-                        .pos(Pos::new(HPos::Right, VPos::Top)),
-                )])
-                .map_err(err)?;
-        }
+        draw_marks(&mut chart, &marks, &frame, !lanes_mode, "moves")?;
         chart
             .draw_series(DashedLineSeries::new(
                 [(0.0, cap), (x_max, cap)],
@@ -429,86 +575,22 @@ pub fn render_svg(report: &Report) -> Result<String, PlotError> {
 
         // The lanes: one row per group, a tick per move in its kind's colour.
         if lanes_mode {
-            let left = 76 + 60;
-            let right = WIDTH as i32 - 16;
-            let px = |t_s: f64| left + ((t_s / 60.0 / x_max) * (right - left) as f64) as i32;
-            lane_area
-                .draw(&Text::new(
-                    format!(
-                        "{} moves, one lane per group (most moves first)",
-                        series.moves.len()
-                    ),
-                    (16, 8),
-                    ("sans-serif", 14)
-                        .into_font()
-                        .color(&BLACK)
-                        .pos(Pos::new(HPos::Left, VPos::Top)),
-                ))
-                .map_err(err)?;
-            for (k, (name, idx)) in lanes.iter().enumerate() {
-                let y = 30 + k as i32 * LANE_H as i32;
-                lane_area
-                    .draw(&Text::new(
-                        name.clone(),
-                        (16, y + LANE_H as i32 / 2),
-                        ("sans-serif", 11)
-                            .into_font()
-                            .color(&BLACK)
-                            .pos(Pos::new(HPos::Left, VPos::Center)),
-                    ))
-                    .map_err(err)?;
-                lane_area
-                    .draw(&PathElement::new(
-                        [
-                            (left, y + LANE_H as i32 - 1),
-                            (right, y + LANE_H as i32 - 1),
-                        ],
-                        BLACK.mix(0.08),
-                    ))
-                    .map_err(err)?;
-                for &i in idx {
+            draw_lanes(
+                &lane_area,
+                &format!(
+                    "{} moves, one lane per group (most moves first)",
+                    series.moves.len()
+                ),
+                &lanes,
+                (76 + 60, WIDTH as i32 - 16),
+                |i| {
                     let m = &series.moves[i];
-                    let x = px(m.t_s);
-                    lane_area
-                        .draw(&PathElement::new(
-                            [(x, y + 2), (x, y + LANE_H as i32 - 3)],
-                            kind_colour(m.kind).stroke_width(2),
-                        ))
-                        .map_err(err)?;
-                }
-            }
+                    (m.t_s / 60.0 / x_max, kind_colour(m.kind))
+                },
+            )?;
         }
 
-        // The legend, in two columns under the chart.
-        let col_w = (WIDTH as i32 - 120) / 2;
-        for (i, k) in keys.iter().enumerate() {
-            let (col, row) = ((i as u32 / key_rows) as i32, (i as u32 % key_rows) as i32);
-            let x = 76 + col * col_w;
-            let y = 8 + row * KEY_ROW as i32 + KEY_ROW as i32 / 2;
-            let style = k.colour.stroke_width(k.width);
-            if k.dashed {
-                for d in 0..3 {
-                    let x0 = x + d * 10;
-                    bottom
-                        .draw(&PathElement::new([(x0, y), (x0 + 6, y)], style))
-                        .map_err(err)?;
-                }
-            } else {
-                bottom
-                    .draw(&PathElement::new([(x, y), (x + 26, y)], style))
-                    .map_err(err)?;
-            }
-            bottom
-                .draw(&Text::new(
-                    k.label.clone(),
-                    (x + 36, y),
-                    ("sans-serif", 14)
-                        .into_font()
-                        .color(&BLACK)
-                        .pos(Pos::new(HPos::Left, VPos::Center)),
-                ))
-                .map_err(err)?;
-        }
+        draw_legend(&bottom, &keys)?;
         root.present().map_err(err)?;
     }
     Ok(svg)

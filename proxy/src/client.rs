@@ -37,6 +37,7 @@ use crate::metrics::InputLoss;
 use crate::ping::{PingTracker, RTT_WINDOW};
 use crate::ratelimit::{FloodMeter, Verdict};
 use crate::session::{SessionControl, SessionInfo, SessionRoute, Stop, ToSession};
+use crate::HandoverCause;
 use crate::{auth, Shared};
 
 /// How long a kicked client gets to receive its `Kick` before the socket is closed.
@@ -65,7 +66,7 @@ enum End {
     /// The gateway's link broke: the session moves to another gateway.
     GatewayLost(String),
     /// Handed over to another geo: the client gets the `Transfer` and reconnects there.
-    Transfer(Transfer),
+    Transfer(Transfer, HandoverCause),
 }
 
 fn kick(reason: KickReason, detail: impl Into<String>) -> End {
@@ -263,7 +264,7 @@ impl Client {
     fn stopped_end(&self) -> End {
         match self.control.stop_reason() {
             Stop::Kick(k) => End::Kick(k),
-            Stop::Transfer(t) => End::Transfer(t),
+            Stop::Transfer(t, because) => End::Transfer(t, because),
         }
     }
 
@@ -881,7 +882,7 @@ impl Client {
         if s.conn.release(s.id) {
             let (kick_reason, detail) = match end {
                 End::Kick(k) => (k.reason as u32, k.detail.clone()),
-                End::Transfer(t) => (
+                End::Transfer(t, _) => (
                     KickReason::Transferred as u32,
                     format!("handed over to geo {}", t.geo),
                 ),
@@ -917,8 +918,8 @@ impl Client {
                 peer,
                 Kick::new(KickReason::GatewayUnavailable, why),
             ),
-            End::Transfer(t) => {
-                shared.metrics.transferred(&t.geo);
+            End::Transfer(t, because) => {
+                shared.metrics.transferred(&t.geo, because);
                 tracing::debug!(%peer, geo = %t.geo, host = %t.host, port = t.port, "client handed over");
                 server_message::Body::Transfer(t)
             }

@@ -105,6 +105,50 @@ pub struct ProxyStats {
     pub probes_served: u64,
 }
 
+/// Why a session was handed over to another geo.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HandoverCause {
+    /// The policy: settled in the far geo, then crossed a region border there.
+    SettledCrossing,
+    /// The policy: bridged for `max_bridge_ms`.
+    MaxBridge,
+    /// [`ProxyHandle::hand_over`].
+    Operator,
+}
+
+impl HandoverCause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::SettledCrossing => "settled_crossing",
+            Self::MaxBridge => "max_bridge",
+            Self::Operator => "operator",
+        }
+    }
+}
+
+impl From<cellmesh_geo_router::handover::Because> for HandoverCause {
+    fn from(b: cellmesh_geo_router::handover::Because) -> Self {
+        use cellmesh_geo_router::handover::Because;
+        match b {
+            Because::SettledCrossing => Self::SettledCrossing,
+            Because::MaxBridge => Self::MaxBridge,
+        }
+    }
+}
+
+/// One handover this proxy made: when (Unix ms), whose session, to which geo and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HandoverRecord {
+    pub unix_ms: u64,
+    pub account: String,
+    pub to_geo: String,
+    pub because: HandoverCause,
+}
+
+/// Handover records kept for [`ProxyHandle::take_handovers`]; the oldest go past this.
+const HANDOVER_LOG: usize = 4096;
+
 /// A running proxy.
 pub struct ProxyHandle {
     pub client_addr: SocketAddr,
@@ -138,6 +182,16 @@ impl ProxyHandle {
         self.shared.hand_over(account, geo).await
     }
 
+    /// The handovers made since the last call, oldest first (at most the last 4,096).
+    pub fn take_handovers(&self) -> Vec<HandoverRecord> {
+        self.shared
+            .handover_log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+            .collect()
+    }
+
     /// Waits until the proxy has shut down and all its tasks have ended.
     pub async fn wait(self) {
         if let Err(e) = self.join.await {
@@ -165,6 +219,7 @@ pub(crate) struct Shared {
     draining: AtomicBool,
     /// Serialises readiness updates, so a link coming up cannot undo the drain's not-ready.
     readiness: Mutex<()>,
+    handover_log: Mutex<std::collections::VecDeque<HandoverRecord>>,
 }
 
 impl Shared {
@@ -232,13 +287,15 @@ impl Shared {
             .find(|s| &*s.account == account)
             .cloned()
             .ok_or_else(|| format!("no session of `{account}` on this proxy"))?;
-        self.hand_over_session(&info, geo).await
+        self.hand_over_session(&info, geo, HandoverCause::Operator)
+            .await
     }
 
     pub(crate) async fn hand_over_session(
         &self,
         info: &SessionInfo,
         geo: &str,
+        because: HandoverCause,
     ) -> Result<(), String> {
         let account = &*info.account;
         if geo == self.geos.home() {
@@ -259,9 +316,19 @@ impl Shared {
             .geos
             .transfer(geo, hint, info.remote.ip(), &self.metrics)
             .await?;
-        if !info.control.transfer(transfer) {
+        if !info.control.transfer(transfer, because) {
             return Err(format!("the session of `{account}` is ending already"));
         }
+        let mut log = self.handover_log.lock().unwrap_or_else(|p| p.into_inner());
+        if log.len() == HANDOVER_LOG {
+            log.pop_front();
+        }
+        log.push_back(HandoverRecord {
+            unix_ms: geo::now_unix_ms(),
+            account: account.to_string(),
+            to_geo: geo.to_string(),
+            because,
+        });
         Ok(())
     }
 
@@ -372,6 +439,7 @@ pub async fn start_with(
             next_connection: AtomicU64::new(1),
             draining: AtomicBool::new(false),
             readiness: Mutex::new(()),
+            handover_log: Mutex::default(),
             metrics,
             cfg,
         }
@@ -555,7 +623,10 @@ async fn handover_loop(shared: Arc<Shared>, stop: CancellationToken) {
                 }
             };
             if let Verdict::HandOver { to_geo, because } = policy.observe(now_ms, conn, &at, &rtt) {
-                match shared.hand_over_session(info, &to_geo).await {
+                match shared
+                    .hand_over_session(info, &to_geo, because.into())
+                    .await
+                {
                     Ok(()) => {
                         tracing::info!(account = %info.account, geo = %to_geo, ?because, "handing the session over");
                         policy.forget(conn);

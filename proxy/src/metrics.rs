@@ -112,13 +112,14 @@ pub(crate) struct Metrics {
     /// Sessions whose avatar is simulated in another geo now.
     pub bridged_sessions: Gauge,
     /// Sessions handed over to another geo, by target geo.
-    transfers: Family<GeoLabels, Counter>,
+    transfers: Family<HandoverLabels, Counter>,
     transfers_total: AtomicU64,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct GeoLabels {
+struct HandoverLabels {
     geo: String,
+    because: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -303,10 +304,10 @@ impl Metrics {
             "CookieRequests sent to clients at login (never on a single-geo network)",
             cookie_requests.clone(),
         );
-        let transfers = Family::<GeoLabels, Counter>::default();
+        let transfers = Family::<HandoverLabels, Counter>::default();
         reg.register(
             "handovers",
-            "Sessions handed over to another geo's proxies (Transfer sent), by target geo",
+            "Sessions handed over to another geo's proxies (Transfer sent), by target geo and cause (settled_crossing, max_bridge, operator)",
             transfers.clone(),
         );
 
@@ -389,10 +390,11 @@ impl Metrics {
         self.hints_refused.get_or_create(&KindLabels { kind }).inc();
     }
 
-    pub(crate) fn transferred(&self, geo: &str) {
+    pub(crate) fn transferred(&self, geo: &str, because: crate::HandoverCause) {
         self.transfers
-            .get_or_create(&GeoLabels {
+            .get_or_create(&HandoverLabels {
                 geo: geo.to_string(),
+                because: because.as_str(),
             })
             .inc();
         self.transfers_total.fetch_add(1, Ordering::Relaxed);

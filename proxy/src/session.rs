@@ -15,6 +15,7 @@ use cellmesh_geo_router::handover::RttFigure;
 
 use crate::ping::RttSummary;
 use crate::tcpinfo::KernelRtt;
+use crate::HandoverCause;
 
 /// What a gateway link delivers to one client task, in the order the gateway sent it.
 #[derive(Debug)]
@@ -33,7 +34,7 @@ pub(crate) enum ToSession {
 pub(crate) enum Stop {
     Kick(Kick),
     /// Handed over to another geo: the client gets the `Transfer`.
-    Transfer(Transfer),
+    Transfer(Transfer, HandoverCause),
 }
 
 /// Stops one client task from outside (slow consumer, link lost, shutdown, handover). The first
@@ -62,12 +63,12 @@ impl SessionControl {
     }
 
     /// Ends the session with a `Transfer`, unless it is ending already; true if it will.
-    pub(crate) fn transfer(&self, t: Transfer) -> bool {
+    pub(crate) fn transfer(&self, t: Transfer, because: HandoverCause) -> bool {
         let mut why = self.why.lock().unwrap_or_else(|p| p.into_inner());
         if why.is_some() || self.stop.is_cancelled() {
             return false;
         }
-        *why = Some(Stop::Transfer(t));
+        *why = Some(Stop::Transfer(t, because));
         self.stop.cancel();
         true
     }
@@ -230,12 +231,15 @@ mod tests {
         let a = SessionControl::new(&parent);
         a.kick(Kick::new(KickReason::SlowConsumer, "queue full"));
         a.kick(Kick::new(KickReason::GatewayUnavailable, "link lost"));
-        assert!(!a.transfer(Transfer::default()), "already kicked");
+        assert!(
+            !a.transfer(Transfer::default(), HandoverCause::Operator),
+            "already kicked"
+        );
         assert_eq!(a.kicked().unwrap().reason, KickReason::SlowConsumer as i32);
         let b = SessionControl::new(&parent);
-        assert!(b.transfer(Transfer::default()));
+        assert!(b.transfer(Transfer::default(), HandoverCause::Operator));
         b.kick(Kick::new(KickReason::Idle, "late"));
-        assert!(matches!(b.stop_reason(), Stop::Transfer(_)));
+        assert!(matches!(b.stop_reason(), Stop::Transfer(..)));
         assert!(b.kicked().is_none());
         let c = SessionControl::new(&parent);
         parent.cancel();

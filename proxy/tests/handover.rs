@@ -276,6 +276,26 @@ async fn a_handed_over_login_uses_the_hint_and_skips_the_mongodb_read() {
     );
     assert!(!t.cookie.is_empty());
     assert_eq!(geos.paris.proxy.stats().handovers, 1);
+    // Counted and recorded with its cause: asked for by hand.
+    assert_eq!(
+        proxy_metric(
+            &geos.paris.proxy,
+            "handovers_total{geo=\"montreal\",because=\"operator\"}"
+        )
+        .await,
+        1.0
+    );
+    let log = geos.paris.proxy.take_handovers();
+    assert_eq!(log.len(), 1, "{log:?}");
+    assert_eq!(
+        (
+            log[0].account.as_str(),
+            log[0].to_geo.as_str(),
+            log[0].because
+        ),
+        ("alice", "montreal", cellmesh_proxy::HandoverCause::Operator)
+    );
+    assert!(geos.paris.proxy.take_handovers().is_empty(), "taken once");
     // The cookie is what it says: for alice, to Montreal, above her Paris session.
     let c = cookie::open(
         SECRET.as_bytes(),
