@@ -29,7 +29,9 @@ pub struct RegionPos {
 ///
 /// Areas of a partition lie inside `[0, chunks_x] × [0, chunks_y]`; a rectangle translated by a
 /// [`ChunkOffset`] may lie outside it, standing for the same chunks seen across the seam.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
+)]
 pub struct ChunkRect {
     pub x0: i64,
     pub y0: i64,

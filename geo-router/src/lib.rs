@@ -13,6 +13,7 @@
 //! - [`store`]: the stores behind traits: the session directory (Redis per geo, or in memory) and
 //!   player records (MongoDB, or in memory).
 
+pub mod balance;
 pub mod bubbles;
 pub mod geometry;
 pub mod handover;

@@ -118,14 +118,16 @@ pub struct Bsp {
     depths: Vec<u8>,
 }
 
-fn range(rect: &ChunkRect, axis: Axis) -> (i64, i64) {
+/// A cell's extent along `axis`.
+pub(crate) fn range(rect: &ChunkRect, axis: Axis) -> (i64, i64) {
     match axis {
         Axis::X => (rect.x0, rect.x1),
         Axis::Y => (rect.y0, rect.y1),
     }
 }
 
-fn halves(rect: &ChunkRect, axis: Axis, at: i64) -> (ChunkRect, ChunkRect) {
+/// A cell's two sides of a line at `at` on `axis`.
+pub(crate) fn halves(rect: &ChunkRect, axis: Axis, at: i64) -> (ChunkRect, ChunkRect) {
     match axis {
         Axis::X => (ChunkRect { x1: at, ..*rect }, ChunkRect { x0: at, ..*rect }),
         Axis::Y => (ChunkRect { y1: at, ..*rect }, ChunkRect { y0: at, ..*rect }),

@@ -10,7 +10,7 @@
 //! Everything here is pure: no I/O, no clock. Lookups ([`Partition::owner_of`]) allocate nothing
 //! and cost O(1) on a grid and O(depth) in a BSP.
 
-mod bsp;
+pub(crate) mod bsp;
 mod diff;
 mod failover;
 mod grid;
