@@ -76,6 +76,11 @@ pub struct PlanArgs {
     /// Write the plan as the next epoch, unless someone committed since it was read.
     #[arg(long)]
     pub commit: bool,
+    /// Lay the world out anew for `--nodes`. Without it, a plan of the committed layout's kind
+    /// (and grid) for other nodes moves as little as it can: gone nodes' cells go to their
+    /// neighbours, new nodes take their share from those owning most, and nothing else moves.
+    #[arg(long)]
+    pub fresh: bool,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -229,6 +234,20 @@ fn build_plan(current: Option<&Partition>, args: &PlanArgs) -> anyhow::Result<Pa
         );
     }
     let (cols, rows) = (u32::try_from(cols)?, u32::try_from(rows)?);
+    if let Some(c) = current.filter(|_| !args.fresh && args.table.is_none()) {
+        let same_kind = match (c.layout(), args.kind) {
+            (Layout::Grid(g), Kind::Grid) => {
+                args.grid.is_none() || (g.cols(), g.rows()) == (cols, rows)
+            }
+            (Layout::Bsp(_), Kind::Bsp) => args.grid.is_none(),
+            _ => false,
+        };
+        if same_kind {
+            let plan = c.replanned(&args.nodes)?;
+            plan.check_nodes(&args.nodes)?;
+            return Ok(plan);
+        }
+    }
     let grid = || match &args.table {
         Some(table) => Grid::new(&shape, cols, rows, table.clone()),
         None => Grid::even(&shape, cols, rows, &args.nodes),
@@ -680,6 +699,35 @@ mod tests {
         assert_eq!(json["epoch"], 2);
         assert_eq!(json["nodes"].as_array().unwrap().len(), 3);
         assert!(json["partition"]["layout"]["bsp"].is_object());
+    }
+
+    #[tokio::test]
+    async fn a_replan_for_other_nodes_moves_only_their_share_unless_fresh() {
+        let store = MemoryTopology::default();
+        exec(
+            &store,
+            "partition plan --grid 16x16 --nodes 1,2,3,4 --commit",
+        )
+        .await
+        .unwrap();
+        let moved = |out: &str| -> f64 {
+            let json: serde_json::Value = serde_json::from_str(out).unwrap();
+            let all = 4096.0 * 4096.0;
+            json["chunks_changing_hands"].as_f64().unwrap() / all
+        };
+        let without_4 = exec(&store, "partition plan --nodes 1,2,3 --json")
+            .await
+            .unwrap();
+        assert_eq!(moved(&without_4), 0.25, "node 4's quarter only");
+        let fresh = exec(&store, "partition plan --nodes 1,2,3 --fresh --json")
+            .await
+            .unwrap();
+        assert!(moved(&fresh) > 0.5, "laid out anew: {}", moved(&fresh));
+        let with_5 = exec(&store, "partition plan --nodes 1,2,3,4,5 --json")
+            .await
+            .unwrap();
+        let share = moved(&with_5);
+        assert!((0.19..=0.2).contains(&share), "a fifth for node 5: {share}");
     }
 
     #[tokio::test]

@@ -14,6 +14,7 @@ pub(crate) mod bsp;
 mod diff;
 mod failover;
 mod grid;
+mod replan;
 
 pub use bsp::{Axis, Bsp, BspEntry, BspEntryKind, BspTree};
 pub use diff::Transfer;
