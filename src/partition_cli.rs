@@ -178,6 +178,7 @@ pub async fn execute(
                     .context("committing")?
                 {
                     Commit::Committed => true,
+                    Commit::Fenced { .. } => bail!("the store fenced a plain commit"),
                     Commit::Stale { current_epoch } => bail!(
                         "epoch {current_epoch} was committed while this plan was made from epoch \
                          {expected}; nothing written: plan again"

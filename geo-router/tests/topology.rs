@@ -16,7 +16,8 @@ use cellmesh_geo_router::store::StoreError;
 use cellmesh_geo_router::topology::memory::MemoryTopology;
 use cellmesh_geo_router::topology::mongo::MongoTopology;
 use cellmesh_geo_router::topology::{
-    self, ids, Acquire, Commit, Lease, LeasedIds, NodeRecord, TopologyError, TopologyStore,
+    self, ids, Acquire, Commit, DirectorAcquire, Lease, LeasedIds, NodeRecord, TopologyError,
+    TopologyStore,
 };
 use futures::future::{join_all, BoxFuture};
 use mongodb::bson::doc;
@@ -415,6 +416,83 @@ async fn commits(store: &dyn TopologyStore) {
     assert_eq!(store.partition().await.unwrap().as_ref(), Some(&p2));
 }
 
+/// The director's lease: one director at a time, its commits fenced by its lease in the same
+/// atomic step, a lapsed or released one refused, and plain commits (a node's restore) leaving
+/// the lease alone.
+async fn directors(store: &dyn TopologyStore, ttl: Duration, pass: &Pass) {
+    let lapse = ttl + ttl / 5;
+    assert!(matches!(
+        store.acquire_director("a", ttl).await,
+        Err(TopologyError::NoPartition)
+    ));
+    let p = |epoch| grid_partition(epoch, vec![1, 2, 3, (epoch % 4) as u32 + 1]);
+    assert_eq!(
+        store.commit_partition(0, &p(1)).await.unwrap(),
+        Commit::Committed
+    );
+    let DirectorAcquire::Granted(a) = store.acquire_director("a", ttl).await.unwrap() else {
+        panic!("the lease is free")
+    };
+    assert_eq!(a.epoch, 1);
+    assert_eq!(
+        store.acquire_director("b", ttl).await.unwrap(),
+        DirectorAcquire::Held(a.clone())
+    );
+    assert_eq!(
+        store.commit_partition_as(&a, 1, &p(2)).await.unwrap(),
+        Commit::Committed
+    );
+    let a = store
+        .renew_director(&a, ttl)
+        .await
+        .unwrap()
+        .expect("renewed");
+    // A stopped director: its lease lapses, its commits are refused, another takes over.
+    pass(lapse).await;
+    assert!(matches!(
+        store.commit_partition_as(&a, 2, &p(3)).await.unwrap(),
+        Commit::Fenced { .. }
+    ));
+    assert_eq!(store.renew_director(&a, ttl).await.unwrap(), None);
+    let DirectorAcquire::Granted(b) = store.acquire_director("b", ttl).await.unwrap() else {
+        panic!("a's lease lapsed")
+    };
+    assert_eq!(b.epoch, 2);
+    assert_eq!(
+        store.commit_partition_as(&a, 2, &p(3)).await.unwrap(),
+        Commit::Fenced {
+            director: Some(b.clone())
+        },
+        "the deposed director is refused, naming the one in office"
+    );
+    assert_eq!(
+        store.commit_partition_as(&b, 2, &p(3)).await.unwrap(),
+        Commit::Committed
+    );
+    assert_eq!(
+        store.commit_partition_as(&b, 2, &p(3)).await.unwrap(),
+        Commit::Stale { current_epoch: 3 }
+    );
+    // A node's plain commit (a restore) goes in, and the director keeps its lease.
+    assert_eq!(
+        store.commit_partition(3, &p(4)).await.unwrap(),
+        Commit::Committed
+    );
+    let b = store.renew_director(&b, ttl).await.unwrap().expect("kept");
+    assert_eq!(store.partition().await.unwrap().unwrap().epoch(), 4);
+    // Released: refused at once, and free for another at once.
+    assert!(store.release_director(&b).await.unwrap());
+    assert!(!store.release_director(&b).await.unwrap(), "only once");
+    assert!(matches!(
+        store.commit_partition_as(&b, 4, &p(5)).await.unwrap(),
+        Commit::Fenced { .. }
+    ));
+    let DirectorAcquire::Granted(c) = store.acquire_director("a", ttl).await.unwrap() else {
+        panic!("released")
+    };
+    assert_eq!(c.epoch, 3);
+}
+
 /// Many contenders at once for one node's lease, and many committers from one epoch.
 async fn races(stores: Vec<Arc<dyn TopologyStore>>) {
     for node in 0..8 {
@@ -473,6 +551,12 @@ async fn memory_commits() {
 }
 
 #[tokio::test]
+async fn memory_directors() {
+    let (store, pass) = virtual_memory();
+    directors(&store, TTL, &pass).await;
+}
+
+#[tokio::test]
 async fn memory_races() {
     let store: Arc<dyn TopologyStore> = Arc::new(MemoryTopology::default());
     races(vec![store]).await;
@@ -521,6 +605,13 @@ async fn mongo_takeovers() {
 async fn mongo_commits() {
     let db = TestDb::new("commits");
     commits(&db.open().await).await;
+    db.drop_all().await;
+}
+
+#[tokio::test]
+async fn mongo_directors() {
+    let db = TestDb::new("directors");
+    directors(&db.open().await, MONGO_TTL, &real_time()).await;
     db.drop_all().await;
 }
 

@@ -21,7 +21,8 @@ use cellmesh_geo_router::partition::{Grid, Layout, Partition};
 use cellmesh_geo_router::store::Stores;
 use cellmesh_geo_router::topology::memory::MemoryTopology;
 use cellmesh_geo_router::topology::{
-    Acquire, Commit, Lease, NodeEntry, NodeRecord, TopologyError, TopologyStore,
+    Acquire, Commit, DirectorAcquire, DirectorLease, Lease, NodeEntry, NodeRecord, TopologyError,
+    TopologyStore,
 };
 use cellmesh_proto::edge::{self, DeltaKind};
 use cellmesh_proto::local::{self, game_message, sidecar_message, AudienceKind};
@@ -175,6 +176,32 @@ impl TopologyStore for NodeView {
     }
     async fn nodes(&self) -> Result<Vec<NodeEntry>, TopologyError> {
         self.call(self.store.nodes()).await
+    }
+    async fn acquire_director(
+        &self,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<DirectorAcquire, TopologyError> {
+        self.call(self.store.acquire_director(holder, ttl)).await
+    }
+    async fn renew_director(
+        &self,
+        lease: &DirectorLease,
+        ttl: Duration,
+    ) -> Result<Option<DirectorLease>, TopologyError> {
+        self.call(self.store.renew_director(lease, ttl)).await
+    }
+    async fn release_director(&self, lease: &DirectorLease) -> Result<bool, TopologyError> {
+        self.call(self.store.release_director(lease)).await
+    }
+    async fn commit_partition_as(
+        &self,
+        director: &DirectorLease,
+        expected: u64,
+        next: &Partition,
+    ) -> Result<Commit, TopologyError> {
+        self.call(self.store.commit_partition_as(director, expected, next))
+            .await
     }
 }
 

@@ -7,8 +7,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use super::{
-    check_commit, check_request, Acquire, Commit, Lease, NodeEntry, NodeRecord, TopologyError,
-    TopologyStore,
+    check_commit, check_holder, check_request, Acquire, Commit, DirectorAcquire, DirectorLease,
+    Lease, NodeEntry, NodeRecord, TopologyError, TopologyStore,
 };
 use crate::partition::{NodeId, Partition};
 
@@ -36,6 +36,7 @@ fn system_unix_ms() -> u64 {
 #[derive(Default)]
 struct State {
     partition: Option<Partition>,
+    director: Option<DirectorLease>,
     nodes: BTreeMap<NodeId, Stored>,
 }
 
@@ -46,6 +47,13 @@ struct Stored {
 }
 
 impl State {
+    /// The director's lease if `lease` is it, current and live at `now`.
+    fn director_live(&mut self, lease: &DirectorLease, now: u64) -> Option<&mut DirectorLease> {
+        self.director.as_mut().filter(|d| {
+            d.holder == lease.holder && d.epoch == lease.epoch && now < d.expires_unix_ms
+        })
+    }
+
     /// The entry of `lease.node` if `lease` is still its current grant.
     fn current(&mut self, lease: &Lease) -> Option<&mut Stored> {
         self.nodes
@@ -120,6 +128,76 @@ impl TopologyStore for MemoryTopology {
         let current_epoch = state.partition.as_ref().map_or(0, Partition::epoch);
         if current_epoch != expected_epoch {
             return Ok(Commit::Stale { current_epoch });
+        }
+        state.partition = Some(next.clone());
+        Ok(Commit::Committed)
+    }
+
+    async fn acquire_director(
+        &self,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<DirectorAcquire, TopologyError> {
+        let ttl_ms = check_holder(holder, ttl)?;
+        let now = (self.clock)();
+        let mut state = self.state();
+        if state.partition.is_none() {
+            return Err(TopologyError::NoPartition);
+        }
+        if let Some(d) = state
+            .director
+            .as_ref()
+            .filter(|d| now < d.expires_unix_ms && d.holder != holder)
+        {
+            return Ok(DirectorAcquire::Held(d.clone()));
+        }
+        let lease = DirectorLease {
+            holder: holder.to_string(),
+            epoch: state.director.as_ref().map_or(0, |d| d.epoch) + 1,
+            expires_unix_ms: now + ttl_ms,
+        };
+        state.director = Some(lease.clone());
+        Ok(DirectorAcquire::Granted(lease))
+    }
+
+    async fn renew_director(
+        &self,
+        lease: &DirectorLease,
+        ttl: Duration,
+    ) -> Result<Option<DirectorLease>, TopologyError> {
+        let ttl_ms = check_holder(&lease.holder, ttl)?;
+        let now = (self.clock)();
+        Ok(self.state().director_live(lease, now).map(|d| {
+            d.expires_unix_ms = now + ttl_ms;
+            d.clone()
+        }))
+    }
+
+    async fn release_director(&self, lease: &DirectorLease) -> Result<bool, TopologyError> {
+        let now = (self.clock)();
+        let mut state = self.state();
+        Ok(state
+            .director_live(lease, now)
+            .map(|d| d.expires_unix_ms = 0)
+            .is_some())
+    }
+
+    async fn commit_partition_as(
+        &self,
+        director: &DirectorLease,
+        expected_epoch: u64,
+        next: &Partition,
+    ) -> Result<Commit, TopologyError> {
+        check_commit(expected_epoch, next)?;
+        let now = (self.clock)();
+        let mut state = self.state();
+        let current_epoch = state.partition.as_ref().map_or(0, Partition::epoch);
+        if current_epoch != expected_epoch {
+            return Ok(Commit::Stale { current_epoch });
+        }
+        if state.director_live(director, now).is_none() {
+            let director = state.director.clone();
+            return Ok(Commit::Fenced { director });
         }
         state.partition = Some(next.clone());
         Ok(Commit::Committed)

@@ -70,6 +70,8 @@ pub enum TopologyError {
     Time(u64),
     #[error("partition epoch {next} cannot replace epoch {expected}: a commit advances the epoch by exactly one")]
     EpochGap { expected: u64, next: u64 },
+    #[error("no partition is committed: a director balances a committed layout (commit one with `cellmesh partition plan --commit`)")]
+    NoPartition,
     #[error("the record of node {record} cannot be published under the lease of node {lease}")]
     RecordMismatch { record: NodeId, lease: NodeId },
     #[error(
@@ -136,13 +138,37 @@ pub struct NodeEntry {
 }
 
 /// The answer to a compare-and-set commit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Commit {
     Committed,
     /// Someone committed in between: the stored epoch is not the one the caller started from.
     Stale {
         current_epoch: u64,
     },
+    /// A director's commit whose lease is no longer the live, current one; `director` is the
+    /// lease the store holds now (another director's, or this one lapsed or released).
+    Fenced {
+        director: Option<DirectorLease>,
+    },
+}
+
+/// The director's lease (one active director per world), kept with the partition: a director
+/// commits only under its live lease, and a deposed one's commit is refused by the store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirectorLease {
+    pub holder: String,
+    /// The fencing token: bumped on every grant.
+    pub epoch: u64,
+    /// By the store's clock; 0 once released.
+    pub expires_unix_ms: u64,
+}
+
+/// The answer to a director's lease request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DirectorAcquire {
+    Granted(DirectorLease),
+    /// Another director's live lease (as last read).
+    Held(DirectorLease),
 }
 
 #[async_trait]
@@ -198,6 +224,35 @@ pub trait TopologyStore: Send + Sync {
     /// Every node that ever held a lease, by id, with its liveness by the store's clock.
     async fn nodes(&self) -> Result<Vec<NodeEntry>, TopologyError>;
 
+    /// Grants `holder` the director's lease for `ttl` if it is free, lapsed or already
+    /// `holder`'s, under a new epoch. A director balances a committed layout: with no partition
+    /// committed this is [`TopologyError::NoPartition`].
+    async fn acquire_director(
+        &self,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<DirectorAcquire, TopologyError>;
+
+    /// Extends the director's lease to the store's now + `ttl` if it is still live and current;
+    /// `None` once lapsed or taken: the director must stop committing.
+    async fn renew_director(
+        &self,
+        lease: &DirectorLease,
+        ttl: Duration,
+    ) -> Result<Option<DirectorLease>, TopologyError>;
+
+    /// Gives the director's lease up at once, if it is still live and current; false otherwise.
+    async fn release_director(&self, lease: &DirectorLease) -> Result<bool, TopologyError>;
+
+    /// [`commit_partition`](Self::commit_partition) under the director's lease, checked in the
+    /// same atomic step: [`Commit::Fenced`] unless `director` is the live, current lease.
+    async fn commit_partition_as(
+        &self,
+        director: &DirectorLease,
+        expected_epoch: u64,
+        next: &Partition,
+    ) -> Result<Commit, TopologyError>;
+
     /// Closes connections and waits for background work; the store is unusable afterwards. A
     /// short-lived process calls it before its runtime goes away.
     async fn close(&self) {}
@@ -220,6 +275,10 @@ fn check_request(node: NodeId, holder: &str, ttl: Duration) -> Result<u64, Topol
     if node > MAX_NODE_ID {
         return Err(TopologyError::NodeId(node));
     }
+    check_holder(holder, ttl)
+}
+
+fn check_holder(holder: &str, ttl: Duration) -> Result<u64, TopologyError> {
     if holder.is_empty() || holder.len() > MAX_HOLDER_LEN || holder.chars().any(char::is_control) {
         return Err(TopologyError::Holder(holder.to_string()));
     }

@@ -1,9 +1,11 @@
 //! The topology in the global MongoDB, in the database named by the URL path (`cellmesh` if
 //! none):
 //!
-//! - `partition`: one document, `{_id: "current", epoch, partition}`. A commit is an insert (first
-//!   epoch; a duplicate `_id` means someone else was first) or a replace filtered on the epoch it
-//!   replaces.
+//! - `partition`: one document, `{_id: "current", epoch, partition, director}`. A commit is an
+//!   insert (first epoch; a duplicate `_id` means someone else was first) or an update filtered on
+//!   the epoch it replaces. The director's lease (`{holder, epoch, expires_unix_ms}`) lives in the
+//!   same document, so a director's commit, filtered on its lease being current and live by the
+//!   server's clock, is refused atomically once the lease lapsed or passed to another director.
 //! - `nodes`: one document per node id, `{_id: node, holder, epoch, expires_unix_ms,
 //!   ids_floor_unix_ms, ids_below_unix_ms, record}`. A grant is one `findOneAndUpdate` filtered
 //!   on "lapsed or mine" with upsert: when the lease is held, the filter misses the existing
@@ -27,8 +29,8 @@ use mongodb::{Client, Collection};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    check_commit, check_request, Acquire, Commit, Lease, NodeEntry, NodeRecord, TopologyError,
-    TopologyStore,
+    check_commit, check_holder, check_request, Acquire, Commit, DirectorAcquire, DirectorLease,
+    Lease, NodeEntry, NodeRecord, TopologyError, TopologyStore,
 };
 use crate::partition::{NodeId, Partition};
 use crate::store::mongo::{bounded, error, MongoConn};
@@ -44,6 +46,46 @@ struct PartitionDoc {
     /// Copied out of `partition` for the compare-and-set filter.
     epoch: i64,
     partition: Partition,
+    /// The director's lease, in the same document so that a commit checks it atomically.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    director: Option<DirectorDoc>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct DirectorDoc {
+    holder: String,
+    epoch: i64,
+    expires_unix_ms: i64,
+}
+
+impl DirectorDoc {
+    fn lease(&self) -> DirectorLease {
+        DirectorLease {
+            holder: self.holder.clone(),
+            epoch: self.epoch.max(0) as u64,
+            expires_unix_ms: self.expires_unix_ms.max(0) as u64,
+        }
+    }
+}
+
+/// An update pipeline stage giving the director's lease a new expiry. The lease is set whole: a
+/// dotted path into it is not honoured by every MongoDB-compatible server.
+fn director_with_expiry(expires: impl Into<mongodb::bson::Bson>) -> Document {
+    doc! { "$set": { "director": {
+        "holder": "$director.holder",
+        "epoch": "$director.epoch",
+        "expires_unix_ms": expires.into(),
+    } } }
+}
+
+/// Filter clauses: the partition document's director lease is `lease`, and live.
+fn director_is(lease: &DirectorLease) -> Result<Document, TopologyError> {
+    Ok(doc! {
+        "_id": CURRENT,
+        "director.holder": &lease.holder,
+        "director.epoch": as_i64(lease.epoch)?,
+        "$expr": { "$gt": ["$director.expires_unix_ms", server_now()] },
+    })
 }
 
 #[derive(Deserialize)]
@@ -206,6 +248,38 @@ impl MongoTopology {
         error(&self.url, op, e)
     }
 
+    /// Sets the partition (and its epoch) in the document `filter` matches, leaving the
+    /// director's lease; true if it matched.
+    async fn set_partition(
+        &self,
+        filter: Document,
+        next: &Partition,
+    ) -> Result<bool, TopologyError> {
+        let partition = mongodb::bson::to_bson(next)
+            .map_err(|e| self.corrupt(&format!("encoding the partition: {e}")))?;
+        let update = doc! { "$set": { "epoch": as_i64(next.epoch())?, "partition": partition } };
+        // `findOneAndUpdate`, not `updateOne`: its answer (the document or none) is the match,
+        // where some MongoDB-compatible servers count an `$expr` filter's matches loosely.
+        let found = self
+            .bounded(
+                "commit partition",
+                self.partition.find_one_and_update(filter, update),
+            )
+            .await?;
+        Ok(found.is_some())
+    }
+
+    /// The partition document's director lease, if any.
+    async fn director(&self) -> Result<Option<DirectorLease>, TopologyError> {
+        let found = self
+            .bounded(
+                "read director",
+                self.partition.find_one(doc! { "_id": CURRENT }),
+            )
+            .await?;
+        Ok(found.and_then(|d| d.director.map(|d| d.lease())))
+    }
+
     async fn current_epoch(&self) -> Result<u64, TopologyError> {
         Ok(self.partition().await?.map_or(0, |p| p.epoch()))
     }
@@ -266,6 +340,7 @@ impl TopologyStore for MongoTopology {
             id: CURRENT.into(),
             epoch: as_i64(next.epoch())?,
             partition: next.clone(),
+            director: None,
         };
         let won = if expected_epoch == 0 {
             self.unless_duplicate("commit partition", self.partition.insert_one(&document))
@@ -273,19 +348,110 @@ impl TopologyStore for MongoTopology {
                 .is_some()
         } else {
             let filter = doc! { "_id": CURRENT, "epoch": as_i64(expected_epoch)? };
-            let result = self
-                .bounded(
-                    "commit partition",
-                    self.partition.replace_one(filter, &document),
-                )
-                .await?;
-            result.matched_count == 1
+            self.set_partition(filter, next).await?
         };
         if won {
             return Ok(Commit::Committed);
         }
         Ok(Commit::Stale {
             current_epoch: self.current_epoch().await?,
+        })
+    }
+
+    async fn acquire_director(
+        &self,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<DirectorAcquire, TopologyError> {
+        let ttl = ttl_ms(check_holder(holder, ttl)?)?;
+        let filter = doc! {
+            "_id": CURRENT,
+            "$or": [
+                { "director": { "$exists": false } },
+                { "$expr": { "$lte": ["$director.expires_unix_ms", server_now()] } },
+                { "director.holder": holder },
+            ],
+        };
+        let grant = vec![doc! { "$set": { "director": {
+            "holder": holder,
+            "epoch": { "$add": [{ "$ifNull": ["$director.epoch", 0_i64] }, 1_i64] },
+            "expires_unix_ms": { "$add": [server_now(), ttl] },
+        } } }];
+        let granted = self
+            .bounded(
+                "acquire director",
+                self.partition
+                    .find_one_and_update(filter, grant)
+                    .return_document(ReturnDocument::After),
+            )
+            .await?;
+        if let Some(d) = granted.and_then(|d| d.director) {
+            return Ok(DirectorAcquire::Granted(d.lease()));
+        }
+        let current = self
+            .bounded(
+                "read director",
+                self.partition.find_one(doc! { "_id": CURRENT }),
+            )
+            .await?
+            .ok_or(TopologyError::NoPartition)?;
+        match current.director {
+            Some(d) => Ok(DirectorAcquire::Held(d.lease())),
+            // Released between the two reads: a grant is free again, ask once more.
+            None => Err(self.corrupt("the director's lease vanished while it was asked for")),
+        }
+    }
+
+    async fn renew_director(
+        &self,
+        lease: &DirectorLease,
+        ttl: Duration,
+    ) -> Result<Option<DirectorLease>, TopologyError> {
+        let ttl = ttl_ms(check_holder(&lease.holder, ttl)?)?;
+        let renew = vec![director_with_expiry(doc! { "$add": [server_now(), ttl] })];
+        let renewed = self
+            .bounded(
+                "renew director",
+                self.partition
+                    .find_one_and_update(director_is(lease)?, renew)
+                    .return_document(ReturnDocument::After),
+            )
+            .await?;
+        Ok(renewed.and_then(|d| d.director.map(|d| d.lease())))
+    }
+
+    async fn release_director(&self, lease: &DirectorLease) -> Result<bool, TopologyError> {
+        let released = self
+            .bounded(
+                "release director",
+                self.partition.find_one_and_update(
+                    director_is(lease)?,
+                    vec![director_with_expiry(mongodb::bson::Bson::Int64(0))],
+                ),
+            )
+            .await?;
+        Ok(released.is_some())
+    }
+
+    async fn commit_partition_as(
+        &self,
+        director: &DirectorLease,
+        expected_epoch: u64,
+        next: &Partition,
+    ) -> Result<Commit, TopologyError> {
+        check_commit(expected_epoch, next)?;
+        let mut filter = director_is(director)?;
+        filter.insert("epoch", as_i64(expected_epoch)?);
+        if self.set_partition(filter, next).await? {
+            return Ok(Commit::Committed);
+        }
+        let current_epoch = self.current_epoch().await?;
+        if current_epoch != expected_epoch {
+            return Ok(Commit::Stale { current_epoch });
+        }
+        // The epoch matched: the lease did not.
+        Ok(Commit::Fenced {
+            director: self.director().await?,
         })
     }
 

@@ -220,6 +220,9 @@ pub(crate) async fn execute(
                     Ok(Ok(Commit::Stale { current_epoch })) => {
                         Err(format!("the store is at epoch {current_epoch}"))
                     }
+                    Ok(Ok(Commit::Fenced { .. })) => {
+                        Err("refused: a plain commit is never fenced".to_string())
+                    }
                     Ok(Err(e)) => Err(e.to_string()),
                     Err(_) => Err(format!("no answer within {} s", STORE_TIMEOUT.as_secs())),
                 },
