@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::model::admission::AdmissionConfig;
 use crate::model::ids::MAX_NODE_ID;
+use crate::model::load::LoadConfig;
 
 /// See [`SidecarConfig::shaping`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -93,6 +94,9 @@ pub struct SidecarConfig {
     /// When the node stops admitting new sessions (tick overrun, outbox pressure) and when it
     /// opens again: see `model::admission`.
     pub admission: AdmissionConfig,
+    /// How the game's load is smoothed, and estimated for a game that reports none: see
+    /// `model::load`. The balancer reads it.
+    pub load: LoadConfig,
     /// Demo switch: a one-way delay added in-process to what this node sends over its links to
     /// peers of other geos, by geo (`shaping.to_geos.montreal = { base_ms = 45, jitter_ms = 3 }`).
     /// Empty (the default): nothing is delayed and nothing runs.
@@ -150,6 +154,7 @@ impl Default for SidecarConfig {
             game_grace_ms: 5_000,
             drain_timeout_ms: 30_000,
             admission: AdmissionConfig::default(),
+            load: LoadConfig::default(),
             shaping: MeshShaping::default(),
         }
     }
@@ -191,6 +196,8 @@ pub enum ConfigError {
     CheckpointInterval(u64),
     #[error("{0}")]
     Admission(String),
+    #[error("{0}")]
+    Load(String),
 }
 
 impl SidecarConfig {
@@ -244,6 +251,7 @@ impl SidecarConfig {
             return Err(ConfigError::CheckpointInterval(self.checkpoint_interval_ms));
         }
         self.admission.check().map_err(ConfigError::Admission)?;
+        self.load.check().map_err(ConfigError::Load)?;
         Ok(())
     }
 

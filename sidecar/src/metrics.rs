@@ -179,6 +179,8 @@ pub struct Metrics {
     pub inputs_held: Gauge,
     /// 1 while the node admits new sessions; its closings by reason.
     pub admission_open: Gauge,
+    /// The game's smoothed load: the share of its tick budget it uses (the balancer's figure).
+    pub load: Gauge<f64, std::sync::atomic::AtomicU64>,
     pub admission_closings: Family<ReasonLabel, Counter>,
     /// Checkpoints the game answered, and their bytes.
     pub checkpoints: Counter,
@@ -261,6 +263,7 @@ impl Default for Metrics {
             held_frames: Default::default(),
             inputs_held: Default::default(),
             admission_open: Default::default(),
+            load: Default::default(),
             admission_closings: Default::default(),
             checkpoints: Default::default(),
             checkpoint_bytes: Default::default(),
@@ -530,6 +533,11 @@ impl Metrics {
             "inputs_held",
             "Client inputs held now: for a frozen entity, for an entity epoch not seen yet, or for an older input after an adoption",
             m.inputs_held.clone(),
+        );
+        r.register(
+            "load",
+            "The game's load, smoothed: the share of its tick budget it uses (from its Load reports, or estimated from its entities when it sends none)",
+            m.load.clone(),
         );
         r.register(
             "admission_open",

@@ -14,6 +14,9 @@ use crate::model::admission::Change;
 impl Core {
     /// The game's `Load` report.
     pub(crate) fn on_game_load(&mut self, l: &local::Load) {
+        self.load
+            .on_report(self.now.mono_ms, l.tick_ms, l.budget_ms);
+        self.refresh_load();
         let sessions = self.gw.sessions.attached();
         let change = self
             .admission
@@ -26,6 +29,15 @@ impl Core {
             );
         }
         self.admission_changed(change);
+    }
+
+    /// The game's smoothed load now (estimated from the reals it holds when it reports none),
+    /// and its gauge.
+    pub(crate) fn refresh_load(&mut self) -> f64 {
+        let reals = self.table.len() - self.table.ghost_count();
+        let load = self.load.load(self.now.mono_ms, reals);
+        self.metrics.load.set(load);
+        load
     }
 
     /// A link's outbox holds `frames` frames (the driver says so when it reaches the mark).

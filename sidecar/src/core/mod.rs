@@ -327,6 +327,8 @@ pub struct Core {
     pub(crate) avatars: avatars::Avatars,
     /// Whether the node takes new sessions.
     pub(crate) admission: crate::model::admission::Admission,
+    /// The game's smoothed load, for the balancer.
+    pub(crate) load: crate::model::load::LoadMeter,
     pub(crate) out: Outbox,
     shutting_down: bool,
     /// Something changed since the last publish.
@@ -376,6 +378,7 @@ impl Core {
                 metrics.admission_open.set(1);
                 crate::model::admission::Admission::new(cfg.admission.clone())
             },
+            load: crate::model::load::LoadMeter::new(cfg.load.clone()),
             out: Outbox::default(),
             shutting_down: false,
             dirty: true,
@@ -808,6 +811,7 @@ impl Core {
             "partition_epoch": self.auth.partition.epoch(),
             "ghosts_render": self.table.ghost_count(),
             "reals": self.table.len() - self.table.ghost_count(),
+            "load": {"smoothed": self.load.last(), "source": self.load.source()},
             "ghosts_sim": self.repl.sim.len(),
             "subscriptions": self.repl.subs.len(),
             "subscribers": self.repl.subscribers.len(),

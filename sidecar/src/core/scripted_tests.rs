@@ -1271,6 +1271,30 @@ fn closings(core: &Core, reason: &'static str) -> u64 {
         .get()
 }
 
+/// The game's load reports reach the balancer's figure smoothed (the gauge and `/state` say it),
+/// and a game gone silent is estimated from the reals it holds.
+#[test]
+fn load_reports_are_smoothed_and_a_silent_game_is_estimated_from_its_reals() {
+    let mut core = node();
+    load(&mut core, 1000, 10.0);
+    assert_eq!(core.metrics.load.get(), 0.2);
+    assert_eq!(core.state()["load"]["source"], "game");
+    load(&mut core, 2000, 40.0);
+    let smoothed = core.metrics.load.get();
+    assert!((smoothed - (0.2 + 0.2 * 0.6)).abs() < 1e-9, "{smoothed}");
+    assert_eq!(core.state()["load"]["smoothed"], smoothed);
+    // Silent past `silent_after_ms`: the next tick estimates it from the reals (none here).
+    core.handle(
+        at(6000),
+        Input::GameFrame {
+            conn: 1,
+            messages: vec![game_message::Body::TickEnd(local::TickEnd { tick: 1 }).into()],
+        },
+    );
+    assert_eq!(core.state()["load"]["source"], "estimate");
+    assert!(core.metrics.load.get() < smoothed, "falls toward 0");
+}
+
 /// A game that overruns its tick closes the node to new sessions: every proxy link hears it
 /// (one that comes up later too), and a calm held for `reopen_after_ms` opens it again.
 #[test]

@@ -19,6 +19,7 @@ pub mod handoff;
 pub mod ids;
 pub mod inputs;
 pub mod interest;
+pub mod load;
 pub mod restore;
 pub mod route;
 pub mod subs;
