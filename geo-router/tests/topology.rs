@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cellmesh_geo_router::geometry::WorldShape;
+use cellmesh_geo_router::balance::{CellReport, EntityBoundLevels};
+use cellmesh_geo_router::geometry::{ChunkPos, ChunkRect, WorldShape};
 use cellmesh_geo_router::partition::{Bsp, Grid, Layout, Partition};
 use cellmesh_geo_router::store::StoreError;
 use cellmesh_geo_router::topology::memory::MemoryTopology;
@@ -493,6 +494,42 @@ async fn directors(store: &dyn TopologyStore, ttl: Duration, pass: &Pass) {
     assert_eq!(c.epoch, 3);
 }
 
+/// Load reports: published under a live lease, listed while it lives, cleared by a new grant.
+async fn load_reports(store: &dyn TopologyStore, ttl: Duration, pass: &Pass) {
+    let lapse = ttl + ttl / 5;
+    let a = granted(store.acquire_lease(3, "a", ttl).await.unwrap());
+    granted(store.acquire_lease(4, "b", ttl).await.unwrap());
+    let report = CellReport {
+        load: 0.42,
+        entities: 7,
+        rect: ChunkRect::new(0, 0, 4, 2),
+        levels: EntityBoundLevels::measure(
+            ChunkRect::new(0, 0, 4, 2),
+            [(ChunkPos { x: 1, y: 1 }, 7)],
+            0.06,
+        ),
+        ghost_chunks: 7,
+        partition_epoch: 5,
+    };
+    assert!(store.publish_load(&a, &report).await.unwrap());
+    let loads = store.loads().await.unwrap();
+    assert_eq!(loads.len(), 1, "node 4 published none");
+    assert_eq!(loads[&3], report);
+    pass(lapse).await;
+    assert!(
+        store.loads().await.unwrap().is_empty(),
+        "lapsed leases' loads are not listed"
+    );
+    assert!(!store.publish_load(&a, &report).await.unwrap());
+    let c = granted(store.acquire_lease(3, "c", ttl).await.unwrap());
+    assert!(
+        store.loads().await.unwrap().is_empty(),
+        "a new grant starts without a load"
+    );
+    assert!(store.publish_load(&c, &report).await.unwrap());
+    assert_eq!(store.loads().await.unwrap().len(), 1);
+}
+
 /// Many contenders at once for one node's lease, and many committers from one epoch.
 async fn races(stores: Vec<Arc<dyn TopologyStore>>) {
     for node in 0..8 {
@@ -554,6 +591,8 @@ async fn memory_commits() {
 async fn memory_directors() {
     let (store, pass) = virtual_memory();
     directors(&store, TTL, &pass).await;
+    let (store, pass) = virtual_memory();
+    load_reports(&store, TTL, &pass).await;
 }
 
 #[tokio::test]
@@ -612,6 +651,7 @@ async fn mongo_commits() {
 async fn mongo_directors() {
     let db = TestDb::new("directors");
     directors(&db.open().await, MONGO_TTL, &real_time()).await;
+    load_reports(&db.open().await, MONGO_TTL, &real_time()).await;
     db.drop_all().await;
 }
 

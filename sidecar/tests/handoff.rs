@@ -177,6 +177,18 @@ impl TopologyStore for NodeView {
     async fn nodes(&self) -> Result<Vec<NodeEntry>, TopologyError> {
         self.call(self.store.nodes()).await
     }
+    async fn publish_load(
+        &self,
+        lease: &Lease,
+        report: &cellmesh_geo_router::balance::CellReport,
+    ) -> Result<bool, TopologyError> {
+        self.call(self.store.publish_load(lease, report)).await
+    }
+    async fn loads(
+        &self,
+    ) -> Result<BTreeMap<u32, cellmesh_geo_router::balance::CellReport>, TopologyError> {
+        self.call(self.store.loads()).await
+    }
     async fn acquire_director(
         &self,
         holder: &str,
@@ -1180,6 +1192,33 @@ async fn refused(draining: bool) {
         "offered again after {waited:?}"
     );
     assert_eq!(epoch, 1, "nothing was adopted: the epoch is unchanged");
+}
+
+/// Every node publishes its load report under its lease, once a second on its game's tick, for
+/// the director: the topology store lists it with the epoch the node applied.
+#[tokio::test]
+async fn each_node_publishes_its_load_report_for_the_balancer() {
+    let mut c = Cluster::plan(2, 1, vec![1, 2]).await;
+    for id in 1..=2 {
+        c.start(config(id), true).await;
+    }
+    c.linked().await;
+    let p = Patience::new("both nodes' load reports in the topology store");
+    loop {
+        c.tick().await;
+        let loads = c.topology.loads().await.unwrap();
+        if loads.len() == 2 {
+            for (node, r) in &loads {
+                assert_eq!(r.partition_epoch, 1, "node {node}: {r:?}");
+                assert_eq!(r.ghost_chunks, 6, "view radius 5 + release margin 1");
+                assert_eq!(r.rect.area(), 8 * 16, "its region, half the world: {r:?}");
+                assert!((0.0..1.0).contains(&r.load), "node {node}: {r:?}");
+            }
+            break;
+        }
+        p.check();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test]

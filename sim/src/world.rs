@@ -1336,7 +1336,8 @@ impl<'a> Sim<'a> {
                     );
                 }
             }
-            Output::Ready(_) | Output::Publish => {}
+            // No director runs in the simulator yet: load reports go unread.
+            Output::Ready(_) | Output::Publish | Output::LoadReport(_) => {}
             Output::Stop => self.kill(id),
             // The process exits (right after this step); its supervisor starts it again.
             Output::Exit { .. } => {

@@ -10,6 +10,7 @@ use super::{
     check_commit, check_holder, check_request, Acquire, Commit, DirectorAcquire, DirectorLease,
     Lease, NodeEntry, NodeRecord, TopologyError, TopologyStore,
 };
+use crate::balance::CellReport;
 use crate::partition::{NodeId, Partition};
 
 /// The store's clock: unix milliseconds.
@@ -42,6 +43,7 @@ struct State {
 
 struct Stored {
     entry: NodeEntry,
+    load: Option<CellReport>,
     /// The latest expiry any grant of this node had: where the next holder's ids start.
     ids_below_unix_ms: u64,
 }
@@ -91,6 +93,7 @@ impl State {
                     live: true,
                     record: None,
                 },
+                load: None,
                 ids_below_unix_ms: floor.max(lease.expires_unix_ms),
             },
         );
@@ -273,6 +276,31 @@ impl TopologyStore for MemoryTopology {
             .filter(|s| now < s.entry.lease.expires_unix_ms)
             .map(|s| s.entry.record = Some(record.clone()))
             .is_some())
+    }
+
+    async fn publish_load(
+        &self,
+        lease: &Lease,
+        report: &CellReport,
+    ) -> Result<bool, TopologyError> {
+        let now = (self.clock)();
+        let mut state = self.state();
+        Ok(state
+            .current(lease)
+            .filter(|s| now < s.entry.lease.expires_unix_ms)
+            .map(|s| s.load = Some(report.clone()))
+            .is_some())
+    }
+
+    async fn loads(&self) -> Result<BTreeMap<NodeId, CellReport>, TopologyError> {
+        let now = (self.clock)();
+        Ok(self
+            .state()
+            .nodes
+            .iter()
+            .filter(|(_, s)| now < s.entry.lease.expires_unix_ms)
+            .filter_map(|(n, s)| Some((*n, s.load.clone()?)))
+            .collect())
     }
 
     async fn nodes(&self) -> Result<Vec<NodeEntry>, TopologyError> {

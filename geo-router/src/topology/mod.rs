@@ -224,6 +224,19 @@ pub trait TopologyStore: Send + Sync {
     /// Every node that ever held a lease, by id, with its liveness by the store's clock.
     async fn nodes(&self) -> Result<Vec<NodeEntry>, TopologyError>;
 
+    /// Publishes the node's load report (for the director) under `lease`, if the lease is live
+    /// and current; false otherwise. A new grant clears it.
+    async fn publish_load(
+        &self,
+        lease: &Lease,
+        report: &crate::balance::CellReport,
+    ) -> Result<bool, TopologyError>;
+
+    /// The latest load report of every node whose lease is live.
+    async fn loads(
+        &self,
+    ) -> Result<std::collections::BTreeMap<NodeId, crate::balance::CellReport>, TopologyError>;
+
     /// Grants `holder` the director's lease for `ttl` if it is free, lapsed or already
     /// `holder`'s, under a new epoch. A director balances a committed layout: with no partition
     /// committed this is [`TopologyError::NoPartition`].

@@ -17,6 +17,7 @@
 //!
 //! Writes and reads use majority concerns, so a grant survives a primary's failover.
 
+use std::collections::BTreeMap;
 use std::future::IntoFuture;
 use std::time::Duration;
 
@@ -32,6 +33,7 @@ use super::{
     check_commit, check_holder, check_request, Acquire, Commit, DirectorAcquire, DirectorLease,
     Lease, NodeEntry, NodeRecord, TopologyError, TopologyStore,
 };
+use crate::balance::CellReport;
 use crate::partition::{NodeId, Partition};
 use crate::store::mongo::{bounded, error, MongoConn};
 use crate::store::StoreError;
@@ -184,7 +186,7 @@ fn grant(holder: &str, ttl: i64) -> Vec<Document> {
         doc! { "$set": {
             "ids_below_unix_ms": { "$max": ["$ids_floor_unix_ms", "$expires_unix_ms"] },
         } },
-        doc! { "$unset": "record" },
+        doc! { "$unset": ["record", "load"] },
     ]
 }
 
@@ -278,6 +280,11 @@ impl MongoTopology {
             )
             .await?;
         Ok(found.and_then(|d| d.director.map(|d| d.lease())))
+    }
+
+    /// The nodes collection, as documents.
+    fn nodes_raw(&self) -> Collection<Document> {
+        self.nodes.clone_with_type()
     }
 
     async fn current_epoch(&self) -> Result<u64, TopologyError> {
@@ -581,6 +588,44 @@ impl TopologyStore for MongoTopology {
 
     async fn nodes(&self) -> Result<Vec<NodeEntry>, TopologyError> {
         self.list(doc! {}).await
+    }
+
+    async fn publish_load(
+        &self,
+        lease: &Lease,
+        report: &CellReport,
+    ) -> Result<bool, TopologyError> {
+        let mut filter = current(lease)?;
+        filter.extend(live());
+        let load = mongodb::bson::to_bson(report).map_err(|e| self.corrupt(&e.to_string()))?;
+        // `findOneAndUpdate`: its answer is the match (see `set_partition`).
+        let nodes = self.nodes_raw();
+        let publish = nodes.find_one_and_update(filter, doc! { "$set": { "load": load } });
+        Ok(self.bounded("publish load", publish).await?.is_some())
+    }
+
+    async fn loads(&self) -> Result<BTreeMap<NodeId, CellReport>, TopologyError> {
+        let mut filter = live();
+        filter.insert("load", doc! { "$exists": true });
+        let nodes = self.nodes_raw();
+        let cursor = self.bounded("read loads", nodes.find(filter)).await?;
+        let docs: Vec<Document> = self.bounded("read loads", cursor.try_collect()).await?;
+        docs.into_iter()
+            .map(|d| {
+                let node = d
+                    .get_i64("_id")
+                    .ok()
+                    .and_then(|n| NodeId::try_from(n).ok())
+                    .ok_or_else(|| self.corrupt("a node document without a node id"))?;
+                let load = d
+                    .get("load")
+                    .cloned()
+                    .ok_or_else(|| self.corrupt("a load filtered for and missing"))?;
+                let report: CellReport = mongodb::bson::from_bson(load)
+                    .map_err(|e| self.corrupt(&format!("node {node}'s load: {e}")))?;
+                Ok((node, report))
+            })
+            .collect()
     }
 
     async fn close(&self) {

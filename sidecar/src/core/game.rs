@@ -493,7 +493,7 @@ impl Core {
         self.metrics
             .drop_msg("unknown_account", out.unknown_accounts);
         self.set_table_gauges();
-        self.refresh_load();
+        self.maybe_report_load();
         self.send_to_clients(out.frames, budget);
     }
 

@@ -17,6 +17,7 @@
 pub(crate) mod admission;
 pub(crate) mod authority;
 pub(crate) mod avatars;
+pub(crate) mod balance;
 pub(crate) mod game;
 pub(crate) mod gateway;
 pub(crate) mod handoff;
@@ -163,6 +164,8 @@ pub enum Output {
     Store(StoreRequest),
     /// Readiness for traffic changed.
     Ready(bool),
+    /// This node's report to the balancer (see `balance`): the driver publishes the latest.
+    LoadReport(Box<cellmesh_geo_router::balance::CellReport>),
     /// The state changed since it was last published: read [`Core::state`] and
     /// [`Core::reals`] now.
     Publish,
@@ -334,6 +337,8 @@ pub struct Core {
     /// Something changed since the last publish.
     dirty: bool,
     next_renew_ms: u64,
+    /// When the next load report is due.
+    next_load_report_ms: u64,
     next_publish_ms: u64,
 }
 
@@ -383,6 +388,7 @@ impl Core {
             shutting_down: false,
             dirty: true,
             next_renew_ms: now.mono_ms + cfg.session_lease_ms / 3,
+            next_load_report_ms: now.mono_ms,
             next_publish_ms: now.mono_ms,
             now,
             cfg,

@@ -63,6 +63,8 @@ pub(crate) struct Driver {
     pub shutdown: CancellationToken,
     /// Why the node stopped, when it could not go on (the handle reports it).
     pub failure: Arc<Mutex<Option<String>>>,
+    /// The latest report to the balancer, for the membership task to publish.
+    pub load_reports: tokio::sync::watch::Sender<Option<cellmesh_geo_router::balance::CellReport>>,
 }
 
 impl Driver {
@@ -260,6 +262,9 @@ impl Driver {
                     });
                 }
                 Output::Ready(ready) => self.admin.set_ready(ready),
+                Output::LoadReport(report) => {
+                    self.load_reports.send_replace(Some(*report));
+                }
                 Output::Publish => {
                     *self.published.lock().expect("state lock poisoned") = self.core.state();
                     *self.census.lock().expect("census lock poisoned") = self.core.reals();

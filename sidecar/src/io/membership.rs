@@ -222,12 +222,13 @@ async fn report(node: &mpsc::Sender<Event>, input: Input) -> Reported {
     }
 }
 
-/// Publishes the record under the current lease and reports the live peers and any newer
-/// partition until `shutdown`.
+/// Publishes the record and the latest load report under the current lease, and reports the
+/// live peers and any newer partition, until `shutdown`.
 pub(crate) async fn membership(
     topology: Arc<dyn TopologyStore>,
     lease: watch::Receiver<Lease>,
     record: NodeRecord,
+    mut load: watch::Receiver<Option<cellmesh_geo_router::balance::CellReport>>,
     partition_epoch: u64,
     node: mpsc::Sender<Event>,
     shutdown: CancellationToken,
@@ -248,6 +249,17 @@ pub(crate) async fn membership(
                 Ok(false) => tracing::warn!(node = me, "publishing the node record was refused"),
                 Err(e) => {
                     tracing::warn!(node = me, error = %e, "publishing the node record failed")
+                }
+            }
+        }
+        if load.has_changed().unwrap_or(false) {
+            let report = load.borrow_and_update().clone();
+            if let Some(report) = report {
+                let current = lease.borrow().clone();
+                match topology.publish_load(&current, &report).await {
+                    Ok(true) => {}
+                    Ok(false) => tracing::debug!(node = me, "publishing the load was refused"),
+                    Err(e) => tracing::warn!(node = me, error = %e, "publishing the load failed"),
                 }
             }
         }

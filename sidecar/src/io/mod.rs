@@ -155,6 +155,7 @@ pub(crate) async fn launch(
     };
     let census = Arc::default();
     let restored = Arc::default();
+    let (load_reports, load_report) = watch::channel(None);
     let clustered = membership.is_some();
     let held = membership.as_ref().map(|(_, h)| h.clone());
     let topology = membership.as_ref().map(|(t, _)| t.clone());
@@ -189,6 +190,7 @@ pub(crate) async fn launch(
             topology,
             lease,
             record,
+            load_report,
             partition.epoch(),
             inbox.clone(),
             shutdown.clone(),
@@ -229,6 +231,7 @@ pub(crate) async fn launch(
         metrics: metrics.clone(),
         shutdown: shutdown.clone(),
         failure: Arc::clone(&failure),
+        load_reports,
     };
     // Should the driver ever end (or panic), everything else stops with it.
     let stop_all = shutdown.clone().drop_guard();
