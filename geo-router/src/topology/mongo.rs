@@ -404,7 +404,7 @@ impl TopologyStore for MongoTopology {
             .ok_or(TopologyError::NoPartition)?;
         match current.director {
             Some(d) => Ok(DirectorAcquire::Held(d.lease())),
-            // Released between the two reads: a grant is free again, ask once more.
+            // The filter missed only a live lease of another holder, and nothing removes one.
             None => Err(self.corrupt("the director's lease vanished while it was asked for")),
         }
     }
