@@ -61,6 +61,8 @@ impl Reason {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LineState {
     pub aggression: f64,
+    /// The direction of the line's last move (`None` until it first moves): rounds it holds in
+    /// between do not hide a reversal.
     pub last: Shrink,
 }
 
@@ -74,8 +76,9 @@ impl Default for LineState {
 }
 
 impl LineState {
-    /// Records this round's direction: a reversal (one side, then the other, with no round
-    /// between) halves the aggression, anything else lets it grow back; true on a reversal.
+    /// Records this round's move (`None`: the line held): a move against the line's last move,
+    /// however many rounds it held in between, is a reversal and halves the aggression;
+    /// anything else lets it grow back. True on a reversal.
     pub fn adjust(&mut self, now: Shrink, cfg: &LoadConfig) -> bool {
         let reversal = matches!(
             (self.last, now),
@@ -87,7 +90,9 @@ impl LineState {
             cfg.aggression_increase()
         };
         self.aggression = (self.aggression * factor).clamp(cfg.min_aggression, 1.0);
-        self.last = now;
+        if now != Shrink::None {
+            self.last = now;
+        }
         reversal
     }
 }
@@ -175,7 +180,15 @@ pub fn do_balance(
     if growing.max_load >= safety_bound {
         return hold(Reason::SafetyBound, state);
     }
-    let reversal = state.adjust(shrink, cfg);
+    // A move against the last one is made with the aggression already halved.
+    let aggression = if matches!(
+        (state.last, shrink),
+        (Shrink::Low, Shrink::High) | (Shrink::High, Shrink::Low)
+    ) {
+        (aggression * cfg.aggression_decrease).max(cfg.min_aggression)
+    } else {
+        aggression
+    };
     // The load to shed: the excess over the average, tempered by the aggression, preferably no
     // more than `max_offload`; a retiring cell sheds `max_offload` a round.
     let offload = (excess * aggression).min(cfg.max_offload);
@@ -183,15 +196,25 @@ pub fn do_balance(
     let mut entity_depth = shrinking.levels.depth_for_load(edge, offload);
     let first = shrinking.levels.edge(edge).load.first().copied();
     if entity_depth == 0
-        && (first.is_some_and(|l| l <= excess * aggression) || excess.is_infinite())
+        && (first.is_some_and(|l| l < 2.0 * excess * aggression) || excess.is_infinite())
     {
-        // One chunk carries more than `max_offload` but no more than the excess: still a gain
-        // (a retiring cell always gives its next chunk).
+        // One chunk carries more than `max_offload`, but moving it still narrows the gap
+        // between the sides (which is twice the excess when they hold a cell each, and more
+        // otherwise); a retiring cell always gives its next chunk.
         entity_depth = 1;
     }
+    // Over sparse chunks the bound levels let a line go as far as the ghost band; the
+    // aggression shortens that too, or a line that keeps reversing would still swing wide.
+    let ghost_reach = (growing.ghost_chunks.max(0) as f64 * aggression).ceil() as i64;
     let by = entity_depth
-        .min(growing.ghost_chunks.max(0))
+        .min(if excess.is_infinite() {
+            growing.ghost_chunks.max(0)
+        } else {
+            ghost_reach
+        })
         .min(shrinking.room.max(0));
+    // Only a move counts as the line's direction: a line held by a bound has not reversed.
+    let reversal = state.adjust(if by > 0 { shrink } else { Shrink::None }, cfg);
     let reason = if by > 0 {
         if excess.is_infinite() {
             Reason::Retiring
@@ -233,8 +256,10 @@ mod tests {
             assert!(!s.adjust(Shrink::Low, &cfg));
         }
         assert!((s.aggression - 0.5).abs() < 1e-9, "{}", s.aggression);
-        // A round without a direction breaks a reversal.
+        // Rounds the line holds in between do not hide a reversal (they do let it recover).
         s.adjust(Shrink::None, &cfg);
+        s.adjust(Shrink::None, &cfg);
+        assert!(s.adjust(Shrink::High, &cfg));
         assert!(!s.adjust(Shrink::High, &cfg));
         for _ in 0..20 {
             s.adjust(Shrink::Low, &cfg);

@@ -400,6 +400,14 @@ impl Balancer {
         let cells_avg = total / active.len().max(1) as f64;
         let everyone_avg = (total + spares.iter().map(load_of).sum::<f64>())
             / (active.len() + spares.len()).max(1) as f64;
+        // A retirement the world no longer affords is called off: the cells that stay would
+        // average over the lower bound, by the tolerance (so that it does not flap).
+        if cells_avg > self.cfg.lower_bound + self.cfg.add_tolerance {
+            if let Some((node, state)) = self.cells.iter_mut().find(|(_, s)| s.retiring) {
+                state.retiring = false;
+                return Some(Decision::RetireCancelled { node: *node });
+            }
+        }
         if cells_avg > everyone_avg + self.cfg.add_tolerance && cells_avg >= self.cfg.add_above {
             if let Some((node, state)) = self.cells.iter_mut().find(|(_, s)| s.retiring) {
                 state.retiring = false;

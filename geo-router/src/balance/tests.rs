@@ -342,6 +342,43 @@ fn a_spare_node_takes_a_cell_beside_an_overloaded_world_and_an_idle_one_retires_
     assert_eq!(nodes_of(m.tree()).len(), 4 - deleted.len());
 }
 
+#[test]
+fn a_retirement_is_called_off_when_the_load_comes_back() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let chunks = 64;
+    // An idle world (4 nodes at 0.025): a cell starts to retire.
+    let mut m = Model::new(4, 0, chunks, crowd(&mut rng, 100, (32, 32), 32, chunks));
+    let mut b = Balancer::new(LoadConfig::default());
+    let mut retiring = None;
+    for _ in 0..5 {
+        for d in m.step(&mut b).decisions {
+            if let Decision::RetireStarted { node } = d {
+                retiring = Some(node);
+            }
+        }
+    }
+    let node = retiring.expect("an idle world retires a cell");
+    // Players log in before it is gone: 0.4 a cell on the three that stay.
+    m.entities = crowd(&mut rng, 1200, (32, 32), 32, chunks);
+    let mut cancelled = false;
+    for _ in 0..5 {
+        cancelled |= m
+            .step(&mut b)
+            .decisions
+            .contains(&Decision::RetireCancelled { node });
+    }
+    assert!(
+        cancelled,
+        "the retirement of node {node} stands in a busy world"
+    );
+    assert!(!b.cells()[&node].retiring);
+    // And the cell grows back to its share.
+    for _ in 0..120 {
+        m.step(&mut b);
+    }
+    assert!(m.max_over_avg() <= 1.3, "max/avg {}", m.max_over_avg());
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
     /// Over many rounds with nodes that apply epochs late, spares and a crowd that comes and
@@ -367,6 +404,8 @@ proptest::proptest! {
         }
         let cfg = LoadConfig::default();
         let mut b = Balancer::new(cfg.clone());
+        // Each line's aggression after the round before.
+        let mut aggression: BTreeMap<String, f64> = BTreeMap::new();
         for round in 0..80 {
             if round == 50 {
                 // The crowd goes home.
@@ -384,10 +423,13 @@ proptest::proptest! {
                     Decision::Line { path, from, to, line, .. } => {
                         let a = line.aggression;
                         proptest::prop_assert!((cfg.min_aggression..=1.0).contains(&a), "aggression {a}");
-                        if line.reversal {
-                            let now = b.line(path).expect("state").aggression;
-                            proptest::prop_assert!((now - (a * 0.5).max(cfg.min_aggression)).abs() < 1e-12);
+                        let now = b.line(path).expect("state").aggression;
+                        if let (true, Some(was)) = (line.reversal, aggression.get(path)) {
+                            let halved = (was * 0.5).max(cfg.min_aggression);
+                            proptest::prop_assert!((now - halved).abs() < 1e-12, "{was} then {now}");
+                            proptest::prop_assert!((a - halved).abs() < 1e-12, "moved with {a}");
                         }
+                        aggression.insert(path.clone(), now);
                         if from == to { continue; }
                         let BspTree::Split { low, high, .. } = at_path(&before, path) else {
                             return Err(proptest::test_runner::TestCaseError::fail("a line at a leaf"));

@@ -1,0 +1,58 @@
+//! `cellmesh balance …`: tools for the load balancer.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use cellmesh_balancesim as balancesim;
+
+#[derive(clap::Args, Debug)]
+pub struct BalanceArgs {
+    #[command(subcommand)]
+    pub command: BalanceCommand,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum BalanceCommand {
+    /// Run a load balancing scenario in virtual time: a timeline of the balancer's decisions with
+    /// their reasons, the chunks each epoch moved, and a summary.
+    Simulate {
+        /// Scenario file (TOML), e.g. one of balancesim/scenarios/.
+        scenario: PathBuf,
+        /// Print the report (summary, timeline, epochs, series) as JSON instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Also draw each node's load, the split lines and the chunks moved over time into this
+        /// SVG file.
+        #[arg(long, value_name = "FILE")]
+        svg: Option<PathBuf>,
+    },
+}
+
+pub fn run(args: BalanceArgs) -> anyhow::Result<()> {
+    match args.command {
+        BalanceCommand::Simulate {
+            scenario,
+            json,
+            svg,
+        } => simulate(&scenario, json, svg.as_deref()),
+    }
+}
+
+fn simulate(path: &Path, json: bool, svg: Option<&Path>) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading scenario {}", path.display()))?;
+    let scenario = balancesim::Scenario::from_toml(&text)
+        .with_context(|| format!("scenario {}", path.display()))?;
+    let report = balancesim::run(&scenario)?;
+    if let Some(out) = svg {
+        let plot = balancesim::render_svg(&report)?;
+        std::fs::write(out, plot).with_context(|| format!("writing {}", out.display()))?;
+        eprintln!("plot written to {}", out.display());
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.render_text());
+    }
+    Ok(())
+}
