@@ -1,8 +1,10 @@
 //! The `cellmesh` command: one CLI for every process of the mesh, and `cellmesh up`, a whole local
 //! cluster in one process over real loopback sockets.
 
+pub mod balance_cli;
 pub mod bench_cli;
 pub mod bots;
+pub mod director;
 pub mod geo_cli;
 pub mod partition_cli;
 pub mod signal;

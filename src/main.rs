@@ -41,6 +41,14 @@ enum Command {
         #[arg(long)]
         print_config: bool,
     },
+    /// Run the director: balances the world's partition while it holds the director's lease
+    /// (a second one stands by and takes over when the lease lapses).
+    Director {
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long)]
+        print_config: bool,
+    },
     /// Print a login token signed with the proxies' shared secret (for tests and tools).
     Token {
         #[arg(long)]
@@ -55,6 +63,8 @@ enum Command {
     Partition(cellmesh::partition_cli::PartitionArgs),
     /// Geo routing tools: simulate bubble placement over a scenario.
     Geo(cellmesh::geo_cli::GeoArgs),
+    /// Load balancing tools: simulate the balancer over a scenario.
+    Balance(cellmesh::balance_cli::BalanceArgs),
     /// The deterministic cluster simulator: sidecar cores, games, clients and links in virtual
     /// time, with faults; every invariant checked after every step.
     Sim(cellmesh::sim_cli::SimArgs),
@@ -132,6 +142,25 @@ struct UpArgs {
     /// handovers labelled with player and cause, killed nodes shaded.
     #[arg(long, value_name = "PATH")]
     svg: Option<PathBuf>,
+    /// How the world is cut between the nodes: a grid of regions, or a BSP whose lines the
+    /// director moves (the bots then gather in one cell, and the arenas report a load per
+    /// entity). Default: grid, or bsp with --balance.
+    #[arg(long, value_enum)]
+    partition: Option<PartitionKind>,
+    /// Balance the world with a director in this process (implies --partition bsp; on by
+    /// default with a BSP).
+    #[arg(long, conflicts_with = "no_balance")]
+    balance: bool,
+    /// With --partition bsp: no director, the lines stay where they start (the baseline a
+    /// balanced run is compared with).
+    #[arg(long)]
+    no_balance: bool,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum PartitionKind {
+    Grid,
+    Bsp,
 }
 
 impl UpArgs {
@@ -153,6 +182,10 @@ impl UpArgs {
                 .collect(),
             geo_delay_ms: self.geo_delay_ms,
             svg: self.svg,
+            bsp: self.partition == Some(PartitionKind::Bsp)
+                || (self.partition.is_none() && self.balance),
+            balance: self.balance
+                || (self.partition == Some(PartitionKind::Bsp) && !self.no_balance),
         }
     }
 }
@@ -388,8 +421,33 @@ async fn main() -> anyhow::Result<()> {
                 }
             }
         }
+        Command::Director {
+            config,
+            print_config,
+        } => {
+            init_tracing("info");
+            let cfg: cellmesh::director::DirectorConfig =
+                cellmesh_admin::config::load(config.as_deref())?;
+            if print_config {
+                print!("{}", toml::to_string_pretty(&cfg.shown())?);
+                return Ok(());
+            }
+            let stop = CancellationToken::new();
+            let handle = cellmesh::director::start(cfg, stop.clone()).await?;
+            tracing::info!(admin = %handle.admin_addr, holder = %handle.holder, "director running");
+            let interrupted = signal::shutdown();
+            report_listening(format_args!(
+                "cellmesh director listening admin={} holder={}",
+                handle.admin_addr, handle.holder
+            ));
+            interrupted.await;
+            tracing::info!("stopping: the director's lease goes back to the store");
+            stop.cancel();
+            handle.wait().await;
+        }
         Command::Partition(args) => cellmesh::partition_cli::run(args).await?,
         Command::Geo(args) => cellmesh::geo_cli::run(args)?,
+        Command::Balance(args) => cellmesh::balance_cli::run(args)?,
         Command::Sim(args) => cellmesh::sim_cli::run(args)?,
         Command::Bench(args) => {
             init_tracing("warn");

@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use cellmesh_arena::{ArenaConfig, ArenaStats, Census};
 use cellmesh_geo_router::geometry::WorldShape;
-use cellmesh_geo_router::partition::{Grid, Layout, Partition};
+use cellmesh_geo_router::partition::{Bsp, Grid, Layout, Partition};
 use cellmesh_geo_router::store::Stores;
 use cellmesh_geo_router::topology::memory::MemoryTopology;
 use cellmesh_geo_router::topology::TopologyStore;
@@ -61,6 +61,12 @@ pub struct UpOptions {
     pub geo_delay_ms: Vec<u64>,
     /// Draw the run as an SVG here on exit (see [`plot`]).
     pub svg: Option<PathBuf>,
+    /// Lay the world out as a BSP (`Bsp::even`) instead of a grid of regions; the bots gather
+    /// in one cell near where the lines meet, and each arena reports a load per entity (see
+    /// [`Crowd`]).
+    pub bsp: bool,
+    /// Run a director in this process that balances the BSP (needs `bsp`).
+    pub balance: bool,
 }
 
 /// Delays between the default geos' cities, one way, roughly what the fibre gives (ms).
@@ -203,6 +209,8 @@ impl Default for UpOptions {
             geos: Vec::new(),
             geo_delay_ms: Vec::new(),
             svg: None,
+            bsp: false,
+            balance: false,
         }
     }
 }
@@ -316,6 +324,27 @@ pub struct Summary {
     pub handover_avatar_replaced: u64,
     pub handed_over_input_to_update_ms_before: f64,
     pub handed_over_input_to_update_ms_after: f64,
+    /// `--partition bsp`: the layout's kind, the epochs committed during the run, what the
+    /// director did (`--balance`), and the busiest node's load over the average (end of run, and
+    /// over the run's seconds).
+    pub partition: String,
+    pub partition_epochs: u64,
+    pub balance_moves: u64,
+    pub cells_added: u64,
+    pub cells_retired: u64,
+    pub chunks_moved: u64,
+    pub load_max_over_avg: LoadSpread,
+}
+
+/// The busiest node's load over the average of the nodes holding a cell.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LoadSpread {
+    /// The last second's, before the bots left.
+    pub end: f64,
+    pub p50: f64,
+    pub p99: f64,
+    /// Seconds sampled (those with every node's load known).
+    pub samples: usize,
 }
 
 /// The median and 99th percentile of some samples.
@@ -507,6 +536,44 @@ const MEETING_POINT: (f64, f64) = (0.0, 0.0);
 /// every border all the time, and so are handed between the nodes.
 const ARENA_SPREAD: f64 = 300.0;
 
+/// A world laid out as a BSP (`--partition bsp`) gets a crowd for the director to balance:
+/// every arena stands around the middle of the world, where every line of `Bsp::even` meets,
+/// and the bots gather a few chunks away from it, inside one cell. Players walk fast (mounted),
+/// so the crowd forms within the first half minute, and each entity is reported to cost a
+/// quarter millisecond of a 50 ms tick: 200 gathered bots weigh a whole node.
+struct Crowd;
+
+impl Crowd {
+    const GATHER_OFFSET_M: f64 = 160.0;
+    const ROAM_M: f64 = 100.0;
+    const ARENA_SPREAD_M: f64 = 600.0;
+    const PLAYER_SPEED: f64 = 10.0;
+    const ENTITY_COST_MS: f32 = 0.25;
+
+    fn middle(world: &WorldShape) -> (f64, f64) {
+        (world.width / 2.0, world.height / 2.0)
+    }
+
+    fn gather_point(world: &WorldShape) -> (f64, f64) {
+        let (x, y) = Self::middle(world);
+        (x - Self::GATHER_OFFSET_M, y - Self::GATHER_OFFSET_M)
+    }
+}
+
+/// The busiest node's load over the average, from the nodes' latest reports; `None` until every
+/// node holding a cell has reported.
+async fn load_spread(topology: &dyn TopologyStore) -> Option<f64> {
+    let partition = topology.partition().await.ok()??;
+    let reports = topology.loads().await.ok()?;
+    let loads: Vec<f64> = partition
+        .nodes()
+        .iter()
+        .map(|n| reports.get(n).map(|r| r.load))
+        .collect::<Option<_>>()?;
+    let avg = loads.iter().sum::<f64>() / loads.len().max(1) as f64;
+    (avg > 0.0).then(|| loads.iter().copied().fold(0.0, f64::max) / avg)
+}
+
 /// `cols × rows` for `n` nodes: the most square factorisation.
 pub fn grid_shape(n: usize) -> (u32, u32) {
     let rows = (1..=n)
@@ -629,6 +696,11 @@ struct NodeEnv {
     /// The nodes' state dir, of this run only (so are the in-memory topology and its leases);
     /// none unless killed nodes restart in place.
     state_dir: Option<Arc<RunDir>>,
+    /// Where the arenas' NPCs and new players appear (see [`Crowd`] for a BSP).
+    arena_center: (f64, f64),
+    arena_spread: f64,
+    player_speed: f64,
+    entity_cost_ms: f32,
 }
 
 /// A directory of this run, removed with it.
@@ -710,8 +782,10 @@ async fn start_node(
         sidecar: SidecarAddr::Tcp(sidecar.local_addr.clone()),
         npcs,
         seed: env.seed.wrapping_add(u64::from(id)),
-        center: MEETING_POINT,
-        spread: ARENA_SPREAD,
+        center: env.arena_center,
+        spread: env.arena_spread,
+        player_speed: env.player_speed,
+        entity_cost_ms: env.entity_cost_ms,
         census: Some(env.games.clone()),
         halt: Some(env.halt.clone()),
         ..ArenaConfig::default()
@@ -861,9 +935,18 @@ pub async fn run(
     let (cols, rows) = grid_shape(opts.nodes);
     let ids: Vec<u32> = (1..=opts.nodes as u32).collect();
     let (rx, ry) = (world.regions_x() as u32, world.regions_y() as u32);
-    // The fixed grid of regions, shared out in compact blocks (2 × 2 quadrants for 4 nodes).
-    let grid = Grid::even(&world, rx, ry, &ids).context("laying out the grid")?;
-    let partition = Partition::new(world, 1, Layout::Grid(grid)).context("the partition")?;
+    anyhow::ensure!(
+        opts.bsp || !opts.balance,
+        "--balance needs a BSP partition (--partition bsp): the director moves the lines of a BSP"
+    );
+    let layout = if opts.bsp {
+        // Halved and halved again, as even as the number allows; the director moves the lines.
+        Layout::Bsp(Bsp::even(&world, &ids).context("laying out the BSP")?)
+    } else {
+        // The fixed grid of regions, shared out in compact blocks (2 × 2 quadrants for 4 nodes).
+        Layout::Grid(Grid::even(&world, rx, ry, &ids).context("laying out the grid")?)
+    };
+    let partition = Partition::new(world, 1, layout).context("the partition")?;
     let topology: Arc<dyn TopologyStore> = Arc::new(MemoryTopology::default());
     topology
         .commit_partition(0, &partition)
@@ -888,6 +971,22 @@ pub async fn run(
         } else {
             None
         },
+        arena_center: if opts.bsp {
+            Crowd::middle(&world)
+        } else {
+            MEETING_POINT
+        },
+        arena_spread: if opts.bsp {
+            Crowd::ARENA_SPREAD_M
+        } else {
+            ARENA_SPREAD
+        },
+        player_speed: if opts.bsp {
+            Crowd::PLAYER_SPEED
+        } else {
+            ArenaConfig::default().player_speed
+        },
+        entity_cost_ms: if opts.bsp { Crowd::ENTITY_COST_MS } else { 0.0 },
     };
     let mut nodes: Vec<NodeRun> = Vec::with_capacity(opts.nodes);
     let per_arena = opts.npcs.div_ceil(opts.nodes as u32);
@@ -897,7 +996,34 @@ pub async fn run(
         let (_, node) = start_node(&env, node_id, "127.0.0.1:0".into(), npcs, runtime).await;
         nodes.push(node?);
     }
-    let (home, roam) = (MEETING_POINT, ARENA_SPREAD / 2.0);
+    let (home, roam) = if opts.bsp {
+        (Crowd::gather_point(&world), Crowd::ROAM_M)
+    } else {
+        (MEETING_POINT, ARENA_SPREAD / 2.0)
+    };
+    // Stopped when the bots leave: the census reads a world whose layout holds still.
+    let director_stop = stop.child_token();
+    let director = if opts.balance {
+        let cfg = crate::director::DirectorConfig {
+            topology_url: "memory".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            name: "up-director".into(),
+            balance: cellmesh_geo_router::balance::LoadConfig {
+                // The world starts with the NPCs alone while the bots log in: with the default
+                // bound a cell would start to retire in the first second, only to be called off.
+                lower_bound: 0.1,
+                ..Default::default()
+            },
+            ..crate::director::DirectorConfig::default()
+        };
+        Some(
+            crate::director::start_with(cfg, topology.clone(), director_stop.clone())
+                .await
+                .context("starting the director")?,
+        )
+    } else {
+        None
+    };
 
     // A secret of this run only: nobody outside it can sign a login.
     let secret = format!("{:032x}", rand::random::<u128>());
@@ -1007,8 +1133,17 @@ pub async fn run(
             }
         })
         .collect();
+    let layout = if opts.bsp {
+        "bsp".to_string()
+    } else {
+        format!("{cols}×{rows}")
+    };
+    let director_admin = director
+        .as_ref()
+        .map(|d| format!(" · director admin http://{}", d.admin_addr))
+        .unwrap_or_default();
     println!(
-        "cellmesh up: {} nodes ({cols}×{rows}), sidecar admin {} · proxy {} · {} bots",
+        "cellmesh up: {} nodes ({layout}), sidecar admin {} · proxy {}{director_admin} · {} bots",
         opts.nodes,
         admins.join(" "),
         edges.join(" · "),
@@ -1094,6 +1229,7 @@ pub async fn run(
     };
     let mut kill_at = next_kill(tokio::time::Instant::now());
     let mut bridged_peak = 0u64;
+    let mut spreads: Vec<f64> = Vec::new();
     // What the plot shows, timed from `started`.
     let started_unix_ms = unix_ms().saturating_sub(started.elapsed().as_millis() as u64);
     let mut bridged_over_time: Vec<(f64, u64)> = Vec::new();
@@ -1176,6 +1312,8 @@ pub async fn run(
                     bridged_over_time.push((started.elapsed().as_secs_f64(), p.bridged_sessions));
                 }
                 take_handovers(&mut handover_marks);
+                let spread = load_spread(&*topology).await;
+                spreads.extend(spread);
                 if !opts.status { continue }
                 let (s, b) = (totals(&nodes, &departed), bot_stats.totals());
                 let dt = last.0.elapsed().as_secs_f64().max(1e-3);
@@ -1192,6 +1330,18 @@ pub async fn run(
                     format!("{line} bridged={} handovers={}", p.bridged_sessions, p.handovers)
                 } else {
                     line
+                };
+                let line = match &director {
+                    Some(d) => {
+                        let st = d.stats();
+                        format!(
+                            "{line} epoch={} moves={} load max/avg={}",
+                            st.partition_epoch.max(1), st.balance_moves,
+                            spread.map_or("-".into(), |m| format!("{m:.2}")),
+                        )
+                    }
+                    None if opts.bsp => format!("{line} load max/avg={}", spread.map_or("-".into(), |m| format!("{m:.2}"))),
+                    None => line,
                 };
                 last = (Instant::now(), s.inputs_delivered, b.updates_delivered);
                 if tty { print!("\r{line}  "); use std::io::Write; let _ = std::io::stdout().flush(); } else { println!("{line}"); }
@@ -1224,6 +1374,16 @@ pub async fn run(
         );
     }
     bot_stop.cancel();
+    director_stop.cancel();
+    let directed = match director {
+        Some(d) => {
+            let st = d.stats();
+            let _ = tokio::time::timeout(Duration::from_secs(5), d.wait()).await;
+            st
+        }
+        None => crate::director::DirectorStats::default(),
+    };
+    let load_end = spreads.last().copied().unwrap_or(0.0);
     for t in bot_tasks {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
@@ -1365,6 +1525,13 @@ pub async fn run(
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone();
+    // Epochs past the first, whoever committed them (the director, or a failover).
+    let partition_epochs = topology
+        .partition()
+        .await
+        .ok()
+        .flatten()
+        .map_or(0, |p| p.epoch() - 1);
     let summary = Summary {
         duration_s: started.elapsed().as_secs_f64(),
         nodes: opts.nodes,
@@ -1463,6 +1630,21 @@ pub async fn run(
             handed_over.iter().map(|(b, _)| *b).collect(),
         )
         .p50,
+        partition: if opts.bsp { "bsp" } else { "grid" }.into(),
+        partition_epochs,
+        balance_moves: directed.balance_moves,
+        cells_added: directed.cells_added,
+        cells_retired: directed.cells_retired,
+        chunks_moved: directed.chunks_moved,
+        load_max_over_avg: {
+            let pct = Percentiles::of(spreads);
+            LoadSpread {
+                end: load_end,
+                p50: pct.p50,
+                p99: pct.p99,
+                samples: pct.samples,
+            }
+        },
         handed_over_input_to_update_ms_after: Percentiles::of(
             handed_over.iter().map(|(_, a)| *a).collect(),
         )

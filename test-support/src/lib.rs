@@ -1,6 +1,6 @@
 //! What the workspace's tests share: one bound on waiting, the clock, the test servers named by
 //! `./scripts/test.sh`, a collector of what processes write, and `cellmesh sidecar` /
-//! `cellmesh proxy` run as processes that report the addresses they bound.
+//! `cellmesh proxy` and `cellmesh director` run as processes that report the addresses they bound.
 //!
 //! A dev-dependency only. A library cannot name another package's binary, so whatever runs
 //! `cellmesh` takes the binary's path: the root package's tests pass
@@ -15,8 +15,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 mod process;
 
 pub use process::{
-    proxy_command, sidecar_command, Exited, Process, ProxyProcess, SidecarProcess, PROXY_LISTENING,
-    SIDECAR_LISTENING,
+    director_command, proxy_command, sidecar_command, DirectorProcess, Exited, Process,
+    ProxyProcess, SidecarProcess, DIRECTOR_LISTENING, PROXY_LISTENING, SIDECAR_LISTENING,
 };
 
 /// Upper bound for anything a test waits for that should happen promptly. Only a failing test

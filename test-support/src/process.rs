@@ -19,6 +19,9 @@ pub const SIDECAR_LISTENING: &str = "cellmesh sidecar listening";
 /// How `cellmesh proxy` starts its line on stdout: `… clients=A admin=B`.
 pub const PROXY_LISTENING: &str = "cellmesh proxy listening";
 
+/// How `cellmesh director` starts its line on stdout: `… admin=A holder=H`.
+pub const DIRECTOR_LISTENING: &str = "cellmesh director listening";
+
 /// A loopback listener on a port the OS picks when the process binds.
 const ANY_PORT: &str = "127.0.0.1:0";
 
@@ -74,6 +77,14 @@ pub fn proxy_command(bin: impl AsRef<Path>) -> Command {
     cmd.arg("proxy")
         .env("CELLMESH_CLIENT_LISTEN", ANY_PORT)
         .env("CELLMESH_ADMIN_LISTEN", ANY_PORT);
+    cmd
+}
+
+/// `cellmesh director` with its admin listener on port 0; the caller adds the rest of the
+/// configuration.
+pub fn director_command(bin: impl AsRef<Path>) -> Command {
+    let mut cmd = Command::new(bin.as_ref());
+    cmd.arg("director").env("CELLMESH_ADMIN_LISTEN", ANY_PORT);
     cmd
 }
 
@@ -309,6 +320,33 @@ impl ProxyProcess {
         Self {
             clients: at("clients"),
             admin: at("admin"),
+            process,
+        }
+    }
+}
+
+/// A `cellmesh director` process, its admin address and its name in the director's lease.
+pub struct DirectorProcess {
+    pub admin: SocketAddr,
+    pub holder: String,
+    pub process: Process,
+}
+
+impl DirectorProcess {
+    /// Starts `cmd` (from [`director_command`]) and reads what it reports; panics with what it
+    /// wrote if it exits first.
+    pub async fn start(name: impl Into<String>, cmd: &mut Command) -> Self {
+        let (process, report) = Process::spawn_reporting(name, cmd, DIRECTOR_LISTENING)
+            .await
+            .unwrap_or_else(|exited| panic!("{exited}"));
+        let holder = report
+            .split_whitespace()
+            .find_map(|pair| pair.strip_prefix("holder="))
+            .unwrap_or_else(|| panic!("{} reported no holder: {report:?}", process.name))
+            .to_string();
+        Self {
+            admin: address(&process.name, &report, "admin"),
+            holder,
             process,
         }
     }

@@ -43,6 +43,9 @@ pub struct ArenaConfig {
     /// Hand an entity over with `Release` in the tick it walks out of the node's area (else
     /// the sidecar's `Freeze` does it, a tick later).
     pub release: bool,
+    /// Milliseconds of tick each entity is reported to cost in `Load`, on top of the tick as
+    /// measured: the toy's own tick takes microseconds, and a balancer needs a game's weight.
+    pub entity_cost_ms: f32,
 }
 
 impl Default for ArenaConfig {
@@ -59,6 +62,7 @@ impl Default for ArenaConfig {
             census: None,
             halt: None,
             release: true,
+            entity_cost_ms: 0.0,
         }
     }
 }
@@ -130,6 +134,7 @@ pub async fn run(
     let clock = TickClock::from_welcome(&welcome, cfg.tick_hz);
     let _holding = Holding(cfg.census.clone().map(|c| (c, welcome.node_id)));
     let halt = cfg.halt.clone();
+    let entity_cost_ms = cfg.entity_cost_ms;
     let mut arena = Arena::new(cfg, &welcome);
     arena.request_ids(&mut tx);
     tx.flush().await?;
@@ -156,10 +161,12 @@ pub async fn run(
                 arena.request_ids(&mut tx);
                 if last_load.elapsed() >= Duration::from_secs(1) {
                     last_load = tokio::time::Instant::now();
+                    let entities = arena.entity_count() as u32;
                     tx.push(Body::Load(Load {
-                        tick_ms: started.elapsed().as_secs_f32() * 1000.0,
+                        tick_ms: started.elapsed().as_secs_f32() * 1000.0
+                            + entities as f32 * entity_cost_ms,
                         budget_ms: tick_len.as_secs_f32() * 1000.0,
-                        entity_count: arena.entity_count() as u32,
+                        entity_count: entities,
                     }));
                 }
                 arena.stats.ticks = ticks;

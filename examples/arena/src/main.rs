@@ -28,6 +28,10 @@ struct Args {
     /// of the node's area
     #[arg(long)]
     no_release: bool,
+    /// Milliseconds of tick each entity is reported to cost, on top of the tick as measured: a
+    /// heavier game's load, for trying the director's balancing with a light sample
+    #[arg(long, default_value_t = 0.0)]
+    entity_cost_ms: f32,
 }
 
 #[tokio::main]
@@ -57,6 +61,7 @@ async fn main() -> anyhow::Result<()> {
         player_speed: a.player_speed,
         census: None,
         release: !a.no_release,
+        entity_cost_ms: a.entity_cost_ms,
         ..ArenaConfig::default()
     };
     let stats = run(cfg, shutdown_signal()).await?;
