@@ -91,6 +91,10 @@ pub struct SidecarConfig {
     pub game_grace_ms: u64,
     /// On SIGTERM, how long the node may take to hand its entities away before it exits.
     pub drain_timeout_ms: u64,
+    /// When the director deletes this node's cell (retired: squeezed to no area and emptied):
+    /// `spare` stays up holding nothing, for the director to give it a cell again when the
+    /// world is busy; `exit` drains and exits (a fleet that scales down).
+    pub when_retired: WhenRetired,
     /// When the node stops admitting new sessions (tick overrun, outbox pressure) and when it
     /// opens again: see `model::admission`.
     pub admission: AdmissionConfig,
@@ -153,11 +157,21 @@ impl Default for SidecarConfig {
             checkpoint_interval_ms: 2_000,
             game_grace_ms: 5_000,
             drain_timeout_ms: 30_000,
+            when_retired: WhenRetired::Spare,
             admission: AdmissionConfig::default(),
             load: LoadConfig::default(),
             shaping: MeshShaping::default(),
         }
     }
+}
+
+/// What a node does once the director deleted its cell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WhenRetired {
+    #[default]
+    Spare,
+    Exit,
 }
 
 /// Where the local-protocol listener binds.

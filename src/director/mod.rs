@@ -427,7 +427,8 @@ impl Driver {
         };
         let reports = self.store.loads().await?;
         let nodes = self.store.nodes().await?;
-        let in_tree = current.nodes();
+        // Cells with no area count: a cell just added, or one retiring, is no spare.
+        let in_tree = current.members();
         // A spare is a live node with no cell whose game reports (it could take one now).
         let spares: Vec<NodeId> = nodes
             .iter()

@@ -300,6 +300,13 @@ impl Balancer {
                 retiring: false,
             });
         }
+        // A node that holds a cell is no spare, whatever the caller thought.
+        let spares: Vec<NodeId> = spares
+            .iter()
+            .filter(|s| !leaves.iter().any(|(n, _)| n == *s))
+            .copied()
+            .collect();
+        let spares = &spares[..];
         let load_of = |n: &NodeId| reports.get(n).map_or(0.0, |r| r.load);
         let active = leaves
             .iter()

@@ -52,6 +52,23 @@ impl BspTree {
         BspTree::Leaf { node }
     }
 
+    /// Every leaf's node, low before high; a cell with no area (just added, or squeezed out
+    /// before its deletion) included.
+    pub fn leaves(&self) -> Vec<NodeId> {
+        fn walk(t: &BspTree, out: &mut Vec<NodeId>) {
+            match t {
+                BspTree::Leaf { node } => out.push(*node),
+                BspTree::Split { low, high, .. } => {
+                    walk(low, out);
+                    walk(high, out);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        walk(self, &mut out);
+        out
+    }
+
     pub fn split(axis: Axis, at: i64, low: BspTree, high: BspTree) -> Self {
         BspTree::Split {
             axis,

@@ -282,6 +282,16 @@ impl Partition {
         set.into_iter().collect()
     }
 
+    /// The nodes that hold a cell of the layout, ascending: those of [`nodes`](Self::nodes),
+    /// and those of a BSP's cells with no area (just added, or retiring before deletion).
+    pub fn members(&self) -> Vec<NodeId> {
+        let set: BTreeSet<NodeId> = match &self.layout {
+            Layout::Grid(g) => g.table().iter().copied().collect(),
+            Layout::Bsp(b) => b.tree().leaves().into_iter().collect(),
+        };
+        set.into_iter().collect()
+    }
+
     /// The area `node` owns, as disjoint rectangles; empty if it owns nothing.
     pub fn area_of(&self, node: NodeId) -> Vec<ChunkRect> {
         match &self.layout {

@@ -9,7 +9,7 @@ use cellmesh_proto::local::{self, sidecar_message};
 use cellmesh_proto::mesh::{self, mesh_message};
 
 use super::*;
-use crate::config::SidecarConfig;
+use crate::config::{SidecarConfig, WhenRetired};
 use crate::model::subs::{self};
 
 /// An entity a node writes, as a census sees it: frozen ones are in a handoff and write nothing.
@@ -150,6 +150,8 @@ impl Core {
         self.auth.area = subs::merge_rects(p.area_of(me));
         let keep = i64::from(self.cfg.interaction_band_chunks + self.cfg.ghost_keep_margin_chunks);
         self.repl.band = subs::band(&p, me, keep, self.cfg.reach_chunks());
+        // Retired: the director deleted this node's cell (it held nothing by then).
+        let retired = !p.members().contains(&me) && self.auth.partition.members().contains(&me);
         let prev = std::mem::replace(&mut self.auth.partition, std::sync::Arc::new(p));
         self.auth.prev_partitions.push(prev);
         self.auth.changed_at_ms = self.now.mono_ms;
@@ -177,6 +179,17 @@ impl Core {
             .collect();
         self.handoff.mass.extend(gone.iter().copied());
         self.handoff.recheck.extend(gone);
+        if retired {
+            match self.cfg.when_retired {
+                WhenRetired::Spare => {
+                    tracing::info!("this node's cell was retired: staying up as a spare")
+                }
+                WhenRetired::Exit => {
+                    tracing::info!("this node's cell was retired: draining, then exiting");
+                    self.begin_drain();
+                }
+            }
+        }
     }
 
     /// SIGTERM: not ready, no more handoffs accepted. Entities keep being handed to whoever the

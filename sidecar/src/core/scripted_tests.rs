@@ -20,6 +20,11 @@ fn node() -> Core {
 
 /// The same node, writing under `lease`.
 fn leased_node(lease: Option<LeaseTerms>) -> Core {
+    configured_node(lease, |_| {})
+}
+
+/// The same node, its configuration changed by `tweak`.
+fn configured_node(lease: Option<LeaseTerms>, tweak: impl FnOnce(&mut SidecarConfig)) -> Core {
     let world = WorldShape {
         width: 512.0,
         height: 512.0,
@@ -28,11 +33,12 @@ fn leased_node(lease: Option<LeaseTerms>) -> Core {
     };
     let grid = Grid::even(&world, 2, 1, &[ME, GATEWAY]).unwrap();
     let partition = Partition::new(world, 1, Layout::Grid(grid)).unwrap();
-    let cfg = SidecarConfig {
+    let mut cfg = SidecarConfig {
         node_id: ME,
         world,
         ..SidecarConfig::default()
     };
+    tweak(&mut cfg);
     let mut core = Core::new(
         Arc::new(cfg),
         Metrics::default(),
@@ -1528,4 +1534,36 @@ fn a_login_burst_is_paced_and_a_closed_node_refuses_new_sessions_but_not_moved_o
     assert_eq!(registered, 0);
     assert_eq!(refused[0].2, 5000);
     assert!(refused[0].3.contains("tick_overrun"), "{:?}", refused[0]);
+}
+
+#[test]
+fn a_node_whose_cell_is_retired_stays_a_spare_or_drains_as_configured() {
+    for (when, drains) in [
+        (crate::config::WhenRetired::Spare, false),
+        (crate::config::WhenRetired::Exit, true),
+    ] {
+        let mut core = configured_node(None, |c| c.when_retired = when);
+        let world = *core.auth.partition.shape();
+        // Epoch 2 squeezes node 1 to no area (still a cell); epoch 3 deletes the cell.
+        let squeezed = cellmesh_geo_router::partition::BspTree::split(
+            cellmesh_geo_router::partition::Axis::X,
+            0,
+            cellmesh_geo_router::partition::BspTree::leaf(ME),
+            cellmesh_geo_router::partition::BspTree::leaf(GATEWAY),
+        );
+        let bsp = cellmesh_geo_router::partition::Bsp::new(&world, &squeezed).unwrap();
+        let p2 = Partition::new(world, 2, Layout::Bsp(bsp)).unwrap();
+        core.handle(at(10), Input::Partition(Box::new(p2.clone())));
+        assert!(
+            core.auth.draining.is_none(),
+            "a cell with no area is not retired yet"
+        );
+        let p3 = p2
+            .successor(Layout::Bsp(
+                cellmesh_geo_router::partition::Bsp::even(&world, &[GATEWAY]).unwrap(),
+            ))
+            .unwrap();
+        core.handle(at(20), Input::Partition(Box::new(p3)));
+        assert_eq!(core.auth.draining.is_some(), drains, "{when:?}");
+    }
 }
