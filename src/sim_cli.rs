@@ -51,9 +51,11 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     let mut runs = 0;
     for s in &scenarios {
         let mut bad = 0;
+        let mut balance = Vec::new();
         for seed in 1..=args.seeds {
             let r = cellmesh_sim::run(s, seed);
             runs += 1;
+            balance.extend(r.balance.clone());
             if !r.ok() {
                 bad += 1;
                 failed.push(r);
@@ -63,6 +65,10 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
             "{:<12} {} seeds, {} broke an invariant",
             s.name, args.seeds, bad
         );
+        if !balance.is_empty() {
+            let runs: Vec<&cellmesh_sim::Balance> = balance.iter().collect();
+            println!("             {}", cellmesh_sim::summarise(&runs));
+        }
     }
     if let Some(first) = failed.first() {
         for r in &failed {

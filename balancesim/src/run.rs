@@ -503,6 +503,17 @@ pub fn run(s: &Scenario) -> Result<Report, SimError> {
                     });
                     true
                 }
+                // Only after a failover, which this world does not simulate.
+                Decision::CellReassigned { node, from } => {
+                    cause = "cell_added";
+                    cell_events.push(CellEvent {
+                        at_s: t_s,
+                        kind: "reassigned",
+                        node: *node,
+                        beside: Some(*from),
+                    });
+                    true
+                }
                 Decision::RetireStarted { node } => {
                     summary_counts.cells_retired += 1;
                     cell_events.push(CellEvent {
@@ -783,6 +794,9 @@ impl Report {
                     format!("node {node}'s retirement called off")
                 }
                 Decision::CellDeleted { node } => format!("node {node}'s cell deleted"),
+                Decision::CellReassigned { node, from } => {
+                    format!("node {node} takes a second cell of node {from}")
+                }
             };
             let _ = writeln!(o, "  {}  epoch {:<4} {what}", clock(e.at_s), e.epoch);
         }

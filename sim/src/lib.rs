@@ -10,10 +10,12 @@
 
 mod check;
 mod client;
+mod director;
 mod leases;
 pub mod scenario;
 mod store;
 mod world;
 
-pub use scenario::{catalogue, named, Delay, Fault, FaultPlan, Scenario};
+pub use director::{summarise, Balance, EpochRecord, Sample};
+pub use scenario::{catalogue, named, Delay, Fault, FaultPlan, LayoutKind, Scenario};
 pub use world::{run, run_traced, Report, Stats};

@@ -1,6 +1,7 @@
 //! Scenarios: the cluster, its load and the faults of one kind of run. A scenario is plain data
 //! plus a fault plan drawn from the run's seed, so adding one is a few lines (see [`catalogue`]).
 
+use cellmesh_geo_router::balance::LoadConfig;
 use cellmesh_geo_router::partition::NodeId;
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -109,6 +110,15 @@ impl FaultPlan {
     }
 }
 
+/// How the world is first laid out over the nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayoutKind {
+    /// The `grid` × `grid` regions, round robin over the nodes.
+    Grid,
+    /// One BSP cell per node (`Bsp::even`): what a balancer moves the lines of.
+    Bsp,
+}
+
 /// One kind of run.
 #[derive(Clone)]
 pub struct Scenario {
@@ -117,9 +127,20 @@ pub struct Scenario {
     pub world_m: f64,
     pub chunk_m: f64,
     pub grid: u32,
+    pub layout: LayoutKind,
     pub nodes: u32,
     pub players: u32,
     pub npcs_per_node: u32,
+    /// Where every game spawns its NPCs and new players, and the square its NPCs roam in:
+    /// (centre, side) in metres. `None`: around the corner shared by the first four regions,
+    /// across the whole world.
+    pub npc_area: Option<((f64, f64), f64)>,
+    /// A director balances the BSP with these parameters, from the start of the run until
+    /// motion stops (`None`: the partition changes only by faults and failovers).
+    pub director: Option<LoadConfig>,
+    /// The tick cost of one entity the sidecars estimate a game's load from (ms of a 50 ms
+    /// tick; the arena sends no `Load`). `None`: the sidecar's default.
+    pub entity_cost_ms: Option<f64>,
     pub player_speed: f64,
     pub npc_speed: f64,
     pub tick_ms: u64,
@@ -173,9 +194,13 @@ impl Scenario {
             world_m: 512.0,
             chunk_m: 32.0,
             grid: 2,
+            layout: LayoutKind::Grid,
             nodes: 4,
             players: 6,
             npcs_per_node: 6,
+            npc_area: None,
+            director: None,
+            entity_cost_ms: None,
             player_speed: 60.0,
             npc_speed: 30.0,
             tick_ms: 50,
@@ -417,6 +442,44 @@ fn geo_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     }
 }
 
+/// A hotspot on a BSP of four cells, balanced by the director: every game's NPCs roam one
+/// square, three fifths of it inside node 1's cell (the rest across its neighbours'), while the
+/// players walk the whole world. Motion runs long enough for the lines to settle.
+pub fn hotspot(name: &'static str) -> Scenario {
+    Scenario {
+        world_m: 1024.0,
+        layout: LayoutKind::Bsp,
+        npcs_per_node: 60,
+        npc_speed: 8.0,
+        // [208, 592] m a side against node 1's cell of [0, 512) m: (304/384)² ≈ 63% of the
+        // square, about 60% of every entity with the players.
+        npc_area: Some(((400.0, 400.0), 384.0)),
+        director: Some(LoadConfig::default()),
+        // A busy world (about 0.3 of a tick per node on average): at the default cost a few
+        // hundred entities are an idle world, whose cells the balancer retires.
+        entity_cost_ms: Some(0.25),
+        motion_ms: 60_000,
+        settle_ms: 4_000,
+        ..Scenario::base(name)
+    }
+}
+
+/// One node dies for good while the lines move: the live nodes restore its world (one of them
+/// takes its cell, so holds two) while the director commits epochs of its own.
+fn balance_kill(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    let node = rng.random_range(1..=s.nodes);
+    plan.at(rng.random_range(3_000..20_000), Fault::Kill(node));
+}
+
+/// As `balance_kill`, and the node comes back (under a new lease) as a spare: the director gives
+/// it the second cell the failover left with another node, one cell a node again.
+fn balance_restart(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    let node = rng.random_range(1..=s.nodes);
+    let at = rng.random_range(3_000..15_000);
+    plan.at(at, Fault::Kill(node));
+    plan.at(at + 4 * s.lease_ms, Fault::Restart(node));
+}
+
 /// Every scenario the test suite runs, by name.
 pub fn catalogue() -> Vec<Scenario> {
     vec![
@@ -488,6 +551,19 @@ pub fn catalogue() -> Vec<Scenario> {
             geos: Some(&THREE_GEOS),
             faults: geo_faults,
             ..Scenario::base("geos")
+        },
+        hotspot("balance"),
+        Scenario {
+            faults: cuts,
+            ..hotspot("balance_cuts")
+        },
+        Scenario {
+            faults: balance_kill,
+            ..hotspot("balance_kill")
+        },
+        Scenario {
+            faults: balance_restart,
+            ..hotspot("balance_restart")
         },
     ]
 }

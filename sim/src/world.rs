@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cellmesh_arena::{Arena, ArenaConfig, ArenaStats, Census};
 use cellmesh_geo_router::geometry::WorldShape;
-use cellmesh_geo_router::partition::{Grid, Layout, NodeId, Partition};
+use cellmesh_geo_router::partition::{Bsp, Grid, Layout, NodeId, Partition};
 use cellmesh_geo_router::topology::{self, Lease};
 use cellmesh_proto::local::{self, game_message, sidecar_message, GameMessage, SidecarFrame};
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage, PeerRole};
@@ -20,8 +20,9 @@ use rand::{Rng, SeedableRng};
 
 use crate::check::Checker;
 use crate::client::Client;
+use crate::director::{max_over_avg, Balance, Director, EpochRecord, Sample};
 use crate::leases::{Answer, Clock, SimLeases};
-use crate::scenario::{Delay, Fault, FaultPlan, Scenario};
+use crate::scenario::{Delay, Fault, FaultPlan, LayoutKind, Scenario};
 use crate::store::SimStore;
 
 /// The wall clock the simulation starts at (any fixed value: runs must not depend on the day).
@@ -49,6 +50,8 @@ pub struct Report {
     /// The last steps before the first violation (when the run was traced).
     pub trace: Vec<String>,
     pub stats: Stats,
+    /// What the director did, in a scenario that runs one.
+    pub balance: Option<Balance>,
 }
 
 impl Report {
@@ -67,6 +70,9 @@ impl std::fmt::Display for Report {
             if self.ok() { "ok" } else { "FAILED" }
         )?;
         writeln!(f, "  {:?}", self.stats)?;
+        if let Some(b) = &self.balance {
+            writeln!(f, "  {b}")?;
+        }
         for v in self.violations.iter().take(10) {
             writeln!(f, "  violation: {v}")?;
         }
@@ -365,6 +371,8 @@ enum Ev {
     },
     Fault(Fault),
     StoreUp,
+    /// The director's balance round.
+    Balance,
 }
 
 pub(crate) struct Sim<'a> {
@@ -411,6 +419,7 @@ pub(crate) struct Sim<'a> {
     /// Inputs the cores of killed nodes dropped, by reason.
     departed_drops: BTreeMap<&'static str, u64>,
     halted: bool,
+    director: Option<Director>,
 }
 
 fn ordered(a: NodeId, b: NodeId) -> (NodeId, NodeId) {
@@ -425,15 +434,28 @@ impl<'a> Sim<'a> {
             chunk_size: s.chunk_m,
             region_size: s.world_m / f64::from(s.grid),
         };
-        let owners: Vec<NodeId> = (0..s.grid * s.grid).map(|i| (i % s.nodes) + 1).collect();
-        let grid = Grid::new(&world, s.grid, s.grid, owners).expect("the scenario's grid");
-        let partition = Arc::new(Partition::new(world, 1, Layout::Grid(grid)).expect("partition"));
-        let cfg = SidecarConfig {
+        let layout = match s.layout {
+            LayoutKind::Grid => {
+                let owners = (0..s.grid * s.grid).map(|i| (i % s.nodes) + 1).collect();
+                Layout::Grid(
+                    Grid::new(&world, s.grid, s.grid, owners).expect("the scenario's grid"),
+                )
+            }
+            LayoutKind::Bsp => {
+                let nodes: Vec<NodeId> = (1..=s.nodes).collect();
+                Layout::Bsp(Bsp::even(&world, &nodes).expect("the scenario's BSP"))
+            }
+        };
+        let partition = Arc::new(Partition::new(world, 1, layout).expect("partition"));
+        let mut cfg = SidecarConfig {
             world,
             link_outbox_frames: s.link_outbox_frames,
             game_outbox_frames: s.game_outbox_frames,
             ..SidecarConfig::default()
         };
+        if let Some(ms) = s.entity_cost_ms {
+            cfg.load.entity_cost_ms = ms;
+        }
         let mut sim = Self {
             s,
             seed,
@@ -471,6 +493,7 @@ impl<'a> Sim<'a> {
             departed_drops: BTreeMap::new(),
             inputs_lost_with_nodes: 0,
             halted: false,
+            director: s.director.clone().map(Director::new),
         };
         for id in 1..=s.nodes {
             sim.nodes.push(SimNode {
@@ -495,6 +518,10 @@ impl<'a> Sim<'a> {
             sim.ask_lease(id, None);
         }
         sim.schedule(MEMBERSHIP_EVERY_MS, Ev::Membership);
+        if let Some(d) = &sim.director {
+            let period = d.period_ms();
+            sim.schedule(period, Ev::Balance);
+        }
         for c in 0..s.players as usize {
             let at = sim.rng.random_range(200..1_000);
             sim.schedule(at, Ev::Login { client: c });
@@ -659,6 +686,14 @@ impl<'a> Sim<'a> {
             Ev::Dial { from, to, inc } => self.dial(from, to, inc),
             Ev::Fault(f) => self.fault(f),
             Ev::StoreUp => {}
+            Ev::Balance => {
+                // The director stops with motion: the quiet end sees every handoff done.
+                if !self.halted {
+                    self.balance_round();
+                    let period = self.director.as_ref().map_or(1_000, Director::period_ms);
+                    self.schedule(period, Ev::Balance);
+                }
+            }
             Ev::Membership => {
                 self.membership(false);
                 self.schedule(MEMBERSHIP_EVERY_MS, Ev::Membership);
@@ -1157,6 +1192,10 @@ impl<'a> Sim<'a> {
         n.links.clear();
         self.check.node_gone(id);
         self.census.release_holder(id);
+        // Its lease goes, and its report with it.
+        if let Some(d) = self.director.as_mut() {
+            d.reports.remove(&id);
+        }
         // Its links break; peers notice soon after.
         let uids: Vec<u64> = self
             .links
@@ -1336,8 +1375,8 @@ impl<'a> Sim<'a> {
                     );
                 }
             }
-            // No director runs in the simulator yet: load reports go unread.
-            Output::Ready(_) | Output::Publish | Output::LoadReport(_) => {}
+            Output::LoadReport(report) => self.load_report(id, *report),
+            Output::Ready(_) | Output::Publish => {}
             Output::Stop => self.kill(id),
             // The process exits (right after this step); its supervisor starts it again.
             Output::Exit { .. } => {
@@ -1599,11 +1638,13 @@ impl<'a> Sim<'a> {
             match (&mut g.arena, body) {
                 (None, sidecar_message::Body::Welcome(w)) => {
                     let c = s.world_m / f64::from(s.grid);
+                    // Every arena's NPCs roam around a corner shared by four regions, unless
+                    // the scenario gathers them somewhere.
+                    let (center, spread) = s.npc_area.unwrap_or(((c, c), c));
                     let cfg = ArenaConfig {
                         npcs: s.npcs_per_node,
-                        // Every arena's NPCs roam around a corner shared by four regions.
-                        center: (c, c),
-                        spread: c,
+                        center,
+                        spread,
                         tick_hz: (1000 / s.tick_ms.max(1)) as u32,
                         seed: seed ^ (u64::from(node) << 32) ^ u64::from(inc),
                         player_speed: s.player_speed,
@@ -2101,6 +2142,107 @@ impl<'a> Sim<'a> {
         }
     }
 
+    // ------------------------------------------------------------------ the director
+
+    /// A node's load report reaches the director (through the topology store, where a node
+    /// publishes it under its lease: a process that may no longer write publishes nothing).
+    fn load_report(&mut self, id: NodeId, report: cellmesh_geo_router::balance::CellReport) {
+        let local = self.nodes[id as usize - 1].clock.local(self.now);
+        let writes = self.nodes[id as usize - 1]
+            .core
+            .as_ref()
+            .is_some_and(|c| c.writes_at(local));
+        if let (Some(d), true) = (self.director.as_mut(), writes) {
+            d.reports.insert(id, report);
+        }
+    }
+
+    /// Unfrozen reals of each node owning a cell (a frozen one is on its way to another node).
+    fn reals_per_cell(&self) -> Vec<(NodeId, usize)> {
+        self.partition
+            .nodes()
+            .into_iter()
+            .map(|id| {
+                let n = self.nodes[id as usize - 1]
+                    .core
+                    .as_ref()
+                    .map_or(0, |c| c.reals().iter().filter(|r| !r.frozen).count());
+                (id, n)
+            })
+            .collect()
+    }
+
+    /// One round of the director: the balancer over the committed BSP and the latest reports;
+    /// a new layout is committed as the next epoch and published to the nodes as any re-plan.
+    fn balance_round(&mut self) {
+        let entities = self.reals_per_cell();
+        let Some(d) = self.director.as_mut() else {
+            return;
+        };
+        d.figures.rounds += 1;
+        let loads: Vec<f64> = entities
+            .iter()
+            .map(|(n, _)| d.reports.get(n).map_or(0.0, |r| r.load))
+            .collect();
+        d.figures.samples.push(Sample {
+            at_ms: self.now,
+            max_over_avg: max_over_avg(entities.iter().map(|(_, n)| *n as f64)),
+            reported_max_over_avg: max_over_avg(loads),
+            entities,
+        });
+        // The director reads the partition and commits through the store: not while it is down.
+        if self.now < self.store.down_until {
+            return;
+        }
+        let Ok(bsp) = self.partition.bsp() else {
+            return;
+        };
+        let tree = bsp.tree();
+        // A cell with no area (just added, or retiring) is a cell: its node is no spare.
+        let owning = self.partition.members();
+        let spares: Vec<NodeId> = d
+            .reports
+            .keys()
+            .copied()
+            .filter(|n| !owning.contains(n))
+            .collect();
+        let chunks = (self.world.chunks_x(), self.world.chunks_y());
+        let epoch = self.partition.epoch();
+        let round = d
+            .balancer
+            .round(self.now, epoch, &tree, chunks, &d.reports, &spares);
+        d.count(&round.decisions);
+        let Some(layout) = round.layout else {
+            return;
+        };
+        // The store takes only a valid layout: one that is not is refused, and the director
+        // balances on from the committed one.
+        let Ok(bsp) = Bsp::new(&self.world, &layout) else {
+            d.figures.refused.push((self.now, layout));
+            return;
+        };
+        let next = self
+            .partition
+            .successor(Layout::Bsp(bsp))
+            .expect("the same world");
+        let chunks_moved = self
+            .partition
+            .diff(&next)
+            .expect("the same world")
+            .iter()
+            .map(|t| t.area.area())
+            .sum();
+        let epoch = next.epoch();
+        d.figures.epochs.push(EpochRecord {
+            epoch,
+            at_ms: self.now,
+            chunks_moved,
+            decisions: round.decisions,
+        });
+        self.note(|| format!("director commits partition {epoch}: {chunks_moved} chunks move"));
+        self.publish_partition(next);
+    }
+
     // ------------------------------------------------------------------ the end
 
     /// Every live core.
@@ -2267,6 +2409,12 @@ impl<'a> Sim<'a> {
         let stats = self.stats.clone();
         self.check
             .at_quiescence(self.now, &report, &cores, in_flight, held, &stats);
+        if self.director.is_some() {
+            let end = max_over_avg(self.reals_per_cell().into_iter().map(|(_, n)| n as f64));
+            if let Some(d) = self.director.as_mut() {
+                d.figures.end_max_over_avg = end;
+            }
+        }
     }
 }
 
@@ -2384,5 +2532,6 @@ pub fn run_traced(scenario: &Scenario, seed: u64, trace_len: Option<usize>) -> R
         violations: std::mem::take(&mut sim.check.violations),
         trace,
         stats: sim.stats.clone(),
+        balance: sim.director.take().map(|d| d.figures),
     }
 }

@@ -102,7 +102,7 @@ impl Metrics {
         );
         reg.register(
             "cell_changes",
-            "Cells added, retirements started or cancelled, and retired cells deleted",
+            "Cells added, retirements started or cancelled, retired cells deleted, and second cells (a failover's) given to a spare",
             m.cells.clone(),
         );
         reg.register(
@@ -152,6 +152,7 @@ impl Metrics {
             Decision::RetireStarted { .. } => "retire_started",
             Decision::RetireCancelled { .. } => "retire_cancelled",
             Decision::CellDeleted { .. } => "deleted",
+            Decision::CellReassigned { .. } => "reassigned",
         };
         self.cells.get_or_create(&KindLabels { kind }).inc();
     }

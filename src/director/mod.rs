@@ -114,6 +114,8 @@ pub struct DirectorStats {
     pub retires_cancelled: u64,
     /// Retired cells deleted from the layout (empty, and every node had the layout without them).
     pub cells_retired: u64,
+    /// Second cells (a failover's) given to a spare node.
+    pub cells_reassigned: u64,
     pub chunks_moved: u64,
     pub commits_stale: u64,
     pub commits_fenced: u64,
@@ -558,6 +560,7 @@ impl Driver {
                     Decision::Line { .. } => s.balance_moves += 1,
                     Decision::CellAdded { .. } => s.cells_added += 1,
                     Decision::CellDeleted { .. } => s.cells_retired += 1,
+                    Decision::CellReassigned { .. } => s.cells_reassigned += 1,
                     Decision::RetireStarted { .. } | Decision::RetireCancelled { .. } => {}
                 }
             }

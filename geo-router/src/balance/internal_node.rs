@@ -39,6 +39,9 @@ pub enum Reason {
     InnerLine,
     /// A node on either side has not applied the current epoch yet.
     Stale,
+    /// The side that would shrink has a node holding several cells (a failover gave it a dead
+    /// node's): its one report cannot say where in them its entities are.
+    SeveralCells,
 }
 
 impl Reason {
@@ -53,6 +56,7 @@ impl Reason {
             Reason::GhostBound => "ghost_bound",
             Reason::InnerLine => "inner_line",
             Reason::Stale => "stale",
+            Reason::SeveralCells => "several_cells",
         }
     }
 }
@@ -108,6 +112,8 @@ pub struct Side<'a> {
     pub created: bool,
     /// Every cell's node applied the current epoch: the levels describe the cells as they are.
     pub current: bool,
+    /// Every cell's node holds that cell alone, so its levels say where its entities are.
+    pub mapped: bool,
     /// Every cell of the side is retiring (BigWorld: a retiring leaf).
     pub all_retiring: bool,
     pub levels: &'a EntityBoundLevels,
@@ -179,6 +185,9 @@ pub fn do_balance(
     };
     if growing.max_load >= safety_bound {
         return hold(Reason::SafetyBound, state);
+    }
+    if !shrinking.mapped {
+        return hold(Reason::SeveralCells, state);
     }
     // A move against the last one is made with the aggression already halved.
     let aggression = if matches!(

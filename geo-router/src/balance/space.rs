@@ -43,6 +43,12 @@ pub enum Decision {
     CellDeleted {
         node: NodeId,
     },
+    /// A spare node takes one of the cells of a node that holds several (a failover gave it a
+    /// dead node's cell): one cell a node again, each with a report that describes it.
+    CellReassigned {
+        node: NodeId,
+        from: NodeId,
+    },
 }
 
 /// A round's outcome.
@@ -81,6 +87,8 @@ struct Sum {
     created: bool,
     /// Every cell's node applied the current epoch.
     current: bool,
+    /// Every cell's node holds no other: its levels map its entities.
+    mapped: bool,
     /// Every cell is retiring.
     all_retiring: bool,
     levels: EntityBoundLevels,
@@ -185,14 +193,21 @@ impl Node {
             Node::Leaf { node, rect } => {
                 let report = world.reports.get(node);
                 let state = world.cells.get(node);
+                // A node holding several cells weighs its whole load in each: its one report
+                // cannot say how the load splits, and counting it whole keeps the lines from
+                // growing the node (while it cannot shrink either: `mapped`).
+                let mapped = world.held.get(node).is_none_or(|h| *h <= 1);
                 let load = report.map_or(0.0, |r| r.load);
                 let retiring = state.is_some_and(|s| s.retiring);
                 // The report describes this cell only if the node applied this epoch and no line
                 // moved it earlier this round.
-                let current =
-                    report.is_some_and(|r| r.partition_epoch >= world.epoch && r.rect == *rect);
+                // (A node holding several cells reports none of them: applying the epoch is all
+                // it can say, and its side will not shrink.)
+                let current = report.is_some_and(|r| {
+                    r.partition_epoch >= world.epoch && (!mapped || r.rect == *rect)
+                });
                 let levels = match report {
-                    Some(r) if current => r.levels.clone(),
+                    Some(r) if current && mapped => r.levels.clone(),
                     _ => EntityBoundLevels::measure(*rect, [], 0.0),
                 };
                 Sum {
@@ -202,6 +217,7 @@ impl Node {
                     max_load: load,
                     created: state.is_some_and(|s| s.created(report)),
                     current,
+                    mapped,
                     all_retiring: retiring,
                     levels,
                     ghost_chunks: report.map_or(0, |r| r.ghost_chunks),
@@ -222,6 +238,7 @@ impl Node {
                     max_load: l.max_load.max(h.max_load),
                     created: l.created && h.created,
                     current: l.current && h.current,
+                    mapped: l.mapped && h.mapped,
                     all_retiring: l.all_retiring && h.all_retiring,
                     levels: EntityBoundLevels::merge(
                         &l.levels,
@@ -242,6 +259,8 @@ struct World<'a> {
     epoch: u64,
     reports: &'a BTreeMap<NodeId, CellReport>,
     cells: &'a BTreeMap<NodeId, CellState>,
+    /// How many leaves each node holds (more than one only after a failover).
+    held: &'a BTreeMap<NodeId, usize>,
 }
 
 /// The balancer of one world: its lines' aggression and its cells' states, kept between rounds.
@@ -308,12 +327,13 @@ impl Balancer {
             .collect();
         let spares = &spares[..];
         let load_of = |n: &NodeId| reports.get(n).map_or(0.0, |r| r.load);
-        let active = leaves
-            .iter()
-            .filter(|(n, _)| !self.cells[n].retiring)
+        let held = held_by_node(&leaves);
+        let active = held
+            .keys()
+            .filter(|n| !self.cells[n].retiring)
             .count()
             .max(1);
-        let avg_load = leaves.iter().map(|(n, _)| load_of(n)).sum::<f64>() / active as f64;
+        let avg_load = held.keys().map(load_of).sum::<f64>() / active as f64;
         let safety_bound = self.cfg.safety_bound_for(avg_load);
         let mut round = Round {
             layout: None,
@@ -327,7 +347,8 @@ impl Balancer {
         let empty: Vec<NodeId> = leaves
             .iter()
             .filter(|(n, r)| {
-                self.cells[n].retiring
+                held[n] == 1
+                    && self.cells[n].retiring
                     && r.area() == 0
                     && reports.get(n).is_some_and(|r| r.entities == 0)
             })
@@ -353,7 +374,10 @@ impl Balancer {
         {
             self.last_meta_ms = Some(now_ms);
             if let Some(d) = self.meta_balance(&mut root, &leaves, reports, spares, epoch) {
-                let structural = matches!(d, Decision::CellAdded { .. });
+                let structural = matches!(
+                    d,
+                    Decision::CellAdded { .. } | Decision::CellReassigned { .. }
+                );
                 round.decisions.push(d);
                 if structural {
                     self.lines.clear();
@@ -367,6 +391,7 @@ impl Balancer {
             epoch,
             reports,
             cells: &self.cells,
+            held: &held,
         };
         let mut moved = false;
         let mut decisions = Vec::new();
@@ -398,10 +423,30 @@ impl Balancer {
         epoch: u64,
     ) -> Option<Decision> {
         let load_of = |n: &NodeId| reports.get(n).map_or(0.0, |r| r.load);
-        let total: f64 = leaves.iter().map(|(n, _)| load_of(n)).sum();
-        let active: Vec<NodeId> = leaves
-            .iter()
-            .map(|(n, _)| *n)
+        let held = held_by_node(leaves);
+        // A spare first restores one cell per node after a failover gave a node a second one:
+        // it takes the smaller (fewer chunks change hands).
+        if let Some(&spare) = spares.iter().min() {
+            let second = leaves
+                .iter()
+                .filter(|(n, _)| held[n] > 1)
+                .min_by_key(|(n, r)| (r.area(), *n));
+            if let Some(&(from, rect)) = second {
+                *root = with_leaf_given(std::mem::replace(root, placeholder()), from, rect, spare);
+                self.cells.insert(
+                    spare,
+                    CellState {
+                        since_epoch: epoch + 1,
+                        retiring: false,
+                    },
+                );
+                return Some(Decision::CellReassigned { node: spare, from });
+            }
+        }
+        let total: f64 = held.keys().map(load_of).sum();
+        let active: Vec<NodeId> = held
+            .keys()
+            .copied()
             .filter(|n| !self.cells[n].retiring)
             .collect();
         let cells_avg = total / active.len().max(1) as f64;
@@ -423,7 +468,9 @@ impl Balancer {
             let spare = *spares.iter().min()?;
             let (beside, rect) = leaves
                 .iter()
-                .filter(|(n, r)| r.area() > 0 && self.cells[n].created(reports.get(n)))
+                .filter(|(n, r)| {
+                    held[n] == 1 && r.area() > 0 && self.cells[n].created(reports.get(n))
+                })
                 .max_by(|a, b| load_of(&a.0).total_cmp(&load_of(&b.0)).then(b.0.cmp(&a.0)))?;
             let axis = if rect.width() >= rect.height() {
                 Axis::X
@@ -433,7 +480,7 @@ impl Balancer {
             let (_, edge) = range(rect, axis);
             *root = with_leaf_split(
                 std::mem::replace(root, placeholder()),
-                *beside,
+                (*beside, *rect),
                 axis,
                 edge,
                 spare,
@@ -453,6 +500,7 @@ impl Balancer {
         if active.len() >= 2 && total / ((active.len() - 1) as f64) < self.cfg.lower_bound {
             let node = *active
                 .iter()
+                .filter(|n| held[*n] == 1)
                 .min_by(|a, b| load_of(a).total_cmp(&load_of(b)).then(b.cmp(a)))?;
             self.cells.get_mut(&node)?.retiring = true;
             return Some(Decision::RetireStarted { node });
@@ -468,10 +516,47 @@ fn placeholder() -> Node {
     }
 }
 
-/// `tree` with `node`'s leaf split at `at` on `axis`: it keeps the low side, `new` the high one.
-fn with_leaf_split(tree: Node, node: NodeId, axis: Axis, at: i64, new: NodeId) -> Node {
+/// How many leaves each node holds.
+fn held_by_node(leaves: &[(NodeId, ChunkRect)]) -> BTreeMap<NodeId, usize> {
+    let mut held = BTreeMap::new();
+    for (n, _) in leaves {
+        *held.entry(*n).or_insert(0) += 1;
+    }
+    held
+}
+
+/// `tree` with the leaf of `node` over `cell` given to `new`.
+fn with_leaf_given(tree: Node, node: NodeId, cell: ChunkRect, new: NodeId) -> Node {
     match tree {
-        Node::Leaf { node: n, rect } if n == node => {
+        Node::Leaf { node: n, rect } if n == node && rect == cell => Node::Leaf { node: new, rect },
+        Node::Split {
+            axis,
+            at,
+            rect,
+            low,
+            high,
+        } => Node::Split {
+            axis,
+            at,
+            rect,
+            low: Box::new(with_leaf_given(*low, node, cell, new)),
+            high: Box::new(with_leaf_given(*high, node, cell, new)),
+        },
+        leaf => leaf,
+    }
+}
+
+/// `tree` with the leaf of `node` over `cell` split at `at` on `axis`: it keeps the low side,
+/// `new` the high one.
+fn with_leaf_split(
+    tree: Node,
+    (node, cell): (NodeId, ChunkRect),
+    axis: Axis,
+    at: i64,
+    new: NodeId,
+) -> Node {
+    match tree {
+        Node::Leaf { node: n, rect } if n == node && rect == cell => {
             let (l, h) = halves(&rect, axis, at);
             Node::Split {
                 axis,
@@ -491,8 +576,8 @@ fn with_leaf_split(tree: Node, node: NodeId, axis: Axis, at: i64, new: NodeId) -
             axis: a,
             at: p,
             rect,
-            low: Box::new(with_leaf_split(*low, node, axis, at, new)),
-            high: Box::new(with_leaf_split(*high, node, axis, at, new)),
+            low: Box::new(with_leaf_split(*low, (node, cell), axis, at, new)),
+            high: Box::new(with_leaf_split(*high, (node, cell), axis, at, new)),
         },
         leaf => leaf,
     }
@@ -571,6 +656,7 @@ fn balance(
             max_load: s.max_load,
             created: s.created,
             current: s.current,
+            mapped: s.mapped,
             all_retiring: s.all_retiring,
             levels: &s.levels,
             ghost_chunks: s.ghost_chunks,

@@ -379,6 +379,74 @@ fn a_retirement_is_called_off_when_the_load_comes_back() {
     assert!(m.max_over_avg() <= 1.3, "max/avg {}", m.max_over_avg());
 }
 
+#[test]
+fn a_spare_takes_the_second_cell_a_failover_gave_a_node() {
+    use crate::partition::Axis::{X, Y};
+    let (leaf, split) = (BspTree::leaf, BspTree::split);
+    // Node 3 died: the failover gave its cell to node 1, which now holds two; node 3 is back
+    // as a spare.
+    let tree = split(
+        Y,
+        12,
+        split(X, 15, leaf(1), leaf(2)),
+        split(X, 16, leaf(1), leaf(4)),
+    );
+    let report = |load, rect| CellReport {
+        load,
+        entities: 10,
+        rect,
+        levels: EntityBoundLevels::measure(rect, [], 0.0),
+        ghost_chunks: 6,
+        partition_epoch: 7,
+    };
+    let empty = ChunkRect::new(0, 0, 0, 0);
+    let reports: BTreeMap<NodeId, CellReport> = [
+        (1, report(0.95, empty)),
+        (2, report(0.21, ChunkRect::new(15, 0, 32, 12))),
+        (3, report(0.10, empty)),
+        (4, report(0.14, ChunkRect::new(16, 12, 32, 32))),
+    ]
+    .into();
+    let mut b = Balancer::new(LoadConfig::default());
+    let r = b.round(16_000, 7, &tree, (32, 32), &reports, &[3]);
+    assert_eq!(
+        r.decisions,
+        vec![Decision::CellReassigned { node: 3, from: 1 }]
+    );
+    let layout = r.layout.expect("a layout");
+    let bsp = Bsp::new(&shape_of(32), &layout).expect("a valid BSP");
+    let mut cells: Vec<(NodeId, ChunkRect)> = bsp
+        .entries()
+        .filter_map(|e| match e.kind {
+            BspEntryKind::Leaf { node } => Some((node, e.rect)),
+            BspEntryKind::Split { .. } => None,
+        })
+        .collect();
+    cells.sort_by_key(|(n, _)| *n);
+    // Node 3 takes the smaller of node 1's two cells; every node holds one again.
+    assert_eq!(
+        cells,
+        vec![
+            (1, ChunkRect::new(0, 12, 16, 32)),
+            (2, ChunkRect::new(15, 0, 32, 12)),
+            (3, ChunkRect::new(0, 0, 15, 12)),
+            (4, ChunkRect::new(16, 12, 32, 32)),
+        ]
+    );
+    // With no spare, the two cells share node 1's load: the average counts it once, and no
+    // cell is added beside a node whose report describes neither of its cells.
+    let mut b = Balancer::new(LoadConfig::default());
+    let r = b.round(16_000, 7, &tree, (32, 32), &reports, &[]);
+    assert!(
+        (r.avg_load - (0.95 + 0.21 + 0.14) / 3.0).abs() < 1e-9,
+        "{}",
+        r.avg_load
+    );
+    if let Some(t) = &r.layout {
+        Bsp::new(&shape_of(32), t).expect("a valid BSP");
+    }
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
     /// Over many rounds with nodes that apply epochs late, spares and a crowd that comes and
