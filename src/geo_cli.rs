@@ -2,7 +2,6 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::Context;
 use cellmesh_geosim as geosim;
 
 #[derive(clap::Args, Debug)]
@@ -38,20 +37,13 @@ pub fn run(args: GeoArgs) -> anyhow::Result<()> {
 }
 
 fn simulate(path: &Path, json: bool, svg: Option<&Path>) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading scenario {}", path.display()))?;
-    let scenario = geosim::Scenario::from_toml(&text)
-        .with_context(|| format!("scenario {}", path.display()))?;
-    let report = geosim::run(&scenario)?;
-    if let Some(out) = svg {
-        let plot = geosim::render_svg(&report)?;
-        std::fs::write(out, plot).with_context(|| format!("writing {}", out.display()))?;
-        eprintln!("plot written to {}", out.display());
+    crate::scenario_cli::Simulator {
+        run: |text| {
+            let scenario = geosim::Scenario::from_toml(text)?;
+            Ok(geosim::run(&scenario)?)
+        },
+        svg: |report| Ok(geosim::render_svg(report)?),
+        text: geosim::Report::render_text,
     }
-    if json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{}", report.render_text());
-    }
-    Ok(())
+    .simulate(path, json, svg)
 }

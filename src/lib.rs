@@ -7,6 +7,7 @@ pub mod bots;
 pub mod director;
 pub mod geo_cli;
 pub mod partition_cli;
+mod scenario_cli;
 pub mod signal;
 pub mod sim_cli;
 pub mod up;

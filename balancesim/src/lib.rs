@@ -12,7 +12,8 @@
 //! reads files or clocks.
 //!
 //! A crate of its own, like `cellmesh-geosim` whose plot helpers it shares, so that the data
-//! plane does not link the plotting; `tests/data_plane_deps.rs` holds that.
+//! plane does not link the plotting; `geosim/tests/data_plane_deps.rs` holds that (the sidecar
+//! and the proxy link no plotters).
 
 pub mod plot;
 mod run;

@@ -1,5 +1,6 @@
-//! The data plane links no plotting: the simulator's plotting lives in this crate, and neither
-//! the sidecar nor the proxy may depend on it, directly or through `cellmesh-geo-router`.
+//! The data plane links no plotting: the simulators' plotting (this crate's, and the balancing
+//! simulator's, which draws with its helpers) must not reach the sidecar or the proxy, directly
+//! or through `cellmesh-geo-router`.
 
 use std::path::Path;
 use std::process::Command;

@@ -68,18 +68,7 @@ fn at_path<'a>(tree: &'a BspTree, path: &str) -> &'a BspTree {
 }
 
 fn nodes_of(tree: &BspTree) -> Vec<NodeId> {
-    fn walk(t: &BspTree, out: &mut Vec<NodeId>) {
-        match t {
-            BspTree::Leaf { node } => out.push(*node),
-            BspTree::Split { low, high, .. } => {
-                walk(low, out);
-                walk(high, out);
-            }
-        }
-    }
-    let mut out = Vec::new();
-    walk(tree, &mut out);
-    out
+    tree.leaves()
 }
 
 impl Model {
