@@ -3,6 +3,10 @@
 //! - [`geometry`]: the torus world, its chunks and regions (pure, no I/O).
 //! - [`partition`]: who owns every point of the world, grid or BSP, and what changes hands
 //!   between two epochs (pure, no I/O).
+//! - [`balance`]: BigWorld's balancer over a BSP: lines moved toward the busier side, cells
+//!   added and retired (pure, virtual time); `cellmesh director` drives it.
+//! - [`spawners`]: which node stocks each of a game's static spawn points under a partition, and
+//!   the one id of what a spawner stocks (pure).
 //! - [`topology`]: the committed partition, node leases (the fencing tokens) and node records,
 //!   in MongoDB or in memory.
 //! - [`bubbles`]: which datacenter simulates each group of players (pure, virtual time). The
@@ -18,5 +22,6 @@ pub mod bubbles;
 pub mod geometry;
 pub mod handover;
 pub mod partition;
+pub mod spawners;
 pub mod store;
 pub mod topology;
