@@ -14,8 +14,9 @@
 //!   links this crate does not link its plotting.
 //! - [`handover`]: when a bridged player is worth a reconnect to another geo's proxies (pure,
 //!   virtual time).
-//! - [`store`]: the stores behind traits: the session directory (Redis per geo, or in memory) and
-//!   player records (MongoDB, or in memory).
+//! - [`store`]: the stores behind traits: the session directory (Redis per geo, or in memory),
+//!   player records (MongoDB, or in memory), checkpoints, the edge board, and exclusive claims
+//!   with fencing tokens (Redis per geo, or in memory).
 
 pub mod balance;
 pub mod bubbles;

@@ -131,9 +131,9 @@ static CLEAR_MASTER: LazyLock<Script> = LazyLock::new(|| {
 /// The session directory of one geo, in that geo's Redis.
 #[derive(Clone)]
 pub struct RedisDirectory {
-    conn: ConnectionManager,
+    pub(super) conn: ConnectionManager,
     /// `cellmesh:<geo>:`; every key of this directory starts with it.
-    prefix: String,
+    pub(super) prefix: String,
     /// For error messages: the URL without its password.
     url: String,
 }
@@ -192,7 +192,7 @@ impl RedisDirectory {
         format!("{}{{node-{node}-{lease_epoch}}}:checkpoints", self.prefix)
     }
 
-    fn error(&self, op: &str, e: RedisError) -> StoreError {
+    pub(super) fn error(&self, op: &str, e: RedisError) -> StoreError {
         if e.kind() == redis::ErrorKind::UnexpectedReturnType || e.kind() == redis::ErrorKind::Parse
         {
             StoreError::Corrupt(format!("redis at {}: {op}: {e}", self.url))

@@ -1,0 +1,325 @@
+//! Exclusive claims: a key (a player's trade escrow, a quest giver's attention) held by at most
+//! one entity at a time, cluster-wide, for a lease. A grant carries a fencing token, new with
+//! every grant of the key, and the holder's entity epoch: after a handoff the new owner rebinds
+//! the claim under the entity's newer epoch, and from then on the old owner's renewals, rebinds
+//! and releases (under the older epoch) are refused. A claim whose lease lapses is free.
+//!
+//! In the geo's Redis (one Lua script per operation, so two nodes racing for a key see exactly
+//! one grant) and in memory for a process on its own. Keys, for geo `G` and claim key `K` (its
+//! own hash tag): `cellmesh:G:{claim:K}:holder` (`token:entity:epoch`, the lease as its TTL) and
+//! `cellmesh:G:{claim:K}:token` (the key's last token).
+
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use redis::Script;
+
+use super::redis::RedisDirectory;
+use super::StoreError;
+
+/// Longest claim key, in bytes.
+pub const MAX_CLAIM_KEY_LEN: usize = 200;
+
+/// Who holds a claim: an entity, under the epoch its owner holds it at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ClaimHolder {
+    pub entity: u64,
+    pub entity_epoch: u64,
+}
+
+/// A claim granted: the fencing token is new with every grant of the key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimGrant {
+    pub key: String,
+    pub holder: ClaimHolder,
+    pub token: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    Granted(ClaimGrant),
+    /// Another entity holds it (as last written).
+    Held {
+        by: ClaimHolder,
+    },
+}
+
+#[async_trait]
+pub trait ClaimStore: Send + Sync {
+    /// Grants `key` to `holder` for `ttl` if it is free or lapsed. The entity that holds it
+    /// already gets it again (its lease extended, its token kept) if its epoch is not older.
+    async fn claim(
+        &self,
+        key: &str,
+        holder: ClaimHolder,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError>;
+
+    /// Extends the claim to `ttl` from now if `grant` still holds it (same token, an epoch not
+    /// older than the stored one); false otherwise.
+    async fn renew(&self, grant: &ClaimGrant, ttl: Duration) -> Result<bool, StoreError>;
+
+    /// After a handoff: the claim is held under `entity_epoch` from now on, if `grant` still
+    /// holds it and `entity_epoch` is not older; `None` otherwise. The lease is unchanged.
+    async fn rebind(
+        &self,
+        grant: &ClaimGrant,
+        entity_epoch: u64,
+    ) -> Result<Option<ClaimGrant>, StoreError>;
+
+    /// Frees the claim if `grant` still holds it; false otherwise.
+    async fn release(&self, grant: &ClaimGrant) -> Result<bool, StoreError>;
+}
+
+fn check(key: &str, ttl: Option<Duration>) -> Result<u64, StoreError> {
+    if key.is_empty() || key.len() > MAX_CLAIM_KEY_LEN || key.chars().any(char::is_control) {
+        return Err(StoreError::Corrupt(format!(
+            "claim key {key:?}: 1 to {MAX_CLAIM_KEY_LEN} bytes, no control characters"
+        )));
+    }
+    let ms = ttl.map_or(1, |t| t.as_millis().min(u128::from(u32::MAX)) as u64);
+    if ms == 0 {
+        return Err(StoreError::Corrupt(format!(
+            "claim {key:?}: a lease of 0 ms"
+        )));
+    }
+    Ok(ms)
+}
+
+/// Claims in this process's memory (the embedded default).
+#[derive(Debug, Default)]
+pub struct MemoryClaims {
+    held: Mutex<HashMap<String, (ClaimGrant, Instant)>>,
+    tokens: Mutex<HashMap<String, u64>>,
+}
+
+impl MemoryClaims {
+    /// The live grant of `key`, dropping a lapsed one.
+    fn live<'a>(
+        held: &'a mut HashMap<String, (ClaimGrant, Instant)>,
+        key: &str,
+    ) -> Option<&'a mut (ClaimGrant, Instant)> {
+        if held
+            .get(key)
+            .is_some_and(|(_, until)| *until <= Instant::now())
+        {
+            held.remove(key);
+        }
+        held.get_mut(key)
+    }
+
+    fn current(stored: &ClaimGrant, grant: &ClaimGrant) -> bool {
+        stored.token == grant.token && grant.holder.entity_epoch >= stored.holder.entity_epoch
+    }
+}
+
+#[async_trait]
+impl ClaimStore for MemoryClaims {
+    async fn claim(
+        &self,
+        key: &str,
+        holder: ClaimHolder,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let ms = check(key, Some(ttl))?;
+        let until = Instant::now() + Duration::from_millis(ms);
+        let mut held = self.held.lock().expect("claims poisoned");
+        if let Some((g, lease)) = Self::live(&mut held, key) {
+            if g.holder.entity != holder.entity || holder.entity_epoch < g.holder.entity_epoch {
+                return Ok(ClaimOutcome::Held { by: g.holder });
+            }
+            g.holder = holder;
+            *lease = until;
+            return Ok(ClaimOutcome::Granted(g.clone()));
+        }
+        let mut tokens = self.tokens.lock().expect("claims poisoned");
+        let token = tokens.entry(key.to_string()).or_insert(0);
+        *token += 1;
+        let grant = ClaimGrant {
+            key: key.to_string(),
+            holder,
+            token: *token,
+        };
+        held.insert(key.to_string(), (grant.clone(), until));
+        Ok(ClaimOutcome::Granted(grant))
+    }
+
+    async fn renew(&self, grant: &ClaimGrant, ttl: Duration) -> Result<bool, StoreError> {
+        let ms = check(&grant.key, Some(ttl))?;
+        let mut held = self.held.lock().expect("claims poisoned");
+        Ok(match Self::live(&mut held, &grant.key) {
+            Some((g, lease)) if Self::current(g, grant) => {
+                *lease = Instant::now() + Duration::from_millis(ms);
+                true
+            }
+            _ => false,
+        })
+    }
+
+    async fn rebind(
+        &self,
+        grant: &ClaimGrant,
+        entity_epoch: u64,
+    ) -> Result<Option<ClaimGrant>, StoreError> {
+        check(&grant.key, None)?;
+        let mut held = self.held.lock().expect("claims poisoned");
+        Ok(match Self::live(&mut held, &grant.key) {
+            Some((g, _)) if Self::current(g, grant) && entity_epoch >= g.holder.entity_epoch => {
+                g.holder.entity_epoch = entity_epoch;
+                Some(g.clone())
+            }
+            _ => None,
+        })
+    }
+
+    async fn release(&self, grant: &ClaimGrant) -> Result<bool, StoreError> {
+        check(&grant.key, None)?;
+        let mut held = self.held.lock().expect("claims poisoned");
+        let current =
+            Self::live(&mut held, &grant.key).is_some_and(|(g, _)| Self::current(g, grant));
+        if current {
+            held.remove(&grant.key);
+        }
+        Ok(current)
+    }
+}
+
+/// KEYS: holder, token. ARGV: entity, epoch, ttl ms. Returns `{1, token, entity, epoch}` when
+/// granted, `{0, token, entity, epoch}` of the holder otherwise. (Ids and epochs travel as
+/// strings: Lua's numbers are doubles.)
+static CLAIM: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+        local v = redis.call('GET', KEYS[1])
+        if v then
+            local t, e, ep = string.match(v, '^(%d+):(%d+):(%d+)$')
+            if e ~= ARGV[1] or #ARGV[2] < #ep or (#ARGV[2] == #ep and ARGV[2] < ep) then
+                return {0, t, e, ep}
+            end
+            redis.call('SET', KEYS[1], t .. ':' .. e .. ':' .. ARGV[2], 'PX', ARGV[3])
+            return {1, t, e, ARGV[2]}
+        end
+        local t = tostring(redis.call('INCR', KEYS[2]))
+        redis.call('SET', KEYS[1], t .. ':' .. ARGV[1] .. ':' .. ARGV[2], 'PX', ARGV[3])
+        return {1, t, ARGV[1], ARGV[2]}
+        ",
+    )
+});
+
+/// KEYS: holder. ARGV: token, epoch, op (`renew`, `rebind`, `release`), ttl ms or new epoch.
+/// Returns 1 when `token` still holds the claim under an epoch not newer than ARGV[2] (and, for
+/// a rebind, not newer than the new one), 0 otherwise.
+static FENCED: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+        local function older(a, b) return #a < #b or (#a == #b and a < b) end
+        local v = redis.call('GET', KEYS[1])
+        if not v then return 0 end
+        local t, e, ep = string.match(v, '^(%d+):(%d+):(%d+)$')
+        if t ~= ARGV[1] or older(ARGV[2], ep) then return 0 end
+        if ARGV[3] == 'renew' then
+            redis.call('PEXPIRE', KEYS[1], ARGV[4])
+        elseif ARGV[3] == 'rebind' then
+            if older(ARGV[4], ep) then return 0 end
+            redis.call('SET', KEYS[1], t .. ':' .. e .. ':' .. ARGV[4], 'KEEPTTL')
+        else
+            redis.call('DEL', KEYS[1])
+        end
+        return 1
+        ",
+    )
+});
+
+impl RedisDirectory {
+    fn claim_keys(&self, key: &str) -> (String, String) {
+        (
+            format!("{}{{claim:{key}}}:holder", self.prefix),
+            format!("{}{{claim:{key}}}:token", self.prefix),
+        )
+    }
+
+    async fn fenced(&self, grant: &ClaimGrant, op: &str, arg: u64) -> Result<bool, StoreError> {
+        let (holder, _) = self.claim_keys(&grant.key);
+        let mut conn = self.conn.clone();
+        let n: i64 = FENCED
+            .key(holder)
+            .arg(grant.token.to_string())
+            .arg(grant.holder.entity_epoch.to_string())
+            .arg(op)
+            .arg(arg.to_string())
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| self.error(op, e))?;
+        Ok(n == 1)
+    }
+}
+
+#[async_trait]
+impl ClaimStore for RedisDirectory {
+    async fn claim(
+        &self,
+        key: &str,
+        holder: ClaimHolder,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let ms = check(key, Some(ttl))?;
+        let (h, t) = self.claim_keys(key);
+        let mut conn = self.conn.clone();
+        let (granted, token, entity, epoch): (i64, String, String, String) = CLAIM
+            .key(h)
+            .key(t)
+            .arg(holder.entity.to_string())
+            .arg(holder.entity_epoch.to_string())
+            .arg(ms)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| self.error("claim", e))?;
+        let num = |s: &str| {
+            s.parse::<u64>()
+                .map_err(|_| StoreError::Corrupt(format!("claim {key:?}: {s:?} is no number")))
+        };
+        let by = ClaimHolder {
+            entity: num(&entity)?,
+            entity_epoch: num(&epoch)?,
+        };
+        Ok(if granted == 1 {
+            ClaimOutcome::Granted(ClaimGrant {
+                key: key.to_string(),
+                holder: by,
+                token: num(&token)?,
+            })
+        } else {
+            ClaimOutcome::Held { by }
+        })
+    }
+
+    async fn renew(&self, grant: &ClaimGrant, ttl: Duration) -> Result<bool, StoreError> {
+        let ms = check(&grant.key, Some(ttl))?;
+        self.fenced(grant, "renew", ms).await
+    }
+
+    async fn rebind(
+        &self,
+        grant: &ClaimGrant,
+        entity_epoch: u64,
+    ) -> Result<Option<ClaimGrant>, StoreError> {
+        check(&grant.key, None)?;
+        Ok(self
+            .fenced(grant, "rebind", entity_epoch)
+            .await?
+            .then(|| ClaimGrant {
+                holder: ClaimHolder {
+                    entity_epoch,
+                    ..grant.holder
+                },
+                ..grant.clone()
+            }))
+    }
+
+    async fn release(&self, grant: &ClaimGrant) -> Result<bool, StoreError> {
+        check(&grant.key, None)?;
+        self.fenced(grant, "release", 0).await
+    }
+}
