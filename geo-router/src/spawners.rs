@@ -17,8 +17,8 @@ use crate::partition::{NodeId, Partition};
 /// Longest key accepted, in bytes.
 pub const MAX_KEY_LEN: usize = 128;
 
-/// The bit every spawner's entity id has set. Snowflake ids (`topology::ids`) have it clear
-/// until 2^40 ms past their epoch (late 2058), so the two kinds of ids never meet.
+/// The bit every spawner's entity id has set. Minted ids (`topology::ids`) never have it: the
+/// minter stops at 2^40 ms past its epoch (late 2058), so the two kinds of ids never meet.
 pub const SPAWNED_ID_BIT: u64 = 1 << 62;
 
 /// A spawn point as the game declares it.
@@ -131,7 +131,7 @@ pub fn spawn_id(key: &str, generation: u64) -> u64 {
     (u64::from_be_bytes(head) & (SPAWNED_ID_BIT - 1)) | SPAWNED_ID_BIT
 }
 
-/// Whether `id` is a spawner's (never a minted snowflake before late 2058).
+/// Whether `id` is a spawner's (a minted id never is).
 pub fn is_spawned_id(id: u64) -> bool {
     id & SPAWNED_ID_BIT != 0 && id >> 63 == 0
 }

@@ -25,8 +25,10 @@ const SEQ_BITS: u32 = 12;
 const TIME_BITS: u32 = 41;
 /// Largest sequence number within one millisecond.
 pub const MAX_SEQ: u64 = (1 << SEQ_BITS) - 1;
-/// Largest millisecond (since [`ID_EPOCH_UNIX_MS`]) an id can carry.
-pub const MAX_TIME: u64 = (1 << TIME_BITS) - 1;
+/// Largest millisecond (since [`ID_EPOCH_UNIX_MS`]) an id is minted with: the top half of the
+/// time range (from late 2058) is the spawners' (`spawners::SPAWNED_ID_BIT`), whose ids are
+/// derived, not minted, so the two kinds never meet.
+pub const MAX_TIME: u64 = (1 << (TIME_BITS - 1)) - 1;
 
 /// The id of sequence `seq` of millisecond `ms` (since [`ID_EPOCH_UNIX_MS`]) on `node`.
 pub fn compose(ms: u64, node: u32, seq: u64) -> u64 {
@@ -207,6 +209,20 @@ mod tests {
         ids.renewed(&lease(3, T + 100)).unwrap();
         assert_eq!(unix_ms_of(ids.mint(T).unwrap()), T + 2);
         assert!(ids.renewed(&lease(4, T + 100)).is_err());
+    }
+
+    #[test]
+    fn no_minted_id_reaches_the_spawners_range() {
+        let last = ID_EPOCH_UNIX_MS + MAX_TIME;
+        let mut ids = LeasedIds::new(&lease(7, last + 1_000)).unwrap();
+        let id = ids.mint(last).unwrap();
+        assert!(!crate::spawners::is_spawned_id(id), "{id:#x}");
+        // Past it (or a clock that reads past it) the minter stops rather than wrap into them.
+        let mut ids = LeasedIds::new(&lease(7, last + 10_000)).unwrap();
+        for _ in 0..=MAX_SEQ {
+            ids.mint(last + 5_000).unwrap();
+        }
+        assert!(ids.mint(last + 5_000).is_err());
     }
 
     #[test]
