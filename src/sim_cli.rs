@@ -52,10 +52,12 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     for s in &scenarios {
         let mut bad = 0;
         let mut balance = Vec::new();
+        let mut commands = cellmesh_sim::CommandFigures::default();
         for seed in 1..=args.seeds {
             let r = cellmesh_sim::run(s, seed);
             runs += 1;
             balance.extend(r.balance.clone());
+            commands.add(&r.stats.commands);
             if !r.ok() {
                 bad += 1;
                 failed.push(r);
@@ -68,6 +70,9 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         if !balance.is_empty() {
             let runs: Vec<&cellmesh_sim::Balance> = balance.iter().collect();
             println!("             {}", cellmesh_sim::summarise(&runs));
+        }
+        if commands.sent > 0 {
+            println!("             {commands}");
         }
     }
     if let Some(first) = failed.first() {

@@ -255,6 +255,14 @@ pub struct Summary {
     pub dropped_unknown_account: u64,
     /// Handoffs completed (entities that moved to another node).
     pub handoffs: u64,
+    /// Entity commands handed to the game writing their target (the arenas' attacks and XP),
+    /// and those that followed their target through a handoff on the way.
+    pub commands_routed: u64,
+    pub commands_forwarded_on_handoff: u64,
+    /// Results the games got for their commands: ok, and every other (refused, entity gone,
+    /// timeout, not delivered).
+    pub command_results_ok: u64,
+    pub command_results_failed: u64,
     pub handoffs_refused: u64,
     pub handoff_freeze_ms_p50: f64,
     pub handoff_freeze_ms_p99: f64,
@@ -597,6 +605,10 @@ struct NodeTotals {
     dropped_unknown_account: u64,
     handoffs: u64,
     handoffs_refused: u64,
+    commands_routed: u64,
+    commands_forwarded_on_handoff: u64,
+    command_results_ok: u64,
+    command_results_failed: u64,
     in_doubt_now: u64,
     stale_epoch_drops: u64,
     inputs_from_proxies: u64,
@@ -625,6 +637,10 @@ impl NodeTotals {
         self.dropped_unknown_account += o.dropped_unknown_account;
         self.handoffs += o.handoffs;
         self.handoffs_refused += o.handoffs_refused;
+        self.commands_routed += o.commands_routed;
+        self.commands_forwarded_on_handoff += o.commands_forwarded_on_handoff;
+        self.command_results_ok += o.command_results_ok;
+        self.command_results_failed += o.command_results_failed;
         self.stale_epoch_drops += o.stale_epoch_drops;
         self.inputs_from_proxies += o.inputs_from_proxies;
         self.inputs_from_peers += o.inputs_from_peers;
@@ -835,6 +851,10 @@ fn totals_of(sidecars: &[&cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
         t.dropped_unknown_account += s.dropped_unknown_account;
         t.handoffs += s.handoffs;
         t.handoffs_refused += s.handoffs_refused;
+        t.commands_routed += s.commands_delivered;
+        t.commands_forwarded_on_handoff += s.commands_forwarded_on_handoff;
+        t.command_results_ok += s.command_results_ok;
+        t.command_results_failed += s.command_results_failed;
         t.in_doubt_now += s.in_doubt_now;
         t.stale_epoch_drops += s.stale_epoch_drops;
         t.inputs_from_proxies += s.inputs_from_proxies;
@@ -1326,6 +1346,10 @@ pub async fn run(
                     (b.updates_delivered - last.2) as f64 / dt,
                     p.rtt_ms_p50, p.rtt_ms_p99, b.errors + s.errors,
                 );
+                let line = format!(
+                    "{line} commands_routed={} commands_forwarded_on_handoff={}",
+                    s.commands_routed, s.commands_forwarded_on_handoff,
+                );
                 let line = if geos.several() {
                     format!("{line} bridged={} handovers={}", p.bridged_sessions, p.handovers)
                 } else {
@@ -1563,6 +1587,10 @@ pub async fn run(
         dropped_unknown_account: s.dropped_unknown_account,
         handoffs: s.handoffs,
         handoffs_refused: s.handoffs_refused,
+        commands_routed: s.commands_routed,
+        commands_forwarded_on_handoff: s.commands_forwarded_on_handoff,
+        command_results_ok: s.command_results_ok,
+        command_results_failed: s.command_results_failed,
         handoff_freeze_ms_p50: handoff_costs.freeze.value_at_quantile(0.5) as f64,
         handoff_freeze_ms_p99: handoff_costs.freeze.value_at_quantile(0.99) as f64,
         handoff_ticks_missed_p50: handoff_costs.ticks_missed.value_at_quantile(0.5) as f64,

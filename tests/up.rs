@@ -33,6 +33,9 @@ async fn up_with_four_nodes_delivers_every_input_and_hands_off_without_loss() {
         "{s:?}"
     );
     assert!(s.handoffs > 0, "no handoffs: {s:?}");
+    // The arenas' players fight NPCs with entity commands, each answered.
+    assert!(s.commands_routed > 0, "{s:?}");
+    assert!(s.command_results_ok > 0, "{s:?}");
     assert_eq!(
         (
             s.errors,

@@ -82,6 +82,8 @@ pub struct SidecarConfig {
     pub handoff_margin_chunks: u32,
     /// After a refused handoff, the entity is not offered again for this long.
     pub handoff_retry_ms: u64,
+    /// A command with a request id is answered `TIMEOUT` if no result came back in this long.
+    pub command_timeout_ms: u64,
     /// Every entity that changed is checkpointed (its state asked of the game) this often;
     /// 0: never.
     pub checkpoint_interval_ms: u64,
@@ -154,6 +156,7 @@ impl Default for SidecarConfig {
             ghost_min_lifespan_ms: 2_000,
             handoff_margin_chunks: 1,
             handoff_retry_ms: 1_000,
+            command_timeout_ms: 5_000,
             checkpoint_interval_ms: 2_000,
             game_grace_ms: 5_000,
             drain_timeout_ms: 30_000,

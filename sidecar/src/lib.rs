@@ -93,6 +93,13 @@ pub struct SidecarStats {
     /// dropped behind a refusal: both count one input twice, so a ledger takes them back out.
     pub inputs_copies_applied: u64,
     pub inputs_copies_refused: u64,
+    /// Entity commands handed to this node's game, and those sent on following their target
+    /// through a handoff.
+    pub commands_delivered: u64,
+    pub commands_forwarded_on_handoff: u64,
+    /// Results handed to this node's game: ok, and every other.
+    pub command_results_ok: u64,
+    pub command_results_failed: u64,
     /// Handoffs this node completed as the source.
     pub handoffs: u64,
     pub handoffs_refused: u64,
@@ -146,6 +153,13 @@ impl SidecarHandle {
             inputs_on_ended_links: m.inputs_on_ended_links.get(),
             inputs_copies_applied: m.inputs_copies_applied.get(),
             inputs_copies_refused: m.inputs_copies_refused.get(),
+            commands_delivered: m.commands_delivered.get(),
+            commands_forwarded_on_handoff: m.command_forwarded_count("handoff"),
+            command_results_ok: m.command_results_for("ok"),
+            command_results_failed: ["refused", "entity_gone", "timeout", "not_delivered"]
+                .iter()
+                .map(|r| m.command_results_for(r))
+                .sum(),
             handoffs: m.handoffs_out.get(),
             handoffs_refused: m.handoffs_refused.get(),
             in_doubt_now: m.handoffs_in_doubt.get().max(0) as u64,

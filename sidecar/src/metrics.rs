@@ -109,6 +109,16 @@ fn freeze_histogram() -> hdrhistogram::Histogram<u64> {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WhyLabel {
+    pub why: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    pub result: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
     pub reason: &'static str,
 }
@@ -156,6 +166,19 @@ pub struct Metrics {
     /// the link lost): one input, counted on both sides.
     pub inputs_copies_applied: Counter,
     pub inputs_copies_refused: Counter,
+    /// Commands this node's game sent.
+    pub commands_sent: Counter,
+    /// Commands handed to this node's game (as the writer of their target).
+    pub commands_delivered: Counter,
+    /// Commands sent on to another node: `why` is `owner` (the writer a ghost or a lookup
+    /// named) or `handoff` (following the target through a handoff).
+    pub commands_forwarded: Family<WhyLabel, Counter>,
+    /// Results handed to this node's game, by result.
+    pub command_results: Family<ResultLabel, Counter>,
+    /// Commands dropped before any game saw them, by reason.
+    pub commands_dropped: Family<ReasonLabel, Counter>,
+    /// Commands of this node's game waiting for their result.
+    pub commands_waiting: Gauge,
     pub ghosts_render: Gauge,
     pub ghosts_sim: Gauge,
     pub subscriptions: Gauge,
@@ -243,6 +266,12 @@ impl Default for Metrics {
             inputs_on_ended_links: Default::default(),
             inputs_copies_applied: Default::default(),
             inputs_copies_refused: Default::default(),
+            commands_sent: Default::default(),
+            commands_delivered: Default::default(),
+            commands_forwarded: Default::default(),
+            command_results: Default::default(),
+            commands_dropped: Default::default(),
+            commands_waiting: Default::default(),
             ghosts_render: Default::default(),
             ghosts_sim: Default::default(),
             subscriptions: Default::default(),
@@ -388,6 +417,36 @@ impl Metrics {
             "dropped_unknown_account",
             "Messages for accounts with no session anywhere",
             m.dropped_unknown_account.clone(),
+        );
+        r.register(
+            "commands_sent",
+            "Entity commands this node's game sent",
+            m.commands_sent.clone(),
+        );
+        r.register(
+            "commands_delivered",
+            "Entity commands handed to this node's game, the writer of their target",
+            m.commands_delivered.clone(),
+        );
+        r.register(
+            "commands_forwarded",
+            "Entity commands sent on to another node, to the target's writer or following a handoff",
+            m.commands_forwarded.clone(),
+        );
+        r.register(
+            "command_results",
+            "Results of entity commands handed to this node's game, by result",
+            m.command_results.clone(),
+        );
+        r.register(
+            "commands_dropped",
+            "Entity commands dropped before any game saw them, by reason",
+            m.commands_dropped.clone(),
+        );
+        r.register(
+            "commands_waiting",
+            "Entity commands of this node's game waiting for their result",
+            m.commands_waiting.clone(),
         );
         r.register(
             "inputs_forwarded",
@@ -623,6 +682,37 @@ impl Metrics {
     pub fn copies_refused(&self, n: u64) {
         self.drop_msg("input_copy_refused", n);
         self.inputs_copies_refused.inc_by(n);
+    }
+
+    /// A command dropped for `reason` before any game saw it.
+    pub fn drop_command(&self, reason: &'static str) {
+        self.commands_dropped
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    pub fn command_forwarded_count(&self, why: &'static str) -> u64 {
+        self.commands_forwarded
+            .get_or_create(&WhyLabel { why })
+            .get()
+    }
+
+    pub fn command_results_for(&self, result: &'static str) -> u64 {
+        self.command_results
+            .get_or_create(&ResultLabel { result })
+            .get()
+    }
+
+    pub fn command_forwarded(&self, why: &'static str) {
+        self.commands_forwarded
+            .get_or_create(&WhyLabel { why })
+            .inc();
+    }
+
+    pub fn command_result(&self, result: &'static str) {
+        self.command_results
+            .get_or_create(&ResultLabel { result })
+            .inc();
     }
 
     pub fn drop_msg(&self, reason: &'static str, n: u64) {

@@ -143,6 +143,9 @@ pub struct Scenario {
     pub entity_cost_ms: Option<f64>,
     pub player_speed: f64,
     pub npc_speed: f64,
+    /// Players attack the NPCs in reach with entity commands, across borders (the arena's
+    /// combat), while motion runs.
+    pub combat: bool,
     pub tick_ms: u64,
     /// Each client sends an input this often once it sees its avatar.
     pub input_every_ms: u64,
@@ -203,6 +206,7 @@ impl Scenario {
             entity_cost_ms: None,
             player_speed: 60.0,
             npc_speed: 30.0,
+            combat: false,
             tick_ms: 50,
             input_every_ms: 100,
             motion_ms: 5_000,
@@ -340,6 +344,15 @@ fn logins(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
 /// entity comes back from its checkpoint, every player to its avatar. (With cuts as well, a copy
 /// of an input lost with a link while its original met the crashed game is counted twice by the
 /// checker's per-input ledger: not yet in the suite.)
+/// Link cuts, a game restart, and sometimes a node death with or without its return.
+fn command_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    cuts(s, rng, plan);
+    restarts(s, rng, plan);
+    if rng.random_bool(0.5) {
+        kill_some(s, rng, plan, 1, true);
+    }
+}
+
 fn restarts(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     for _ in 0..rng.random_range(1..=2) {
         let node = rng.random_range(1..=s.nodes);
@@ -551,6 +564,18 @@ pub fn catalogue() -> Vec<Scenario> {
             geos: Some(&THREE_GEOS),
             faults: geo_faults,
             ..Scenario::base("geos")
+        },
+        Scenario {
+            // Players fight NPCs wherever they are simulated while both cross borders back and
+            // forth, through link cuts, game restarts and node deaths; the quiet end outlasts
+            // the command timeout, so every request has had its one answer.
+            combat: true,
+            players: 10,
+            npcs_per_node: 8,
+            settle_ms: 8_000,
+            gateways: &[2, 4],
+            faults: command_faults,
+            ..Scenario::base("commands")
         },
         hotspot("balance"),
         Scenario {

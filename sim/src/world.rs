@@ -110,6 +110,75 @@ pub struct Stats {
     pub checkpoints: u64,
     /// The same inputs as the nodes' and games' own counters tell them (what `up` reads).
     pub counted: Counted,
+    pub commands: CommandFigures,
+}
+
+/// Entity commands of one run (the arena's combat), as the games and the census count them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommandFigures {
+    /// Attacks and XP rewards the games sent.
+    pub sent: u64,
+    /// Of the attacks, those at an NPC another node simulated.
+    pub across_border: u64,
+    /// Commands the games applied, and those sent from another node.
+    pub applied: u64,
+    pub applied_from_other_nodes: u64,
+    pub kills: u64,
+    /// Results: ok, refused, entity gone, timeout, not delivered.
+    pub results: (u64, u64, u64, u64, u64),
+    /// Results for no request waiting: a second answer (must be 0).
+    pub unexpected: u64,
+    /// Commands applied twice, by the census of command ids (must be 0).
+    pub applied_twice: u64,
+    /// Requests of live games still without their answer at the end (must be 0).
+    pub unanswered: u64,
+    /// Commands the sidecars sent on following their target through a handoff.
+    pub followed_handoffs: u64,
+}
+
+impl CommandFigures {
+    pub fn add(&mut self, o: &CommandFigures) {
+        self.sent += o.sent;
+        self.across_border += o.across_border;
+        self.applied += o.applied;
+        self.applied_from_other_nodes += o.applied_from_other_nodes;
+        self.kills += o.kills;
+        self.results.0 += o.results.0;
+        self.results.1 += o.results.1;
+        self.results.2 += o.results.2;
+        self.results.3 += o.results.3;
+        self.results.4 += o.results.4;
+        self.unexpected += o.unexpected;
+        self.applied_twice += o.applied_twice;
+        self.unanswered += o.unanswered;
+        self.followed_handoffs += o.followed_handoffs;
+    }
+}
+
+impl std::fmt::Display for CommandFigures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = self.results;
+        write!(
+            f,
+            "commands sent {} ({} attacks across a border), applied {} ({} from another node), \
+             kills {}, results ok/refused/gone/timeout/not delivered {}/{}/{}/{}/{}, \
+             followed a handoff {}, applied twice {}, answered twice {}, unanswered {}",
+            self.sent,
+            self.across_border,
+            self.applied,
+            self.applied_from_other_nodes,
+            self.kills,
+            r.0,
+            r.1,
+            r.2,
+            r.3,
+            r.4,
+            self.followed_handoffs,
+            self.applied_twice,
+            self.unexpected,
+            self.unanswered
+        )
+    }
 }
 
 /// An input ledger from counters alone, as an operator reads it from metrics: no identity of
@@ -1653,6 +1722,7 @@ impl<'a> Sim<'a> {
                         // Both ways of handing over, side by side: games of even nodes release
                         // what walks out, the others wait for the sidecar's Freeze.
                         release: node.is_multiple_of(2),
+                        combat: s.combat,
                         ..ArenaConfig::default()
                     };
                     let mut arena = Arena::new(cfg, &w);
@@ -2281,6 +2351,60 @@ impl<'a> Sim<'a> {
         self.cores().map(|(_, c)| f(c)).sum()
     }
 
+    /// Every command applied at most once, every request answered exactly once.
+    fn command_checks(&mut self, games: &[ArenaStats]) {
+        let f = &mut self.stats.commands;
+        for s in games {
+            f.sent += s.attacks_sent + s.xp_sent;
+            f.across_border += s.attacks_across_border;
+            f.applied += s.attacks_applied + s.xp_applied;
+            f.applied_from_other_nodes +=
+                s.attacks_applied_from_other_nodes + s.xp_from_other_nodes;
+            f.kills += s.kills;
+            f.results.0 += s.results_ok;
+            f.results.1 += s.results_refused;
+            f.results.2 += s.results_entity_gone;
+            f.results.3 += s.results_timeout;
+            f.results.4 += s.results_not_delivered;
+            f.unexpected += s.results_unexpected;
+        }
+        f.applied_twice = self.census.commands().1;
+        f.unanswered = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.game.as_ref()?.arena.as_ref())
+            .map(|a| a.commands_outstanding() as u64)
+            .sum();
+        let f = *f;
+        self.stats.commands.followed_handoffs = self.sum_over_cores(|c| {
+            c.metrics()
+                .commands_forwarded
+                .get_or_create(&cellmesh_sidecar::metrics::WhyLabel { why: "handoff" })
+                .get()
+        });
+        if f.applied_twice > 0 {
+            self.check.violation(
+                self.now,
+                format!("{} commands were applied twice", f.applied_twice),
+            );
+        }
+        if f.unexpected > 0 {
+            self.check.violation(
+                self.now,
+                format!(
+                    "{} results came for no request waiting (answered twice?)",
+                    f.unexpected
+                ),
+            );
+        }
+        if f.unanswered > 0 {
+            self.check.violation(
+                self.now,
+                format!("{} requests have no answer at the end", f.unanswered),
+            );
+        }
+    }
+
     fn final_checks(&mut self) {
         // Every entity is checkpointed within an interval of its last change (a game busy with
         // a long tick answers late: the slack covers one).
@@ -2378,6 +2502,7 @@ impl<'a> Sim<'a> {
             self.check.lost_with_game() + self.inputs_lost_with_nodes;
         self.stats.counted = counted;
         self.stats.handoffs = self.sum_over_cores(|c| c.metrics().handoffs_out.get());
+        self.command_checks(&games);
         self.stats.checkpoints = self.sum_over_cores(|c| c.metrics().checkpoints.get());
         // One avatar per account, whatever its sessions did.
         for c in &self.clients {

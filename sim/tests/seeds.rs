@@ -142,6 +142,35 @@ fn twins() {
 }
 
 #[test]
+fn commands() {
+    seeds_of("commands");
+}
+
+#[test]
+fn commands_cross_borders_and_follow_handoffs_in_the_command_scenario() {
+    // The scenario is not vacuous: players hit NPCs simulated on other nodes, some commands
+    // meet their target in a handoff, and every one of them has exactly its one answer.
+    let s = named("commands").unwrap();
+    let mut all = cellmesh_sim::CommandFigures::default();
+    for seed in 1..=8 {
+        let r = run(&s, seed);
+        assert!(r.ok(), "{r}");
+        all.add(&r.stats.commands);
+    }
+    assert!(all.across_border > 20, "{all}");
+    assert!(all.applied_from_other_nodes > 20, "{all}");
+    assert!(all.followed_handoffs > 0, "{all}");
+    assert!(all.kills > 0, "{all}");
+    assert_eq!(
+        (all.applied_twice, all.unexpected, all.unanswered),
+        (0, 0, 0),
+        "{all}"
+    );
+    let r = all.results;
+    assert!(r.0 > r.1 + r.2 + r.3 + r.4, "most attacks land: {all}");
+}
+
+#[test]
 fn a_clock_slower_than_the_lease_margin_lets_two_writers_in_and_the_check_sees_it() {
     // The twins' cut node writes on until its own clock says its lease is over; a clock 3%
     // slow (past the 1% the lease keeps back) says so after the store granted the id to the
@@ -191,6 +220,7 @@ fn the_suite_runs_every_scenario_of_the_catalogue_with_enough_seeds() {
             "store_faults",
             "twins",
             "geos",
+            "commands",
             "balance",
             "balance_cuts",
             "balance_kill",

@@ -22,6 +22,9 @@ struct Inner {
     holders: BTreeMap<u64, Vec<u32>>,
     /// The account of every player avatar spawned.
     avatars: BTreeMap<u64, String>,
+    /// The id of every command an arena applied (see `combat`), and how many came twice.
+    commands_applied: BTreeSet<u64>,
+    commands_twice: u64,
 }
 
 /// What the census saw, at one moment.
@@ -111,6 +114,20 @@ impl Census {
     }
 
     /// Whether a game despawned `id` (a client seeing it vanish saw something real).
+    /// An arena applied the command with this id (each carries one, drawn at random).
+    pub fn command_applied(&self, id: u64) {
+        let mut inner = self.lock();
+        if !inner.commands_applied.insert(id) {
+            inner.commands_twice += 1;
+        }
+    }
+
+    /// Commands applied, and how many of them were applied twice (must be 0).
+    pub fn commands(&self) -> (usize, u64) {
+        let inner = self.lock();
+        (inner.commands_applied.len(), inner.commands_twice)
+    }
+
     pub fn is_despawned(&self, id: u64) -> bool {
         self.lock().despawned.contains(&id)
     }

@@ -1,18 +1,20 @@
 //! The arena's simulation: pure logic driven by the sidecar's messages and the tick, writing its
 //! messages to an [`Outbox`]. No I/O here; `run` owns the socket.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use bytes::Bytes;
 use cellmesh_proto::local::{
     game_message::Body, sidecar_message, Adopt, Adopted, Audience, AudienceKind, CheckpointState,
-    Component, Despawn, Event, Release, ReserveIds, Snapshot, Spawn, Update, Vec3, Welcome,
+    Command, CommandError, CommandIn, CommandReply, CommandResult, Component, Despawn, Event,
+    Release, ReserveIds, Snapshot, Spawn, Update, Vec3, Welcome,
 };
 use cellmesh_proto::sdk::{GameSender, OwnedArea};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::combat::{self, DamageTable};
 use crate::schema::{self, SampleSnapshot, SnapshotKind, SNAPSHOT_VERSION};
 use crate::{ArenaConfig, ArenaStats, Census};
 
@@ -126,10 +128,16 @@ struct Player {
     /// A `PlayerLeave` (its session epoch) that came while the avatar was frozen: done on `Thaw`,
     /// moot on `Evict`.
     leave_pending: Option<u64>,
+    /// Experience from kills (see `combat`).
+    xp: u64,
 }
 
 enum Role {
-    Npc { name: String, turn_in: u32 },
+    Npc {
+        name: String,
+        turn_in: u32,
+        damage: DamageTable,
+    },
     Player(Player),
 }
 
@@ -154,7 +162,7 @@ struct Entity {
 impl Entity {
     fn snapshot(&self) -> SampleSnapshot {
         let (kind, name, inventory, session_epoch, last_seq, applied, turn_in) = match &self.role {
-            Role::Npc { name, turn_in } => (
+            Role::Npc { name, turn_in, .. } => (
                 SnapshotKind::Npc,
                 name.clone(),
                 String::new(),
@@ -173,6 +181,10 @@ impl Entity {
                 0,
             ),
         };
+        let (damage, xp) = match &self.role {
+            Role::Npc { damage, .. } => (damage.shares(), 0),
+            Role::Player(p) => (Vec::new(), p.xp),
+        };
         SampleSnapshot {
             v: SNAPSHOT_VERSION,
             kind,
@@ -185,6 +197,8 @@ impl Entity {
             last_seq,
             applied,
             turn_in,
+            damage,
+            xp,
         }
     }
 
@@ -234,6 +248,13 @@ pub struct Arena {
     halted: bool,
     /// Ticks simulated.
     ticks: u64,
+    /// NPCs other nodes simulate, as this arena sees their ghosts: id -> position.
+    npc_ghosts: BTreeMap<u64, (f64, f64)>,
+    /// Commands sent and waiting for their result: request id -> (type, acting entity).
+    outstanding: HashMap<u64, (u32, u64)>,
+    next_command: u64,
+    /// Avatars with an attack on its way (one at a time each).
+    attacking: HashSet<u64>,
     pub stats: ArenaStats,
 }
 
@@ -264,6 +285,10 @@ impl Arena {
             waiting: Vec::new(),
             halted: false,
             ticks: 0,
+            npc_ghosts: BTreeMap::new(),
+            outstanding: HashMap::new(),
+            next_command: 0,
+            attacking: HashSet::new(),
             stats: ArenaStats::default(),
         }
     }
@@ -352,7 +377,11 @@ impl Arena {
                     released: false,
                     release_after: 0,
                     epoch: 1,
-                    role: Role::Npc { name, turn_in },
+                    role: Role::Npc {
+                        name,
+                        turn_in,
+                        damage: DamageTable::default(),
+                    },
                 },
             );
             if let Some(c) = self.census() {
@@ -427,6 +456,7 @@ impl Arena {
                     inventory,
                     ack_dirty: false,
                     leave_pending: None,
+                    xp: 0,
                 }),
             },
         );
@@ -612,6 +642,25 @@ impl Arena {
                 }
             }
             M::Adopt(a) => self.adopt(out, a),
+            M::GhostEnter(g) => {
+                let npc = g
+                    .components
+                    .iter()
+                    .any(|c| c.r#type == schema::KIND && c.payload.starts_with(b"npc:"));
+                if let (true, Some(p)) = (npc, g.position) {
+                    self.npc_ghosts.insert(g.entity_id, (p.x, p.y));
+                }
+            }
+            M::GhostUpdate(g) => {
+                if let (Some(at), Some(p)) = (self.npc_ghosts.get_mut(&g.entity_id), g.position) {
+                    *at = (p.x, p.y);
+                }
+            }
+            M::GhostLeave(g) => {
+                self.npc_ghosts.remove(&g.entity_id);
+            }
+            M::CommandIn(c) => self.on_command(out, c),
+            M::CommandResult(r) => self.on_command_result(r),
             M::PartitionChanged(p) => {
                 self.area.set_rects(p.owned_area.clone());
                 tracing::info!(
@@ -692,6 +741,7 @@ impl Arena {
             SnapshotKind::Npc => Role::Npc {
                 name: s.name,
                 turn_in: s.turn_in,
+                damage: DamageTable::from_shares(&s.damage),
             },
             SnapshotKind::Player => {
                 let account = if a.owner_account.is_empty() {
@@ -711,6 +761,7 @@ impl Arena {
                     // The last acknowledgement may not have been written before the freeze.
                     ack_dirty: true,
                     leave_pending: None,
+                    xp: s.xp,
                 })
             }
         };
@@ -731,6 +782,219 @@ impl Arena {
         self.stats.adopted += 1;
         if let Some(c) = self.census() {
             c.adopted(a.id, self.node);
+        }
+    }
+
+    // ------------------------------------------------------------------ combat
+
+    /// Sends a command, remembering it until its one result.
+    fn send_command(
+        &mut self,
+        out: &mut impl Outbox,
+        target: u64,
+        r#type: u32,
+        payload: Bytes,
+        from: u64,
+    ) {
+        self.next_command += 1;
+        let request_id = self.next_command;
+        self.outstanding.insert(request_id, (r#type, from));
+        out.push(Body::Command(Command {
+            target_entity: target,
+            r#type,
+            payload,
+            request_id,
+            from_entity: from,
+        }));
+    }
+
+    /// Each player with no attack on its way hits the nearest NPC in reach: its own node's or
+    /// a ghost of another's, alike.
+    fn attack(&mut self, out: &mut impl Outbox) {
+        let players: Vec<(u64, (f64, f64))> = self
+            .entities
+            .iter()
+            .filter(|(id, e)| {
+                matches!(e.role, Role::Player(_)) && !e.frozen && !self.attacking.contains(id)
+            })
+            .map(|(id, e)| (*id, e.pos))
+            .collect();
+        for (avatar, at) in players {
+            let own = self
+                .entities
+                .iter()
+                .filter(|(_, e)| matches!(e.role, Role::Npc { .. }) && !e.frozen)
+                .map(|(id, e)| (*id, e.pos));
+            let ghosts = self.npc_ghosts.iter().map(|(id, p)| (*id, *p));
+            let nearest = own
+                .chain(ghosts)
+                .map(|(id, p)| {
+                    let (dx, dy) = self.torus.delta(at, p);
+                    (dx.hypot(dy), id)
+                })
+                .filter(|(d, _)| *d <= combat::REACH_M)
+                .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            let Some((_, npc)) = nearest else { continue };
+            let attack_id = self.rng.random::<u64>();
+            let remote = self.npc_ghosts.contains_key(&npc);
+            self.send_command(
+                out,
+                npc,
+                combat::CMD_ATTACK,
+                combat::encode(combat::DAMAGE, attack_id),
+                avatar,
+            );
+            self.attacking.insert(avatar);
+            self.stats.attacks_sent += 1;
+            if remote {
+                self.stats.attacks_across_border += 1;
+            }
+        }
+    }
+
+    /// A command to an entity this arena writes.
+    fn on_command(&mut self, out: &mut impl Outbox, c: CommandIn) {
+        let verdict = match c.r#type {
+            combat::CMD_ATTACK => self.attacked(out, &c),
+            combat::CMD_XP => self.rewarded(&c),
+            other => Err(format!("unknown command type {other}")),
+        };
+        if c.request_id == 0 {
+            return;
+        }
+        let (refused, detail) = match verdict {
+            Ok(()) => (false, String::new()),
+            Err(detail) => {
+                self.stats.commands_refused += 1;
+                (true, detail)
+            }
+        };
+        out.push(Body::CommandReply(CommandReply {
+            request_id: c.request_id,
+            refused,
+            payload: Bytes::new(),
+            detail,
+        }));
+    }
+
+    /// An attack on one of this arena's NPCs: its damage table grows; a kill shares out XP to
+    /// every attacker's avatar, wherever it is, and the NPC rises again at full health.
+    fn attacked(&mut self, out: &mut impl Outbox, c: &CommandIn) -> Result<(), String> {
+        let (damage, attack_id) = combat::decode(&c.payload).ok_or("unreadable attack")?;
+        let census = self.cfg.census.clone();
+        let e = self
+            .entities
+            .get_mut(&c.target)
+            .ok_or("no such entity here")?;
+        if e.frozen {
+            return Err("frozen".into());
+        }
+        let Role::Npc { damage: table, .. } = &mut e.role else {
+            return Err("only NPCs are attacked".into());
+        };
+        if let Some(census) = &census {
+            census.command_applied(attack_id);
+        }
+        self.stats.attacks_applied += 1;
+        if c.from_node != self.node {
+            self.stats.attacks_applied_from_other_nodes += 1;
+        }
+        table.hit(&c.from_account, c.from_entity, damage);
+        e.health.0 = e.health.0.saturating_sub(damage);
+        let mut rewards = Vec::new();
+        if e.health.0 == 0 {
+            rewards = table.share_out(combat::KILL_XP);
+            e.health.0 = e.health.1;
+            self.stats.kills += 1;
+        }
+        out.push(Body::Update(Update {
+            entity_id: c.target,
+            changed: vec![component(
+                schema::HEALTH,
+                schema::health(e.health.0, e.health.1),
+                public(),
+            )],
+            ..Default::default()
+        }));
+        for (_, avatar, xp) in rewards {
+            let reward_id = self.rng.random::<u64>();
+            self.send_command(
+                out,
+                avatar,
+                combat::CMD_XP,
+                combat::encode(xp, reward_id),
+                c.target,
+            );
+            self.stats.xp_sent += 1;
+        }
+        Ok(())
+    }
+
+    /// XP for a kill, to one of this arena's avatars.
+    fn rewarded(&mut self, c: &CommandIn) -> Result<(), String> {
+        let (xp, reward_id) = combat::decode(&c.payload).ok_or("unreadable reward")?;
+        let e = self
+            .entities
+            .get_mut(&c.target)
+            .ok_or("no such entity here")?;
+        let Role::Player(p) = &mut e.role else {
+            return Err("only players gain XP".into());
+        };
+        if let Some(census) = &self.cfg.census {
+            census.command_applied(reward_id);
+        }
+        p.xp += xp as u64;
+        self.stats.xp_applied += 1;
+        self.stats.xp_gained += xp as u64;
+        if c.from_node != self.node {
+            self.stats.xp_from_other_nodes += 1;
+        }
+        Ok(())
+    }
+
+    /// The one result of a command this arena sent.
+    fn on_command_result(&mut self, r: CommandResult) {
+        let Some((_, from)) = self.outstanding.remove(&r.request_id) else {
+            // A second result, or one for a command never sent: the mesh broke a promise.
+            self.stats.results_unexpected += 1;
+            return;
+        };
+        self.attacking.remove(&from);
+        let s = &mut self.stats;
+        match CommandError::try_from(r.error).unwrap_or(CommandError::NotDelivered) {
+            CommandError::CommandOk => s.results_ok += 1,
+            CommandError::Refused => s.results_refused += 1,
+            CommandError::EntityGone => s.results_entity_gone += 1,
+            CommandError::Timeout => s.results_timeout += 1,
+            CommandError::NotDelivered => s.results_not_delivered += 1,
+        }
+    }
+
+    /// Commands sent whose result has not come yet.
+    pub fn commands_outstanding(&self) -> usize {
+        self.outstanding.len()
+    }
+
+    /// A player's experience, if this arena holds its avatar.
+    pub fn xp_of(&self, account: &str) -> Option<u64> {
+        let id = self.players.get(account)?;
+        match &self.entities.get(id)?.role {
+            Role::Player(p) => Some(p.xp),
+            Role::Npc { .. } => None,
+        }
+    }
+
+    /// An NPC's damage table, if this arena writes it: (account, damage) per attacker.
+    pub fn damage_table(&self, npc: u64) -> Option<Vec<(String, u32)>> {
+        match &self.entities.get(&npc)?.role {
+            Role::Npc { damage, .. } => Some(
+                damage
+                    .shares()
+                    .into_iter()
+                    .map(|(a, _, d)| (a, d))
+                    .collect(),
+            ),
+            Role::Player(_) => None,
         }
     }
 
@@ -825,6 +1089,9 @@ impl Arena {
                 }));
                 stats.released += 1;
             }
+        }
+        if self.cfg.combat && !halted && now.is_multiple_of(combat::ATTACK_EVERY_TICKS) {
+            self.attack(out);
         }
     }
 }
@@ -984,7 +1251,124 @@ mod tests {
             last_seq,
             applied,
             turn_in: 0,
+            damage: vec![],
+            xp: 0,
         }
+    }
+
+    fn attack_in(target: u64, account: &str, avatar: u64, from_node: u32, request_id: u64) -> M {
+        M::CommandIn(CommandIn {
+            target,
+            from_entity: avatar,
+            from_account: account.into(),
+            r#type: combat::CMD_ATTACK,
+            payload: combat::encode(combat::DAMAGE, request_id),
+            request_id,
+            from_node,
+        })
+    }
+
+    #[test]
+    fn an_npc_keeps_every_attacker_in_its_damage_table_and_its_kill_rewards_each_avatar() {
+        let census = Arc::new(Census::default());
+        let mut owner = arena(1, &census);
+        let npc = owner.held().find(|h| !h.player).unwrap().id;
+        let ann = join(&mut owner, "ann", 1);
+        let mut out = Vec::new();
+        // Ann here, Bob from node 9 (his avatar simulated there), until the NPC (50 health) dies.
+        for k in 0..5 {
+            let (account, avatar, node) = if k % 2 == 0 {
+                ("ann", ann, NODE)
+            } else {
+                ("bob", 77, 9)
+            };
+            owner.on_message(&mut out, attack_in(npc, account, avatar, node, k + 1));
+            if k == 3 {
+                let table = owner.damage_table(npc).unwrap();
+                assert_eq!(table, [("ann".into(), 20), ("bob".into(), 20)]);
+                // The table travels with the NPC in its snapshot.
+                let frozen = freeze(&mut owner, npc, 1);
+                let snap = snapshot_of(&frozen, npc);
+                assert_eq!(snap.damage.len(), 2);
+                owner.on_message(
+                    &mut out,
+                    M::Thaw(Thaw {
+                        entity_id: npc,
+                        reason: "kept".into(),
+                    }),
+                );
+            }
+        }
+        let refusals: Vec<&str> = out
+            .iter()
+            .filter_map(|b| match b {
+                Body::CommandReply(r) if r.refused => Some(r.detail.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert!(refusals.is_empty(), "{refusals:?}");
+        assert_eq!(owner.stats.kills, 1);
+        assert_eq!(owner.stats.attacks_applied_from_other_nodes, 2);
+        let replies = out
+            .iter()
+            .filter(|b| matches!(b, Body::CommandReply(r) if !r.refused))
+            .count();
+        assert_eq!(replies, 5, "every attack answered");
+        // The kill's XP goes by command to each attacker's avatar, wherever it is.
+        let rewards: Vec<(u64, u32)> = out
+            .iter()
+            .filter_map(|b| match b {
+                Body::Command(c) if c.r#type == combat::CMD_XP => {
+                    Some((c.target_entity, combat::decode(&c.payload).unwrap().0))
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(rewards, [(ann, 60), (77, 40)]);
+        assert!(owner.damage_table(npc).unwrap().is_empty(), "a new life");
+        // Bob's own node applies his share to his avatar.
+        let mut remote = arena(0, &census);
+        let bob = join(&mut remote, "bob", 1);
+        let mut out = Vec::new();
+        remote.on_message(
+            &mut out,
+            M::CommandIn(CommandIn {
+                target: bob,
+                from_entity: npc,
+                r#type: combat::CMD_XP,
+                payload: combat::encode(40, 99),
+                request_id: 5,
+                // The kill happened on the NPC's node, another than Bob's.
+                from_node: NODE + 1,
+                ..Default::default()
+            }),
+        );
+        assert_eq!(remote.xp_of("bob"), Some(40));
+        assert_eq!(remote.stats.xp_from_other_nodes, 1);
+        assert_eq!(
+            census.commands(),
+            (6, 0),
+            "five attacks and one reward, each once"
+        );
+    }
+
+    #[test]
+    fn a_result_comes_once_per_command_and_a_second_is_counted() {
+        let census = Arc::new(Census::default());
+        let mut a = arena(0, &census);
+        let mut out = Vec::new();
+        a.send_command(&mut out, 5, combat::CMD_ATTACK, combat::encode(10, 1), 1);
+        assert_eq!(a.commands_outstanding(), 1);
+        let result = CommandResult {
+            request_id: 1,
+            target: 5,
+            ok: true,
+            ..Default::default()
+        };
+        a.on_message(&mut out, M::CommandResult(result.clone()));
+        a.on_message(&mut out, M::CommandResult(result));
+        assert_eq!(a.commands_outstanding(), 0);
+        assert_eq!((a.stats.results_ok, a.stats.results_unexpected), (1, 1));
     }
 
     #[test]

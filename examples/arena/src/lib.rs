@@ -8,6 +8,7 @@
 //! carries on from its snapshot, input sequence numbers included.
 
 mod census;
+pub mod combat;
 mod game;
 pub mod schema;
 
@@ -46,6 +47,8 @@ pub struct ArenaConfig {
     /// Milliseconds of tick each entity is reported to cost in `Load`, on top of the tick as
     /// measured: the toy's own tick takes microseconds, and a balancer needs a game's weight.
     pub entity_cost_ms: f32,
+    /// Players attack the nearest NPC in reach with entity commands (see `combat`).
+    pub combat: bool,
 }
 
 impl Default for ArenaConfig {
@@ -63,6 +66,7 @@ impl Default for ArenaConfig {
             halt: None,
             release: true,
             entity_cost_ms: 0.0,
+            combat: true,
         }
     }
 }
@@ -95,6 +99,29 @@ pub struct ArenaStats {
     pub inputs_no_player: u64,
     /// Inputs of a session older than the avatar's (ignored).
     pub inputs_stale_session: u64,
+    /// Attacks sent (entity commands), and of those at an NPC seen as a ghost of another node.
+    pub attacks_sent: u64,
+    pub attacks_across_border: u64,
+    /// Attacks applied to this arena's NPCs, and of those sent from another node.
+    pub attacks_applied: u64,
+    pub attacks_applied_from_other_nodes: u64,
+    pub kills: u64,
+    /// XP commands sent for kills, applied here, and the XP they carried.
+    pub xp_sent: u64,
+    pub xp_applied: u64,
+    pub xp_gained: u64,
+    /// XP applied here for kills on another node.
+    pub xp_from_other_nodes: u64,
+    /// Commands to this arena it would not apply.
+    pub commands_refused: u64,
+    /// Results of the commands this arena sent.
+    pub results_ok: u64,
+    pub results_refused: u64,
+    pub results_entity_gone: u64,
+    pub results_timeout: u64,
+    pub results_not_delivered: u64,
+    /// Results for no command waiting (a second result): must stay 0.
+    pub results_unexpected: u64,
 }
 
 /// An arena that stops holds nothing: releases its census entries however `run` ends.

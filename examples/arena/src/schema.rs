@@ -98,6 +98,13 @@ pub struct SampleSnapshot {
     pub applied: u64,
     /// Ticks until an NPC picks a new direction; 0 for players.
     pub turn_in: u32,
+    /// An NPC's damage table: (account, avatar id, damage) of everyone who hit it since it
+    /// last died. Absent from older snapshots and the Python sample's.
+    #[serde(default)]
+    pub damage: Vec<(String, u64, u32)>,
+    /// A player's experience. Absent from older snapshots and the Python sample's.
+    #[serde(default)]
+    pub xp: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -146,6 +153,8 @@ mod tests {
             last_seq: 17,
             applied: 15,
             turn_in: 0,
+            damage: vec![],
+            xp: 40,
         }
     }
 

@@ -276,6 +276,8 @@ async fn an_adopted_player_carries_on_its_input_sequence_across_the_seam() {
     let (mut sc, stop, arena) = start(0, &census).await;
     let id = 5_000_001;
     let state = SampleSnapshot {
+        damage: vec![],
+        xp: 0,
         v: SNAPSHOT_VERSION,
         kind: SnapshotKind::Player,
         name: "bob".into(),

@@ -105,6 +105,19 @@ pub fn game_frames() -> Vec<Vec<u8>> {
                 state: payload(4),
             }],
         }),
+        B::Command(Command {
+            target_entity: 7,
+            r#type: 3,
+            payload: payload(8),
+            request_id: 11,
+            from_entity: 9,
+        }),
+        B::CommandReply(CommandReply {
+            request_id: 11,
+            refused: true,
+            payload: payload(2),
+            detail: "busy".into(),
+        }),
     ];
     let mut frames: Vec<GameFrame> = all
         .iter()
@@ -229,6 +242,23 @@ pub fn sidecar_frames() -> Vec<Vec<u8>> {
         B::Checkpoint(Checkpoint {
             entity_ids: vec![7, 8, 9],
         }),
+        B::CommandIn(CommandIn {
+            target: 7,
+            from_entity: 9,
+            from_account: "ada".into(),
+            r#type: 3,
+            payload: payload(8),
+            request_id: 1,
+            from_node: 2,
+        }),
+        B::CommandResult(CommandResult {
+            request_id: 11,
+            target: 7,
+            ok: false,
+            error: CommandError::EntityGone as i32,
+            payload: payload(1),
+            detail: "no node holds entity 7".into(),
+        }),
     ];
     let mut frames: Vec<SidecarFrame> = all
         .iter()
@@ -280,6 +310,12 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
         unseen: true,
         last_input_seq: 99,
         state_unix_ms: 1_700_000_000_000,
+        command_cursors: vec![CommandCursor {
+            target: 7,
+            origin_node: 3,
+            origin_incarnation: 2,
+            last_seq: 40,
+        }],
     };
     let chunks = vec![ChunkRef { x: -1, y: 2 }, ChunkRef { x: i64::MIN, y: 0 }];
     let all = vec![
@@ -485,6 +521,35 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
         B::RestoreDone(RestoreDone {
             node: 2,
             lease_epoch: 5,
+        }),
+        B::EntityCommand(EntityCommand {
+            target: 7,
+            entity_epoch: 3,
+            origin_node: 2,
+            origin_incarnation: 5,
+            seq: 41,
+            prev_seq: 40,
+            request_id: 11,
+            from_entity: 9,
+            from_account: "ada".into(),
+            r#type: 3,
+            payload: payload(8),
+            hops: 1,
+        }),
+        B::EntityCommandResult(EntityCommandResult {
+            origin_incarnation: 5,
+            request_id: 11,
+            target: 7,
+            error: 3,
+            payload: payload(2),
+            detail: "refused".into(),
+        }),
+        B::Locate(Locate { entity: 7 }),
+        B::Located(Located {
+            entity: 7,
+            found: true,
+            owner: 3,
+            entity_epoch: 4,
         }),
     ];
     let mut frames: Vec<MeshFrame> = all.iter().map(|b| MeshFrame::one(b.clone())).collect();

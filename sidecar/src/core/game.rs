@@ -247,6 +247,7 @@ impl Core {
                 match self.table.despawn(d.entity_id) {
                     Ok(gone) => {
                         self.game.checkpoints.forget(gone.id);
+                        self.command_target_gone(gone.id);
                         self.despawned_while_frozen(&[gone]);
                     }
                     Err(e) => self.entity_error(e),
@@ -280,6 +281,8 @@ impl Core {
             B::Adopted(a) => self.on_adopted(a),
             B::CheckpointState(c) => self.on_checkpoint_state(c),
             B::Release(r) => self.on_release(r),
+            B::Command(c) => self.on_command(c),
+            B::CommandReply(r) => self.on_command_reply(r),
         }
     }
 
@@ -473,6 +476,7 @@ impl Core {
         let events = std::mem::take(&mut self.game.tick_events);
         let sends = std::mem::take(&mut self.game.tick_sends);
         self.offer_releases();
+        self.route_after_tick();
         // Other nodes first: public changes to subscribers, the rest to gateways by account.
         self.replicate(changes);
         self.replicate_events(&events);
@@ -591,6 +595,7 @@ impl Core {
         }
         self.repl.sim.clear();
         self.game.restoring.clear();
+        self.commands_game_gone();
         if self.cfg.game_grace_ms > 0 && self.auth.lease_live {
             // Kept for the game's return: clients see them stand still. A handoff still waiting
             // for a snapshot will not get one: those units are abandoned (thawed, kept here).

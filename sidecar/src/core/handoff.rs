@@ -22,8 +22,8 @@ use super::wire::*;
 use super::*;
 use crate::model::entities::{Entity, EntityError, TickChanges};
 use crate::model::handoff::{
-    freeze_cost, Admit, AfterDespawn, Completed, Fence, HandoffSource, HandoffTarget, InputRoute,
-    Offer, OfferChecks, OfferDecision, Thawed,
+    freeze_cost, Admit, AfterDespawn, Completed, Fence, HandoffSource, HandoffTarget, Offer,
+    OfferChecks, OfferDecision, Thawed,
 };
 use crate::model::inputs::{InputOrder, Ordered};
 use crate::model::subs::{self};
@@ -31,7 +31,7 @@ use crate::model::subs::{self};
 /// The handoffs this node takes part in, as source and as target, and the epoch fence.
 #[derive(Default)]
 pub(crate) struct Handoffs {
-    pub out: HandoffSource<local::Input>,
+    pub out: HandoffSource<Routed>,
     pub inbound: HandoffTarget,
     pub fence: Fence<Fenced>,
     /// Offers being adopted by the game: root -> the offer.
@@ -99,6 +99,21 @@ pub(crate) enum Fenced {
     State(NodeId, mesh::EntityState),
     Gone(NodeId, mesh::EntityGone),
     Input(mesh::ForwardInput),
+    Command(Box<mesh::EntityCommand>),
+}
+
+/// What a frozen entity's handoff holds for it and sends on behind its offer: applied here if
+/// the offer is refused, by the target if it is adopted, never by both.
+#[derive(Debug, Clone)]
+pub(crate) enum Routed {
+    Input(local::Input),
+    Command(Box<mesh::EntityCommand>),
+}
+
+impl Routed {
+    pub(crate) fn is_input(&self) -> bool {
+        matches!(self, Routed::Input(_))
+    }
 }
 
 impl Core {
@@ -535,7 +550,7 @@ impl Core {
         }
     }
 
-    pub(crate) fn send_offer(&mut self, offer: Offer<local::Input>, successor: bool) {
+    pub(crate) fn send_offer(&mut self, offer: Offer<Routed>, successor: bool) {
         let root = offer.root;
         let Some(e) = self.table.get_local(root) else {
             tracing::warn!(
@@ -560,8 +575,14 @@ impl Core {
                 })
             })
             .collect();
+        let command_cursors = offer
+            .parts
+            .iter()
+            .flat_map(|(id, _)| self.command_cursors(*id))
+            .collect();
         let msg = mesh::HandoffOffer {
             partition_epoch: self.auth.partition.epoch(),
+            command_cursors,
             attachments,
             successor,
             unseen: subs::distance_to_area(&self.cfg.world, &self.auth.area, e.chunk)
@@ -592,9 +613,17 @@ impl Core {
                 offer: kept,
             },
         );
-        for i in offer.inputs {
-            if !self.send_forward(offer.to, root, offer.epoch, i, 0) {
-                self.handoff.out.forward_failed(root);
+        for held in offer.inputs {
+            match held {
+                Routed::Input(i) => {
+                    if !self.send_forward(offer.to, root, offer.epoch, i, 0) {
+                        self.handoff.out.forward_failed(root);
+                    }
+                }
+                // A copy stays with the unit: applied here if the offer is refused.
+                Routed::Command(c) => {
+                    self.forward_command(offer.to, offer.epoch, *c, true);
+                }
             }
         }
         self.metrics
@@ -655,7 +684,7 @@ impl Core {
         }
     }
 
-    pub(crate) fn thaw(&mut self, root: u64, thawed: Thawed<local::Input>, reason: &str) {
+    pub(crate) fn thaw(&mut self, root: u64, thawed: Thawed<Routed>, reason: &str) {
         let now = self.now.mono_ms;
         // A thawed master's game applies the leave it holds itself.
         for m in &thawed.members {
@@ -674,11 +703,17 @@ impl Core {
                 .into(),
             );
         }
+        // Everything a unit held went behind its offer, or nothing did; the commands among
+        // them are no input's copies.
+        let commands = thawed.inputs.iter().filter(|r| !r.is_input()).count() as u64;
         self.metrics
             .inputs_copies_applied
-            .inc_by(thawed.forwarded_copies);
-        for i in thawed.inputs {
-            self.input_to_game(i);
+            .inc_by(thawed.forwarded_copies.saturating_sub(commands));
+        for held in thawed.inputs {
+            match held {
+                Routed::Input(i) => self.input_to_game(i),
+                Routed::Command(c) => self.route_command(*c),
+            }
         }
         self.handoff
             .retry
@@ -803,6 +838,11 @@ impl Core {
                         holders: holders.iter().copied().collect(),
                     }),
                 );
+            }
+            // Commands held here for a gap in their order follow it (its new writer orders them
+            // from the cursors the offer carried).
+            for c in self.commands.order.forget(id) {
+                self.forward_command(done.to, done.epoch, c, false);
             }
             let Some(e) = self.table.get_local(id) else {
                 continue;
@@ -964,6 +1004,7 @@ impl Core {
                 // and applies them when it thaws.
                 self.count_fence_discards();
                 self.handoff.fence.burn(id, o.entity_epoch);
+                // So are commands: their copies are applied there, and answered from there.
                 let copies = self
                     .handoff
                     .fence
@@ -1130,6 +1171,7 @@ impl Core {
                 self.send_anchor(o.gateway_node, &account, o.session_epoch);
             }
         }
+        self.resume_command_cursors(&o.command_cursors);
         for m in std::iter::once(o.entity_id).chain(o.attachments.iter().map(|a| a.entity_id)) {
             for f in self.handoff.fence.advance(m, epoch, me) {
                 self.apply_fenced(f);
@@ -1300,6 +1342,7 @@ impl Core {
                 }
             }
             Fenced::Input(i) => self.input_for_master(i),
+            Fenced::Command(c) => self.route_command(*c),
         }
     }
 
@@ -1443,13 +1486,8 @@ impl Core {
                     self.hold_input(id, i);
                     return;
                 }
-                match self.handoff.out.route_input(id, input) {
-                    InputRoute::Local(input) => self.input_to_game(input),
-                    InputRoute::Held => {}
-                    InputRoute::Forward { to, epoch, input } => {
-                        self.forward_routed(id, to, epoch, input, hops)
-                    }
-                }
+                let route = self.handoff.out.route_input(id, Routed::Input(input));
+                self.follow_route(id, route, hops, None);
             }
             Some((id, Some(owner), epoch)) => {
                 if i.entity_epoch > epoch {
@@ -1458,13 +1496,8 @@ impl Core {
                     self.hold_input(id, i);
                     return;
                 }
-                match self.handoff.out.route_input(id, input) {
-                    InputRoute::Forward { to, epoch, input } => {
-                        self.forward_routed(id, to, epoch, input, hops)
-                    }
-                    InputRoute::Local(input) => self.forward_input(owner, id, epoch, input, hops),
-                    InputRoute::Held => {}
-                }
+                let route = self.handoff.out.route_input(id, Routed::Input(input));
+                self.follow_route(id, route, hops, Some((owner, epoch)));
             }
             None => {
                 // Adopting the master from a snapshot (no ghost here): held until `Adopted`.
@@ -1480,13 +1513,10 @@ impl Core {
                         self.hold_input(id, i);
                     }
                     // Handed away, and no ghost of it stayed here: forwarded all the same.
-                    (_, Some(id)) => match self.handoff.out.route_input(id, input) {
-                        InputRoute::Forward { to, epoch, input } => {
-                            self.forward_routed(id, to, epoch, input, hops)
-                        }
-                        InputRoute::Local(input) => self.input_to_game(input),
-                        InputRoute::Held => {}
-                    },
+                    (_, Some(id)) => {
+                        let route = self.handoff.out.route_input(id, Routed::Input(input));
+                        self.follow_route(id, route, hops, None);
+                    }
                     // Stamped for a master this process never held: it died with a process
                     // whose node id this one holds now (the restore re-anchors the gateway).
                     _ if i.entity_id != 0 => self.metrics.drop_input("input_master_gone"),
@@ -1534,7 +1564,14 @@ impl Core {
     /// An input the handoff machine routed for `id`: behind an offer in flight it keeps a copy
     /// (applied here on a refusal), so a forward that cannot be sent is only lost if the offer
     /// completes.
-    fn forward_routed(&mut self, id: u64, to: NodeId, epoch: u64, i: local::Input, hops: u32) {
+    pub(crate) fn forward_routed(
+        &mut self,
+        id: u64,
+        to: NodeId,
+        epoch: u64,
+        i: local::Input,
+        hops: u32,
+    ) {
         if !self.handoff.out.is_frozen(id) {
             return self.forward_input(to, id, epoch, i, hops);
         }

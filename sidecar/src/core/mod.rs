@@ -18,6 +18,9 @@ pub(crate) mod admission;
 pub(crate) mod authority;
 pub(crate) mod avatars;
 pub(crate) mod balance;
+#[cfg(test)]
+mod command_tests;
+pub(crate) mod commands;
 pub(crate) mod game;
 pub(crate) mod gateway;
 pub(crate) mod handoff;
@@ -328,6 +331,7 @@ pub struct Core {
     pub(crate) auth: Authority,
     pub(crate) restore: restore::Restore,
     pub(crate) avatars: avatars::Avatars,
+    pub(crate) commands: commands::Commands,
     /// Whether the node takes new sessions.
     pub(crate) admission: crate::model::admission::Admission,
     /// The game's smoothed load, for the balancer.
@@ -379,6 +383,7 @@ impl Core {
                 ..Default::default()
             },
             avatars: avatars::Avatars::default(),
+            commands: commands::Commands::default(),
             admission: {
                 metrics.admission_open.set(1);
                 crate::model::admission::Admission::new(cfg.admission.clone())
@@ -457,7 +462,7 @@ impl Core {
 
     /// Client inputs held here now (see `Metrics::inputs_held`).
     pub fn inputs_held(&self) -> usize {
-        self.handoff.out.held_inputs()
+        self.handoff.out.held_inputs(handoff::Routed::is_input)
             + self
                 .handoff
                 .fence
@@ -478,11 +483,13 @@ impl Core {
     /// As [`Core::inputs_only_here`], also counting the copies offered to nodes `dead` says
     /// died (which a simulator knows before this node hears of it).
     pub fn inputs_only_here_if(&self, dead: impl Fn(NodeId) -> bool) -> usize {
-        let in_doubt_to_dead = self
-            .handoff
+        let in_doubt_to_dead = self.handoff.out.inputs_offered_to(
+            |n| dead(n) || self.restore.in_doubt_to_dead_node(n),
+            handoff::Routed::is_input,
+        );
+        self.handoff
             .out
-            .inputs_offered_to(|n| dead(n) || self.restore.in_doubt_to_dead_node(n));
-        self.handoff.out.inputs_not_forwarded()
+            .inputs_not_forwarded(handoff::Routed::is_input)
             + in_doubt_to_dead
             + self
                 .handoff
@@ -594,8 +601,12 @@ impl Core {
     /// Held inputs the fence let go of are counted, never lost silently.
     pub(crate) fn count_fence_discards(&mut self) {
         for f in self.handoff.fence.take_discarded() {
-            if matches!(f, handoff::Fenced::Input(_)) {
-                self.metrics.drop_input("input_held_dropped");
+            match f {
+                handoff::Fenced::Input(_) => self.metrics.drop_input("input_held_dropped"),
+                // Not answered: a copy of it may still be applied elsewhere; its origin times
+                // it out.
+                handoff::Fenced::Command(_) => self.metrics.drop_command("fence"),
+                _ => {}
             }
         }
     }
@@ -623,7 +634,14 @@ impl Core {
 
     /// When the node wants [`Input::Timer`], at the latest.
     pub fn poll_timeout(&self) -> Option<u64> {
-        let inputs = self.handoff.input_order.next_due().unwrap_or(u64::MAX);
+        let inputs = self
+            .handoff
+            .input_order
+            .next_due()
+            .into_iter()
+            .chain(self.commands.order.next_due())
+            .min()
+            .unwrap_or(u64::MAX);
         let lease = self
             .auth
             .lease_until_ms
@@ -640,6 +658,7 @@ impl Core {
     fn on_timer(&mut self) {
         let now = self.now.mono_ms;
         self.deliver_due_inputs();
+        self.deliver_due_commands();
         if now >= self.next_renew_ms {
             self.renew_leases();
             self.next_renew_ms = now + (self.cfg.session_lease_ms / 3).max(1);
@@ -654,6 +673,7 @@ impl Core {
             self.prune_sent_offers();
             self.restore_step();
             self.avatars_step();
+            self.commands_step();
             self.save_player_records();
             self.report_whereabouts();
             self.evaluate_admission();

@@ -341,6 +341,10 @@ impl Core {
                 self.input_for_master(i)
             }
             B::Anchor(a) => self.on_anchor(node, a),
+            B::EntityCommand(c) => self.route_command(c),
+            B::EntityCommandResult(r) => self.on_command_result(r),
+            B::Locate(l) => self.on_locate(node, l),
+            B::Located(l) => self.on_located(node, l),
             B::Routed(r) => self.on_routed(r),
             B::SessionMoved(m) => self.on_session_moved(m),
             B::SessionEnded(e) => {

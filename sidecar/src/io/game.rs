@@ -129,6 +129,8 @@ fn message_name(body: &game_message::Body) -> &'static str {
         B::ReserveIds(_) => "ReserveIds",
         B::CheckpointState(_) => "CheckpointState",
         B::Release(_) => "Release",
+        B::Command(_) => "Command",
+        B::CommandReply(_) => "CommandReply",
     }
 }
 

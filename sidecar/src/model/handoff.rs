@@ -538,27 +538,37 @@ impl<I: Clone> HandoffSource<I> {
         self.out.len()
     }
 
-    /// Inputs held for units whose offer has not left: no copy of them went anywhere.
-    pub fn inputs_not_forwarded(&self) -> usize {
+    /// Inputs (those `is` picks) held for units whose offer has not left: no copy of them went
+    /// anywhere.
+    pub fn inputs_not_forwarded(&self, is: impl Fn(&I) -> bool) -> usize {
         self.out
             .values()
             .filter(|o| matches!(o.phase, Phase::Freezing { .. }))
-            .map(|o| o.inputs.len())
+            .map(|o| o.inputs.iter().filter(|i| is(i)).count())
             .sum()
     }
 
-    /// Inputs held for units offered to one of `dead`: their copies died with the target.
-    pub fn inputs_offered_to(&self, dead: impl Fn(NodeId) -> bool) -> usize {
+    /// Inputs (those `is` picks) held for units offered to one of `dead`: their copies died
+    /// with the target.
+    pub fn inputs_offered_to(
+        &self,
+        dead: impl Fn(NodeId) -> bool,
+        is: impl Fn(&I) -> bool,
+    ) -> usize {
         self.out
             .values()
             .filter(|o| matches!(o.phase, Phase::Offered { .. }) && dead(o.to))
-            .map(|o| o.inputs.len())
+            .map(|o| o.inputs.iter().filter(|i| is(i)).count())
             .sum()
     }
 
-    /// Inputs held for frozen entities (to apply on a thaw; the copies of some went on).
-    pub fn held_inputs(&self) -> usize {
-        self.out.values().map(|o| o.inputs.len()).sum()
+    /// Inputs (those `is` picks) held for frozen entities (to apply on a thaw; the copies of
+    /// some went on).
+    pub fn held_inputs(&self, is: impl Fn(&I) -> bool) -> usize {
+        self.out
+            .values()
+            .map(|o| o.inputs.iter().filter(|i| is(i)).count())
+            .sum()
     }
 
     /// Offers sent and not answered.

@@ -6,12 +6,14 @@
 //! - [`subs`]: node-level chunk subscriptions; [`ghosts`]: simulation ghosts;
 //! - [`handoff`]: the handoff state machines and the epoch fence; [`ids`]: snowflake ids;
 //! - [`inputs`]: the order of a player's inputs at the node writing its master;
+//! - [`commands`]: entity commands: the origin's pending results, the writer's order;
 //! - [`checkpoints`]: the latest state of every entity the node writes, asked of the game;
 //! - [`admission`]: whether the node admits new sessions (tick overrun, outbox pressure).
 
 pub mod admission;
 pub mod audience;
 pub mod checkpoints;
+pub mod commands;
 pub mod entities;
 pub mod fold;
 pub mod ghosts;
