@@ -25,6 +25,7 @@ struct Inner {
     /// The id of every command an arena applied (see `combat`), and how many came twice.
     commands_applied: BTreeSet<u64>,
     commands_twice: u64,
+    commands_minted: u64,
 }
 
 /// What the census saw, at one moment.
@@ -113,8 +114,15 @@ impl Census {
         });
     }
 
-    /// Whether a game despawned `id` (a client seeing it vanish saw something real).
-    /// An arena applied the command with this id (each carries one, drawn at random).
+    /// A fresh id for a command an arena sends: unique in the run, even across a game's restart
+    /// (whose random source starts again from the same seed).
+    pub fn next_command_id(&self) -> u64 {
+        let mut inner = self.lock();
+        inner.commands_minted += 1;
+        inner.commands_minted
+    }
+
+    /// An arena applied the command with this id.
     pub fn command_applied(&self, id: u64) {
         let mut inner = self.lock();
         if !inner.commands_applied.insert(id) {
@@ -128,6 +136,7 @@ impl Census {
         (inner.commands_applied.len(), inner.commands_twice)
     }
 
+    /// Whether a game despawned `id` (a client seeing it vanish saw something real).
     pub fn is_despawned(&self, id: u64) -> bool {
         self.lock().despawned.contains(&id)
     }

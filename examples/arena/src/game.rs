@@ -787,6 +787,15 @@ impl Arena {
 
     // ------------------------------------------------------------------ combat
 
+    /// An id for a command's payload: from the census when there is one (unique in the run),
+    /// else drawn at random.
+    fn command_id(&mut self) -> u64 {
+        match &self.cfg.census {
+            Some(c) => c.next_command_id(),
+            None => self.rng.random::<u64>(),
+        }
+    }
+
     /// Sends a command, remembering it until its one result.
     fn send_command(
         &mut self,
@@ -835,7 +844,7 @@ impl Arena {
                 .filter(|(d, _)| *d <= combat::REACH_M)
                 .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
             let Some((_, npc)) = nearest else { continue };
-            let attack_id = self.rng.random::<u64>();
+            let attack_id = self.command_id();
             let remote = self.npc_ghosts.contains_key(&npc);
             self.send_command(
                 out,
@@ -917,7 +926,7 @@ impl Arena {
             ..Default::default()
         }));
         for (_, avatar, xp) in rewards {
-            let reward_id = self.rng.random::<u64>();
+            let reward_id = self.command_id();
             self.send_command(
                 out,
                 avatar,
