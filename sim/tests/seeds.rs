@@ -147,6 +147,14 @@ fn commands() {
 }
 
 #[test]
+fn commands_seeds_that_once_failed() {
+    // 77: the decider's word that an offer to a dead node comes back to its source was sent
+    // while the link to the source was cut; nothing sent it again, and the source's avatar
+    // stayed frozen for good with its inputs held.
+    seeds_hold("commands", &[77]);
+}
+
+#[test]
 fn commands_cross_borders_and_follow_handoffs_in_the_command_scenario() {
     // The scenario is not vacuous: players hit NPCs simulated on other nodes, some commands
     // meet their target in a handoff, and every one of them has exactly its one answer.

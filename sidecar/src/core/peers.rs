@@ -175,6 +175,7 @@ impl Core {
         self.metrics.peer_up.get_or_create(&label).set(1);
         self.metrics.peers_up.set(self.up_peers().len() as i64);
         self.metrics.peer_links.get_or_create(&label).inc();
+        self.resend_resolutions(node);
         // The owner forgot this node's subscriptions with the last link: ask again, for a fresh
         // snapshot burst.
         let held = self.repl.subs.of_owner(node);

@@ -47,6 +47,8 @@ pub(crate) fn checkpoint_ask_every_ms(interval_ms: u64) -> u64 {
 const LIST_EVERY_MS: u64 = 2_000;
 /// A restore offer with no answer is made again after this long.
 const RESTORE_RETRY_MS: u64 = 1_000;
+/// How long the decider keeps its words to a reporter, to send again when the link returns.
+const RESOLUTION_KEPT_MS: u64 = 60_000;
 /// The refusal of a restore offer by a node that writes the entity already.
 pub(crate) const ALREADY_WRITES: &str = "the target writes the entity already";
 /// The refusal of a restore offer under an epoch the target has seen already.
@@ -146,6 +148,10 @@ pub(crate) struct Restore {
     pub suspects: BTreeMap<Incarnation, u64>,
     /// Restores this node decided and saw acked, since the driver last took them.
     pub log: Vec<Restored>,
+    /// The decider's word sent to each reporter lately, with when: sent again whenever the
+    /// link to that reporter comes back, since a word lost with a cut link would leave the
+    /// reporter's unit frozen for good.
+    pub resolved_for: BTreeMap<NodeId, Vec<(u64, mesh::RestoreResolved)>>,
 }
 
 impl Restore {
@@ -343,12 +349,13 @@ impl Core {
     /// The decider's word on an offer this node made to a dead process.
     pub(crate) fn on_restore_resolved(&mut self, r: mesh::RestoreResolved) {
         let id = r.entity_id;
-        self.restore.sent.remove(&id);
         if r.owner_node == self.cfg.node_id {
             // Back to this node, which still holds it frozen: the offer counts as refused.
             let Some((dead, _)) = self.restore.in_doubt_to_dead.remove(&id) else {
+                // A repeat of a word acted on already.
                 return;
             };
+            self.restore.sent.remove(&id);
             let Some((to, offered)) = self.handoff.out.target_of(id) else {
                 return;
             };
@@ -361,6 +368,15 @@ impl Core {
                 );
             }
             return;
+        }
+        // Not an offer made since (a repeated word names an older epoch).
+        if self
+            .restore
+            .sent
+            .get(&id)
+            .is_some_and(|s| s.offer.entity_epoch <= r.entity_epoch)
+        {
+            self.restore.sent.remove(&id);
         }
         if self.restore.in_doubt_to_dead.remove(&id).is_some() {
             match self
@@ -980,7 +996,31 @@ impl Core {
         if reporter == self.cfg.node_id {
             self.on_restore_resolved(r);
         } else {
+            self.restore
+                .resolved_for
+                .entry(reporter)
+                .or_default()
+                .push((self.now.mono_ms, r));
             self.send_peer(reporter, mesh_message::Body::RestoreResolved(r));
+        }
+    }
+
+    /// The link to `node` is back: the decider's recent words to it go again (a repeat
+    /// settles nothing twice: the reporter acts on the first and forgets the unit).
+    pub(crate) fn resend_resolutions(&mut self, node: NodeId) {
+        let now = self.now.mono_ms;
+        self.restore.resolved_for.retain(|_, v| {
+            v.retain(|(at, _)| now.saturating_sub(*at) < RESOLUTION_KEPT_MS);
+            !v.is_empty()
+        });
+        let again: Vec<mesh::RestoreResolved> = self
+            .restore
+            .resolved_for
+            .get(&node)
+            .map(|v| v.iter().map(|(_, r)| *r).collect())
+            .unwrap_or_default();
+        for r in again {
+            self.send_peer(node, mesh_message::Body::RestoreResolved(r));
         }
     }
 

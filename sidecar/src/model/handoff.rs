@@ -351,7 +351,8 @@ impl<I: Clone> HandoffSource<I> {
     /// A unit handed to a process that died was restored on `owner` under `epoch`: late
     /// inputs follow it there.
     pub fn redirect_departed(&mut self, id: EntityId, owner: NodeId, epoch: Epoch) {
-        if let Some(d) = self.departed.get_mut(&id) {
+        // A word repeated after the unit moved on again names an older epoch: it changes nothing.
+        if let Some(d) = self.departed.get_mut(&id).filter(|d| epoch >= d.1) {
             *d = (owner, epoch);
         }
     }
