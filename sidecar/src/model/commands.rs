@@ -165,55 +165,79 @@ struct Stream<C> {
     touched_ms: u64,
 }
 
-/// The writer's side: every stream of commands to the entities it writes.
+impl<C> Stream<C> {
+    fn new(now_ms: u64) -> Self {
+        Self {
+            last: 0,
+            pending: BTreeMap::new(),
+            touched_ms: now_ms,
+        }
+    }
+
+    /// Held commands whose predecessor came: each in seq order, once the one before it went.
+    fn drain(&mut self, out: &mut Vec<C>) {
+        loop {
+            let next = self
+                .pending
+                .iter()
+                .find(|(_, (prev, _, _))| *prev <= self.last)
+                .map(|(seq, _)| *seq);
+            let Some(seq) = next else { break };
+            let (_, c, _) = self.pending.remove(&seq).expect("found above");
+            self.last = self.last.max(seq);
+            out.push(c);
+        }
+    }
+}
+
+/// The writer's side: every stream of commands to the entities it writes, by target.
+///
+/// Asked on every timer of the node ([`Self::next_due`]), so it keeps the number of commands
+/// it holds and answers at once when that is 0, as it nearly always is.
 #[derive(Debug)]
 pub struct CommandOrder<C> {
-    streams: HashMap<StreamKey, Stream<C>>,
+    /// target -> (origin, incarnation) -> the stream.
+    streams: HashMap<EntityId, BTreeMap<(NodeId, u64), Stream<C>>>,
+    held: usize,
 }
 
 impl<C> Default for CommandOrder<C> {
     fn default() -> Self {
         Self {
             streams: HashMap::default(),
+            held: 0,
         }
     }
 }
 
 impl<C> CommandOrder<C> {
+    fn stream(&mut self, key: StreamKey, now_ms: u64) -> &mut Stream<C> {
+        self.streams
+            .entry(key.target)
+            .or_default()
+            .entry((key.origin, key.incarnation))
+            .or_insert_with(|| Stream::new(now_ms))
+    }
+
     /// Command `seq` of stream `key`, whose predecessor is `prev` (0: none), at `now_ms`.
     pub fn offer(&mut self, now_ms: u64, key: StreamKey, seq: u64, prev: u64, c: C) -> Ordered<C> {
-        let s = self.streams.entry(key).or_insert_with(|| Stream {
-            last: 0,
-            pending: BTreeMap::new(),
-            touched_ms: now_ms,
-        });
+        let s = self.stream(key, now_ms);
         s.touched_ms = now_ms;
         if seq <= s.last || s.pending.contains_key(&seq) {
             return Ordered::Late(c);
         }
         if prev != 0 && prev > s.last {
             s.pending.insert(seq, (prev, c, now_ms));
+            self.held += 1;
             return Ordered::Held;
         }
         s.last = seq;
         let mut out = vec![c];
-        Self::drain(s, &mut out);
+        let before = s.pending.len();
+        s.drain(&mut out);
+        let drained = before - s.pending.len();
+        self.held -= drained;
         Ordered::Deliver(out)
-    }
-
-    /// Held commands whose predecessor came: each in seq order, once the one before it went.
-    fn drain(s: &mut Stream<C>, out: &mut Vec<C>) {
-        loop {
-            let next = s
-                .pending
-                .iter()
-                .find(|(_, (prev, _, _))| *prev <= s.last)
-                .map(|(seq, _)| *seq);
-            let Some(seq) = next else { break };
-            let (_, c, _) = s.pending.remove(&seq).expect("found above");
-            s.last = s.last.max(seq);
-            out.push(c);
-        }
     }
 
     /// Commands whose window ended without their predecessor: delivered in order all the
@@ -221,26 +245,39 @@ impl<C> CommandOrder<C> {
     /// follow their target if it is handed on).
     pub fn due(&mut self, now_ms: u64, frozen: impl Fn(EntityId) -> bool) -> Vec<C> {
         let mut out = Vec::new();
-        let mut keys: Vec<StreamKey> = self
+        if self.held == 0 {
+            return out;
+        }
+        let mut targets: Vec<EntityId> = self
             .streams
             .iter()
-            .filter(|(k, s)| {
-                !frozen(k.target)
-                    && s.pending
-                        .values()
-                        .any(|(_, _, at)| at + REORDER_WINDOW_MS <= now_ms)
+            .filter(|(target, streams)| {
+                !frozen(**target)
+                    && streams.values().any(|s| {
+                        s.pending
+                            .values()
+                            .any(|(_, _, at)| at + REORDER_WINDOW_MS <= now_ms)
+                    })
             })
-            .map(|(k, _)| *k)
+            .map(|(target, _)| *target)
             .collect();
-        keys.sort_unstable();
-        for k in keys {
-            let s = self.streams.get_mut(&k).expect("listed above");
-            // The oldest waiting command gives up on its predecessor; those after it follow.
-            if let Some((&seq, _)) = s.pending.iter().next() {
-                let (_, c, _) = s.pending.remove(&seq).expect("listed above");
-                s.last = s.last.max(seq);
-                out.push(c);
-                Self::drain(s, &mut out);
+        targets.sort_unstable();
+        for target in targets {
+            let streams = self.streams.get_mut(&target).expect("listed above");
+            for s in streams.values_mut() {
+                let overdue = s
+                    .pending
+                    .values()
+                    .any(|(_, _, at)| at + REORDER_WINDOW_MS <= now_ms);
+                // The oldest waiting command gives up on its predecessor; those after it follow.
+                if let (true, Some((&seq, _))) = (overdue, s.pending.iter().next()) {
+                    let before = s.pending.len();
+                    let (_, c, _) = s.pending.remove(&seq).expect("listed above");
+                    s.last = s.last.max(seq);
+                    out.push(c);
+                    s.drain(&mut out);
+                    self.held -= before - s.pending.len();
+                }
             }
         }
         out
@@ -248,22 +285,25 @@ impl<C> CommandOrder<C> {
 
     /// The next time a held command's window ends.
     pub fn next_due(&self) -> Option<u64> {
+        if self.held == 0 {
+            return None;
+        }
         self.streams
             .values()
+            .flat_map(|streams| streams.values())
             .flat_map(|s| s.pending.values().map(|(_, _, at)| at + REORDER_WINDOW_MS))
             .min()
     }
 
     /// How far each stream to `target` got: (origin, incarnation, last delivered).
     pub fn cursors(&self, target: EntityId) -> Vec<(NodeId, u64, u64)> {
-        let mut v: Vec<(NodeId, u64, u64)> = self
-            .streams
-            .iter()
-            .filter(|(k, s)| k.target == target && s.last != 0)
-            .map(|(k, s)| (k.origin, k.incarnation, s.last))
-            .collect();
-        v.sort_unstable();
-        v
+        self.streams
+            .get(&target)
+            .into_iter()
+            .flatten()
+            .filter(|(_, s)| s.last != 0)
+            .map(|(&(origin, incarnation), s)| (origin, incarnation, s.last))
+            .collect()
     }
 
     /// `target` was adopted from a node whose streams had got this far.
@@ -274,11 +314,7 @@ impl<C> CommandOrder<C> {
                 origin,
                 incarnation,
             };
-            let s = self.streams.entry(key).or_insert_with(|| Stream {
-                last: 0,
-                pending: BTreeMap::new(),
-                touched_ms: now_ms,
-            });
+            let s = self.stream(key, now_ms);
             s.last = s.last.max(last);
             s.touched_ms = now_ms;
         }
@@ -287,35 +323,33 @@ impl<C> CommandOrder<C> {
     /// This node no longer writes `target`: its streams are dropped, and the commands they held
     /// are given back (in stream and seq order) to follow the entity.
     pub fn forget(&mut self, target: EntityId) -> Vec<C> {
-        let mut keys: Vec<StreamKey> = self
+        let out: Vec<C> = self
             .streams
-            .keys()
-            .filter(|k| k.target == target)
-            .copied()
+            .remove(&target)
+            .into_iter()
+            .flat_map(BTreeMap::into_values)
+            .flat_map(|s| s.pending.into_values().map(|(_, c, _)| c))
             .collect();
-        keys.sort_unstable();
-        let mut out = Vec::new();
-        for k in keys {
-            if let Some(s) = self.streams.remove(&k) {
-                out.extend(s.pending.into_values().map(|(_, c, _)| c));
-            }
-        }
+        self.held -= out.len();
         out
     }
 
     /// Streams with nothing held and no command for [`WRITER_STREAM_IDLE_MS`] are dropped.
     pub fn prune(&mut self, now_ms: u64) {
-        self.streams.retain(|_, s| {
-            !s.pending.is_empty() || now_ms.saturating_sub(s.touched_ms) < WRITER_STREAM_IDLE_MS
+        self.streams.retain(|_, streams| {
+            streams.retain(|_, s| {
+                !s.pending.is_empty() || now_ms.saturating_sub(s.touched_ms) < WRITER_STREAM_IDLE_MS
+            });
+            !streams.is_empty()
         });
     }
 
     pub fn held(&self) -> usize {
-        self.streams.values().map(|s| s.pending.len()).sum()
+        self.held
     }
 
     pub fn streams(&self) -> usize {
-        self.streams.len()
+        self.streams.values().map(BTreeMap::len).sum()
     }
 }
 
@@ -494,8 +528,10 @@ mod tests {
         w.offer(0, KEY, 3, 2, 3);
         let other = StreamKey { origin: 3, ..KEY };
         w.offer(0, other, 9, 8, 9);
+        assert_eq!(w.held(), 2);
         assert_eq!(w.forget(KEY.target), [3, 9]);
-        assert_eq!(w.streams(), 0);
+        assert_eq!((w.streams(), w.held()), (0, 0));
+        assert_eq!(w.next_due(), None);
     }
 
     #[test]
