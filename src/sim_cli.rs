@@ -53,11 +53,13 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         let mut bad = 0;
         let mut balance = Vec::new();
         let mut commands = cellmesh_sim::CommandFigures::default();
+        let mut trades = cellmesh_sim::TradeFigures::default();
         for seed in 1..=args.seeds {
             let r = cellmesh_sim::run(s, seed);
             runs += 1;
             balance.extend(r.balance.clone());
             commands.add(&r.stats.commands);
+            trades.add(&r.stats.trades);
             if !r.ok() {
                 bad += 1;
                 failed.push(r);
@@ -70,6 +72,9 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         if !balance.is_empty() {
             let runs: Vec<&cellmesh_sim::Balance> = balance.iter().collect();
             println!("             {}", cellmesh_sim::summarise(&runs));
+        }
+        if trades.started > 0 {
+            println!("             {trades}");
         }
         if commands.sent > 0 {
             println!("             {commands}");

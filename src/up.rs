@@ -263,6 +263,15 @@ pub struct Summary {
     /// timeout, not delivered).
     pub command_results_ok: u64,
     pub command_results_failed: u64,
+    /// Exclusive claims the sidecars granted (the arenas' trade escrows), and refused because
+    /// another entity held the key.
+    pub claims_granted: u64,
+    pub claims_refused: u64,
+    /// The arenas' trades: done (gift applied), refused by a claim held elsewhere, and opened
+    /// while a player was in another trade by the census (must be 0).
+    pub trades_done: u64,
+    pub trades_refused: u64,
+    pub trades_overlapping: u64,
     pub handoffs_refused: u64,
     pub handoff_freeze_ms_p50: f64,
     pub handoff_freeze_ms_p99: f64,
@@ -401,6 +410,12 @@ impl Summary {
         }
         if !self.census_at_rest {
             p.push("the world did not come to rest for the census".to_string());
+        }
+        if self.trades_overlapping > 0 {
+            p.push(format!(
+                "{} trades opened while a player was in another (two holders of a claim)",
+                self.trades_overlapping
+            ));
         }
         if self.accounts_with_two_avatars > 0 {
             p.push(format!(
@@ -609,6 +624,8 @@ struct NodeTotals {
     commands_forwarded_on_handoff: u64,
     command_results_ok: u64,
     command_results_failed: u64,
+    claims_granted: u64,
+    claims_refused: u64,
     in_doubt_now: u64,
     stale_epoch_drops: u64,
     inputs_from_proxies: u64,
@@ -641,6 +658,8 @@ impl NodeTotals {
         self.commands_forwarded_on_handoff += o.commands_forwarded_on_handoff;
         self.command_results_ok += o.command_results_ok;
         self.command_results_failed += o.command_results_failed;
+        self.claims_granted += o.claims_granted;
+        self.claims_refused += o.claims_refused;
         self.stale_epoch_drops += o.stale_epoch_drops;
         self.inputs_from_proxies += o.inputs_from_proxies;
         self.inputs_from_peers += o.inputs_from_peers;
@@ -855,6 +874,8 @@ fn totals_of(sidecars: &[&cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
         t.commands_forwarded_on_handoff += s.commands_forwarded_on_handoff;
         t.command_results_ok += s.command_results_ok;
         t.command_results_failed += s.command_results_failed;
+        t.claims_granted += s.claims_granted;
+        t.claims_refused += s.claims_refused;
         t.in_doubt_now += s.in_doubt_now;
         t.stale_epoch_drops += s.stale_epoch_drops;
         t.inputs_from_proxies += s.inputs_from_proxies;
@@ -933,16 +954,19 @@ pub async fn run(
     let stop = CancellationToken::new();
     anyhow::ensure!(opts.nodes >= 1, "--nodes must be at least 1");
     let geos = Arc::new(GeoLayout::new(&opts.geos, opts.nodes, &opts.geo_delay_ms)?);
-    // One directory (and board) per geo; player records and checkpoints shared.
+    // One directory, claim store (and board) per geo, as a Redis per geo would hold them;
+    // player records and checkpoints shared.
     let shared = Stores::in_memory();
     let stores: Vec<Stores> = (0..geos.names.len())
-        .map(|g| Stores {
-            directory: if g == 0 {
-                shared.directory.clone()
-            } else {
-                Arc::new(cellmesh_geo_router::store::memory::MemoryDirectory::default())
-            },
-            ..shared.clone()
+        .map(|g| {
+            if g == 0 {
+                return shared.clone();
+            }
+            Stores {
+                directory: Arc::new(cellmesh_geo_router::store::memory::MemoryDirectory::default()),
+                claims: Arc::new(cellmesh_geo_router::store::claims::MemoryClaims::default()),
+                ..shared.clone()
+            }
         })
         .collect();
 
@@ -1347,8 +1371,8 @@ pub async fn run(
                     p.rtt_ms_p50, p.rtt_ms_p99, b.errors + s.errors,
                 );
                 let line = format!(
-                    "{line} commands_routed={} commands_forwarded_on_handoff={}",
-                    s.commands_routed, s.commands_forwarded_on_handoff,
+                    "{line} commands_routed={} commands_forwarded_on_handoff={} claims_granted={} claims_refused={}",
+                    s.commands_routed, s.commands_forwarded_on_handoff, s.claims_granted, s.claims_refused,
                 );
                 let line = if geos.several() {
                     format!("{line} bridged={} handovers={}", p.bridged_sessions, p.handovers)
@@ -1514,6 +1538,8 @@ pub async fn run(
             Some(Ok(st)) => {
                 arena_stats.inputs_applied += st.inputs_applied;
                 arena_stats.errors_from_sidecar += st.errors_from_sidecar;
+                arena_stats.trades_done += st.trades_done;
+                arena_stats.trades_refused += st.trades_refused;
                 for (why, n) in [
                     ("duplicate", st.inputs_duplicate),
                     ("while_frozen", st.inputs_while_frozen),
@@ -1591,6 +1617,11 @@ pub async fn run(
         commands_forwarded_on_handoff: s.commands_forwarded_on_handoff,
         command_results_ok: s.command_results_ok,
         command_results_failed: s.command_results_failed,
+        claims_granted: s.claims_granted,
+        claims_refused: s.claims_refused,
+        trades_done: arena_stats.trades_done,
+        trades_refused: arena_stats.trades_refused,
+        trades_overlapping: games.trades().1,
         handoff_freeze_ms_p50: handoff_costs.freeze.value_at_quantile(0.5) as f64,
         handoff_freeze_ms_p99: handoff_costs.freeze.value_at_quantile(0.99) as f64,
         handoff_ticks_missed_p50: handoff_costs.ticks_missed.value_at_quantile(0.5) as f64,

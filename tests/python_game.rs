@@ -1,7 +1,8 @@
 //! The local protocol is engine-independent: the Python sample game (examples/python-game), built on
 //! protobuf code generated from the same local.proto, joins a real sidecar, and a client logged in
 //! through a real proxy sees its NPCs and walks its own avatar. Its snapshots are the Rust arena's
-//! too: the two games hand a player's avatar to each other across a border.
+//! too: the two games hand a player's avatar to each other across a border, and its entity commands
+//! are the arena's combat: the two games fight each other's NPCs across that border.
 //!
 //! Needs `CELLMESH_TEST_PYTHON`: a Python with `protobuf` and `grpcio-tools`, which
 //! `./scripts/test.sh` creates and exports.
@@ -12,7 +13,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cellmesh_arena::{schema, ArenaConfig, Census};
+use cellmesh_arena::{combat, schema, ArenaConfig, Census};
 use cellmesh_geo_router::geometry::WorldShape;
 use cellmesh_geo_router::partition::{Grid, Layout, Partition};
 use cellmesh_geo_router::store::Stores;
@@ -178,6 +179,14 @@ impl View {
         self.avatar.and_then(|id| self.entities.get(&id))
     }
 
+    /// Whether an NPC in view shows less than its full Health.
+    fn npc_hurt(&self) -> bool {
+        self.npcs_appeared
+            .iter()
+            .filter_map(|id| self.entities.get(id)?.components.get(&HEALTH))
+            .any(|h| schema::parse_health(h).is_some_and(|(current, max)| current < max))
+    }
+
     /// (last applied input seq, inputs applied) of the avatar's InputAck.
     fn input_ack(&self) -> Option<(u64, u64)> {
         let ack = self.avatar()?.components.get(&INPUT_ACK)?;
@@ -299,6 +308,18 @@ async fn python_game_npcs_reach_a_client_through_the_proxy() {
     )
     .await;
     assert_eq!(view.input_ack(), Some((0, 0)));
+    // The avatar stands among the NPCs and attacks them with entity commands, which the sidecar
+    // routes back to the same game; the hit shows in an NPC's public Health.
+    play_until(
+        &mut tx,
+        &mut rx,
+        &mut view,
+        deadline,
+        &game_log,
+        "an NPC hurt by the avatar's attacks",
+        View::npc_hurt,
+    )
+    .await;
 
     // Walk east: three inputs, which the game acknowledges in the avatar's owner-only InputAck.
     let start_x = view.avatar().unwrap().x;
@@ -386,10 +407,23 @@ fn python_game_unit_tests() {
 /// The 2×1 grid of the default world (32 m chunks): node 1 owns x < 65 536 m, node 2 the rest.
 const BORDER_X: f64 = 65_536.0;
 const CHUNK_M: f64 = 32.0;
-/// Where the arena spawns the avatar: in node 1's last chunk, one chunk from the border.
+/// Where the arena spawns the avatar and its one NPC: in node 1's last chunk, half a chunk from
+/// the border, so node 2 sees the NPC as a ghost.
 const ARENA_SPAWN: (f64, f64) = (BORDER_X - CHUNK_M / 2.0, 1000.0);
-/// The Python game's NPCs roam well inside node 2's area, so only the avatar crosses.
-const PYTHON_CENTER: (f64, f64) = (BORDER_X + 3.0 * CHUNK_M, 1000.0);
+/// The Python game's NPC roams within `PYTHON_ROAM_M` of this point, inside node 2's area, so only
+/// the avatar crosses; it comes within a chunk of the border, where node 1 sees it as a ghost.
+const PYTHON_CENTER: (f64, f64) = (BORDER_X + 28.0, 1000.0);
+const PYTHON_ROAM_M: f64 = 25.0;
+const PYTHON_NPCS: u64 = 1;
+/// Where the avatar stops to fight across the border, within the handoff margin either side so it
+/// is not handed over: east of the line while the arena holds it (the Python game's NPC mostly in
+/// reach, the arena's not), west of it while the Python game holds it (the arena's NPC nearest).
+const FIGHT_EAST_X: f64 = BORDER_X + 16.0;
+const FIGHT_WEST_X: f64 = BORDER_X - 8.0;
+// Out of reach of the arena's NPC on the east; on the west, nearer it than the Python game's.
+const _: () = assert!(FIGHT_EAST_X - ARENA_SPAWN.0 > combat::REACH_M);
+const _: () =
+    assert!(PYTHON_CENTER.0 - PYTHON_ROAM_M - FIGHT_WEST_X > FIGHT_WEST_X - ARENA_SPAWN.0);
 /// The arena walks players faster than the samples' 5 m/s to keep the walk short; the Python game
 /// walks at 5 m/s whatever the arena does.
 const ARENA_PLAYER_SPEED: f64 = 20.0;
@@ -553,9 +587,57 @@ fn holds(node: &SidecarHandle, id: u64) -> bool {
     node.reals().iter().any(|r| r.id == id)
 }
 
+/// Stops the Python game with SIGTERM; returns everything it wrote once it exited cleanly.
+async fn terminate(mut game: Child, log: &Log, deadline: Instant) -> String {
+    let pid = game.id().expect("the Python game runs").to_string();
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("running kill");
+    assert!(kill.success(), "kill -TERM {pid} failed");
+    let status = timeout_at(deadline, game.wait())
+        .await
+        .unwrap_or_else(|_| panic!("the Python game did not exit on SIGTERM:\n{}", log.text()))
+        .expect("waiting for the Python game");
+    assert!(
+        status.success(),
+        "the Python game exited with {status}:\n{}",
+        log.text()
+    );
+    // Its stderr is read on a task of its own: wait for the last line.
+    while !log.text().contains("python-game INFO stopped") {
+        assert!(
+            Instant::now() < deadline,
+            "no last words from the Python game:\n{}",
+            log.text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    log.text()
+}
+
+/// The Python game's command figures (`name=count` words) from its last `commands:` line.
+fn python_figures(log: &str) -> HashMap<String, u64> {
+    let line = log
+        .lines()
+        .filter_map(|l| l.split_once("commands: "))
+        .next_back()
+        .unwrap_or_else(|| panic!("the Python game logged no command figures:\n{log}"))
+        .1;
+    line.split_whitespace()
+        .map(|word| {
+            let (name, count) = word.split_once('=').expect("name=count");
+            (name.to_string(), count.parse().expect("a count"))
+        })
+        .collect()
+}
+
+/// The avatar walks from the arena's node into the Python game's and back; on the way it stops on
+/// each side of the border to fight the other game's NPC with entity commands, until a kill's XP
+/// comes back across the border.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_game_and_rust_arena_hand_an_avatar_back_and_forth() {
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(90);
     let stop = CancellationToken::new();
     let _stop_on_exit = stop.clone().drop_guard();
 
@@ -586,11 +668,12 @@ async fn python_game_and_rust_arena_hand_an_avatar_back_and_forth() {
     }
     let (west, east) = (&nodes[0], &nodes[1]);
 
-    // Node 1: the Rust arena, which spawns the avatar (node 1 is the client's gateway).
+    // Node 1: the Rust arena, which spawns the avatar (node 1 is the client's gateway) and an NPC
+    // beside it.
     let census = Arc::new(Census::default());
     let arena_cfg = ArenaConfig {
         sidecar: SidecarAddr::Tcp(west.local_addr.clone()),
-        npcs: 0,
+        npcs: 1,
         center: ARENA_SPAWN,
         spread: 0.0,
         player_speed: ARENA_PLAYER_SPEED,
@@ -605,7 +688,8 @@ async fn python_game_and_rust_arena_hand_an_avatar_back_and_forth() {
     // Node 2: the Python game.
     let mut game = Command::new(python())
         .arg(game_dir().join("game.py"))
-        .args(["--sidecar", &east.local_addr, "--npcs", "2"])
+        .args(["--sidecar", &east.local_addr])
+        .args(["--npcs", &PYTHON_NPCS.to_string()])
         .args([
             "--center",
             &format!("{},{}", PYTHON_CENTER.0, PYTHON_CENTER.1),
@@ -634,7 +718,7 @@ async fn python_game_and_rust_arena_hand_an_avatar_back_and_forth() {
         let st = s.stats();
         st.game_connected && st.peers_up == 1
     };
-    while !(linked(west) && linked(east) && east.stats().entities >= 2) {
+    while !(linked(west) && linked(east) && east.stats().entities >= PYTHON_NPCS) {
         if let Ok(Some(status)) = game.try_wait() {
             panic!("the Python game exited with {status}:\n{}", log.text());
         }
@@ -685,6 +769,43 @@ async fn python_game_and_rust_arena_hand_an_avatar_back_and_forth() {
         )
         .await;
 
+    // East of the line, still the arena's: it attacks the Python game's NPC (a ghost on node 1)
+    // until the Python game kills it and sends the avatar its XP, which the arena answers. That
+    // result is the first the Python game gets: it has no avatar of its own yet.
+    player
+        .steer_until(
+            Some((1.0, 0.0)),
+            deadline,
+            "the avatar to reach the Python game's NPC",
+            &log,
+            |a| a.x >= FIGHT_EAST_X,
+        )
+        .await;
+    player.input(0.0, 0.0).await;
+    player
+        .steer_until(
+            None,
+            deadline,
+            "the result of the Python game's XP for its NPC's kill",
+            &log,
+            |_| {
+                let st = east.stats();
+                st.command_results_ok + st.command_results_failed >= 1
+            },
+        )
+        .await;
+    assert_eq!(east.stats().command_results_failed, 0, "{:?}", east.stats());
+    assert!(
+        writes(west, id),
+        "the arena let the avatar go at x = {:.1}",
+        player.avatar.x
+    );
+    assert!(
+        log.text().contains("killed; XP to alice 100"),
+        "the Python game's NPC was not killed by alice alone:\n{}",
+        log.text()
+    );
+
     // East, until the Python game simulates the avatar and the arena let it go.
     let adopted_by_python = format!("adopted player:alice (entity {id}, epoch 2)");
     player
@@ -702,7 +823,37 @@ async fn python_game_and_rust_arena_hand_an_avatar_back_and_forth() {
         player.avatar.x
     );
 
-    // West, until the arena simulates it again (it walks at 5 m/s in the Python game).
+    // West of the line, still the Python game's (it walks at 5 m/s there): it attacks the arena's
+    // NPC (a ghost on node 2) until the arena kills it and sends the avatar its XP.
+    player
+        .steer_until(
+            Some((-1.0, 0.0)),
+            deadline,
+            "the avatar to reach the arena's NPC",
+            &log,
+            |a| a.x <= FIGHT_WEST_X,
+        )
+        .await;
+    player.input(0.0, 0.0).await;
+    player
+        .steer_until(
+            None,
+            deadline,
+            "the arena's XP for its NPC's kill",
+            &log,
+            |_| {
+                log.text()
+                    .contains("player:alice gained 100 XP for a kill on node 1")
+            },
+        )
+        .await;
+    assert!(
+        writes(east, id),
+        "the Python game let the avatar go at x = {:.1}",
+        player.avatar.x
+    );
+
+    // West, until the arena simulates it again.
     player
         .steer_until(
             Some((-1.0, 0.0)),
@@ -737,8 +888,10 @@ async fn python_game_and_rust_arena_hand_an_avatar_back_and_forth() {
         assert!(st.handoffs >= 1, "{name} node handed nothing over: {st:?}");
         assert_eq!(st.in_doubt_now, 0, "{name} node: {st:?}");
         assert_eq!(st.handoffs_refused, 0, "{name} node: {st:?}");
-        // Neither game wrote the avatar while it was frozen or after it left.
+        // Neither game wrote the avatar while it was frozen or after it left, nor reused the
+        // request id of a command still waiting; every result either game got was ok.
         assert_eq!(st.errors, 0, "{name} node refused a write: {st:?}");
+        assert_eq!(st.command_results_failed, 0, "{name} node: {st:?}");
     }
     assert!(writes(west, id) && !holds(east, id));
     let report = census.report();
@@ -749,6 +902,7 @@ async fn python_game_and_rust_arena_hand_an_avatar_back_and_forth() {
         "the Python game exited:\n{}",
         log.text()
     );
+    let py = python_figures(&terminate(game, &log, deadline).await);
     player.tx.close().await.expect("closing the client");
     stop.cancel();
     let stats = arena.await.expect("the arena task").expect("the arena ran");
@@ -758,4 +912,56 @@ async fn python_game_and_rust_arena_hand_an_avatar_back_and_forth() {
         "{stats:?}"
     );
     assert_eq!(stats.inputs_duplicate, 0, "{stats:?}");
+
+    // Commands crossed the border both ways and were applied: the arena's ten attacks or more to
+    // kill the Python game's NPC and the XP for the arena's kill; the Python game's attacks and
+    // the XP for its kill.
+    assert!(py["applied_from_other_nodes"] > 10, "{py:?}");
+    assert!(
+        py["attacks_across_border"] >= 1 && py["xp_from_other_nodes"] >= 1,
+        "{py:?}"
+    );
+    assert!(stats.attacks_across_border >= 10, "{stats:?}");
+    assert!(stats.attacks_applied_from_other_nodes >= 1, "{stats:?}");
+    assert!(stats.xp_from_other_nodes >= 1, "{stats:?}");
+    // Every result came back ok, once.
+    for figure in [
+        "results_refused",
+        "results_entity_gone",
+        "results_timeout",
+        "results_not_delivered",
+        "results_unexpected",
+        "refused",
+    ] {
+        assert_eq!(py[figure], 0, "Python game's {figure}: {py:?}");
+    }
+    assert_eq!(py["sent"], py["results_ok"] + py["waiting"], "{py:?}");
+    assert_eq!(
+        (
+            stats.commands_refused,
+            stats.results_refused,
+            stats.results_entity_gone,
+            stats.results_timeout,
+            stats.results_not_delivered,
+            stats.results_unexpected,
+        ),
+        (0, 0, 0, 0, 0, 0),
+        "{stats:?}"
+    );
+    // At most once: no command applied twice (each carries an id of its own), nor more often
+    // across the border than the other game sent it.
+    assert_eq!(census.commands().1, 0, "the arena applied a command twice");
+    assert_eq!(
+        py["twice"], 0,
+        "the Python game applied a command twice: {py:?}"
+    );
+    assert!(
+        py["applied_from_other_nodes"] <= stats.attacks_across_border + stats.xp_sent,
+        "{py:?} {stats:?}"
+    );
+    assert!(
+        stats.attacks_applied_from_other_nodes + stats.xp_from_other_nodes
+            <= py["attacks_across_border"] + py["xp_sent"],
+        "{py:?} {stats:?}"
+    );
 }

@@ -36,6 +36,9 @@ async fn up_with_four_nodes_delivers_every_input_and_hands_off_without_loss() {
     // The arenas' players fight NPCs with entity commands, each answered.
     assert!(s.commands_routed > 0, "{s:?}");
     assert!(s.command_results_ok > 0, "{s:?}");
+    // They trade under exclusive claims: some granted, no player in two trades at once.
+    assert!(s.claims_granted > 0 && s.trades_done > 0, "{s:?}");
+    assert_eq!(s.trades_overlapping, 0, "{s:?}");
     assert_eq!(
         (
             s.errors,

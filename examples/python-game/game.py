@@ -5,6 +5,8 @@ It speaks only the local protocol (proto/local.proto) to its sidecar, with proto
 from that same file, to show that a game server in any language can join a cellmesh world. It honours
 the handoff contract (Freeze, Thaw, Evict, Adopt), so its entities cross into neighbouring nodes' areas,
 and its snapshots use the JSON format the Rust arena shares, so either game adopts the other's entities.
+Its players fight the nearest NPC with entity commands, wherever that NPC is simulated, in the arena's
+convention, so the two games fight across a border too.
 
 Usage: python game.py [--sidecar 127.0.0.1:7100 | unix:/path] [--npcs 8] [--center 1000,1000]
                       [--duration 0]
@@ -12,6 +14,7 @@ Usage: python game.py [--sidecar 127.0.0.1:7100 | unix:/path] [--npcs 8] [--cent
 
 import argparse
 import asyncio
+import collections
 import itertools
 import json
 import logging
@@ -30,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 PROTO_DIR = HERE.parent.parent / "proto" / "proto"
 GENERATED_DIR = HERE / "generated"
 
-PROTOCOL = (1, 2)
+PROTOCOL = (1, 4)  # 1.4: entity commands
 TICK_HZ = 20
 TICK_SECS = 1.0 / TICK_HZ
 MAX_FRAME = 1 << 20  # the sidecar's default frame limit
@@ -44,6 +47,20 @@ RELEASE_BACKOFF_TICKS = 20  # a released NPC the sidecar kept is not released ag
 NPC_TURN_TICKS = (20, 80)  # an NPC keeps a heading for this many ticks (1 to 4 s)
 ID_SPARE = 16  # ids kept in reserve so a joining player spawns without waiting a round trip
 NPC_NAMES = ["wolf", "boar", "crow", "toad", "moth", "slime", "golem", "sprite"]
+
+# Entity commands, in the Rust arena's convention (its combat.rs): the payload is u32 BE amount, u64 BE
+# id of the attack or reward, unique in a run (cellmesh never reads it).
+CMD_ATTACK, CMD_XP = 1, 2
+DAMAGE = 10  # of one attack
+KILL_XP = 100  # a kill shares this among its attackers, by damage dealt
+REACH_M = 30.0  # how far a player reaches with an attack
+ATTACK_EVERY_TICKS = 10
+APPLIED_KEPT = 10_000  # payload ids of applied commands remembered, to spot one applied twice
+# The command figures a World counts, in the order its summary line gives them.
+COMMAND_FIGURES = ("sent", "attacks_sent", "attacks_across_border", "xp_sent", "results_ok",
+                   "results_refused", "results_entity_gone", "results_timeout", "results_not_delivered",
+                   "results_unexpected", "applied", "applied_from_other_nodes", "refused", "twice", "kills",
+                   "xp_gained", "xp_from_other_nodes")
 
 log = logging.getLogger("python-game")
 
@@ -101,6 +118,8 @@ class Entity:
     release_after: int = 0  # not released again before this tick (a release that was kept)
     epoch: int = 1  # the entity epoch it is written under (a checkpoint names it)
     leaving: bool = False  # its player left while it was frozen: despawned if it is thawed
+    damage: dict = field(default_factory=dict)  # an NPC's attackers: account -> [avatar, damage]
+    xp: int = 0  # a player's experience from kills
 
 
 @dataclass
@@ -169,7 +188,7 @@ def wrap_delta(d, size):
 # ---------------------------------------------------------------- the entity snapshot format
 
 # Shared with the Rust arena, so either game adopts what the other froze: UTF-8 JSON, unknown fields
-# ignored, every one of these present.
+# ignored, every one of these present ("damage" and "xp" too, but older snapshots lack them).
 SNAPSHOT_VERSION = 1
 SNAPSHOT_FIELDS = frozenset({"v", "kind", "name", "pos", "dir", "health", "inventory", "session_epoch",
                              "last_seq", "applied", "turn_in"})
@@ -196,6 +215,8 @@ def encode_snapshot(e):
         "last_seq": e.last_seq,
         "applied": e.inputs_applied,
         "turn_in": 0 if e.account else e.turn_in,
+        "damage": [[account, avatar, d] for account, (avatar, d) in sorted(e.damage.items())],
+        "xp": e.xp,
     }).encode()
 
 
@@ -235,6 +256,10 @@ def decode_snapshot(state):
     health = s["health"]
     if not isinstance(health, list) or len(health) != 2:
         raise SnapshotError(f"health must be [current, max], got {health!r}")
+    damage = s.get("damage", [])
+    if not isinstance(damage, list) or not all(
+            isinstance(d, list) and len(d) == 3 and isinstance(d[0], str) for d in damage):
+        raise SnapshotError(f"damage must be a list of [account, avatar, damage], got {damage!r}")
     return {
         "kind": s["kind"],
         "name": s["name"],
@@ -246,7 +271,32 @@ def decode_snapshot(state):
         "last_seq": _uint(s["last_seq"], "last_seq", U64_MAX),
         "applied": _uint(s["applied"], "applied", U64_MAX),
         "turn_in": _uint(s["turn_in"], "turn_in", U32_MAX),
+        "damage": {a: [_uint(avatar, "damage avatar", U64_MAX), _uint(d, "damage", U32_MAX)]
+                   for a, avatar, d in damage},
+        "xp": _uint(s.get("xp", 0), "xp", U64_MAX),
     }
+
+
+# ---------------------------------------------------------------- combat (the arena's convention)
+
+
+def encode_command(amount, key):
+    """A CMD_ATTACK or CMD_XP payload: the damage or XP, and the attack's or reward's id."""
+    return struct.pack(">IQ", amount, key)
+
+
+def decode_command(payload):
+    """(amount, id) of a CMD_ATTACK or CMD_XP payload, or None if it is not one."""
+    return struct.unpack(">IQ", payload) if len(payload) == 12 else None
+
+
+def share_out(damage, xp):
+    """A kill's XP for each attacker as [(account, avatar, xp)], by damage dealt, as the arena shares it
+    (everyone who hit gets at least 1); `damage` (account -> [avatar, damage]) is emptied."""
+    total = sum(d for _, d in damage.values())
+    shares = sorted(damage.items())
+    damage.clear()
+    return [(account, avatar, max(1, xp * d // total)) for account, (avatar, d) in shares] if total else []
 
 
 # ---------------------------------------------------------------- the world
@@ -255,9 +305,11 @@ def decode_snapshot(state):
 class World:
     """All game state; the caller feeds it sidecar messages and asks it for one frame per tick."""
 
-    def __init__(self, pb, center, npc_count, rng, world_size=(0.0, 0.0), area=None, release=True):
+    def __init__(self, pb, center, npc_count, rng, world_size=(0.0, 0.0), area=None, release=True,
+                 node_id=0):
         self.pb = pb
         self.rng = rng
+        self.node_id = node_id  # this game's node (Welcome): commands from any other crossed a border
         self.area = area or OwnedArea()
         self.release = release  # NPCs that walk out of the area are released in that tick
         self.width, self.height = world_size
@@ -274,6 +326,11 @@ class World:
         self.inputs_while_frozen = 0  # the sidecar holds these during a handoff; any that slip by
         self.released = 0  # NPCs handed over with Release...
         self.releases_kept = 0  # ...and of those, how many the sidecar kept (thawed)
+        self.commands_waiting = {}  # request_id -> (type, acting entity): sent, until their one result
+        self.next_command_id = 1  # never reused on this connection, so never one still waiting
+        self.attacking = set()  # avatars with an attack on its way (one at a time each)
+        self.applied_keys = {}  # (type, payload id) of the commands applied lately, oldest first
+        self.command_stats = collections.Counter()  # see COMMAND_FIGURES
 
     def wrap(self, x, y):
         """(x, y) on the torus, normalised as the sidecar reports positions."""
@@ -335,6 +392,10 @@ class World:
             self.adopt(msg.adopt)
         elif body in ("ghost_enter", "ghost_update", "ghost_leave"):
             self.ghost(body, getattr(msg, body))
+        elif body == "command_in":
+            self.command_in(msg.command_in)
+        elif body == "command_result":
+            self.command_result(msg.command_result)
         elif body == "partition_changed":
             self.area.rects = [(r.x, r.y, r.width, r.height) for r in msg.partition_changed.owned_area]
             log.info("partition epoch %d: this node now owns %d area(s)",
@@ -508,7 +569,7 @@ class World:
         kind = f"{s['kind']}:{s['name']}"
         speed = PLAYER_SPEED if player else NPC_SPEED
         e = Entity(kind, x, y, p.z, id=adopt.entity_id, vx=speed * s["dir"][0], vy=speed * s["dir"][1],
-                   home=(x, y), turn_in=s["turn_in"])
+                   home=(x, y), turn_in=s["turn_in"], damage=s["damage"], xp=s["xp"])
         if player:
             e.account, e.session_epoch = s["name"], s["session_epoch"]
             e.last_seq, e.inputs_applied = s["last_seq"], s["applied"]
@@ -537,6 +598,156 @@ class World:
             g.components.update((c.type, c.payload) for c in msg.changed)
             for t in msg.removed_types:
                 g.components.pop(t, None)
+
+    # ------------------------------------------------ entity commands: combat across borders
+
+    def distance(self, e, x, y):
+        """From `e` to (x, y), the short way round."""
+        return math.hypot(wrap_delta(x - e.x, self.width), wrap_delta(y - e.y, self.height))
+
+    def _command(self, target, kind, payload, from_entity):
+        """A Command with a fresh request id, waiting for its one result from now on."""
+        request_id = self.next_command_id
+        self.next_command_id += 1
+        self.commands_waiting[request_id] = (kind, from_entity)
+        self.command_stats["sent"] += 1
+        return self.pb.GameMessage(command=self.pb.Command(
+            target_entity=target, type=kind, payload=payload, request_id=request_id, from_entity=from_entity))
+
+    def _command_key(self):
+        # Random rather than counted, so a restarted game does not repeat its predecessor's ids.
+        return self.rng.getrandbits(64)
+
+    def attack(self):
+        """Each avatar with no attack on its way hits the nearest NPC in reach, this game's or a ghost of
+        another node's alike; returns the Commands."""
+        npcs = [(n.id, n.x, n.y, False) for n in self.npcs if n.id and not n.frozen]
+        npcs += [(i, g.x, g.y, True) for i, g in self.ghosts.items()
+                 if g.components.get(KIND, b"").startswith(b"npc:")]
+        out = []
+        for avatar in self.players.values():
+            if not avatar.id or avatar.frozen or avatar.id in self.attacking:
+                continue
+            in_reach = [(d, i, ghost) for i, x, y, ghost in npcs
+                        if (d := self.distance(avatar, x, y)) <= REACH_M]
+            if not in_reach:
+                continue
+            _, target, ghost = min(in_reach)  # the nearest; the lowest id of those as near
+            payload = encode_command(DAMAGE, self._command_key())
+            out.append(self._command(target, CMD_ATTACK, payload, avatar.id))
+            self.attacking.add(avatar.id)
+            self.command_stats["attacks_sent"] += 1
+            self.command_stats["attacks_across_border"] += ghost
+        return out
+
+    def command_in(self, c):
+        """A command to an entity this game writes: applied at once, and answered exactly once when it
+        carries a request id."""
+        apply = {CMD_ATTACK: self._attacked, CMD_XP: self._rewarded}.get(c.type)
+        refusal = apply(c) if apply else f"unknown command type {c.type}"
+        if refusal:
+            self.command_stats["refused"] += 1
+            log.info("refused command type %d to entity %d from node %d: %s", c.type, c.target, c.from_node,
+                     refusal)
+        if c.request_id:
+            self.outbox.append(self.pb.GameMessage(command_reply=self.pb.CommandReply(
+                request_id=c.request_id, refused=bool(refusal), detail=refusal or "")))
+
+    def _command_target(self, c, player):
+        """(the entity `c` may act on, None) or (None, why not)."""
+        e = self.entity(c.target)
+        if e is None:
+            return None, "no such entity here"
+        if e.frozen:  # its state is the snapshot's now
+            return None, "frozen"
+        if bool(e.account) != player:
+            return None, "only players gain XP" if player else "only NPCs are attacked"
+        return e, None
+
+    def _applied_before(self, kind, key):
+        """Whether a command with this payload id was applied here already (the mesh applies each at most
+        once: counted, and not applied again); remembers it otherwise."""
+        if (kind, key) in self.applied_keys:
+            self.command_stats["twice"] += 1
+            log.warning("command type %d with id %d came twice: not applied again", kind, key)
+            return True
+        self.applied_keys[(kind, key)] = None
+        if len(self.applied_keys) > APPLIED_KEPT:
+            del self.applied_keys[next(iter(self.applied_keys))]
+        return False
+
+    def _count_applied(self, c):
+        self.command_stats["applied"] += 1
+        self.command_stats["applied_from_other_nodes"] += c.from_node != self.node_id
+
+    def _attacked(self, c):
+        """An attack on one of this game's NPCs: its damage table grows; a kill shares out XP to every
+        attacker's avatar, wherever it is simulated, and the NPC rises again at full health. Returns why it
+        was refused, or None."""
+        hit = decode_command(c.payload)
+        if hit is None:
+            return "unreadable attack"
+        npc, refusal = self._command_target(c, player=False)
+        if refusal or self._applied_before(CMD_ATTACK, hit[1]):
+            return refusal
+        self._count_applied(c)
+        entry = npc.damage.setdefault(c.from_account, [c.from_entity, 0])
+        entry[0] = c.from_entity  # the attacker's latest avatar gets the XP
+        entry[1] += hit[0]
+        current, maximum = struct.unpack(">II", npc.components[HEALTH][0])
+        current = max(0, current - hit[0])
+        if current == 0:
+            rewards = share_out(npc.damage, KILL_XP)
+            current = maximum
+            self.command_stats["kills"] += 1
+            log.info("%s (entity %d) killed; XP to %s", npc.kind, npc.id,
+                     ", ".join(f"{a or '?'} {xp}" for a, _, xp in rewards))
+            for _, avatar, xp in rewards:
+                if avatar:  # 0: an attack without an actor
+                    self.outbox.append(self._command(avatar, CMD_XP, encode_command(xp, self._command_key()),
+                                                     npc.id))
+                    self.command_stats["xp_sent"] += 1
+        npc.components[HEALTH] = (struct.pack(">II", current, maximum), self.pb.PUBLIC_IN_RANGE)
+        npc.dirty.add(HEALTH)
+        return None
+
+    def _rewarded(self, c):
+        """XP for a kill, to one of this game's avatars. Returns why it was refused, or None."""
+        reward = decode_command(c.payload)
+        if reward is None:
+            return "unreadable reward"
+        avatar, refusal = self._command_target(c, player=True)
+        if refusal or self._applied_before(CMD_XP, reward[1]):
+            return refusal
+        self._count_applied(c)
+        avatar.xp += reward[0]
+        self.command_stats["xp_gained"] += reward[0]
+        self.command_stats["xp_from_other_nodes"] += c.from_node != self.node_id
+        log.info("%s gained %d XP for a kill on node %d (%d in all)", avatar.kind, reward[0], c.from_node,
+                 avatar.xp)
+        return None
+
+    def command_result(self, r):
+        """The one result of a command this game sent."""
+        waiting = self.commands_waiting.pop(r.request_id, None)
+        if waiting is None:  # a second result, or one for a command never sent: the mesh broke a promise
+            self.command_stats["results_unexpected"] += 1
+            log.warning("a result for request %d, which waits for none", r.request_id)
+            return
+        kind, actor = waiting
+        if kind == CMD_ATTACK:
+            self.attacking.discard(actor)
+        error = r.error if r.error in self.pb.CommandError.values() else self.pb.NOT_DELIVERED
+        name = "ok" if error == self.pb.COMMAND_OK else self.pb.CommandError.Name(error).lower()
+        self.command_stats[f"results_{name}"] += 1
+        if name != "ok":
+            log.info("command type %d to entity %d: %s%s", kind, r.target, name.upper(),
+                     f" ({r.detail})" if r.detail else "")
+
+    def command_summary(self):
+        """The command figures as `name=count` words, with the requests still waiting."""
+        figures = [(name, self.command_stats[name]) for name in COMMAND_FIGURES]
+        return " ".join(f"{k}={v}" for k, v in [*figures, ("waiting", len(self.commands_waiting))])
 
     # ------------------------------------------------ simulation
 
@@ -606,6 +817,8 @@ class World:
                 self.released += 1
                 out.append(pb.GameMessage(release=pb.Release(
                     entity_id=e.id, entity_epoch=e.epoch, state=encode_snapshot(e))))
+        if self.tick_no % ATTACK_EVERY_TICKS == 0:
+            out.extend(self.attack())
         self.tick_no += 1
         out.append(pb.GameMessage(tick_end=pb.TickEnd(tick=self.tick_no)))
         return out
@@ -700,7 +913,7 @@ async def serve(pb, args, reader, writer, stop, rng):
                      [(r.x, r.y, r.width, r.height) for r in welcome.owned_area],
                      welcome.handoff_margin_chunks)
     world = World(pb, args.center, args.npcs, rng, (shape.width, shape.height), area,
-                  release=not args.no_release)
+                  release=not args.no_release, node_id=welcome.node_id)
     # Ticks start on the world's common clock, so what one node releases at the end of a tick the
     # next adopts for its following one. An older sidecar names no phase: the Unix epoch, our rate.
     phase = welcome.tick_phase if welcome.HasField("tick_phase") else None
@@ -750,6 +963,7 @@ async def serve(pb, args, reader, writer, stop, rng):
         reader_task.cancel()
         stop_task.cancel()
         writer.close()
+        log.info("commands: %s", world.command_summary())
 
 
 async def run(pb, args):

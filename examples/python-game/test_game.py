@@ -58,14 +58,34 @@ def adopt(entity_id, epoch, state, position, owner="", is_master=False):
                                       owner_account=owner, is_master=is_master))
 
 
-def ghost_enter(entity_id, x, y):
-    return sidecar_msg(ghost_enter=pb.GhostEnter(entity_id=entity_id, position=pb.Vec3(x=x, y=y)))
+def ghost_enter(entity_id, x, y, kind=None):
+    ghost = pb.GhostEnter(entity_id=entity_id, position=pb.Vec3(x=x, y=y))
+    if kind:
+        ghost.components.add(type=game.KIND, payload=kind)
+    return sidecar_msg(ghost_enter=ghost)
+
+
+def command_in(target, kind, payload, request_id, account="", from_entity=0, from_node=1):
+    return sidecar_msg(command_in=pb.CommandIn(
+        target=target, type=kind, payload=payload, request_id=request_id, from_account=account,
+        from_entity=from_entity, from_node=from_node))
+
+
+def attack_in(target, request_id, account, avatar, from_node=1, key=None):
+    payload = game.encode_command(game.DAMAGE, request_id if key is None else key)
+    return command_in(target, game.CMD_ATTACK, payload, request_id, account, avatar, from_node)
+
+
+def result(request_id, error=0, target=0):
+    return sidecar_msg(command_result=pb.CommandResult(request_id=request_id, target=target,
+                                                       ok=error == pb.COMMAND_OK, error=error))
 
 
 # The shared snapshot format's fields, written out here so that a change to the game's encoder that
 # breaks the format fails a test instead of the other game's adoption.
 SNAPSHOT_FIELDS = {"v": int, "kind": str, "name": str, "pos": list, "dir": list, "health": list,
-                   "inventory": str, "session_epoch": int, "last_seq": int, "applied": int, "turn_in": int}
+                   "inventory": str, "session_epoch": int, "last_seq": int, "applied": int, "turn_in": int,
+                   "damage": list, "xp": int}
 
 # A player's snapshot as the Rust arena writes it (serde_json, compact): bob walked east over the
 # world's seam (x wrapped from 4095.9 to 0.25) into this node's area.
@@ -75,6 +95,10 @@ ARENA_PLAYER = (b'{"v":1,"kind":"player","name":"bob","pos":[0.25,10.0,0.0],"dir
 ARENA_NPC = (b'{"v":1,"kind":"npc","name":"wanderer-3","pos":[800.0,900.0,0.0],"dir":[0.0,1.0],'
              b'"health":[50,50],"inventory":"","session_epoch":0,"last_seq":0,"applied":0,'
              b'"turn_in":3,"mood":"curious"}')
+# An NPC the arena's players hurt, with its damage table: (account, avatar, damage) each.
+ARENA_HURT_NPC = (b'{"v":1,"kind":"npc","name":"wanderer-5","pos":[800.0,900.0,0.0],"dir":[0.0,1.0],'
+                  b'"health":[60,100],"inventory":"","session_epoch":0,"last_seq":0,"applied":0,'
+                  b'"turn_in":3,"damage":[["ann",7,30],["bob",8,10]],"xp":0}')
 
 
 class WorldCase(unittest.TestCase):
@@ -199,7 +223,7 @@ class HandoffTest(WorldCase):
         self.assertEqual(self.decoded(snapshot), {
             "v": 1, "kind": "player", "name": "alice", "pos": [where[0], where[1], 0.0], "dir": [0.6, 0.8],
             "health": [100, 100], "inventory": "wooden-sword,bread", "session_epoch": 1, "last_seq": 41,
-            "applied": 1, "turn_in": 0})
+            "applied": 1, "turn_in": 0, "damage": [], "xp": 0})
 
         # Frozen: inputs are ignored (and counted), a leave despawns nothing, and nothing is written.
         w.handle(move("alice", 1, 42, -1.0, 0.0))
@@ -236,7 +260,8 @@ class HandoffTest(WorldCase):
         self.assertEqual(state, {
             "v": 1, "kind": "npc", "name": "wolf-0", "pos": [npc.x, npc.y, 0.0],
             "dir": [npc.vx / game.NPC_SPEED, npc.vy / game.NPC_SPEED], "health": [100, 100],
-            "inventory": "", "session_epoch": 0, "last_seq": 0, "applied": 0, "turn_in": npc.turn_in})
+            "inventory": "", "session_epoch": 0, "last_seq": 0, "applied": 0, "turn_in": npc.turn_in,
+            "damage": [], "xp": 0})
         self.assertGreater(state["turn_in"], 0)
         self.assertAlmostEqual(math.hypot(*state["dir"]), 1.0)
 
@@ -444,6 +469,9 @@ class HandoffTest(WorldCase):
             json.dumps({**good, "last_seq": "17"}).encode(): "last_seq must be an integer",
             json.dumps({**good, "dir": [1.0]}).encode(): "dir must be a list of 2 finite numbers",
             json.dumps({**good, "name": "carol"}).encode(): "adopted for account 'bob'",
+            json.dumps({**good, "damage": "lots"}).encode(): "damage must be a list",
+            json.dumps({**good, "damage": [["ann", -1, 3]]}).encode(): "damage avatar must be an integer",
+            json.dumps({**good, "xp": -1}).encode(): "xp must be an integer",
         }
         w = self.world(npcs=0)
         for state, error in cases.items():
@@ -465,6 +493,155 @@ class HandoffTest(WorldCase):
                 self.assertLess(math.hypot(dx, dy), game.NPC_ROAM_RADIUS + 1)
                 seen.add((npc.x < 2048, npc.y < 2048))
         self.assertEqual(len(seen), 4)  # all four sides of both seams
+
+
+class CombatTest(WorldCase):
+    """Entity commands, in the Rust arena's convention (examples/arena/src/combat.rs)."""
+
+    def replies(self, messages):
+        return [(r.request_id, r.refused, r.detail) for r in bodies(messages, "command_reply")]
+
+    def next_attack_tick(self, w):
+        """The messages of the next tick in which avatars attack."""
+        while w.tick_no % game.ATTACK_EVERY_TICKS:
+            w.tick(0.05)
+        return w.tick(0.05)
+
+    def test_payloads_and_shares_are_the_arenas(self):
+        self.assertEqual(game.encode_command(10, 1 << 40), bytes.fromhex("0000000a" "0000010000000000"))
+        self.assertEqual(game.decode_command(game.encode_command(7, 2**64 - 1)), (7, 2**64 - 1))
+        self.assertIsNone(game.decode_command(b"short"))
+        table = {"ann": [3, 40], "bob": [2, 10]}
+        self.assertEqual(game.share_out(table, 100), [("ann", 3, 80), ("bob", 2, 20)])
+        self.assertEqual(table, {})
+        self.assertEqual(game.share_out({"ann": [3, 1], "bob": [2, 999]}, 100),
+                         [("ann", 3, 1), ("bob", 2, 99)], "everyone who hit gets some")
+        self.assertEqual(game.share_out({}, 100), [])
+
+    def test_an_npc_keeps_its_attackers_damage_and_a_kill_rewards_each_avatar(self):
+        w = self.world(npcs=1)
+        w.node_id = 2
+        w.tick(0.05)
+        npc = w.npcs[0]
+        for i in range(1, 9):  # 80 damage from alice on node 1...
+            w.handle(attack_in(npc.id, i, "alice", 900, from_node=1))
+        w.handle(attack_in(npc.id, 9, "bob", 901, from_node=2))  # ...and 10 from bob, here
+        w.handle(sidecar_msg(checkpoint=pb.Checkpoint(entity_ids=[npc.id])))
+        out = w.tick(0.05)
+        self.assertEqual(self.replies(out), [(i, False, "") for i in range(1, 10)])
+        [update] = for_entity(out, "update", npc.id)
+        self.assertEqual(components(update)[game.HEALTH], (struct.pack(">II", 10, 100), pb.PUBLIC_IN_RANGE))
+        [state] = bodies(out, "checkpoint_state")
+        self.assertEqual(self.decoded(state)["damage"], [["alice", 900, 80], ["bob", 901, 10]])
+
+        w.handle(attack_in(npc.id, 10, "alice", 902))  # the kill, by alice's avatar as it is now
+        out = w.tick(0.05)
+        self.assertEqual(self.replies(out), [(10, False, "")])
+        self.assertEqual(components(for_entity(out, "update", npc.id)[0])[game.HEALTH][0],
+                         struct.pack(">II", 100, 100), "it rises again")
+        rewards = bodies(out, "command")
+        self.assertEqual([(c.target_entity, c.type, c.from_entity, game.decode_command(c.payload)[0])
+                          for c in rewards], [(902, game.CMD_XP, npc.id, 90), (901, game.CMD_XP, npc.id, 10)])
+        self.assertEqual(set(w.commands_waiting), {c.request_id for c in rewards})
+        self.assertEqual(len(w.commands_waiting), 2, "a request id each")
+        self.assertEqual(npc.damage, {}, "a new life")
+        s = w.command_stats
+        self.assertEqual((s["applied"], s["applied_from_other_nodes"], s["kills"], s["xp_sent"]),
+                         (10, 9, 1, 2))
+
+    def test_a_command_it_cannot_apply_is_refused_with_a_reason_and_each_is_answered_once(self):
+        w, alice = self.walking()
+        w.handle(adopt(77, 2, ARENA_NPC, (800.0, 900.0)))
+        w.tick(0.05)
+        w.handle(command_in(77, 7, b"", 1))
+        w.handle(attack_in(alice.id, 2, "bob", 5))
+        w.handle(command_in(77, game.CMD_XP, game.encode_command(5, 1), 3))
+        w.handle(attack_in(4242, 4, "bob", 5))
+        w.handle(command_in(77, game.CMD_ATTACK, b"\x00", 5))
+        w.handle(attack_in(77, 0, "bob", 5, key=99))  # no result wanted: applied, not answered
+        w.handle(freeze(77, 3))
+        w.handle(attack_in(77, 6, "bob", 5))
+        out = w.tick(0.05)
+        self.assertEqual(self.replies(out), [
+            (1, True, "unknown command type 7"), (2, True, "only NPCs are attacked"),
+            (3, True, "only players gain XP"), (4, True, "no such entity here"),
+            (5, True, "unreadable attack"), (6, True, "frozen")])
+        self.assertEqual((w.command_stats["refused"], w.command_stats["applied"]), (6, 1))
+        self.assertEqual(w.npcs[0].damage, {"bob": [5, 10]})
+        self.assertEqual(json.loads(bodies(out, "snapshot")[0].state)["health"], [40, 50])
+
+    def test_xp_goes_to_the_avatar_once_and_travels_in_its_snapshot(self):
+        w, alice = self.walking()
+        w.node_id = 2
+        w.handle(command_in(alice.id, game.CMD_XP, game.encode_command(30, 7), 1, from_node=1))
+        with self.assertLogs("python-game", "WARNING") as logs:  # the same reward again: a broken promise
+            w.handle(command_in(alice.id, game.CMD_XP, game.encode_command(30, 7), 2, from_node=1))
+        self.assertIn("came twice", logs.output[0])
+        w.handle(freeze(alice.id, 7))
+        out = w.tick(0.05)
+        self.assertEqual(self.replies(out), [(1, False, ""), (2, False, "")])
+        self.assertEqual(alice.xp, 30)
+        s = w.command_stats
+        self.assertEqual((s["xp_gained"], s["xp_from_other_nodes"], s["twice"]), (30, 1, 1))
+        self.assertEqual(self.decoded(bodies(out, "snapshot")[0])["xp"], 30)
+
+    def test_adopts_the_arenas_damage_table_and_xp_and_a_kill_rewards_the_attackers_before_the_handoff(self):
+        w = self.world(npcs=0)
+        w.handle(adopt(78, 2, ARENA_HURT_NPC, (800.0, 900.0)))
+        bob = json.dumps({**json.loads(ARENA_PLAYER), "xp": 40}).encode()
+        w.handle(adopt(9001, 4, bob, (0.25, 10.0), owner="bob", is_master=True))
+        w.tick(0.05)
+        [npc] = w.npcs
+        self.assertEqual(npc.damage, {"ann": [7, 30], "bob": [8, 10]})
+        self.assertEqual(w.players["bob"].xp, 40)
+        for i in range(1, 7):  # 60 more damage from bob's avatar now
+            w.handle(attack_in(78, i, "bob", 9001))
+        rewards = bodies(w.tick(0.05), "command")
+        self.assertEqual(sorted((c.target_entity, game.decode_command(c.payload)[0]) for c in rewards),
+                         [(7, 30), (9001, 70)])
+
+    def test_an_avatar_attacks_the_nearest_npc_in_reach_one_attack_at_a_time(self):
+        w, alice = self.walking()
+        alice.vx = alice.vy = 0.0
+        x, y = alice.x, alice.y
+        w.handle(ghost_enter(501, x + 25.0, y, kind=b"npc:wanderer-1"))  # another node's NPC, in reach
+        w.handle(ghost_enter(502, x + 5.0, y, kind=b"player:bob"))  # players are not attacked
+        w.handle(ghost_enter(503, x, y + 30.5, kind=b"npc:wanderer-2"))  # out of reach
+        [attack] = bodies(self.next_attack_tick(w), "command")
+        self.assertEqual((attack.target_entity, attack.type, attack.from_entity),
+                         (501, game.CMD_ATTACK, alice.id))
+        damage, key = game.decode_command(attack.payload)
+        self.assertEqual(damage, game.DAMAGE)
+        self.assertEqual(bodies(self.next_attack_tick(w), "command"), [], "one attack at a time")
+
+        w.handle(adopt(77, 2, ARENA_NPC, (x - 10.0, y)))  # an NPC of this game's, nearer
+        w.handle(result(attack.request_id, pb.COMMAND_OK, 501))
+        [again] = bodies(self.next_attack_tick(w), "command")
+        self.assertEqual(again.target_entity, 77)
+        self.assertNotEqual(again.request_id, attack.request_id)
+        self.assertNotEqual(game.decode_command(again.payload)[1], key)
+        s = w.command_stats
+        self.assertEqual((s["attacks_sent"], s["attacks_across_border"], s["results_ok"]), (2, 1, 1))
+
+        w.handle(result(again.request_id, pb.TIMEOUT, 77))
+        w.handle(freeze(alice.id, 5))
+        self.assertEqual(bodies(self.next_attack_tick(w), "command"), [], "a frozen avatar does not attack")
+
+    def test_each_result_is_counted_by_kind_and_a_second_one_is_unexpected(self):
+        w = self.world(npcs=0)
+        errors = [pb.COMMAND_OK, pb.REFUSED, pb.ENTITY_GONE, pb.TIMEOUT, pb.NOT_DELIVERED, 99]
+        sent = [w._command(9000 + i, game.CMD_XP, game.encode_command(1, i), 0).command
+                for i in range(len(errors))]
+        self.assertEqual([c.request_id for c in sent], [1, 2, 3, 4, 5, 6])
+        for c, error in zip(sent, errors):
+            w.handle(result(c.request_id, error, c.target_entity))
+        with self.assertLogs("python-game", "WARNING"):
+            w.handle(result(1))
+        figures = {k: int(v) for k, v in (word.split("=") for word in w.command_summary().split())}
+        self.assertEqual(list(figures), [*game.COMMAND_FIGURES, "waiting"])
+        self.assertEqual({k: v for k, v in figures.items() if v}, {
+            "sent": 6, "results_ok": 1, "results_refused": 1, "results_entity_gone": 1, "results_timeout": 1,
+            "results_not_delivered": 2, "results_unexpected": 1})
 
 
 class ScriptedSidecar:
@@ -547,7 +724,8 @@ class ProcessTest(unittest.TestCase):
     def test_plays_the_local_protocol(self):
         async def script(sc):
             hello = (await sc.recv())[0].hello
-            self.assertEqual((hello.version.major, hello.tick_rate_hz, hello.game), (1, 20, "python-game"))
+            self.assertEqual((hello.version.major, hello.version.minor, hello.tick_rate_hz, hello.game),
+                             (1, 4, 20, "python-game"))
             welcome = pb.Welcome(version=pb.ProtocolVersion(major=1, minor=3), node_id=7,
                                  world=pb.WorldShape(width=4096, height=4096, chunk_size=64))
             await sc.send(sidecar_msg(welcome=welcome), join("alice", 1))
@@ -563,9 +741,22 @@ class ProcessTest(unittest.TestCase):
             self.assertEqual(acked[-1].WhichOneof("body"), "tick_end")
             await sc.recv_until(lambda m: bodies(m, "load"))
 
+            # Commands: one to an NPC from another node is applied and answered, an unknown one refused;
+            # alice attacks an NPC near her (she stands next to the center) and gets her result.
+            npc = next(s.entity_id for s in bodies(spawned, "spawn") if not s.owner_account)
+            await sc.send(attack_in(npc, 70, "bob", 5, from_node=3), command_in(npc, 9, b"", 71))
+            replies = await sc.recv_until(lambda m: bodies(m, "command_reply"))
+            self.assertEqual([(r.request_id, r.refused) for r in bodies(replies, "command_reply")],
+                             [(70, False), (71, True)])
+            while not (attacks := bodies([m for f in sc.frames for m in f.messages], "command")):
+                await sc.recv()
+            await sc.send(result(attacks[0].request_id, pb.COMMAND_OK, attacks[0].target_entity))
+
         code, stderr, sidecar = asyncio.run(run_game(script, "--npcs", "2", "--duration", "3"))
         self.assertEqual(code, 0, stderr)
         self.assertIn("UNKNOWN_ENTITY", stderr)
+        self.assertRegex(stderr, r"commands: sent=\d+ attacks_sent=\d+ .*results_ok=1 .*"
+                                 r"applied=1 applied_from_other_nodes=1 refused=1 twice=0 ")
         ticks = [m.tick_end.tick for f in sidecar.frames for m in f.messages if m.HasField("tick_end")]
         self.assertEqual(ticks, list(range(1, len(ticks) + 1)))
         self.assertTrue(all(sum(m.HasField("tick_end") for m in f.messages) == 1 for f in sidecar.frames[1:]))

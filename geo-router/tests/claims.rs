@@ -63,12 +63,18 @@ async fn one_of_many_racers_wins_each_key(store: Arc<dyn ClaimStore>) {
     }
 }
 
-/// The holder claims again and keeps its token; another entity is refused; a release frees the
-/// key and the next grant has a newer token.
+/// The holder claims again under a new token, which fences its earlier grant out (a late
+/// release of that one frees nothing); another entity is refused; a release frees the key and
+/// the next grant has a newer token.
 async fn the_holder_keeps_a_claim_and_a_release_frees_it(store: Arc<dyn ClaimStore>) {
+    let first = granted(store.claim("escrow:alice", who(7, 1), LEASE).await.unwrap());
     let g = granted(store.claim("escrow:alice", who(7, 1), LEASE).await.unwrap());
-    let again = granted(store.claim("escrow:alice", who(7, 1), LEASE).await.unwrap());
-    assert_eq!(again.token, g.token);
+    assert!(g.token > first.token, "{g:?} after {first:?}");
+    assert!(!store.release(&first).await.unwrap(), "a superseded grant");
+    assert!(
+        !store.renew(&first, LEASE).await.unwrap(),
+        "a superseded grant"
+    );
     assert_eq!(
         store.claim("escrow:alice", who(8, 5), LEASE).await.unwrap(),
         ClaimOutcome::Held { by: who(7, 1) }

@@ -73,6 +73,7 @@ async fn sidecar(
         directory: Arc::new(MemoryDirectory::default()),
         players,
         checkpoints: Arc::new(MemoryCheckpoints::default()),
+        claims: Arc::new(cellmesh_geo_router::store::claims::MemoryClaims::default()),
     };
     cellmesh_sidecar::start(cfg, stores, stop.clone())
         .await

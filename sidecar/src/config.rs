@@ -84,6 +84,9 @@ pub struct SidecarConfig {
     pub handoff_retry_ms: u64,
     /// A command with a request id is answered `TIMEOUT` if no result came back in this long.
     pub command_timeout_ms: u64,
+    /// The lease of a `Claim` that names none: how long a claim outlives the last renewal the
+    /// sidecar could make (its store unreachable, its process dead).
+    pub claim_ttl_ms: u64,
     /// Every entity that changed is checkpointed (its state asked of the game) this often;
     /// 0: never.
     pub checkpoint_interval_ms: u64,
@@ -157,6 +160,7 @@ impl Default for SidecarConfig {
             handoff_margin_chunks: 1,
             handoff_retry_ms: 1_000,
             command_timeout_ms: 5_000,
+            claim_ttl_ms: 10_000,
             checkpoint_interval_ms: 2_000,
             game_grace_ms: 5_000,
             drain_timeout_ms: 30_000,
@@ -211,6 +215,8 @@ pub enum ConfigError {
     PlayerRecordEvery(u64),
     #[error("checkpoint_interval_ms {0} is below the minimum of 100 (0 turns checkpoints off)")]
     CheckpointInterval(u64),
+    #[error("claim_ttl_ms {0} is outside 1000..=600000")]
+    ClaimTtl(u64),
     #[error("{0}")]
     Admission(String),
     #[error("{0}")]
@@ -267,6 +273,11 @@ impl SidecarConfig {
         if (1..100).contains(&self.checkpoint_interval_ms) {
             return Err(ConfigError::CheckpointInterval(self.checkpoint_interval_ms));
         }
+        if !(crate::core::claims::MIN_CLAIM_TTL_MS..=crate::core::claims::MAX_CLAIM_TTL_MS)
+            .contains(&self.claim_ttl_ms)
+        {
+            return Err(ConfigError::ClaimTtl(self.claim_ttl_ms));
+        }
         self.admission.check().map_err(ConfigError::Admission)?;
         self.load.check().map_err(ConfigError::Load)?;
         Ok(())
@@ -315,6 +326,13 @@ mod tests {
                 ..Default::default()
             },
             "world width",
+        );
+        check(
+            SidecarConfig {
+                claim_ttl_ms: 10,
+                ..Default::default()
+            },
+            "claim_ttl_ms 10",
         );
         check(
             SidecarConfig {

@@ -100,6 +100,9 @@ pub struct SidecarStats {
     /// Results handed to this node's game: ok, and every other.
     pub command_results_ok: u64,
     pub command_results_failed: u64,
+    /// Claims granted to this node's game, and refused because another entity held the key.
+    pub claims_granted: u64,
+    pub claims_refused: u64,
     /// Handoffs this node completed as the source.
     pub handoffs: u64,
     pub handoffs_refused: u64,
@@ -160,6 +163,8 @@ impl SidecarHandle {
                 .iter()
                 .map(|r| m.command_results_for(r))
                 .sum(),
+            claims_granted: m.claims_for("granted"),
+            claims_refused: m.claims_for("held"),
             handoffs: m.handoffs_out.get(),
             handoffs_refused: m.handoffs_refused.get(),
             in_doubt_now: m.handoffs_in_doubt.get().max(0) as u64,

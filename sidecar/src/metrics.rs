@@ -179,6 +179,16 @@ pub struct Metrics {
     pub commands_dropped: Family<ReasonLabel, Counter>,
     /// Commands of this node's game waiting for their result.
     pub commands_waiting: Gauge,
+    /// Answers to the game's claims, by result (`granted`, `held`, `failed`).
+    pub claims: Family<ResultLabel, Counter>,
+    /// Claims this node's entities lost, by reason.
+    pub claims_lost: Family<ReasonLabel, Counter>,
+    /// Claims freed in the store: released by the game, or by their holder's despawn.
+    pub claims_released: Counter,
+    /// Claims carried in by handoffs and rebound under the holder's new epoch.
+    pub claims_rebound: Counter,
+    /// Claims this node's entities hold now.
+    pub claims_held: Gauge,
     pub ghosts_render: Gauge,
     pub ghosts_sim: Gauge,
     pub subscriptions: Gauge,
@@ -272,6 +282,11 @@ impl Default for Metrics {
             command_results: Default::default(),
             commands_dropped: Default::default(),
             commands_waiting: Default::default(),
+            claims: Default::default(),
+            claims_lost: Default::default(),
+            claims_released: Default::default(),
+            claims_rebound: Default::default(),
+            claims_held: Default::default(),
             ghosts_render: Default::default(),
             ghosts_sim: Default::default(),
             subscriptions: Default::default(),
@@ -447,6 +462,31 @@ impl Metrics {
             "commands_waiting",
             "Entity commands of this node's game waiting for their result",
             m.commands_waiting.clone(),
+        );
+        r.register(
+            "claims",
+            "Answers to the game's claims, by result (granted, held, failed)",
+            m.claims.clone(),
+        );
+        r.register(
+            "claims_lost",
+            "Claims this node's entities lost (lease lapsed, fenced by the store), by reason",
+            m.claims_lost.clone(),
+        );
+        r.register(
+            "claims_released",
+            "Claims freed in the store by their game or their holder's despawn",
+            m.claims_released.clone(),
+        );
+        r.register(
+            "claims_rebound",
+            "Claims carried in by a handoff and rebound under the holder's new epoch",
+            m.claims_rebound.clone(),
+        );
+        r.register(
+            "claims_held",
+            "Claims this node's entities hold now",
+            m.claims_held.clone(),
         );
         r.register(
             "inputs_forwarded",
@@ -695,6 +735,20 @@ impl Metrics {
         self.commands_forwarded
             .get_or_create(&WhyLabel { why })
             .get()
+    }
+
+    pub fn claim(&self, result: &'static str) {
+        self.claims.get_or_create(&ResultLabel { result }).inc();
+    }
+
+    pub fn claims_for(&self, result: &'static str) -> u64 {
+        self.claims.get_or_create(&ResultLabel { result }).get()
+    }
+
+    pub fn claim_lost(&self, reason: &'static str) {
+        self.claims_lost
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
     }
 
     pub fn command_results_for(&self, result: &'static str) -> u64 {

@@ -55,6 +55,10 @@ pub(crate) struct Checker {
     unfrozen: BTreeMap<NodeId, BTreeSet<u64>>,
     /// entity -> the nodes holding it as an unfrozen real.
     writers: BTreeMap<u64, BTreeSet<NodeId>>,
+    /// node -> the claims it believes held: (key, holder entity, until, on the true clock).
+    claims: BTreeMap<NodeId, Vec<(String, u64, u64)>>,
+    /// Keys whose two holders were already reported (one report per key).
+    claims_reported: BTreeSet<String>,
 }
 
 impl Checker {
@@ -174,8 +178,32 @@ impl Checker {
         }
     }
 
+    /// What `node` believes it holds after its step at `now`: no key may be believed held by
+    /// two entities at once, across every live node.
+    pub fn claims_after_step(&mut self, now: u64, node: NodeId, believed: Vec<(String, u64, u64)>) {
+        let keys: BTreeSet<String> = believed.iter().map(|c| c.0.clone()).collect();
+        self.claims.insert(node, believed);
+        for key in keys {
+            let holders: BTreeSet<(u64, NodeId)> = self
+                .claims
+                .iter()
+                .flat_map(|(n, cs)| cs.iter().map(move |c| (n, c)))
+                .filter(|(_, c)| c.0 == key && c.2 > now)
+                .map(|(n, c)| (c.1, *n))
+                .collect();
+            let entities: BTreeSet<u64> = holders.iter().map(|h| h.0).collect();
+            if entities.len() > 1 && self.claims_reported.insert(key.clone()) {
+                self.violation(
+                    now,
+                    format!("claim {key:?} has two holders at once (entity, node): {holders:?}"),
+                );
+            }
+        }
+    }
+
     /// `node`'s process died: it writes nothing any more.
     pub fn node_gone(&mut self, node: NodeId) {
+        self.claims.remove(&node);
         for f in self.freezes.values_mut() {
             if f.to == Some(node) {
                 f.target_died = true;
@@ -376,5 +404,33 @@ impl Checker {
                 ),
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Checker;
+
+    #[test]
+    fn a_key_believed_held_by_two_entities_at_once_is_reported_once() {
+        let mut c = Checker::default();
+        c.claims_after_step(100, 1, vec![("trade:ada".into(), 7, 1_000)]);
+        // The same entity believed by its old and new owner (a handoff): one holder.
+        c.claims_after_step(200, 2, vec![("trade:ada".into(), 7, 1_500)]);
+        assert!(c.violations.is_empty(), "{:?}", c.violations);
+        // Another entity while n1's belief lasts: two holders.
+        c.claims_after_step(300, 3, vec![("trade:ada".into(), 9, 2_000)]);
+        assert_eq!(c.violations.len(), 1, "{:?}", c.violations);
+        assert!(c.violations[0].contains("has two holders"));
+        c.claims_after_step(400, 3, vec![("trade:ada".into(), 9, 2_000)]);
+        assert_eq!(c.violations.len(), 1, "reported once per key");
+        // Beliefs that ended, or of a dead node, hold nothing.
+        let mut c = Checker::default();
+        c.claims_after_step(100, 1, vec![("k".into(), 7, 1_000)]);
+        c.claims_after_step(1_000, 2, vec![("k".into(), 9, 2_000)]);
+        c.claims_after_step(200, 3, vec![("j".into(), 7, 5_000)]);
+        c.node_gone(3);
+        c.claims_after_step(300, 2, vec![("j".into(), 9, 2_000)]);
+        assert!(c.violations.is_empty(), "{:?}", c.violations);
     }
 }

@@ -146,6 +146,8 @@ pub struct Scenario {
     /// Players attack the NPCs in reach with entity commands, across borders (the arena's
     /// combat), while motion runs.
     pub combat: bool,
+    /// Players trade with the nearest other player under exclusive claims (the arena's trade).
+    pub trade: bool,
     pub tick_ms: u64,
     /// Each client sends an input this often once it sees its avatar.
     pub input_every_ms: u64,
@@ -207,6 +209,7 @@ impl Scenario {
             player_speed: 60.0,
             npc_speed: 30.0,
             combat: false,
+            trade: false,
             tick_ms: 50,
             input_every_ms: 100,
             motion_ms: 5_000,
@@ -351,6 +354,19 @@ fn command_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     if rng.random_bool(0.5) {
         kill_some(s, rng, plan, 1, true);
     }
+}
+
+fn claim_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    cuts(s, rng, plan);
+    let victims: Vec<NodeId> = (1..=s.nodes).filter(|n| !s.gateways.contains(n)).collect();
+    plan.at(
+        s.during(rng, 2_000),
+        Fault::StoreCut {
+            node: victims[rng.random_range(0..victims.len())],
+            ms: rng.random_range(300..4_000),
+        },
+    );
+    kill_some(s, rng, plan, 1, true);
 }
 
 fn restarts(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
@@ -576,6 +592,20 @@ pub fn catalogue() -> Vec<Scenario> {
             gateways: &[2, 4],
             faults: command_faults,
             ..Scenario::base("commands")
+        },
+        Scenario {
+            // Players trade with whoever stands near, across borders, each trade under two
+            // claims raced from the nodes of both players, through link cuts, a node cut from
+            // the store (its leases lapse while it still believes) and a node death.
+            trade: true,
+            players: 12,
+            // Around the corner four regions share, slow enough to stay within reach.
+            npc_area: Some(((256.0, 256.0), 48.0)),
+            player_speed: 8.0,
+            settle_ms: 8_000,
+            gateways: &[2, 4],
+            faults: claim_faults,
+            ..Scenario::base("claims")
         },
         hotspot("balance"),
         Scenario {

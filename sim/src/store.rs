@@ -4,8 +4,10 @@
 use std::collections::BTreeMap;
 
 use cellmesh_geo_router::partition::NodeId;
+use cellmesh_geo_router::store::claims::ClaimTable;
 use cellmesh_geo_router::store::{MasterEntry, PlayerRecord, SessionEntry};
 use cellmesh_proto::mesh::HandoffOffer;
+use cellmesh_sidecar::core::claims::{claim_call_on_table, is_claim_call};
 use cellmesh_sidecar::core::{Registration, StoreReply, StoreRequest};
 
 /// What the driver answers when a store call times out.
@@ -21,6 +23,8 @@ pub(crate) struct SimStore {
     masters: BTreeMap<String, MasterEntry>,
     /// (node, lease epoch) -> entity -> its checkpoint.
     checkpoints: BTreeMap<(NodeId, u64), BTreeMap<u64, HandoffOffer>>,
+    /// The geo's claims, on the true clock.
+    pub claims: ClaimTable,
     /// No answers before this time.
     pub down_until: u64,
 }
@@ -28,7 +32,18 @@ pub(crate) struct SimStore {
 impl SimStore {
     /// Runs `request` at `now`; the answer (if the request has one) and how long after the
     /// delay it comes: at once, or at the driver's timeout during an outage.
-    pub fn execute(&mut self, now: u64, request: StoreRequest) -> (Option<StoreReply>, u64) {
+    /// `cut`: the asking machine is cut from the store (its claim calls time out).
+    pub fn execute(
+        &mut self,
+        now: u64,
+        request: StoreRequest,
+        cut: bool,
+    ) -> (Option<StoreReply>, u64) {
+        let reachable = now >= self.down_until && !cut;
+        if is_claim_call(&request) {
+            let reply = claim_call_on_table(&mut self.claims, now, request, reachable);
+            return (reply, if reachable { 0 } else { TIMEOUT_MS });
+        }
         if now < self.down_until {
             let err = || "no answer within 5 s".to_string();
             let reply = match request {
@@ -72,7 +87,11 @@ impl SimStore {
                     put: put.iter().map(|c| c.entity_id).collect(),
                     remove,
                 }),
-                StoreRequest::EndSession { .. }
+                StoreRequest::Claim { .. }
+                | StoreRequest::RenewClaims { .. }
+                | StoreRequest::RebindClaim { .. }
+                | StoreRequest::ReleaseClaim { .. }
+                | StoreRequest::EndSession { .. }
                 | StoreRequest::SaveRecords { .. }
                 | StoreRequest::Release { .. }
                 | StoreRequest::DropCheckpoints { .. }
@@ -225,6 +244,11 @@ impl SimStore {
             }),
             // The world commits partitions itself (it publishes them to the nodes).
             StoreRequest::CommitPartition { .. } => None,
+            // Claim calls were run above.
+            StoreRequest::Claim { .. }
+            | StoreRequest::RenewClaims { .. }
+            | StoreRequest::RebindClaim { .. }
+            | StoreRequest::ReleaseClaim { .. } => None,
         };
         (reply, 0)
     }

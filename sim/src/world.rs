@@ -111,6 +111,68 @@ pub struct Stats {
     /// The same inputs as the nodes' and games' own counters tell them (what `up` reads).
     pub counted: Counted,
     pub commands: CommandFigures,
+    pub trades: TradeFigures,
+}
+
+/// Trades under exclusive claims of one run, as the games, the census and the nodes count them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TradeFigures {
+    /// Trades opened (both escrows asked), and of those with a partner on another node.
+    pub started: u64,
+    pub across_border: u64,
+    /// Ended: gift applied, refused by a claim held elsewhere, failed, claim lost, called off.
+    pub done: u64,
+    pub refused: u64,
+    pub failed: u64,
+    pub lost: u64,
+    pub called_off: u64,
+    /// Claims the nodes granted, refused (held elsewhere), and lost (lease lapsed, fenced).
+    pub claims_granted: u64,
+    pub claims_refused: u64,
+    pub claims_lost: u64,
+    /// Claims carried by a handoff and rebound under the new epoch.
+    pub claims_rebound: u64,
+    /// Trades opened while one of their players was in another, by the census (must be 0).
+    pub overlapping: u64,
+}
+
+impl TradeFigures {
+    pub fn add(&mut self, o: &TradeFigures) {
+        self.started += o.started;
+        self.across_border += o.across_border;
+        self.done += o.done;
+        self.refused += o.refused;
+        self.failed += o.failed;
+        self.lost += o.lost;
+        self.called_off += o.called_off;
+        self.claims_granted += o.claims_granted;
+        self.claims_refused += o.claims_refused;
+        self.claims_lost += o.claims_lost;
+        self.claims_rebound += o.claims_rebound;
+        self.overlapping += o.overlapping;
+    }
+}
+
+impl std::fmt::Display for TradeFigures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "trades {} ({} across a border): done {}, refused {}, failed {}, lost {}, called off {}; \
+             claims granted {}, refused {}, lost {}, rebound after a handoff {}; overlapping trades {}",
+            self.started,
+            self.across_border,
+            self.done,
+            self.refused,
+            self.failed,
+            self.lost,
+            self.called_off,
+            self.claims_granted,
+            self.claims_refused,
+            self.claims_lost,
+            self.claims_rebound,
+            self.overlapping
+        )
+    }
 }
 
 /// Entity commands of one run (the arena's combat), as the games and the census count them.
@@ -1318,6 +1380,12 @@ impl<'a> Sim<'a> {
         let (now, node) = (self.now, &self.nodes[(id - 1) as usize]);
         if let Some(core) = node.core.as_ref() {
             self.check.after_step(now, id, core);
+            let believed = core
+                .claims_believed(node.clock.local(now))
+                .into_iter()
+                .map(|(key, entity, until)| (key, entity, node.clock.true_at(until)))
+                .collect();
+            self.check.claims_after_step(now, id, believed);
         }
     }
 
@@ -1431,7 +1499,10 @@ impl<'a> Sim<'a> {
                 );
             }
             Output::Store(req) => {
-                let (reply, extra) = self.store.execute(self.now, req);
+                // A machine cut from the store reaches none of its claims either.
+                let holder = self.node(id).holder;
+                let cut = self.cut_from_store(id, holder);
+                let (reply, extra) = self.store.execute(self.now, req, cut);
                 if let Some(reply) = reply {
                     let d = self.s.store_delay.draw(&mut self.rng) * 2 + extra;
                     self.schedule(
@@ -1723,6 +1794,7 @@ impl<'a> Sim<'a> {
                         // what walks out, the others wait for the sidecar's Freeze.
                         release: node.is_multiple_of(2),
                         combat: s.combat,
+                        trade: s.trade,
                         ..ArenaConfig::default()
                     };
                     let mut arena = Arena::new(cfg, &w);
@@ -2405,6 +2477,44 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// No player in two trades at once (the claims' promise, as the games saw it).
+    fn trade_checks(&mut self, games: &[ArenaStats]) {
+        let t = &mut self.stats.trades;
+        for s in games {
+            t.started += s.trades_started;
+            t.across_border += s.trades_across_border;
+            t.done += s.trades_done;
+            t.refused += s.trades_refused;
+            t.failed += s.trades_failed;
+            t.lost += s.trades_lost;
+            t.called_off += s.trades_called_off;
+        }
+        t.overlapping = self.census.trades().1;
+        let claims = |c: &Core, r: &'static str| c.metrics().claims_for(r);
+        self.stats.trades.claims_granted = self.sum_over_cores(|c| claims(c, "granted"));
+        self.stats.trades.claims_refused = self.sum_over_cores(|c| claims(c, "held"));
+        self.stats.trades.claims_rebound =
+            self.sum_over_cores(|c| c.metrics().claims_rebound.get());
+        self.stats.trades.claims_lost = self.sum_over_cores(|c| {
+            ["lapsed", "fenced", "lapsed_in_handoff"]
+                .iter()
+                .map(|r| {
+                    c.metrics()
+                        .claims_lost
+                        .get_or_create(&cellmesh_sidecar::metrics::ReasonLabel { reason: r })
+                        .get()
+                })
+                .sum()
+        });
+        let overlapping = self.stats.trades.overlapping;
+        if overlapping > 0 {
+            self.check.violation(
+                self.now,
+                format!("{overlapping} trades opened while a player was in another"),
+            );
+        }
+    }
+
     fn final_checks(&mut self) {
         // Every entity is checkpointed within an interval of its last change (a game busy with
         // a long tick answers late: the slack covers one).
@@ -2503,6 +2613,7 @@ impl<'a> Sim<'a> {
         self.stats.counted = counted;
         self.stats.handoffs = self.sum_over_cores(|c| c.metrics().handoffs_out.get());
         self.command_checks(&games);
+        self.trade_checks(&games);
         self.stats.checkpoints = self.sum_over_cores(|c| c.metrics().checkpoints.get());
         // One avatar per account, whatever its sessions did.
         for c in &self.clients {

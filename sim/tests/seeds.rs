@@ -155,6 +155,51 @@ fn commands_seeds_that_once_failed() {
 }
 
 #[test]
+fn claims() {
+    seeds_of("claims");
+}
+
+#[test]
+fn claims_are_raced_across_borders_in_the_claims_scenario() {
+    // Not vacuous: trades across borders, claims refused because another node's entity held
+    // the key, trades done; and never a player in two trades at once.
+    let s = named("claims").unwrap();
+    let mut all = cellmesh_sim::TradeFigures::default();
+    for seed in 1..=8 {
+        let r = run(&s, seed);
+        assert!(r.ok(), "{r}");
+        all.add(&r.stats.trades);
+    }
+    assert!(all.across_border > 20, "{all}");
+    assert!(all.done > 20 && all.refused > 20, "{all}");
+    assert!(all.claims_refused > 20, "{all}");
+    assert_eq!(all.overlapping, 0, "{all}");
+}
+
+#[test]
+fn a_player_in_a_trade_across_a_border_is_refused_a_second_one() {
+    // Three players standing still astride the border between nodes 1 and 2, each opening a
+    // trade with the nearest other every two seconds: each trade claims both players' escrow,
+    // so a player in one trade (opened from either node) is refused a second at the same time.
+    let s = Scenario {
+        players: 3,
+        npc_area: Some(((256.0, 128.0), 6.0)),
+        player_speed: 0.0,
+        faults: |_, _, _| {},
+        ..named("claims").unwrap()
+    };
+    let mut all = cellmesh_sim::TradeFigures::default();
+    for seed in 1..=4 {
+        let r = run(&s, seed);
+        assert!(r.ok(), "{r}");
+        all.add(&r.stats.trades);
+    }
+    assert!(all.across_border > 0 && all.done > 0, "{all}");
+    assert!(all.refused > 0 && all.claims_refused > 0, "{all}");
+    assert_eq!(all.overlapping, 0, "{all}");
+}
+
+#[test]
 fn commands_cross_borders_and_follow_handoffs_in_the_command_scenario() {
     // The scenario is not vacuous: players hit NPCs simulated on other nodes, some commands
     // meet their target in a handoff, and every one of them has exactly its one answer.
@@ -229,6 +274,7 @@ fn the_suite_runs_every_scenario_of_the_catalogue_with_enough_seeds() {
             "twins",
             "geos",
             "commands",
+            "claims",
             "balance",
             "balance_cuts",
             "balance_kill",

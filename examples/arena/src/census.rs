@@ -26,6 +26,11 @@ struct Inner {
     commands_applied: BTreeSet<u64>,
     commands_twice: u64,
     commands_minted: u64,
+    /// Accounts in a trade now, with the arena that opened it (see `trade`).
+    trading: BTreeMap<String, u32>,
+    trades_opened: u64,
+    /// Trades opened while one of their players was in another: must stay 0.
+    trades_overlapping: u64,
 }
 
 /// What the census saw, at one moment.
@@ -108,10 +113,42 @@ impl Census {
     /// `holder` stopped: it holds nothing any more (its entities live on only if another arena
     /// adopts them).
     pub fn release_holder(&self, holder: u32) {
-        self.lock().holders.retain(|_, h| {
+        let mut c = self.lock();
+        c.holders.retain(|_, h| {
             h.retain(|&x| x != holder);
             !h.is_empty()
         });
+        // Its trades end with it (their claims lapse in the store).
+        c.trading.retain(|_, opener| *opener != holder);
+    }
+
+    /// `opener` opened a trade between `accounts` (both escrows granted). False, and counted,
+    /// when one of them is in another trade already: two holders of one claim.
+    pub fn trade_opened(&self, accounts: [&str; 2], opener: u32) -> bool {
+        let mut c = self.lock();
+        c.trades_opened += 1;
+        if accounts.iter().any(|a| c.trading.contains_key(*a)) {
+            c.trades_overlapping += 1;
+            return false;
+        }
+        for a in accounts {
+            c.trading.insert(a.to_string(), opener);
+        }
+        true
+    }
+
+    /// The trade between `accounts` ended (before its claims are released).
+    pub fn trade_closed(&self, accounts: [&str; 2]) {
+        let mut c = self.lock();
+        for a in accounts {
+            c.trading.remove(a);
+        }
+    }
+
+    /// Trades opened, and of those opened while a player was in another (must be 0).
+    pub fn trades(&self) -> (u64, u64) {
+        let c = self.lock();
+        (c.trades_opened, c.trades_overlapping)
     }
 
     /// A fresh id for a command an arena sends: unique in the run, even across a game's restart

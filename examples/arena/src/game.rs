@@ -7,8 +7,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 use cellmesh_proto::local::{
     game_message::Body, sidecar_message, Adopt, Adopted, Audience, AudienceKind, CheckpointState,
-    Command, CommandError, CommandIn, CommandReply, CommandResult, Component, Despawn, Event,
-    Release, ReserveIds, Snapshot, Spawn, Update, Vec3, Welcome,
+    Claim, ClaimLost, ClaimOutcome, ClaimRelease, ClaimResult, Command, CommandError, CommandIn,
+    CommandReply, CommandResult, Component, Despawn, Event, Release, ReserveIds, Snapshot, Spawn,
+    Update, Vec3, Welcome,
 };
 use cellmesh_proto::sdk::{GameSender, OwnedArea};
 use rand::rngs::StdRng;
@@ -16,6 +17,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::combat::{self, DamageTable};
 use crate::schema::{self, SampleSnapshot, SnapshotKind, SNAPSHOT_VERSION};
+use crate::trade::{self, Escrow, Trade};
 use crate::{ArenaConfig, ArenaStats, Census};
 
 /// Ticks an entity whose release was kept waits before it is released again.
@@ -255,6 +257,16 @@ pub struct Arena {
     next_command: u64,
     /// Avatars with an attack on its way (one at a time each).
     attacking: HashSet<u64>,
+    /// Players other nodes simulate, as this arena sees their ghosts: id -> (account, position).
+    player_ghosts: BTreeMap<u64, (String, (f64, f64))>,
+    /// Trades this arena opened, by the opener's avatar (see `trade`).
+    trades: BTreeMap<u64, Trade>,
+    /// Claims asked for and not answered: request id -> the opener's avatar.
+    claims_asked: HashMap<u64, u64>,
+    /// Claims of trades that ended before their answer: request id -> avatar, released if
+    /// granted.
+    release_on_answer: HashMap<u64, u64>,
+    next_claim: u64,
     pub stats: ArenaStats,
 }
 
@@ -289,6 +301,11 @@ impl Arena {
             outstanding: HashMap::new(),
             next_command: 0,
             attacking: HashSet::new(),
+            player_ghosts: BTreeMap::new(),
+            trades: BTreeMap::new(),
+            claims_asked: HashMap::new(),
+            release_on_answer: HashMap::new(),
+            next_claim: 0,
             stats: ArenaStats::default(),
         }
     }
@@ -468,6 +485,7 @@ impl Arena {
     }
 
     fn despawn_player(&mut self, out: &mut impl Outbox, id: u64) {
+        self.call_off_trade(out, id);
         if let Some(Entity {
             role: Role::Player(p),
             ..
@@ -566,11 +584,15 @@ impl Arena {
                     e.frozen = true;
                     self.stats.frozen += 1;
                 }
+                let state = e.snapshot().encode();
+                // Its trade ends here, its claims released before the snapshot completes the
+                // freeze (so the handoff carries none of them).
+                self.call_off_trade(out, f.entity_id);
                 // A repeated Freeze is answered again: the sidecar may have lost the first answer.
                 out.push(Body::Snapshot(Snapshot {
                     entity_id: f.entity_id,
                     entity_epoch: f.entity_epoch,
-                    state: e.snapshot().encode(),
+                    state,
                 }));
                 self.stats.snapshots += 1;
             }
@@ -643,24 +665,34 @@ impl Arena {
             }
             M::Adopt(a) => self.adopt(out, a),
             M::GhostEnter(g) => {
-                let npc = g
-                    .components
-                    .iter()
-                    .any(|c| c.r#type == schema::KIND && c.payload.starts_with(b"npc:"));
-                if let (true, Some(p)) = (npc, g.position) {
+                let kind = g.components.iter().find(|c| c.r#type == schema::KIND);
+                let kind = kind.map(|c| String::from_utf8_lossy(&c.payload).into_owned());
+                let (Some(kind), Some(p)) = (kind, g.position) else {
+                    return;
+                };
+                if kind.starts_with("npc:") {
                     self.npc_ghosts.insert(g.entity_id, (p.x, p.y));
+                } else if let Some(account) = kind.strip_prefix("player:") {
+                    self.player_ghosts
+                        .insert(g.entity_id, (account.to_string(), (p.x, p.y)));
                 }
             }
             M::GhostUpdate(g) => {
-                if let (Some(at), Some(p)) = (self.npc_ghosts.get_mut(&g.entity_id), g.position) {
+                let Some(p) = g.position else { return };
+                if let Some(at) = self.npc_ghosts.get_mut(&g.entity_id) {
+                    *at = (p.x, p.y);
+                } else if let Some((_, at)) = self.player_ghosts.get_mut(&g.entity_id) {
                     *at = (p.x, p.y);
                 }
             }
             M::GhostLeave(g) => {
                 self.npc_ghosts.remove(&g.entity_id);
+                self.player_ghosts.remove(&g.entity_id);
             }
             M::CommandIn(c) => self.on_command(out, c),
-            M::CommandResult(r) => self.on_command_result(r),
+            M::CommandResult(r) => self.on_command_result(out, r),
+            M::ClaimResult(r) => self.on_claim_result(out, r),
+            M::ClaimLost(l) => self.on_claim_lost(out, l),
             M::PartitionChanged(p) => {
                 self.area.set_rects(p.owned_area.clone());
                 tracing::info!(
@@ -720,6 +752,9 @@ impl Arena {
     }
 
     fn take(&mut self, a: Adoption) {
+        // Seen as a ghost until now, written here from now on.
+        self.npc_ghosts.remove(&a.id);
+        self.player_ghosts.remove(&a.id);
         if let Some(e) = self.entities.get_mut(&a.id) {
             if e.frozen {
                 // Ours, frozen for a handoff that failed, and handed back to this node (it took
@@ -796,7 +831,7 @@ impl Arena {
         }
     }
 
-    /// Sends a command, remembering it until its one result.
+    /// Sends a command, remembering it until its one result; its request id.
     fn send_command(
         &mut self,
         out: &mut impl Outbox,
@@ -804,7 +839,7 @@ impl Arena {
         r#type: u32,
         payload: Bytes,
         from: u64,
-    ) {
+    ) -> u64 {
         self.next_command += 1;
         let request_id = self.next_command;
         self.outstanding.insert(request_id, (r#type, from));
@@ -815,6 +850,7 @@ impl Arena {
             request_id,
             from_entity: from,
         }));
+        request_id
     }
 
     /// Each player with no attack on its way hits the nearest NPC in reach: its own node's or
@@ -866,6 +902,7 @@ impl Arena {
         let verdict = match c.r#type {
             combat::CMD_ATTACK => self.attacked(out, &c),
             combat::CMD_XP => self.rewarded(&c),
+            trade::CMD_TRADE => self.gifted(&c),
             other => Err(format!("unknown command type {other}")),
         };
         if c.request_id == 0 {
@@ -962,13 +999,18 @@ impl Arena {
     }
 
     /// The one result of a command this arena sent.
-    fn on_command_result(&mut self, r: CommandResult) {
-        let Some((_, from)) = self.outstanding.remove(&r.request_id) else {
+    fn on_command_result(&mut self, out: &mut impl Outbox, r: CommandResult) {
+        let Some((r#type, from)) = self.outstanding.remove(&r.request_id) else {
             // A second result, or one for a command never sent: the mesh broke a promise.
             self.stats.results_unexpected += 1;
             return;
         };
-        self.attacking.remove(&from);
+        if r#type == trade::CMD_TRADE {
+            let ok = r.error == CommandError::CommandOk as i32;
+            self.gift_answered(out, from, r.request_id, ok);
+        } else {
+            self.attacking.remove(&from);
+        }
         let s = &mut self.stats;
         match CommandError::try_from(r.error).unwrap_or(CommandError::NotDelivered) {
             CommandError::CommandOk => s.results_ok += 1,
@@ -977,6 +1019,216 @@ impl Arena {
             CommandError::Timeout => s.results_timeout += 1,
             CommandError::NotDelivered => s.results_not_delivered += 1,
         }
+    }
+
+    // ------------------------------------------------------------------ trade
+
+    fn claim(&mut self, out: &mut impl Outbox, key: String, avatar: u64) -> u64 {
+        self.next_claim += 1;
+        let request_id = self.next_claim;
+        self.claims_asked.insert(request_id, avatar);
+        out.push(Body::Claim(Claim {
+            key,
+            holder_entity: avatar,
+            ttl_ms: trade::CLAIM_TTL_MS,
+            request_id,
+        }));
+        request_id
+    }
+
+    /// Each player in no trade opens one with the nearest other player in reach: claims both
+    /// escrows for its avatar.
+    fn open_trades(&mut self, out: &mut impl Outbox) {
+        let players: Vec<(u64, String, (f64, f64))> = self
+            .entities
+            .iter()
+            .filter(|(id, e)| !e.frozen && !self.trades.contains_key(id))
+            .filter_map(|(id, e)| match &e.role {
+                Role::Player(p) => Some((*id, p.account.clone(), e.pos)),
+                Role::Npc { .. } => None,
+            })
+            .collect();
+        for (avatar, account, at) in players {
+            let own = self.entities.iter().filter_map(|(id, e)| match &e.role {
+                Role::Player(p) if *id != avatar && !e.frozen => Some((*id, &p.account, e.pos)),
+                _ => None,
+            });
+            // A ghost that became this arena's own (adopted) is not a ghost any more.
+            let ghosts = self
+                .player_ghosts
+                .iter()
+                .filter(|(id, _)| !self.entities.contains_key(id))
+                .map(|(id, (a, p))| (*id, a, *p));
+            let nearest = own
+                .chain(ghosts)
+                .map(|(id, a, p)| {
+                    let (dx, dy) = self.torus.delta(at, p);
+                    (dx.hypot(dy), id, a.clone())
+                })
+                .filter(|(d, _, a)| *d <= trade::REACH_M && *a != account)
+                .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            let Some((_, partner, theirs)) = nearest else {
+                continue;
+            };
+            let own_claim = self.claim(out, trade::escrow(&account), avatar);
+            let their_claim = self.claim(out, trade::escrow(&theirs), avatar);
+            self.trades.insert(
+                avatar,
+                Trade::new(partner, &account, &theirs, [own_claim, their_claim]),
+            );
+            self.stats.trades_started += 1;
+            if self.player_ghosts.contains_key(&partner) {
+                self.stats.trades_across_border += 1;
+            }
+        }
+    }
+
+    fn on_claim_result(&mut self, out: &mut impl Outbox, r: ClaimResult) {
+        let granted = r.outcome == ClaimOutcome::ClaimGranted as i32;
+        if granted {
+            self.stats.claims_granted += 1;
+        } else if r.outcome == ClaimOutcome::ClaimHeld as i32 {
+            self.stats.claims_refused += 1;
+        }
+        if let Some(avatar) = self.release_on_answer.remove(&r.request_id) {
+            if granted {
+                out.push(Body::ClaimRelease(ClaimRelease {
+                    key: r.key,
+                    holder_entity: avatar,
+                }));
+            }
+            return;
+        }
+        let Some(avatar) = self.claims_asked.remove(&r.request_id) else {
+            return;
+        };
+        let Some(t) = self.trades.get_mut(&avatar) else {
+            return;
+        };
+        if !t.answered(r.request_id, granted) {
+            return;
+        }
+        if t.refused() {
+            if r.outcome == ClaimOutcome::ClaimHeld as i32 {
+                self.stats.trades_refused += 1;
+            } else {
+                self.stats.trades_failed += 1;
+            }
+            return self.end_trade(out, avatar);
+        }
+        if !t.both_granted() {
+            return;
+        }
+        t.gift_at = Some(self.ticks + trade::HAGGLE_TICKS);
+        if let Some(c) = &self.cfg.census {
+            c.trade_opened(t.accounts(), self.node);
+        }
+    }
+
+    /// Trades done haggling send their gift.
+    fn send_gifts(&mut self, out: &mut impl Outbox) {
+        let now = self.ticks;
+        let due: Vec<(u64, u64)> = self
+            .trades
+            .iter()
+            .filter(|(_, t)| t.gift.is_none() && t.gift_at.is_some_and(|at| at <= now))
+            .map(|(avatar, t)| (*avatar, t.partner))
+            .collect();
+        for (avatar, partner) in due {
+            let trade_id = self.command_id();
+            let request_id = self.send_command(
+                out,
+                partner,
+                trade::CMD_TRADE,
+                trade::encode(trade::GIFT_GOLD, trade_id),
+                avatar,
+            );
+            if let Some(t) = self.trades.get_mut(&avatar) {
+                t.gift = Some(request_id);
+            }
+        }
+    }
+
+    fn on_claim_lost(&mut self, out: &mut impl Outbox, l: ClaimLost) {
+        self.stats.claims_lost += 1;
+        tracing::debug!(key = %l.key, reason = %l.reason, "claim lost");
+        if self
+            .trades
+            .get_mut(&l.holder_entity)
+            .is_some_and(|t| t.lost(&l.key))
+        {
+            self.stats.trades_lost += 1;
+            self.end_trade(out, l.holder_entity);
+        }
+    }
+
+    /// The gift's one result: the trade is over.
+    fn gift_answered(&mut self, out: &mut impl Outbox, avatar: u64, request_id: u64, ok: bool) {
+        if self
+            .trades
+            .get(&avatar)
+            .is_none_or(|t| t.gift != Some(request_id))
+        {
+            // Its trade was called off meanwhile (counted then); the avatar may be in another.
+            return;
+        }
+        if ok {
+            self.stats.trades_done += 1;
+        } else {
+            self.stats.trades_failed += 1;
+        }
+        self.end_trade(out, avatar);
+    }
+
+    /// A trade's avatar is frozen for a handoff: the trade ends here.
+    fn call_off_trade(&mut self, out: &mut impl Outbox, avatar: u64) {
+        if self.trades.contains_key(&avatar) {
+            self.stats.trades_called_off += 1;
+            self.end_trade(out, avatar);
+        }
+    }
+
+    /// Ends `avatar`'s trade: closed in the census first, then its claims released.
+    fn end_trade(&mut self, out: &mut impl Outbox, avatar: u64) {
+        let Some(t) = self.trades.remove(&avatar) else {
+            return;
+        };
+        if let (Some(c), Some(_)) = (&self.cfg.census, t.gift_at) {
+            c.trade_closed(t.accounts());
+        }
+        self.claims_asked.retain(|_, a| *a != avatar);
+        for (account, escrow) in &t.parties {
+            match escrow {
+                Escrow::Granted => out.push(Body::ClaimRelease(ClaimRelease {
+                    key: trade::escrow(account),
+                    holder_entity: avatar,
+                })),
+                // Its answer may be on its way already: released once it comes, if granted.
+                Escrow::Asked(request_id) => {
+                    self.release_on_answer.insert(*request_id, avatar);
+                }
+                Escrow::Refused => {}
+            }
+        }
+    }
+
+    /// A trade's gift to one of this arena's avatars.
+    fn gifted(&mut self, c: &CommandIn) -> Result<(), String> {
+        let (_, trade_id) = trade::decode(&c.payload).ok_or("unreadable gift")?;
+        let e = self.entities.get(&c.target).ok_or("no such entity here")?;
+        if !matches!(e.role, Role::Player(_)) {
+            return Err("only players receive gifts".into());
+        }
+        if let Some(census) = &self.cfg.census {
+            census.command_applied(trade_id);
+        }
+        self.stats.gifts_applied += 1;
+        Ok(())
+    }
+
+    /// Trades this arena has open.
+    pub fn trades_open(&self) -> usize {
+        self.trades.len()
     }
 
     /// Commands sent whose result has not come yet.
@@ -1102,6 +1354,16 @@ impl Arena {
         if self.cfg.combat && !halted && now.is_multiple_of(combat::ATTACK_EVERY_TICKS) {
             self.attack(out);
         }
+        // Off the attacks' ticks (multiples of ten), so the two do not share a tick.
+        if self.cfg.trade
+            && !halted
+            && (now + trade::TICK_OFFSET).is_multiple_of(trade::TRADE_EVERY_TICKS)
+        {
+            self.open_trades(out);
+        }
+        if !self.trades.is_empty() {
+            self.send_gifts(out);
+        }
     }
 }
 
@@ -1109,7 +1371,7 @@ impl Arena {
 mod tests {
     use super::*;
     use cellmesh_proto::local::{
-        Evict, Freeze, IdsReserved, Input, PlayerJoin, PlayerLeave, Thaw, WorldShape,
+        Evict, Freeze, GhostEnter, IdsReserved, Input, PlayerJoin, PlayerLeave, Thaw, WorldShape,
     };
     use sidecar_message::Body as M;
 
@@ -1812,5 +2074,624 @@ mod tests {
         assert!(writes(&out, id));
         assert_eq!(a.entity_count(), 1);
         assert_eq!(census.report().holders.get(&id), Some(&vec![NODE]));
+    }
+
+    // ------------------------------------------------------------------ trade
+
+    /// Bob's avatar, simulated by another node and seen here as a ghost.
+    const BOB_GHOST: u64 = 555;
+    /// Whoever else holds an escrow answered `CLAIM_HELD`.
+    const OTHER_HOLDER: u64 = 4242;
+
+    /// A player of this arena standing still at `at`.
+    fn join_at(a: &mut Arena, account: &str, at: (f64, f64)) -> u64 {
+        let mut out = Vec::new();
+        a.on_message(
+            &mut out,
+            M::PlayerJoin(PlayerJoin {
+                account: account.into(),
+                session_epoch: 1,
+                last_position: Some(Vec3::xy(at.0, at.1)),
+            }),
+        );
+        spawned(&out)[0]
+    }
+
+    /// A player of another node, as this arena sees its ghost.
+    fn player_ghost(id: u64, account: &str, at: (f64, f64)) -> M {
+        M::GhostEnter(GhostEnter {
+            entity_id: id,
+            position: Some(Vec3::xy(at.0, at.1)),
+            components: vec![component(
+                schema::KIND,
+                Bytes::from(format!("player:{account}")),
+                public(),
+            )],
+        })
+    }
+
+    fn tick_n(a: &mut Arena, n: u64) -> Vec<Body> {
+        let mut out = Vec::new();
+        for _ in 0..n {
+            a.tick(&mut out, 0.05);
+        }
+        out
+    }
+
+    fn claims(out: &[Body]) -> Vec<Claim> {
+        out.iter()
+            .filter_map(|b| match b {
+                Body::Claim(c) => Some(c.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// (key, holder) of every `ClaimRelease`, in order.
+    fn claim_releases(out: &[Body]) -> Vec<(String, u64)> {
+        out.iter()
+            .filter_map(|b| match b {
+                Body::ClaimRelease(r) => Some((r.key.clone(), r.holder_entity)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn gifts(out: &[Body]) -> Vec<Command> {
+        out.iter()
+            .filter_map(|b| match b {
+                Body::Command(c) if c.r#type == trade::CMD_TRADE => Some(c.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Ticks until a tick asks for claims, within one trade period: that tick's output.
+    fn tick_to_trade(a: &mut Arena) -> Vec<Body> {
+        for _ in 0..trade::TRADE_EVERY_TICKS {
+            let out = tick_n(a, 1);
+            if !claims(&out).is_empty() {
+                return out;
+            }
+        }
+        panic!("no claim asked in a whole trade period");
+    }
+
+    /// The store's answer to claim `c`.
+    fn answer(a: &mut Arena, c: &Claim, outcome: ClaimOutcome) -> Vec<Body> {
+        let held = outcome == ClaimOutcome::ClaimHeld;
+        let mut out = Vec::new();
+        a.on_message(
+            &mut out,
+            M::ClaimResult(ClaimResult {
+                request_id: c.request_id,
+                key: c.key.clone(),
+                outcome: outcome as i32,
+                holder_entity: c.holder_entity,
+                held_by: if held { OTHER_HOLDER } else { 0 },
+                token: if held { 0 } else { 1 },
+                detail: String::new(),
+            }),
+        );
+        out
+    }
+
+    fn gift_result(a: &mut Arena, gift: &Command, error: CommandError) -> Vec<Body> {
+        let mut out = Vec::new();
+        a.on_message(
+            &mut out,
+            M::CommandResult(CommandResult {
+                request_id: gift.request_id,
+                target: gift.target_entity,
+                ok: error == CommandError::CommandOk,
+                error: error as i32,
+                ..Default::default()
+            }),
+        );
+        out
+    }
+
+    fn lose(a: &mut Arena, account: &str, holder: u64) -> Vec<Body> {
+        let mut out = Vec::new();
+        a.on_message(
+            &mut out,
+            M::ClaimLost(ClaimLost {
+                key: trade::escrow(account),
+                holder_entity: holder,
+                reason: "lease lapsed".into(),
+            }),
+        );
+        out
+    }
+
+    /// Whether the census has `account` in a trade: probed with an overlapping opening, which
+    /// the census refuses (and counts) when it is one, and which is undone when it is not.
+    fn in_trade(census: &Census, account: &str) -> bool {
+        let probe = [account, "probe:nobody"];
+        if census.trade_opened(probe, 0) {
+            census.trade_closed(probe);
+            false
+        } else {
+            true
+        }
+    }
+
+    /// Every trade counter: (started, done, refused, failed, lost, called off, across border).
+    fn trade_counters(s: &ArenaStats) -> [u64; 7] {
+        [
+            s.trades_started,
+            s.trades_done,
+            s.trades_refused,
+            s.trades_failed,
+            s.trades_lost,
+            s.trades_called_off,
+            s.trades_across_border,
+        ]
+    }
+
+    /// Ann, a player of this arena, and Bob, a ghost of another node 10 m away across the
+    /// world's seam, at the trade tick: the arena, Ann's avatar, and her two claims (her own
+    /// escrow's, then Bob's).
+    fn ann_trading_with_ghost_bob(census: &Arc<Census>) -> (Arena, u64, Claim, Claim) {
+        let mut a = arena(0, census);
+        let ann = join_at(&mut a, "ann", (0.0, 0.0));
+        let mut out = Vec::new();
+        a.on_message(&mut out, player_ghost(BOB_GHOST, "bob", (SIZE - 10.0, 0.0)));
+        let asked = claims(&tick_to_trade(&mut a));
+        assert_eq!(asked.len(), 2, "{asked:?}");
+        let of = |account: &str| {
+            asked
+                .iter()
+                .find(|c| c.key == trade::escrow(account))
+                .cloned()
+                .unwrap_or_else(|| panic!("no claim of {account}'s escrow: {asked:?}"))
+        };
+        (a, ann, of("ann"), of("bob"))
+    }
+
+    /// Both of Ann's escrows granted, then haggling until the gift goes: the gift.
+    fn granted_until_the_gift(a: &mut Arena, own: &Claim, theirs: &Claim) -> Command {
+        assert!(answer(a, own, ClaimOutcome::ClaimGranted).is_empty());
+        assert!(answer(a, theirs, ClaimOutcome::ClaimGranted).is_empty());
+        let out = tick_n(a, trade::HAGGLE_TICKS);
+        let sent = gifts(&out);
+        assert_eq!(sent.len(), 1, "{out:?}");
+        sent[0].clone()
+    }
+
+    /// No key released twice, and none of `held` (answered `CLAIM_HELD`: never this arena's).
+    fn assert_released_at_most_once(out: &[Body], held: &[&str]) {
+        let released = claim_releases(out);
+        let keys: HashSet<&str> = released.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(
+            keys.len(),
+            released.len(),
+            "a key released twice: {released:?}"
+        );
+        for k in held {
+            assert!(!keys.contains(k), "{k} was answered held: {released:?}");
+        }
+    }
+
+    /// Two players of this arena in reach: each asks both escrows at the trade tick. The one the
+    /// store grants both haggles, then gives once; the gift's result releases both claims.
+    #[test]
+    fn two_players_in_reach_claim_both_escrows_haggle_give_once_and_release_both() {
+        let census = Arc::new(Census::default());
+        let mut a = arena(0, &census);
+        let ann = join_at(&mut a, "ann", (0.0, 0.0));
+        let bob = join_at(&mut a, "bob", (trade::REACH_M - 1.0, 0.0));
+        let asked = claims(&tick_to_trade(&mut a));
+        assert_eq!(asked.len(), 4, "{asked:?}");
+        for (avatar, own, theirs) in [(ann, "ann", "bob"), (bob, "bob", "ann")] {
+            let mut keys: Vec<String> = asked
+                .iter()
+                .filter(|c| c.holder_entity == avatar)
+                .map(|c| c.key.clone())
+                .collect();
+            keys.sort();
+            let mut want = vec![trade::escrow(own), trade::escrow(theirs)];
+            want.sort();
+            assert_eq!(keys, want, "{asked:?}");
+        }
+        assert!(asked.iter().all(|c| c.ttl_ms == trade::CLAIM_TTL_MS));
+        let ids: HashSet<u64> = asked.iter().map(|c| c.request_id).collect();
+        assert_eq!(ids.len(), 4, "one request id per claim: {asked:?}");
+        assert_eq!(
+            (a.stats.trades_started, a.stats.trades_across_border),
+            (2, 0)
+        );
+
+        // As a store would: Ann is granted both escrows, so Bob finds both held.
+        let mut out = Vec::new();
+        for c in &asked {
+            let outcome = if c.holder_entity == ann {
+                ClaimOutcome::ClaimGranted
+            } else {
+                ClaimOutcome::ClaimHeld
+            };
+            out.extend(answer(&mut a, c, outcome));
+        }
+        assert!(out.is_empty(), "nothing of Bob's to release: {out:?}");
+        assert_eq!((a.stats.claims_granted, a.stats.claims_refused), (2, 2));
+        assert_eq!(a.stats.trades_refused, 1);
+        assert_eq!(a.trades_open(), 1);
+        assert_eq!(census.trades(), (1, 0), "Ann's trade opened, once");
+        // A second trade of either player would overlap.
+        assert!(in_trade(&census, "ann") && in_trade(&census, "bob"));
+
+        // Haggling: no gift before the haggle is over.
+        let out = tick_n(&mut a, trade::HAGGLE_TICKS - 1);
+        assert!(gifts(&out).is_empty(), "{out:?}");
+        let out = tick_n(&mut a, 4);
+        let sent = gifts(&out);
+        assert_eq!(sent.len(), 1, "one gift: {out:?}");
+        let g = &sent[0];
+        assert_eq!(
+            (g.target_entity, g.from_entity, g.r#type),
+            (bob, ann, trade::CMD_TRADE)
+        );
+        assert_ne!(g.request_id, 0, "its result is wanted");
+        assert_eq!(
+            trade::decode(&g.payload).map(|(gold, _)| gold),
+            Some(trade::GIFT_GOLD)
+        );
+        assert!(
+            claim_releases(&out).is_empty(),
+            "held until the result: {out:?}"
+        );
+
+        let out = gift_result(&mut a, g, CommandError::CommandOk);
+        let mut released = claim_releases(&out);
+        released.sort();
+        assert_eq!(
+            released,
+            [(trade::escrow("ann"), ann), (trade::escrow("bob"), ann)]
+        );
+        assert_eq!((a.stats.trades_done, a.stats.results_ok), (1, 1));
+        assert_eq!(a.trades_open(), 0);
+        assert!(!in_trade(&census, "ann") && !in_trade(&census, "bob"));
+        // A second result (a broken promise) releases nothing again.
+        assert!(gift_result(&mut a, g, CommandError::CommandOk).is_empty());
+        assert_eq!((a.stats.trades_done, a.stats.results_unexpected), (1, 1));
+    }
+
+    /// The trade tick is off the attacks' ticks, so that trades and attacks never share a tick.
+    #[test]
+    fn trades_open_in_ticks_without_attacks() {
+        let census = Arc::new(Census::default());
+        let mut a = arena(0, &census);
+        join_at(&mut a, "ann", (0.0, 0.0));
+        join_at(&mut a, "bob", (1.0, 0.0));
+        tick_to_trade(&mut a);
+        assert_eq!(a.ticks, trade::TRADE_EVERY_TICKS - trade::TICK_OFFSET);
+        assert!(
+            !a.ticks.is_multiple_of(combat::ATTACK_EVERY_TICKS),
+            "tick {} opens trades and attacks alike",
+            a.ticks
+        );
+    }
+
+    #[test]
+    fn a_partner_seen_as_a_ghost_of_another_node_gets_the_gift_across_the_border() {
+        let census = Arc::new(Census::default());
+        let (mut a, ann, own, theirs) = ann_trading_with_ghost_bob(&census);
+        assert_eq!((own.holder_entity, theirs.holder_entity), (ann, ann));
+        assert_eq!(
+            (a.stats.trades_started, a.stats.trades_across_border),
+            (1, 1)
+        );
+        let g = granted_until_the_gift(&mut a, &own, &theirs);
+        assert_eq!((g.target_entity, g.from_entity), (BOB_GHOST, ann));
+        assert_eq!(census.trades(), (1, 0));
+        let mut released = claim_releases(&gift_result(&mut a, &g, CommandError::CommandOk));
+        released.sort();
+        assert_eq!(
+            released,
+            [(trade::escrow("ann"), ann), (trade::escrow("bob"), ann)]
+        );
+        assert_eq!(a.stats.trades_done, 1);
+    }
+
+    /// Bob's escrow held elsewhere after Ann's was granted: refused, Ann's released at once.
+    #[test]
+    fn a_held_escrow_refuses_the_trade_and_releases_the_granted_one() {
+        let census = Arc::new(Census::default());
+        let (mut a, ann, own, theirs) = ann_trading_with_ghost_bob(&census);
+        let mut all = answer(&mut a, &own, ClaimOutcome::ClaimGranted);
+        assert!(all.is_empty(), "{all:?}");
+        let out = answer(&mut a, &theirs, ClaimOutcome::ClaimHeld);
+        assert_eq!(claim_releases(&out), [(trade::escrow("ann"), ann)]);
+        all.extend(out);
+        assert_eq!(a.stats.trades_refused, 1);
+        assert_eq!(a.trades_open(), 0);
+        assert_eq!(census.trades(), (0, 0), "never opened");
+        // Nothing more, up to and including the next trade tick where Ann asks afresh.
+        all.extend(tick_n(&mut a, trade::HAGGLE_TICKS));
+        let out = tick_to_trade(&mut a);
+        let again = claims(&out);
+        assert!(again
+            .iter()
+            .all(|c| c.request_id != own.request_id && c.request_id != theirs.request_id));
+        all.extend(out);
+        assert!(gifts(&all).is_empty(), "{all:?}");
+        assert_released_at_most_once(&all, &[&theirs.key]);
+    }
+
+    /// Bob's escrow held elsewhere before Ann's was answered: nothing to release yet; Ann's is
+    /// released when its grant comes, once.
+    #[test]
+    fn an_escrow_still_asked_when_the_trade_is_refused_is_released_once_granted() {
+        let census = Arc::new(Census::default());
+        let (mut a, ann, own, theirs) = ann_trading_with_ghost_bob(&census);
+        let mut all = answer(&mut a, &theirs, ClaimOutcome::ClaimHeld);
+        assert!(claim_releases(&all).is_empty(), "{all:?}");
+        assert_eq!(a.stats.trades_refused, 1);
+        assert_eq!(a.trades_open(), 0);
+        let out = answer(&mut a, &own, ClaimOutcome::ClaimGranted);
+        assert_eq!(claim_releases(&out), [(trade::escrow("ann"), ann)]);
+        all.extend(out);
+        // A repeated answer releases nothing again.
+        all.extend(answer(&mut a, &own, ClaimOutcome::ClaimGranted));
+        all.extend(tick_n(&mut a, trade::HAGGLE_TICKS + 1));
+        assert!(gifts(&all).is_empty(), "{all:?}");
+        assert_released_at_most_once(&all, &[&theirs.key]);
+        assert_eq!(a.stats.trades_refused, 1, "one trade, refused once");
+    }
+
+    #[test]
+    fn an_escrow_still_asked_when_the_trade_is_refused_is_not_released_if_held() {
+        let census = Arc::new(Census::default());
+        let (mut a, _, own, theirs) = ann_trading_with_ghost_bob(&census);
+        let mut all = answer(&mut a, &theirs, ClaimOutcome::ClaimHeld);
+        all.extend(answer(&mut a, &own, ClaimOutcome::ClaimHeld));
+        assert!(claim_releases(&all).is_empty(), "{all:?}");
+        assert_eq!(a.stats.claims_refused, 2);
+        assert_eq!(a.stats.trades_refused, 1, "one trade, refused once");
+    }
+
+    /// A Freeze calls the trade off: its claims are released before the snapshot completes the
+    /// freeze, so the handoff carries none; the gift's late result moves no trade counter.
+    #[test]
+    fn a_freeze_mid_trade_releases_the_escrows_before_the_snapshot() {
+        let census = Arc::new(Census::default());
+        let (mut a, ann, own, theirs) = ann_trading_with_ghost_bob(&census);
+        let g = granted_until_the_gift(&mut a, &own, &theirs);
+        let out = freeze(&mut a, ann, 2);
+        let snapshot = out
+            .iter()
+            .position(|b| matches!(b, Body::Snapshot(s) if s.entity_id == ann))
+            .expect("a snapshot");
+        let releases_at: Vec<usize> = (0..out.len())
+            .filter(|&i| matches!(out[i], Body::ClaimRelease(_)))
+            .collect();
+        assert_eq!(releases_at.len(), 2, "{out:?}");
+        assert!(releases_at.iter().all(|&i| i < snapshot), "{out:?}");
+        let mut released = claim_releases(&out);
+        released.sort();
+        assert_eq!(
+            released,
+            [(trade::escrow("ann"), ann), (trade::escrow("bob"), ann)]
+        );
+        assert_eq!(a.stats.trades_called_off, 1);
+        assert_eq!(a.trades_open(), 0);
+        assert!(!in_trade(&census, "ann"));
+        // A repeated Freeze (its answer lost) is answered again, with nothing left to release.
+        let out = freeze(&mut a, ann, 2);
+        assert!(matches!(out.as_slice(), [Body::Snapshot(_)]), "{out:?}");
+        assert_eq!(a.stats.trades_called_off, 1);
+
+        let before = trade_counters(&a.stats);
+        let out = gift_result(&mut a, &g, CommandError::CommandOk);
+        assert!(out.is_empty(), "{out:?}");
+        assert_eq!(trade_counters(&a.stats), before);
+        assert_eq!((a.stats.results_ok, a.stats.results_unexpected), (1, 0));
+    }
+
+    /// Frozen with one escrow still asked: the granted one goes before the snapshot, the other
+    /// once its grant comes.
+    #[test]
+    fn a_freeze_with_an_escrow_still_asked_releases_it_when_granted() {
+        let census = Arc::new(Census::default());
+        let (mut a, ann, own, theirs) = ann_trading_with_ghost_bob(&census);
+        assert!(answer(&mut a, &own, ClaimOutcome::ClaimGranted).is_empty());
+        let out = freeze(&mut a, ann, 2);
+        assert!(
+            matches!(out.as_slice(), [Body::ClaimRelease(r), Body::Snapshot(_)]
+                if r.key == own.key && r.holder_entity == ann),
+            "{out:?}"
+        );
+        assert_eq!(a.stats.trades_called_off, 1);
+        let out = answer(&mut a, &theirs, ClaimOutcome::ClaimGranted);
+        assert_eq!(claim_releases(&out), [(theirs.key.clone(), ann)]);
+    }
+
+    /// The result of a gift whose trade was called off belongs to that trade only: once the
+    /// avatar is thawed and trading again, it must not end the new trade.
+    #[test]
+    fn a_late_gift_result_does_not_end_the_avatars_next_trade() {
+        let census = Arc::new(Census::default());
+        let (mut a, ann, own, theirs) = ann_trading_with_ghost_bob(&census);
+        let g = granted_until_the_gift(&mut a, &own, &theirs);
+        freeze(&mut a, ann, 2);
+        let mut out = Vec::new();
+        a.on_message(
+            &mut out,
+            M::Thaw(Thaw {
+                entity_id: ann,
+                reason: "refused".into(),
+            }),
+        );
+        let again = claims(&tick_to_trade(&mut a));
+        assert_eq!(again.len(), 2, "{again:?}");
+        for c in &again {
+            assert!(answer(&mut a, c, ClaimOutcome::ClaimGranted).is_empty());
+        }
+        let before = trade_counters(&a.stats);
+        let out = gift_result(&mut a, &g, CommandError::CommandOk);
+        assert!(
+            claim_releases(&out).is_empty(),
+            "the new trade's claims released by the old gift's result: {out:?}"
+        );
+        assert_eq!(a.trades_open(), 1, "the new trade ended by the old result");
+        assert_eq!(trade_counters(&a.stats), before);
+    }
+
+    /// A lost escrow ends the trade while haggling: only the other one is released, no gift.
+    #[test]
+    fn a_claim_lost_mid_haggle_ends_the_trade_without_a_gift() {
+        let census = Arc::new(Census::default());
+        let (mut a, ann, own, theirs) = ann_trading_with_ghost_bob(&census);
+        assert!(answer(&mut a, &own, ClaimOutcome::ClaimGranted).is_empty());
+        assert!(answer(&mut a, &theirs, ClaimOutcome::ClaimGranted).is_empty());
+        let out = tick_n(&mut a, trade::HAGGLE_TICKS / 2);
+        assert!(gifts(&out).is_empty());
+        let mut all = lose(&mut a, "bob", ann);
+        assert_eq!(claim_releases(&all), [(trade::escrow("ann"), ann)]);
+        assert_eq!((a.stats.trades_lost, a.stats.claims_lost), (1, 1));
+        assert_eq!(a.trades_open(), 0);
+        assert!(!in_trade(&census, "ann") && !in_trade(&census, "bob"));
+        // Lost again: a loss, but no trade of it to end.
+        all.extend(lose(&mut a, "bob", ann));
+        assert_eq!((a.stats.trades_lost, a.stats.claims_lost), (1, 2));
+        all.extend(tick_n(&mut a, trade::HAGGLE_TICKS));
+        assert!(gifts(&all).is_empty(), "{all:?}");
+        assert_eq!(a.commands_outstanding(), 0);
+        assert_released_at_most_once(&all, &[&theirs.key]);
+    }
+
+    /// A loss of an earlier grant (sent as the trade's release was on its way) reaching the
+    /// avatar's next trade, whose escrow of that key is only asked for: whatever becomes of that
+    /// trade, no escrow granted to it stays held once it is over.
+    #[test]
+    fn a_stale_claim_lost_leaves_no_escrow_of_the_next_trade_held() {
+        let census = Arc::new(Census::default());
+        let (mut a, ann, own, theirs) = ann_trading_with_ghost_bob(&census);
+        let g = granted_until_the_gift(&mut a, &own, &theirs);
+        assert_eq!(
+            claim_releases(&gift_result(&mut a, &g, CommandError::CommandOk)).len(),
+            2
+        );
+        let again = claims(&tick_to_trade(&mut a));
+        assert_eq!(again.len(), 2, "{again:?}");
+        let mut all = lose(&mut a, "ann", ann);
+        for c in &again {
+            all.extend(answer(&mut a, c, ClaimOutcome::ClaimGranted));
+        }
+        if a.trades_open() == 0 {
+            let mut released = claim_releases(&all);
+            released.sort();
+            assert_eq!(
+                released,
+                [(trade::escrow("ann"), ann), (trade::escrow("bob"), ann)],
+                "the trade ended with a granted escrow left held"
+            );
+        } else {
+            assert!(a.trades[&ann].both_granted());
+        }
+    }
+
+    fn gift_in(target: u64, request_id: u64, trade_id: u64) -> M {
+        M::CommandIn(CommandIn {
+            target,
+            from_entity: BOB_GHOST,
+            from_account: "bob".into(),
+            r#type: trade::CMD_TRADE,
+            payload: trade::encode(trade::GIFT_GOLD, trade_id),
+            request_id,
+            from_node: NODE + 1,
+        })
+    }
+
+    #[test]
+    fn a_gift_to_a_player_here_is_applied_and_one_to_an_npc_refused() {
+        let census = Arc::new(Census::default());
+        let mut a = arena(1, &census);
+        let npc = a.held().find(|h| !h.player).unwrap().id;
+        let ann = join_at(&mut a, "ann", (0.0, 0.0));
+        let mut out = Vec::new();
+        a.on_message(&mut out, gift_in(ann, 7, 42));
+        assert!(
+            matches!(
+                out.as_slice(),
+                [Body::CommandReply(CommandReply {
+                    request_id: 7,
+                    refused: false,
+                    ..
+                })]
+            ),
+            "{out:?}"
+        );
+        assert_eq!((a.stats.gifts_applied, a.stats.commands_refused), (1, 0));
+        assert_eq!(census.commands(), (1, 0));
+
+        let mut out = Vec::new();
+        a.on_message(&mut out, gift_in(npc, 8, 43));
+        let [Body::CommandReply(r)] = out.as_slice() else {
+            panic!("one reply: {out:?}")
+        };
+        assert!(
+            r.refused && r.request_id == 8 && !r.detail.is_empty(),
+            "{r:?}"
+        );
+        assert_eq!((a.stats.gifts_applied, a.stats.commands_refused), (1, 1));
+        assert_eq!(census.commands(), (1, 0), "not applied");
+    }
+
+    /// A player adopted from another node was seen here as a ghost: it is this arena's own now,
+    /// never its own trade partner, and not a partner across a border.
+    #[test]
+    fn an_adopted_player_is_no_longer_a_partner_by_its_ghost_entry() {
+        let census = Arc::new(Census::default());
+        let mut a = arena(0, &census);
+        let mut out = Vec::new();
+        a.on_message(&mut out, player_ghost(BOB_GHOST, "bob", (10.0, 0.0)));
+        let mut snap = player_snapshot("bob", 0, 0);
+        snap.pos = [10.0, 0.0, 0.0];
+        a.on_message(&mut out, M::Adopt(adopt_msg(BOB_GHOST, 2, &snap, "bob")));
+        assert!(matches!(out.as_slice(), [Body::Adopted(_)]), "{out:?}");
+        let out = tick_n(&mut a, trade::TRADE_EVERY_TICKS);
+        assert!(claims(&out).is_empty(), "Bob traded with himself: {out:?}");
+        assert_eq!(a.stats.trades_started, 0);
+
+        let ann = join_at(&mut a, "ann", (0.0, 0.0));
+        assert_eq!(claims(&tick_to_trade(&mut a)).len(), 4);
+        assert_eq!(a.trades[&ann].partner, BOB_GHOST);
+        assert_eq!(a.trades[&BOB_GHOST].partner, ann);
+        assert_eq!(a.trades[&BOB_GHOST].accounts(), ["bob", "ann"]);
+        assert_eq!(a.stats.trades_across_border, 0, "Bob is simulated here");
+    }
+
+    /// Another avatar of the same account (a ghost of another node, or a second one adopted
+    /// here) is never a partner, however near; a farther player still is.
+    #[test]
+    fn a_player_never_trades_with_another_avatar_of_its_own_account() {
+        let census = Arc::new(Census::default());
+        let mut a = arena(0, &census);
+        let ann = join_at(&mut a, "ann", (0.0, 0.0));
+        let mut out = Vec::new();
+        a.on_message(&mut out, player_ghost(777, "ann", (5.0, 0.0)));
+        let mut snap = player_snapshot("ann", 0, 0);
+        snap.pos = [0.0, 5.0, 0.0];
+        a.on_message(&mut out, M::Adopt(adopt_msg(778, 2, &snap, "ann")));
+        let out = tick_n(&mut a, trade::TRADE_EVERY_TICKS);
+        assert!(claims(&out).is_empty(), "{out:?}");
+
+        let mut out = Vec::new();
+        a.on_message(&mut out, player_ghost(BOB_GHOST, "bob", (20.0, 0.0)));
+        let asked = claims(&tick_to_trade(&mut a));
+        assert_eq!(a.trades.keys().copied().collect::<Vec<_>>(), [778, ann]);
+        for t in a.trades.values() {
+            assert_eq!(t.partner, BOB_GHOST);
+            assert_eq!(t.accounts(), ["ann", "bob"]);
+        }
+        for avatar in [ann, 778] {
+            let keys: HashSet<&str> = asked
+                .iter()
+                .filter(|c| c.holder_entity == avatar)
+                .map(|c| c.key.as_str())
+                .collect();
+            assert_eq!(keys, HashSet::from(["trade:ann", "trade:bob"]), "{asked:?}");
+        }
     }
 }

@@ -11,6 +11,7 @@ mod census;
 pub mod combat;
 mod game;
 pub mod schema;
+pub mod trade;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -49,6 +50,9 @@ pub struct ArenaConfig {
     pub entity_cost_ms: f32,
     /// Players attack the nearest NPC in reach with entity commands (see `combat`).
     pub combat: bool,
+    /// Players trade with the nearest other player in reach, under exclusive claims (see
+    /// `trade`).
+    pub trade: bool,
 }
 
 impl Default for ArenaConfig {
@@ -67,6 +71,7 @@ impl Default for ArenaConfig {
             release: true,
             entity_cost_ms: 0.0,
             combat: true,
+            trade: true,
         }
     }
 }
@@ -122,6 +127,23 @@ pub struct ArenaStats {
     pub results_not_delivered: u64,
     /// Results for no command waiting (a second result): must stay 0.
     pub results_unexpected: u64,
+    /// Trades this arena opened (both escrows asked for), and how they ended: gift applied,
+    /// refused by a claim held elsewhere, failed (a claim or the gift's command failed),
+    /// lost (a claim lost midway), called off (the avatar frozen for a handoff).
+    pub trades_started: u64,
+    pub trades_done: u64,
+    pub trades_refused: u64,
+    pub trades_failed: u64,
+    pub trades_lost: u64,
+    pub trades_called_off: u64,
+    /// Trades whose partner stood on another node (seen as a ghost).
+    pub trades_across_border: u64,
+    /// Gifts applied to this arena's avatars.
+    pub gifts_applied: u64,
+    /// Claim answers and losses this arena had.
+    pub claims_granted: u64,
+    pub claims_refused: u64,
+    pub claims_lost: u64,
 }
 
 /// An arena that stops holds nothing: releases its census entries however `run` ends.

@@ -99,10 +99,10 @@ pub struct SampleSnapshot {
     /// Ticks until an NPC picks a new direction; 0 for players.
     pub turn_in: u32,
     /// An NPC's damage table: (account, avatar id, damage) of everyone who hit it since it
-    /// last died. Absent from older snapshots and the Python sample's.
+    /// last died. Absent from older snapshots.
     #[serde(default)]
     pub damage: Vec<(String, u64, u32)>,
-    /// A player's experience. Absent from older snapshots and the Python sample's.
+    /// A player's experience. Absent from older snapshots.
     #[serde(default)]
     pub xp: u64,
 }

@@ -49,7 +49,8 @@ pub enum ClaimOutcome {
 #[async_trait]
 pub trait ClaimStore: Send + Sync {
     /// Grants `key` to `holder` for `ttl` if it is free or lapsed. The entity that holds it
-    /// already gets it again (its lease extended, its token kept) if its epoch is not older.
+    /// already gets it again, under a new token (so a stale release of its earlier grant, still
+    /// on its way, frees nothing), if its epoch is not older.
     async fn claim(
         &self,
         key: &str,
@@ -71,14 +72,33 @@ pub trait ClaimStore: Send + Sync {
 
     /// Frees the claim if `grant` still holds it; false otherwise.
     async fn release(&self, grant: &ClaimGrant) -> Result<bool, StoreError>;
+
+    /// A rebind whose lease then runs `ttl` from now (the previous owner's renewals stopped).
+    async fn rebind_renewed(
+        &self,
+        grant: &ClaimGrant,
+        entity_epoch: u64,
+        ttl: Duration,
+    ) -> Result<Option<ClaimGrant>, StoreError> {
+        let Some(g) = self.rebind(grant, entity_epoch).await? else {
+            return Ok(None);
+        };
+        Ok(self.renew(&g, ttl).await?.then_some(g))
+    }
 }
 
-fn check(key: &str, ttl: Option<Duration>) -> Result<u64, StoreError> {
+/// A claim key is 1 to [`MAX_CLAIM_KEY_LEN`] bytes with no control characters.
+pub fn check_key(key: &str) -> Result<(), StoreError> {
     if key.is_empty() || key.len() > MAX_CLAIM_KEY_LEN || key.chars().any(char::is_control) {
         return Err(StoreError::Corrupt(format!(
             "claim key {key:?}: 1 to {MAX_CLAIM_KEY_LEN} bytes, no control characters"
         )));
     }
+    Ok(())
+}
+
+fn check(key: &str, ttl: Option<Duration>) -> Result<u64, StoreError> {
+    check_key(key)?;
     let ms = ttl.map_or(1, |t| t.as_millis().min(u128::from(u32::MAX)) as u64);
     if ms == 0 {
         return Err(StoreError::Corrupt(format!(
@@ -88,30 +108,144 @@ fn check(key: &str, ttl: Option<Duration>) -> Result<u64, StoreError> {
     Ok(ms)
 }
 
-/// Claims in this process's memory (the embedded default).
-#[derive(Debug, Default)]
-pub struct MemoryClaims {
-    held: Mutex<HashMap<String, (ClaimGrant, Instant)>>,
-    tokens: Mutex<HashMap<String, u64>>,
+/// The claims of one store, with time as an argument (ms on any monotonic clock): the rules of
+/// the Redis scripts below, for the embedded store and the cluster simulator.
+#[derive(Debug, Default, Clone)]
+pub struct ClaimTable {
+    /// key -> (grant, lease expiry ms).
+    held: HashMap<String, (ClaimGrant, u64)>,
+    /// The last token of each key: tokens never repeat.
+    tokens: HashMap<String, u64>,
 }
 
-impl MemoryClaims {
+impl ClaimTable {
     /// The live grant of `key`, dropping a lapsed one.
-    fn live<'a>(
-        held: &'a mut HashMap<String, (ClaimGrant, Instant)>,
-        key: &str,
-    ) -> Option<&'a mut (ClaimGrant, Instant)> {
-        if held
+    fn live(&mut self, now_ms: u64, key: &str) -> Option<&mut (ClaimGrant, u64)> {
+        if self
+            .held
             .get(key)
-            .is_some_and(|(_, until)| *until <= Instant::now())
+            .is_some_and(|(_, until)| *until <= now_ms)
         {
-            held.remove(key);
+            self.held.remove(key);
         }
-        held.get_mut(key)
+        self.held.get_mut(key)
     }
 
     fn current(stored: &ClaimGrant, grant: &ClaimGrant) -> bool {
         stored.token == grant.token && grant.holder.entity_epoch >= stored.holder.entity_epoch
+    }
+
+    /// See [`ClaimStore::claim`].
+    pub fn claim(
+        &mut self,
+        now_ms: u64,
+        key: &str,
+        holder: ClaimHolder,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let until = now_ms + check(key, Some(ttl))?;
+        if let Some((g, _)) = self.live(now_ms, key) {
+            if g.holder.entity != holder.entity || holder.entity_epoch < g.holder.entity_epoch {
+                return Ok(ClaimOutcome::Held { by: g.holder });
+            }
+        }
+        let token = self.tokens.entry(key.to_string()).or_insert(0);
+        *token += 1;
+        let grant = ClaimGrant {
+            key: key.to_string(),
+            holder,
+            token: *token,
+        };
+        self.held.insert(key.to_string(), (grant.clone(), until));
+        Ok(ClaimOutcome::Granted(grant))
+    }
+
+    /// See [`ClaimStore::renew`].
+    pub fn renew(
+        &mut self,
+        now_ms: u64,
+        grant: &ClaimGrant,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let ms = check(&grant.key, Some(ttl))?;
+        Ok(match self.live(now_ms, &grant.key) {
+            Some((g, lease)) if Self::current(g, grant) => {
+                *lease = now_ms + ms;
+                true
+            }
+            _ => false,
+        })
+    }
+
+    /// See [`ClaimStore::rebind`].
+    pub fn rebind(
+        &mut self,
+        now_ms: u64,
+        grant: &ClaimGrant,
+        entity_epoch: u64,
+    ) -> Result<Option<ClaimGrant>, StoreError> {
+        check(&grant.key, None)?;
+        Ok(match self.live(now_ms, &grant.key) {
+            Some((g, _)) if Self::current(g, grant) && entity_epoch >= g.holder.entity_epoch => {
+                g.holder.entity_epoch = entity_epoch;
+                Some(g.clone())
+            }
+            _ => None,
+        })
+    }
+
+    /// See [`ClaimStore::release`].
+    pub fn release(&mut self, now_ms: u64, grant: &ClaimGrant) -> Result<bool, StoreError> {
+        check(&grant.key, None)?;
+        let current = self
+            .live(now_ms, &grant.key)
+            .is_some_and(|(g, _)| Self::current(g, grant));
+        if current {
+            self.held.remove(&grant.key);
+        }
+        Ok(current)
+    }
+
+    /// See [`ClaimStore::rebind_renewed`].
+    pub fn rebind_renewed(
+        &mut self,
+        now_ms: u64,
+        grant: &ClaimGrant,
+        entity_epoch: u64,
+        ttl: Duration,
+    ) -> Result<Option<ClaimGrant>, StoreError> {
+        let Some(g) = self.rebind(now_ms, grant, entity_epoch)? else {
+            return Ok(None);
+        };
+        Ok(self.renew(now_ms, &g, ttl)?.then_some(g))
+    }
+
+    /// Who holds `key` at `now_ms`, if anyone.
+    pub fn holder(&mut self, now_ms: u64, key: &str) -> Option<ClaimHolder> {
+        self.live(now_ms, key).map(|(g, _)| g.holder)
+    }
+}
+
+/// Claims in this process's memory (the embedded default).
+#[derive(Debug)]
+pub struct MemoryClaims {
+    table: Mutex<ClaimTable>,
+    started: Instant,
+}
+
+impl Default for MemoryClaims {
+    fn default() -> Self {
+        Self {
+            table: Mutex::default(),
+            started: Instant::now(),
+        }
+    }
+}
+
+impl MemoryClaims {
+    fn table(&self) -> (std::sync::MutexGuard<'_, ClaimTable>, u64) {
+        let now = self.started.elapsed().as_millis() as u64;
+        (self.table.lock().expect("claims poisoned"), now)
     }
 }
 
@@ -123,39 +257,13 @@ impl ClaimStore for MemoryClaims {
         holder: ClaimHolder,
         ttl: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
-        let ms = check(key, Some(ttl))?;
-        let until = Instant::now() + Duration::from_millis(ms);
-        let mut held = self.held.lock().expect("claims poisoned");
-        if let Some((g, lease)) = Self::live(&mut held, key) {
-            if g.holder.entity != holder.entity || holder.entity_epoch < g.holder.entity_epoch {
-                return Ok(ClaimOutcome::Held { by: g.holder });
-            }
-            g.holder = holder;
-            *lease = until;
-            return Ok(ClaimOutcome::Granted(g.clone()));
-        }
-        let mut tokens = self.tokens.lock().expect("claims poisoned");
-        let token = tokens.entry(key.to_string()).or_insert(0);
-        *token += 1;
-        let grant = ClaimGrant {
-            key: key.to_string(),
-            holder,
-            token: *token,
-        };
-        held.insert(key.to_string(), (grant.clone(), until));
-        Ok(ClaimOutcome::Granted(grant))
+        let (mut t, now) = self.table();
+        t.claim(now, key, holder, ttl)
     }
 
     async fn renew(&self, grant: &ClaimGrant, ttl: Duration) -> Result<bool, StoreError> {
-        let ms = check(&grant.key, Some(ttl))?;
-        let mut held = self.held.lock().expect("claims poisoned");
-        Ok(match Self::live(&mut held, &grant.key) {
-            Some((g, lease)) if Self::current(g, grant) => {
-                *lease = Instant::now() + Duration::from_millis(ms);
-                true
-            }
-            _ => false,
-        })
+        let (mut t, now) = self.table();
+        t.renew(now, grant, ttl)
     }
 
     async fn rebind(
@@ -163,26 +271,13 @@ impl ClaimStore for MemoryClaims {
         grant: &ClaimGrant,
         entity_epoch: u64,
     ) -> Result<Option<ClaimGrant>, StoreError> {
-        check(&grant.key, None)?;
-        let mut held = self.held.lock().expect("claims poisoned");
-        Ok(match Self::live(&mut held, &grant.key) {
-            Some((g, _)) if Self::current(g, grant) && entity_epoch >= g.holder.entity_epoch => {
-                g.holder.entity_epoch = entity_epoch;
-                Some(g.clone())
-            }
-            _ => None,
-        })
+        let (mut t, now) = self.table();
+        t.rebind(now, grant, entity_epoch)
     }
 
     async fn release(&self, grant: &ClaimGrant) -> Result<bool, StoreError> {
-        check(&grant.key, None)?;
-        let mut held = self.held.lock().expect("claims poisoned");
-        let current =
-            Self::live(&mut held, &grant.key).is_some_and(|(g, _)| Self::current(g, grant));
-        if current {
-            held.remove(&grant.key);
-        }
-        Ok(current)
+        let (mut t, now) = self.table();
+        t.release(now, grant)
     }
 }
 
@@ -198,8 +293,6 @@ static CLAIM: LazyLock<Script> = LazyLock::new(|| {
             if e ~= ARGV[1] or #ARGV[2] < #ep or (#ARGV[2] == #ep and ARGV[2] < ep) then
                 return {0, t, e, ep}
             end
-            redis.call('SET', KEYS[1], t .. ':' .. e .. ':' .. ARGV[2], 'PX', ARGV[3])
-            return {1, t, e, ARGV[2]}
         end
         local t = tostring(redis.call('INCR', KEYS[2]))
         redis.call('SET', KEYS[1], t .. ':' .. ARGV[1] .. ':' .. ARGV[2], 'PX', ARGV[3])

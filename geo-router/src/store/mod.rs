@@ -246,6 +246,8 @@ pub struct Stores {
     pub players: Arc<dyn PlayerRecords>,
     /// In the geo's Redis, beside the directory.
     pub checkpoints: Arc<dyn CheckpointStore>,
+    /// Exclusive claims, in the geo's Redis beside the directory.
+    pub claims: Arc<dyn claims::ClaimStore>,
 }
 
 impl Stores {
@@ -255,6 +257,7 @@ impl Stores {
             directory: Arc::new(memory::MemoryDirectory::default()),
             players: Arc::new(memory::MemoryPlayers::default()),
             checkpoints: Arc::new(memory::MemoryCheckpoints::default()),
+            claims: Arc::new(claims::MemoryClaims::default()),
         }
     }
 
@@ -265,18 +268,23 @@ impl Stores {
         players_url: &str,
         geo: &str,
     ) -> Result<Self, StoreError> {
-        let (directory, checkpoints): (Arc<dyn SessionDirectory>, Arc<dyn CheckpointStore>) =
-            match directory_url {
-                "memory" | "" => (
-                    Arc::new(memory::MemoryDirectory::default()),
-                    Arc::new(memory::MemoryCheckpoints::default()),
-                ),
-                u if u.starts_with("redis://") || u.starts_with("rediss://") => {
-                    let redis = Arc::new(redis::RedisDirectory::connect(u, geo).await?);
-                    (redis.clone(), redis)
-                }
-                other => return Err(StoreError::BadUrl(redact_url(other))),
-            };
+        type Redis = (
+            Arc<dyn SessionDirectory>,
+            Arc<dyn CheckpointStore>,
+            Arc<dyn claims::ClaimStore>,
+        );
+        let (directory, checkpoints, claims): Redis = match directory_url {
+            "memory" | "" => (
+                Arc::new(memory::MemoryDirectory::default()),
+                Arc::new(memory::MemoryCheckpoints::default()),
+                Arc::new(claims::MemoryClaims::default()),
+            ),
+            u if u.starts_with("redis://") || u.starts_with("rediss://") => {
+                let redis = Arc::new(redis::RedisDirectory::connect(u, geo).await?);
+                (redis.clone(), redis.clone(), redis)
+            }
+            other => return Err(StoreError::BadUrl(redact_url(other))),
+        };
         let players: Arc<dyn PlayerRecords> = match players_url {
             "memory" | "" => Arc::new(memory::MemoryPlayers::default()),
             u if u.starts_with("mongodb://") || u.starts_with("mongodb+srv://") => {
@@ -288,6 +296,7 @@ impl Stores {
             directory,
             players,
             checkpoints,
+            claims,
         })
     }
 }

@@ -118,6 +118,16 @@ pub fn game_frames() -> Vec<Vec<u8>> {
             payload: payload(2),
             detail: "busy".into(),
         }),
+        B::Claim(Claim {
+            key: "trade:ada".into(),
+            holder_entity: 7,
+            ttl_ms: 5_000,
+            request_id: 12,
+        }),
+        B::ClaimRelease(ClaimRelease {
+            key: "trade:ada".into(),
+            holder_entity: 7,
+        }),
     ];
     let mut frames: Vec<GameFrame> = all
         .iter()
@@ -259,6 +269,20 @@ pub fn sidecar_frames() -> Vec<Vec<u8>> {
             payload: payload(1),
             detail: "no node holds entity 7".into(),
         }),
+        B::ClaimResult(ClaimResult {
+            request_id: 12,
+            key: "trade:ada".into(),
+            outcome: ClaimOutcome::ClaimHeld as i32,
+            holder_entity: 7,
+            held_by: 9,
+            token: 0,
+            detail: String::new(),
+        }),
+        B::ClaimLost(ClaimLost {
+            key: "trade:bob".into(),
+            holder_entity: 7,
+            reason: "lease lapsed".into(),
+        }),
     ];
     let mut frames: Vec<SidecarFrame> = all
         .iter()
@@ -315,6 +339,13 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
             origin_node: 3,
             origin_incarnation: 2,
             last_seq: 40,
+        }],
+        claims: vec![HeldClaim {
+            key: "trade:ada".into(),
+            holder_entity: 7,
+            token: 4,
+            entity_epoch: 2,
+            ttl_ms: 5_000,
         }],
     };
     let chunks = vec![ChunkRef { x: -1, y: 2 }, ChunkRef { x: i64::MIN, y: 0 }];

@@ -248,6 +248,7 @@ impl Core {
                     Ok(gone) => {
                         self.game.checkpoints.forget(gone.id);
                         self.command_target_gone(gone.id);
+                        self.claims_holder_gone(gone.id);
                         self.despawned_while_frozen(&[gone]);
                     }
                     Err(e) => self.entity_error(e),
@@ -283,6 +284,8 @@ impl Core {
             B::Release(r) => self.on_release(r),
             B::Command(c) => self.on_command(c),
             B::CommandReply(r) => self.on_command_reply(r),
+            B::Claim(c) => self.on_claim(c),
+            B::ClaimRelease(r) => self.on_claim_release(r),
         }
     }
 
@@ -596,6 +599,7 @@ impl Core {
         self.repl.sim.clear();
         self.game.restoring.clear();
         self.commands_game_gone();
+        self.claims_game_gone();
         if self.cfg.game_grace_ms > 0 && self.auth.lease_live {
             // Kept for the game's return: clients see them stand still. A handoff still waiting
             // for a snapshot will not get one: those units are abandoned (thawed, kept here).

@@ -546,6 +546,7 @@ impl Core {
                 })
                 .unwrap_or(0),
             state_unix_ms: self.now.unix_ms,
+            claims: self.claims_of([e.id]),
             ..Default::default()
         }
     }
@@ -580,9 +581,11 @@ impl Core {
             .iter()
             .flat_map(|(id, _)| self.command_cursors(*id))
             .collect();
+        let claims = self.claims_of(offer.parts.iter().map(|(id, _)| *id));
         let msg = mesh::HandoffOffer {
             partition_epoch: self.auth.partition.epoch(),
             command_cursors,
+            claims,
             attachments,
             successor,
             unseen: subs::distance_to_area(&self.cfg.world, &self.auth.area, e.chunk)
@@ -695,6 +698,7 @@ impl Core {
         }
         self.metrics.freeze_done(thawed.freeze_ms);
         for m in &thawed.members {
+            self.claims_thawed(*m);
             self.out.to_game.push(
                 sidecar_message::Body::Thaw(local::Thaw {
                     entity_id: *m,
@@ -844,6 +848,7 @@ impl Core {
             for c in self.commands.order.forget(id) {
                 self.forward_command(done.to, done.epoch, c, false);
             }
+            self.claims_handed_away(id);
             let Some(e) = self.table.get_local(id) else {
                 continue;
             };
@@ -1172,6 +1177,7 @@ impl Core {
             }
         }
         self.resume_command_cursors(&o.command_cursors);
+        self.claims_adopted(&o.claims);
         for m in std::iter::once(o.entity_id).chain(o.attachments.iter().map(|a| a.entity_id)) {
             for f in self.handoff.fence.advance(m, epoch, me) {
                 self.apply_fenced(f);

@@ -19,11 +19,16 @@ pub(crate) mod authority;
 pub(crate) mod avatars;
 pub(crate) mod balance;
 #[cfg(test)]
+mod claim_tests;
+pub mod claims;
+#[cfg(test)]
 mod command_tests;
 pub(crate) mod commands;
 pub(crate) mod game;
 pub(crate) mod gateway;
 pub(crate) mod handoff;
+#[cfg(test)]
+mod pair_tests;
 pub(crate) mod peers;
 pub(crate) mod replication;
 pub(crate) mod restore;
@@ -36,6 +41,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use cellmesh_geo_router::partition::{NodeId, Partition};
+use cellmesh_geo_router::store::claims::{ClaimGrant, ClaimHolder, ClaimOutcome};
 use cellmesh_geo_router::store::{MasterEntry, PlayerRecord, SessionEntry};
 use cellmesh_geo_router::topology::Lease;
 use cellmesh_proto::local::{self, GameMessage, SidecarFrame, SidecarMessage};
@@ -236,6 +242,24 @@ pub enum StoreRequest {
     ListCheckpointed,
     /// Commits `partition` if the store's current epoch is the one before it.
     CommitPartition { partition: Box<Partition> },
+    /// Claims `key` for `holder` with a lease of `ttl_ms`; answered under `token`.
+    Claim {
+        token: u64,
+        key: String,
+        holder: ClaimHolder,
+        ttl_ms: u64,
+    },
+    /// Extends each claim's lease, if its grant still holds it.
+    RenewClaims { claims: Vec<(ClaimGrant, u64)> },
+    /// A claim carried in by a handoff: held under `entity_epoch` from now on (which fences the
+    /// previous owner out), its lease renewed to `ttl_ms`.
+    RebindClaim {
+        grant: ClaimGrant,
+        entity_epoch: u64,
+        ttl_ms: u64,
+    },
+    /// Frees a claim if `grant` still holds it (no answer: a lease lapses anyway).
+    ReleaseClaim { grant: ClaimGrant },
 }
 
 /// The answers of store calls that have one.
@@ -275,6 +299,19 @@ pub enum StoreReply {
     },
     /// A `WriteMasters` the store refused: these accounts' records are written again.
     MastersNotWritten { accounts: Vec<String> },
+    Claimed {
+        token: u64,
+        result: Result<ClaimOutcome, String>,
+    },
+    /// Renewals: (grant, still held?).
+    ClaimsRenewed {
+        results: Vec<(ClaimGrant, Result<bool, String>)>,
+    },
+    /// A rebind of `old`: the grant under the new epoch, or `None` if `old` no longer holds it.
+    ClaimRebound {
+        old: ClaimGrant,
+        result: Result<Option<ClaimGrant>, String>,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -332,6 +369,7 @@ pub struct Core {
     pub(crate) restore: restore::Restore,
     pub(crate) avatars: avatars::Avatars,
     pub(crate) commands: commands::Commands,
+    pub(crate) claims: crate::model::claims::Claims,
     /// Whether the node takes new sessions.
     pub(crate) admission: crate::model::admission::Admission,
     /// The game's smoothed load, for the balancer.
@@ -384,6 +422,7 @@ impl Core {
             },
             avatars: avatars::Avatars::default(),
             commands: commands::Commands::default(),
+            claims: Default::default(),
             admission: {
                 metrics.admission_open.set(1);
                 crate::model::admission::Admission::new(cfg.admission.clone())
@@ -571,6 +610,11 @@ impl Core {
                 put,
                 remove,
             }) => self.on_checkpoints_not_written(lease_epoch, put, remove),
+            Input::Store(StoreReply::Claimed { token, result }) => self.on_claimed(token, result),
+            Input::Store(StoreReply::ClaimsRenewed { results }) => self.on_claims_renewed(results),
+            Input::Store(StoreReply::ClaimRebound { old, result }) => {
+                self.on_claim_rebound(old, result)
+            }
             Input::Store(StoreReply::MastersNotWritten { accounts }) => {
                 self.on_masters_not_written(accounts)
             }
@@ -674,6 +718,7 @@ impl Core {
             self.restore_step();
             self.avatars_step();
             self.commands_step();
+            self.claims_step();
             self.save_player_records();
             self.report_whereabouts();
             self.evaluate_admission();

@@ -131,6 +131,8 @@ fn message_name(body: &game_message::Body) -> &'static str {
         B::Release(_) => "Release",
         B::Command(_) => "Command",
         B::CommandReply(_) => "CommandReply",
+        B::Claim(_) => "Claim",
+        B::ClaimRelease(_) => "ClaimRelease",
     }
 }
 

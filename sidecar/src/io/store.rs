@@ -229,5 +229,43 @@ pub(crate) async fn execute(
             };
             Some(StoreReply::PartitionCommitted { epoch, result })
         }
+        StoreRequest::Claim {
+            token,
+            key,
+            holder,
+            ttl_ms,
+        } => Some(StoreReply::Claimed {
+            token,
+            result: timed(
+                stores
+                    .claims
+                    .claim(&key, holder, Duration::from_millis(ttl_ms)),
+            )
+            .await,
+        }),
+        StoreRequest::RenewClaims { claims } => {
+            let mut results = Vec::with_capacity(claims.len());
+            for (grant, ttl_ms) in claims {
+                let r = timed(stores.claims.renew(&grant, Duration::from_millis(ttl_ms))).await;
+                results.push((grant, r));
+            }
+            Some(StoreReply::ClaimsRenewed { results })
+        }
+        StoreRequest::RebindClaim {
+            grant,
+            entity_epoch,
+            ttl_ms,
+        } => {
+            let ttl = Duration::from_millis(ttl_ms);
+            let result = timed(stores.claims.rebind_renewed(&grant, entity_epoch, ttl)).await;
+            Some(StoreReply::ClaimRebound { old: grant, result })
+        }
+        StoreRequest::ReleaseClaim { grant } => {
+            if let Err(e) = timed(stores.claims.release(&grant)).await {
+                metrics.error("store");
+                tracing::warn!(key = %grant.key, error = %e, "claim not released (its lease lapses)");
+            }
+            None
+        }
     }
 }

@@ -13,6 +13,7 @@
 pub mod admission;
 pub mod audience;
 pub mod checkpoints;
+pub mod claims;
 pub mod commands;
 pub mod entities;
 pub mod fold;
