@@ -160,6 +160,15 @@ fn claims() {
 }
 
 #[test]
+fn claims_seeds_that_once_failed() {
+    // 53: two restore deciders in turn offered a dead node's NPC under the same epoch; the
+    // first offer was refused by a node on another partition epoch, which burnt that epoch and
+    // then dropped every frame of the second decider's owner under it: its ghost went stale
+    // and was swept from a player's view.
+    seeds_hold("claims", &[53]);
+}
+
+#[test]
 fn claims_are_raced_across_borders_in_the_claims_scenario() {
     // Not vacuous: trades across borders, claims refused because another node's entity held
     // the key, trades done; and never a player in two trades at once.

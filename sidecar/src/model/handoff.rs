@@ -994,6 +994,11 @@ impl<F> Fence<F> {
             return Vec::new();
         }
         self.known.insert(id, Known { epoch, owner });
+        // A refused offer's epoch burnt here was still given to another node: a later restore
+        // decider, which cannot know of the refusal, mints the same epoch above the same
+        // candidates. Its owner is the one writer under it now (the owner check keeps the rest
+        // out), so this node follows it instead of dropping its every frame.
+        self.burnt.remove(&(id, epoch));
         let Some(held) = self.held.get_mut(&id) else {
             return Vec::new();
         };
@@ -1615,6 +1620,23 @@ mod tests {
         assert_eq!(f.take_discarded(), [1], "what a burn drops is handed back");
         assert_eq!(f.admit(10, 1, None, 2), Admit::Dropped(2));
         assert_eq!(f.stale_drops(), 2);
+    }
+
+    #[test]
+    fn a_burnt_epoch_given_to_another_owner_is_followed() {
+        let mut f = Fence::<u32>::default();
+        f.admit(10, 0, Some(A), 0);
+        // Refused here (offered by a restore decider under epoch 1)...
+        f.burn(10, 1);
+        assert_eq!(f.admit(10, 1, Some(B), 1), Admit::Dropped(1));
+        // ...then adopted by C under the same epoch, offered by another decider.
+        assert!(f.advance(10, 1, C).is_empty());
+        assert_eq!(f.admit(10, 1, Some(C), 2), Admit::Accept(2));
+        assert_eq!(
+            f.admit(10, 1, Some(B), 3),
+            Admit::Dropped(3),
+            "only the epoch's owner writes under it"
+        );
     }
 
     #[test]
