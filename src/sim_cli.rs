@@ -54,12 +54,14 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         let mut balance = Vec::new();
         let mut commands = cellmesh_sim::CommandFigures::default();
         let mut trades = cellmesh_sim::TradeFigures::default();
+        let mut dens = cellmesh_sim::DenFigures::default();
         for seed in 1..=args.seeds {
             let r = cellmesh_sim::run(s, seed);
             runs += 1;
             balance.extend(r.balance.clone());
             commands.add(&r.stats.commands);
             trades.add(&r.stats.trades);
+            dens.add(&r.stats.dens);
             if !r.ok() {
                 bad += 1;
                 failed.push(r);
@@ -78,6 +80,9 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         }
         if commands.sent > 0 {
             println!("             {commands}");
+        }
+        if dens.stocked > 0 {
+            println!("             {dens}");
         }
     }
     if let Some(first) = failed.first() {

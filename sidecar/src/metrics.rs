@@ -189,6 +189,12 @@ pub struct Metrics {
     pub claims_rebound: Counter,
     /// Claims this node's entities hold now.
     pub claims_held: Gauge,
+    /// Spawn points this node stocks now (its partition gives it their chunks).
+    pub spawners_owned: Gauge,
+    /// Stocks granted to this node's game (`SpawnerOwned`).
+    pub spawner_stocks: Counter,
+    /// Spawn points this node gave up to another node (`SpawnerReleased`).
+    pub spawners_released: Counter,
     pub ghosts_render: Gauge,
     pub ghosts_sim: Gauge,
     pub subscriptions: Gauge,
@@ -287,6 +293,9 @@ impl Default for Metrics {
             claims_released: Default::default(),
             claims_rebound: Default::default(),
             claims_held: Default::default(),
+            spawners_owned: Default::default(),
+            spawner_stocks: Default::default(),
+            spawners_released: Default::default(),
             ghosts_render: Default::default(),
             ghosts_sim: Default::default(),
             subscriptions: Default::default(),
@@ -487,6 +496,21 @@ impl Metrics {
             "claims_held",
             "Claims this node's entities hold now",
             m.claims_held.clone(),
+        );
+        r.register(
+            "spawners_owned",
+            "Spawn points this node stocks now",
+            m.spawners_owned.clone(),
+        );
+        r.register(
+            "spawner_stocks",
+            "Stocks of spawn points granted to this node's game",
+            m.spawner_stocks.clone(),
+        );
+        r.register(
+            "spawners_released",
+            "Spawn points this node gave up to another node",
+            m.spawners_released.clone(),
         );
         r.register(
             "inputs_forwarded",

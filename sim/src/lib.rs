@@ -18,4 +18,4 @@ mod world;
 
 pub use director::{summarise, Balance, EpochRecord, Sample};
 pub use scenario::{catalogue, named, Delay, Fault, FaultPlan, LayoutKind, Scenario};
-pub use world::{run, run_traced, CommandFigures, Report, Stats, TradeFigures};
+pub use world::{run, run_traced, CommandFigures, DenFigures, Report, Stats, TradeFigures};

@@ -148,6 +148,8 @@ pub struct Scenario {
     pub combat: bool,
     /// Players trade with the nearest other player under exclusive claims (the arena's trade).
     pub trade: bool,
+    /// Dens every game declares (the mesh's spawn points): (key, position).
+    pub dens: &'static [(&'static str, (f64, f64))],
     pub tick_ms: u64,
     /// Each client sends an input this often once it sees its avatar.
     pub input_every_ms: u64,
@@ -210,6 +212,7 @@ impl Scenario {
             npc_speed: 30.0,
             combat: false,
             trade: false,
+            dens: &[],
             tick_ms: 50,
             input_every_ms: 100,
             motion_ms: 5_000,
@@ -367,6 +370,12 @@ fn claim_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
         },
     );
     kill_some(s, rng, plan, 1, true);
+}
+
+fn spawner_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    replan(s, rng, plan);
+    cuts(s, rng, plan);
+    restarts(s, rng, plan);
 }
 
 fn restarts(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
@@ -606,6 +615,27 @@ pub fn catalogue() -> Vec<Scenario> {
             gateways: &[2, 4],
             faults: claim_faults,
             ..Scenario::base("claims")
+        },
+        Scenario {
+            // Dens on the borders around the corner four regions share, stocked by whichever
+            // node owns each den's chunk and fought over by players from every side: a killed
+            // den NPC is stocked again; through re-plans that move the dens' chunks, link cuts
+            // and game restarts, no den has two NPCs at once.
+            combat: true,
+            players: 10,
+            npcs_per_node: 2,
+            npc_area: Some(((256.0, 256.0), 64.0)),
+            player_speed: 8.0,
+            dens: &[
+                ("corner", (256.0, 256.0)),
+                ("north", (256.0, 224.0)),
+                ("west", (224.0, 256.0)),
+                ("south", (256.0, 288.0)),
+            ],
+            settle_ms: 8_000,
+            gateways: &[2, 4],
+            faults: spawner_faults,
+            ..Scenario::base("spawners")
         },
         hotspot("balance"),
         Scenario {

@@ -112,6 +112,38 @@ pub struct Stats {
     pub counted: Counted,
     pub commands: CommandFigures,
     pub trades: TradeFigures,
+    pub dens: DenFigures,
+}
+
+/// Dens (region-owned spawners) of one run, as the games, the census and the nodes count them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DenFigures {
+    /// Den NPCs the games spawned on `SpawnerOwned`, and killed (then stocked again).
+    pub stocked: u64,
+    pub killed: u64,
+    /// Dens a node gave up to another as the partition changed (`SpawnerReleased`).
+    pub released: u64,
+    /// Den NPCs that appeared while another of their den was held (must be 0).
+    pub stocked_twice: u64,
+}
+
+impl DenFigures {
+    pub fn add(&mut self, o: &DenFigures) {
+        self.stocked += o.stocked;
+        self.killed += o.killed;
+        self.released += o.released;
+        self.stocked_twice += o.stocked_twice;
+    }
+}
+
+impl std::fmt::Display for DenFigures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "dens stocked {}, killed {}, given up to another node {}; stocked twice {}",
+            self.stocked, self.killed, self.released, self.stocked_twice
+        )
+    }
 }
 
 /// Trades under exclusive claims of one run, as the games, the census and the nodes count them.
@@ -1795,10 +1827,11 @@ impl<'a> Sim<'a> {
                         release: node.is_multiple_of(2),
                         combat: s.combat,
                         trade: s.trade,
+                        dens: s.dens.iter().map(|(k, at)| (k.to_string(), *at)).collect(),
                         ..ArenaConfig::default()
                     };
                     let mut arena = Arena::new(cfg, &w);
-                    arena.request_ids(&mut out);
+                    arena.start(&mut out);
                     g.arena = Some(arena);
                 }
                 (Some(arena), body) => arena.on_message(&mut out, body),
@@ -2515,6 +2548,23 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// No den stocked twice at once (the spawners' promise, as the census saw it).
+    fn den_checks(&mut self, games: &[ArenaStats]) {
+        let d = &mut self.stats.dens;
+        for s in games {
+            d.killed += s.den_kills;
+            d.released += s.dens_released;
+        }
+        (d.stocked, d.stocked_twice) = self.census.dens();
+        let twice = d.stocked_twice;
+        if twice > 0 {
+            self.check.violation(
+                self.now,
+                format!("{twice} den NPCs appeared while their den had another"),
+            );
+        }
+    }
+
     fn final_checks(&mut self) {
         // Every entity is checkpointed within an interval of its last change (a game busy with
         // a long tick answers late: the slack covers one).
@@ -2614,6 +2664,7 @@ impl<'a> Sim<'a> {
         self.stats.handoffs = self.sum_over_cores(|c| c.metrics().handoffs_out.get());
         self.command_checks(&games);
         self.trade_checks(&games);
+        self.den_checks(&games);
         self.stats.checkpoints = self.sum_over_cores(|c| c.metrics().checkpoints.get());
         // One avatar per account, whatever its sessions did.
         for c in &self.clients {

@@ -160,6 +160,27 @@ fn claims() {
 }
 
 #[test]
+fn spawners() {
+    seeds_of("spawners");
+}
+
+#[test]
+fn dens_on_borders_are_stocked_once_through_replans_and_restocked_when_killed() {
+    // Not vacuous: dens stocked, killed and stocked again, given up to another node by a
+    // re-plan; and never a den with two NPCs at once.
+    let s = named("spawners").unwrap();
+    let mut all = cellmesh_sim::DenFigures::default();
+    for seed in 1..=8 {
+        let r = run(&s, seed);
+        assert!(r.ok(), "{r}");
+        all.add(&r.stats.dens);
+    }
+    assert!(all.stocked > 20, "{all}");
+    assert!(all.killed > 5 && all.released > 5, "{all}");
+    assert_eq!(all.stocked_twice, 0, "{all}");
+}
+
+#[test]
 fn claims_seeds_that_once_failed() {
     // 53: two restore deciders in turn offered a dead node's NPC under the same epoch; the
     // first offer was refused by a node on another partition epoch, which burnt that epoch and
@@ -284,6 +305,7 @@ fn the_suite_runs_every_scenario_of_the_catalogue_with_enough_seeds() {
             "geos",
             "commands",
             "claims",
+            "spawners",
             "balance",
             "balance_cuts",
             "balance_kill",

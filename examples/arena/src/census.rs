@@ -31,6 +31,27 @@ struct Inner {
     trades_opened: u64,
     /// Trades opened while one of their players was in another: must stay 0.
     trades_overlapping: u64,
+    /// The den of every den NPC spawned (see `ArenaConfig::dens`).
+    stock_keys: BTreeMap<u64, String>,
+    dens_stocked: u64,
+    /// Den NPCs that appeared (spawned or adopted) while another NPC of their den was held by
+    /// an arena: must stay 0.
+    dens_stocked_twice: u64,
+}
+
+impl Inner {
+    /// Whether another NPC of `id`'s den is alive and held by an arena now.
+    fn den_stocked_elsewhere(&self, id: u64) -> bool {
+        let Some(key) = self.stock_keys.get(&id) else {
+            return false;
+        };
+        self.stock_keys.iter().any(|(other, k)| {
+            *other != id
+                && k == key
+                && !self.despawned.contains(other)
+                && self.holders.get(other).is_some_and(|h| !h.is_empty())
+        })
+    }
 }
 
 /// What the census saw, at one moment.
@@ -75,6 +96,23 @@ impl Census {
         hold(&mut c.holders, id, holder);
     }
 
+    /// `holder` stocked den `key` with NPC `id`.
+    pub fn spawned_stock(&self, key: &str, id: u64, holder: u32) {
+        self.spawned(id, holder);
+        let mut c = self.lock();
+        c.stock_keys.insert(id, key.to_string());
+        c.dens_stocked += 1;
+        if c.den_stocked_elsewhere(id) {
+            c.dens_stocked_twice += 1;
+        }
+    }
+
+    /// Den NPCs spawned, and how many appeared while their den had another: (stocked, twice).
+    pub fn dens(&self) -> (u64, u64) {
+        let c = self.lock();
+        (c.dens_stocked, c.dens_stocked_twice)
+    }
+
     /// `holder` created `id`, the avatar of `account`.
     pub fn spawned_avatar(&self, id: u64, holder: u32, account: &str) {
         self.spawned(id, holder);
@@ -102,7 +140,14 @@ impl Census {
 
     /// `holder` took `id` over from another arena.
     pub fn adopted(&self, id: u64, holder: u32) {
-        hold(&mut self.lock().holders, id, holder);
+        let mut c = self.lock();
+        let was_held = c.holders.get(&id).is_some_and(|h| !h.is_empty());
+        hold(&mut c.holders, id, holder);
+        // A den NPC back from nowhere (restored after its node died) while its den was stocked
+        // again meanwhile.
+        if !was_held && c.den_stocked_elsewhere(id) {
+            c.dens_stocked_twice += 1;
+        }
     }
 
     /// `holder` let `id` go to another arena.

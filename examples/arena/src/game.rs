@@ -8,8 +8,8 @@ use bytes::Bytes;
 use cellmesh_proto::local::{
     game_message::Body, sidecar_message, Adopt, Adopted, Audience, AudienceKind, CheckpointState,
     Claim, ClaimLost, ClaimOutcome, ClaimRelease, ClaimResult, Command, CommandError, CommandIn,
-    CommandReply, CommandResult, Component, Despawn, Event, Release, ReserveIds, Snapshot, Spawn,
-    Update, Vec3, Welcome,
+    CommandReply, CommandResult, Component, DeclareSpawners, Despawn, Event, Release, ReserveIds,
+    Snapshot, Spawn, SpawnPoint, SpawnerOwned, Update, Vec3, Welcome,
 };
 use cellmesh_proto::sdk::{GameSender, OwnedArea};
 use rand::rngs::StdRng;
@@ -19,6 +19,9 @@ use crate::combat::{self, DamageTable};
 use crate::schema::{self, SampleSnapshot, SnapshotKind, SNAPSHOT_VERSION};
 use crate::trade::{self, Escrow, Trade};
 use crate::{ArenaConfig, ArenaStats, Census};
+
+/// The name of every den NPC starts so (its kind is `npc:den:<key>#<generation>`).
+const DEN_PREFIX: &str = "den:";
 
 /// Ticks an entity whose release was kept waits before it is released again.
 const RELEASE_BACKOFF_TICKS: u64 = 20;
@@ -352,6 +355,80 @@ impl Arena {
     fn random_dir(rng: &mut StdRng) -> (f64, f64) {
         let a: f64 = rng.random_range(0.0..std::f64::consts::TAU);
         (a.cos(), a.sin())
+    }
+
+    /// The first words to the sidecar: ids for what the arena spawns, and its dens.
+    pub fn start(&mut self, out: &mut impl Outbox) {
+        self.request_ids(out);
+        if !self.cfg.dens.is_empty() {
+            let points = self
+                .cfg
+                .dens
+                .iter()
+                .map(|(key, (x, y))| SpawnPoint {
+                    key: key.clone(),
+                    x: *x,
+                    y: *y,
+                })
+                .collect();
+            out.push(Body::DeclareSpawners(DeclareSpawners { points }));
+        }
+    }
+
+    /// This node stocks a den now: its NPC appears at the den, under the id the mesh gave.
+    fn stock_den(&mut self, out: &mut impl Outbox, o: SpawnerOwned) {
+        if self.entities.contains_key(&o.entity_id) {
+            return;
+        }
+        let at = o.position.map_or(self.cfg.center, |p| (p.x, p.y));
+        let pos = self.torus.normalise(at);
+        let name = format!("{DEN_PREFIX}{}#{}", o.key, o.generation);
+        let health = (50, 50);
+        out.push(Body::Spawn(Spawn {
+            entity_id: o.entity_id,
+            position: Some(Vec3::xy(pos.0, pos.1)),
+            components: vec![
+                component(schema::KIND, Bytes::from(format!("npc:{name}")), public()),
+                component(schema::HEALTH, schema::health(health.0, health.1), public()),
+            ],
+            ..Default::default()
+        }));
+        let dir = Self::random_dir(&mut self.rng);
+        let turn_in = self.rng.random_range(20..100);
+        self.entities.insert(
+            o.entity_id,
+            Entity {
+                pos,
+                z: 0.0,
+                dir,
+                health,
+                frozen: false,
+                released: false,
+                release_after: 0,
+                epoch: 1,
+                role: Role::Npc {
+                    name,
+                    turn_in,
+                    damage: DamageTable::default(),
+                },
+            },
+        );
+        self.stats.dens_stocked += 1;
+        if let Some(c) = self.census() {
+            c.spawned_stock(&o.key, o.entity_id, self.node);
+        }
+    }
+
+    /// A den NPC is gone from the world (killed, or its den's claim lost: another node may
+    /// stock the den now).
+    fn despawn_den_npc(&mut self, out: &mut impl Outbox, id: u64) {
+        if self.entities.remove(&id).is_none() {
+            return;
+        }
+        out.push(Body::Despawn(Despawn { entity_id: id }));
+        if let Some(c) = self.census() {
+            c.despawned(id, self.node);
+        }
     }
 
     pub fn request_ids(&mut self, out: &mut impl Outbox) {
@@ -692,7 +769,15 @@ impl Arena {
             M::CommandIn(c) => self.on_command(out, c),
             M::CommandResult(r) => self.on_command_result(out, r),
             M::ClaimResult(r) => self.on_claim_result(out, r),
+            M::ClaimLost(l) if l.key.starts_with("spawner:") => {
+                self.despawn_den_npc(out, l.holder_entity)
+            }
             M::ClaimLost(l) => self.on_claim_lost(out, l),
+            M::SpawnerOwned(o) => self.stock_den(out, o),
+            M::SpawnerReleased(r) => {
+                self.stats.dens_released += 1;
+                tracing::debug!(key = %r.key, reason = %r.reason, "den given up");
+            }
             M::PartitionChanged(p) => {
                 self.area.set_rects(p.owned_area.clone());
                 tracing::info!(
@@ -948,10 +1033,12 @@ impl Arena {
         table.hit(&c.from_account, c.from_entity, damage);
         e.health.0 = e.health.0.saturating_sub(damage);
         let mut rewards = Vec::new();
+        let mut den_killed = false;
         if e.health.0 == 0 {
             rewards = table.share_out(combat::KILL_XP);
             e.health.0 = e.health.1;
             self.stats.kills += 1;
+            den_killed = matches!(&e.role, Role::Npc { name, .. } if name.starts_with(DEN_PREFIX));
         }
         out.push(Body::Update(Update {
             entity_id: c.target,
@@ -972,6 +1059,11 @@ impl Arena {
                 c.target,
             );
             self.stats.xp_sent += 1;
+        }
+        if den_killed {
+            // A den's NPC does not rise again: the den is stocked anew, under a new id.
+            self.stats.den_kills += 1;
+            self.despawn_den_npc(out, c.target);
         }
         Ok(())
     }
@@ -2693,5 +2785,85 @@ mod tests {
                 .collect();
             assert_eq!(keys, HashSet::from(["trade:ann", "trade:bob"]), "{asked:?}");
         }
+    }
+
+    #[test]
+    fn a_den_given_to_this_node_is_stocked_under_the_given_id_and_gone_when_killed_or_lost() {
+        let census = Arc::new(Census::default());
+        let cfg = ArenaConfig {
+            npcs: 0,
+            census: Some(census.clone()),
+            dens: vec![("wolves".into(), (250.0, 10.0))],
+            ..ArenaConfig::default()
+        };
+        let mut a = Arena::new(cfg, &welcome());
+        let mut out = Vec::new();
+        a.start(&mut out);
+        let declared: Vec<_> = out
+            .iter()
+            .filter_map(|b| match b {
+                Body::DeclareSpawners(d) => Some(d.points.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(declared.len(), 1);
+        assert_eq!(declared[0][0].key, "wolves");
+        let owned = |id: u64, generation: u64| {
+            M::SpawnerOwned(SpawnerOwned {
+                key: "wolves".into(),
+                entity_id: id,
+                generation,
+                position: Some(Vec3::xy(250.0, 10.0)),
+            })
+        };
+        let stock = 1 << 62 | 7;
+        let mut out = Vec::new();
+        a.on_message(&mut out, owned(stock, 1));
+        // Said twice (a repeated word): stocked once.
+        a.on_message(&mut out, owned(stock, 1));
+        assert_eq!(spawned(&out), [stock]);
+        assert_eq!(a.held().next().unwrap().pos, (250.0, 10.0));
+        // Killed: gone for good, not risen.
+        let mut out = Vec::new();
+        for k in 0..5 {
+            a.on_message(&mut out, attack_in(stock, "ann", 1, NODE, k + 1));
+        }
+        assert!(out
+            .iter()
+            .any(|b| matches!(b, Body::Despawn(d) if d.entity_id == stock)));
+        assert_eq!(a.entity_count(), 0);
+        assert_eq!(a.stats.den_kills, 1);
+        // The next generation; then its den's claim is lost: gone too.
+        let next = 1 << 62 | 8;
+        let mut out = Vec::new();
+        a.on_message(&mut out, owned(next, 2));
+        a.on_message(
+            &mut out,
+            M::ClaimLost(ClaimLost {
+                key: "spawner:wolves".into(),
+                holder_entity: next,
+                reason: "lapsed".into(),
+            }),
+        );
+        assert!(out
+            .iter()
+            .any(|b| matches!(b, Body::Despawn(d) if d.entity_id == next)));
+        assert_eq!(census.dens(), (2, 0));
+    }
+
+    #[test]
+    fn the_census_counts_a_den_stocked_while_another_of_it_is_held() {
+        let census = Census::default();
+        census.spawned_stock("wolves", 1, 1);
+        census.despawned(1, 1);
+        census.spawned_stock("wolves", 2, 1);
+        assert_eq!(census.dens(), (2, 0), "one after the other");
+        // Node 1 died holding 2 (nobody holds it); node 2 stocks the den again: fine...
+        census.release_holder(1);
+        census.spawned_stock("wolves", 3, 2);
+        assert_eq!(census.dens(), (3, 0));
+        // ...but 2 restored on node 4 while 3 lives is a den stocked twice.
+        census.adopted(2, 4);
+        assert_eq!(census.dens(), (3, 1));
     }
 }

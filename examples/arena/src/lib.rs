@@ -53,6 +53,9 @@ pub struct ArenaConfig {
     /// Players trade with the nearest other player in reach, under exclusive claims (see
     /// `trade`).
     pub trade: bool,
+    /// Dens (the mesh's spawn points): (key, position). The node owning a den's chunk stocks it
+    /// with one NPC; a den NPC killed is gone, and the den is stocked again.
+    pub dens: Vec<(String, (f64, f64))>,
 }
 
 impl Default for ArenaConfig {
@@ -72,6 +75,7 @@ impl Default for ArenaConfig {
             entity_cost_ms: 0.0,
             combat: true,
             trade: true,
+            dens: Vec::new(),
         }
     }
 }
@@ -144,6 +148,11 @@ pub struct ArenaStats {
     pub claims_granted: u64,
     pub claims_refused: u64,
     pub claims_lost: u64,
+    /// Den NPCs this arena spawned when its node was given a den to stock (`SpawnerOwned`),
+    /// killed (then gone: the den is stocked again), and dens given up to another node.
+    pub dens_stocked: u64,
+    pub den_kills: u64,
+    pub dens_released: u64,
 }
 
 /// An arena that stops holds nothing: releases its census entries however `run` ends.
@@ -185,7 +194,7 @@ pub async fn run(
     let halt = cfg.halt.clone();
     let entity_cost_ms = cfg.entity_cost_ms;
     let mut arena = Arena::new(cfg, &welcome);
-    arena.request_ids(&mut tx);
+    arena.start(&mut tx);
     tx.flush().await?;
     let (mut tick, wait) = clock.next_tick(unix_us());
     let mut next_at = tokio::time::Instant::now() + wait;

@@ -128,6 +128,20 @@ pub fn game_frames() -> Vec<Vec<u8>> {
             key: "trade:ada".into(),
             holder_entity: 7,
         }),
+        B::DeclareSpawners(DeclareSpawners {
+            points: vec![
+                SpawnPoint {
+                    key: "den:wolves".into(),
+                    x: 256.0,
+                    y: 128.0,
+                },
+                SpawnPoint {
+                    key: "ore:3".into(),
+                    x: -1.5,
+                    y: 2e9,
+                },
+            ],
+        }),
     ];
     let mut frames: Vec<GameFrame> = all
         .iter()
@@ -282,6 +296,16 @@ pub fn sidecar_frames() -> Vec<Vec<u8>> {
             key: "trade:bob".into(),
             holder_entity: 7,
             reason: "lease lapsed".into(),
+        }),
+        B::SpawnerOwned(SpawnerOwned {
+            key: "den:wolves".into(),
+            entity_id: 1 << 62 | 5,
+            generation: 3,
+            position: Some(Vec3::xy(256.0, 128.0)),
+        }),
+        B::SpawnerReleased(SpawnerReleased {
+            key: "den:wolves".into(),
+            reason: "its chunk went to node 2".into(),
         }),
     ];
     let mut frames: Vec<SidecarFrame> = all

@@ -179,6 +179,7 @@ impl Core {
             .collect();
         self.handoff.mass.extend(gone.iter().copied());
         self.handoff.recheck.extend(gone);
+        self.spawners_replanned();
         if retired {
             match self.cfg.when_retired {
                 WhenRetired::Spare => {

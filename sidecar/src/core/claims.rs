@@ -12,6 +12,7 @@ use cellmesh_proto::local::{sidecar_message, ClaimOutcome as Outcome, ErrorCode}
 
 use super::*;
 use crate::model::claims::{Pending, Renewed};
+use crate::model::spawners;
 
 /// The shortest and longest lease a game may ask for.
 pub const MIN_CLAIM_TTL_MS: u64 = 1_000;
@@ -111,6 +112,12 @@ impl Core {
             fail(format!(
                 "ttl_ms {ttl_ms}: a claim's lease is {MIN_CLAIM_TTL_MS} to {MAX_CLAIM_TTL_MS} ms"
             ))
+        } else if c.key.starts_with(spawners::CLAIM_PREFIX) {
+            fail(format!(
+                "key {:?}: keys starting {:?} are the spawn points' (see DeclareSpawners)",
+                c.key,
+                spawners::CLAIM_PREFIX
+            ))
         } else if self.claims.pending_count() >= MAX_PENDING_CLAIMS {
             fail(format!(
                 "{MAX_PENDING_CLAIMS} claims wait for the store already"
@@ -141,6 +148,7 @@ impl Core {
             conn,
             sent_at: self.now.mono_ms,
             released: false,
+            spawner: false,
         });
         self.emit(Output::Store(StoreRequest::Claim {
             token,
@@ -174,7 +182,7 @@ impl Core {
     /// The game's `ClaimRelease`.
     pub(crate) fn on_claim_release(&mut self, r: local::ClaimRelease) {
         let holder = (r.holder_entity != 0).then_some(r.holder_entity);
-        if !self.claims.knows(&r.key, holder) {
+        if r.key.starts_with(spawners::CLAIM_PREFIX) || !self.claims.knows(&r.key, holder) {
             return self.game_error(
                 ErrorCode::InvalidValue,
                 format!(
@@ -191,7 +199,7 @@ impl Core {
         }
     }
 
-    fn free_claim(&mut self, grant: ClaimGrant) {
+    pub(crate) fn free_claim(&mut self, grant: ClaimGrant) {
         self.metrics.claims_released.inc();
         self.emit(Output::Store(StoreRequest::ReleaseClaim { grant }));
     }
@@ -223,6 +231,9 @@ impl Core {
         let Some(p) = self.claims.answered(token) else {
             return;
         };
+        if p.spawner {
+            return self.on_spawner_claimed(p, result);
+        }
         let conn = self.game.slot.as_ref().map_or(0, |g| g.conn);
         let mut r = local::ClaimResult {
             request_id: p.request_id,
@@ -387,10 +398,14 @@ impl Core {
     /// The game went away: what it claimed is freed. Its entities may wait for its return, but
     /// the game that comes back knows nothing of these claims and would never release them.
     pub(crate) fn claims_game_gone(&mut self) {
-        for h in self.claims.forget_all() {
+        for h in self
+            .claims
+            .forget_games(|k| k.starts_with(spawners::CLAIM_PREFIX))
+        {
             self.free_claim(h.grant);
         }
-        self.metrics.claims_held.set(0);
+        self.spawners_game_gone();
+        self.metrics.claims_held.set(self.claims.len() as i64);
     }
 
     /// Renewals and rebinds due, lapsed leases, and holders that left the table.
@@ -404,6 +419,8 @@ impl Core {
             .held()
             .filter(|h| h.rebinding.is_none())
             .map(|h| h.grant.holder.entity)
+            // A stock handed to the game and not spawned yet holds its claim meanwhile.
+            .filter(|id| !self.spawners.is_awaited(*id))
             .filter(|id| self.table.get_local(*id).is_none_or(|e| e.origin.is_some()))
             .collect();
         for id in gone {

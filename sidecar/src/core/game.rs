@@ -286,6 +286,7 @@ impl Core {
             B::CommandReply(r) => self.on_command_reply(r),
             B::Claim(c) => self.on_claim(c),
             B::ClaimRelease(r) => self.on_claim_release(r),
+            B::DeclareSpawners(d) => self.on_declare_spawners(d),
         }
     }
 
@@ -343,6 +344,9 @@ impl Core {
             Ok(c) => c,
             Err(detail) => return self.game_error(ErrorCode::InvalidValue, detail, s.entity_id),
         };
+        if let Err(detail) = self.check_spawned_id(s.entity_id) {
+            return self.game_error(ErrorCode::NotOwner, detail, s.entity_id);
+        }
         let spawn = NewEntity {
             id: s.entity_id,
             position: s.position.map(local_position).unwrap_or_default(),
@@ -354,7 +358,10 @@ impl Core {
             epoch: FIRST_EPOCH,
         };
         match self.table.spawn(spawn) {
-            Ok(()) => self.game.checkpoints.touched(s.entity_id, self.now.mono_ms),
+            Ok(()) => {
+                self.game.checkpoints.touched(s.entity_id, self.now.mono_ms);
+                self.spawners_spawned(s.entity_id);
+            }
             Err(e) => self.entity_error(e),
         }
     }

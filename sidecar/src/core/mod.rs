@@ -35,6 +35,9 @@ pub(crate) mod restore;
 pub(crate) mod routing;
 #[cfg(test)]
 mod scripted_tests;
+#[cfg(test)]
+mod spawner_tests;
+mod spawners;
 pub(crate) mod wire;
 
 use std::collections::{BTreeMap, VecDeque};
@@ -370,6 +373,7 @@ pub struct Core {
     pub(crate) avatars: avatars::Avatars,
     pub(crate) commands: commands::Commands,
     pub(crate) claims: crate::model::claims::Claims,
+    pub(crate) spawners: crate::model::spawners::SpawnerBook,
     /// Whether the node takes new sessions.
     pub(crate) admission: crate::model::admission::Admission,
     /// The game's smoothed load, for the balancer.
@@ -423,6 +427,7 @@ impl Core {
             avatars: avatars::Avatars::default(),
             commands: commands::Commands::default(),
             claims: Default::default(),
+            spawners: Default::default(),
             admission: {
                 metrics.admission_open.set(1);
                 crate::model::admission::Admission::new(cfg.admission.clone())
@@ -719,6 +724,7 @@ impl Core {
             self.avatars_step();
             self.commands_step();
             self.claims_step();
+            self.spawners_step();
             self.save_player_records();
             self.report_whereabouts();
             self.evaluate_admission();

@@ -42,6 +42,12 @@ pub(super) struct Node {
     pub refuse: bool,
     /// Whether the game answers `Adopt` (false: the adoption hangs, as in a slow game).
     pub adopts: bool,
+    /// Every `SpawnerOwned` the game was handed, in order.
+    pub spawner_owned: Vec<local::SpawnerOwned>,
+    /// Every `SpawnerReleased` the game was handed, in order.
+    pub spawner_released: Vec<local::SpawnerReleased>,
+    /// Whether the game spawns a stock as soon as it is handed one.
+    pub stocks: bool,
 }
 
 /// Two nodes of one grid: node 1 owns x 0..256 m, node 2 the rest (16 x 16 chunks of 32 m).
@@ -124,6 +130,9 @@ impl Node {
             game_cut: false,
             refuse: false,
             adopts: true,
+            spawner_owned: Vec::new(),
+            spawner_released: Vec::new(),
+            stocks: true,
         }
     }
 
@@ -170,6 +179,17 @@ impl Node {
                 Some(sidecar_message::Body::ClaimResult(r)) => self.claim_results.push(r),
                 Some(sidecar_message::Body::ClaimLost(l)) => self.claims_lost.push((now, l)),
                 Some(sidecar_message::Body::Error(e)) => self.errors.push(e),
+                Some(sidecar_message::Body::SpawnerOwned(o)) => {
+                    if self.stocks {
+                        self.queued.push(game_message::Body::Spawn(local::Spawn {
+                            entity_id: o.entity_id,
+                            position: o.position,
+                            ..Default::default()
+                        }));
+                    }
+                    self.spawner_owned.push(o);
+                }
+                Some(sidecar_message::Body::SpawnerReleased(r)) => self.spawner_released.push(r),
                 _ => {}
             }
         }

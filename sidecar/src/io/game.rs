@@ -133,6 +133,7 @@ fn message_name(body: &game_message::Body) -> &'static str {
         B::CommandReply(_) => "CommandReply",
         B::Claim(_) => "Claim",
         B::ClaimRelease(_) => "ClaimRelease",
+        B::DeclareSpawners(_) => "DeclareSpawners",
     }
 }
 

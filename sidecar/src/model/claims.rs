@@ -48,6 +48,8 @@ pub struct Pending {
     pub sent_at: u64,
     /// The game released it before the answer: a grant is released at once.
     pub released: bool,
+    /// Asked by the node for a spawn point's next stock, not by the game.
+    pub spawner: bool,
 }
 
 /// What a renewal's answer means for the claim.
@@ -188,13 +190,16 @@ impl Claims {
         keys.iter().filter_map(|k| self.held.remove(k)).collect()
     }
 
-    /// Forgets every claim (the game went away): those held, to free in the store; those asked
-    /// for are released when granted.
-    pub fn forget_all(&mut self) -> Vec<Held> {
+    /// Forgets the game's claims (it went away) and keeps the node's own (a spawn point's stock
+    /// keeps its claim while it lives): the game's held ones, to free in the store.
+    pub fn forget_games(&mut self, is_nodes: impl Fn(&str) -> bool) -> Vec<Held> {
         for p in self.pending.values_mut() {
-            p.released = true;
+            if !p.spawner {
+                p.released = true;
+            }
         }
-        std::mem::take(&mut self.held).into_values().collect()
+        let keys: Vec<String> = self.held.keys().filter(|k| !is_nodes(k)).cloned().collect();
+        keys.iter().filter_map(|k| self.held.remove(k)).collect()
     }
 
     /// Marks every claim still asked for by `entity` released (it despawned).
@@ -431,6 +436,7 @@ mod tests {
             conn: 1,
             sent_at: 0,
             released: false,
+            spawner: false,
         });
         assert!(c.knows("k", None));
         assert!(c.knows("k", Some(7)));

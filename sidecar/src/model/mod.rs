@@ -8,6 +8,7 @@
 //! - [`inputs`]: the order of a player's inputs at the node writing its master;
 //! - [`commands`]: entity commands: the origin's pending results, the writer's order;
 //! - [`checkpoints`]: the latest state of every entity the node writes, asked of the game;
+//! - [`claims`]: the claims this node's entities hold; [`spawners`]: the spawn points it stocks;
 //! - [`admission`]: whether the node admits new sessions (tick overrun, outbox pressure).
 
 pub mod admission;
@@ -25,4 +26,5 @@ pub mod interest;
 pub mod load;
 pub mod restore;
 pub mod route;
+pub mod spawners;
 pub mod subs;
