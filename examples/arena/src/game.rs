@@ -383,36 +383,7 @@ impl Arena {
         let at = o.position.map_or(self.cfg.center, |p| (p.x, p.y));
         let pos = self.torus.normalise(at);
         let name = format!("{DEN_PREFIX}{}#{}", o.key, o.generation);
-        let health = (50, 50);
-        out.push(Body::Spawn(Spawn {
-            entity_id: o.entity_id,
-            position: Some(Vec3::xy(pos.0, pos.1)),
-            components: vec![
-                component(schema::KIND, Bytes::from(format!("npc:{name}")), public()),
-                component(schema::HEALTH, schema::health(health.0, health.1), public()),
-            ],
-            ..Default::default()
-        }));
-        let dir = Self::random_dir(&mut self.rng);
-        let turn_in = self.rng.random_range(20..100);
-        self.entities.insert(
-            o.entity_id,
-            Entity {
-                pos,
-                z: 0.0,
-                dir,
-                health,
-                frozen: false,
-                released: false,
-                release_after: 0,
-                epoch: 1,
-                role: Role::Npc {
-                    name,
-                    turn_in,
-                    damage: DamageTable::default(),
-                },
-            },
-        );
+        self.spawn_npc(out, o.entity_id, pos, name);
         self.stats.dens_stocked += 1;
         if let Some(c) = self.census() {
             c.spawned_stock(&o.key, o.entity_id, self.node);
@@ -442,42 +413,47 @@ impl Arena {
         }
     }
 
+    /// Creates NPC `id` called `name` at `pos`, at full health, heading somewhere at random.
+    fn spawn_npc(&mut self, out: &mut impl Outbox, id: u64, pos: (f64, f64), name: String) {
+        let dir = Self::random_dir(&mut self.rng);
+        let health = (50, 50);
+        out.push(Body::Spawn(Spawn {
+            entity_id: id,
+            position: Some(Vec3::xy(pos.0, pos.1)),
+            components: vec![
+                component(schema::KIND, Bytes::from(format!("npc:{name}")), public()),
+                component(schema::HEALTH, schema::health(health.0, health.1), public()),
+            ],
+            ..Default::default()
+        }));
+        let turn_in = self.rng.random_range(20..100);
+        self.entities.insert(
+            id,
+            Entity {
+                pos,
+                z: 0.0,
+                dir,
+                health,
+                frozen: false,
+                released: false,
+                release_after: 0,
+                epoch: 1,
+                role: Role::Npc {
+                    name,
+                    turn_in,
+                    damage: DamageTable::default(),
+                },
+            },
+        );
+    }
+
     fn spawn_npcs(&mut self, out: &mut impl Outbox) {
         while self.npcs_spawned < self.cfg.npcs {
             let Some(id) = self.ids.pop() else { break };
             let pos = self.random_point();
-            let dir = Self::random_dir(&mut self.rng);
             let name = format!("wanderer-{}", self.npcs_spawned);
-            let health = (50, 50);
-            out.push(Body::Spawn(Spawn {
-                entity_id: id,
-                position: Some(Vec3::xy(pos.0, pos.1)),
-                components: vec![
-                    component(schema::KIND, Bytes::from(format!("npc:{name}")), public()),
-                    component(schema::HEALTH, schema::health(health.0, health.1), public()),
-                ],
-                ..Default::default()
-            }));
             self.npcs_spawned += 1;
-            let turn_in = self.rng.random_range(20..100);
-            self.entities.insert(
-                id,
-                Entity {
-                    pos,
-                    z: 0.0,
-                    dir,
-                    health,
-                    frozen: false,
-                    released: false,
-                    release_after: 0,
-                    epoch: 1,
-                    role: Role::Npc {
-                        name,
-                        turn_in,
-                        damage: DamageTable::default(),
-                    },
-                },
-            );
+            self.spawn_npc(out, id, pos, name);
             if let Some(c) = self.census() {
                 c.spawned(id, self.node);
             }
