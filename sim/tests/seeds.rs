@@ -165,6 +165,14 @@ fn spawners() {
 }
 
 #[test]
+fn spawners_seeds_that_once_failed() {
+    // 174: a command whose reorder window ended while its target was frozen for a handoff was
+    // left for the thaw, but still named as due to the timer: the node's timer fired at the
+    // same instant for ever and virtual time stood still.
+    seeds_hold("spawners", &[174]);
+}
+
+#[test]
 fn dens_on_borders_are_stocked_once_through_replans_and_restocked_when_killed() {
     // Not vacuous: dens stocked, killed and stocked again, given up to another node by a
     // re-plan; and never a den with two NPCs at once.

@@ -353,9 +353,10 @@ impl Core {
     /// Commands whose predecessor did not come in time: delivered in order all the same (those
     /// of frozen entities wait: they follow the unit if it goes).
     pub(crate) fn deliver_due_commands(&mut self) {
-        let frozen =
-            |id: u64| self.handoff.out.is_frozen(id) || self.handoff.released_by.contains_key(&id);
-        let due = self.commands.order.due(self.now.mono_ms, frozen);
+        let due = self
+            .commands
+            .order
+            .due(self.now.mono_ms, |id| self.handoff.frozen(id));
         for c in due {
             self.deliver_command(c);
         }

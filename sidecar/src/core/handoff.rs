@@ -61,6 +61,14 @@ pub(crate) struct Handoffs {
     pub released_by: HashMap<u64, u64>,
 }
 
+impl Handoffs {
+    /// Whether `id` is frozen for a handoff of this node, or released by its game and waiting
+    /// for the answer: nothing is applied to it until it thaws or moves on.
+    pub(crate) fn frozen(&self, id: u64) -> bool {
+        self.out.is_frozen(id) || self.released_by.contains_key(&id)
+    }
+}
+
 /// A unit the game handed over itself (`Release`): its snapshots, taken as its tick ended.
 #[derive(Debug, Clone)]
 pub(crate) struct Released {

@@ -688,7 +688,7 @@ impl Core {
             .input_order
             .next_due()
             .into_iter()
-            .chain(self.commands.order.next_due())
+            .chain(self.commands.order.next_due(|id| self.handoff.frozen(id)))
             .min()
             .unwrap_or(u64::MAX);
         let lease = self

@@ -283,14 +283,17 @@ impl<C> CommandOrder<C> {
         out
     }
 
-    /// The next time a held command's window ends.
-    pub fn next_due(&self) -> Option<u64> {
+    /// The next time a held command's window ends, among targets `frozen` does not name (as
+    /// [`CommandOrder::due`] leaves those alone, a window that ended under a frozen target would
+    /// be due again at once, for as long as the freeze lasts).
+    pub fn next_due(&self, frozen: impl Fn(EntityId) -> bool) -> Option<u64> {
         if self.held == 0 {
             return None;
         }
         self.streams
-            .values()
-            .flat_map(|streams| streams.values())
+            .iter()
+            .filter(|(target, _)| !frozen(**target))
+            .flat_map(|(_, streams)| streams.values())
             .flat_map(|s| s.pending.values().map(|(_, _, at)| at + REORDER_WINDOW_MS))
             .min()
     }
@@ -491,11 +494,16 @@ mod tests {
         assert_eq!(delivered(w.offer(0, KEY, 1, 0, 1)), [1]);
         assert_eq!(w.offer(10, KEY, 3, 2, 3), Ordered::Held);
         assert_eq!(w.offer(20, KEY, 4, 3, 4), Ordered::Held);
-        assert_eq!(w.next_due(), Some(10 + REORDER_WINDOW_MS));
+        assert_eq!(w.next_due(|_| false), Some(10 + REORDER_WINDOW_MS));
         assert!(w.due(10 + REORDER_WINDOW_MS - 1, |_| false).is_empty());
         assert!(
             w.due(10 + REORDER_WINDOW_MS, |_| true).is_empty(),
             "a frozen target waits"
+        );
+        assert_eq!(
+            w.next_due(|_| true),
+            None,
+            "and is not due meanwhile: nothing to wake for until it thaws or moves on"
         );
         assert_eq!(w.due(10 + REORDER_WINDOW_MS, |_| false), [3, 4]);
         assert_eq!(w.offer(600, KEY, 2, 1, 2), Ordered::Late(2));
@@ -531,7 +539,7 @@ mod tests {
         assert_eq!(w.held(), 2);
         assert_eq!(w.forget(KEY.target), [3, 9]);
         assert_eq!((w.streams(), w.held()), (0, 0));
-        assert_eq!(w.next_due(), None);
+        assert_eq!(w.next_due(|_| false), None);
     }
 
     #[test]
