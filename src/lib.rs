@@ -6,6 +6,7 @@ pub mod bench_cli;
 pub mod bots;
 pub mod director;
 pub mod geo_cli;
+pub mod live_map;
 pub mod partition_cli;
 mod scenario_cli;
 pub mod signal;

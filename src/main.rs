@@ -155,6 +155,10 @@ struct UpArgs {
     /// balanced run is compared with).
     #[arg(long)]
     no_balance: bool,
+    /// Where `up` serves its admin HTTP: the live map at /map (drawn from /api/world), /live,
+    /// /ready. Port 0 takes a free one (printed).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9000")]
+    admin: String,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -186,6 +190,7 @@ impl UpArgs {
                 || (self.partition.is_none() && self.balance),
             balance: self.balance
                 || (self.partition == Some(PartitionKind::Bsp) && !self.no_balance),
+            admin_listen: self.admin,
         }
     }
 }

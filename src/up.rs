@@ -67,6 +67,9 @@ pub struct UpOptions {
     pub bsp: bool,
     /// Run a director in this process that balances the BSP (needs `bsp`).
     pub balance: bool,
+    /// Where `up` serves its own admin HTTP: `/live`, `/ready`, the live map (`/map`,
+    /// `/api/world`) and `/state` (the options and the status line's figures).
+    pub admin_listen: String,
 }
 
 /// Delays between the default geos' cities, one way, roughly what the fibre gives (ms).
@@ -211,6 +214,7 @@ impl Default for UpOptions {
             svg: None,
             bsp: false,
             balance: false,
+            admin_listen: "127.0.0.1:0".into(),
         }
     }
 }
@@ -997,6 +1001,18 @@ pub async fn run(
         .await
         .context("committing the partition")?;
 
+    // The run's own admin port: the live map draws the same store the nodes and the director
+    // share. Ready once the cluster is.
+    let up_admin = cellmesh_admin::Admin::new(prometheus_client::registry::Registry::default(), {
+        let nodes = opts.nodes;
+        let geos = opts.geos.clone();
+        move || serde_json::json!({"nodes": nodes, "geos": geos})
+    });
+    crate::live_map::serve(&up_admin, topology.clone());
+    let up_admin_addr = cellmesh_admin::spawn(&opts.admin_listen, up_admin.clone(), stop.clone())
+        .await
+        .with_context(|| format!("binding the admin port --admin {}", opts.admin_listen))?;
+
     let games = Arc::new(Census::default());
     let halt = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let env = NodeEnv {
@@ -1186,6 +1202,7 @@ pub async fn run(
         .as_ref()
         .map(|d| format!(" · director admin http://{}", d.admin_addr))
         .unwrap_or_default();
+    up_admin.set_ready(true);
     println!(
         "cellmesh up: {} nodes ({layout}), sidecar admin {} · proxy {}{director_admin} · {} bots",
         opts.nodes,
@@ -1193,6 +1210,7 @@ pub async fn run(
         edges.join(" · "),
         opts.bots
     );
+    println!("cellmesh up: live map http://{up_admin_addr}/map");
 
     // Bots: each plays from a geo (round robin); from there every proxy is a relay away that adds
     // the latency. A quarter log in far from home (to the next geo's proxy), as travellers or

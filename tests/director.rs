@@ -185,6 +185,23 @@ async fn a_standby_director_takes_over_within_a_lease_and_a_deposed_one_never_co
     assert_eq!(state(&b).await["role"], "standby");
     assert_eq!(state(&b).await["other"]["holder"], a.holder.as_str());
 
+    // Each draws the live map from the store, the standby too: the four cells of the layout,
+    // each with the load its stand-in reported.
+    for d in [&a, &b] {
+        let (status, page) = cellmesh_admin::http_get(d.admin, "/map").await.unwrap();
+        assert_eq!(status, 200);
+        assert!(page.contains("api/world"), "{page}");
+        let (status, body) = cellmesh_admin::http_get(d.admin, "/api/world")
+            .await
+            .unwrap();
+        assert_eq!(status, 200, "{body}");
+        let w: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let cells = w["cells"].as_array().unwrap();
+        assert_eq!(cells.len(), 4, "{w:#}");
+        assert!(cells.iter().all(|c| c["load"].as_f64().is_some()), "{w:#}");
+        assert!(w["partition_epoch"].as_u64().unwrap() >= 1);
+    }
+
     // A balances: its layouts move lines into the hot cell.
     let epoch = epoch_past(&*store, 2, "a's layouts").await;
     let a_lease = lease_of(&state(&a).await);

@@ -3,13 +3,16 @@
 //! - `GET /live`: 200 while the process runs;
 //! - `GET /ready`: 200 when it should get traffic, 503 while starting or draining;
 //! - `GET /metrics`: Prometheus text from the process's registry;
-//! - `GET /state`: a JSON view of the process's state.
+//! - `GET /state`: a JSON view of the process's state;
+//! - whatever a process adds with [`Admin::route`] (the live map's `/map` and `/api/world`).
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -27,11 +30,46 @@ pub use prometheus_client;
 
 type StateFn = dyn Fn() -> serde_json::Value + Send + Sync;
 
-/// What the admin server shows: readiness, a metrics registry, and a state view.
+/// The answer of a route a process added: status, content type and body.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub content_type: &'static str,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn ok(content_type: &'static str, body: impl Into<Bytes>) -> Self {
+        Self {
+            status: 200,
+            content_type,
+            body: body.into(),
+        }
+    }
+
+    /// A JSON body, or a 500 naming why it could not be written.
+    pub fn json(value: &impl serde::Serialize) -> Self {
+        match serde_json::to_vec(value) {
+            Ok(body) => Self::ok("application/json", body),
+            Err(e) => Self {
+                status: 500,
+                content_type: "text/plain",
+                body: format!("cannot encode: {e}\n").into(),
+            },
+        }
+    }
+}
+
+/// A route's handler: called for every `GET` of its path.
+pub type Route = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Reply> + Send>> + Send + Sync>;
+
+/// What the admin server shows: readiness, a metrics registry, a state view, and the routes a
+/// process added.
 pub struct Admin {
     ready: AtomicBool,
     registry: Registry,
     state: Box<StateFn>,
+    routes: RwLock<HashMap<String, Route>>,
 }
 
 impl Admin {
@@ -43,7 +81,48 @@ impl Admin {
             ready: AtomicBool::new(false),
             registry,
             state: Box::new(state),
+            routes: RwLock::default(),
         })
+    }
+
+    /// Serves `GET path` with `handler` from now on (a later route of the same path replaces
+    /// it). The built-in paths (`/live`, `/ready`, `/metrics`, `/state`) cannot be taken.
+    pub fn route<F, Fut>(&self, path: &str, handler: F)
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Reply> + Send + 'static,
+    {
+        let route: Route = Arc::new(move || Box::pin(handler()));
+        self.routes
+            .write()
+            .expect("admin routes poisoned")
+            .insert(path.to_string(), route);
+    }
+
+    /// Answers one request: an added route, else the built-in ones.
+    async fn handle(&self, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+        const BUILT_IN: [&str; 6] = [
+            "/live", "/healthz", "/ready", "/readyz", "/metrics", "/state",
+        ];
+        let path = req.uri().path();
+        if req.method() == Method::GET && !BUILT_IN.contains(&path) {
+            let route = self
+                .routes
+                .read()
+                .expect("admin routes poisoned")
+                .get(path)
+                .cloned();
+            if let Some(route) = route {
+                let reply = route().await;
+                return Response::builder()
+                    .status(reply.status)
+                    .header("content-type", reply.content_type)
+                    .header("cache-control", "no-store")
+                    .body(Full::new(reply.body))
+                    .expect("route response parts are valid");
+            }
+        }
+        self.respond(req)
     }
 
     pub fn set_ready(&self, ready: bool) {
@@ -118,8 +197,8 @@ pub async fn serve(
         let shutdown = conns.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let resp = admin.respond(&req);
-                async move { Ok::<_, Infallible>(resp) }
+                let admin = admin.clone();
+                async move { Ok::<_, Infallible>(admin.handle(&req).await) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc);
@@ -221,7 +300,10 @@ pub async fn spawn(
 }
 
 /// A tiny HTTP GET for tests and the CLI: returns (status, body).
-pub async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
+pub async fn http_get(
+    addr: impl tokio::net::ToSocketAddrs,
+    path: &str,
+) -> anyhow::Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await?;
     s.write_all(
@@ -271,6 +353,20 @@ mod tests {
             serde_json::from_str::<serde_json::Value>(&body).unwrap()["node"],
             3
         );
+        assert_eq!(http_get(addr, "/nope").await.unwrap().0, 404);
+
+        // An added route answers its path; a built-in path stays the built-in.
+        admin.route("/api/world", || async {
+            Reply::json(&serde_json::json!({"cells": 4}))
+        });
+        admin.route("/live", || async { Reply::ok("text/plain", "taken") });
+        let (s, body) = http_get(addr, "/api/world").await.unwrap();
+        assert_eq!(s, 200);
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&body).unwrap()["cells"],
+            4
+        );
+        assert_eq!(http_get(addr, "/live").await.unwrap().1, "live\n");
         assert_eq!(http_get(addr, "/nope").await.unwrap().0, 404);
         stop.cancel();
     }

@@ -17,6 +17,8 @@
 //! - [`store`]: the stores behind traits: the session directory (Redis per geo, or in memory),
 //!   player records (MongoDB, or in memory), checkpoints, the edge board, and exclusive claims
 //!   with fencing tokens (Redis per geo, or in memory).
+//! - [`world_map`]: the live map of the world, put together from the partition, the load
+//!   reports and the nodes' samples (pure).
 
 pub mod balance;
 pub mod bubbles;
@@ -26,3 +28,4 @@ pub mod partition;
 pub mod spawners;
 pub mod store;
 pub mod topology;
+pub mod world_map;

@@ -8,7 +8,7 @@
 //!
 //! The balancer is pure ([`cellmesh_geo_router::balance`]); this module is its driver: the lease,
 //! the clock, the store, the admin surface (`/live`, `/ready`, `/metrics`, `/state` with the
-//! decisions and their reasons).
+//! decisions and their reasons, and the live map: `/map`, `/api/world`).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -194,6 +194,8 @@ pub async fn start_with(
             decisions_kept: cfg.decisions_kept,
         }
     });
+    // Every director draws the map, the standby too: it reads the same store.
+    crate::live_map::serve(&shared.admin, store.clone());
     let admin_addr = cellmesh_admin::spawn(&cfg.admin_listen, shared.admin.clone(), stop.clone())
         .await
         .with_context(|| format!("binding admin_listen {}", cfg.admin_listen))?;

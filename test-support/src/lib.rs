@@ -164,8 +164,9 @@ pub fn commit_plan(bin: impl AsRef<Path>, topology: &str, grid: &str, nodes: &st
     );
 }
 
-/// Runs `cellmesh up ARGS --summary-json F` as a user does; asserts it exits 0 and that the summary
-/// has every key in `keys`. Returns the summary and what it printed.
+/// Runs `cellmesh up ARGS --summary-json F` as a user does (with its admin port on a free port
+/// unless ARGS name one, so runs side by side do not collide); asserts it exits 0 and that the
+/// summary has every key in `keys`. Returns the summary and what it printed.
 pub fn run_up_binary(
     bin: impl AsRef<Path>,
     args: &[&str],
@@ -173,9 +174,12 @@ pub fn run_up_binary(
 ) -> (serde_json::Value, String) {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let path = dir.path().join("s.json");
-    let out = std::process::Command::new(bin.as_ref())
-        .arg("up")
-        .args(args)
+    let mut cmd = std::process::Command::new(bin.as_ref());
+    cmd.arg("up").args(args);
+    if !args.iter().any(|a| a.starts_with("--admin")) {
+        cmd.args(["--admin", "127.0.0.1:0"]);
+    }
+    let out = cmd
         .arg("--summary-json")
         .arg(&path)
         .output()

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use cellmesh_geo_router::geometry::ChunkRect;
 use cellmesh_geo_router::partition::{NodeId, Partition};
+use cellmesh_geo_router::world_map::NodeMap;
 use cellmesh_proto::local::{self, sidecar_message};
 use cellmesh_proto::mesh::{self, mesh_message};
 
@@ -275,6 +276,39 @@ impl Core {
             self.auth.prev_partitions.clear();
             self.repl.near_cache.clear();
             self.repl.subs_dirty = true;
+        }
+    }
+
+    /// This node's part of the live map: its reals (every k-th past `max`, by id) and its
+    /// handoffs of the last second.
+    pub fn node_map(&mut self, max: usize) -> NodeMap {
+        use cellmesh_geo_router::world_map::{sample_evenly, EntityKind, MapEntity};
+        let mut reals: Vec<MapEntity> = self
+            .table
+            .iter()
+            .filter(|e| e.origin.is_none())
+            .map(|e| MapEntity {
+                id: e.id,
+                x: e.position.x,
+                y: e.position.y,
+                kind: if e.is_master {
+                    EntityKind::Avatar
+                } else if e.owner_account.is_empty() {
+                    EntityKind::Npc
+                } else {
+                    EntityKind::Owned
+                },
+                node: self.cfg.node_id,
+            })
+            .collect();
+        reals.sort_unstable_by_key(|e| e.id);
+        NodeMap {
+            node: self.cfg.node_id,
+            geo: self.cfg.geo.clone(),
+            partition_epoch: self.auth.partition.epoch(),
+            entities_total: reals.len() as u64,
+            entities: sample_evenly(reals, max),
+            handoffs: self.handoff.recent.shown(self.now.mono_ms),
         }
     }
 

@@ -59,6 +59,8 @@ pub(crate) struct Handoffs {
     pub released: BTreeMap<u64, Released>,
     /// Every member of a unit in `released` -> its root (the game must not write them).
     pub released_by: HashMap<u64, u64>,
+    /// Completed handoffs of the last second, for the live map.
+    pub recent: crate::model::recent_handoffs::RecentHandoffs,
 }
 
 impl Handoffs {
@@ -809,6 +811,12 @@ impl Core {
         self.metrics.handoffs_out.inc();
         self.metrics.freeze_done(done.freeze_ms);
         for &id in &done.members {
+            if let Some(e) = self.table.get(id) {
+                let at = (e.position.x, e.position.y);
+                self.handoff
+                    .recent
+                    .push(self.now.mono_ms, id, at, me, done.to);
+            }
             self.out
                 .to_game
                 .push(sidecar_message::Body::Evict(local::Evict { entity_id: id }).into());

@@ -10,6 +10,7 @@ use cellmesh_admin::Admin;
 use cellmesh_geo_router::partition::NodeId;
 use cellmesh_geo_router::store::Stores;
 use cellmesh_geo_router::topology::TopologyStore;
+use cellmesh_geo_router::world_map::{NodeMap, NODE_SAMPLE_MAX};
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::time::Instant;
@@ -56,6 +57,8 @@ pub(crate) struct Driver {
     pub admin: Arc<Admin>,
     pub published: Arc<Mutex<serde_json::Value>>,
     pub census: Arc<Mutex<Vec<Real>>>,
+    /// This node's part of the live map (`/api/node-map`), as of the last publish.
+    pub node_map: Arc<Mutex<NodeMap>>,
     /// Restores decided here, until the handle's owner takes them (at most [`RESTORED_KEPT`]).
     pub restored: Arc<Mutex<Vec<Restored>>>,
     pub mesh_ctx: MeshCtx,
@@ -268,6 +271,8 @@ impl Driver {
                 Output::Publish => {
                     *self.published.lock().expect("state lock poisoned") = self.core.state();
                     *self.census.lock().expect("census lock poisoned") = self.core.reals();
+                    *self.node_map.lock().expect("node map lock poisoned") =
+                        self.core.node_map(NODE_SAMPLE_MAX);
                     let restored = self.core.take_restored();
                     if !restored.is_empty() {
                         let mut log = self.restored.lock().expect("restore log lock poisoned");

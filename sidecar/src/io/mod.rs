@@ -26,10 +26,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use cellmesh_admin::prometheus_client::registry::Registry;
-use cellmesh_admin::Admin;
+use cellmesh_admin::{Admin, Reply};
 use cellmesh_geo_router::partition::Partition;
 use cellmesh_geo_router::store::Stores;
 use cellmesh_geo_router::topology::{NodeRecord, TopologyStore};
+use cellmesh_geo_router::world_map::NodeMap;
 use cellmesh_proto::local::{self, GameMessage, SidecarFrame};
 use cellmesh_proto::mesh::{LinkHello, MeshFrame, MeshMessage};
 use tokio::net::{TcpListener, UnixListener};
@@ -213,6 +214,12 @@ pub(crate) async fn launch(
         .expect("state lock poisoned")
         .clone_from(&core.state());
     let failure = Arc::new(Mutex::new(None));
+    let node_map = Arc::new(Mutex::new(NodeMap::default()));
+    let sample = node_map.clone();
+    admin.route("/api/node-map", move || {
+        let map = sample.lock().expect("node map lock poisoned").clone();
+        async move { Reply::json(&map) }
+    });
     let driver = Driver {
         core,
         start,
@@ -226,6 +233,7 @@ pub(crate) async fn launch(
         admin: admin.clone(),
         published,
         census: Arc::clone(&census),
+        node_map,
         restored: Arc::clone(&restored),
         mesh_ctx: mesh_ctx.clone(),
         metrics: metrics.clone(),

@@ -9,7 +9,8 @@
 //! - [`commands`]: entity commands: the origin's pending results, the writer's order;
 //! - [`checkpoints`]: the latest state of every entity the node writes, asked of the game;
 //! - [`claims`]: the claims this node's entities hold; [`spawners`]: the spawn points it stocks;
-//! - [`admission`]: whether the node admits new sessions (tick overrun, outbox pressure).
+//! - [`admission`]: whether the node admits new sessions (tick overrun, outbox pressure);
+//! - [`recent_handoffs`]: the handoffs of the last second, for the live map.
 
 pub mod admission;
 pub mod audience;
@@ -24,6 +25,7 @@ pub mod ids;
 pub mod inputs;
 pub mod interest;
 pub mod load;
+pub mod recent_handoffs;
 pub mod restore;
 pub mod route;
 pub mod spawners;

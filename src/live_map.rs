@@ -1,0 +1,161 @@
+//! The live map on an admin port (the director's and `cellmesh up`'s): `GET /map` is a page that
+//! draws the world from `GET /api/world`, which this module puts together on every call from the
+//! topology store (the committed partition, the nodes' records and load reports) and each live
+//! node's `/api/node-map` (its entities and its handoffs of the last second).
+//!
+//! The composition itself is pure ([`cellmesh_geo_router::world_map`]); this is its driver.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use cellmesh_admin::{Admin, Reply};
+use cellmesh_geo_router::topology::{NodeRecord, TopologyStore};
+use cellmesh_geo_router::world_map::{MapParts, NodeMap, WorldMap, WORLD_SAMPLE_MAX};
+
+/// The page; it fetches `api/world` relative to itself.
+pub const PAGE: &str = include_str!("live_map.html");
+/// How long a node's sample may take; a node that does not answer in time is drawn without
+/// its entities (its cells still show, with its reported load).
+const NODE_SAMPLE_TIMEOUT: Duration = Duration::from_millis(800);
+
+/// Serves `/map` and `/api/world` on `admin` from `topology`.
+pub fn serve(admin: &Admin, topology: Arc<dyn TopologyStore>) {
+    admin.route("/map", || async {
+        Reply::ok("text/html; charset=utf-8", PAGE)
+    });
+    admin.route("/api/world", move || {
+        let topology = topology.clone();
+        async move {
+            match world(&*topology).await {
+                Ok(map) => Reply::json(&map),
+                Err(e) => Reply {
+                    status: 503,
+                    content_type: "text/plain",
+                    body: format!("{e:#}\n").into(),
+                },
+            }
+        }
+    });
+}
+
+/// The world as the store and the live nodes show it now.
+pub async fn world(topology: &dyn TopologyStore) -> anyhow::Result<WorldMap> {
+    let partition = topology
+        .partition()
+        .await
+        .context("reading the partition")?
+        .context("no partition is committed yet")?;
+    let loads = topology.loads().await.context("reading the load reports")?;
+    let nodes = topology.nodes().await.context("reading the node records")?;
+    let records: Vec<NodeRecord> = nodes
+        .into_iter()
+        .filter(|n| n.live)
+        .filter_map(|n| n.record)
+        .collect();
+    let geos: BTreeMap<_, _> = records.iter().map(|r| (r.node, r.geo.clone())).collect();
+    // Asked all at once, each bounded by its timeout: the page waits for the slowest node only.
+    let samples = futures::future::join_all(records.iter().map(node_map)).await;
+    Ok(WorldMap::compose(MapParts {
+        partition: &partition,
+        loads: &loads,
+        geos: &geos,
+        samples: samples.into_iter().flatten().collect(),
+        core_geo: None,
+        max_entities: WORLD_SAMPLE_MAX,
+    }))
+}
+
+/// One node's sample, or `None` (logged) when it cannot be had in time.
+async fn node_map(record: &NodeRecord) -> Option<NodeMap> {
+    let target = admin_target(record);
+    let got = tokio::time::timeout(
+        NODE_SAMPLE_TIMEOUT,
+        cellmesh_admin::http_get(target.as_str(), "/api/node-map"),
+    )
+    .await;
+    let body = match got {
+        Ok(Ok((200, body))) => body,
+        Ok(Ok((status, body))) => {
+            tracing::debug!(node = record.node, status, body, "node map refused");
+            return None;
+        }
+        Ok(Err(e)) => {
+            tracing::debug!(node = record.node, %target, error = %e, "node map unreachable");
+            return None;
+        }
+        Err(_) => {
+            tracing::debug!(node = record.node, %target, "node map timed out");
+            return None;
+        }
+    };
+    match serde_json::from_str(&body) {
+        Ok(map) => Some(map),
+        Err(e) => {
+            tracing::debug!(node = record.node, error = %e, "node map unreadable");
+            None
+        }
+    }
+}
+
+/// Where a node's admin port is reached: its published admin address, or, when that is a
+/// wildcard (`0.0.0.0:9100`, a container listening on every interface), the host of its
+/// advertised mesh address with the admin port.
+fn admin_target(record: &NodeRecord) -> String {
+    match record.admin_addr.parse::<SocketAddr>() {
+        Ok(a) if a.ip().is_unspecified() => {
+            let host = record
+                .mesh_addr
+                .rsplit_once(':')
+                .map(|(h, _)| h)
+                .unwrap_or(&record.mesh_addr);
+            format!("{host}:{}", a.port())
+        }
+        _ => record.admin_addr.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(admin: &str, mesh: &str) -> NodeRecord {
+        NodeRecord {
+            node: 1,
+            geo: "local".into(),
+            mesh_addr: mesh.into(),
+            admin_addr: admin.into(),
+        }
+    }
+
+    #[test]
+    fn a_wildcard_admin_address_is_reached_on_the_mesh_host() {
+        assert_eq!(
+            admin_target(&record("0.0.0.0:9100", "node1:7200")),
+            "node1:9100"
+        );
+        assert_eq!(
+            admin_target(&record("[::]:9100", "[fd00::1]:7200")),
+            "[fd00::1]:9100"
+        );
+        assert_eq!(
+            admin_target(&record("10.0.0.5:9100", "node1:7200")),
+            "10.0.0.5:9100"
+        );
+    }
+
+    #[test]
+    fn the_page_draws_from_the_world_endpoint() {
+        assert!(PAGE.contains("fetch(\"api/world\""));
+        for class in [
+            "\"cell\"",
+            "`entity ${e.kind}`",
+            "\"handoff\"",
+            "\"bubble\"",
+        ] {
+            assert!(PAGE.contains(class), "{class}");
+        }
+    }
+}
