@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs the whole test suite against real servers.
 #
-# Installs what is missing (redis-server from the distribution; a project-local Python venv in
-# .venv with the MongoDB-compatible server and the Python sample's tools), starts Redis and the
-# MongoDB-compatible server on free loopback ports, exports their URLs, runs every test, and
-# stops the servers on every exit path. Exits with the status of the tests.
+# Installs what is missing (redis-server and promtool from the distribution; a project-local
+# Python venv in .venv with the MongoDB-compatible server and the Python sample's tools), starts
+# Redis and the MongoDB-compatible server on free loopback ports, exports their URLs, runs every
+# test, and stops the servers on every exit path. Exits with the status of the tests.
 #
 #   CELLMESH_TEST_REDIS_URL   redis://127.0.0.1:<port>
 #   CELLMESH_TEST_MONGO_URL   mongodb://127.0.0.1:<port>
@@ -58,6 +58,14 @@ if command -v redis-server >/dev/null && command -v redis-cli >/dev/null; then
 else
     echo "installing redis-server"
     apt_install redis-server
+fi
+
+# What checks the /metrics pages (tests/promtool.rs).
+if command -v promtool >/dev/null; then
+    echo "promtool: $(promtool --version 2>&1 | head -n1 | cut -d' ' -f3)"
+else
+    echo "installing promtool (Debian's prometheus package)"
+    apt_install prometheus
 fi
 
 # The edge bench's baseline.
