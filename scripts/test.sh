@@ -71,8 +71,8 @@ else
     apt_install haproxy
 fi
 
-# promtool: Prometheus configurations, dashboard expressions and metric exposition are checked
-# with it.
+# promtool: Prometheus configurations, dashboard expressions and the /metrics pages
+# (tests/promtool.rs) are checked with it.
 if command -v promtool >/dev/null; then
     echo "promtool: $(promtool --version 2>&1 | head -n1 | cut -d' ' -f3)"
 else
@@ -80,7 +80,7 @@ else
     apt_install prometheus
 fi
 
-# chromium: a headless browser, for the tests that load a page in one.
+# chromium: a headless browser, for the tests that load a page in one (tests/live_map.rs).
 if command -v chromium >/dev/null; then
     echo "chromium: $(chromium --version 2>/dev/null | cut -d' ' -f2)"
 else

@@ -2,7 +2,9 @@
 //!
 //! - `GET /live`: 200 while the process runs;
 //! - `GET /ready`: 200 when it should get traffic, 503 while starting or draining;
-//! - `GET /metrics`: Prometheus text from the process's registry;
+//! - `GET /metrics`: the process's registry, in OpenMetrics when the scraper's `Accept` asks for
+//!   `application/openmetrics-text`, else in the classic Prometheus text format 0.0.4 (see
+//!   [`exposition`]);
 //! - `GET /state`: a JSON view of the process's state;
 //! - whatever a process adds with [`Admin::route`] (the live map's `/map` and `/api/world`).
 
@@ -25,6 +27,9 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub mod config;
+pub mod exposition;
+
+pub use exposition::Format;
 
 pub use prometheus_client;
 
@@ -133,12 +138,20 @@ impl Admin {
         self.ready.load(Ordering::SeqCst)
     }
 
-    /// The Prometheus text exposition of the registry.
+    /// The OpenMetrics exposition of the registry.
     pub fn metrics_text(&self) -> String {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
         out
+    }
+
+    /// The registry's exposition in `format`.
+    pub fn metrics_in(&self, format: Format) -> String {
+        match format {
+            Format::OpenMetrics => self.metrics_text(),
+            Format::Classic => exposition::to_classic(&self.metrics_text()),
+        }
     }
 
     fn respond(&self, req: &Request<Incoming>) -> Response<Full<Bytes>> {
@@ -157,11 +170,18 @@ impl Admin {
                     )
                 }
             }
-            (&Method::GET, "/metrics") => (
-                StatusCode::OK,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                self.metrics_text(),
-            ),
+            (&Method::GET, "/metrics") => {
+                let accept = req
+                    .headers()
+                    .get(hyper::header::ACCEPT)
+                    .and_then(|v| v.to_str().ok());
+                let format = Format::negotiate(accept);
+                (
+                    StatusCode::OK,
+                    format.content_type(),
+                    self.metrics_in(format),
+                )
+            }
             (&Method::GET, "/state") => {
                 let v = (self.state)();
                 (StatusCode::OK, "application/json", format!("{v:#}\n"))
@@ -177,9 +197,14 @@ impl Admin {
                 "method not allowed\n".to_string(),
             ),
         };
-        Response::builder()
+        let mut response = Response::builder()
             .status(status)
-            .header("content-type", ctype)
+            .header("content-type", ctype);
+        if req.uri().path() == "/metrics" {
+            // The page's format follows the scraper's Accept header.
+            response = response.header("vary", "Accept");
+        }
+        response
             .body(Full::new(Bytes::from(body)))
             .expect("static response parts are valid")
     }
@@ -304,25 +329,62 @@ pub async fn http_get(
     addr: impl tokio::net::ToSocketAddrs,
     path: &str,
 ) -> anyhow::Result<(u16, String)> {
+    let r = http_get_with(addr, path, &[]).await?;
+    Ok((r.status, r.body))
+}
+
+/// What [`http_get_with`] got back.
+#[derive(Debug, Clone)]
+pub struct HttpResponse {
+    pub status: u16,
+    /// Header names in lower case, in the order received.
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl HttpResponse {
+    /// The first value of header `name` (any case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// A tiny HTTP GET sending `headers` (e.g. `("accept", "text/plain")`).
+pub async fn http_get_with(
+    addr: impl tokio::net::ToSocketAddrs,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> anyhow::Result<HttpResponse> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await?;
+    let mut request = format!("GET {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n");
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str("\r\n");
+    s.write_all(request.as_bytes()).await?;
     let mut buf = Vec::new();
     s.read_to_end(&mut buf).await?;
     let text = String::from_utf8_lossy(&buf).to_string();
-    let status = text
-        .split_whitespace()
-        .nth(1)
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| anyhow::anyhow!("no status line in {text:?}"))?;
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((status, body))
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    Ok(HttpResponse {
+        status,
+        headers,
+        body: body.to_string(),
+    })
 }
 
 #[cfg(test)]
@@ -348,6 +410,45 @@ mod tests {
         let (s, body) = http_get(addr, "/metrics").await.unwrap();
         assert_eq!(s, 200);
         assert!(body.contains("frames_in_total 7"), "{body}");
+
+        // Without an Accept header, or asking for text/plain: the classic format.
+        for accept in [None, Some("text/plain"), Some("*/*")] {
+            let headers: Vec<_> = accept.map(|a| ("accept", a)).into_iter().collect();
+            let r = http_get_with(addr, "/metrics", &headers).await.unwrap();
+            assert_eq!(r.status, 200);
+            assert_eq!(
+                r.header("content-type"),
+                Some("text/plain; version=0.0.4; charset=utf-8"),
+                "{accept:?}"
+            );
+            assert_eq!(r.header("vary"), Some("Accept"));
+            assert_eq!(
+                r.body,
+                "# HELP frames_in_total frames received.\n\
+                 # TYPE frames_in_total counter\n\
+                 frames_in_total 7\n"
+            );
+        }
+        // Asking for OpenMetrics: OpenMetrics, as before.
+        let r = http_get_with(
+            addr,
+            "/metrics",
+            &[("Accept", "application/openmetrics-text; version=1.0.0")],
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            r.header("content-type"),
+            Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
+        );
+        assert_eq!(
+            r.body,
+            "# HELP frames_in frames received.\n\
+             # TYPE frames_in counter\n\
+             frames_in_total 7\n\
+             # EOF\n"
+        );
+        assert_eq!(r.body, admin.metrics_text());
         let (_, body) = http_get(addr, "/state").await.unwrap();
         assert_eq!(
             serde_json::from_str::<serde_json::Value>(&body).unwrap()["node"],

@@ -88,7 +88,7 @@ pub(crate) struct Metrics {
     dropped_address: Counter,
     kicks: Family<ReasonLabels, Counter>,
     kicks_total: AtomicU64,
-    rtt_ms: Histogram,
+    rtt_seconds: Histogram,
     /// Exact RTT quantiles for [`ProxyStats`], sharded by connection so that pongs of different
     /// clients do not queue on one lock; merged when read.
     rtt: [Mutex<hdrhistogram::Histogram<u64>>; RTT_SHARDS],
@@ -258,13 +258,13 @@ impl Metrics {
         );
         let kicks = Family::<ReasonLabels, Counter>::default();
         reg.register("kicks", "Clients kicked, by reason", kicks.clone());
-        let rtt_ms = Histogram::new([
-            1.0, 2.0, 5.0, 10.0, 20.0, 35.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 1000.0,
+        let rtt_seconds = Histogram::new([
+            0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
         ]);
         reg.register(
-            "rtt_ms",
-            "Round-trip time measured by the proxy's pings, in ms",
-            rtt_ms.clone(),
+            "rtt_seconds",
+            "Round-trip time measured by the proxy's pings, in seconds",
+            rtt_seconds.clone(),
         );
         let link_up = Family::<GatewayLabels, Gauge>::default();
         reg.register(
@@ -369,7 +369,7 @@ impl Metrics {
             dropped_address: dropped.get_or_create_owned(&LimitLabels { limit: "address" }),
             kicks,
             kicks_total: AtomicU64::new(0),
-            rtt_ms,
+            rtt_seconds,
             rtt: std::array::from_fn(|_| Mutex::new(rtt_histogram())),
             link_up,
             logins_refused_server_full: logins_refused.get_or_create_owned(&ReasonLabels {
@@ -443,7 +443,7 @@ impl Metrics {
 
     /// Records one RTT measured on connection `connection`.
     pub(crate) fn rtt(&self, connection: u64, rtt: Duration) {
-        self.rtt_ms.observe(rtt.as_secs_f64() * 1000.0);
+        self.rtt_seconds.observe(rtt.as_secs_f64());
         let us = (rtt.as_micros() as u64).clamp(1, RTT_MAX_US);
         self.rtt[connection as usize % RTT_SHARDS]
             .lock()
@@ -543,7 +543,8 @@ mod tests {
             "cellmesh_proxy_kicks_total{reason=\"FLOOD\"} 1",
             "cellmesh_proxy_inputs_dropped_total{limit=\"address\"} 1",
             "cellmesh_proxy_bytes_total{peer=\"client\",direction=\"in\"} 14",
-            "cellmesh_proxy_rtt_ms_count 5",
+            "cellmesh_proxy_rtt_seconds_count 5",
+            "cellmesh_proxy_rtt_seconds_bucket{le=\"0.035\"} 3",
             "cellmesh_proxy_inputs_lost_total{reason=\"link_closed\"} 3",
             "cellmesh_proxy_inputs_lost_total{reason=\"link_full\"} 0",
             "cellmesh_proxy_connections_refused_total{limit=\"address\"} 0",

@@ -33,7 +33,9 @@ async fn ready_metrics_and_state() {
         "cellmesh_proxy_inputs_accepted_total 1",
         "cellmesh_proxy_inputs_dropped_total{limit=\"account\"} 0",
         "cellmesh_proxy_kicks_total{reason=\"MALFORMED\"} 1",
-        "cellmesh_proxy_rtt_ms_bucket{le=\"1.0\"}",
+        "cellmesh_proxy_rtt_seconds_bucket{le=\"0.001\"}",
+        "# TYPE cellmesh_proxy_rtt_seconds histogram",
+        "# TYPE cellmesh_proxy_connections_accepted_total counter",
         &link,
     ] {
         assert!(metrics.contains(needle), "missing {needle:?} in\n{metrics}");

@@ -306,11 +306,11 @@ impl Default for Metrics {
             handoffs_in_doubt: Default::default(),
             releases_kept: Default::default(),
             handoff_freeze: Histogram::new([
-                1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0,
+                0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0,
             ]),
             handoff_ticks_missed: Histogram::new([0.0, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0]),
             handoff_freeze_sidecars: Histogram::new([
-                0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0,
+                0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0,
             ]),
             stale_epoch_drops: Default::default(),
             held_frames: Default::default(),
@@ -583,8 +583,8 @@ impl Metrics {
             m.handoffs_in_doubt.clone(),
         );
         r.register(
-            "handoff_freeze_ms",
-            "How long an entity stayed frozen, from Freeze to eviction or thaw",
+            "handoff_freeze_seconds",
+            "How long an entity stayed frozen, from Freeze to eviction or thaw, in seconds",
             m.handoff_freeze.clone(),
         );
         r.register(
@@ -593,8 +593,8 @@ impl Metrics {
             m.handoff_ticks_missed.clone(),
         );
         r.register(
-            "handoff_freeze_sidecars_ms",
-            "Per completed handoff, the freeze less the time the two games took to answer: what the sidecars and the link cost",
+            "handoff_freeze_sidecars_seconds",
+            "Per completed handoff, the freeze less the time the two games took to answer: what the sidecars and the link cost, in seconds",
             m.handoff_freeze_sidecars.clone(),
         );
         r.register(
@@ -687,7 +687,7 @@ impl Metrics {
     }
 
     pub fn freeze_done(&self, ms: u64) {
-        self.handoff_freeze.observe(ms as f64);
+        self.handoff_freeze.observe(ms as f64 / 1000.0);
         let _ = self
             .freeze_ms
             .lock()
@@ -707,7 +707,7 @@ impl Metrics {
                 .record(ticks.min(FREEZE_MAX_MS));
         }
         self.handoff_freeze_sidecars
-            .observe(cost.sidecars_ms as f64);
+            .observe(cost.sidecars_ms as f64 / 1000.0);
         let _ = self
             .freeze_sidecars_ms
             .lock()
@@ -879,4 +879,36 @@ pub(crate) struct Wire {
     pub bytes_out: Counter,
     pub frames_in_all: Counter,
     pub frames_out_all: Counter,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handoff_durations_are_exposed_in_seconds() {
+        let mut reg = Registry::default();
+        let m = Metrics::register(&mut reg);
+        m.freeze_done(250);
+        m.freeze_cost(&FreezeCost {
+            gap_ms: 40.0,
+            ticks_missed: Some(1),
+            sidecars_ms: 15,
+        });
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+        for needle in [
+            "cellmesh_sidecar_handoff_freeze_seconds_sum 0.25\n",
+            "cellmesh_sidecar_handoff_freeze_seconds_bucket{le=\"0.2\"} 0\n",
+            "cellmesh_sidecar_handoff_freeze_seconds_bucket{le=\"0.5\"} 1\n",
+            "cellmesh_sidecar_handoff_freeze_sidecars_seconds_sum 0.015\n",
+            "cellmesh_sidecar_handoff_freeze_sidecars_seconds_bucket{le=\"0.01\"} 0\n",
+            "cellmesh_sidecar_handoff_freeze_sidecars_seconds_bucket{le=\"0.02\"} 1\n",
+            "cellmesh_sidecar_handoff_ticks_missed_bucket{le=\"1.0\"} 1\n",
+        ] {
+            assert!(text.contains(needle), "missing {needle:?} in\n{text}");
+        }
+        // The summary percentiles stay in milliseconds.
+        assert_eq!(m.freeze_ms.lock().unwrap().max(), 250);
+    }
 }
