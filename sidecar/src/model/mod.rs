@@ -9,9 +9,11 @@
 //! - [`commands`]: entity commands: the origin's pending results, the writer's order;
 //! - [`checkpoints`]: the latest state of every entity the node writes, asked of the game;
 //! - [`claims`]: the claims this node's entities hold; [`spawners`]: the spawn points it stocks;
-//! - [`admission`]: whether the node admits new sessions (tick overrun, outbox pressure).
+//! - [`admission`]: whether the node admits new sessions (tick overrun, outbox pressure);
+//! - [`agones`]: what the sidecar calls on the Agones SDK on its game's behalf, and when.
 
 pub mod admission;
+pub mod agones;
 pub mod audience;
 pub mod checkpoints;
 pub mod claims;
