@@ -345,6 +345,8 @@ async fn main() -> anyhow::Result<()> {
             init_tracing("info");
             let cfg: cellmesh_sidecar::SidecarConfig =
                 cellmesh_admin::config::load(config.as_deref())?;
+            // Under Agones, its SDK server's port (unless the configuration names one).
+            let cfg = cfg.under_agones(std::env::var("AGONES_SDK_HTTP_PORT").ok().as_deref())?;
             if print_config {
                 print!("{}", toml::to_string_pretty(&cfg.redacted())?);
                 return Ok(());

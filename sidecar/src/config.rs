@@ -6,6 +6,7 @@ use cellmesh_geo_router::geometry::{GeometryError, WorldShape};
 use serde::{Deserialize, Serialize};
 
 use crate::model::admission::AdmissionConfig;
+use crate::model::agones::AgonesConfig;
 use crate::model::ids::MAX_NODE_ID;
 use crate::model::load::LoadConfig;
 
@@ -110,6 +111,9 @@ pub struct SidecarConfig {
     /// peers of other geos, by geo (`shaping.to_geos.montreal = { base_ms = 45, jitter_ms = 3 }`).
     /// Empty (the default): nothing is delayed and nothing runs.
     pub shaping: MeshShaping,
+    /// Under Agones: the sidecar calls the Agones SDK (labels, `Ready`, `Health`, `Shutdown`) on
+    /// its game's behalf; see `model::agones`.
+    pub agones: AgonesConfig,
 }
 
 impl SidecarConfig {
@@ -168,6 +172,7 @@ impl Default for SidecarConfig {
             admission: AdmissionConfig::default(),
             load: LoadConfig::default(),
             shaping: MeshShaping::default(),
+            agones: AgonesConfig::default(),
         }
     }
 }
@@ -221,6 +226,8 @@ pub enum ConfigError {
     Admission(String),
     #[error("{0}")]
     Load(String),
+    #[error("{0}")]
+    Agones(String),
 }
 
 impl SidecarConfig {
@@ -280,7 +287,17 @@ impl SidecarConfig {
         }
         self.admission.check().map_err(ConfigError::Admission)?;
         self.load.check().map_err(ConfigError::Load)?;
+        self.agones.check().map_err(ConfigError::Agones)?;
         Ok(())
+    }
+
+    /// Under Agones (`AGONES_SDK_HTTP_PORT`'s value `sdk_http_port`, when set): the SDK server's
+    /// port, unless `agones.sdk_http_port` names one.
+    pub fn under_agones(mut self, sdk_http_port: Option<&str>) -> Result<Self, ConfigError> {
+        self.agones
+            .adopt_env_port(sdk_http_port)
+            .map_err(ConfigError::Agones)?;
+        Ok(self)
     }
 
     pub fn local(&self) -> LocalListen {
@@ -407,6 +424,35 @@ mod tests {
             }
         );
         cfg.validate().unwrap();
+    }
+
+    #[test]
+    fn agones_keys_come_from_the_file_the_environment_and_agones_own_variable() {
+        let env = vec![(
+            "CELLMESH_AGONES__HEALTH_EVERY_MS".to_string(),
+            "500".to_string(),
+        )];
+        let cfg = cellmesh_admin::config::load_with_env::<SidecarConfig>(None, env).unwrap();
+        assert_eq!(cfg.agones.health_every_ms, 500);
+        assert_eq!(cfg.agones.port(), None, "off unless under Agones");
+        let cfg = cfg.under_agones(Some("9358")).unwrap();
+        assert_eq!(cfg.agones.port(), Some(9358));
+        cfg.validate().unwrap();
+        let cfg = toml_from_str("[agones]\nsdk_http_port = 7001\nenabled = false\n").unwrap();
+        assert_eq!(cfg.agones.sdk_http_port, 7001);
+        assert_eq!(cfg.agones.port(), None, "turned off");
+        assert!(SidecarConfig::default().under_agones(Some("x")).is_err());
+        let e = SidecarConfig {
+            agones: AgonesConfig {
+                health_every_ms: 0,
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("agones.health_every_ms 0"), "{e}");
     }
 
     #[test]

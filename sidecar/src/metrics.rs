@@ -123,6 +123,13 @@ pub struct ReasonLabel {
     pub reason: &'static str,
 }
 
+/// One kind of call of the Agones SDK, and how it went.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AgonesCallLabel {
+    pub call: &'static str,
+    pub result: &'static str,
+}
+
 /// Every metric of one sidecar. Cheap to clone (each metric is a shared handle).
 #[derive(Clone)]
 pub struct Metrics {
@@ -236,6 +243,8 @@ pub struct Metrics {
     pub checkpoints_stored: Counter,
     pub checkpoint_stored_bytes: Counter,
     pub checkpoints_removed: Counter,
+    /// Calls of the Agones SDK server, by call and result (`ok`, `rejected`, `unreachable`).
+    pub agones_calls: Family<AgonesCallLabel, Counter>,
     /// Freeze durations for the summary percentiles (prometheus buckets are too coarse).
     pub freeze_ms: Arc<Mutex<hdrhistogram::Histogram<u64>>>,
     /// The same for ticks missed and the sidecars' share of the freeze (ms).
@@ -327,6 +336,7 @@ impl Default for Metrics {
             checkpoints_stored: Default::default(),
             checkpoint_stored_bytes: Default::default(),
             checkpoints_removed: Default::default(),
+            agones_calls: Default::default(),
             freeze_ms: Arc::new(Mutex::new(freeze_histogram())),
             ticks_missed: Arc::new(Mutex::new(freeze_histogram())),
             freeze_sidecars_ms: Arc::new(Mutex::new(freeze_histogram())),
@@ -672,7 +682,19 @@ impl Metrics {
             "Times the node stopped admitting new sessions, by reason (tick_overrun, outbox_pressure)",
             m.admission_closings.clone(),
         );
+        r.register(
+            "agones_calls",
+            "Calls of the Agones SDK server made on the game's behalf, by call (label, ready, health, shutdown) and result (ok, rejected: an error status, unreachable: no answer)",
+            m.agones_calls.clone(),
+        );
         m
+    }
+
+    /// One call of the Agones SDK server and how it went.
+    pub fn agones_call(&self, call: &'static str, result: &'static str) {
+        self.agones_calls
+            .get_or_create(&AgonesCallLabel { call, result })
+            .inc();
     }
 
     /// One handoff step between `from` and `to`.

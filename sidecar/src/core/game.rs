@@ -84,6 +84,11 @@ const TICK_ORIGIN_UNIX_MS: u64 = 0;
 const DEFAULT_TICK_HZ: u32 = 20;
 
 impl Core {
+    /// Whether a game is connected now (it said `Hello`).
+    pub fn game_connected(&self) -> bool {
+        self.game.slot.is_some()
+    }
+
     pub(crate) fn on_game_hello(
         &mut self,
         conn: ConnId,

@@ -22,6 +22,7 @@ use super::{dial, store, Event, GameHandle, GameOut, LinkHandle};
 use crate::core::wire::forwarded_inputs;
 use crate::core::{ConnId, Core, Input, LeaseTerms, LinkId, Now, Output, Restored};
 use crate::metrics::Metrics;
+use crate::model::agones::{NodeStatus, Stopped};
 use crate::Real;
 
 /// Events handled before the outputs are carried out, so one burst becomes one frame per peer.
@@ -68,6 +69,8 @@ pub(crate) struct Driver {
     pub failure: Arc<Mutex<Option<String>>>,
     /// The latest report to the balancer, for the membership task to publish.
     pub load_reports: tokio::sync::watch::Sender<Option<cellmesh_geo_router::balance::CellReport>>,
+    /// What the Agones task (if any) follows.
+    pub agones: tokio::sync::watch::Sender<NodeStatus>,
 }
 
 impl Driver {
@@ -100,16 +103,42 @@ impl Driver {
                 }
             }
             self.act();
+            self.tell_agones(None);
         }
         let now = self.now();
         self.core.handle(now, Input::Shutdown);
         self.act();
+        // Stopped: cleanly after a drain (or a signal cutting it short), or on a failure.
+        let failed = self
+            .failure
+            .lock()
+            .expect("failure lock poisoned")
+            .is_some();
+        self.tell_agones(Some(if failed {
+            Stopped::Failed
+        } else {
+            Stopped::Cleanly
+        }));
         // Dropping the handles lets every connection write what is queued, then close.
         self.games.clear();
         self.links.clear();
         for (_, d) in self.dialers.drain() {
             d.cancel();
         }
+    }
+
+    /// Publishes the node's status for the Agones task, when it changed.
+    fn tell_agones(&self, stopped: Option<Stopped>) {
+        let status = NodeStatus {
+            game: self.core.game_connected(),
+            ready: self.admin.is_ready(),
+            stopped,
+        };
+        self.agones.send_if_modified(|s| {
+            let changed = *s != status;
+            *s = status;
+            changed
+        });
     }
 
     fn on_event(&mut self, ev: Event) {

@@ -8,8 +8,10 @@
 //! - [`membership`]: the node lease, the node record, the partition and the live peers;
 //! - [`state_dir`]: the lock and last lease grant that let a process restarted in place take
 //!   its node id back at once;
-//! - [`store`]: the store executor; [`codec`]: the metered frame codec.
+//! - [`store`]: the store executor; [`codec`]: the metered frame codec;
+//! - [`agones`]: under Agones, the calls of its SDK server on the game's behalf.
 
+pub(crate) mod agones;
 pub(crate) mod codec;
 pub(crate) mod dial;
 pub(crate) mod driver;
@@ -157,6 +159,20 @@ pub(crate) async fn launch(
     let census = Arc::default();
     let restored = Arc::default();
     let (load_reports, load_report) = watch::channel(None);
+    // Whether a game is connected, the node ready, or stopped: for the Agones task, if any.
+    let (agones_status, agones_node) = watch::channel(Default::default());
+    if let Some(port) = cfg.agones.port() {
+        tasks.spawn(agones::run(
+            agones::Target {
+                port,
+                node_id: cfg.node_id,
+                geo: cfg.geo.clone(),
+                health_every_ms: cfg.agones.health_every_ms,
+            },
+            agones_node,
+            metrics.clone(),
+        ));
+    }
     let clustered = membership.is_some();
     let held = membership.as_ref().map(|(_, h)| h.clone());
     let topology = membership.as_ref().map(|(t, _)| t.clone());
@@ -240,6 +256,7 @@ pub(crate) async fn launch(
         shutdown: shutdown.clone(),
         failure: Arc::clone(&failure),
         load_reports,
+        agones: agones_status,
     };
     // Should the driver ever end (or panic), everything else stops with it.
     let stop_all = shutdown.clone().drop_guard();

@@ -10,9 +10,11 @@
 //! - [`checkpoints`]: the latest state of every entity the node writes, asked of the game;
 //! - [`claims`]: the claims this node's entities hold; [`spawners`]: the spawn points it stocks;
 //! - [`admission`]: whether the node admits new sessions (tick overrun, outbox pressure);
+//! - [`agones`]: what the sidecar calls on the Agones SDK on its game's behalf, and when;
 //! - [`recent_handoffs`]: the handoffs of the last second, for the live map.
 
 pub mod admission;
+pub mod agones;
 pub mod audience;
 pub mod checkpoints;
 pub mod claims;
