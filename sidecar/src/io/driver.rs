@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::mesh::MeshCtx;
+use super::spans::Spans;
 use super::{dial, store, Event, GameHandle, GameOut, LinkHandle};
 use crate::core::wire::forwarded_inputs;
 use crate::core::{ConnId, Core, Input, LeaseTerms, LinkId, Now, Output, Restored};
@@ -65,6 +66,8 @@ pub(crate) struct Driver {
     pub failure: Arc<Mutex<Option<String>>>,
     /// The latest report to the balancer, for the membership task to publish.
     pub load_reports: tokio::sync::watch::Sender<Option<cellmesh_geo_router::balance::CellReport>>,
+    /// The spans of handoffs and entity commands under way, when spans are exported.
+    pub spans: Spans,
 }
 
 impl Driver {
@@ -101,6 +104,7 @@ impl Driver {
         let now = self.now();
         self.core.handle(now, Input::Shutdown);
         self.act();
+        self.spans.close_all();
         // Dropping the handles lets every connection write what is queued, then close.
         self.games.clear();
         self.links.clear();
@@ -128,6 +132,8 @@ impl Driver {
                 rest,
             } => {
                 self.links.insert(link, handle);
+                self.spans.link_up(link, &hello);
+                self.spans.received(&rest);
                 Input::LinkUp {
                     link,
                     hello,
@@ -146,7 +152,9 @@ impl Driver {
                     }
                     Input::LinkClosed { link, .. } => {
                         self.links.remove(link);
+                        self.spans.link_closed(*link);
                     }
+                    Input::LinkFrame { messages, .. } => self.spans.received(messages),
                     _ => {}
                 }
                 input
@@ -158,6 +166,9 @@ impl Driver {
 
     /// Carries out everything the core wants done. Never waits.
     fn act(&mut self) {
+        if self.spans.on() {
+            self.spans.sweep(mono_ms(self.start, Instant::now()));
+        }
         while let Some(output) = self.core.poll_output() {
             match output {
                 Output::ToGame { conn, frame } => {
@@ -191,6 +202,10 @@ impl Driver {
                         self.metrics.inputs_lost_in_links.inc_by(lost);
                         continue;
                     };
+                    if self.spans.on() {
+                        let now_ms = mono_ms(self.start, Instant::now());
+                        self.spans.sent(link, &frame.messages, now_ms);
+                    }
                     let sent = l.outbox.try_send(frame);
                     // A deep outbox is latency for everyone on the link: the core hears of it
                     // (its admission policy decides), at most every so often.
