@@ -11,4 +11,5 @@ pub mod partition_cli;
 mod scenario_cli;
 pub mod signal;
 pub mod sim_cli;
+pub mod telemetry;
 pub mod up;

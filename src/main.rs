@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use cellmesh::{bots, signal, up};
+use cellmesh::{bots, signal, telemetry, up};
 use cellmesh_proxy::config::DEFAULT_TOKEN_SECRET;
 use clap::{Args, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
@@ -262,17 +262,6 @@ fn proxy_config_shown(cfg: &cellmesh_proxy::ProxyConfig) -> cellmesh_proxy::Prox
     shown
 }
 
-fn init_tracing(default: &str) {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
-    // A closed stderr must not take the process down with a panic on the next log line.
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .log_internal_errors(false)
-        .init();
-}
-
 /// Prints the one line on stdout that names the addresses a process bound, so whoever started it
 /// with port 0 learns the ports (the format is documented in the README). Nobody reading stdout is
 /// no reason to stop serving: write errors are ignored.
@@ -288,7 +277,7 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Up(args) => {
-            init_tracing("warn");
+            let _telemetry = telemetry::init("warn", "cellmesh-up");
             let opts = args.options();
             let s = up::run(opts, signal::shutdown()).await?;
             println!(
@@ -342,7 +331,8 @@ async fn main() -> anyhow::Result<()> {
             config,
             print_config,
         } => {
-            init_tracing("info");
+            // Dropped on every way out of the arm: the spans still batched are sent.
+            let _telemetry = telemetry::init("info", "cellmesh-sidecar");
             let cfg: cellmesh_sidecar::SidecarConfig =
                 cellmesh_admin::config::load(config.as_deref())?;
             // Under Agones, its SDK server's port (unless the configuration names one).
@@ -398,7 +388,7 @@ async fn main() -> anyhow::Result<()> {
             config,
             print_config,
         } => {
-            init_tracing("info");
+            let _telemetry = telemetry::init("info", "cellmesh-proxy");
             let cfg: cellmesh_proxy::ProxyConfig = cellmesh_admin::config::load(config.as_deref())?;
             if print_config {
                 print!("{}", toml::to_string_pretty(&proxy_config_shown(&cfg))?);
@@ -432,7 +422,7 @@ async fn main() -> anyhow::Result<()> {
             config,
             print_config,
         } => {
-            init_tracing("info");
+            let _telemetry = telemetry::init("info", "cellmesh-director");
             let cfg: cellmesh::director::DirectorConfig =
                 cellmesh_admin::config::load(config.as_deref())?;
             if print_config {
@@ -457,7 +447,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Balance(args) => cellmesh::balance_cli::run(args)?,
         Command::Sim(args) => cellmesh::sim_cli::run(args)?,
         Command::Bench(args) => {
-            init_tracing("warn");
+            let _telemetry = telemetry::init("warn", "cellmesh-bench");
             cellmesh::bench_cli::run(args).await?
         }
         Command::Forwarder { to } => cellmesh_benches::load::forwarder::run_process(to).await?,
@@ -479,7 +469,7 @@ async fn main() -> anyhow::Result<()> {
             );
         }
         Command::Bots(args) => {
-            init_tracing("warn");
+            let _telemetry = telemetry::init("warn", "cellmesh-bots");
             let cfg = Arc::new(args.config());
             let (count, duration) = (args.count, args.duration);
             let stats = Arc::new(bots::BotStats::default());

@@ -33,6 +33,11 @@ pub use exposition::Format;
 
 pub use prometheus_client;
 
+/// The `tracing` target of the spans a process exports over OTLP when an endpoint is configured
+/// (`login` in the proxy, `handoff` and `entity_command` in the sidecar): the exporter takes
+/// these spans only, and the log none of them, so with no endpoint they are disabled spans.
+pub const SPANS_TARGET: &str = "cellmesh::spans";
+
 type StateFn = dyn Fn() -> serde_json::Value + Send + Sync;
 
 /// The answer of a route a process added: status, content type and body.

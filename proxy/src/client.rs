@@ -28,6 +28,8 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::codec::{FramedRead, FramedWrite};
+use tracing::field::Empty;
+use tracing::Span;
 
 use crate::connlimit::ConnectionPermit;
 use crate::gateway::NoGateway;
@@ -67,6 +69,18 @@ enum End {
     GatewayLost(String),
     /// Handed over to another geo: the client gets the `Transfer` and reconnects there.
     Transfer(Transfer, HandoverCause),
+}
+
+impl End {
+    /// The outcome of a login that ended this way, as its span says it.
+    fn outcome(&self) -> &'static str {
+        match self {
+            Self::Kick(_) => "refused",
+            Self::Left(_) => "left",
+            Self::GatewayLost(_) => "gateway_lost",
+            Self::Transfer(..) => "transferred",
+        }
+    }
 }
 
 fn kick(reason: KickReason, detail: impl Into<String>) -> End {
@@ -109,6 +123,9 @@ struct Client {
     control: Arc<SessionControl>,
     reader: FramedRead<OwnedReadHalf, FrameCodec<ClientFrame>>,
     writer: FramedWrite<OwnedWriteHalf, FrameCodec<ClientFrame>>,
+    /// The login under way: from the `ClientHello` to the session attached at a gateway (or
+    /// the connection's end); disabled before and after, and when spans are not exported.
+    login: Span,
 }
 
 /// Serves one client connection to its end; `permit` holds its place under the connection limits.
@@ -134,6 +151,7 @@ pub(crate) async fn serve(
         // Until the login is admitted a stranger may send only a small frame.
         reader: FramedRead::new(r, FrameCodec::with_max(cfg.hello_max_frame_bytes)),
         writer: FramedWrite::new(w, FrameCodec::with_max(cfg.max_frame_bytes)),
+        login: Span::none(),
     };
     client.run().await;
     shared.unregister_client(id);
@@ -286,6 +304,7 @@ impl Client {
         // Taken even when a cookie came along, so that a hint is used once.
         if let Some(h) = geos.take_hint(account, ip, &shared.metrics).await {
             shared.metrics.hint_hits.inc();
+            self.login.record("handover", HintSource::Hint.name());
             return Ok(Some(attach_hint(&h, HintSource::Hint)));
         }
         let cookie = if !hello.cookie.is_empty() {
@@ -302,6 +321,7 @@ impl Client {
         match geos.open_cookie(&cookie, account, ip, now_unix_ms()) {
             Ok(c) => {
                 shared.metrics.cookie_hits.inc();
+                self.login.record("handover", HintSource::Cookie.name());
                 Ok(Some(attach_hint(&c, HintSource::Cookie)))
             }
             Err(e) => {
@@ -445,10 +465,24 @@ impl Client {
             auth::check_version(&hello).map_err(End::Kick)?;
             return Ok(Hello::Probe(hello.probe_ticket));
         }
+        self.login = tracing::info_span!(
+            target: cellmesh_admin::SPANS_TARGET,
+            "login",
+            proxy = cfg.name.as_str(),
+            geo = cfg.geo.as_str(),
+            account = Empty,
+            handover = Empty,
+            gateway = Empty,
+            node = Empty,
+            session_epoch = Empty,
+            outcome = Empty,
+            reason = Empty,
+        );
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let account = auth::admit(&hello, cfg.token_secret.as_bytes(), now).map_err(End::Kick)?;
+        self.login.record("account", account.as_str());
         self.reader
             .decoder_mut()
             .set_max_frame(cfg.client_max_frame_bytes);
@@ -486,6 +520,9 @@ impl Client {
                 return Err(End::Kick(Kick::server_full(detail, retry_after_ms)));
             }
         };
+        if new_login {
+            self.login.record("gateway", &*conn.gateway);
+        }
         let id = link.next_session_id();
         let (tx, outbox) = mpsc::channel(self.shared.cfg.client_outbox_frames);
         if !conn.attach(
@@ -553,6 +590,15 @@ impl Client {
             self.lose(InputLoss::SessionEnded, &pending);
             return end;
         }
+        // Logged in: the login's span ends (a session moved later has none).
+        let login = std::mem::replace(&mut self.login, Span::none());
+        login.record("node", i64::from(attached.gateway_node));
+        login.record(
+            "session_epoch",
+            i64::try_from(attached.session_epoch).unwrap_or(i64::MAX),
+        );
+        login.record("outcome", "attached");
+        drop(login);
         let info = Arc::new(SessionInfo::new(
             s.account.clone(),
             s.id,
@@ -909,8 +955,16 @@ impl Client {
             peer,
             reader,
             mut writer,
+            login,
             ..
         } = self;
+        // A login that ends here never got its session.
+        login.record("outcome", end.outcome());
+        if let End::Kick(k) = &end {
+            let reason = KickReason::try_from(k.reason).unwrap_or(KickReason::KickUnspecified);
+            login.record("reason", reason.as_str_name());
+        }
+        drop(login);
         let last = match end {
             End::Kick(kick) => kick_message(&shared, peer, kick),
             End::GatewayLost(why) => kick_message(

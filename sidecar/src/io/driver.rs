@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::mesh::MeshCtx;
+use super::spans::Spans;
 use super::{dial, store, Event, GameHandle, GameOut, LinkHandle};
 use crate::core::wire::forwarded_inputs;
 use crate::core::{ConnId, Core, Input, LeaseTerms, LinkId, Now, Output, Restored};
@@ -71,6 +72,8 @@ pub(crate) struct Driver {
     pub load_reports: tokio::sync::watch::Sender<Option<cellmesh_geo_router::balance::CellReport>>,
     /// What the Agones task (if any) follows.
     pub agones: tokio::sync::watch::Sender<NodeStatus>,
+    /// The spans of handoffs and entity commands under way, when spans are exported.
+    pub spans: Spans,
 }
 
 impl Driver {
@@ -119,6 +122,7 @@ impl Driver {
         } else {
             Stopped::Cleanly
         }));
+        self.spans.close_all();
         // Dropping the handles lets every connection write what is queued, then close.
         self.games.clear();
         self.links.clear();
@@ -160,6 +164,8 @@ impl Driver {
                 rest,
             } => {
                 self.links.insert(link, handle);
+                self.spans.link_up(link, &hello);
+                self.spans.received(&rest);
                 Input::LinkUp {
                     link,
                     hello,
@@ -178,7 +184,9 @@ impl Driver {
                     }
                     Input::LinkClosed { link, .. } => {
                         self.links.remove(link);
+                        self.spans.link_closed(*link);
                     }
+                    Input::LinkFrame { messages, .. } => self.spans.received(messages),
                     _ => {}
                 }
                 input
@@ -190,6 +198,9 @@ impl Driver {
 
     /// Carries out everything the core wants done. Never waits.
     fn act(&mut self) {
+        if self.spans.on() {
+            self.spans.sweep(mono_ms(self.start, Instant::now()));
+        }
         while let Some(output) = self.core.poll_output() {
             match output {
                 Output::ToGame { conn, frame } => {
@@ -223,6 +234,10 @@ impl Driver {
                         self.metrics.inputs_lost_in_links.inc_by(lost);
                         continue;
                     };
+                    if self.spans.on() {
+                        let now_ms = mono_ms(self.start, Instant::now());
+                        self.spans.sent(link, &frame.messages, now_ms);
+                    }
                     let sent = l.outbox.try_send(frame);
                     // A deep outbox is latency for everyone on the link: the core hears of it
                     // (its admission policy decides), at most every so often.

@@ -18,6 +18,7 @@ pub(crate) mod driver;
 pub(crate) mod game;
 pub(crate) mod membership;
 pub(crate) mod mesh;
+pub(crate) mod spans;
 pub(crate) mod state_dir;
 pub(crate) mod store;
 
@@ -257,6 +258,7 @@ pub(crate) async fn launch(
         failure: Arc::clone(&failure),
         load_reports,
         agones: agones_status,
+        spans: spans::Spans::new(cfg.node_id, cfg.command_timeout_ms),
     };
     // Should the driver ever end (or panic), everything else stops with it.
     let stop_all = shutdown.clone().drop_guard();
