@@ -10,7 +10,8 @@
 #               kustomization.yaml must list every manifest of its directory
 #   prometheus  docker/prometheus/*.yml and deploy/k8s/prometheus/*.yml with `promtool check config`
 #   grafana     the provisioning files parse, the dashboards name the provisioned datasource, and
-#               every PromQL expression of a dashboard parses (`promtool check rules`)
+#               every PromQL expression of a dashboard parses (`promtool check rules`), and every
+#               metric a dashboard names is one a process registers
 #
 # Not validated (printed at the end): the custom kinds other than the Fleet (ServiceMonitor,
 # MongoDBCommunity: no schema kept here), the Kubernetes discovery block of the annotations scrape
@@ -336,6 +337,40 @@ run "every dashboard expression parses (promtool check rules)" promtool check ru
 printf 'groups:\n  - name: broken\n    rules:\n      - record: x\n        expr: sum(rate(foo_total[1m])\n' \
     >"$work/broken-rules.yml"
 must_fail "a broken expression" promtool check rules "$work/broken-rules.yml"
+
+# Every metric a dashboard queries is one a process registers, under its prefix and with the
+# suffix its type gives it in the exposition (`_total` for a counter, `_bucket`/`_sum`/`_count`
+# for a histogram): a renamed metric cannot leave a panel silently empty.
+"$python" - >"$work/names" <<'EOF'
+import glob, json, re
+
+registered = {}
+for path, prefix in [("sidecar/src/metrics.rs", "cellmesh_sidecar_"),
+                     ("proxy/src/metrics.rs", "cellmesh_proxy_"),
+                     ("src/director/metrics.rs", "cellmesh_director_")]:
+    text = open(path).read()
+    for name in re.findall(r'register\(\s*"([a-z0-9_]+)"', text):
+        registered[prefix + name] = path
+def known(name):
+    if name in registered:
+        return True
+    base = re.sub(r"_(total|bucket|sum|count)$", "", name)
+    return base != name and base in registered
+for p in sorted(glob.glob("docker/grafana/dashboards/*.json")):
+    text = json.dumps(json.load(open(p)))
+    names = sorted(set(re.findall(r"cellmesh_[a-z0-9_]+", text)))
+    unknown = [n for n in names if not known(n)]
+    if unknown:
+        print(f"error {p} queries metrics no process registers: {', '.join(unknown)}")
+    else:
+        print(f"ok {p}: its {len(names)} metric names are all registered ({len(registered)} registered)")
+EOF
+while read -r sort rest; do
+    case $sort in
+    ok) pass "$rest" ;;
+    *) fail "$rest" ;;
+    esac
+done <"$work/names"
 
 # ------------------------------------------------------------------------------------------------
 section "not validated"
