@@ -357,12 +357,12 @@ async fn main() -> anyhow::Result<()> {
                     .context("opening the topology store")?;
                 cellmesh_sidecar::start_in(cfg, stores, topology, stop.clone()).await?
             };
-            tracing::info!(local = %handle.local_addr, mesh = %handle.mesh_addr, admin = %handle.admin_addr, "sidecar running");
+            tracing::info!(node = handle.node_id, local = %handle.local_addr, mesh = %handle.mesh_addr, admin = %handle.admin_addr, "sidecar running");
             // Listening for signals before saying so: whoever read the line may signal at once.
             let interrupted = signal::shutdown();
             report_listening(format_args!(
-                "cellmesh sidecar listening local={} mesh={} admin={}",
-                handle.local_addr, handle.mesh_addr, handle.admin_addr
+                "cellmesh sidecar listening local={} mesh={} admin={} node={}",
+                handle.local_addr, handle.mesh_addr, handle.admin_addr, handle.node_id
             ));
             tokio::select! {
                 _ = interrupted => {}

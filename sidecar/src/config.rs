@@ -30,8 +30,16 @@ impl MeshShaping {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SidecarConfig {
-    /// This node's id: the node part of every entity id it mints.
+    /// This node's id: the node part of every entity id it mints, and the fence of its lease in
+    /// the topology store. With `node_id_auto`, the lowest id the node may take.
     pub node_id: u32,
+    /// Take a free node id from the topology store instead of running as `node_id`: the lowest
+    /// id at or above `node_id` whose lease is free or lapsed (the store's atomic grant settles
+    /// two nodes racing for one id), so that every node of a fleet stamped from one template may
+    /// share one configuration. A node restarted in place first takes back the id its
+    /// `state_dir` recorded. An id the partition does not name joins as a spare. Needs a
+    /// `topology_url`.
+    pub node_id_auto: bool,
     /// The geo (datacenter) this node runs in.
     pub geo: String,
     /// Where the game server connects: `host:port`, or `unix:/path/to.sock` for a Unix socket.
@@ -140,6 +148,7 @@ impl Default for SidecarConfig {
     fn default() -> Self {
         Self {
             node_id: 1,
+            node_id_auto: false,
             geo: "local".into(),
             local_listen: "127.0.0.1:7100".into(),
             mesh_listen: "127.0.0.1:7200".into(),
@@ -202,6 +211,8 @@ pub enum ConfigError {
     World(#[from] GeometryError),
     #[error("node_id {0} does not fit the 10-bit node part of entity ids (0..={MAX_NODE_ID})")]
     NodeId(u32),
+    #[error("node_id_auto needs a topology_url: a lone node has no topology store to take a node id from")]
+    NodeIdAuto,
     #[error("{name} must not be empty")]
     Empty { name: &'static str },
     #[error("local_listen `unix:` needs a socket path")]
@@ -236,6 +247,9 @@ impl SidecarConfig {
         self.world.validate()?;
         if self.node_id > MAX_NODE_ID {
             return Err(ConfigError::NodeId(self.node_id));
+        }
+        if self.node_id_auto && self.topology_url.trim().is_empty() {
+            return Err(ConfigError::NodeIdAuto);
         }
         for (name, value) in [
             ("geo", &self.geo),
@@ -453,6 +467,37 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("agones.health_every_ms 0"), "{e}");
+    }
+
+    #[test]
+    fn node_id_auto_comes_from_the_environment_and_needs_a_topology() {
+        let load = |env: &[(&str, &str)]| {
+            let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+            cellmesh_admin::config::load_with_env::<SidecarConfig>(None, env).unwrap()
+        };
+        assert!(!load(&[]).node_id_auto, "off by default");
+        let alone = load(&[("CELLMESH_NODE_ID_AUTO", "true"), ("CELLMESH_NODE_ID", "3")]);
+        assert_eq!((alone.node_id_auto, alone.node_id), (true, 3));
+        let e = alone.validate().unwrap_err().to_string();
+        assert!(e.contains("node_id_auto needs a topology_url"), "{e}");
+        let clustered = load(&[
+            ("CELLMESH_NODE_ID_AUTO", "true"),
+            ("CELLMESH_TOPOLOGY_URL", "mongodb://h/topology"),
+        ]);
+        assert!(clustered.node_id_auto);
+        clustered.validate().unwrap();
+        // The floor is still a node id.
+        let e = SidecarConfig {
+            node_id: 1024,
+            ..clustered
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("node_id 1024"), "{e}");
+        let file = toml_from_str("node_id_auto = true\ntopology_url = \"memory\"\n").unwrap();
+        assert!(file.node_id_auto);
+        file.validate().unwrap();
     }
 
     #[test]

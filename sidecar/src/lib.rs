@@ -43,6 +43,8 @@ use crate::metrics::Metrics;
 
 /// A running sidecar.
 pub struct SidecarHandle {
+    /// The node id it runs as: `node_id`, or the one taken from the topology store.
+    pub node_id: u32,
     /// The local-protocol address actually bound: `127.0.0.1:PORT` or `unix:/path`.
     pub local_addr: String,
     pub mesh_addr: SocketAddr,
@@ -269,14 +271,18 @@ pub async fn start(
 
 /// Starts a sidecar as one node of a cluster: it serves the area the committed partition in
 /// `topology` gives its node id, under that id's lease, and links to every other live node.
+/// With `node_id_auto`, the node id is the one taken from the store ([`SidecarHandle::node_id`]);
+/// an id the partition does not name holds no area and stays up as a spare.
 pub async fn start_in(
-    cfg: SidecarConfig,
+    mut cfg: SidecarConfig,
     stores: Stores,
     topology: Arc<dyn TopologyStore>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<SidecarHandle> {
     cfg.validate().context("invalid sidecar configuration")?;
     let (partition, lease, state) = io::membership::join(topology.as_ref(), &cfg).await?;
+    // The id taken (the configured one, unless `node_id_auto`): everything runs as it.
+    cfg.node_id = lease.lease.node;
     io::launch(
         cfg,
         stores,

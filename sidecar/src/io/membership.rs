@@ -4,6 +4,8 @@
 //!   node's id (the fence on its area) under a holder name no other process shares. With a
 //!   `state_dir`, it first locks the node there (one live process per node and host), and takes
 //!   over at once the grant a crashed predecessor recorded there (see [`super::state_dir`]).
+//!   With `node_id_auto` it takes the lowest node id at or above `node_id` that is free instead,
+//!   after the one its state dir recorded last (a restart in place).
 //! - [`keep_lease`] renews that lease every half second (at least four times a lease), in a task
 //!   of its own so nothing else can delay it. The store judges lapse by its own clock; this
 //!   process stops writing at a deadline of its own monotonic clock, a lease's length less 1%
@@ -14,13 +16,14 @@
 //! - [`membership`] publishes where the mesh listener is and tells the node which peers hold a
 //!   live lease and where they listen, their lease epochs, and any newer partition.
 
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use cellmesh_geo_router::partition::Partition;
-use cellmesh_geo_router::topology::{self, Acquire, Lease, NodeRecord, TopologyStore};
+use cellmesh_geo_router::partition::{NodeId, Partition};
+use cellmesh_geo_router::topology::{self, Acquire, Lease, NodeRecord, TopologyStore, MAX_NODE_ID};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -43,15 +46,21 @@ pub(crate) struct Held {
 }
 
 /// Locks this node's state dir (if any), reads the partition and takes this node's lease: over
-/// from the grant the state dir recorded, if that is still the store's, else as a new one. The
-/// lock must be kept as long as the node runs.
+/// from the grant the state dir recorded, if that is still the store's, else as a new one. With
+/// `node_id_auto`, the node is the first that can be taken (see [`take_free`]); the lease names
+/// it. The lock must be kept as long as the node runs.
 pub(crate) async fn join(
     topology: &dyn TopologyStore,
     cfg: &SidecarConfig,
 ) -> anyhow::Result<(Partition, Held, Option<StateDir>)> {
-    let state = match cfg.state_dir.as_str() {
+    let dir = match cfg.state_dir.as_str() {
         "" => None,
-        dir => Some(StateDir::lock(Path::new(dir), cfg.node_id)?),
+        dir => Some(Path::new(dir)),
+    };
+    // A node of a fixed id is refused by the lock before it asks the store for anything.
+    let state = match (dir, cfg.node_id_auto) {
+        (Some(dir), false) => Some(StateDir::lock(dir, cfg.node_id)?),
+        _ => None,
     };
     let partition = topology
         .partition()
@@ -66,12 +75,102 @@ pub(crate) async fn join(
         partition.shape(),
         cfg.world
     );
-    let holder = topology::process_holder(&format!("sidecar-{}", cfg.node_id));
+    if cfg.node_id_auto {
+        let (held, state) = take_free(topology, cfg, dir).await?;
+        let node = held.lease.node;
+        tracing::info!(
+            node,
+            floor = cfg.node_id,
+            epoch = held.lease.epoch,
+            in_partition = partition.members().contains(&node),
+            "took node id {node} from the topology store"
+        );
+        return Ok((partition, held, state));
+    }
+    match take(topology, cfg, cfg.node_id, state.as_ref()).await? {
+        Ok(held) => Ok((partition, held, state)),
+        Err(other) => anyhow::bail!(
+            "node id {} is leased by {:?} until {} ms (the store's clock): another sidecar runs as this node",
+            cfg.node_id,
+            other.holder,
+            other.expires_unix_ms
+        ),
+    }
+}
+
+/// With `node_id_auto`: the lease of the first node id that can be taken, at or above
+/// `node_id`, with its state dir locked. First the ids this host's state dir recorded a grant
+/// for, the latest first (a process restarted in place takes its predecessor's id back, at once
+/// if the grant is still the store's); then, in order, every id whose lease was not live when
+/// the nodes were listed. The list only saves asking for ids surely taken: the store's grant
+/// decides, and an id another node won meanwhile (or another process of this host holds the
+/// lock of) is passed over for the next.
+async fn take_free(
+    topology: &dyn TopologyStore,
+    cfg: &SidecarConfig,
+    dir: Option<&Path>,
+) -> anyhow::Result<(Held, Option<StateDir>)> {
+    let ids = cfg.node_id..=MAX_NODE_ID;
+    let mut tried = BTreeSet::new();
+    if let Some(dir) = dir {
+        for node in StateDir::recorded(dir, ids.clone()) {
+            tried.insert(node);
+            let Some(state) = StateDir::try_lock(dir, node)? else {
+                continue;
+            };
+            if let Ok(held) = take(topology, cfg, node, Some(&state)).await? {
+                return Ok((held, Some(state)));
+            }
+        }
+    }
+    let live: BTreeSet<NodeId> = topology
+        .nodes()
+        .await
+        .context("listing the nodes")?
+        .into_iter()
+        .filter(|e| e.live)
+        .map(|e| e.lease.node)
+        .collect();
+    for node in ids {
+        if tried.contains(&node) || live.contains(&node) {
+            continue;
+        }
+        let state = match dir {
+            None => None,
+            Some(dir) => match StateDir::try_lock(dir, node)? {
+                Some(state) => Some(state),
+                None => continue,
+            },
+        };
+        match take(topology, cfg, node, state.as_ref()).await? {
+            Ok(held) => return Ok((held, state)),
+            Err(other) => tracing::debug!(
+                node,
+                holder = %other.holder,
+                "node id taken meanwhile; trying the next"
+            ),
+        }
+    }
+    anyhow::bail!(
+        "no node id is free from node_id {} up to {MAX_NODE_ID}: every one is leased by a live node",
+        cfg.node_id
+    )
+}
+
+/// Takes the lease of `node`, over from the grant `state` recorded if that is still the store's;
+/// `Err` with the lease of whoever holds it live.
+async fn take(
+    topology: &dyn TopologyStore,
+    cfg: &SidecarConfig,
+    node: NodeId,
+    state: Option<&StateDir>,
+) -> anyhow::Result<Result<Held, Lease>> {
+    let holder = topology::process_holder(&format!("sidecar-{node}"));
     let ttl = Duration::from_millis(cfg.node_lease_ms);
     let writable = Duration::from_millis(topology::writable_ms(cfg.node_lease_ms));
     // Holding the lock, this process is the only one of this host that may have been granted
     // the recorded lease since: whoever was is dead, and need not be waited out.
-    let mut previous = state.as_ref().and_then(StateDir::last_lease);
+    let mut previous = state.and_then(StateDir::last_lease);
     // A grant that came back after its deadline (the store answered slower than the lease) is
     // taken again; the node never starts on a dead lease.
     for _ in 0..LEASE_ATTEMPTS {
@@ -85,7 +184,7 @@ pub(crate) async fn join(
                 match &answer {
                     Acquire::Granted(lease) if lease.epoch == previous.epoch + 1 => {
                         tracing::info!(
-                            node = cfg.node_id,
+                            node,
                             "took the node lease over from this node's previous process, epoch {} -> {}",
                             previous.epoch,
                             lease.epoch
@@ -96,37 +195,28 @@ pub(crate) async fn join(
                 answer
             }
             None => topology
-                .acquire_lease(cfg.node_id, &holder, ttl)
+                .acquire_lease(node, &holder, ttl)
                 .await
                 .context("taking the node lease")?,
         };
-        if let (Acquire::Granted(lease), Some(state)) = (&answer, &state) {
+        if let (Acquire::Granted(lease), Some(state)) = (&answer, state) {
             if let Err(e) = state.record(lease) {
-                tracing::warn!(node = cfg.node_id, error = %e, "recording the node lease in state_dir failed: a restart will wait out this lease");
+                tracing::warn!(node, error = %e, "recording the node lease in state_dir failed: a restart will wait out this lease");
             }
         }
         match answer {
             Acquire::Granted(lease) if Instant::now() < sent + writable => {
-                return Ok((
-                    partition,
-                    Held {
-                        lease,
-                        deadline: sent + writable,
-                    },
-                    state,
-                ))
+                return Ok(Ok(Held {
+                    lease,
+                    deadline: sent + writable,
+                }))
             }
             Acquire::Granted(lease) => tracing::warn!(
-                node = cfg.node_id,
+                node,
                 epoch = lease.epoch,
                 "the node lease lapsed before the store answered; taking it again"
             ),
-            Acquire::Held(other) => anyhow::bail!(
-                "node id {} is leased by {:?} until {} ms (the store's clock): another sidecar runs as this node",
-                cfg.node_id,
-                other.holder,
-                other.expires_unix_ms
-            ),
+            Acquire::Held(other) => return Ok(Err(other)),
         }
     }
     anyhow::bail!(

@@ -284,6 +284,7 @@ pub(crate) async fn launch(
     tasks.spawn(mesh::accept_loop(mesh_listener, mesh_ctx));
     tracing::info!(node = cfg.node_id, local = %local_addr, mesh = %mesh_addr, admin = %admin_addr, "sidecar started");
     Ok(SidecarHandle {
+        node_id: cfg.node_id,
         local_addr,
         mesh_addr,
         admin_addr,

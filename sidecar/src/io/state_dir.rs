@@ -1,6 +1,7 @@
 //! The node's state dir (`state_dir`): a lock that says a live process on this host runs as the
 //! node, and the last lease grant a process of this host got for it (`node-N.lock`,
-//! `node-N.lease`).
+//! `node-N.lease`). A node that takes a free node id (`node_id_auto`) looks here first for the id
+//! its last process ran as.
 //!
 //! The kernel releases the lock when its process dies, `kill -9` included. So a process holding
 //! it knows that whoever got the recorded grant is dead, and may take that grant over at once
@@ -9,6 +10,7 @@
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{ErrorKind, Write};
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -26,9 +28,21 @@ pub(crate) struct StateDir {
 impl StateDir {
     /// Creates `dir` if need be and locks it for `node`; fails if another live process holds it.
     pub(crate) fn lock(dir: &Path, node: NodeId) -> anyhow::Result<Self> {
+        match Self::try_lock(dir, node)? {
+            Some(state) => Ok(state),
+            None => anyhow::bail!(
+                "another sidecar on this host runs as node {node}: {} is locked",
+                Self::lock_path(dir, node).display()
+            ),
+        }
+    }
+
+    /// [`lock`](Self::lock), but `None` if another live process holds the lock: for a node
+    /// looking for a free id, that one is taken.
+    pub(crate) fn try_lock(dir: &Path, node: NodeId) -> anyhow::Result<Option<Self>> {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("creating state_dir {}", dir.display()))?;
-        let path = dir.join(format!("node-{node}.lock"));
+        let path = Self::lock_path(dir, node);
         let lock = OpenOptions::new()
             .create(true)
             .truncate(false)
@@ -37,19 +51,51 @@ impl StateDir {
             .with_context(|| format!("opening {}", path.display()))?;
         match lock.try_lock() {
             Ok(()) => {}
-            Err(TryLockError::WouldBlock) => anyhow::bail!(
-                "another sidecar on this host runs as node {node}: {} is locked",
-                path.display()
-            ),
+            Err(TryLockError::WouldBlock) => return Ok(None),
             Err(TryLockError::Error(e)) => {
                 return Err(e).with_context(|| format!("locking {}", path.display()))
             }
         }
-        Ok(Self {
+        Ok(Some(Self {
             dir: dir.to_path_buf(),
             node,
             _lock: lock,
-        })
+        }))
+    }
+
+    /// The node ids in `ids` that `dir` holds a recorded grant of, the latest recorded first:
+    /// where a node that takes a free id looks first after a restart in place. A dir that is
+    /// missing or cannot be read has none.
+    pub(crate) fn recorded(dir: &Path, ids: RangeInclusive<NodeId>) -> Vec<NodeId> {
+        let entries = match std::fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Vec::new(),
+            Err(e) => {
+                tracing::warn!(path = %dir.display(), error = %e, "cannot list state_dir; taking a node id as if it were empty");
+                return Vec::new();
+            }
+        };
+        let mut found: Vec<(std::time::SystemTime, NodeId)> = entries
+            .filter_map(|e| {
+                let e = e.ok()?;
+                let name = e.file_name();
+                let node: NodeId = name
+                    .to_str()?
+                    .strip_prefix("node-")?
+                    .strip_suffix(".lease")?
+                    .parse()
+                    .ok()?;
+                let at = e.metadata().and_then(|m| m.modified()).ok()?;
+                ids.contains(&node).then_some((at, node))
+            })
+            .collect();
+        // Latest first; equal times by id.
+        found.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        found.into_iter().map(|(_, node)| node).collect()
+    }
+
+    fn lock_path(dir: &Path, node: NodeId) -> PathBuf {
+        dir.join(format!("node-{node}.lock"))
     }
 
     fn lease_path(&self) -> PathBuf {
@@ -166,5 +212,41 @@ mod tests {
         let _other = StateDir::lock(dir.path(), 5).unwrap();
         drop(first);
         StateDir::lock(dir.path(), 4).unwrap();
+    }
+
+    #[test]
+    fn the_recorded_ids_come_latest_first_within_the_range() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(StateDir::recorded(&dir.path().join("missing"), 0..=1023).is_empty());
+        for node in [2, 7, 5] {
+            let state = StateDir::lock(dir.path(), node).unwrap();
+            state.record(&lease(node, 1)).unwrap();
+            // Distinct modification times, whatever the file system's resolution.
+            let at = std::time::SystemTime::UNIX_EPOCH
+                + std::time::Duration::from_secs(1_800_000_000 + u64::from(node % 5));
+            File::options()
+                .write(true)
+                .open(dir.path().join(format!("node-{node}.lease")))
+                .unwrap()
+                .set_modified(at)
+                .unwrap();
+        }
+        // A lock without a record, and names that are no record.
+        StateDir::lock(dir.path(), 9).unwrap();
+        for name in ["node-x.lease", "node-3.lease.tmp", "other"] {
+            std::fs::write(dir.path().join(name), "").unwrap();
+        }
+        // Modified at 2, 0 and 2 seconds past the base: 2 and 7 tie, the lower id first.
+        assert_eq!(StateDir::recorded(dir.path(), 0..=1023), [2, 7, 5]);
+        assert_eq!(StateDir::recorded(dir.path(), 3..=6), [5]);
+    }
+
+    #[test]
+    fn a_lock_held_elsewhere_is_no_error_for_a_node_looking_for_a_free_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = StateDir::try_lock(dir.path(), 4).unwrap().expect("free");
+        assert!(StateDir::try_lock(dir.path(), 4).unwrap().is_none());
+        drop(first);
+        assert!(StateDir::try_lock(dir.path(), 4).unwrap().is_some());
     }
 }
