@@ -940,17 +940,19 @@ async fn a_player_logging_in_again_through_its_gateways_crash_keeps_one_avatar()
         "ada's avatar back on node {:?}",
         writers_of("ada", &[live]).await
     );
-    // One session displaces the other: the second login, or the first session if the proxy
-    // moved it to the live node after the second login registered (the latest registration
-    // wins). Either way one ends and one stays.
-    let (ended, survivor, stop) = tokio::select! {
-        ended = &mut first => (ended, second, stop_second),
-        ended = &mut second => (ended, first, stop_first),
-        _ = tokio::time::sleep_until(deadline) => panic!("neither of ada's sessions ended"),
+    // The second login displaces the first session, whether the proxy moved that to the live
+    // node before the second login registered or after (then the directory refuses the move:
+    // a newer login came since).
+    let ended = tokio::select! {
+        ended = &mut first => ended.unwrap(),
+        ended = &mut second => panic!("ada's newer login ended first: {}", ended.unwrap()),
+        _ = tokio::time::sleep_until(deadline) => panic!("ada's first session never ended"),
     };
-    let ended = ended.unwrap();
-    eprintln!("one of ada's sessions ended: {ended}");
-    assert!(ended.starts_with("kicked") || ended == "closed", "{ended}");
+    eprintln!("ada's first session ended: {ended}");
+    let displaced = cellmesh_proto::edge::KickReason::Displaced as i32;
+    assert_eq!(ended, format!("kicked: {displaced}"));
+    drop(stop_first);
+    let (survivor, stop) = (second, stop_second);
 
     // The dead node comes back once its lease lapsed; still one avatar, nothing held.
     dead.restart(deadline).await;

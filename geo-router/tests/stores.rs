@@ -519,6 +519,50 @@ async fn register_above_a_floor_goes_above_it(backend: impl Directories) {
     Directories::clean_up(&backend).await;
 }
 
+async fn a_moved_session_registers_only_if_no_login_came_since(backend: impl Directories) {
+    let dir = backend.open("relogin").await;
+    // Alice's session moves from its lost gateway (node 1) to node 2: nothing came since.
+    let first = dir.register("alice", 1, LONG_LEASE).await.unwrap();
+    let moved = dir
+        .register_moved("alice", 2, LONG_LEASE, first)
+        .await
+        .unwrap()
+        .expect("no login since: the move registers");
+    assert!(moved > first, "{moved} <= {first}");
+    let entry = dir.lookup("alice").await.unwrap().unwrap();
+    assert_eq!((entry.gateway_node, entry.session_epoch), (2, moved));
+
+    // She logs in again while the session moves once more: the newer login stays, and the
+    // move writes nothing.
+    let newer = dir.register("alice", 3, LONG_LEASE).await.unwrap();
+    assert_eq!(
+        dir.register_moved("alice", 1, LONG_LEASE, moved)
+            .await
+            .unwrap(),
+        None
+    );
+    let entry = dir.lookup("alice").await.unwrap().unwrap();
+    assert_eq!((entry.gateway_node, entry.session_epoch), (3, newer));
+    assert!(dir.renew("alice", newer, LONG_LEASE).await.unwrap());
+
+    // Its lease expired meanwhile, the moved session still registers: it is the latest one.
+    let bob = dir
+        .register("bob", 1, Duration::from_millis(50))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(dir.lookup("bob").await.unwrap(), None);
+    let bob_moved = dir
+        .register_moved("bob", 2, LONG_LEASE, bob)
+        .await
+        .unwrap()
+        .expect("registers after expiry");
+    assert!(bob_moved > bob);
+    // And a later plain login still goes above the moved one.
+    assert!(dir.register("bob", 1, LONG_LEASE).await.unwrap() > bob_moved);
+    Directories::clean_up(&backend).await;
+}
+
 async fn a_hint_is_taken_once_and_expires(backend: impl Boards) {
     let (paris, montreal) = (
         backend.open_board("paris").await,
@@ -593,6 +637,7 @@ async fn far_rtts_are_kept_by_geo_and_expire(backend: impl Boards) {
 contract! {
     directory: [
         register_above_a_floor_goes_above_it,
+        a_moved_session_registers_only_if_no_login_came_since,
         register_bumps_the_epoch_and_displaces,
         stale_epochs_renew_and_release_nothing,
         an_unrenewed_lease_expires,

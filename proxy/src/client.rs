@@ -113,6 +113,8 @@ struct Session {
     outbox: mpsc::Receiver<ToSession>,
     /// Set once the client got its `Welcome`.
     info: Option<Arc<SessionInfo>>,
+    /// The session epoch its gateway gave it; 0 until `Attached`.
+    epoch: u64,
 }
 
 struct Client {
@@ -379,8 +381,11 @@ impl Client {
         mut hint: Option<HandoverHint>,
     ) -> End {
         let mut moves = 0;
+        // The epoch the session last held: a move is only registered if no login came since.
+        let mut epoch = 0;
         loop {
-            let mut session = match self.open_session(account.clone(), moves == 0, hint.take()) {
+            let opened = self.open_session(account.clone(), moves == 0, hint.take(), epoch);
+            let mut session = match opened {
                 Ok(s) => s,
                 Err(end) => {
                     self.lose(InputLoss::SessionEnded, &pending);
@@ -391,6 +396,9 @@ impl Client {
                 .serve_session(&mut session, std::mem::take(&mut pending))
                 .await;
             let from = session.conn.gateway.clone();
+            if session.epoch != 0 {
+                epoch = session.epoch;
+            }
             self.close_session(session, &end);
             let End::GatewayLost(why) = end else {
                 return end;
@@ -502,6 +510,7 @@ impl Client {
         account: Arc<str>,
         new_login: bool,
         handover: Option<HandoverHint>,
+        moved_from_epoch: u64,
     ) -> Result<Session, End> {
         let (link, conn) = match self.shared.gateways.pick(new_login) {
             Ok(picked) => picked,
@@ -543,6 +552,7 @@ impl Client {
             conn,
             outbox,
             info: None,
+            epoch: 0,
         };
         let attach = Attach {
             session_id: id,
@@ -550,6 +560,7 @@ impl Client {
             remote_addr: self.peer.to_string(),
             moved: !new_login,
             handover,
+            moved_from_epoch,
         };
         if let Err(e) = session.conn.send(mesh_message::Body::Attach(attach)) {
             session.conn.release(id);
@@ -609,6 +620,7 @@ impl Client {
         ));
         self.shared.register_session(self.id, info.clone());
         s.info = Some(info.clone());
+        s.epoch = attached.session_epoch;
         tracing::debug!(account = %s.account, session = s.id, gateway = %s.conn.gateway, peer = %self.peer, "session attached");
         let Err(end) = self.relay(s, &info, pending).await;
         end

@@ -326,6 +326,7 @@ async fn a_login_handed_over_from_another_geo_skips_the_record_read() {
             account: "bob".into(),
             remote_addr: "127.0.0.1:1".into(),
             moved: false,
+            moved_from_epoch: 0,
             handover: Some(mesh::HandoverHint {
                 session_epoch: 7_000,
                 last_position: Some(mesh::MeshVec3 {
@@ -516,6 +517,7 @@ async fn link_handshake_rules() {
         account: "x".into(),
         remote_addr: String::new(),
         moved: false,
+        moved_from_epoch: 0,
         handover: None,
     }));
     assert!(refused(attach_first).await.contains("expected LinkHello"));
@@ -543,6 +545,7 @@ async fn a_silent_link_dies_and_its_sessions_leave() {
         account: "quiet".into(),
         remote_addr: String::new(),
         moved: false,
+        moved_from_epoch: 0,
         handover: None,
     })))
     .await
@@ -610,6 +613,7 @@ async fn a_link_that_stops_reading_is_closed_without_stalling_the_node() {
         account: "slow".into(),
         remote_addr: String::new(),
         moved: false,
+        moved_from_epoch: 0,
         handover: None,
     })))
     .await

@@ -106,6 +106,7 @@ impl SimStore {
                 node,
                 lease_ms,
                 handed_over_from,
+                moved_from,
             } => {
                 let record = match handed_over_from {
                     Some(_) => None,
@@ -115,6 +116,12 @@ impl SimStore {
                     .or(record.as_ref().map(|r| r.session_epoch))
                     .unwrap_or(0);
                 let epoch = self.epochs.entry(account.clone()).or_insert(0);
+                // A moved session whose account logged in again after it: not registered.
+                if let Some(moved_from) = moved_from {
+                    if (*epoch).max(floor) > moved_from {
+                        return (Some(StoreReply::Superseded { session, account }), 0);
+                    }
+                }
                 *epoch = (*epoch).max(floor) + 1;
                 let epoch = *epoch;
                 self.directory

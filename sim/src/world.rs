@@ -2006,6 +2006,7 @@ impl<'a> Sim<'a> {
                 account,
                 remote_addr: format!("client-{c}"),
                 moved: false,
+                moved_from_epoch: 0,
                 handover,
             }),
         );

@@ -51,6 +51,27 @@ impl SessionDirectory for MemoryDirectory {
         Ok(slot.epoch)
     }
 
+    async fn register_moved(
+        &self,
+        account: &str,
+        gateway_node: u32,
+        lease: Duration,
+        moved_from: u64,
+    ) -> Result<Option<u64>, StoreError> {
+        let mut map = self.inner.lock().expect("directory lock poisoned");
+        let slot = map.entry(account.to_string()).or_default();
+        if slot.epoch > moved_from {
+            return Ok(None);
+        }
+        slot.epoch = moved_from + 1;
+        let entry = SessionEntry {
+            gateway_node,
+            session_epoch: slot.epoch,
+        };
+        slot.live = Some((entry, Instant::now() + lease));
+        Ok(Some(slot.epoch))
+    }
+
     async fn lookup(&self, account: &str) -> Result<Option<SessionEntry>, StoreError> {
         let map = self.inner.lock().expect("directory lock poisoned");
         Ok(map.get(account).and_then(|s| s.current(Instant::now())))

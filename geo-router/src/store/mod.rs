@@ -88,6 +88,18 @@ pub trait SessionDirectory: Send + Sync {
         floor: u64,
     ) -> Result<u64, StoreError>;
 
+    /// Registers again, on `gateway_node`, a session of `account` that held epoch `moved_from`
+    /// on a gateway that was lost, with a new epoch as [`Self::register`] gives; `None` (and
+    /// nothing written) if a login registered after it, whose session must not be displaced
+    /// by this older one.
+    async fn register_moved(
+        &self,
+        account: &str,
+        gateway_node: u32,
+        lease: Duration,
+        moved_from: u64,
+    ) -> Result<Option<u64>, StoreError>;
+
     /// The live session of `account`, if any.
     async fn lookup(&self, account: &str) -> Result<Option<SessionEntry>, StoreError>;
 

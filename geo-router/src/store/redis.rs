@@ -73,6 +73,29 @@ static REGISTER: LazyLock<Script> = LazyLock::new(|| {
     )
 });
 
+/// KEYS: session, last epoch. ARGV: node, lease ms, epoch keep ms, moved-from epoch. As
+/// [`REGISTER`] above the moved-from epoch, unless a later login took an epoch after it: then
+/// nothing is written and 0 is returned.
+static REGISTER_MOVED: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+        local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+        local moved_from = tonumber(ARGV[4])
+        if last > moved_from then
+            return 0
+        end
+        local t = redis.call('TIME')
+        local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
+        local epoch = math.max(moved_from + 1, floor)
+        local shown = string.format('%.0f', epoch)
+        redis.call('SET', KEYS[2], shown, 'PX', ARGV[3])
+        redis.call('HSET', KEYS[1], 'node', ARGV[1], 'epoch', shown)
+        redis.call('PEXPIRE', KEYS[1], ARGV[2])
+        return epoch
+        ",
+    )
+});
+
 /// KEYS: session. ARGV: epoch, lease ms. Returns 1 if the epoch was current and the lease renewed.
 static RENEW: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
@@ -242,6 +265,31 @@ impl SessionDirectory for RedisDirectory {
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(|e| self.error("register", e))
+    }
+
+    async fn register_moved(
+        &self,
+        account: &str,
+        gateway_node: u32,
+        lease: Duration,
+        moved_from: u64,
+    ) -> Result<Option<u64>, StoreError> {
+        if moved_from >= 1 << 53 {
+            return Err(StoreError::Corrupt(format!(
+                "session epoch {moved_from} is out of range"
+            )));
+        }
+        let epoch: u64 = REGISTER_MOVED
+            .key(self.session_key(account))
+            .key(self.epoch_key(account))
+            .arg(gateway_node)
+            .arg(lease_ms(lease))
+            .arg(lease_ms(EPOCH_KEEP))
+            .arg(moved_from)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.error("register_moved", e))?;
+        Ok((epoch > 0).then_some(epoch))
     }
 
     async fn lookup(&self, account: &str) -> Result<Option<SessionEntry>, StoreError> {

@@ -388,6 +388,7 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
             account: "ada".into(),
             remote_addr: "203.0.113.7:5000".into(),
             moved: true,
+            moved_from_epoch: 12345,
             handover: Some(mesh::HandoverHint {
                 session_epoch: 41,
                 last_position: Some(MeshVec3 {

@@ -283,7 +283,26 @@ impl Core {
             node: self.cfg.node_id,
             lease_ms: self.cfg.session_lease_ms,
             handed_over_from,
+            moved_from: (a.moved && a.moved_from_epoch > 0).then_some(a.moved_from_epoch),
         });
+    }
+
+    /// A session moving here from a lost gateway found a newer login of its account registered
+    /// meanwhile: it ends, displaced, and the newer one keeps the avatar.
+    pub(crate) fn on_superseded(&mut self, key: SessionKey, account: &str) {
+        let Some(s) = self.gw.sessions.get(key) else {
+            return;
+        };
+        tracing::debug!(%account, "a moved session was superseded by a newer login");
+        self.queue_for_link(
+            s.link,
+            detach(
+                s.session_id,
+                KickReason::Displaced,
+                "the account logged in again",
+            ),
+        );
+        self.forget_session(key);
     }
 
     pub(crate) fn on_registered(

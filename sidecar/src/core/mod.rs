@@ -203,6 +203,9 @@ pub enum StoreRequest {
         /// hint: the record is not read and the new epoch goes above this one. `None`: the
         /// record is read and the new epoch goes above the one it names.
         handed_over_from: Option<u64>,
+        /// A session moving here from a lost gateway: the epoch it held there. It registers
+        /// only if no login of the account registered since ([`StoreReply::Superseded`]).
+        moved_from: Option<u64>,
     },
     /// Renews the directory leases of attached sessions.
     Renew {
@@ -272,6 +275,11 @@ pub enum StoreReply {
         session: SessionKey,
         account: String,
         result: Result<Registration, String>,
+    },
+    /// A session that moved here was not registered: a newer login of its account was.
+    Superseded {
+        session: SessionKey,
+        account: String,
     },
     /// Lease renewals: (session, epoch, still current?).
     Renewed {
@@ -597,6 +605,9 @@ impl Core {
                 account,
                 result,
             }) => self.on_registered(session, account, result),
+            Input::Store(StoreReply::Superseded { session, account }) => {
+                self.on_superseded(session, &account)
+            }
             Input::Store(StoreReply::Renewed { results }) => self.on_renewed(results),
             Input::Store(StoreReply::LookedUp { account, result }) => {
                 self.on_looked_up(account, result)

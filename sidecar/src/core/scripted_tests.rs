@@ -396,6 +396,7 @@ fn proxy_attaches(core: &mut Core, ms: u64, account: &str, handover: Option<mesh
                 account: account.into(),
                 remote_addr: String::new(),
                 moved: false,
+                moved_from_epoch: 0,
                 handover,
             })
             .into()],
@@ -1455,6 +1456,7 @@ fn attach_on(core: &mut Core, ms: u64, link: LinkId, session_id: u64, account: &
                 account: account.into(),
                 remote_addr: String::new(),
                 moved,
+                moved_from_epoch: 0,
                 handover: None,
             })
             .into()],
@@ -1566,4 +1568,89 @@ fn a_node_whose_cell_is_retired_stays_a_spare_or_drains_as_configured() {
         core.handle(at(20), Input::Partition(Box::new(p3)));
         assert_eq!(core.auth.draining.is_some(), drains, "{when:?}");
     }
+}
+
+/// A session moving here from a lost gateway carries the epoch it held there, and registers
+/// only above it; when the directory says a newer login came since, it ends displaced, with no
+/// `Attached` and no avatar, and the node forgets it.
+#[test]
+fn a_moved_session_superseded_by_a_newer_login_is_displaced() {
+    use cellmesh_proto::edge::KickReason;
+    let mut core = node();
+    proxy_up(&mut core, 0, 20);
+    while core.poll_output().is_some() {}
+    let attach = |core: &mut Core, session_id: u64, moved: bool, moved_from_epoch: u64| {
+        core.handle(
+            at(100),
+            Input::LinkFrame {
+                link: 20,
+                messages: vec![mesh_message::Body::Attach(mesh::Attach {
+                    session_id,
+                    account: "ada".into(),
+                    remote_addr: String::new(),
+                    moved,
+                    moved_from_epoch,
+                    handover: None,
+                })
+                .into()],
+            },
+        );
+        let mut registers = Vec::new();
+        while let Some(out) = core.poll_output() {
+            if let Output::Store(StoreRequest::Register {
+                session,
+                moved_from,
+                ..
+            }) = out
+            {
+                registers.push((session, moved_from));
+            }
+        }
+        assert_eq!(registers.len(), 1, "{registers:?}");
+        registers[0]
+    };
+    // A new login, and a move that had not been attached yet, register as any login.
+    assert_eq!(attach(&mut core, 1, false, 0).1, None);
+    assert_eq!(attach(&mut core, 2, true, 0).1, None);
+    let (key, moved_from) = attach(&mut core, 3, true, 41);
+    assert_eq!(moved_from, Some(41));
+
+    core.handle(
+        at(110),
+        Input::Store(StoreReply::Superseded {
+            session: key,
+            account: "ada".into(),
+        }),
+    );
+    let mut detached = Vec::new();
+    while let Some(out) = core.poll_output() {
+        match out {
+            Output::ToLink { link, frame } => {
+                for m in frame.messages {
+                    match m.body {
+                        Some(mesh_message::Body::Detach(d)) => {
+                            detached.push((link, d.session_id, d.kick_reason))
+                        }
+                        Some(mesh_message::Body::Attached(a)) => {
+                            panic!("a superseded session was attached: {a:?}")
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            Output::Store(StoreRequest::Register { .. }) => panic!("registered again"),
+            _ => {}
+        }
+    }
+    assert_eq!(detached, [(20, 3, KickReason::Displaced as u32)]);
+    assert!(core.gw.sessions.get(key).is_none(), "forgotten");
+    // Told twice (a late duplicate), nothing more happens.
+    core.handle(
+        at(120),
+        Input::Store(StoreReply::Superseded {
+            session: key,
+            account: "ada".into(),
+        }),
+    );
+    assert!(std::iter::from_fn(|| core.poll_output()).all(|o| !matches!(o, Output::ToLink { .. })));
 }

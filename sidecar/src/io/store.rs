@@ -37,6 +37,7 @@ pub(crate) async fn execute(
             node,
             lease_ms,
             handed_over_from,
+            moved_from,
         } => {
             let lease = Duration::from_millis(lease_ms);
             let result = async {
@@ -51,18 +52,34 @@ pub(crate) async fn execute(
                         (record, floor)
                     }
                 };
-                let epoch = timed(
-                    stores
-                        .directory
-                        .register_above(&account, node, lease, floor),
-                )
-                .await?;
+                let epoch = match moved_from {
+                    None => {
+                        timed(
+                            stores
+                                .directory
+                                .register_above(&account, node, lease, floor),
+                        )
+                        .await?
+                    }
+                    // The record names a later session: one that began after this one.
+                    Some(moved_from) if floor > moved_from => return Ok(None),
+                    Some(moved_from) => match timed(
+                        stores
+                            .directory
+                            .register_moved(&account, node, lease, moved_from),
+                    )
+                    .await?
+                    {
+                        Some(epoch) => epoch,
+                        None => return Ok(None),
+                    },
+                };
                 match timed(stores.directory.master(&account)).await {
-                    Ok(master) => Ok(Registration {
+                    Ok(master) => Ok(Some(Registration {
                         epoch,
                         record,
                         master,
-                    }),
+                    })),
                     Err(e) => {
                         let _ = timed(stores.directory.release(&account, epoch)).await;
                         Err(e)
@@ -70,10 +87,19 @@ pub(crate) async fn execute(
                 }
             }
             .await;
-            Some(StoreReply::Registered {
-                session,
-                account,
-                result,
+            Some(match result {
+                // A newer login registered after the moved session's epoch.
+                Ok(None) => StoreReply::Superseded { session, account },
+                Ok(Some(r)) => StoreReply::Registered {
+                    session,
+                    account,
+                    result: Ok(r),
+                },
+                Err(e) => StoreReply::Registered {
+                    session,
+                    account,
+                    result: Err(e),
+                },
             })
         }
         StoreRequest::Renew { sessions, lease_ms } => {

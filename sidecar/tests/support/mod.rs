@@ -527,6 +527,7 @@ impl MeshLink {
             account: account.into(),
             remote_addr: "127.0.0.1:1".into(),
             moved: false,
+            moved_from_epoch: 0,
             handover: None,
         }))
         .await;
