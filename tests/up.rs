@@ -6,10 +6,16 @@ use cellmesh::up::{run, UpOptions};
 
 mod support;
 
+/// One cluster at a time: each test runs a whole world (up to four nodes and 80 bots), as `up`
+/// runs on a machine; two at once on a small machine starve each other, and the figures and
+/// error counts asserted would measure the machine rather than the mesh.
+static ONE_UP: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Four nodes, bots and NPCs crossing borders: every input delivered, no entity lost, doubled or
 /// seen to vanish by a handoff, and the world at rest for the census.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_with_four_nodes_delivers_every_input_and_hands_off_without_loss() {
+    let _one = ONE_UP.lock().await;
     let opts = UpOptions {
         bots: 20,
         npcs: 40,
@@ -62,6 +68,7 @@ async fn up_with_four_nodes_delivers_every_input_and_hands_off_without_loss() {
 /// its client connected and finds its one avatar, and nothing is lost or doubled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_with_chaos_restores_every_killed_world_and_keeps_every_session() {
+    let _one = ONE_UP.lock().await;
     chaos_keeps_everything(false).await;
 }
 
@@ -69,6 +76,7 @@ async fn up_with_chaos_restores_every_killed_world_and_keeps_every_session() {
 /// state dir proves its predecessor dead) and gets its own world back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_with_chaos_in_place_restores_every_killed_world_and_keeps_every_session() {
+    let _one = ONE_UP.lock().await;
     chaos_keeps_everything(true).await;
 }
 
@@ -114,6 +122,7 @@ async fn chaos_keeps_everything(in_place: bool) {
 /// The binary itself, as a user runs it: exits 0 and writes the summary.
 #[test]
 fn up_binary_writes_summary_json() {
+    let _one = ONE_UP.blocking_lock();
     let (v, stdout) = support::run_up_binary(
         &[
             "--nodes",
@@ -150,6 +159,7 @@ fn up_binary_writes_summary_json() {
 /// inputs acknowledged sooner than before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_geos_bridge_then_hand_over_without_loss() {
+    let _one = ONE_UP.lock().await;
     let bots = 24;
     let plot = tempfile::NamedTempFile::new().expect("a temporary file");
     let opts = UpOptions {
@@ -219,6 +229,7 @@ async fn two_geos_bridge_then_hand_over_without_loss() {
 /// and both keep the census clean through the director's mass handoffs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_with_the_director_spreads_a_gathering_crowd_over_the_nodes() {
+    let _one = ONE_UP.lock().await;
     let run_with = |balance: bool| UpOptions {
         bots: 80,
         npcs: 40,
