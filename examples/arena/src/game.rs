@@ -1105,12 +1105,15 @@ impl Arena {
     }
 
     /// Each player in no trade opens one with the nearest other player in reach: claims both
-    /// escrows for its avatar.
+    /// escrows for its avatar. Not while a claim of its last trade awaits its answer: the store
+    /// grants a holder its own key again, so a new trade's escrow would be the same claim as
+    /// the old one's, and the old one's release (once granted) would free the new one's.
     fn open_trades(&mut self, out: &mut impl Outbox) {
         let players: Vec<(u64, String, (f64, f64))> = self
             .entities
             .iter()
             .filter(|(id, e)| !e.frozen && !self.trades.contains_key(id))
+            .filter(|(id, _)| !self.release_on_answer.values().any(|a| a == *id))
             .filter_map(|(id, e)| match &e.role {
                 Role::Player(p) => Some((*id, p.account.clone(), e.pos)),
                 Role::Npc { .. } => None,
@@ -2505,6 +2508,23 @@ mod tests {
         assert!(gifts(&all).is_empty(), "{all:?}");
         assert_released_at_most_once(&all, &[&theirs.key]);
         assert_eq!(a.stats.trades_refused, 1, "one trade, refused once");
+    }
+
+    /// A trade refused while its own escrow is still asked: no next trade for that avatar until
+    /// the answer came (and was released), so the next trade's escrow is never the same grant
+    /// as the one the release frees.
+    #[test]
+    fn no_next_trade_while_an_escrow_of_the_last_awaits_its_answer() {
+        let census = Arc::new(Census::default());
+        let (mut a, ann, own, theirs) = ann_trading_with_ghost_bob(&census);
+        answer(&mut a, &theirs, ClaimOutcome::ClaimHeld);
+        assert_eq!(a.trades_open(), 0);
+        let waiting = tick_n(&mut a, 2 * trade::TRADE_EVERY_TICKS);
+        assert!(claims(&waiting).is_empty(), "{waiting:?}");
+        let out = answer(&mut a, &own, ClaimOutcome::ClaimGranted);
+        assert_eq!(claim_releases(&out), [(trade::escrow("ann"), ann)]);
+        let again = claims(&tick_to_trade(&mut a));
+        assert_eq!(again.len(), 2, "the next trade once answered: {again:?}");
     }
 
     #[test]
