@@ -17,6 +17,7 @@ use cellmesh_proto::mesh::{mesh_message::Body, LinkHello, MeshMessage, PeerRole}
 use tracing::field::Empty;
 use tracing::Span;
 
+use crate::core::commands::result_label;
 use crate::core::LinkId;
 
 /// A handoff unanswered this long is closed as `unanswered` (its target died with it in doubt,
@@ -249,17 +250,6 @@ fn close_handoff(open: Open, outcome: &str) -> Span {
 /// A count or epoch as a span's integer (entity ids stay `u64`: exported as text, whole).
 fn int(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
-}
-
-/// The label of a command's result (as in the `command_results` metric).
-fn result_label(e: CommandError) -> &'static str {
-    match e {
-        CommandError::CommandOk => "ok",
-        CommandError::EntityGone => "entity_gone",
-        CommandError::Timeout => "timeout",
-        CommandError::Refused => "refused",
-        CommandError::NotDelivered => "not_delivered",
-    }
 }
 
 #[cfg(test)]
