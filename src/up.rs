@@ -236,6 +236,10 @@ pub struct Summary {
     pub batches_delivered: u64,
     pub entities: u64,
     pub errors: u64,
+    /// The errors by where they were counted: `bots_lost_session` (a bot's session broke or
+    /// its login failed), `sidecar_<kind>` (a sidecar's `errors_total{kind}`), and
+    /// `games_told` (errors the sidecars reported to their games: each also a `sidecar_` one).
+    pub errors_by_kind: BTreeMap<String, u64>,
     pub kicks: u64,
     /// Bot logins refused `SERVER_FULL` (every gateway overloaded), retried after the hint.
     pub logins_refused: u64,
@@ -641,6 +645,7 @@ struct NodeTotals {
     inputs_copies_refused: u64,
     inputs_held: u64,
     inputs_dropped_by_reason: BTreeMap<&'static str, u64>,
+    errors_by_kind: BTreeMap<&'static str, u64>,
     checkpoint_writes: u64,
     login_record_reads: u64,
     checkpoints_stored: u64,
@@ -678,6 +683,9 @@ impl NodeTotals {
         self.checkpoint_stored_bytes += o.checkpoint_stored_bytes;
         for (reason, n) in &o.inputs_dropped_by_reason {
             *self.inputs_dropped_by_reason.entry(reason).or_insert(0) += n;
+        }
+        for (kind, n) in &o.errors_by_kind {
+            *self.errors_by_kind.entry(kind).or_insert(0) += n;
         }
     }
 }
@@ -896,6 +904,9 @@ fn totals_of(sidecars: &[&cellmesh_sidecar::SidecarHandle]) -> NodeTotals {
         t.checkpoint_stored_bytes += s.checkpoint_stored_bytes;
         for (reason, n) in s.inputs_dropped_by_reason {
             *t.inputs_dropped_by_reason.entry(reason).or_insert(0) += n;
+        }
+        for (kind, n) in s.errors_by_kind {
+            *t.errors_by_kind.entry(kind).or_insert(0) += n;
         }
     }
     t
@@ -1613,6 +1624,16 @@ pub async fn run(
         batches_delivered: b.batches,
         entities: s.entities,
         errors: b.errors + s.errors + arena_stats.errors_from_sidecar,
+        errors_by_kind: s
+            .errors_by_kind
+            .iter()
+            .map(|(kind, n)| (format!("sidecar_{kind}"), *n))
+            .chain([
+                ("bots_lost_session".to_string(), b.errors),
+                ("games_told".to_string(), arena_stats.errors_from_sidecar),
+            ])
+            .filter(|(_, n)| *n > 0)
+            .collect(),
         kicks: b.kicks,
         logins_refused: b.refused_full,
         rtt_ms_p50: p.rtt_ms_p50,

@@ -73,6 +73,8 @@ pub struct SidecarStats {
     pub batches_sent: u64,
     pub deltas_sent: u64,
     pub errors: u64,
+    /// The same by kind (the `kind` label of `cellmesh_sidecar_errors_total`).
+    pub errors_by_kind: std::collections::BTreeMap<&'static str, u64>,
     pub frames_in: u64,
     pub frames_out: u64,
     pub peers_up: u64,
@@ -141,6 +143,7 @@ impl SidecarHandle {
             batches_sent: m.batches_sent.get(),
             deltas_sent: m.deltas_sent.get(),
             errors: m.errors_total(),
+            errors_by_kind: m.errors_by_kind(),
             frames_in: m.frames_in_total(),
             frames_out: m.frames_out_total(),
             peers_up: m.peers_up.get().max(0) as u64,

@@ -252,6 +252,8 @@ pub struct Metrics {
     pub freeze_sidecars_ms: Arc<Mutex<hdrhistogram::Histogram<u64>>>,
     // Totals over every label, for `SidecarStats` (not registered: the families carry them).
     errors_all: Counter,
+    /// The errors by kind again, readable (a family cannot be listed).
+    errors_by_kind: Arc<Mutex<std::collections::BTreeMap<&'static str, u64>>>,
     frames_in_all: Counter,
     frames_out_all: Counter,
 }
@@ -341,6 +343,7 @@ impl Default for Metrics {
             ticks_missed: Arc::new(Mutex::new(freeze_histogram())),
             freeze_sidecars_ms: Arc::new(Mutex::new(freeze_histogram())),
             errors_all: Default::default(),
+            errors_by_kind: Default::default(),
             frames_in_all: Default::default(),
             frames_out_all: Default::default(),
         }
@@ -756,6 +759,12 @@ impl Metrics {
     pub fn error(&self, kind: &'static str) {
         self.errors.get_or_create(&KindLabel { kind }).inc();
         self.errors_all.inc();
+        *self
+            .errors_by_kind
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(kind)
+            .or_insert(0) += 1;
     }
 
     /// Copies of inputs forwarded behind an offer this node refused (the source applies them).
@@ -863,6 +872,14 @@ impl Metrics {
 
     pub fn errors_total(&self) -> u64 {
         self.errors_all.get()
+    }
+
+    /// Errors so far by kind; kinds with none left out.
+    pub fn errors_by_kind(&self) -> std::collections::BTreeMap<&'static str, u64> {
+        self.errors_by_kind
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     pub fn frames_in_total(&self) -> u64 {
