@@ -160,6 +160,83 @@ fn a_claim_follows_its_holder_through_a_handoff_and_fences_the_old_owner_out() {
     assert!(p.node(2).claims_lost.is_empty());
 }
 
+/// A grant that comes once the holder's Freeze went out (its snapshot not back yet) is failed
+/// and freed: the game hears of it only after the Freeze and has called off what it asked for,
+/// so a claim carried by the handoff would be released by the old owner's game behind it.
+#[test]
+fn a_grant_that_comes_after_its_holders_freeze_is_failed_and_freed() {
+    let mut p = pair_with_entities();
+    p.spawn(1, WALKER, 200.0);
+    p.steps(4);
+    p.slow_store();
+    p.claim(1, KEY, WALKER, TTL, 1);
+    p.move_to(1, WALKER, 330.0);
+    p.step();
+    assert!(p.node(1).core.handoff.out.is_frozen(WALKER));
+    assert!(p.node(1).claim_result_of(1).is_empty(), "not answered yet");
+    p.answer_store();
+    let r = answer(&mut p, 1, 1);
+    assert_eq!(outcome(&r), Outcome::ClaimFailed, "{r:?}");
+    assert!(r.detail.contains("moved on"), "{}", r.detail);
+    assert_eq!(p.store_holder(KEY), None, "the grant was freed");
+    assert!(p.node(1).core.claims.is_empty());
+
+    p.steps(6);
+    assert_eq!(p.node(2).entity(WALKER), Some((true, 2)));
+    assert!(
+        p.node(2).core.claims.is_empty(),
+        "the handoff carried no claim"
+    );
+    assert!(p.node(1).claims_lost.is_empty() && p.node(2).claims_lost.is_empty());
+    assert!(p.node(1).errors.is_empty() && p.node(2).errors.is_empty());
+    // The new owner's game asks again.
+    granted(&mut p, 2, KEY, WALKER, 2);
+    assert_eq!(p.store_holder(KEY), holder(WALKER, 2));
+}
+
+/// Past its snapshot the holder is the handoff's: a release from the old owner's game is refused
+/// (it would free the claim under the next owner), and the claim arrives with the holder.
+#[test]
+fn a_release_after_the_holders_snapshot_is_refused_and_the_claim_goes_with_it() {
+    let mut p = pair_with_entities();
+    p.spawn(1, WALKER, 200.0);
+    p.steps(4);
+    granted(&mut p, 1, KEY, WALKER, 1);
+    p.node(2).adopts = false;
+    p.move_to(1, WALKER, 330.0);
+    p.steps(3);
+    assert!(p.node(1).core.handoff.out.is_frozen(WALKER));
+    assert!(
+        !p.node(1).core.handoff.out.writable(WALKER),
+        "snapshot taken"
+    );
+    p.release_claim(1, KEY);
+    p.step();
+    let errors = &p.node(1).errors;
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(
+        errors[0].code,
+        local::ErrorCode::NotOwner as i32,
+        "{errors:?}"
+    );
+    assert_eq!(p.store_holder(KEY).map(|h| h.entity), Some(WALKER));
+
+    p.node(2).adopts = true;
+    let epoch = p.node(2).core.handoff.adopting[&WALKER].entity_epoch;
+    p.game_sends(
+        2,
+        game_message::Body::Adopted(local::Adopted {
+            entity_id: WALKER,
+            entity_epoch: epoch,
+        }),
+    );
+    p.steps(4);
+    assert_eq!(p.node(2).entity(WALKER), Some((true, 2)));
+    assert_eq!(p.store_holder(KEY), holder(WALKER, 2));
+    assert!(p.node(2).core.claims.get(KEY).is_some());
+    assert!(p.node(2).claims_lost.is_empty());
+}
+
 #[test]
 fn despawning_the_holder_frees_the_key_for_another_entity() {
     let mut p = pair_with_entities();

@@ -182,6 +182,7 @@ impl Core {
     /// The game's `ClaimRelease`.
     pub(crate) fn on_claim_release(&mut self, r: local::ClaimRelease) {
         let holder = (r.holder_entity != 0).then_some(r.holder_entity);
+        tracing::debug!(key = %r.key, holder = r.holder_entity, "claim released by the game");
         if r.key.starts_with(spawners::CLAIM_PREFIX) || !self.claims.knows(&r.key, holder) {
             return self.game_error(
                 ErrorCode::InvalidValue,
@@ -192,6 +193,13 @@ impl Core {
                 ),
                 r.holder_entity,
             );
+        }
+        // A holder past its snapshot is the handoff's: its claims go with it to the next owner,
+        // and a release from here would free the claim under that owner.
+        if let Some(h) = self.claims.get(&r.key).map(|h| h.grant.holder.entity) {
+            if holder.is_none_or(|id| id == h) && !self.may_write(h) {
+                return;
+            }
         }
         if let Some(h) = self.claims.release(&r.key, holder) {
             self.free_claim(h.grant);
@@ -211,6 +219,7 @@ impl Core {
     }
 
     fn claim_lost(&mut self, key: String, holder: u64, reason: &'static str, detail: &str) {
+        tracing::debug!(%key, holder, reason, "claim lost");
         self.metrics.claim_lost(reason);
         if self.game.slot.is_some() {
             self.out.to_game.push(
@@ -231,6 +240,7 @@ impl Core {
         let Some(p) = self.claims.answered(token) else {
             return;
         };
+        tracing::debug!(key = %p.key, holder = p.holder.entity, released = p.released, ?result, "claim answered");
         if p.spawner {
             return self.on_spawner_claimed(p, result);
         }
@@ -244,9 +254,13 @@ impl Core {
         match result {
             Ok(ClaimOutcome::Granted(grant)) => {
                 // Still the holder's, under the epoch asked with, and wanted by the game that asked?
-                let same = self
-                    .claim_holder(p.holder.entity)
-                    .is_ok_and(|h| h == p.holder);
+                // Not once a Freeze of the holder went out, even before its snapshot: the game
+                // hears of this grant after the Freeze, so it called off what the claim was for,
+                // and would release it after the handoff carried it to the next owner.
+                let same = !self.handoff.out.is_frozen(p.holder.entity)
+                    && self
+                        .claim_holder(p.holder.entity)
+                        .is_ok_and(|h| h == p.holder);
                 if p.released || !same || conn != p.conn {
                     self.free_claim(grant);
                     self.metrics.claim("failed");
@@ -350,6 +364,7 @@ impl Core {
     /// the store agrees.
     pub(crate) fn claims_adopted(&mut self, claims: &[mesh::HeldClaim]) {
         for c in claims {
+            tracing::debug!(key = %c.key, holder = c.holder_entity, "claim carried in");
             let grant = ClaimGrant {
                 key: c.key.clone(),
                 holder: ClaimHolder {
@@ -368,7 +383,11 @@ impl Core {
 
     /// `id` was handed away: its claims went with it.
     pub(crate) fn claims_handed_away(&mut self, id: u64) {
-        if !self.claims.drop_holder(id).is_empty() {
+        let gone = self.claims.drop_holder(id);
+        for h in &gone {
+            tracing::debug!(key = %h.grant.key, holder = id, "claim handed away");
+        }
+        if !gone.is_empty() {
             self.metrics.claims_held.set(self.claims.len() as i64);
         }
     }
@@ -390,6 +409,7 @@ impl Core {
     pub(crate) fn claims_holder_gone(&mut self, id: u64) {
         self.claims.abandon_asked(id);
         for h in self.claims.drop_holder(id) {
+            tracing::debug!(key = %h.grant.key, holder = id, "claim freed: its holder is gone");
             self.free_claim(h.grant);
         }
         self.metrics.claims_held.set(self.claims.len() as i64);

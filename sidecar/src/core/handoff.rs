@@ -602,6 +602,14 @@ impl Core {
                 > self.cfg.reach_chunks(),
             ..self.offer_of(e, offer.epoch, state)
         };
+        tracing::debug!(
+            entity = root,
+            to = offer.to,
+            epoch = offer.epoch,
+            successor,
+            claims = ?msg.claims.iter().map(|c| &c.key).collect::<Vec<_>>(),
+            "offer sent"
+        );
         let (to, kept) = (offer.to, msg.clone());
         if !self.send_peer(offer.to, mesh_message::Body::HandoffOffer(msg)) {
             // It never left: the unit may thaw (a link lost after sending leaves it in doubt).

@@ -58,6 +58,9 @@ pub(super) struct Pair {
     pub store: ClaimTable,
     /// The store answers every call with an error, and frees nothing.
     pub store_down: bool,
+    /// Calls kept unanswered (by the node index that made them) while the store is slow: run
+    /// in order by [`Pair::answer_store`].
+    pub store_slow: Option<Vec<(usize, StoreRequest)>>,
 }
 
 pub(super) fn at(ms: u64) -> Now {
@@ -218,6 +221,7 @@ impl Pair {
             now: 0,
             store: ClaimTable::default(),
             store_down: false,
+            store_slow: None,
         };
         for (i, other) in [(0, 2), (1, 1)] {
             p.nodes[i].core.handle(
@@ -302,6 +306,10 @@ impl Pair {
                 }
                 for request in to_store {
                     self.nodes[i].store_asked.push(request.clone());
+                    if let Some(slow) = &mut self.store_slow {
+                        slow.push((i, request));
+                        continue;
+                    }
                     if let Some(reply) = self.run_store(request) {
                         moved = true;
                         self.nodes[i].core.handle(at(self.now), Input::Store(reply));
@@ -312,6 +320,22 @@ impl Pair {
                 break;
             }
         }
+    }
+
+    /// From now on, store calls wait for [`Pair::answer_store`].
+    pub fn slow_store(&mut self) {
+        self.store_slow.get_or_insert_with(Vec::new);
+    }
+
+    /// Runs the calls the slow store kept, in order, hands each node its answers, and carries
+    /// what follows; the store answers at once again.
+    pub fn answer_store(&mut self) {
+        for (i, request) in self.store_slow.take().unwrap_or_default() {
+            if let Some(reply) = self.run_store(request) {
+                self.nodes[i].core.handle(at(self.now), Input::Store(reply));
+            }
+        }
+        self.carry();
     }
 
     /// Runs a claim call as the sidecar's store driver does, at the harness's time. Other store
