@@ -1162,7 +1162,8 @@ impl Arena {
             self.stats.claims_refused += 1;
         }
         if let Some(avatar) = self.release_on_answer.remove(&r.request_id) {
-            if granted {
+            // A despawned holder's claims were freed by its despawn.
+            if granted && self.entities.contains_key(&avatar) {
                 out.push(Body::ClaimRelease(ClaimRelease {
                     key: r.key,
                     holder_entity: avatar,
@@ -1222,7 +1223,7 @@ impl Arena {
 
     fn on_claim_lost(&mut self, out: &mut impl Outbox, l: ClaimLost) {
         self.stats.claims_lost += 1;
-        tracing::debug!(key = %l.key, reason = %l.reason, "claim lost");
+        tracing::debug!(key = %l.key, holder = l.holder_entity, reason = %l.reason, "claim lost");
         if self
             .trades
             .get_mut(&l.holder_entity)
@@ -2592,6 +2593,32 @@ mod tests {
         assert_eq!(a.stats.trades_called_off, 1);
         let out = answer(&mut a, &theirs, ClaimOutcome::ClaimGranted);
         assert_eq!(claim_releases(&out), [(theirs.key.clone(), ann)]);
+    }
+
+    /// A player who leaves with an escrow still asked: the despawn frees what the holder had,
+    /// so the grant that comes after it is not released again (the sidecar knows it no more).
+    #[test]
+    fn an_escrow_granted_after_its_avatar_despawned_is_not_released() {
+        let census = Arc::new(Census::default());
+        let (mut a, ann, own, theirs) = ann_trading_with_ghost_bob(&census);
+        assert!(answer(&mut a, &theirs, ClaimOutcome::ClaimGranted).is_empty());
+        let mut out = Vec::new();
+        a.on_message(
+            &mut out,
+            M::PlayerLeave(PlayerLeave {
+                account: "ann".into(),
+                session_epoch: 1,
+                reason: "logout".into(),
+            }),
+        );
+        let despawn = out
+            .iter()
+            .position(|b| matches!(b, Body::Despawn(d) if d.entity_id == ann))
+            .expect("ann despawned");
+        assert_eq!(claim_releases(&out[..despawn]), [(theirs.key.clone(), ann)]);
+        assert_eq!(a.trades_open(), 0);
+        let out = answer(&mut a, &own, ClaimOutcome::ClaimGranted);
+        assert!(claim_releases(&out).is_empty(), "{out:?}");
     }
 
     /// The result of a gift whose trade was called off belongs to that trade only: once the
