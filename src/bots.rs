@@ -120,6 +120,9 @@ pub struct BotStats {
     /// before the handover, or another.
     pub handover_avatar_kept: AtomicU64,
     pub handover_avatar_replaced: AtomicU64,
+    /// Handed-over bots that found the same entity, where a session ended before its
+    /// inventory came (nothing to compare).
+    pub handover_inventory_unseen: AtomicU64,
 }
 
 fn median(v: &mut [f64]) -> Option<f64> {
@@ -242,13 +245,16 @@ pub async fn run_bot(
                     avatar,
                 } = log;
                 if let (Some(before), Some(now)) = (avatar_before.take(), &avatar) {
-                    let same = before == *now;
-                    if !same {
-                        tracing::warn!(%account, ?before, ?now, "handed over, and found another avatar");
-                    }
-                    let counter = if same {
+                    // The inventory is owner-only and may follow the avatar's appearance: a
+                    // session that ended first (the run's stop) shows only the entity.
+                    let counter = if before.0 == now.0 && (before.1.is_empty() || now.1.is_empty())
+                    {
+                        tracing::info!(%account, entity = now.0, "handed over to the same avatar; a session ended before its inventory came");
+                        &stats.handover_inventory_unseen
+                    } else if before == *now {
                         &stats.handover_avatar_kept
                     } else {
+                        tracing::warn!(%account, ?before, ?now, "handed over, and found another avatar");
                         &stats.handover_avatar_replaced
                     };
                     counter.fetch_add(1, Ordering::Relaxed);

@@ -347,6 +347,9 @@ pub struct Summary {
     /// another one.
     pub handover_avatar_kept: u64,
     pub handover_avatar_replaced: u64,
+    /// Handed-over bots that found the same entity, with a session before or after the handover
+    /// that ended (the run's stop) before the inventory came: nothing to compare it with.
+    pub handover_inventory_unseen: u64,
     pub handed_over_input_to_update_ms_before: f64,
     pub handed_over_input_to_update_ms_after: f64,
     /// `--partition bsp`: the layout's kind, the epochs committed during the run, what the
@@ -1723,6 +1726,9 @@ pub async fn run(
             .load(std::sync::atomic::Ordering::Relaxed),
         handover_avatar_replaced: bot_stats
             .handover_avatar_replaced
+            .load(std::sync::atomic::Ordering::Relaxed),
+        handover_inventory_unseen: bot_stats
+            .handover_inventory_unseen
             .load(std::sync::atomic::Ordering::Relaxed),
         handed_over_input_to_update_ms_before: Percentiles::of(
             handed_over.iter().map(|(b, _)| *b).collect(),
