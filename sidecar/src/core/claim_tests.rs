@@ -349,6 +349,24 @@ fn with_the_store_unreachable_the_game_is_told_the_claim_is_lost_before_the_stor
         .get_or_create(&crate::metrics::ReasonLabel { reason: "lapsed" })
         .get();
     assert_eq!(lapsed, 1);
+    // The game's release may have crossed the news: taken quietly, freeing nothing.
+    let release = |holder_entity| {
+        game_message::Body::ClaimRelease(local::ClaimRelease {
+            key: KEY.into(),
+            holder_entity,
+        })
+    };
+    p.game_sends(1, release(HOLDER));
+    p.step();
+    assert!(p.node(1).errors.is_empty(), "{:?}", p.node(1).errors);
+    // Not another entity's, nor past the grace.
+    p.game_sends(1, release(OTHER));
+    p.step();
+    assert_eq!(p.node(1).errors.len(), 1, "{:?}", p.node(1).errors);
+    p.steps((crate::model::claims::LOST_RELEASE_GRACE_MS / 50) as usize);
+    p.game_sends(1, release(HOLDER));
+    p.step();
+    assert_eq!(p.node(1).errors.len(), 2, "{:?}", p.node(1).errors);
 
     // Once the store is back and its lease over, the key is anyone's.
     p.store_down = false;

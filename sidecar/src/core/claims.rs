@@ -183,7 +183,15 @@ impl Core {
     pub(crate) fn on_claim_release(&mut self, r: local::ClaimRelease) {
         let holder = (r.holder_entity != 0).then_some(r.holder_entity);
         tracing::debug!(key = %r.key, holder = r.holder_entity, "claim released by the game");
-        if r.key.starts_with(spawners::CLAIM_PREFIX) || !self.claims.knows(&r.key, holder) {
+        let spawner = r.key.starts_with(spawners::CLAIM_PREFIX);
+        if !spawner
+            && !self.claims.knows(&r.key, holder)
+            && self.claims.lost_lately(&r.key, holder, self.now.mono_ms)
+        {
+            // Sent before the game read our ClaimLost: nothing left to free.
+            return;
+        }
+        if spawner || !self.claims.knows(&r.key, holder) {
             return self.game_error(
                 ErrorCode::InvalidValue,
                 format!(
@@ -221,6 +229,7 @@ impl Core {
     fn claim_lost(&mut self, key: String, holder: u64, reason: &'static str, detail: &str) {
         tracing::debug!(%key, holder, reason, "claim lost");
         self.metrics.claim_lost(reason);
+        self.claims.told_lost(&key, holder, self.now.mono_ms);
         if self.game.slot.is_some() {
             self.out.to_game.push(
                 sidecar_message::Body::ClaimLost(local::ClaimLost {

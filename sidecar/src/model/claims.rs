@@ -6,7 +6,7 @@
 //! its own view of a claim always ends before the store's: a claim the node believes held is
 //! held in the store, and another holder can only be granted it after this node let it go.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use cellmesh_geo_router::store::claims::{ClaimGrant, ClaimHolder};
 
@@ -16,6 +16,11 @@ const RENEWALS_PER_LEASE: u64 = 3;
 const MARGIN_DIVISOR: u64 = 8;
 /// After a store call failed, the next try waits this long.
 pub const RETRY_MS: u64 = 500;
+/// How long after a `ClaimLost` the game's release of that claim is taken quietly: the release
+/// may have crossed the news.
+pub const LOST_RELEASE_GRACE_MS: u64 = 5_000;
+/// Lost claims remembered for that, at most.
+const LOST_REMEMBERED: usize = 4_096;
 
 /// A claim held by one of this node's entities.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,6 +74,8 @@ pub struct Claims {
     held: BTreeMap<String, Held>,
     pending: BTreeMap<u64, Pending>,
     next_token: u64,
+    /// Claims the game was told are lost: (key, holder entity, until when a release is quiet).
+    lost: VecDeque<(String, u64, u64)>,
 }
 
 /// The node's end of a lease set by a call sent at `sent_at`.
@@ -130,6 +137,28 @@ impl Claims {
             return self.held.remove(key);
         }
         None
+    }
+
+    /// The game is told at `now` that `holder` lost `key`: a release it sent meanwhile is not
+    /// its mistake.
+    pub fn told_lost(&mut self, key: &str, holder: u64, now: u64) {
+        while self
+            .lost
+            .front()
+            .is_some_and(|l| l.2 <= now || self.lost.len() >= LOST_REMEMBERED)
+        {
+            self.lost.pop_front();
+        }
+        self.lost
+            .push_back((key.to_string(), holder, now + LOST_RELEASE_GRACE_MS));
+    }
+
+    /// Whether the game was told lately (before `now`, within [`LOST_RELEASE_GRACE_MS`]) that
+    /// `key` was lost (by `holder`, if named).
+    pub fn lost_lately(&self, key: &str, holder: Option<u64>, now: u64) -> bool {
+        self.lost
+            .iter()
+            .any(|(k, h, until)| k == key && holder.is_none_or(|x| x == *h) && now < *until)
     }
 
     /// Whether `key` is held or asked for here (by `holder`, if named).
@@ -340,6 +369,27 @@ mod tests {
             },
             token,
         }
+    }
+
+    #[test]
+    fn a_lost_claim_is_remembered_for_the_grace_only() {
+        let mut c = Claims::default();
+        c.told_lost("k", 7, 1_000);
+        assert!(c.lost_lately("k", Some(7), 1_000));
+        assert!(c.lost_lately("k", None, 5_999));
+        assert!(!c.lost_lately("k", Some(8), 2_000), "another holder's");
+        assert!(!c.lost_lately("j", Some(7), 2_000), "another key");
+        assert!(!c.lost_lately("k", Some(7), 1_000 + LOST_RELEASE_GRACE_MS));
+        // Bounded: the oldest go first.
+        for i in 0..LOST_REMEMBERED as u64 {
+            c.told_lost(&format!("x{i}"), 1, 2_000);
+        }
+        assert!(!c.lost_lately("k", Some(7), 2_000));
+        assert!(c.lost_lately("x1", Some(1), 2_000));
+        assert!(c.lost.len() <= LOST_REMEMBERED);
+        // Past the grace, one new entry clears every lapsed one.
+        c.told_lost("y", 1, 10_000);
+        assert_eq!(c.lost.len(), 1);
     }
 
     #[test]
