@@ -251,8 +251,7 @@ pub struct Metrics {
     pub ticks_missed: Arc<Mutex<hdrhistogram::Histogram<u64>>>,
     pub freeze_sidecars_ms: Arc<Mutex<hdrhistogram::Histogram<u64>>>,
     // Totals over every label, for `SidecarStats` (not registered: the families carry them).
-    errors_all: Counter,
-    /// The errors by kind again, readable (a family cannot be listed).
+    // Errors are kept by kind, as a family cannot be listed; their total is the sum.
     errors_by_kind: Arc<Mutex<std::collections::BTreeMap<&'static str, u64>>>,
     frames_in_all: Counter,
     frames_out_all: Counter,
@@ -342,7 +341,6 @@ impl Default for Metrics {
             freeze_ms: Arc::new(Mutex::new(freeze_histogram())),
             ticks_missed: Arc::new(Mutex::new(freeze_histogram())),
             freeze_sidecars_ms: Arc::new(Mutex::new(freeze_histogram())),
-            errors_all: Default::default(),
             errors_by_kind: Default::default(),
             frames_in_all: Default::default(),
             frames_out_all: Default::default(),
@@ -758,7 +756,6 @@ impl Metrics {
 
     pub fn error(&self, kind: &'static str) {
         self.errors.get_or_create(&KindLabel { kind }).inc();
-        self.errors_all.inc();
         *self
             .errors_by_kind
             .lock()
@@ -871,7 +868,7 @@ impl Metrics {
     }
 
     pub fn errors_total(&self) -> u64 {
-        self.errors_all.get()
+        self.errors_by_kind().values().sum()
     }
 
     /// Errors so far by kind; kinds with none left out.

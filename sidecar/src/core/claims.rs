@@ -184,14 +184,11 @@ impl Core {
         let holder = (r.holder_entity != 0).then_some(r.holder_entity);
         tracing::debug!(key = %r.key, holder = r.holder_entity, "claim released by the game");
         let spawner = r.key.starts_with(spawners::CLAIM_PREFIX);
-        if !spawner
-            && !self.claims.knows(&r.key, holder)
-            && self.claims.lost_lately(&r.key, holder, self.now.mono_ms)
-        {
-            // Sent before the game read our ClaimLost: nothing left to free.
-            return;
-        }
         if spawner || !self.claims.knows(&r.key, holder) {
+            if !spawner && self.claims.lost_lately(&r.key, holder, self.now.mono_ms) {
+                // Sent before the game read our ClaimLost: nothing left to free.
+                return;
+            }
             return self.game_error(
                 ErrorCode::InvalidValue,
                 format!(
