@@ -1,0 +1,731 @@
+#!/usr/bin/env bash
+# The container lab: runs the project's own compose clusters (docker/one-geo.yaml,
+# docker/two-geo.yaml) for real with podman on this machine, each geo on a network of its own,
+# traffic between geos routed through the host with kernel latency (tc netem) on the way, bots
+# playing in one geo or both, and a JSON summary of what happened. Everything it starts is taken
+# down at the end, whatever the end (success, failure, Ctrl-C, TERM), unless --keep.
+#
+#   scripts/lab.sh                                   # two geos, 60 s, 45 ms one way, 20 bots in eu
+#   scripts/lab.sh --geos 1 --duration 30 --bots 50
+#   scripts/lab.sh --geos 2 --delay-ms 80 --bots-geo both --summary-json lab.json
+#   scripts/lab.sh --prepare                         # install and build what is missing, then stop
+#
+# Needs root and a Debian 12 host. No image registry is needed: the base images are made from the
+# Debian archive (mmdebstrap), the project image from docker/Dockerfile with those as its bases,
+# Redis from Debian's redis-server, and the MongoDB-wire server is secantusdb from PyPI
+# (docker/lab/*.Containerfile). What is missing on the host (podman and its helpers, mmdebstrap,
+# iproute2, iptables) is installed with apt; podman-compose (pinned) goes into .venv-lab.
+# Images are built only when missing or when their recipe changed (a stamp label on each).
+#
+# The summary (--summary-json) holds: containers, geos, image_bytes, the inter-geo RTT, the
+# proxies' handovers and bridged sessions, the containers that exited or restarted unasked
+# (processes_exited_unplanned), and faults (each fault is a function fault_<name>; none yet).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+repo=$(pwd)
+
+# ------------------------------------------------------------------------------------------------
+# Options
+
+geos=2
+duration_s=60
+delay_ms=45
+bots=20
+bots_geo=eu
+summary_json=""
+keep=0
+prepare_only=0
+reuse_image=0
+
+usage() {
+    cat <<'USAGE'
+usage: scripts/lab.sh [--geos 1|2] [--duration SECS] [--delay-ms MS] [--bots N]
+                      [--bots-geo eu|us|both] [--summary-json FILE] [--keep]
+                      [--reuse-image] [--prepare]
+
+  --geos N           1: docker/one-geo.yaml; 2: docker/two-geo.yaml (default 2)
+  --duration SECS    how long the bots play once the cluster is ready (default 60)
+  --delay-ms MS      one-way latency between the geos, added by the kernel (default 45)
+  --bots N           bots per chosen geo (default 20; 0: none)
+  --bots-geo G       the geo the bots play in: eu, us or both (default eu; one geo: its only one)
+  --summary-json F   write the run's summary there
+  --keep             leave the cluster running at the end (take it down with a later run's
+                     teardown: scripts/lab.sh --down)
+  --down             take down whatever a kept lab left, and exit
+  --reuse-image      use the project image cellmesh:dev as it is, even if the sources changed
+  --prepare          install and build what is missing, then exit
+  --fault NAME@SECS  run the fault fault_NAME SECS seconds after the bots start (repeatable;
+                     no fault is defined yet)
+USAGE
+}
+
+down_only=0
+faults=()   # NAME@SECS, as asked by --fault
+while (($#)); do
+    case $1 in
+    --geos) geos=${2:?}; shift 2 ;;
+    --duration) duration_s=${2:?}; shift 2 ;;
+    --delay-ms) delay_ms=${2:?}; shift 2 ;;
+    --bots) bots=${2:?}; shift 2 ;;
+    --bots-geo) bots_geo=${2:?}; shift 2 ;;
+    --summary-json) summary_json=${2:?}; shift 2 ;;
+    --keep) keep=1; shift ;;
+    --down) down_only=1; shift ;;
+    --reuse-image) reuse_image=1; shift ;;
+    --prepare) prepare_only=1; shift ;;
+    --fault) faults+=("${2:?}"); shift 2 ;;
+    -h | --help) usage; exit 0 ;;
+    *) usage >&2; exit 2 ;;
+    esac
+done
+
+die() {
+    printf 'lab: error: %s\n' "$*" >&2
+    exit 2
+}
+log() { printf '[lab %4ds] %s\n' "$SECONDS" "$*" >&2; }
+
+[[ $geos == 1 || $geos == 2 ]] || die "--geos is 1 or 2"
+[[ $duration_s =~ ^[0-9]+$ ]] || die "--duration is a number of seconds"
+[[ $delay_ms =~ ^[0-9]+$ ]] || die "--delay-ms is a number of milliseconds"
+[[ $bots =~ ^[0-9]+$ ]] || die "--bots is a number"
+case $bots_geo in eu | us | both) ;; *) die "--bots-geo is eu, us or both" ;; esac
+((geos == 2)) || bots_geo=eu
+[[ $(id -u) == 0 ]] || die "the lab needs root (podman networks, tc, iptables)"
+
+# ------------------------------------------------------------------------------------------------
+# The host: packages, podman's configuration, podman-compose
+
+# Debian 12's podman 4.3 with runc (crun fails on a cgroup v1 hybrid host), netavark and
+# aardvark-dns (user-defined networks with DNS by service name), buildah for the builds,
+# mmdebstrap for the base image, tc (iproute2) and iptables for the routing between geos,
+# libnetfilter-queue1 for docker/lab/delay.py (the delay where the kernel has no netem).
+host_packages=(podman buildah runc netavark aardvark-dns mmdebstrap iptables iproute2 python3-venv
+    libnetfilter-queue1)
+podman_compose_version=1.6.0
+lab_venv=$repo/.venv-lab
+
+ensure_host_packages() {
+    local missing=() pkg
+    for pkg in "${host_packages[@]}"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' ||
+            missing+=("$pkg")
+    done
+    ((${#missing[@]} == 0)) && return 0
+    log "installing ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# runc rather than crun (cgroup v1 hybrid); cgroupfs and a file event log (no systemd as PID 1);
+# default ulimits a process without CAP_SYS_RESOURCE may set (podman's defaults raise nofile
+# above what such a host allows, and every container start fails).
+containers_conf='[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"'
+
+ensure_containers_conf() {
+    local conf=/etc/containers/containers.conf
+    if [[ ! -f $conf || $(<"$conf") != "$containers_conf" ]]; then
+        log "writing $conf"
+        mkdir -p /etc/containers
+        [[ ! -f $conf ]] || cp "$conf" "$conf.before-lab"
+        printf '%s\n' "$containers_conf" >"$conf"
+    fi
+}
+
+ensure_lab_venv() {
+    if [[ ! -x $lab_venv/bin/podman-compose ]] ||
+        [[ $("$lab_venv/bin/pip" show podman-compose 2>/dev/null | sed -n 's/^Version: //p') != "$podman_compose_version" ]]; then
+        log "installing podman-compose $podman_compose_version into .venv-lab"
+        /usr/bin/python3 -m venv "$lab_venv"
+        "$lab_venv/bin/pip" install -q "podman-compose==$podman_compose_version"
+    fi
+}
+
+# ------------------------------------------------------------------------------------------------
+# Images, each built only when missing or when its recipe changed: the recipe's hash is kept in
+# the image's label cellmesh.lab.recipe.
+
+rootfs_image=cellmesh-lab/debian-rootfs:bookworm
+base_image=cellmesh-lab/debian:bookworm
+builder_image=cellmesh-lab/builder:latest
+redis_image=cellmesh-lab/redis:latest
+mongo_image=cellmesh-lab/mongo:latest
+project_image=cellmesh:dev
+stamp_label=cellmesh.lab.recipe
+build_dir=$repo/target/lab     # rootfs tarball, build logs (target/ is ignored by git and builds)
+
+image_stamp() {
+    podman image inspect --format "{{index .Labels \"$stamp_label\"}}" "$1" 2>/dev/null || true
+}
+
+hash_of() { cat "$@" | sha256sum | cut -c1-16; }
+
+# Debian 12 minbase from the archive (mmdebstrap adds the updates and security suites of a
+# stable release), imported as an image.
+ensure_rootfs_image() {
+    local stamp
+    stamp=$(printf 'mmdebstrap --variant=minbase bookworm\n' | sha256sum | cut -c1-16)
+    [[ $(image_stamp "$rootfs_image") == "$stamp" ]] && return 0
+    log "making $rootfs_image from the Debian archive (mmdebstrap, about 1.5 min)"
+    mkdir -p "$build_dir"
+    mmdebstrap --quiet --variant=minbase bookworm "$build_dir/rootfs.tar" </dev/null
+    podman import --quiet --change "LABEL $stamp_label=$stamp" --change 'CMD ["bash"]' \
+        "$build_dir/rootfs.tar" "$rootfs_image" >/dev/null
+    rm -f "$build_dir/rootfs.tar"
+}
+
+# The base of every lab image: the rootfs with the certificate authorities this host adds to its
+# trust store (/usr/local/share/ca-certificates). A host whose HTTPS goes through an inspecting
+# proxy trusts that proxy's authority there; the builds inside the images (cargo fetching crates,
+# pip fetching the MongoDB-wire server) must trust it too. The files take effect in an image that
+# installs ca-certificates; elsewhere they are inert.
+ensure_base_image() {
+    local stamp context
+    ensure_rootfs_image
+    stamp=$( (image_stamp "$rootfs_image"; cat /usr/local/share/ca-certificates/*.crt 2>/dev/null) |
+        sha256sum | cut -c1-16)
+    [[ $(image_stamp "$base_image") == "$stamp" ]] && return 0
+    log "making $base_image"
+    context=$(mktemp -d)
+    mkdir "$context/ca"
+    cp /usr/local/share/ca-certificates/*.crt "$context/ca/" 2>/dev/null || true
+    printf 'FROM %s\nCOPY ca/ /usr/local/share/ca-certificates/\n' "$rootfs_image" >"$context/Containerfile"
+    podman build --quiet --pull=never --label "$stamp_label=$stamp" -t "$base_image" "$context" >/dev/null
+    rm -rf "$context"
+}
+
+# ensure_lab_image IMAGE CONTAINERFILE: a docker/lab image on the base image; its stamp covers
+# the Containerfile and the base.
+ensure_lab_image() {
+    local image=$1 file=$2 stamp
+    stamp=$( (cat "$file"; image_stamp "$base_image") | sha256sum | cut -c1-16)
+    [[ $(image_stamp "$image") == "$stamp" ]] && return 0
+    log "building $image ($file)"
+    mkdir -p "$build_dir"
+    podman build --pull=never --label "$stamp_label=$stamp" --build-arg "BASE_IMAGE=$base_image" \
+        -f "$file" -t "$image" docker/lab >"$build_dir/$(basename "$file" .Containerfile).log" 2>&1 ||
+        die "building $image failed: see $build_dir/$(basename "$file" .Containerfile).log"
+}
+
+# The sources the project image is built from: the commit, the changes to tracked files and the
+# untracked files, without what the build does not read.
+project_sources_stamp() {
+    local not_built=(':(exclude)docs' ':(exclude)deploy' ':(exclude)scripts' ':(exclude)*.md'
+        ':(exclude)docker/*.yaml' ':(exclude)docker/lab' ':(exclude)docker/grafana'
+        ':(exclude)docker/prometheus')
+    {
+        git ls-files -s -- . "${not_built[@]}"
+        git diff HEAD -- . "${not_built[@]}"
+        git ls-files -z --others --exclude-standard -- . "${not_built[@]}" | xargs -0r sha256sum
+        image_stamp "$builder_image"
+        image_stamp "$base_image"
+    } | sha256sum | cut -c1-16
+}
+
+# cellmesh:dev from docker/Dockerfile with the lab's bases. The cargo registry and the target
+# directory are cache mounts (docker/Dockerfile): a rebuild after a source change compiles only
+# the workspace's crates.
+ensure_project_image() {
+    local stamp started
+    if ((reuse_image)) && podman image exists "$project_image"; then
+        return 0
+    fi
+    stamp=$(project_sources_stamp)
+    [[ $(image_stamp "$project_image") == "$stamp" ]] && return 0
+    log "building $project_image from docker/Dockerfile (the first build compiles for a long while)"
+    mkdir -p "$build_dir"
+    started=$SECONDS
+    podman build --pull=never --label "$stamp_label=$stamp" \
+        --build-arg "BUILDER_IMAGE=$builder_image" --build-arg "RUNTIME_IMAGE=$base_image" \
+        -f docker/Dockerfile -t "$project_image" . >"$build_dir/project.log" 2>&1 ||
+        die "building $project_image failed: see $build_dir/project.log"
+    log "built $project_image in $((SECONDS - started)) s, $(podman image inspect --format '{{.Size}}' "$project_image") bytes"
+}
+
+ensure_images() {
+    ensure_base_image
+    ensure_lab_image "$builder_image" docker/lab/builder.Containerfile
+    ensure_project_image
+    ensure_lab_image "$redis_image" docker/lab/redis.Containerfile
+    ensure_lab_image "$mongo_image" docker/lab/mongo.Containerfile
+}
+
+# ------------------------------------------------------------------------------------------------
+# The cluster: the project's compose file with the lab's override (docker/lab/<cluster>.yaml)
+
+cluster=$([[ $geos == 1 ]] && echo one-geo || echo two-geo)
+project=cellmesh-lab
+lab_networks=(cellmesh-lab-eu cellmesh-lab-us)   # named in docker/lab/*.yaml
+run_dir=$build_dir/run-$(date +%Y%m%d-%H%M%S)
+rule_comment=cellmesh-lab   # marks the lab's iptables rules, so teardown finds exactly those
+
+lab_compose() {
+    "$lab_venv/bin/podman-compose" --project-name "$project" \
+        -f "docker/$cluster.yaml" -f "docker/lab/$cluster.yaml" "$@"
+}
+
+# podman-compose names a service's container <project>_<service>_1.
+container_of() { printf '%s_%s_1' "$project" "$1"; }
+
+# The services of the cluster with an admin endpoint, one line each: service, role (sidecar,
+# proxy, director), admin port. Read from the compose file (once, into the run directory), so a
+# node added there is waited for.
+list_admin_services() {
+    lab_compose config 2>/dev/null | "$lab_venv/bin/python" -c '
+import sys, yaml
+for name, svc in sorted((yaml.safe_load(sys.stdin).get("services") or {}).items()):
+    env, cmd = svc.get("environment") or {}, svc.get("command") or []
+    admin = env.get("CELLMESH_ADMIN_LISTEN")
+    if admin and len(cmd) >= 2 and cmd[0] == "cellmesh":
+        print(name, cmd[1], admin.rsplit(":", 1)[1])'
+}
+admin_services() { cat "$run_dir/admin-services.txt"; }
+
+# http_get SERVICE PORT PATH: the body of GET PATH on the service's port, asked from inside its
+# container (the image has bash and no curl). Fails unless the answer is 200.
+http_get() {
+    podman exec "$(container_of "$1")" bash -c '
+exec 3<>"/dev/tcp/127.0.0.1/$1" || exit 1
+printf "GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n" "$2" >&3
+IFS= read -r -t 5 status <&3 || exit 1
+[[ $status == HTTP/1.[01]" 200"* ]] || exit 1
+while IFS= read -r -t 5 line <&3 && [[ $line != $'"'"'\r'"'"' ]]; do :; done
+cat <&3' _ "$2" "$3"
+}
+
+# wait_until TIMEOUT_S WHAT COMMAND...: retries the command every second.
+wait_until() {
+    local timeout_s=$1 what=$2 deadline=$((SECONDS + $1))
+    shift 2
+    until "$@" >/dev/null 2>&1; do
+        ((SECONDS < deadline)) || die "$what: not within ${timeout_s} s"
+        sleep 1
+    done
+}
+
+# Podman 4.3 runs health checks from systemd timers, which a host without systemd lacks, and
+# podman-compose ignores `service_healthy` with a podman older than 4.6: the lab runs the checks
+# itself, and starts the cluster in the order the compose file's conditions ask for.
+healthy() { podman healthcheck run "$(container_of "$1")"; }
+
+stores() { [[ $geos == 1 ]] && echo "mongo redis" || echo "mongo eu-redis us-redis"; }
+
+# The services `up` starts (no profile-only service: bots, monitoring), in the compose file's
+# dependency order.
+default_services() { lab_compose config --services 2>/dev/null; }
+
+# in_background COMMAND...: runs it as a child the shell waits for with `wait`, which a signal
+# interrupts: INT and TERM then reach the traps (and the teardown) at once, not when a stuck
+# child ends.
+in_background() {
+    "$@" &
+    wait "$!"
+}
+
+# compose_up LOG SERVICE...: `up -d` of exactly these services. --no-deps: the lab orders the
+# start itself (see healthy); it also keeps podman-compose from linking containers with
+# --requires, which podman 4.3 cannot start across two levels (a sidecar requiring the partition
+# job requiring MongoDB: "depends on container ... not found in input list").
+compose_up() {
+    local log_file=$1
+    shift
+    in_background timeout 600 "$lab_venv/bin/podman-compose" --project-name "$project" \
+        -f "docker/$cluster.yaml" -f "docker/lab/$cluster.yaml" "${profile_args[@]}" \
+        up -d --no-deps "$@" >>"$log_file" 2>&1
+}
+profile_args=()
+
+bring_up() {
+    local svc ctr code rest=()
+    # shellcheck disable=SC2046 # the store names are words
+    compose_up "$run_dir/compose-up.log" $(stores) ||
+        die "starting the stores failed: see $run_dir/compose-up.log"
+    for svc in $(stores); do
+        wait_until 120 "$svc healthy" healthy "$svc"
+    done
+    log "stores healthy"
+    # The networks exist from here: the latency between geos applies to all that follows.
+    ((geos == 1)) || shape_inter_geo_traffic
+    compose_up "$run_dir/compose-up.log" partition ||
+        die "starting the partition job failed: see $run_dir/compose-up.log"
+    ctr=$(container_of partition)
+    code=$(in_background podman wait "$ctr")
+    [[ $code == 0 ]] || {
+        podman logs "$ctr" >&2
+        die "the partition job exited with $code"
+    }
+    for svc in $(default_services); do
+        [[ " $(stores) partition " == *" $svc "* ]] || rest+=("$svc")
+    done
+    compose_up "$run_dir/compose-up.log" "${rest[@]}" ||
+        die "starting the cluster failed: see $run_dir/compose-up.log"
+}
+
+ready() { http_get "$1" "$2" /ready; }
+
+wait_all_ready() {
+    local svc role port
+    while read -r svc role port; do
+        [[ $role == sidecar || $role == proxy ]] || continue
+        wait_until 180 "$svc /ready" ready "$svc" "$port"
+    done < <(admin_services)
+}
+
+# ------------------------------------------------------------------------------------------------
+# Latency between geos. The geos' networks are two bridges on the host; what goes from one to the
+# other is routed by the host, and delayed there by --delay-ms on its way into the other geo, so
+# an eu->us round trip is delayed once each way: 2 x --delay-ms. Within a geo, traffic is switched
+# by its bridge and never delayed. Two ways, the first the kernel allows:
+#
+#   netem    each bridge's root qdisc is a prio whose third band is a netem, chosen by a u32
+#            filter on the other geo's source subnet: only what is routed in from the other geo
+#            waits (not the gateway's own packets, DNS answers among them);
+#   nfqueue  a kernel without netem (CONFIG_NET_SCH_NETEM unset): the FORWARD rules send what
+#            crosses between the two subnets to a netfilter queue, and docker/lab/delay.py (on the
+#            host) gives each packet its verdict --delay-ms later. --queue-bypass lets packets
+#            through undelayed whenever no delayer listens.
+#
+# The host masquerades what leaves a podman network; between the two lab subnets it must not:
+# the netem filter matches the source subnet, and the processes should see their peers of the
+# other geo as themselves, not as the gateway.
+
+nfqueue_num=4711
+delay_method=""
+delayer_pid=""
+
+network_bridge() { podman network inspect --format '{{.NetworkInterface}}' "$1"; }
+network_subnet() { podman network inspect --format '{{range .Subnets}}{{.Subnet}}{{end}}' "$1"; }
+
+shape_inter_geo_traffic() {
+    local eu_bridge us_bridge eu_subnet us_subnet
+    eu_bridge=$(network_bridge cellmesh-lab-eu) us_bridge=$(network_bridge cellmesh-lab-us)
+    eu_subnet=$(network_subnet cellmesh-lab-eu) us_subnet=$(network_subnet cellmesh-lab-us)
+    iptables -t nat -I POSTROUTING -s "$eu_subnet" -d "$us_subnet" -m comment --comment "$rule_comment" -j ACCEPT
+    iptables -t nat -I POSTROUTING -s "$us_subnet" -d "$eu_subnet" -m comment --comment "$rule_comment" -j ACCEPT
+    if delay_bridge "$eu_bridge" "$us_subnet" 2>/dev/null && delay_bridge "$us_bridge" "$eu_subnet" 2>/dev/null; then
+        delay_method=netem
+    else
+        tc qdisc del dev "$eu_bridge" root 2>/dev/null || true
+        tc qdisc del dev "$us_bridge" root 2>/dev/null || true
+        /usr/bin/python3 docker/lab/delay.py --queue "$nfqueue_num" --delay-ms "$delay_ms" \
+            >"$run_dir/delay.log" 2>&1 &
+        delayer_pid=$!
+        sleep 0.5
+        kill -0 "$delayer_pid" 2>/dev/null || die "the delayer did not start: see $run_dir/delay.log"
+        iptables -I FORWARD -s "$eu_subnet" -d "$us_subnet" -m comment --comment "$rule_comment" \
+            -j NFQUEUE --queue-num "$nfqueue_num" --queue-bypass
+        iptables -I FORWARD -s "$us_subnet" -d "$eu_subnet" -m comment --comment "$rule_comment" \
+            -j NFQUEUE --queue-num "$nfqueue_num" --queue-bypass
+        delay_method=nfqueue
+    fi
+    log "inter-geo latency: ${delay_ms} ms one way between $eu_subnet and $us_subnet ($delay_method)"
+}
+
+# delay_bridge BRIDGE FROM_SUBNET
+delay_bridge() {
+    tc qdisc replace dev "$1" root handle 1: prio bands 3 priomap 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 &&
+        tc qdisc add dev "$1" parent 1:3 handle 30: netem delay "${delay_ms}ms" limit 100000 &&
+        tc filter add dev "$1" parent 1: protocol ip prio 1 u32 match ip src "$2" flowid 1:3
+}
+
+# rtt_samples FROM_SERVICE HOST PORT COUNT: TCP connect times (one round trip each) in ms, one a
+# line, from inside the service's container.
+rtt_samples() {
+    podman exec "$(container_of "$1")" bash -c '
+for ((i = 0; i < $3; i++)); do
+    t0=$EPOCHREALTIME
+    exec 3<>"/dev/tcp/$1/$2" || continue
+    t1=$EPOCHREALTIME
+    exec 3<&-
+    echo $(( (${t1/./} - ${t0/./}) ))
+    sleep 0.1
+done' _ "$2" "$3" "$4" | awk '{ printf "%.3f\n", $1 / 1000 }'
+}
+
+p50() { sort -n | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)]; else print "null" }'; }
+
+measure_rtts() {
+    if ((geos == 1)); then
+        rtt_samples proxy node1-sidecar 7200 20 >"$run_dir/rtt-intra.txt"
+        return 0
+    fi
+    rtt_samples eu-proxy us-proxy 7300 20 >"$run_dir/rtt-eu-us.txt"
+    rtt_samples us-proxy eu-proxy 7300 20 >"$run_dir/rtt-us-eu.txt"
+    rtt_samples eu-proxy eu-node1-sidecar 7200 20 >"$run_dir/rtt-intra.txt"
+    log "TCP connect RTT p50: eu->us $(p50 <"$run_dir/rtt-eu-us.txt") ms, us->eu $(p50 <"$run_dir/rtt-us-eu.txt") ms, within eu $(p50 <"$run_dir/rtt-intra.txt") ms"
+}
+
+# ------------------------------------------------------------------------------------------------
+# Bots: the compose file's bots service of each chosen geo, run with the lab's count.
+
+bots_services() {
+    if ((geos == 1)); then
+        echo bots
+    elif [[ $bots_geo == both ]]; then
+        echo eu-bots us-bots
+    else
+        echo "$bots_geo-bots"
+    fi
+}
+
+start_bots() {
+    local svc
+    ((bots > 0)) || return 0
+    profile_args=(--profile bots)
+    # shellcheck disable=SC2046 # the service names are words
+    compose_up "$run_dir/compose-up.log" $(bots_services) ||
+        die "starting the bots failed: see $run_dir/compose-up.log"
+    profile_args=()
+    log "bots: $bots in each of: $(bots_services)"
+}
+
+# ------------------------------------------------------------------------------------------------
+# Faults. Each is a function fault_<name> BEGAN_S: it does its harm at BEGAN_S (seconds since the
+# bots started), waits for the cluster to recover, and records itself with record_fault. None
+# yet; --fault NAME@SECS schedules one.
+
+fault_records=()   # one JSON object each, in the order the faults ran
+
+# record_fault NAME BEGAN_S RECOVERED_S COST_JSON
+record_fault() {
+    fault_records+=("$(printf '{"name": "%s", "began_s": %s, "recovered_s": %s, "cost": %s}' "$@")")
+}
+
+# ------------------------------------------------------------------------------------------------
+# What the run leaves: samples of the proxies' figures, the summary.
+
+proxies() { admin_services | awk '$2 == "proxy" { print $1, $3 }'; }
+
+# sample_proxies LABEL: each proxy's /metrics and /state, kept in the run directory.
+sample_proxies() {
+    local svc port
+    while read -r svc port; do
+        http_get "$svc" "$port" /metrics >"$run_dir/$1-$svc.metrics" 2>/dev/null || true
+        http_get "$svc" "$port" /state >"$run_dir/$1-$svc.state.json" 2>/dev/null || true
+    done < <(proxies)
+}
+
+write_summary() {
+    local containers
+    containers=$(podman ps -a --filter "label=io.podman.compose.project=$project" --format '{{.Names}}')
+    # Restart counts and states: a container that restarted, or stopped other than the
+    # partition job's planned exit, did so unasked (no fault touches it yet).
+    local ctr
+    for ctr in $containers; do
+        podman inspect --format '{{.Name}} {{.RestartCount}} {{.State.Status}} {{.State.ExitCode}}' "$ctr"
+    done >"$run_dir/containers.txt"
+    LAB_GEOS=$geos LAB_DELAY_MS=$delay_ms LAB_DURATION_S=$duration_s LAB_BOTS=$bots LAB_DELAY_METHOD=$delay_method \
+        LAB_BOTS_SERVICES="$( ((bots > 0)) && bots_services)" LAB_BRING_UP_S=${bring_up_s:-} \
+        LAB_IMAGE_BYTES=$(podman image inspect --format '{{.Size}}' "$project_image") \
+        LAB_FAULTS="[$(IFS=,; printf '%s' "${fault_records[*]:-}")]" \
+        python3 - "$run_dir" "$summary_json" <<'PY'
+import glob, json, os, re, sys
+run, out = sys.argv[1], sys.argv[2]
+env = os.environ
+
+def metric_sum(text, name):
+    """The sum of a metric's series on one /metrics page (None if the page has none)."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        m = re.match(r"^" + re.escape(name) + r"(\{[^}]*\})? ([0-9.eE+-]+|NaN)$", line)
+        if m and m.group(2) != "NaN":
+            total += float(m.group(2))
+            seen = True
+    return total if seen else None
+
+def proxies_sum(sample, metric):
+    """The sum over the proxies of a metric at one sample (s000, s005, ..., end)."""
+    vals = [metric_sum(open(p).read(), metric) for p in glob.glob(os.path.join(run, sample + "-*.metrics"))]
+    vals = [v for v in vals if v is not None]
+    return sum(vals) if vals else None
+
+def state_stat(sample, key):
+    """The sum over the proxies of a figure of their /state's `stats` at one sample."""
+    vals = []
+    for p in glob.glob(os.path.join(run, sample + "-*.state.json")):
+        try:
+            v = json.load(open(p)).get("stats", {}).get(key)
+        except ValueError:
+            continue
+        if isinstance(v, (int, float)):
+            vals.append(v)
+    return sum(vals) if vals else None
+
+def p50_of(name):
+    try:
+        v = sorted(float(x) for x in open(os.path.join(run, name)) if x.strip())
+    except FileNotFoundError:
+        return None
+    return v[(len(v) - 1) // 2] if v else None
+
+samples = sorted({os.path.basename(p).split("-")[0] for p in glob.glob(os.path.join(run, "s[0-9]*-*.metrics"))})
+# The proxies' /state `stats` first; their /metrics where /state lacks the figure (a labelled
+# counter has no series on /metrics until it is first counted).
+def figure(sample, stat, metric):
+    v = state_stat(sample, stat)
+    return v if v is not None else proxies_sum(sample, metric)
+
+bridged = [b for b in (figure(s, "bridged_sessions", "cellmesh_proxy_bridged_sessions") for s in samples) if b is not None]
+
+# A container that restarted, or that is not running other than by the partition job's planned
+# exit, did so unasked: no fault touches a container yet.
+unplanned = []
+containers = [line.split() for line in open(os.path.join(run, "containers.txt")) if line.strip()]
+for name, restarts, status, code in containers:
+    planned_exit = name.endswith("_partition_1") and status == "exited" and code == "0"
+    if int(restarts) > 0 or (status != "running" and not planned_exit):
+        unplanned.append({"container": name, "restarts": int(restarts), "status": status, "exit_code": int(code)})
+
+kicks = {}
+for p in glob.glob(os.path.join(run, "end-*.metrics")):
+    for m in re.finditer(r'^cellmesh_proxy_kicks_total\{reason="([A-Z_]+)"\} ([0-9.]+)$', open(p).read(), re.M):
+        kicks[m.group(1)] = kicks.get(m.group(1), 0) + int(float(m.group(2)))
+
+eu_us, us_eu = p50_of("rtt-eu-us.txt"), p50_of("rtt-us-eu.txt")
+summary = {
+    "geos": int(env["LAB_GEOS"]),
+    "containers": len(containers),
+    "image_bytes": int(env["LAB_IMAGE_BYTES"]),
+    "delay_ms_one_way": int(env["LAB_DELAY_MS"]) if env["LAB_GEOS"] == "2" else None,
+    "duration_s": int(env["LAB_DURATION_S"]),
+    "bots": {"per_service": int(env["LAB_BOTS"]), "services": env["LAB_BOTS_SERVICES"].split()},
+    "bring_up_s": int(env["LAB_BRING_UP_S"]) if env.get("LAB_BRING_UP_S") else None,
+    # The proxies publish no far-geo RTT of their own (a client's probe of the far proxy goes to
+    # the handover board, per account): this figure is the lab's own measurement.
+    "inter_geo_rtt_ms_p50": None if eu_us is None else round((eu_us + us_eu) / 2, 3),
+    "inter_geo_rtt_source": None if eu_us is None else "lab: TCP connect eu-proxy<->us-proxy:7300, 20 each way",
+    "inter_geo_delay_method": env.get("LAB_DELAY_METHOD") or None,
+    "inter_geo_rtt_ms_p50_by_direction": None if eu_us is None else {"eu_to_us": eu_us, "us_to_eu": us_eu},
+    "intra_geo_rtt_ms_p50": p50_of("rtt-intra.txt"),
+    "handovers": figure("end", "handovers", "cellmesh_proxy_handovers_total"),
+    "bridged_sessions": max(bridged) if bridged else None,
+    "bridged_sessions_end": figure("end", "bridged_sessions", "cellmesh_proxy_bridged_sessions"),
+    "sessions_end": figure("end", "sessions", "cellmesh_proxy_sessions"),
+    "sessions_peak": state_stat("end", "sessions_peak"),
+    "kicks_by_reason": kicks,
+    "processes_exited_unplanned": unplanned,
+    "faults": json.loads(env["LAB_FAULTS"]),
+}
+text = json.dumps(summary, indent=2)
+if out:
+    with open(out, "w") as f:
+        f.write(text + "\n")
+print(text)
+PY
+}
+
+# ------------------------------------------------------------------------------------------------
+# Teardown: containers, volumes, networks, qdiscs, iptables rules; idempotent, and run on every
+# way out (EXIT after success or failure, INT, TERM).
+
+teardown() {
+    local ctr ctrs vols net rule table_chain leftover=0
+    log "tearing down"
+    # Every container's log, kept with the run's other results.
+    if [[ -d ${run_dir:-} ]]; then
+        mkdir -p "$run_dir/logs"
+        for ctr in $(podman ps -a --filter "label=io.podman.compose.project=$project" --format '{{.Names}}'); do
+            podman logs "$ctr" >"$run_dir/logs/$ctr.log" 2>&1 || true
+        done
+    fi
+    lab_compose --profile bots --profile monitoring down -v -t 5 >"$build_dir/teardown.log" 2>&1 || true
+    # What podman-compose left (a container of an interrupted `up`, a volume in use at the time).
+    ctrs=$(podman ps -aq --filter "label=io.podman.compose.project=$project")
+    [[ -z $ctrs ]] || podman rm -f -t 2 $ctrs >/dev/null 2>&1 || true
+    vols=$(podman volume ls -q --filter "label=io.podman.compose.project=$project")
+    [[ -z $vols ]] || podman volume rm -f $vols >/dev/null 2>&1 || true
+    for net in "${lab_networks[@]}"; do
+        if podman network exists "$net"; then
+            tc qdisc del dev "$(network_bridge "$net")" root 2>/dev/null || true
+            podman network rm -f "$net" >/dev/null 2>&1 || true
+        fi
+    done
+    local table chain
+    for table_chain in nat:POSTROUTING filter:FORWARD; do
+        table=${table_chain%:*} chain=${table_chain#*:}
+        while rule=$(iptables -t "$table" -S "$chain" | grep -m1 -- "--comment $rule_comment"); do
+            # shellcheck disable=SC2086 # the rule's words are iptables arguments
+            iptables -t "$table" ${rule/-A $chain/-D $chain}
+        done
+    done
+    # The delayer this run started, by its pid; with --queue-bypass gone first, nothing waits.
+    if [[ -n $delayer_pid ]]; then
+        kill "$delayer_pid" 2>/dev/null || true
+        wait "$delayer_pid" 2>/dev/null || true
+        delayer_pid=""
+    fi
+    # What is left, if anything, is said.
+    [[ -z $(podman ps -aq --filter "label=io.podman.compose.project=$project") ]] || leftover=1
+    [[ -z $(podman volume ls -q --filter "label=io.podman.compose.project=$project") ]] || leftover=1
+    for net in "${lab_networks[@]}"; do ! podman network exists "$net" || leftover=1; done
+    if ((leftover)); then log "teardown left something: podman ps -a / volume ls / network ls"; else log "teardown complete"; fi
+}
+
+on_exit() {
+    local code=$?
+    trap - EXIT INT TERM
+    if ((keep && code == 0)); then
+        log "kept running (--keep): scripts/lab.sh --geos $geos --down to take it down"
+    else
+        teardown
+    fi
+    exit "$code"
+}
+
+# ------------------------------------------------------------------------------------------------
+# Main
+
+ensure_host_packages
+ensure_containers_conf
+ensure_lab_venv
+export CELLMESH_REDIS_IMAGE=$redis_image CELLMESH_MONGO_IMAGE=$mongo_image BOTS=$bots
+if ((down_only)); then
+    teardown
+    exit 0
+fi
+for fault in "${faults[@]}"; do
+    [[ $fault =~ ^([a-z_]+)@([0-9]+)$ ]] || die "--fault is NAME@SECS"
+    declare -F "fault_${BASH_REMATCH[1]}" >/dev/null || die "no fault named ${BASH_REMATCH[1]}"
+done
+ensure_images
+((prepare_only)) && exit 0
+
+# A secret of this run for the proxies' tokens and the bots: nothing secret is written down.
+CELLMESH_TOKEN_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(32))')
+export CELLMESH_TOKEN_SECRET
+
+mkdir -p "$run_dir"
+list_admin_services >"$run_dir/admin-services.txt"
+[[ -s $run_dir/admin-services.txt ]] || die "no admin endpoint found in docker/$cluster.yaml (podman-compose config)"
+teardown   # a lab an earlier run kept, or one it could not finish taking down
+trap on_exit EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+log "bringing up $cluster (run directory ${run_dir#"$repo"/})"
+started=$SECONDS
+bring_up
+wait_all_ready
+bring_up_s=$((SECONDS - started))
+log "every sidecar and proxy ready in ${bring_up_s} s ($(podman ps -q --filter "label=io.podman.compose.project=$project" | wc -l) containers running)"
+
+measure_rtts
+start_bots
+# One second at a time: a fault starts on its second; the proxies are sampled every 5 s.
+sample_proxies s000
+for ((t = 1; t <= duration_s; t++)); do
+    in_background sleep 1
+    for fault in "${faults[@]}"; do
+        [[ ${fault#*@} == "$t" ]] && "fault_${fault%@*}" "$t"
+    done
+    ((t % 5)) || sample_proxies "s$(printf '%03d' "$t")"
+done
+sample_proxies end
+write_summary
