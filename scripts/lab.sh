@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The container lab: runs the project's own compose clusters (docker/one-geo.yaml,
 # docker/two-geo.yaml) for real with podman on this machine, each geo on a network of its own,
-# traffic between geos routed through the host with kernel latency (tc netem) on the way, bots
-# playing in one geo or both, and a JSON summary of what happened. Everything it starts is taken
+# traffic between geos routed through the host and delayed there (tc netem, or a netfilter queue
+# where the kernel has no netem), bots playing in one geo or both, and a JSON summary of what
+# happened. Everything it starts is taken
 # down at the end, whatever the end (success, failure, Ctrl-C, TERM), unless --keep.
 #
 #   scripts/lab.sh                                   # two geos, 60 s, 45 ms one way, 20 bots in eu
@@ -14,7 +15,8 @@
 # Debian archive (mmdebstrap), the project image from docker/Dockerfile with those as its bases,
 # Redis from Debian's redis-server, and the MongoDB-wire server is secantusdb from PyPI
 # (docker/lab/*.Containerfile). What is missing on the host (podman and its helpers, mmdebstrap,
-# iproute2, iptables) is installed with apt; podman-compose (pinned) goes into .venv-lab.
+# iproute2, iptables, libnetfilter-queue1) is installed with apt; podman-compose (pinned) goes
+# into .venv-lab. docker/lab/README.md tells the rest.
 # Images are built only when missing or when their recipe changed (a stamp label on each).
 #
 # The summary (--summary-json) holds: containers, geos, image_bytes, the inter-geo RTT, the
@@ -48,7 +50,9 @@ usage: scripts/lab.sh [--geos 1|2] [--duration SECS] [--delay-ms MS] [--bots N]
   --duration SECS    how long the bots play once the cluster is ready (default 60)
   --delay-ms MS      one-way latency between the geos, added by the kernel (default 45)
   --bots N           bots per chosen geo (default 20; 0: none)
-  --bots-geo G       the geo the bots play in: eu, us or both (default eu; one geo: its only one)
+  --bots-geo G       the geo the bots play in: eu, us or both (default eu; one geo: its only one).
+                     Each geo's bots use the same accounts (bot-0...): with both, they displace
+                     each other
   --summary-json F   write the run's summary there
   --keep             leave the cluster running at the end (take it down with a later run's
                      teardown: scripts/lab.sh --down)
@@ -476,7 +480,6 @@ bots_services() {
 }
 
 start_bots() {
-    local svc
     ((bots > 0)) || return 0
     profile_args=(--profile bots)
     # shellcheck disable=SC2046 # the service names are words
@@ -510,6 +513,24 @@ sample_proxies() {
         http_get "$svc" "$port" /metrics >"$run_dir/$1-$svc.metrics" 2>/dev/null || true
         http_get "$svc" "$port" /state >"$run_dir/$1-$svc.state.json" 2>/dev/null || true
     done < <(proxies)
+}
+
+# The far-geo RTTs the proxies recorded: a client of one geo probes the other geo's proxy, which
+# measures the round trip and writes it to the handover board (the client's home Redis) as
+# cellmesh:<geo>:{<account>}:far_rtt, a hash of far geo -> {min_ms, median_ms, samples, kernel}.
+# The proxies publish no such figure on /metrics or /state; the boards are where it is.
+collect_far_rtts() {
+    local svc
+    ((geos == 2)) || return 0
+    for svc in eu-redis us-redis; do
+        podman exec "$(container_of "$svc")" redis-cli --raw EVAL "
+local out = {}
+for _, k in ipairs(redis.call('KEYS', '*:far_rtt')) do
+    local h = redis.call('HGETALL', k)
+    for i = 1, #h, 2 do out[#out + 1] = k .. ' ' .. h[i] .. ' ' .. h[i + 1] end
+end
+return out" 0 2>/dev/null || true
+    done >"$run_dir/far-rtt.txt"
 }
 
 write_summary() {
@@ -589,6 +610,22 @@ for p in glob.glob(os.path.join(run, "end-*.metrics")):
         kicks[m.group(1)] = kicks.get(m.group(1), 0) + int(float(m.group(2)))
 
 eu_us, us_eu = p50_of("rtt-eu-us.txt"), p50_of("rtt-us-eu.txt")
+lab_rtt = None if eu_us is None else round((eu_us + us_eu) / 2, 3)
+
+# The proxies' own figures, from the handover boards: one median per account and far geo.
+far = []
+try:
+    for line in open(os.path.join(run, "far-rtt.txt")):
+        parts = line.split(" ", 2)
+        if len(parts) == 3:
+            try:
+                far.append(json.loads(parts[2])["median_ms"])
+            except (ValueError, KeyError):
+                pass
+except FileNotFoundError:
+    pass
+far.sort()
+proxies_rtt = round(far[(len(far) - 1) // 2], 3) if far else None
 summary = {
     "geos": int(env["LAB_GEOS"]),
     "containers": len(containers),
@@ -597,10 +634,14 @@ summary = {
     "duration_s": int(env["LAB_DURATION_S"]),
     "bots": {"per_service": int(env["LAB_BOTS"]), "services": env["LAB_BOTS_SERVICES"].split()},
     "bring_up_s": int(env["LAB_BRING_UP_S"]) if env.get("LAB_BRING_UP_S") else None,
-    # The proxies publish no far-geo RTT of their own (a client's probe of the far proxy goes to
-    # the handover board, per account): this figure is the lab's own measurement.
-    "inter_geo_rtt_ms_p50": None if eu_us is None else round((eu_us + us_eu) / 2, 3),
-    "inter_geo_rtt_source": None if eu_us is None else "lab: TCP connect eu-proxy<->us-proxy:7300, 20 each way",
+    # As the proxies measured it when clients probed them from the other geo (the handover
+    # boards' far_rtt, median of the accounts' medians); the lab's own TCP connect timing when
+    # no client probed.
+    "inter_geo_rtt_ms_p50": proxies_rtt if proxies_rtt is not None else lab_rtt,
+    "inter_geo_rtt_source": (
+        f"proxies: far_rtt on the handover boards, {len(far)} account(s)" if proxies_rtt is not None
+        else None if lab_rtt is None else "lab: TCP connect eu-proxy<->us-proxy:7300, 20 each way"),
+    "inter_geo_rtt_ms_p50_lab": lab_rtt,
     "inter_geo_delay_method": env.get("LAB_DELAY_METHOD") or None,
     "inter_geo_rtt_ms_p50_by_direction": None if eu_us is None else {"eu_to_us": eu_us, "us_to_eu": us_eu},
     "intra_geo_rtt_ms_p50": p50_of("rtt-intra.txt"),
@@ -728,4 +769,5 @@ for ((t = 1; t <= duration_s; t++)); do
     ((t % 5)) || sample_proxies "s$(printf '%03d' "$t")"
 done
 sample_proxies end
+collect_far_rtts
 write_summary
