@@ -169,7 +169,9 @@ image_stamp() {
     podman image inspect --format "{{index .Labels \"$stamp_label\"}}" "$1" 2>/dev/null || true
 }
 
-hash_of() { cat "$@" | sha256sum | cut -c1-16; }
+# Docker's image format, not OCI's: only the former keeps a Containerfile's HEALTHCHECK (podman
+# drops it from an OCI image). Part of every image's stamp, so a change rebuilds.
+build_flags=(--pull=never --format docker)
 
 # Debian 12 minbase from the archive (mmdebstrap adds the updates and security suites of a
 # stable release), imported as an image.
@@ -193,7 +195,7 @@ ensure_rootfs_image() {
 ensure_base_image() {
     local stamp context
     ensure_rootfs_image
-    stamp=$( (image_stamp "$rootfs_image"; cat /usr/local/share/ca-certificates/*.crt 2>/dev/null) |
+    stamp=$( (image_stamp "$rootfs_image"; echo "${build_flags[*]}"; cat /usr/local/share/ca-certificates/*.crt 2>/dev/null) |
         sha256sum | cut -c1-16)
     [[ $(image_stamp "$base_image") == "$stamp" ]] && return 0
     log "making $base_image"
@@ -201,7 +203,7 @@ ensure_base_image() {
     mkdir "$context/ca"
     cp /usr/local/share/ca-certificates/*.crt "$context/ca/" 2>/dev/null || true
     printf 'FROM %s\nCOPY ca/ /usr/local/share/ca-certificates/\n' "$rootfs_image" >"$context/Containerfile"
-    podman build --quiet --pull=never --label "$stamp_label=$stamp" -t "$base_image" "$context" >/dev/null
+    podman build --quiet "${build_flags[@]}" --label "$stamp_label=$stamp" -t "$base_image" "$context" >/dev/null
     rm -rf "$context"
 }
 
@@ -209,11 +211,11 @@ ensure_base_image() {
 # the Containerfile and the base.
 ensure_lab_image() {
     local image=$1 file=$2 stamp
-    stamp=$( (cat "$file"; image_stamp "$base_image") | sha256sum | cut -c1-16)
+    stamp=$( (cat "$file"; echo "${build_flags[*]}"; image_stamp "$base_image") | sha256sum | cut -c1-16)
     [[ $(image_stamp "$image") == "$stamp" ]] && return 0
     log "building $image ($file)"
     mkdir -p "$build_dir"
-    podman build --pull=never --label "$stamp_label=$stamp" --build-arg "BASE_IMAGE=$base_image" \
+    podman build "${build_flags[@]}" --label "$stamp_label=$stamp" --build-arg "BASE_IMAGE=$base_image" \
         -f "$file" -t "$image" docker/lab >"$build_dir/$(basename "$file" .Containerfile).log" 2>&1 ||
         die "building $image failed: see $build_dir/$(basename "$file" .Containerfile).log"
 }
@@ -230,6 +232,7 @@ project_sources_stamp() {
         git ls-files -z --others --exclude-standard -- . "${not_built[@]}" | xargs -0r sha256sum
         image_stamp "$builder_image"
         image_stamp "$base_image"
+        echo "${build_flags[*]}"
     } | sha256sum | cut -c1-16
 }
 
@@ -246,7 +249,7 @@ ensure_project_image() {
     log "building $project_image from docker/Dockerfile (the first build compiles for a long while)"
     mkdir -p "$build_dir"
     started=$SECONDS
-    podman build --pull=never --label "$stamp_label=$stamp" \
+    podman build "${build_flags[@]}" --label "$stamp_label=$stamp" \
         --build-arg "BUILDER_IMAGE=$builder_image" --build-arg "RUNTIME_IMAGE=$base_image" \
         -f docker/Dockerfile -t "$project_image" . >"$build_dir/project.log" 2>&1 ||
         die "building $project_image failed: see $build_dir/project.log"
