@@ -10,6 +10,8 @@
 #   scripts/lab.sh --geos 1 --duration 30 --bots 50
 #   scripts/lab.sh --geos 2 --delay-ms 80 --bots-geo both --summary-json lab.json
 #   scripts/lab.sh --prepare                         # install and build what is missing, then stop
+#   scripts/lab.sh --geos 2 --faults kill-node,kill-gateway,pause-mongo,restart-redis,partition-geo,kill-proxy \
+#       --duration 240 --summary-json faults.json    # faults one after another
 #
 # Needs root and a Debian 12 host. No image registry is needed: the base images are made from the
 # Debian archive (mmdebstrap), the project image from docker/Dockerfile with those as its bases,
@@ -19,9 +21,13 @@
 # into .venv-lab. docker/lab/README.md tells the rest.
 # Images are built only when missing or when their recipe changed (a stamp label on each).
 #
-# The summary (--summary-json) holds: containers, geos, image_bytes, the inter-geo RTT, the
-# proxies' handovers and bridged sessions, the containers that exited or restarted unasked
-# (processes_exited_unplanned), and faults (each fault is a function fault_<name>; none yet).
+# The summary (--summary-json) holds: the census keys of `cellmesh up`'s summary (inputs sent and
+# delivered, entities lost and duplicated, avatars, sessions dropped, restore p99, errors), read
+# from the processes' admin endpoints and the bots' totals by docker/lab/census.py; containers,
+# geos, image_bytes, the inter-geo RTT, the proxies' handovers and bridged sessions, the
+# containers that exited or restarted unasked (processes_exited_unplanned), and faults (each a
+# function fault_<name>: what it did, when the world was whole again, what it cost). The run
+# exits 1 if a fault did not recover or broke what must hold.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -59,13 +65,29 @@ usage: scripts/lab.sh [--geos 1|2] [--duration SECS] [--delay-ms MS] [--bots N]
   --down             take down whatever a kept lab left, and exit
   --reuse-image      use the project image cellmesh:dev as it is, even if the sources changed
   --prepare          install and build what is missing, then exit
-  --fault NAME@SECS  run the fault fault_NAME SECS seconds after the bots start (repeatable;
-                     no fault is defined yet)
+  --faults A,B,...   faults spread over --duration one after another, each given time to
+                     recover before the next: kill-node, kill-gateway, pause-mongo, restart-redis,
+                     partition-geo, kill-proxy; an argument after a colon (kill-node:eu,
+                     pause-mongo:20, partition-geo:30); the run lasts until the last recovered
+  --fault NAME[:ARG]@SECS
+                     the fault NAME SECS seconds after the bots start (repeatable)
+  --recovery-bound S how long a fault may take to recover before it counts as never (default 60)
+
+Faults (docker/lab/README.md tells what each does and what must hold):
+  kill-node[:GEO]    podman kill a node that is no gateway (sidecar and game; default geo: the
+                     second), wait for its world restored from the geo's checkpoints, restart it
+  kill-gateway[:GEO] the same for the gateway of the most bot sessions
+  pause-mongo[:SECS] podman pause MongoDB for SECS (default 15, at least 15), then unpause
+  restart-redis[:GEO] podman restart a geo's Redis (default: the bots' geo)
+  partition-geo[:SECS] drop everything between the geos' subnets for SECS (default 20), then heal
+  kill-proxy[:GEO]   podman kill the bots' geo's proxy, start it again
 USAGE
 }
 
 down_only=0
-faults=()   # NAME@SECS, as asked by --fault
+faults=()        # NAME[:ARG]@SECS, as asked by --fault
+faults_spread="" # A,B,..., as asked by --faults
+recovery_bound_s=60
 while (($#)); do
     case $1 in
     --geos) geos=${2:?}; shift 2 ;;
@@ -79,6 +101,8 @@ while (($#)); do
     --reuse-image) reuse_image=1; shift ;;
     --prepare) prepare_only=1; shift ;;
     --fault) faults+=("${2:?}"); shift 2 ;;
+    --faults) faults_spread=${2:?}; shift 2 ;;
+    --recovery-bound) recovery_bound_s=${2:?}; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; exit 2 ;;
     esac
@@ -94,6 +118,7 @@ log() { printf '[lab %4ds] %s\n' "$SECONDS" "$*" >&2; }
 [[ $duration_s =~ ^[0-9]+$ ]] || die "--duration is a number of seconds"
 [[ $delay_ms =~ ^[0-9]+$ ]] || die "--delay-ms is a number of milliseconds"
 [[ $bots =~ ^[0-9]+$ ]] || die "--bots is a number"
+[[ $recovery_bound_s =~ ^[0-9]+$ ]] || die "--recovery-bound is a number of seconds"
 case $bots_geo in eu | us | both) ;; *) die "--bots-geo is eu, us or both" ;; esac
 ((geos == 2)) || bots_geo=eu
 [[ $(id -u) == 0 ]] || die "the lab needs root (podman networks, tc, iptables)"
@@ -295,6 +320,68 @@ for name, svc in sorted((yaml.safe_load(sys.stdin).get("services") or {}).items(
 }
 admin_services() { cat "$run_dir/admin-services.txt"; }
 
+# Every service as docker/lab/census.py and the faults need it, as JSON: its role (sidecar, proxy,
+# director, bots, game, redis, mongo), geo, node id, admin port, container, and a sidecar's game
+# (the service in its network namespace). A store's geo is that of the sidecars whose
+# directory_url names it.
+list_services_json() {
+    lab_compose --profile bots config 2>/dev/null | "$lab_venv/bin/python" -c '
+import json, sys, yaml
+from urllib.parse import urlparse
+services = yaml.safe_load(sys.stdin).get("services") or {}
+project = sys.argv[1]
+env_of = lambda svc: svc.get("environment") or {}
+games = {}
+store_geo = {}
+for name, svc in services.items():
+    mode = svc.get("network_mode") or ""
+    if mode.startswith("service:"):
+        games[mode.split(":", 1)[1]] = name
+    env = env_of(svc)
+    if env.get("CELLMESH_DIRECTORY_URL"):
+        store_geo[urlparse(env["CELLMESH_DIRECTORY_URL"]).hostname] = env.get("CELLMESH_GEO", "local")
+    for key in ("CELLMESH_TOPOLOGY_URL", "CELLMESH_PLAYERS_URL"):
+        if env.get(key, "").startswith("mongodb://"):
+            store_geo.setdefault(urlparse(env[key]).hostname, None)
+out = {}
+for name, svc in sorted(services.items()):
+    env, cmd = env_of(svc), svc.get("command") or []
+    role = None
+    if isinstance(cmd, list) and len(cmd) >= 2 and cmd[0] == "cellmesh":
+        role = cmd[1]
+    if (svc.get("network_mode") or "").startswith("service:"):
+        role = "game"
+    if name in store_geo:
+        role = "mongo" if store_geo[name] is None and "redis" not in name else "redis"
+    if role is None:
+        continue
+    admin = env.get("CELLMESH_ADMIN_LISTEN")
+    host = (svc.get("network_mode") or "").split(":", 1)[-1]
+    out[name] = {
+        "role": role,
+        "geo": store_geo.get(name) or env.get("CELLMESH_GEO") or env_of(services.get(host, {})).get("CELLMESH_GEO"),
+        "node": int(env["CELLMESH_NODE_ID"]) if env.get("CELLMESH_NODE_ID") else None,
+        "port": int(admin.rsplit(":", 1)[1]) if admin else None,
+        "container": f"{project}_{name}_1",
+        "game_container": f"{project}_{games[name]}_1" if name in games else None,
+    }
+json.dump(out, sys.stdout, indent=1)' "$project"
+}
+
+# service_of ROLE [GEO]: the first service of that role (in that geo), from services.json.
+service_of() {
+    /usr/bin/python3 -c '
+import json, sys
+s = json.load(open(sys.argv[1]))
+for name, v in sorted(s.items()):
+    if v["role"] == sys.argv[2] and (len(sys.argv) < 4 or v["geo"] == sys.argv[3]):
+        print(name)
+        break' "$run_dir/services.json" "$@"
+}
+
+# census SUBCOMMAND ARGS...: docker/lab/census.py on this run (see there).
+census() { /usr/bin/python3 docker/lab/census.py "$1" --run "$run_dir" "${@:2}"; }
+
 # http_get SERVICE PORT PATH: the body of GET PATH on the service's port, asked from inside its
 # container (the image has bash and no curl). Fails unless the answer is 200.
 http_get() {
@@ -406,6 +493,7 @@ wait_all_ready() {
 nfqueue_num=4711
 delay_method=""
 delayer_pid=""
+sampler_pid=""   # docker/lab/census.py sample, from the cluster's readiness to the end
 
 network_bridge() { podman network inspect --format '{{.NetworkInterface}}' "$1"; }
 network_subnet() { podman network inspect --format '{{range .Subnets}}{{.Subnet}}{{end}}' "$1"; }
@@ -492,16 +580,353 @@ start_bots() {
     log "bots: $bots in each of: $(bots_services)"
 }
 
+# stop_bots: each bots container that still runs gets SIGTERM (the bots stop as after
+# --duration, printing their totals as JSON on stdout), then its log is kept.
+stop_bots() {
+    local svc ctr
+    ((bots > 0)) || return 0
+    for svc in $(bots_services); do
+        ctr=$(container_of "$svc")
+        [[ $(podman inspect --format '{{.State.Status}}' "$ctr" 2>/dev/null) != running ]] ||
+            podman stop -t 30 "$ctr" >/dev/null 2>&1 || true
+        podman logs "$ctr" >"$run_dir/bots-$svc.log" 2>&1 || true
+    done
+}
+
 # ------------------------------------------------------------------------------------------------
-# Faults. Each is a function fault_<name> BEGAN_S: it does its harm at BEGAN_S (seconds since the
-# bots started), waits for the cluster to recover, and records itself with record_fault. None
-# yet; --fault NAME@SECS schedules one.
+# Faults. Each is a function fault_<name> [ARG] (dashes of the name become underscores): it does
+# its harm, waits for the world to be whole again (docker/lab/census.py wait), and records itself
+# with fault_end: {name, arg, began_s, recovered_s, recovery_s, cost, violations} in the summary's
+# `faults`, times in seconds since the bots started. "Whole": every sidecar and proxy ready, every
+# sidecar's lease live, linked to every other sidecar, no handoff in flight or in doubt (and for
+# a kill, every NPC held before held again). A fault not recovered within --recovery-bound
+# seconds is recorded with recovered_s null, and the run exits 1; so does one whose own
+# conditions failed (its `violations`).
 
 fault_records=()   # one JSON object each, in the order the faults ran
+fault_seq=0
+fault_dir=""       # the running fault's files: $run_dir/fault-N-NAME
+bots_t0=""         # when the bots started (epoch seconds)
+settle_s=10        # between a fault's recovery and the next fault
 
-# record_fault NAME BEGAN_S RECOVERED_S COST_JSON
-record_fault() {
-    fault_records+=("$(printf '{"name": "%s", "began_s": %s, "recovered_s": %s, "cost": %s}' "$@")")
+now() { printf '%s' "$EPOCHREALTIME"; }
+elapsed() { echo $((${EPOCHREALTIME%.*} - ${bots_t0%.*})); }
+
+# svc_field SERVICE FIELD: a field of services.json.
+svc_field() {
+    /usr/bin/python3 -c 'import json, sys; v = json.load(open(sys.argv[1]))[sys.argv[2]][sys.argv[3]]; print("" if v is None else v)' \
+        "$run_dir/services.json" "$1" "$2"
+}
+
+# The geo the bots play in (the first, with both), and the default of most faults.
+bots_geo_name() {
+    if ((geos == 1)); then echo local; elif [[ $bots_geo == us ]]; then echo us; else echo eu; fi
+}
+
+# Every container of the lab: name, restarts (by the engine), state, exit code.
+restart_table() {
+    local ctrs
+    ctrs=$(podman ps -aq --filter "label=io.podman.compose.project=$project")
+    # shellcheck disable=SC2086 # ids are words
+    [[ -z $ctrs ]] || podman inspect --format '{{.Name}} {{.RestartCount}} {{.State.Status}} {{.State.ExitCode}}' $ctrs
+}
+
+# fault_begin NAME: the fault's directory, a snapshot of the world and of the containers.
+fault_begin() {
+    fault_seq=$((fault_seq + 1))
+    fault_dir=$run_dir/fault-$fault_seq-$1
+    mkdir -p "$fault_dir"
+    census snap --out "$fault_dir/before.json" --label "before $1"
+    restart_table >"$fault_dir/containers-before.txt"
+    log "fault $1 (${2:-}) at $(elapsed) s"
+}
+
+# fault_wait WHAT CENSUS-WAIT-ARGS...: census.py wait, its result in $fault_dir/wait-WHAT.json.
+fault_wait() {
+    local what=$1
+    shift
+    census wait --out "$fault_dir/wait-$what.json" --bound "$recovery_bound_s" --record --supervise "$@" \
+        2>>"$fault_dir/wait.log"
+}
+
+# wait_field WHAT FIELD: a field of a wait's result ("" if null or absent).
+wait_field() {
+    /usr/bin/python3 -c 'import json, sys
+try:
+    v = json.load(open(sys.argv[1])).get(sys.argv[2])
+except (OSError, ValueError):
+    v = None
+print("" if v is None else v)' "$fault_dir/wait-$1.json" "$2"
+}
+
+# sleep_until EPOCH
+sleep_until() {
+    local left
+    left=$(awk -v t="$1" -v n="$EPOCHREALTIME" 'BEGIN { d = t - n; printf "%.2f", d > 0 ? d : 0 }')
+    in_background sleep "$left"
+}
+
+# fault_end NAME ARG BEGAN RECOVERED EXTRA_COST_JSON CHECKS [VIOLATION...]: three snapshots a second
+# apart once recovered, the cost (census.py cost, with EXTRA_COST_JSON merged in), the checks
+# (comma list: no_exits, no_kicks, avatars_kept) and the violations given, recorded.
+fault_end() {
+    local name=$1 arg=$2 began=$3 recovered=$4 extra=$5 checks=$6 i cost record
+    shift 6
+    for i in 1 2 3; do
+        census snap --out "$fault_dir/after-$i.json" --label "after $name"
+        ((i == 3)) || in_background sleep 1
+    done
+    restart_table >"$fault_dir/containers-after.txt"
+    local waits=()
+    for i in "$fault_dir"/wait-*.json; do [[ -e $i ]] && waits+=(--wait "$i"); done
+    cost=$(census cost --before "$fault_dir/before.json" --after "$fault_dir/after-1.json" \
+        --after "$fault_dir/after-2.json" --after "$fault_dir/after-3.json" "${waits[@]}") || cost='{}'
+    record=$(/usr/bin/python3 - "$name" "$arg" "$began" "$recovered" "$bots_t0" "$cost" "$extra" "$checks" \
+        "$fault_dir" "$recovery_bound_s" "$@" <<'PY'
+import json, sys
+name, arg, began, recovered, t0, cost, extra, checks, fdir, bound, *violations = sys.argv[1:]
+cost = {**json.loads(cost or "{}"), **json.loads(extra or "{}")}
+def table(path):
+    out = {}
+    try:
+        for line in open(path):
+            n, restarts, status, code = line.split()
+            out[n] = (int(restarts), status, int(code))
+    except FileNotFoundError:
+        pass
+    return out
+b, a = table(fdir + "/containers-before.txt"), table(fdir + "/containers-after.txt")
+exits = [{"container": n, "restarts": r - b.get(n, (0,))[0], "status": st, "exit_code": c}
+         for n, (r, st, c) in sorted(a.items())
+         if r > b.get(n, (0,))[0] or (st != "running" and b.get(n, (0, ""))[1] == "running")]
+cost["containers_exited"] = exits
+checks = [c for c in checks.split(",") if c]
+violations = [v for v in violations if v]
+if not recovered:
+    violations.append(f"the world was not whole again within {bound} s")
+if "no_exits" in checks and exits:
+    violations.append("containers exited or restarted: " + ", ".join(e["container"] for e in exits))
+if "no_kicks" in checks and cost.get("kicks"):
+    violations.append(f"sessions kicked: {cost['kicks']}")
+if "avatars_kept" in checks and (cost.get("avatars_replaced") or cost.get("avatars_not_found")):
+    violations.append(f"{cost.get('avatars_replaced', 0)} avatars replaced, {cost.get('avatars_not_found', 0)} not found")
+if cost.get("entities_lost"):
+    violations.append(f"{cost['entities_lost']} entities lost")
+if cost.get("entities_written_twice_after"):
+    violations.append(f"{cost['entities_written_twice_after']} entities written by two nodes after the recovery")
+if cost.get("accounts_with_two_avatars_after"):
+    violations.append(f"{cost['accounts_with_two_avatars_after']} accounts with two avatars after the recovery")
+rel = lambda t: round(float(t) - float(t0), 1)
+print(json.dumps({
+    "name": name,
+    "arg": arg or None,
+    "began_s": rel(began),
+    "recovered_s": rel(recovered) if recovered else None,
+    "recovery_s": round(float(recovered) - float(began), 1) if recovered else None,
+    "cost": cost,
+    "violations": violations,
+}))
+PY
+) || record=$(printf '{"name": "%s", "began_s": null, "recovered_s": null, "recovery_s": null, "cost": {}, "violations": ["recording the fault failed"]}' "$name")
+    fault_records+=("$record")
+    printf '%s\n' "$record" >>"$run_dir/faults.jsonl"
+    log "fault $name: $(/usr/bin/python3 -c 'import json, sys; r = json.loads(sys.argv[1]); print(f"recovered in {r[\"recovery_s\"]} s" if r["recovered_s"] is not None else "NOT recovered", "; ".join(r["violations"]))' "$record")"
+}
+
+# kill_node NAME ARG SERVICE: kills the sidecar SERVICE and its game as a crash would, waits for
+# the node's world restored on the live nodes from its geo's checkpoints (its lease lapses first),
+# starts both containers again (the game after its sidecar, as a supervisor would) and waits for
+# the world whole, every NPC held before held again.
+kill_node() {
+    local name=$1 arg=$2 svc=$3 node ctr game began restarted recovered viol=() extra restored_s
+    node=$(svc_field "$svc" node) ctr=$(svc_field "$svc" container) game=$(svc_field "$svc" game_container)
+    census ids --snap "$fault_dir/before.json" --node "$node" >"$fault_dir/victim-npcs.json"
+    census ids --snap "$fault_dir/before.json" >"$fault_dir/npcs.json"
+    began=$(now)
+    podman kill "$ctr" "$game" >/dev/null || viol+=("podman kill $svc failed")
+    log "fault $name: killed $svc (node $node) and its game"
+    fault_wait restored --until restored --need "$fault_dir/victim-npcs.json" --victim "$node" --since "$began" ||
+        viol+=("the killed node's NPCs were not all restored on live nodes within ${recovery_bound_s} s")
+    restored_s=$(wait_field restored after_s)
+    log "fault $name: ${restored_s:-not all} s to the node's NPCs held again; restarting $svc"
+    podman start "$ctr" >/dev/null && podman start "$game" >/dev/null || viol+=("starting $svc again failed")
+    restarted=$(now)
+    census targets
+    fault_wait whole --until whole --need "$fault_dir/npcs.json" --since "$began" || true
+    recovered=$(wait_field whole at)
+    /usr/bin/python3 -c 'import json, sys; print("\n".join(str(v) for v in json.load(open(sys.argv[1])).get("first_seen_ms", [])))' \
+        "$fault_dir/wait-restored.json" >>"$run_dir/restore-ms.txt" 2>/dev/null || true
+    extra=$(/usr/bin/python3 - "$fault_dir" "$svc" "$node" "$began" "$restarted" <<'PY'
+import json, sys
+fdir, svc, node, began, restarted = sys.argv[1:]
+w = json.load(open(fdir + "/wait-restored.json"))
+ms = sorted(w.get("first_seen_ms", []))
+pick = lambda q: ms[min(len(ms) - 1, int(round((len(ms) - 1) * q)))] if ms else None
+print(json.dumps({
+    "node": svc, "node_id": int(node),
+    "npcs_of_node": w.get("needed"), "npcs_restored": len(ms), "npcs_never_restored": len(w.get("never_seen", [])),
+    "restored_s": w.get("after_s"), "restore_ms_p50": pick(0.5), "restore_ms_p99": pick(0.99),
+    "restarted_after_s": round(float(restarted) - float(began), 1),
+}))
+PY
+)
+    fault_end "$name" "$arg" "$began" "$recovered" "$extra" "" "${viol[@]}"
+}
+
+fault_kill_node() {
+    local geo=${1:-} svc
+    [[ -n $geo ]] || { ((geos == 2)) && geo=us || geo=local; }
+    fault_begin kill-node "$geo"
+    read -r svc _ < <(census pick --snap "$fault_dir/before.json" --kind node --geo "$geo") || true
+    if [[ -z ${svc:-} ]]; then
+        fault_end kill-node "$geo" "$(now)" "" '{}' "" "no sidecar of geo $geo answered"
+        return 0
+    fi
+    kill_node kill-node "$geo" "$svc"
+}
+
+fault_kill_gateway() {
+    local geo=${1:-} svc sessions
+    fault_begin kill-gateway "$geo"
+    read -r svc _ sessions < <(census pick --snap "$fault_dir/before.json" --kind gateway ${geo:+--geo "$geo"}) || true
+    if [[ -z ${svc:-} ]]; then
+        fault_end kill-gateway "$geo" "$(now)" "" '{}' "" "no gateway holds a session (no bots playing?)"
+        return 0
+    fi
+    log "fault kill-gateway: $svc is the gateway of $sessions sessions"
+    kill_node kill-gateway "$geo" "$svc"
+}
+
+# pause-mongo [SECS]: longer than a lease (10 s) and than a MongoDB election: at least 15 s.
+fault_pause_mongo() {
+    local secs=${1:-15} svc ctr began unpaused recovered viol=() extra after
+    ((secs >= 15)) || secs=15
+    svc=$(service_of mongo) ctr=$(svc_field "$svc" container)
+    fault_begin pause-mongo "$secs"
+    began=$(now)
+    podman pause "$ctr" >/dev/null || viol+=("podman pause $svc failed")
+    fault_wait frozen --until frozen --since "$began" --bound "$secs" ||
+        viol+=("not every sidecar froze (lease_live false) while MongoDB was paused")
+    sleep_until "$(awk -v b="$began" -v s="$secs" 'BEGIN { printf "%.6f", b + s }')"
+    podman unpause "$ctr" >/dev/null || viol+=("podman unpause $svc failed")
+    unpaused=$(now)
+    log "fault pause-mongo: unpaused after $secs s"
+    fault_wait whole --until whole --since "$unpaused" || true
+    recovered=$(wait_field whole at)
+    after=$(wait_field whole after_s)
+    if [[ -n $after ]] && awk -v a="$after" 'BEGIN { exit !(a > 5) }'; then
+        viol+=("the world was whole $after s after the unpause, not within 5 s")
+    fi
+    extra=$(printf '{"paused_s": %s, "frozen_after_s": %s, "whole_after_unpause_s": %s}' "$secs" \
+        "$(wait_field frozen after_s | sed 's/^$/null/')" "${after:-null}")
+    fault_end pause-mongo "$secs" "$began" "$recovered" "$extra" no_exits "${viol[@]}"
+}
+
+# The checkpoints a Redis holds: entries of every cellmesh:*:checkpoints hash.
+checkpoint_count() {
+    podman exec "$1" redis-cli --raw EVAL "
+local n = 0
+for _, k in ipairs(redis.call('KEYS', '*:checkpoints')) do n = n + redis.call('HLEN', k) end
+return n" 0 2>/dev/null || echo null
+}
+
+fault_restart_redis() {
+    local geo=${1:-$(bots_geo_name)} svc ctr began recovered viol=() before_n after_n up_s t
+    svc=$(service_of redis "$geo")
+    [[ -n $svc ]] || die "no Redis of geo $geo"
+    ctr=$(svc_field "$svc" container)
+    fault_begin restart-redis "$geo"
+    before_n=$(checkpoint_count "$ctr")
+    began=$(now)
+    podman restart -t 10 "$ctr" >/dev/null || viol+=("podman restart $svc failed")
+    for ((t = 0; t < 60; t++)); do
+        [[ $(podman exec "$ctr" redis-cli ping 2>/dev/null) == PONG ]] && break
+        in_background sleep 0.5
+    done
+    up_s=$(awk -v b="$began" -v n="$EPOCHREALTIME" 'BEGIN { printf "%.1f", n - b }')
+    after_n=$(checkpoint_count "$ctr")
+    log "fault restart-redis: $svc answers again after $up_s s; checkpoints $before_n before, $after_n after"
+    if [[ $before_n =~ ^[0-9]+$ && $after_n =~ ^[0-9]+$ ]] && ((before_n > 0 && after_n * 2 < before_n)); then
+        viol+=("checkpoints lost with the restart: $before_n before, $after_n after")
+    fi
+    fault_wait whole --until whole --since "$began" || true
+    recovered=$(wait_field whole at)
+    fault_end restart-redis "$geo" "$began" "$recovered" \
+        "$(printf '{"redis": "%s", "answering_after_s": %s, "checkpoints_before": %s, "checkpoints_after_restart": %s}' "$svc" "$up_s" "$before_n" "$after_n")" \
+        no_exits,no_kicks "${viol[@]}"
+}
+
+# partition-geo [SECS]: the host drops what is routed between the geos' subnets, both ways; the
+# rules carry the lab's marker (teardown removes them whatever happens).
+fault_partition_geo() {
+    local secs=${1:-20} eu us began healed recovered viol=() rule
+    eu=$(network_subnet cellmesh-lab-eu) us=$(network_subnet cellmesh-lab-us)
+    rule=(-m comment --comment "$rule_comment-partition" -j DROP)
+    fault_begin partition-geo "$secs"
+    began=$(now)
+    iptables -I FORWARD 1 -s "$eu" -d "$us" "${rule[@]}" && iptables -I FORWARD 1 -s "$us" -d "$eu" "${rule[@]}" ||
+        viol+=("cutting the path between the geos failed")
+    fault_wait cut --until never --since "$began" --bound "$secs" || true
+    iptables -D FORWARD -s "$eu" -d "$us" "${rule[@]}" 2>/dev/null || viol+=("healing failed")
+    iptables -D FORWARD -s "$us" -d "$eu" "${rule[@]}" 2>/dev/null || viol+=("healing failed")
+    healed=$(now)
+    log "fault partition-geo: healed after $secs s"
+    fault_wait whole --until whole --since "$healed" || true
+    recovered=$(wait_field whole at)
+    fault_end partition-geo "$secs" "$began" "$recovered" \
+        "$(printf '{"cut_s": %s, "whole_after_heal_s": %s}' "$secs" "$(wait_field whole after_s | sed 's/^$/null/')")" \
+        "" "${viol[@]}"
+}
+
+# kill-proxy [GEO]: the proxy of the bots' geo killed and started again at once; its clients
+# reconnect (the bots retry every second) and must find their avatar (the same entity).
+fault_kill_proxy() {
+    local geo=${1:-$(bots_geo_name)} svc ctr began recovered viol=() sessions avatars
+    svc=$(service_of proxy "$geo") ctr=$(svc_field "$svc" container)
+    fault_begin kill-proxy "$geo"
+    sessions=$(/usr/bin/python3 -c 'import json, sys
+s = json.load(open(sys.argv[1]))
+print(sum(len(p["state"]["sessions"]) for p in s["proxies"].values() if p["state"]))' "$fault_dir/before.json")
+    began=$(now)
+    podman kill "$ctr" >/dev/null || viol+=("podman kill $svc failed")
+    podman start "$ctr" >/dev/null || viol+=("starting $svc again failed")
+    census targets
+    fault_wait whole --until whole --min-sessions "$sessions" --since "$began" || true
+    recovered=$(wait_field whole at)
+    census snap --out "$fault_dir/reconnected.json" --label "after kill-proxy"
+    avatars=$(census avatars --before "$fault_dir/before.json" --after "$fault_dir/reconnected.json") || avatars='{}'
+    fault_end kill-proxy "$geo" "$began" "$recovered" \
+        "$(/usr/bin/python3 -c 'import json, sys; print(json.dumps({"proxy": sys.argv[1], "sessions_to_find": int(sys.argv[2]), **json.loads(sys.argv[3])}))' "$svc" "$sessions" "$avatars")" \
+        no_exits,avatars_kept "${viol[@]}"
+}
+
+# The faults to run, one line each: SECS NAME ARG, in order. --fault gives SECS; --faults spreads
+# its list over --duration (at duration x i / (n + 1)); a fault starts no sooner than settle_s
+# after the one before recovered.
+plan_faults() {
+    local f spec name arg at i n list=()
+    for f in "${faults[@]}"; do
+        spec=${f%@*} at=${f##*@}
+        printf '%s %s %s\n' "$at" "${spec%%:*}" "$([[ $spec == *:* ]] && echo "${spec#*:}")"
+    done
+    if [[ -n $faults_spread ]]; then
+        IFS=, read -ra list <<<"$faults_spread"
+        n=${#list[@]}
+        for ((i = 0; i < n; i++)); do
+            spec=${list[i]}
+            printf '%s %s %s\n' "$((duration_s * (i + 1) / (n + 1)))" "${spec%%:*}" "$([[ $spec == *:* ]] && echo "${spec#*:}")"
+        done
+    fi
+}
+
+check_faults() {
+    local at name arg
+    while read -r at name arg; do
+        [[ $at =~ ^[0-9]+$ ]] || die "--fault is NAME[:ARG]@SECS"
+        declare -F "fault_${name//-/_}" >/dev/null || die "no fault named $name"
+        [[ $name != partition-geo ]] || ((geos == 2)) || die "partition-geo needs two geos"
+        [[ -z $arg || $arg =~ ^[a-z0-9]+$ ]] || die "fault $name: bad argument $arg"
+    done < <(plan_faults)
 }
 
 # ------------------------------------------------------------------------------------------------
@@ -536,6 +961,18 @@ return out" 0 2>/dev/null || true
     done >"$run_dir/far-rtt.txt"
 }
 
+# The census (docker/lab/census.py final) into census.json: the keys of `cellmesh up`'s summary
+# (null where the processes do not expose what they need), from every sample of the run, the
+# snapshots before and after the bots left, the bots' totals and the faults' restores.
+write_census() {
+    local args=() f
+    for f in "$run_dir"/end-before-logout-*.json; do [[ -e $f ]] && args+=(--before-logout "$f"); done
+    [[ -e $run_dir/end.json ]] && args+=(--end "$run_dir/end.json")
+    for f in "$run_dir"/bots-*.log; do [[ -e $f ]] && args+=(--bots-log "$f"); done
+    [[ -e $run_dir/restore-ms.txt ]] && args+=(--restore-ms "$run_dir/restore-ms.txt")
+    census final "${args[@]}" >"$run_dir/census.json" || echo '{}' >"$run_dir/census.json"
+}
+
 write_summary() {
     local containers
     containers=$(podman ps -a --filter "label=io.podman.compose.project=$project" --format '{{.Names}}')
@@ -548,7 +985,7 @@ write_summary() {
     LAB_GEOS=$geos LAB_DELAY_MS=$delay_ms LAB_DURATION_S=$duration_s LAB_BOTS=$bots LAB_DELAY_METHOD=$delay_method \
         LAB_BOTS_SERVICES="$( ((bots > 0)) && bots_services)" LAB_BRING_UP_S=${bring_up_s:-} \
         LAB_IMAGE_BYTES=$(podman image inspect --format '{{.Size}}' "$project_image") \
-        LAB_FAULTS="[$(IFS=,; printf '%s' "${fault_records[*]:-}")]" \
+        LAB_FAULTS="[$(IFS=,; printf '%s' "${fault_records[*]:-}")]" LAB_PLAYED_S=${played_s:-} \
         python3 - "$run_dir" "$summary_json" <<'PY'
 import glob, json, os, re, sys
 run, out = sys.argv[1], sys.argv[2]
@@ -598,14 +1035,23 @@ def figure(sample, stat, metric):
 
 bridged = [b for b in (figure(s, "bridged_sessions", "cellmesh_proxy_bridged_sessions") for s in samples) if b is not None]
 
-# A container that restarted, or that is not running other than by the partition job's planned
-# exit, did so unasked: no fault touches a container yet.
+# A container that restarted, or that is not running other than by the partition job's or the
+# bots' planned exit, did so unasked (the containers a fault kills it starts again, and the engine
+# does not count those starts). One that did so during a fault names it.
+faults = json.loads(env["LAB_FAULTS"])
 unplanned = []
 containers = [line.split() for line in open(os.path.join(run, "containers.txt")) if line.strip()]
 for name, restarts, status, code in containers:
-    planned_exit = name.endswith("_partition_1") and status == "exited" and code == "0"
+    planned_exit = (name.endswith("_partition_1") or name.endswith("bots_1")) and status == "exited" and code == "0"
     if int(restarts) > 0 or (status != "running" and not planned_exit):
-        unplanned.append({"container": name, "restarts": int(restarts), "status": status, "exit_code": int(code)})
+        during = sorted({f["name"] for f in faults for e in f.get("cost", {}).get("containers_exited", []) if e["container"] == name})
+        unplanned.append({"container": name, "restarts": int(restarts), "status": status, "exit_code": int(code),
+                          "during_faults": during})
+
+try:
+    census = json.load(open(os.path.join(run, "census.json")))
+except (OSError, ValueError):
+    census = {}
 
 kicks = {}
 for p in glob.glob(os.path.join(run, "end-*.metrics")):
@@ -629,7 +1075,11 @@ except FileNotFoundError:
     pass
 far.sort()
 proxies_rtt = round(far[(len(far) - 1) // 2], 3) if far else None
-summary = {
+census_keys = ["inputs_sent", "inputs_delivered", "entities_lost", "entities_duplicated",
+               "accounts_with_two_avatars", "sessions_without_avatar", "avatars_after_logout",
+               "sessions_dropped", "restore_ms_p99", "errors", "errors_by_kind"]
+summary = {k: census.get(k) for k in census_keys}
+summary.update({
     "geos": int(env["LAB_GEOS"]),
     "containers": len(containers),
     "image_bytes": int(env["LAB_IMAGE_BYTES"]),
@@ -655,8 +1105,12 @@ summary = {
     "sessions_peak": state_stat("end", "sessions_peak"),
     "kicks_by_reason": kicks,
     "processes_exited_unplanned": unplanned,
-    "faults": json.loads(env["LAB_FAULTS"]),
-}
+    "played_s": int(env["LAB_PLAYED_S"]) if env.get("LAB_PLAYED_S") else None,
+    "faults": faults,
+    "faults_failed": [f["name"] for f in faults if f.get("recovered_s") is None or f.get("violations")],
+    # How the census keys above were read, and what else it saw (docker/lab/README.md).
+    "census": {k: v for k, v in census.items() if k not in census_keys},
+})
 text = json.dumps(summary, indent=2)
 if out:
     with open(out, "w") as f:
@@ -679,6 +1133,15 @@ teardown() {
             podman logs "$ctr" >"$run_dir/logs/$ctr.log" 2>&1 || true
         done
     fi
+    if [[ -n ${sampler_pid:-} ]]; then
+        kill "$sampler_pid" 2>/dev/null || true
+        wait "$sampler_pid" 2>/dev/null || true
+        sampler_pid=""
+    fi
+    # A fault may have left MongoDB paused: a paused container neither stops nor goes.
+    for ctr in $(podman ps -q --filter "label=io.podman.compose.project=$project" --filter status=paused); do
+        podman unpause "$ctr" >/dev/null 2>&1 || true
+    done
     lab_compose --profile bots --profile monitoring down -v -t 5 >"$build_dir/teardown.log" 2>&1 || true
     # What podman-compose left (a container of an interrupted `up`, a volume in use at the time).
     ctrs=$(podman ps -aq --filter "label=io.podman.compose.project=$project")
@@ -734,10 +1197,7 @@ if ((down_only)); then
     teardown
     exit 0
 fi
-for fault in "${faults[@]}"; do
-    [[ $fault =~ ^([a-z_]+)@([0-9]+)$ ]] || die "--fault is NAME@SECS"
-    declare -F "fault_${BASH_REMATCH[1]}" >/dev/null || die "no fault named ${BASH_REMATCH[1]}"
-done
+check_faults
 ensure_images
 ((prepare_only)) && exit 0
 
@@ -748,6 +1208,7 @@ export CELLMESH_TOKEN_SECRET
 mkdir -p "$run_dir"
 list_admin_services >"$run_dir/admin-services.txt"
 [[ -s $run_dir/admin-services.txt ]] || die "no admin endpoint found in docker/$cluster.yaml (podman-compose config)"
+list_services_json >"$run_dir/services.json" || die "reading the services of docker/$cluster.yaml failed"
 teardown   # a lab an earlier run kept, or one it could not finish taking down
 trap on_exit EXIT
 trap 'exit 130' INT
@@ -760,17 +1221,60 @@ wait_all_ready
 bring_up_s=$((SECONDS - started))
 log "every sidecar and proxy ready in ${bring_up_s} s ($(podman ps -q --filter "label=io.podman.compose.project=$project" | wc -l) containers running)"
 
+census targets
+# Run directly (not through the census function), so that $! is the sampler itself.
+/usr/bin/python3 docker/lab/census.py sample --run "$run_dir" --every 1 >"$run_dir/sampler.log" 2>&1 &
+sampler_pid=$!
+
 measure_rtts
+# With faults the bots play until the lab stops them (SIGTERM, which ends them as --duration
+# would); their --duration is then only a backstop, should the lab die and leave them running.
+n_faults=$(plan_faults | wc -l)
+export LAB_BOTS_DURATION_S=$((duration_s + n_faults * (2 * recovery_bound_s + 90)))
+((n_faults > 0)) || LAB_BOTS_DURATION_S=$duration_s
 start_bots
-# One second at a time: a fault starts on its second; the proxies are sampled every 5 s.
-sample_proxies s000
-for ((t = 1; t <= duration_s; t++)); do
+bots_t0=$(now)
+# One second at a time; the proxies are sampled every 5 s (and census.py samples every process
+# every second meanwhile). Each fault starts at its second, or settle_s after the one before
+# recovered, whichever is later; the run lasts --duration, or until the last fault is over.
+next_sample=0
+tick() {
+    if (($(elapsed) >= next_sample)); then
+        sample_proxies "s$(printf '%03d' "$next_sample")"
+        next_sample=$((next_sample + 5))
+    fi
     in_background sleep 1
-    for fault in "${faults[@]}"; do
-        [[ ${fault#*@} == "$t" ]] && "fault_${fault%@*}" "$t"
-    done
-    ((t % 5)) || sample_proxies "s$(printf '%03d' "$t")"
+}
+ready_at=0
+mapfile -t plan < <(plan_faults | sort -n -s -k1,1)
+for line in "${plan[@]}"; do
+    read -r at name arg <<<"$line"
+    while (($(elapsed) < at || $(elapsed) < ready_at)); do tick; done
+    # shellcheck disable=SC2086 # no argument when there is none
+    "fault_${name//-/_}" $arg </dev/null
+    ready_at=$(($(elapsed) + settle_s))
+done
+while (($(elapsed) < duration_s)); do tick; done
+played_s=$(elapsed)
+log "the bots played ${played_s} s; the census before they leave"
+for i in 1 2 3; do
+    census snap --out "$run_dir/end-before-logout-$i.json" --label "before logout"
+    ((i == 3)) || in_background sleep 1
 done
 sample_proxies end
 collect_far_rtts
+stop_bots
+census wait --until loggedout --bound 20 --out "$run_dir/wait-loggedout.json" 2>>"$run_dir/sampler.log" || true
+census snap --out "$run_dir/end.json" --label end
+kill "$sampler_pid" 2>/dev/null || true
+wait "$sampler_pid" 2>/dev/null || true
+sampler_pid=""
+write_census
 write_summary
+failed=$(/usr/bin/python3 -c 'import json, sys
+print(" ".join(json.loads(l)["name"] for l in open(sys.argv[1]) if json.loads(l).get("recovered_s") is None or json.loads(l).get("violations")))' \
+    "$run_dir/faults.jsonl" 2>/dev/null || true)
+if [[ -n $failed ]]; then
+    log "faults that did not recover or broke what must hold: $failed"
+    exit 1
+fi
