@@ -1206,3 +1206,208 @@ async fn four_nodes_lose_a_node_and_a_game_and_every_player_keeps_its_avatar() {
     }
     assert_eq!(stats.online.load(Ordering::Relaxed), 0);
 }
+
+/// The lab's `kill-node` in the second geo, quick: each geo keeps its checkpoints in its own
+/// Redis (here one server, each geo under its own key prefix), so a dead node's world must be
+/// restored from its own geo's store. Node 1 (geo `eu`, a spare with no cell, the lowest id of
+/// all) and nodes 2 and 3 (geo `us`, the two halves of the world); node 3 dies for good with
+/// its NPCs checkpointed. Node 2, the lowest live node of `us`, reads `us`'s checkpoints and
+/// restores every NPC, once; node 1 reads none (its store holds none of them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_node_of_the_second_geo_is_restored_from_its_geos_checkpoints() {
+    const NPCS: u64 = 6;
+    let _one = ONE_CLUSTER.lock().await;
+    arena_bin();
+    let redis = required("CELLMESH_TEST_REDIS_URL");
+    let mongo = required("CELLMESH_TEST_MONGO_URL");
+    let run = run_id();
+    let topology = format!("{}/cm_second_geo_{run}", mongo.trim_end_matches('/'));
+    commit_plan(CELLMESH, &topology, "2x1", "2,3");
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let spec = |node: u32, geo: &str| Spec {
+        geo: Some(format!("{geo}-{run}")),
+        ..Spec::waiting(node, &topology, &redis)
+    };
+    let mut eu1 = Sidecar::start_as(spec(1, "eu"), deadline).await;
+    let mut us2 = Sidecar::start_as(spec(2, "us"), deadline).await;
+    let mut us3 = Sidecar::start_as(spec(3, "us"), deadline).await;
+    until_leased([&mut eu1, &mut us2, &mut us3], deadline).await;
+    // Every node has a game to adopt what it is given; only node 3's spawns anything.
+    let game1 = arena(&eu1, "1", 0, WEST);
+    let game2 = arena(&us2, "2", 0, WEST);
+    let mut game3 = arena(&us3, "3", NPCS, EAST);
+    until_states(
+        deadline,
+        "node 3's NPCs",
+        [&eu1, &us2, &us3],
+        &[&game1, &game2, &game3],
+        |[a, b, c]| a.settled_with(2) && b.settled_with(2) && c.settled_with(2) && c.reals == NPCS,
+    )
+    .await;
+    tokio::time::sleep(CHECKPOINTED).await;
+
+    us3.kill().await;
+    game3.kill().await;
+    until_states(
+        deadline,
+        "node 3's NPCs restored on the live nodes",
+        [&eu1, &us2],
+        &[&game1, &game2, us3.process()],
+        |[a, b]| {
+            a.lease_live
+                && b.lease_live
+                && a.in_flight + b.in_flight + a.adopting + b.adopting == 0
+                && a.reals + b.reals == NPCS
+        },
+    )
+    .await;
+    let decider = us2.process().tail();
+    assert!(
+        decider.contains(&format!("checkpoints={NPCS}")),
+        "us's decider read no checkpoints of the dead node:\n{decider}"
+    );
+    // Held once: a second restore would show as more reals than NPCs.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(reals(&[&eu1, &us2]).await, NPCS);
+}
+
+/// A MongoDB-compatible server of the test's own, which the test may pause (SIGSTOP) as an
+/// election or a stalled primary would stop answering: its URL and its process.
+async fn own_mongo(dir: &Path) -> (String, Process) {
+    let python = required("CELLMESH_TEST_PYTHON");
+    let bin = Path::new(&python).with_file_name("secantusd-py");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("a free port")
+        .local_addr()
+        .unwrap()
+        .port();
+    // An empty config file keeps the server from picking up one lying around.
+    let config = dir.join("secantusd.toml");
+    std::fs::write(&config, "").unwrap();
+    let server = Process::spawn(
+        "secantusd",
+        Command::new(&bin)
+            .arg("--config")
+            .arg(&config)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .arg("--storage-path")
+            .arg(dir.join("data"))
+            .current_dir(dir),
+    );
+    let url = format!("mongodb://127.0.0.1:{port}");
+    let ping = format!(
+        "import pymongo; pymongo.MongoClient('{url}', serverSelectionTimeoutMS=500).admin.command('ping')"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ok = std::process::Command::new(&python)
+            .args(["-c", &ping])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if ok {
+            return (url, server);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the MongoDB-compatible server never answered:\n{}",
+            server.tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The lab's `pause-mongo`, quick: the topology store stops answering for longer than a node
+/// lease (a MongoDB election takes ten seconds and more; here the lease is 1.5 s and the pause
+/// 4 s). Every node's lease lapses at once: each freezes what it owns (it writes nothing),
+/// exits not, and takes its lease back under the same epoch when the store answers again, then
+/// thaws. No decider takes a peer's lapse for a death: nothing is restored, nothing lost or
+/// doubled, and the world is whole within seconds of the store's return.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_topology_store_freezes_every_node_and_none_exits() {
+    const NPCS: u64 = 4;
+    let _one = ONE_CLUSTER.lock().await;
+    arena_bin();
+    let redis = required("CELLMESH_TEST_REDIS_URL");
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let (mongo, store) = own_mongo(dir.path()).await;
+    let topology = format!("{mongo}/cm_pause");
+    commit_plan(CELLMESH, &topology, "2x1", "1,2");
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let geo = format!("pause-{}", run_id());
+    let spec = |node: u32| Spec {
+        geo: Some(geo.clone()),
+        ..Spec::waiting(node, &topology, &redis)
+    };
+    let mut west = Sidecar::start_as(spec(1), deadline).await;
+    let mut east = Sidecar::start_as(spec(2), deadline).await;
+    until_leased([&mut west, &mut east], deadline).await;
+    let game1 = arena(&west, "1", NPCS, WEST);
+    let game2 = arena(&east, "2", NPCS, EAST);
+    until_states(
+        deadline,
+        "every NPC at home",
+        [&west, &east],
+        &[&game1, &game2],
+        |[w, e]| w.settled() && e.settled() && w.reals == NPCS && e.reals == NPCS,
+    )
+    .await;
+    tokio::time::sleep(CHECKPOINTED).await;
+
+    store.signal("STOP");
+    let paused = Instant::now();
+    until_states(
+        deadline,
+        "both nodes frozen by their lapsed leases",
+        [&west, &east],
+        &[&game1, &game2],
+        |[w, e]| !w.lease_live && !e.lease_live,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(4).saturating_sub(paused.elapsed())).await;
+    store.signal("CONT");
+    let resumed = Instant::now();
+    let whole = first_time(
+        deadline,
+        "both nodes writing again",
+        [&west, &east],
+        &[&game1, &game2],
+        |[w, e]| w.settled() && e.settled() && w.reals == NPCS && e.reals == NPCS,
+    )
+    .await;
+    let took = whole.saturating_duration_since(resumed);
+    assert!(
+        took <= Duration::from_secs(5),
+        "the world was whole {took:?} after the store came back"
+    );
+    for node in [&mut west, &mut east] {
+        assert!(
+            matches!(node.proc.process.child.try_wait(), Ok(None)),
+            "a sidecar exited:\n{}",
+            node.process().tail()
+        );
+        let (_, metrics) = cellmesh_admin::http_get(node.proc.admin, "/metrics")
+            .await
+            .expect("/metrics");
+        assert!(
+            metric(&metrics, "cellmesh_sidecar_leases_reclaimed_total") >= 1,
+            "{metrics}"
+        );
+        assert_eq!(
+            metric(&metrics, "cellmesh_sidecar_leases_fenced_total"),
+            0,
+            "{metrics}"
+        );
+    }
+    // Held once, and still so a while later.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(reals(&[&west, &east]).await, 2 * NPCS);
+    let log = game1.terminate().await;
+    assert_eq!(arena_stat(&log, "evicted"), 0, "{log}");
+}
+
+/// A counter's value on a `/metrics` page (0 when absent).
+fn metric(page: &str, name: &str) -> u64 {
+    page.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(0)
+}

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use crate::model::handoff::FreezeCost;
 
 /// Every reason a client input is dropped for before it reaches a game (`inputs_dropped`).
-pub const INPUT_DROP_REASONS: [&str; 12] = [
+pub const INPUT_DROP_REASONS: [&str; 14] = [
     // The proxy named a session this gateway does not have, or one still registering.
     "unknown_session",
     "session_attaching",
@@ -38,6 +38,10 @@ pub const INPUT_DROP_REASONS: [&str; 12] = [
     // Older than an input of its session already handed to the game (it came too late to keep
     // the order).
     "input_late",
+    // Held for the game while the node lease was lapsed, past the bound of what is held.
+    "lease_lapsed",
+    // Held for the game while the node lease was lapsed, and the lease was then lost.
+    "lease_lost",
 ];
 
 /// Who is on the other end of a connection.
@@ -238,6 +242,12 @@ pub struct Metrics {
     pub checkpoint_writes: Counter,
     /// Player records read at login; a handover hint saves the read.
     pub login_record_reads: Counter,
+    /// Sessions registered again after the directory lost their entry.
+    pub sessions_reregistered: Counter,
+    /// Node leases taken back under their epoch after they lapsed.
+    pub leases_reclaimed: Counter,
+    /// Peers' lapsed leases fenced by this node before their world was restored.
+    pub leases_fenced: Counter,
     /// Logins that came with a handover hint, by source (hint, cookie).
     pub login_hints: Family<KindLabel, Counter>,
     pub checkpoints_stored: Counter,
@@ -333,6 +343,9 @@ impl Default for Metrics {
             restored: Default::default(),
             checkpoint_writes: Default::default(),
             login_record_reads: Default::default(),
+            sessions_reregistered: Default::default(),
+            leases_reclaimed: Default::default(),
+            leases_fenced: Default::default(),
             login_hints: Default::default(),
             checkpoints_stored: Default::default(),
             checkpoint_stored_bytes: Default::default(),
@@ -632,6 +645,21 @@ impl Metrics {
             "login_record_reads",
             "Player records read from the global store (MongoDB) at login; a handover hint or cookie saves the read",
             m.login_record_reads.clone(),
+        );
+        r.register(
+            "sessions_reregistered",
+            "Sessions registered again under a new epoch after the session directory lost their entry (a Redis restart, an outage longer than the lease) instead of being kicked",
+            m.sessions_reregistered.clone(),
+        );
+        r.register(
+            "leases_reclaimed",
+            "Times this node took its lease back under the same epoch after it lapsed (the topology store did not answer in time), and thawed what the lapse froze",
+            m.leases_reclaimed.clone(),
+        );
+        r.register(
+            "leases_fenced",
+            "Lapsed leases of peers this node fenced in the topology store before restoring their world, so that their holders cannot take them back",
+            m.leases_fenced.clone(),
         );
         r.register(
             "login_hints",

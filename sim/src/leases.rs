@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use cellmesh_geo_router::partition::NodeId;
-use cellmesh_geo_router::topology::Lease;
+use cellmesh_geo_router::topology::{Fence, Lease};
 
 /// One process's clocks against true time: its monotonic clock runs `rate_ppm` parts per
 /// million fast (negative: slow) and its wall clock reads `unix_skew_ms` off the store's.
@@ -57,6 +57,9 @@ struct Grant {
     /// True ms (the store's clock).
     expires: u64,
 }
+
+/// The holder of a restore's fence: no process is this one.
+const FENCE_HOLDER: u64 = u64::MAX;
 
 /// The topology store's leases: one per node id, every grant under a new epoch.
 #[derive(Default)]
@@ -117,8 +120,9 @@ impl SimLeases {
         })
     }
 
-    /// Extends `holder`'s grant `epoch` of `node` if it is still live and current.
-    pub fn renew(
+    /// Extends `holder`'s grant `epoch` of `node`, live or lapsed, if it is still current
+    /// (nobody was granted the id since), as the real store's `reclaim_lease`.
+    pub fn reclaim(
         &mut self,
         now: u64,
         start_unix_ms: u64,
@@ -128,10 +132,10 @@ impl SimLeases {
         ttl: u64,
     ) -> Option<Lease> {
         let g = self.grants.get_mut(&node)?;
-        if g.holder != holder || g.epoch != epoch || g.expires <= now {
+        if g.holder != holder || g.epoch != epoch || g.holder == FENCE_HOLDER {
             return None;
         }
-        g.expires = now + ttl;
+        g.expires = g.expires.max(now + ttl);
         let below = self.ids_below.entry(node).or_default();
         *below = (*below).max(g.expires);
         Some(Lease {
@@ -141,6 +145,34 @@ impl SimLeases {
             expires_unix_ms: start_unix_ms + g.expires,
             ids_floor_unix_ms: 0,
         })
+    }
+
+    /// A restore's fence of grant `epoch` of `node` (the real `topology::fence_lease`): a new
+    /// grant, lapsed at once, to a holder no process has, if `epoch` is current and lapsed.
+    pub fn fence(&mut self, now: u64, node: NodeId, epoch: u64) -> Fence {
+        match self.grants.get(&node) {
+            Some(g) if g.epoch != epoch => Fence::Moved,
+            None => Fence::Moved,
+            Some(g) if g.expires > now => Fence::Live,
+            Some(g) => {
+                let fenced = Grant {
+                    holder: FENCE_HOLDER,
+                    epoch: g.epoch + 1,
+                    expires: now,
+                };
+                self.grants.insert(node, fenced);
+                Fence::Fenced
+            }
+        }
+    }
+
+    /// Every node whose lease is lapsed at `now` but not replaced, with its epoch.
+    pub fn lapsed(&self, now: u64) -> Vec<(NodeId, u64)> {
+        self.grants
+            .iter()
+            .filter(|(_, g)| g.expires <= now)
+            .map(|(n, g)| (*n, g.epoch))
+            .collect()
     }
 
     /// Every node whose lease is live at `now`, with its epoch.
@@ -184,7 +216,7 @@ mod tests {
             l.acquire(10, 0, 3, 2, None, 1_000),
             Answer::Held { until: 1_000 }
         );
-        assert!(l.renew(500, 0, 3, 1, a.epoch, 1_000).is_some());
+        assert!(l.reclaim(500, 0, 3, 1, a.epoch, 1_000).is_some());
         // A restart in place names the grant it succeeds.
         let Answer::Granted(b) = l.acquire(600, 0, 3, 2, Some((1, a.epoch)), 1_000) else {
             panic!("takeover")
@@ -194,11 +226,35 @@ mod tests {
             b.ids_floor_unix_ms, 1_500,
             "ids start past every earlier grant"
         );
-        assert!(l.renew(700, 0, 3, 1, a.epoch, 1_000).is_none());
+        assert!(l.reclaim(700, 0, 3, 1, a.epoch, 1_000).is_none());
         // Lapsed: anyone may have it.
         assert!(matches!(
             l.acquire(1_600, 0, 3, 9, None, 1_000),
             Answer::Granted(_)
+        ));
+    }
+
+    #[test]
+    fn a_lapsed_lease_is_taken_back_unless_fenced() {
+        let mut l = SimLeases::default();
+        let Answer::Granted(a) = l.acquire(0, 0, 4, 1, None, 1_000) else {
+            panic!("free")
+        };
+        // Lapsed, not replaced: listed as such, and its holder takes it back under its epoch.
+        assert_eq!(l.lapsed(1_500), vec![(4, a.epoch)]);
+        let back = l
+            .reclaim(1_500, 0, 4, 1, a.epoch, 1_000)
+            .expect("taken back");
+        assert_eq!(back.epoch, a.epoch);
+        assert_eq!(l.live(1_600), vec![(4, a.epoch)]);
+        // A live lease is not fenced; a lapsed one is, and its holder never has it again.
+        assert_eq!(l.fence(1_600, 4, a.epoch), Fence::Live);
+        assert_eq!(l.fence(3_000, 4, a.epoch), Fence::Fenced);
+        assert_eq!(l.fence(3_000, 4, a.epoch), Fence::Moved);
+        assert!(l.reclaim(3_001, 0, 4, 1, a.epoch, 1_000).is_none());
+        assert!(matches!(
+            l.acquire(3_001, 0, 4, 2, None, 1_000),
+            Answer::Granted(Lease { epoch, .. }) if epoch == a.epoch + 2
         ));
     }
 }

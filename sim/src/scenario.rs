@@ -183,6 +183,9 @@ pub struct Scenario {
     pub link_outbox_frames: usize,
     /// Frames in flight to a game before its outbox counts as full.
     pub game_outbox_frames: usize,
+    /// No process may exit for a lost lease: the faults only lapse leases, and every holder
+    /// takes its own back.
+    pub no_lease_exits: bool,
     /// The faults, drawn from the run's random source.
     pub faults: fn(&Scenario, &mut StdRng, &mut FaultPlan),
 }
@@ -229,6 +232,7 @@ impl Scenario {
             slow_tick_ms: 0,
             link_outbox_frames: 8192,
             game_outbox_frames: 4096,
+            no_lease_exits: false,
             faults: no_faults,
         }
     }
@@ -444,6 +448,26 @@ fn store_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     );
 }
 
+/// The topology store stops answering for longer than a lease (a MongoDB election takes ten
+/// seconds and more, a paused server longer), once or twice: every node's lease lapses at once,
+/// and every node freezes what it owns. When the store answers again each takes its own lease
+/// back under its epoch and thaws, before any decider takes a peer's lapse for a death: no
+/// process exits, nothing is restored, nothing is lost or doubled.
+fn store_stall(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    let first = s.during(rng, 1_500);
+    let ms = rng.random_range(s.lease_ms + 100..s.lease_ms * 3);
+    plan.at(first, Fault::TopologyStall { ms });
+    if rng.random_bool(0.5) {
+        plan.at(
+            first + ms + rng.random_range(500..2_000),
+            Fault::TopologyStall {
+                ms: rng.random_range(s.lease_ms + 100..s.lease_ms * 2),
+            },
+        );
+    }
+    logins(s, rng, plan);
+}
+
 /// A second process claims a node's id from another machine while the first holds it; the
 /// first is then cut off from the store, and the second gets the id the moment it lapses. The
 /// first must have stopped writing by then.
@@ -584,6 +608,16 @@ pub fn catalogue() -> Vec<Scenario> {
             clock_skew_ms: 400,
             faults: twins,
             ..Scenario::base("twins")
+        },
+        Scenario {
+            clock_ppm: (-5_000, 5_000),
+            clock_skew_ms: 400,
+            gateways: &[2, 4],
+            no_lease_exits: true,
+            // Two stalls of up to three leases each still end well before the checks.
+            settle_ms: 6_000,
+            faults: store_stall,
+            ..Scenario::base("store_stall")
         },
         Scenario {
             geos: Some(&THREE_GEOS),

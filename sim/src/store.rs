@@ -64,6 +64,17 @@ impl SimStore {
                     account,
                     result: Err(err()),
                 }),
+                StoreRequest::Reregister {
+                    session,
+                    account,
+                    held,
+                    ..
+                } => Some(StoreReply::Reregistered {
+                    session,
+                    account,
+                    held,
+                    result: Err(err()),
+                }),
                 StoreRequest::LoadCheckpoints { node, lease_epoch } => {
                     Some(StoreReply::CheckpointsLoaded {
                         node,
@@ -95,6 +106,7 @@ impl SimStore {
                 | StoreRequest::SaveRecords { .. }
                 | StoreRequest::Release { .. }
                 | StoreRequest::DropCheckpoints { .. }
+                | StoreRequest::FenceLease { .. }
                 | StoreRequest::CommitPartition { .. } => None,
             };
             return (reply, TIMEOUT_MS);
@@ -152,6 +164,29 @@ impl SimStore {
                     })
                     .collect(),
             }),
+            StoreRequest::Reregister {
+                session,
+                account,
+                node,
+                lease_ms,
+                held,
+            } => {
+                let epoch = self.epochs.entry(account.clone()).or_insert(0);
+                let result = if *epoch > held {
+                    None
+                } else {
+                    *epoch = held + 1;
+                    self.directory
+                        .insert(account.clone(), (node, *epoch, now + lease_ms));
+                    Some(*epoch)
+                };
+                Some(StoreReply::Reregistered {
+                    session,
+                    account,
+                    held,
+                    result: Ok(result),
+                })
+            }
             StoreRequest::Lookup { account } => {
                 let entry =
                     self.directory
@@ -250,7 +285,7 @@ impl SimStore {
                     .collect()),
             }),
             // The world commits partitions itself (it publishes them to the nodes).
-            StoreRequest::CommitPartition { .. } => None,
+            StoreRequest::CommitPartition { .. } | StoreRequest::FenceLease { .. } => None,
             // Claim calls were run above.
             StoreRequest::Claim { .. }
             | StoreRequest::RenewClaims { .. }

@@ -113,6 +113,8 @@ pub struct Stats {
     pub commands: CommandFigures,
     pub trades: TradeFigures,
     pub dens: DenFigures,
+    /// Processes that exited for a lost lease.
+    pub lease_exits: u64,
 }
 
 /// Dens (region-owned spawners) of one run, as the games, the census and the nodes count them.
@@ -392,8 +394,9 @@ struct SimNode {
     /// The last grant that process held.
     lease: Option<Lease>,
     clock: Clock,
-    /// A renewal of the lease is on its way.
-    renewing: bool,
+    /// A renewal of the lease is on its way, sent at this local time: given up after a lease
+    /// (the store may never answer), as the real lease task's timeout does.
+    renewing: Option<u64>,
     /// Processes waiting for the store to grant them this node id, by holder.
     pending: BTreeMap<u64, Pending>,
     /// Games started since the node did (a crashed game comes back under a new connection).
@@ -561,6 +564,7 @@ pub(crate) struct Sim<'a> {
     topology_stall_until: u64,
     /// The live leases the nodes were last told of.
     last_live: Vec<(NodeId, u64)>,
+    last_lapsed: Vec<(NodeId, u64)>,
     partition: Arc<Partition>,
     census: Arc<Census>,
     pub(crate) check: Checker,
@@ -641,6 +645,7 @@ impl<'a> Sim<'a> {
             store_cut: BTreeMap::new(),
             topology_stall_until: 0,
             last_live: Vec::new(),
+            last_lapsed: Vec::new(),
             partition,
             census: Arc::new(Census::default()),
             check: Checker::default(),
@@ -674,7 +679,7 @@ impl<'a> Sim<'a> {
                 machine: 0,
                 lease: None,
                 clock: Clock::default(),
-                renewing: false,
+                renewing: None,
                 pending: BTreeMap::new(),
                 game_generation: 0,
             });
@@ -1007,7 +1012,7 @@ impl<'a> Sim<'a> {
                     ttl,
                 ))
             }
-            LeaseCall::Renew(lease) => LeaseAnswer::Renewed(self.leases.renew(
+            LeaseCall::Renew(lease) => LeaseAnswer::Renewed(self.leases.reclaim(
                 now,
                 START_UNIX_MS,
                 node,
@@ -1063,7 +1068,7 @@ impl<'a> Sim<'a> {
                 if !n.alive || n.holder != holder {
                     return;
                 }
-                n.renewing = false;
+                n.renewing = None;
                 match renewed {
                     Some(lease) => {
                         n.lease = Some(lease.clone());
@@ -1117,16 +1122,18 @@ impl<'a> Sim<'a> {
             return;
         }
         let (now, every) = (self.now, topology::renew_every_ms(self.s.lease_ms));
+        let lease_ms = self.s.lease_ms;
         let n = self.node(node);
         let local = n.clock.local(now);
         let next = n.clock.true_at(local + every);
-        let call = (!n.renewing)
+        let waiting = n.renewing.is_some_and(|sent| local < sent + lease_ms);
+        let call = (!waiting)
             .then(|| n.lease.clone())
             .flatten()
             .filter(|_| n.core.as_ref().is_some_and(|c| !c.lease_lost()));
         let holder = n.holder;
         if let Some(lease) = call {
-            self.node(node).renewing = true;
+            self.node(node).renewing = Some(local);
             self.send_lease_call(node, holder, LeaseCall::Renew(lease), local);
         }
         self.schedule_at(next, Ev::LeaseTick { node, inc });
@@ -1168,7 +1175,7 @@ impl<'a> Sim<'a> {
         n.timer_at = None;
         n.holder = holder;
         n.lease = Some(lease);
-        n.renewing = false;
+        n.renewing = None;
         let inc = n.incarnation;
         n.game_generation = 0;
         let conn = u64::from(inc) << 16;
@@ -1229,12 +1236,18 @@ impl<'a> Sim<'a> {
     /// Tells every live core who its live peers are and their lease epochs (what the topology
     /// store's membership task reports): when the store's leases changed, or `always`.
     fn membership(&mut self, always: bool) {
+        // A stalled store answers no membership read.
+        if self.now < self.topology_stall_until {
+            return;
+        }
         // A dead process's lease stays until it lapses.
         let live = self.leases.live(self.now);
-        if !always && live == self.last_live {
+        let lapsed = self.leases.lapsed(self.now);
+        if !always && (&live, &lapsed) == (&self.last_live, &self.last_lapsed) {
             return;
         }
         self.last_live = live.clone();
+        self.last_lapsed = lapsed.clone();
         let alive: Vec<NodeId> = self
             .nodes
             .iter()
@@ -1248,10 +1261,18 @@ impl<'a> Sim<'a> {
                 .map(|(n, _)| PeerInfo {
                     node: *n,
                     mesh_addr: format!("node-{n}"),
+                    geo: self.s.geo_name(*n).into(),
                 })
                 .collect();
-            let leases = live.iter().filter(|(n, _)| *n != id).copied().collect();
-            self.feed(id, Input::PeerLeases(leases));
+            let others =
+                |l: &[(NodeId, u64)]| l.iter().filter(|(n, _)| *n != id).copied().collect();
+            self.feed(
+                id,
+                Input::PeerLeases {
+                    live: others(&live),
+                    lapsed: others(&lapsed),
+                },
+            );
             self.feed(id, Input::Peers(peers));
         }
     }
@@ -1530,6 +1551,30 @@ impl<'a> Sim<'a> {
                     },
                 );
             }
+            Output::Store(StoreRequest::FenceLease { node, epoch }) => {
+                let holder = self.node(id).holder;
+                let result =
+                    if self.now < self.topology_stall_until || self.cut_from_store(id, holder) {
+                        Err("no answer within 5 s".to_string())
+                    } else {
+                        let fence = self.leases.fence(self.now, node, epoch);
+                        self.note(|| format!("n{id} fences n{node} epoch {epoch}: {fence:?}"));
+                        Ok(fence)
+                    };
+                let d = self.s.store_delay.draw(&mut self.rng) * 2;
+                self.schedule(
+                    d,
+                    Ev::Core {
+                        node: id,
+                        inc,
+                        input: Input::Store(StoreReply::LeaseFenced {
+                            node,
+                            epoch,
+                            result,
+                        }),
+                    },
+                );
+            }
             Output::Store(req) => {
                 // A machine cut from the store reaches none of its claims either.
                 let holder = self.node(id).holder;
@@ -1551,7 +1596,12 @@ impl<'a> Sim<'a> {
             Output::Ready(_) | Output::Publish => {}
             Output::Stop => self.kill(id),
             // The process exits (right after this step); its supervisor starts it again.
-            Output::Exit { .. } => {
+            Output::Exit { reason } => {
+                self.stats.lease_exits += 1;
+                if self.s.no_lease_exits {
+                    self.check
+                        .violation(self.now, format!("n{id} exited: {reason}"));
+                }
                 let inc = self.node(id).incarnation;
                 self.schedule(0, Ev::LeaseExit { node: id, inc });
             }

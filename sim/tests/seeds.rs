@@ -1,7 +1,7 @@
 //! The cluster simulator over many seeds: every scenario of the catalogue, each seed one
 //! reproducible run whose invariants are checked after every step.
 //!
-//! `CELLMESH_SIM_SEEDS` sets the seeds per scenario (default 250: 3,500 runs in all); one seed
+//! `CELLMESH_SIM_SEEDS` sets the seeds per scenario (default 250: 4,500 runs in all); one seed
 //! with its trace is `cellmesh sim --scenario NAME --seed N --trace STEPS`.
 
 use cellmesh_sim::{catalogue, named, run, run_traced, Fault, FaultPlan, Report, Scenario};
@@ -105,6 +105,11 @@ fn logins_seeds_that_once_failed() {
 #[test]
 fn stores() {
     seeds_of("stores");
+}
+
+#[test]
+fn store_stall() {
+    seeds_of("store_stall");
 }
 
 #[test]
@@ -310,6 +315,7 @@ fn the_suite_runs_every_scenario_of_the_catalogue_with_enough_seeds() {
             "skew",
             "store_faults",
             "twins",
+            "store_stall",
             "geos",
             "commands",
             "claims",

@@ -255,6 +255,24 @@ impl TopologyStore for MemoryTopology {
             }))
     }
 
+    async fn reclaim_lease(
+        &self,
+        lease: &Lease,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, TopologyError> {
+        let ttl_ms = check_request(lease.node, &lease.holder, ttl)?;
+        let now = (self.clock)();
+        let mut state = self.state();
+        Ok(state
+            .current(lease)
+            .filter(|s| s.entry.lease.expires_unix_ms > 0)
+            .map(|s| {
+                s.entry.lease.expires_unix_ms = now + ttl_ms;
+                s.ids_below_unix_ms = s.ids_below_unix_ms.max(now + ttl_ms);
+                s.entry.lease.clone()
+            }))
+    }
+
     async fn release_lease(&self, lease: &Lease) -> Result<bool, TopologyError> {
         let mut state = self.state();
         Ok(state

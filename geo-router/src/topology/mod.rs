@@ -214,6 +214,19 @@ pub trait TopologyStore: Send + Sync {
         ttl: Duration,
     ) -> Result<Option<Lease>, TopologyError>;
 
+    /// [`renew_lease`](Self::renew_lease), lapsed or not: extends `lease` to the store's now +
+    /// `ttl` under the same epoch if it is still the current grant and was not released. A
+    /// holder that stopped writing at its deadline (the store did not answer in time: a
+    /// MongoDB election, a pause) takes its lease back with it once the store answers: nobody
+    /// else was granted the id meanwhile, or the epoch would have moved. `None` once another
+    /// grant exists (a new process, or a restore's fence: see `fence_lease`): the holder must
+    /// never write again.
+    async fn reclaim_lease(
+        &self,
+        lease: &Lease,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, TopologyError>;
+
     /// Gives the lease up at once, if it is still the current grant; false otherwise.
     async fn release_lease(&self, lease: &Lease) -> Result<bool, TopologyError>;
 
@@ -269,6 +282,50 @@ pub trait TopologyStore: Send + Sync {
     /// Closes connections and waits for background work; the store is unusable afterwards. A
     /// short-lived process calls it before its runtime goes away.
     async fn close(&self) {}
+}
+
+/// The holder name a restore's fence takes a lapsed lease of `node` under (see [`fence_lease`]).
+pub fn fence_holder(node: NodeId) -> String {
+    format!("restore-fence-{node}")
+}
+
+/// What [`fence_lease`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fence {
+    /// The lapsed grant `epoch` is replaced: its holder can never take it back.
+    Fenced,
+    /// The grant `epoch` is live again: its holder took it back.
+    Live,
+    /// Another grant replaced `epoch` already (a new process, or another fence).
+    Moved,
+}
+
+/// Fences grant `epoch` of `node`, lapsed, before its world is restored elsewhere: a new grant
+/// under a holder no process has, lapsed at once, so that the old holder's
+/// [`TopologyStore::reclaim_lease`] fails and only a new process can have the id afterwards.
+/// A grant live again (its holder took it back) is left alone.
+pub async fn fence_lease(
+    topology: &dyn TopologyStore,
+    node: NodeId,
+    epoch: u64,
+) -> Result<Fence, TopologyError> {
+    let entries = topology.nodes().await?;
+    match entries.iter().find(|e| e.lease.node == node) {
+        None => return Ok(Fence::Moved),
+        Some(e) if e.lease.epoch != epoch => return Ok(Fence::Moved),
+        Some(e) if e.live => return Ok(Fence::Live),
+        Some(_) => {}
+    }
+    // Granted only if lapsed; the shortest lease the store takes, so the fence is lapsed at once.
+    match topology
+        .acquire_lease(node, &fence_holder(node), Duration::from_millis(1))
+        .await?
+    {
+        Acquire::Granted(l) if l.epoch == epoch + 1 => Ok(Fence::Fenced),
+        Acquire::Granted(_) => Ok(Fence::Moved),
+        Acquire::Held(l) if l.epoch == epoch => Ok(Fence::Live),
+        Acquire::Held(_) => Ok(Fence::Moved),
+    }
 }
 
 /// Opens the topology store named by `url`: `memory` (or empty) for one in this process,

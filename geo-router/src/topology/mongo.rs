@@ -558,6 +558,35 @@ impl TopologyStore for MongoTopology {
             .transpose()
     }
 
+    async fn reclaim_lease(
+        &self,
+        lease: &Lease,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, TopologyError> {
+        let ttl = ttl_ms(check_request(lease.node, &lease.holder, ttl)?)?;
+        let mut filter = current(lease)?;
+        // Lapsed or live, but not given up.
+        filter.insert("expires_unix_ms", doc! { "$gt": 0_i64 });
+        let update = vec![
+            doc! { "$set": { "expires_unix_ms": { "$add": [server_now(), ttl] } } },
+            doc! { "$set": {
+                "ids_below_unix_ms": { "$max": ["$ids_below_unix_ms", "$expires_unix_ms"] },
+            } },
+        ];
+        let reclaim = self
+            .nodes
+            .find_one_and_update(filter, update)
+            .return_document(ReturnDocument::After);
+        let reclaimed = self.bounded("reclaim lease", reclaim).await?;
+        reclaimed
+            .map(|d| {
+                d.into_entry()
+                    .map(|e| e.lease)
+                    .map_err(|why| self.corrupt(&why))
+            })
+            .transpose()
+    }
+
     async fn release_lease(&self, lease: &Lease) -> Result<bool, TopologyError> {
         let release = self.nodes.update_one(
             current(lease)?,

@@ -31,8 +31,23 @@ pub(crate) struct Authority {
     pub changed_at_ms: u64,
     /// The chunks this node owns.
     pub area: Vec<ChunkRect>,
-    /// False once the node lease was lost: everything is frozen, nothing is written.
+    /// False while the node may not write: its lease lapsed (everything it owns is frozen until
+    /// it takes the lease back) or was lost for good.
     pub lease_live: bool,
+    /// The lease was lost for good (another grant replaced it): the process exits.
+    pub lost: bool,
+    /// Entities frozen because the lease lapsed: thawed when it is taken back.
+    pub frozen_by_lapse: BTreeSet<u64>,
+    /// Frozen by the lapse's own `Freeze`, whose `Snapshot` the game has not answered yet.
+    pub lapse_freeze_unanswered: BTreeSet<u64>,
+    /// Thawed by the lease's return before the game's answer to the lapse's Freeze came: that
+    /// `Snapshot` is expected, and dropped.
+    pub snapshot_owed: BTreeSet<u64>,
+    /// Inputs for the game held while the lease is lapsed, in arrival order.
+    pub held_inputs: Vec<local::Input>,
+    /// When the lease last became writable (monotonic ms): a decider waits a while after its
+    /// own lease came back before it takes a peer's lapse for a death.
+    pub live_since_ms: u64,
     /// The node stops writing at this time (monotonic ms) unless a renewal lands first: the
     /// store's expiry passes no earlier, whatever the wall clocks say. None: no lease (alone).
     pub lease_until_ms: Option<u64>,
@@ -48,6 +63,12 @@ impl Authority {
             prev_partitions: Vec::new(),
             changed_at_ms: 0,
             lease_live: true,
+            lost: false,
+            frozen_by_lapse: BTreeSet::new(),
+            lapse_freeze_unanswered: BTreeSet::new(),
+            snapshot_owed: BTreeSet::new(),
+            held_inputs: Vec::new(),
+            live_since_ms: 0,
             lease_until_ms: None,
             draining: None,
         }
@@ -56,6 +77,9 @@ impl Authority {
 
 /// The previous partition is forgotten no sooner than this after a change.
 const SETTLE_MIN_MS: u64 = 1_000;
+/// Inputs held for the game while the lease is lapsed, at most; later ones are dropped
+/// (counted as `lease_lapsed`).
+const HELD_INPUTS_MAX: usize = 65_536;
 
 /// Chunks whose nearby owners are cached at most: a few views' worth many times over (a view
 /// of radius 5 is 121 chunks), a few megabytes at most.
@@ -64,19 +88,32 @@ pub(crate) const NEAR_CACHE_MAX: usize = 1 << 15;
 impl Core {
     // ------------------------------------------------------------------ the node's own lot
 
-    /// A renewal landed: minting and writing go on until its terms.
+    /// A renewal landed: minting and writing go on until its terms. After a lapse it is the
+    /// lease taken back, still under its epoch (nobody was granted the id meanwhile): what the
+    /// lapse froze thaws, and the inputs held meanwhile reach the game.
     pub(crate) fn on_lease_renewed(&mut self, terms: LeaseTerms) {
-        if !self.auth.lease_live {
+        if self.auth.lost {
             // Lost is lost: the world may already have moved on without this node.
             return;
         }
-        self.auth.lease_until_ms = Some(
+        let lapsed = !self.auth.lease_live;
+        self.auth.lease_until_ms = Some(if lapsed {
+            terms.until_ms
+        } else {
             self.auth
                 .lease_until_ms
-                .map_or(terms.until_ms, |u| u.max(terms.until_ms)),
-        );
+                .map_or(terms.until_ms, |u| u.max(terms.until_ms))
+        });
         // A lease of another node id would be a driver bug; minting then stays bounded.
         let _ = self.game.ids.renewed(&terms.lease);
+        if lapsed
+            && self
+                .auth
+                .lease_until_ms
+                .is_some_and(|u| self.now.mono_ms < u)
+        {
+            self.resume_after_lapse();
+        }
     }
 
     /// No renewal landed before the lease's deadline: stop writing now, before the store could
@@ -88,32 +125,134 @@ impl Core {
                 .lease_until_ms
                 .is_some_and(|u| self.now.mono_ms >= u)
         {
-            tracing::error!("no renewal of the node lease landed before its deadline");
-            self.on_lease_lost();
+            self.on_lease_lapsed();
         }
     }
 
     /// Whether this process may still write at `mono_ms` of its own clock: its lease is neither
-    /// lost nor past its deadline. (The simulator checks it whenever the store grants this
-    /// node's id to another process.)
+    /// lapsed, lost nor past its deadline. (The simulator checks it whenever the store grants
+    /// this node's id to another process.)
     pub fn writes_at(&self, mono_ms: u64) -> bool {
         self.auth.lease_live && self.auth.lease_until_ms.is_none_or(|u| mono_ms < u)
     }
 
-    /// The lease was lost: this process writes nothing ever again and should exit, so that its
-    /// supervisor starts it afresh.
+    /// The lease was lost for good: this process writes nothing ever again and should exit, so
+    /// that its supervisor starts it afresh.
     pub fn lease_lost(&self) -> bool {
-        !self.auth.lease_live
+        self.auth.lost
     }
 
-    /// Another process holds this node's id: everything is frozen rather than written twice.
-    pub(crate) fn on_lease_lost(&mut self) {
-        self.metrics.error("lease_lost");
-        self.set_ready(false);
+    /// The lease lapsed: the store did not answer in time (a MongoDB election, a paused or
+    /// unreachable store). Everything this node owns is frozen and nothing is written, as if
+    /// the lease were lost, but the process stays: the driver keeps asking for the lease under
+    /// its epoch, and gets it back unless a restore fenced it meanwhile (then it is lost).
+    pub(crate) fn on_lease_lapsed(&mut self) {
         if !self.auth.lease_live {
             return;
         }
+        self.metrics.error("lease_lapsed");
         self.auth.lease_live = false;
+        self.set_ready(false);
+        // Released this tick and not offered yet: frozen already (the game released them).
+        let released = std::mem::take(&mut self.handoff.released);
+        self.handoff.released_by.clear();
+        for (root, r) in released {
+            self.auth.frozen_by_lapse.insert(root);
+            self.auth
+                .frozen_by_lapse
+                .extend(r.attachments.iter().map(|a| a.entity_id));
+        }
+        // Frozen for a handoff whose offer has not left: its snapshot would be offered under
+        // a lease that may be gone, so the handoff is given up (the entities stay frozen, by
+        // the lapse now, and are offered again once the lease is back). Offers that left stand.
+        for (root, to, thawed) in self.handoff.out.abandon_freezing(self.now.mono_ms) {
+            self.metrics.handoff(self.cfg.node_id, to, "abandoned");
+            self.thaw(root, thawed, "the node lease lapsed before the snapshot");
+        }
+        let owned: Vec<(u64, u64)> = self
+            .table
+            .iter()
+            .filter(|e| e.origin.is_none())
+            .map(|e| (e.id, e.epoch))
+            .collect();
+        tracing::error!(
+            entities = owned.len(),
+            "no renewal of the node lease landed before its deadline: freezing everything this \
+             node owns until the store answers"
+        );
+        for (id, epoch) in owned {
+            // Frozen for a handoff in doubt (its offer stands), or frozen already above.
+            if self.handoff.out.is_frozen(id) || !self.auth.frozen_by_lapse.insert(id) {
+                continue;
+            }
+            self.auth.lapse_freeze_unanswered.insert(id);
+            self.out.to_game.push(
+                sidecar_message::Body::Freeze(local::Freeze {
+                    entity_id: id,
+                    entity_epoch: epoch,
+                })
+                .into(),
+            );
+        }
+    }
+
+    /// The lease is back under its epoch: the lapse's freezes thaw, the held inputs go to the
+    /// game, and the node serves again.
+    fn resume_after_lapse(&mut self) {
+        self.auth.lease_live = true;
+        self.auth.live_since_ms = self.now.mono_ms;
+        let frozen = std::mem::take(&mut self.auth.frozen_by_lapse);
+        tracing::warn!(
+            entities = frozen.len(),
+            "the node lease is back: thawing what its lapse froze"
+        );
+        self.metrics.leases_reclaimed.inc();
+        let unanswered = std::mem::take(&mut self.auth.lapse_freeze_unanswered);
+        self.auth.snapshot_owed = unanswered;
+        for id in frozen {
+            if self.table.get_local(id).is_none() {
+                continue;
+            }
+            self.out.to_game.push(
+                sidecar_message::Body::Thaw(local::Thaw {
+                    entity_id: id,
+                    reason: "the node lease is back".to_string(),
+                })
+                .into(),
+            );
+        }
+        for i in std::mem::take(&mut self.auth.held_inputs) {
+            self.deliver_input(i);
+        }
+        self.set_ready(self.game.slot.is_some() && self.auth.draining.is_none());
+    }
+
+    /// Whether the lease is lapsed (not lost): what would thaw stays frozen until it is back.
+    pub(crate) fn lease_lapsed(&self) -> bool {
+        !self.auth.lease_live && !self.auth.lost
+    }
+
+    /// An input for the game while the lease is lapsed: held until it is back.
+    pub(crate) fn hold_input_during_lapse(&mut self, i: local::Input) {
+        if self.auth.held_inputs.len() >= HELD_INPUTS_MAX {
+            return self.metrics.drop_input("lease_lapsed");
+        }
+        self.auth.held_inputs.push(i);
+    }
+
+    /// Another grant replaced this node's lease (a new process, or a restore's fence): this
+    /// process never writes again, and exits.
+    pub(crate) fn on_lease_lost(&mut self) {
+        self.metrics.error("lease_lost");
+        self.set_ready(false);
+        if self.auth.lost {
+            return;
+        }
+        self.auth.lost = true;
+        for _ in std::mem::take(&mut self.auth.held_inputs) {
+            self.metrics.drop_input("lease_lost");
+        }
+        let was_live = std::mem::replace(&mut self.auth.lease_live, false);
         let owned: Vec<(u64, u64)> = self
             .table
             .iter()
@@ -130,6 +269,10 @@ impl Core {
                 .into(),
         );
         for (id, epoch) in owned {
+            // Frozen by the lapse already.
+            if !was_live && self.auth.frozen_by_lapse.contains(&id) {
+                continue;
+            }
             self.out.to_game.push(
                 sidecar_message::Body::Freeze(local::Freeze {
                     entity_id: id,

@@ -171,7 +171,7 @@ impl Core {
             ));
         }
         if !self.auth.lease_live {
-            return Err("this node lost its lease".into());
+            return Err("this node's lease lapsed or was lost".into());
         }
         Ok(ClaimHolder {
             entity: id,

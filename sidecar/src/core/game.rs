@@ -366,6 +366,18 @@ impl Core {
             Ok(()) => {
                 self.game.checkpoints.touched(s.entity_id, self.now.mono_ms);
                 self.spawners_spawned(s.entity_id);
+                if !self.auth.lease_live && !self.auth.lost {
+                    // Born while the lease is lapsed: frozen with the rest until it is back.
+                    self.auth.frozen_by_lapse.insert(s.entity_id);
+                    self.auth.lapse_freeze_unanswered.insert(s.entity_id);
+                    self.out.to_game.push(
+                        sidecar_message::Body::Freeze(local::Freeze {
+                            entity_id: s.entity_id,
+                            entity_epoch: FIRST_EPOCH,
+                        })
+                        .into(),
+                    );
+                }
             }
             Err(e) => self.entity_error(e),
         }

@@ -6,7 +6,7 @@
 //! directory entry. The directory and record calls run off the node task; their results come
 //! back as events, checked against what happened meanwhile.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use rustc_hash::FxHashMap as HashMap;
 
@@ -67,6 +67,10 @@ pub(crate) struct Gateway {
     pub where_sent: HashMap<SessionKey, (String, u64, u64)>,
     /// The geo of every peer node seen, from its link's hello (kept when the link drops).
     pub node_geo: HashMap<NodeId, String>,
+    /// A batch of session renewals is with the store.
+    pub renewing: bool,
+    /// Sessions whose lost directory entry is being registered again.
+    pub reregistering: BTreeSet<SessionKey>,
 }
 
 /// A session's proxy hears where its avatar is simulated at least this often, and at once when
@@ -87,6 +91,8 @@ impl Gateway {
             ghosts_due: false,
             where_sent: HashMap::default(),
             node_geo: HashMap::default(),
+            renewing: false,
+            reregistering: BTreeSet::new(),
         }
     }
 }
@@ -662,8 +668,12 @@ impl Core {
         self.store(StoreRequest::Release { account, epoch });
     }
 
-    /// Renews the directory lease of every attached session, off the node task.
+    /// Renews the directory lease of every attached session, off the node task. One batch at a
+    /// time: a store that answers late gets no second batch on top of the first.
     pub(crate) fn renew_leases(&mut self) {
+        if self.gw.renewing {
+            return;
+        }
         let due: Vec<(SessionKey, String, u64)> = self
             .gw
             .sessions
@@ -673,6 +683,7 @@ impl Core {
         if due.is_empty() {
             return;
         }
+        self.gw.renewing = true;
         self.store(StoreRequest::Renew {
             sessions: due,
             lease_ms: self.cfg.session_lease_ms,
@@ -680,6 +691,7 @@ impl Core {
     }
 
     pub(crate) fn on_renewed(&mut self, results: Vec<(SessionKey, u64, Result<bool, String>)>) {
+        self.gw.renewing = false;
         for (key, epoch, r) in results {
             let Some(s) = self.gw.sessions.get(key).filter(|s| s.epoch == Some(epoch)) else {
                 continue;
@@ -687,22 +699,83 @@ impl Core {
             match r {
                 Ok(true) => {}
                 Ok(false) => {
-                    // Someone else holds the account now (or the entry lapsed): this session is over.
-                    let (link, session_id) = (s.link, s.session_id);
-                    self.queue_for_link(
-                        link,
-                        detach(
-                            session_id,
-                            KickReason::Displaced,
-                            "the session directory no longer lists this session",
-                        ),
-                    );
-                    self.end_session(key, "displaced");
+                    // Either a newer login holds the account, or the directory lost the entry
+                    // (restarted, or unreachable for longer than the lease). Only the store can
+                    // tell which: the session registers again above its epoch unless a newer
+                    // one exists, and is kicked only then.
+                    let account = s.account.clone();
+                    if self.gw.reregistering.insert(key) {
+                        self.store(StoreRequest::Reregister {
+                            session: key,
+                            account,
+                            node: self.cfg.node_id,
+                            lease_ms: self.cfg.session_lease_ms,
+                            held: epoch,
+                        });
+                    }
                 }
                 Err(e) => {
                     self.metrics.error("store");
                     tracing::warn!(account = %s.account, error = %e, "renewing the session lease failed");
                 }
+            }
+        }
+    }
+
+    /// The store's word on a session whose entry was gone: it goes on under a new epoch (its
+    /// avatar's game and the peers learn it as after a reconnect), or it is over because a newer
+    /// login of the account registered meanwhile.
+    pub(crate) fn on_reregistered(
+        &mut self,
+        key: SessionKey,
+        account: String,
+        held: u64,
+        result: Result<Option<u64>, String>,
+    ) {
+        self.gw.reregistering.remove(&key);
+        let Some(s) = self.gw.sessions.get(key).filter(|s| s.epoch == Some(held)) else {
+            // Ended or displaced meanwhile: undo the registration.
+            if let Ok(Some(epoch)) = result {
+                self.release(account, epoch);
+            }
+            return;
+        };
+        let (link, session_id, last) = (s.link, s.session_id, s.last_position);
+        match result {
+            Ok(Some(epoch)) => {
+                tracing::info!(%account, held, epoch, "the session directory had lost this session: registered again");
+                self.metrics.sessions_reregistered.inc();
+                if let Some(s) = self.gw.sessions.all.get_mut(&key) {
+                    s.epoch = Some(epoch);
+                }
+                self.announce_session(&account, epoch, false);
+                match self.gw.master_owner.get(&account).copied() {
+                    Some(owner) if owner == self.cfg.node_id => {
+                        self.join_here(&account, epoch, last)
+                    }
+                    Some(owner) => {
+                        self.send_join(owner, &account, epoch, last);
+                    }
+                    // The avatar is on its way (restoring, handed over): its join names the
+                    // session's epoch as it is then.
+                    None => {}
+                }
+            }
+            Ok(None) => {
+                self.queue_for_link(
+                    link,
+                    detach(
+                        session_id,
+                        KickReason::Displaced,
+                        "the account logged in again",
+                    ),
+                );
+                self.end_session(key, "displaced");
+            }
+            Err(e) => {
+                // The next renewal finds the entry gone again and asks once more.
+                self.metrics.error("store");
+                tracing::warn!(%account, error = %e, "registering a lost session again failed");
             }
         }
     }

@@ -141,7 +141,7 @@ impl Core {
         let alone = if self.game.slot.is_none() {
             Some("the game went away")
         } else if !self.auth.lease_live {
-            Some("this node lost its lease")
+            Some("this node's lease lapsed or was lost")
         } else if !self.mesh.clustered {
             Some("this node is alone in the world")
         } else {
@@ -355,6 +355,11 @@ impl Core {
 
     fn thaw_released(&mut self, id: u64, reason: &str) {
         self.metrics.releases_kept.inc();
+        if self.lease_lapsed() {
+            // Stays frozen, with the rest, until the lease is back.
+            self.auth.frozen_by_lapse.insert(id);
+            return;
+        }
         self.out.to_game.push(
             sidecar_message::Body::Thaw(local::Thaw {
                 entity_id: id,
@@ -449,7 +454,9 @@ impl Core {
         if !self.auth.lease_live {
             self.game_error(
                 ErrorCode::NotOwner,
-                format!("entity {id}: this node lost its lease; everything it owned is frozen"),
+                format!(
+                    "entity {id}: this node's lease lapsed or was lost; everything it owns is frozen"
+                ),
                 id,
             );
             return false;
@@ -480,7 +487,13 @@ impl Core {
 
     pub(crate) fn on_snapshot(&mut self, s: local::Snapshot) {
         if !self.auth.lease_live {
-            // Frozen by a lost lease: nothing is offered; the snapshot is not needed.
+            // Frozen by a lapsed or lost lease: nothing is offered; the snapshot is not needed.
+            self.auth.lapse_freeze_unanswered.remove(&s.entity_id);
+            return;
+        }
+        if self.auth.snapshot_owed.remove(&s.entity_id) && !self.handoff.out.is_frozen(s.entity_id)
+        {
+            // The answer to a lapse's Freeze, come after the lease was back and the Thaw sent.
             return;
         }
         if !self.handoff.out.is_frozen(s.entity_id) {
@@ -715,8 +728,14 @@ impl Core {
             }
         }
         self.metrics.freeze_done(thawed.freeze_ms);
+        let lapsed = self.lease_lapsed();
         for m in &thawed.members {
             self.claims_thawed(*m);
+            if lapsed {
+                // Stays frozen, with the rest, until the lease is back.
+                self.auth.frozen_by_lapse.insert(*m);
+                continue;
+            }
             self.out.to_game.push(
                 sidecar_message::Body::Thaw(local::Thaw {
                     entity_id: *m,
@@ -1692,9 +1711,12 @@ impl Core {
         }
     }
 
-    fn deliver_input(&mut self, i: local::Input) {
+    pub(crate) fn deliver_input(&mut self, i: local::Input) {
         if self.game.slot.is_none() {
             return self.metrics.drop_input("no_game");
+        }
+        if !self.auth.lease_live && !self.auth.lost {
+            return self.hold_input_during_lapse(i);
         }
         // Held for a gap while a newer session began (a handover, a second login): the game
         // would ignore it.

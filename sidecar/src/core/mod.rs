@@ -46,7 +46,7 @@ use std::sync::Arc;
 use cellmesh_geo_router::partition::{NodeId, Partition};
 use cellmesh_geo_router::store::claims::{ClaimGrant, ClaimHolder, ClaimOutcome};
 use cellmesh_geo_router::store::{MasterEntry, PlayerRecord, SessionEntry};
-use cellmesh_geo_router::topology::Lease;
+use cellmesh_geo_router::topology::{Fence, Lease};
 use cellmesh_proto::local::{self, GameMessage, SidecarFrame, SidecarMessage};
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage};
 use prost::Message;
@@ -133,10 +133,15 @@ pub enum Input {
     Store(StoreReply),
     /// The peers with a live lease, from the topology store.
     Peers(Vec<PeerInfo>),
-    /// Peers' lease epochs (their incarnations) from the topology store.
-    PeerLeases(Vec<(NodeId, u64)>),
-    /// The node lease was taken over, or no renewal landed before its deadline: this node
-    /// must stop writing.
+    /// Peers' lease epochs (their incarnations) from the topology store: those live, and those
+    /// lapsed but not replaced by another grant (their holder may still take them back).
+    PeerLeases {
+        live: Vec<(NodeId, u64)>,
+        lapsed: Vec<(NodeId, u64)>,
+    },
+    /// Another grant replaced the node lease (a new process, or a restore's fence): this node
+    /// must never write again. (A lease past its deadline with no answer only lapses: the node
+    /// freezes until it takes the lease back; see [`Input::LeaseRenewed`].)
     LeaseLost,
     /// The node lease was renewed: ids may be minted until its new expiry, and writing goes on
     /// until the new deadline.
@@ -212,6 +217,16 @@ pub enum StoreRequest {
         sessions: Vec<(SessionKey, String, u64)>,
         lease_ms: u64,
     },
+    /// Registers again a session whose directory entry is gone (the directory lost it: a
+    /// restart, an outage longer than the lease), above the epoch it `held`, unless a login of
+    /// the account registered since ([`StoreReply::Reregistered`] with `None`).
+    Reregister {
+        session: SessionKey,
+        account: String,
+        node: NodeId,
+        lease_ms: u64,
+        held: u64,
+    },
     /// Where an account's session is.
     Lookup { account: String },
     /// A session ended: saves the player record, then releases the directory entry, or, when
@@ -266,6 +281,9 @@ pub enum StoreRequest {
     },
     /// Frees a claim if `grant` still holds it (no answer: a lease lapses anyway).
     ReleaseClaim { grant: ClaimGrant },
+    /// Fences the lapsed lease `epoch` of `node` before its world is restored (see
+    /// `cellmesh_geo_router::topology::fence_lease`).
+    FenceLease { node: NodeId, epoch: u64 },
 }
 
 /// The answers of store calls that have one.
@@ -285,6 +303,14 @@ pub enum StoreReply {
     Renewed {
         results: Vec<(SessionKey, u64, Result<bool, String>)>,
     },
+    /// A session registered again after its entry was lost: its new epoch, or `None` when a
+    /// newer login holds the account.
+    Reregistered {
+        session: SessionKey,
+        account: String,
+        held: u64,
+        result: Result<Option<u64>, String>,
+    },
     LookedUp {
         account: String,
         result: Result<Option<SessionEntry>, String>,
@@ -297,6 +323,11 @@ pub enum StoreReply {
     PartitionCommitted {
         epoch: u64,
         result: Result<(), String>,
+    },
+    LeaseFenced {
+        node: NodeId,
+        epoch: u64,
+        result: Result<Fence, String>,
     },
     /// The processes with checkpoints in the store: (node, lease epoch).
     Checkpointed {
@@ -520,6 +551,7 @@ impl Core {
                 .fence
                 .held_where(|f| matches!(f, handoff::Fenced::Input(_)))
             + self.handoff.input_order.held()
+            + self.auth.held_inputs.len()
     }
 
     /// The restores this node decided and saw acked since the last call.
@@ -548,6 +580,7 @@ impl Core {
                 .fence
                 .held_where(|f| matches!(f, handoff::Fenced::Input(_)))
             + self.handoff.input_order.held()
+            + self.auth.held_inputs.len()
     }
 
     /// What the epoch fence holds, entity by entity.
@@ -609,6 +642,12 @@ impl Core {
                 self.on_superseded(session, &account)
             }
             Input::Store(StoreReply::Renewed { results }) => self.on_renewed(results),
+            Input::Store(StoreReply::Reregistered {
+                session,
+                account,
+                held,
+                result,
+            }) => self.on_reregistered(session, account, held, result),
             Input::Store(StoreReply::LookedUp { account, result }) => {
                 self.on_looked_up(account, result)
             }
@@ -634,8 +673,13 @@ impl Core {
             Input::Store(StoreReply::MastersNotWritten { accounts }) => {
                 self.on_masters_not_written(accounts)
             }
+            Input::Store(StoreReply::LeaseFenced {
+                node,
+                epoch,
+                result,
+            }) => self.on_lease_fenced(node, epoch, result),
             Input::Peers(peers) => self.on_peers(peers),
-            Input::PeerLeases(leases) => self.note_leases(&leases),
+            Input::PeerLeases { live, lapsed } => self.note_leases(&live, &lapsed),
             Input::LeaseLost => self.on_lease_lost(),
             Input::LeaseRenewed(terms) => self.on_lease_renewed(terms),
             Input::Partition(p) => self.apply_partition(*p),
@@ -916,6 +960,7 @@ impl Core {
             "adopting": self.handoff.adopting.len(),
             "held_frames": self.handoff.fence.held(),
             "lease_live": self.auth.lease_live,
+            "lease_lost": self.auth.lost,
             "draining": self.auth.draining.is_some(),
             "admission": self.admission_state(),
         })

@@ -28,6 +28,8 @@ use crate::model::fold::TickEvent;
 pub struct PeerInfo {
     pub node: NodeId,
     pub mesh_addr: String,
+    /// The geo the peer serves in, as its record says (empty: not said).
+    pub geo: String,
 }
 
 /// One peer sidecar as this node knows it.
@@ -124,6 +126,12 @@ impl Core {
     /// The peers with a live lease now; dials those with a higher id.
     pub(crate) fn on_peers(&mut self, peers: Vec<PeerInfo>) {
         let me = self.cfg.node_id;
+        for p in &peers {
+            if !p.geo.is_empty() {
+                // Kept after the peer dies: its geo's decider restores it.
+                self.restore.geo_of.insert(p.node, p.geo.clone());
+            }
+        }
         let live: BTreeMap<NodeId, String> =
             peers.into_iter().map(|p| (p.node, p.mesh_addr)).collect();
         let mut outputs = Vec::new();

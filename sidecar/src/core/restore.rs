@@ -2,8 +2,8 @@
 //!
 //! Every owner writes the checkpoints it keeps to the store under its own incarnation (node id
 //! and lease epoch). When an incarnation dies (its lease lapsed, or a new process holds its
-//! id), every node stops taking anything from it, and the decider, the lowest live node, runs
-//! one round for it:
+//! id), every node stops taking anything from it, and the decider, the lowest live node of
+//! the dead node's geo (whose store holds its checkpoints), runs one round for it:
 //!
 //! 1. if the dead node still owns cells and no new process holds its id, it commits a partition
 //!    without it (the store's compare-and-set lets one such commit win);
@@ -59,8 +59,9 @@ const HELD_PER_MESSAGE: usize = 4_096;
 /// One round this node decides.
 #[derive(Default)]
 pub(crate) struct Round {
-    /// Peers asked (again after their link comes back).
-    asked: BTreeSet<NodeId>,
+    /// Peers asked, over which link: asked again over a new link (the question may have gone
+    /// to a process of theirs that died, or been lost with the link).
+    asked: BTreeMap<NodeId, LinkId>,
     /// Peers whose report is complete, and what they said.
     reported: BTreeSet<NodeId>,
     /// entity -> (owner, epoch, the owner's lease epoch).
@@ -152,7 +153,32 @@ pub(crate) struct Restore {
     /// link to that reporter comes back, since a word lost with a cut link would leave the
     /// reporter's unit frozen for good.
     pub resolved_for: BTreeMap<NodeId, Vec<(u64, mesh::RestoreResolved)>>,
+    /// The geo of every node whose record this node read: a dead node's checkpoints are in its
+    /// geo's store, so that geo's lowest live node restores it.
+    pub geo_of: BTreeMap<NodeId, String>,
+    /// Peers' leases lapsed in the store and not replaced by another grant, by the store's
+    /// last word: their holders may take them back (see `TopologyStore::reclaim_lease`).
+    pub lapsed: BTreeMap<NodeId, u64>,
+    /// Incarnations whose lease lapsed, not replaced yet, since when (monotonic ms). Not dead
+    /// yet: a store that stopped answering (an election, a pause) lapses every lease at once,
+    /// and every holder takes its own back when it answers again. Their geo's decider fences
+    /// those still lapsed after [`lapse_grace_ms`]; then they are dead. Meanwhile no round is
+    /// decided: what they hold must be known first.
+    pub lapsed_since: BTreeMap<Incarnation, u64>,
+    /// Fences asked of the store, and when.
+    pub fencing: BTreeMap<Incarnation, u64>,
 }
+
+/// How long a lapsed lease is left to be taken back before its geo's decider fences it: a
+/// quarter of a lease, and at least two renewal rounds. The decider also waits this long after
+/// its own lease came back, so that after a store outage everyone has had the time to take
+/// theirs back.
+pub(crate) fn lapse_grace_ms(lease_ms: u64) -> u64 {
+    (lease_ms / 4).max(2 * cellmesh_geo_router::topology::renew_every_ms(lease_ms))
+}
+
+/// A fence with no answer is asked again after this long.
+const FENCE_RETRY_MS: u64 = 1_000;
 
 impl Restore {
     /// Whether `node`'s ghosts may belong to a dead process whose world is being restored.
@@ -173,26 +199,121 @@ impl Restore {
 impl Core {
     // ------------------------------------------------------------------ every node
 
-    /// The store's word on who is alive: a process whose lease is gone, or whose id a new
-    /// process holds, is dead.
-    pub(crate) fn note_leases(&mut self, leases: &[(NodeId, u64)]) {
+    /// The store's word on who is alive. A process whose lease another grant replaced (a new
+    /// process holds its id, or a restore fenced it) is dead. One whose lease only lapsed may
+    /// take it back: it is left alone until it does, or its geo's decider fences it.
+    pub(crate) fn note_leases(&mut self, live: &[(NodeId, u64)], lapsed: &[(NodeId, u64)]) {
         self.restore.leases_heard = true;
-        self.restore.known.extend(leases.iter().copied());
-        let now: BTreeMap<NodeId, u64> = leases.iter().copied().collect();
-        let gone: Vec<Incarnation> = self
-            .restore
-            .live
-            .iter()
-            .filter(|(n, e)| now.get(n) != Some(e))
-            .map(|(n, e)| (*n, *e))
-            .collect();
+        self.restore.known.extend(live.iter().copied());
+        let mono = self.now.mono_ms;
+        let now: BTreeMap<NodeId, u64> = live.iter().copied().collect();
+        let lapsed: BTreeMap<NodeId, u64> = lapsed.iter().copied().collect();
+        let mut gone = Vec::new();
+        for (&n, &e) in &self.restore.live {
+            if now.get(&n) == Some(&e) {
+                continue;
+            }
+            if lapsed.get(&n) == Some(&e) {
+                tracing::warn!(
+                    peer = n,
+                    lease_epoch = e,
+                    "a peer's lease lapsed: waiting for it to take it back"
+                );
+                self.restore.lapsed_since.entry((n, e)).or_insert(mono);
+            } else {
+                gone.push((n, e));
+            }
+        }
+        // Back (live again under the same epoch), still lapsed, or replaced: dead.
+        let mut back = Vec::new();
+        self.restore.lapsed_since.retain(|&(n, e), _| {
+            if now.get(&n) == Some(&e) {
+                back.push(n);
+                false
+            } else if lapsed.get(&n) == Some(&e) {
+                true
+            } else {
+                gone.push((n, e));
+                false
+            }
+        });
+        for n in back {
+            tracing::info!(peer = n, "a peer took its lapsed lease back");
+        }
         self.restore.live = now;
+        self.restore.lapsed = lapsed;
         let back: Vec<NodeId> = self.restore.live.keys().copied().collect();
         for n in back {
             self.restore.departed.remove(&n);
         }
         for inc in gone {
             self.mark_dead(inc);
+        }
+    }
+
+    /// The decider fences the lapsed leases of its geo that were not taken back in time: only
+    /// then may their world be restored, since a fenced holder can never write again.
+    fn fence_lapsed(&mut self) {
+        let now = self.now.mono_ms;
+        let grace = lapse_grace_ms(self.cfg.node_lease_ms);
+        if now < self.auth.live_since_ms + grace {
+            return;
+        }
+        let due: Vec<Incarnation> = self
+            .restore
+            .lapsed_since
+            .iter()
+            .filter(|&(inc, &since)| {
+                now >= since + grace
+                    && self.decides_for(inc.0)
+                    && self
+                        .restore
+                        .fencing
+                        .get(inc)
+                        .is_none_or(|&at| now >= at + FENCE_RETRY_MS)
+            })
+            .map(|(inc, _)| *inc)
+            .collect();
+        for (node, epoch) in due {
+            self.restore.fencing.insert((node, epoch), now);
+            self.store(StoreRequest::FenceLease { node, epoch });
+        }
+    }
+
+    /// The store's answer to a fence: a fenced (or replaced) lease's process is dead; one taken
+    /// back is alive.
+    pub(crate) fn on_lease_fenced(
+        &mut self,
+        node: NodeId,
+        epoch: u64,
+        result: Result<cellmesh_geo_router::topology::Fence, String>,
+    ) {
+        use cellmesh_geo_router::topology::Fence;
+        let inc = (node, epoch);
+        match result {
+            Ok(Fence::Fenced | Fence::Moved) => {
+                if result == Ok(Fence::Fenced) {
+                    self.metrics.leases_fenced.inc();
+                    tracing::warn!(
+                        peer = node,
+                        lease_epoch = epoch,
+                        "fenced a peer's lapsed lease: its world is restored from its checkpoints"
+                    );
+                }
+                self.restore.fencing.remove(&inc);
+                self.restore.lapsed_since.remove(&inc);
+                if self.restore.lapsed.get(&node) == Some(&epoch) {
+                    self.restore.lapsed.remove(&node);
+                }
+                self.mark_dead(inc);
+            }
+            Ok(Fence::Live) => {
+                self.restore.fencing.remove(&inc);
+            }
+            Err(e) => {
+                self.metrics.error("store");
+                tracing::warn!(peer = node, error = %e, "fencing a lapsed lease failed; retrying");
+            }
         }
     }
 
@@ -508,17 +629,36 @@ impl Core {
 
     // ------------------------------------------------------------------ the decider
 
-    fn is_decider(&self) -> bool {
+    /// Whether this node may decide restores at all: it writes, and knows who is alive.
+    fn may_decide(&self) -> bool {
+        self.auth.lease_live && self.mesh.clustered && self.restore.leases_heard
+    }
+
+    /// Whether this node decides the restore of `node`'s dead processes. Each geo keeps its
+    /// checkpoints in its own store, so the lowest live node of the dead node's geo decides;
+    /// the lowest live node of all does when that geo has no live node or is not known (its
+    /// own store is all it can read then).
+    fn decides_for(&self, node: NodeId) -> bool {
         let me = self.cfg.node_id;
-        self.auth.lease_live
-            && self.mesh.clustered
-            && self.restore.leases_heard
-            && self.restore.live.keys().all(|n| *n >= me)
+        let geo = |n: &NodeId| self.restore.geo_of.get(n).map(String::as_str);
+        let dead_geo = geo(&node)
+            .filter(|g| *g == self.cfg.geo || self.restore.live.keys().any(|n| geo(n) == Some(*g)));
+        match dead_geo {
+            Some(g) => {
+                g == self.cfg.geo
+                    && self
+                        .restore
+                        .live
+                        .keys()
+                        .all(|n| *n >= me || geo(n) != Some(g))
+            }
+            None => self.restore.live.keys().all(|n| *n >= me),
+        }
     }
 
     /// Moves every round this node decides one step on.
     pub(crate) fn restore_step(&mut self) {
-        if !self.is_decider() {
+        if !self.may_decide() {
             return;
         }
         // First a partition that gives no cell to a dead node (whether its world is restored
@@ -529,13 +669,15 @@ impl Core {
             .departed
             .iter()
             .copied()
-            .filter(|n| *n != me && self.auth.partition.chunks_of(*n) > 0)
+            .filter(|n| *n != me && self.auth.partition.chunks_of(*n) > 0 && self.decides_for(*n))
             .collect();
         if !gone.is_empty() {
             return self.ask_replan(&gone);
         }
+        self.fence_lapsed();
         let now = self.now.mono_ms;
-        if now >= self.restore.next_list_ms && !self.restore.listing {
+        // This geo's store is listed by this geo's decider.
+        if now >= self.restore.next_list_ms && !self.restore.listing && self.decides_for(me) {
             self.restore.next_list_ms = now + LIST_EVERY_MS;
             self.restore.listing = true;
             self.store(StoreRequest::ListCheckpointed);
@@ -543,7 +685,13 @@ impl Core {
         // Every dead process's round asks its questions; they are decided together, once
         // the restores of the last decision are all answered: a process restored by one round
         // and dead again by the next has its older checkpoints weighed against its newer ones.
-        let pending: Vec<Incarnation> = self.restore.dead.keys().copied().collect();
+        let pending: Vec<Incarnation> = self
+            .restore
+            .dead
+            .keys()
+            .copied()
+            .filter(|(n, _)| self.decides_for(*n))
+            .collect();
         let mut ready = true;
         for &inc in &pending {
             ready &= self.prepare_round(inc);
@@ -566,7 +714,9 @@ impl Core {
             .keys()
             .filter(|n| **n != me)
             .all(|n| self.mesh.peer_partition.get(n).copied().unwrap_or(0) >= epoch);
-        if ready && on_partition && !undecided.is_empty() {
+        // A lapsed peer may hold what the dead left: decided once it is back or fenced.
+        let limbo = !self.restore.lapsed_since.is_empty();
+        if ready && on_partition && !limbo && !undecided.is_empty() {
             self.decide_rounds(&undecided);
         }
     }
@@ -598,6 +748,15 @@ impl Core {
             .retain(|inc, _| unleased.contains(inc));
         for (node, lease_epoch) in all {
             let inc = (node, lease_epoch);
+            // A store shared by geos lists processes of another geo: theirs to restore.
+            if node != me.0 && !self.decides_for(node) {
+                continue;
+            }
+            // Lapsed, not replaced: its holder may take it back. Dead once fenced.
+            if node != me.0 && self.restore.lapsed.get(&node) == Some(&lease_epoch) {
+                self.restore.lapsed_since.entry(inc).or_insert(now);
+                continue;
+            }
             if self.restore.fenced.contains(&inc) && !self.restore.dead.contains_key(&inc) {
                 // Restored already (here or by another decider): the listing predates the
                 // drop of its checkpoints, or the drop failed. A second round would take the
@@ -644,17 +803,22 @@ impl Core {
             .copied()
             .filter(|n| *n != me)
             .collect();
-        let linked: BTreeSet<NodeId> = self.up_peers().into_iter().collect();
+        let linked: BTreeMap<NodeId, LinkId> = self
+            .mesh
+            .peers
+            .iter()
+            .filter_map(|(n, p)| Some((*n, p.link?)))
+            .collect();
         let round = self.restore.rounds.entry(inc).or_default();
         round
             .asked
-            .retain(|n| linked.contains(n) || round.reported.contains(n));
+            .retain(|n, l| linked.get(n) == Some(l) || round.reported.contains(n));
         let ask: Vec<NodeId> = peers
             .iter()
             .copied()
-            .filter(|n| linked.contains(n) && !round.asked.contains(n))
+            .filter(|n| linked.contains_key(n) && !round.asked.contains_key(n))
             .collect();
-        round.asked.extend(ask.iter().copied());
+        round.asked.extend(ask.iter().map(|n| (*n, linked[n])));
         let load = round.checkpoints.is_none() && !round.loading && !round.decided;
         round.loading |= load;
         let decided = round.decided;

@@ -231,10 +231,82 @@ fn a_node_stops_writing_at_its_lease_deadline_unless_a_renewal_lands() {
     assert_eq!(core.state()["lease_live"], true);
     core.handle(at(2_000), Input::Timer);
     assert_eq!(core.state()["lease_live"], false);
-    // Lost is lost: a renewal that lands now changes nothing.
+    assert_eq!(core.state()["lease_lost"], false);
+    // Lapsed, not lost: the lease taken back under its epoch (a store that answered late)
+    // lets it write again until its new deadline.
     core.handle(at(2_001), renewed(5_000));
     core.handle(at(2_002), Input::Timer);
+    assert_eq!(core.state()["lease_live"], true);
+    // Lost is lost (another grant replaced it): a renewal that lands now changes nothing.
+    core.handle(at(2_003), Input::LeaseLost);
+    assert_eq!(core.state()["lease_lost"], true);
+    core.handle(at(2_004), renewed(9_000));
+    core.handle(at(2_005), Input::Timer);
     assert_eq!(core.state()["lease_live"], false);
+    assert!(core.lease_lost());
+}
+
+/// The store stops answering past the lease's deadline, then answers again with the lease
+/// still this process's (a MongoDB election): frozen meanwhile, thawed after, never exited.
+#[test]
+fn a_lapsed_lease_freezes_what_the_node_owns_until_it_is_taken_back() {
+    let mut core = node();
+    core.handle(at(0), renewed(1_000));
+    spawn(&mut core, 50, 1, AVATAR, pos(40.0, 40.0));
+    to_game(&mut core);
+    core.handle(at(1_000), Input::Timer);
+    let frozen: Vec<u64> = to_game(&mut core)
+        .into_iter()
+        .filter_map(|m| match m {
+            sidecar_message::Body::Freeze(f) => Some(f.entity_id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(frozen, vec![AVATAR]);
+    assert_eq!(core.state()["lease_live"], false);
+    assert!(core.reals().iter().all(|r| r.frozen));
+    // The game answers its Freeze, and writes nothing more; a new entity is frozen at birth.
+    game_tick(
+        &mut core,
+        1_050,
+        2,
+        game_message::Body::Snapshot(local::Snapshot {
+            entity_id: AVATAR,
+            entity_epoch: 1,
+            state: bytes::Bytes::from_static(b"avatar"),
+        }),
+    );
+    spawn(&mut core, 1_100, 3, 9, pos(60.0, 40.0));
+    let out = to_game(&mut core);
+    assert!(
+        out.iter()
+            .any(|m| matches!(m, sidecar_message::Body::Freeze(f) if f.entity_id == 9)),
+        "{out:?}"
+    );
+    assert!(
+        !out.iter()
+            .any(|m| matches!(m, sidecar_message::Body::Error(_))),
+        "{out:?}"
+    );
+    // The lease is taken back: both thaw, and the node writes again; it never exits.
+    core.handle(at(1_500), renewed(3_000));
+    let mut thawed: Vec<u64> = to_game(&mut core)
+        .into_iter()
+        .filter_map(|m| match m {
+            sidecar_message::Body::Thaw(t) if t.reason.contains("lease is back") => {
+                Some(t.entity_id)
+            }
+            _ => None,
+        })
+        .collect();
+    thawed.sort_unstable();
+    assert_eq!(thawed, vec![AVATAR, 9]);
+    assert_eq!(core.state()["lease_live"], true);
+    assert!(core.reals().iter().all(|r| !r.frozen));
+    assert!(!core.lease_lost());
+    let exited =
+        std::iter::from_fn(|| core.poll_output()).any(|o| matches!(o, Output::Exit { .. }));
+    assert!(!exited);
 }
 
 /// Everything queued for the game, in order.

@@ -11,8 +11,11 @@
 //!   process stops writing at a deadline of its own monotonic clock, a lease's length less 1%
 //!   (`topology::writable_ms`) after it *sent* the last request the store granted. That instant
 //!   passes no later than the store's expiry even on a clock running up to 1% slow, so a node
-//!   cut off from the store stops before another can be granted its id. The node then exits
-//!   (see `Input::LeaseLost`): its supervisor starts it afresh.
+//!   cut off from the store stops before another can be granted its id. The node then freezes
+//!   what it owns and keeps asking: it takes the lease back under its epoch when the store
+//!   answers (an election, a pause), unless another grant replaced it meanwhile (a restore's
+//!   fence, a new process): then it exits (see `Input::LeaseLost`) and its supervisor starts it
+//!   afresh.
 //! - [`membership`] publishes where the mesh listener is and tells the node which peers hold a
 //!   live lease and where they listen, their lease epochs, and any newer partition.
 
@@ -227,8 +230,11 @@ async fn take(
 
 /// Renews the lease until `shutdown`, then gives it up. Each grant moves the deadline to a
 /// lease's length after its request was sent, and is handed to the node (through `renewed` too,
-/// for the record's publisher). When the store says the lease is gone, or no renewal lands
-/// before the deadline, the node is told to stop writing and the task ends.
+/// for the record's publisher). Renewals take the lease back even once lapsed
+/// ([`TopologyStore::reclaim_lease`]): past its deadline the node has frozen everything on its
+/// own clock, and a grant that comes back (the store was slow, paused, electing a primary)
+/// thaws it. Only a store that says another grant replaced the lease ends the task: the node
+/// is told it lost the lease, and exits.
 pub(crate) async fn keep_lease(
     topology: Arc<dyn TopologyStore>,
     mut held: Held,
@@ -242,25 +248,28 @@ pub(crate) async fn keep_lease(
     let mut every = tokio::time::interval(Duration::from_millis(topology::renew_every_ms(
         ttl.as_millis() as u64,
     )));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Warned once per lapse, not once per attempt.
+    let mut lapse_told = false;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            _ = tokio::time::sleep_until(held.deadline) => {
-                return lost(&node, me, "no renewal of the node lease landed before its deadline").await;
-            }
             _ = every.tick() => {}
         }
         let sent = Instant::now();
-        match tokio::time::timeout_at(held.deadline, topology.renew_lease(&held.lease, ttl)).await {
-            Err(_) => {
-                return lost(
-                    &node,
-                    me,
-                    "no renewal of the node lease landed before its deadline",
-                )
-                .await;
-            }
+        // One request at a time, never longer than a lease: a store that does not answer is
+        // asked again.
+        let call = tokio::time::timeout(ttl, topology.reclaim_lease(&held.lease, ttl)).await;
+        match call {
             Ok(Ok(Some(lease))) => {
+                if lapse_told {
+                    tracing::warn!(
+                        node = me,
+                        epoch = lease.epoch,
+                        "took the lapsed node lease back"
+                    );
+                    lapse_told = false;
+                }
                 held = Held {
                     lease,
                     deadline: sent + writable,
@@ -280,9 +289,26 @@ pub(crate) async fn keep_lease(
                 }
             }
             Ok(Ok(None)) => {
-                return lost(&node, me, "the node lease lapsed or was taken over").await;
+                return lost(&node, me, "another grant replaced the node lease").await;
             }
-            Ok(Err(e)) => tracing::warn!(node = me, error = %e, "renewing the node lease failed"),
+            Ok(Err(e)) if Instant::now() < held.deadline => {
+                tracing::warn!(node = me, error = %e, "renewing the node lease failed")
+            }
+            Err(_) if Instant::now() < held.deadline => {
+                tracing::warn!(
+                    node = me,
+                    "renewing the node lease: no answer within a lease"
+                )
+            }
+            Ok(Err(_)) | Err(_) => {
+                if !lapse_told {
+                    tracing::error!(
+                        node = me,
+                        "the node lease lapsed with the store not answering: frozen until it can be taken back"
+                    );
+                    lapse_told = true;
+                }
+            }
         }
     }
     let _ = topology.release_lease(&held.lease).await;
@@ -368,12 +394,22 @@ pub(crate) async fn membership(
         }
         match topology.nodes().await {
             Ok(entries) => {
+                // Lapsed but neither released nor replaced: its holder may take it back.
+                let lapsed = entries
+                    .iter()
+                    .filter(|e| e.lease.node != me && !e.live && e.lease.expires_unix_ms > 0)
+                    .map(|e| (e.lease.node, e.lease.epoch))
+                    .collect();
                 let live: Vec<_> = entries
                     .into_iter()
                     .filter(|e| e.lease.node != me && e.live)
                     .collect();
                 let leases = live.iter().map(|e| (e.lease.node, e.lease.epoch)).collect();
-                if report(&node, Input::PeerLeases(leases)).await == Reported::Gone {
+                let input = Input::PeerLeases {
+                    live: leases,
+                    lapsed,
+                };
+                if report(&node, input).await == Reported::Gone {
                     break;
                 }
                 let peers = live
@@ -382,6 +418,7 @@ pub(crate) async fn membership(
                         e.record.map(|r| PeerInfo {
                             node: r.node,
                             mesh_addr: r.mesh_addr,
+                            geo: r.geo,
                         })
                     })
                     .collect();

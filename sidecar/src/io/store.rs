@@ -104,15 +104,33 @@ pub(crate) async fn execute(
         }
         StoreRequest::Renew { sessions, lease_ms } => {
             let lease = Duration::from_millis(lease_ms);
-            let mut results = Vec::with_capacity(sessions.len());
-            for (key, account, epoch) in sessions {
-                results.push((
-                    key,
-                    epoch,
-                    timed(stores.directory.renew(&account, epoch, lease)).await,
-                ));
-            }
+            // All at once: the directory's connection pipelines them, so a thousand sessions
+            // cost one round trip and a store that does not answer costs one timeout, not one
+            // per session.
+            let results = futures::future::join_all(sessions.into_iter().map(
+                |(key, account, epoch)| async move {
+                    let r = timed(stores.directory.renew(&account, epoch, lease)).await;
+                    (key, epoch, r)
+                },
+            ))
+            .await;
             Some(StoreReply::Renewed { results })
+        }
+        StoreRequest::Reregister {
+            session,
+            account,
+            node,
+            lease_ms,
+            held,
+        } => {
+            let lease = Duration::from_millis(lease_ms);
+            let result = timed(stores.directory.register_moved(&account, node, lease, held)).await;
+            Some(StoreReply::Reregistered {
+                session,
+                account,
+                held,
+                result,
+            })
         }
         StoreRequest::Lookup { account } => {
             let result = timed(stores.directory.lookup(&account)).await;
@@ -232,6 +250,25 @@ pub(crate) async fn execute(
         StoreRequest::ListCheckpointed => Some(StoreReply::Checkpointed {
             result: timed(stores.checkpoints.processes()).await,
         }),
+        StoreRequest::FenceLease { node, epoch } => {
+            let result = match topology {
+                None => Err("no topology store: a lone node fences nothing".to_string()),
+                Some(t) => match tokio::time::timeout(
+                    STORE_TIMEOUT,
+                    cellmesh_geo_router::topology::fence_lease(t, node, epoch),
+                )
+                .await
+                {
+                    Ok(r) => r.map_err(|e| e.to_string()),
+                    Err(_) => Err(format!("no answer within {} s", STORE_TIMEOUT.as_secs())),
+                },
+            };
+            Some(StoreReply::LeaseFenced {
+                node,
+                epoch,
+                result,
+            })
+        }
         StoreRequest::CommitPartition { partition } => {
             let epoch = partition.epoch();
             let result = match topology {
