@@ -744,6 +744,7 @@ kill_node() {
     census ids --snap "$fault_dir/before.json" >"$fault_dir/npcs.json"
     began=$(now)
     podman kill "$ctr" "$game" >/dev/null || viol+=("podman kill $svc failed")
+    podman wait "$ctr" "$game" >/dev/null 2>&1 || true
     log "fault $name: killed $svc (node $node) and its game"
     fault_wait restored --until restored --need "$fault_dir/victim-npcs.json" --victim "$node" --since "$began" ||
         viol+=("the killed node's NPCs were not all restored on live nodes within ${recovery_bound_s} s")
@@ -889,6 +890,7 @@ s = json.load(open(sys.argv[1]))
 print(sum(len(p["state"]["sessions"]) for p in s["proxies"].values() if p["state"]))' "$fault_dir/before.json")
     began=$(now)
     podman kill "$ctr" >/dev/null || viol+=("podman kill $svc failed")
+    podman wait "$ctr" >/dev/null 2>&1 || true
     podman start "$ctr" >/dev/null || viol+=("starting $svc again failed")
     census targets
     fault_wait whole --until whole --min-sessions "$sessions" --since "$began" || true

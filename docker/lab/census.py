@@ -329,6 +329,24 @@ def write_targets(run):
     with open(tmp, "w") as f:
         json.dump(targets, f, indent=1)
     os.replace(tmp, os.path.join(run, "targets.json"))
+    # When each sidecar's container started: a later start the lab did not ask for is the
+    # engine's restart, and its game must follow (wait --supervise).
+    save_starts(run, {t["container"]: started_at(t["container"]) for t in targets if t["role"] == "sidecar"})
+
+
+def load_starts(run):
+    try:
+        with open(os.path.join(run, "sidecar-starts.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def save_starts(run, starts):
+    tmp = os.path.join(run, "sidecar-starts.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(starts, f)
+    os.replace(tmp, os.path.join(run, "sidecar-starts.json"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -356,7 +374,6 @@ def cmd_wait(a):
     structural_since = None
     unready_s, last_t, fewest_sessions = 0.0, None, None
     games_restarted = []
-    starts = {}
     next_supervise = 0.0
     why = ["no sample"]
     held_at = None
@@ -414,6 +431,7 @@ def cmd_wait(a):
         # The supervisor's part: a game whose sidecar the engine restarted is restarted too.
         if a.supervise and time.time() >= next_supervise:
             next_supervise = time.time() + 2
+            starts = load_starts(a.run)
             for tg in load_targets(a.run):
                 if tg["role"] != "sidecar" or not tg.get("game_container"):
                     continue
@@ -425,6 +443,7 @@ def cmd_wait(a):
                     starts[tg["container"]] = sc
                     podman("restart", "-t", "2", tg["game_container"])
                     games_restarted.append({"game": tg["game_container"], "at": round(time.time(), 3)})
+            save_starts(a.run, starts)
         if held_at is not None or time.time() >= deadline:
             break
         time.sleep(max(0.0, 0.5 - (time.time() - t)))
