@@ -152,6 +152,7 @@ impl Core {
         }
         self.metrics.error("lease_lapsed");
         self.auth.lease_live = false;
+        self.dirty = true;
         self.set_ready(false);
         // Released this tick and not offered yet: frozen already (the game released them).
         let released = std::mem::take(&mut self.handoff.released);
@@ -200,6 +201,7 @@ impl Core {
     /// game, and the node serves again.
     fn resume_after_lapse(&mut self) {
         self.auth.lease_live = true;
+        self.dirty = true;
         self.auth.live_since_ms = self.now.mono_ms;
         let frozen = std::mem::take(&mut self.auth.frozen_by_lapse);
         tracing::warn!(
