@@ -139,6 +139,8 @@ def read_proxy(t, metrics):
 
 
 POOL = concurrent.futures.ThreadPoolExecutor(max_workers=16)
+# Errors of a sidecar's stores (its Redis, MongoDB): a world still counting them is not whole.
+STORE_ERRORS = ("store", "checkpoint_write")
 
 
 def snapshot(run, metrics=False, label=None):
@@ -356,7 +358,8 @@ def save_starts(run, starts):
 def cmd_wait(a):
     """Polls every half second. Conditions:
 
-    whole     the world is whole (not_whole is empty) and, with --need FILE (a JSON list of
+    whole     the world is whole (not_whole is empty, and no sidecar counted a store error in the
+              last 2 s: cellmesh_sidecar_errors_total kind store or checkpoint_write) and, with --need FILE (a JSON list of
               entity ids), every one of those ids is real on some node; ids still missing once
               the rest held for --grace seconds are reported lost and the wait ends there
     restored  every id of --need is real on a node other than --victim (the killed node)
@@ -379,8 +382,10 @@ def cmd_wait(a):
     held_at = None
     lost = []
     samples = 0
+    store_errors = {}
     while True:
-        snap = snapshot(a.run)
+        # A whole world writes to its stores: the sidecars' store errors are read every time.
+        snap = snapshot(a.run, metrics=(a.until == "whole"))
         samples += 1
         t = snap["t"]
         if a.record:
@@ -401,6 +406,15 @@ def cmd_wait(a):
                 seen_at[i] = t
         missing = need - set(seen_at)
         if a.until == "whole":
+            for svc, x in snap["sidecars"].items():
+                m = x.get("metrics")
+                if not m:
+                    continue
+                n = sum(v for k, v in m.items() if k.startswith("cellmesh_sidecar_errors_total{") and any(f'kind="{kind}"' in k for kind in STORE_ERRORS))
+                prev = store_errors.get(svc)
+                store_errors[svc] = (n, t if prev is None or n != prev[0] else prev[1])
+                if prev is not None and t - store_errors[svc][1] < 2:
+                    nw.append(f"{svc} store errors in the last 2 s")
             short = a.min_sessions is not None and (s or 0) < a.min_sessions
             nw = nw + ([f"{s} proxy sessions, fewer than {a.min_sessions}"] if short else [])
             why = nw + ([f"{len(missing)} needed entities held nowhere"] if missing else [])
