@@ -659,10 +659,23 @@ except (OSError, ValueError):
 print("" if v is None else v)' "$fault_dir/wait-$1.json" "$2"
 }
 
+# wait_stopped CONTAINER...: until none of them runs (10 s at most).
+wait_stopped() {
+    local c t running
+    for ((t = 0; t < 50; t++)); do
+        running=0
+        for c in "$@"; do
+            [[ $(podman inspect --format '{{.State.Status}}' "$c" 2>/dev/null) != running ]] || running=1
+        done
+        ((running)) || return 0
+        sleep 0.2
+    done
+}
+
 # sleep_until EPOCH
 sleep_until() {
     local left
-    left=$(awk -v t="$1" -v n="$EPOCHREALTIME" 'BEGIN { d = t - n; printf "%.2f", d > 0 ? d : 0 }')
+    left=$(awk -v t="$1" -v n="$EPOCHREALTIME" 'BEGIN { d = t - n; printf "%.2f", (d > 0 ? d : 0) }')
     in_background sleep "$left"
 }
 
@@ -747,8 +760,11 @@ kill_node() {
     census ids --snap "$fault_dir/before.json" --node "$node" >"$fault_dir/victim-npcs.json"
     census ids --snap "$fault_dir/before.json" >"$fault_dir/npcs.json"
     began=$(now)
-    podman kill "$ctr" "$game" >/dev/null || viol+=("podman kill $svc failed")
-    podman wait "$ctr" "$game" >/dev/null 2>&1 || true
+    # The game first: killing the sidecar, whose network namespace the game shares, stops the
+    # game too, and a kill of a stopped container fails.
+    podman kill "$game" >/dev/null 2>&1 || true
+    podman kill "$ctr" >/dev/null || viol+=("podman kill $svc failed")
+    wait_stopped "$ctr" "$game"
     log "fault $name: killed $svc (node $node) and its game"
     fault_wait restored --until restored --need "$fault_dir/victim-npcs.json" --victim "$node" --since "$began" ||
         viol+=("the killed node's NPCs were not all restored on live nodes within ${recovery_bound_s} s")
@@ -894,7 +910,7 @@ s = json.load(open(sys.argv[1]))
 print(sum(len(p["state"]["sessions"]) for p in s["proxies"].values() if p["state"]))' "$fault_dir/before.json")
     began=$(now)
     podman kill "$ctr" >/dev/null || viol+=("podman kill $svc failed")
-    podman wait "$ctr" >/dev/null 2>&1 || true
+    wait_stopped "$ctr"
     podman start "$ctr" >/dev/null || viol+=("starting $svc again failed")
     census targets
     fault_wait whole --until whole --min-sessions "$sessions" --since "$began" || true
