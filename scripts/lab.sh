@@ -274,10 +274,22 @@ ensure_project_image() {
     log "building $project_image from docker/Dockerfile (the first build compiles for a long while)"
     mkdir -p "$build_dir"
     started=$SECONDS
+    # The context is a copy whose files are all dated now. Cargo takes a crate in the cached target
+    # directory for fresh when its sources are no newer than its last build, and that build may
+    # have been made from another tree (another checkout, or these files before an edit that kept
+    # an older date): the image would get an old build of a crate, or not compile.
+    # .dockerignore (copied too) still decides what the build sees.
+    local context
+    context=$(mktemp -d)
+    tar -C "$repo" --exclude=./.git --exclude=./target --exclude=./.venv --exclude=./.venv-lab \
+        --exclude=./.test-services -cf - . | tar -C "$context" --touch -xf -
     podman build "${build_flags[@]}" --label "$stamp_label=$stamp" \
         --build-arg "BUILDER_IMAGE=$builder_image" --build-arg "RUNTIME_IMAGE=$base_image" \
-        -f docker/Dockerfile -t "$project_image" . >"$build_dir/project.log" 2>&1 ||
+        -f docker/Dockerfile -t "$project_image" "$context" >"$build_dir/project.log" 2>&1 || {
+        rm -rf "$context"
         die "building $project_image failed: see $build_dir/project.log"
+    }
+    rm -rf "$context"
     log "built $project_image in $((SECONDS - started)) s, $(podman image inspect --format '{{.Size}}' "$project_image") bytes"
 }
 
