@@ -206,6 +206,10 @@ struct BotsArgs {
     /// Stop after this many seconds (default: run until Ctrl-C).
     #[arg(long, value_name = "SECS", value_parser = seconds, allow_negative_numbers = true)]
     duration: Option<Duration>,
+    /// The bots' accounts are PREFIX0, PREFIX1...: bots of two runs (two geos' bots, say) with
+    /// different prefixes are different players instead of displacing each other.
+    #[arg(long, value_name = "PREFIX", default_value = "bot-")]
+    account_prefix: String,
 }
 
 impl BotsArgs {
@@ -477,7 +481,7 @@ async fn main() -> anyhow::Result<()> {
             let tasks: Vec<_> = (0..count)
                 .map(|i| {
                     tokio::spawn(bots::run_bot(
-                        format!("bot-{i}"),
+                        format!("{}{i}", args.account_prefix),
                         cfg.clone(),
                         stats.clone(),
                         stop.clone(),
@@ -547,6 +551,19 @@ mod tests {
             assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation);
             assert!(err.to_string().contains(argv[2]), "{err}");
         }
+    }
+
+    #[test]
+    fn bots_take_an_account_prefix() {
+        let parsed = |argv: &[&str]| match Cli::try_parse_from(argv).expect("parses").command {
+            Command::Bots(args) => args.account_prefix,
+            _ => panic!("not the bots command"),
+        };
+        assert_eq!(parsed(&["cellmesh", "bots"]), "bot-");
+        assert_eq!(
+            parsed(&["cellmesh", "bots", "--account-prefix", "us-bot-"]),
+            "us-bot-"
+        );
     }
 
     #[test]
