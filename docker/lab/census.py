@@ -43,10 +43,10 @@ OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # Reading the processes
 
 
-def http(ip, port, path):
+def http(ip, port, path, timeout=HTTP_TIMEOUT_S):
     """(status, body) of GET path; (None, None) when nothing answered."""
     try:
-        with OPENER.open(f"http://{ip}:{port}{path}", timeout=HTTP_TIMEOUT_S) as r:
+        with OPENER.open(f"http://{ip}:{port}{path}", timeout=timeout) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -75,8 +75,12 @@ def load_targets(run):
 
 def read_sidecar(t, metrics):
     out = {"node": t["node"], "geo": t["geo"], "ready": None, "state": None, "map": None}
-    code, _ = http(t["ip"], t["port"], "/ready")
+    # A process that does not answer /ready within a second (killed, its address gone) is not
+    # asked the rest: a snapshot stays short while a node is down.
+    code, _ = http(t["ip"], t["port"], "/ready", timeout=1.0)
     out["ready"] = None if code is None else code == 200
+    if code is None:
+        return out
     code, body = http(t["ip"], t["port"], "/state")
     if code == 200:
         try:
@@ -119,8 +123,10 @@ def read_sidecar(t, metrics):
 
 def read_proxy(t, metrics):
     out = {"geo": t["geo"], "ready": None, "state": None}
-    code, _ = http(t["ip"], t["port"], "/ready")
+    code, _ = http(t["ip"], t["port"], "/ready", timeout=1.0)
     out["ready"] = None if code is None else code == 200
+    if code is None:
+        return out
     code, body = http(t["ip"], t["port"], "/state")
     if code == 200:
         try:
