@@ -57,8 +57,7 @@ usage: scripts/lab.sh [--geos 1|2] [--duration SECS] [--delay-ms MS] [--bots N]
   --delay-ms MS      one-way latency between the geos, added by the kernel (default 45)
   --bots N           bots per chosen geo (default 20; 0: none)
   --bots-geo G       the geo the bots play in: eu, us or both (default eu; one geo: its only one).
-                     Each geo's bots use the same accounts (bot-0...): with both, they displace
-                     each other
+                     Each geo's bots have accounts of their own (eu-bot-0..., us-bot-0...)
   --summary-json F   write the run's summary there
   --keep             leave the cluster running at the end (take it down with a later run's
                      teardown: scripts/lab.sh --down)

@@ -365,7 +365,9 @@ def cmd_wait(a):
     """Polls every half second. Conditions:
 
     whole     the world is whole (not_whole is empty, and no sidecar counted a store error in the
-              last 2 s: cellmesh_sidecar_errors_total kind store or checkpoint_write) and, with --need FILE (a JSON list of
+              last 2 s: cellmesh_sidecar_errors_total kind store or checkpoint_write), and stays
+              so (but handoffs in flight or in doubt, which come and go) for --stable seconds
+              (6): the recovery is when it began to; with --need FILE (a JSON list of
               entity ids), every one of those ids is real on some node; ids still missing once
               the rest held for --grace seconds are reported lost and the wait ends there
     restored  every id of --need is real on a node other than --victim (the killed node)
@@ -381,6 +383,7 @@ def cmd_wait(a):
     since = a.since or time.time()
     seen_at = {}
     structural_since = None
+    whole_at = None
     unready_s, last_t, fewest_sessions = 0.0, None, None
     games_restarted = []
     next_supervise = 0.0
@@ -424,13 +427,19 @@ def cmd_wait(a):
             short = a.min_sessions is not None and (s or 0) < a.min_sessions
             nw = nw + ([f"{s} proxy sessions, fewer than {a.min_sessions}"] if short else [])
             why = nw + ([f"{len(missing)} needed entities held nowhere"] if missing else [])
-            if not nw:
-                structural_since = structural_since or t
+            # Handoffs in flight or in doubt come and go with play: they must be none in one
+            # sample; the rest must hold from then on for --stable seconds (a store's client
+            # may count its errors only at its timeout, seconds after the store went away).
+            steady = [w for w in nw if "handoff(s) in" not in w]
+            if steady:
+                structural_since = whole_at = None
             else:
-                structural_since = None
-            if not why:
-                held_at = t
-            elif not nw and missing and t - structural_since >= a.grace:
+                structural_since = structural_since or t
+                if not why and whole_at is None:
+                    whole_at = t
+            if whole_at is not None and t - whole_at >= a.stable:
+                held_at = whole_at
+            elif whole_at is None and not steady and missing and t - structural_since >= a.grace:
                 held_at, lost = structural_since, sorted(missing)
         elif a.until == "restored":
             why = [f"{len(missing)} of the victim's entities held by no live node"] if missing else []
@@ -464,7 +473,7 @@ def cmd_wait(a):
                     podman("restart", "-t", "2", tg["game_container"])
                     games_restarted.append({"game": tg["game_container"], "at": round(time.time(), 3)})
             save_starts(a.run, starts)
-        if held_at is not None or time.time() >= deadline:
+        if held_at is not None or (time.time() >= deadline and whole_at is None):
             break
         time.sleep(max(0.0, 0.5 - (time.time() - t)))
     result = {
@@ -778,6 +787,7 @@ def main():
             s.add_argument("--victim", type=int)
             s.add_argument("--since", type=float)
             s.add_argument("--grace", type=float, default=10)
+            s.add_argument("--stable", type=float, default=6, help="whole: how long it must hold")
             s.add_argument("--out")
             s.add_argument("--record", action="store_true", help="append each sample to samples.jsonl")
             s.add_argument("--supervise", action="store_true", help="restart a game whose sidecar was restarted")
