@@ -420,9 +420,10 @@ def cmd_wait(a):
                 if not m:
                     continue
                 n = sum(v for k, v in m.items() if k.startswith("cellmesh_sidecar_errors_total{") and any(f'kind="{kind}"' in k for kind in STORE_ERRORS))
+                # (count, when it last went up); a count that went down is a new process.
                 prev = store_errors.get(svc)
-                store_errors[svc] = (n, t if prev is None or n != prev[0] else prev[1])
-                if prev is not None and t - store_errors[svc][1] < 2:
+                store_errors[svc] = (n, t if prev is not None and n > prev[0] else (prev[1] if prev else None))
+                if store_errors[svc][1] is not None and t - store_errors[svc][1] < 2:
                     nw.append(f"{svc} store errors in the last 2 s")
             short = a.min_sessions is not None and (s or 0) < a.min_sessions
             nw = nw + ([f"{s} proxy sessions, fewer than {a.min_sessions}"] if short else [])
