@@ -635,15 +635,15 @@ impl Core {
     }
 
     /// Whether this node decides the restore of `node`'s dead processes. Each geo keeps its
-    /// checkpoints in its own store, so the lowest live node of the dead node's geo decides;
-    /// the lowest live node of all does when that geo has no live node or is not known (its
-    /// own store is all it can read then).
+    /// checkpoints in its own store, so the lowest live node of the dead node's geo decides.
+    /// A node of another geo none of whose nodes is live is decided by nobody: its checkpoints
+    /// are in a store no live node reads, and a geo cut off from the rest (its leases lapse
+    /// together) is whole again when the cut heals, if nobody fenced it meanwhile. Only a node
+    /// whose geo is not known is decided by the lowest live node of all.
     fn decides_for(&self, node: NodeId) -> bool {
         let me = self.cfg.node_id;
         let geo = |n: &NodeId| self.restore.geo_of.get(n).map(String::as_str);
-        let dead_geo = geo(&node)
-            .filter(|g| *g == self.cfg.geo || self.restore.live.keys().any(|n| geo(n) == Some(*g)));
-        match dead_geo {
+        match geo(&node) {
             Some(g) => {
                 g == self.cfg.geo
                     && self

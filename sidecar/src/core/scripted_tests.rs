@@ -1726,3 +1726,52 @@ fn a_moved_session_superseded_by_a_newer_login_is_displaced() {
     );
     assert!(std::iter::from_fn(|| core.poll_output()).all(|o| !matches!(o, Output::ToLink { .. })));
 }
+
+/// The decider of node 2's geo fences node 2's lease once it stayed lapsed past the grace; a
+/// node of another geo with no live node of its own is fenced by nobody (a geo cut off from the
+/// topology store finds its leases unfenced when the cut heals).
+#[test]
+fn a_lapsed_peer_is_fenced_by_its_own_geos_decider_only() {
+    for (peer_geo, fenced) in [("eu", true), ("us", false)] {
+        let mut core = configured_node(None, |c| c.geo = "eu".into());
+        core.handle(
+            at(0),
+            Input::Peers(vec![PeerInfo {
+                node: GATEWAY,
+                mesh_addr: "node-2".into(),
+                geo: peer_geo.into(),
+            }]),
+        );
+        core.handle(
+            at(0),
+            Input::PeerLeases {
+                live: vec![(GATEWAY, 1)],
+                lapsed: vec![],
+            },
+        );
+        core.handle(
+            at(100),
+            Input::PeerLeases {
+                live: vec![],
+                lapsed: vec![(GATEWAY, 1)],
+            },
+        );
+        let mut fences = Vec::new();
+        for ms in (200..=10_000).step_by(100) {
+            core.handle(at(ms), Input::Timer);
+            for r in store_requests(&mut core) {
+                if let StoreRequest::FenceLease { node, epoch } = r {
+                    fences.push((ms, node, epoch));
+                }
+            }
+        }
+        let grace = super::restore::lapse_grace_ms(SidecarConfig::default().node_lease_ms);
+        if fenced {
+            let (ms, node, epoch) = fences.first().copied().expect("a fence");
+            assert_eq!((node, epoch), (GATEWAY, 1));
+            assert!(ms >= 100 + grace, "fenced at {ms} ms, before the grace");
+        } else {
+            assert!(fences.is_empty(), "{fences:?}");
+        }
+    }
+}
