@@ -102,6 +102,27 @@ impl State {
 }
 
 impl MemoryTopology {
+    /// Extends `lease` to now + `ttl` if it is still the current grant and its expiry passes
+    /// `condition`; the lease as extended, or `None`.
+    fn extend_lease(
+        &self,
+        lease: &Lease,
+        ttl: Duration,
+        condition: impl Fn(u64) -> bool,
+    ) -> Result<Option<Lease>, TopologyError> {
+        let ttl_ms = check_request(lease.node, &lease.holder, ttl)?;
+        let now = (self.clock)();
+        let mut state = self.state();
+        Ok(state
+            .current(lease)
+            .filter(|s| condition(s.entry.lease.expires_unix_ms))
+            .map(|s| {
+                s.entry.lease.expires_unix_ms = now + ttl_ms;
+                s.ids_below_unix_ms = s.ids_below_unix_ms.max(now + ttl_ms);
+                s.entry.lease.clone()
+            }))
+    }
+
     /// A store that reads time from `clock` (virtual time in tests).
     pub fn with_clock(clock: Clock) -> Self {
         Self {
@@ -242,17 +263,8 @@ impl TopologyStore for MemoryTopology {
         lease: &Lease,
         ttl: Duration,
     ) -> Result<Option<Lease>, TopologyError> {
-        let ttl_ms = check_request(lease.node, &lease.holder, ttl)?;
         let now = (self.clock)();
-        let mut state = self.state();
-        Ok(state
-            .current(lease)
-            .filter(|s| now < s.entry.lease.expires_unix_ms)
-            .map(|s| {
-                s.entry.lease.expires_unix_ms = now + ttl_ms;
-                s.ids_below_unix_ms = s.ids_below_unix_ms.max(now + ttl_ms);
-                s.entry.lease.clone()
-            }))
+        self.extend_lease(lease, ttl, |expires| now < expires)
     }
 
     async fn reclaim_lease(
@@ -260,17 +272,8 @@ impl TopologyStore for MemoryTopology {
         lease: &Lease,
         ttl: Duration,
     ) -> Result<Option<Lease>, TopologyError> {
-        let ttl_ms = check_request(lease.node, &lease.holder, ttl)?;
-        let now = (self.clock)();
-        let mut state = self.state();
-        Ok(state
-            .current(lease)
-            .filter(|s| s.entry.lease.expires_unix_ms > 0)
-            .map(|s| {
-                s.entry.lease.expires_unix_ms = now + ttl_ms;
-                s.ids_below_unix_ms = s.ids_below_unix_ms.max(now + ttl_ms);
-                s.entry.lease.clone()
-            }))
+        // Lapsed or live, but not given up.
+        self.extend_lease(lease, ttl, |expires| expires > 0)
     }
 
     async fn release_lease(&self, lease: &Lease) -> Result<bool, TopologyError> {

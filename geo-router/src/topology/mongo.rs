@@ -199,6 +199,38 @@ fn as_i64(v: u64) -> Result<i64, TopologyError> {
 }
 
 impl MongoTopology {
+    /// Extends `lease` to the server's now + `ttl` if it is still the current grant and
+    /// `condition` holds of it; the lease as extended, or `None`.
+    async fn extend_lease(
+        &self,
+        lease: &Lease,
+        ttl: Duration,
+        condition: Document,
+        op: &str,
+    ) -> Result<Option<Lease>, TopologyError> {
+        let ttl = ttl_ms(check_request(lease.node, &lease.holder, ttl)?)?;
+        let mut filter = current(lease)?;
+        filter.extend(condition);
+        let update = vec![
+            doc! { "$set": { "expires_unix_ms": { "$add": [server_now(), ttl] } } },
+            doc! { "$set": {
+                "ids_below_unix_ms": { "$max": ["$ids_below_unix_ms", "$expires_unix_ms"] },
+            } },
+        ];
+        let extend = self
+            .nodes
+            .find_one_and_update(filter, update)
+            .return_document(ReturnDocument::After);
+        let extended = self.bounded(op, extend).await?;
+        extended
+            .map(|d| {
+                d.into_entry()
+                    .map(|e| e.lease)
+                    .map_err(|why| self.corrupt(&why))
+            })
+            .transpose()
+    }
+
     /// Connects to the MongoDB at `url` (`mongodb://host:port[/database]`) and checks that a
     /// server answers a `ping`.
     pub async fn connect(url: &str) -> Result<Self, TopologyError> {
@@ -535,27 +567,7 @@ impl TopologyStore for MongoTopology {
         lease: &Lease,
         ttl: Duration,
     ) -> Result<Option<Lease>, TopologyError> {
-        let ttl = ttl_ms(check_request(lease.node, &lease.holder, ttl)?)?;
-        let mut filter = current(lease)?;
-        filter.extend(live());
-        let update = vec![
-            doc! { "$set": { "expires_unix_ms": { "$add": [server_now(), ttl] } } },
-            doc! { "$set": {
-                "ids_below_unix_ms": { "$max": ["$ids_below_unix_ms", "$expires_unix_ms"] },
-            } },
-        ];
-        let renew = self
-            .nodes
-            .find_one_and_update(filter, update)
-            .return_document(ReturnDocument::After);
-        let renewed = self.bounded("renew lease", renew).await?;
-        renewed
-            .map(|d| {
-                d.into_entry()
-                    .map(|e| e.lease)
-                    .map_err(|why| self.corrupt(&why))
-            })
-            .transpose()
+        self.extend_lease(lease, ttl, live(), "renew lease").await
     }
 
     async fn reclaim_lease(
@@ -563,28 +575,10 @@ impl TopologyStore for MongoTopology {
         lease: &Lease,
         ttl: Duration,
     ) -> Result<Option<Lease>, TopologyError> {
-        let ttl = ttl_ms(check_request(lease.node, &lease.holder, ttl)?)?;
-        let mut filter = current(lease)?;
         // Lapsed or live, but not given up.
-        filter.insert("expires_unix_ms", doc! { "$gt": 0_i64 });
-        let update = vec![
-            doc! { "$set": { "expires_unix_ms": { "$add": [server_now(), ttl] } } },
-            doc! { "$set": {
-                "ids_below_unix_ms": { "$max": ["$ids_below_unix_ms", "$expires_unix_ms"] },
-            } },
-        ];
-        let reclaim = self
-            .nodes
-            .find_one_and_update(filter, update)
-            .return_document(ReturnDocument::After);
-        let reclaimed = self.bounded("reclaim lease", reclaim).await?;
-        reclaimed
-            .map(|d| {
-                d.into_entry()
-                    .map(|e| e.lease)
-                    .map_err(|why| self.corrupt(&why))
-            })
-            .transpose()
+        let not_released = doc! { "expires_unix_ms": { "$gt": 0_i64 } };
+        self.extend_lease(lease, ttl, not_released, "reclaim lease")
+            .await
     }
 
     async fn release_lease(&self, lease: &Lease) -> Result<bool, TopologyError> {
