@@ -170,30 +170,19 @@ impl Core {
             self.metrics.handoff(self.cfg.node_id, to, "abandoned");
             self.thaw(root, thawed, "the node lease lapsed before the snapshot");
         }
-        let owned: Vec<(u64, u64)> = self
-            .table
-            .iter()
-            .filter(|e| e.origin.is_none())
-            .map(|e| (e.id, e.epoch))
-            .collect();
+        let owned = self.owned_reals();
         tracing::error!(
             entities = owned.len(),
             "no renewal of the node lease landed before its deadline: freezing everything this \
              node owns until the store answers"
         );
-        for (id, epoch) in owned {
+        for id in owned {
             // Frozen for a handoff in doubt (its offer stands), or frozen already above.
             if self.handoff.out.is_frozen(id) || !self.auth.frozen_by_lapse.insert(id) {
                 continue;
             }
             self.auth.lapse_freeze_unanswered.insert(id);
-            self.out.to_game.push(
-                sidecar_message::Body::Freeze(local::Freeze {
-                    entity_id: id,
-                    entity_epoch: epoch,
-                })
-                .into(),
-            );
+            self.freeze_in_game(id);
         }
     }
 
@@ -229,6 +218,15 @@ impl Core {
         self.set_ready(self.game.slot.is_some() && self.auth.draining.is_none());
     }
 
+    /// Every entity this node writes.
+    fn owned_reals(&self) -> Vec<u64> {
+        self.table
+            .iter()
+            .filter(|e| e.origin.is_none())
+            .map(|e| e.id)
+            .collect()
+    }
+
     /// Whether the lease is lapsed (not lost): what would thaw stays frozen until it is back.
     pub(crate) fn lease_lapsed(&self) -> bool {
         !self.auth.lease_live && !self.auth.lost
@@ -255,12 +253,7 @@ impl Core {
             self.metrics.drop_input("lease_lost");
         }
         let was_live = std::mem::replace(&mut self.auth.lease_live, false);
-        let owned: Vec<(u64, u64)> = self
-            .table
-            .iter()
-            .filter(|e| e.origin.is_none())
-            .map(|e| (e.id, e.epoch))
-            .collect();
+        let owned = self.owned_reals();
         tracing::error!(
             entities = owned.len(),
             "the node lease was lost: freezing everything this node owns, then exiting"
@@ -270,18 +263,12 @@ impl Core {
              this process wrote is frozen and restored elsewhere from its checkpoints"
                 .into(),
         );
-        for (id, epoch) in owned {
+        for id in owned {
             // Frozen by the lapse already.
             if !was_live && self.auth.frozen_by_lapse.contains(&id) {
                 continue;
             }
-            self.out.to_game.push(
-                sidecar_message::Body::Freeze(local::Freeze {
-                    entity_id: id,
-                    entity_epoch: epoch,
-                })
-                .into(),
-            );
+            self.freeze_in_game(id);
         }
     }
 

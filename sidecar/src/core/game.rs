@@ -370,13 +370,7 @@ impl Core {
                     // Born while the lease is lapsed: frozen with the rest until it is back.
                     self.auth.frozen_by_lapse.insert(s.entity_id);
                     self.auth.lapse_freeze_unanswered.insert(s.entity_id);
-                    self.out.to_game.push(
-                        sidecar_message::Body::Freeze(local::Freeze {
-                            entity_id: s.entity_id,
-                            entity_epoch: FIRST_EPOCH,
-                        })
-                        .into(),
-                    );
+                    self.freeze_in_game(s.entity_id);
                 }
             }
             Err(e) => self.entity_error(e),

@@ -266,7 +266,9 @@ impl Core {
         }
     }
 
-    fn freeze_in_game(&mut self, id: u64) {
+    /// Tells the game to stop writing `id` under its current epoch (it answers with its
+    /// snapshot).
+    pub(crate) fn freeze_in_game(&mut self, id: u64) {
         let Some(epoch) = self.table.get(id).map(|e| e.epoch) else {
             return;
         };
