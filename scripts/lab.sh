@@ -41,6 +41,7 @@ duration_s=60
 delay_ms=45
 bots=20
 bots_geo=eu
+travellers=5
 summary_json=""
 keep=0
 prepare_only=0
@@ -49,7 +50,7 @@ reuse_image=0
 usage() {
     cat <<'USAGE'
 usage: scripts/lab.sh [--geos 1|2] [--duration SECS] [--delay-ms MS] [--bots N]
-                      [--bots-geo eu|us|both] [--summary-json FILE] [--keep]
+                      [--bots-geo eu|us|both] [--travellers N] [--summary-json FILE] [--keep]
                       [--reuse-image] [--prepare]
 
   --geos N           1: docker/one-geo.yaml; 2: docker/two-geo.yaml (default 2)
@@ -58,6 +59,8 @@ usage: scripts/lab.sh [--geos 1|2] [--duration SECS] [--delay-ms MS] [--bots N]
   --bots N           bots per chosen geo (default 20; 0: none)
   --bots-geo G       the geo the bots play in: eu, us or both (default eu; one geo: its only one).
                      Each geo's bots have accounts of their own (eu-bot-0..., us-bot-0...)
+  --travellers N     two geos: bots in us that log in at eu's proxy, for the handover policy
+                     (default 5; 0: none). Accounts traveller-0...
   --summary-json F   write the run's summary there
   --keep             leave the cluster running at the end (take it down with a later run's
                      teardown: scripts/lab.sh --down)
@@ -94,6 +97,7 @@ while (($#)); do
     --delay-ms) delay_ms=${2:?}; shift 2 ;;
     --bots) bots=${2:?}; shift 2 ;;
     --bots-geo) bots_geo=${2:?}; shift 2 ;;
+    --travellers) travellers=${2:?}; shift 2 ;;
     --summary-json) summary_json=${2:?}; shift 2 ;;
     --keep) keep=1; shift ;;
     --down) down_only=1; shift ;;
@@ -117,9 +121,11 @@ log() { printf '[lab %4ds] %s\n' "$SECONDS" "$*" >&2; }
 [[ $duration_s =~ ^[0-9]+$ ]] || die "--duration is a number of seconds"
 [[ $delay_ms =~ ^[0-9]+$ ]] || die "--delay-ms is a number of milliseconds"
 [[ $bots =~ ^[0-9]+$ ]] || die "--bots is a number"
+[[ $travellers =~ ^[0-9]+$ ]] || die "--travellers is a number"
 [[ $recovery_bound_s =~ ^[0-9]+$ ]] || die "--recovery-bound is a number of seconds"
 case $bots_geo in eu | us | both) ;; *) die "--bots-geo is eu, us or both" ;; esac
 ((geos == 2)) || bots_geo=eu
+((geos == 2 && bots > 0)) || travellers=0
 [[ $(id -u) == 0 ]] || die "the lab needs root (podman networks, tc, iptables)"
 
 # ------------------------------------------------------------------------------------------------
@@ -308,6 +314,10 @@ project=cellmesh-lab
 lab_networks=(cellmesh-lab-eu cellmesh-lab-us)   # named in docker/lab/*.yaml
 run_dir=$build_dir/run-$(date +%Y%m%d-%H%M%S)
 rule_comment=cellmesh-lab   # marks the lab's iptables rules, so teardown finds exactly those
+cut_chain=cellmesh-lab-cut  # partition-geo's chain
+# The bots' fixed addresses (docker/lab/two-geo.yaml): players, whose paths a cut between the
+# datacenters leaves alone.
+lab_clients=(10.231.1.50 10.231.2.50 10.231.2.51)
 
 lab_compose() {
     "$lab_venv/bin/podman-compose" --project-name "$project" \
@@ -579,6 +589,7 @@ bots_services() {
     else
         echo "$bots_geo-bots"
     fi
+    ((travellers == 0)) || echo travellers
 }
 
 start_bots() {
@@ -588,7 +599,7 @@ start_bots() {
     compose_up "$run_dir/compose-up.log" $(bots_services) ||
         die "starting the bots failed: see $run_dir/compose-up.log"
     profile_args=()
-    log "bots: $bots in each of: $(bots_services)"
+    log "bots: $bots in each of: $(bots_services | grep -vx travellers | xargs); travellers: $travellers"
 }
 
 # stop_bots: each bots container that still runs gets SIGTERM (the bots stop as after
@@ -891,16 +902,22 @@ fault_restart_redis() {
 # partition-geo [SECS]: the host drops what is routed between the geos' subnets, both ways; the
 # rules carry the lab's marker (teardown removes them whatever happens).
 fault_partition_geo() {
-    local secs=${1:-20} eu us began healed recovered viol=() rule
+    local secs=${1:-20} eu us began healed recovered viol=() rule client
     eu=$(network_subnet cellmesh-lab-eu) us=$(network_subnet cellmesh-lab-us)
-    rule=(-m comment --comment "$rule_comment-partition" -j DROP)
+    rule=(-m comment --comment "$rule_comment-partition" -j "$cut_chain")
     fault_begin partition-geo "$secs"
     began=$(now)
-    iptables -I FORWARD 1 -s "$eu" -d "$us" "${rule[@]}" && iptables -I FORWARD 1 -s "$us" -d "$eu" "${rule[@]}" ||
+    # The link between the datacenters is cut, not the players' paths to them: a bot dialling
+    # the other geo's proxy (a traveller, or a probe) keeps its route, delayed as before. What
+    # crosses between the geos goes through the chain, which lets the bots' addresses go on
+    # (RETURN: on to the delay's rules) and drops the rest.
+    make_cut_chain && iptables -I FORWARD 1 -s "$eu" -d "$us" "${rule[@]}" &&
+        iptables -I FORWARD 1 -s "$us" -d "$eu" "${rule[@]}" ||
         viol+=("cutting the path between the geos failed")
     fault_wait cut --until never --since "$began" --bound "$secs" || true
     iptables -D FORWARD -s "$eu" -d "$us" "${rule[@]}" 2>/dev/null || viol+=("healing failed")
     iptables -D FORWARD -s "$us" -d "$eu" "${rule[@]}" 2>/dev/null || viol+=("healing failed")
+    remove_cut_chain
     healed=$(now)
     log "fault partition-geo: healed after $secs s"
     fault_wait whole --until whole --since "$healed" || true
@@ -908,6 +925,22 @@ fault_partition_geo() {
     fault_end partition-geo "$secs" "$began" "$recovered" \
         "$(printf '{"cut_s": %s, "whole_after_heal_s": %s}' "$secs" "$(wait_field whole after_s | sed 's/^$/null/')")" \
         "" "${viol[@]}"
+}
+
+make_cut_chain() {
+    local client
+    iptables -N "$cut_chain" || return 1
+    for client in "${lab_clients[@]}"; do
+        iptables -A "$cut_chain" -s "$client" -j RETURN || return 1
+        iptables -A "$cut_chain" -d "$client" -j RETURN || return 1
+    done
+    iptables -A "$cut_chain" -j DROP
+}
+
+# The partition's chain, once no rule jumps to it.
+remove_cut_chain() {
+    iptables -F "$cut_chain" 2>/dev/null || true
+    iptables -X "$cut_chain" 2>/dev/null || true
 }
 
 # kill-proxy [GEO]: the proxy of the bots' geo killed and started again at once; its clients
@@ -1015,7 +1048,7 @@ write_summary() {
     for ctr in $containers; do
         podman inspect --format '{{.Name}} {{.RestartCount}} {{.State.Status}} {{.State.ExitCode}}' "$ctr"
     done >"$run_dir/containers.txt"
-    LAB_GEOS=$geos LAB_DELAY_MS=$delay_ms LAB_DURATION_S=$duration_s LAB_BOTS=$bots LAB_DELAY_METHOD=$delay_method \
+    LAB_GEOS=$geos LAB_DELAY_MS=$delay_ms LAB_DURATION_S=$duration_s LAB_BOTS=$bots LAB_TRAVELLERS=$travellers LAB_DELAY_METHOD=$delay_method \
         LAB_BOTS_SERVICES="$( ((bots > 0)) && bots_services)" LAB_BRING_UP_S=${bring_up_s:-} \
         LAB_IMAGE_BYTES=$(podman image inspect --format '{{.Size}}' "$project_image") \
         LAB_FAULTS="[$(IFS=,; printf '%s' "${fault_records[*]:-}")]" LAB_PLAYED_S=${played_s:-} \
@@ -1075,7 +1108,7 @@ faults = json.loads(env["LAB_FAULTS"])
 unplanned = []
 containers = [line.split() for line in open(os.path.join(run, "containers.txt")) if line.strip()]
 for name, restarts, status, code in containers:
-    planned_exit = (name.endswith("_partition_1") or name.endswith("bots_1")) and status == "exited" and code == "0"
+    planned_exit = (name.endswith(("_partition_1", "bots_1", "_travellers_1"))) and status == "exited" and code == "0"
     if int(restarts) > 0 or (status != "running" and not planned_exit):
         during = sorted({f["name"] for f in faults for e in f.get("cost", {}).get("containers_exited", []) if e["container"] == name})
         unplanned.append({"container": name, "restarts": int(restarts), "status": status, "exit_code": int(code),
@@ -1094,16 +1127,24 @@ for p in glob.glob(os.path.join(run, "end-*.metrics")):
 eu_us, us_eu = p50_of("rtt-eu-us.txt"), p50_of("rtt-us-eu.txt")
 lab_rtt = None if eu_us is None else round((eu_us + us_eu) / 2, 3)
 
-# The proxies' own figures, from the handover boards: one median per account and far geo.
+# The proxies' own figures, from the handover boards: one median per account and far geo, for
+# the far geos across the ocean from where the account plays (a traveller plays from us: its
+# probes of us-proxy measure the LAN).
+plays_from = {"eu-bot-": "eu", "us-bot-": "us", "traveller-": "us"}
 far = []
 try:
     for line in open(os.path.join(run, "far-rtt.txt")):
         parts = line.split(" ", 2)
-        if len(parts) == 3:
-            try:
-                far.append(json.loads(parts[2])["median_ms"])
-            except (ValueError, KeyError):
-                pass
+        if len(parts) != 3:
+            continue
+        account = parts[0][parts[0].find("{") + 1:parts[0].rfind("}")]
+        home = next((g for p, g in plays_from.items() if account.startswith(p)), None)
+        if home is not None and home == parts[1]:
+            continue
+        try:
+            far.append(json.loads(parts[2])["median_ms"])
+        except (ValueError, KeyError):
+            pass
 except FileNotFoundError:
     pass
 far.sort()
@@ -1118,7 +1159,7 @@ summary.update({
     "image_bytes": int(env["LAB_IMAGE_BYTES"]),
     "delay_ms_one_way": int(env["LAB_DELAY_MS"]) if env["LAB_GEOS"] == "2" else None,
     "duration_s": int(env["LAB_DURATION_S"]),
-    "bots": {"per_service": int(env["LAB_BOTS"]), "services": env["LAB_BOTS_SERVICES"].split()},
+    "bots": {"per_service": int(env["LAB_BOTS"]), "travellers": int(env["LAB_TRAVELLERS"]), "services": env["LAB_BOTS_SERVICES"].split()},
     "bring_up_s": int(env["LAB_BRING_UP_S"]) if env.get("LAB_BRING_UP_S") else None,
     # As the proxies measured it when clients probed them from the other geo (the handover
     # boards' far_rtt, median of the accounts' medians); the lab's own TCP connect timing when
@@ -1137,16 +1178,32 @@ summary.update({
     "sessions_end": figure("end", "sessions", "cellmesh_proxy_sessions"),
     "sessions_peak": state_stat("end", "sessions_peak"),
     "kicks_by_reason": kicks,
-    "processes_exited_unplanned": unplanned,
+    "processes_exited_unplanned": len(unplanned),
+    "processes_exited_unplanned_list": unplanned,
     "played_s": int(env["LAB_PLAYED_S"]) if env.get("LAB_PLAYED_S") else None,
     "faults": faults,
     "faults_failed": [f["name"] for f in faults if f.get("recovered_s") is None or f.get("violations")],
+    "checks_failed": [],
     # How the census keys above were read, and what else it saw (docker/lab/README.md).
     "census": {k: v for k, v in census.items() if k not in census_keys},
 })
+# What a run must show, whatever its faults: nothing lost, doubled or dropped, no process gone
+# unasked; with two geos, the RTT the proxies measured is the delay's (within 20%), and the
+# travellers were handed over. A figure the lab could not read (null) fails too.
+checks = summary["checks_failed"]
+for k in ("entities_lost", "entities_duplicated", "accounts_with_two_avatars", "sessions_without_avatar",
+          "sessions_dropped", "processes_exited_unplanned"):
+    if summary.get(k) != 0:
+        checks.append(f"{k} is {summary.get(k)}, not 0")
+if summary["geos"] == 2:
+    want, rtt = 2 * summary["delay_ms_one_way"], summary.get("inter_geo_rtt_ms_p50")
+    if rtt is None or abs(rtt - want) > 0.2 * want:
+        checks.append(f"inter_geo_rtt_ms_p50 is {rtt}, not within 20% of {want}")
+    if summary["bots"]["travellers"] > 0 and not summary.get("handovers"):
+        checks.append(f"handovers is {summary.get('handovers')} with {summary['bots']['travellers']} travellers")
 text = json.dumps(summary, indent=2)
-if out:
-    with open(out, "w") as f:
+for path in filter(None, (out, os.path.join(run, "summary.json"))):
+    with open(path, "w") as f:
         f.write(text + "\n")
 print(text)
 PY
@@ -1195,6 +1252,7 @@ teardown() {
             iptables -t "$table" ${rule/-A $chain/-D $chain}
         done
     done
+    remove_cut_chain
     # The delayer this run started, by its pid; with --queue-bypass gone first, nothing waits.
     if [[ -n $delayer_pid ]]; then
         kill "$delayer_pid" 2>/dev/null || true
@@ -1225,7 +1283,7 @@ on_exit() {
 ensure_host_packages
 ensure_containers_conf
 ensure_lab_venv
-export CELLMESH_REDIS_IMAGE=$redis_image CELLMESH_MONGO_IMAGE=$mongo_image BOTS=$bots
+export CELLMESH_REDIS_IMAGE=$redis_image CELLMESH_MONGO_IMAGE=$mongo_image BOTS=$bots TRAVELLERS=$travellers
 if ((down_only)); then
     teardown
     exit 0
@@ -1307,7 +1365,13 @@ write_summary
 failed=$(/usr/bin/python3 -c 'import json, sys
 print(" ".join(json.loads(l)["name"] for l in open(sys.argv[1]) if json.loads(l).get("recovered_s") is None or json.loads(l).get("violations")))' \
     "$run_dir/faults.jsonl" 2>/dev/null || true)
+checks_failed=$(/usr/bin/python3 -c 'import json, sys
+print("; ".join(json.load(open(sys.argv[1])).get("checks_failed", ["no summary"])))' "$run_dir/summary.json" 2>/dev/null ||
+    echo "no summary")
 if [[ -n $failed ]]; then
     log "faults that did not recover or broke what must hold: $failed"
-    exit 1
 fi
+if [[ -n $checks_failed ]]; then
+    log "the run broke what must hold: $checks_failed"
+fi
+[[ -z $failed && -z $checks_failed ]] || exit 1

@@ -95,6 +95,13 @@ pub struct BotStats {
     pub online: AtomicU64,
     pub kicks: AtomicU64,
     pub errors: AtomicU64,
+    /// Connections that broke (a kick, a proxy gone, an I/O error), and what became of the
+    /// player's session: `resumed` when the bot's next session found the avatar it had (the
+    /// session outlived its connection, as when a proxy restarts), `dropped` when it found
+    /// another, none, or the bot never got back in before the run ended.
+    pub connections_lost: AtomicU64,
+    pub sessions_resumed: AtomicU64,
+    pub sessions_dropped: AtomicU64,
     /// Logins refused `SERVER_FULL` (retried after the proxy's hint; not errors).
     pub refused_full: AtomicU64,
     /// Vanishes of entities well inside the view that no game despawned.
@@ -142,6 +149,9 @@ pub struct BotTotals {
     pub online: u64,
     pub kicks: u64,
     pub errors: u64,
+    pub connections_lost: u64,
+    pub sessions_resumed: u64,
+    pub sessions_dropped: u64,
     pub refused_full: u64,
     pub vanished_on_handoff: u64,
     pub inputs_on_broken_sessions: u64,
@@ -161,6 +171,9 @@ impl BotStats {
             online: l(&self.online),
             kicks: l(&self.kicks),
             errors: l(&self.errors),
+            connections_lost: l(&self.connections_lost),
+            sessions_resumed: l(&self.sessions_resumed),
+            sessions_dropped: l(&self.sessions_dropped),
             refused_full: l(&self.refused_full),
             vanished_on_handoff: l(&self.vanished_on_handoff),
             inputs_on_broken_sessions: l(&self.inputs_on_broken_sessions),
@@ -187,13 +200,48 @@ fn now_unix() -> u64 {
         .unwrap_or(0)
 }
 
-/// Runs one bot until `stop`; reconnects after a lost session (each loss counted as an error).
+/// Runs one bot until `stop`; reconnects after a lost connection (each loss counted as an
+/// error), and judges by the avatar it then finds whether its session was resumed or dropped.
 pub async fn run_bot(
     account: String,
     cfg: Arc<BotConfig>,
     stats: Arc<BotStats>,
     stop: CancellationToken,
 ) {
+    // A connection that broke, and the avatar it had then (`Some(None)`: none seen yet).
+    let mut lost: Option<Option<u64>> = None;
+    run_sessions(&account, &cfg, &stats, &stop, &mut lost).await;
+    if lost.is_some() {
+        // Never back in before the end.
+        stats.sessions_dropped.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Whether the session after a broken connection found the player's avatar again.
+fn judge_resume(stats: &BotStats, account: &str, before: Option<u64>, now: Option<u64>) {
+    let resumed = match (before, now) {
+        (Some(b), Some(n)) => b == n,
+        // Lost before its avatar was seen: any avatar is the one it would have had.
+        (None, Some(_)) => true,
+        (_, None) => false,
+    };
+    let counter = if resumed {
+        &stats.sessions_resumed
+    } else {
+        tracing::warn!(%account, ?before, ?now, "the session after a lost connection did not find the avatar it had");
+        &stats.sessions_dropped
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+async fn run_sessions(
+    account: &str,
+    cfg: &BotConfig,
+    stats: &BotStats,
+    stop: &CancellationToken,
+    lost: &mut Option<Option<u64>>,
+) {
+    let account = account.to_string();
     let mut rng = StdRng::seed_from_u64(cfg.seed ^ fxhash(&account));
     let mut seq = 0u64;
     // Where the bot logs in, and the cookie of the last handover (its proxy changes with one).
@@ -227,7 +275,7 @@ pub async fn run_bot(
                 }
                 stats.logins.fetch_add(1, Ordering::Relaxed);
                 stats.online.fetch_add(1, Ordering::Relaxed);
-                set_online(&stats, &account, true);
+                set_online(stats, &account, true);
                 let world = WorldShape {
                     width: welcome.world_width,
                     height: welcome.world_height,
@@ -236,7 +284,7 @@ pub async fn run_bot(
                 };
                 let mut log = SessionLog::default();
                 let ended = play(
-                    &account, &cfg, &stats, &stop, &mut rng, &mut seq, &mut log, world, tx, rx,
+                    &account, cfg, stats, stop, &mut rng, &mut seq, &mut log, world, tx, rx,
                 )
                 .await;
                 let SessionLog {
@@ -244,6 +292,9 @@ pub async fn run_bot(
                     mut samples,
                     avatar,
                 } = log;
+                if let Some(before) = lost.take() {
+                    judge_resume(stats, &account, before, avatar.as_ref().map(|a| a.0));
+                }
                 if let (Some(before), Some(now)) = (avatar_before.take(), &avatar) {
                     // The inventory is owner-only and may follow the avatar's appearance: a
                     // session that ended first (the run's stop) shows only the entity.
@@ -268,7 +319,7 @@ pub async fn run_bot(
                         .push((before, after));
                 }
                 stats.online.fetch_sub(1, Ordering::Relaxed);
-                set_online(&stats, &account, false);
+                set_online(stats, &account, false);
                 match ended {
                     Ok(None) => return,
                     Ok(Some(t)) => {
@@ -291,6 +342,8 @@ pub async fn run_bot(
                             .inputs_on_broken_sessions
                             .fetch_add(sent, Ordering::Relaxed);
                         stats.errors.fetch_add(1, Ordering::Relaxed);
+                        stats.connections_lost.fetch_add(1, Ordering::Relaxed);
+                        *lost = Some(avatar.map(|a| a.0));
                         tracing::warn!(%account, error = %e, "bot lost its session");
                     }
                 }
@@ -566,6 +619,17 @@ mod tests {
             let w = retry_wait(0, &mut rng);
             assert!(w >= RETRY_AFTER && w < RETRY_AFTER.mul_f64(1.25), "{w:?}");
         }
+    }
+
+    #[test]
+    fn a_lost_connection_is_a_dropped_session_unless_the_next_finds_the_same_avatar() {
+        let stats = BotStats::default();
+        judge_resume(&stats, "a", Some(7), Some(7));
+        judge_resume(&stats, "a", None, Some(9));
+        judge_resume(&stats, "a", Some(7), Some(8));
+        judge_resume(&stats, "a", Some(7), None);
+        let t = stats.totals();
+        assert_eq!((t.sessions_resumed, t.sessions_dropped), (2, 2));
     }
 
     #[test]

@@ -738,7 +738,9 @@ def cmd_final(a):
         "accounts_with_two_avatars": len(set.intersection(*(masters_twice(s) for s in bl_complete))) if len(bl_complete) >= 2 else None,
         "sessions_without_avatar": len(set.intersection(*(sessions_of(s) - masters(s) for s in bl_complete))) if len(bl_complete) >= 2 else None,
         "avatars_after_logout": avatar_count(end[-1]) if end and complete(end[-1]) and bots_n else None,
-        "sessions_dropped": None if bots is None else int(bots.get("errors", 0)),
+        # A session whose connection broke is dropped only if the bot's next session did not
+        # find the avatar it had (a killed proxy breaks connections, not sessions).
+        "sessions_dropped": None if bots is None else int(bots.get("sessions_dropped", bots.get("errors", 0))),
         "restore_ms_p99": pct(restore_ms, 0.99),
         "errors": (int(sum(v for k, v in errors_by_kind.items() if k != "bots_lost_session")) + int(bots.get("errors", 0))) if (have_metrics and bots is not None) else None,
         "errors_by_kind": errors_by_kind if have_metrics else None,

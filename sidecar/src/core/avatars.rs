@@ -324,6 +324,13 @@ impl Core {
             return;
         }
         match entry {
+            None if self.gateway_elsewhere_lives(r.gateway_node) => {
+                // That gateway registers its sessions in its own geo's directory, not in the
+                // one this node reads: a miss here says nothing. While its lease holds (or has
+                // only lapsed: a cut between the geos), the session may well go on; its link's
+                // return brings the gateway's sessions (`SessionMoved`), and its death moves them
+                // to another gateway of its geo, which announces them.
+            }
             None => {
                 // The session is gone for good: so is its avatar.
                 tracing::debug!(%account, gateway = r.gateway_node, "the player's session ended with its gateway: avatar released");
@@ -334,6 +341,19 @@ impl Core {
             }
             _ => {}
         }
+    }
+
+    /// Whether `gateway` is a node of another geo (whose sessions this node's directory does not
+    /// hold) that has not died: its lease is live or lapsed, as this node last heard.
+    fn gateway_elsewhere_lives(&self, gateway: NodeId) -> bool {
+        let elsewhere = self
+            .restore
+            .geo_of
+            .get(&gateway)
+            .is_some_and(|g| *g != self.cfg.geo);
+        elsewhere
+            && (self.restore.live.contains_key(&gateway)
+                || self.restore.lapsed.contains_key(&gateway))
     }
 
     /// The session of a player whose avatar this node simulates for another gateway ended.

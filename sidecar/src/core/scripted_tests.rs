@@ -1775,3 +1775,99 @@ fn a_lapsed_peer_is_fenced_by_its_own_geos_decider_only() {
         }
     }
 }
+
+/// The lab's partition-geo: an owner cut off from a bridged player's gateway in another geo asked
+/// its own geo's directory where the session was, found nothing (the session is in the gateway's
+/// geo's directory) and released the avatar of a player still playing. A miss counts only for a
+/// gateway whose sessions that directory holds (same geo), or one that died.
+#[test]
+fn an_owner_cut_off_from_a_gateway_of_another_geo_keeps_its_players_avatar() {
+    const SESSION: u64 = 5;
+    for (gateway_geo, gateway_lives, released) in
+        [("us", true, false), ("us", false, true), ("eu", true, true)]
+    {
+        let case = format!("gateway in {gateway_geo}, lease live: {gateway_lives}");
+        let mut core = configured_node(None, |c| c.geo = "eu".into());
+        core.handle(
+            at(0),
+            Input::Peers(vec![PeerInfo {
+                node: GATEWAY,
+                mesh_addr: "node-2".into(),
+                geo: gateway_geo.into(),
+            }]),
+        );
+        core.handle(
+            at(0),
+            Input::PeerLeases {
+                live: vec![(GATEWAY, 1)],
+                lapsed: vec![],
+            },
+        );
+        link_up(&mut core, 10, PEER_LINK, GATEWAY);
+        core.handle(
+            at(20),
+            Input::LinkFrame {
+                link: PEER_LINK,
+                messages: vec![mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
+                    account: "alice".into(),
+                    session_epoch: SESSION,
+                    ..Default::default()
+                })
+                .into()],
+            },
+        );
+        game_tick(
+            &mut core,
+            50,
+            1,
+            game_message::Body::Spawn(local::Spawn {
+                entity_id: AVATAR,
+                position: pos(100.0, 40.0),
+                owner_account: "alice".into(),
+                is_master: true,
+                ..Default::default()
+            }),
+        );
+        let _ = outputs(&mut core);
+        core.handle(
+            at(100),
+            Input::LinkClosed {
+                link: PEER_LINK,
+                reason: "cut".into(),
+            },
+        );
+        if !gateway_lives {
+            // Its lease is gone: its process is dead, and its sessions moved or ended.
+            core.handle(
+                at(150),
+                Input::PeerLeases {
+                    live: vec![],
+                    lapsed: vec![],
+                },
+            );
+        }
+        let mut leaves = Vec::new();
+        for ms in (200..=6_000).step_by(100) {
+            core.handle(at(ms), Input::Timer);
+            while let Some(out) = core.poll_output() {
+                match out {
+                    Output::Store(StoreRequest::Lookup { account }) => core.handle(
+                        at(ms),
+                        Input::Store(StoreReply::LookedUp {
+                            account,
+                            result: Ok(None),
+                        }),
+                    ),
+                    Output::ToGame { frame, .. } => {
+                        leaves.extend(frame.messages.into_iter().filter_map(|m| match m.body {
+                            Some(sidecar_message::Body::PlayerLeave(l)) => Some(l.account),
+                            _ => None,
+                        }))
+                    }
+                    _ => {}
+                }
+            }
+        }
+        assert_eq!(!leaves.is_empty(), released, "{case}: leaves {leaves:?}");
+    }
+}
