@@ -1101,6 +1101,26 @@ def figure(sample, stat, metric):
 
 bridged = [b for b in (figure(s, "bridged_sessions", "cellmesh_proxy_bridged_sessions") for s in samples) if b is not None]
 
+def over_processes(stat):
+    """A proxy's /state counter over the whole run, summed over the proxies: a figure lower than
+    the sample before it is a new process (kill-proxy), counted from 0 (what a killed process
+    counted after its last sample is lost with it)."""
+    total = 0
+    proxies = {os.path.basename(p)[len("end-"):-len(".state.json")] for p in glob.glob(os.path.join(run, "end-*.state.json"))}
+    for proxy in proxies:
+        last = 0
+        for sample in samples + ["end"]:
+            try:
+                v = json.load(open(os.path.join(run, f"{sample}-{proxy}.state.json"))).get("stats", {}).get(stat)
+            except (OSError, ValueError):
+                continue
+            if isinstance(v, (int, float)):
+                if v < last:
+                    total += last
+                last = v
+        total += last
+    return total
+
 # A container that restarted, or that is not running other than by the partition job's or the
 # bots' planned exit, did so unasked (the containers a fault kills it starts again, and the engine
 # does not count those starts). One that did so during a fault names it.
@@ -1172,7 +1192,7 @@ summary.update({
     "inter_geo_delay_method": env.get("LAB_DELAY_METHOD") or None,
     "inter_geo_rtt_ms_p50_by_direction": None if eu_us is None else {"eu_to_us": eu_us, "us_to_eu": us_eu},
     "intra_geo_rtt_ms_p50": p50_of("rtt-intra.txt"),
-    "handovers": figure("end", "handovers", "cellmesh_proxy_handovers_total"),
+    "handovers": over_processes("handovers"),
     "bridged_sessions": max(bridged) if bridged else None,
     "bridged_sessions_end": figure("end", "bridged_sessions", "cellmesh_proxy_bridged_sessions"),
     "sessions_end": figure("end", "sessions", "cellmesh_proxy_sessions"),

@@ -210,15 +210,39 @@ struct BotsArgs {
     /// different prefixes are different players instead of displacing each other.
     #[arg(long, value_name = "PREFIX", default_value = "bot-")]
     account_prefix: String,
+    /// Where the bots wander, in metres (`X,Y`; the world wraps, so `--home=1000,-1000` is
+    /// 1 km below the top edge): beyond `--roam` metres from it they head back.
+    #[arg(long, value_name = "X,Y", value_parser = point, allow_hyphen_values = true)]
+    home: Option<(f64, f64)>,
+    #[arg(long, value_name = "METRES")]
+    roam: Option<f64>,
 }
 
 impl BotsArgs {
     fn config(&self) -> bots::BotConfig {
+        let default = bots::BotConfig::default();
         bots::BotConfig {
             proxy: self.proxy.clone(),
             secret: self.secret.secret.clone(),
-            ..bots::BotConfig::default()
+            home: self.home.unwrap_or(default.home),
+            roam: self.roam.unwrap_or(default.roam),
+            ..default
         }
+    }
+}
+
+/// `X,Y` in metres.
+fn point(s: &str) -> Result<(f64, f64), String> {
+    let parse = |v: &str| {
+        v.trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|f| f.is_finite())
+            .ok_or_else(|| format!("`{v}` is not a number of metres"))
+    };
+    match s.split_once(',') {
+        Some((x, y)) => Ok((parse(x)?, parse(y)?)),
+        None => Err(format!("`{s}` is not X,Y")),
     }
 }
 
@@ -551,6 +575,19 @@ mod tests {
             assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation);
             assert!(err.to_string().contains(argv[2]), "{err}");
         }
+    }
+
+    #[test]
+    fn bots_take_a_home_that_may_be_negative() {
+        let cli = Cli::try_parse_from(["cellmesh", "bots", "--home=1000,-1000", "--roam", "80"])
+            .expect("parses");
+        let Command::Bots(args) = cli.command else {
+            panic!("not bots");
+        };
+        let cfg = args.config();
+        assert_eq!((cfg.home, cfg.roam), ((1000.0, -1000.0), 80.0));
+        assert!(Cli::try_parse_from(["cellmesh", "bots", "--home", "5"]).is_err());
+        assert!(Cli::try_parse_from(["cellmesh", "bots", "--home", "x,1"]).is_err());
     }
 
     #[test]
