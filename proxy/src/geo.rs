@@ -97,7 +97,15 @@ impl Geos {
         let board = open(&cfg.geo, &g.board).await?;
         let mut peers = HashMap::new();
         for p in &g.peers {
-            let board = open(&p.name, &p.board).await?;
+            // Another geo's board connects at its first use: this proxy serves its own geo
+            // while the other is out of reach (a cut between the datacenters).
+            let board: Arc<dyn EdgeBoard> = match boards.and_then(|b| b.by_geo.get(&p.name)) {
+                Some(b) => b.clone(),
+                None => Arc::new(
+                    store::lazy_board::LazyBoard::new(&p.board, &p.name)
+                        .map_err(|e| anyhow::anyhow!("geo `{}` board: {e}", p.name))?,
+                ),
+            };
             peers.insert(
                 p.name.clone(),
                 Peer {
@@ -323,5 +331,38 @@ pub(crate) fn attach_hint(c: &HintCookie, source: HintSource) -> HandoverHint {
         last_position: c.last_position.map(|[x, y, z]| MeshVec3 { x, y, z }),
         issued_unix_ms: c.issued_unix_ms,
         source: source.name().to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::PeerGeo;
+
+    /// A proxy restarted while the other geo is cut off still starts: the other geo's board is
+    /// connected at its first use, and only that use fails.
+    #[tokio::test]
+    async fn a_proxy_opens_its_geos_while_another_geos_board_is_out_of_reach() {
+        let mut cfg = ProxyConfig {
+            geo: "eu".into(),
+            ..ProxyConfig::default()
+        };
+        cfg.geos.board = "memory".into();
+        cfg.geos.peers = vec![PeerGeo {
+            name: "us".into(),
+            proxies: "127.0.0.1:7300".into(),
+            // Nothing listens on port 1.
+            board: "redis://127.0.0.1:1".into(),
+        }];
+        let geos = Geos::open(&cfg, None)
+            .await
+            .expect("opened without the us board");
+        let us = &geos.peers["us"].board;
+        assert!(us.take_hint("alice").await.is_err());
+        cfg.geos.peers[0].board = "mongodb://127.0.0.1:1".into();
+        assert!(
+            Geos::open(&cfg, None).await.is_err(),
+            "a bad URL still fails at start"
+        );
     }
 }

@@ -10,6 +10,7 @@
 //! Both have an in-memory implementation in [`memory`] for `cellmesh up` and unit tests.
 
 pub mod claims;
+pub mod lazy_board;
 pub mod memory;
 pub mod mongo;
 pub mod redis;

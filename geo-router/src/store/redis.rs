@@ -227,7 +227,7 @@ impl RedisDirectory {
 
 /// A geo name is part of every key, so it must not contain the separator (`:`) or glob
 /// characters: `eu-west` and `eu` must never see each other's keys.
-fn valid_geo(geo: &str) -> bool {
+pub(crate) fn valid_geo(geo: &str) -> bool {
     !geo.is_empty()
         && geo
             .bytes()
