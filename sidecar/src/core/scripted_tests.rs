@@ -1238,14 +1238,10 @@ fn a_release_that_crosses_a_freeze_answers_it() {
     );
 }
 
-/// A player's avatar is not released: inputs on their way to the game would reach it frozen.
-/// The release is thawed with the reason, and the Freeze hands it over.
-#[test]
-fn a_players_avatar_is_kept_when_released() {
-    let mut core = node();
-    link_up(&mut core, 10, PEER_LINK, GATEWAY);
+/// The game spawns alice's avatar at (100, 40) in tick 1, at 50 ms; what that queued is dropped.
+fn spawn_alices_avatar(core: &mut Core) {
     game_tick(
-        &mut core,
+        core,
         50,
         1,
         game_message::Body::Spawn(local::Spawn {
@@ -1256,7 +1252,16 @@ fn a_players_avatar_is_kept_when_released() {
             ..Default::default()
         }),
     );
-    let _ = outputs(&mut core);
+    let _ = outputs(core);
+}
+
+/// A player's avatar is not released: inputs on their way to the game would reach it frozen.
+/// The release is thawed with the reason, and the Freeze hands it over.
+#[test]
+fn a_players_avatar_is_kept_when_released() {
+    let mut core = node();
+    link_up(&mut core, 10, PEER_LINK, GATEWAY);
+    spawn_alices_avatar(&mut core);
     core.handle(
         at(100),
         Input::GameFrame {
@@ -1816,19 +1821,7 @@ fn an_owner_cut_off_from_a_gateway_of_another_geo_keeps_its_players_avatar() {
                 .into()],
             },
         );
-        game_tick(
-            &mut core,
-            50,
-            1,
-            game_message::Body::Spawn(local::Spawn {
-                entity_id: AVATAR,
-                position: pos(100.0, 40.0),
-                owner_account: "alice".into(),
-                is_master: true,
-                ..Default::default()
-            }),
-        );
-        let _ = outputs(&mut core);
+        spawn_alices_avatar(&mut core);
         core.handle(
             at(100),
             Input::LinkClosed {
