@@ -21,6 +21,11 @@ impl<D> MeteredCodec<D> {
         }
     }
 
+    /// The largest frame the next decode takes (see [`FrameCodec::set_max_frame`]).
+    pub fn set_max_frame(&mut self, max_frame: usize) {
+        self.inner.set_max_frame(max_frame);
+    }
+
     fn counted_in<T>(&self, before: usize, src: &BytesMut, r: &Result<Option<T>, FrameError>) {
         if let Ok(Some(_)) = r {
             self.wire.frames_in.inc();

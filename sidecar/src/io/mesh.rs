@@ -29,6 +29,14 @@ use crate::metrics::{Metrics, Peer};
 pub(crate) const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 pub(crate) const DEAD_AFTER: Duration = Duration::from_secs(5);
 const PARTING_WRITE: Duration = Duration::from_secs(1);
+/// The largest frame a mesh connection may send before its `LinkHello` is accepted: a hello is
+/// tens of bytes, and a stranger must not make the listener buffer a megabyte per connection.
+pub(crate) const PRE_HELLO_MAX_FRAME: usize = 4 * 1024;
+/// Mesh connections still in their handshake at once; one more is closed as it comes. A peer's
+/// handshake takes a round trip, so even a whole cluster dialling at start stays far below; a
+/// flood of idle connections holds at most this many (and `PRE_HELLO_MAX_FRAME` each) until the
+/// hello timeout.
+pub(crate) const MAX_HANDSHAKES: usize = 256;
 
 #[derive(Clone)]
 pub(crate) struct MeshCtx {
@@ -44,6 +52,8 @@ pub(crate) struct MeshCtx {
     pub shutdown: CancellationToken,
     pub tasks: TaskTracker,
     pub shaping: crate::config::MeshShaping,
+    /// Permits for connections in their handshake ([`MAX_HANDSHAKES`]).
+    pub handshakes: Arc<tokio::sync::Semaphore>,
 }
 
 /// A link's queue behind the demo's in-process delay towards a peer of `geo` (see
@@ -85,11 +95,17 @@ pub(crate) async fn accept_loop(listener: TcpListener, ctx: MeshCtx) {
         };
         match accepted {
             Ok((stream, peer)) => {
+                let Ok(permit) = ctx.handshakes.clone().try_acquire_owned() else {
+                    // Closed at once: nothing is read from it, no task is spent on it.
+                    ctx.metrics.error("handshakes_full");
+                    tracing::debug!(%peer, "mesh connection closed: {MAX_HANDSHAKES} handshakes in progress");
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let link = ctx.next_link.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(link, %peer, "mesh connection");
                 ctx.tasks
-                    .spawn(serve(stream, link, peer.to_string(), ctx.clone()));
+                    .spawn(serve(stream, link, peer.to_string(), ctx.clone(), permit));
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accepting a mesh connection failed");
@@ -156,18 +172,28 @@ fn peer_name(h: &mesh::LinkHello) -> String {
 pub(crate) type Reader = FramedRead<tokio::net::tcp::OwnedReadHalf, MeteredCodec<MeshFrame>>;
 pub(crate) type Writer = FramedWrite<tokio::net::tcp::OwnedWriteHalf, MeteredCodec<MeshFrame>>;
 
-async fn serve(stream: TcpStream, link: u64, remote: String, ctx: MeshCtx) {
+async fn serve(
+    stream: TcpStream,
+    link: u64,
+    remote: String,
+    ctx: MeshCtx,
+    handshake: tokio::sync::OwnedSemaphorePermit,
+) {
     ctx.metrics.connected(Peer::Proxy);
     let (r, w) = stream.into_split();
     let mut reader = FramedRead::new(
         r,
-        MeteredCodec::<MeshFrame>::new(ctx.max_frame, &ctx.metrics, Peer::Proxy),
+        MeteredCodec::<MeshFrame>::new(
+            PRE_HELLO_MAX_FRAME.min(ctx.max_frame),
+            &ctx.metrics,
+            Peer::Proxy,
+        ),
     );
     let mut writer = FramedWrite::new(
         w,
         MeteredCodec::<MeshFrame>::new(ctx.max_frame, &ctx.metrics, Peer::Proxy),
     );
-    let (up, reason) = run(&mut reader, &mut writer, link, remote, &ctx).await;
+    let (up, reason) = run(&mut reader, &mut writer, link, remote, &ctx, handshake).await;
     if up {
         let _ = ctx
             .node
@@ -187,6 +213,7 @@ async fn run(
     link: u64,
     remote: String,
     ctx: &MeshCtx,
+    handshake: tokio::sync::OwnedSemaphorePermit,
 ) -> (bool, String) {
     let first = tokio::select! {
         _ = ctx.shutdown.cancelled() => return (false, "sidecar shutting down".into()),
@@ -200,8 +227,12 @@ async fn run(
             Some(Ok(frame)) => check_link_hello(frame, ctx.node_id),
         },
     };
+    drop(handshake);
     let (hello, rest) = match first {
-        Ok(x) => x,
+        Ok(x) => {
+            reader.decoder_mut().set_max_frame(ctx.max_frame);
+            x
+        }
         Err(reason) => {
             ctx.metrics.error("link_refused");
             let refused = MeshFrame::one(mesh_message::Body::Refused(mesh::LinkRefused {

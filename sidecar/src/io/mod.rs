@@ -156,6 +156,7 @@ pub(crate) async fn launch(
         shutdown: shutdown.clone(),
         tasks: tasks.clone(),
         shaping: cfg.shaping.clone(),
+        handshakes: Arc::new(tokio::sync::Semaphore::new(mesh::MAX_HANDSHAKES)),
     };
     let census = Arc::default();
     let restored = Arc::default();
