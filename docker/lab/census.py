@@ -547,10 +547,26 @@ def cmd_avatars(a):
                     if mid is not None:
                         out[acct] = mid
         return out
-    b, after = ids(json.load(open(a.before))), ids(json.load(open(a.after)))
+    def geos(snap, key):
+        # account -> the geo of the node listing it under `key` (session_masters: its gateway;
+        # masters: the node writing its avatar).
+        out = {}
+        for s in snap["sidecars"].values():
+            for acct in (s["state"] or {}).get(key) or []:
+                out[acct] = s.get("geo")
+        return out
+    before = json.load(open(a.before))
+    b, after = ids(before), ids(json.load(open(a.after)))
+    gateway_geo, owner_geo = geos(before, "session_masters"), geos(before, "masters")
     kept = sum(1 for k, v in b.items() if after.get(k) == v)
-    replaced = sum(1 for k, v in b.items() if k in after and after[k] != v)
-    print(json.dumps({"avatars_kept": kept, "avatars_replaced": replaced, "avatars_not_found": len(b) - kept - replaced}))
+    replaced = sorted(k for k, v in b.items() if k in after and after[k] != v)
+    # A bridged player's avatar written in another geo than its gateway's: that geo's directory
+    # holds its master record, the new gateway's does not (the cross-geo avatar rule is not
+    # built yet), so the new gateway spawns another.
+    across = [k for k in replaced if owner_geo.get(k) and gateway_geo.get(k) and owner_geo[k] != gateway_geo[k]]
+    print(json.dumps({"avatars_kept": kept, "avatars_replaced": len(replaced),
+                      "avatars_replaced_across_geos": len(across), "avatars_replaced_ids": replaced,
+                      "avatars_not_found": len(b) - kept - len(replaced)}))
     return 0
 
 
