@@ -99,7 +99,7 @@ pub struct MapCell {
     pub load: Option<f64>,
 }
 
-/// A bubble: the area a geo other than the core geo simulates (DESIGN's vocabulary), as the
+/// A bubble: the area a geo other than the core geo simulates (docs/geo.md), as the
 /// rectangles of its nodes' cells.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MapBubble {

@@ -1,4 +1,4 @@
-//! Handover hint cookies (DESIGN §12): a proxy that hands a client over to another geo gives it a
+//! Handover hint cookies (README.md#geos-bridge-first-hand-over-later): a proxy that hands a client over to another geo gives it a
 //! cookie naming where its session is; the target geo's proxy reads it when the client reconnects
 //! there. It is only a hint (MongoDB stays the authority): HMAC-signed, bound to the account and to
 //! the client's address, and ignored after [`MAX_AGE_MS`].

@@ -1,13 +1,13 @@
 //! cellmesh wire protocols.
 //!
-//! - [`local`]: game server <-> its sidecar (DESIGN §6).
+//! - [`local`]: game server <-> its sidecar (README.md#how-a-game-server-adopts-the-local-protocol).
 //! - [`mesh`]: proxy <-> sidecar and sidecar <-> sidecar.
 //! - [`edge`]: player client <-> geo-edge proxy.
 //!
 //! Every protocol uses the same framing ([`codec::FrameCodec`]): a 4-byte big-endian length and
 //! one protobuf message. [`sdk`] is the Rust SDK for game servers; [`client`] is the edge client
 //! used by bots and tests; [`token`] signs and checks the edge login tokens; [`cookie`] seals and
-//! opens the handover hint cookies and [`ticket`] the RTT probe tickets (DESIGN §12).
+//! opens the handover hint cookies and [`ticket`] the RTT probe tickets (README.md#geos-bridge-first-hand-over-later).
 
 pub mod batch;
 pub mod client;

@@ -1,4 +1,4 @@
-//! Probe tickets (DESIGN §12): a proxy asks its client to probe another geo's proxies, and the
+//! Probe tickets (README.md#geos-bridge-first-hand-over-later): a proxy asks its client to probe another geo's proxies, and the
 //! ticket tells the far proxy whose RTT it is measuring and which geo to publish it to. Like the
 //! handover cookie it is HMAC-signed under the proxies' secret, bound to the client's address,
 //! and refused after [`MAX_AGE_MS`]: a client cannot have another host measured in its name.

@@ -55,7 +55,7 @@ pub struct ProxyConfig {
     pub geos: GeosConfig,
 }
 
-/// Several geos (DESIGN §12): where the other geos' proxies are, this geo's and their Redis, and
+/// Several geos (README.md#geos-bridge-first-hand-over-later): where the other geos' proxies are, this geo's and their Redis, and
 /// the handover policy. With no peer, nothing of it runs: no cookie is ever requested, no probe
 /// asked for, nobody handed over.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -1,4 +1,4 @@
-//! Finding other geos' proxies by DNS (DESIGN §12): a peer geo is configured by name, and
+//! Finding other geos' proxies by DNS (README.md#geos-bridge-first-hand-over-later): a peer geo is configured by name, and
 //! resolved with `hickory-resolver`, either as `host:port` (A and AAAA records) or as an SRV name
 //! (`_cellmesh._tcp.montreal.example`: each target's host and port). Answers are kept for their
 //! TTL (at least [`MIN_TTL`]); a failed lookup forgets what was kept, so the next use asks again

@@ -1,4 +1,4 @@
-//! The proxy's part in a network of several geos (DESIGN §12): handover hints at login, and the
+//! The proxy's part in a network of several geos (README.md#geos-bridge-first-hand-over-later): handover hints at login, and the
 //! handover itself.
 //!
 //! A player handed over to another geo gets `Transfer{host, port, cookie}`; the same hint goes

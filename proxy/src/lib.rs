@@ -1,4 +1,4 @@
-//! The cellmesh geo-edge proxy (DESIGN §12): accepts player clients, checks their signed token,
+//! The cellmesh geo-edge proxy (README.md#the-edge-clients-and-the-proxy): accepts player clients, checks their signed token,
 //! rate-limits their input per account and per address, times its own pings, and attaches each
 //! session to a gateway sidecar over one multiplexed mesh link per gateway.
 //!
@@ -568,7 +568,7 @@ fn drain_schedule(n: usize, spread: Duration, mut unit: impl FnMut() -> f64) -> 
 /// How often the handover policy looks at every session.
 const HANDOVER_EVERY: Duration = Duration::from_secs(1);
 
-/// The handover policy at work (DESIGN §12): every second, each session's whereabouts (from its
+/// The handover policy at work (README.md#geos-bridge-first-hand-over-later): every second, each session's whereabouts (from its
 /// gateway) and RTT figures (this proxy's own, and what other geos' proxies measured and
 /// published here) go through [`Handover::observe`]; a session it says is worth a reconnect is
 /// handed over.

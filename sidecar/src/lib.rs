@@ -1,4 +1,4 @@
-//! The cellmesh sidecar: the data plane beside one game server (DESIGN §6-§10).
+//! The cellmesh sidecar: the data plane beside one game server (docs/mesh.md).
 //!
 //! The node decides and the driver acts (the sans-IO shape of quinn-proto):
 //!

@@ -1,4 +1,4 @@
-//! Handoff between nodes over real sockets (DESIGN §10): in-process sidecars on loopback, games
+//! Handoff between nodes over real sockets (docs/mesh.md#handoff): in-process sidecars on loopback, games
 //! scripted by the test through the local protocol (so the test decides when `Snapshot` and
 //! `Adopted` go), clients on proxy links, a relay that can hold, cut and replay the link between
 //! two nodes, and peer sidecars played by the test over raw mesh links.

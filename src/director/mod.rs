@@ -1,4 +1,4 @@
-//! `cellmesh director`: the one process per world that balances it (DESIGN §13). It holds the
+//! `cellmesh director`: the one process per world that balances it (docs/balance.md). It holds the
 //! director's lease in the topology store (a standby asks for it until it lapses), and every
 //! balance period reads the committed partition, the nodes' load reports and the spare nodes,
 //! runs the [`Balancer`] and commits the layout it proposes as the next epoch. The store checks

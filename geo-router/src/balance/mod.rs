@@ -1,4 +1,4 @@
-//! The balancer (DESIGN §13, seed `004`): BigWorld's CellAppMgr over a BSP layout, pure and in
+//! The balancer (docs/balance.md, seed `004`): BigWorld's CellAppMgr over a BSP layout, pure and in
 //! virtual time. Every balance period each split line moves toward its busier side by what the
 //! entity bound levels say sheds the excess, tempered by an aggression that halves when the line
 //! reverses; a line never grows a side at or over the safety bound, nor moves while a cell on

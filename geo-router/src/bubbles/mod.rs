@@ -1,4 +1,4 @@
-//! Bubble placement (DESIGN §13, seed `003`): which site (datacenter) simulates each group of
+//! Bubble placement (docs/geo.md, seed `003`): which site (datacenter) simulates each group of
 //! players, so that most of them play near the server while everyone stays in one world.
 //!
 //! The director calls [`Placement::evaluate`] every [`Params::evaluate_every_ms`] with the
@@ -194,7 +194,7 @@ impl Weights {
     }
 }
 
-/// The knobs of the placement. Defaults are those of DESIGN §13.
+/// The knobs of the placement. Defaults are those of docs/geo.md#parameters.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Params {

@@ -1,4 +1,4 @@
-//! Handover policy (DESIGN §12, seed `002`): when a player whose avatar is simulated in another
+//! Handover policy (README.md#geos-bridge-first-hand-over-later, seed `002`): when a player whose avatar is simulated in another
 //! geo is worth a reconnect to that geo's proxies.
 //!
 //! **Bridge first, hand over later.** A player who walks into a region homed in another geo keeps
@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::geometry::{Pos, WorldShape};
 
-/// Every threshold of the policy, with the defaults DESIGN §12 describes.
+/// Every threshold of the policy, with the defaults README's *Geos: bridge first, hand over later* gives.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HandoverParams {

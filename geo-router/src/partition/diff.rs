@@ -1,5 +1,5 @@
 //! What changes hands between two epochs: the work list of the mass handoff that applies a new
-//! partition (DESIGN §5).
+//! partition (docs/partition.md).
 
 use serde::{Deserialize, Serialize};
 

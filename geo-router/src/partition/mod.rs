@@ -1,4 +1,4 @@
-//! Who owns every point of the torus (DESIGN §5): a [`Partition`] maps each chunk to exactly one
+//! Who owns every point of the torus (docs/partition.md): a [`Partition`] maps each chunk to exactly one
 //! node, and is versioned by a monotonic epoch. Authority is derived from position, never stored
 //! per entity: `owner = partition.owner_of(position)`.
 //!

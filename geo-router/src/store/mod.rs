@@ -1,5 +1,5 @@
 //! The stores, behind traits so the embedded in-memory default and the real servers are
-//! interchangeable (DESIGN §11):
+//! interchangeable (docs/mesh.md, docs/partition.md):
 //!
 //! | trait | real store | scope |
 //! |---|---|---|

@@ -1,4 +1,4 @@
-//! Snowflake entity ids whose node part comes from a lease (DESIGN §5): two processes never mint
+//! Snowflake entity ids whose node part comes from a lease (docs/partition.md#the-topology-store-and-leases): two processes never mint
 //! with the same node part at the same time, because only one holds that node's lease.
 //!
 //! Layout of the 64 bits, most significant first (the sidecar's id layout):

@@ -1,4 +1,4 @@
-//! The topology store (DESIGN §5, §11): the committed partition with its epoch, one lease per
+//! The topology store (docs/partition.md#the-topology-store-and-leases): the committed partition with its epoch, one lease per
 //! node, and the node records. MongoDB in a cluster ([`mongo::MongoTopology`]), memory for
 //! `cellmesh up` and tests ([`memory::MemoryTopology`]); both behave alike.
 //!

@@ -1,4 +1,4 @@
-//! The local game: its connection, what it sends each tick, and the end of a tick (DESIGN §6).
+//! The local game: its connection, what it sends each tick, and the end of a tick (README.md#how-a-game-server-adopts-the-local-protocol).
 
 use cellmesh_proto::local::{
     self, game_message, sidecar_message, ErrorCode, GameMessage, SidecarMessage,

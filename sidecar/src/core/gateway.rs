@@ -1,4 +1,4 @@
-//! Gateway sessions (DESIGN §7): the client sessions proxies attach to this node over mesh links.
+//! Gateway sessions (docs/mesh.md#sessions-the-gateway-role): the client sessions proxies attach to this node over mesh links.
 //!
 //! Attach registers the account in the session directory (a new, higher session epoch), displaces
 //! an older session of the same account, loads the player record and tells the game

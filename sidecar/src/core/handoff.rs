@@ -1,4 +1,4 @@
-//! The node's side of handoff: drives the pure state machines of [`crate::handoff`] with the
+//! The node's side of handoff: drives the pure state machines of [`crate::model::handoff`] with the
 //! game, the peers and the clock, and keeps everything else of the node (ghosts, replicas,
 //! sessions, routes) in step when the real of an entity moves.
 //!

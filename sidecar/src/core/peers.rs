@@ -1,4 +1,4 @@
-//! The node's side of the peer protocol (DESIGN §7-§9): what it sends other sidecars and what
+//! The node's side of the peer protocol (docs/mesh.md#peer-links): what it sends other sidecars and what
 //! it does with what they send.
 //!
 //! - As an **owner**: answers chunk subscriptions with a snapshot burst, then sends each public

@@ -1,5 +1,5 @@
 //! Replication: the chunk subscriptions this node holds and serves, the render ghosts it keeps,
-//! and the simulation ghosts it pushes to its game (DESIGN §7, §8).
+//! and the simulation ghosts it pushes to its game (docs/mesh.md#interest-node-level-chunk-subscriptions, #ghosts).
 
 use std::collections::{BTreeMap, BTreeSet};
 

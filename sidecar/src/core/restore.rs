@@ -1,4 +1,4 @@
-//! Restoring a dead process's world on the live nodes (DESIGN §8).
+//! Restoring a dead process's world on the live nodes (docs/mesh.md#membership-and-partition).
 //!
 //! Every owner writes the checkpoints it keeps to the store under its own incarnation (node id
 //! and lease epoch). When an incarnation dies (its lease lapsed, or a new process holds its

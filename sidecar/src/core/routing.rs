@@ -1,4 +1,4 @@
-//! Routing by account (DESIGN §9): what an owner sends the gateways of the accounts its
+//! Routing by account (docs/mesh.md#routing-by-account): what an owner sends the gateways of the accounts its
 //! entities address, where avatars are, and what a gateway does with what it is routed.
 
 use std::collections::{BTreeMap, BTreeSet};

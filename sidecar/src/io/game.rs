@@ -1,4 +1,4 @@
-//! The local-protocol server: the game server's connection to its sidecar (DESIGN §6).
+//! The local-protocol server: the game server's connection to its sidecar (README.md#how-a-game-server-adopts-the-local-protocol).
 //!
 //! One task per connection owns the socket. It checks the handshake and frame-level rules itself
 //! (undecodable, oversize, unexpected first message, other major version: an `Error` frame, then

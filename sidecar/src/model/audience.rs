@@ -1,4 +1,4 @@
-//! The one audience resolver of the node: who may see a component or an event (DESIGN §9).
+//! The one audience resolver of the node: who may see a component or an event (docs/mesh.md#routing-by-account).
 //!
 //! A session of account A sees a component of an entity owned by `owner` when:
 //!

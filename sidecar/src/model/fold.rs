@@ -1,4 +1,4 @@
-//! Folding a tick into one batch per client (DESIGN §7).
+//! Folding a tick into one batch per client (docs/mesh.md#sessions-the-gateway-role).
 //!
 //! At `TickEnd` every client session gets, in one edge `Batch`, what changed for it (render
 //! ghosts' changes are folded the same way as each peer frame brings them, between ticks):

@@ -1,4 +1,4 @@
-//! Simulation ghosts (DESIGN §8): foreign entities pushed into the game so its AI can perceive
+//! Simulation ghosts (docs/mesh.md#ghosts): foreign entities pushed into the game so its AI can perceive
 //! across a border.
 //!
 //! Hysteresis as in BigWorld: a ghost is created when its entity comes within `band` chunks of

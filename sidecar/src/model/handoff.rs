@@ -1,4 +1,4 @@
-//! Epoch-fenced handoff (DESIGN §10): the real of an entity moves to the node that owns its
+//! Epoch-fenced handoff (docs/mesh.md#handoff): the real of an entity moves to the node that owns its
 //! position, with nothing lost, nothing doubled and nothing seen by clients.
 //!
 //! Pure state machines; the node feeds them events with the time and performs the actions they

@@ -1,4 +1,4 @@
-//! Routing by account (DESIGN §9): what the owner of an entity sends to the gateways of the
+//! Routing by account (docs/mesh.md#routing-by-account): what the owner of an entity sends to the gateways of the
 //! accounts its non-public components, events and messages name.
 //!
 //! - `OWNER_ONLY` goes to the owner account's gateway; `ACCOUNTS` and `OWNER_AND_PARTY` are

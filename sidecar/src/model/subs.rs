@@ -1,4 +1,4 @@
-//! Node-level chunk subscriptions (DESIGN §7): how a node learns about entities it does not own.
+//! Node-level chunk subscriptions (docs/mesh.md#interest-node-level-chunk-subscriptions): how a node learns about entities it does not own.
 //!
 //! The observer side ([`Subscriptions`]) keeps the foreign chunks it needs (those in some
 //! client's view, and the interaction band around its own area) and turns every change of that
