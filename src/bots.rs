@@ -241,8 +241,7 @@ async fn run_sessions(
     stop: &CancellationToken,
     lost: &mut Option<Option<u64>>,
 ) {
-    let account = account.to_string();
-    let mut rng = StdRng::seed_from_u64(cfg.seed ^ fxhash(&account));
+    let mut rng = StdRng::seed_from_u64(cfg.seed ^ fxhash(account));
     let mut seq = 0u64;
     // Where the bot logs in, and the cookie of the last handover (its proxy changes with one).
     let mut proxy = cfg.proxy.clone();
@@ -253,7 +252,7 @@ async fn run_sessions(
     let mut before_handover: Option<f64> = None;
     let mut avatar_before: Option<(u64, Vec<u8>)> = None;
     while !stop.is_cancelled() {
-        let token = cellmesh_proto::token::sign(cfg.secret.as_bytes(), &account, now_unix() + 3600);
+        let token = cellmesh_proto::token::sign(cfg.secret.as_bytes(), account, now_unix() + 3600);
         let how = client::Login {
             token,
             offer_cookie: !cookie.is_empty(),
@@ -275,7 +274,7 @@ async fn run_sessions(
                 }
                 stats.logins.fetch_add(1, Ordering::Relaxed);
                 stats.online.fetch_add(1, Ordering::Relaxed);
-                set_online(stats, &account, true);
+                set_online(stats, account, true);
                 let world = WorldShape {
                     width: welcome.world_width,
                     height: welcome.world_height,
@@ -284,7 +283,7 @@ async fn run_sessions(
                 };
                 let mut log = SessionLog::default();
                 let ended = play(
-                    &account, cfg, stats, stop, &mut rng, &mut seq, &mut log, world, tx, rx,
+                    account, cfg, stats, stop, &mut rng, &mut seq, &mut log, world, tx, rx,
                 )
                 .await;
                 let SessionLog {
@@ -293,7 +292,7 @@ async fn run_sessions(
                     avatar,
                 } = log;
                 if let Some(before) = lost.take() {
-                    judge_resume(stats, &account, before, avatar.as_ref().map(|a| a.0));
+                    judge_resume(stats, account, before, avatar.as_ref().map(|a| a.0));
                 }
                 if let (Some(before), Some(now)) = (avatar_before.take(), &avatar) {
                     // The inventory is owner-only and may follow the avatar's appearance: a
@@ -319,7 +318,7 @@ async fn run_sessions(
                         .push((before, after));
                 }
                 stats.online.fetch_sub(1, Ordering::Relaxed);
-                set_online(stats, &account, false);
+                set_online(stats, account, false);
                 match ended {
                     Ok(None) => return,
                     Ok(Some(t)) => {

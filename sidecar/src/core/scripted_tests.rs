@@ -1732,28 +1732,34 @@ fn a_moved_session_superseded_by_a_newer_login_is_displaced() {
     assert!(std::iter::from_fn(|| core.poll_output()).all(|o| !matches!(o, Output::ToLink { .. })));
 }
 
+/// Node 1 in geo eu, which knows node 2 (of `geo`) with its lease 1 live.
+fn node_in_eu_with_peer_in(geo: &str) -> Core {
+    let mut core = configured_node(None, |c| c.geo = "eu".into());
+    core.handle(
+        at(0),
+        Input::Peers(vec![PeerInfo {
+            node: GATEWAY,
+            mesh_addr: "node-2".into(),
+            geo: geo.into(),
+        }]),
+    );
+    core.handle(
+        at(0),
+        Input::PeerLeases {
+            live: vec![(GATEWAY, 1)],
+            lapsed: vec![],
+        },
+    );
+    core
+}
+
 /// The decider of node 2's geo fences node 2's lease once it stayed lapsed past the grace; a
 /// node of another geo with no live node of its own is fenced by nobody (a geo cut off from the
 /// topology store finds its leases unfenced when the cut heals).
 #[test]
 fn a_lapsed_peer_is_fenced_by_its_own_geos_decider_only() {
     for (peer_geo, fenced) in [("eu", true), ("us", false)] {
-        let mut core = configured_node(None, |c| c.geo = "eu".into());
-        core.handle(
-            at(0),
-            Input::Peers(vec![PeerInfo {
-                node: GATEWAY,
-                mesh_addr: "node-2".into(),
-                geo: peer_geo.into(),
-            }]),
-        );
-        core.handle(
-            at(0),
-            Input::PeerLeases {
-                live: vec![(GATEWAY, 1)],
-                lapsed: vec![],
-            },
-        );
+        let mut core = node_in_eu_with_peer_in(peer_geo);
         core.handle(
             at(100),
             Input::PeerLeases {
@@ -1792,22 +1798,7 @@ fn an_owner_cut_off_from_a_gateway_of_another_geo_keeps_its_players_avatar() {
         [("us", true, false), ("us", false, true), ("eu", true, true)]
     {
         let case = format!("gateway in {gateway_geo}, lease live: {gateway_lives}");
-        let mut core = configured_node(None, |c| c.geo = "eu".into());
-        core.handle(
-            at(0),
-            Input::Peers(vec![PeerInfo {
-                node: GATEWAY,
-                mesh_addr: "node-2".into(),
-                geo: gateway_geo.into(),
-            }]),
-        );
-        core.handle(
-            at(0),
-            Input::PeerLeases {
-                live: vec![(GATEWAY, 1)],
-                lapsed: vec![],
-            },
-        );
+        let mut core = node_in_eu_with_peer_in(gateway_geo);
         link_up(&mut core, 10, PEER_LINK, GATEWAY);
         core.handle(
             at(20),
