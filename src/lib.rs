@@ -4,6 +4,7 @@
 pub mod balance_cli;
 pub mod bench_cli;
 pub mod bots;
+pub mod certs_cli;
 pub mod director;
 pub mod geo_cli;
 pub mod live_map;

@@ -59,6 +59,9 @@ enum Command {
         #[arg(long, default_value_t = 3600)]
         ttl: u64,
     },
+    /// Make the cluster CA and issue the mesh TLS certificates of sidecars, proxies and the
+    /// director.
+    Certs(cellmesh::certs_cli::CertsArgs),
     /// Show, plan and commit the partition of the world.
     Partition(cellmesh::partition_cli::PartitionArgs),
     /// Geo routing tools: simulate bubble placement over a scenario.
@@ -121,6 +124,10 @@ struct UpArgs {
     /// takes its node id over at once instead of waiting out the lease.
     #[arg(long, requires = "chaos")]
     chaos_in_place: bool,
+    /// Mesh links in plaintext, not mutual TLS (by default a CA of this run certifies every
+    /// sidecar and proxy): to compare what TLS costs.
+    #[arg(long)]
+    mesh_plaintext: bool,
     /// Datacenters the nodes are spread over (each with its own proxy and session directory;
     /// player records shared), with the latency between them and to the bots shaped in-process.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=4))]
@@ -179,6 +186,7 @@ impl UpArgs {
             status: true,
             chaos: self.chaos,
             chaos_in_place: self.chaos_in_place,
+            mesh_plaintext: self.mesh_plaintext,
             geos: self
                 .geo_names
                 .into_iter()
@@ -472,6 +480,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Partition(args) => cellmesh::partition_cli::run(args).await?,
         Command::Geo(args) => cellmesh::geo_cli::run(args)?,
+        Command::Certs(args) => cellmesh::certs_cli::run(args)?,
         Command::Balance(args) => cellmesh::balance_cli::run(args)?,
         Command::Sim(args) => cellmesh::sim_cli::run(args)?,
         Command::Bench(args) => {

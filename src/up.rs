@@ -53,6 +53,9 @@ pub struct UpOptions {
     /// node id over at once. Otherwise the killed node's machine is gone with it, and the fresh
     /// process waits for the lease to lapse.
     pub chaos_in_place: bool,
+    /// Mesh links in plaintext instead of mutual TLS (a CA of this run issues every process's
+    /// certificate): for measuring what TLS costs.
+    pub mesh_plaintext: bool,
     /// The geos' names; more than one spreads the nodes over them (see [`GeoLayout`]).
     pub geos: Vec<String>,
     /// One-way delays between geos, and from a bot to a geo it is not in (ms): one value for
@@ -209,6 +212,7 @@ impl Default for UpOptions {
             status: true,
             chaos: None,
             chaos_in_place: false,
+            mesh_plaintext: false,
             geos: Vec::new(),
             geo_delay_ms: Vec::new(),
             svg: None,
@@ -746,6 +750,9 @@ struct NodeEnv {
     /// The nodes' state dir, of this run only (so are the in-memory topology and its leases);
     /// none unless killed nodes restart in place.
     state_dir: Option<Arc<RunDir>>,
+    /// The CA of this run, which issues each node's mesh certificate as it starts; none with
+    /// `--mesh-plaintext`.
+    mesh_ca: Option<Arc<RunCa>>,
     /// Where the arenas' NPCs and new players appear (see [`Crowd`] for a BSP).
     arena_center: (f64, f64),
     arena_spread: f64,
@@ -766,6 +773,29 @@ impl RunDir {
         std::fs::create_dir_all(&dir)
             .with_context(|| format!("creating the state dir {}", dir.display()))?;
         Ok(Self(dir))
+    }
+}
+
+/// A cluster CA made for one run (its directory removed with it): every sidecar and proxy gets
+/// a certificate naming its role, node id and geo, and every mesh link is mutual TLS.
+struct RunCa(RunDir);
+
+impl RunCa {
+    fn create() -> anyhow::Result<Self> {
+        let dir = RunDir::create()?;
+        cellmesh_trust::certs::init(&dir.0.join("ca"), "cellmesh up")?;
+        Ok(Self(dir))
+    }
+
+    /// Issues `who`'s certificate into a directory named `label`; returns its `mesh_tls` keys.
+    fn issue(
+        &self,
+        label: &str,
+        who: &cellmesh_trust::Identity,
+    ) -> anyhow::Result<cellmesh_trust::MeshTlsConfig> {
+        let out = self.0 .0.join(label);
+        cellmesh_trust::certs::issue(&self.0 .0.join("ca"), who, &out, 1)?;
+        Ok(cellmesh_trust::MeshTlsConfig::in_dir(&out))
     }
 }
 
@@ -803,6 +833,15 @@ async fn start_node(
     };
     if let Some(ms) = env.node_lease_ms {
         cfg.node_lease_ms = ms;
+    }
+    if let Some(ca) = &env.mesh_ca {
+        let who =
+            cellmesh_trust::Identity::new(cellmesh_trust::Role::Sidecar, Some(id), Some(&cfg.geo))
+                .map_err(anyhow::Error::msg);
+        match who.and_then(|who| ca.issue(&format!("node-{id}"), &who)) {
+            Ok(tls) => cfg.mesh_tls = tls,
+            Err(e) => return (runtime, Err(e.context(format!("certifying node {id}")))),
+        }
     }
     for (g, name) in env.geos.names.iter().enumerate() {
         if g != geo {
@@ -1045,6 +1084,11 @@ pub async fn run(
         } else {
             None
         },
+        mesh_ca: if opts.mesh_plaintext {
+            None
+        } else {
+            Some(Arc::new(RunCa::create()?))
+        },
         arena_center: if opts.bsp {
             Crowd::middle(&world)
         } else {
@@ -1143,6 +1187,11 @@ pub async fn run(
             token_secret: secret.clone(),
             ..ProxyConfig::default()
         };
+        if let Some(ca) = &env.mesh_ca {
+            let who = cellmesh_trust::Identity::new(cellmesh_trust::Role::Proxy, None, Some(name))
+                .map_err(anyhow::Error::msg)?;
+            cfg.mesh_tls = ca.issue(&format!("proxy-{name}"), &who)?;
+        }
         cfg.rate.address_accounts = cfg.rate.address_accounts.max(bot_conns);
         cfg.max_connections_per_address = cfg.max_connections_per_address.max(bot_conns as usize);
         cfg.max_connections = cfg.max_connections.max(bot_conns as usize);

@@ -19,6 +19,10 @@ pub struct ProxyConfig {
     pub admin_listen: String,
     /// Mesh addresses of the gateway sidecars; one multiplexed link each.
     pub gateways: Vec<String>,
+    /// Mutual TLS on the links to the gateways (`ca`, `cert`, `key`: PEM files; `cellmesh certs
+    /// issue --role proxy` makes them), read again when they change or on SIGHUP. Must be set
+    /// when the gateways' `mesh_tls` is; unset: plaintext, which a sidecar allows on loopback only.
+    pub mesh_tls: cellmesh_trust::MeshTlsConfig,
     /// Shared with the login service: HMAC key of the edge tokens. Every geo's proxies also
     /// sign and check handover cookies with it (under a label of their own).
     pub token_secret: String,
@@ -166,6 +170,7 @@ impl Default for ProxyConfig {
             client_listen: "127.0.0.1:7300".into(),
             admin_listen: "127.0.0.1:9300".into(),
             gateways: vec!["127.0.0.1:7200".into()],
+            mesh_tls: Default::default(),
             token_secret: DEFAULT_TOKEN_SECRET.into(),
             hello_timeout_ms: 5000,
             idle_timeout_ms: 30_000,
@@ -200,6 +205,7 @@ impl Default for RateConfig {
 impl ProxyConfig {
     /// Refuses values the proxy cannot run with, naming the key.
     pub fn validate(&self) -> anyhow::Result<()> {
+        self.mesh_tls.enabled()?;
         let positive = [
             ("hello_timeout_ms", self.hello_timeout_ms),
             ("idle_timeout_ms", self.idle_timeout_ms),

@@ -208,6 +208,8 @@ pub(crate) struct Shared {
     pub(crate) limits: InputLimits,
     pub(crate) gateways: Gateways,
     pub(crate) connections: ConnectionLimits,
+    /// Mutual TLS on the gateway links; none: plaintext.
+    pub(crate) mesh_tls: Option<Arc<cellmesh_trust::MeshTls>>,
     /// Stops every client task at once (each through its own child token).
     pub(crate) clients_stop: CancellationToken,
     /// Every client connection's control, so the drain can ask each to leave in its turn.
@@ -404,6 +406,21 @@ pub async fn start_with(
 ) -> anyhow::Result<ProxyHandle> {
     cfg.validate()?;
     let geos = geo::Geos::open(&cfg, boards.as_ref()).await?;
+    let mesh_tls = if cfg.mesh_tls.enabled()? {
+        let tls = cellmesh_trust::MeshTls::load(&cfg.mesh_tls)?;
+        tls.own()
+            .check_claim(cellmesh_trust::Role::Proxy, None, &cfg.geo)
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "mesh_tls.cert {} is not this proxy's (geo {:?}): {e}",
+                    cfg.mesh_tls.cert,
+                    cfg.geo
+                )
+            })?;
+        Some(tls)
+    } else {
+        None
+    };
     if cfg.uses_default_secret() {
         // Allowed on loopback only (`validate` refuses it elsewhere), for trying things out.
         tracing::warn!(
@@ -431,6 +448,7 @@ pub async fn start_with(
                 cfg.max_connections,
                 cfg.max_connections_per_address,
             ),
+            mesh_tls,
             clients_stop: CancellationToken::new(),
             clients: Mutex::default(),
             client_addr,
@@ -455,6 +473,10 @@ pub async fn start_with(
 
     let background = TaskTracker::new();
     let background_stop = CancellationToken::new();
+    if let Some(tls) = &shared.mesh_tls {
+        background
+            .spawn(tls.spawn_reloader(std::time::Duration::from_secs(5), background_stop.clone()));
+    }
     for link in shared.gateways.links() {
         background.spawn(link::run(
             link.clone(),

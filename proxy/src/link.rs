@@ -26,9 +26,10 @@ use cellmesh_proto::mesh::{
     ProtocolVersion,
 };
 use cellmesh_proto::PROTOCOL_MAJOR;
+use cellmesh_trust::{MeshStream, Role};
 use futures::{SinkExt, StreamExt};
 use prost::Message;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_util::codec::{FramedRead, FramedWrite};
@@ -344,8 +345,8 @@ impl Link {
     }
 }
 
-type LinkReader = FramedRead<OwnedReadHalf, FrameCodec<MeshFrame>>;
-type LinkWriter = FramedWrite<OwnedWriteHalf, FrameCodec<MeshFrame>>;
+type LinkReader = FramedRead<ReadHalf<MeshStream>, FrameCodec<MeshFrame>>;
+type LinkWriter = FramedWrite<WriteHalf<MeshStream>, FrameCodec<MeshFrame>>;
 
 /// Keeps `link` connected until `stop` is cancelled.
 pub(crate) async fn run(link: Arc<Link>, shared: Arc<Shared>, stop: CancellationToken) {
@@ -441,7 +442,21 @@ async fn dial(
         .map_err(|_| anyhow!("connect timed out"))?
         .context("connect")?;
     stream.set_nodelay(true)?;
-    let (r, w) = stream.into_split();
+    let (stream, proven) = match &shared.mesh_tls {
+        None => (MeshStream::Plain(stream), None),
+        Some(tls) => {
+            let name = Role::Sidecar.server_name();
+            let (s, id) = tokio::time::timeout(LINK_SILENCE, tls.connect(stream, &name))
+                .await
+                .map_err(|_| anyhow!("no TLS handshake within {} s", LINK_SILENCE.as_secs()))?
+                .map_err(|e| {
+                    shared.metrics.error("tls_refused");
+                    anyhow!("TLS handshake with the gateway failed: {e}")
+                })?;
+            (s, Some(id))
+        }
+    };
+    let (r, w) = tokio::io::split(stream);
     let max = shared.cfg.max_frame_bytes;
     let mut reader = FramedRead::new(r, FrameCodec::<MeshFrame>::with_max(max));
     let mut writer = FramedWrite::new(w, FrameCodec::<MeshFrame>::with_max(max));
@@ -462,7 +477,15 @@ async fn dial(
         .context("reading the gateway's LinkHello")?;
     shared.metrics.link_in.frame(reply.encoded_len());
     let peer = match reply.messages.into_iter().next().and_then(|m| m.body) {
-        Some(Body::Hello(h)) => check_hello(h)?,
+        Some(Body::Hello(h)) => {
+            if let Some(proven) = &proven {
+                // The gateway's certificate is a sidecar's; its hello must name the same node.
+                proven
+                    .check_claim(Role::Sidecar, Some(h.node_id), &h.geo)
+                    .map_err(|e| anyhow!("gateway refused: {e}"))?;
+            }
+            check_hello(h)?
+        }
         Some(Body::Refused(r)) => bail!("gateway refused the link: {}", r.reason),
         Some(other) => bail!(
             "expected LinkHello from the gateway, got {}",

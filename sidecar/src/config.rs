@@ -44,8 +44,13 @@ pub struct SidecarConfig {
     pub geo: String,
     /// Where the game server connects: `host:port`, or `unix:/path/to.sock` for a Unix socket.
     pub local_listen: String,
-    /// Where proxies (and later peer sidecars) dial in.
+    /// Where proxies and peer sidecars dial in. Off loopback only with `mesh_tls`.
     pub mesh_listen: String,
+    /// Mutual TLS on every mesh link (`ca`, `cert`, `key`: PEM files; `cellmesh certs` makes
+    /// them). The certificate names this node's id (or no id, for a fleet with `node_id_auto`)
+    /// and geo; peers' certificates must come from the same CA and agree with their hellos. The
+    /// files are read again when they change or on SIGHUP. Unset: plaintext, loopback only.
+    pub mesh_tls: cellmesh_trust::MeshTlsConfig,
     pub admin_listen: String,
     pub world: WorldShape,
     /// A chunk within this many chunks of the player's own entity enters the player's view...
@@ -152,6 +157,7 @@ impl Default for SidecarConfig {
             geo: "local".into(),
             local_listen: "127.0.0.1:7100".into(),
             mesh_listen: "127.0.0.1:7200".into(),
+            mesh_tls: Default::default(),
             admin_listen: "127.0.0.1:9100".into(),
             world: WorldShape::default(),
             view_radius_chunks: 5,
@@ -215,6 +221,8 @@ pub enum ConfigError {
     NodeIdAuto,
     #[error("{name} must not be empty")]
     Empty { name: &'static str },
+    #[error("{0}")]
+    MeshTls(String),
     #[error("local_listen `unix:` needs a socket path")]
     EmptyUnixPath,
     #[error("view_radius_chunks must be at least 1, got 0")]
@@ -261,6 +269,12 @@ impl SidecarConfig {
                 return Err(ConfigError::Empty { name });
             }
         }
+        cellmesh_trust::tls::require_tls_off_loopback(
+            "mesh_listen",
+            &self.mesh_listen,
+            &self.mesh_tls,
+        )
+        .map_err(|e| ConfigError::MeshTls(e.to_string()))?;
         if let LocalListen::Unix(p) = self.local() {
             if p.as_os_str().is_empty() {
                 return Err(ConfigError::EmptyUnixPath);

@@ -62,7 +62,22 @@ async fn dial_once(
         },
     };
     let _ = stream.set_nodelay(true);
-    let (r, w) = stream.into_split();
+    let (stream, proven) = match &ctx.tls {
+        None => (cellmesh_trust::MeshStream::Plain(stream), None),
+        Some(tls) => {
+            let name = cellmesh_trust::Role::Sidecar.server_name();
+            let handshake = tls.connect(stream, &name);
+            match tokio::time::timeout(HELLO_TIMEOUT, handshake).await {
+                Ok(Ok((s, id))) => (s, Some(id)),
+                Ok(Err(e)) => {
+                    ctx.metrics.error("tls_refused");
+                    return Err(format!("TLS handshake with {addr} failed: {e}"));
+                }
+                Err(_) => return Err("no TLS handshake in time".into()),
+            }
+        }
+    };
+    let (r, w) = tokio::io::split(stream);
     let mut reader = FramedRead::new(
         r,
         MeteredCodec::<MeshFrame>::new(ctx.max_frame, &ctx.metrics, Peer::Sidecar),
@@ -83,6 +98,13 @@ async fn dial_once(
         },
     };
     let (their, rest) = check_reply(reply, peer)?;
+    if let Some(proven) = &proven {
+        if let Err(e) = super::mesh::check_proven(&their, proven) {
+            ctx.metrics.error("link_refused");
+            tracing::warn!(peer, %addr, reason = %e, "peer link refused: its certificate");
+            return Err(e);
+        }
+    }
     let (outbox, queue) = mpsc::channel(ctx.outbox_frames);
     let queue = shaped(queue, ctx, &their.geo);
     let kill = stop.child_token();

@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage, PeerRole};
 use cellmesh_proto::{PROTOCOL_MAJOR, PROTOCOL_MINOR};
+use cellmesh_trust::{Identity, MeshStream, MeshTls, Role};
 use futures::{SinkExt, StreamExt};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -54,6 +55,8 @@ pub(crate) struct MeshCtx {
     pub shaping: crate::config::MeshShaping,
     /// Permits for connections in their handshake ([`MAX_HANDSHAKES`]).
     pub handshakes: Arc<tokio::sync::Semaphore>,
+    /// Mutual TLS on every link, accepted and dialled; none: plaintext on loopback.
+    pub tls: Option<Arc<MeshTls>>,
 }
 
 /// A link's queue behind the demo's in-process delay towards a peer of `geo` (see
@@ -115,10 +118,29 @@ pub(crate) async fn accept_loop(listener: TcpListener, ctx: MeshCtx) {
     }
 }
 
-/// Checks the dialling side's `LinkHello`; the error is the `LinkRefused` reason.
+/// The role a hello claims, as a certificate would name it.
+pub(crate) fn claimed_role(role: i32) -> Option<Role> {
+    match PeerRole::try_from(role) {
+        Ok(PeerRole::Sidecar) => Some(Role::Sidecar),
+        Ok(PeerRole::Proxy) => Some(Role::Proxy),
+        _ => None,
+    }
+}
+
+/// Checks that a hello says what the peer's certificate proves (with mesh TLS on).
+pub(crate) fn check_proven(hello: &mesh::LinkHello, proven: &Identity) -> Result<(), String> {
+    let role = claimed_role(hello.role)
+        .ok_or_else(|| format!("{} claims no role a certificate names", peer_name(hello)))?;
+    let node = (role == Role::Sidecar).then_some(hello.node_id);
+    proven.check_claim(role, node, &hello.geo)
+}
+
+/// Checks the dialling side's `LinkHello` (against what its certificate proves, with mesh TLS);
+/// the error is the `LinkRefused` reason.
 pub(crate) fn check_link_hello(
     frame: MeshFrame,
     node_id: u32,
+    proven: Option<&Identity>,
 ) -> Result<(mesh::LinkHello, Vec<MeshMessage>), String> {
     let mut messages = frame.messages.into_iter();
     let hello = match messages.next().map(|m| m.body) {
@@ -158,6 +180,9 @@ pub(crate) fn check_link_hello(
             hello.role
         ));
     }
+    if let Some(proven) = proven {
+        check_proven(&hello, proven)?;
+    }
     Ok((hello, messages.collect()))
 }
 
@@ -169,8 +194,23 @@ fn peer_name(h: &mesh::LinkHello) -> String {
     }
 }
 
-pub(crate) type Reader = FramedRead<tokio::net::tcp::OwnedReadHalf, MeteredCodec<MeshFrame>>;
-pub(crate) type Writer = FramedWrite<tokio::net::tcp::OwnedWriteHalf, MeteredCodec<MeshFrame>>;
+pub(crate) type Reader = FramedRead<ReadHalf<MeshStream>, MeteredCodec<MeshFrame>>;
+pub(crate) type Writer = FramedWrite<WriteHalf<MeshStream>, MeteredCodec<MeshFrame>>;
+
+/// The TLS handshake of an accepted connection (within the hello's time), or the plain stream.
+async fn secure(tcp: TcpStream, ctx: &MeshCtx) -> Result<(MeshStream, Option<Identity>), String> {
+    let Some(tls) = &ctx.tls else {
+        return Ok((MeshStream::Plain(tcp), None));
+    };
+    tokio::select! {
+        _ = ctx.shutdown.cancelled() => Err("sidecar shutting down".into()),
+        r = tokio::time::timeout(HELLO_TIMEOUT, tls.accept(tcp)) => match r {
+            Ok(Ok((stream, id))) => Ok((stream, Some(id))),
+            Ok(Err(e)) => Err(format!("TLS handshake failed: {e}")),
+            Err(_) => Err(format!("no TLS handshake within {} s", HELLO_TIMEOUT.as_secs())),
+        },
+    }
+}
 
 async fn serve(
     stream: TcpStream,
@@ -179,8 +219,17 @@ async fn serve(
     ctx: MeshCtx,
     handshake: tokio::sync::OwnedSemaphorePermit,
 ) {
+    let (stream, proven) = match secure(stream, &ctx).await {
+        Ok(s) => s,
+        Err(reason) => {
+            // Nothing of the mesh protocol was spoken: no `LinkRefused` to send.
+            ctx.metrics.error("tls_refused");
+            tracing::info!(link, %remote, %reason, "mesh connection refused");
+            return;
+        }
+    };
     ctx.metrics.connected(Peer::Proxy);
-    let (r, w) = stream.into_split();
+    let (r, w) = tokio::io::split(stream);
     let mut reader = FramedRead::new(
         r,
         MeteredCodec::<MeshFrame>::new(
@@ -193,7 +242,16 @@ async fn serve(
         w,
         MeteredCodec::<MeshFrame>::new(ctx.max_frame, &ctx.metrics, Peer::Proxy),
     );
-    let (up, reason) = run(&mut reader, &mut writer, link, remote, &ctx, handshake).await;
+    let (up, reason) = run(
+        &mut reader,
+        &mut writer,
+        link,
+        remote,
+        proven,
+        &ctx,
+        handshake,
+    )
+    .await;
     if up {
         let _ = ctx
             .node
@@ -212,6 +270,7 @@ async fn run(
     writer: &mut Writer,
     link: u64,
     remote: String,
+    proven: Option<Identity>,
     ctx: &MeshCtx,
     handshake: tokio::sync::OwnedSemaphorePermit,
 ) -> (bool, String) {
@@ -224,7 +283,7 @@ async fn run(
                 ctx.metrics.error(e.kind());
                 Err(e.to_string())
             }
-            Some(Ok(frame)) => check_link_hello(frame, ctx.node_id),
+            Some(Ok(frame)) => check_link_hello(frame, ctx.node_id, proven.as_ref()),
         },
     };
     drop(handshake);
@@ -404,15 +463,17 @@ mod tests {
 
     #[test]
     fn link_hello_rules() {
-        assert!(check_link_hello(hello(1, PeerRole::Proxy), 5).is_ok());
-        let e = check_link_hello(hello(2, PeerRole::Proxy), 5).unwrap_err();
+        assert!(check_link_hello(hello(1, PeerRole::Proxy), 5, None).is_ok());
+        let e = check_link_hello(hello(2, PeerRole::Proxy), 5, None).unwrap_err();
         assert_eq!(
             e,
             format!("peer \"edge-1\" speaks protocol 2.3, sidecar speaks {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}")
         );
-        assert!(check_link_hello(hello(1, PeerRole::RoleUnspecified), 5)
-            .unwrap_err()
-            .contains("proxy and sidecar links only"));
+        assert!(
+            check_link_hello(hello(1, PeerRole::RoleUnspecified), 5, None)
+                .unwrap_err()
+                .contains("proxy and sidecar links only")
+        );
         let sidecar = |node_id| {
             MeshFrame::one(mesh_message::Body::Hello(mesh::LinkHello {
                 version: Some(mesh::ProtocolVersion::current()),
@@ -421,18 +482,41 @@ mod tests {
                 ..Default::default()
             }))
         };
-        assert!(check_link_hello(sidecar(2), 5).is_ok());
-        assert!(check_link_hello(sidecar(5), 5)
+        assert!(check_link_hello(sidecar(2), 5, None).is_ok());
+        assert!(check_link_hello(sidecar(5), 5, None)
             .unwrap_err()
             .contains("only the lower node id dials"));
-        assert!(check_link_hello(MeshFrame::default(), 5)
+        assert!(check_link_hello(MeshFrame::default(), 5, None)
             .unwrap_err()
             .contains("empty frame"));
         let beat = MeshFrame::one(mesh_message::Body::Heartbeat(mesh::Heartbeat {
             sent_unix_ms: 1,
         }));
-        assert!(check_link_hello(beat, 5)
+        assert!(check_link_hello(beat, 5, None)
             .unwrap_err()
             .contains("expected LinkHello"));
+    }
+
+    #[test]
+    fn a_hello_must_agree_with_the_certificate() {
+        let with = |role: PeerRole, node_id, geo: &str| {
+            MeshFrame::one(mesh_message::Body::Hello(mesh::LinkHello {
+                version: Some(mesh::ProtocolVersion::current()),
+                role: role as i32,
+                node_id,
+                geo: geo.into(),
+                ..Default::default()
+            }))
+        };
+        let node3 = Identity::new(Role::Sidecar, Some(3), Some("eu")).unwrap();
+        let proxy = Identity::new(Role::Proxy, None, Some("eu")).unwrap();
+        assert!(check_link_hello(with(PeerRole::Sidecar, 3, "eu"), 5, Some(&node3)).is_ok());
+        let e = check_link_hello(with(PeerRole::Sidecar, 2, "eu"), 5, Some(&node3)).unwrap_err();
+        assert!(e.contains("node 2") && e.contains("node 3"), "{e}");
+        let e = check_link_hello(with(PeerRole::Sidecar, 2, "eu"), 5, Some(&proxy)).unwrap_err();
+        assert!(e.contains("proves proxy"), "{e}");
+        assert!(check_link_hello(with(PeerRole::Proxy, 0, "eu"), 5, Some(&proxy)).is_ok());
+        assert!(check_link_hello(with(PeerRole::Proxy, 0, "eu"), 5, Some(&node3)).is_err());
+        assert!(check_link_hello(with(PeerRole::Proxy, 0, "us"), 5, Some(&proxy)).is_err());
     }
 }

@@ -110,6 +110,29 @@ pub(crate) struct LinkHandle {
     pub backlog_reported_ms: Option<u64>,
 }
 
+/// How often the mesh TLS files are looked at for a change (SIGHUP reads them at once).
+const TLS_RELOAD_EVERY: Duration = Duration::from_secs(5);
+
+/// Reads `mesh_tls`, if set, and checks that the certificate is this node's: a sidecar's role,
+/// its node id (unless the certificate names none) and its geo (unless it names none).
+fn mesh_tls(cfg: &SidecarConfig) -> anyhow::Result<Option<Arc<cellmesh_trust::MeshTls>>> {
+    if !cfg.mesh_tls.enabled()? {
+        return Ok(None);
+    }
+    let tls = cellmesh_trust::MeshTls::load(&cfg.mesh_tls)?;
+    tls.own()
+        .check_claim(cellmesh_trust::Role::Sidecar, Some(cfg.node_id), &cfg.geo)
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "mesh_tls.cert {} is not this node's (node {} of geo {:?}): {e}",
+                cfg.mesh_tls.cert,
+                cfg.node_id,
+                cfg.geo
+            )
+        })?;
+    Ok(Some(tls))
+}
+
 /// Binds the listeners, starts the connection tasks, the membership task (for a cluster node)
 /// and the driver. The state dir's lock is held until both the driver and the lease task have
 /// ended (or their runtime is dropped, as a crash drops everything).
@@ -133,6 +156,7 @@ pub(crate) async fn launch(
         view.lock().expect("state lock poisoned").clone()
     });
 
+    let tls = mesh_tls(&cfg)?;
     let (local, local_addr) = bind_local(&cfg).await?;
     let mesh_listener = TcpListener::bind(&cfg.mesh_listen)
         .await
@@ -157,7 +181,11 @@ pub(crate) async fn launch(
         tasks: tasks.clone(),
         shaping: cfg.shaping.clone(),
         handshakes: Arc::new(tokio::sync::Semaphore::new(mesh::MAX_HANDSHAKES)),
+        tls: tls.clone(),
     };
+    if let Some(tls) = &tls {
+        tasks.spawn(tls.spawn_reloader(TLS_RELOAD_EVERY, shutdown.clone()));
+    }
     let census = Arc::default();
     let restored = Arc::default();
     let (load_reports, load_report) = watch::channel(None);
