@@ -111,7 +111,7 @@ broken() {
 }
 broken misspelt-key 's/^    command: \["cellmesh", "proxy"\]/    commmand: ["cellmesh", "proxy"]/'
 broken unknown-network-namespace 's/"service:node4-sidecar"/"service:node5-sidecar"/'
-broken undefined-dependency 's/^      - node4-sidecar$/      - node5-sidecar/'
+broken undefined-dependency 's/^      node4-sidecar:$/      node5-sidecar:/'
 
 # Each cluster's Prometheus (docker/prometheus/<cluster>.yml) must scrape every admin endpoint
 # of docker/<cluster>.yaml, and nothing else of it.

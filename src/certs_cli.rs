@@ -41,6 +41,59 @@ pub enum CertsCommand {
         #[arg(long, default_value_t = certs::CERT_DAYS)]
         days: i64,
     },
+    /// Make whatever is missing of a cluster's trust in DIR and keep the rest: the CA (DIR/ca),
+    /// each process's certificate, and random secrets. For deployments that make their own at
+    /// first start and keep them in a volume (the compose files).
+    Ensure {
+        dir: PathBuf,
+        /// A sidecar's certificate in DIR/node-N: `N` or `N@GEO` (repeat).
+        #[arg(long, value_name = "N[@GEO]")]
+        sidecar: Vec<String>,
+        /// A proxy's certificate in DIR/LABEL: `LABEL` or `LABEL@GEO` (repeat).
+        #[arg(long, value_name = "LABEL[@GEO]")]
+        proxy: Vec<String>,
+        /// A director's certificate in DIR/LABEL: `LABEL` or `LABEL@GEO` (repeat).
+        #[arg(long, value_name = "LABEL[@GEO]")]
+        director: Vec<String>,
+        /// A random 256-bit secret, as hex, in DIR/NAME (repeat).
+        #[arg(long, value_name = "NAME")]
+        secret: Vec<String>,
+        /// Hand what the processes read (not the CA's key) to this user: `UID:GID`.
+        #[arg(long, value_name = "UID:GID")]
+        owner: Option<String>,
+    },
+}
+
+/// `N` / `N@GEO`, or `LABEL` / `LABEL@GEO`.
+fn split_geo(spec: &str) -> (&str, Option<&str>) {
+    match spec.split_once('@') {
+        Some((a, g)) => (a, Some(g)),
+        None => (spec, None),
+    }
+}
+
+fn ensure_list(
+    sidecars: &[String],
+    proxies: &[String],
+    directors: &[String],
+) -> anyhow::Result<Vec<(String, Identity)>> {
+    let mut out = Vec::new();
+    for spec in sidecars {
+        let (n, geo) = split_geo(spec);
+        let node: u32 = n
+            .parse()
+            .map_err(|_| anyhow::anyhow!("--sidecar {spec:?}: expected N or N@GEO"))?;
+        let who = Identity::new(Role::Sidecar, Some(node), geo).map_err(anyhow::Error::msg)?;
+        out.push((format!("node-{node}"), who));
+    }
+    for (role, specs) in [(Role::Proxy, proxies), (Role::Director, directors)] {
+        for spec in specs {
+            let (label, geo) = split_geo(spec);
+            let who = Identity::new(role, None, geo).map_err(anyhow::Error::msg)?;
+            out.push((label.to_owned(), who));
+        }
+    }
+    Ok(out)
 }
 
 pub fn run(args: CertsArgs) -> anyhow::Result<()> {
@@ -72,6 +125,71 @@ pub fn run(args: CertsArgs) -> anyhow::Result<()> {
                 issued.ca.display()
             );
         }
+        CertsCommand::Ensure {
+            dir,
+            sidecar,
+            proxy,
+            director,
+            secret,
+            owner,
+        } => {
+            let owner = owner
+                .map(|o| -> anyhow::Result<(u32, u32)> {
+                    let (u, g) = o
+                        .split_once(':')
+                        .ok_or_else(|| anyhow::anyhow!("--owner {o:?}: expected UID:GID"))?;
+                    Ok((u.parse()?, g.parse()?))
+                })
+                .transpose()?;
+            let list = ensure_list(&sidecar, &proxy, &director)?;
+            let made = certs::ensure(&dir, &list, &secret, owner)?;
+            println!(
+                "{}: CA {}, issued [{}], secrets made [{}]",
+                dir.display(),
+                if made.ca_made { "made" } else { "kept" },
+                made.issued.join(", "),
+                made.secrets_made.join(", ")
+            );
+        }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ensure_makes_what_is_missing_and_keeps_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let list = ensure_list(&["1@eu".into(), "2".into()], &["proxy@eu".into()], &[]).unwrap();
+        assert_eq!(list[0].0, "node-1");
+        assert_eq!(list[0].1.geo.as_deref(), Some("eu"));
+        let secrets = vec!["token-secret".to_string()];
+        let first = certs::ensure(dir.path(), &list, &secrets, None).unwrap();
+        assert!(first.ca_made);
+        assert_eq!(first.issued, ["node-1", "node-2", "proxy"]);
+        let secret = std::fs::read_to_string(dir.path().join("token-secret")).unwrap();
+        assert_eq!(secret.len(), 64);
+        let cert = std::fs::read(dir.path().join("node-1").join(certs::CERT)).unwrap();
+
+        let again = certs::ensure(dir.path(), &list, &secrets, None).unwrap();
+        assert!(!again.ca_made && again.issued.is_empty() && again.secrets_made.is_empty());
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("token-secret")).unwrap(),
+            secret
+        );
+        assert_eq!(
+            std::fs::read(dir.path().join("node-1").join(certs::CERT)).unwrap(),
+            cert
+        );
+        // A node added later gets its certificate from the same CA.
+        let more = ensure_list(&["3@eu".into()], &[], &[]).unwrap();
+        assert_eq!(
+            certs::ensure(dir.path(), &more, &[], None).unwrap().issued,
+            ["node-3"]
+        );
+        assert!(ensure_list(&["x".into()], &[], &[]).is_err());
+        assert!(ensure_list(&[], &["p@not a geo".into()], &[]).is_err());
+    }
 }

@@ -153,6 +153,79 @@ fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
     write_mode(path, text, Some(0o600))
 }
 
+/// What [`ensure`] made on this call.
+#[derive(Debug, Default)]
+pub struct Ensured {
+    pub ca_made: bool,
+    pub issued: Vec<String>,
+    pub secrets_made: Vec<String>,
+}
+
+/// Makes whatever of a cluster's trust is missing in `dir`, and leaves the rest alone: the CA in
+/// `dir/ca` (its key stays there, readable by its owner only), one certificate per identity in
+/// `dir/<label>`, and one random 256-bit secret (hex) per name in `dir/<name>`. For a deployment
+/// that makes its own at first start and keeps them in a volume (the compose files): nothing is
+/// shipped, and a restart finds what the first start made. With `owner`, what the processes read
+/// (the issued directories and the secrets, not the CA's key) is handed to that uid and gid.
+pub fn ensure(
+    dir: &Path,
+    identities: &[(String, Identity)],
+    secrets: &[String],
+    owner: Option<(u32, u32)>,
+) -> anyhow::Result<Ensured> {
+    let mut made = Ensured::default();
+    let ca = dir.join("ca");
+    if !ca.join(CA_CERT).exists() {
+        init(&ca, "cluster")?;
+        made.ca_made = true;
+    }
+    for (label, who) in identities {
+        crate::identity::check_label("label", label).map_err(anyhow::Error::msg)?;
+        let out = dir.join(label);
+        if made.ca_made || !out.join(CERT).exists() {
+            issue(&ca, who, &out, CERT_DAYS)?;
+            made.issued.push(label.clone());
+        }
+        chown(&out, owner)?;
+        for f in [CA_CERT, CERT, KEY] {
+            chown(&out.join(f), owner)?;
+        }
+    }
+    for name in secrets {
+        crate::identity::check_label("secret name", name).map_err(anyhow::Error::msg)?;
+        let path = dir.join(name);
+        if !path.exists() {
+            let mut bytes = [0u8; 32];
+            getrandom(&mut bytes)?;
+            let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+            write_private(&path, &hex)?;
+            made.secrets_made.push(name.clone());
+        }
+        chown(&path, owner)?;
+    }
+    Ok(made)
+}
+
+/// 32 random bytes from the system's generator, through the key generator's own source (ring).
+fn getrandom(out: &mut [u8]) -> anyhow::Result<()> {
+    use rustls::crypto::ring::default_provider;
+    default_provider()
+        .secure_random
+        .fill(out)
+        .map_err(|_| anyhow::anyhow!("the system's random generator failed"))
+}
+
+fn chown(path: &Path, owner: Option<(u32, u32)>) -> anyhow::Result<()> {
+    #[cfg(unix)]
+    if let Some((uid, gid)) = owner {
+        std::os::unix::fs::chown(path, Some(uid), Some(gid))
+            .with_context(|| format!("handing {} to {uid}:{gid}", path.display()))?;
+    }
+    #[cfg(not(unix))]
+    let _ = (path, owner);
+    Ok(())
+}
+
 /// Makes a CA in `dir/ca` and issues one certificate per identity into `dir/<label>`, for a
 /// launcher that starts a whole cluster (`cellmesh up`, the tests). Returns the issued paths in
 /// the order given.
