@@ -24,6 +24,9 @@ pub struct ClusterSpec {
     pub gateways: Vec<u32>,
     /// Sessions the proxy must admit from loopback.
     pub clients: usize,
+    /// Mutual TLS on every mesh link (a CA of the cluster's own certifies each component), as a
+    /// deployment runs; plaintext otherwise, to measure what TLS costs.
+    pub tls: bool,
 }
 
 pub struct Cluster {
@@ -36,6 +39,19 @@ pub struct Cluster {
     stop: CancellationToken,
     /// Held for its drop, after the stop above.
     _runtimes: Runtimes,
+    /// The certificates of a TLS cluster, removed with it.
+    _certs: Option<tempfile::TempDir>,
+}
+
+/// Issues `who`'s certificate from the CA in `dir/ca` into `dir/label`.
+fn certify(
+    dir: &std::path::Path,
+    label: &str,
+    who: cellmesh_trust::Identity,
+) -> anyhow::Result<cellmesh_trust::MeshTlsConfig> {
+    let out = dir.join(label);
+    cellmesh_trust::certs::issue(&dir.join("ca"), &who, &out, 1)?;
+    Ok(cellmesh_trust::MeshTlsConfig::in_dir(&out))
 }
 
 /// The components' runtimes, shut down in the background when dropped: a runtime dropped the
@@ -103,6 +119,13 @@ impl Cluster {
             .context("committing the partition")?;
         let stores = Stores::in_memory();
         let stop = CancellationToken::new();
+        let certs = if spec.tls {
+            let dir = tempfile::tempdir().context("a directory for the certificates")?;
+            cellmesh_trust::certs::init(&dir.path().join("ca"), "bench")?;
+            Some(dir)
+        } else {
+            None
+        };
         let mut runtimes = Runtimes::default();
         let mut sidecars = Vec::new();
         for id in 1..=spec.nodes {
@@ -118,6 +141,15 @@ impl Cluster {
                 state_dir: String::new(),
                 ..SidecarConfig::default()
             };
+            if let Some(dir) = &certs {
+                let who = cellmesh_trust::Identity::new(
+                    cellmesh_trust::Role::Sidecar,
+                    Some(id),
+                    Some(&cfg.geo),
+                )
+                .map_err(anyhow::Error::msg)?;
+                cfg.mesh_tls = certify(dir.path(), &format!("node-{id}"), who)?;
+            }
             configure(&mut cfg);
             let handle = rt
                 .spawn(cellmesh_sidecar::start_in(
@@ -150,6 +182,12 @@ impl Cluster {
             drain_spread_ms: 0,
             ..ProxyConfig::default()
         };
+        if let Some(dir) = &certs {
+            let who =
+                cellmesh_trust::Identity::new(cellmesh_trust::Role::Proxy, None, Some(&cfg.geo))
+                    .map_err(anyhow::Error::msg)?;
+            cfg.mesh_tls = certify(dir.path(), "proxy", who)?;
+        }
         // Every bench client connects from 127.0.0.1.
         let clients = spec.clients.max(1) * 2;
         cfg.rate.address_accounts = cfg.rate.address_accounts.max(clients as u32);
@@ -170,6 +208,7 @@ impl Cluster {
             secret,
             stop,
             _runtimes: runtimes,
+            _certs: certs,
         };
         cluster
             .wait_until("the sidecars linked", |c| {

@@ -122,6 +122,9 @@ pub async fn run(opts: &Options) -> anyhow::Result<Value> {
         .context("through HAProxy")?;
     drop(proxy);
 
+    let (tls_run, plain_run) = tls_against_plaintext(rounds, &round).await?;
+    let (t, q) = (tls_run.tally.latency(), plain_run.tally.latency());
+
     let (p, h) = (
         through_proxy.tally.latency(),
         through_haproxy.tally.latency(),
@@ -133,7 +136,11 @@ pub async fn run(opts: &Options) -> anyhow::Result<Value> {
         "window_frames": WINDOW,
         "inputs_per_s": INPUT_HZ,
         "rounds": rounds,
-        "cellmesh": { "proxy": through_proxy.figures(frame_bytes) },
+        "cellmesh": {
+            "proxy": through_proxy.figures(frame_bytes),
+            "proxy_mesh_tls": tls_run.figures(frame_bytes),
+            "proxy_mesh_plaintext": plain_run.figures(frame_bytes),
+        },
         "baseline": { "haproxy": through_haproxy.figures(frame_bytes) },
         "ratio": {
             "p50_proxy_over_haproxy": ratio(p.p50_us, h.p50_us),
@@ -147,8 +154,71 @@ pub async fn run(opts: &Options) -> anyhow::Result<Value> {
                 through_proxy.inputs.p99_us,
                 through_haproxy.inputs.p99_us
             ),
+            "p50_mesh_tls_over_plaintext": ratio(t.p50_us, q.p50_us),
+            "p99_mesh_tls_over_plaintext": ratio(t.p99_us, q.p99_us),
+            "throughput_mesh_tls_over_plaintext": ratio(
+                tls_run.throughput_per_s(),
+                plain_run.throughput_per_s()
+            ),
+            "input_p99_mesh_tls_over_plaintext": ratio(
+                tls_run.inputs.p99_us,
+                plain_run.inputs.p99_us
+            ),
         },
     }))
+}
+
+/// The proxy's link to its gateway with mutual TLS, as deployed, against the same in plaintext,
+/// their rounds alternated like the comparison with HAProxy: what TLS on the mesh link costs.
+async fn tls_against_plaintext(rounds: u32, round: &Round) -> anyhow::Result<(PathRun, PathRun)> {
+    let dir = tempfile::tempdir().context("a directory for the certificates")?;
+    let ca = dir.path().join("ca");
+    cellmesh_trust::certs::init(&ca, "bench")?;
+    let geo = ProxyConfig::default().geo;
+    let issue = |label: &str, role, node| -> anyhow::Result<cellmesh_trust::MeshTlsConfig> {
+        let who =
+            cellmesh_trust::Identity::new(role, node, Some(&geo)).map_err(anyhow::Error::msg)?;
+        let out = dir.path().join(label);
+        cellmesh_trust::certs::issue(&ca, &who, &out, 1)?;
+        Ok(cellmesh_trust::MeshTlsConfig::in_dir(&out))
+    };
+    let gateway_tls = cellmesh_trust::MeshTls::load(&issue(
+        "gateway",
+        cellmesh_trust::Role::Sidecar,
+        Some(NODE),
+    )?)?;
+    let proxy_tls = issue("proxy", cellmesh_trust::Role::Proxy, None)?;
+
+    let mut tls_backend = Backend::start_tls(Framing::Mesh, Some(gateway_tls)).await?;
+    let tls_proxy = EdgeProxy::start_tls(tls_backend.addr, proxy_tls).await?;
+    let mut plain_backend = Backend::start(Framing::Mesh).await?;
+    let plain_proxy = EdgeProxy::start(plain_backend.addr).await?;
+    let mut paths = Vec::new();
+    for (name, proxy, backend) in [
+        ("through the proxy, mesh TLS", &tls_proxy, &mut tls_backend),
+        (
+            "through the proxy, mesh plaintext",
+            &plain_proxy,
+            &mut plain_backend,
+        ),
+    ] {
+        let (tx, rx, _welcome) = client::login(&proxy.client_addr(), &proxy.token(ACCOUNT))
+            .await
+            .map_err(|e| anyhow!("logging in {name}: {e}"))?;
+        paths.push(
+            OpenPath::start(name, (tx, rx), backend)
+                .await
+                .with_context(|| format!("opening a session {name}"))?,
+        );
+    }
+    let (mut plain_path, mut tls_path) = (paths.pop().expect("two"), paths.pop().expect("two"));
+    alternate(rounds, round, &mut tls_path.sender, &mut plain_path.sender).await?;
+    let tls_run = tls_path.finish(&tls_backend).await.context("mesh TLS")?;
+    let plain_run = plain_path
+        .finish(&plain_backend)
+        .await
+        .context("mesh plaintext")?;
+    Ok((tls_run, plain_run))
 }
 
 struct PathRun {
@@ -404,6 +474,14 @@ struct Backend {
 
 impl Backend {
     async fn start(framing: Framing) -> anyhow::Result<Self> {
+        Self::start_tls(framing, None).await
+    }
+
+    /// With `tls`, the gateway's side of the link takes mutual TLS first, as a sidecar does.
+    async fn start_tls(
+        framing: Framing,
+        tls: Option<Arc<cellmesh_trust::MeshTls>>,
+    ) -> anyhow::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let (sessions_tx, sessions) = mpsc::channel(16);
@@ -413,9 +491,10 @@ impl Backend {
             async move {
                 while let Ok((stream, _)) = listener.accept().await {
                     let (sessions, inputs) = (sessions_tx.clone(), inputs.clone());
+                    let tls = tls.clone();
                     tokio::spawn(async move {
                         let served = match framing {
-                            Framing::Mesh => serve_mesh(stream, sessions, inputs).await,
+                            Framing::Mesh => serve_mesh(stream, tls, sessions, inputs).await,
                             Framing::Plain => serve_plain(stream, sessions, inputs).await,
                         };
                         if let Err(e) = served {
@@ -483,11 +562,16 @@ async fn write_plain(
 
 async fn serve_mesh(
     stream: TcpStream,
+    tls: Option<Arc<cellmesh_trust::MeshTls>>,
     sessions: mpsc::Sender<SessionOut>,
     inputs: SharedInputs,
 ) -> anyhow::Result<()> {
     stream.set_nodelay(true)?;
-    let (r, w) = stream.into_split();
+    let stream = match tls {
+        Some(tls) => tls.accept(stream).await.context("mesh TLS")?.0,
+        None => cellmesh_trust::MeshStream::Plain(stream),
+    };
+    let (r, w) = tokio::io::split(stream);
     let mut reader = FramedRead::new(r, FrameCodec::<MeshFrame>::default());
     let mut writer = FramedWrite::new(w, FrameCodec::<MeshFrame>::default());
     let first = reader.next().await.context("closed before LinkHello")??;
@@ -547,7 +631,10 @@ async fn serve_mesh(
 
 /// The mesh link's write loop: everything queued, then one flush; a heartbeat every second.
 async fn write_mesh(
-    mut writer: FramedWrite<OwnedWriteHalf, FrameCodec<MeshFrame>>,
+    mut writer: FramedWrite<
+        tokio::io::WriteHalf<cellmesh_trust::MeshStream>,
+        FrameCodec<MeshFrame>,
+    >,
     mut rx: mpsc::Receiver<MeshMessage>,
 ) -> anyhow::Result<()> {
     let every = Duration::from_secs(1);
@@ -583,8 +670,16 @@ struct EdgeProxy {
 
 impl EdgeProxy {
     async fn start(gateway: SocketAddr) -> anyhow::Result<Self> {
+        Self::start_tls(gateway, Default::default()).await
+    }
+
+    async fn start_tls(
+        gateway: SocketAddr,
+        mesh_tls: cellmesh_trust::MeshTlsConfig,
+    ) -> anyhow::Result<Self> {
         let secret = format!("{:032x}", rand::random::<u128>());
         let cfg = ProxyConfig {
+            mesh_tls,
             client_listen: "127.0.0.1:0".into(),
             admin_listen: "127.0.0.1:0".into(),
             gateways: vec![gateway.to_string()],

@@ -122,6 +122,7 @@ pub async fn run(opts: &Options) -> anyhow::Result<Value> {
         nodes: plan.nodes,
         gateways: (2..=plan.nodes).collect(),
         clients: most,
+        tls: false,
     })
     .await?;
     let mut rig = Rig::start(&cluster, &plan, opts.seed).await?;

@@ -78,6 +78,7 @@ async fn measure(opts: &Options, release: bool) -> anyhow::Result<Value> {
         nodes: 2,
         gateways: vec![],
         clients: 0,
+        tls: false,
     })
     .await?;
     let border = border_x(&cluster.world, 2, 1);

@@ -1,7 +1,8 @@
 //! `hop`: one entity update from a game through its sidecar, the peer sidecar that is the
 //! client's gateway, and the proxy, to the client; beside the same number of minimal framed
 //! forwarders in this process (the loopback's limit) and as processes (the limit of a layout of
-//! one process per component).
+//! one process per component). The mesh runs as deployed, with mutual TLS on both mesh links, and
+//! once more in plaintext: `tls_over_plaintext` is what TLS costs.
 //!
 //! The client may receive a little fewer updates than the game sent: two updates of the entity
 //! that reach the gateway in one peer frame are folded into one (the client gets the latest
@@ -47,10 +48,14 @@ pub async fn run(opts: &Options) -> anyhow::Result<Value> {
     let processes = forwarder::measure_chain(head, sink, rate, FRAME, warm_up, measure).await?;
     drop(children);
 
-    let (mesh, sent, received) = through_the_mesh(rate, warm_up, measure).await?;
+    // As deployed (mutual TLS on both mesh links), and the same cluster in plaintext: the cost
+    // of TLS as a ratio of two runs of this one.
+    let (plain, _, _) = through_the_mesh(rate, warm_up, measure, false).await?;
+    let (mesh, sent, received) = through_the_mesh(rate, warm_up, measure, true).await?;
 
-    let (mesh, in_process, processes) = (
+    let (mesh, plain, in_process, processes) = (
         Latency::from_nanos(&mesh),
+        Latency::from_nanos(&plain),
         Latency::from_nanos(&in_process),
         Latency::from_nanos(&processes),
     );
@@ -61,6 +66,7 @@ pub async fn run(opts: &Options) -> anyhow::Result<Value> {
         "updates_sent": sent,
         "updates_received": received,
         "cellmesh": mesh,
+        "cellmesh_plaintext": plain,
         "baseline": { "forwarders_in_process": in_process, "forwarders_as_processes": processes },
         "ratio": {
             "p50_vs_processes": ratio(mesh.p50_us, processes.p50_us),
@@ -69,6 +75,9 @@ pub async fn run(opts: &Options) -> anyhow::Result<Value> {
             "p50_vs_in_process": ratio(mesh.p50_us, in_process.p50_us),
             "p99_vs_in_process": ratio(mesh.p99_us, in_process.p99_us),
             "p999_vs_in_process": ratio(mesh.p999_us, in_process.p999_us),
+            "p50_tls_over_plaintext": ratio(mesh.p50_us, plain.p50_us),
+            "p99_tls_over_plaintext": ratio(mesh.p99_us, plain.p99_us),
+            "p999_tls_over_plaintext": ratio(mesh.p999_us, plain.p999_us),
         },
     }))
 }
@@ -80,11 +89,13 @@ async fn through_the_mesh(
     rate: u32,
     warm_up: Duration,
     measure: Duration,
+    tls: bool,
 ) -> anyhow::Result<(hdrhistogram::Histogram<u64>, u64, u64)> {
     let cluster = Cluster::start(ClusterSpec {
         nodes: 2,
         gateways: vec![2],
         clients: 1,
+        tls,
     })
     .await?;
     let x = border_x(&cluster.world, 2, 1);

@@ -103,6 +103,7 @@ pub async fn run(opts: &Options) -> anyhow::Result<Value> {
             nodes: NODES,
             gateways: vec![2, 3],
             clients: plan.sessions,
+            tls: false,
         },
         |cfg| cfg.checkpoint_interval_ms = 0,
     )

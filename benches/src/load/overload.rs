@@ -172,6 +172,7 @@ pub async fn run(opts: &Options) -> anyhow::Result<Value> {
             nodes: NODES,
             gateways: vec![GATEWAY],
             clients: plan.most(),
+            tls: false,
         },
         |cfg| {
             cfg.admission.close_at_load = CLOSE_AT_LOAD;
