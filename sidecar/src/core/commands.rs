@@ -487,6 +487,8 @@ impl Core {
                 return;
             }
         }
+        // Internal: the entry was found at the top and nothing since removed it, whatever the
+        // peer said (an unknown or repeated `Located` returns there).
         let loc = self
             .commands
             .locating
@@ -609,6 +611,7 @@ impl Core {
             .map(|(id, _)| *id)
             .collect();
         for id in lost {
+            // Internal: a timer step over ids it just listed from the same map.
             let l = self.commands.locating.remove(&id).expect("listed above");
             for c in l.commands {
                 self.drop_command(&c, "not_located", "no peer said where the target is");

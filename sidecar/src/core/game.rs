@@ -415,6 +415,7 @@ impl Core {
         if !self.may_write(e.entity_id) {
             return;
         }
+        // Internal: checked above; `may_write` only queues an error, it changes no entity.
         let entity = self.table.get_local(e.entity_id).expect("checked above");
         self.game.tick_events.push(TickEvent {
             entity_id: e.entity_id,

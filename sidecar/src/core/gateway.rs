@@ -378,6 +378,8 @@ impl Core {
             self.forget_session(other);
         }
         let w = self.cfg.world;
+        // Internal: found at the top; `other` is the account's attached session, never `key`
+        // (registered once, by this node's own store call, and attached only below).
         let s = self.gw.sessions.all.get_mut(&key).expect("checked above");
         s.epoch = Some(reg.epoch);
         if let Some(r) = reg.record {

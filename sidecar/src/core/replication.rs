@@ -179,6 +179,7 @@ impl Core {
             }
             for &node in &target {
                 if ch.spawned || !held.contains(&node) {
+                    // Internal: `full` is built on this very condition, from the local table.
                     let state = full.clone().expect("built when some node needs it");
                     frames.push((node, mesh_message::Body::EntityState(state)));
                     self.repl.newly_held.entry(id).or_default().insert(node);

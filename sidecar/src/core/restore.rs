@@ -933,6 +933,7 @@ impl Core {
         let mut checkpoints = Vec::new();
         for &inc in incs {
             let (own_held, own_offered, own_in_doubt) = self.report_of(inc);
+            // Internal: a timer step; the caller kept only incarnations with a round.
             let round = self.restore.rounds.get_mut(&inc).expect("prepared above");
             round.decided = true;
             for (id, h) in std::mem::take(&mut round.held) {
@@ -1089,6 +1090,7 @@ impl Core {
         if o.target != from || o.offer.entity_epoch != epoch {
             return false;
         }
+        // Internal: looked up just above, nothing removed it since.
         let o = self.restore.offering.remove(&id).expect("checked above");
         if refused == Some(ALREADY_WRITES) {
             // A live node writes it after all (it moved between live nodes while the round

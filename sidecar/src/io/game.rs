@@ -166,6 +166,7 @@ pub(crate) fn check_hello(
     let first = messages
         .next()
         .and_then(|m| m.body)
+        // Internal: `check_frame` refused an empty frame and bodiless messages with an error.
         .expect("check_frame: non-empty, bodies present");
     let hello = match first {
         game_message::Body::Hello(h) => h,

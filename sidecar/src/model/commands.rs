@@ -183,6 +183,7 @@ impl<C> Stream<C> {
                 .find(|(_, (prev, _, _))| *prev <= self.last)
                 .map(|(seq, _)| *seq);
             let Some(seq) = next else { break };
+            // Internal: `seq` was found in the same map one line up.
             let (_, c, _) = self.pending.remove(&seq).expect("found above");
             self.last = self.last.max(seq);
             out.push(c);
@@ -263,6 +264,7 @@ impl<C> CommandOrder<C> {
             .collect();
         targets.sort_unstable();
         for target in targets {
+            // Internal: a timer step over targets it just listed from the same map.
             let streams = self.streams.get_mut(&target).expect("listed above");
             for s in streams.values_mut() {
                 let overdue = s

@@ -288,6 +288,7 @@ impl EntityTable {
             check_finite(u.id, p)?;
         }
         let placed = u.position.map(|p| self.place(p));
+        // Internal: checked at the top; nothing between removes an entity.
         let entity = self.entities.get_mut(&u.id).expect("checked above");
         let change = self.changes.entry(u.id).or_default();
         if let Some((position, chunk)) = placed {

@@ -457,6 +457,8 @@ impl DeltaKey {
         if self.kind == DeltaKind::Vanish {
             return d;
         }
+        // Internal: `decide` makes such keys only for entities in `table`, which the fold does
+        // not change.
         let e = table
             .get(self.id)
             .expect("deltas other than VANISH are built from live entities");

@@ -243,6 +243,8 @@ impl<I: Clone> HandoffSource<I> {
             .root_of
             .get(&id)
             .ok_or(HandoffError::NotInHandoff(id))?;
+        // Internal: `root_of` and `out` change together (`begin`, `take`, `despawned`); what a
+        // peer answers goes through `check_answer`, which errs on a unit not found.
         let o = self.out.get_mut(&root).expect("a member's unit exists");
         let Phase::Freezing { parts } = &mut o.phase else {
             // A second snapshot after the offer left changes nothing: the offer is immutable.
@@ -369,6 +371,7 @@ impl<I: Clone> HandoffSource<I> {
         let ordered: Vec<_> = o
             .members
             .iter()
+            // Internal: members are distinct (`attachments_of` lists each once, the root apart).
             .map(|m| (*m, parts.remove(m).expect("checked above")))
             .collect();
         o.phase = Phase::Offered {
@@ -627,6 +630,7 @@ impl<I: Clone> HandoffSource<I> {
         Ok(())
     }
 
+    /// Internal: every caller found `root` in `out` first (see `check_answer`).
     fn take(&mut self, root: EntityId) -> Outgoing<I> {
         let o = self.out.remove(&root).expect("checked by the caller");
         for m in &o.members {
