@@ -1047,7 +1047,7 @@ write_summary() {
     local containers
     containers=$(podman ps -a --filter "label=io.podman.compose.project=$project" --format '{{.Names}}')
     # Restart counts and states: a container that restarted, or stopped other than the
-    # partition job's planned exit, did so unasked (no fault touches it yet).
+    # partition and trust jobs' planned exits, did so unasked (no fault touches it yet).
     local ctr
     for ctr in $containers; do
         podman inspect --format '{{.Name}} {{.RestartCount}} {{.State.Status}} {{.State.ExitCode}}' "$ctr"
@@ -1125,14 +1125,14 @@ def over_processes(stat):
         total += last
     return total
 
-# A container that restarted, or that is not running other than by the partition job's or the
-# bots' planned exit, did so unasked (the containers a fault kills it starts again, and the engine
+# A container that restarted, or that is not running other than by the partition and trust jobs' or
+# the bots' planned exit, did so unasked (the containers a fault kills it starts again, and the engine
 # does not count those starts). One that did so during a fault names it.
 faults = json.loads(env["LAB_FAULTS"])
 unplanned = []
 containers = [line.split() for line in open(os.path.join(run, "containers.txt")) if line.strip()]
 for name, restarts, status, code in containers:
-    planned_exit = (name.endswith(("_partition_1", "bots_1", "_travellers_1"))) and status == "exited" and code == "0"
+    planned_exit = (name.endswith(("_partition_1", "_trust_1", "bots_1", "_travellers_1"))) and status == "exited" and code == "0"
     if int(restarts) > 0 or (status != "running" and not planned_exit):
         during = sorted({f["name"] for f in faults for e in f.get("cost", {}).get("containers_exited", []) if e["container"] == name})
         unplanned.append({"container": name, "restarts": int(restarts), "status": status, "exit_code": int(code),
