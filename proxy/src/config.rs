@@ -303,15 +303,10 @@ impl RateConfig {
     }
 }
 
-/// Whether `listen` (`host:port`) only accepts connections from this host. A name other than
-/// `localhost` may resolve anywhere, so it counts as reachable.
+/// Whether `listen` (`host:port`) only accepts connections from this host (the mesh listeners'
+/// rule, in one place).
 fn listens_on_loopback(listen: &str) -> bool {
-    if let Ok(addr) = listen.parse::<std::net::SocketAddr>() {
-        return addr.ip().is_loopback();
-    }
-    listen
-        .rsplit_once(':')
-        .is_some_and(|(host, _)| host.eq_ignore_ascii_case("localhost"))
+    cellmesh_trust::tls::is_loopback_listen(listen)
 }
 
 #[cfg(test)]

@@ -225,15 +225,3 @@ fn chown(path: &Path, owner: Option<(u32, u32)>) -> anyhow::Result<()> {
     let _ = (path, owner);
     Ok(())
 }
-
-/// Makes a CA in `dir/ca` and issues one certificate per identity into `dir/<label>`, for a
-/// launcher that starts a whole cluster (`cellmesh up`, the tests). Returns the issued paths in
-/// the order given.
-pub fn init_cluster(dir: &Path, identities: &[(String, Identity)]) -> anyhow::Result<Vec<Issued>> {
-    let ca = dir.join("ca");
-    init(&ca, "local")?;
-    identities
-        .iter()
-        .map(|(label, who)| issue(&ca, who, &dir.join(label), CERT_DAYS))
-        .collect()
-}

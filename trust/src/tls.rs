@@ -72,8 +72,6 @@ pub struct Loaded {
     pub client: Arc<ClientConfig>,
     /// What this process's own certificate proves.
     pub own: Identity,
-    /// When it expires.
-    pub not_after: SystemTime,
 }
 
 /// The files' modification times and sizes: a change in any is a reason to read them again.
@@ -102,8 +100,8 @@ fn stamp(paths: &[PathBuf]) -> Stamp {
         .collect()
 }
 
-/// The DNS names of a certificate's subject alternative names, and its expiry.
-fn names_of(cert: &CertificateDer<'_>) -> Result<(Vec<String>, SystemTime), String> {
+/// The DNS names of a certificate's subject alternative names.
+fn names_of(cert: &CertificateDer<'_>) -> Result<Vec<String>, String> {
     let (_, x509) = x509_parser::parse_x509_certificate(cert)
         .map_err(|e| format!("the certificate does not parse: {e}"))?;
     let mut names = Vec::new();
@@ -114,13 +112,12 @@ fn names_of(cert: &CertificateDer<'_>) -> Result<(Vec<String>, SystemTime), Stri
             }
         }
     }
-    let secs = x509.validity().not_after.timestamp().max(0) as u64;
-    Ok((names, SystemTime::UNIX_EPOCH + Duration::from_secs(secs)))
+    Ok(names)
 }
 
 /// What a verified peer certificate proves.
 pub fn identity_of(cert: &CertificateDer<'_>) -> Result<Identity, String> {
-    let (names, _) = names_of(cert)?;
+    let names = names_of(cert)?;
     Identity::from_names(names.iter().map(String::as_str))
 }
 
@@ -147,7 +144,7 @@ fn load(paths: &[PathBuf; 3]) -> anyhow::Result<Loaded> {
     let Some(leaf) = chain.first() else {
         bail!("mesh_tls.cert {} holds no certificate", cert.display());
     };
-    let (names, not_after) = names_of(leaf)
+    let names = names_of(leaf)
         .map_err(anyhow::Error::msg)
         .with_context(|| format!("mesh_tls.cert {}", cert.display()))?;
     let own = Identity::from_names(names.iter().map(String::as_str))
@@ -186,7 +183,6 @@ fn load(paths: &[PathBuf; 3]) -> anyhow::Result<Loaded> {
         server: Arc::new(server),
         client: Arc::new(client),
         own,
-        not_after,
     })
 }
 
@@ -341,15 +337,6 @@ fn peer_identity(certs: Option<&[CertificateDer<'static>]>) -> io::Result<Identi
 pub enum MeshStream {
     Plain(TcpStream),
     Tls(Box<tokio_rustls::TlsStream<TcpStream>>),
-}
-
-impl MeshStream {
-    pub fn tcp(&self) -> &TcpStream {
-        match self {
-            MeshStream::Plain(s) => s,
-            MeshStream::Tls(s) => s.get_ref().0,
-        }
-    }
 }
 
 impl AsyncRead for MeshStream {
