@@ -21,6 +21,9 @@ pub const MAX_CLOCK_SKEW_MS: u64 = 5_000;
 /// Longest attestation read; longer ones are refused unread.
 pub const MAX_LEN: usize = keys::MAX_KID_LEN + 1 + 20 + 1 + 64;
 const DOMAIN: &[u8] = b"cellmesh attach attestation\0";
+/// The public key proxies and sidecars use when no `attest_keys` are set: it lets a process on
+/// its own attach with nothing configured, and is refused for a mesh listener off loopback.
+pub const DEFAULT_KEY: &str = "dev:dev-attest-change-me";
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AttestError {

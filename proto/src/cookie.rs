@@ -98,6 +98,9 @@ pub enum CookieError {
     Expired { age_ms: u64 },
     #[error("cookie issued {ahead_ms} ms ahead of this clock")]
     FromTheFuture { ahead_ms: u64 },
+    /// Checked by the reader against its geo's board: a cookie is honoured once.
+    #[error("cookie was used already")]
+    Replayed,
 }
 
 impl CookieError {
@@ -114,6 +117,7 @@ impl CookieError {
             CookieError::WrongGeo(_) => "cookie_wrong_geo",
             CookieError::Expired { .. } => "expired_cookie",
             CookieError::FromTheFuture { .. } => "cookie_from_the_future",
+            CookieError::Replayed => "cookie_replayed",
         }
     }
 }

@@ -81,6 +81,14 @@ impl KeyRing {
         }
     }
 
+    /// A ring of `key` alone.
+    pub fn of(key: Key) -> Self {
+        Self {
+            keys: vec![key],
+            signing: 0,
+        }
+    }
+
     /// Parses `["kid:secret", ...]`; `signing` names the signing key (empty: the first).
     pub fn parse(entries: &[String], signing: &str) -> Result<Self, KeyRingError> {
         let mut keys: Vec<Key> = Vec::with_capacity(entries.len());
