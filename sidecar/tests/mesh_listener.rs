@@ -188,10 +188,11 @@ async fn an_attach_needs_an_attestation_for_its_account_under_the_attest_key() {
 /// A sidecar whose mesh listener other hosts reach does not start on the public attest key.
 #[test]
 fn off_loopback_a_sidecar_needs_its_attest_keys() {
-    let mut tls = cellmesh_trust::MeshTlsConfig::default();
-    tls.ca = "ca.pem".into();
-    tls.cert = "cert.pem".into();
-    tls.key = "key.pem".into();
+    let tls = cellmesh_trust::MeshTlsConfig {
+        ca: "ca.pem".into(),
+        cert: "cert.pem".into(),
+        key: "key.pem".into(),
+    };
     let open = SidecarConfig {
         mesh_listen: "0.0.0.0:7200".into(),
         mesh_tls: tls,
