@@ -55,6 +55,14 @@ enum Command {
         account: String,
         #[command(flatten)]
         secret: SecretArg,
+        /// Sign under this key of the proxies' `token_keys` (`kid:secret`) instead of `--secret`.
+        #[arg(
+            long,
+            value_name = "KID:SECRET",
+            env = "CELLMESH_TOKEN_KEY",
+            hide_env_values = true
+        )]
+        key: Option<String>,
         /// Validity in seconds.
         #[arg(long, default_value_t = 3600)]
         ttl: u64,
@@ -291,11 +299,7 @@ fn token_expiry(now: u64, ttl: u64) -> anyhow::Result<u64> {
 /// The proxy's configuration as `--print-config` shows it: the token secret hidden, unless it is
 /// the public default, left for whoever kept it to see.
 fn proxy_config_shown(cfg: &cellmesh_proxy::ProxyConfig) -> cellmesh_proxy::ProxyConfig {
-    let mut shown = cfg.clone();
-    if shown.token_secret != DEFAULT_TOKEN_SECRET {
-        shown.token_secret = "***".into();
-    }
-    shown
+    cfg.masked()
 }
 
 /// Prints the one line on stdout that names the addresses a process bound, so whoever started it
@@ -491,18 +495,20 @@ async fn main() -> anyhow::Result<()> {
         Command::Token {
             account,
             secret,
+            key,
             ttl,
         } => {
+            use cellmesh_proto::keys::KeyRing;
             let now = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)?
                 .as_secs();
+            let ring = match key {
+                Some(k) => KeyRing::parse(&[k], "").map_err(|e| anyhow::anyhow!("--key: {e}"))?,
+                None => KeyRing::single(secret.secret.as_bytes()),
+            };
             println!(
                 "{}",
-                cellmesh_proto::token::sign(
-                    secret.secret.as_bytes(),
-                    &account,
-                    token_expiry(now, ttl)?
-                )
+                cellmesh_proto::token::sign_with(ring.signing(), &account, token_expiry(now, ttl)?)
             );
         }
         Command::Bots(args) => {
@@ -627,6 +633,17 @@ mod tests {
             ..cfg
         };
         assert_eq!(proxy_config_shown(&cfg).token_secret, "***");
+        let cfg = cellmesh_proxy::ProxyConfig {
+            token_keys: vec!["t1:login-secret".into()],
+            cookie_keys: vec!["c1:cookie-secret".into()],
+            attest_keys: vec!["a1:attest-secret".into()],
+            ..cfg
+        };
+        let shown = toml::to_string_pretty(&proxy_config_shown(&cfg)).unwrap();
+        for secret in ["login-secret", "cookie-secret", "attest-secret"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
+        assert!(shown.contains("\"t1:***\""), "{shown}");
     }
 
     /// A subcommand path (`partition plan` is two words), the flags it takes and those it needs.

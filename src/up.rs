@@ -758,6 +758,9 @@ struct NodeEnv {
     arena_spread: f64,
     player_speed: f64,
     entity_cost_ms: f32,
+    /// The attest key of this run (`kid:secret`), shared by its proxies and sidecars: nobody
+    /// outside it can attach a session.
+    attest_key: String,
 }
 
 /// A directory of this run, removed with it.
@@ -829,6 +832,7 @@ async fn start_node(
             .as_ref()
             .map(|d| d.0.to_string_lossy().into_owned())
             .unwrap_or_default(),
+        attest_keys: vec![env.attest_key.clone()],
         ..SidecarConfig::default()
     };
     if let Some(ms) = env.node_lease_ms {
@@ -1069,6 +1073,7 @@ pub async fn run(
     let games = Arc::new(Census::default());
     let halt = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let env = NodeEnv {
+        attest_key: format!("run:{:032x}", rand::random::<u128>()),
         world,
         stores,
         geos: geos.clone(),
@@ -1185,6 +1190,7 @@ pub async fn run(
                 .map(|n| n.sidecar.mesh_addr.to_string())
                 .collect(),
             token_secret: secret.clone(),
+            attest_keys: vec![env.attest_key.clone()],
             ..ProxyConfig::default()
         };
         if let Some(ca) = &env.mesh_ca {

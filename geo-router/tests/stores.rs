@@ -595,6 +595,49 @@ async fn a_hint_is_taken_once_and_expires(backend: impl Boards) {
     Boards::clean_up(&backend).await;
 }
 
+/// A cookie's nonce is used once across every proxy of a geo, and remembered for its life only.
+async fn a_nonce_is_used_once_then_forgotten(backend: impl Boards) {
+    let (paris, montreal) = (
+        backend.open_board("paris").await,
+        backend.open_board("montreal").await,
+    );
+    let other_proxy = backend.open_board("montreal").await;
+    let nonce = [7u8; 16];
+    assert!(montreal
+        .use_nonce("alice", &nonce, LONG_LEASE)
+        .await
+        .unwrap());
+    assert!(!other_proxy
+        .use_nonce("alice", &nonce, LONG_LEASE)
+        .await
+        .unwrap());
+    assert!(!montreal
+        .use_nonce("alice", &nonce, LONG_LEASE)
+        .await
+        .unwrap());
+    // Another account's, another nonce, another geo's board: each its own first use.
+    assert!(montreal.use_nonce("bob", &nonce, LONG_LEASE).await.unwrap());
+    assert!(montreal
+        .use_nonce("alice", &[8u8; 16], LONG_LEASE)
+        .await
+        .unwrap());
+    assert!(paris.use_nonce("alice", &nonce, LONG_LEASE).await.unwrap());
+    let short = [9u8; 16];
+    assert!(montreal
+        .use_nonce("carol", &short, Duration::from_millis(50))
+        .await
+        .unwrap());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        montreal
+            .use_nonce("carol", &short, Duration::from_millis(50))
+            .await
+            .unwrap(),
+        "forgotten after its ttl"
+    );
+    Boards::clean_up(&backend).await;
+}
+
 async fn far_rtts_are_kept_by_geo_and_expire(backend: impl Boards) {
     let paris = backend.open_board("paris").await;
     let rtt = |min_ms: f64| FarRtt {
@@ -654,6 +697,7 @@ contract! {
     ],
     boards: [
         a_hint_is_taken_once_and_expires,
+        a_nonce_is_used_once_then_forgotten,
         far_rtts_are_kept_by_geo_and_expire,
     ],
 }

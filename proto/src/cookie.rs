@@ -6,23 +6,27 @@
 //! Layout, all integers big-endian:
 //!
 //! ```text
-//! version u8 | issued_unix_ms u64 | gateway_node u32 | session_epoch u64 |
+//! version u8 | kid_len u8 | kid | nonce [16] | issued_unix_ms u64 | gateway_node u32 | session_epoch u64 |
 //! has_position u8 (0 or 1) | [x f64 | y f64 | z f64 when 1] | geo_len u8 | target_geo |
 //! account_len u16 | account | HMAC-SHA256 (32 bytes)
 //! ```
 //!
-//! The MAC covers a domain label, everything before it and the client's address. The address is
-//! not carried: a cookie replayed from another address fails its signature.
+//! The MAC covers a domain label, everything before it and the client's address, under the key
+//! `kid` names in the proxies' cookie ring (`crate::keys`). The address is not carried: a cookie
+//! replayed from another address fails its signature. The nonce makes the cookie one-shot: the
+//! target geo's proxy consumes it on its board before it uses the hint.
 
 use std::net::IpAddr;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use crate::keys::{self, Key, KeyRing};
+
 pub(crate) type HmacSha256 = Hmac<Sha256>;
 
 /// The layout [`seal`] writes; [`open`] refuses any other by name.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Age after which a cookie is ignored.
 pub const MAX_AGE_MS: u64 = 60_000;
 /// How far ahead of the reader's clock a cookie may have been issued: geos' wall clocks differ a
@@ -33,14 +37,16 @@ pub const MAX_GEO_LEN: usize = 64;
 /// Longest account name, in bytes.
 pub const MAX_ACCOUNT_LEN: usize = 256;
 const MAC_LEN: usize = 32;
-/// Fixed part: version, issue time, gateway node, session epoch, the position flag and the two
-/// length prefixes.
-const FIXED_LEN: usize = 1 + 8 + 4 + 8 + 1 + 1 + 2;
+/// Bytes of the one-shot nonce.
+pub const NONCE_LEN: usize = 16;
+/// Fixed part: version, the kid's length, the nonce, issue time, gateway node, session epoch,
+/// the position flag and the two length prefixes.
+const FIXED_LEN: usize = 1 + 1 + NONCE_LEN + 8 + 4 + 8 + 1 + 1 + 2;
 /// The position, when the flag says there is one.
 const POSITION_LEN: usize = 3 * 8;
 /// Largest cookie [`seal`] can produce; [`open`] refuses a longer one before reading it.
 pub const MAX_COOKIE_LEN: usize =
-    FIXED_LEN + POSITION_LEN + MAX_GEO_LEN + MAX_ACCOUNT_LEN + MAC_LEN;
+    FIXED_LEN + keys::MAX_KID_LEN + POSITION_LEN + MAX_GEO_LEN + MAX_ACCOUNT_LEN + MAC_LEN;
 /// Keeps a cookie's MAC from ever matching one computed for another use of the same secret (the
 /// login tokens).
 const DOMAIN: &[u8] = b"cellmesh hint cookie\0";
@@ -48,6 +54,8 @@ const DOMAIN: &[u8] = b"cellmesh hint cookie\0";
 /// What a handover cookie tells the target geo's proxy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HintCookie {
+    /// Random, drawn by the sealer: what the target geo's board remembers to honour it once.
+    pub nonce: [u8; NONCE_LEN],
     /// When the handing-over proxy issued it (wall-clock ms since the Unix epoch).
     pub issued_unix_ms: u64,
     /// The geo the client is sent to (non-empty, at most [`MAX_GEO_LEN`] bytes).
@@ -77,6 +85,8 @@ pub enum CookieError {
         len: usize,
         max: usize,
     },
+    #[error("cookie signed under key `{0}`, which this proxy does not accept")]
+    UnknownKey(String),
     #[error("cookie signature does not match (forged, or presented from another address)")]
     BadSignature,
     #[error("cookie was issued to another account")]
@@ -88,6 +98,9 @@ pub enum CookieError {
     Expired { age_ms: u64 },
     #[error("cookie issued {ahead_ms} ms ahead of this clock")]
     FromTheFuture { ahead_ms: u64 },
+    /// Checked by the reader against its geo's board: a cookie is honoured once.
+    #[error("cookie was used already")]
+    Replayed,
 }
 
 impl CookieError {
@@ -98,11 +111,13 @@ impl CookieError {
             CookieError::Malformed(_) => "malformed_cookie",
             CookieError::UnknownVersion(_) => "unknown_cookie_version",
             CookieError::FieldTooLong { .. } => "cookie_field_too_long",
+            CookieError::UnknownKey(_) => "unknown_cookie_kid",
             CookieError::BadSignature => "bad_cookie_signature",
             CookieError::WrongAccount => "cookie_wrong_account",
             CookieError::WrongGeo(_) => "cookie_wrong_geo",
             CookieError::Expired { .. } => "expired_cookie",
             CookieError::FromTheFuture { .. } => "cookie_from_the_future",
+            CookieError::Replayed => "cookie_replayed",
         }
     }
 }
@@ -151,9 +166,19 @@ pub(crate) fn domain_mac(
     mac
 }
 
-/// Signs `cookie` for a client at `client_addr`. Fails only if a field is empty or too long.
+/// [`seal_with`] under the one-key ring of `secret`.
 pub fn seal(
     secret: &[u8],
+    cookie: &HintCookie,
+    client_addr: IpAddr,
+) -> Result<Vec<u8>, CookieError> {
+    seal_with(KeyRing::single(secret).signing(), cookie, client_addr)
+}
+
+/// Signs `cookie` for a client at `client_addr` under `key`. Fails only if a field is empty or
+/// too long.
+pub fn seal_with(
+    key: &Key,
     cookie: &HintCookie,
     client_addr: IpAddr,
 ) -> Result<Vec<u8>, CookieError> {
@@ -167,6 +192,9 @@ pub fn seal(
     }
     let mut out = Vec::with_capacity(MAX_COOKIE_LEN);
     out.push(VERSION);
+    out.push(key.kid.len() as u8);
+    out.extend_from_slice(key.kid.as_bytes());
+    out.extend_from_slice(&cookie.nonce);
     out.extend_from_slice(&cookie.issued_unix_ms.to_be_bytes());
     out.extend_from_slice(&cookie.gateway_node.to_be_bytes());
     out.extend_from_slice(&cookie.session_epoch.to_be_bytes());
@@ -183,15 +211,32 @@ pub fn seal(
     out.extend_from_slice(cookie.target_geo.as_bytes());
     out.extend_from_slice(&(cookie.account.len() as u16).to_be_bytes());
     out.extend_from_slice(cookie.account.as_bytes());
-    let tag = mac(secret, &out, client_addr).finalize().into_bytes();
+    let tag = mac(&key.secret, &out, client_addr).finalize().into_bytes();
     out.extend_from_slice(&tag);
     Ok(out)
 }
 
-/// Reads a cookie presented by `account` from `client_addr` at `now_unix_ms`: its layout, then
-/// its signature (in constant time), then whose it is, then its age.
+/// [`open_ring`] with the one-key ring of `secret`.
 pub fn open(
     secret: &[u8],
+    bytes: &[u8],
+    account: &str,
+    client_addr: IpAddr,
+    now_unix_ms: u64,
+) -> Result<HintCookie, CookieError> {
+    open_ring(
+        &KeyRing::single(secret),
+        bytes,
+        account,
+        client_addr,
+        now_unix_ms,
+    )
+}
+
+/// Reads a cookie presented by `account` from `client_addr` at `now_unix_ms`: its layout, then
+/// its key and signature (in constant time), then whose it is, then its age.
+pub fn open_ring(
+    ring: &KeyRing,
     bytes: &[u8],
     account: &str,
     client_addr: IpAddr,
@@ -211,6 +256,12 @@ pub fn open(
     }
     let (body, tag) = bytes.split_at(bytes.len() - MAC_LEN);
     let mut r = Reader(&body[1..]);
+    let [kid_len] = r.array()?;
+    let kid = std::str::from_utf8(r.take(kid_len.into())?)
+        .ok()
+        .filter(|k| keys::valid_kid(k))
+        .ok_or(CookieError::Malformed("key id is not a key id"))?;
+    let nonce = r.array()?;
     let issued_unix_ms = u64::from_be_bytes(r.array()?);
     let gateway_node = u32::from_be_bytes(r.array()?);
     let session_epoch = u64::from_be_bytes(r.array()?);
@@ -235,7 +286,10 @@ pub fn open(
     if !r.0.is_empty() {
         return Err(CookieError::Malformed("trailing bytes"));
     }
-    mac(secret, body, client_addr)
+    let key = ring
+        .get(kid)
+        .ok_or_else(|| CookieError::UnknownKey(kid.to_owned()))?;
+    mac(&key.secret, body, client_addr)
         .verify_slice(tag)
         .map_err(|_| CookieError::BadSignature)?;
     if issued_to != account {
@@ -252,6 +306,7 @@ pub fn open(
         return Err(CookieError::Expired { age_ms });
     }
     Ok(HintCookie {
+        nonce,
         issued_unix_ms,
         target_geo: target_geo.to_owned(),
         gateway_node,
@@ -295,8 +350,12 @@ mod tests {
     const NOW: u64 = 1_700_000_000_000;
     const ADDR: IpAddr = IpAddr::V4(Ipv4Addr::new(203, 0, 113, 7));
 
+    /// The length of the kid a bare secret's ring signs under.
+    const KID: usize = 9;
+
     fn hint() -> HintCookie {
         HintCookie {
+            nonce: [0x5a; NONCE_LEN],
             issued_unix_ms: NOW,
             target_geo: "eu-west".into(),
             gateway_node: 7,
@@ -313,13 +372,13 @@ mod tests {
     #[test]
     fn round_trip() {
         let c = sealed();
-        assert_eq!(c.len(), FIXED_LEN + POSITION_LEN + 7 + 11 + MAC_LEN);
+        assert_eq!(c.len(), FIXED_LEN + KID + POSITION_LEN + 7 + 11 + MAC_LEN);
         let nowhere = HintCookie {
             last_position: None,
             ..hint()
         };
         let c0 = seal(SECRET, &nowhere, ADDR).unwrap();
-        assert_eq!(c0.len(), FIXED_LEN + 7 + 11 + MAC_LEN);
+        assert_eq!(c0.len(), FIXED_LEN + KID + 7 + 11 + MAC_LEN);
         assert_eq!(open(SECRET, &c0, "alice.smith", ADDR, NOW), Ok(nowhere));
         assert_eq!(open(SECRET, &c, "alice.smith", ADDR, NOW + 1), Ok(hint()));
         let v6 = IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1));
@@ -334,9 +393,34 @@ mod tests {
             account: "a".repeat(MAX_ACCOUNT_LEN),
             ..hint()
         };
-        let c = seal(SECRET, &big, ADDR).unwrap();
+        let ring = KeyRing::parse(&[format!("{}:s", "k".repeat(keys::MAX_KID_LEN))], "").unwrap();
+        let c = seal_with(ring.signing(), &big, ADDR).unwrap();
         assert_eq!(c.len(), MAX_COOKIE_LEN);
-        assert_eq!(open(SECRET, &c, &big.account, ADDR, NOW), Ok(big));
+        assert_eq!(open_ring(&ring, &c, &big.account, ADDR, NOW), Ok(big));
+    }
+
+    #[test]
+    fn a_cookie_names_its_key_and_a_ring_accepts_any_of_its_keys() {
+        let ring = |v: &[&str]| {
+            let v: Vec<String> = v.iter().map(|e| e.to_string()).collect();
+            KeyRing::parse(&v, "").unwrap()
+        };
+        let by_c1 = seal_with(ring(&["c1:one"]).signing(), &hint(), ADDR).unwrap();
+        let both = ring(&["c2:two", "c1:one"]);
+        assert_eq!(
+            open_ring(&both, &by_c1, "alice.smith", ADDR, NOW),
+            Ok(hint())
+        );
+        let retired = open_ring(&ring(&["c2:two"]), &by_c1, "alice.smith", ADDR, NOW);
+        assert_eq!(retired, Err(CookieError::UnknownKey("c1".into())));
+        assert_eq!(retired.unwrap_err().kind(), "unknown_cookie_kid");
+        // The old layout, without a kid or a nonce, is refused by its version.
+        let mut v2 = by_c1.clone();
+        v2[0] = 2;
+        assert_eq!(
+            open_ring(&both, &v2, "alice.smith", ADDR, NOW),
+            Err(CookieError::UnknownVersion(2))
+        );
     }
 
     #[test]
@@ -367,8 +451,11 @@ mod tests {
 
     #[test]
     fn signed_by_the_secret() {
+        // Another secret under the same kid: the signature, not the kid, tells them apart.
+        let same_kid =
+            KeyRing::parse(&[format!("{}:other", keys::derived_kid(SECRET))], "").unwrap();
         assert_eq!(
-            open(b"other", &sealed(), "alice.smith", ADDR, NOW),
+            open_ring(&same_kid, &sealed(), "alice.smith", ADDR, NOW),
             Err(CookieError::BadSignature)
         );
     }
@@ -386,6 +473,7 @@ mod tests {
                     CookieError::BadSignature
                         | CookieError::Malformed(_)
                         | CookieError::UnknownVersion(_)
+                        | CookieError::UnknownKey(_)
                         | CookieError::FieldTooLong { .. }
                 ),
                 "bit {i}: {err}"
@@ -469,7 +557,7 @@ mod tests {
             })
         ));
         let mut c = sealed();
-        c[FIXED_LEN - 3 + POSITION_LEN] = MAX_GEO_LEN as u8 + 1;
+        c[FIXED_LEN + KID - 3 + POSITION_LEN] = MAX_GEO_LEN as u8 + 1;
         assert_eq!(
             open(SECRET, &c, "alice.smith", ADDR, NOW),
             Err(CookieError::FieldTooLong {
@@ -502,16 +590,17 @@ mod tests {
 
     #[test]
     fn a_position_flag_other_than_0_or_1_and_non_finite_positions_are_refused() {
-        // The flag sits after version, issue time, gateway node and epoch. Checked before the
-        // signature, like every layout error.
+        // The flag sits after version, kid, nonce, issue time, gateway node and epoch. Checked
+        // before the signature, like every layout error.
+        let flag = 1 + 1 + KID + NONCE_LEN + 8 + 4 + 8;
         let mut c = sealed();
-        c[21] = 2;
+        c[flag] = 2;
         assert_eq!(
             open(SECRET, &c, "alice.smith", ADDR, NOW),
             Err(CookieError::Malformed("position flag is neither 0 nor 1"))
         );
         let mut c = sealed();
-        c[22..30].copy_from_slice(&f64::NAN.to_be_bytes());
+        c[flag + 1..flag + 9].copy_from_slice(&f64::NAN.to_be_bytes());
         assert_eq!(
             open(SECRET, &c, "alice.smith", ADDR, NOW),
             Err(CookieError::Malformed("position is not finite"))
@@ -529,7 +618,7 @@ mod tests {
     #[test]
     fn non_utf8_is_malformed() {
         let mut c = sealed();
-        c[FIXED_LEN - 2 + POSITION_LEN] = 0xff;
+        c[FIXED_LEN + KID - 2 + POSITION_LEN] = 0xff;
         assert_eq!(
             open(SECRET, &c, "alice.smith", ADDR, NOW),
             Err(CookieError::Malformed("field is not UTF-8"))

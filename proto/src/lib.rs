@@ -6,13 +6,16 @@
 //!
 //! Every protocol uses the same framing ([`codec::FrameCodec`]): a 4-byte big-endian length and
 //! one protobuf message. [`sdk`] is the Rust SDK for game servers; [`client`] is the edge client
-//! used by bots and tests; [`token`] signs and checks the edge login tokens; [`cookie`] seals and
+//! used by bots and tests; [`keys`] are the key rings every signed credential names its key in;
+//! [`token`] signs and checks the edge login tokens; [`attest`] the attach attestations; [`cookie`] seals and
 //! opens the handover hint cookies and [`ticket`] the RTT probe tickets (README.md#geos-bridge-first-hand-over-later).
 
+pub mod attest;
 pub mod batch;
 pub mod client;
 pub mod codec;
 pub mod cookie;
+pub mod keys;
 pub mod sdk;
 pub mod shaping;
 pub mod ticket;

@@ -1,12 +1,13 @@
 //! Probe tickets (README.md#geos-bridge-first-hand-over-later): a proxy asks its client to probe another geo's proxies, and the
 //! ticket tells the far proxy whose RTT it is measuring and which geo to publish it to. Like the
-//! handover cookie it is HMAC-signed under the proxies' secret, bound to the client's address,
+//! handover cookie it is HMAC-signed under the proxies' cookie ring (naming its key by kid),
+//! bound to the client's address,
 //! and refused after [`MAX_AGE_MS`]: a client cannot have another host measured in its name.
 //!
 //! Layout, all integers big-endian:
 //!
 //! ```text
-//! version u8 | issued_unix_ms u64 | origin_len u8 | origin geo | target_len u8 | target geo |
+//! version u8 | kid_len u8 | kid | issued_unix_ms u64 | origin_len u8 | origin geo | target_len u8 | target geo |
 //! account_len u16 | account | HMAC-SHA256 (32 bytes)
 //! ```
 
@@ -15,8 +16,9 @@ use std::net::IpAddr;
 use hmac::Mac;
 
 use crate::cookie::HmacSha256;
+use crate::keys::{self, Key, KeyRing};
 
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// A ticket is honoured this long after it was issued.
 pub const MAX_AGE_MS: u64 = 60_000;
 /// How far ahead of the reader's clock a ticket may have been issued.
@@ -25,8 +27,17 @@ const MAX_GEO_LEN: usize = 64;
 const MAX_ACCOUNT_LEN: usize = 256;
 const MAC_LEN: usize = 32;
 /// The longest ticket [`seal`] writes; [`open`] refuses a longer one unread.
-pub const MAX_TICKET_LEN: usize =
-    1 + 8 + 1 + MAX_GEO_LEN + 1 + MAX_GEO_LEN + 2 + MAX_ACCOUNT_LEN + MAC_LEN;
+pub const MAX_TICKET_LEN: usize = 1
+    + 1
+    + keys::MAX_KID_LEN
+    + 8
+    + 1
+    + MAX_GEO_LEN
+    + 1
+    + MAX_GEO_LEN
+    + 2
+    + MAX_ACCOUNT_LEN
+    + MAC_LEN;
 /// Keeps a ticket's MAC from matching one made for another use of the same secret.
 const DOMAIN: &[u8] = b"cellmesh probe ticket\0";
 
@@ -45,6 +56,8 @@ pub struct ProbeTicket {
 pub enum TicketError {
     #[error("malformed probe ticket: {0}")]
     Malformed(&'static str),
+    #[error("probe ticket signed under key `{0}`, which this proxy does not accept")]
+    UnknownKey(String),
     #[error("probe ticket signature does not match (forged, or presented from another address)")]
     BadSignature,
     #[error("probe ticket expired: issued {age_ms} ms ago")]
@@ -57,6 +70,7 @@ impl TicketError {
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Malformed(_) => "malformed",
+            Self::UnknownKey(_) => "unknown_kid",
             Self::BadSignature => "bad_signature",
             Self::Expired { .. } => "expired",
             Self::FromTheFuture { .. } => "from_the_future",
@@ -68,8 +82,13 @@ fn mac(secret: &[u8], body: &[u8], client: IpAddr) -> HmacSha256 {
     crate::cookie::domain_mac(secret, DOMAIN, body, client)
 }
 
-/// Signs `t` for the client at `client`.
+/// [`seal_with`] under the one-key ring of `secret`.
 pub fn seal(secret: &[u8], t: &ProbeTicket, client: IpAddr) -> Result<Vec<u8>, TicketError> {
+    seal_with(KeyRing::single(secret).signing(), t, client)
+}
+
+/// Signs `t` for the client at `client` under `key`.
+pub fn seal_with(key: &Key, t: &ProbeTicket, client: IpAddr) -> Result<Vec<u8>, TicketError> {
     for (len, max, why) in [
         (
             t.origin_geo.len(),
@@ -93,6 +112,8 @@ pub fn seal(secret: &[u8], t: &ProbeTicket, client: IpAddr) -> Result<Vec<u8>, T
     }
     let mut out = Vec::with_capacity(MAX_TICKET_LEN);
     out.push(VERSION);
+    out.push(key.kid.len() as u8);
+    out.extend_from_slice(key.kid.as_bytes());
     out.extend_from_slice(&t.issued_unix_ms.to_be_bytes());
     out.push(t.origin_geo.len() as u8);
     out.extend_from_slice(t.origin_geo.as_bytes());
@@ -100,14 +121,24 @@ pub fn seal(secret: &[u8], t: &ProbeTicket, client: IpAddr) -> Result<Vec<u8>, T
     out.extend_from_slice(t.target_geo.as_bytes());
     out.extend_from_slice(&(t.account.len() as u16).to_be_bytes());
     out.extend_from_slice(t.account.as_bytes());
-    let tag = mac(secret, &out, client).finalize().into_bytes();
+    let tag = mac(&key.secret, &out, client).finalize().into_bytes();
     out.extend_from_slice(&tag);
     Ok(out)
 }
 
-/// Reads a ticket presented from `client` at `now_unix_ms`: layout, signature, age.
+/// [`open_ring`] with the one-key ring of `secret`.
 pub fn open(
     secret: &[u8],
+    bytes: &[u8],
+    client: IpAddr,
+    now_unix_ms: u64,
+) -> Result<ProbeTicket, TicketError> {
+    open_ring(&KeyRing::single(secret), bytes, client, now_unix_ms)
+}
+
+/// Reads a ticket presented from `client` at `now_unix_ms`: layout, key, signature, age.
+pub fn open_ring(
+    ring: &KeyRing,
     bytes: &[u8],
     client: IpAddr,
     now_unix_ms: u64,
@@ -118,7 +149,7 @@ pub fn open(
     if bytes.first() != Some(&VERSION) {
         return Err(TicketError::Malformed("unknown version"));
     }
-    if bytes.len() < 1 + 8 + 1 + 1 + 2 + MAC_LEN {
+    if bytes.len() < 1 + 1 + 8 + 1 + 1 + 2 + MAC_LEN {
         return Err(TicketError::Malformed("truncated"));
     }
     let (body, tag) = bytes.split_at(bytes.len() - MAC_LEN);
@@ -131,6 +162,12 @@ pub fn open(
         rest = tail;
         Ok(head)
     };
+    let n = usize::from(take(1)?[0]);
+    let kid = std::str::from_utf8(take(n)?)
+        .ok()
+        .filter(|k| keys::valid_kid(k))
+        .ok_or(TicketError::Malformed("key id is not a key id"))?
+        .to_owned();
     let issued_unix_ms = u64::from_be_bytes(take(8)?.try_into().expect("8 bytes"));
     let text = |b: &[u8]| {
         std::str::from_utf8(b)
@@ -146,7 +183,8 @@ pub fn open(
     if !rest.is_empty() {
         return Err(TicketError::Malformed("trailing bytes"));
     }
-    mac(secret, body, client)
+    let key = ring.get(&kid).ok_or(TicketError::UnknownKey(kid))?;
+    mac(&key.secret, body, client)
         .verify_slice(tag)
         .map_err(|_| TicketError::BadSignature)?;
     if issued_unix_ms > now_unix_ms + MAX_CLOCK_SKEW_MS {
@@ -191,7 +229,31 @@ mod tests {
         assert_eq!(open(b"k", &t, mapped, NOW), Ok(ticket()));
         let other: IpAddr = "198.51.100.5".parse().unwrap();
         assert_eq!(open(b"k", &t, other, NOW), Err(TicketError::BadSignature));
-        assert_eq!(open(b"x", &t, ADDR, NOW), Err(TicketError::BadSignature));
+        assert!(matches!(
+            open(b"x", &t, ADDR, NOW),
+            Err(TicketError::UnknownKey(_))
+        ));
+    }
+
+    #[test]
+    fn a_ticket_names_its_key() {
+        let ring = |v: &[&str]| {
+            let v: Vec<String> = v.iter().map(|e| e.to_string()).collect();
+            KeyRing::parse(&v, "").unwrap()
+        };
+        let t = seal_with(ring(&["c1:one"]).signing(), &ticket(), ADDR).unwrap();
+        assert_eq!(
+            open_ring(&ring(&["c2:two", "c1:one"]), &t, ADDR, NOW),
+            Ok(ticket())
+        );
+        assert_eq!(
+            open_ring(&ring(&["c2:two"]), &t, ADDR, NOW),
+            Err(TicketError::UnknownKey("c1".into()))
+        );
+        assert_eq!(
+            open_ring(&ring(&["c1:forged"]), &t, ADDR, NOW),
+            Err(TicketError::BadSignature)
+        );
     }
 
     #[test]

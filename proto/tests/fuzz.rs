@@ -26,6 +26,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use bytes::BytesMut;
 use cellmesh_proto::codec::{FrameCodec, FrameError, DEFAULT_MAX_FRAME};
 use cellmesh_proto::cookie::{self, CookieError};
+use cellmesh_proto::keys::KeyRing;
 use cellmesh_proto::token::{self, TokenError};
 use cellmesh_proto::{edge, local, mesh};
 use prost::Message;
@@ -235,7 +236,8 @@ fn server_frame(data: &[u8]) {
 
 fn token_verify(data: &[u8]) {
     let text = String::from_utf8_lossy(data);
-    let (res, peak) = alloc::peak_during(|| token::verify(corpus::SECRET, &text, corpus::NOW_UNIX));
+    let ring = KeyRing::single(corpus::SECRET);
+    let (res, peak) = alloc::peak_during(|| token::verify_ring(&ring, &text, corpus::NOW_UNIX));
     if text.len() > token::MAX_TOKEN_LEN {
         assert_eq!(res, Err(TokenError::Malformed("token too long")));
         assert_eq!(peak, 0, "a token too long allocated");
@@ -244,7 +246,7 @@ fn token_verify(data: &[u8]) {
     match &res {
         // Only the signer's own encoding is accepted: nothing else maps onto a valid signature.
         Ok(account) => {
-            let expiry = text.rsplit('.').nth(1).expect("has an expiry");
+            let expiry = text.rsplit('.').nth(2).expect("has an expiry");
             let expiry: u64 = expiry.parse().expect("a number");
             assert!(expiry > corpus::NOW_UNIX);
             assert_eq!(
@@ -254,25 +256,21 @@ fn token_verify(data: &[u8]) {
             );
         }
         Err(TokenError::Expired { expiry, now }) => assert!(expiry <= now),
-        Err(TokenError::Malformed(_) | TokenError::BadSignature) => {}
+        Err(TokenError::Malformed(_) | TokenError::BadSignature | TokenError::UnknownKey(_)) => {}
     }
     note_outcome(match res {
         Ok(_) => "ok",
         Err(TokenError::Malformed(_)) => "malformed",
+        Err(TokenError::UnknownKey(_)) => "unknown_kid",
         Err(TokenError::BadSignature) => "bad_signature",
         Err(TokenError::Expired { .. }) => "expired",
     });
 }
 
 fn cookie_open(data: &[u8]) {
+    let ring = KeyRing::single(corpus::SECRET);
     let (res, peak) = alloc::peak_during(|| {
-        cookie::open(
-            corpus::SECRET,
-            data,
-            corpus::ACCOUNT,
-            corpus::ADDR,
-            corpus::NOW_MS,
-        )
+        cookie::open_ring(&ring, data, corpus::ACCOUNT, corpus::ADDR, corpus::NOW_MS)
     });
     if data.len() > cookie::MAX_COOKIE_LEN {
         assert_eq!(res, Err(CookieError::TooLong { len: data.len() }));

@@ -1,18 +1,34 @@
 //! Admission of a client's `ClientHello`: protocol version, then the signed token.
 
 use cellmesh_proto::edge::{ClientHello, Kick, KickReason};
+use cellmesh_proto::keys::KeyRing;
 use cellmesh_proto::token::{self, TokenError};
 use cellmesh_proto::{PROTOCOL_MAJOR, PROTOCOL_MINOR};
 
-/// Returns the account the hello proves, or the kick that refuses it. `now_unix` in seconds.
-pub(crate) fn admit(hello: &ClientHello, secret: &[u8], now_unix: u64) -> Result<String, Kick> {
-    check_version(hello)?;
-    token::verify(secret, &hello.token, now_unix).map_err(|e| {
+/// Why a hello was refused: the kick the client gets, and for a token, the kind counted.
+#[derive(Debug)]
+pub(crate) struct Refusal {
+    pub kick: Kick,
+    pub token_kind: Option<&'static str>,
+}
+
+/// Returns the account the hello proves, or why it is refused. `now_unix` in seconds.
+pub(crate) fn admit(hello: &ClientHello, ring: &KeyRing, now_unix: u64) -> Result<String, Refusal> {
+    check_version(hello).map_err(|kick| Refusal {
+        kick,
+        token_kind: None,
+    })?;
+    token::verify_ring(ring, &hello.token, now_unix).map_err(|e| {
         let reason = match e {
             TokenError::Expired { .. } => KickReason::ExpiredToken,
-            TokenError::Malformed(_) | TokenError::BadSignature => KickReason::BadToken,
+            TokenError::Malformed(_) | TokenError::BadSignature | TokenError::UnknownKey(_) => {
+                KickReason::BadToken
+            }
         };
-        Kick::new(reason, e.to_string())
+        Refusal {
+            kick: Kick::new(reason, e.to_string()),
+            token_kind: Some(e.kind()),
+        }
     })
 }
 
@@ -54,37 +70,61 @@ mod tests {
     #[test]
     fn good_token_names_the_account() {
         let t = token::sign(b"k", "alice", 100);
-        assert_eq!(admit(&hello(t, PROTOCOL_MAJOR), b"k", 99).unwrap(), "alice");
+        assert_eq!(
+            admit(&hello(t, PROTOCOL_MAJOR), &KeyRing::single(b"k"), 99).unwrap(),
+            "alice"
+        );
     }
 
     #[test]
     fn refusals_carry_the_right_reason() {
         let t = token::sign(b"k", "alice", 100);
-        let k = admit(&hello(t.clone(), PROTOCOL_MAJOR), b"other", 99).unwrap_err();
-        assert_eq!(reason(&k), KickReason::BadToken);
-        let k = admit(&hello(t.clone(), PROTOCOL_MAJOR), b"k", 100).unwrap_err();
-        assert_eq!(reason(&k), KickReason::ExpiredToken);
-        assert!(k.detail.contains("expired"), "{}", k.detail);
-        let k = admit(&hello("nonsense".into(), PROTOCOL_MAJOR), b"k", 0).unwrap_err();
-        assert_eq!(reason(&k), KickReason::BadToken);
+        let k = admit(
+            &hello(t.clone(), PROTOCOL_MAJOR),
+            &KeyRing::single(b"other"),
+            99,
+        )
+        .unwrap_err();
+        assert_eq!(reason(&k.kick), KickReason::BadToken);
+        assert_eq!(k.token_kind, Some("unknown_token_kid"));
+        assert!(
+            k.kick.detail.contains("does not accept"),
+            "{}",
+            k.kick.detail
+        );
+        let k = admit(
+            &hello(t.clone(), PROTOCOL_MAJOR),
+            &KeyRing::single(b"k"),
+            100,
+        )
+        .unwrap_err();
+        assert_eq!(reason(&k.kick), KickReason::ExpiredToken);
+        assert!(k.kick.detail.contains("expired"), "{}", k.kick.detail);
+        let k = admit(
+            &hello("nonsense".into(), PROTOCOL_MAJOR),
+            &KeyRing::single(b"k"),
+            0,
+        )
+        .unwrap_err();
+        assert_eq!(reason(&k.kick), KickReason::BadToken);
     }
 
     #[test]
     fn version_is_checked_before_the_token() {
         let t = token::sign(b"k", "alice", 100);
-        let k = admit(&hello(t, PROTOCOL_MAJOR + 1), b"k", 0).unwrap_err();
-        assert_eq!(reason(&k), KickReason::VersionMismatch);
+        let k = admit(&hello(t, PROTOCOL_MAJOR + 1), &KeyRing::single(b"k"), 0).unwrap_err();
+        assert_eq!(reason(&k.kick), KickReason::VersionMismatch);
         let want = format!(
             "client protocol {}.3, proxy speaks {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}",
             PROTOCOL_MAJOR + 1
         );
-        assert_eq!(k.detail, want);
+        assert_eq!(k.kick.detail, want);
         let none = ClientHello {
             version: None,
             ..Default::default()
         };
         assert_eq!(
-            reason(&admit(&none, b"k", 0).unwrap_err()),
+            reason(&admit(&none, &KeyRing::single(b"k"), 0).unwrap_err().kick),
             KickReason::VersionMismatch
         );
     }

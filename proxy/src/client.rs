@@ -320,15 +320,18 @@ impl Client {
         if cookie.is_empty() {
             return Ok(None);
         }
-        match geos.open_cookie(&cookie, account, ip, now_unix_ms()) {
+        match geos
+            .open_once(&cookie, account, ip, now_unix_ms(), &shared.metrics)
+            .await
+        {
             Ok(c) => {
                 shared.metrics.cookie_hits.inc();
                 self.login.record("handover", HintSource::Cookie.name());
                 Ok(Some(attach_hint(&c, HintSource::Cookie)))
             }
-            Err(e) => {
-                shared.metrics.hint_refused(e.kind());
-                tracing::debug!(%account, peer = %self.peer, error = %e, "handover cookie refused; the gateway reads the player record");
+            Err(kind) => {
+                shared.metrics.hint_refused(kind);
+                tracing::debug!(%account, peer = %self.peer, %kind, "handover cookie refused; the gateway reads the player record");
                 Ok(None)
             }
         }
@@ -489,7 +492,12 @@ impl Client {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let account = auth::admit(&hello, cfg.token_secret.as_bytes(), now).map_err(End::Kick)?;
+        let account = auth::admit(&hello, &self.shared.rings.token, now).map_err(|r| {
+            if let Some(kind) = r.token_kind {
+                self.shared.metrics.token_refused(kind);
+            }
+            End::Kick(r.kick)
+        })?;
         self.login.record("account", account.as_str());
         self.reader
             .decoder_mut()
@@ -561,6 +569,14 @@ impl Client {
             moved: !new_login,
             handover,
             moved_from_epoch,
+            // Every attach, a login's, a move's or a handover's: the gateway attaches nobody
+            // without it.
+            attestation: cellmesh_proto::attest::sign(
+                self.shared.rings.attest.signing(),
+                &session.account,
+                id,
+                now_unix_ms(),
+            ),
         };
         if let Err(e) = session.conn.send(mesh_message::Body::Attach(attach)) {
             session.conn.release(id);

@@ -26,6 +26,22 @@ pub struct ProxyConfig {
     /// Shared with the login service: HMAC key of the edge tokens. Every geo's proxies also
     /// sign and check handover cookies with it (under a label of their own).
     pub token_secret: String,
+    /// The login tokens' key ring (`["kid:secret", ...]`, shared with the login service): a
+    /// token signed under any of them is admitted. Empty: `token_secret` alone, under the kid
+    /// derived from it (`cellmesh_proto::keys::derived_kid`).
+    pub token_keys: Vec<String>,
+    /// The kid `cellmesh token` signs with; empty: the first of `token_keys`.
+    pub token_signing_key: String,
+    /// The handover cookies' and probe tickets' key ring, shared by every geo's proxies and not
+    /// with the login service. Empty: the login ring's signing key (under labels of their own).
+    pub cookie_keys: Vec<String>,
+    /// The kid new cookies and tickets are sealed with; empty: the first of `cookie_keys`.
+    pub cookie_signing_key: String,
+    /// The attach attestations' key ring, shared with the gateway sidecars (their
+    /// `attest_keys`). Empty: the public built-in key, which sidecars accept on loopback only.
+    pub attest_keys: Vec<String>,
+    /// The kid attestations are signed with; empty: the first of `attest_keys`.
+    pub attest_signing_key: String,
     pub hello_timeout_ms: u64,
     pub idle_timeout_ms: u64,
     pub ping_interval_ms: u64,
@@ -57,6 +73,17 @@ pub struct ProxyConfig {
     pub rate: RateConfig,
     /// The other geos of the network; none (the default) is a single-geo network.
     pub geos: GeosConfig,
+}
+
+/// The key rings a proxy signs and checks with.
+#[derive(Debug, Clone)]
+pub struct Rings {
+    /// Login tokens: checked at every login.
+    pub token: cellmesh_proto::keys::KeyRing,
+    /// Handover cookies and probe tickets.
+    pub cookie: cellmesh_proto::keys::KeyRing,
+    /// Attach attestations: the signing key signs every `Attach`.
+    pub attest: cellmesh_proto::keys::KeyRing,
 }
 
 /// Several geos (README.md#geos-bridge-first-hand-over-later): where the other geos' proxies are, this geo's and their Redis, and
@@ -172,6 +199,12 @@ impl Default for ProxyConfig {
             gateways: vec!["127.0.0.1:7200".into()],
             mesh_tls: Default::default(),
             token_secret: DEFAULT_TOKEN_SECRET.into(),
+            token_keys: Vec::new(),
+            token_signing_key: String::new(),
+            cookie_keys: Vec::new(),
+            cookie_signing_key: String::new(),
+            attest_keys: Vec::new(),
+            attest_signing_key: String::new(),
             hello_timeout_ms: 5000,
             idle_timeout_ms: 30_000,
             ping_interval_ms: 1000,
@@ -257,19 +290,96 @@ impl ProxyConfig {
             !self.token_secret.is_empty(),
             "config: token_secret must not be empty"
         );
+        let rings = self.rings()?;
         anyhow::ensure!(
-            self.token_secret != DEFAULT_TOKEN_SECRET || listens_on_loopback(&self.client_listen),
+            !rings.token.contains_secret(DEFAULT_TOKEN_SECRET.as_bytes())
+                || listens_on_loopback(&self.client_listen),
             "config: token_secret is the public built-in default and client_listen {} is reachable \
              from other hosts, where anyone could sign a login: set token_secret (or \
              CELLMESH_TOKEN_SECRET) to the login service's secret",
             self.client_listen
         );
+        anyhow::ensure!(
+            !rings
+                .cookie
+                .contains_secret(DEFAULT_TOKEN_SECRET.as_bytes())
+                || listens_on_loopback(&self.client_listen),
+            "config: cookie_keys holds the public built-in default secret and client_listen {} \
+             is reachable from other hosts, where anyone could seal a handover cookie: set \
+             cookie_keys (CELLMESH_COOKIE_KEYS)",
+            self.client_listen
+        );
+        if let Some(g) = self
+            .gateways
+            .iter()
+            .find(|g| self.attest_keys.is_empty() && !listens_on_loopback(g))
+        {
+            anyhow::bail!(
+                "config: gateway {g} is not on loopback and no attest_keys are set: sidecars \
+                 off loopback refuse the public built-in key; set attest_keys \
+                 (CELLMESH_ATTEST_KEYS) to the ring the gateways check attaches with"
+            );
+        }
         Ok(())
     }
 
     /// True while the proxy runs with the public default secret (allowed on loopback only).
     pub fn uses_default_secret(&self) -> bool {
-        self.token_secret == DEFAULT_TOKEN_SECRET
+        self.rings().map_or(true, |r| {
+            r.token.contains_secret(DEFAULT_TOKEN_SECRET.as_bytes())
+        })
+    }
+
+    /// The key rings the config names, each checked.
+    pub fn rings(&self) -> anyhow::Result<Rings> {
+        use cellmesh_proto::keys::KeyRing;
+        let token = KeyRing::parse_or_single(
+            &self.token_keys,
+            &self.token_signing_key,
+            &self.token_secret,
+        )
+        .map_err(|e| anyhow::anyhow!("config: token_keys: {e}"))?;
+        let cookie = if self.cookie_keys.is_empty() {
+            anyhow::ensure!(
+                self.cookie_signing_key.is_empty(),
+                "config: cookie_signing_key `{}` is set but cookie_keys is empty",
+                self.cookie_signing_key
+            );
+            KeyRing::of(token.signing().clone())
+        } else {
+            KeyRing::parse(&self.cookie_keys, &self.cookie_signing_key)
+                .map_err(|e| anyhow::anyhow!("config: cookie_keys: {e}"))?
+        };
+        let attest = if self.attest_keys.is_empty() {
+            anyhow::ensure!(
+                self.attest_signing_key.is_empty(),
+                "config: attest_signing_key `{}` is set but attest_keys is empty",
+                self.attest_signing_key
+            );
+            KeyRing::parse(&[cellmesh_proto::attest::DEFAULT_KEY.to_string()], "")
+        } else {
+            KeyRing::parse(&self.attest_keys, &self.attest_signing_key)
+        }
+        .map_err(|e| anyhow::anyhow!("config: attest_keys: {e}"))?;
+        Ok(Rings {
+            token,
+            cookie,
+            attest,
+        })
+    }
+
+    /// The configuration with every secret replaced by `***` (a public default is left for
+    /// whoever kept it to see).
+    pub fn masked(&self) -> Self {
+        use cellmesh_proto::keys::masked;
+        let mut shown = self.clone();
+        if shown.token_secret != DEFAULT_TOKEN_SECRET {
+            shown.token_secret = "***".into();
+        }
+        shown.token_keys = masked(&shown.token_keys);
+        shown.cookie_keys = masked(&shown.cookie_keys);
+        shown.attest_keys = masked(&shown.attest_keys);
+        shown
     }
 
     pub fn hello_timeout(&self) -> Duration {

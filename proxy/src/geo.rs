@@ -65,7 +65,8 @@ pub(crate) struct Geos {
     home: String,
     board: Arc<dyn EdgeBoard>,
     peers: HashMap<String, Peer>,
-    secret: Vec<u8>,
+    /// Seals and opens the handover cookies and probe tickets.
+    ring: cellmesh_proto::keys::KeyRing,
     pub cookie_wait: Duration,
     pub probe_every: Duration,
     /// `None` on a single-geo network: nothing to find.
@@ -118,7 +119,7 @@ impl Geos {
             home: cfg.geo.clone(),
             board,
             peers,
-            secret: cfg.token_secret.as_bytes().to_vec(),
+            ring: cfg.rings()?.cookie,
             cookie_wait: Duration::from_millis(g.cookie_wait_ms),
             probe_every: Duration::from_millis(g.probe_every_ms),
             discovery: if g.peers.is_empty() {
@@ -142,11 +143,49 @@ impl Geos {
         ip: IpAddr,
         now_unix_ms: u64,
     ) -> Result<HintCookie, CookieError> {
-        let c = cookie::open(&self.secret, sealed, account, ip, now_unix_ms)?;
+        let c = cookie::open_ring(&self.ring, sealed, account, ip, now_unix_ms)?;
         if c.target_geo != self.home {
             return Err(CookieError::WrongGeo(c.target_geo));
         }
         Ok(c)
+    }
+
+    /// Opens a cookie or hint for a login here and uses its nonce on this geo's board, so that
+    /// it is honoured once, whichever proxy of the geo sees it and however often it is shown.
+    /// A board that cannot say refuses it: the login reads MongoDB, the authority.
+    pub(crate) async fn open_once(
+        &self,
+        sealed: &[u8],
+        account: &str,
+        ip: IpAddr,
+        now_unix_ms: u64,
+        metrics: &Metrics,
+    ) -> Result<HintCookie, &'static str> {
+        let c = self
+            .open_cookie(sealed, account, ip, now_unix_ms)
+            .map_err(|e| e.kind())?;
+        // Remembered as long as the cookie could still pass its age check on any proxy here.
+        let ttl = Duration::from_millis(
+            (c.issued_unix_ms + cookie::MAX_AGE_MS + cookie::MAX_CLOCK_SKEW_MS)
+                .saturating_sub(now_unix_ms)
+                .max(1),
+        );
+        match tokio::time::timeout(BOARD_TIMEOUT, self.board.use_nonce(account, &c.nonce, ttl))
+            .await
+        {
+            Ok(Ok(true)) => Ok(c),
+            Ok(Ok(false)) => Err(CookieError::Replayed.kind()),
+            Ok(Err(e)) => {
+                metrics.error("hint_store");
+                tracing::warn!(%account, error = %e, "using the handover cookie's nonce failed");
+                Err("nonce_store")
+            }
+            Err(_) => {
+                metrics.error("hint_store");
+                tracing::warn!(%account, "using the handover cookie's nonce timed out");
+                Err("nonce_store")
+            }
+        }
     }
 
     /// Takes and checks the hint this geo's Redis holds for `account`.
@@ -170,11 +209,14 @@ impl Geos {
                 return None;
             }
         };
-        match self.open_cookie(&sealed, account, ip, now_unix_ms()) {
+        match self
+            .open_once(&sealed, account, ip, now_unix_ms(), metrics)
+            .await
+        {
             Ok(c) => Some(c),
-            Err(e) => {
-                metrics.hint_refused(e.kind());
-                tracing::debug!(%account, error = %e, "handover hint refused");
+            Err(kind) => {
+                metrics.hint_refused(kind);
+                tracing::debug!(%account, %kind, "handover hint refused");
                 None
             }
         }
@@ -195,7 +237,8 @@ impl Geos {
             .get(geo)
             .ok_or_else(|| format!("geo `{geo}` is not among this proxy's peers"))?;
         let (host, port) = self.find(&peer.proxies, metrics).await?;
-        let sealed = cookie::seal(&self.secret, &hint, ip).map_err(|e| e.to_string())?;
+        let sealed =
+            cookie::seal_with(self.ring.signing(), &hint, ip).map_err(|e| e.to_string())?;
         match tokio::time::timeout(
             BOARD_TIMEOUT,
             peer.board.put_hint(&hint.account, &sealed, HINT_TTL),
@@ -256,7 +299,7 @@ impl Geos {
                 target_geo: geo.clone(),
                 account: account.to_string(),
             };
-            let Ok(ticket) = ticket::seal(&self.secret, &t, ip) else {
+            let Ok(ticket) = ticket::seal_with(self.ring.signing(), &t, ip) else {
                 continue;
             };
             targets.push(ProbeTarget {
@@ -272,7 +315,8 @@ impl Geos {
 
     /// Checks a probe ticket presented here; the error says why it is refused.
     pub(crate) fn open_ticket(&self, bytes: &[u8], ip: IpAddr) -> Result<ProbeTicket, String> {
-        let t = ticket::open(&self.secret, bytes, ip, now_unix_ms()).map_err(|e| e.to_string())?;
+        let t =
+            ticket::open_ring(&self.ring, bytes, ip, now_unix_ms()).map_err(|e| e.to_string())?;
         if t.target_geo != self.home {
             return Err(format!("ticket for geo `{}`", t.target_geo));
         }

@@ -203,6 +203,8 @@ impl ProxyHandle {
 /// State shared by the listener, the client tasks and the link tasks.
 pub(crate) struct Shared {
     pub(crate) cfg: ProxyConfig,
+    /// The login tokens' and attach attestations' key rings (the cookies' is the geos').
+    pub(crate) rings: config::Rings,
     pub(crate) geos: geo::Geos,
     pub(crate) metrics: Metrics,
     pub(crate) limits: InputLimits,
@@ -304,6 +306,7 @@ impl Shared {
             return Err(format!("`{geo}` is this proxy's own geo"));
         }
         let hint = cellmesh_proto::cookie::HintCookie {
+            nonce: rand::random(),
             issued_unix_ms: geo::now_unix_ms(),
             target_geo: geo.to_string(),
             gateway_node: info.gateway_node,
@@ -405,6 +408,7 @@ pub async fn start_with(
     boards: Option<Boards>,
 ) -> anyhow::Result<ProxyHandle> {
     cfg.validate()?;
+    let rings = cfg.rings()?;
     let geos = geo::Geos::open(&cfg, boards.as_ref()).await?;
     let mesh_tls = if cfg.mesh_tls.enabled()? {
         let tls = cellmesh_trust::MeshTls::load(&cfg.mesh_tls)?;
@@ -441,6 +445,7 @@ pub async fn start_with(
                 .map_or(serde_json::Value::Null, |s| s.state_json())
         });
         Shared {
+            rings,
             geos,
             limits: InputLimits::new(&cfg.rate),
             gateways: Gateways::new(&cfg.gateways),

@@ -102,6 +102,7 @@ pub(crate) struct Metrics {
     pub cookie_hits: Counter,
     /// Hints and cookies refused (forged, expired, another address or account...), by reason.
     hints_refused: Family<KindLabels, Counter>,
+    tokens_refused: Family<KindLabels, Counter>,
     /// `CookieRequest`s sent (multi-geo networks only).
     pub cookie_requests: Counter,
     /// `ProbeRequest`s sent to this proxy's clients, probes of other geos' clients measured
@@ -335,6 +336,12 @@ impl Metrics {
             "Sessions whose avatar is simulated in another geo (input and view cross the geo link)",
             bridged_sessions.clone(),
         );
+        let tokens_refused = Family::<KindLabels, Counter>::default();
+        reg.register(
+            "tokens_refused",
+            "Login tokens refused, by kind (unknown_token_kid: signed under a key this proxy does not accept)",
+            tokens_refused.clone(),
+        );
         let metrics = Self {
             probes_asked,
             probes_served,
@@ -343,6 +350,7 @@ impl Metrics {
             hint_hits: login_hints.get_or_create_owned(&SourceLabels { source: "hint" }),
             cookie_hits: login_hints.get_or_create_owned(&SourceLabels { source: "cookie" }),
             hints_refused,
+            tokens_refused,
             cookie_requests,
             transfers,
             transfers_total: AtomicU64::new(0),
@@ -383,6 +391,12 @@ impl Metrics {
     pub(crate) fn probe_refused(&self, reason: &'static str) {
         self.probes_refused
             .get_or_create(&ReasonLabels { reason })
+            .inc();
+    }
+
+    pub(crate) fn token_refused(&self, kind: &'static str) {
+        self.tokens_refused
+            .get_or_create(&KindLabels { kind })
             .inc();
     }
 

@@ -204,16 +204,33 @@ async fn token_signed_with_another_secret() {
     let proxy = TestProxy::start(config(&[&gw])).await;
     let mut neighbour = proxy.login("neighbour").await;
 
-    let forged = token::sign(b"not-the-secret", "mallory", unix_now() + 3600);
-    let err = TestClient::login(&proxy.addr(), &forged)
-        .await
-        .err()
-        .expect("forged token admitted");
-    let cellmesh_proto::client::ClientError::Kicked(k) = err else {
-        panic!("{err}")
+    // Under a key of its own, the token names a kid this proxy does not hold; under this
+    // proxy's kid, its signature does not match.
+    let own_kid = cellmesh_proto::keys::derived_kid(SECRET.as_bytes());
+    let forged_kid = cellmesh_proto::keys::Key {
+        kid: own_kid,
+        secret: b"not-the-secret".to_vec(),
     };
-    assert_eq!(reason(&k), KickReason::BadToken);
-    assert!(k.detail.contains("signature"), "{}", k.detail);
+    for (forged, why) in [
+        (
+            token::sign(b"not-the-secret", "mallory", unix_now() + 3600),
+            "does not accept",
+        ),
+        (
+            token::sign_with(&forged_kid, "mallory", unix_now() + 3600),
+            "signature",
+        ),
+    ] {
+        let err = TestClient::login(&proxy.addr(), &forged)
+            .await
+            .err()
+            .expect("forged token admitted");
+        let cellmesh_proto::client::ClientError::Kicked(k) = err else {
+            panic!("{err}")
+        };
+        assert_eq!(reason(&k), KickReason::BadToken);
+        assert!(k.detail.contains(why), "{}", k.detail);
+    }
     assert!(gw
         .received()
         .iter()
@@ -239,4 +256,70 @@ async fn expired_token() {
     assert_eq!(reason(&k), KickReason::ExpiredToken);
 
     proxy.assert_healthy(&mut neighbour, 1).await;
+}
+
+/// A login key rotates without a flag day: a proxy whose ring holds the new signing key and the
+/// old one admits tokens of both, and refuses (by kid, counted) a token of a key retired from
+/// it. Every attach it sends carries an attestation for its account.
+#[tokio::test]
+async fn a_token_key_rotates_and_a_retired_key_is_refused_by_kid() {
+    use cellmesh_proto::keys::KeyRing;
+    let gw = TestGateway::start(1).await;
+    let proxy = TestProxy::start(ProxyConfig {
+        token_keys: vec!["k2:the-new-key".into(), "k1:the-old-key".into()],
+        token_signing_key: "k2".into(),
+        ..config(&[&gw])
+    })
+    .await;
+    let key = |entry: &str| {
+        KeyRing::parse(&[entry.to_string()], "")
+            .unwrap()
+            .signing()
+            .clone()
+    };
+    let expiry = unix_now() + 3600;
+    for (account, entry) in [("new", "k2:the-new-key"), ("old", "k1:the-old-key")] {
+        let t = token::sign_with(&key(entry), account, expiry);
+        let c = TestClient::login(&proxy.addr(), &t).await;
+        assert!(c.is_ok(), "{entry}: {:?}", c.err());
+    }
+    let retired = token::sign_with(&key("k0:the-retired-key"), "mallory", expiry);
+    let err = TestClient::login(&proxy.addr(), &retired)
+        .await
+        .err()
+        .expect("a token of a retired key admitted");
+    let cellmesh_proto::client::ClientError::Kicked(k) = err else {
+        panic!("{err}")
+    };
+    assert_eq!(reason(&k), KickReason::BadToken);
+    assert!(k.detail.contains("`k0`"), "{}", k.detail);
+    let page = cellmesh_admin::http_get(proxy.handle.admin_addr, "/metrics")
+        .await
+        .unwrap()
+        .1;
+    assert!(
+        page.contains("cellmesh_proxy_tokens_refused_total{kind=\"unknown_token_kid\"} 1"),
+        "{page}"
+    );
+    // The gateway got an attach for each login, signed for its account and session.
+    let attest = KeyRing::parse(&[cellmesh_proto::attest::DEFAULT_KEY.to_string()], "").unwrap();
+    let attaches: Vec<_> = gw
+        .received()
+        .into_iter()
+        .filter_map(|b| match b {
+            Mesh::Attach(a) => Some(a),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(attaches.len(), 2);
+    for a in attaches {
+        cellmesh_proto::attest::verify(
+            &attest,
+            &a.attestation,
+            &a.account,
+            a.session_id,
+            unix_now() * 1000,
+        )
+        .unwrap_or_else(|e| panic!("{}: {e}", a.account));
+    }
 }

@@ -392,6 +392,7 @@ async fn with_hint_and_cookie_lost_the_login_reads_mongodb_and_goes_above_the_ol
 async fn bad_cookies_are_refused_by_reason_and_the_login_reads_mongodb() {
     let geos = two_geos("bad").await;
     let good = HintCookie {
+        nonce: [1; 16],
         issued_unix_ms: unix_ms(),
         target_geo: "montreal".into(),
         gateway_node: 1,
@@ -403,7 +404,8 @@ async fn bad_cookies_are_refused_by_reason_and_the_login_reads_mongodb() {
     let seal =
         |secret: &str, c: &HintCookie, ip: IpAddr| cookie::seal(secret.as_bytes(), c, ip).unwrap();
     let cases = [
-        ("bad_cookie_signature", seal("guessed", &good, loopback)),
+        // Sealed under a key the proxies do not hold: named by its kid.
+        ("unknown_cookie_kid", seal("guessed", &good, loopback)),
         (
             "expired_cookie",
             seal(
@@ -442,7 +444,7 @@ async fn bad_cookies_are_refused_by_reason_and_the_login_reads_mongodb() {
                 loopback,
             ),
         ),
-        ("malformed_cookie", b"\x02not a cookie".to_vec()),
+        ("malformed_cookie", b"\x03not a cookie".to_vec()),
     ];
     for (i, (kind, bad)) in cases.into_iter().enumerate() {
         let before = reads(&geos.montreal).await;
@@ -483,6 +485,31 @@ async fn bad_cookies_are_refused_by_reason_and_the_login_reads_mongodb() {
     let alice = Client::login(&geos.montreal.proxy, &login).await;
     assert!(alice.welcome.session_epoch > 42);
     assert_eq!(reads(&geos.montreal).await, before);
+}
+
+/// A cookie is honoured once in its geo: the hint pinned with it shares its nonce, so once the
+/// hint served a login, the cookie shown again (by the client, or by whoever copied it within
+/// its minute) is refused and the login reads MongoDB. Before, it passed for 60 s, and each use
+/// replaced the player record with the position it carried.
+#[tokio::test]
+async fn a_cookie_used_twice_is_refused_the_second_time() {
+    let geos = two_geos("twice").await;
+    let (t, _) = hand_alice_over(&geos).await;
+    let first = Client::login(&geos.montreal.proxy, &Login::token(&token("alice"))).await;
+    assert_eq!(geos.montreal.proxy.stats().hint_hits, 1);
+    drop(first);
+    let replayed = "login_hints_refused_total{kind=\"cookie_replayed\"}";
+    assert_eq!(proxy_metric(&geos.montreal.proxy, replayed).await, 0.0);
+    let before = reads(&geos.montreal).await;
+    let again = Login {
+        token: token("alice"),
+        cookie: t.cookie.to_vec(),
+        offer_cookie: true,
+    };
+    let _alice = Client::login(&geos.montreal.proxy, &again).await;
+    assert_eq!(reads(&geos.montreal).await, before + 1.0, "read MongoDB");
+    assert_eq!(geos.montreal.proxy.stats().cookie_hits, 0);
+    assert_eq!(proxy_metric(&geos.montreal.proxy, replayed).await, 1.0);
 }
 
 /// Relays one connection, keeping every byte the proxy sent.

@@ -51,6 +51,11 @@ pub struct SidecarConfig {
     /// and geo; peers' certificates must come from the same CA and agree with their hellos. The
     /// files are read again when they change or on SIGHUP. Unset: plaintext, loopback only.
     pub mesh_tls: cellmesh_trust::MeshTlsConfig,
+    /// The keys proxies sign attach attestations with (`["kid:secret", ...]`, shared with every
+    /// proxy of the geo): an `Attach` without a valid attestation for its account under one of
+    /// them is refused. Empty: the public built-in key, allowed with a loopback `mesh_listen`
+    /// only.
+    pub attest_keys: Vec<String>,
     pub admin_listen: String,
     pub world: WorldShape,
     /// A chunk within this many chunks of the player's own entity enters the player's view...
@@ -144,6 +149,7 @@ impl SidecarConfig {
             directory_url: redact_url(&self.directory_url),
             players_url: redact_url(&self.players_url),
             topology_url: redact_url(&self.topology_url),
+            attest_keys: cellmesh_proto::keys::masked(&self.attest_keys),
             ..self.clone()
         }
     }
@@ -158,6 +164,7 @@ impl Default for SidecarConfig {
             local_listen: "127.0.0.1:7100".into(),
             mesh_listen: "127.0.0.1:7200".into(),
             mesh_tls: Default::default(),
+            attest_keys: Vec::new(),
             admin_listen: "127.0.0.1:9100".into(),
             world: WorldShape::default(),
             view_radius_chunks: 5,
@@ -241,6 +248,8 @@ pub enum ConfigError {
     CheckpointInterval(u64),
     #[error("claim_ttl_ms {0} is outside 1000..=600000")]
     ClaimTtl(u64),
+    #[error("attest_keys: {0}")]
+    AttestKeys(String),
     #[error("{0}")]
     Admission(String),
     #[error("{0}")]
@@ -275,6 +284,17 @@ impl SidecarConfig {
             &self.mesh_tls,
         )
         .map_err(|e| ConfigError::MeshTls(e.to_string()))?;
+        self.attest_ring()?;
+        if self.attest_keys.is_empty()
+            && !cellmesh_trust::tls::is_loopback_listen(&self.mesh_listen)
+        {
+            return Err(ConfigError::AttestKeys(format!(
+                "mesh_listen {} is not loopback and no attest_keys are set: with the public \
+                 built-in key anyone who reaches it could attach any account. Set attest_keys \
+                 (CELLMESH_ATTEST_KEYS) to the ring the proxies sign attaches with",
+                self.mesh_listen
+            )));
+        }
         if let LocalListen::Unix(p) = self.local() {
             if p.as_os_str().is_empty() {
                 return Err(ConfigError::EmptyUnixPath);
@@ -317,6 +337,17 @@ impl SidecarConfig {
         self.load.check().map_err(ConfigError::Load)?;
         self.agones.check().map_err(ConfigError::Agones)?;
         Ok(())
+    }
+
+    /// The ring attach attestations are checked against: `attest_keys`, or the built-in key.
+    pub fn attest_ring(&self) -> Result<cellmesh_proto::keys::KeyRing, ConfigError> {
+        let keys = if self.attest_keys.is_empty() {
+            vec![cellmesh_proto::attest::DEFAULT_KEY.to_string()]
+        } else {
+            self.attest_keys.clone()
+        };
+        cellmesh_proto::keys::KeyRing::parse(&keys, "")
+            .map_err(|e| ConfigError::AttestKeys(e.to_string()))
     }
 
     /// Under Agones (`AGONES_SDK_HTTP_PORT`'s value `sdk_http_port`, when set): the SDK server's

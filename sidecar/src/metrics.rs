@@ -250,6 +250,11 @@ pub struct Metrics {
     pub leases_fenced: Counter,
     /// Logins that came with a handover hint, by source (hint, cookie).
     pub login_hints: Family<KindLabel, Counter>,
+    /// Handover hints found older than the player record (a later session saved it): the
+    /// record was used.
+    pub login_hints_stale: Counter,
+    /// `Attach`es refused for their attestation, by kind (missing, expired, bad_signature...).
+    pub attaches_refused: Family<KindLabel, Counter>,
     pub checkpoints_stored: Counter,
     pub checkpoint_stored_bytes: Counter,
     pub checkpoints_removed: Counter,
@@ -347,6 +352,8 @@ impl Default for Metrics {
             leases_reclaimed: Default::default(),
             leases_fenced: Default::default(),
             login_hints: Default::default(),
+            login_hints_stale: Default::default(),
+            attaches_refused: Default::default(),
             checkpoints_stored: Default::default(),
             checkpoint_stored_bytes: Default::default(),
             checkpoints_removed: Default::default(),
@@ -665,6 +672,16 @@ impl Metrics {
             "login_hints",
             "Logins handed over from another geo whose hint (from the geo's Redis or the client's cookie) replaced the player record read",
             m.login_hints.clone(),
+        );
+        r.register(
+            "login_hints_stale",
+            "Handover hints older than the player record (a later session saved it since), which the record overruled",
+            m.login_hints_stale.clone(),
+        );
+        r.register(
+            "attaches_refused",
+            "Attaches a proxy sent without a valid attestation for their account, by kind; each was answered with a Detach",
+            m.attaches_refused.clone(),
         );
         r.register(
             "checkpoint_writes",

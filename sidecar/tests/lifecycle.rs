@@ -310,6 +310,66 @@ fn metric(page: &str, name: &str) -> f64 {
         .unwrap()
 }
 
+/// A hint older than what this geo already holds (a later session of the account registered
+/// here and saved the record since) does not rewind the record: the record is read and used,
+/// and the login registers above it. Before, the hint's position replaced it.
+#[tokio::test]
+async fn a_hint_older_than_the_player_record_does_not_rewind_it() {
+    let mut s = Scene::new().await;
+    let dir = s.sc.stores.directory.clone();
+    let mut later = 0;
+    for _ in 0..10 {
+        later = dir
+            .register("bob", 9, Duration::from_secs(30))
+            .await
+            .unwrap();
+    }
+    dir.release("bob", later).await.unwrap();
+    let newer = PlayerRecord {
+        account: "bob".into(),
+        last_position: Some([1.0, 1.0, 0.0]),
+        session_epoch: later,
+        ..PlayerRecord::default()
+    };
+    s.sc.stores.players.save(&newer).await.unwrap();
+    s.link
+        .send(mesh_message::Body::Attach(mesh::Attach {
+            session_id: 1,
+            account: "bob".into(),
+            remote_addr: "127.0.0.1:1".into(),
+            handover: Some(mesh::HandoverHint {
+                session_epoch: later - 5,
+                last_position: Some(mesh::MeshVec3 {
+                    x: 300.0,
+                    y: 400.0,
+                    z: 0.0,
+                }),
+                issued_unix_ms: 1,
+                source: "cookie".into(),
+            }),
+            attestation: attestation("bob", 1),
+            ..Default::default()
+        }))
+        .await;
+    let attached = s
+        .link
+        .expect("Attached", |m| match m {
+            mesh_message::Body::Attached(a) => Some(*a),
+            _ => None,
+        })
+        .await;
+    assert!(attached.session_epoch > later, "{}", attached.session_epoch);
+    let p = s.game.expect_join("bob").await.last_position.unwrap();
+    assert_eq!(
+        (p.x, p.y),
+        (1.0, 1.0),
+        "the record's position, not the hint's"
+    );
+    let page = s.sc.metrics().await;
+    assert_eq!(metric(&page, "login_record_reads_total"), 1.0);
+    assert_eq!(metric(&page, "login_hints_stale_total"), 1.0);
+}
+
 #[tokio::test]
 async fn a_login_handed_over_from_another_geo_skips_the_record_read() {
     let mut s = Scene::new().await;
@@ -337,6 +397,7 @@ async fn a_login_handed_over_from_another_geo_skips_the_record_read() {
                 issued_unix_ms: 1,
                 source: "cookie".into(),
             }),
+            attestation: attestation("bob", 1),
         }))
         .await;
     let attached = s
@@ -519,6 +580,7 @@ async fn link_handshake_rules() {
         moved: false,
         moved_from_epoch: 0,
         handover: None,
+        attestation: attestation("x", 1),
     }));
     assert!(refused(attach_first).await.contains("expected LinkHello"));
 
@@ -547,6 +609,7 @@ async fn a_silent_link_dies_and_its_sessions_leave() {
         moved: false,
         moved_from_epoch: 0,
         handover: None,
+        attestation: attestation("quiet", 1),
     })))
     .await
     .unwrap();
@@ -615,6 +678,7 @@ async fn a_link_that_stops_reading_is_closed_without_stalling_the_node() {
         moved: false,
         moved_from_epoch: 0,
         handover: None,
+        attestation: attestation("slow", 1),
     })))
     .await
     .unwrap();

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use cellmesh_proto::codec::FrameCodec;
 use cellmesh_proto::mesh::{mesh_message, MeshFrame};
+use cellmesh_sidecar::SidecarConfig;
 use futures::{SinkExt, StreamExt};
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -86,4 +87,126 @@ async fn connections_in_their_handshake_are_capped() {
         }
     })
     .await;
+}
+
+/// A proxy link names accounts, but only an attestation signed under the shared attest key lets
+/// one attach: before, any peer that reached the listener could attach any account.
+#[tokio::test]
+async fn an_attach_needs_an_attestation_for_its_account_under_the_attest_key() {
+    use cellmesh_proto::mesh;
+    let s = TestSidecar::start_with(SidecarConfig {
+        attest_keys: vec!["a2:the-new-key".into(), "a1:the-old-key".into()],
+        ..test_config()
+    })
+    .await;
+    let mut link = s.link("proxy-a").await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let key = |entry: &str| {
+        cellmesh_proto::keys::KeyRing::parse(&[entry.to_string()], "")
+            .unwrap()
+            .signing()
+            .clone()
+    };
+    let (old, retired) = (key("a1:the-old-key"), key("a0:the-retired-key"));
+    let sign = |k: &cellmesh_proto::keys::Key, account: &str, session: u64, at: u64| {
+        cellmesh_proto::attest::sign(k, account, session, at)
+    };
+    let refusals = [
+        (1, String::new(), "attach carries no attestation", "missing"),
+        (
+            2,
+            sign(&old, "mallory", 2, now),
+            "another account",
+            "bad_signature",
+        ),
+        (
+            3,
+            sign(&retired, "alice", 3, now),
+            "key `a0`",
+            "unknown_kid",
+        ),
+        (
+            4,
+            sign(&old, "alice", 4, now - 61_000),
+            "expired",
+            "expired",
+        ),
+    ];
+    for (session_id, attestation, why, _) in &refusals {
+        link.send(mesh_message::Body::Attach(mesh::Attach {
+            session_id: *session_id,
+            account: "alice".into(),
+            remote_addr: "127.0.0.1:1".into(),
+            attestation: attestation.clone(),
+            ..Default::default()
+        }))
+        .await;
+        let d = link.expect_detach(*session_id).await;
+        assert_eq!(
+            d.kick_reason,
+            cellmesh_proto::edge::KickReason::GatewayUnavailable as u32
+        );
+        assert!(
+            d.detail.starts_with("attach refused") && d.detail.contains(why),
+            "session {session_id}: {}",
+            d.detail
+        );
+    }
+    let metrics = s.metrics().await;
+    for (_, _, _, kind) in &refusals {
+        assert!(
+            metrics.contains(&format!(
+                "cellmesh_sidecar_attaches_refused_total{{kind=\"{kind}\"}} 1"
+            )),
+            "{kind}: {metrics}"
+        );
+    }
+    assert!(
+        metrics.contains("cellmesh_sidecar_sessions 0"),
+        "nobody attached: {metrics}"
+    );
+    // Signed under an accepted key that no longer signs (a rotation under way): attached.
+    link.send(mesh_message::Body::Attach(mesh::Attach {
+        session_id: 5,
+        account: "alice".into(),
+        remote_addr: "127.0.0.1:1".into(),
+        attestation: sign(&old, "alice", 5, now),
+        ..Default::default()
+    }))
+    .await;
+    link.expect("Attached for session 5", |m| match m {
+        mesh_message::Body::Attached(a) if a.session_id == 5 => Some(()),
+        mesh_message::Body::Detach(d) if d.session_id == 5 => panic!("refused: {d:?}"),
+        _ => None,
+    })
+    .await;
+}
+
+/// A sidecar whose mesh listener other hosts reach does not start on the public attest key.
+#[test]
+fn off_loopback_a_sidecar_needs_its_attest_keys() {
+    let tls = cellmesh_trust::MeshTlsConfig {
+        ca: "ca.pem".into(),
+        cert: "cert.pem".into(),
+        key: "key.pem".into(),
+    };
+    let open = SidecarConfig {
+        mesh_listen: "0.0.0.0:7200".into(),
+        mesh_tls: tls,
+        ..test_config()
+    };
+    let err = open.validate().unwrap_err().to_string();
+    assert!(
+        err.contains("attest_keys") && err.contains("CELLMESH_ATTEST_KEYS"),
+        "{err}"
+    );
+    SidecarConfig {
+        attest_keys: vec!["a1:shared".into()],
+        ..open
+    }
+    .validate()
+    .unwrap();
 }

@@ -217,5 +217,7 @@ fn a_mesh_listener_off_loopback_needs_mesh_tls() {
         cert: "cert.pem".into(),
         key: "key.pem".into(),
     };
+    // Off loopback, the attach attestations need a key of the deployment's too.
+    cfg.attest_keys = vec!["a1:shared".into()];
     cfg.validate().unwrap();
 }

@@ -135,6 +135,19 @@ impl SimStore {
                     }
                 }
                 *epoch = (*epoch).max(floor) + 1;
+                // As the real store: a hint older than the record this geo's directory counted
+                // past is overruled by the record.
+                let mut record = record;
+                if let Some(hinted) = handed_over_from.filter(|h| *epoch > h + 1) {
+                    if let Some(r) = self
+                        .players
+                        .get(&account)
+                        .filter(|r| r.session_epoch > hinted)
+                    {
+                        *epoch = (*epoch).max(r.session_epoch + 1);
+                        record = Some(r.clone());
+                    }
+                }
                 let epoch = *epoch;
                 self.directory
                     .insert(account.clone(), (node, epoch, now + lease_ms));

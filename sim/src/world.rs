@@ -2046,6 +2046,19 @@ impl<'a> Sim<'a> {
         let account = self.clients[c].account.clone();
         self.clients[c].begin(gateway, session_id);
         self.note(|| format!("{account} logs in on n{gateway} as session {session_id}"));
+        // The proxy signs by the gateway's own clock: the sim's proxy has none. The key is the
+        // built-in one every simulated sidecar's default config accepts.
+        let key = cellmesh_proto::keys::KeyRing::parse(
+            &[cellmesh_proto::attest::DEFAULT_KEY.to_string()],
+            "",
+        )
+        .expect("the built-in attest key parses");
+        let attestation = cellmesh_proto::attest::sign(
+            key.signing(),
+            &account,
+            session_id,
+            self.time_of(gateway).unix_ms,
+        );
         self.client_sends(
             c,
             gateway,
@@ -2058,6 +2071,7 @@ impl<'a> Sim<'a> {
                 moved: false,
                 moved_from_epoch: 0,
                 handover,
+                attestation,
             }),
         );
         let first = self.s.input_every_ms;

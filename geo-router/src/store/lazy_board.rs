@@ -57,6 +57,15 @@ impl EdgeBoard for LazyBoard {
         self.board().await?.take_hint(account).await
     }
 
+    async fn use_nonce(
+        &self,
+        account: &str,
+        nonce: &[u8],
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        self.board().await?.use_nonce(account, nonce, ttl).await
+    }
+
     async fn put_far_rtt(
         &self,
         account: &str,

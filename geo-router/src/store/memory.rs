@@ -232,6 +232,8 @@ type FarRtts = HashMap<String, (FarRtt, Instant)>;
 #[derive(Default)]
 pub struct MemoryBoard {
     hints: Mutex<HashMap<String, (Vec<u8>, Instant)>>,
+    /// (account, nonce) -> until when it is remembered used.
+    nonces: Mutex<HashMap<(String, Vec<u8>), Instant>>,
     /// account -> measuring geo -> (figure, expiry).
     rtts: Mutex<HashMap<String, FarRtts>>,
 }
@@ -260,6 +262,20 @@ impl EdgeBoard for MemoryBoard {
         Ok(taken
             .filter(|(_, until)| *until > Instant::now())
             .map(|(h, _)| h))
+    }
+
+    async fn use_nonce(
+        &self,
+        account: &str,
+        nonce: &[u8],
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        let now = Instant::now();
+        let mut used = self.nonces.lock().expect("board lock poisoned");
+        used.retain(|_, until| *until > now);
+        Ok(used
+            .insert((account.to_string(), nonce.to_vec()), now + ttl)
+            .is_none())
     }
 
     async fn put_far_rtt(

@@ -198,6 +198,14 @@ pub trait EdgeBoard: Send + Sync {
         -> Result<(), StoreError>;
     /// Takes (and removes) the hint for `account`, if one is pinned and not expired.
     async fn take_hint(&self, account: &str) -> Result<Option<Vec<u8>>, StoreError>;
+    /// Marks `account`'s one-shot `nonce` used, for `ttl` (the rest of what it was good for),
+    /// atomically: true for the first use, false for any other while it is remembered.
+    async fn use_nonce(
+        &self,
+        account: &str,
+        nonce: &[u8],
+        ttl: Duration,
+    ) -> Result<bool, StoreError>;
     /// Records what `geo`'s proxy measured to `account`, kept for `ttl`.
     async fn put_far_rtt(
         &self,

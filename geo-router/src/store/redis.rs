@@ -207,6 +207,11 @@ impl RedisDirectory {
         format!("{}{{{account}}}:hint", self.prefix)
     }
 
+    fn nonce_key(&self, account: &str, nonce: &[u8]) -> String {
+        let hex: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+        format!("{}{{{account}}}:used:{hex}", self.prefix)
+    }
+
     fn far_rtt_key(&self, account: &str) -> String {
         format!("{}{{{account}}}:far_rtt", self.prefix)
     }
@@ -417,6 +422,25 @@ impl EdgeBoard for RedisDirectory {
             .query_async(&mut self.conn.clone())
             .await
             .map_err(|e| self.error("take_hint", e))
+    }
+
+    async fn use_nonce(
+        &self,
+        account: &str,
+        nonce: &[u8],
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        // SET NX: of two proxies racing with the same cookie, one gets OK, the other nil.
+        let set: Option<String> = redis::cmd("SET")
+            .arg(self.nonce_key(account, nonce))
+            .arg(1)
+            .arg("NX")
+            .arg("PX")
+            .arg(lease_ms(ttl).max(1))
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| self.error("use_nonce", e))?;
+        Ok(set.is_some())
     }
 
     async fn put_far_rtt(

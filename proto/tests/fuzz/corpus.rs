@@ -389,6 +389,7 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
             remote_addr: "203.0.113.7:5000".into(),
             moved: true,
             moved_from_epoch: 12345,
+            attestation: "a1.1700000060000.00".into(),
             handover: Some(mesh::HandoverHint {
                 session_epoch: 41,
                 last_position: Some(MeshVec3 {
@@ -742,6 +743,7 @@ pub fn tokens() -> Vec<Vec<u8>> {
 
 pub fn cookies() -> Vec<Vec<u8>> {
     let hint = |issued_unix_ms, target_geo: &str, gateway_node, account: &str| HintCookie {
+        nonce: [gateway_node as u8; cookie::NONCE_LEN],
         issued_unix_ms,
         target_geo: target_geo.into(),
         gateway_node,

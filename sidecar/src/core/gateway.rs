@@ -71,6 +71,8 @@ pub(crate) struct Gateway {
     pub renewing: bool,
     /// Sessions whose lost directory entry is being registered again.
     pub reregistering: BTreeSet<SessionKey>,
+    /// The keys an `Attach`'s attestation must be signed under.
+    pub attest: cellmesh_proto::keys::KeyRing,
 }
 
 /// A session's proxy hears where its avatar is simulated at least this often, and at once when
@@ -93,6 +95,9 @@ impl Gateway {
             node_geo: HashMap::default(),
             renewing: false,
             reregistering: BTreeSet::new(),
+            attest: cfg
+                .attest_ring()
+                .expect("attest_keys are checked by SidecarConfig::validate"),
         }
     }
 }
@@ -245,6 +250,35 @@ impl Core {
                 ),
             );
         }
+        // Only a proxy holding an attest key admitted this account: a mesh peer's word is not
+        // enough, or anyone who reaches the mesh listener could attach any account.
+        if let Err(e) = cellmesh_proto::attest::verify(
+            &self.gw.attest,
+            &a.attestation,
+            &a.account,
+            a.session_id,
+            self.now.unix_ms,
+        ) {
+            self.metrics
+                .attaches_refused
+                .get_or_create(&crate::metrics::KindLabel { kind: e.kind() })
+                .inc();
+            tracing::info!(
+                link,
+                account = %a.account,
+                session_id = a.session_id,
+                error = %e,
+                "attach refused"
+            );
+            return self.queue_for_link(
+                link,
+                detach(
+                    a.session_id,
+                    KickReason::GatewayUnavailable,
+                    format!("attach refused: {e}"),
+                ),
+            );
+        }
         if self.gw.sessions.find(link, a.session_id).is_some() {
             // The proxy numbers sessions uniquely per link; a repeat is its bug, not a new client.
             self.metrics.error("duplicate_session_id");
@@ -383,6 +417,12 @@ impl Core {
         let s = self.gw.sessions.all.get_mut(&key).expect("checked above");
         s.epoch = Some(reg.epoch);
         if let Some(r) = reg.record {
+            if s.handed_over_in {
+                // The store found the hint older than the record: the record stands.
+                s.handed_over_in = false;
+                self.metrics.login_hints_stale.inc();
+                tracing::info!(%account, record_epoch = r.session_epoch, "handover hint older than the player record; the record is used");
+            }
             s.last_position = r.last_position;
             s.home_geo = Some(r.home_geo);
         }

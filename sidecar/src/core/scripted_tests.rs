@@ -69,6 +69,14 @@ fn at(ms: u64) -> Now {
     }
 }
 
+/// What a proxy holding the built-in attest key signs for `account`'s session at `ms`.
+fn attested(account: &str, session_id: u64, ms: u64) -> String {
+    let ring = crate::config::SidecarConfig::default()
+        .attest_ring()
+        .unwrap();
+    cellmesh_proto::attest::sign(ring.signing(), account, session_id, at(ms).unix_ms)
+}
+
 fn link_up(core: &mut Core, ms: u64, link: LinkId, node: NodeId) {
     core.handle(
         at(ms),
@@ -470,6 +478,7 @@ fn proxy_attaches(core: &mut Core, ms: u64, account: &str, handover: Option<mesh
                 moved: false,
                 moved_from_epoch: 0,
                 handover,
+                attestation: attested(account, 1, ms),
             })
             .into()],
         },
@@ -1535,6 +1544,7 @@ fn attach_on(core: &mut Core, ms: u64, link: LinkId, session_id: u64, account: &
                 moved,
                 moved_from_epoch: 0,
                 handover: None,
+                attestation: attested(account, session_id, ms),
             })
             .into()],
         },
@@ -1668,6 +1678,7 @@ fn a_moved_session_superseded_by_a_newer_login_is_displaced() {
                     moved,
                     moved_from_epoch,
                     handover: None,
+                    attestation: attested("ada", session_id, 100),
                 })
                 .into()],
             },

@@ -52,14 +52,42 @@ pub(crate) async fn execute(
                         (record, floor)
                     }
                 };
+                let mut record = record;
                 let epoch = match moved_from {
                     None => {
-                        timed(
+                        let epoch = timed(
                             stores
                                 .directory
                                 .register_above(&account, node, lease, floor),
                         )
-                        .await?
+                        .await?;
+                        match handed_over_from {
+                            // This geo's directory had counted past the hinted session: a later
+                            // one may have saved the record since. Session epochs order records
+                            // across geos (each login registers above the record it read), so
+                            // the record decides; a hint older than it must not rewind it.
+                            Some(hinted) if epoch > hinted + 1 => {
+                                metrics.login_record_reads.inc();
+                                match timed(stores.players.load(&account)).await? {
+                                    Some(r) if r.session_epoch > hinted => {
+                                        let newer = r.session_epoch;
+                                        record = Some(r);
+                                        if newer >= epoch {
+                                            timed(
+                                                stores
+                                                    .directory
+                                                    .register_above(&account, node, lease, newer),
+                                            )
+                                            .await?
+                                        } else {
+                                            epoch
+                                        }
+                                    }
+                                    _ => epoch,
+                                }
+                            }
+                            _ => epoch,
+                        }
                     }
                     // The record names a later session: one that began after this one.
                     Some(moved_from) if floor > moved_from => return Ok(None),

@@ -399,6 +399,17 @@ impl Drop for MeshLink {
     }
 }
 
+/// What a proxy holding the built-in attest key (a sidecar's default) signs for `account`'s
+/// session `session_id` now.
+pub fn attestation(account: &str, session_id: u64) -> String {
+    let ring = test_config().attest_ring().unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    cellmesh_proto::attest::sign(ring.signing(), account, session_id, now)
+}
+
 pub fn link_hello(name: &str, major: u32) -> MeshFrame {
     MeshFrame::one(mesh_message::Body::Hello(mesh::LinkHello {
         version: Some(mesh::ProtocolVersion { major, minor: 0 }),
@@ -529,6 +540,7 @@ impl MeshLink {
             moved: false,
             moved_from_epoch: 0,
             handover: None,
+            attestation: attestation(account, session_id),
         }))
         .await;
         self.expect(&format!("Attached for session {session_id}"), |m| match m {
