@@ -89,7 +89,8 @@ pub struct Admin {
     ready: AtomicBool,
     registry: Registry,
     state: Box<StateFn>,
-    routes: RwLock<HashMap<String, Route>>,
+    /// By path: the handler, and whether it is served without the token.
+    routes: RwLock<HashMap<String, (Route, bool)>>,
     /// Empty: every path is open.
     token: RwLock<String>,
     limits: RwLock<Limits>,
@@ -176,7 +177,8 @@ impl Admin {
             .headers()
             .get(hyper::header::AUTHORIZATION)
             .map(|v| v.as_bytes());
-        let refusal = guard::check(&token, req.uri().path(), authorization).err()?;
+        let open = self.is_open(req.uri().path());
+        let refusal = guard::check(&token, open, authorization).err()?;
         self.guard_metrics
             .requests_refused
             .get_or_create(&vec![("reason", refusal.reason())])
@@ -192,8 +194,27 @@ impl Admin {
     }
 
     /// Serves `GET path` with `handler` from now on (a later route of the same path replaces
-    /// it). The built-in paths (`/live`, `/ready`, `/metrics`, `/state`) cannot be taken.
+    /// it), to holders of the admin token when one is set. The built-in paths (`/live`,
+    /// `/ready`, `/metrics`, `/state`) cannot be taken.
     pub fn route<F, Fut>(&self, path: &str, handler: F)
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Reply> + Send + 'static,
+    {
+        self.add_route(path, handler, false);
+    }
+
+    /// [`Admin::route`] served without the token: for what shows nothing of the process (a
+    /// static page that asks for its data with the token).
+    pub fn route_open<F, Fut>(&self, path: &str, handler: F)
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Reply> + Send + 'static,
+    {
+        self.add_route(path, handler, true);
+    }
+
+    fn add_route<F, Fut>(&self, path: &str, handler: F, open: bool)
     where
         F: Fn() -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Reply> + Send + 'static,
@@ -202,7 +223,18 @@ impl Admin {
         self.routes
             .write()
             .expect("admin routes poisoned")
-            .insert(path.to_string(), route);
+            .insert(path.to_string(), (route, open));
+    }
+
+    /// Whether `path` is served without the token.
+    fn is_open(&self, path: &str) -> bool {
+        guard::OPEN_PATHS.contains(&path)
+            || self
+                .routes
+                .read()
+                .expect("admin routes poisoned")
+                .get(path)
+                .is_some_and(|(_, open)| *open)
     }
 
     /// Answers one request: an added route, else the built-in ones.
@@ -220,7 +252,7 @@ impl Admin {
                 .read()
                 .expect("admin routes poisoned")
                 .get(path)
-                .cloned();
+                .map(|(route, _)| route.clone());
             if let Some(route) = route {
                 let reply = route().await;
                 return Response::builder()
@@ -799,6 +831,9 @@ mod tests {
             metrics.contains("cellmesh_admin_requests_refused_total{reason=\"wrong_token\"} 4"),
             "{metrics}"
         );
+        // A page routed open needs none either.
+        admin.route_open("/map", || async { Reply::ok("text/html", "<html>") });
+        assert_eq!(http_get(addr, "/map").await.unwrap().0, 200);
         // The right one opens the rest.
         let (status, body) = http_get_token(addr, "/state", "t0ken").await.unwrap();
         assert_eq!(status, 200);
