@@ -289,12 +289,13 @@ fn token_expiry(now: u64, ttl: u64) -> anyhow::Result<u64> {
 }
 
 /// The proxy's configuration as `--print-config` shows it: the token secret hidden, unless it is
-/// the public default, left for whoever kept it to see.
+/// the public default, left for whoever kept it to see; the admin token hidden.
 fn proxy_config_shown(cfg: &cellmesh_proxy::ProxyConfig) -> cellmesh_proxy::ProxyConfig {
     let mut shown = cfg.clone();
     if shown.token_secret != DEFAULT_TOKEN_SECRET {
         shown.token_secret = "***".into();
     }
+    shown.admin_token = cellmesh_admin::guard::shown_token(&shown.admin_token);
     shown
 }
 
@@ -627,6 +628,12 @@ mod tests {
             ..cfg
         };
         assert_eq!(proxy_config_shown(&cfg).token_secret, "***");
+        assert_eq!(proxy_config_shown(&cfg).admin_token, "");
+        let cfg = cellmesh_proxy::ProxyConfig {
+            admin_token: "ops".into(),
+            ..cfg
+        };
+        assert_eq!(proxy_config_shown(&cfg).admin_token, "***");
     }
 
     /// A subcommand path (`partition plan` is two words), the flags it takes and those it needs.
