@@ -159,6 +159,51 @@ mod tests {
         );
     }
 
+    /// `/api/world` on a real admin port over a store with no partition yet (a 503), then one
+    /// committed: callers within the second get the composition they share, a caller after it a
+    /// new one; the token guards it and not the page.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_world_is_composed_once_a_second_however_many_ask() {
+        use cellmesh_geo_router::geometry::WorldShape;
+        use cellmesh_geo_router::partition::{Grid, Layout, Partition};
+        use cellmesh_geo_router::topology::memory::MemoryTopology;
+
+        let topology: Arc<dyn TopologyStore> = Arc::new(MemoryTopology::default());
+        let admin = Admin::new(Default::default(), || serde_json::Value::Null);
+        admin.set_token("t");
+        serve(&admin, topology.clone(), "t");
+        let stop = tokio_util::sync::CancellationToken::new();
+        let addr = cellmesh_admin::spawn("127.0.0.1:0", admin, stop.clone())
+            .await
+            .unwrap();
+        let get = || cellmesh_admin::http_get_token(addr, "/api/world", "t");
+        assert_eq!(
+            cellmesh_admin::http_get(addr, "/api/world")
+                .await
+                .unwrap()
+                .0,
+            401
+        );
+        assert_eq!(cellmesh_admin::http_get(addr, "/map").await.unwrap().0, 200);
+        let (status, body) = get().await.unwrap();
+        assert_eq!(status, 503, "{body}");
+        assert!(body.contains("no partition"), "{body}");
+
+        let world = WorldShape::default();
+        let grid = Grid::even(&world, 2, 2, &[1, 2]).unwrap();
+        let partition = Partition::new(world, 1, Layout::Grid(grid)).unwrap();
+        topology.commit_partition(0, &partition).await.unwrap();
+        // Within the second: the composition made before the commit, to every caller.
+        let calls: Vec<_> = (0..8).map(|_| tokio::spawn(get())).collect();
+        for c in calls {
+            assert_eq!(c.await.unwrap().unwrap().0, 503);
+        }
+        tokio::time::sleep(WORLD_FRESH_FOR + Duration::from_millis(100)).await;
+        let (status, body) = get().await.unwrap();
+        assert_eq!(status, 200, "{body}");
+        stop.cancel();
+    }
+
     #[test]
     fn the_page_draws_from_the_world_endpoint() {
         assert!(PAGE.contains("fetch(\"api/world\""));

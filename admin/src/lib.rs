@@ -884,9 +884,18 @@ mod tests {
             .await
             .expect("a stalled request head was still open after 5 s");
         assert!(took >= Duration::from_millis(250), "closed after {took:?}");
+        // A keep-alive connection waiting for its next request is under the same bound.
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /live HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .unwrap();
+        let took = closed_within(&mut s, Duration::from_secs(5))
+            .await
+            .expect("a keep-alive connection was still open after 5 s");
+        assert!(took >= Duration::from_millis(250), "closed after {took:?}");
         let (_, metrics) = http_get(addr, "/metrics").await.unwrap();
         assert!(
-            metrics.contains("cellmesh_admin_connections_timed_out_total{reason=\"header\"} 1"),
+            metrics.contains("cellmesh_admin_connections_timed_out_total{reason=\"header\"} 2"),
             "{metrics}"
         );
         stop.cancel();

@@ -368,6 +368,12 @@ mod tests {
         };
         guarded.validate().unwrap();
         assert_eq!(guarded.redacted().admin_token, "***");
+        let from_env: SidecarConfig = cellmesh_admin::config::load_with_env(
+            None,
+            [("CELLMESH_ADMIN_TOKEN".to_string(), "s3cret".to_string())],
+        )
+        .unwrap();
+        assert_eq!(from_env.admin_token, "s3cret");
         assert_eq!(SidecarConfig::default().redacted().admin_token, "");
     }
 
