@@ -404,15 +404,16 @@ for name, v in sorted(s.items()):
 census() { /usr/bin/python3 docker/lab/census.py "$1" --run "$run_dir" "${@:2}"; }
 
 # http_get SERVICE PORT PATH: the body of GET PATH on the service's port, asked from inside its
-# container (the image has bash and no curl). Fails unless the answer is 200.
+# container (the image has bash and no curl) with the run's admin token. Fails unless the answer
+# is 200.
 http_get() {
     podman exec "$(container_of "$1")" bash -c '
 exec 3<>"/dev/tcp/127.0.0.1/$1" || exit 1
-printf "GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n" "$2" >&3
+printf "GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\nAuthorization: Bearer %s\r\nConnection: close\r\n\r\n" "$2" "$3" >&3
 IFS= read -r -t 5 status <&3 || exit 1
 [[ $status == HTTP/1.[01]" 200"* ]] || exit 1
 while IFS= read -r -t 5 line <&3 && [[ $line != $'"'"'\r'"'"' ]]; do :; done
-cat <&3' _ "$2" "$3"
+cat <&3' _ "$2" "$3" "$CELLMESH_ADMIN_TOKEN"
 }
 
 # wait_until TIMEOUT_S WHAT COMMAND...: retries the command every second.
@@ -1316,9 +1317,11 @@ check_faults
 ensure_images
 ((prepare_only)) && exit 0
 
-# A secret of this run for the proxies' tokens and the bots: nothing secret is written down.
+# Secrets of this run for the proxies' tokens and the bots, and for the admin ports the census
+# reads: nothing secret is written down.
 CELLMESH_TOKEN_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(32))')
-export CELLMESH_TOKEN_SECRET
+CELLMESH_ADMIN_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')
+export CELLMESH_TOKEN_SECRET CELLMESH_ADMIN_TOKEN
 
 mkdir -p "$run_dir"
 list_admin_services >"$run_dir/admin-services.txt"

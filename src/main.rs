@@ -297,7 +297,7 @@ fn token_expiry(now: u64, ttl: u64) -> anyhow::Result<u64> {
 }
 
 /// The proxy's configuration as `--print-config` shows it: the token secret hidden, unless it is
-/// the public default, left for whoever kept it to see.
+/// the public default, left for whoever kept it to see; the admin token hidden.
 fn proxy_config_shown(cfg: &cellmesh_proxy::ProxyConfig) -> cellmesh_proxy::ProxyConfig {
     cfg.masked()
 }
@@ -644,6 +644,12 @@ mod tests {
             assert!(!shown.contains(secret), "{shown}");
         }
         assert!(shown.contains("\"t1:***\""), "{shown}");
+        assert_eq!(proxy_config_shown(&cfg).admin_token, "");
+        let cfg = cellmesh_proxy::ProxyConfig {
+            admin_token: "ops".into(),
+            ..cfg
+        };
+        assert_eq!(proxy_config_shown(&cfg).admin_token, "***");
     }
 
     /// A subcommand path (`partition plan` is two words), the flags it takes and those it needs.

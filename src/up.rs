@@ -753,6 +753,8 @@ struct NodeEnv {
     /// The CA of this run, which issues each node's mesh certificate as it starts; none with
     /// `--mesh-plaintext`.
     mesh_ca: Option<Arc<RunCa>>,
+    /// The admin token of this run: every admin port of it asks for it.
+    admin_token: Arc<str>,
     /// Where the arenas' NPCs and new players appear (see [`Crowd`] for a BSP).
     arena_center: (f64, f64),
     arena_spread: f64,
@@ -776,6 +778,38 @@ impl RunDir {
         std::fs::create_dir_all(&dir)
             .with_context(|| format!("creating the state dir {}", dir.display()))?;
         Ok(Self(dir))
+    }
+}
+
+/// The admin token of one run, in a file of its own directory (removed with it) that only this
+/// user may read: the banner names the file, never the token.
+struct RunToken {
+    token: String,
+    file: PathBuf,
+    _dir: RunDir,
+}
+
+impl RunToken {
+    fn create() -> anyhow::Result<Self> {
+        let dir = RunDir::create()?;
+        let token = format!("{:032x}", rand::random::<u128>());
+        let file = dir.0.join("admin-token");
+        let mut options = std::fs::OpenOptions::new();
+        options.write(true).create_new(true);
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+        std::io::Write::write_all(
+            &mut options
+                .open(&file)
+                .with_context(|| format!("creating {}", file.display()))?,
+            token.as_bytes(),
+        )
+        .with_context(|| format!("writing {}", file.display()))?;
+        Ok(Self {
+            token,
+            file,
+            _dir: dir,
+        })
     }
 }
 
@@ -827,6 +861,7 @@ async fn start_node(
         local_listen: "127.0.0.1:0".into(),
         mesh_listen,
         admin_listen: "127.0.0.1:0".into(),
+        admin_token: env.admin_token.to_string(),
         state_dir: env
             .state_dir
             .as_ref()
@@ -1065,7 +1100,10 @@ pub async fn run(
         let geos = opts.geos.clone();
         move || serde_json::json!({"nodes": nodes, "geos": geos})
     });
-    crate::live_map::serve(&up_admin, topology.clone());
+    // One admin token for every admin port of the run, its own included.
+    let admin_token = RunToken::create().context("making the run's admin token")?;
+    up_admin.set_token(&admin_token.token);
+    crate::live_map::serve(&up_admin, topology.clone(), &admin_token.token);
     let up_admin_addr = cellmesh_admin::spawn(&opts.admin_listen, up_admin.clone(), stop.clone())
         .await
         .with_context(|| format!("binding the admin port --admin {}", opts.admin_listen))?;
@@ -1094,6 +1132,7 @@ pub async fn run(
         } else {
             Some(Arc::new(RunCa::create()?))
         },
+        admin_token: admin_token.token.as_str().into(),
         arena_center: if opts.bsp {
             Crowd::middle(&world)
         } else {
@@ -1130,6 +1169,7 @@ pub async fn run(
         let cfg = crate::director::DirectorConfig {
             topology_url: "memory".into(),
             admin_listen: "127.0.0.1:0".into(),
+            admin_token: admin_token.token.clone(),
             name: "up-director".into(),
             balance: cellmesh_geo_router::balance::LoadConfig {
                 // The world starts with the NPCs alone while the bots log in: with the default
@@ -1191,6 +1231,7 @@ pub async fn run(
                 .collect(),
             token_secret: secret.clone(),
             attest_keys: vec![env.attest_key.clone()],
+            admin_token: admin_token.token.clone(),
             ..ProxyConfig::default()
         };
         if let Some(ca) = &env.mesh_ca {
@@ -1278,6 +1319,11 @@ pub async fn run(
         admins.join(" "),
         edges.join(" · "),
         opts.bots
+    );
+    // The token's file, not the token: a terminal's scrollback and a CI log are read by many.
+    println!(
+        "cellmesh up: admin token in {}: send \"Authorization: Bearer $(cat {0})\" (all but /live, /ready, /metrics); the live map asks for it once",
+        admin_token.file.display()
     );
     println!("cellmesh up: live map http://{up_admin_addr}/map");
 

@@ -62,15 +62,20 @@ const SECRETS: &[(&str, &str)] = &[
         "mongodb://app:players-pw@m1:27017,m2:27017/game?authSource=admin",
     ),
     ("CELLMESH_TOPOLOGY_URL", "mongodb://ops:topo-pw@m1/topology"),
+    ("CELLMESH_ADMIN_TOKEN", "admin-pw"),
 ];
 
 #[test]
 fn print_config_shows_no_secret() {
-    for process in ["sidecar", "proxy"] {
+    for process in ["sidecar", "proxy", "director"] {
         let out = cellmesh(&[process, "--print-config"], SECRETS);
         let stdout = text(&out.stdout);
         assert!(out.status.success(), "{process}: {}", text(&out.stderr));
-        for secret in ["s3cret", "dir-pw", "players-pw", "topo-pw"] {
+        assert!(
+            stdout.contains("admin_token = \"***\""),
+            "{process}:\n{stdout}"
+        );
+        for secret in ["s3cret", "dir-pw", "players-pw", "topo-pw", "admin-pw"] {
             assert!(
                 !stdout.contains(secret),
                 "{process} shows {secret}:\n{stdout}"

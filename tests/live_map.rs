@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::process::Command as StdCommand;
 use std::time::Duration;
 
-use cellmesh_admin::http_get;
+use cellmesh_admin::{http_get, http_get_token};
 use cellmesh_test_support::Process;
 use tokio::process::Command;
 use tokio::time::Instant;
@@ -30,8 +30,10 @@ fn chromium() -> String {
     bin
 }
 
-async fn world(admin: SocketAddr) -> serde_json::Value {
-    let (status, body) = http_get(admin, "/api/world").await.expect("GET /api/world");
+async fn world(admin: SocketAddr, token: &str) -> serde_json::Value {
+    let (status, body) = http_get_token(admin, "/api/world", token)
+        .await
+        .expect("GET /api/world");
     assert_eq!(status, 200, "/api/world: {body}");
     serde_json::from_str(&body).expect("/api/world is JSON")
 }
@@ -97,11 +99,23 @@ async fn headless_chromium_draws_every_cell_and_the_entities_of_a_four_node_up()
         .strip_suffix("/map")
         .and_then(|a| a.parse().ok())
         .unwrap_or_else(|| panic!("no map address in {rest:?}"));
+    // The banner names the file of the run's admin token, printed before the map's line.
+    let banner = up.log.text();
+    let token_file = banner
+        .lines()
+        .find_map(|l| l.strip_prefix("cellmesh up: admin token in "))
+        .and_then(|rest| rest.split_once(": send"))
+        .map(|(file, _)| file.to_string())
+        .unwrap_or_else(|| panic!("no admin token file in {banner}"));
+    let token = std::fs::read_to_string(&token_file).expect("the admin token file");
+    assert!(!banner.contains(&token), "the banner shows the token");
+    // Without it, the world is refused.
+    assert_eq!(http_get(admin, "/api/world").await.unwrap().0, 401);
 
     // The bots log in over the first seconds; wait for every node to be sampled with entities.
     let since = Instant::now();
     let w = loop {
-        let w = world(admin).await;
+        let w = world(admin, &token).await;
         let sampled = w["nodes"]
             .as_array()
             .is_some_and(|n| n.len() == 4 && n.iter().all(|n| n["sampled"] == true));
@@ -129,7 +143,7 @@ async fn headless_chromium_draws_every_cell_and_the_entities_of_a_four_node_up()
     assert_eq!(status, 200);
     assert!(page.contains("api/world"), "{page}");
 
-    let dom = rendered_dom(&chromium, &format!("http://{admin}/map"));
+    let dom = rendered_dom(&chromium, &format!("http://{admin}/map#token={token}"));
     let drawn_cells = count(&dom, "rect", "cell\"");
     let drawn_entities = count(&dom, "circle", "entity ");
     let epoch = w["partition_epoch"].as_u64().expect("the epoch");

@@ -37,6 +37,8 @@ import urllib.request
 HTTP_TIMEOUT_S = 2.0
 # Straight to the containers: never through a proxy the host's environment may name.
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# The admin ports' bearer token of the run (scripts/lab.sh makes one and gives it to every process).
+ADMIN_TOKEN = os.environ.get("CELLMESH_ADMIN_TOKEN", "")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -46,7 +48,10 @@ OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 def http(ip, port, path, timeout=HTTP_TIMEOUT_S):
     """(status, body) of GET path; (None, None) when nothing answered."""
     try:
-        with OPENER.open(f"http://{ip}:{port}{path}", timeout=timeout) as r:
+        req = urllib.request.Request(f"http://{ip}:{port}{path}")
+        if ADMIN_TOKEN:
+            req.add_header("Authorization", f"Bearer {ADMIN_TOKEN}")
+        with OPENER.open(req, timeout=timeout) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()

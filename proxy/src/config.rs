@@ -17,6 +17,10 @@ pub struct ProxyConfig {
     pub geo: String,
     pub client_listen: String,
     pub admin_listen: String,
+    /// Bearer token for every admin path but `/live`, `/ready` and `/metrics` (clients send
+    /// `Authorization: Bearer <admin_token>`); empty: open, allowed only with `admin_listen` on
+    /// loopback.
+    pub admin_token: String,
     /// Mesh addresses of the gateway sidecars; one multiplexed link each.
     pub gateways: Vec<String>,
     /// Mutual TLS on the links to the gateways (`ca`, `cert`, `key`: PEM files; `cellmesh certs
@@ -196,6 +200,7 @@ impl Default for ProxyConfig {
             geo: "local".into(),
             client_listen: "127.0.0.1:7300".into(),
             admin_listen: "127.0.0.1:9300".into(),
+            admin_token: String::new(),
             gateways: vec!["127.0.0.1:7200".into()],
             mesh_tls: Default::default(),
             token_secret: DEFAULT_TOKEN_SECRET.into(),
@@ -320,6 +325,7 @@ impl ProxyConfig {
                  (CELLMESH_ATTEST_KEYS) to the ring the gateways check attaches with"
             );
         }
+        cellmesh_admin::guard::require_token_off_loopback(&self.admin_listen, &self.admin_token)?;
         Ok(())
     }
 
@@ -379,6 +385,7 @@ impl ProxyConfig {
         shown.token_keys = masked(&shown.token_keys);
         shown.cookie_keys = masked(&shown.cookie_keys);
         shown.attest_keys = masked(&shown.attest_keys);
+        shown.admin_token = cellmesh_admin::guard::shown_token(&shown.admin_token);
         shown
     }
 
@@ -468,6 +475,25 @@ mod tests {
             };
             own.validate().unwrap();
         }
+    }
+
+    #[test]
+    fn an_admin_port_off_loopback_needs_a_token() {
+        let open = ProxyConfig {
+            admin_listen: "0.0.0.0:9300".into(),
+            ..ProxyConfig::default()
+        };
+        let err = open.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("admin_token") && err.contains("CELLMESH_ADMIN_TOKEN"),
+            "{err}"
+        );
+        ProxyConfig {
+            admin_token: "ops".into(),
+            ..open
+        }
+        .validate()
+        .unwrap();
     }
 
     #[test]

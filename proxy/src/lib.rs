@@ -376,6 +376,7 @@ impl Shared {
                 "drain_spread_ms": cfg.drain_spread_ms,
                 "rate": cfg.rate,
                 "default_token_secret": cfg.uses_default_secret(),
+                "admin_token": cellmesh_admin::guard::shown_token(&cfg.admin_token),
                 "geos": {
                     "single": cfg.geos.single(),
                     "peers": cfg.geos.peers.iter().map(|p| serde_json::json!({"name": p.name, "proxies": p.proxies})).collect::<Vec<_>>(),
@@ -444,6 +445,7 @@ pub async fn start_with(
             me.upgrade()
                 .map_or(serde_json::Value::Null, |s| s.state_json())
         });
+        admin.set_token(&cfg.admin_token);
         Shared {
             rings,
             geos,

@@ -3,6 +3,7 @@
 mod support;
 
 use cellmesh_admin::http_get;
+use cellmesh_proxy::ProxyConfig;
 use support::*;
 
 #[tokio::test]
@@ -62,4 +63,48 @@ async fn ready_metrics_and_state() {
     assert_eq!(session["gateway"], gw.addr.to_string());
     assert_eq!(session["inputs_accepted"], 1);
     assert_eq!(state["stats"]["sessions"], 1);
+}
+
+#[tokio::test]
+async fn with_an_admin_token_the_state_needs_it_and_shows_it_masked() {
+    let gw = TestGateway::start(3).await;
+    let proxy = TestProxy::start(ProxyConfig {
+        admin_token: "ops-token".into(),
+        ..config(&[&gw])
+    })
+    .await;
+    let admin = proxy.handle.admin_addr;
+    let _alice = proxy.login("alice").await;
+    // The probes and the scraper need no token.
+    assert_eq!(http_get(admin, "/live").await.unwrap().0, 200);
+    assert_eq!(http_get(admin, "/ready").await.unwrap().0, 200);
+    assert_eq!(http_get(admin, "/metrics").await.unwrap().0, 200);
+    // The state, which lists every account with its address, does.
+    let r = cellmesh_admin::http_get_with(admin, "/state", &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, 401, "{}", r.body);
+    assert!(r.header("www-authenticate").is_some(), "{:?}", r.headers);
+    assert!(!r.body.contains("alice"));
+    let (status, body) = cellmesh_admin::http_get_token(admin, "/state", "wrong")
+        .await
+        .unwrap();
+    assert_eq!(status, 401);
+    assert!(!body.contains("alice"));
+    let (status, body) = cellmesh_admin::http_get_token(admin, "/state", "ops-token")
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("alice"));
+    assert!(
+        !body.contains("ops-token"),
+        "the admin token is shown: {body}"
+    );
+    let state: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(state["proxy"]["admin_token"], "***");
+    let (_, metrics) = http_get(admin, "/metrics").await.unwrap();
+    for reason in ["missing_token", "wrong_token"] {
+        let line = format!("cellmesh_admin_requests_refused_total{{reason=\"{reason}\"}} 1");
+        assert!(metrics.contains(&line), "missing {line} in\n{metrics}");
+    }
 }

@@ -57,6 +57,11 @@ pub struct SidecarConfig {
     /// only.
     pub attest_keys: Vec<String>,
     pub admin_listen: String,
+    /// Bearer token for every admin path but `/live`, `/ready` and `/metrics` (clients send
+    /// `Authorization: Bearer <admin_token>`); empty: open, allowed only with `admin_listen` on
+    /// loopback. The director's live map asks nodes with its own `admin_token`: give a cluster
+    /// one.
+    pub admin_token: String,
     pub world: WorldShape,
     /// A chunk within this many chunks of the player's own entity enters the player's view...
     pub view_radius_chunks: u32,
@@ -150,6 +155,7 @@ impl SidecarConfig {
             players_url: redact_url(&self.players_url),
             topology_url: redact_url(&self.topology_url),
             attest_keys: cellmesh_proto::keys::masked(&self.attest_keys),
+            admin_token: cellmesh_admin::guard::shown_token(&self.admin_token),
             ..self.clone()
         }
     }
@@ -166,6 +172,7 @@ impl Default for SidecarConfig {
             mesh_tls: Default::default(),
             attest_keys: Vec::new(),
             admin_listen: "127.0.0.1:9100".into(),
+            admin_token: String::new(),
             world: WorldShape::default(),
             view_radius_chunks: 5,
             release_margin_chunks: 1,
@@ -230,6 +237,8 @@ pub enum ConfigError {
     Empty { name: &'static str },
     #[error("{0}")]
     MeshTls(String),
+    #[error("{0}")]
+    AdminToken(String),
     #[error("local_listen `unix:` needs a socket path")]
     EmptyUnixPath,
     #[error("view_radius_chunks must be at least 1, got 0")]
@@ -295,6 +304,8 @@ impl SidecarConfig {
                 self.mesh_listen
             )));
         }
+        cellmesh_admin::guard::require_token_off_loopback(&self.admin_listen, &self.admin_token)
+            .map_err(|e| ConfigError::AdminToken(e.to_string()))?;
         if let LocalListen::Unix(p) = self.local() {
             if p.as_os_str().is_empty() {
                 return Err(ConfigError::EmptyUnixPath);
@@ -370,6 +381,32 @@ impl SidecarConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_admin_port_off_loopback_needs_a_token_and_shows_it_masked() {
+        let open = SidecarConfig {
+            admin_listen: "0.0.0.0:9100".into(),
+            ..SidecarConfig::default()
+        };
+        let e = open.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("admin_token") && e.contains("CELLMESH_ADMIN_TOKEN"),
+            "{e}"
+        );
+        let guarded = SidecarConfig {
+            admin_token: "s3cret".into(),
+            ..open
+        };
+        guarded.validate().unwrap();
+        assert_eq!(guarded.redacted().admin_token, "***");
+        let from_env: SidecarConfig = cellmesh_admin::config::load_with_env(
+            None,
+            [("CELLMESH_ADMIN_TOKEN".to_string(), "s3cret".to_string())],
+        )
+        .unwrap();
+        assert_eq!(from_env.admin_token, "s3cret");
+        assert_eq!(SidecarConfig::default().redacted().admin_token, "");
+    }
 
     #[test]
     fn defaults_are_valid() {

@@ -10,6 +10,10 @@ pub struct DirectorConfig {
     /// (`mongodb://…`). Required: a director balances a cluster's world.
     pub topology_url: String,
     pub admin_listen: String,
+    /// Bearer token for every admin path but `/live`, `/ready` and `/metrics` (clients send
+    /// `Authorization: Bearer <admin_token>`); empty: open, allowed only with `admin_listen` on
+    /// loopback. The live map also sends it to the nodes' admin ports: a cluster shares one.
+    pub admin_token: String,
     /// Prefix of this director's lease holder name (a pid and a random suffix follow).
     pub name: String,
     /// The director's lease: renewed every quarter of it (at most every half second); a standby
@@ -28,6 +32,7 @@ impl Default for DirectorConfig {
         Self {
             topology_url: String::new(),
             admin_listen: "127.0.0.1:7400".into(),
+            admin_token: String::new(),
             name: "director".into(),
             lease_ms: 5_000,
             standby_poll_ms: 250,
@@ -58,13 +63,15 @@ impl DirectorConfig {
             self.lease_ms
         );
         self.balance.validate()?;
+        cellmesh_admin::guard::require_token_off_loopback(&self.admin_listen, &self.admin_token)?;
         Ok(())
     }
 
-    /// The configuration as it may be shown: the store's password hidden.
+    /// The configuration as it may be shown: the store's password and the admin token hidden.
     pub fn shown(&self) -> Self {
         Self {
             topology_url: cellmesh_geo_router::store::redact_url(&self.topology_url),
+            admin_token: cellmesh_admin::guard::shown_token(&self.admin_token),
             ..self.clone()
         }
     }
@@ -102,5 +109,25 @@ mod tests {
         };
         assert!(cfg.validate().is_ok());
         assert!(!cfg.shown().topology_url.contains("pw"));
+    }
+
+    #[test]
+    fn an_admin_port_off_loopback_needs_a_token_and_shows_it_masked() {
+        let open = DirectorConfig {
+            topology_url: "mongodb://h/db".into(),
+            admin_listen: "0.0.0.0:7400".into(),
+            ..DirectorConfig::default()
+        };
+        let e = open.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("admin_token") && e.contains("CELLMESH_ADMIN_TOKEN"),
+            "{e}"
+        );
+        let guarded = DirectorConfig {
+            admin_token: "ops".into(),
+            ..open
+        };
+        guarded.validate().unwrap();
+        assert_eq!(guarded.shown().admin_token, "***");
     }
 }

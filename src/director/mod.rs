@@ -194,8 +194,10 @@ pub async fn start_with(
             decisions_kept: cfg.decisions_kept,
         }
     });
-    // Every director draws the map, the standby too: it reads the same store.
-    crate::live_map::serve(&shared.admin, store.clone());
+    shared.admin.set_token(&cfg.admin_token);
+    // Every director draws the map, the standby too: it reads the same store. It asks the nodes
+    // with its own token: a cluster shares one.
+    crate::live_map::serve(&shared.admin, store.clone(), &cfg.admin_token);
     let admin_addr = cellmesh_admin::spawn(&cfg.admin_listen, shared.admin.clone(), stop.clone())
         .await
         .with_context(|| format!("binding admin_listen {}", cfg.admin_listen))?;

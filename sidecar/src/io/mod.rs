@@ -155,6 +155,7 @@ pub(crate) async fn launch(
     let admin = Admin::new(registry, move || {
         view.lock().expect("state lock poisoned").clone()
     });
+    admin.set_token(&cfg.admin_token);
 
     let tls = mesh_tls(&cfg)?;
     let (local, local_addr) = bind_local(&cfg).await?;
