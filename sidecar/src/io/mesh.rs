@@ -38,6 +38,113 @@ pub(crate) const PRE_HELLO_MAX_FRAME: usize = 4 * 1024;
 /// flood of idle connections holds at most this many (and `PRE_HELLO_MAX_FRAME` each) until the
 /// hello timeout.
 pub(crate) const MAX_HANDSHAKES: usize = 256;
+/// Of those, from one address: one host cannot take every place. Loopback is exempt: a cluster
+/// on one host (`cellmesh up`, the tests) has every peer there, and nothing remote is.
+pub(crate) const MAX_HANDSHAKES_PER_ADDRESS: usize = 32;
+
+/// The connections in their handshake, in all and by address.
+pub(crate) struct Handshakes {
+    total: Arc<tokio::sync::Semaphore>,
+    by_address: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
+}
+
+/// A place in the handshake, given back when dropped.
+pub(crate) struct HandshakePermit {
+    _total: tokio::sync::OwnedSemaphorePermit,
+    address: Option<(std::net::IpAddr, Arc<Handshakes>)>,
+}
+
+impl Drop for HandshakePermit {
+    fn drop(&mut self) {
+        if let Some((ip, of)) = self.address.take() {
+            let mut by = of.by_address.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = by.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    by.remove(&ip);
+                }
+            }
+        }
+    }
+}
+
+impl Handshakes {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Self {
+            total: Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES)),
+            by_address: Default::default(),
+        })
+    }
+
+    /// A place for a connection from `ip`, or the error kind it is refused under.
+    pub(crate) fn admit(
+        self: &Arc<Self>,
+        ip: std::net::IpAddr,
+    ) -> Result<HandshakePermit, &'static str> {
+        let total = self
+            .total
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| "handshakes_full")?;
+        let address = if ip.is_loopback() {
+            None
+        } else {
+            let mut by = self.by_address.lock().unwrap_or_else(|e| e.into_inner());
+            let n = by.entry(ip).or_default();
+            if *n >= MAX_HANDSHAKES_PER_ADDRESS {
+                return Err("handshakes_per_address_full");
+            }
+            *n += 1;
+            Some((ip, self.clone()))
+        };
+        Ok(HandshakePermit {
+            _total: total,
+            address,
+        })
+    }
+}
+
+#[cfg(test)]
+mod handshake_tests {
+    use super::*;
+
+    #[test]
+    fn one_address_cannot_take_every_place_and_loopback_is_exempt() {
+        let h = Handshakes::new();
+        let far: std::net::IpAddr = "10.0.0.7".parse().unwrap();
+        let mut held: Vec<_> = (0..MAX_HANDSHAKES_PER_ADDRESS)
+            .map(|_| h.admit(far).unwrap())
+            .collect();
+        assert_eq!(h.admit(far).err(), Some("handshakes_per_address_full"));
+        // Another address, and loopback, still get in.
+        let other = h.admit("10.0.0.8".parse().unwrap()).unwrap();
+        let local: Vec<_> = (0..MAX_HANDSHAKES_PER_ADDRESS + 1)
+            .map(|_| h.admit("127.0.0.1".parse().unwrap()).unwrap())
+            .collect();
+        // A handshake done gives its address's place back.
+        held.pop();
+        let again = h.admit(far).unwrap();
+        // The total holds whatever the addresses.
+        drop((other, again));
+        let rest: Vec<_> = (0..MAX_HANDSHAKES - (MAX_HANDSHAKES_PER_ADDRESS - 1) - local.len())
+            .map(|i| {
+                h.admit(std::net::IpAddr::from([
+                    10,
+                    1,
+                    (i / 200) as u8,
+                    (i % 200) as u8,
+                ]))
+            })
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(
+            h.admit("10.9.9.9".parse().unwrap()).err(),
+            Some("handshakes_full")
+        );
+        drop(rest);
+        assert!(h.admit("10.9.9.9".parse().unwrap()).is_ok());
+    }
+}
 
 #[derive(Clone)]
 pub(crate) struct MeshCtx {
@@ -53,8 +160,9 @@ pub(crate) struct MeshCtx {
     pub shutdown: CancellationToken,
     pub tasks: TaskTracker,
     pub shaping: crate::config::MeshShaping,
-    /// Permits for connections in their handshake ([`MAX_HANDSHAKES`]).
-    pub handshakes: Arc<tokio::sync::Semaphore>,
+    /// Places for connections in their handshake ([`MAX_HANDSHAKES`],
+    /// [`MAX_HANDSHAKES_PER_ADDRESS`]).
+    pub handshakes: Arc<Handshakes>,
     /// Mutual TLS on every link, accepted and dialled; none: plaintext on loopback.
     pub tls: Option<Arc<MeshTls>>,
 }
@@ -98,11 +206,14 @@ pub(crate) async fn accept_loop(listener: TcpListener, ctx: MeshCtx) {
         };
         match accepted {
             Ok((stream, peer)) => {
-                let Ok(permit) = ctx.handshakes.clone().try_acquire_owned() else {
-                    // Closed at once: nothing is read from it, no task is spent on it.
-                    ctx.metrics.error("handshakes_full");
-                    tracing::debug!(%peer, "mesh connection closed: {MAX_HANDSHAKES} handshakes in progress");
-                    continue;
+                let permit = match ctx.handshakes.admit(peer.ip()) {
+                    Ok(p) => p,
+                    Err(kind) => {
+                        // Closed at once: nothing is read from it, no task is spent on it.
+                        ctx.metrics.error(kind);
+                        tracing::debug!(%peer, kind, "mesh connection closed: too many handshakes in progress");
+                        continue;
+                    }
                 };
                 let _ = stream.set_nodelay(true);
                 let link = ctx.next_link.fetch_add(1, Ordering::Relaxed);
@@ -217,7 +328,7 @@ async fn serve(
     link: u64,
     remote: String,
     ctx: MeshCtx,
-    handshake: tokio::sync::OwnedSemaphorePermit,
+    handshake: HandshakePermit,
 ) {
     let (stream, proven) = match secure(stream, &ctx).await {
         Ok(s) => s,
@@ -272,7 +383,7 @@ async fn run(
     remote: String,
     proven: Option<Identity>,
     ctx: &MeshCtx,
-    handshake: tokio::sync::OwnedSemaphorePermit,
+    handshake: HandshakePermit,
 ) -> (bool, String) {
     let first = tokio::select! {
         _ = ctx.shutdown.cancelled() => return (false, "sidecar shutting down".into()),

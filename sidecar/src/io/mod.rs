@@ -181,7 +181,7 @@ pub(crate) async fn launch(
         shutdown: shutdown.clone(),
         tasks: tasks.clone(),
         shaping: cfg.shaping.clone(),
-        handshakes: Arc::new(tokio::sync::Semaphore::new(mesh::MAX_HANDSHAKES)),
+        handshakes: mesh::Handshakes::new(),
         tls: tls.clone(),
     };
     if let Some(tls) = &tls {
