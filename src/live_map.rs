@@ -21,6 +21,9 @@ pub const PAGE: &str = include_str!("live_map.html");
 /// How long a node's sample may take; a node that does not answer in time is drawn without
 /// its entities (its cells still show, with its reported load).
 const NODE_SAMPLE_TIMEOUT: Duration = Duration::from_millis(800);
+/// The most of a node's sample read: its `WORLD_SAMPLE_MAX` entities take a fraction of this, and
+/// a node that sends more is drawn without its entities rather than buffered.
+const NODE_MAP_MAX_BYTES: u64 = 4 << 20;
 /// How long one composition of `/api/world` answers every caller: the page polls it, and each
 /// composition costs three majority reads of the store and a request to every node.
 pub const WORLD_FRESH_FOR: Duration = Duration::from_secs(1);
@@ -86,7 +89,12 @@ async fn node_map(record: &NodeRecord, token: &str) -> Option<NodeMap> {
     let target = admin_target(record);
     let got = tokio::time::timeout(
         NODE_SAMPLE_TIMEOUT,
-        cellmesh_admin::http_get_token(target.as_str(), "/api/node-map", token),
+        cellmesh_admin::http_get_token_bounded(
+            target.as_str(),
+            "/api/node-map",
+            token,
+            NODE_MAP_MAX_BYTES,
+        ),
     )
     .await;
     let body = match got {

@@ -624,9 +624,19 @@ pub async fn http_get_token(
     path: &str,
     token: &str,
 ) -> anyhow::Result<(u16, String)> {
+    http_get_token_bounded(addr, path, token, HTTP_GET_MAX_BYTES).await
+}
+
+/// [`http_get_token`] reading at most `max_bytes` of the answer.
+pub async fn http_get_token_bounded(
+    addr: impl tokio::net::ToSocketAddrs,
+    path: &str,
+    token: &str,
+    max_bytes: u64,
+) -> anyhow::Result<(u16, String)> {
     let auth = guard::bearer(token);
     let headers: Vec<(&str, &str)> = auth.iter().map(|(n, v)| (*n, v.as_str())).collect();
-    let r = http_get_with(addr, path, &headers).await?;
+    let r = http_get_bounded(addr, path, &headers, max_bytes).await?;
     Ok((r.status, r.body))
 }
 
@@ -649,11 +659,25 @@ impl HttpResponse {
     }
 }
 
+/// The most [`http_get_with`] reads of an answer; a larger one is an error.
+pub const HTTP_GET_MAX_BYTES: u64 = 64 << 20;
+
 /// A tiny HTTP GET sending `headers` (e.g. `("accept", "text/plain")`).
 pub async fn http_get_with(
     addr: impl tokio::net::ToSocketAddrs,
     path: &str,
     headers: &[(&str, &str)],
+) -> anyhow::Result<HttpResponse> {
+    http_get_bounded(addr, path, headers, HTTP_GET_MAX_BYTES).await
+}
+
+/// [`http_get_with`] reading at most `max_bytes` of the answer (head and body): a peer that
+/// sends more is refused, not buffered.
+pub async fn http_get_bounded(
+    addr: impl tokio::net::ToSocketAddrs,
+    path: &str,
+    headers: &[(&str, &str)],
+    max_bytes: u64,
 ) -> anyhow::Result<HttpResponse> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await?;
@@ -664,7 +688,11 @@ pub async fn http_get_with(
     request.push_str("\r\n");
     s.write_all(request.as_bytes()).await?;
     let mut buf = Vec::new();
-    s.read_to_end(&mut buf).await?;
+    (&mut s).take(max_bytes + 1).read_to_end(&mut buf).await?;
+    anyhow::ensure!(
+        buf.len() as u64 <= max_bytes,
+        "GET {path}: the answer is larger than {max_bytes} bytes"
+    );
     let text = String::from_utf8_lossy(&buf).to_string();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let mut lines = head.split("\r\n");
@@ -688,6 +716,32 @@ pub async fn http_get_with(
 mod tests {
     use super::*;
     use prometheus_client::metrics::counter::Counter;
+
+    #[tokio::test]
+    async fn an_answer_past_the_bound_is_refused_not_buffered() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut head = [0u8; 1024];
+                    let _ = s.read(&mut head).await;
+                    let body = "x".repeat(10_000);
+                    let answer = format!("HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{body}");
+                    let _ = s.write_all(answer.as_bytes()).await;
+                });
+            }
+        });
+        let err = http_get_bounded(addr, "/api/node-map", &[], 4096)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("larger than 4096 bytes"), "{err}");
+        let ok = http_get_bounded(addr, "/api/node-map", &[], 20_000)
+            .await
+            .unwrap();
+        assert_eq!((ok.status, ok.body.len()), (200, 10_000));
+    }
 
     #[tokio::test]
     async fn endpoints() {
