@@ -37,6 +37,8 @@ pub struct BotConfig {
     pub census: Option<Arc<Census>>,
     /// Several geos: where the bot is, and how it reaches each proxy from there.
     pub geo: Option<BotGeo>,
+    /// TLS to the proxies (`None`: plaintext, for proxies on loopback).
+    pub tls: Option<client::ClientTls>,
 }
 
 /// A bot on a network of several geos.
@@ -71,6 +73,7 @@ impl Default for BotConfig {
             view_radius_chunks: 5,
             census: None,
             geo: None,
+            tls: None,
         }
     }
 }
@@ -255,6 +258,7 @@ async fn run_sessions(
         let token = cellmesh_proto::token::sign(cfg.secret.as_bytes(), account, now_unix() + 3600);
         let how = client::Login {
             token,
+            tls: cfg.tls.clone(),
             offer_cookie: !cookie.is_empty(),
             cookie: std::mem::take(&mut cookie),
         };
@@ -540,8 +544,10 @@ async fn play(
                                 target.port = port.parse().unwrap_or(target.port);
                             }
                             stats.probes.fetch_add(1, Ordering::Relaxed);
+                            let tls = cfg.tls.clone();
                             tokio::spawn(async move {
-                                let _ = client::answer_probe(&target, Duration::ZERO).await;
+                                let _ = client::answer_probe(&target, Duration::ZERO, tls.as_ref())
+                                    .await;
                             });
                         }
                     }

@@ -1,4 +1,5 @@
-//! `cellmesh certs …`: the cluster CA and the certificates of its processes (mesh TLS).
+//! `cellmesh certs …`: the cluster CA and the certificates of its processes (mesh TLS), and the
+//! proxies' certificates for players' connections (`client_tls`).
 
 use std::path::PathBuf;
 
@@ -26,8 +27,13 @@ pub enum CertsCommand {
         /// The CA directory made by `certs init`.
         #[arg(long)]
         ca: PathBuf,
-        #[arg(long, value_parser = ["sidecar", "proxy", "director"])]
+        /// `edge`: a proxy's certificate for players' connections (`client_tls`), naming the
+        /// hosts clients dial (--host).
+        #[arg(long, value_parser = ["sidecar", "proxy", "director", "edge"])]
         role: String,
+        /// With --role edge: a DNS name or IP address clients dial the proxy by (repeat).
+        #[arg(long)]
+        host: Vec<String>,
         /// A sidecar's node id. Without it the certificate lets its holder be any node (for a
         /// fleet with node_id_auto, whose nodes take their id at start).
         #[arg(long)]
@@ -55,6 +61,10 @@ pub enum CertsCommand {
         /// A director's certificate in DIR/LABEL: `LABEL` or `LABEL@GEO` (repeat).
         #[arg(long, value_name = "LABEL[@GEO]")]
         director: Vec<String>,
+        /// A proxy's certificate for players' connections in DIR/LABEL:
+        /// `LABEL=HOST[,HOST...]`, the hosts clients dial it by (repeat).
+        #[arg(long, value_name = "LABEL=HOSTS")]
+        edge: Vec<String>,
         /// A random 256-bit secret, as hex, in DIR/NAME (repeat).
         #[arg(long, value_name = "NAME")]
         secret: Vec<String>,
@@ -96,6 +106,25 @@ fn ensure_list(
     Ok(out)
 }
 
+/// `LABEL=HOST[,HOST...]` of `--edge`.
+fn edge_list(specs: &[String]) -> anyhow::Result<Vec<(String, Vec<String>)>> {
+    specs
+        .iter()
+        .map(|spec| {
+            let (label, hosts) = spec
+                .split_once('=')
+                .ok_or_else(|| anyhow::anyhow!("--edge {spec:?}: expected LABEL=HOST[,HOST...]"))?;
+            let hosts: Vec<String> = hosts
+                .split(',')
+                .filter(|h| !h.is_empty())
+                .map(str::to_owned)
+                .collect();
+            anyhow::ensure!(!hosts.is_empty(), "--edge {spec:?}: name at least one host");
+            Ok((label.to_owned(), hosts))
+        })
+        .collect()
+}
+
 pub fn run(args: CertsArgs) -> anyhow::Result<()> {
     match args.command {
         CertsCommand::Init { dir, name } => {
@@ -110,11 +139,35 @@ pub fn run(args: CertsArgs) -> anyhow::Result<()> {
         CertsCommand::Issue {
             ca,
             role,
+            host,
+            node,
+            geo,
+            out,
+            days,
+        } if role == "edge" => {
+            anyhow::ensure!(
+                node.is_none() && geo.is_none(),
+                "--role edge takes --host, not --node or --geo"
+            );
+            let issued = certs::issue_edge(&ca, &host, &out, days)?;
+            println!(
+                "issued an edge certificate for {} for {days} days: client_tls.cert {}, client_tls.key {}; clients trust {}",
+                host.join(", "),
+                issued.cert.display(),
+                issued.key.display(),
+                issued.ca.display()
+            );
+        }
+        CertsCommand::Issue {
+            ca,
+            role,
+            host,
             node,
             geo,
             out,
             days,
         } => {
+            anyhow::ensure!(host.is_empty(), "--host is for --role edge");
             let role = Role::parse(&role).expect("clap checked the role");
             let who = Identity::new(role, node, geo.as_deref()).map_err(anyhow::Error::msg)?;
             let issued = certs::issue(&ca, &who, &out, days)?;
@@ -130,6 +183,7 @@ pub fn run(args: CertsArgs) -> anyhow::Result<()> {
             sidecar,
             proxy,
             director,
+            edge,
             secret,
             owner,
         } => {
@@ -142,7 +196,8 @@ pub fn run(args: CertsArgs) -> anyhow::Result<()> {
                 })
                 .transpose()?;
             let list = ensure_list(&sidecar, &proxy, &director)?;
-            let made = certs::ensure(&dir, &list, &secret, owner)?;
+            let edges = edge_list(&edge)?;
+            let made = certs::ensure(&dir, &list, &edges, &secret, owner)?;
             println!(
                 "{}: CA {}, issued [{}], secrets made [{}]",
                 dir.display(),
@@ -166,14 +221,16 @@ mod tests {
         assert_eq!(list[0].0, "node-1");
         assert_eq!(list[0].1.geo.as_deref(), Some("eu"));
         let secrets = vec!["token-secret".to_string()];
-        let first = certs::ensure(dir.path(), &list, &secrets, None).unwrap();
+        let edges = edge_list(&["proxy-edge=proxy,127.0.0.1".into()]).unwrap();
+        assert_eq!(edges[0].1, ["proxy", "127.0.0.1"]);
+        let first = certs::ensure(dir.path(), &list, &edges, &secrets, None).unwrap();
         assert!(first.ca_made);
-        assert_eq!(first.issued, ["node-1", "node-2", "proxy"]);
+        assert_eq!(first.issued, ["node-1", "node-2", "proxy", "proxy-edge"]);
         let secret = std::fs::read_to_string(dir.path().join("token-secret")).unwrap();
         assert_eq!(secret.len(), 64);
         let cert = std::fs::read(dir.path().join("node-1").join(certs::CERT)).unwrap();
 
-        let again = certs::ensure(dir.path(), &list, &secrets, None).unwrap();
+        let again = certs::ensure(dir.path(), &list, &edges, &secrets, None).unwrap();
         assert!(!again.ca_made && again.issued.is_empty() && again.secrets_made.is_empty());
         assert_eq!(
             std::fs::read_to_string(dir.path().join("token-secret")).unwrap(),
@@ -186,10 +243,14 @@ mod tests {
         // A node added later gets its certificate from the same CA.
         let more = ensure_list(&["3@eu".into()], &[], &[]).unwrap();
         assert_eq!(
-            certs::ensure(dir.path(), &more, &[], None).unwrap().issued,
+            certs::ensure(dir.path(), &more, &[], &[], None)
+                .unwrap()
+                .issued,
             ["node-3"]
         );
         assert!(ensure_list(&["x".into()], &[], &[]).is_err());
+        assert!(edge_list(&["no-hosts=".into()]).is_err());
+        assert!(edge_list(&["no-equals".into()]).is_err());
         assert!(ensure_list(&[], &["p@not a geo".into()], &[]).is_err());
     }
 }

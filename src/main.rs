@@ -132,8 +132,8 @@ struct UpArgs {
     /// takes its node id over at once instead of waiting out the lease.
     #[arg(long, requires = "chaos")]
     chaos_in_place: bool,
-    /// Mesh links in plaintext, not mutual TLS (by default a CA of this run certifies every
-    /// sidecar and proxy): to compare what TLS costs.
+    /// Mesh links and players' connections in plaintext, not TLS (by default a CA of this run
+    /// certifies every sidecar and proxy, and the bots trust it): to compare what TLS costs.
     #[arg(long)]
     mesh_plaintext: bool,
     /// Datacenters the nodes are spread over (each with its own proxy and session directory;
@@ -232,18 +232,29 @@ struct BotsArgs {
     home: Option<(f64, f64)>,
     #[arg(long, value_name = "METRES")]
     roam: Option<f64>,
+    /// Speak TLS to the proxies, trusting the CA certificates in FILE (their `client_tls`
+    /// certificates chain to one); without it, plaintext (a proxy on loopback).
+    #[arg(long, value_name = "FILE", env = "CELLMESH_BOTS_TLS_CA")]
+    tls_ca: Option<std::path::PathBuf>,
 }
 
 impl BotsArgs {
-    fn config(&self) -> bots::BotConfig {
+    fn config(&self) -> anyhow::Result<bots::BotConfig> {
         let default = bots::BotConfig::default();
-        bots::BotConfig {
+        let tls = self
+            .tls_ca
+            .as_deref()
+            .map(cellmesh_proto::client::ClientTls::from_ca_file)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("--tls-ca: {e}"))?;
+        Ok(bots::BotConfig {
             proxy: self.proxy.clone(),
             secret: self.secret.secret.clone(),
             home: self.home.unwrap_or(default.home),
             roam: self.roam.unwrap_or(default.roam),
+            tls,
             ..default
-        }
+        })
     }
 }
 
@@ -513,7 +524,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Bots(args) => {
             let _telemetry = telemetry::init("warn", "cellmesh-bots");
-            let cfg = Arc::new(args.config());
+            let cfg = Arc::new(args.config()?);
             let (count, duration) = (args.count, args.duration);
             let stats = Arc::new(bots::BotStats::default());
             let stop = CancellationToken::new();
@@ -599,7 +610,7 @@ mod tests {
         let Command::Bots(args) = cli.command else {
             panic!("not bots");
         };
-        let cfg = args.config();
+        let cfg = args.config().unwrap();
         assert_eq!((cfg.home, cfg.roam), ((1000.0, -1000.0), 80.0));
         assert!(Cli::try_parse_from(["cellmesh", "bots", "--home", "5"]).is_err());
         assert!(Cli::try_parse_from(["cellmesh", "bots", "--home", "x,1"]).is_err());

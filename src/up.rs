@@ -834,6 +834,24 @@ impl RunCa {
         cellmesh_trust::certs::issue(&self.0 .0.join("ca"), who, &out, 1)?;
         Ok(cellmesh_trust::MeshTlsConfig::in_dir(&out))
     }
+
+    /// Issues a proxy's certificate for players on loopback into `label`; returns its
+    /// `client_tls` keys.
+    fn issue_edge(&self, label: &str) -> anyhow::Result<cellmesh_trust::ClientTlsConfig> {
+        let out = self.0 .0.join(label);
+        let hosts = ["127.0.0.1".to_string(), "localhost".to_string()];
+        let issued = cellmesh_trust::certs::issue_edge(&self.0 .0.join("ca"), &hosts, &out, 1)?;
+        Ok(cellmesh_trust::ClientTlsConfig {
+            cert: issued.cert.display().to_string(),
+            key: issued.key.display().to_string(),
+        })
+    }
+
+    /// What the bots trust: this run's CA.
+    fn client_tls(&self) -> anyhow::Result<cellmesh_proto::client::ClientTls> {
+        let ca = self.0 .0.join("ca").join(cellmesh_trust::certs::CA_CERT);
+        cellmesh_proto::client::ClientTls::from_ca_file(&ca).map_err(anyhow::Error::msg)
+    }
 }
 
 impl Drop for RunDir {
@@ -1238,6 +1256,7 @@ pub async fn run(
             let who = cellmesh_trust::Identity::new(cellmesh_trust::Role::Proxy, None, Some(name))
                 .map_err(anyhow::Error::msg)?;
             cfg.mesh_tls = ca.issue(&format!("proxy-{name}"), &who)?;
+            cfg.client_tls = ca.issue_edge(&format!("proxy-{name}-edge"))?;
         }
         cfg.rate.address_accounts = cfg.rate.address_accounts.max(bot_conns);
         cfg.max_connections_per_address = cfg.max_connections_per_address.max(bot_conns as usize);
@@ -1331,6 +1350,7 @@ pub async fn run(
     // the latency. A quarter log in far from home (to the next geo's proxy), as travellers or
     // misrouted players do: the handover policy is for them.
     let mut bot_cfgs: Vec<Arc<BotConfig>> = Vec::new();
+    let bot_tls = env.mesh_ca.as_ref().map(|ca| ca.client_tls()).transpose()?;
     for location in 0..geos.names.len() {
         let mut via = std::collections::HashMap::new();
         if geos.several() {
@@ -1357,6 +1377,7 @@ pub async fn run(
                     location: geos.names[location].clone(),
                     via: via.clone(),
                 }),
+                tls: bot_tls.clone(),
                 ..BotConfig::default()
             }));
         }

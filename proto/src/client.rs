@@ -1,9 +1,13 @@
 //! The edge client: what a player's client (or a bot, or a test) speaks to a geo-edge proxy.
 
 use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::Arc;
 
 use futures::{SinkExt, StreamExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, ServerName};
+use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
 use tokio_util::codec::{FramedRead, FramedWrite};
 
@@ -17,6 +21,8 @@ use crate::edge::{
 pub enum ClientError {
     #[error("connect: {0}")]
     Connect(std::io::Error),
+    #[error("TLS to the proxy: {0}")]
+    Tls(std::io::Error),
     #[error("frame: {0}")]
     Frame(#[from] FrameError),
     #[error("kicked: {0:?}")]
@@ -25,24 +31,103 @@ pub enum ClientError {
     Closed,
     #[error("unexpected first message from the proxy")]
     Unexpected,
+    #[error("the login token cannot be used: {0}")]
+    Token(#[from] crate::token::TokenError),
+}
+
+/// A connection to a proxy: TLS or plain TCP.
+pub trait ClientIo: AsyncRead + AsyncWrite + Send + Unpin {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> ClientIo for T {}
+type Io = Box<dyn ClientIo>;
+
+/// TLS to the proxies: the CA certificates their `client_tls` certificates chain to. The name
+/// checked is the host of the address dialled (a DNS name or an IP address).
+#[derive(Clone)]
+pub struct ClientTls {
+    config: Arc<rustls::ClientConfig>,
+}
+
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClientTls")
+    }
+}
+
+impl ClientTls {
+    /// Trusts the PEM certificates in `ca` (a file of one or more).
+    pub fn from_ca_file(ca: &Path) -> Result<Self, String> {
+        let certs = CertificateDer::pem_file_iter(ca)
+            .and_then(|i| i.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| format!("reading CA certificates {}: {e}", ca.display()))?;
+        if certs.is_empty() {
+            return Err(format!("{} holds no certificate", ca.display()));
+        }
+        let mut roots = rustls::RootCertStore::empty();
+        for c in certs {
+            roots
+                .add(c)
+                .map_err(|e| format!("CA certificate in {}: {e}", ca.display()))?;
+        }
+        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        Ok(Self {
+            config: Arc::new(config),
+        })
+    }
+
+    async fn connect(&self, addr: &str, tcp: TcpStream) -> Result<Io, ClientError> {
+        let host = host_of(addr);
+        let name = ServerName::try_from(host.to_owned()).map_err(|e| {
+            ClientError::Tls(std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
+        })?;
+        let tls = tokio_rustls::TlsConnector::from(self.config.clone())
+            .connect(name, tcp)
+            .await
+            .map_err(ClientError::Tls)?;
+        Ok(Box::new(tls))
+    }
+}
+
+/// The host of `host:port` (an IPv6 address without its brackets).
+fn host_of(addr: &str) -> &str {
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    host.trim_start_matches('[').trim_end_matches(']')
 }
 
 pub struct ClientSender {
-    sink: FramedWrite<OwnedWriteHalf, FrameCodec<ServerFrame>>,
+    sink: FramedWrite<WriteHalf<Io>, FrameCodec<ServerFrame>>,
 }
 
 pub struct ClientReceiver {
-    stream: FramedRead<OwnedReadHalf, FrameCodec<ServerFrame>>,
+    stream: FramedRead<ReadHalf<Io>, FrameCodec<ServerFrame>>,
     pending: VecDeque<ServerMessage>,
 }
 
-/// Opens a connection without logging in (for tests of what a proxy does with bad clients).
+/// Opens a plaintext connection without logging in (for tests of what a proxy does with bad
+/// clients).
 pub async fn open(addr: &str) -> Result<(ClientSender, ClientReceiver), ClientError> {
+    open_with(addr, None).await
+}
+
+/// Opens a connection, over TLS with `tls`, without logging in.
+pub async fn open_with(
+    addr: &str,
+    tls: Option<&ClientTls>,
+) -> Result<(ClientSender, ClientReceiver), ClientError> {
     let s = TcpStream::connect(addr)
         .await
         .map_err(ClientError::Connect)?;
     s.set_nodelay(true).map_err(ClientError::Connect)?;
-    let (r, w) = s.into_split();
+    let io: Io = match tls {
+        Some(tls) => tls.connect(addr, s).await?,
+        None => Box::new(s),
+    };
+    let (r, w) = tokio::io::split(io);
     Ok((
         ClientSender {
             sink: FramedWrite::new(w, FrameCodec::default()),
@@ -52,6 +137,43 @@ pub async fn open(addr: &str) -> Result<(ClientSender, ClientReceiver), ClientEr
             pending: VecDeque::new(),
         },
     ))
+}
+
+/// Waits for the proxy's `Challenge` (answering pings meanwhile) and returns its nonce.
+pub async fn challenge(
+    tx: &mut ClientSender,
+    rx: &mut ClientReceiver,
+) -> Result<Vec<u8>, ClientError> {
+    loop {
+        match rx.next().await {
+            Some(Ok(ServerMessage {
+                body: Some(server_message::Body::Challenge(c)),
+            })) => return Ok(c.nonce.to_vec()),
+            Some(Ok(ServerMessage {
+                body: Some(server_message::Body::Ping(p)),
+            })) => {
+                tx.send(client_message::Body::Pong(Pong { nonce: p.nonce }))
+                    .await?;
+            }
+            Some(Ok(ServerMessage {
+                body: Some(server_message::Body::Kick(k)),
+            })) => return Err(ClientError::Kicked(k)),
+            Some(Ok(_)) => return Err(ClientError::Unexpected),
+            Some(Err(e)) => return Err(e),
+            None => return Err(ClientError::Closed),
+        }
+    }
+}
+
+/// The `ClientHello` of a login with `token` on a connection whose challenge was `nonce`.
+pub fn login_hello(token: &str, nonce: &[u8]) -> Result<ClientHello, ClientError> {
+    let (claim, proof) = crate::token::prove(token, nonce)?;
+    Ok(ClientHello {
+        version: Some(ProtocolVersion::current()),
+        claim,
+        proof: proof.to_vec().into(),
+        ..Default::default()
+    })
 }
 
 /// Connects, logs in with `token`, and waits for `Welcome` (or the `Kick` that refused it).
@@ -66,6 +188,8 @@ pub async fn login(
 #[derive(Debug, Clone, Default)]
 pub struct Login {
     pub token: String,
+    /// TLS to the proxy (`None`: plaintext, for a proxy on loopback).
+    pub tls: Option<ClientTls>,
     /// The cookie of the last `Transfer` (empty: none).
     pub cookie: Vec<u8>,
     /// Offer the cookie in the `ClientHello` rather than wait to be asked for it.
@@ -86,18 +210,14 @@ pub async fn login_with(
     addr: &str,
     login: &Login,
 ) -> Result<(ClientSender, ClientReceiver, Welcome), ClientError> {
-    let (mut tx, mut rx) = open(addr).await?;
-    tx.send(client_message::Body::Hello(Box::new(ClientHello {
-        version: Some(ProtocolVersion::current()),
-        token: login.token.clone(),
-        cookie: if login.offer_cookie {
-            login.cookie.clone().into()
-        } else {
-            Default::default()
-        },
-        probe_ticket: Default::default(),
-    })))
-    .await?;
+    let (mut tx, mut rx) = open_with(addr, login.tls.as_ref()).await?;
+    let nonce = challenge(&mut tx, &mut rx).await?;
+    let mut hello = login_hello(&login.token, &nonce)?;
+    if login.offer_cookie {
+        hello.cookie = login.cookie.clone().into();
+    }
+    tx.send(client_message::Body::Hello(Box::new(hello)))
+        .await?;
     loop {
         match rx.next().await {
             Some(Ok(ServerMessage {
@@ -134,13 +254,13 @@ pub async fn login_with(
 pub async fn answer_probe(
     target: &crate::edge::ProbeTarget,
     pong_delay: std::time::Duration,
+    tls: Option<&ClientTls>,
 ) -> Result<Kick, ClientError> {
-    let (mut tx, mut rx) = open(&format!("{}:{}", target.host, target.port)).await?;
+    let (mut tx, mut rx) = open_with(&format!("{}:{}", target.host, target.port), tls).await?;
     tx.send(client_message::Body::Hello(Box::new(ClientHello {
         version: Some(ProtocolVersion::current()),
-        token: String::new(),
-        cookie: Default::default(),
         probe_ticket: target.ticket.clone(),
+        ..Default::default()
     })))
     .await?;
     loop {

@@ -1,6 +1,11 @@
 //! Edge login tokens: `<account>.<expiry unix seconds>.<kid>.<hex HMAC-SHA256>` where the MAC
 //! covers `<account>.<expiry>.<kid>` under the key `kid` names in the ring shared by the login
-//! service and the proxies (`crate::keys`). The client treats the token as opaque.
+//! service and the proxies (`crate::keys`).
+//!
+//! A client never sends its token whole: it sends the claim (`<account>.<expiry>.<kid>`) and a
+//! proof, an HMAC keyed by the token's signature over the proxy's per-connection challenge
+//! ([`prove`], [`verify_proof`]). The signature is the client's secret; a proof seen on the wire
+//! is worth nothing on another connection, so a sniffed login cannot be replayed.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -13,10 +18,22 @@ type HmacSha256 = Hmac<Sha256>;
 /// `ClientHello` costs a length check.
 pub const MAX_TOKEN_LEN: usize = 1024;
 
+/// What a proof is computed over, before the challenge's nonce.
+const PROOF_LABEL: &[u8] = b"cellmesh-login-proof\0";
+
+/// Bytes of a proof (HMAC-SHA256).
+pub const PROOF_LEN: usize = 32;
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TokenError {
     #[error("malformed token: {0}")]
     Malformed(&'static str),
+    #[error("the login token was sent whole: clients send its claim and a proof against the proxy's challenge (edge protocol 1.7)")]
+    Bearer,
+    #[error(
+        "the login proof does not match this connection's challenge (a replayed or forged login)"
+    )]
+    BadProof,
     #[error("token signed under key `{0}`, which this proxy does not accept (retired, or not yet rolled out)")]
     UnknownKey(String),
     #[error("token signature does not match")]
@@ -30,6 +47,8 @@ impl TokenError {
     pub fn kind(&self) -> &'static str {
         match self {
             TokenError::Malformed(_) => "malformed_token",
+            TokenError::Bearer => "bearer_token",
+            TokenError::BadProof => "bad_token_proof",
             TokenError::UnknownKey(_) => "unknown_token_kid",
             TokenError::BadSignature => "bad_token_signature",
             TokenError::Expired { .. } => "expired_token",
@@ -61,13 +80,15 @@ pub fn verify(secret: &[u8], token: &str, now_unix: u64) -> Result<String, Token
     verify_ring(&KeyRing::single(secret), token, now_unix)
 }
 
-/// Checks a token's key, signature and expiry at `now_unix`; returns the account it names.
-pub fn verify_ring(ring: &KeyRing, token: &str, now_unix: u64) -> Result<String, TokenError> {
-    if token.len() > MAX_TOKEN_LEN {
-        return Err(TokenError::Malformed("token too long"));
-    }
-    let mut parts = token.rsplitn(4, '.');
-    let tag = parts.next().ok_or(TokenError::Malformed("no signature"))?;
+/// A claim's parts: the account, the expiry and the key id, as written.
+struct Claim<'a> {
+    account: &'a str,
+    expiry: u64,
+    kid: &'a str,
+}
+
+fn parse_claim(claim: &str) -> Result<Claim<'_>, TokenError> {
+    let mut parts = claim.rsplitn(3, '.');
     let kid = parts.next().ok_or(TokenError::Malformed("no key id"))?;
     let expiry = parts.next().ok_or(TokenError::Malformed("no expiry"))?;
     let account = parts.next().ok_or(TokenError::Malformed("no account"))?;
@@ -80,8 +101,27 @@ pub fn verify_ring(ring: &KeyRing, token: &str, now_unix: u64) -> Result<String,
     if !keys::valid_kid(kid) {
         return Err(TokenError::Malformed("key id is not a key id"));
     }
-    // Only the signer's own spelling of the tag: `hex` would also take upper case, so one token
-    // could be written many ways.
+    Ok(Claim {
+        account,
+        expiry,
+        kid,
+    })
+}
+
+/// Splits a whole token into its claim and its raw signature.
+fn split_token(token: &str) -> Result<(&str, [u8; 32]), TokenError> {
+    if token.len() > MAX_TOKEN_LEN {
+        return Err(TokenError::Malformed("token too long"));
+    }
+    let (claim, tag) = token
+        .rsplit_once('.')
+        .ok_or(TokenError::Malformed("no signature"))?;
+    Ok((claim, parse_tag(tag)?))
+}
+
+/// Only the signer's own spelling of the tag: `hex` would also take upper case, so one token
+/// could be written many ways.
+fn parse_tag(tag: &str) -> Result<[u8; 32], TokenError> {
     let mut raw_tag = [0u8; 32];
     if !tag.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
         || hex::decode_to_slice(tag, &mut raw_tag).is_err()
@@ -90,22 +130,82 @@ pub fn verify_ring(ring: &KeyRing, token: &str, now_unix: u64) -> Result<String,
             "signature is not 64 lower-case hex digits",
         ));
     }
+    Ok(raw_tag)
+}
+
+/// The signature the ring gives `claim`, and the claim's parts. The MAC covers the text as
+/// received, not as re-printed from the parsed expiry: a `+` or zeros before it would otherwise
+/// pass as the same token.
+fn signature_of<'a>(ring: &KeyRing, claim: &'a str) -> Result<(Claim<'a>, HmacSha256), TokenError> {
+    let parsed = parse_claim(claim)?;
     let key = ring
-        .get(kid)
-        .ok_or_else(|| TokenError::UnknownKey(kid.to_string()))?;
-    // The MAC covers the text as received, not as re-printed from the parsed expiry: a `+` or
-    // zeros before it would otherwise pass as the same token.
-    let signed = &token[..token.len() - tag.len() - 1];
-    mac(&key.secret, signed)
-        .verify_slice(&raw_tag)
-        .map_err(|_| TokenError::BadSignature)?;
-    if expiry <= now_unix {
+        .get(parsed.kid)
+        .ok_or_else(|| TokenError::UnknownKey(parsed.kid.to_string()))?;
+    Ok((parsed, mac(&key.secret, claim)))
+}
+
+fn not_expired(claim: &Claim<'_>, now_unix: u64) -> Result<String, TokenError> {
+    if claim.expiry <= now_unix {
         return Err(TokenError::Expired {
-            expiry,
+            expiry: claim.expiry,
             now: now_unix,
         });
     }
-    Ok(account.to_string())
+    Ok(claim.account.to_string())
+}
+
+/// Checks a whole token's key, signature and expiry at `now_unix`; returns the account it
+/// names. For tools (`cellmesh token`); the proxy takes only [`verify_proof`].
+pub fn verify_ring(ring: &KeyRing, token: &str, now_unix: u64) -> Result<String, TokenError> {
+    let (claim, raw_tag) = split_token(token)?;
+    let (parsed, expected) = signature_of(ring, claim)?;
+    expected
+        .verify_slice(&raw_tag)
+        .map_err(|_| TokenError::BadSignature)?;
+    not_expired(&parsed, now_unix)
+}
+
+fn proof_mac(signature: &[u8], nonce: &[u8]) -> HmacSha256 {
+    let mut m = HmacSha256::new_from_slice(signature).expect("HMAC takes a key of any length");
+    m.update(PROOF_LABEL);
+    m.update(nonce);
+    m
+}
+
+/// The client's side: the claim to send and the proof of holding `token`'s signature, for the
+/// proxy's challenge `nonce`.
+pub fn prove(token: &str, nonce: &[u8]) -> Result<(String, [u8; PROOF_LEN]), TokenError> {
+    let (claim, raw_tag) = split_token(token)?;
+    let proof = proof_mac(&raw_tag, nonce).finalize().into_bytes().into();
+    Ok((claim.to_string(), proof))
+}
+
+/// The proxy's side: checks that `proof` was made with the signature the ring gives `claim`,
+/// over this connection's `nonce`, and that the claim has not expired at `now_unix`; returns the
+/// account. A claim that is a whole token is refused as [`TokenError::Bearer`].
+pub fn verify_proof(
+    ring: &KeyRing,
+    claim: &str,
+    proof: &[u8],
+    nonce: &[u8],
+    now_unix: u64,
+) -> Result<String, TokenError> {
+    if claim.len() > MAX_TOKEN_LEN {
+        return Err(TokenError::Malformed("token too long"));
+    }
+    if claim
+        .rsplit_once('.')
+        .is_some_and(|(_, last)| parse_tag(last).is_ok())
+    {
+        return Err(TokenError::Bearer);
+    }
+    let (parsed, expected) = signature_of(ring, claim)?;
+    let signature = expected.finalize().into_bytes();
+    // Compared in constant time by the MAC's own check.
+    proof_mac(&signature, nonce)
+        .verify_slice(proof)
+        .map_err(|_| TokenError::BadProof)?;
+    not_expired(&parsed, now_unix)
 }
 
 #[cfg(test)]
@@ -172,6 +272,46 @@ mod tests {
         let longest = sign(b"s3cret", &"a".repeat(MAX_TOKEN_LEN - 80), 1000);
         assert_eq!(longest.len(), MAX_TOKEN_LEN);
         assert!(verify(b"s3cret", &longest, 999).is_ok());
+    }
+
+    #[test]
+    fn a_proof_holds_for_its_challenge_only() {
+        let ring = KeyRing::single(b"s3cret");
+        let t = sign(b"s3cret", "alice", 1000);
+        let (claim, proof) = prove(&t, b"nonce-1").unwrap();
+        assert!(!claim.contains(t.rsplit_once('.').unwrap().1));
+        assert_eq!(
+            verify_proof(&ring, &claim, &proof, b"nonce-1", 999).unwrap(),
+            "alice"
+        );
+        // The same hello on another connection: refused.
+        assert_eq!(
+            verify_proof(&ring, &claim, &proof, b"nonce-2", 999),
+            Err(TokenError::BadProof)
+        );
+        // A claim for another account with this token's proof: refused.
+        let other = claim.replacen("alice", "bob", 1);
+        assert_eq!(
+            verify_proof(&ring, &other, &proof, b"nonce-1", 999),
+            Err(TokenError::BadProof)
+        );
+        // The whole token where the claim goes: refused by name, whatever the proof.
+        let bearer = verify_proof(&ring, &t, &proof, b"nonce-1", 999).unwrap_err();
+        assert_eq!(bearer, TokenError::Bearer);
+        assert_eq!(bearer.kind(), "bearer_token");
+        // Expiry and keys as for a whole token.
+        assert!(matches!(
+            verify_proof(&ring, &claim, &proof, b"nonce-1", 1000),
+            Err(TokenError::Expired { .. })
+        ));
+        assert!(matches!(
+            verify_proof(&KeyRing::single(b"other"), &claim, &proof, b"nonce-1", 999),
+            Err(TokenError::UnknownKey(_))
+        ));
+        assert!(matches!(
+            verify_proof(&ring, "", &proof, b"nonce-1", 0),
+            Err(TokenError::Malformed(_))
+        ));
     }
 
     fn ring(entries: &[&str], signing: &str) -> KeyRing {

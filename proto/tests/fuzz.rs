@@ -257,6 +257,9 @@ fn token_verify(data: &[u8]) {
         }
         Err(TokenError::Expired { expiry, now }) => assert!(expiry <= now),
         Err(TokenError::Malformed(_) | TokenError::BadSignature | TokenError::UnknownKey(_)) => {}
+        Err(e @ (TokenError::Bearer | TokenError::BadProof)) => {
+            panic!("a whole token's check answered as a proof's: {e}")
+        }
     }
     note_outcome(match res {
         Ok(_) => "ok",
@@ -264,6 +267,7 @@ fn token_verify(data: &[u8]) {
         Err(TokenError::UnknownKey(_)) => "unknown_kid",
         Err(TokenError::BadSignature) => "bad_signature",
         Err(TokenError::Expired { .. }) => "expired",
+        Err(TokenError::Bearer | TokenError::BadProof) => unreachable!("checked above"),
     });
 }
 

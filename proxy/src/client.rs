@@ -15,15 +15,16 @@ use bytes::Bytes;
 use cellmesh_geo_router::store::FarRtt;
 use cellmesh_proto::codec::{encode_body, FrameCodec, FrameError, RawFrame};
 use cellmesh_proto::edge::{
-    client_message, server_message, ClientFrame, ClientHello, ClientMessage, CookieRequest, Kick,
-    KickReason, Ping, Pong, ProbeRequest, ProtocolVersion, ServerFrame, Transfer, Welcome,
+    client_message, server_message, Challenge, ClientFrame, ClientHello, ClientMessage,
+    CookieRequest, Kick, KickReason, Ping, Pong, ProbeRequest, ProtocolVersion, ServerFrame,
+    Transfer, Welcome,
 };
 use cellmesh_proto::mesh::{
     mesh_message, Attach, Attached, Detach, HandoverHint, SessionInput, SessionRtt,
 };
+use cellmesh_trust::MeshStream;
 use futures::{SinkExt, StreamExt};
-use tokio::io::AsyncReadExt;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncReadExt, ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -123,11 +124,33 @@ struct Client {
     shared: Arc<Shared>,
     peer: SocketAddr,
     control: Arc<SessionControl>,
-    reader: FramedRead<OwnedReadHalf, FrameCodec<ClientFrame>>,
-    writer: FramedWrite<OwnedWriteHalf, FrameCodec<ClientFrame>>,
+    reader: FramedRead<ReadHalf<MeshStream>, FrameCodec<ClientFrame>>,
+    writer: FramedWrite<WriteHalf<MeshStream>, FrameCodec<ClientFrame>>,
+    /// The TCP socket under the connection (TLS or not), for the kernel's RTT figures.
+    socket: SocketFd,
+    /// This connection's challenge: the login proof must cover it.
+    nonce: [u8; NONCE_LEN],
     /// The login under way: from the `ClientHello` to the session attached at a gateway (or
     /// the connection's end); disabled before and after, and when spans are not exported.
     login: Span,
+}
+
+/// Bytes of a connection's challenge nonce.
+const NONCE_LEN: usize = 16;
+
+/// Messages a client may send while its login waits for its handover cookie, kept to be relayed
+/// (through the rate limits) once it is attached; more are dropped and counted. The wait is short
+/// (`geos.cookie_wait_ms`) and an honest client sends a few inputs in it, if any.
+pub const WAITING_MAX_MESSAGES: usize = 64;
+
+/// A socket's descriptor, borrowed for as long as the connection that owns it lives.
+#[derive(Clone, Copy)]
+struct SocketFd(std::os::fd::RawFd);
+
+impl std::os::fd::AsRawFd for SocketFd {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0
+    }
 }
 
 /// Serves one client connection to its end; `permit` holds its place under the connection limits.
@@ -140,7 +163,29 @@ pub(crate) async fn serve(
     shared.metrics.connections.inc();
     shared.metrics.connections_accepted.inc();
     let _ = stream.set_nodelay(true);
-    let (r, w) = stream.into_split();
+    let socket = SocketFd(std::os::fd::AsRawFd::as_raw_fd(&stream));
+    let stream = match &shared.client_tls {
+        // The handshake is under the hello's deadline: a client that stalls it holds nothing
+        // longer than one that stalls its hello.
+        Some(tls) => {
+            match tokio::time::timeout(shared.cfg.hello_timeout(), tls.accept(stream)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    shared.metrics.error("client_tls_refused");
+                    tracing::debug!(%peer, error = %e, "client TLS handshake failed");
+                    shared.metrics.connections.dec();
+                    return;
+                }
+                Err(_) => {
+                    shared.metrics.error("client_tls_timeout");
+                    shared.metrics.connections.dec();
+                    return;
+                }
+            }
+        }
+        None => MeshStream::Plain(stream),
+    };
+    let (r, w) = tokio::io::split(stream);
     let cfg = &shared.cfg;
     let id = shared.next_connection_id();
     let control = SessionControl::new(&shared.clients_stop);
@@ -153,6 +198,8 @@ pub(crate) async fn serve(
         // Until the login is admitted a stranger may send only a small frame.
         reader: FramedRead::new(r, FrameCodec::with_max(cfg.hello_max_frame_bytes)),
         writer: FramedWrite::new(w, FrameCodec::with_max(cfg.max_frame_bytes)),
+        socket,
+        nonce: rand::random(),
         login: Span::none(),
     };
     client.run().await;
@@ -276,7 +323,7 @@ impl Client {
             .cfg
             .geos
             .kernel_rtt
-            .then(|| crate::tcpinfo::kernel_rtt(self.reader.get_ref().as_ref()))
+            .then(|| crate::tcpinfo::kernel_rtt(&self.socket))
             .flatten()
     }
 
@@ -355,23 +402,29 @@ impl Client {
             while let Some(m) = messages.next() {
                 match m.body {
                     Some(client_message::Body::Cookie(c)) => {
-                        let rest: Vec<ClientMessage> = messages.collect();
-                        self.shared.metrics.inputs_received.inc_by(inputs_in(&rest));
-                        pending.extend(rest);
+                        for m in messages {
+                            self.keep_waiting(pending, m);
+                        }
                         return Ok(c.cookie.to_vec());
                     }
                     Some(client_message::Body::Hello(_)) => {
                         return Err(malformed("unexpected ClientHello: already logged in"))
                     }
-                    _ => {
-                        self.shared
-                            .metrics
-                            .inputs_received
-                            .inc_by(inputs_in(std::slice::from_ref(&m)));
-                        pending.push(m);
-                    }
+                    _ => self.keep_waiting(pending, m),
                 }
             }
+        }
+    }
+
+    /// Keeps a message sent while the login waits, up to [`WAITING_MAX_MESSAGES`].
+    fn keep_waiting(&self, pending: &mut Vec<ClientMessage>, m: ClientMessage) {
+        let inputs = inputs_in(std::slice::from_ref(&m));
+        let metrics = &self.shared.metrics;
+        metrics.inputs_received.inc_by(inputs);
+        if pending.len() < WAITING_MAX_MESSAGES {
+            pending.push(m);
+        } else {
+            metrics.dropped_waiting.inc_by(inputs);
         }
     }
 
@@ -442,6 +495,12 @@ impl Client {
     /// Waits for the `ClientHello` and admits it; returns the account, the hello and any
     /// messages that came in the same frame after it.
     async fn hello(&mut self) -> Result<Hello, End> {
+        // The login proof covers this connection's challenge: a hello seen on the wire is
+        // worth nothing on another connection.
+        self.send(server_message::Body::Challenge(Challenge {
+            nonce: self.nonce.to_vec().into(),
+        }))
+        .await?;
         let cfg = &self.shared.cfg;
         let read = tokio::select! {
             _ = self.control.stopped() => return Err(self.stopped_end()),
@@ -492,12 +551,13 @@ impl Client {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let account = auth::admit(&hello, &self.shared.rings.token, now).map_err(|r| {
-            if let Some(kind) = r.token_kind {
-                self.shared.metrics.token_refused(kind);
-            }
-            End::Kick(r.kick)
-        })?;
+        let account =
+            auth::admit(&hello, &self.shared.rings.token, &self.nonce, now).map_err(|r| {
+                if let Some(kind) = r.token_kind {
+                    self.shared.metrics.token_refused(kind);
+                }
+                End::Kick(r.kick)
+            })?;
         self.login.record("account", account.as_str());
         self.reader
             .decoder_mut()

@@ -16,6 +16,12 @@ pub struct ProxyConfig {
     pub name: String,
     pub geo: String,
     pub client_listen: String,
+    /// TLS for players' connections (`cert`, `key`: PEM files; `cellmesh certs issue --role
+    /// edge` makes them), read again when they change or on SIGHUP. Unset: plaintext, allowed
+    /// with `client_listen` on loopback, or with `client_plaintext`.
+    pub client_tls: cellmesh_trust::ClientTlsConfig,
+    /// Serve clients in plaintext off loopback: only behind a load balancer that terminates TLS.
+    pub client_plaintext: bool,
     pub admin_listen: String,
     /// Bearer token for every admin path but `/live`, `/ready` and `/metrics` (clients send
     /// `Authorization: Bearer <admin_token>`); empty: open, allowed only with `admin_listen` on
@@ -203,6 +209,8 @@ impl Default for ProxyConfig {
             admin_token: String::new(),
             gateways: vec!["127.0.0.1:7200".into()],
             mesh_tls: Default::default(),
+            client_tls: Default::default(),
+            client_plaintext: false,
             token_secret: DEFAULT_TOKEN_SECRET.into(),
             token_keys: Vec::new(),
             token_signing_key: String::new(),
@@ -244,6 +252,16 @@ impl ProxyConfig {
     /// Refuses values the proxy cannot run with, naming the key.
     pub fn validate(&self) -> anyhow::Result<()> {
         self.mesh_tls.enabled()?;
+        anyhow::ensure!(
+            self.client_tls.enabled()?
+                || self.client_plaintext
+                || listens_on_loopback(&self.client_listen),
+            "config: client_listen {} is reachable from other hosts and client_tls is not set: \
+             players' traffic would cross the network in clear. Set client_tls.cert and \
+             client_tls.key (CELLMESH_CLIENT_TLS__CERT/__KEY; `cellmesh certs issue --role edge` \
+             makes them), or client_plaintext = true behind a load balancer that terminates TLS",
+            self.client_listen
+        );
         let positive = [
             ("hello_timeout_ms", self.hello_timeout_ms),
             ("idle_timeout_ms", self.idle_timeout_ms),
@@ -462,6 +480,7 @@ mod tests {
         ] {
             let c = ProxyConfig {
                 client_listen: listen.into(),
+                client_plaintext: true,
                 ..ProxyConfig::default()
             };
             let err = c.validate().unwrap_err().to_string();
@@ -475,6 +494,41 @@ mod tests {
             };
             own.validate().unwrap();
         }
+    }
+
+    #[test]
+    fn clients_off_loopback_need_tls() {
+        let bare = ProxyConfig {
+            client_listen: "0.0.0.0:7300".into(),
+            token_secret: "the login service's".into(),
+            ..ProxyConfig::default()
+        };
+        let err = bare.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("client_tls") && err.contains("CELLMESH_CLIENT_TLS__CERT"),
+            "{err}"
+        );
+        let half = ProxyConfig {
+            client_tls: cellmesh_trust::ClientTlsConfig {
+                cert: "cert.pem".into(),
+                key: String::new(),
+            },
+            ..bare.clone()
+        };
+        assert!(half.validate().is_err());
+        let tls = ProxyConfig {
+            client_tls: cellmesh_trust::ClientTlsConfig {
+                cert: "cert.pem".into(),
+                key: "key.pem".into(),
+            },
+            ..bare.clone()
+        };
+        tls.validate().unwrap();
+        let behind_a_balancer = ProxyConfig {
+            client_plaintext: true,
+            ..bare
+        };
+        behind_a_balancer.validate().unwrap();
     }
 
     #[test]

@@ -31,6 +31,7 @@ use tokio_util::task::TaskTracker;
 
 mod auth;
 mod client;
+pub use client::WAITING_MAX_MESSAGES;
 pub mod config;
 mod connlimit;
 mod discovery;
@@ -212,6 +213,8 @@ pub(crate) struct Shared {
     pub(crate) connections: ConnectionLimits,
     /// Mutual TLS on the gateway links; none: plaintext.
     pub(crate) mesh_tls: Option<Arc<cellmesh_trust::MeshTls>>,
+    /// TLS for clients (`client_tls`), when set.
+    pub(crate) client_tls: Option<Arc<cellmesh_trust::EdgeTls>>,
     /// Stops every client task at once (each through its own child token).
     pub(crate) clients_stop: CancellationToken,
     /// Every client connection's control, so the drain can ask each to leave in its turn.
@@ -426,6 +429,11 @@ pub async fn start_with(
     } else {
         None
     };
+    let client_tls = if cfg.client_tls.enabled()? {
+        Some(cellmesh_trust::EdgeTls::load(&cfg.client_tls)?)
+    } else {
+        None
+    };
     if cfg.uses_default_secret() {
         // Allowed on loopback only (`validate` refuses it elsewhere), for trying things out.
         tracing::warn!(
@@ -456,6 +464,7 @@ pub async fn start_with(
                 cfg.max_connections_per_address,
             ),
             mesh_tls,
+            client_tls,
             clients_stop: CancellationToken::new(),
             clients: Mutex::default(),
             client_addr,
@@ -481,6 +490,10 @@ pub async fn start_with(
     let background = TaskTracker::new();
     let background_stop = CancellationToken::new();
     if let Some(tls) = &shared.mesh_tls {
+        background
+            .spawn(tls.spawn_reloader(std::time::Duration::from_secs(5), background_stop.clone()));
+    }
+    if let Some(tls) = &shared.client_tls {
         background
             .spawn(tls.spawn_reloader(std::time::Duration::from_secs(5), background_stop.clone()));
     }

@@ -86,6 +86,8 @@ pub(crate) struct Metrics {
     pub inputs_on_ended_links: Counter,
     dropped_account: Counter,
     dropped_address: Counter,
+    /// Inputs past the cap on what a client may send while its login waits for its cookie.
+    pub(crate) dropped_waiting: Counter,
     kicks: Family<ReasonLabels, Counter>,
     kicks_total: AtomicU64,
     rtt_seconds: Histogram,
@@ -375,6 +377,7 @@ impl Metrics {
             inputs_on_ended_links,
             dropped_account: dropped.get_or_create_owned(&LimitLabels { limit: "account" }),
             dropped_address: dropped.get_or_create_owned(&LimitLabels { limit: "address" }),
+            dropped_waiting: dropped.get_or_create_owned(&LimitLabels { limit: "waiting" }),
             kicks,
             kicks_total: AtomicU64::new(0),
             rtt_seconds,

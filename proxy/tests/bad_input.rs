@@ -120,9 +120,7 @@ async fn protocol_version_from_the_future() {
     c.write_frame(&ClientFrame::one(client_message::Body::Hello(Box::new(
         ClientHello {
             version: Some(ProtocolVersion { major: 2, minor: 7 }),
-            token: token("future"),
-            cookie: Default::default(),
-            probe_ticket: Default::default(),
+            ..cellmesh_proto::client::login_hello(&token("future"), b"any").unwrap()
         },
     ))))
     .await;
@@ -205,7 +203,7 @@ async fn token_signed_with_another_secret() {
     let mut neighbour = proxy.login("neighbour").await;
 
     // Under a key of its own, the token names a kid this proxy does not hold; under this
-    // proxy's kid, its signature does not match.
+    // proxy's kid, the proof made with its signature does not match.
     let own_kid = cellmesh_proto::keys::derived_kid(SECRET.as_bytes());
     let forged_kid = cellmesh_proto::keys::Key {
         kid: own_kid,
@@ -218,7 +216,7 @@ async fn token_signed_with_another_secret() {
         ),
         (
             token::sign_with(&forged_kid, "mallory", unix_now() + 3600),
-            "signature",
+            "forged",
         ),
     ] {
         let err = TestClient::login(&proxy.addr(), &forged)
@@ -322,4 +320,68 @@ async fn a_token_key_rotates_and_a_retired_key_is_refused_by_kid() {
         )
         .unwrap_or_else(|e| panic!("{}: {e}", a.account));
     }
+}
+
+/// A login seen on the wire cannot log in again: the hello's proof covers its connection's
+/// challenge, so the same bytes on another connection are refused (named, counted), and a whole
+/// token sent as a bearer credential is refused whatever else the hello says.
+#[tokio::test]
+async fn a_replayed_login_is_refused() {
+    let gw = TestGateway::start(1).await;
+    let proxy = TestProxy::start(config(&[&gw])).await;
+
+    // The real client's login, as a sniffer would record it.
+    let mut real = RawClient::connect(&proxy.addr()).await;
+    let nonce = real.challenge().await;
+    assert_eq!(nonce.len(), 16);
+    let hello = cellmesh_proto::client::login_hello(&token("alice"), &nonce).unwrap();
+    assert!(!hello.claim.is_empty() && hello.token.is_empty());
+    let recorded = ClientFrame::one(client_message::Body::Hello(Box::new(hello)));
+    real.write_frame(&recorded).await;
+    match real.next_message().await {
+        Some(cellmesh_proto::edge::server_message::Body::Welcome(w)) => {
+            assert_eq!(w.account, "alice")
+        }
+        other => panic!("the real login was not welcomed: {other:?}"),
+    }
+
+    // The recorded bytes, replayed on a new connection: another challenge, so refused.
+    let mut replay = RawClient::connect(&proxy.addr()).await;
+    let other_nonce = replay.challenge().await;
+    assert_ne!(other_nonce, nonce, "two connections got the same challenge");
+    replay.write_frame(&recorded).await;
+    let k = replay.kick().await;
+    assert_eq!(reason(&k), KickReason::BadToken);
+    assert!(k.detail.contains("replayed or forged"), "{}", k.detail);
+
+    // A whole token, as a bearer credential: refused by name.
+    let mut bearer = RawClient::connect(&proxy.addr()).await;
+    bearer.challenge().await;
+    bearer
+        .write_frame(&ClientFrame::one(client_message::Body::Hello(Box::new(
+            ClientHello {
+                version: Some(ProtocolVersion::current()),
+                token: token("alice"),
+                ..Default::default()
+            },
+        ))))
+        .await;
+    let k = bearer.kick().await;
+    assert_eq!(reason(&k), KickReason::BadToken);
+    assert!(k.detail.contains("sent whole"), "{}", k.detail);
+
+    let page = cellmesh_admin::http_get(proxy.handle.admin_addr, "/metrics")
+        .await
+        .unwrap()
+        .1;
+    for kind in ["bad_token_proof", "bearer_token"] {
+        assert!(
+            page.contains(&format!(
+                "cellmesh_proxy_tokens_refused_total{{kind=\"{kind}\"}} 1"
+            )),
+            "{kind}: {page}"
+        );
+    }
+    // The real session was not disturbed.
+    proxy.wait_sessions(1).await;
 }

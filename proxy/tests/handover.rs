@@ -338,6 +338,7 @@ async fn with_the_hint_lost_the_cookie_does_the_same_offered_or_asked_for() {
         let requests = geos.montreal.proxy.stats().cookie_requests;
         let login = Login {
             token: token("alice"),
+            tls: None,
             cookie: t.cookie.to_vec(),
             offer_cookie,
         };
@@ -455,6 +456,7 @@ async fn bad_cookies_are_refused_by_reason_and_the_login_reads_mongodb() {
         .await;
         let login = Login {
             token: token("alice"),
+            tls: None,
             cookie: bad,
             offer_cookie: i % 2 == 0,
         };
@@ -479,6 +481,7 @@ async fn bad_cookies_are_refused_by_reason_and_the_login_reads_mongodb() {
     let before = reads(&geos.montreal).await;
     let login = Login {
         token: token("alice"),
+        tls: None,
         cookie: seal(SECRET, &good, loopback),
         offer_cookie: true,
     };
@@ -503,6 +506,7 @@ async fn a_cookie_used_twice_is_refused_the_second_time() {
     let before = reads(&geos.montreal).await;
     let again = Login {
         token: token("alice"),
+        tls: None,
         cookie: t.cookie.to_vec(),
         offer_cookie: true,
     };
@@ -586,6 +590,7 @@ async fn a_single_geo_network_never_asks_for_a_cookie() {
     // Even a client that holds a cookie gets no request, and its cookie is not used.
     let login = Login {
         token: token("alice"),
+        tls: None,
         cookie: b"anything".to_vec(),
         offer_cookie: false,
     };
@@ -640,7 +645,7 @@ async fn the_far_proxy_measures_the_probe_itself_and_a_delayed_pong_does_not_mov
         // from the very first one, hoping to look far from Montreal.
         let last = within(
             "the probe",
-            client::answer_probe(target, Duration::from_millis(delay_ms)),
+            client::answer_probe(target, Duration::from_millis(delay_ms), None),
         )
         .await
         .unwrap();
@@ -679,7 +684,7 @@ async fn a_probe_ticket_is_refused_from_another_address_or_forged() {
     target.ticket = forged.into();
     let k = within(
         "the refused probe",
-        client::answer_probe(&target, Duration::ZERO),
+        client::answer_probe(&target, Duration::ZERO, None),
     )
     .await
     .unwrap();
@@ -693,5 +698,58 @@ async fn a_probe_ticket_is_refused_from_another_address_or_forged() {
         )
         .await,
         1.0
+    );
+}
+
+/// What a client sends while its login waits for its cookie is kept to be relayed, up to a cap:
+/// a client that floods the wait is held to it, the excess dropped and counted, and its login
+/// carries on.
+#[tokio::test]
+async fn a_client_flooding_the_cookie_wait_is_held_to_a_cap() {
+    let geos = two_geos("cookie_wait_cap").await;
+    let addr = geos.montreal.proxy.client_addr.to_string();
+    let (mut tx, mut rx) = client::open(&addr).await.unwrap();
+    let nonce = client::challenge(&mut tx, &mut rx).await.unwrap();
+    let hello = client::login_hello(&token("flooder"), &nonce).unwrap();
+    tx.send(client_message::Body::Hello(Box::new(hello)))
+        .await
+        .unwrap();
+    within("the cookie request", async {
+        loop {
+            match rx.next().await.expect("closed").unwrap().body {
+                Some(server_message::Body::CookieRequest(_)) => return,
+                Some(server_message::Body::Kick(k)) => panic!("kicked: {k:?}"),
+                _ => {}
+            }
+        }
+    })
+    .await;
+    let sent = 200u64;
+    for seq in 1..=sent {
+        tx.input(seq, bytes::Bytes::from_static(b"flood"))
+            .await
+            .unwrap();
+    }
+    tx.send(client_message::Body::Cookie(Default::default()))
+        .await
+        .unwrap();
+    within("the welcome", async {
+        loop {
+            match rx.next().await.expect("closed").unwrap().body {
+                Some(server_message::Body::Welcome(w)) => return assert_eq!(w.account, "flooder"),
+                Some(server_message::Body::Kick(k)) => panic!("kicked: {k:?}"),
+                _ => {}
+            }
+        }
+    })
+    .await;
+    let kept = cellmesh_proxy::WAITING_MAX_MESSAGES as u64;
+    assert_eq!(
+        proxy_metric(
+            &geos.montreal.proxy,
+            "inputs_dropped_total{limit=\"waiting\"}"
+        )
+        .await,
+        (sent - kept) as f64
     );
 }

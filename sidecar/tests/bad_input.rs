@@ -132,9 +132,8 @@ async fn a_valid_frame_of_the_wrong_type() {
     let client_hello = edge::ClientFrame::one(edge::client_message::Body::Hello(Box::new(
         edge::ClientHello {
             version: Some(edge::ProtocolVersion::current()),
-            token: "alice.1.00".into(),
-            cookie: Default::default(),
-            probe_ticket: Default::default(),
+            claim: "alice.1.k1".into(),
+            ..Default::default()
         },
     )));
     let mut c = n.raw().await;

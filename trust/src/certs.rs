@@ -74,6 +74,58 @@ pub fn init(dir: &Path, name: &str) -> anyhow::Result<()> {
 /// Issues a certificate for `who`, signed by the CA in `ca_dir`, into `out` (created if
 /// missing): `cert.pem`, `key.pem` and a copy of the CA's `ca.pem`.
 pub fn issue(ca_dir: &Path, who: &Identity, out: &Path, days: i64) -> anyhow::Result<Issued> {
+    let sans = who
+        .names()
+        .into_iter()
+        .map(|n| Ok(SanType::DnsName(n.try_into()?)))
+        .collect::<Result<_, rcgen::Error>>()
+        .context("naming the certificate")?;
+    // Every holder both dials and (a sidecar) is dialled.
+    let usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    issue_with(ca_dir, &format!("cellmesh {who}"), sans, usages, out, days)
+}
+
+/// Issues a proxy's certificate for players' connections (`client_tls`): a server certificate
+/// naming the hosts clients dial (DNS names or IP addresses), signed by the CA in `ca_dir`.
+pub fn issue_edge(
+    ca_dir: &Path,
+    hosts: &[String],
+    out: &Path,
+    days: i64,
+) -> anyhow::Result<Issued> {
+    if hosts.is_empty() {
+        bail!("an edge certificate names at least one host clients dial");
+    }
+    let sans = hosts
+        .iter()
+        .map(|h| match h.parse::<std::net::IpAddr>() {
+            Ok(ip) => Ok(SanType::IpAddress(ip)),
+            Err(_) => Ok(SanType::DnsName(h.clone().try_into()?)),
+        })
+        .collect::<Result<_, rcgen::Error>>()
+        .context("naming the certificate")?;
+    let name = format!("cellmesh edge {}", hosts.join(" "));
+    issue_with(
+        ca_dir,
+        &name,
+        sans,
+        vec![ExtendedKeyUsagePurpose::ServerAuth],
+        out,
+        days,
+    )
+}
+
+fn issue_with(
+    ca_dir: &Path,
+    common_name: &str,
+    sans: Vec<SanType>,
+    usages: Vec<ExtendedKeyUsagePurpose>,
+    out: &Path,
+    days: i64,
+) -> anyhow::Result<Issued> {
     if days <= 0 {
         bail!("a certificate must be valid for at least one day (got {days})");
     }
@@ -89,18 +141,9 @@ pub fn issue(ca_dir: &Path, who: &Identity, out: &Path, days: i64) -> anyhow::Re
     params.distinguished_name = DistinguishedName::new();
     params
         .distinguished_name
-        .push(DnType::CommonName, format!("cellmesh {who}"));
-    params.subject_alt_names = who
-        .names()
-        .into_iter()
-        .map(|n| Ok(SanType::DnsName(n.try_into()?)))
-        .collect::<Result<_, rcgen::Error>>()
-        .context("naming the certificate")?;
-    // Every holder both dials and (a sidecar) is dialled.
-    params.extended_key_usages = vec![
-        ExtendedKeyUsagePurpose::ServerAuth,
-        ExtendedKeyUsagePurpose::ClientAuth,
-    ];
+        .push(DnType::CommonName, common_name.to_string());
+    params.subject_alt_names = sans;
+    params.extended_key_usages = usages;
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     params.use_authority_key_identifier_extension = true;
     let now = OffsetDateTime::now_utc();
@@ -170,6 +213,7 @@ pub struct Ensured {
 pub fn ensure(
     dir: &Path,
     identities: &[(String, Identity)],
+    edges: &[(String, Vec<String>)],
     secrets: &[String],
     owner: Option<(u32, u32)>,
 ) -> anyhow::Result<Ensured> {
@@ -184,6 +228,18 @@ pub fn ensure(
         let out = dir.join(label);
         if made.ca_made || !out.join(CERT).exists() {
             issue(&ca, who, &out, CERT_DAYS)?;
+            made.issued.push(label.clone());
+        }
+        chown(&out, owner)?;
+        for f in [CA_CERT, CERT, KEY] {
+            chown(&out.join(f), owner)?;
+        }
+    }
+    for (label, hosts) in edges {
+        crate::identity::check_label("label", label).map_err(anyhow::Error::msg)?;
+        let out = dir.join(label);
+        if made.ca_made || !out.join(CERT).exists() {
+            issue_edge(&ca, hosts, &out, CERT_DAYS)?;
             made.issued.push(label.clone());
         }
         chown(&out, owner)?;

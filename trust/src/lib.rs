@@ -7,8 +7,10 @@
 //!   the stream a link runs over.
 
 pub mod certs;
+pub mod edge;
 pub mod identity;
 pub mod tls;
 
+pub use edge::{ClientTlsConfig, EdgeTls};
 pub use identity::{Identity, Role};
 pub use tls::{MeshStream, MeshTls, MeshTlsConfig};

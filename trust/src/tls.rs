@@ -75,7 +75,7 @@ pub struct Loaded {
 }
 
 /// The files' modification times and sizes: a change in any is a reason to read them again.
-type Stamp = Vec<Option<(SystemTime, u64)>>;
+pub(crate) type Stamp = Vec<Option<(SystemTime, u64)>>;
 
 /// A process's mesh TLS: the current [`Loaded`], read again when its files change.
 pub struct MeshTls {
@@ -86,11 +86,11 @@ pub struct MeshTls {
     reload_failures: AtomicU64,
 }
 
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-fn stamp(paths: &[PathBuf]) -> Stamp {
+pub(crate) fn stamp(paths: &[PathBuf]) -> Stamp {
     paths
         .iter()
         .map(|p| {
@@ -269,40 +269,17 @@ impl MeshTls {
     ) -> tokio::task::JoinHandle<()> {
         let tls = self.clone();
         let expected = self.own();
-        tokio::spawn(async move {
-            #[cfg(unix)]
-            let mut hup =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                #[cfg(unix)]
-                let hangup = async {
-                    match hup.as_mut() {
-                        Some(s) => {
-                            s.recv().await;
-                        }
-                        None => std::future::pending::<()>().await,
-                    }
-                };
-                #[cfg(not(unix))]
-                let hangup = std::future::pending::<()>();
-                let force = tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tick.tick() => false,
-                    _ = hangup => true,
-                };
-                match tls.reload(force, Some(&expected)) {
-                    Ok(true) => tracing::info!(
-                        identity = %expected,
-                        "mesh TLS files read again: new connections use them"
-                    ),
-                    Ok(false) => {}
-                    Err(e) => tracing::warn!(
-                        error = %format!("{e:#}"),
-                        "mesh TLS files changed but do not load; the previous ones stay in use"
-                    ),
-                }
+        watch(every, stop, move |force| {
+            match tls.reload(force, Some(&expected)) {
+                Ok(true) => tracing::info!(
+                    identity = %expected,
+                    "mesh TLS files read again: new connections use them"
+                ),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(
+                    error = %format!("{e:#}"),
+                    "mesh TLS files changed but do not load; the previous ones stay in use"
+                ),
             }
         })
     }
@@ -324,6 +301,40 @@ impl MeshTls {
         let id = peer_identity(tls.get_ref().1.peer_certificates())?;
         Ok((MeshStream::Tls(Box::new(tls.into())), id))
     }
+}
+
+/// Calls `reload(force)` every `every` (`force` false) and at once on SIGHUP (`force` true),
+/// until `stop`.
+pub(crate) fn watch(
+    every: Duration,
+    stop: tokio_util::sync::CancellationToken,
+    mut reload: impl FnMut(bool) + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        #[cfg(unix)]
+        let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            #[cfg(unix)]
+            let hangup = async {
+                match hup.as_mut() {
+                    Some(s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            #[cfg(not(unix))]
+            let hangup = std::future::pending::<()>();
+            let force = tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => false,
+                _ = hangup => true,
+            };
+            reload(force);
+        }
+    })
 }
 
 fn peer_identity(certs: Option<&[CertificateDer<'static>]>) -> io::Result<Identity> {

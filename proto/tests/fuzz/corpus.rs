@@ -625,6 +625,8 @@ pub fn client_frames() -> Vec<Vec<u8>> {
             token: token::sign(b"k", "ada", 1_700_000_000),
             cookie: cookies()[0].clone().into(),
             probe_ticket: b"probe".to_vec().into(),
+            claim: "ada.1700000000.k1".into(),
+            proof: vec![7; token::PROOF_LEN].into(),
         })),
         B::Input(ClientInput {
             seq: 1,

@@ -573,6 +573,35 @@ impl RawClient {
         self.writer.shutdown().await.unwrap();
     }
 
+    /// The nonce of the proxy's `Challenge`, its first message.
+    pub async fn challenge(&mut self) -> Vec<u8> {
+        let frame = tokio::time::timeout(PATIENCE, self.reader.next())
+            .await
+            .expect("no challenge in time")
+            .expect("connection closed without a Challenge")
+            .expect("undecodable frame from the proxy");
+        match frame.messages.into_iter().next().and_then(|m| m.body) {
+            Some(server_message::Body::Challenge(c)) => c.nonce.to_vec(),
+            other => panic!("expected a Challenge first, got {other:?}"),
+        }
+    }
+
+    /// The next message that is not a ping or a challenge.
+    pub async fn next_message(&mut self) -> Option<server_message::Body> {
+        loop {
+            let frame = tokio::time::timeout(PATIENCE, self.reader.next())
+                .await
+                .expect("proxy went silent")?
+                .expect("undecodable frame from the proxy");
+            for m in frame.messages {
+                match m.body {
+                    Some(server_message::Body::Ping(_) | server_message::Body::Challenge(_)) => {}
+                    other => return other,
+                }
+            }
+        }
+    }
+
     /// The `Kick` the proxy sends, after which it must close.
     pub async fn kick(&mut self) -> Kick {
         loop {
