@@ -249,6 +249,8 @@ async fn run_sessions(
     // Where the bot logs in, and the cookie of the last handover (its proxy changes with one).
     let mut proxy = cfg.proxy.clone();
     let mut cookie: Vec<u8> = Vec::new();
+    // The name the next proxy's certificate carries, when a `Transfer` named one.
+    let mut server_name = String::new();
     let mut transferred_at: Option<std::time::Instant> = None;
     // The median click-to-screen time of the session a handover ended, and its avatar (id and
     // inventory), until the next session's are known.
@@ -259,6 +261,7 @@ async fn run_sessions(
         let how = client::Login {
             token,
             tls: cfg.tls.clone(),
+            server_name: server_name.clone(),
             offer_cookie: !cookie.is_empty(),
             cookie: std::mem::take(&mut cookie),
         };
@@ -335,6 +338,7 @@ async fn run_sessions(
                         avatar_before = avatar;
                         stats.handovers.fetch_add(1, Ordering::Relaxed);
                         proxy = format!("{}:{}", t.host, t.port);
+                        server_name = t.server_name.clone();
                         cookie = t.cookie.to_vec();
                         transferred_at = Some(std::time::Instant::now());
                         continue;

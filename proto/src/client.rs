@@ -80,8 +80,19 @@ impl ClientTls {
         })
     }
 
-    async fn connect(&self, addr: &str, tcp: TcpStream) -> Result<Io, ClientError> {
-        let host = host_of(addr);
+    /// The handshake with the proxy at `addr`, checking its certificate against `server_name`
+    /// (empty: the host of `addr`).
+    async fn connect(
+        &self,
+        addr: &str,
+        server_name: &str,
+        tcp: TcpStream,
+    ) -> Result<Io, ClientError> {
+        let host = if server_name.is_empty() {
+            host_of(addr)
+        } else {
+            server_name
+        };
         let name = ServerName::try_from(host.to_owned()).map_err(|e| {
             ClientError::Tls(std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
         })?;
@@ -119,12 +130,22 @@ pub async fn open_with(
     addr: &str,
     tls: Option<&ClientTls>,
 ) -> Result<(ClientSender, ClientReceiver), ClientError> {
+    open_named(addr, tls, "").await
+}
+
+/// [`open_with`], checking the proxy's certificate against `server_name` (empty: the host of
+/// `addr`), as a `Transfer` or a `ProbeTarget` names it.
+pub async fn open_named(
+    addr: &str,
+    tls: Option<&ClientTls>,
+    server_name: &str,
+) -> Result<(ClientSender, ClientReceiver), ClientError> {
     let s = TcpStream::connect(addr)
         .await
         .map_err(ClientError::Connect)?;
     s.set_nodelay(true).map_err(ClientError::Connect)?;
     let io: Io = match tls {
-        Some(tls) => tls.connect(addr, s).await?,
+        Some(tls) => tls.connect(addr, server_name, s).await?,
         None => Box::new(s),
     };
     let (r, w) = tokio::io::split(io);
@@ -190,6 +211,9 @@ pub struct Login {
     pub token: String,
     /// TLS to the proxy (`None`: plaintext, for a proxy on loopback).
     pub tls: Option<ClientTls>,
+    /// The name the proxy's certificate must carry (a `Transfer`'s `server_name`); empty: the
+    /// host dialled.
+    pub server_name: String,
     /// The cookie of the last `Transfer` (empty: none).
     pub cookie: Vec<u8>,
     /// Offer the cookie in the `ClientHello` rather than wait to be asked for it.
@@ -210,7 +234,7 @@ pub async fn login_with(
     addr: &str,
     login: &Login,
 ) -> Result<(ClientSender, ClientReceiver, Welcome), ClientError> {
-    let (mut tx, mut rx) = open_with(addr, login.tls.as_ref()).await?;
+    let (mut tx, mut rx) = open_named(addr, login.tls.as_ref(), &login.server_name).await?;
     let nonce = challenge(&mut tx, &mut rx).await?;
     let mut hello = login_hello(&login.token, &nonce)?;
     if login.offer_cookie {
@@ -256,7 +280,8 @@ pub async fn answer_probe(
     pong_delay: std::time::Duration,
     tls: Option<&ClientTls>,
 ) -> Result<Kick, ClientError> {
-    let (mut tx, mut rx) = open_with(&format!("{}:{}", target.host, target.port), tls).await?;
+    let addr = format!("{}:{}", target.host, target.port);
+    let (mut tx, mut rx) = open_named(&addr, tls, &target.server_name).await?;
     tx.send(client_message::Body::Hello(Box::new(ClientHello {
         version: Some(ProtocolVersion::current()),
         probe_ticket: target.ticket.clone(),

@@ -308,3 +308,36 @@ mod tests {
         assert!(e.contains("neither host:port nor an SRV name"), "{e}");
     }
 }
+
+/// The name a client checks the TLS certificate of `target`'s proxies against: the host of
+/// `host:port` when it is a name, the domain of an SRV name (`_edge._tcp.us.example` ->
+/// `us.example`); empty for a literal address (the certificate must carry it).
+pub(crate) fn server_name_of(target: &str) -> String {
+    if target.parse::<SocketAddr>().is_ok() {
+        return String::new();
+    }
+    if target.starts_with('_') && !target.contains(':') {
+        return target
+            .split('.')
+            .skip_while(|label| label.starts_with('_'))
+            .collect::<Vec<_>>()
+            .join(".");
+    }
+    target
+        .rsplit_once(':')
+        .map_or(target, |(host, _)| host)
+        .to_string()
+}
+
+#[cfg(test)]
+mod server_name_tests {
+    use super::server_name_of;
+
+    #[test]
+    fn the_name_a_certificate_must_carry() {
+        assert_eq!(server_name_of("us-proxy:7300"), "us-proxy");
+        assert_eq!(server_name_of("_edge._tcp.us.example"), "us.example");
+        assert_eq!(server_name_of("10.0.0.3:7300"), "");
+        assert_eq!(server_name_of("[::1]:7300"), "");
+    }
+}

@@ -260,6 +260,7 @@ impl Geos {
             port: port.into(),
             cookie: sealed.into(),
             geo: geo.to_string(),
+            server_name: crate::discovery::server_name_of(&peer.proxies),
         })
     }
 
@@ -307,6 +308,7 @@ impl Geos {
                 host,
                 port: port.into(),
                 ticket: ticket.into(),
+                server_name: crate::discovery::server_name_of(&peer.proxies),
             });
         }
         targets.sort_by(|a, b| a.geo.cmp(&b.geo));

@@ -100,3 +100,44 @@ async fn players_log_in_over_tls_and_plaintext_is_refused() {
         .unwrap();
     proxy.wait_sessions(1).await;
 }
+
+/// A `Transfer` or a `ProbeTarget` names a proxy by the address its name resolved to, and the
+/// name beside it: the client checks the certificate against that name.
+#[tokio::test]
+async fn a_proxy_dialled_by_address_is_checked_against_the_name_it_was_given_by() {
+    let dir = tempfile::tempdir().unwrap();
+    certs::init(&dir.path().join("ca"), "test").unwrap();
+    let only_a_name = ["localhost".to_string()];
+    let issued = certs::issue_edge(
+        &dir.path().join("ca"),
+        &only_a_name,
+        &dir.path().join("edge"),
+        1,
+    )
+    .unwrap();
+    let gw = TestGateway::start(1).await;
+    let proxy = TestProxy::start(ProxyConfig {
+        client_tls: ClientTlsConfig {
+            cert: issued.cert.display().to_string(),
+            key: issued.key.display().to_string(),
+        },
+        ..config(&[&gw])
+    })
+    .await;
+    let tls = ClientTls::from_ca_file(&issued.ca).unwrap();
+    let by_address = Login {
+        tls: Some(tls.clone()),
+        ..Login::token(&token("dave"))
+    };
+    let err = client::login_with(&proxy.addr(), &by_address)
+        .await
+        .err()
+        .expect("a certificate without the address was taken for it");
+    assert!(matches!(err, ClientError::Tls(_)), "{err}");
+    let by_name = Login {
+        server_name: "localhost".into(),
+        ..by_address
+    };
+    let (_, _, welcome) = client::login_with(&proxy.addr(), &by_name).await.unwrap();
+    assert_eq!(welcome.account, "dave");
+}

@@ -339,6 +339,7 @@ async fn with_the_hint_lost_the_cookie_does_the_same_offered_or_asked_for() {
         let login = Login {
             token: token("alice"),
             tls: None,
+            server_name: String::new(),
             cookie: t.cookie.to_vec(),
             offer_cookie,
         };
@@ -457,6 +458,7 @@ async fn bad_cookies_are_refused_by_reason_and_the_login_reads_mongodb() {
         let login = Login {
             token: token("alice"),
             tls: None,
+            server_name: String::new(),
             cookie: bad,
             offer_cookie: i % 2 == 0,
         };
@@ -482,6 +484,7 @@ async fn bad_cookies_are_refused_by_reason_and_the_login_reads_mongodb() {
     let login = Login {
         token: token("alice"),
         tls: None,
+        server_name: String::new(),
         cookie: seal(SECRET, &good, loopback),
         offer_cookie: true,
     };
@@ -507,6 +510,7 @@ async fn a_cookie_used_twice_is_refused_the_second_time() {
     let again = Login {
         token: token("alice"),
         tls: None,
+        server_name: String::new(),
         cookie: t.cookie.to_vec(),
         offer_cookie: true,
     };
@@ -591,6 +595,7 @@ async fn a_single_geo_network_never_asks_for_a_cookie() {
     let login = Login {
         token: token("alice"),
         tls: None,
+        server_name: String::new(),
         cookie: b"anything".to_vec(),
         offer_cookie: false,
     };

@@ -695,14 +695,17 @@ pub fn server_frames() -> Vec<Vec<u8>> {
             port: 7000,
             cookie: cookies()[0].clone().into(),
             geo: "eu-west".into(),
+            server_name: "eu-west.example".into(),
         }),
         B::CookieRequest(edge::CookieRequest {}),
+        B::Challenge(edge::Challenge { nonce: payload(16) }),
         B::Probe(edge::ProbeRequest {
             targets: vec![edge::ProbeTarget {
                 geo: "montreal".into(),
                 host: "edge.montreal.example".into(),
                 port: 7300,
                 ticket: payload(40),
+                server_name: "edge.montreal.example".into(),
             }],
         }),
         B::Kick(Kick::new(KickReason::Idle, "idle for 60 s")),
