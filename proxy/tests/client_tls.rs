@@ -6,25 +6,19 @@ mod support;
 
 use cellmesh_proto::client::{self, ClientError, ClientTls, Login};
 use cellmesh_proxy::ProxyConfig;
-use cellmesh_trust::{certs, ClientTlsConfig};
+use cellmesh_trust::ClientTlsConfig;
 use support::*;
 
-/// A CA in `dir/ca` and an edge certificate for loopback in `dir/edge`.
-fn edge_certs(dir: &std::path::Path) -> (ClientTlsConfig, ClientTls) {
-    certs::init(&dir.join("ca"), "test").unwrap();
-    let hosts = ["127.0.0.1".to_string(), "localhost".to_string()];
-    let issued = certs::issue_edge(&dir.join("ca"), &hosts, &dir.join("edge"), 1).unwrap();
-    let cfg = ClientTlsConfig {
-        cert: issued.cert.display().to_string(),
-        key: issued.key.display().to_string(),
-    };
-    (cfg, ClientTls::from_ca_file(&issued.ca).unwrap())
+/// An edge certificate for loopback, and a client that trusts its CA.
+fn loopback_certs(dir: &std::path::Path) -> (ClientTlsConfig, ClientTls) {
+    let (cfg, ca) = edge_certs(dir, &["127.0.0.1", "localhost"]);
+    (cfg, ClientTls::from_ca_file(&ca).unwrap())
 }
 
 #[tokio::test]
 async fn players_log_in_over_tls_and_plaintext_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let (tls_cfg, trusting) = edge_certs(dir.path());
+    let (tls_cfg, trusting) = loopback_certs(dir.path());
     let gw = TestGateway::start(1).await;
     let proxy = TestProxy::start(ProxyConfig {
         client_tls: tls_cfg,
@@ -65,7 +59,7 @@ async fn players_log_in_over_tls_and_plaintext_is_refused() {
     assert!(plain.is_err(), "a plaintext login was admitted");
     // A client that trusts another CA refuses the proxy's certificate.
     let other_dir = tempfile::tempdir().unwrap();
-    let (_, stranger) = edge_certs(other_dir.path());
+    let (_, stranger) = loopback_certs(other_dir.path());
     let err = client::login_with(
         &addr,
         &Login {
@@ -106,25 +100,14 @@ async fn players_log_in_over_tls_and_plaintext_is_refused() {
 #[tokio::test]
 async fn a_proxy_dialled_by_address_is_checked_against_the_name_it_was_given_by() {
     let dir = tempfile::tempdir().unwrap();
-    certs::init(&dir.path().join("ca"), "test").unwrap();
-    let only_a_name = ["localhost".to_string()];
-    let issued = certs::issue_edge(
-        &dir.path().join("ca"),
-        &only_a_name,
-        &dir.path().join("edge"),
-        1,
-    )
-    .unwrap();
+    let (tls_cfg, ca) = edge_certs(dir.path(), &["localhost"]);
     let gw = TestGateway::start(1).await;
     let proxy = TestProxy::start(ProxyConfig {
-        client_tls: ClientTlsConfig {
-            cert: issued.cert.display().to_string(),
-            key: issued.key.display().to_string(),
-        },
+        client_tls: tls_cfg,
         ..config(&[&gw])
     })
     .await;
-    let tls = ClientTls::from_ca_file(&issued.ca).unwrap();
+    let tls = ClientTls::from_ca_file(&ca).unwrap();
     let by_address = Login {
         tls: Some(tls.clone()),
         ..Login::token(&token("dave"))

@@ -9,7 +9,6 @@ use std::path::PathBuf;
 
 use cellmesh_proxy::ProxyConfig;
 use cellmesh_test_support::required;
-use cellmesh_trust::{certs, ClientTlsConfig};
 use support::*;
 
 fn client_py() -> PathBuf {
@@ -28,26 +27,16 @@ async fn run_client(args: &[&str]) -> std::process::Output {
 #[tokio::test]
 async fn the_python_client_plays_over_tls_with_a_proof() {
     let dir = tempfile::tempdir().unwrap();
-    certs::init(&dir.path().join("ca"), "test").unwrap();
-    let issued = certs::issue_edge(
-        &dir.path().join("ca"),
-        &["127.0.0.1".to_string()],
-        &dir.path().join("edge"),
-        1,
-    )
-    .unwrap();
+    let (tls_cfg, ca) = edge_certs(dir.path(), &["127.0.0.1"]);
     let gw = TestGateway::start(1).await;
     let proxy = TestProxy::start(ProxyConfig {
-        client_tls: ClientTlsConfig {
-            cert: issued.cert.display().to_string(),
-            key: issued.key.display().to_string(),
-        },
+        client_tls: tls_cfg,
         hello_timeout_ms: 1000,
         ..config(&[&gw])
     })
     .await;
     let addr = proxy.addr();
-    let ca = issued.ca.display().to_string();
+    let ca = ca.display().to_string();
     let alice = token("alice");
 
     let out = run_client(&[

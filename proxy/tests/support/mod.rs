@@ -629,3 +629,20 @@ impl RawClient {
 pub fn reason(k: &Kick) -> KickReason {
     KickReason::try_from(k.reason).unwrap()
 }
+
+/// A CA in `dir/ca` and an edge certificate naming `hosts` in `dir/edge`: the proxy's
+/// `client_tls`, and the CA file clients trust.
+pub fn edge_certs(
+    dir: &std::path::Path,
+    hosts: &[&str],
+) -> (cellmesh_trust::ClientTlsConfig, std::path::PathBuf) {
+    use cellmesh_trust::certs;
+    certs::init(&dir.join("ca"), "test").unwrap();
+    let hosts: Vec<String> = hosts.iter().map(|h| h.to_string()).collect();
+    let issued = certs::issue_edge(&dir.join("ca"), &hosts, &dir.join("edge"), 1).unwrap();
+    let cfg = cellmesh_trust::ClientTlsConfig {
+        cert: issued.cert.display().to_string(),
+        key: issued.key.display().to_string(),
+    };
+    (cfg, issued.ca)
+}
