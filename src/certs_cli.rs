@@ -144,29 +144,22 @@ pub fn run(args: CertsArgs) -> anyhow::Result<()> {
             geo,
             out,
             days,
-        } if role == "edge" => {
-            anyhow::ensure!(
-                node.is_none() && geo.is_none(),
-                "--role edge takes --host, not --node or --geo"
-            );
-            let issued = certs::issue_edge(&ca, &host, &out, days)?;
-            println!(
-                "issued an edge certificate for {} for {days} days: client_tls.cert {}, client_tls.key {}; clients trust {}",
-                host.join(", "),
-                issued.cert.display(),
-                issued.key.display(),
-                issued.ca.display()
-            );
-        }
-        CertsCommand::Issue {
-            ca,
-            role,
-            host,
-            node,
-            geo,
-            out,
-            days,
         } => {
+            if role == "edge" {
+                anyhow::ensure!(
+                    node.is_none() && geo.is_none(),
+                    "--role edge takes --host, not --node or --geo"
+                );
+                let issued = certs::issue_edge(&ca, &host, &out, days)?;
+                println!(
+                    "issued an edge certificate for {} for {days} days: client_tls.cert {}, client_tls.key {}; clients trust {}",
+                    host.join(", "),
+                    issued.cert.display(),
+                    issued.key.display(),
+                    issued.ca.display()
+                );
+                return Ok(());
+            }
             anyhow::ensure!(host.is_empty(), "--host is for --role edge");
             let role = Role::parse(&role).expect("clap checked the role");
             let who = Identity::new(role, node, geo.as_deref()).map_err(anyhow::Error::msg)?;

@@ -4,7 +4,7 @@
 
 use std::io;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -14,7 +14,7 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpStream;
 
-use crate::tls::{provider, stamp, watch, MeshStream, Stamp};
+use crate::tls::{provider, watch, MeshStream, Watched};
 
 /// The `client_tls` section of the proxy's configuration: PEM files. Both or neither.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -44,7 +44,7 @@ impl ClientTlsConfig {
 pub struct EdgeTls {
     paths: [PathBuf; 2],
     current: RwLock<Arc<ServerConfig>>,
-    stamp: Mutex<Stamp>,
+    files: Watched,
 }
 
 fn load(paths: &[PathBuf; 2]) -> anyhow::Result<ServerConfig> {
@@ -69,25 +69,20 @@ impl EdgeTls {
     /// Reads the files of `cfg` (which must be [`enabled`](ClientTlsConfig::enabled)).
     pub fn load(cfg: &ClientTlsConfig) -> anyhow::Result<Arc<EdgeTls>> {
         let paths = [PathBuf::from(&cfg.cert), PathBuf::from(&cfg.key)];
-        let before = stamp(&paths);
+        let files = Watched::new(&paths);
         let config = load(&paths)?;
         Ok(Arc::new(EdgeTls {
             paths,
             current: RwLock::new(Arc::new(config)),
-            stamp: Mutex::new(before),
+            files,
         }))
     }
 
     /// Reads the files again if they changed (or always, with `force`); files that do not load
     /// leave the last good ones in use.
     pub fn reload(&self, force: bool) -> anyhow::Result<bool> {
-        let now = stamp(&self.paths);
-        {
-            let mut last = self.stamp.lock().expect("edge tls lock");
-            if !force && *last == now {
-                return Ok(false);
-            }
-            *last = now;
+        if !self.files.changed(&self.paths, force) {
+            return Ok(false);
         }
         let config = load(&self.paths)?;
         *self.current.write().expect("edge tls lock") = Arc::new(config);

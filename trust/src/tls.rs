@@ -75,13 +75,13 @@ pub struct Loaded {
 }
 
 /// The files' modification times and sizes: a change in any is a reason to read them again.
-pub(crate) type Stamp = Vec<Option<(SystemTime, u64)>>;
+type Stamp = Vec<Option<(SystemTime, u64)>>;
 
 /// A process's mesh TLS: the current [`Loaded`], read again when its files change.
 pub struct MeshTls {
     paths: [PathBuf; 3],
     current: RwLock<Arc<Loaded>>,
-    stamp: Mutex<Stamp>,
+    files: Watched,
     reloads: AtomicU64,
     reload_failures: AtomicU64,
 }
@@ -90,7 +90,7 @@ pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-pub(crate) fn stamp(paths: &[PathBuf]) -> Stamp {
+fn stamp(paths: &[PathBuf]) -> Stamp {
     paths
         .iter()
         .map(|p| {
@@ -98,6 +98,27 @@ pub(crate) fn stamp(paths: &[PathBuf]) -> Stamp {
             Some((m.modified().ok()?, m.len()))
         })
         .collect()
+}
+
+/// The stamp of a set of files when they were last read.
+pub(crate) struct Watched(Mutex<Stamp>);
+
+impl Watched {
+    /// Taken before the files are first read, so that a change while reading is seen next time.
+    pub(crate) fn new(paths: &[PathBuf]) -> Self {
+        Self(Mutex::new(stamp(paths)))
+    }
+
+    /// Whether the files changed since the last call (always, with `force`); records their stamp.
+    pub(crate) fn changed(&self, paths: &[PathBuf], force: bool) -> bool {
+        let now = stamp(paths);
+        let mut last = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if !force && *last == now {
+            return false;
+        }
+        *last = now;
+        true
+    }
 }
 
 /// The DNS names of a certificate's subject alternative names.
@@ -194,12 +215,12 @@ impl MeshTls {
             PathBuf::from(&cfg.cert),
             PathBuf::from(&cfg.key),
         ];
-        let before = stamp(&paths);
+        let files = Watched::new(&paths);
         let loaded = load(&paths)?;
         Ok(Arc::new(MeshTls {
             paths,
             current: RwLock::new(Arc::new(loaded)),
-            stamp: Mutex::new(before),
+            files,
             reloads: AtomicU64::new(0),
             reload_failures: AtomicU64::new(0),
         }))
@@ -229,13 +250,8 @@ impl MeshTls {
     /// in use and is tried again at the next change. `expected`, when given, is what the new
     /// certificate must still prove: a process never changes its identity by a file change.
     pub fn reload(&self, force: bool, expected: Option<&Identity>) -> anyhow::Result<bool> {
-        let now = stamp(&self.paths);
-        {
-            let mut last = self.stamp.lock().expect("mesh tls lock");
-            if !force && *last == now {
-                return Ok(false);
-            }
-            *last = now;
+        if !self.files.changed(&self.paths, force) {
+            return Ok(false);
         }
         let result = load(&self.paths).and_then(|loaded| {
             if let Some(want) = expected {
