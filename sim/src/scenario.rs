@@ -74,6 +74,12 @@ pub enum Fault {
     /// there a reconnect later with the handover's hint (its session epoch), skipping the
     /// record read. Its avatar stays where it is simulated, and serves the new session.
     Handover { client: usize },
+    /// The proxy in front of geo `geo` dies and a new one starts `down_ms` later: every gateway
+    /// of the geo sees its proxy link close (its sessions end; their avatars wait a moment for
+    /// a newer login), and each client that was attached there logs in again through the new
+    /// proxy, on any gateway of the geo (a player bridged to an avatar another geo simulates
+    /// among them).
+    ProxyRestart { geo: usize, down_ms: u64 },
 }
 
 /// Datacenters: which geo every node is in, and the one-way delay between geos.
@@ -348,6 +354,7 @@ fn logins(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
             },
         );
     }
+    proxy_restart(s, rng, plan);
 }
 
 /// One or two games crash and start again within their grace (the sidecars live on): every
@@ -501,6 +508,22 @@ fn geo_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     for _ in 0..rng.random_range(1..=3) {
         let client = rng.random_range(0..s.players as usize);
         plan.at(s.during(rng, 1_000), Fault::Handover { client });
+    }
+    proxy_restart(s, rng, plan);
+}
+
+/// Half the runs, the proxy of one geo restarts: its players log in again, each on any gateway
+/// of the geo, and must find their avatars (or, at worst, one new one each).
+fn proxy_restart(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    if rng.random_bool(0.5) {
+        let geos = s.geos.map_or(1, |g| g.names.len());
+        plan.at(
+            s.during(rng, 3_000),
+            Fault::ProxyRestart {
+                geo: rng.random_range(0..geos),
+                down_ms: rng.random_range(200..2_500),
+            },
+        );
     }
 }
 

@@ -530,6 +530,17 @@ enum Ev {
     Login {
         client: usize,
     },
+    /// A client logs in again on `gateway` (its proxy restarted).
+    LoginOn {
+        client: usize,
+        gateway: NodeId,
+    },
+    /// The new proxy of `geo` links to the geo's gateways; `clients` were attached through the
+    /// one that died.
+    ProxyBack {
+        geo: usize,
+        clients: Vec<usize>,
+    },
     Dial {
         from: NodeId,
         to: NodeId,
@@ -772,10 +783,13 @@ impl<'a> Sim<'a> {
     fn step(&mut self, ev: Ev) {
         match ev {
             Ev::Core { node, inc, input } => {
-                if self.live(node, inc) {
+                let link_gone = matches!(&input, Input::LinkFrame { link, .. }
+                    if !self.nodes[node as usize - 1].links.contains_key(link));
+                if self.live(node, inc) && !link_gone {
                     self.feed(node, input);
                 } else if let Input::LinkFrame { messages, .. } = &input {
-                    // A client's input on its way to a gateway that died is lost with it.
+                    // A client's input on its way to a gateway that died, or over a proxy link
+                    // that closed, is lost with it.
                     for m in messages {
                         if let Some(mesh_message::Body::Input(i)) = &m.body {
                             if let Some(c) = self.session_client.get(&i.session_id) {
@@ -837,6 +851,8 @@ impl<'a> Sim<'a> {
             } => self.client_receives(client, session_id, body),
             Ev::ClientInput { client, session_id } => self.client_input(client, session_id),
             Ev::Login { client } => self.login(client, None),
+            Ev::LoginOn { client, gateway } => self.login(client, Some(gateway)),
+            Ev::ProxyBack { geo, clients } => self.proxy_back(geo, clients),
             Ev::HandedOverLogin {
                 client,
                 gateway,
@@ -1180,13 +1196,30 @@ impl<'a> Sim<'a> {
         n.game_generation = 0;
         let conn = u64::from(inc) << 16;
         n.game = Some(Game::new(conn));
+        // The lease task renews at once, then every `renew_every_ms`.
+        self.schedule(0, Ev::LeaseTick { node: id, inc });
         // The proxy's link, then the game, then membership: who else is alive, under which lease.
+        self.open_proxy_link(id);
+        self.connect_game(id, conn);
+        let first_tick = self.rng.random_range(0..self.s.tick_ms);
+        self.schedule(
+            first_tick,
+            Ev::GameTick {
+                node: id,
+                inc,
+                conn,
+            },
+        );
+        self.membership(true);
+    }
+
+    /// The proxy links to node `id` (its hello checked, as a real proxy's would be).
+    fn open_proxy_link(&mut self, id: NodeId) {
+        let n = self.node(id);
         let link = n.next_link;
         n.next_link += 1;
         n.links.insert(link, Far::Proxy);
         n.proxy_link = Some(link);
-        // The lease task renews at once, then every `renew_every_ms`.
-        self.schedule(0, Ev::LeaseTick { node: id, inc });
         self.feed(
             id,
             Input::LinkUp {
@@ -1203,17 +1236,6 @@ impl<'a> Sim<'a> {
                 rest: vec![],
             },
         );
-        self.connect_game(id, conn);
-        let first_tick = self.rng.random_range(0..self.s.tick_ms);
-        self.schedule(
-            first_tick,
-            Ev::GameTick {
-                node: id,
-                inc,
-                conn,
-            },
-        );
-        self.membership(true);
     }
 
     /// The game on connection `conn` says Hello to its sidecar.
@@ -2084,6 +2106,71 @@ impl<'a> Sim<'a> {
         );
     }
 
+    /// The proxy of `geo` dies (see [`Fault::ProxyRestart`]): its links close at once (the
+    /// process is gone, its sockets with it), its clients' sessions are over, and a new proxy
+    /// links to the geo's gateways `down_ms` later.
+    fn proxy_restart(&mut self, geo: usize, down_ms: u64) {
+        let clients: Vec<usize> = (0..self.clients.len())
+            .filter(|&c| {
+                let cl = &self.clients[c];
+                !cl.ended && self.s.geo_of(cl.gateway) == geo
+            })
+            .collect();
+        for &c in &clients {
+            self.clients[c].ended = true;
+        }
+        let nodes: Vec<NodeId> = (1..=self.s.nodes)
+            .filter(|&n| self.s.geo_of(n) == geo && self.nodes[n as usize - 1].alive)
+            .collect();
+        self.note(|| {
+            format!(
+                "the proxy of {} dies; {} sessions with it",
+                self.s.geo_name(nodes.first().copied().unwrap_or(1)),
+                clients.len()
+            )
+        });
+        for id in nodes {
+            let Some(link) = self.node(id).proxy_link.take() else {
+                continue;
+            };
+            self.node(id).links.remove(&link);
+            self.feed(
+                id,
+                Input::LinkClosed {
+                    link,
+                    reason: "connection reset".into(),
+                },
+            );
+        }
+        self.schedule(down_ms, Ev::ProxyBack { geo, clients });
+    }
+
+    /// The new proxy of `geo` links to every live gateway of the geo, and the clients of the old
+    /// one log in again over the next few hundred ms, each on any of them.
+    fn proxy_back(&mut self, geo: usize, clients: Vec<usize>) {
+        let nodes: Vec<NodeId> = (1..=self.s.nodes)
+            .filter(|&n| self.s.geo_of(n) == geo && self.nodes[n as usize - 1].alive)
+            .filter(|n| self.s.gateways.is_empty() || self.s.gateways.contains(n))
+            .collect();
+        for &id in &nodes {
+            if self.node(id).proxy_link.is_none() {
+                self.open_proxy_link(id);
+            }
+        }
+        if nodes.is_empty() {
+            return;
+        }
+        for c in clients {
+            // A client that logged in again meanwhile (a planned relogin) keeps that session.
+            if !self.clients[c].ended {
+                continue;
+            }
+            let gateway = nodes[self.rng.random_range(0..nodes.len())];
+            let d = self.rng.random_range(0..400);
+            self.schedule(d, Ev::LoginOn { client: c, gateway });
+        }
+    }
+
     /// The client's proxy hands its session over to another geo (see [`Fault::Handover`]).
     fn hand_over(&mut self, c: usize) {
         let Some(cl) = self.clients.get(c) else {
@@ -2356,6 +2443,7 @@ impl<'a> Sim<'a> {
                 }
             }
             Fault::Handover { client } => self.hand_over(client),
+            Fault::ProxyRestart { geo, down_ms } => self.proxy_restart(geo, down_ms),
             Fault::StoreOutage { ms } => {
                 self.store.down_until = self.now + ms;
                 self.schedule(ms, Ev::StoreUp);

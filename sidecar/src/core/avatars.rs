@@ -223,19 +223,18 @@ impl Core {
             let Some((epoch, _, reason)) = self.avatars.displaced.remove(&account) else {
                 continue;
             };
-            let served = self
-                .routing
-                .remote_players
-                .get(&account)
-                .is_some_and(|r| r.session_epoch > epoch)
-                || self.session_epoch(&account).is_some_and(|(_, e)| e > epoch);
-            if served {
+            if self.serves_newer_session(&account, epoch) {
                 continue;
             }
             if !self.writes_master(&account) {
                 // Handed on meanwhile: the leave follows it (no second wait there).
                 let owner = self.departed_owner(&account);
                 if let Some(owner) = owner.filter(|o| *o != self.cfg.node_id) {
+                    if self.newer_route(&account, epoch) {
+                        // A newer session wants it: that gateway's join or announcement
+                        // reaches the new owner, which this old leave must not overtake.
+                        continue;
+                    }
                     self.send_peer(
                         owner,
                         mesh_message::Body::PlayerLeave(mesh::PeerPlayerLeave {
@@ -437,6 +436,41 @@ impl Core {
             .awaiting
             .insert(account.to_string(), (until, dead));
         self.gw.master_owner.remove(account);
+    }
+
+    /// The link to `node` is back: what was sent to it meanwhile may be lost, and it may have
+    /// let an avatar go with no word of a newer session. Every session here that asked `node`
+    /// for its avatar and was never anchored, or waits for the one `node`'s process (still the
+    /// one that wrote the master record) simulates, sends its join again: the owner keeps the
+    /// avatar or, if it let it go, spawns one, and anchors the session either way.
+    pub(crate) fn join_again_on(&mut self, node: NodeId) {
+        let lease = self.restore.live.get(&node).map(|l| (node, *l));
+        let mut accounts: Vec<String> = self
+            .avatars
+            .awaiting
+            .iter()
+            .filter(|(_, (_, dead))| lease.is_some() && *dead == lease)
+            .map(|(a, _)| a.clone())
+            .chain(
+                self.gw
+                    .master_owner
+                    .iter()
+                    .filter(|(a, owner)| **owner == node && !self.gw.master_epoch.contains_key(*a))
+                    .map(|(a, _)| a.clone()),
+            )
+            .collect();
+        accounts.sort();
+        accounts.dedup();
+        for account in accounts {
+            let Some((key, epoch)) = self.session_epoch(&account) else {
+                continue;
+            };
+            let last = self.gw.sessions.get(key).and_then(|s| s.last_position);
+            if self.send_join(node, &account, epoch, last) {
+                self.avatars.awaiting.remove(&account);
+                self.gw.master_owner.insert(account, node);
+            }
+        }
     }
 
     /// A session handed over from another geo waits [`HANDED_OVER_WAIT_MS`] for its avatar's

@@ -42,6 +42,10 @@ pub(crate) struct Session {
     pub handed_over_at: Option<u64>,
     /// The session was handed over to this geo from another.
     pub handed_over_in: bool,
+    /// This gateway gave the session a new avatar (it found none, or waited for one in vain):
+    /// said again to every peer whose link comes back, so an older avatar a cut kept from the
+    /// news still goes.
+    pub new_avatar: bool,
 }
 
 /// The gateway side of the node: the client sessions proxies attached here, their views, and
@@ -136,6 +140,7 @@ impl Sessions {
                 rtt: None,
                 handed_over_at: None,
                 handed_over_in: false,
+                new_avatar: false,
             },
         );
         key
@@ -143,6 +148,10 @@ impl Sessions {
 
     pub fn get(&self, key: SessionKey) -> Option<&Session> {
         self.all.get(&key)
+    }
+
+    pub(crate) fn get_mut(&mut self, key: SessionKey) -> Option<&mut Session> {
+        self.all.get_mut(&key)
     }
 
     pub(crate) fn find(&self, link: LinkId, session_id: u64) -> Option<SessionKey> {

@@ -205,13 +205,14 @@ impl Core {
                     account: s.account.clone(),
                     session_epoch: s.epoch?,
                     gateway_node: self.cfg.node_id,
-                    new_avatar: false,
+                    new_avatar: s.new_avatar,
                 }))
             })
             .collect();
         for m in moved {
             self.send_peer(node, m);
         }
+        self.join_again_on(node);
         self.routing.anchor_sent.retain(|account, _| {
             self.routing
                 .remote_players

@@ -423,6 +423,11 @@ impl Core {
                 .and_then(|e| e.origin)
                 .or_else(|| self.departed_owner(&l.account));
             if let Some(owner) = owner {
+                if self.newer_route(&l.account, l.session_epoch) {
+                    // A newer session wants the avatar: its gateway's join or announcement
+                    // reaches the owner, which this old leave must not overtake.
+                    return self.metrics.drop_msg("stale_session", 1);
+                }
                 self.send_peer(owner, mesh_message::Body::PlayerLeave(l));
                 return;
             }
@@ -440,6 +445,40 @@ impl Core {
             return self.defer_leave(&l.account, l.session_epoch, &l.reason);
         }
         self.leave_game(&l.account, l.session_epoch, &l.reason);
+    }
+
+    /// Whether the local session of `account` was given a new avatar that this node writes, and
+    /// `entity` is another one.
+    fn avatar_spawned_here_for(&self, account: &str, entity: u64) -> bool {
+        let spawned = self
+            .gw
+            .clients
+            .key_of(account)
+            .and_then(|k| self.gw.sessions.get(k))
+            .is_some_and(|s| s.new_avatar);
+        spawned
+            && self
+                .table
+                .master_of(account)
+                .is_some_and(|e| e.origin.is_none() && e.id != entity)
+    }
+
+    /// Whether this node serves a session of `account` newer than `epoch` with the avatar it
+    /// writes, or has one attached here.
+    pub(crate) fn serves_newer_session(&self, account: &str, epoch: u64) -> bool {
+        self.routing
+            .remote_players
+            .get(account)
+            .is_some_and(|r| r.session_epoch > epoch)
+            || self.session_epoch(account).is_some_and(|(_, e)| e > epoch)
+    }
+
+    /// Whether a gateway announced a session of `account` newer than `epoch`.
+    pub(crate) fn newer_route(&self, account: &str, epoch: u64) -> bool {
+        self.routing
+            .routes
+            .get(account)
+            .is_some_and(|r| r.session_epoch > epoch)
     }
 
     // ------------------------------------------------------------------ gateway side
@@ -468,6 +507,21 @@ impl Core {
             return;
         };
         if node == self.cfg.node_id {
+            return;
+        }
+        if self.avatar_spawned_here_for(&a.account, a.entity_id) {
+            // This gateway gave the session a new avatar, here, after waiting in vain for the
+            // one `node` simulates (a cut kept them apart): of two avatars the older goes.
+            tracing::info!(account = %a.account, peer = node, entity = a.entity_id, "an older avatar anchored a session that has a new one: it leaves");
+            self.metrics.drop_msg("older_avatar", 1);
+            self.send_peer(
+                node,
+                mesh_message::Body::PlayerLeave(mesh::PeerPlayerLeave {
+                    account: a.account.clone(),
+                    session_epoch: a.session_epoch,
+                    reason: "new_avatar_elsewhere".into(),
+                }),
+            );
             return;
         }
         self.gw
@@ -540,6 +594,17 @@ impl Core {
     /// Tells every peer that `account` now has a session here, and whether its gateway spawns
     /// the avatar anew.
     pub(crate) fn announce_session(&mut self, account: &str, epoch: u64, new_avatar: bool) {
+        if new_avatar {
+            if let Some(s) = self
+                .gw
+                .clients
+                .key_of(account)
+                .and_then(|k| self.gw.sessions.get_mut(k))
+                .filter(|s| s.epoch == Some(epoch))
+            {
+                s.new_avatar = true;
+            }
+        }
         self.broadcast(mesh_message::Body::SessionMoved(mesh::SessionMoved {
             account: account.to_string(),
             session_epoch: epoch,
