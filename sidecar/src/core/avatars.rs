@@ -438,41 +438,6 @@ impl Core {
         self.gw.master_owner.remove(account);
     }
 
-    /// The link to `node` is back: what was sent to it meanwhile may be lost, and it may have
-    /// let an avatar go with no word of a newer session. Every session here that asked `node`
-    /// for its avatar and was never anchored, or waits for the one `node`'s process (still the
-    /// one that wrote the master record) simulates, sends its join again: the owner keeps the
-    /// avatar or, if it let it go, spawns one, and anchors the session either way.
-    pub(crate) fn join_again_on(&mut self, node: NodeId) {
-        let lease = self.restore.live.get(&node).map(|l| (node, *l));
-        let mut accounts: Vec<String> = self
-            .avatars
-            .awaiting
-            .iter()
-            .filter(|(_, (_, dead))| lease.is_some() && *dead == lease)
-            .map(|(a, _)| a.clone())
-            .chain(
-                self.gw
-                    .master_owner
-                    .iter()
-                    .filter(|(a, owner)| **owner == node && !self.gw.master_epoch.contains_key(*a))
-                    .map(|(a, _)| a.clone()),
-            )
-            .collect();
-        accounts.sort();
-        accounts.dedup();
-        for account in accounts {
-            let Some((key, epoch)) = self.session_epoch(&account) else {
-                continue;
-            };
-            let last = self.gw.sessions.get(key).and_then(|s| s.last_position);
-            if self.send_join(node, &account, epoch, last) {
-                self.avatars.awaiting.remove(&account);
-                self.gw.master_owner.insert(account, node);
-            }
-        }
-    }
-
     /// A session handed over from another geo waits [`HANDED_OVER_WAIT_MS`] for its avatar's
     /// owner to anchor it (the owner joins the newer session it is told of), then spawns one.
     pub(crate) fn await_handed_over_avatar(&mut self, account: &str) {

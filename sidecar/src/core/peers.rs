@@ -212,7 +212,6 @@ impl Core {
         for m in moved {
             self.send_peer(node, m);
         }
-        self.join_again_on(node);
         self.routing.anchor_sent.retain(|account, _| {
             self.routing
                 .remote_players
