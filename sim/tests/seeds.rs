@@ -83,6 +83,15 @@ fn geos() {
     seeds_of("geos");
 }
 
+/// 101 and 198: a geo's proxy restarts and an old session's leave overtakes the newer session's
+/// join (a player with a session and no avatar); 38: a gateway gives a handed-over player a new
+/// avatar while a cut keeps the old one's owner away, which joins the session when the link is
+/// back (two avatars).
+#[test]
+fn geos_seeds_that_once_failed() {
+    seeds_hold("geos", &[38, 101, 198]);
+}
+
 #[test]
 fn logins() {
     seeds_of("logins");

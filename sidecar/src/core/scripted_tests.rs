@@ -1866,3 +1866,222 @@ fn an_owner_cut_off_from_a_gateway_of_another_geo_keeps_its_players_avatar() {
         assert_eq!(!leaves.is_empty(), released, "{case}: leaves {leaves:?}");
     }
 }
+
+/// Node 1 simulates alice's avatar for her gateway, node 2: the join, and the game's spawn at
+/// 50 ms.
+fn alice_simulated_here(core: &mut Core) {
+    link_up(core, 10, PEER_LINK, GATEWAY);
+    core.handle(
+        at(20),
+        Input::LinkFrame {
+            link: PEER_LINK,
+            messages: vec![mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
+                account: "alice".into(),
+                session_epoch: 1,
+                last_position: None,
+                gateway_node: 0,
+            })
+            .into()],
+        },
+    );
+    game_tick(
+        core,
+        50,
+        1,
+        game_message::Body::Spawn(local::Spawn {
+            entity_id: AVATAR,
+            position: pos(100.0, 40.0),
+            owner_account: "alice".into(),
+            is_master: true,
+            ..Default::default()
+        }),
+    );
+    let _ = outputs(core);
+}
+
+/// Alice walks into node 2's area at 100 ms, and node 1 hands her avatar over (acked at 200 ms).
+fn alice_handed_to_node_2(core: &mut Core) {
+    game_tick(
+        core,
+        100,
+        2,
+        game_message::Body::Update(local::Update {
+            entity_id: AVATAR,
+            position: pos(12.0 * 32.0 + 10.0, 40.0),
+            ..Default::default()
+        }),
+    );
+    let snapshot = game_message::Body::Snapshot(local::Snapshot {
+        entity_id: AVATAR,
+        entity_epoch: 1,
+        state: bytes::Bytes::from_static(b"alice"),
+    });
+    game_frame(core, 150, 3, Some(snapshot));
+    let (_, links) = outputs(core);
+    let epoch = links
+        .iter()
+        .find_map(|(l, m)| match m {
+            mesh_message::Body::HandoffOffer(o) if *l == PEER_LINK && o.entity_id == AVATAR => {
+                Some(o.entity_epoch)
+            }
+            _ => None,
+        })
+        .expect("the avatar was offered to node 2");
+    core.handle(
+        at(200),
+        Input::LinkFrame {
+            link: PEER_LINK,
+            messages: vec![mesh_message::Body::HandoffAck(mesh::HandoffAck {
+                entity_id: AVATAR,
+                entity_epoch: epoch,
+                adopt_timing: None,
+            })
+            .into()],
+        },
+    );
+    let _ = outputs(core);
+}
+
+fn from_peer(core: &mut Core, ms: u64, body: mesh_message::Body) {
+    core.handle(
+        at(ms),
+        Input::LinkFrame {
+            link: PEER_LINK,
+            messages: vec![body.into()],
+        },
+    );
+}
+
+/// The two-geo lab's kill-proxy, and geos seeds 101 and 198 with a proxy restart: the leave of
+/// the session the dead proxy ended waited here for a newer join, then followed the avatar
+/// handed on meanwhile, and overtook the newer session's join, which went another way: the new
+/// owner let the avatar go, and the player came back to none. A node that knows of a newer
+/// session keeps the old leave to itself.
+#[test]
+fn an_old_sessions_leave_does_not_follow_a_handed_on_avatar_past_a_newer_session() {
+    for newer_known in [false, true] {
+        let mut core = node();
+        alice_simulated_here(&mut core);
+        // The proxy died: the gateway ended session 1; its leave waits here for a newer join.
+        from_peer(
+            &mut core,
+            60,
+            mesh_message::Body::PlayerLeave(mesh::PeerPlayerLeave {
+                account: "alice".into(),
+                session_epoch: 1,
+                reason: format!("{}: connection reset", super::avatars::PROXY_LINK_LOST),
+            }),
+        );
+        alice_handed_to_node_2(&mut core);
+        if newer_known {
+            from_peer(
+                &mut core,
+                1_500,
+                mesh_message::Body::SessionMoved(mesh::SessionMoved {
+                    account: "alice".into(),
+                    session_epoch: 2,
+                    gateway_node: GATEWAY,
+                    new_avatar: false,
+                }),
+            );
+        }
+        let mut leaves = 0;
+        for ms in [2_000, 4_000, 6_000] {
+            core.handle(at(ms), Input::Timer);
+            let (_, links) = outputs(&mut core);
+            leaves += links
+                .iter()
+                .filter(|(l, m)| {
+                    *l == PEER_LINK
+                        && matches!(m, mesh_message::Body::PlayerLeave(p) if p.account == "alice")
+                })
+                .count();
+        }
+        assert_eq!(
+            leaves,
+            usize::from(!newer_known),
+            "newer session known: {newer_known}"
+        );
+    }
+}
+
+/// geos seed 38: a gateway found no avatar for a handed-over login in time (a cut kept the owner
+/// from it) and gave the session a new one, here; when the link came back, the older avatar's
+/// owner joined the session and anchored it, and the account had two. Of two avatars the older
+/// goes: the gateway keeps its own and tells the other's node to let it go.
+#[test]
+fn an_older_avatar_that_anchors_a_session_given_a_new_one_is_told_to_leave() {
+    let mut core = node();
+    link_up(&mut core, 10, PEER_LINK, GATEWAY);
+    attach(&mut core, 20, "alice");
+    let (game, links) = outputs(&mut core);
+    assert!(
+        game.iter()
+            .any(|m| matches!(m, sidecar_message::Body::PlayerJoin(j) if j.account == "alice")),
+        "{game:?}"
+    );
+    assert!(
+        links.iter().any(|(l, m)| *l == PEER_LINK
+            && matches!(m, mesh_message::Body::SessionMoved(s) if s.account == "alice" && s.new_avatar)),
+        "{links:?}"
+    );
+    game_tick(
+        &mut core,
+        50,
+        1,
+        game_message::Body::Spawn(local::Spawn {
+            entity_id: AVATAR,
+            position: pos(100.0, 40.0),
+            owner_account: "alice".into(),
+            is_master: true,
+            ..Default::default()
+        }),
+    );
+    let _ = outputs(&mut core);
+    // The older avatar, node 2's, anchors the session.
+    from_peer(
+        &mut core,
+        100,
+        mesh_message::Body::Anchor(mesh::Anchor {
+            account: "alice".into(),
+            session_epoch: 5,
+            entity_id: 99,
+            entity_epoch: 3,
+            position: Some(mesh::MeshVec3 {
+                x: 300.0,
+                y: 40.0,
+                z: 0.0,
+            }),
+        }),
+    );
+    let (_, links) = outputs(&mut core);
+    let told: Vec<_> = links
+        .iter()
+        .filter_map(|(l, m)| match m {
+            mesh_message::Body::PlayerLeave(p) if *l == PEER_LINK => Some(p),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(told.len(), 1, "{links:?}");
+    assert_eq!(
+        (told[0].account.as_str(), told[0].session_epoch),
+        ("alice", 5)
+    );
+    assert_eq!(told[0].reason, "new_avatar_elsewhere");
+    assert_eq!(core.gw.master_owner.get("alice"), Some(&ME));
+    // The link's return says again that the session has a new avatar.
+    core.handle(
+        at(200),
+        Input::LinkClosed {
+            link: PEER_LINK,
+            reason: "cut".into(),
+        },
+    );
+    link_up(&mut core, 300, 11, GATEWAY);
+    let (_, links) = outputs(&mut core);
+    assert!(
+        links.iter().any(|(l, m)| *l == 11
+            && matches!(m, mesh_message::Body::SessionMoved(s) if s.account == "alice" && s.new_avatar)),
+        "{links:?}"
+    );
+}
