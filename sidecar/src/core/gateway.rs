@@ -43,8 +43,8 @@ pub(crate) struct Session {
     /// The session was handed over to this geo from another.
     pub handed_over_in: bool,
     /// This gateway gave the session a new avatar (it found none, or waited for one in vain):
-    /// said again to every peer whose link comes back, so an older avatar a cut kept from the
-    /// news still goes.
+    /// an older avatar that anchors the session later (a cut kept its node from the news) is
+    /// told to go.
     pub new_avatar: bool,
 }
 

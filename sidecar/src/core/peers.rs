@@ -205,7 +205,7 @@ impl Core {
                     account: s.account.clone(),
                     session_epoch: s.epoch?,
                     gateway_node: self.cfg.node_id,
-                    new_avatar: s.new_avatar,
+                    new_avatar: false,
                 }))
             })
             .collect();

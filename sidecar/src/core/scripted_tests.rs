@@ -2069,19 +2069,4 @@ fn an_older_avatar_that_anchors_a_session_given_a_new_one_is_told_to_leave() {
     );
     assert_eq!(told[0].reason, "new_avatar_elsewhere");
     assert_eq!(core.gw.master_owner.get("alice"), Some(&ME));
-    // The link's return says again that the session has a new avatar.
-    core.handle(
-        at(200),
-        Input::LinkClosed {
-            link: PEER_LINK,
-            reason: "cut".into(),
-        },
-    );
-    link_up(&mut core, 300, 11, GATEWAY);
-    let (_, links) = outputs(&mut core);
-    assert!(
-        links.iter().any(|(l, m)| *l == 11
-            && matches!(m, mesh_message::Body::SessionMoved(s) if s.account == "alice" && s.new_avatar)),
-        "{links:?}"
-    );
 }
