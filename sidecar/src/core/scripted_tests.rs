@@ -861,26 +861,35 @@ fn freeze_and_answer(core: &mut Core, late_ticks: u64) -> (u64, u64) {
         state: bytes::Bytes::from_static(b"npc"),
     });
     game_frame(core, ms, 3 + late_ticks, Some(snapshot));
+    (offered_to_node_2(core, NPC), ms)
+}
+
+/// The epoch `id` was offered to node 2 under, from the outputs queued now.
+fn offered_to_node_2(core: &mut Core, id: u64) -> u64 {
     let (_, links) = outputs(core);
-    let epoch = links
+    links
         .iter()
         .find_map(|(l, m)| match m {
-            mesh_message::Body::HandoffOffer(o) if *l == PEER_LINK && o.entity_id == NPC => {
+            mesh_message::Body::HandoffOffer(o) if *l == PEER_LINK && o.entity_id == id => {
                 Some(o.entity_epoch)
             }
             _ => None,
         })
-        .expect("the offer went to node 2");
-    (epoch, ms)
+        .expect("the offer went to node 2")
 }
 
 fn ack(core: &mut Core, ms: u64, epoch: u64, adopt_timing: Option<mesh::AdoptTiming>) {
+    ack_of(core, ms, NPC, epoch, adopt_timing);
+}
+
+/// Node 2 acks the handoff of `id`: the game is told to evict it.
+fn ack_of(core: &mut Core, ms: u64, id: u64, epoch: u64, adopt_timing: Option<mesh::AdoptTiming>) {
     core.handle(
         at(ms),
         Input::LinkFrame {
             link: PEER_LINK,
             messages: vec![mesh_message::Body::HandoffAck(mesh::HandoffAck {
-                entity_id: NPC,
+                entity_id: id,
                 entity_epoch: epoch,
                 adopt_timing,
             })
@@ -890,7 +899,7 @@ fn ack(core: &mut Core, ms: u64, epoch: u64, adopt_timing: Option<mesh::AdoptTim
     let (game, _) = outputs(core);
     assert!(
         game.iter()
-            .any(|m| matches!(m, sidecar_message::Body::Evict(e) if e.entity_id == NPC)),
+            .any(|m| matches!(m, sidecar_message::Body::Evict(e) if e.entity_id == id)),
         "{game:?}"
     );
 }
@@ -1884,19 +1893,7 @@ fn alice_simulated_here(core: &mut Core) {
             .into()],
         },
     );
-    game_tick(
-        core,
-        50,
-        1,
-        game_message::Body::Spawn(local::Spawn {
-            entity_id: AVATAR,
-            position: pos(100.0, 40.0),
-            owner_account: "alice".into(),
-            is_master: true,
-            ..Default::default()
-        }),
-    );
-    let _ = outputs(core);
+    spawn_alices_avatar(core);
 }
 
 /// Alice walks into node 2's area at 100 ms, and node 1 hands her avatar over (acked at 200 ms).
@@ -1917,29 +1914,8 @@ fn alice_handed_to_node_2(core: &mut Core) {
         state: bytes::Bytes::from_static(b"alice"),
     });
     game_frame(core, 150, 3, Some(snapshot));
-    let (_, links) = outputs(core);
-    let epoch = links
-        .iter()
-        .find_map(|(l, m)| match m {
-            mesh_message::Body::HandoffOffer(o) if *l == PEER_LINK && o.entity_id == AVATAR => {
-                Some(o.entity_epoch)
-            }
-            _ => None,
-        })
-        .expect("the avatar was offered to node 2");
-    core.handle(
-        at(200),
-        Input::LinkFrame {
-            link: PEER_LINK,
-            messages: vec![mesh_message::Body::HandoffAck(mesh::HandoffAck {
-                entity_id: AVATAR,
-                entity_epoch: epoch,
-                adopt_timing: None,
-            })
-            .into()],
-        },
-    );
-    let _ = outputs(core);
+    let epoch = offered_to_node_2(core, AVATAR);
+    ack_of(core, 200, AVATAR, epoch, None);
 }
 
 fn from_peer(core: &mut Core, ms: u64, body: mesh_message::Body) {
@@ -2025,19 +2001,7 @@ fn an_older_avatar_that_anchors_a_session_given_a_new_one_is_told_to_leave() {
             && matches!(m, mesh_message::Body::SessionMoved(s) if s.account == "alice" && s.new_avatar)),
         "{links:?}"
     );
-    game_tick(
-        &mut core,
-        50,
-        1,
-        game_message::Body::Spawn(local::Spawn {
-            entity_id: AVATAR,
-            position: pos(100.0, 40.0),
-            owner_account: "alice".into(),
-            is_master: true,
-            ..Default::default()
-        }),
-    );
-    let _ = outputs(&mut core);
+    spawn_alices_avatar(&mut core);
     // The older avatar, node 2's, anchors the session.
     from_peer(
         &mut core,
