@@ -250,7 +250,12 @@ impl Scenario {
     }
 
     pub fn geo_name(&self, node: NodeId) -> &'static str {
-        self.geos.map_or("sim", |g| g.names[self.geo_of(node)])
+        self.geo_label(self.geo_of(node))
+    }
+
+    /// The name of geo `geo` (an index into the map's names).
+    pub fn geo_label(&self, geo: usize) -> &'static str {
+        self.geos.map_or("sim", |g| g.names[geo])
     }
 
     /// Where client `c` is: a geo index (0 without a map).

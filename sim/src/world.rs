@@ -2119,17 +2119,14 @@ impl<'a> Sim<'a> {
         for &c in &clients {
             self.clients[c].ended = true;
         }
-        let nodes: Vec<NodeId> = (1..=self.s.nodes)
-            .filter(|&n| self.s.geo_of(n) == geo && self.nodes[n as usize - 1].alive)
-            .collect();
         self.note(|| {
             format!(
                 "the proxy of {} dies; {} sessions with it",
-                self.s.geo_name(nodes.first().copied().unwrap_or(1)),
+                self.s.geo_label(geo),
                 clients.len()
             )
         });
-        for id in nodes {
+        for id in self.live_nodes_of(geo) {
             let Some(link) = self.node(id).proxy_link.take() else {
                 continue;
             };
@@ -2145,18 +2142,26 @@ impl<'a> Sim<'a> {
         self.schedule(down_ms, Ev::ProxyBack { geo, clients });
     }
 
-    /// The new proxy of `geo` links to every live gateway of the geo, and the clients of the old
-    /// one log in again over the next few hundred ms, each on any of them.
-    fn proxy_back(&mut self, geo: usize, clients: Vec<usize>) {
-        let nodes: Vec<NodeId> = (1..=self.s.nodes)
+    fn live_nodes_of(&self, geo: usize) -> Vec<NodeId> {
+        (1..=self.s.nodes)
             .filter(|&n| self.s.geo_of(n) == geo && self.nodes[n as usize - 1].alive)
-            .filter(|n| self.s.gateways.is_empty() || self.s.gateways.contains(n))
-            .collect();
-        for &id in &nodes {
+            .collect()
+    }
+
+    /// The new proxy of `geo` links to every live node of the geo, and the clients of the old one
+    /// log in again over the next few hundred ms, each on any of its gateways.
+    fn proxy_back(&mut self, geo: usize, clients: Vec<usize>) {
+        let live = self.live_nodes_of(geo);
+        // As at a node's start, the proxy links to every node; players attach to gateways.
+        for &id in &live {
             if self.node(id).proxy_link.is_none() {
                 self.open_proxy_link(id);
             }
         }
+        let nodes: Vec<NodeId> = live
+            .into_iter()
+            .filter(|n| self.s.gateways.is_empty() || self.s.gateways.contains(n))
+            .collect();
         if nodes.is_empty() {
             return;
         }

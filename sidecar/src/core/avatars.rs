@@ -230,18 +230,13 @@ impl Core {
                 // Handed on meanwhile: the leave follows it (no second wait there).
                 let owner = self.departed_owner(&account);
                 if let Some(owner) = owner.filter(|o| *o != self.cfg.node_id) {
-                    if self.newer_route(&account, epoch) {
-                        // A newer session wants it: that gateway's join or announcement
-                        // reaches the new owner, which this old leave must not overtake.
-                        continue;
-                    }
-                    self.send_peer(
+                    self.send_leave_on(
                         owner,
-                        mesh_message::Body::PlayerLeave(mesh::PeerPlayerLeave {
+                        mesh::PeerPlayerLeave {
                             account: account.clone(),
                             session_epoch: epoch,
                             reason: "session_over".into(),
-                        }),
+                        },
                     );
                     continue;
                 }
@@ -489,6 +484,16 @@ impl Core {
     /// The avatar is spawned by the game of the node owning where it stands (the player's last
     /// position); a player with none starts in this node's world.
     pub(crate) fn spawn_avatar(&mut self, account: &str, epoch: u64, last: Option<[f64; 3]>) {
+        // Remembered: an older avatar that anchors this session later is told to go.
+        if let Some(s) = self
+            .gw
+            .clients
+            .key_of(account)
+            .and_then(|k| self.gw.sessions.get_mut(k))
+            .filter(|s| s.epoch == Some(epoch))
+        {
+            s.new_avatar = true;
+        }
         let me = self.cfg.node_id;
         let owner = last
             .and_then(|[x, y, _]| self.auth.partition.owner_of(Pos { x, y }).ok())

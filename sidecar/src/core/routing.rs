@@ -13,6 +13,7 @@ use cellmesh_proto::edge::{AccountMessage, ComponentData, DeltaKind, EntityDelta
 use cellmesh_proto::local::{self, sidecar_message, AudienceKind};
 use cellmesh_proto::mesh::{self, mesh_message, PieceKind};
 
+use super::gateway::Session;
 use super::wire::*;
 use super::*;
 use crate::model::entities::{EntityChange, EntityUpdate, TickChanges};
@@ -423,13 +424,7 @@ impl Core {
                 .and_then(|e| e.origin)
                 .or_else(|| self.departed_owner(&l.account));
             if let Some(owner) = owner {
-                if self.newer_route(&l.account, l.session_epoch) {
-                    // A newer session wants the avatar: its gateway's join or announcement
-                    // reaches the owner, which this old leave must not overtake.
-                    return self.metrics.drop_msg("stale_session", 1);
-                }
-                self.send_peer(owner, mesh_message::Body::PlayerLeave(l));
-                return;
+                return self.send_leave_on(owner, l);
             }
             if self.table.master_of(&l.account).is_none() {
                 return;
@@ -450,17 +445,21 @@ impl Core {
     /// Whether the local session of `account` was given a new avatar that this node writes, and
     /// `entity` is another one.
     fn avatar_spawned_here_for(&self, account: &str, entity: u64) -> bool {
-        let spawned = self
-            .gw
-            .clients
-            .key_of(account)
-            .and_then(|k| self.gw.sessions.get(k))
-            .is_some_and(|s| s.new_avatar);
-        spawned
+        self.local_session(account).is_some_and(|s| s.new_avatar)
             && self
                 .table
                 .master_of(account)
                 .is_some_and(|e| e.origin.is_none() && e.id != entity)
+    }
+
+    /// Sends the leave of a session on to `owner`, the node the avatar went to, unless a newer
+    /// session wants the avatar: that gateway's join or announcement reaches the owner, and an
+    /// old leave must not overtake it.
+    pub(crate) fn send_leave_on(&mut self, owner: NodeId, l: mesh::PeerPlayerLeave) {
+        if self.newer_route(&l.account, l.session_epoch) {
+            return self.metrics.drop_msg("stale_session", 1);
+        }
+        self.send_peer(owner, mesh_message::Body::PlayerLeave(l));
     }
 
     /// Whether this node serves a session of `account` newer than `epoch` with the avatar it
@@ -483,10 +482,15 @@ impl Core {
 
     // ------------------------------------------------------------------ gateway side
 
+    /// `account`'s session attached here.
+    pub(crate) fn local_session(&self, account: &str) -> Option<&Session> {
+        self.gw.sessions.get(self.gw.clients.key_of(account)?)
+    }
+
     /// The epoch of `account`'s session here, if it is attached.
     pub(crate) fn session_epoch(&self, account: &str) -> Option<(u64, u64)> {
-        let key = self.gw.clients.key_of(account)?;
-        Some((key, self.gw.sessions.get(key)?.epoch?))
+        let s = self.local_session(account)?;
+        Some((s.key, s.epoch?))
     }
 
     pub(crate) fn on_anchor(&mut self, node: NodeId, a: mesh::Anchor) {
@@ -594,17 +598,6 @@ impl Core {
     /// Tells every peer that `account` now has a session here, and whether its gateway spawns
     /// the avatar anew.
     pub(crate) fn announce_session(&mut self, account: &str, epoch: u64, new_avatar: bool) {
-        if new_avatar {
-            if let Some(s) = self
-                .gw
-                .clients
-                .key_of(account)
-                .and_then(|k| self.gw.sessions.get_mut(k))
-                .filter(|s| s.epoch == Some(epoch))
-            {
-                s.new_avatar = true;
-            }
-        }
         self.broadcast(mesh_message::Body::SessionMoved(mesh::SessionMoved {
             account: account.to_string(),
             session_epoch: epoch,
