@@ -825,6 +825,21 @@ fn game_frame(core: &mut Core, ms: u64, tick: u64, body: Option<game_message::Bo
     );
 }
 
+/// The game walks `id` four chunks into node 2's area in the tick ending at 100 ms (beyond the
+/// reach node 2 watches, so no ghost is waited for), which freezes it.
+fn walk_into_node_2(core: &mut Core, id: u64) {
+    game_tick(
+        core,
+        100,
+        2,
+        game_message::Body::Update(local::Update {
+            entity_id: id,
+            position: pos(12.0 * 32.0 + 10.0, 40.0),
+            ..Default::default()
+        }),
+    );
+}
+
 /// Node 1 hands an NPC to node 2. The game spawns it in the tick ending at 50 ms and walks it
 /// four chunks into node 2's area (beyond the reach node 2 watches, so no ghost is waited for)
 /// in the tick ending at 100 ms, which freezes it. The game answers the Freeze in the frame of
@@ -833,16 +848,7 @@ fn game_frame(core: &mut Core, ms: u64, tick: u64, body: Option<game_message::Bo
 fn freeze_and_answer(core: &mut Core, late_ticks: u64) -> (u64, u64) {
     link_up(core, 10, PEER_LINK, GATEWAY);
     spawn(core, 50, 1, NPC, pos(100.0, 40.0));
-    game_tick(
-        core,
-        100,
-        2,
-        game_message::Body::Update(local::Update {
-            entity_id: NPC,
-            position: pos(12.0 * 32.0 + 10.0, 40.0),
-            ..Default::default()
-        }),
-    );
+    walk_into_node_2(core, NPC);
     let (game, _) = outputs(core);
     assert!(
         game.iter()
@@ -1820,17 +1826,14 @@ fn an_owner_cut_off_from_a_gateway_of_another_geo_keeps_its_players_avatar() {
         let case = format!("gateway in {gateway_geo}, lease live: {gateway_lives}");
         let mut core = node_in_eu_with_peer_in(gateway_geo);
         link_up(&mut core, 10, PEER_LINK, GATEWAY);
-        core.handle(
-            at(20),
-            Input::LinkFrame {
-                link: PEER_LINK,
-                messages: vec![mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
-                    account: "alice".into(),
-                    session_epoch: SESSION,
-                    ..Default::default()
-                })
-                .into()],
-            },
+        from_peer(
+            &mut core,
+            20,
+            mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
+                account: "alice".into(),
+                session_epoch: SESSION,
+                ..Default::default()
+            }),
         );
         spawn_alices_avatar(&mut core);
         core.handle(
@@ -1880,34 +1883,21 @@ fn an_owner_cut_off_from_a_gateway_of_another_geo_keeps_its_players_avatar() {
 /// 50 ms.
 fn alice_simulated_here(core: &mut Core) {
     link_up(core, 10, PEER_LINK, GATEWAY);
-    core.handle(
-        at(20),
-        Input::LinkFrame {
-            link: PEER_LINK,
-            messages: vec![mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
-                account: "alice".into(),
-                session_epoch: 1,
-                last_position: None,
-                gateway_node: 0,
-            })
-            .into()],
-        },
+    from_peer(
+        core,
+        20,
+        mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
+            account: "alice".into(),
+            session_epoch: 1,
+            ..Default::default()
+        }),
     );
     spawn_alices_avatar(core);
 }
 
 /// Alice walks into node 2's area at 100 ms, and node 1 hands her avatar over (acked at 200 ms).
 fn alice_handed_to_node_2(core: &mut Core) {
-    game_tick(
-        core,
-        100,
-        2,
-        game_message::Body::Update(local::Update {
-            entity_id: AVATAR,
-            position: pos(12.0 * 32.0 + 10.0, 40.0),
-            ..Default::default()
-        }),
-    );
+    walk_into_node_2(core, AVATAR);
     let snapshot = game_message::Body::Snapshot(local::Snapshot {
         entity_id: AVATAR,
         entity_epoch: 1,
