@@ -211,12 +211,22 @@ export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 # Tests: both runs always happen, so one failing does not hide the other's result.
 
 status=0
+# What failed, repeated at the end: a long run's log is often read from its tail alone.
+failed_steps=()
+step_failed() {
+    status=$1
+    failed_steps+=("$2 (status $1)")
+}
+mkdir -p "$repo/target"
+test_log="$repo/target/test-output.log"
+: >"$test_log"
 section "deployment files (scripts/check-deploy.sh)"
-CELLMESH_VENV="$venv" "$repo/scripts/check-deploy.sh" || status=$?
+CELLMESH_VENV="$venv" "$repo/scripts/check-deploy.sh" || step_failed $? "scripts/check-deploy.sh"
 section "cargo test --workspace --all-targets"
-cargo test --workspace --all-targets --no-fail-fast "$@" || status=$?
+cargo test --workspace --all-targets --no-fail-fast "$@" 2>&1 | tee -a "$test_log" ||
+    step_failed $? "cargo test --workspace --all-targets"
 section "cargo test --workspace --doc"
-cargo test --workspace --doc "$@" || status=$?
+cargo test --workspace --doc "$@" 2>&1 | tee -a "$test_log" || step_failed $? "cargo test --workspace --doc"
 
 # The load generator's smoke test: every scenario small, on the test build, and the report must
 # hold every figure with its baseline and ratio. Speed is never judged here: these machines are
@@ -228,10 +238,11 @@ if (($# == 0)); then
     # The binary the test build made (same features): `cargo run --bin` alone would resolve the
     # features without the dev-dependencies and build the whole tree a second time.
     if [[ -x $repo/target/debug/cellmesh ]]; then
-        "$repo/target/debug/cellmesh" bench --all --quick --check --json "$bench_json" || status=$?
+        "$repo/target/debug/cellmesh" bench --all --quick --check --json "$bench_json" ||
+            step_failed $? "cellmesh bench --all --quick --check"
     else
         echo "target/debug/cellmesh was not built: the test build above failed"
-        status=1
+        step_failed 1 "cellmesh bench (not built)"
     fi
 fi
 
@@ -247,17 +258,42 @@ if (($# == 0)); then
     else
         lab_out="$repo/target/lab"
         mkdir -p "$lab_out"
+        rm -f "$lab_out"/ci-one-geo.json "$lab_out"/ci-two-geo.json
         section "container lab: one geo (scripts/lab.sh --geos 1)"
         scripts/lab.sh --geos 1 --bots 20 --duration 120 \
             --faults kill-node,kill-gateway,pause-mongo,restart-redis,kill-proxy \
-            --summary-json "$lab_out/ci-one-geo.json" || status=$?
+            --summary-json "$lab_out/ci-one-geo.json" || step_failed $? "container lab: one geo"
         section "container lab: two geos (scripts/lab.sh --geos 2)"
         scripts/lab.sh --geos 2 --bots 20 --duration 240 \
             --faults kill-node,kill-gateway,pause-mongo,restart-redis,partition-geo,kill-proxy \
-            --summary-json "$lab_out/ci-two-geo.json" || status=$?
+            --summary-json "$lab_out/ci-two-geo.json" || step_failed $? "container lab: two geos"
     fi
 fi
 
 section "done"
+if ((${#failed_steps[@]} > 0)); then
+    echo "failed steps:"
+    printf '  %s\n' "${failed_steps[@]}"
+    # The failing tests by name, and the first lines of each one's panic.
+    if grep -qE '^test .* FAILED$' "$test_log"; then
+        echo "failed tests:"
+        grep -E '^test .* FAILED$' "$test_log" | sed 's/^/  /'
+        grep -E "panicked at|^  left:|^ right:" "$test_log" | head -40 | sed 's/^/  /'
+    fi
+    for geo_run in one-geo two-geo; do
+        summary="${lab_out:-}/ci-$geo_run.json"
+        [[ -n ${lab_out:-} && -f $summary ]] || continue
+        python3 - "$summary" "$geo_run" <<'PY' || true
+import json, sys
+s = json.load(open(sys.argv[1]))
+bad = {k: s.get(k) for k in ("faults_failed", "checks_failed") if s.get(k)}
+for f in s.get("faults", []):
+    if f.get("violations"):
+        bad.setdefault("violations", {})[f["name"]] = f["violations"]
+if bad:
+    print(f"container lab {sys.argv[2]}: {json.dumps(bad)}")
+PY
+    done
+fi
 if ((status == 0)); then echo "all tests passed$lab_note"; else echo "tests failed (status $status)$lab_note"; fi
 exit "$status"
