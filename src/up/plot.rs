@@ -11,6 +11,7 @@ use cellmesh_geosim::plot::{
     steps, Key, Mark, MarkFrame, PlotError, CHAR_PX, OUTAGE, PALETTE, WIDTH,
 };
 use cellmesh_proxy::HandoverCause;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
@@ -173,30 +174,14 @@ fn with_gaps(bins: &[Bin], value: impl Fn(&Bin) -> f64) -> (Vec<f64>, Vec<Option
     (xs, ys)
 }
 
-/// Renders the run as an SVG document.
-pub fn render_svg(t: &Timeline) -> Result<String, PlotError> {
-    let minutes = t.duration_s > 300.0;
-    let (unit, per) = if minutes { ("min", 60.0) } else { ("s", 1.0) };
-    let x_max = (t.duration_s / per).max(1.0 / per);
-    let series: Vec<(&String, Vec<Bin>)> = t
-        .click_to_screen
-        .iter()
-        .map(|(loc, bins)| (loc, thinned(bins)))
-        .collect();
-    // The scale follows the medians: a kill's 99th percentile of seconds must not flatten them.
-    let p50_top = series
-        .iter()
-        .flat_map(|(_, b)| b.iter().map(|b| b.p50_ms))
-        .fold(1.0, f64::max);
-    let p99_top = series
-        .iter()
-        .flat_map(|(_, b)| b.iter().map(|b| b.p99_ms))
-        .fold(1.0, f64::max);
-    let data_top = p99_top.min(p50_top * 4.0);
-    let clipped = p99_top > data_top;
-    let y_top = data_top * 1.3;
-    let bridged_top = t.bridged.iter().map(|(_, n)| *n).max().unwrap_or(0);
-
+/// The legend: each location's two lines, the bridged sessions, each cause of handover, and the
+/// kills.
+fn legend_keys(
+    t: &Timeline,
+    series: &[(&String, Vec<Bin>)],
+    clipped: bool,
+    bridged_top: u64,
+) -> Vec<Key> {
     let mut keys = Vec::new();
     for (i, (loc, bins)) in series.iter().enumerate() {
         let samples: usize = bins.iter().map(|b| b.samples).sum();
@@ -247,6 +232,118 @@ pub fn render_svg(t: &Timeline) -> Result<String, PlotError> {
             dashed: false,
         });
     }
+    keys
+}
+
+/// Shades each kill until its node's fresh process was up, and names it at the top where it has
+/// room.
+fn draw_kills<DB: DrawingBackend>(
+    chart: &mut ChartContext<'_, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
+    kills: &[KillMark],
+    per: f64,
+    x_max: f64,
+    x_per_px: f64,
+    y_top: f64,
+) -> Result<(), PlotError> {
+    let kill_labels: Vec<String> = kills
+        .iter()
+        .map(|k| match &k.geo {
+            Some(g) => format!("node {} ({g}) killed", k.node),
+            None => format!("node {} killed", k.node),
+        })
+        .collect();
+    let kill_sizes: Vec<(f64, f64)> = kills
+        .iter()
+        .zip(&kill_labels)
+        .map(|(k, l)| {
+            (
+                k.from_s / per,
+                (l.chars().count() as f64 * CHAR_PX * 0.9 + 8.0) * x_per_px,
+            )
+        })
+        .collect();
+    let kill_placed = place_labels(&kill_sizes, x_max, 1, 4.0 * x_per_px);
+    for ((k, label), at) in kills.iter().zip(&kill_labels).zip(&kill_placed) {
+        let (a, b) = (k.from_s / per, (k.to_s / per).min(x_max));
+        chart
+            .draw_series([Rectangle::new(
+                [(a, 0.0), (b.max(a + 0.5 * x_per_px), y_top)],
+                OUTAGE.mix(0.12).filled(),
+            )])
+            .map_err(err)?;
+        if let Some((_, left, right)) = *at {
+            let (x, anchor) = if right {
+                (a - 2.0 * x_per_px, HPos::Right)
+            } else {
+                (left + 2.0 * x_per_px, HPos::Left)
+            };
+            chart
+                .draw_series([Text::new(
+                    label.clone(),
+                    (x, y_top * 0.99),
+                    ("sans-serif", 12)
+                        .into_font()
+                        .color(&OUTAGE)
+                        .pos(Pos::new(anchor, VPos::Top)),
+                )])
+                .map_err(err)?;
+        }
+    }
+    Ok(())
+}
+
+/// Click to screen by location: the medians solid, the 99th percentiles dashed, both cut at
+/// `data_top`.
+fn draw_click_to_screen<DB: DrawingBackend>(
+    chart: &mut ChartContext<'_, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
+    series: &[(&String, Vec<Bin>)],
+    per: f64,
+    data_top: f64,
+) -> Result<(), PlotError> {
+    for (i, (_, bins)) in series.iter().enumerate() {
+        let colour = PALETTE[i % PALETTE.len()];
+        let (xs, p99) = with_gaps(bins, |b| b.p99_ms.min(data_top));
+        let xs: Vec<f64> = xs.iter().map(|s| s / per).collect();
+        for seg in steps(&xs, &p99) {
+            chart
+                .draw_series(DashedLineSeries::new(seg, 5, 3, colour.stroke_width(1)))
+                .map_err(err)?;
+        }
+        let (_, p50) = with_gaps(bins, |b| b.p50_ms.min(data_top));
+        for seg in steps(&xs, &p50) {
+            chart
+                .draw_series(LineSeries::new(seg, colour.stroke_width(2)))
+                .map_err(err)?;
+        }
+    }
+    Ok(())
+}
+
+/// Renders the run as an SVG document.
+pub fn render_svg(t: &Timeline) -> Result<String, PlotError> {
+    let minutes = t.duration_s > 300.0;
+    let (unit, per) = if minutes { ("min", 60.0) } else { ("s", 1.0) };
+    let x_max = (t.duration_s / per).max(1.0 / per);
+    let series: Vec<(&String, Vec<Bin>)> = t
+        .click_to_screen
+        .iter()
+        .map(|(loc, bins)| (loc, thinned(bins)))
+        .collect();
+    // The scale follows the medians: a kill's 99th percentile of seconds must not flatten them.
+    let p50_top = series
+        .iter()
+        .flat_map(|(_, b)| b.iter().map(|b| b.p50_ms))
+        .fold(1.0, f64::max);
+    let p99_top = series
+        .iter()
+        .flat_map(|(_, b)| b.iter().map(|b| b.p99_ms))
+        .fold(1.0, f64::max);
+    let data_top = p99_top.min(p50_top * 4.0);
+    let clipped = p99_top > data_top;
+    let y_top = data_top * 1.3;
+    let bridged_top = t.bridged.iter().map(|(_, n)| *n).max().unwrap_or(0);
+
+    let keys = legend_keys(t, &series, clipped, bridged_top);
     let legend_h = legend_height(&keys);
     let lanes_mode = t.handovers.len() > MAX_LABELLED_HANDOVERS;
     // Lanes: the routes by number of handovers, the last lane for all the rest.
@@ -303,52 +400,7 @@ pub fn render_svg(t: &Timeline) -> Result<String, PlotError> {
         let x_per_px = x_max / PLOT_PX;
 
         // Kills first, shaded over the whole height, each named at its top where it has room.
-        let kill_labels: Vec<String> = t
-            .kills
-            .iter()
-            .map(|k| match &k.geo {
-                Some(g) => format!("node {} ({g}) killed", k.node),
-                None => format!("node {} killed", k.node),
-            })
-            .collect();
-        let kill_sizes: Vec<(f64, f64)> = t
-            .kills
-            .iter()
-            .zip(&kill_labels)
-            .map(|(k, l)| {
-                (
-                    k.from_s / per,
-                    (l.chars().count() as f64 * CHAR_PX * 0.9 + 8.0) * x_per_px,
-                )
-            })
-            .collect();
-        let kill_placed = place_labels(&kill_sizes, x_max, 1, 4.0 * x_per_px);
-        for ((k, label), at) in t.kills.iter().zip(&kill_labels).zip(&kill_placed) {
-            let (a, b) = (k.from_s / per, (k.to_s / per).min(x_max));
-            chart
-                .draw_series([Rectangle::new(
-                    [(a, 0.0), (b.max(a + 0.5 * x_per_px), y_top)],
-                    OUTAGE.mix(0.12).filled(),
-                )])
-                .map_err(err)?;
-            if let Some((_, left, right)) = *at {
-                let (x, anchor) = if right {
-                    (a - 2.0 * x_per_px, HPos::Right)
-                } else {
-                    (left + 2.0 * x_per_px, HPos::Left)
-                };
-                chart
-                    .draw_series([Text::new(
-                        label.clone(),
-                        (x, y_top * 0.99),
-                        ("sans-serif", 12)
-                            .into_font()
-                            .color(&OUTAGE)
-                            .pos(Pos::new(anchor, VPos::Top)),
-                    )])
-                    .map_err(err)?;
-            }
-        }
+        draw_kills(&mut chart, &t.kills, per, x_max, x_per_px, y_top)?;
 
         // Handovers: a dashed line each, and a label each in the rows above the data (none in
         // lanes mode). Those a few pixels apart on one route share both.
@@ -381,22 +433,7 @@ pub fn render_svg(t: &Timeline) -> Result<String, PlotError> {
             }
         }
         // Click to screen by location: the medians solid, the 99th percentiles dashed.
-        for (i, (_, bins)) in series.iter().enumerate() {
-            let colour = PALETTE[i % PALETTE.len()];
-            let (xs, p99) = with_gaps(bins, |b| b.p99_ms.min(data_top));
-            let xs: Vec<f64> = xs.iter().map(|s| s / per).collect();
-            for seg in steps(&xs, &p99) {
-                chart
-                    .draw_series(DashedLineSeries::new(seg, 5, 3, colour.stroke_width(1)))
-                    .map_err(err)?;
-            }
-            let (_, p50) = with_gaps(bins, |b| b.p50_ms.min(data_top));
-            for seg in steps(&xs, &p50) {
-                chart
-                    .draw_series(LineSeries::new(seg, colour.stroke_width(2)))
-                    .map_err(err)?;
-            }
-        }
+        draw_click_to_screen(&mut chart, &series, per, data_top)?;
 
         // The lanes: one row per route, a tick per handover in its cause's colour.
         if lanes_mode {
