@@ -13,7 +13,7 @@
 #   CELLMESH_TEST_MONGO_URL   mongodb://127.0.0.1:<port>
 #   CELLMESH_TEST_PYTHON      the venv's python (protobuf and grpcio-tools installed)
 #
-# Extra arguments are passed to both `cargo test` runs (e.g. `-p cellmesh-geo-router`); with any,
+# Extra arguments are passed to both `cargo test` runs (e.g. `-p cellmesh-world`); with any,
 # the load generator's smoke test and the lab are left out. CELLMESH_LAB=skip leaves out the lab
 # (it needs root, and about 25 minutes on a fresh machine with 2 cores).
 set -euo pipefail

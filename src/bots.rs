@@ -11,9 +11,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use std::collections::HashMap;
 
 use cellmesh_arena::{schema, Census};
-use cellmesh_geo_router::geometry::{Pos, WorldShape};
 use cellmesh_proto::client::{self, ClientError, ClientReceiver, ClientSender};
 use cellmesh_proto::edge::{client_message, server_message, DeltaKind, KickReason, Pong, Transfer};
+use cellmesh_world::geometry::{Pos, WorldShape};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;

@@ -4,7 +4,7 @@
 //! `/api/node-map` (its entities and its handoffs of the last second), at most once a second
 //! however many ask. `/map` is open (it holds no data); `/api/world` asks for the admin token.
 //!
-//! The composition itself is pure ([`cellmesh_geo_router::world_map`]); this is its driver.
+//! The composition itself is pure ([`cellmesh_world::world_map`]); this is its driver.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use cellmesh_admin::{Admin, Reply, SingleFlight};
-use cellmesh_geo_router::topology::{NodeRecord, TopologyStore};
-use cellmesh_geo_router::world_map::{MapParts, NodeMap, WorldMap, WORLD_SAMPLE_MAX};
+use cellmesh_stores::topology::{NodeRecord, TopologyStore};
+use cellmesh_world::world_map::{MapParts, NodeMap, WorldMap, WORLD_SAMPLE_MAX};
 
 /// The page; it fetches `api/world` relative to itself.
 pub const PAGE: &str = include_str!("live_map.html");
@@ -172,9 +172,9 @@ mod tests {
     /// new one; the token guards it and not the page.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_world_is_composed_once_a_second_however_many_ask() {
-        use cellmesh_geo_router::geometry::WorldShape;
-        use cellmesh_geo_router::partition::{Grid, Layout, Partition};
-        use cellmesh_geo_router::topology::memory::MemoryTopology;
+        use cellmesh_stores::topology::memory::MemoryTopology;
+        use cellmesh_world::geometry::WorldShape;
+        use cellmesh_world::partition::{Grid, Layout, Partition};
 
         let topology: Arc<dyn TopologyStore> = Arc::new(MemoryTopology::default());
         let admin = Admin::new(Default::default(), || serde_json::Value::Null);

@@ -392,18 +392,15 @@ async fn main() -> anyhow::Result<()> {
                 print!("{}", toml::to_string_pretty(&cfg.redacted())?);
                 return Ok(());
             }
-            let stores = cellmesh_geo_router::store::Stores::open(
-                &cfg.directory_url,
-                &cfg.players_url,
-                &cfg.geo,
-            )
-            .await
-            .context("opening the stores")?;
+            let stores =
+                cellmesh_stores::Stores::open(&cfg.directory_url, &cfg.players_url, &cfg.geo)
+                    .await
+                    .context("opening the stores")?;
             let stop = CancellationToken::new();
             let handle = if cfg.topology_url.is_empty() {
                 cellmesh_sidecar::start(cfg, stores, stop.clone()).await?
             } else {
-                let topology = cellmesh_geo_router::topology::open(&cfg.topology_url)
+                let topology = cellmesh_stores::topology::open(&cfg.topology_url)
                     .await
                     .context("opening the topology store")?;
                 cellmesh_sidecar::start_in(cfg, stores, topology, stop.clone()).await?

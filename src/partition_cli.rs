@@ -6,11 +6,11 @@ use std::io::Write as _;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
-use cellmesh_geo_router::geometry::{ChunkOffset, ChunkRect, WorldShape};
-use cellmesh_geo_router::partition::{
+use cellmesh_stores::topology::{self, Commit, NodeEntry, TopologyStore};
+use cellmesh_world::geometry::{ChunkOffset, ChunkRect, WorldShape};
+use cellmesh_world::partition::{
     Bsp, BspEntryKind, Grid, Layout, Neighbour, NodeId, Partition, Transfer,
 };
-use cellmesh_geo_router::topology::{self, Commit, NodeEntry, TopologyStore};
 use serde_json::json;
 
 /// Widest region table printed; larger grids are listed per node only (or in `--json`).
@@ -449,7 +449,7 @@ fn describe(p: &Partition) -> String {
             for y in 0..sy {
                 let _ = write!(out, "  ");
                 for x in 0..sx {
-                    let chunk = cellmesh_geo_router::geometry::ChunkPos {
+                    let chunk = cellmesh_world::geometry::ChunkPos {
                         x: x * s.chunks_x() / sx,
                         y: y * s.chunks_y() / sy,
                     };
@@ -584,7 +584,7 @@ fn lease_json(e: &NodeEntry) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cellmesh_geo_router::topology::memory::MemoryTopology;
+    use cellmesh_stores::topology::memory::MemoryTopology;
     use clap::Parser;
 
     /// The command line as `cellmesh` mounts it.

@@ -22,7 +22,7 @@
 use std::time::Duration;
 
 use cellmesh_admin::SPANS_TARGET;
-use cellmesh_geo_router::store::redact_url;
+use cellmesh_stores::redact_url;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;

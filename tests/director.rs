@@ -7,15 +7,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cellmesh_geo_router::balance::{CellReport, EntityBoundLevels};
-use cellmesh_geo_router::geometry::{ChunkPos, WorldShape};
-use cellmesh_geo_router::partition::{Bsp, Layout, Partition};
-use cellmesh_geo_router::topology::{
+use cellmesh_stores::topology::{
     self, Acquire, Commit, DirectorAcquire, DirectorLease, Lease, TopologyStore,
 };
 use cellmesh_test_support::{
     admin_state, director_command, required, run_id, DirectorProcess, PATIENCE,
 };
+use cellmesh_world::balance::{CellReport, EntityBoundLevels};
+use cellmesh_world::geometry::{ChunkPos, WorldShape};
+use cellmesh_world::partition::{Bsp, Layout, Partition};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 

@@ -1,5 +1,5 @@
 //! The load balancing simulator: runs the BSP balancer
-//! ([`balance::Balancer`](cellmesh_geo_router::balance::Balancer)) over a scenario in virtual
+//! ([`balance::Balancer`](cellmesh_world::balance::Balancer)) over a scenario in virtual
 //! time, for engineers tuning its parameters.
 //!
 //! A scenario ([`Scenario`], from TOML) gives a world of chunks (a torus), the nodes that hold its
@@ -12,8 +12,8 @@
 //! reads files or clocks.
 //!
 //! A crate of its own, like `cellmesh-geosim` whose plot helpers it shares, so that the data
-//! plane does not link the plotting; `geosim/tests/data_plane_deps.rs` holds that (the sidecar
-//! and the proxy link no plotters).
+//! plane does not link the plotting; `world/tests/dependencies.rs` holds that (the sidecar and
+//! the proxy link no plotters, no simulator).
 
 pub mod plot;
 mod run;

@@ -7,11 +7,11 @@
 use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
-use cellmesh_geo_router::partition::Axis;
 use cellmesh_geosim::plot::{
     draw_legend, draw_marks, err, legend_height, steps, Key, Mark, MarkFrame, PALETTE, WIDTH,
 };
 use cellmesh_geosim::PlotError;
+use cellmesh_world::partition::Axis;
 
 use super::run::Report;
 

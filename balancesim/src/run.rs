@@ -9,9 +9,9 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use cellmesh_geo_router::balance::{Balancer, CellReport, Decision, EntityBoundLevels, Reason};
-use cellmesh_geo_router::geometry::{ChunkPos, ChunkRect};
-use cellmesh_geo_router::partition::{
+use cellmesh_world::balance::{Balancer, CellReport, Decision, EntityBoundLevels, Reason};
+use cellmesh_world::geometry::{ChunkPos, ChunkRect};
+use cellmesh_world::partition::{
     Axis, Bsp, BspEntryKind, BspTree, Layout, NodeId, Partition, PartitionError, Transfer,
 };
 

@@ -13,9 +13,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-use cellmesh_geo_router::balance::{LoadConfig, LoadConfigError};
-use cellmesh_geo_router::geometry::{ChunkPos, Pos, WorldShape};
-use cellmesh_geo_router::partition::NodeId;
+use cellmesh_world::balance::{LoadConfig, LoadConfigError};
+use cellmesh_world::geometry::{ChunkPos, Pos, WorldShape};
+use cellmesh_world::partition::NodeId;
 
 /// Longest scenario accepted: a day of virtual time.
 pub const MAX_DURATION_S: u64 = 24 * 3600;

@@ -2,9 +2,9 @@
 //! each epoch moved checked chunk by chunk, and the errors of bad scenario files.
 
 use cellmesh_balancesim::{self as balancesim, Report, Scenario, ScenarioFile, BALANCED_RATIO};
-use cellmesh_geo_router::balance::Decision;
-use cellmesh_geo_router::geometry::ChunkPos;
-use cellmesh_geo_router::partition::{Axis, Bsp, Layout, NodeId, Partition};
+use cellmesh_world::balance::Decision;
+use cellmesh_world::geometry::ChunkPos;
+use cellmesh_world::partition::{Axis, Bsp, Layout, NodeId, Partition};
 
 const SCENARIOS: [(&str, &str); 5] = [
     (

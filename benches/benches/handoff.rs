@@ -9,12 +9,12 @@
 //!   entities of one node of a 16 × 16 grid on the default world.
 use bytes::Bytes;
 use cellmesh_benches::Rng;
-use cellmesh_geo_router::geometry::{ChunkPos, WorldShape};
-use cellmesh_geo_router::partition::{Grid, Layout, NodeId, Partition};
 use cellmesh_sidecar::model::handoff::{
     trigger, Admit, EntityId, Epoch, Fence, HandoffSource, HandoffTarget, InputRoute, OfferChecks,
     OfferDecision, DEFAULT_MARGIN_CHUNKS,
 };
+use cellmesh_world::geometry::{ChunkPos, WorldShape};
+use cellmesh_world::partition::{Grid, Layout, NodeId, Partition};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
 const CHECKS: OfferChecks = OfferChecks::PASSING;

@@ -3,8 +3,8 @@
 use std::hint::black_box;
 
 use cellmesh_benches::positions;
-use cellmesh_geo_router::geometry::WorldShape;
-use cellmesh_geo_router::partition::{Bsp, Grid, Layout, NodeId, Partition};
+use cellmesh_world::geometry::WorldShape;
+use cellmesh_world::partition::{Bsp, Grid, Layout, NodeId, Partition};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
 fn owner_of(c: &mut Criterion) {

@@ -9,13 +9,13 @@
 //!   for a node of a 16 × 16 grid on the default world that keeps its whole border band
 //!   subscribed (view radius 5, reach 3) and has one client looking into a neighbour's area.
 use cellmesh_benches::{account, avatar, npc, positions, square_world, CHUNK};
-use cellmesh_geo_router::geometry::{ChunkPos, Pos, WorldShape};
-use cellmesh_geo_router::partition::{Grid, Layout, NodeId, Partition};
 use cellmesh_sidecar::model::audience::Audience;
 use cellmesh_sidecar::model::entities::{EntityTable, EntityUpdate, Position};
 use cellmesh_sidecar::model::fold::Clients;
 use cellmesh_sidecar::model::interest::{InterestShape, View};
 use cellmesh_sidecar::model::subs::{band, Subscriptions};
+use cellmesh_world::geometry::{ChunkPos, Pos, WorldShape};
+use cellmesh_world::partition::{Grid, Layout, NodeId, Partition};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
 const SHAPE: InterestShape = InterestShape {

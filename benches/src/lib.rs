@@ -4,9 +4,9 @@
 pub mod load;
 
 use bytes::Bytes;
-use cellmesh_geo_router::geometry::{Pos, WorldShape};
 use cellmesh_sidecar::model::audience::Audience;
 use cellmesh_sidecar::model::entities::{Component, NewEntity, Position};
+use cellmesh_world::geometry::{Pos, WorldShape};
 
 /// Chunk size of every benchmark world, as in the default world.
 pub const CHUNK: f64 = 32.0;

@@ -1,5 +1,5 @@
 //! The bubble placement simulator: runs
-//! [`bubbles::Placement`](cellmesh_geo_router::bubbles::Placement) over a scenario in virtual
+//! [`bubbles::Placement`](cellmesh_world::bubbles::Placement) over a scenario in virtual
 //! time, for network engineers tuning its parameters.
 //!
 //! A scenario ([`Scenario`], from TOML) gives the sites, an RTT model per (player location,
@@ -9,8 +9,8 @@
 //! two yardsticks, everyone on the core and an oracle that knows the true RTTs and has no
 //! hysteresis. [`render_svg`] draws it. Nothing here reads files or clocks.
 //!
-//! A crate of its own, apart from `cellmesh-geo-router`, so that the data plane (the sidecar and
-//! the proxy) does not link the plotting; `tests/data_plane_deps.rs` holds that.
+//! A crate of its own, apart from `cellmesh-world`, so that the data plane (the sidecar and the
+//! proxy) does not link the plotting; `world/tests/dependencies.rs` holds that.
 
 pub mod plot;
 mod run;

@@ -11,7 +11,7 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use std::collections::BTreeMap;
 
-use cellmesh_geo_router::bubbles::BubbleId;
+use cellmesh_world::bubbles::BubbleId;
 
 use super::run::Report;
 

@@ -9,7 +9,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use cellmesh_geo_router::bubbles::{
+use cellmesh_world::bubbles::{
     BubbleId, Decision, Member, MemberId, Placement, Reason, RttBook, SiteId, Sites,
 };
 
@@ -18,7 +18,7 @@ use super::scenario::{Scenario, LOGIN_PROBES};
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SimError {
     #[error("placement: {0}")]
-    Placement(#[from] cellmesh_geo_router::bubbles::BubbleError),
+    Placement(#[from] cellmesh_world::bubbles::BubbleError),
 }
 
 /// Everything a run produced.

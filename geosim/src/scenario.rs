@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use cellmesh_geo_router::bubbles::{BubbleError, Params, Role, SiteId, Sites};
-use cellmesh_geo_router::geometry::{Pos, WorldShape};
+use cellmesh_world::bubbles::{BubbleError, Params, Role, SiteId, Sites};
+use cellmesh_world::geometry::{Pos, WorldShape};
 
 /// Longest scenario accepted: a week of virtual time.
 pub const MAX_DURATION_S: u64 = 7 * 24 * 3600;

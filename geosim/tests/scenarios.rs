@@ -3,8 +3,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use cellmesh_geo_router::bubbles::{BubbleId, Decision, MemberId, Reason, SiteId};
 use cellmesh_geosim::{self as geosim, Report, Scenario, ScenarioFile};
+use cellmesh_world::bubbles::{BubbleId, Decision, MemberId, Reason, SiteId};
 
 const SCENARIOS: [(&str, &str); 9] = [
     (

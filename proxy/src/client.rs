@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use cellmesh_geo_router::store::FarRtt;
 use cellmesh_proto::codec::{encode_body, FrameCodec, FrameError, RawFrame};
 use cellmesh_proto::edge::{
     client_message, server_message, Challenge, ClientFrame, ClientHello, ClientMessage,
@@ -22,6 +21,7 @@ use cellmesh_proto::edge::{
 use cellmesh_proto::mesh::{
     mesh_message, Attach, Attached, Detach, HandoverHint, SessionInput, SessionRtt,
 };
+use cellmesh_stores::FarRtt;
 use cellmesh_trust::MeshStream;
 use futures::{SinkExt, StreamExt};
 use tokio::io::{AsyncReadExt, ReadHalf, WriteHalf};

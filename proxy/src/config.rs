@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use cellmesh_geo_router::handover::HandoverParams;
+use cellmesh_world::handover::HandoverParams;
 use serde::{Deserialize, Serialize};
 
 /// The token secret shipped as a default; a deployment that keeps it accepts forged logins.

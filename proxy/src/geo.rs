@@ -14,12 +14,12 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use cellmesh_geo_router::handover::RttFigure;
-use cellmesh_geo_router::store::{self, EdgeBoard, FarRtt};
 use cellmesh_proto::cookie::{self, CookieError, HintCookie};
 use cellmesh_proto::edge::{ProbeTarget, Transfer};
 use cellmesh_proto::mesh::{HandoverHint, MeshVec3};
 use cellmesh_proto::ticket::{self, ProbeTicket};
+use cellmesh_stores::{EdgeBoard, FarRtt};
+use cellmesh_world::handover::RttFigure;
 
 use crate::config::ProxyConfig;
 use crate::discovery::Discovery;
@@ -89,7 +89,7 @@ impl Geos {
             async move {
                 match shared {
                     Some(b) => Ok(b),
-                    None => store::open_board(&url, &geo)
+                    None => cellmesh_stores::open_board(&url, &geo)
                         .await
                         .map_err(|e| anyhow::anyhow!("geo `{geo}` board: {e}")),
                 }
@@ -103,7 +103,7 @@ impl Geos {
             let board: Arc<dyn EdgeBoard> = match boards.and_then(|b| b.by_geo.get(&p.name)) {
                 Some(b) => b.clone(),
                 None => Arc::new(
-                    store::lazy_board::LazyBoard::new(&p.board, &p.name)
+                    cellmesh_stores::lazy_board::LazyBoard::new(&p.board, &p.name)
                         .map_err(|e| anyhow::anyhow!("geo `{}` board: {e}", p.name))?,
                 ),
             };

@@ -128,9 +128,9 @@ impl HandoverCause {
     }
 }
 
-impl From<cellmesh_geo_router::handover::Because> for HandoverCause {
-    fn from(b: cellmesh_geo_router::handover::Because) -> Self {
-        use cellmesh_geo_router::handover::Because;
+impl From<cellmesh_world::handover::Because> for HandoverCause {
+    fn from(b: cellmesh_world::handover::Because) -> Self {
+        use cellmesh_world::handover::Because;
         match b {
             Because::SettledCrossing => Self::SettledCrossing,
             Because::MaxBridge => Self::MaxBridge,
@@ -615,8 +615,8 @@ const HANDOVER_EVERY: Duration = Duration::from_secs(1);
 /// published here) go through [`Handover::observe`]; a session it says is worth a reconnect is
 /// handed over.
 async fn handover_loop(shared: Arc<Shared>, stop: CancellationToken) {
-    use cellmesh_geo_router::geometry::{Pos, WorldShape};
-    use cellmesh_geo_router::handover::{GeoRtt, Handover, Verdict, Whereabouts};
+    use cellmesh_world::geometry::{Pos, WorldShape};
+    use cellmesh_world::handover::{GeoRtt, Handover, Verdict, Whereabouts};
     let started = tokio::time::Instant::now();
     let mut tick = tokio::time::interval(HANDOVER_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);

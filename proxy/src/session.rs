@@ -11,7 +11,7 @@ use cellmesh_proto::mesh::{Attached, SessionWhere};
 use tokio::sync::mpsc;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 
-use cellmesh_geo_router::handover::RttFigure;
+use cellmesh_world::handover::RttFigure;
 
 use crate::ping::RttSummary;
 use crate::tcpinfo::KernelRtt;

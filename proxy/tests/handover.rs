@@ -13,9 +13,6 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cellmesh_geo_router::store::memory::{MemoryBoard, MemoryCheckpoints, MemoryDirectory};
-use cellmesh_geo_router::store::mongo::MongoPlayers;
-use cellmesh_geo_router::store::{EdgeBoard, PlayerRecords, Stores};
 use cellmesh_proto::client::{self, ClientReceiver, ClientSender, Login};
 use cellmesh_proto::codec::FrameCodec;
 use cellmesh_proto::cookie::{self, HintCookie};
@@ -23,6 +20,9 @@ use cellmesh_proto::edge::{client_message, server_message, Pong, ServerFrame, Tr
 use cellmesh_proxy::{Boards, PeerGeo, ProxyConfig, ProxyHandle};
 use cellmesh_sidecar::config::SidecarConfig;
 use cellmesh_sidecar::SidecarHandle;
+use cellmesh_stores::memory::{MemoryBoard, MemoryCheckpoints, MemoryDirectory};
+use cellmesh_stores::mongo::MongoPlayers;
+use cellmesh_stores::{EdgeBoard, PlayerRecords, Stores};
 use cellmesh_test_support::{required, unique_name, unix_ms, unix_now, within, PATIENCE};
 use futures::StreamExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -73,7 +73,7 @@ async fn sidecar(
         directory: Arc::new(MemoryDirectory::default()),
         players,
         checkpoints: Arc::new(MemoryCheckpoints::default()),
-        claims: Arc::new(cellmesh_geo_router::store::claims::MemoryClaims::default()),
+        claims: Arc::new(cellmesh_stores::claims::MemoryClaims::default()),
     };
     cellmesh_sidecar::start(cfg, stores, stop.clone())
         .await

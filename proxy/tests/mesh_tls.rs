@@ -5,13 +5,13 @@ use std::path::Path;
 use std::time::Duration;
 
 use bytes::Bytes;
-use cellmesh_geo_router::store::Stores;
 use cellmesh_proto::client;
 use cellmesh_proto::local::sidecar_message;
 use cellmesh_proto::sdk::{self, GameReceiver, SdkConfig};
 use cellmesh_proxy::{ProxyConfig, ProxyHandle};
 use cellmesh_sidecar::config::SidecarConfig;
 use cellmesh_sidecar::SidecarHandle;
+use cellmesh_stores::Stores;
 use cellmesh_test_support::{unix_now, within};
 use cellmesh_trust::{certs, Identity, MeshTlsConfig, Role};
 use tokio_util::sync::CancellationToken;

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use cellmesh_geo_router::geometry::{GeometryError, WorldShape};
+use cellmesh_world::geometry::{GeometryError, WorldShape};
 use serde::{Deserialize, Serialize};
 
 use crate::model::admission::AdmissionConfig;
@@ -149,7 +149,7 @@ impl SidecarConfig {
 
     /// This configuration as it may be shown: the stores' URLs without their passwords.
     pub fn redacted(&self) -> Self {
-        use cellmesh_geo_router::store::redact_url;
+        use cellmesh_stores::redact_url;
         Self {
             directory_url: redact_url(&self.directory_url),
             players_url: redact_url(&self.players_url),

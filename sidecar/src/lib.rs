@@ -24,9 +24,9 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
 use cellmesh_admin::Admin;
-use cellmesh_geo_router::partition::{Grid, Layout, Partition};
-use cellmesh_geo_router::store::Stores;
-use cellmesh_geo_router::topology::TopologyStore;
+use cellmesh_stores::topology::TopologyStore;
+use cellmesh_stores::Stores;
+use cellmesh_world::partition::{Grid, Layout, Partition};
 use serde::Serialize;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;

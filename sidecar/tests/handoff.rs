@@ -16,19 +16,19 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use cellmesh_geo_router::geometry::WorldShape;
-use cellmesh_geo_router::partition::{Grid, Layout, Partition};
-use cellmesh_geo_router::store::Stores;
-use cellmesh_geo_router::topology::memory::MemoryTopology;
-use cellmesh_geo_router::topology::{
-    Acquire, Commit, DirectorAcquire, DirectorLease, Lease, NodeEntry, NodeRecord, TopologyError,
-    TopologyStore,
-};
 use cellmesh_proto::edge::{self, DeltaKind};
 use cellmesh_proto::local::{self, game_message, sidecar_message, AudienceKind};
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame};
 use cellmesh_sidecar::{Real, SidecarConfig, SidecarHandle, SidecarStats};
+use cellmesh_stores::topology::memory::MemoryTopology;
+use cellmesh_stores::topology::{
+    Acquire, Commit, DirectorAcquire, DirectorLease, Lease, NodeEntry, NodeRecord, TopologyError,
+    TopologyStore,
+};
+use cellmesh_stores::Stores;
 use cellmesh_test_support::{unix_ms, PATIENCE};
+use cellmesh_world::geometry::WorldShape;
+use cellmesh_world::partition::{Grid, Layout, Partition};
 use futures::{SinkExt, StreamExt};
 use prost::Message;
 use support::*;
@@ -187,13 +187,13 @@ impl TopologyStore for NodeView {
     async fn publish_load(
         &self,
         lease: &Lease,
-        report: &cellmesh_geo_router::balance::CellReport,
+        report: &cellmesh_world::balance::CellReport,
     ) -> Result<bool, TopologyError> {
         self.call(self.store.publish_load(lease, report)).await
     }
     async fn loads(
         &self,
-    ) -> Result<BTreeMap<u32, cellmesh_geo_router::balance::CellReport>, TopologyError> {
+    ) -> Result<BTreeMap<u32, cellmesh_world::balance::CellReport>, TopologyError> {
         self.call(self.store.loads()).await
     }
     async fn acquire_director(

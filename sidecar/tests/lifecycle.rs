@@ -5,12 +5,12 @@ mod support;
 use std::time::Duration;
 
 use bytes::Bytes;
-use cellmesh_geo_router::store::PlayerRecord;
 use cellmesh_proto::codec::FrameCodec;
 use cellmesh_proto::edge::{DeltaKind, KickReason};
 use cellmesh_proto::local::{game_message::Body, sidecar_message, AudienceKind, ErrorCode};
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, PeerRole};
 use cellmesh_sidecar::ids;
+use cellmesh_stores::PlayerRecord;
 use futures::{SinkExt, StreamExt};
 use support::*;
 use tokio_util::codec::{FramedRead, FramedWrite};
@@ -152,7 +152,7 @@ async fn bad_config_and_busy_ports_are_named() {
     };
     let err = cellmesh_sidecar::start(
         bad,
-        cellmesh_geo_router::store::Stores::in_memory(),
+        cellmesh_stores::Stores::in_memory(),
         Default::default(),
     )
     .await
@@ -166,7 +166,7 @@ async fn bad_config_and_busy_ports_are_named() {
     };
     let err = cellmesh_sidecar::start(
         busy,
-        cellmesh_geo_router::store::Stores::in_memory(),
+        cellmesh_stores::Stores::in_memory(),
         Default::default(),
     )
     .await

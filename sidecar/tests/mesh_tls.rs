@@ -196,7 +196,7 @@ async fn a_sidecar_refuses_to_start_with_a_certificate_of_another_node() {
     );
     let e = cellmesh_sidecar::start(
         cfg,
-        cellmesh_geo_router::store::Stores::in_memory(),
+        cellmesh_stores::Stores::in_memory(),
         tokio_util::sync::CancellationToken::new(),
     )
     .await

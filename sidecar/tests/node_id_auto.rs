@@ -7,13 +7,13 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cellmesh_geo_router::geometry::WorldShape;
-use cellmesh_geo_router::partition::{Grid, Layout, Partition};
-use cellmesh_geo_router::store::Stores;
-use cellmesh_geo_router::topology::memory::MemoryTopology;
-use cellmesh_geo_router::topology::{Lease, TopologyStore};
 use cellmesh_sidecar::{SidecarConfig, SidecarHandle};
+use cellmesh_stores::topology::memory::MemoryTopology;
+use cellmesh_stores::topology::{Lease, TopologyStore};
+use cellmesh_stores::Stores;
 use cellmesh_test_support::within;
+use cellmesh_world::geometry::WorldShape;
+use cellmesh_world::partition::{Grid, Layout, Partition};
 use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
 

@@ -6,12 +6,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cellmesh_geo_router::geometry::WorldShape;
-use cellmesh_geo_router::partition::{Grid, Layout, Partition};
-use cellmesh_geo_router::store::Stores;
-use cellmesh_geo_router::topology::memory::MemoryTopology;
-use cellmesh_geo_router::topology::{NodeEntry, TopologyStore};
 use cellmesh_sidecar::{SidecarConfig, SidecarHandle};
+use cellmesh_stores::topology::memory::MemoryTopology;
+use cellmesh_stores::topology::{NodeEntry, TopologyStore};
+use cellmesh_stores::Stores;
+use cellmesh_world::geometry::WorldShape;
+use cellmesh_world::partition::{Grid, Layout, Partition};
 use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
 

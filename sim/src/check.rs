@@ -14,11 +14,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use cellmesh_arena::CensusReport;
-use cellmesh_geo_router::partition::NodeId;
 use cellmesh_proto::local::{game_message, sidecar_message, GameMessage, SidecarFrame};
 use cellmesh_proto::mesh::{mesh_message, MeshFrame};
 use cellmesh_sidecar::core::Core;
 use cellmesh_sidecar::Real;
+use cellmesh_world::partition::NodeId;
 
 use crate::world::Stats;
 

@@ -4,9 +4,9 @@
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
-use cellmesh_geo_router::geometry::{ChunkPos, Pos, WorldShape};
-use cellmesh_geo_router::partition::NodeId;
 use cellmesh_proto::edge::{server_message, DeltaKind, ServerFrame};
+use cellmesh_world::geometry::{ChunkPos, Pos, WorldShape};
+use cellmesh_world::partition::NodeId;
 use prost::Message;
 use rand::rngs::StdRng;
 use rand::Rng;

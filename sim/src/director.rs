@@ -5,8 +5,8 @@
 
 use std::collections::BTreeMap;
 
-use cellmesh_geo_router::balance::{Balancer, CellReport, Decision, LoadConfig};
-use cellmesh_geo_router::partition::{BspTree, NodeId};
+use cellmesh_world::balance::{Balancer, CellReport, Decision, LoadConfig};
+use cellmesh_world::partition::{BspTree, NodeId};
 
 pub(crate) struct Director {
     pub balancer: Balancer,

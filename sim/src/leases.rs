@@ -7,8 +7,8 @@
 
 use std::collections::BTreeMap;
 
-use cellmesh_geo_router::partition::NodeId;
-use cellmesh_geo_router::topology::{Fence, Lease};
+use cellmesh_stores::topology::{Fence, Lease};
+use cellmesh_world::partition::NodeId;
 
 /// One process's clocks against true time: its monotonic clock runs `rate_ppm` parts per
 /// million fast (negative: slow) and its wall clock reads `unix_skew_ms` off the store's.

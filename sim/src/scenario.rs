@@ -1,8 +1,8 @@
 //! Scenarios: the cluster, its load and the faults of one kind of run. A scenario is plain data
 //! plus a fault plan drawn from the run's seed, so adding one is a few lines (see [`catalogue`]).
 
-use cellmesh_geo_router::balance::LoadConfig;
-use cellmesh_geo_router::partition::NodeId;
+use cellmesh_world::balance::LoadConfig;
+use cellmesh_world::partition::NodeId;
 use rand::rngs::StdRng;
 use rand::Rng;
 

@@ -3,12 +3,12 @@
 
 use std::collections::BTreeMap;
 
-use cellmesh_geo_router::partition::NodeId;
-use cellmesh_geo_router::store::claims::ClaimTable;
-use cellmesh_geo_router::store::{MasterEntry, PlayerRecord, SessionEntry};
 use cellmesh_proto::mesh::HandoffOffer;
 use cellmesh_sidecar::core::claims::{claim_call_on_table, is_claim_call};
 use cellmesh_sidecar::core::{Registration, StoreReply, StoreRequest};
+use cellmesh_stores::claims::ClaimTable;
+use cellmesh_stores::{MasterEntry, PlayerRecord, SessionEntry};
+use cellmesh_world::partition::NodeId;
 
 /// What the driver answers when a store call times out.
 const TIMEOUT_MS: u64 = 5_000;

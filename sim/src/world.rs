@@ -6,15 +6,15 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use cellmesh_arena::{Arena, ArenaConfig, ArenaStats, Census};
-use cellmesh_geo_router::geometry::WorldShape;
-use cellmesh_geo_router::partition::{Bsp, Grid, Layout, NodeId, Partition};
-use cellmesh_geo_router::topology::{self, Lease};
 use cellmesh_proto::local::{self, game_message, sidecar_message, GameMessage, SidecarFrame};
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage, PeerRole};
 use cellmesh_sidecar::core::{
     ConnId, Core, Input, LeaseTerms, LinkId, Now, Output, PeerInfo, StoreReply, StoreRequest,
 };
 use cellmesh_sidecar::SidecarConfig;
+use cellmesh_stores::topology::{self, Lease};
+use cellmesh_world::geometry::WorldShape;
+use cellmesh_world::partition::{Bsp, Grid, Layout, NodeId, Partition};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -2479,7 +2479,7 @@ impl<'a> Sim<'a> {
 
     /// A node's load report reaches the director (through the topology store, where a node
     /// publishes it under its lease: a process that may no longer write publishes nothing).
-    fn load_report(&mut self, id: NodeId, report: cellmesh_geo_router::balance::CellReport) {
+    fn load_report(&mut self, id: NodeId, report: cellmesh_world::balance::CellReport) {
         let local = self.nodes[id as usize - 1].clock.local(self.now);
         let writes = self.nodes[id as usize - 1]
             .core

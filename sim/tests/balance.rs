@@ -6,8 +6,8 @@
 //! A balance run is some sixty times the work of a catalogue walk, so these run a handful of
 //! seeds (`CELLMESH_SIM_BALANCE_SEEDS`, default 4) rather than the suite's hundreds.
 
-use cellmesh_geo_router::balance::LoadConfig;
 use cellmesh_sim::{named, run, run_traced, Balance, Report, Scenario};
+use cellmesh_world::balance::LoadConfig;
 
 fn seeds() -> u64 {
     std::env::var("CELLMESH_SIM_BALANCE_SEEDS")

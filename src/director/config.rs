@@ -1,6 +1,6 @@
 //! The director's configuration: TOML with `CELLMESH_*` overrides (see `cellmesh_admin::config`).
 
-use cellmesh_geo_router::balance::LoadConfig;
+use cellmesh_world::balance::LoadConfig;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -50,11 +50,11 @@ impl DirectorConfig {
              (mongodb://host:port/database; CELLMESH_TOPOLOGY_URL)"
         );
         anyhow::ensure!(
-            (500..=cellmesh_geo_router::topology::MAX_LEASE_TTL.as_millis() as u64)
+            (500..=cellmesh_stores::topology::MAX_LEASE_TTL.as_millis() as u64)
                 .contains(&self.lease_ms),
             "lease_ms {} must be between 500 and {}",
             self.lease_ms,
-            cellmesh_geo_router::topology::MAX_LEASE_TTL.as_millis()
+            cellmesh_stores::topology::MAX_LEASE_TTL.as_millis()
         );
         anyhow::ensure!(
             self.standby_poll_ms >= 10 && self.standby_poll_ms <= self.lease_ms,
@@ -70,7 +70,7 @@ impl DirectorConfig {
     /// The configuration as it may be shown: the store's password and the admin token hidden.
     pub fn shown(&self) -> Self {
         Self {
-            topology_url: cellmesh_geo_router::store::redact_url(&self.topology_url),
+            topology_url: cellmesh_stores::redact_url(&self.topology_url),
             admin_token: cellmesh_admin::guard::shown_token(&self.admin_token),
             ..self.clone()
         }

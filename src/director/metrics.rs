@@ -1,6 +1,6 @@
 //! The director's Prometheus metrics.
 
-use cellmesh_geo_router::balance::Decision;
+use cellmesh_world::balance::Decision;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;

@@ -6,7 +6,7 @@
 //! stalled, or taken by a standby) can never commit: its commit comes back [`Commit::Fenced`] and
 //! it stands by.
 //!
-//! The balancer is pure ([`cellmesh_geo_router::balance`]); this module is its driver: the lease,
+//! The balancer is pure ([`cellmesh_world::balance`]); this module is its driver: the lease,
 //! the clock, the store, the admin surface (`/live`, `/ready`, `/metrics`, `/state` with the
 //! decisions and their reasons, and the live map: `/map`, `/api/world`).
 
@@ -17,12 +17,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use cellmesh_admin::Admin;
-use cellmesh_geo_router::balance::{Balancer, Decision, Reason};
-use cellmesh_geo_router::partition::{Bsp, BspTree, Layout, NodeId, Partition};
-use cellmesh_geo_router::topology::{
+use cellmesh_stores::topology::{
     self, renew_every_ms, writable_ms, Commit, DirectorAcquire, DirectorLease, TopologyError,
     TopologyStore,
 };
+use cellmesh_world::balance::{Balancer, Decision, Reason};
+use cellmesh_world::partition::{Bsp, BspTree, Layout, NodeId, Partition};
 use serde::Serialize;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;

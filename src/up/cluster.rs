@@ -7,12 +7,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use cellmesh_arena::{ArenaConfig, Census};
-use cellmesh_geo_router::geometry::WorldShape;
-use cellmesh_geo_router::partition::{Bsp, Grid, Layout, Partition};
-use cellmesh_geo_router::store::Stores;
-use cellmesh_geo_router::topology::memory::MemoryTopology;
-use cellmesh_geo_router::topology::TopologyStore;
 use cellmesh_proxy::ProxyHandle;
+use cellmesh_stores::topology::memory::MemoryTopology;
+use cellmesh_stores::topology::TopologyStore;
+use cellmesh_stores::Stores;
+use cellmesh_world::geometry::WorldShape;
+use cellmesh_world::partition::{Bsp, Grid, Layout, Partition};
 use tokio_util::sync::CancellationToken;
 
 use super::chaos::CHAOS_NODE_LEASE_MS;
@@ -49,7 +49,7 @@ impl Cluster {
         let geos = Arc::new(GeoLayout::new(&opts.geos, opts.nodes, &opts.geo_delay_ms)?);
         let stores = stores_per_geo(&geos);
         anyhow::ensure!(
-            opts.nodes as u32 <= cellmesh_geo_router::topology::MAX_NODE_ID,
+            opts.nodes as u32 <= cellmesh_stores::topology::MAX_NODE_ID,
             "--nodes {} is more than node ids allow",
             opts.nodes
         );
@@ -175,8 +175,8 @@ fn stores_per_geo(geos: &GeoLayout) -> Vec<Stores> {
                 return shared.clone();
             }
             Stores {
-                directory: Arc::new(cellmesh_geo_router::store::memory::MemoryDirectory::default()),
-                claims: Arc::new(cellmesh_geo_router::store::claims::MemoryClaims::default()),
+                directory: Arc::new(cellmesh_stores::memory::MemoryDirectory::default()),
+                claims: Arc::new(cellmesh_stores::claims::MemoryClaims::default()),
                 ..shared.clone()
             }
         })
@@ -315,7 +315,7 @@ async fn start_director(
         admin_listen: "127.0.0.1:0".into(),
         admin_token: admin_token.to_string(),
         name: "up-director".into(),
-        balance: cellmesh_geo_router::balance::LoadConfig {
+        balance: cellmesh_world::balance::LoadConfig {
             // The world starts with the NPCs alone while the bots log in: with the default
             // bound a cell would start to retire in the first second, only to be called off.
             lower_bound: 0.1,

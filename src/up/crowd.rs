@@ -1,7 +1,7 @@
 //! Where the arenas and the bots meet: around the corner every cell of a grid touches, or, on a
 //! BSP, in a crowd for the director to balance.
 
-use cellmesh_geo_router::geometry::WorldShape;
+use cellmesh_world::geometry::WorldShape;
 
 /// Where everything meets: the corner every cell of a grid touches, across the wrap seam.
 pub(super) const MEETING_POINT: (f64, f64) = (0.0, 0.0);

@@ -4,8 +4,8 @@
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
-use cellmesh_geo_router::topology::TopologyStore;
 use cellmesh_proxy::{ProxyHandle, ProxyStats};
+use cellmesh_stores::topology::TopologyStore;
 
 use super::chaos::Chaos;
 use super::cluster::Cluster;

@@ -5,11 +5,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use cellmesh_arena::{ArenaConfig, ArenaStats, Census};
-use cellmesh_geo_router::geometry::WorldShape;
-use cellmesh_geo_router::store::Stores;
-use cellmesh_geo_router::topology::TopologyStore;
 use cellmesh_proto::sdk::SidecarAddr;
 use cellmesh_sidecar::SidecarConfig;
+use cellmesh_stores::topology::TopologyStore;
+use cellmesh_stores::Stores;
+use cellmesh_world::geometry::WorldShape;
 use tokio_util::sync::CancellationToken;
 
 use super::geo_layout::GeoLayout;

@@ -31,8 +31,8 @@ pub(super) async fn start_proxies(
             .map(|g| {
                 (
                     g.clone(),
-                    Arc::new(cellmesh_geo_router::store::memory::MemoryBoard::default())
-                        as Arc<dyn cellmesh_geo_router::store::EdgeBoard>,
+                    Arc::new(cellmesh_stores::memory::MemoryBoard::default())
+                        as Arc<dyn cellmesh_stores::EdgeBoard>,
                 )
             })
             .collect(),

@@ -6,13 +6,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use cellmesh_geo_router::geometry::WorldShape;
-use cellmesh_geo_router::partition::{Grid, Layout, Partition};
-use cellmesh_geo_router::store::Stores;
-use cellmesh_geo_router::topology::memory::MemoryTopology;
-use cellmesh_geo_router::topology::TopologyStore;
 use cellmesh_proxy::{ProxyConfig, ProxyHandle};
 use cellmesh_sidecar::{SidecarConfig, SidecarHandle};
+use cellmesh_stores::topology::memory::MemoryTopology;
+use cellmesh_stores::topology::TopologyStore;
+use cellmesh_stores::Stores;
+use cellmesh_world::geometry::WorldShape;
+use cellmesh_world::partition::{Grid, Layout, Partition};
 use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
 
@@ -275,7 +275,7 @@ impl Drop for Cluster {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cellmesh_geo_router::geometry::Pos;
+    use cellmesh_world::geometry::Pos;
 
     #[test]
     fn strips_run_west_to_east_and_the_border_lies_between_them() {

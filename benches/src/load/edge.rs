@@ -30,7 +30,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context};
 use bytes::Bytes;
-use cellmesh_geo_router::geometry::WorldShape;
 use cellmesh_proto::batch::{encode_delta, BatchWriter, Encoded};
 use cellmesh_proto::client::{self, ClientReceiver, ClientSender};
 use cellmesh_proto::codec::{FrameCodec, RawFrame};
@@ -43,6 +42,7 @@ use cellmesh_proto::mesh::{
     ProtocolVersion, ToClient,
 };
 use cellmesh_proxy::{ProxyConfig, ProxyHandle};
+use cellmesh_world::geometry::WorldShape;
 use futures::{SinkExt, StreamExt};
 use hdrhistogram::Histogram;
 use serde_json::{json, Value};

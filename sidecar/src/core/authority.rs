@@ -3,11 +3,11 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use cellmesh_geo_router::geometry::ChunkRect;
-use cellmesh_geo_router::partition::{NodeId, Partition};
-use cellmesh_geo_router::world_map::NodeMap;
 use cellmesh_proto::local::{self, sidecar_message};
 use cellmesh_proto::mesh::{self, mesh_message};
+use cellmesh_world::geometry::ChunkRect;
+use cellmesh_world::partition::{NodeId, Partition};
+use cellmesh_world::world_map::NodeMap;
 
 use super::*;
 use crate::config::{SidecarConfig, WhenRetired};
@@ -362,10 +362,7 @@ impl Core {
 
     /// The nodes that may own an entity in `chunk`, cached per partition (at most
     /// [`NEAR_CACHE_MAX`] chunks).
-    pub(crate) fn owners_near(
-        &mut self,
-        chunk: cellmesh_geo_router::geometry::ChunkPos,
-    ) -> Vec<NodeId> {
+    pub(crate) fn owners_near(&mut self, chunk: cellmesh_world::geometry::ChunkPos) -> Vec<NodeId> {
         if let Some(v) = self.repl.near_cache.get(&chunk) {
             return v.clone();
         }
@@ -414,7 +411,7 @@ impl Core {
     /// This node's part of the live map: its reals (every k-th past `max`, by id) and its
     /// handoffs of the last second.
     pub fn node_map(&mut self, max: usize) -> NodeMap {
-        use cellmesh_geo_router::world_map::{sample_evenly, EntityKind, MapEntity};
+        use cellmesh_world::world_map::{sample_evenly, EntityKind, MapEntity};
         let mut reals: Vec<MapEntity> = self
             .table
             .iter()

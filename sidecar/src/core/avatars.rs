@@ -16,11 +16,11 @@
 
 use rustc_hash::FxHashMap as HashMap;
 
-use cellmesh_geo_router::geometry::Pos;
-use cellmesh_geo_router::partition::NodeId;
-use cellmesh_geo_router::store::{MasterEntry, SessionEntry};
 use cellmesh_proto::local::{self, sidecar_message};
 use cellmesh_proto::mesh::{self, mesh_message};
+use cellmesh_stores::{MasterEntry, SessionEntry};
+use cellmesh_world::geometry::Pos;
+use cellmesh_world::partition::NodeId;
 
 use super::*;
 

@@ -3,8 +3,8 @@
 //! its cell it holds ghosts, and the partition epoch it applied. The driver hands the latest
 //! report to the membership task, which publishes it under the node's lease.
 
-use cellmesh_geo_router::balance::{CellReport, EntityBoundLevels};
-use cellmesh_geo_router::geometry::{ChunkPos, ChunkRect};
+use cellmesh_world::balance::{CellReport, EntityBoundLevels};
+use cellmesh_world::geometry::{ChunkPos, ChunkRect};
 
 use super::*;
 

@@ -7,8 +7,8 @@
 //! The bookkeeping is pure ([`crate::model::claims`]); this file turns the game's messages and
 //! the store's answers into store calls and messages to the game.
 
-use cellmesh_geo_router::store::claims::ClaimTable;
 use cellmesh_proto::local::{sidecar_message, ClaimOutcome as Outcome, ErrorCode};
+use cellmesh_stores::claims::ClaimTable;
 
 use super::*;
 use crate::model::claims::{Pending, Renewed};
@@ -41,7 +41,7 @@ pub fn claim_call_on_table(
     reachable: bool,
 ) -> Option<StoreReply> {
     let ttl = std::time::Duration::from_millis;
-    fn run<T>(r: Result<T, cellmesh_geo_router::store::StoreError>) -> Result<T, String> {
+    fn run<T>(r: Result<T, cellmesh_stores::StoreError>) -> Result<T, String> {
         r.map_err(|e| e.to_string())
     }
     fn down<T>() -> Result<T, String> {
@@ -106,7 +106,7 @@ impl Core {
             t => t,
         };
         let fail = |detail: String| Err(detail);
-        let checked = if let Err(e) = cellmesh_geo_router::store::claims::check_key(&c.key) {
+        let checked = if let Err(e) = cellmesh_stores::claims::check_key(&c.key) {
             fail(e.to_string())
         } else if !(MIN_CLAIM_TTL_MS..=MAX_CLAIM_TTL_MS).contains(&ttl_ms) {
             fail(format!(

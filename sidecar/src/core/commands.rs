@@ -15,9 +15,9 @@
 use bytes::Bytes;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
-use cellmesh_geo_router::partition::NodeId;
 use cellmesh_proto::local::{self, sidecar_message, CommandError, ErrorCode};
 use cellmesh_proto::mesh::{self, mesh_message};
+use cellmesh_world::partition::NodeId;
 
 use super::handoff::{Fenced, Routed};
 use super::*;

@@ -15,7 +15,7 @@ use crate::model::checkpoints::Checkpoints;
 use crate::model::entities::{merge_changes, EntityError, EntityUpdate, NewEntity};
 use crate::model::fold::{TickEvent, TickSend};
 use crate::model::ids::IdMinter;
-use cellmesh_geo_router::topology::Lease;
+use cellmesh_stores::topology::Lease;
 
 /// The game connected to this node, as the node knows it.
 pub(crate) struct GameSlot {

@@ -10,10 +10,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use rustc_hash::FxHashMap as HashMap;
 
-use cellmesh_geo_router::partition::NodeId;
-use cellmesh_geo_router::store::PlayerRecord;
 use cellmesh_proto::edge::KickReason;
 use cellmesh_proto::mesh::{self, mesh_message, MeshMessage};
+use cellmesh_stores::PlayerRecord;
+use cellmesh_world::partition::NodeId;
 
 use super::avatars::AvatarAt;
 use super::*;
@@ -611,7 +611,7 @@ impl Core {
                 }
             };
             let w = &self.cfg.world;
-            let r = w.region_of(cellmesh_geo_router::geometry::Pos {
+            let r = w.region_of(cellmesh_world::geometry::Pos {
                 x: pos[0],
                 y: pos[1],
             });

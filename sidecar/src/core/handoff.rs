@@ -12,11 +12,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use bytes::Bytes;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
-use cellmesh_geo_router::geometry::Pos;
-use cellmesh_geo_router::partition::NodeId;
-use cellmesh_geo_router::store::SessionEntry;
 use cellmesh_proto::local::{self, sidecar_message, ErrorCode};
 use cellmesh_proto::mesh::{self, mesh_message};
+use cellmesh_stores::SessionEntry;
+use cellmesh_world::geometry::Pos;
+use cellmesh_world::partition::NodeId;
 
 use super::wire::*;
 use super::*;

@@ -43,12 +43,12 @@ pub(crate) mod wire;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
-use cellmesh_geo_router::partition::{NodeId, Partition};
-use cellmesh_geo_router::store::claims::{ClaimGrant, ClaimHolder, ClaimOutcome};
-use cellmesh_geo_router::store::{MasterEntry, PlayerRecord, SessionEntry};
-use cellmesh_geo_router::topology::{Fence, Lease};
 use cellmesh_proto::local::{self, GameMessage, SidecarFrame, SidecarMessage};
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage};
+use cellmesh_stores::claims::{ClaimGrant, ClaimHolder, ClaimOutcome};
+use cellmesh_stores::topology::{Fence, Lease};
+use cellmesh_stores::{MasterEntry, PlayerRecord, SessionEntry};
+use cellmesh_world::partition::{NodeId, Partition};
 use prost::Message;
 use serde_json::json;
 
@@ -182,7 +182,7 @@ pub enum Output {
     /// Readiness for traffic changed.
     Ready(bool),
     /// This node's report to the balancer (see `balance`): the driver publishes the latest.
-    LoadReport(Box<cellmesh_geo_router::balance::CellReport>),
+    LoadReport(Box<cellmesh_world::balance::CellReport>),
     /// The state changed since it was last published: read [`Core::state`] and
     /// [`Core::reals`] now.
     Publish,
@@ -282,7 +282,7 @@ pub enum StoreRequest {
     /// Frees a claim if `grant` still holds it (no answer: a lease lapses anyway).
     ReleaseClaim { grant: ClaimGrant },
     /// Fences the lapsed lease `epoch` of `node` before its world is restored (see
-    /// `cellmesh_geo_router::topology::fence_lease`).
+    /// `cellmesh_stores::topology::fence_lease`).
     FenceLease { node: NodeId, epoch: u64 },
 }
 
@@ -359,7 +359,7 @@ pub enum StoreReply {
 #[derive(Debug, Clone)]
 pub struct Registration {
     pub epoch: u64,
-    pub record: Option<cellmesh_geo_router::store::PlayerRecord>,
+    pub record: Option<cellmesh_stores::PlayerRecord>,
     /// Where the account's avatar is simulated, if it has one.
     pub master: Option<MasterEntry>,
 }

@@ -5,12 +5,12 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use cellmesh_geo_router::geometry::WorldShape;
-use cellmesh_geo_router::partition::{Grid, Layout, NodeId, Partition};
-use cellmesh_geo_router::store::claims::ClaimTable;
-use cellmesh_geo_router::topology::Lease;
 use cellmesh_proto::local::{self, game_message, sidecar_message};
 use cellmesh_proto::mesh;
+use cellmesh_stores::claims::ClaimTable;
+use cellmesh_stores::topology::Lease;
+use cellmesh_world::geometry::WorldShape;
+use cellmesh_world::partition::{Grid, Layout, NodeId, Partition};
 
 use super::*;
 

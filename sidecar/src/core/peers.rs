@@ -14,8 +14,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use rustc_hash::FxHashMap as HashMap;
 
-use cellmesh_geo_router::partition::NodeId;
 use cellmesh_proto::mesh::{self, mesh_message};
+use cellmesh_world::partition::NodeId;
 
 use super::avatars::PROXY_LINK_LOST;
 use super::wire::*;

@@ -5,10 +5,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
-use cellmesh_geo_router::geometry::{ChunkPos, Pos};
-use cellmesh_geo_router::partition::{NodeId, Partition};
 use cellmesh_proto::local::{self, sidecar_message};
 use cellmesh_proto::mesh::{self, mesh_message};
+use cellmesh_world::geometry::{ChunkPos, Pos};
+use cellmesh_world::partition::{NodeId, Partition};
 
 use super::wire::*;
 use super::*;

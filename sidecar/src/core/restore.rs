@@ -19,9 +19,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use cellmesh_geo_router::geometry::Pos;
-use cellmesh_geo_router::partition::NodeId;
 use cellmesh_proto::mesh::{self, mesh_message};
+use cellmesh_world::geometry::Pos;
+use cellmesh_world::partition::NodeId;
 
 use prost::Message;
 
@@ -174,7 +174,7 @@ pub(crate) struct Restore {
 /// its own lease came back, so that after a store outage everyone has had the time to take
 /// theirs back.
 pub(crate) fn lapse_grace_ms(lease_ms: u64) -> u64 {
-    (lease_ms / 4).max(2 * cellmesh_geo_router::topology::renew_every_ms(lease_ms))
+    (lease_ms / 4).max(2 * cellmesh_stores::topology::renew_every_ms(lease_ms))
 }
 
 /// A fence with no answer is asked again after this long.
@@ -286,9 +286,9 @@ impl Core {
         &mut self,
         node: NodeId,
         epoch: u64,
-        result: Result<cellmesh_geo_router::topology::Fence, String>,
+        result: Result<cellmesh_stores::topology::Fence, String>,
     ) {
-        use cellmesh_geo_router::topology::Fence;
+        use cellmesh_stores::topology::Fence;
         let inc = (node, epoch);
         match result {
             Ok(Fence::Fenced | Fence::Moved) => {

@@ -5,13 +5,13 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
-use cellmesh_geo_router::geometry::{ChunkPos, Pos};
-use cellmesh_geo_router::partition::NodeId;
-use cellmesh_geo_router::store::SessionEntry;
 use cellmesh_proto::batch::{encode_delta, encode_event, encode_message, Encoded};
 use cellmesh_proto::edge::{AccountMessage, ComponentData, DeltaKind, EntityDelta, EventData};
 use cellmesh_proto::local::{self, sidecar_message, AudienceKind};
 use cellmesh_proto::mesh::{self, mesh_message, PieceKind};
+use cellmesh_stores::SessionEntry;
+use cellmesh_world::geometry::{ChunkPos, Pos};
+use cellmesh_world::partition::NodeId;
 
 use super::gateway::Session;
 use super::wire::*;

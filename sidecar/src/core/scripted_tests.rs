@@ -2,10 +2,10 @@
 
 use std::sync::Arc;
 
-use cellmesh_geo_router::geometry::WorldShape;
-use cellmesh_geo_router::partition::{Grid, Layout, NodeId, Partition};
 use cellmesh_proto::local::{self, game_message, sidecar_message};
 use cellmesh_proto::mesh::{self, mesh_message};
+use cellmesh_world::geometry::WorldShape;
+use cellmesh_world::partition::{Grid, Layout, NodeId, Partition};
 
 use super::*;
 
@@ -1020,7 +1020,7 @@ fn a_target_acks_with_the_time_its_game_took_to_adopt() {
 /// roam over, and answers the same after it is emptied.
 #[test]
 fn the_owners_near_cache_stays_bounded() {
-    use cellmesh_geo_router::geometry::ChunkPos;
+    use cellmesh_world::geometry::ChunkPos;
     let mut core = node();
     let first = core.owners_near(ChunkPos { x: 7, y: 3 });
     for i in 0..(authority::NEAR_CACHE_MAX as i64 + 100) {
@@ -1649,13 +1649,13 @@ fn a_node_whose_cell_is_retired_stays_a_spare_or_drains_as_configured() {
         let mut core = configured_node(None, |c| c.when_retired = when);
         let world = *core.auth.partition.shape();
         // Epoch 2 squeezes node 1 to no area (still a cell); epoch 3 deletes the cell.
-        let squeezed = cellmesh_geo_router::partition::BspTree::split(
-            cellmesh_geo_router::partition::Axis::X,
+        let squeezed = cellmesh_world::partition::BspTree::split(
+            cellmesh_world::partition::Axis::X,
             0,
-            cellmesh_geo_router::partition::BspTree::leaf(ME),
-            cellmesh_geo_router::partition::BspTree::leaf(GATEWAY),
+            cellmesh_world::partition::BspTree::leaf(ME),
+            cellmesh_world::partition::BspTree::leaf(GATEWAY),
         );
-        let bsp = cellmesh_geo_router::partition::Bsp::new(&world, &squeezed).unwrap();
+        let bsp = cellmesh_world::partition::Bsp::new(&world, &squeezed).unwrap();
         let p2 = Partition::new(world, 2, Layout::Bsp(bsp)).unwrap();
         core.handle(at(10), Input::Partition(Box::new(p2.clone())));
         assert!(
@@ -1664,7 +1664,7 @@ fn a_node_whose_cell_is_retired_stays_a_spare_or_drains_as_configured() {
         );
         let p3 = p2
             .successor(Layout::Bsp(
-                cellmesh_geo_router::partition::Bsp::even(&world, &[GATEWAY]).unwrap(),
+                cellmesh_world::partition::Bsp::even(&world, &[GATEWAY]).unwrap(),
             ))
             .unwrap();
         core.handle(at(20), Input::Partition(Box::new(p3)));

@@ -2,9 +2,9 @@
 //! time: a den on the border stocked once, through a re-plan that moves its chunk, a restock
 //! after the stock despawns, and bad declarations.
 
-use cellmesh_geo_router::partition::{Grid, Layout, Partition};
-use cellmesh_geo_router::spawners::spawn_id;
 use cellmesh_proto::local::{self, game_message, ClaimOutcome as Outcome, ErrorCode};
+use cellmesh_world::partition::{Grid, Layout, Partition};
+use cellmesh_world::spawners::spawn_id;
 
 use super::pair_tests::{at, Pair};
 use super::*;

@@ -9,9 +9,9 @@
 //! The bookkeeping is pure ([`crate::model::spawners`]); this file turns it into claims and
 //! messages to the game.
 
-use cellmesh_geo_router::geometry::Pos;
-use cellmesh_geo_router::spawners::{is_spawned_id, SpawnPoint};
 use cellmesh_proto::local::{sidecar_message, ErrorCode};
+use cellmesh_world::geometry::Pos;
+use cellmesh_world::spawners::{is_spawned_id, SpawnPoint};
 
 use super::*;
 use crate::model::claims::{Pending, RETRY_MS};

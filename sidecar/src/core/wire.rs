@@ -1,9 +1,9 @@
 //! One copy of each conversion between the node's model and the wire messages (mesh and local).
 
 use bytes::Bytes;
-use cellmesh_geo_router::geometry::ChunkPos;
 use cellmesh_proto::local::{self, AudienceKind, ErrorCode};
 use cellmesh_proto::mesh::{self, PieceKind};
+use cellmesh_world::geometry::ChunkPos;
 
 use crate::model::audience::Audience;
 use crate::model::entities::{detached, Component, Entity, EntityChange, NewEntity, Position};

@@ -5,9 +5,9 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use cellmesh_geo_router::partition::NodeId;
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, PeerRole};
 use cellmesh_proto::PROTOCOL_MAJOR;
+use cellmesh_world::partition::NodeId;
 use futures::{SinkExt, StreamExt};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;

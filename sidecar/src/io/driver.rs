@@ -7,10 +7,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cellmesh_admin::Admin;
-use cellmesh_geo_router::partition::NodeId;
-use cellmesh_geo_router::store::Stores;
-use cellmesh_geo_router::topology::TopologyStore;
-use cellmesh_geo_router::world_map::{NodeMap, NODE_SAMPLE_MAX};
+use cellmesh_stores::topology::TopologyStore;
+use cellmesh_stores::Stores;
+use cellmesh_world::partition::NodeId;
+use cellmesh_world::world_map::{NodeMap, NODE_SAMPLE_MAX};
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::time::Instant;
@@ -69,7 +69,7 @@ pub(crate) struct Driver {
     /// Why the node stopped, when it could not go on (the handle reports it).
     pub failure: Arc<Mutex<Option<String>>>,
     /// The latest report to the balancer, for the membership task to publish.
-    pub load_reports: tokio::sync::watch::Sender<Option<cellmesh_geo_router::balance::CellReport>>,
+    pub load_reports: tokio::sync::watch::Sender<Option<cellmesh_world::balance::CellReport>>,
     /// What the Agones task (if any) follows.
     pub agones: tokio::sync::watch::Sender<NodeStatus>,
     /// The spans of handoffs and entity commands under way, when spans are exported.

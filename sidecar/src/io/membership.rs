@@ -25,8 +25,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use cellmesh_geo_router::partition::{NodeId, Partition};
-use cellmesh_geo_router::topology::{self, Acquire, Lease, NodeRecord, TopologyStore, MAX_NODE_ID};
+use cellmesh_stores::topology::{self, Acquire, Lease, NodeRecord, TopologyStore, MAX_NODE_ID};
+use cellmesh_world::partition::{NodeId, Partition};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -344,7 +344,7 @@ pub(crate) async fn membership(
     topology: Arc<dyn TopologyStore>,
     lease: watch::Receiver<Lease>,
     record: NodeRecord,
-    mut load: watch::Receiver<Option<cellmesh_geo_router::balance::CellReport>>,
+    mut load: watch::Receiver<Option<cellmesh_world::balance::CellReport>>,
     partition_epoch: u64,
     node: mpsc::Sender<Event>,
     shutdown: CancellationToken,

@@ -30,12 +30,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::Context;
 use cellmesh_admin::prometheus_client::registry::Registry;
 use cellmesh_admin::{Admin, Reply};
-use cellmesh_geo_router::partition::Partition;
-use cellmesh_geo_router::store::Stores;
-use cellmesh_geo_router::topology::{NodeRecord, TopologyStore};
-use cellmesh_geo_router::world_map::NodeMap;
 use cellmesh_proto::local::{self, GameMessage, SidecarFrame};
 use cellmesh_proto::mesh::{LinkHello, MeshFrame, MeshMessage};
+use cellmesh_stores::topology::{NodeRecord, TopologyStore};
+use cellmesh_stores::Stores;
+use cellmesh_world::partition::Partition;
+use cellmesh_world::world_map::NodeMap;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -81,7 +81,7 @@ pub(crate) enum Event {
     },
     /// The node lease was renewed: the driver turns the deadline into the core's clock.
     LeaseRenewed {
-        lease: cellmesh_geo_router::topology::Lease,
+        lease: cellmesh_stores::topology::Lease,
         deadline: tokio::time::Instant,
     },
     /// Anything else, for the core as it is.

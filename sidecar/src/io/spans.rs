@@ -11,9 +11,9 @@
 use std::collections::HashMap;
 
 use cellmesh_admin::SPANS_TARGET;
-use cellmesh_geo_router::partition::NodeId;
 use cellmesh_proto::local::CommandError;
 use cellmesh_proto::mesh::{mesh_message::Body, LinkHello, MeshMessage, PeerRole};
+use cellmesh_world::partition::NodeId;
 use tracing::field::Empty;
 use tracing::Span;
 

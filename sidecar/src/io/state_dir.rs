@@ -14,8 +14,8 @@ use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use cellmesh_geo_router::partition::NodeId;
-use cellmesh_geo_router::topology::Lease;
+use cellmesh_stores::topology::Lease;
+use cellmesh_world::partition::NodeId;
 
 /// This process's hold on a node's state dir: the lock goes when it is dropped.
 #[derive(Debug)]

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use cellmesh_geo_router::store::{StoreError, Stores};
-use cellmesh_geo_router::topology::{Commit, TopologyStore};
 use cellmesh_proto::mesh::HandoffOffer;
+use cellmesh_stores::topology::{Commit, TopologyStore};
+use cellmesh_stores::{StoreError, Stores};
 use prost::Message;
 
 use crate::core::{Registration, StoreReply, StoreRequest};
@@ -283,7 +283,7 @@ pub(crate) async fn execute(
                 None => Err("no topology store: a lone node fences nothing".to_string()),
                 Some(t) => match tokio::time::timeout(
                     STORE_TIMEOUT,
-                    cellmesh_geo_router::topology::fence_lease(t, node, epoch),
+                    cellmesh_stores::topology::fence_lease(t, node, epoch),
                 )
                 .await
                 {

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use cellmesh_geo_router::store::claims::{ClaimGrant, ClaimHolder};
+use cellmesh_stores::claims::{ClaimGrant, ClaimHolder};
 
 /// How often a lease is renewed: three times per lease.
 const RENEWALS_PER_LEASE: u64 = 3;

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap as HashMap;
 
-use cellmesh_geo_router::partition::NodeId;
+use cellmesh_world::partition::NodeId;
 
 use crate::model::handoff::EntityId;
 

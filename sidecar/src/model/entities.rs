@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use bytes::Bytes;
-use cellmesh_geo_router::geometry::{ChunkPos, Pos, WorldShape};
+use cellmesh_world::geometry::{ChunkPos, Pos, WorldShape};
 use litemap::LiteMap;
 
 use crate::model::audience::Audience;

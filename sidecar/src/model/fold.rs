@@ -21,11 +21,11 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use cellmesh_geo_router::geometry::{ChunkPos, WorldShape};
 use cellmesh_proto::batch::{encode_delta, encode_event, encode_message, BatchWriter, Encoded};
 use cellmesh_proto::edge::{
     self, AccountMessage, ComponentData, DeltaKind, EntityDelta, EventData,
 };
+use cellmesh_world::geometry::{ChunkPos, WorldShape};
 
 use crate::model::audience::Audience;
 use crate::model::entities::{Entity, EntityChange, EntityTable, TickChanges};

@@ -21,8 +21,8 @@ use std::collections::{BTreeMap, VecDeque};
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use bytes::Bytes;
-use cellmesh_geo_router::geometry::{ChunkPos, ChunkRect};
-use cellmesh_geo_router::partition::{NodeId, Partition};
+use cellmesh_world::geometry::{ChunkPos, ChunkRect};
+use cellmesh_world::partition::{NodeId, Partition};
 
 use crate::model::subs::distance_to_area;
 
@@ -1124,8 +1124,8 @@ impl<F> Fence<F> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cellmesh_geo_router::geometry::WorldShape;
-    use cellmesh_geo_router::partition::{Grid, Layout};
+    use cellmesh_world::geometry::WorldShape;
+    use cellmesh_world::partition::{Grid, Layout};
     use proptest::prelude::*;
 
     const A: NodeId = 1;

@@ -1,14 +1,14 @@
 //! Snowflake entity ids, minted by the node that owns the world where they are spawned.
 //!
 //! The 64-bit layout (41 bits of milliseconds since [`EPOCH_UNIX_MS`], 10 bits of node id, 12 bits
-//! of sequence) is the one of `cellmesh_geo_router::topology::ids`, shared with the lease-bound
+//! of sequence) is the one of `cellmesh_stores::topology::ids`, shared with the lease-bound
 //! minter, so ids from either decode the same way.
 //!
 //! Ids from one minter are strictly increasing. When the clock steps back, or more than 4096 ids
 //! are asked for within one millisecond, the minter keeps counting on its own last millisecond
 //! (borrowing from the future, never past its lease) instead of waiting or repeating itself.
 
-use cellmesh_geo_router::topology::ids as layout;
+use cellmesh_stores::topology::ids as layout;
 
 /// Unix time of the id epoch, in milliseconds.
 pub const EPOCH_UNIX_MS: u64 = layout::ID_EPOCH_UNIX_MS;
@@ -17,7 +17,7 @@ pub use layout::MAX_NODE_ID;
 /// Mints the ids a game reserves: under this node's lease (a successor's ids start past every
 /// id of the holder before it, and none is stamped at or past the lease's expiry), or unbounded
 /// for a lone node with no lease.
-pub use cellmesh_geo_router::topology::LeasedIds as IdMinter;
+pub use cellmesh_stores::topology::LeasedIds as IdMinter;
 
 /// The fields of an id, for tests and logs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,7 +8,7 @@
 
 use rustc_hash::FxHashSet as HashSet;
 
-use cellmesh_geo_router::geometry::{ChunkPos, WorldShape};
+use cellmesh_world::geometry::{ChunkPos, WorldShape};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InterestShape {

@@ -2,8 +2,8 @@
 
 use std::collections::VecDeque;
 
-use cellmesh_geo_router::partition::NodeId;
-use cellmesh_geo_router::world_map::{MapHandoff, HANDOFF_SHOWN_MS};
+use cellmesh_world::partition::NodeId;
+use cellmesh_world::world_map::{MapHandoff, HANDOFF_SHOWN_MS};
 
 /// Handoffs kept at most: a mass handoff of a whole region is thousands at one instant, and the
 /// map only needs to show that many arrows, not each one.

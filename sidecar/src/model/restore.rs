@@ -12,8 +12,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use cellmesh_geo_router::partition::NodeId;
 use cellmesh_proto::mesh::HandoffOffer;
+use cellmesh_world::partition::NodeId;
 
 use super::handoff::{EntityId, Epoch};
 

@@ -13,9 +13,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use bytes::Bytes;
-use cellmesh_geo_router::partition::NodeId;
 use cellmesh_proto::local::AudienceKind;
 use cellmesh_proto::mesh::{PieceKind, Recipient, Routed, RoutedPiece};
+use cellmesh_world::partition::NodeId;
 
 use crate::model::audience::Audience;
 use crate::model::entities::{Entity, EntityChange};
@@ -167,7 +167,7 @@ pub fn account_views(
 mod tests {
     use super::*;
     use crate::model::entities::{Component, Position};
-    use cellmesh_geo_router::geometry::ChunkPos;
+    use cellmesh_world::geometry::ChunkPos;
     use std::sync::Arc;
 
     fn addressed(accounts: &[&str]) -> Addressed {

@@ -12,9 +12,9 @@
 
 use std::collections::BTreeMap;
 
-use cellmesh_geo_router::geometry::{Pos, WorldShape};
-use cellmesh_geo_router::partition::{NodeId, Partition};
-use cellmesh_geo_router::spawners::{spawn_id, SpawnPoint, SpawnerError, Spawners};
+use cellmesh_world::geometry::{Pos, WorldShape};
+use cellmesh_world::partition::{NodeId, Partition};
+use cellmesh_world::spawners::{spawn_id, SpawnPoint, SpawnerError, Spawners};
 
 /// The claim key of spawn point `key`. Games may not claim keys with this prefix.
 pub const CLAIM_PREFIX: &str = "spawner:";
@@ -208,7 +208,7 @@ impl SpawnerBook {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cellmesh_geo_router::partition::{Grid, Layout};
+    use cellmesh_world::partition::{Grid, Layout};
 
     fn shape() -> WorldShape {
         WorldShape {

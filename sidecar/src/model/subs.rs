@@ -10,8 +10,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
-use cellmesh_geo_router::geometry::{ChunkPos, ChunkRect, WorldShape};
-use cellmesh_geo_router::partition::{NodeId, Partition};
+use cellmesh_world::geometry::{ChunkPos, ChunkRect, WorldShape};
+use cellmesh_world::partition::{NodeId, Partition};
 
 /// What one update of the wanted set asks of the owners, batched per owner.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -250,7 +250,7 @@ pub fn distance_to_area(world: &WorldShape, area: &[ChunkRect], chunk: ChunkPos)
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cellmesh_geo_router::partition::{Grid, Layout};
+    use cellmesh_world::partition::{Grid, Layout};
 
     fn c(x: i64, y: i64) -> ChunkPos {
         ChunkPos { x, y }

@@ -8,7 +8,6 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use cellmesh_geo_router::store::Stores;
 use cellmesh_proto::codec::FrameCodec;
 use cellmesh_proto::edge::{self, server_message, DeltaKind, EntityDelta, ServerFrame};
 use cellmesh_proto::local::{
@@ -17,6 +16,7 @@ use cellmesh_proto::local::{
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, PeerRole};
 use cellmesh_proto::sdk::{self, GameReceiver, GameSender, SdkConfig};
 use cellmesh_sidecar::{SidecarConfig, SidecarHandle};
+use cellmesh_stores::Stores;
 pub use cellmesh_test_support::within;
 use futures::{SinkExt, StreamExt};
 use prost::Message;

@@ -10,8 +10,8 @@ use super::{
     check_commit, check_holder, check_request, Acquire, Commit, DirectorAcquire, DirectorLease,
     Lease, NodeEntry, NodeRecord, TopologyError, TopologyStore,
 };
-use crate::balance::CellReport;
-use crate::partition::{NodeId, Partition};
+use cellmesh_world::balance::CellReport;
+use cellmesh_world::partition::{NodeId, Partition};
 
 /// The store's clock: unix milliseconds.
 pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;

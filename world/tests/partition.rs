@@ -4,8 +4,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use cellmesh_geo_router::geometry::{ChunkOffset, ChunkPos, ChunkRect, Pos, RegionPos, WorldShape};
-use cellmesh_geo_router::partition::{
+use cellmesh_world::geometry::{ChunkOffset, ChunkPos, ChunkRect, Pos, RegionPos, WorldShape};
+use cellmesh_world::partition::{
     Axis, Bsp, BspEntryKind, BspTree, Grid, Layout, Neighbour, NodeId, Partition, PartitionError,
     Transfer,
 };

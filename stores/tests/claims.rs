@@ -5,10 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cellmesh_geo_router::store::claims::{
-    ClaimGrant, ClaimHolder, ClaimOutcome, ClaimStore, MemoryClaims,
-};
-use cellmesh_geo_router::store::redis::RedisDirectory;
+use cellmesh_stores::claims::{ClaimGrant, ClaimHolder, ClaimOutcome, ClaimStore, MemoryClaims};
+use cellmesh_stores::redis::RedisDirectory;
 use cellmesh_test_support::{required, unique_name as unique};
 
 async fn redis() -> Arc<dyn ClaimStore> {

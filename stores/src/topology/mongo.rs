@@ -33,10 +33,10 @@ use super::{
     check_commit, check_holder, check_request, Acquire, Commit, DirectorAcquire, DirectorLease,
     Lease, NodeEntry, NodeRecord, TopologyError, TopologyStore,
 };
-use crate::balance::CellReport;
-use crate::partition::{NodeId, Partition};
-use crate::store::mongo::{bounded, error, MongoConn};
-use crate::store::StoreError;
+use crate::mongo::{bounded, error, MongoConn};
+use crate::StoreError;
+use cellmesh_world::balance::CellReport;
+use cellmesh_world::partition::{NodeId, Partition};
 
 const CURRENT: &str = "current";
 const DUPLICATE_KEY: i32 = 11000;

@@ -27,8 +27,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-use crate::partition::{NodeId, Partition};
-use crate::store::{redact_url, StoreError};
+use crate::{redact_url, StoreError};
+use cellmesh_world::partition::{NodeId, Partition};
 
 pub use ids::{LeasedIds, MAX_NODE_ID};
 
@@ -242,13 +242,16 @@ pub trait TopologyStore: Send + Sync {
     async fn publish_load(
         &self,
         lease: &Lease,
-        report: &crate::balance::CellReport,
+        report: &cellmesh_world::balance::CellReport,
     ) -> Result<bool, TopologyError>;
 
     /// The latest load report of every node whose lease is live.
     async fn loads(
         &self,
-    ) -> Result<std::collections::BTreeMap<NodeId, crate::balance::CellReport>, TopologyError>;
+    ) -> Result<
+        std::collections::BTreeMap<NodeId, cellmesh_world::balance::CellReport>,
+        TopologyError,
+    >;
 
     /// Grants `holder` the director's lease for `ttl` if it is free, lapsed or already
     /// `holder`'s, under a new epoch. A director balances a committed layout: with no partition

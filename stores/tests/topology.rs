@@ -10,16 +10,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cellmesh_geo_router::balance::{CellReport, EntityBoundLevels};
-use cellmesh_geo_router::geometry::{ChunkPos, ChunkRect, WorldShape};
-use cellmesh_geo_router::partition::{Bsp, Grid, Layout, Partition};
-use cellmesh_geo_router::store::StoreError;
-use cellmesh_geo_router::topology::memory::MemoryTopology;
-use cellmesh_geo_router::topology::mongo::MongoTopology;
-use cellmesh_geo_router::topology::{
+use cellmesh_stores::topology::memory::MemoryTopology;
+use cellmesh_stores::topology::mongo::MongoTopology;
+use cellmesh_stores::topology::{
     self, ids, Acquire, Commit, DirectorAcquire, Lease, LeasedIds, NodeRecord, TopologyError,
     TopologyStore,
 };
+use cellmesh_stores::StoreError;
+use cellmesh_world::balance::{CellReport, EntityBoundLevels};
+use cellmesh_world::geometry::{ChunkPos, ChunkRect, WorldShape};
+use cellmesh_world::partition::{Bsp, Grid, Layout, Partition};
 use futures::future::{join_all, BoxFuture};
 use mongodb::bson::doc;
 

@@ -1,19 +1,23 @@
-//! The stores, behind traits so the embedded in-memory default and the real servers are
-//! interchangeable (docs/mesh.md, docs/partition.md):
+//! The stores of a cellmesh cluster, behind traits so that the embedded in-memory default and
+//! the real servers are interchangeable (docs/mesh.md, docs/partition.md):
 //!
 //! | trait | real store | scope |
 //! |---|---|---|
+//! | [`topology::TopologyStore`]: the committed partition, node leases (the fencing tokens), node records | MongoDB ([`topology::mongo::MongoTopology`]) | global |
 //! | [`SessionDirectory`] | Redis ([`redis::RedisDirectory`]) | per geo |
 //! | [`PlayerRecords`] | MongoDB ([`mongo::MongoPlayers`]) | global |
 //! | [`EdgeBoard`] | Redis ([`redis::RedisDirectory`]) | per geo |
 //!
-//! Both have an in-memory implementation in [`memory`] for `cellmesh up` and unit tests.
+//! Each has an in-memory implementation ([`memory`], [`topology::memory`]) for `cellmesh up` and
+//! unit tests; [`claims`] holds the exclusive claims with their fencing tokens. The pure rules
+//! they serve (geometry, partition, policies) are the `cellmesh-world` crate.
 
 pub mod claims;
 pub mod lazy_board;
 pub mod memory;
 pub mod mongo;
 pub mod redis;
+pub mod topology;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,10 +4,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use cellmesh_geo_router::bubbles::{
+use cellmesh_world::bubbles::{
     BubbleId, Member, MemberId, Params, Placement, Reason, Role, SiteId, Sites,
 };
-use cellmesh_geo_router::geometry::{Pos, WorldShape};
+use cellmesh_world::geometry::{Pos, WorldShape};
 use proptest::prelude::*;
 
 const SITES: [SiteId; 3] = [SiteId(0), SiteId(1), SiteId(2)];

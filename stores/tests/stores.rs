@@ -12,10 +12,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use cellmesh_geo_router::store::memory::{MemoryBoard, MemoryDirectory, MemoryPlayers};
-use cellmesh_geo_router::store::mongo::MongoPlayers;
-use cellmesh_geo_router::store::redis::RedisDirectory;
-use cellmesh_geo_router::store::{
+use cellmesh_stores::memory::{MemoryBoard, MemoryDirectory, MemoryPlayers};
+use cellmesh_stores::mongo::MongoPlayers;
+use cellmesh_stores::redis::RedisDirectory;
+use cellmesh_stores::{
     EdgeBoard, FarRtt, MasterEntry, PlayerRecord, PlayerRecords, SessionDirectory, SessionEntry,
     StoreError,
 };

@@ -216,7 +216,7 @@ mod tests {
         let last = ID_EPOCH_UNIX_MS + MAX_TIME;
         let mut ids = LeasedIds::new(&lease(7, last + 1_000)).unwrap();
         let id = ids.mint(last).unwrap();
-        assert!(!crate::spawners::is_spawned_id(id), "{id:#x}");
+        assert!(!cellmesh_world::spawners::is_spawned_id(id), "{id:#x}");
         // Past it (or a clock that reads past it) the minter stops rather than wrap into them.
         let mut ids = LeasedIds::new(&lease(7, last + 10_000)).unwrap();
         for _ in 0..=MAX_SEQ {

@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
-use cellmesh_geo_router::store::memory::MemoryCheckpoints;
-use cellmesh_geo_router::store::redis::RedisDirectory;
-use cellmesh_geo_router::store::CheckpointStore;
+use cellmesh_stores::memory::MemoryCheckpoints;
+use cellmesh_stores::redis::RedisDirectory;
+use cellmesh_stores::CheckpointStore;
 use cellmesh_test_support::{required, unique_name as unique};
 
 async fn redis(geo: &str) -> Arc<dyn CheckpointStore> {

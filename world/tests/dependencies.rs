@@ -1,0 +1,94 @@
+//! Crates are cut by what they link: the pure world (this crate) and the simulators built on it
+//! link no async runtime and no store client, and the data plane (the sidecar and the proxy)
+//! links no simulator, plotting or bench code.
+
+use std::path::Path;
+use std::process::Command;
+
+/// Runs `cargo tree --offline` from the workspace root with `args` and returns its output;
+/// panics with its stderr if it fails.
+fn cargo_tree(args: &[&str]) -> String {
+    // The cargo running these tests, so that the toolchain and registry cache are the same.
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_owned());
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new(&cargo)
+        .current_dir(&root)
+        .args(["tree", "--offline"])
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("running {cargo} tree: {e}"));
+    assert!(
+        out.status.success(),
+        "cargo tree {} failed: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The normal dependencies of `package` on this machine's target (offline, only the crates a
+/// build here fetched are at hand; plotting would come in on every target alike).
+fn normal_deps(package: &str) -> String {
+    cargo_tree(&["-e", "normal", "-p", package])
+}
+
+/// Crates (by name) in `package`'s normal dependency tree.
+fn crates_in(package: &str) -> Vec<String> {
+    let tree = normal_deps(package);
+    assert!(
+        tree.starts_with(package),
+        "not the tree of {package}:\n{tree}"
+    );
+    tree.lines()
+        .filter_map(|line| {
+            let name = line.trim_start_matches(|c: char| !c.is_ascii_alphanumeric());
+            name.split_whitespace().next().map(str::to_owned)
+        })
+        .collect()
+}
+
+/// Fails, naming the path by which it came in, when `package` depends on any of `banned`.
+fn assert_links_none(package: &str, banned: &[&str]) {
+    let crates = crates_in(package);
+    for b in banned {
+        if crates.iter().any(|c| c == b) {
+            let through = cargo_tree(&["-e", "normal", "-p", package, "-i", b]);
+            panic!("{package} depends on {b}, through:\n{through}");
+        }
+    }
+}
+
+/// Simulators, plotting and the bench harness: none belongs in a process players depend on.
+const NOT_IN_THE_DATA_PLANE: &[&str] = &[
+    "plotters",
+    "cellmesh-sim",
+    "cellmesh-geosim",
+    "cellmesh-balancesim",
+    "cellmesh-benches",
+    "criterion",
+];
+
+/// An async runtime and store clients: none belongs in pure logic.
+const NOT_IN_PURE_LOGIC: &[&str] = &["tokio", "mongodb", "redis", "cellmesh-stores"];
+
+#[test]
+fn the_sidecar_and_the_proxy_link_no_simulator_plotting_or_bench() {
+    for package in ["cellmesh-sidecar", "cellmesh-proxy"] {
+        assert_links_none(package, NOT_IN_THE_DATA_PLANE);
+    }
+}
+
+#[test]
+fn the_world_and_the_policy_simulators_link_no_runtime_and_no_store() {
+    for package in ["cellmesh-world", "cellmesh-geosim", "cellmesh-balancesim"] {
+        assert_links_none(package, NOT_IN_PURE_LOGIC);
+    }
+}
+
+/// The checks above would see what they look for: these trees name it.
+#[test]
+fn the_checks_see_what_they_look_for() {
+    assert!(crates_in("cellmesh-geosim").iter().any(|c| c == "plotters"));
+    assert!(crates_in("cellmesh-stores").iter().any(|c| c == "mongodb"));
+    assert!(crates_in("cellmesh-sidecar").iter().any(|c| c == "tokio"));
+}
