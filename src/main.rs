@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use cellmesh::{bots, signal, telemetry, up};
+#[cfg(feature = "tools")]
+use cellmesh::up;
+use cellmesh::{bots, signal, telemetry};
 use cellmesh_proxy::config::DEFAULT_TOKEN_SECRET;
 use clap::{Args, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
@@ -24,6 +26,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run a local cluster in this process: sidecar + arena game, proxy and bots, with live status.
+    #[cfg(feature = "tools")]
     Up(UpArgs),
     /// Run a sidecar beside a game server.
     Sidecar {
@@ -73,18 +76,23 @@ enum Command {
     /// Show, plan and commit the partition of the world.
     Partition(cellmesh::partition_cli::PartitionArgs),
     /// Geo routing tools: simulate bubble placement over a scenario.
+    #[cfg(feature = "tools")]
     Geo(cellmesh::geo_cli::GeoArgs),
     /// Load balancing tools: simulate the balancer over a scenario.
+    #[cfg(feature = "tools")]
     Balance(cellmesh::balance_cli::BalanceArgs),
     /// The deterministic cluster simulator: sidecar cores, games, clients and links in virtual
     /// time, with faults; every invariant checked after every step.
+    #[cfg(feature = "tools")]
     Sim(cellmesh::sim_cli::SimArgs),
     /// Run bots against a running proxy.
     Bots(BotsArgs),
     /// Measure the mesh beside its baselines (hop, fanout, transport, edge, handoff, memory,
     /// overload).
+    #[cfg(feature = "tools")]
     Bench(cellmesh::bench_cli::BenchArgs),
     /// A minimal framed TCP forwarder: the baseline `bench` starts as processes.
+    #[cfg(feature = "tools")]
     #[command(hide = true)]
     Forwarder {
         #[arg(long)]
@@ -105,6 +113,7 @@ struct SecretArg {
     secret: String,
 }
 
+#[cfg(feature = "tools")]
 #[derive(Args, Debug)]
 struct UpArgs {
     /// Number of bots playing through the proxy.
@@ -176,12 +185,14 @@ struct UpArgs {
     admin: String,
 }
 
+#[cfg(feature = "tools")]
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum PartitionKind {
     Grid,
     Bsp,
 }
 
+#[cfg(feature = "tools")]
 impl UpArgs {
     fn options(self) -> up::UpOptions {
         up::UpOptions {
@@ -292,6 +303,7 @@ fn seconds(s: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(secs).map_err(|e| e.to_string())
 }
 
+#[cfg(feature = "tools")]
 /// `--chaos`: [`seconds`], at least one (nodes need time to come up between kills).
 fn chaos_seconds(s: &str) -> Result<Duration, String> {
     let every = seconds(s)?;
@@ -327,6 +339,7 @@ fn report_listening(line: std::fmt::Arguments) {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
+        #[cfg(feature = "tools")]
         Command::Up(args) => {
             let _telemetry = telemetry::init("warn", "cellmesh-up");
             let opts = args.options();
@@ -491,14 +504,19 @@ async fn main() -> anyhow::Result<()> {
             handle.wait().await;
         }
         Command::Partition(args) => cellmesh::partition_cli::run(args).await?,
+        #[cfg(feature = "tools")]
         Command::Geo(args) => cellmesh::geo_cli::run(args)?,
         Command::Certs(args) => cellmesh::certs_cli::run(args)?,
+        #[cfg(feature = "tools")]
         Command::Balance(args) => cellmesh::balance_cli::run(args)?,
+        #[cfg(feature = "tools")]
         Command::Sim(args) => cellmesh::sim_cli::run(args)?,
+        #[cfg(feature = "tools")]
         Command::Bench(args) => {
             let _telemetry = telemetry::init("warn", "cellmesh-bench");
             cellmesh::bench_cli::run(args).await?
         }
+        #[cfg(feature = "tools")]
         Command::Forwarder { to } => cellmesh_benches::load::forwarder::run_process(to).await?,
         Command::Token {
             account,
@@ -551,7 +569,7 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "tools"))]
 mod tests {
     use super::*;
     use clap::CommandFactory;

@@ -1,6 +1,7 @@
 //! Crates are cut by what they link: the pure world (this crate) and the simulators built on it
 //! link no async runtime and no store client, and the data plane (the sidecar and the proxy)
-//! links no simulator, plotting or bench code.
+//! links no simulator, plotting or bench code; nor does the `cellmesh` binary built without its
+//! `tools` feature, as the container image is.
 
 use std::path::Path;
 use std::process::Command;
@@ -32,6 +33,14 @@ fn normal_deps(package: &str) -> String {
     cargo_tree(&["-e", "normal", "-p", package])
 }
 
+/// The crate names of a `cargo tree` listing.
+fn names(tree: &str) -> impl Iterator<Item = &str> {
+    tree.lines().filter_map(|line| {
+        let name = line.trim_start_matches(|c: char| !c.is_ascii_alphanumeric());
+        name.split_whitespace().next()
+    })
+}
+
 /// Crates (by name) in `package`'s normal dependency tree.
 fn crates_in(package: &str) -> Vec<String> {
     let tree = normal_deps(package);
@@ -39,12 +48,7 @@ fn crates_in(package: &str) -> Vec<String> {
         tree.starts_with(package),
         "not the tree of {package}:\n{tree}"
     );
-    tree.lines()
-        .filter_map(|line| {
-            let name = line.trim_start_matches(|c: char| !c.is_ascii_alphanumeric());
-            name.split_whitespace().next().map(str::to_owned)
-        })
-        .collect()
+    names(&tree).map(str::to_owned).collect()
 }
 
 /// Fails, naming the path by which it came in, when `package` depends on any of `banned`.
@@ -76,6 +80,33 @@ fn the_sidecar_and_the_proxy_link_no_simulator_plotting_or_bench() {
     for package in ["cellmesh-sidecar", "cellmesh-proxy"] {
         assert_links_none(package, NOT_IN_THE_DATA_PLANE);
     }
+}
+
+/// The `cellmesh` binary as the container image builds it (without the `tools` feature) runs
+/// the sidecar, the proxy and the director: none of the tools come with it.
+#[test]
+fn the_binary_built_for_production_links_no_simulator_plotting_or_bench() {
+    const PRODUCTION: [&str; 5] = ["-e", "normal", "-p", "cellmesh", "--no-default-features"];
+    let tree = cargo_tree(&PRODUCTION);
+    assert!(
+        tree.starts_with("cellmesh "),
+        "not cellmesh's tree:\n{tree}"
+    );
+    for b in NOT_IN_THE_DATA_PLANE {
+        if names(&tree).any(|c| c == *b) {
+            let through = cargo_tree(&[&PRODUCTION[..], &["-i", b]].concat());
+            panic!("cellmesh without its tools depends on {b}, through:\n{through}");
+        }
+    }
+    // With the tools (the default), it does: the check sees what it looks for.
+    let tools = cargo_tree(&["-e", "normal", "-p", "cellmesh"]);
+    assert!(names(&tools).any(|c| c == "cellmesh-sim"));
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dockerfile = std::fs::read_to_string(root.join("docker/Dockerfile")).unwrap();
+    assert!(
+        dockerfile.contains("--no-default-features"),
+        "the image must build cellmesh without its tools"
+    );
 }
 
 #[test]
