@@ -749,8 +749,9 @@ def cmd_final(a):
     # complete snapshots (wanderers are never despawned by the arena): lost is real in none of
     # them, as a handoff between two nodes asked a few milliseconds apart can hide an NPC from one.
     seen_npcs = persistent(samples, npc_ids, runs=2) if samples else set()
-    last = [s for s in before_logout + end if complete(s)][-3:]
-    lost = sorted(seen_npcs - set().union(*(npc_ids(s) for s in last))) if last else None
+    whole = [s for s in before_logout + end if complete(s)][-3:]
+    lost = sorted(seen_npcs - set().union(*(npc_ids(s) for s in whole))) if whole else None
+    last = whole[-1] if whole else None
     twice = persistent(samples, written_twice)
     restore_ms = []
     if a.restore_ms and os.path.exists(a.restore_ms):
