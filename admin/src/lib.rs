@@ -49,6 +49,8 @@ pub use prometheus_client;
 pub const SPANS_TARGET: &str = "cellmesh::spans";
 
 type StateFn = dyn Fn() -> serde_json::Value + Send + Sync;
+type AsyncStateFn =
+    dyn Fn() -> Pin<Box<dyn Future<Output = serde_json::Value> + Send>> + Send + Sync;
 
 /// The answer of a route a process added: status, content type and body.
 #[derive(Debug, Clone)]
@@ -89,6 +91,8 @@ pub struct Admin {
     ready: AtomicBool,
     registry: Registry,
     state: Box<StateFn>,
+    /// Composes `/state` in place of `state`, where the state lives in a task of its own.
+    state_async: RwLock<Option<Arc<AsyncStateFn>>>,
     /// By path: the handler, and whether it is served without the token.
     routes: RwLock<HashMap<String, (Route, bool)>>,
     /// Empty: every path is open.
@@ -147,6 +151,7 @@ impl Admin {
             ready: AtomicBool::new(false),
             registry,
             state: Box::new(state),
+            state_async: RwLock::default(),
             routes: RwLock::default(),
             token: RwLock::default(),
             limits: RwLock::default(),
@@ -263,7 +268,34 @@ impl Admin {
                     .expect("route response parts are valid");
             }
         }
+        if req.method() == Method::GET && path == "/state" {
+            let state = self
+                .state_async
+                .read()
+                .expect("admin state poisoned")
+                .clone();
+            if let Some(state) = state {
+                let v = state().await;
+                return Response::builder()
+                    .status(StatusCode::OK)
+                    .header("content-type", "application/json")
+                    .header("cache-control", "no-store")
+                    .body(Full::new(Bytes::from(format!("{v:#}\n"))))
+                    .expect("state response parts are valid");
+            }
+        }
         self.respond(req)
+    }
+
+    /// Composes `/state` with `state` from now on: for a process whose state a task of its own
+    /// owns, asked for it as each request comes.
+    pub fn set_state_async<F, Fut>(&self, state: F)
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = serde_json::Value> + Send + 'static,
+    {
+        let f: Arc<AsyncStateFn> = Arc::new(move || Box::pin(state()));
+        *self.state_async.write().expect("admin state poisoned") = Some(f);
     }
 
     pub fn set_ready(&self, ready: bool) {

@@ -67,8 +67,6 @@ pub(crate) struct Geos {
     peers: HashMap<String, Peer>,
     /// Seals and opens the handover cookies and probe tickets.
     ring: cellmesh_proto::keys::KeyRing,
-    pub cookie_wait: Duration,
-    pub probe_every: Duration,
     /// `None` on a single-geo network: nothing to find.
     discovery: Option<Discovery>,
 }
@@ -120,19 +118,12 @@ impl Geos {
             board,
             peers,
             ring: cfg.rings()?.cookie,
-            cookie_wait: Duration::from_millis(g.cookie_wait_ms),
-            probe_every: Duration::from_millis(g.probe_every_ms),
             discovery: if g.peers.is_empty() {
                 None
             } else {
                 Some(Discovery::new(&g.dns_servers)?)
             },
         })
-    }
-
-    /// A network of one geo: no hint, no cookie, no handover.
-    pub(crate) fn single(&self) -> bool {
-        self.peers.is_empty()
     }
 
     /// Opens a cookie (or a hint, which is the same sealed cookie) for a login here.
@@ -264,10 +255,6 @@ impl Geos {
         })
     }
 
-    pub(crate) fn home(&self) -> &str {
-        &self.home
-    }
-
     /// Where a peer's proxies are now, by DNS (a literal address needs none).
     async fn find(&self, proxies: &str, metrics: &Metrics) -> Result<(String, u16), String> {
         let Some(d) = &self.discovery else {
@@ -313,19 +300,6 @@ impl Geos {
         }
         targets.sort_by(|a, b| a.geo.cmp(&b.geo));
         targets
-    }
-
-    /// Checks a probe ticket presented here; the error says why it is refused.
-    pub(crate) fn open_ticket(&self, bytes: &[u8], ip: IpAddr) -> Result<ProbeTicket, String> {
-        let t =
-            ticket::open_ring(&self.ring, bytes, ip, now_unix_ms()).map_err(|e| e.to_string())?;
-        if t.target_geo != self.home {
-            return Err(format!("ticket for geo `{}`", t.target_geo));
-        }
-        if !self.peers.contains_key(&t.origin_geo) {
-            return Err(format!("ticket from unknown geo `{}`", t.origin_geo));
-        }
-        Ok(t)
     }
 
     /// Publishes what this proxy measured to a client of `origin` onto that geo's Redis.

@@ -8,7 +8,7 @@ use std::os::fd::AsRawFd;
 
 /// The kernel's figures for one connection, in milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct KernelRtt {
+pub struct KernelRtt {
     /// The lowest RTT seen on the connection (Linux 4.6 and later; 0 where unknown).
     pub min_ms: f64,
     /// The smoothed RTT (srtt).

@@ -15,8 +15,8 @@ use tokio_util::codec::Encoder;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::{client, Io};
 use crate::connlimit::Refusal;
-use crate::{client, Shared};
 
 /// First pause after a failed accept (e.g. out of file descriptors), doubling while it fails.
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(10);
@@ -29,7 +29,7 @@ const REFUSAL_LINGER: Duration = Duration::from_millis(500);
 /// Accepts until `stop` is cancelled (the drain stops accepting before it asks anyone to leave).
 pub(crate) async fn run(
     listener: TcpListener,
-    shared: Arc<Shared>,
+    io: Arc<Io>,
     tasks: TaskTracker,
     stop: CancellationToken,
 ) {
@@ -43,12 +43,12 @@ pub(crate) async fn run(
         match accepted {
             Ok((stream, peer)) => {
                 pause = ACCEPT_ERROR_PAUSE;
-                match shared.connections.admit(peer.ip()) {
+                match io.connections.admit(peer.ip()) {
                     Ok(permit) => {
-                        tasks.spawn(client::serve(shared.clone(), stream, peer, permit));
+                        tasks.spawn(client::serve(io.clone(), stream, peer, permit));
                     }
                     Err(refusal) => {
-                        shared.metrics.refused(refusal);
+                        io.metrics.refused(refusal);
                         tracing::debug!(%peer, limit = refusal.label(), "connection refused");
                         if let Ok(slot) = refusals.clone().try_acquire_owned() {
                             tasks.spawn(async move {
@@ -60,7 +60,7 @@ pub(crate) async fn run(
                 }
             }
             Err(e) => {
-                shared.metrics.error("accept");
+                io.metrics.error("accept");
                 if pause == ACCEPT_ERROR_PAUSE {
                     tracing::warn!(error = %e, "accepting a client failed; backing off");
                 }
