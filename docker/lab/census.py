@@ -591,13 +591,21 @@ def counter_totals(samples, kind, prefix):
             if not m:
                 continue
             prev = last.get(svc)
-            restarted = prev is not None and any(k in m and m[k] < v for k, v in prev.items() if k.endswith("_total"))
+            # A restart starts every counter again from zero: one that fell to under half of what
+            # it was (from 10 or more). Two readings taken by different samplers can also arrive
+            # a few counts out of order; that is no restart, and the higher reading stays the base.
+            restarted = prev is not None and any(
+                k in m and v >= 10 and m[k] < v / 2 for k, v in prev.items() if k.endswith("_total")
+            )
             for k, v in m.items():
                 if not k.startswith(prefix) or "_total" not in k:
                     continue
                 base = 0.0 if (prev is None or restarted) else prev.get(k, 0.0)
                 total[k] = total.get(k, 0.0) + max(0.0, v - base)
-            last[svc] = m
+            if prev is None or restarted:
+                last[svc] = m
+            else:
+                last[svc] = {k: max(v, prev.get(k, v)) if isinstance(v, (int, float)) else v for k, v in m.items()}
     return total
 
 
