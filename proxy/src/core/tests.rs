@@ -112,21 +112,32 @@ impl Harness {
         });
     }
 
-    /// Opens connection `conn` and logs `account` in with a valid token; returns the session id
-    /// the gateway is asked to attach, and its gateway.
-    fn login(&mut self, conn: ConnId, account: &str) -> (GatewayId, u64) {
+    /// Opens connection `conn`; returns its challenge.
+    fn open(&mut self, conn: ConnId) -> Vec<u8> {
         self.feed(Input::ClientOpened {
             conn,
             peer: format!("192.0.2.{conn}:5000").parse().unwrap(),
         });
-        let nonce = match &self.server_bodies(conn)[..] {
+        match &self.server_bodies(conn)[..] {
             [server_message::Body::Challenge(c)] => c.nonce.to_vec(),
             other => panic!("expected the challenge, got {other:?}"),
-        };
+        }
+    }
+
+    /// `account`'s hello with a valid token, proved over the challenge `nonce`.
+    fn hello(&self, account: &str, nonce: &[u8]) -> client_message::Body {
         let expiry = UNIX_MS / 1000 + 3600;
         let token = cellmesh_proto::token::sign(self.cfg.token_secret.as_bytes(), account, expiry);
-        let hello = cellmesh_proto::client::login_hello(&token, &nonce).unwrap();
-        self.client_sends(conn, vec![client_message::Body::Hello(Box::new(hello))]);
+        let hello = cellmesh_proto::client::login_hello(&token, nonce).unwrap();
+        client_message::Body::Hello(Box::new(hello))
+    }
+
+    /// Opens connection `conn` and logs `account` in with a valid token; returns the session id
+    /// the gateway is asked to attach, and its gateway.
+    fn login(&mut self, conn: ConnId, account: &str) -> (GatewayId, u64) {
+        let nonce = self.open(conn);
+        let hello = self.hello(account, &nonce);
+        self.client_sends(conn, vec![hello]);
         let attach = self
             .sent_to_gateways()
             .into_iter()
@@ -369,18 +380,9 @@ fn when_every_gateway_admits_no_one_a_login_is_refused_with_a_retry_after() {
         }),
     );
     h.take();
-    h.feed(Input::ClientOpened {
-        conn: 1,
-        peer: "192.0.2.1:5000".parse().unwrap(),
-    });
-    let nonce = match &h.server_bodies(1)[..] {
-        [server_message::Body::Challenge(c)] => c.nonce.to_vec(),
-        other => panic!("{other:?}"),
-    };
-    let token =
-        cellmesh_proto::token::sign(h.cfg.token_secret.as_bytes(), "alice", UNIX_MS / 1000 + 60);
-    let hello = cellmesh_proto::client::login_hello(&token, &nonce).unwrap();
-    h.client_sends(1, vec![client_message::Body::Hello(Box::new(hello))]);
+    let nonce = h.open(1);
+    let hello = h.hello("alice", &nonce);
+    h.client_sends(1, vec![hello]);
     match h.closed_with(1) {
         Some(Some(server_message::Body::Kick(k))) => {
             assert_eq!(k.reason, KickReason::ServerFull as i32);
@@ -395,22 +397,10 @@ fn when_every_gateway_admits_no_one_a_login_is_refused_with_a_retry_after() {
 fn a_replayed_hello_is_refused_on_another_connection() {
     let mut h = Harness::new(1, |_| {});
     h.link_up(0, 1);
-    h.feed(Input::ClientOpened {
-        conn: 1,
-        peer: "192.0.2.1:5000".parse().unwrap(),
-    });
-    let nonce = match &h.server_bodies(1)[..] {
-        [server_message::Body::Challenge(c)] => c.nonce.to_vec(),
-        other => panic!("{other:?}"),
-    };
-    let token =
-        cellmesh_proto::token::sign(h.cfg.token_secret.as_bytes(), "alice", UNIX_MS / 1000 + 60);
-    let hello = cellmesh_proto::client::login_hello(&token, &nonce).unwrap();
-    h.feed(Input::ClientOpened {
-        conn: 2,
-        peer: "192.0.2.1:5001".parse().unwrap(),
-    });
-    h.client_sends(2, vec![client_message::Body::Hello(Box::new(hello))]);
+    let nonce = h.open(1);
+    let hello = h.hello("alice", &nonce);
+    h.open(2);
+    h.client_sends(2, vec![hello]);
     assert_eq!(h.kicked(2).0, KickReason::BadToken);
 }
 
