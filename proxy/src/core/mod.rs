@@ -410,23 +410,47 @@ impl ProxyCore {
         )
     }
 
-    /// Runs `f` on a live connection, and forgets it once it ended.
+    /// Runs `f` on a live connection, and forgets it once it ended. The connection is borrowed
+    /// in place, beside the context and the gateways: every message of a session passes here.
     fn with_conn(
         &mut self,
         conn: ConnId,
         f: impl FnOnce(&mut Connection, &mut Cx<'_>, &mut Gateways),
     ) {
-        let Some(mut c) = self.conns.remove(&conn) else {
+        let Self {
+            conns,
+            gateways,
+            now,
+            cfg,
+            rings,
+            metrics,
+            limits,
+            timers,
+            out,
+            rng,
+            drain,
+            handover,
+            ..
+        } = self;
+        let Some(c) = conns.get_mut(&conn) else {
             return;
         };
-        let (mut cx, gateways) = self.cx();
-        f(&mut c, &mut cx, gateways);
+        let mut cx = Cx {
+            now: *now,
+            cfg,
+            rings,
+            metrics,
+            limits,
+            timers,
+            out,
+            rng,
+        };
+        f(c, &mut cx, gateways);
         if c.ended() {
-            self.handover.forget(conn);
-        } else {
-            self.conns.insert(conn, c);
+            conns.remove(&conn);
+            handover.forget(conn);
         }
-        self.drain.check_done(&self.conns, &mut self.out);
+        drain.check_done(conns, out);
     }
 
     fn on_link_up(&mut self, gateway: GatewayId, node_id: u32) {
