@@ -327,16 +327,16 @@ impl ProxyCore {
         self.advance(now);
         match input {
             Input::ClientOpened { conn, peer } => {
-                let mut c = Connection::new(conn, peer, self.rng.random_nonce());
+                let c = Connection::new(conn, peer, self.rng.random_nonce());
+                self.conns.insert(conn, c);
                 let kicking = self.drain.kicking();
-                let (mut cx, gateways) = self.cx();
-                c.open(&mut cx);
-                if kicking {
-                    // Accepted just before the listener closed: asked to reconnect at once.
-                    c.end(&mut cx, gateways, drain::reconnect());
-                } else {
-                    self.conns.insert(conn, c);
-                }
+                self.with_conn(conn, |c, cx, g| {
+                    c.open(cx);
+                    if kicking {
+                        // Accepted just before the listener closed: asked to reconnect at once.
+                        c.end(cx, g, drain::reconnect());
+                    }
+                });
             }
             Input::ClientFrame {
                 conn,
@@ -391,23 +391,6 @@ impl ProxyCore {
             mono: now.mono.max(self.now.mono),
             unix_ms: now.unix_ms,
         };
-    }
-
-    /// The shared context, and the gateways beside it.
-    fn cx(&mut self) -> (Cx<'_>, &mut Gateways) {
-        (
-            Cx {
-                now: self.now,
-                cfg: &self.cfg,
-                rings: &self.rings,
-                metrics: &self.metrics,
-                limits: &self.limits,
-                timers: &mut self.timers,
-                out: &mut self.out,
-                rng: &mut self.rng,
-            },
-            &mut self.gateways,
-        )
     }
 
     /// Runs `f` on a live connection, and forgets it once it ended. The connection is borrowed
