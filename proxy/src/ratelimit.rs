@@ -13,7 +13,7 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
-use governor::clock::{Clock, DefaultClock};
+use governor::clock::{Clock, DefaultClock, FakeRelativeClock};
 use governor::middleware::NoOpMiddleware;
 use governor::state::keyed::DashMapStateStore;
 use governor::{Quota, RateLimiter};
@@ -78,6 +78,41 @@ impl<C: Clock + Clone> InputLimits<C> {
     #[cfg(test)]
     fn keys(&self) -> (usize, usize) {
         (self.account.len(), self.address.len())
+    }
+}
+
+/// The input limits in the proxy core's time: the caller moves their clock to each input's `now`
+/// ([`Self::advance_to`]), so no clock is read and a run in virtual time limits alike.
+pub(crate) struct CoreLimits {
+    limits: InputLimits<FakeRelativeClock>,
+    clock: FakeRelativeClock,
+    at: Duration,
+}
+
+impl CoreLimits {
+    pub(crate) fn new(cfg: &RateConfig) -> Self {
+        let clock = FakeRelativeClock::default();
+        Self {
+            limits: InputLimits::with_clock(cfg, clock.clone()),
+            clock,
+            at: Duration::ZERO,
+        }
+    }
+
+    /// Moves the limits' time on to `now` (time since the core's start); never back.
+    pub(crate) fn advance_to(&mut self, now: Duration) {
+        if now > self.at {
+            self.clock.advance(now - self.at);
+            self.at = now;
+        }
+    }
+
+    pub(crate) fn check(&self, account: &Arc<str>, addr: IpAddr) -> Verdict {
+        self.limits.check(account, addr)
+    }
+
+    pub(crate) fn forget_idle(&self) {
+        self.limits.forget_idle();
     }
 }
 

@@ -22,11 +22,9 @@ use cellmesh_proto::mesh::{
 use cellmesh_proto::ticket::ProbeTicket;
 use cellmesh_stores::FarRtt;
 use cellmesh_world::handover::RttFigure;
-use tracing::field::Empty;
-use tracing::Span;
 
 use super::gateways::{GatewayId, Gateways, NoGateway};
-use super::{BoardReply, BoardRequest, ConnId, Cx, Output, TimerKey};
+use super::{BoardReply, BoardRequest, ConnId, Cx, LoginTrace, Output, TimerKey};
 use crate::geo::{attach_hint, HintSource};
 use crate::metrics::InputLoss;
 use crate::ping::{PingTracker, RttSummary, RTT_WINDOW};
@@ -209,9 +207,9 @@ pub(crate) struct Connection {
     /// This connection's challenge: the login proof must cover it.
     nonce: [u8; NONCE_LEN],
     phase: Phase,
-    /// The login under way: from the `ClientHello` to the session attached at a gateway (or
-    /// the connection's end); disabled before and after, and when spans are not exported.
-    login: Span,
+    /// The login under way, from the `ClientHello` to the session attached at a gateway (or
+    /// the connection's end): what its span will say. The driver times the span.
+    trace: Option<LoginTrace>,
 }
 
 impl Connection {
@@ -221,7 +219,7 @@ impl Connection {
             peer,
             nonce,
             phase: Phase::Hello,
-            login: Span::none(),
+            trace: None,
         }
     }
 
@@ -357,19 +355,8 @@ impl Connection {
         if !hello.probe_ticket.is_empty() {
             return self.start_probe(cx, g, &hello);
         }
-        self.login = tracing::info_span!(
-            target: cellmesh_admin::SPANS_TARGET,
-            "login",
-            proxy = cx.cfg.name.as_str(),
-            geo = cx.cfg.geo.as_str(),
-            account = Empty,
-            handover = Empty,
-            gateway = Empty,
-            node = Empty,
-            session_epoch = Empty,
-            outcome = Empty,
-            reason = Empty,
-        );
+        self.trace = Some(LoginTrace::default());
+        cx.emit(Output::LoginStarted { conn: self.id });
         let now_s = cx.now.unix_ms / 1000;
         let account = match crate::auth::admit(&hello, &cx.rings.token, &self.nonce, now_s) {
             Ok(a) => a,
@@ -380,7 +367,7 @@ impl Connection {
                 return self.end(cx, g, End::Kick(r.kick));
             }
         };
-        self.login.record("account", account.as_str());
+        self.traced(|t| t.account = account.clone());
         cx.emit(Output::AdmitFrames {
             conn: self.id,
             max_frame_bytes: cx.cfg.client_max_frame_bytes,
@@ -416,7 +403,9 @@ impl Connection {
             (Phase::Hint(login, step @ HintStep::TakingHint), BoardReply::Hint(hint)) => {
                 if let Some(h) = hint {
                     cx.metrics.hint_hits.inc();
-                    self.login.record("handover", HintSource::Hint.name());
+                    if let Some(t) = &mut self.trace {
+                        t.handover = Some(HintSource::Hint.name());
+                    }
                     login.hint = Some(attach_hint(&h, HintSource::Hint));
                     return self.open_waiting_session(cx, g);
                 }
@@ -437,7 +426,9 @@ impl Connection {
                 match opened {
                     Ok(c) => {
                         cx.metrics.cookie_hits.inc();
-                        self.login.record("handover", HintSource::Cookie.name());
+                        if let Some(t) = &mut self.trace {
+                            t.handover = Some(HintSource::Cookie.name());
+                        }
                         login.hint = Some(attach_hint(&c, HintSource::Cookie));
                     }
                     Err(kind) => {
@@ -531,7 +522,8 @@ impl Connection {
             unreachable!("a gateway picked is up");
         };
         if new_login {
-            self.login.record("gateway", g.addr(gateway));
+            let addr = g.addr(gateway).to_string();
+            self.traced(|t| t.gateway = Some(addr));
         }
         let attach = Attach {
             session_id: session,
@@ -591,14 +583,15 @@ impl Connection {
             frames,
         });
         // Logged in: the login's span ends (a session moved later has none).
-        let span = std::mem::replace(&mut self.login, Span::none());
-        span.record("node", i64::from(attached.gateway_node));
-        span.record(
-            "session_epoch",
-            i64::try_from(attached.session_epoch).unwrap_or(i64::MAX),
-        );
-        span.record("outcome", "attached");
-        drop(span);
+        if let Some(mut trace) = self.trace.take() {
+            trace.node = Some(attached.gateway_node);
+            trace.session_epoch = Some(attached.session_epoch);
+            trace.outcome = "attached";
+            cx.emit(Output::LoginEnded {
+                conn: self.id,
+                trace,
+            });
+        }
         login.epoch = attached.session_epoch;
         cx.metrics.session_opened();
         tracing::debug!(account = %login.account, session = attaching.session, gateway = %g.addr(attaching.gateway), peer = %self.peer, "session attached");
@@ -1158,13 +1151,17 @@ impl Connection {
             cx.timers.disarm(key(self.id));
         }
         // A login that ends here never got its session.
-        let login = std::mem::replace(&mut self.login, Span::none());
-        login.record("outcome", end.outcome());
-        if let End::Kick(k) = &end {
-            let reason = KickReason::try_from(k.reason).unwrap_or(KickReason::KickUnspecified);
-            login.record("reason", reason.as_str_name());
+        if let Some(mut trace) = self.trace.take() {
+            trace.outcome = end.outcome();
+            if let End::Kick(k) = &end {
+                let reason = KickReason::try_from(k.reason).unwrap_or(KickReason::KickUnspecified);
+                trace.reason = Some(reason.as_str_name());
+            }
+            cx.emit(Output::LoginEnded {
+                conn: self.id,
+                trace,
+            });
         }
-        drop(login);
         let last = match end {
             End::Kick(kick) => Some(kick_message(cx, self.peer, kick)),
             End::GatewayLost(why) => Some(kick_message(
@@ -1186,6 +1183,13 @@ impl Connection {
             conn: self.id,
             last: last.map(|b| encode_body(&ServerFrame::one(b))),
         });
+    }
+
+    /// Notes something of the login under way for its span.
+    fn traced(&mut self, f: impl FnOnce(&mut LoginTrace)) {
+        if let Some(t) = &mut self.trace {
+            f(t);
+        }
     }
 
     fn send(&self, cx: &mut Cx<'_>, body: server_message::Body) {

@@ -33,13 +33,12 @@ use cellmesh_proto::edge::{ClientFrame, ProbeTarget, Transfer};
 use cellmesh_proto::mesh::{mesh_message::Body, MeshMessage};
 use cellmesh_stores::FarRtt;
 use cellmesh_world::handover::RttFigure;
-use governor::clock::FakeRelativeClock;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 use crate::config::{ProxyConfig, Rings};
 use crate::metrics::Metrics;
-use crate::ratelimit::InputLimits;
+use crate::ratelimit::CoreLimits;
 pub use crate::tcpinfo::KernelRtt;
 use crate::{HandoverCause, HandoverRecord};
 
@@ -193,12 +192,31 @@ pub enum Output {
     StopAccepting,
     /// Every client has left after a drain: stop the links and the process.
     Stopped,
+    /// A login began (its hello admitted or refused next): the driver opens its span.
+    LoginStarted { conn: ConnId },
+    /// The login ended (attached, or not): what its span says; the driver closes it.
+    LoginEnded { conn: ConnId, trace: LoginTrace },
     /// A handover of `account`'s session (the policy's or an operator's) was made, or could
     /// not be.
     HandedOver {
         account: String,
         result: Result<HandoverRecord, String>,
     },
+}
+
+/// What a login's span says once it ended (`login` under `cellmesh::spans`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoginTrace {
+    pub account: String,
+    /// Where the handover hint came from: `hint` or `cookie`.
+    pub handover: Option<&'static str>,
+    pub gateway: Option<String>,
+    pub node: Option<u32>,
+    pub session_epoch: Option<u64>,
+    /// `attached`, `refused`, `left`, `gateway_lost` or `transferred`.
+    pub outcome: &'static str,
+    /// The kick's reason, for a login refused.
+    pub reason: Option<&'static str>,
 }
 
 /// What every connection's decisions share: the time, the config, the keys, the counters, the
@@ -208,7 +226,7 @@ pub(crate) struct Cx<'a> {
     pub cfg: &'a ProxyConfig,
     pub rings: &'a Rings,
     pub metrics: &'a Metrics,
-    pub limits: &'a InputLimits<FakeRelativeClock>,
+    pub limits: &'a CoreLimits,
     pub timers: &'a mut Timers<TimerKey>,
     pub out: &'a mut VecDeque<Output>,
     pub rng: &'a mut StdRng,
@@ -257,9 +275,8 @@ pub struct ProxyCore {
     /// The geos this proxy knows: empty on a single-geo network.
     peer_geos: Vec<String>,
     metrics: Arc<Metrics>,
-    /// The rate limits on the core's own clock.
-    limits: InputLimits<FakeRelativeClock>,
-    clock: FakeRelativeClock,
+    /// The rate limits, in the core's time.
+    limits: CoreLimits,
     now: Now,
     conns: HashMap<ConnId, Connection>,
     gateways: Gateways,
@@ -279,8 +296,7 @@ impl ProxyCore {
         metrics: Arc<Metrics>,
         seed: u64,
     ) -> Self {
-        let clock = FakeRelativeClock::default();
-        let limits = InputLimits::with_clock(&cfg.rate, clock.clone());
+        let limits = CoreLimits::new(&cfg.rate);
         let mut timers = Timers::default();
         timers.arm(TimerKey::Housekeeping, HOUSEKEEPING_EVERY_MS);
         let peer_geos = cfg.geos.peers.iter().map(|p| p.name.clone()).collect();
@@ -294,7 +310,6 @@ impl ProxyCore {
             rings,
             metrics,
             limits,
-            clock,
             now: Now::default(),
             conns: HashMap::new(),
             timers,
@@ -384,9 +399,7 @@ impl ProxyCore {
     }
 
     fn advance(&mut self, now: Now) {
-        if now.mono > self.now.mono {
-            self.clock.advance(now.mono - self.now.mono);
-        }
+        self.limits.advance_to(now.mono);
         self.now = Now {
             mono: now.mono.max(self.now.mono),
             unix_ms: now.unix_ms,

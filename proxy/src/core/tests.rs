@@ -527,3 +527,48 @@ fn timers_are_armed_only_for_what_is_under_way() {
     );
     assert_eq!(h.core.timers.armed(), housekeeping);
 }
+
+#[test]
+fn a_login_says_what_its_span_records_and_the_driver_times_it() {
+    let mut h = Harness::new(1, |_| {});
+    h.link_up(0, 1);
+    h.take();
+    h.attached(1, "alice", 7);
+    let outputs = h.take();
+    assert!(outputs
+        .iter()
+        .any(|o| matches!(o, Output::LoginStarted { conn: 1 })));
+    let ended: Vec<&LoginTrace> = outputs
+        .iter()
+        .filter_map(|o| match o {
+            Output::LoginEnded { conn: 1, trace } => Some(trace),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        ended,
+        [&LoginTrace {
+            account: "alice".into(),
+            handover: None,
+            gateway: Some("10.0.0.1:7200".into()),
+            node: Some(1),
+            session_epoch: Some(7),
+            outcome: "attached",
+            reason: None,
+        }]
+    );
+    // A refused login ends its span with the reason.
+    let nonce = h.open(2);
+    let hello = h.hello("bob", &nonce);
+    h.open(3);
+    h.client_sends(3, vec![hello]);
+    let refused = h.take().into_iter().find_map(|o| match o {
+        Output::LoginEnded { conn: 3, trace } => Some(trace),
+        _ => None,
+    });
+    let refused = refused.expect("the refused login's end");
+    assert_eq!(
+        (refused.outcome, refused.reason),
+        ("refused", Some("BAD_TOKEN"))
+    );
+}

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use super::client::{ClientHandle, ClientOut};
 use super::link::{LinkUp, CONTROL_RESERVE};
 use super::{board, Io, Shared};
-use crate::core::{ConnId, GatewayId, Input, Now, Output, ProxyCore};
+use crate::core::{ConnId, GatewayId, Input, LoginTrace, Now, Output, ProxyCore};
 use crate::metrics::InputLoss;
 
 /// What the tasks around the core report.
@@ -61,6 +61,8 @@ pub(crate) struct Driver {
     links: Vec<Option<Link>>,
     /// Operator handovers waiting for their transfer, by account.
     handovers: HashMap<String, Vec<oneshot::Sender<Result<(), String>>>>,
+    /// The span of each login under way (the core says what it records; the driver times it).
+    logins: HashMap<ConnId, tracing::Span>,
     /// Inputs the outputs caused (a stalled client), fed back before the next event.
     again: VecDeque<Input>,
     accepting: CancellationToken,
@@ -82,6 +84,7 @@ impl Driver {
             clients: HashMap::new(),
             links,
             handovers: HashMap::new(),
+            logins: HashMap::new(),
             again: VecDeque::new(),
             accepting,
         }
@@ -212,6 +215,7 @@ impl Driver {
                 }
             }
             Output::CloseClient { conn, last } => {
+                self.logins.remove(&conn);
                 if let Some(close) = self.clients.remove(&conn).and_then(|mut c| c.close.take()) {
                     let _ = close.send(last);
                 }
@@ -228,6 +232,15 @@ impl Driver {
                     let reply = board::execute(&geos, request, &metrics).await;
                     let _ = events.send(Event::Core(Input::Board { conn, reply })).await;
                 });
+            }
+            Output::LoginStarted { conn } => {
+                let span = login_span(&self.io.cfg.name, &self.io.cfg.geo);
+                self.logins.insert(conn, span);
+            }
+            Output::LoginEnded { conn, trace } => {
+                if let Some(span) = self.logins.remove(&conn) {
+                    record_login(&span, &trace);
+                }
             }
             Output::Ready(ready) => self.shared.admin.set_ready(ready),
             Output::StopAccepting => self.accepting.cancel(),
@@ -390,5 +403,46 @@ impl Driver {
             "sessions": self.core.sessions_json(),
             "stats": self.io.metrics.stats(),
         })
+    }
+}
+
+/// A login's span (`cellmesh::spans`, exported over OTLP when an endpoint is set): opened as the
+/// hello arrives, its fields filled as the login ends.
+fn login_span(proxy: &str, geo: &str) -> tracing::Span {
+    use tracing::field::Empty;
+    tracing::info_span!(
+        target: cellmesh_admin::SPANS_TARGET,
+        "login",
+        proxy,
+        geo,
+        account = Empty,
+        handover = Empty,
+        gateway = Empty,
+        node = Empty,
+        session_epoch = Empty,
+        outcome = Empty,
+        reason = Empty,
+    )
+}
+
+fn record_login(span: &tracing::Span, t: &LoginTrace) {
+    if !t.account.is_empty() {
+        span.record("account", t.account.as_str());
+    }
+    if let Some(h) = t.handover {
+        span.record("handover", h);
+    }
+    if let Some(g) = &t.gateway {
+        span.record("gateway", g.as_str());
+    }
+    if let Some(n) = t.node {
+        span.record("node", i64::from(n));
+    }
+    if let Some(e) = t.session_epoch {
+        span.record("session_epoch", i64::try_from(e).unwrap_or(i64::MAX));
+    }
+    span.record("outcome", t.outcome);
+    if let Some(r) = t.reason {
+        span.record("reason", r);
     }
 }
