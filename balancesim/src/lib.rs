@@ -11,7 +11,7 @@
 //! retired, the chunks each epoch moved, and a summary. [`render_svg`] draws it. Nothing here
 //! reads files or clocks.
 //!
-//! A crate of its own, like `cellmesh-geosim` whose plot helpers it shares, so that the data
+//! A crate of its own, like `cellmesh-geosim` (both draw with `cellmesh-plot`), so that the data
 //! plane does not link the plotting; `world/tests/dependencies.rs` holds that (the sidecar and
 //! the proxy link no plotters, no simulator).
 

@@ -1,16 +1,15 @@
 //! The run as an SVG, three panels over one time axis: each node's load with the average and the
 //! safety bound, cells added, retiring and deleted marked and labelled above the data; the split
 //! lines' positions; and the chunks each epoch moved. The legend is under the panels. Labels and
-//! legend come from `cellmesh-geosim`'s plot helpers, which lay labels out so that none overlaps
+//! legend come from `cellmesh-plot`, which lay labels out so that none overlaps
 //! another.
 
-use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
-use cellmesh_geosim::plot::{
-    draw_legend, draw_marks, err, legend_height, steps, Key, Mark, MarkFrame, PALETTE, WIDTH,
+use cellmesh_plot::{
+    draw_legend, draw_marks, err, legend_height, steps, time_chart, Key, Mark, MarkFrame,
+    PlotError, PALETTE, WIDTH,
 };
-use cellmesh_geosim::PlotError;
 use cellmesh_world::partition::Axis;
 
 use super::run::Report;
@@ -56,44 +55,6 @@ fn event_colour(kind: &str) -> RGBColor {
 
 fn node_colour(i: usize) -> RGBColor {
     PALETTE[i % PALETTE.len()]
-}
-
-type Chart<'a, DB> = ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
-
-fn build<'a, DB: DrawingBackend>(
-    area: &'a DrawingArea<DB, plotters::coord::Shift>,
-    caption: String,
-    x_max: f64,
-    y_top: f64,
-    y_desc: &str,
-    (y_labels, y_decimals): (usize, usize),
-) -> Result<Chart<'a, DB>, PlotError> {
-    let mut chart = ChartBuilder::on(area)
-        .caption(caption, ("sans-serif", 20))
-        .margin(16)
-        .x_label_area_size(40)
-        .y_label_area_size(64)
-        .build_cartesian_2d(0.0..x_max, 0.0..y_top)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc("time (min)")
-        .y_desc(y_desc)
-        .y_labels(y_labels)
-        .light_line_style(WHITE.mix(0.0))
-        .bold_line_style(BLACK.mix(0.08))
-        .label_style(("sans-serif", 14))
-        .x_label_formatter(&|v| {
-            if x_max <= 5.0 {
-                format!("{v:.1}")
-            } else {
-                format!("{v:.0}")
-            }
-        })
-        .y_label_formatter(&|v| format!("{v:.y_decimals$}"))
-        .draw()
-        .map_err(err)?;
-    Ok(chart)
 }
 
 /// Renders the report as an SVG document.
@@ -204,7 +165,7 @@ pub fn render_svg(report: &Report) -> Result<String, PlotError> {
         let (moved_area, legend_area) = rest.split_vertically(MOVED_H);
 
         // Load: events under the lines, then the bound, the average and the nodes.
-        let mut chart = build(
+        let mut chart = time_chart(
             &load_area,
             format!(
                 "{}: each node's load (smoothed, as it reports it)",
@@ -244,7 +205,7 @@ pub fn render_svg(report: &Report) -> Result<String, PlotError> {
 
         // Split lines: x lines solid, y lines dashed; events as unlabelled marks.
         let side = s.chunks.0.max(s.chunks.1) as f64;
-        let mut chart = build(
+        let mut chart = time_chart(
             &lines_area,
             "split lines: where each sits (chunks along its axis)".into(),
             x_max,
@@ -303,7 +264,7 @@ pub fn render_svg(report: &Report) -> Result<String, PlotError> {
 
         // Chunks moved: one bar per epoch.
         let most = s.max_chunks_moved_in_an_epoch.max(1) as f64;
-        let mut chart = build(
+        let mut chart = time_chart(
             &moved_area,
             format!(
                 "chunks moved per epoch: {} over {} epochs, each a mass handoff",

@@ -16,7 +16,8 @@ pub mod plot;
 mod run;
 mod scenario;
 
-pub use plot::{render_svg, PlotError};
+pub use cellmesh_plot::PlotError;
+pub use plot::render_svg;
 pub use run::{
     run, MoveMark, PlayerSummary, Report, Series, SimError, Summary, TimelineEntry, Yardstick,
 };

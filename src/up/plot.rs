@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use cellmesh_geosim::plot::{
+use cellmesh_plot::{
     draw_lanes, draw_legend, draw_marks, err, lanes_by, lanes_height, legend_height, place_labels,
     steps, Key, Mark, MarkFrame, PlotError, CHAR_PX, OUTAGE, PALETTE, WIDTH,
 };

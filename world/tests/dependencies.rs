@@ -65,6 +65,7 @@ fn assert_links_none(package: &str, banned: &[&str]) {
 /// Simulators, plotting and the bench harness: none belongs in a process players depend on.
 const NOT_IN_THE_DATA_PLANE: &[&str] = &[
     "plotters",
+    "cellmesh-plot",
     "cellmesh-sim",
     "cellmesh-geosim",
     "cellmesh-balancesim",
@@ -111,7 +112,12 @@ fn the_binary_built_for_production_links_no_simulator_plotting_or_bench() {
 
 #[test]
 fn the_world_and_the_policy_simulators_link_no_runtime_and_no_store() {
-    for package in ["cellmesh-world", "cellmesh-geosim", "cellmesh-balancesim"] {
+    for package in [
+        "cellmesh-world",
+        "cellmesh-plot",
+        "cellmesh-geosim",
+        "cellmesh-balancesim",
+    ] {
         assert_links_none(package, NOT_IN_PURE_LOGIC);
     }
 }
