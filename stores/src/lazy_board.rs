@@ -21,11 +21,19 @@ impl LazyBoard {
     /// A board for `url` that connects at its first call. A URL no board can have is refused
     /// now, not at the first call.
     pub fn new(url: &str, geo: &str) -> Result<Self, StoreError> {
-        let redis = url.starts_with("redis://") || url.starts_with("rediss://");
-        if !(matches!(url, "memory" | "") || redis && ::redis::Client::open(url).is_ok()) {
+        let redis = super::is_redis_url(url);
+        if !(matches!(url, "memory" | "") || redis) {
             return Err(StoreError::BadUrl(redact_url(url)));
         }
-        if redis && !super::redis::valid_geo(geo) {
+        #[cfg(feature = "redis")]
+        if redis && ::redis::Client::open(url).is_err() {
+            return Err(StoreError::BadUrl(redact_url(url)));
+        }
+        #[cfg(not(feature = "redis"))]
+        if redis {
+            return Err(super::not_built_in(url, "Redis", "redis"));
+        }
+        if redis && !super::valid_geo(geo) {
             return Err(StoreError::InvalidGeo(geo.to_string()));
         }
         Ok(Self {

@@ -15,8 +15,12 @@
 pub mod claims;
 pub mod lazy_board;
 pub mod memory;
+#[cfg(feature = "mongodb")]
 pub mod mongo;
+#[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "redis")]
+mod redis_claims;
 pub mod topology;
 
 use std::sync::Arc;
@@ -36,6 +40,45 @@ pub enum StoreError {
     BadUrl(String),
     #[error("invalid geo name `{0}` (expected ASCII letters, digits, `-`, `_` or `.`)")]
     InvalidGeo(String),
+    /// The URL names a store this build has no client for.
+    #[error(
+        "{url}: this build of cellmesh has no {store} client; build it with `--features {feature}` \
+         (the container image has both Redis and MongoDB)"
+    )]
+    NotBuiltIn {
+        url: String,
+        store: &'static str,
+        feature: &'static str,
+    },
+}
+
+/// A geo name is part of every key, so it must not contain the separator (`:`) or glob
+/// characters: `eu-west` and `eu` must never see each other's keys.
+pub(crate) fn valid_geo(geo: &str) -> bool {
+    !geo.is_empty()
+        && geo
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// Whether `url` names a Redis (`redis://…`, `rediss://…`).
+pub fn is_redis_url(url: &str) -> bool {
+    url.starts_with("redis://") || url.starts_with("rediss://")
+}
+
+/// Whether `url` names a MongoDB (`mongodb://…`, `mongodb+srv://…`).
+pub fn is_mongodb_url(url: &str) -> bool {
+    url.starts_with("mongodb://") || url.starts_with("mongodb+srv://")
+}
+
+/// The error for a store URL this build cannot open.
+#[allow(dead_code)] // used only by builds without one of the clients
+fn not_built_in(url: &str, store: &'static str, feature: &'static str) -> StoreError {
+    StoreError::NotBuiltIn {
+        url: redact_url(url),
+        store,
+        feature,
+    }
 }
 
 /// `url` as it may appear in logs and errors: the password, if any, replaced by `***`.
@@ -229,12 +272,14 @@ impl std::fmt::Debug for dyn EdgeBoard {
 }
 
 /// Opens a geo's board: `memory`, or `redis://…` (that geo's Redis).
+#[cfg_attr(not(feature = "redis"), allow(unused_variables))] // `geo` names Redis keys
 pub async fn open_board(url: &str, geo: &str) -> Result<Arc<dyn EdgeBoard>, StoreError> {
     match url {
         "memory" | "" => Ok(Arc::new(memory::MemoryBoard::default())),
-        u if u.starts_with("redis://") || u.starts_with("rediss://") => {
-            Ok(Arc::new(redis::RedisDirectory::connect(u, geo).await?))
-        }
+        #[cfg(feature = "redis")]
+        u if is_redis_url(u) => Ok(Arc::new(redis::RedisDirectory::connect(u, geo).await?)),
+        #[cfg(not(feature = "redis"))]
+        u if is_redis_url(u) => Err(not_built_in(u, "Redis", "redis")),
         other => Err(StoreError::BadUrl(redact_url(other))),
     }
 }
@@ -288,6 +333,7 @@ impl Stores {
 
     /// Opens the stores named by URLs: `memory`, `redis://host:port` (directory) and
     /// `mongodb://host:port/db` (player records).
+    #[cfg_attr(not(feature = "redis"), allow(unused_variables))] // `geo` names Redis keys
     pub async fn open(
         directory_url: &str,
         players_url: &str,
@@ -304,17 +350,21 @@ impl Stores {
                 Arc::new(memory::MemoryCheckpoints::default()),
                 Arc::new(claims::MemoryClaims::default()),
             ),
-            u if u.starts_with("redis://") || u.starts_with("rediss://") => {
+            #[cfg(feature = "redis")]
+            u if is_redis_url(u) => {
                 let redis = Arc::new(redis::RedisDirectory::connect(u, geo).await?);
                 (redis.clone(), redis.clone(), redis)
             }
+            #[cfg(not(feature = "redis"))]
+            u if is_redis_url(u) => return Err(not_built_in(u, "Redis", "redis")),
             other => return Err(StoreError::BadUrl(redact_url(other))),
         };
         let players: Arc<dyn PlayerRecords> = match players_url {
             "memory" | "" => Arc::new(memory::MemoryPlayers::default()),
-            u if u.starts_with("mongodb://") || u.starts_with("mongodb+srv://") => {
-                Arc::new(mongo::MongoPlayers::connect(u).await?)
-            }
+            #[cfg(feature = "mongodb")]
+            u if is_mongodb_url(u) => Arc::new(mongo::MongoPlayers::connect(u).await?),
+            #[cfg(not(feature = "mongodb"))]
+            u if is_mongodb_url(u) => return Err(not_built_in(u, "MongoDB", "mongodb")),
             other => return Err(StoreError::BadUrl(redact_url(other))),
         };
         Ok(Self {

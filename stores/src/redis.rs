@@ -34,8 +34,8 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script};
 
 use super::{
-    redact_url, CheckpointStore, EdgeBoard, FarRtt, MasterEntry, SessionDirectory, SessionEntry,
-    StoreError,
+    redact_url, valid_geo, CheckpointStore, EdgeBoard, FarRtt, MasterEntry, SessionDirectory,
+    SessionEntry, StoreError,
 };
 
 /// Bound on `connect`: reaching the server and getting its answer to a PING.
@@ -228,15 +228,6 @@ impl RedisDirectory {
             StoreError::Unavailable(format!("redis at {}: {op}: {e}", self.url))
         }
     }
-}
-
-/// A geo name is part of every key, so it must not contain the separator (`:`) or glob
-/// characters: `eu-west` and `eu` must never see each other's keys.
-pub(crate) fn valid_geo(geo: &str) -> bool {
-    !geo.is_empty()
-        && geo
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 /// Lease in whole milliseconds, rounded up so a sub-millisecond lease does not delete the entry.

@@ -83,11 +83,20 @@ fn the_sidecar_and_the_proxy_link_no_simulator_plotting_or_bench() {
     }
 }
 
-/// The `cellmesh` binary as the container image builds it (without the `tools` feature) runs
-/// the sidecar, the proxy and the director: none of the tools come with it.
+/// The `cellmesh` binary as the container image builds it (without the `tools` feature, with
+/// the store clients) runs the sidecar, the proxy and the director: none of the tools come with
+/// it.
 #[test]
 fn the_binary_built_for_production_links_no_simulator_plotting_or_bench() {
-    const PRODUCTION: [&str; 5] = ["-e", "normal", "-p", "cellmesh", "--no-default-features"];
+    const PRODUCTION: [&str; 7] = [
+        "-e",
+        "normal",
+        "-p",
+        "cellmesh",
+        "--no-default-features",
+        "--features",
+        "redis,mongodb",
+    ];
     let tree = cargo_tree(&PRODUCTION);
     assert!(
         tree.starts_with("cellmesh "),
@@ -105,9 +114,23 @@ fn the_binary_built_for_production_links_no_simulator_plotting_or_bench() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let dockerfile = std::fs::read_to_string(root.join("docker/Dockerfile")).unwrap();
     assert!(
-        dockerfile.contains("--no-default-features"),
-        "the image must build cellmesh without its tools"
+        dockerfile.contains("--no-default-features --features redis,mongodb"),
+        "the image must build cellmesh without its tools and with the store clients"
     );
+    assert!(names(&tree).any(|c| c == "mongodb") && names(&tree).any(|c| c == "redis"));
+}
+
+/// What `cargo run --release -- up` builds first (the default features) runs on the in-memory
+/// stores: the Redis and MongoDB clients, the two largest dependencies, are left out of it.
+#[test]
+fn the_first_run_builds_no_store_client() {
+    let tree = cargo_tree(&["-e", "normal,build", "-p", "cellmesh"]);
+    for b in ["mongodb", "redis", "bson"] {
+        if names(&tree).any(|c| c == b) {
+            let through = cargo_tree(&["-e", "normal,build", "-p", "cellmesh", "-i", b]);
+            panic!("cellmesh's default build depends on {b}, through:\n{through}");
+        }
+    }
 }
 
 #[test]

@@ -20,6 +20,7 @@ const STARTUP: Duration = Duration::from_secs(10);
 const LOG_TAIL: usize = 2000;
 
 /// A `redis-server` child.
+#[cfg(feature = "redis")]
 pub struct RedisServer {
     pub url: String,
     // Killed before its directory goes.
@@ -28,6 +29,7 @@ pub struct RedisServer {
 }
 
 /// Starts `redis-server` on a free loopback port, without persistence, and waits for its PING.
+#[cfg(feature = "redis")]
 pub async fn start_redis() -> anyhow::Result<RedisServer> {
     let dir = tempfile::tempdir().context("a directory for redis-server")?;
     let port = free_port()?.to_string();
@@ -61,6 +63,7 @@ pub async fn start_redis() -> anyhow::Result<RedisServer> {
 }
 
 /// Whether the Redis at `url` answers PING.
+#[cfg(feature = "redis")]
 pub async fn redis_answers(url: &str) -> bool {
     let ping = async {
         let client = redis::Client::open(url)?;

@@ -18,6 +18,7 @@ pub mod overload;
 pub mod phases;
 pub mod probe;
 pub mod report;
+#[cfg(feature = "redis")]
 pub mod transport;
 
 use std::path::PathBuf;
@@ -95,7 +96,13 @@ pub async fn run(scenario: Scenario, opts: &Options) -> anyhow::Result<Value> {
     let mut section = match scenario {
         Scenario::Hop => hop::run(opts).await,
         Scenario::Fanout => fanout::run(opts).await,
+        #[cfg(feature = "redis")]
         Scenario::Transport => transport::run(opts).await,
+        #[cfg(not(feature = "redis"))]
+        Scenario::Transport => Err(anyhow::anyhow!(
+            "the transport bench measures against Redis pub/sub: build cellmesh with \
+             `--features redis`"
+        )),
         Scenario::Edge => edge::run(opts).await,
         Scenario::Handoff => handoff::run(opts).await,
         Scenario::Memory => memory::run(opts).await,

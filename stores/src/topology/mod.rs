@@ -19,6 +19,7 @@
 
 pub mod ids;
 pub mod memory;
+#[cfg(feature = "mongodb")]
 pub mod mongo;
 
 use std::sync::Arc;
@@ -336,9 +337,10 @@ pub async fn fence_lease(
 pub async fn open(url: &str) -> Result<Arc<dyn TopologyStore>, TopologyError> {
     match url {
         "memory" | "" => Ok(Arc::new(memory::MemoryTopology::default())),
-        u if u.starts_with("mongodb://") || u.starts_with("mongodb+srv://") => {
-            Ok(Arc::new(mongo::MongoTopology::connect(u).await?))
-        }
+        #[cfg(feature = "mongodb")]
+        u if crate::is_mongodb_url(u) => Ok(Arc::new(mongo::MongoTopology::connect(u).await?)),
+        #[cfg(not(feature = "mongodb"))]
+        u if crate::is_mongodb_url(u) => Err(crate::not_built_in(u, "MongoDB", "mongodb").into()),
         other => Err(TopologyError::BadUrl(redact_url(other))),
     }
 }
