@@ -17,7 +17,7 @@ impl Core {
         self.load
             .on_report(self.now.mono_ms, l.tick_ms, l.budget_ms);
         self.refresh_load();
-        let sessions = self.gw.sessions.attached();
+        let sessions = self.gateway.sessions.attached();
         let change = self
             .admission
             .on_load(self.now.mono_ms, l.tick_ms, l.budget_ms, sessions);
@@ -46,7 +46,7 @@ impl Core {
         if self.mesh.links.get(&link).is_none_or(|l| l.peer.is_some()) {
             return;
         }
-        let sessions = self.gw.sessions.attached();
+        let sessions = self.gateway.sessions.attached();
         let change = self.admission.on_outbox(self.now.mono_ms, frames, sessions);
         if matches!(change, Some(Change::Closed(_))) {
             tracing::warn!(
@@ -61,7 +61,7 @@ impl Core {
     /// Whether a new session may attach; counted against the allowance since the last report.
     pub(crate) fn admit_login(&mut self) -> bool {
         // Those still attaching count: they are about to be held.
-        let sessions = self.gw.sessions.len();
+        let sessions = self.gateway.sessions.len();
         let (admitted, change) = self.admission.on_login(self.now.mono_ms, sessions);
         self.admission_changed(change);
         if !admitted {

@@ -92,15 +92,15 @@ impl Core {
     /// lease taken back, still under its epoch (nobody was granted the id meanwhile): what the
     /// lapse froze thaws, and the inputs held meanwhile reach the game.
     pub(crate) fn on_lease_renewed(&mut self, terms: LeaseTerms) {
-        if self.auth.lost {
+        if self.authority.lost {
             // Lost is lost: the world may already have moved on without this node.
             return;
         }
-        let lapsed = !self.auth.lease_live;
-        self.auth.lease_until_ms = Some(if lapsed {
+        let lapsed = !self.authority.lease_live;
+        self.authority.lease_until_ms = Some(if lapsed {
             terms.until_ms
         } else {
-            self.auth
+            self.authority
                 .lease_until_ms
                 .map_or(terms.until_ms, |u| u.max(terms.until_ms))
         });
@@ -108,7 +108,7 @@ impl Core {
         let _ = self.game.ids.renewed(&terms.lease);
         if lapsed
             && self
-                .auth
+                .authority
                 .lease_until_ms
                 .is_some_and(|u| self.now.mono_ms < u)
         {
@@ -119,9 +119,9 @@ impl Core {
     /// No renewal landed before the lease's deadline: stop writing now, before the store could
     /// grant the id to anyone else.
     pub(crate) fn check_lease_deadline(&mut self) {
-        if self.auth.lease_live
+        if self.authority.lease_live
             && self
-                .auth
+                .authority
                 .lease_until_ms
                 .is_some_and(|u| self.now.mono_ms >= u)
         {
@@ -133,13 +133,13 @@ impl Core {
     /// lapsed, lost nor past its deadline. (The simulator checks it whenever the store grants
     /// this node's id to another process.)
     pub fn writes_at(&self, mono_ms: u64) -> bool {
-        self.auth.lease_live && self.auth.lease_until_ms.is_none_or(|u| mono_ms < u)
+        self.authority.lease_live && self.authority.lease_until_ms.is_none_or(|u| mono_ms < u)
     }
 
     /// The lease was lost for good: this process writes nothing ever again and should exit, so
     /// that its supervisor starts it afresh.
     pub fn lease_lost(&self) -> bool {
-        self.auth.lost
+        self.authority.lost
     }
 
     /// The lease lapsed: the store did not answer in time (a MongoDB election, a paused or
@@ -147,26 +147,26 @@ impl Core {
     /// the lease were lost, but the process stays: the driver keeps asking for the lease under
     /// its epoch, and gets it back unless a restore fenced it meanwhile (then it is lost).
     pub(crate) fn on_lease_lapsed(&mut self) {
-        if !self.auth.lease_live {
+        if !self.authority.lease_live {
             return;
         }
         self.metrics.error("lease_lapsed");
-        self.auth.lease_live = false;
+        self.authority.lease_live = false;
         self.dirty = true;
         self.set_ready(false);
         // Released this tick and not offered yet: frozen already (the game released them).
         let released = std::mem::take(&mut self.handoff.released);
         self.handoff.released_by.clear();
         for (root, r) in released {
-            self.auth.frozen_by_lapse.insert(root);
-            self.auth
+            self.authority.frozen_by_lapse.insert(root);
+            self.authority
                 .frozen_by_lapse
                 .extend(r.attachments.iter().map(|a| a.entity_id));
         }
         // Frozen for a handoff whose offer has not left: its snapshot would be offered under
         // a lease that may be gone, so the handoff is given up (the entities stay frozen, by
         // the lapse now, and are offered again once the lease is back). Offers that left stand.
-        for (root, to, thawed) in self.handoff.out.abandon_freezing(self.now.mono_ms) {
+        for (root, to, thawed) in self.handoff.outgoing.abandon_freezing(self.now.mono_ms) {
             self.metrics.handoff(self.cfg.node_id, to, "abandoned");
             self.thaw(root, thawed, "the node lease lapsed before the snapshot");
         }
@@ -178,10 +178,10 @@ impl Core {
         );
         for id in owned {
             // Frozen for a handoff in doubt (its offer stands), or frozen already above.
-            if self.handoff.out.is_frozen(id) || !self.auth.frozen_by_lapse.insert(id) {
+            if self.handoff.outgoing.is_frozen(id) || !self.authority.frozen_by_lapse.insert(id) {
                 continue;
             }
-            self.auth.lapse_freeze_unanswered.insert(id);
+            self.authority.lapse_freeze_unanswered.insert(id);
             self.freeze_in_game(id);
         }
     }
@@ -189,17 +189,17 @@ impl Core {
     /// The lease is back under its epoch: the lapse's freezes thaw, the held inputs go to the
     /// game, and the node serves again.
     fn resume_after_lapse(&mut self) {
-        self.auth.lease_live = true;
+        self.authority.lease_live = true;
         self.dirty = true;
-        self.auth.live_since_ms = self.now.mono_ms;
-        let frozen = std::mem::take(&mut self.auth.frozen_by_lapse);
+        self.authority.live_since_ms = self.now.mono_ms;
+        let frozen = std::mem::take(&mut self.authority.frozen_by_lapse);
         tracing::warn!(
             entities = frozen.len(),
             "the node lease is back: thawing what its lapse froze"
         );
         self.metrics.leases_reclaimed.inc();
-        let unanswered = std::mem::take(&mut self.auth.lapse_freeze_unanswered);
-        self.auth.snapshot_owed = unanswered;
+        let unanswered = std::mem::take(&mut self.authority.lapse_freeze_unanswered);
+        self.authority.snapshot_owed = unanswered;
         for id in frozen {
             if self.table.get_local(id).is_none() {
                 continue;
@@ -212,10 +212,10 @@ impl Core {
                 .into(),
             );
         }
-        for i in std::mem::take(&mut self.auth.held_inputs) {
+        for i in std::mem::take(&mut self.authority.held_inputs) {
             self.deliver_input(i);
         }
-        self.set_ready(self.game.slot.is_some() && self.auth.draining.is_none());
+        self.set_ready(self.game.slot.is_some() && self.authority.draining.is_none());
     }
 
     /// Every entity this node writes.
@@ -229,15 +229,15 @@ impl Core {
 
     /// Whether the lease is lapsed (not lost): what would thaw stays frozen until it is back.
     pub(crate) fn lease_lapsed(&self) -> bool {
-        !self.auth.lease_live && !self.auth.lost
+        !self.authority.lease_live && !self.authority.lost
     }
 
     /// An input for the game while the lease is lapsed: held until it is back.
     pub(crate) fn hold_input_during_lapse(&mut self, i: local::Input) {
-        if self.auth.held_inputs.len() >= HELD_INPUTS_MAX {
+        if self.authority.held_inputs.len() >= HELD_INPUTS_MAX {
             return self.metrics.drop_input("lease_lapsed");
         }
-        self.auth.held_inputs.push(i);
+        self.authority.held_inputs.push(i);
     }
 
     /// Another grant replaced this node's lease (a new process, or a restore's fence): this
@@ -245,14 +245,14 @@ impl Core {
     pub(crate) fn on_lease_lost(&mut self) {
         self.metrics.error("lease_lost");
         self.set_ready(false);
-        if self.auth.lost {
+        if self.authority.lost {
             return;
         }
-        self.auth.lost = true;
-        for _ in std::mem::take(&mut self.auth.held_inputs) {
+        self.authority.lost = true;
+        for _ in std::mem::take(&mut self.authority.held_inputs) {
             self.metrics.drop_input("lease_lost");
         }
-        let was_live = std::mem::replace(&mut self.auth.lease_live, false);
+        let was_live = std::mem::replace(&mut self.authority.lease_live, false);
         let owned = self.owned_reals();
         tracing::error!(
             entities = owned.len(),
@@ -265,7 +265,7 @@ impl Core {
         );
         for id in owned {
             // Frozen by the lapse already.
-            if !was_live && self.auth.frozen_by_lapse.contains(&id) {
+            if !was_live && self.authority.frozen_by_lapse.contains(&id) {
                 continue;
             }
             self.freeze_in_game(id);
@@ -275,39 +275,42 @@ impl Core {
     /// A newer partition: the game learns its area, peers learn this node applied it, and every
     /// entity standing where the partition gave the area to another node is handed over.
     pub(crate) fn apply_partition(&mut self, p: Partition) {
-        if p.epoch() <= self.auth.partition.epoch() {
+        if p.epoch() <= self.authority.partition.epoch() {
             return;
         }
         let me = self.cfg.node_id;
         tracing::info!(epoch = p.epoch(), "applying a new partition");
-        self.auth.area = subs::merge_rects(p.area_of(me));
+        self.authority.area = subs::merge_rects(p.area_of(me));
         let keep = i64::from(self.cfg.interaction_band_chunks + self.cfg.ghost_keep_margin_chunks);
-        self.repl.band = subs::band(&p, me, keep, self.cfg.reach_chunks());
+        self.replication.band = subs::band(&p, me, keep, self.cfg.reach_chunks());
         // Retired: the director deleted this node's cell (it held nothing by then).
-        let retired = !p.members().contains(&me) && self.auth.partition.members().contains(&me);
-        let prev = std::mem::replace(&mut self.auth.partition, std::sync::Arc::new(p));
-        self.auth.prev_partitions.push(prev);
-        self.auth.changed_at_ms = self.now.mono_ms;
-        self.repl.near_cache.clear();
-        self.repl.subs_dirty = true;
+        let retired =
+            !p.members().contains(&me) && self.authority.partition.members().contains(&me);
+        let prev = std::mem::replace(&mut self.authority.partition, std::sync::Arc::new(p));
+        self.authority.prev_partitions.push(prev);
+        self.authority.changed_at_ms = self.now.mono_ms;
+        self.replication.near_cache.clear();
+        self.replication.subs_dirty = true;
         let owned_area = self.owned_rects();
         if self.game.slot.is_some() {
             self.out.to_game.push(
                 sidecar_message::Body::PartitionChanged(local::PartitionChanged {
-                    partition_epoch: self.auth.partition.epoch(),
+                    partition_epoch: self.authority.partition.epoch(),
                     owned_area,
                 })
                 .into(),
             );
         }
         let ack = mesh_message::Body::PartitionAck(mesh::PartitionAck {
-            partition_epoch: self.auth.partition.epoch(),
+            partition_epoch: self.authority.partition.epoch(),
         });
         self.broadcast(ack);
         let gone: BTreeSet<u64> = self
             .table
             .iter()
-            .filter(|e| e.origin.is_none() && self.auth.partition.owner_of_chunk(e.chunk) != me)
+            .filter(|e| {
+                e.origin.is_none() && self.authority.partition.owner_of_chunk(e.chunk) != me
+            })
             .map(|e| e.id)
             .collect();
         self.handoff.mass.extend(gone.iter().copied());
@@ -330,27 +333,27 @@ impl Core {
     /// partition gives their chunks (re-plan it to move this node's area away); the node exits
     /// once it writes nothing, or when the drain timeout passes.
     pub(crate) fn begin_drain(&mut self) {
-        if self.auth.draining.is_some() {
+        if self.authority.draining.is_some() {
             return;
         }
         tracing::info!(
             "draining: refusing handoffs; waiting for the partition to give this node's area away"
         );
         self.set_ready(false);
-        self.auth.draining = Some(self.now.mono_ms + self.cfg.drain_timeout_ms);
+        self.authority.draining = Some(self.now.mono_ms + self.cfg.drain_timeout_ms);
     }
 
     /// Whether a drain is over: nothing left that another node could take (no real here and no
     /// handoff in flight; a lone node or one without a game has nothing to hand), or out of time.
     pub(crate) fn drained(&self) -> bool {
-        let Some(deadline) = self.auth.draining else {
+        let Some(deadline) = self.authority.draining else {
             return false;
         };
         let reals = self.table.len() - self.table.ghost_count();
         if self.game.slot.is_none() || !self.mesh.clustered {
             return true;
         }
-        if reals == 0 && self.handoff.out.in_flight() == 0 {
+        if reals == 0 && self.handoff.outgoing.in_flight() == 0 {
             return true;
         }
         if self.now.mono_ms >= deadline {
@@ -363,22 +366,22 @@ impl Core {
     /// The nodes that may own an entity in `chunk`, cached per partition (at most
     /// [`NEAR_CACHE_MAX`] chunks).
     pub(crate) fn owners_near(&mut self, chunk: cellmesh_world::geometry::ChunkPos) -> Vec<NodeId> {
-        if let Some(v) = self.repl.near_cache.get(&chunk) {
+        if let Some(v) = self.replication.near_cache.get(&chunk) {
             return v.clone();
         }
         let reach = self.cfg.reach_chunks();
-        let mut near = subs::owners_near(&self.auth.partition, chunk, reach);
-        for prev in &self.auth.prev_partitions {
+        let mut near = subs::owners_near(&self.authority.partition, chunk, reach);
+        for prev in &self.authority.prev_partitions {
             // Until the mass handoffs settle, the previous owners still write entities there.
             near.extend(subs::owners_near(prev, chunk, reach));
         }
         let v: Vec<NodeId> = near.into_iter().collect();
-        if self.repl.near_cache.len() >= NEAR_CACHE_MAX {
+        if self.replication.near_cache.len() >= NEAR_CACHE_MAX {
             // Roaming views would otherwise fill it with every chunk they ever held (the world
             // has millions); it refills with the chunks in use.
-            self.repl.near_cache.clear();
+            self.replication.near_cache.clear();
         }
-        self.repl.near_cache.insert(chunk, v.clone());
+        self.replication.near_cache.insert(chunk, v.clone());
         v
     }
 
@@ -386,12 +389,12 @@ impl Core {
     /// ghost here is written by a node the current partition puts near it (the mass handoffs
     /// settled), and at least a second after the last change.
     pub(crate) fn settle_partition(&mut self) {
-        if self.auth.prev_partitions.is_empty()
-            || self.now.mono_ms < self.auth.changed_at_ms + SETTLE_MIN_MS
+        if self.authority.prev_partitions.is_empty()
+            || self.now.mono_ms < self.authority.changed_at_ms + SETTLE_MIN_MS
         {
             return;
         }
-        let epoch = self.auth.partition.epoch();
+        let epoch = self.authority.partition.epoch();
         let peers_caught_up = self.mesh.peers.iter().all(|(node, p)| {
             p.link.is_none() || self.mesh.peer_partition.get(node).copied().unwrap_or(0) >= epoch
         });
@@ -399,12 +402,14 @@ impl Core {
         let settled = peers_caught_up
             && self.table.iter().all(|e| match e.origin {
                 None => true,
-                Some(n) => subs::owners_near(&self.auth.partition, e.chunk, reach).contains(&n),
+                Some(n) => {
+                    subs::owners_near(&self.authority.partition, e.chunk, reach).contains(&n)
+                }
             });
         if settled {
-            self.auth.prev_partitions.clear();
-            self.repl.near_cache.clear();
-            self.repl.subs_dirty = true;
+            self.authority.prev_partitions.clear();
+            self.replication.near_cache.clear();
+            self.replication.subs_dirty = true;
         }
     }
 
@@ -434,7 +439,7 @@ impl Core {
         NodeMap {
             node: self.cfg.node_id,
             geo: self.cfg.geo.clone(),
-            partition_epoch: self.auth.partition.epoch(),
+            partition_epoch: self.authority.partition.epoch(),
             entities_total: reals.len() as u64,
             entities: sample_evenly(reals, max),
             handoffs: self.handoff.recent.shown(self.now.mono_ms),
@@ -450,7 +455,7 @@ impl Core {
             .map(|e| Real {
                 id: e.id,
                 epoch: e.epoch,
-                frozen: self.handoff.out.is_frozen(e.id) || !self.auth.lease_live,
+                frozen: self.handoff.outgoing.is_frozen(e.id) || !self.authority.lease_live,
             })
             .collect();
         v.sort_unstable_by_key(|r| r.id);

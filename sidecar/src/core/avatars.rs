@@ -96,7 +96,7 @@ impl Core {
         let version = self.table.masters_version();
         if self.avatars.synced_version == Some(version)
             || self.restore.incarnation == 0
-            || !self.auth.lease_live
+            || !self.authority.lease_live
             || !self.mesh.clustered
         {
             return;
@@ -295,7 +295,7 @@ impl Core {
     /// The node this node handed `account`'s avatar to, while it remembers.
     pub(crate) fn departed_owner(&self, account: &str) -> Option<NodeId> {
         let id = self.handoff.departed_masters.get(account)?;
-        Some(self.handoff.out.departed_to(*id)?.0)
+        Some(self.handoff.outgoing.departed_to(*id)?.0)
     }
 
     /// Whether this node writes `account`'s avatar.
@@ -430,7 +430,7 @@ impl Core {
         self.avatars
             .awaiting
             .insert(account.to_string(), (until, dead));
-        self.gw.master_owner.remove(account);
+        self.gateway.master_owner.remove(account);
     }
 
     /// A session handed over from another geo waits [`HANDED_OVER_WAIT_MS`] for its avatar's
@@ -440,7 +440,7 @@ impl Core {
         self.avatars
             .awaiting
             .insert(account.to_string(), (until, None));
-        self.gw.master_owner.remove(account);
+        self.gateway.master_owner.remove(account);
     }
 
     /// The world of `inc` is restored: a session still waiting for an avatar it wrote waits
@@ -470,12 +470,12 @@ impl Core {
             let Some((key, epoch)) = self.session_epoch(&account) else {
                 continue;
             };
-            if self.gw.master_owner.contains_key(&account) {
+            if self.gateway.master_owner.contains_key(&account) {
                 continue;
             }
             tracing::warn!(%account, "no restored avatar anchored the session in time: spawning one");
             self.metrics.error("avatar_not_restored");
-            let last = self.gw.sessions.get(key).and_then(|s| s.last_position);
+            let last = self.gateway.sessions.get(key).and_then(|s| s.last_position);
             self.announce_session(&account, epoch, true);
             self.spawn_avatar(&account, epoch, last);
         }
@@ -486,20 +486,20 @@ impl Core {
     pub(crate) fn spawn_avatar(&mut self, account: &str, epoch: u64, last: Option<[f64; 3]>) {
         // Remembered: an older avatar that anchors this session later is told to go.
         if let Some(s) = self
-            .gw
+            .gateway
             .clients
             .key_of(account)
-            .and_then(|k| self.gw.sessions.get_mut(k))
+            .and_then(|k| self.gateway.sessions.get_mut(k))
             .filter(|s| s.epoch == Some(epoch))
         {
             s.new_avatar = true;
         }
         let me = self.cfg.node_id;
         let owner = last
-            .and_then(|[x, y, _]| self.auth.partition.owner_of(Pos { x, y }).ok())
+            .and_then(|[x, y, _]| self.authority.partition.owner_of(Pos { x, y }).ok())
             .unwrap_or(me);
         if owner != me && self.send_join(owner, account, epoch, last) {
-            self.gw.master_owner.insert(account.to_string(), owner);
+            self.gateway.master_owner.insert(account.to_string(), owner);
             return;
         }
         self.join_here(account, epoch, last);
@@ -508,16 +508,16 @@ impl Core {
     /// The game here simulates (or spawns) the avatar of the local session `epoch`.
     pub(crate) fn join_here(&mut self, account: &str, epoch: u64, last: Option<[f64; 3]>) {
         let me = self.cfg.node_id;
-        self.gw.master_owner.insert(account.to_string(), me);
+        self.gateway.master_owner.insert(account.to_string(), me);
         self.avatars.awaiting.remove(account);
         // An avatar simulated here for another gateway serves this session now.
         self.routing.remote_players.remove(account);
         self.routing.anchor_sent.remove(account);
         if let Some(e) = self.table.master_of(account).filter(|e| e.origin.is_none()) {
             let epoch = e.epoch;
-            self.gw.master_epoch.insert(account.to_string(), epoch);
-            self.gw.clients.set_remote_anchor(account, None);
-            self.gw.anchor_pos.remove(account);
+            self.gateway.master_epoch.insert(account.to_string(), epoch);
+            self.gateway.clients.set_remote_anchor(account, None);
+            self.gateway.anchor_pos.remove(account);
         }
         if self.game.slot.is_some() {
             self.out.to_game.push(

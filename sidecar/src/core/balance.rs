@@ -27,7 +27,7 @@ impl Core {
     pub fn cell_report(&mut self) -> CellReport {
         let load = self.refresh_load();
         let node = self.cfg.node_id;
-        let areas = self.auth.partition.area_of(node);
+        let areas = self.authority.partition.area_of(node);
         let rect = match areas.as_slice() {
             [one] => *one,
             _ => ChunkRect::default(),
@@ -48,7 +48,7 @@ impl Core {
             rect,
             levels: EntityBoundLevels::measure(rect, chunks, per_entity),
             ghost_chunks: i64::from(self.cfg.view_radius_chunks + self.cfg.release_margin_chunks),
-            partition_epoch: self.auth.partition.epoch(),
+            partition_epoch: self.authority.partition.epoch(),
         }
     }
 }

@@ -165,12 +165,12 @@ impl Core {
                 "entity {id} is not written here: only the node writing an entity claims for it"
             ));
         };
-        if !self.handoff.out.writable(id) || self.handoff.released_by.contains_key(&id) {
+        if !self.handoff.outgoing.writable(id) || self.handoff.released_by.contains_key(&id) {
             return Err(format!(
                 "entity {id} is frozen for a handoff: claim again once it is written"
             ));
         }
-        if !self.auth.lease_live {
+        if !self.authority.lease_live {
             return Err("this node's lease lapsed or was lost".into());
         }
         Ok(ClaimHolder {
@@ -263,7 +263,7 @@ impl Core {
                 // Not once a Freeze of the holder went out, even before its snapshot: the game
                 // hears of this grant after the Freeze, so it called off what the claim was for,
                 // and would release it after the handoff carried it to the next owner.
-                let same = !self.handoff.out.is_frozen(p.holder.entity)
+                let same = !self.handoff.outgoing.is_frozen(p.holder.entity)
                     && self
                         .claim_holder(p.holder.entity)
                         .is_ok_and(|h| h == p.holder);
@@ -308,7 +308,7 @@ impl Core {
         for (grant, result) in results {
             let id = grant.holder.entity;
             let frozen =
-                !self.handoff.out.writable(id) || self.handoff.released_by.contains_key(&id);
+                !self.handoff.outgoing.writable(id) || self.handoff.released_by.contains_key(&id);
             match self.claims.renewed(&grant, result.map_err(|_| ()), frozen) {
                 Renewed::Kept | Renewed::Fenced => {}
                 Renewed::Lost => self.claim_lost(

@@ -131,7 +131,7 @@ fn a_command_that_meets_a_frozen_entity_waits_and_is_applied_by_the_new_writer()
     p.move_to(1, NPC, 330.0);
     p.steps(3);
     assert!(
-        p.node(1).core.handoff.out.is_frozen(NPC),
+        p.node(1).core.handoff.outgoing.is_frozen(NPC),
         "frozen on node 1"
     );
     p.command(1, NPC, 9, 4);

@@ -167,7 +167,7 @@ impl Core {
                 }
                 let route = self
                     .handoff
-                    .out
+                    .outgoing
                     .route_input(id, Routed::Command(Box::new(c)));
                 self.follow_route(id, route, 0, None);
             }
@@ -179,7 +179,7 @@ impl Core {
                 }
                 let route = self
                     .handoff
-                    .out
+                    .outgoing
                     .route_input(id, Routed::Command(Box::new(c)));
                 self.follow_route(id, route, 0, Some((owner, epoch)));
             }
@@ -190,10 +190,10 @@ impl Core {
                         return self.hold_command(id, c);
                     }
                 }
-                if self.handoff.out.departed_to(id).is_some() {
+                if self.handoff.outgoing.departed_to(id).is_some() {
                     let route = self
                         .handoff
-                        .out
+                        .outgoing
                         .route_input(id, Routed::Command(Box::new(c)));
                     return self.follow_route(id, route, 0, None);
                 }
@@ -236,7 +236,7 @@ impl Core {
                 input: Routed::Command(c),
             } => {
                 // Behind an offer in flight a copy stays with the unit; after it, none does.
-                let copy_kept = self.handoff.out.is_frozen(id);
+                let copy_kept = self.handoff.outgoing.is_frozen(id);
                 self.metrics.command_forwarded("handoff");
                 self.forward_command(to, epoch, *c, copy_kept);
             }
@@ -461,7 +461,7 @@ impl Core {
         if let Some(epoch) = self.adopting_epoch(id) {
             return Some((self.cfg.node_id, epoch));
         }
-        self.handoff.out.departed_to(id)
+        self.handoff.outgoing.departed_to(id)
     }
 
     pub(crate) fn on_locate(&mut self, from: NodeId, l: mesh::Locate) {

@@ -134,7 +134,7 @@ impl Core {
                     region_size: w.region_size,
                 }),
                 owned_area: self.owned_rects(),
-                partition_epoch: self.auth.partition.epoch(),
+                partition_epoch: self.authority.partition.epoch(),
                 tick_phase: Some(local::TickPhase {
                     origin_unix_ms: TICK_ORIGIN_UNIX_MS,
                     tick_rate_hz: if hello_rate > 0 {
@@ -153,11 +153,11 @@ impl Core {
         // spawn a second avatar).
         let me = self.cfg.node_id;
         let joins: Vec<SidecarMessage> = self
-            .gw
+            .gateway
             .sessions
             .iter()
             .filter(|s| {
-                self.gw
+                self.gateway
                     .master_owner
                     .get(&s.account)
                     .is_none_or(|owner| *owner == me)
@@ -202,7 +202,7 @@ impl Core {
                 .to_game
                 .push(sidecar_message::Body::Adopt(adopt).into());
         }
-        self.set_ready(self.auth.lease_live && self.auth.draining.is_none());
+        self.set_ready(self.authority.lease_live && self.authority.draining.is_none());
         for m in rest {
             if let Some(body) = m.body {
                 self.on_game_message(body);
@@ -213,7 +213,7 @@ impl Core {
     /// The node's area in metres, as the game is told it.
     pub(crate) fn owned_rects(&self) -> Vec<local::Rect> {
         let w = &self.cfg.world;
-        self.auth
+        self.authority
             .area
             .iter()
             .map(|r| {
@@ -302,7 +302,7 @@ impl Core {
             .table
             .get_local(c.entity_id)
             .map(|e| e.epoch)
-            .filter(|_| self.auth.lease_live);
+            .filter(|_| self.authority.lease_live);
         if current != Some(c.entity_epoch) {
             self.game.checkpoints.answered_in_vain(c.entity_id);
             return self.metrics.drop_msg("checkpoint_stale", 1);
@@ -324,7 +324,7 @@ impl Core {
         // One batch at a time: a game that is slow to answer is not asked for more (its
         // connection must stay free for what it cannot do without).
         if !speaks
-            || !self.auth.lease_live
+            || !self.authority.lease_live
             || self.game.checkpoints.outstanding(self.now.mono_ms) > 0
         {
             return;
@@ -366,10 +366,10 @@ impl Core {
             Ok(()) => {
                 self.game.checkpoints.touched(s.entity_id, self.now.mono_ms);
                 self.spawners_spawned(s.entity_id);
-                if !self.auth.lease_live && !self.auth.lost {
+                if !self.authority.lease_live && !self.authority.lost {
                     // Born while the lease is lapsed: frozen with the rest until it is back.
-                    self.auth.frozen_by_lapse.insert(s.entity_id);
-                    self.auth.lapse_freeze_unanswered.insert(s.entity_id);
+                    self.authority.frozen_by_lapse.insert(s.entity_id);
+                    self.authority.lapse_freeze_unanswered.insert(s.entity_id);
                     self.freeze_in_game(s.entity_id);
                 }
             }
@@ -487,10 +487,10 @@ impl Core {
         // Clients already got the ghosts' changes sent on arrival; the rest of the tick's work
         // sees the whole tick.
         let fresh = self.table.take_changes();
-        let changes = if self.gw.ghost_changes_sent.is_empty() {
+        let changes = if self.gateway.ghost_changes_sent.is_empty() {
             None
         } else {
-            let mut all = std::mem::take(&mut self.gw.ghost_changes_sent);
+            let mut all = std::mem::take(&mut self.gateway.ghost_changes_sent);
             merge_changes(&mut all, &fresh);
             Some(all)
         };
@@ -506,7 +506,7 @@ impl Core {
         self.send_anchors(changes);
         let budget = self.cfg.max_frame_bytes - TO_CLIENT_OVERHEAD;
         let out = self
-            .gw
+            .gateway
             .clients
             .fold(tick, &self.table, &fresh, &events, &sends, budget);
         self.settle_partition();
@@ -528,7 +528,7 @@ impl Core {
     pub(crate) fn set_table_gauges(&self) {
         self.metrics
             .subscribers
-            .set(self.repl.subscribers.len() as i64);
+            .set(self.replication.subscribers.len() as i64);
         let ghosts = self.table.ghost_count();
         self.metrics
             .entities
@@ -541,7 +541,7 @@ impl Core {
     /// here (every tick, with games ticking in phase). The changes stay for the tick's other
     /// work, which sees them merged with the rest at its end.
     pub(crate) fn send_ghost_changes(&mut self) {
-        if self.gw.clients.is_empty() {
+        if self.gateway.clients.is_empty() {
             return;
         }
         let changes = self.table.take_ghost_changes();
@@ -550,18 +550,18 @@ impl Core {
         }
         let budget = self.cfg.max_frame_bytes - TO_CLIENT_OVERHEAD;
         let out =
-            self.gw
+            self.gateway
                 .clients
                 .fold(self.game.last_tick, &self.table, &changes, &[], &[], budget);
         self.metrics.deltas_sent.inc_by(out.deltas);
         self.metrics.deltas_encoded.inc_by(out.deltas_encoded);
         self.send_to_clients(out.frames, budget);
-        merge_changes(&mut self.gw.ghost_changes_sent, &changes);
+        merge_changes(&mut self.gateway.ghost_changes_sent, &changes);
     }
 
     fn send_to_clients(&mut self, frames: Vec<(SessionKey, bytes::Bytes)>, budget: usize) {
         for (key, server_frame) in frames {
-            let Some(s) = self.gw.sessions.get(key) else {
+            let Some(s) = self.gateway.sessions.get(key) else {
                 continue;
             };
             if server_frame.len() > budget {
@@ -610,16 +610,16 @@ impl Core {
         self.metrics.game_connected.set(0);
         self.set_ready(false);
         // Remember where the avatars were, for the PlayerJoin of the next game.
-        for s in self.gw.sessions.iter_mut() {
+        for s in self.gateway.sessions.iter_mut() {
             if let Some(e) = self.table.master_of(&s.account) {
                 s.last_position = Some([e.position.x, e.position.y, e.position.z]);
             }
         }
-        self.repl.sim.clear();
+        self.replication.sim.clear();
         self.game.restoring.clear();
         self.commands_game_gone();
         self.claims_game_gone();
-        if self.cfg.game_grace_ms > 0 && self.auth.lease_live {
+        if self.cfg.game_grace_ms > 0 && self.authority.lease_live {
             // Kept for the game's return: clients see them stand still. A handoff still waiting
             // for a snapshot will not get one: those units are abandoned (thawed, kept here).
             self.game.gone_since = Some(self.now.mono_ms);

@@ -214,11 +214,11 @@ impl Core {
         use mesh_message::Body as B;
         match m.body {
             Some(B::Attach(a)) => self.on_attach(link, a),
-            Some(B::Detach(d)) => match self.gw.sessions.find(link, d.session_id) {
+            Some(B::Detach(d)) => match self.gateway.sessions.find(link, d.session_id) {
                 Some(key) => {
                     if d.kick_reason == KickReason::Transferred as u32 {
                         let now = self.now.unix_ms;
-                        if let Some(s) = self.gw.sessions.all.get_mut(&key) {
+                        if let Some(s) = self.gateway.sessions.all.get_mut(&key) {
                             s.handed_over_at = Some(now);
                         }
                     }
@@ -232,8 +232,8 @@ impl Core {
             },
             Some(B::Input(i)) => self.on_input(link, i),
             Some(B::Rtt(r)) => {
-                if let Some(key) = self.gw.sessions.find(link, r.session_id) {
-                    if let Some(s) = self.gw.sessions.all.get_mut(&key) {
+                if let Some(key) = self.gateway.sessions.find(link, r.session_id) {
+                    if let Some(s) = self.gateway.sessions.all.get_mut(&key) {
                         s.rtt = Some((r.rtt_ms_p50, r.rtt_ms_min));
                     }
                 }
@@ -262,7 +262,7 @@ impl Core {
         // Only a proxy holding an attest key admitted this account: a mesh peer's word is not
         // enough, or anyone who reaches the mesh listener could attach any account.
         if let Err(e) = cellmesh_proto::attest::verify(
-            &self.gw.attest,
+            &self.gateway.attest,
             &a.attestation,
             &a.account,
             a.session_id,
@@ -288,7 +288,7 @@ impl Core {
                 ),
             );
         }
-        if self.gw.sessions.find(link, a.session_id).is_some() {
+        if self.gateway.sessions.find(link, a.session_id).is_some() {
             // The proxy numbers sessions uniquely per link; a repeat is its bug, not a new client.
             self.metrics.error("duplicate_session_id");
             tracing::warn!(
@@ -303,7 +303,7 @@ impl Core {
             return self.queue_for_link(link, self.refusal(a.session_id));
         }
         let key = self
-            .gw
+            .gateway
             .sessions
             .begin(link, a.session_id, a.account.clone(), a.remote_addr);
         if let Some(l) = self.mesh.links.get_mut(&link) {
@@ -320,7 +320,7 @@ impl Core {
                 .login_hints
                 .get_or_create(&crate::metrics::KindLabel { kind })
                 .inc();
-            if let Some(s) = self.gw.sessions.all.get_mut(&key) {
+            if let Some(s) = self.gateway.sessions.all.get_mut(&key) {
                 s.last_position = h.last_position.map(|p| [p.x, p.y, p.z]);
                 s.handed_over_in = true;
             }
@@ -339,7 +339,7 @@ impl Core {
     /// A session moving here from a lost gateway found a newer login of its account registered
     /// meanwhile: it ends, displaced, and the newer one keeps the avatar.
     pub(crate) fn on_superseded(&mut self, key: SessionKey, account: &str) {
-        let Some(s) = self.gw.sessions.get(key) else {
+        let Some(s) = self.gateway.sessions.get(key) else {
             return;
         };
         tracing::debug!(%account, "a moved session was superseded by a newer login");
@@ -360,7 +360,7 @@ impl Core {
         account: String,
         result: Result<Registration, String>,
     ) {
-        let Some(s) = self.gw.sessions.get(key) else {
+        let Some(s) = self.gateway.sessions.get(key) else {
             // Detached while registering: undo the registration.
             if let Ok(r) = result {
                 self.release(account, r.epoch);
@@ -388,9 +388,9 @@ impl Core {
         // Two logins raced and the newer one won, here or on another gateway that told this
         // node first: this one is displaced before it began (its avatar is never spawned).
         let me = self.cfg.node_id;
-        let local = self.gw.sessions.by_account.get(&account).copied();
+        let local = self.gateway.sessions.by_account.get(&account).copied();
         let newer_here = local
-            .and_then(|o| self.gw.sessions.get(o)?.epoch)
+            .and_then(|o| self.gateway.sessions.get(o)?.epoch)
             .is_some_and(|e| e > reg.epoch);
         let newer_elsewhere = self
             .routing
@@ -411,7 +411,7 @@ impl Core {
         }
         if let Some(other) = local {
             // The older session goes without a PlayerLeave: the game sees a new PlayerJoin.
-            if let Some(o) = self.gw.sessions.get(other) {
+            if let Some(o) = self.gateway.sessions.get(other) {
                 let (olink, osid) = (o.link, o.session_id);
                 self.queue_for_link(
                     olink,
@@ -423,7 +423,12 @@ impl Core {
         let w = self.cfg.world;
         // Internal: found at the top; `other` is the account's attached session, never `key`
         // (registered once, by this node's own store call, and attached only below).
-        let s = self.gw.sessions.all.get_mut(&key).expect("checked above");
+        let s = self
+            .gateway
+            .sessions
+            .all
+            .get_mut(&key)
+            .expect("checked above");
         s.epoch = Some(reg.epoch);
         if let Some(r) = reg.record {
             if s.handed_over_in {
@@ -436,24 +441,31 @@ impl Core {
             s.home_geo = Some(r.home_geo);
         }
         let last_position = s.last_position;
-        self.gw.sessions.by_account.insert(account.clone(), key);
-        self.gw.clients.add(key, &account);
+        self.gateway
+            .sessions
+            .by_account
+            .insert(account.clone(), key);
+        self.gateway.clients.add(key, &account);
         self.metrics
             .sessions
-            .set(self.gw.sessions.attached() as i64);
+            .set(self.gateway.sessions.attached() as i64);
         // An avatar already simulated for this account (a session displaced here, or one the
         // directory's master record names) keeps being simulated where it is: its game sees a
         // new PlayerJoin. With none, one is spawned.
-        let at = match self.gw.master_owner.get(&account).copied() {
+        let at = match self.gateway.master_owner.get(&account).copied() {
             Some(owner) if owner == me => AvatarAt::Here,
             Some(owner) => AvatarAt::Peer(owner),
             None => {
                 // A new session learns its master's epoch from the master's owner.
-                self.gw.master_epoch.remove(&account);
+                self.gateway.master_epoch.remove(&account);
                 self.avatar_at(&account, reg.master)
             }
         };
-        let handed_over_in = self.gw.sessions.get(key).is_some_and(|s| s.handed_over_in);
+        let handed_over_in = self
+            .gateway
+            .sessions
+            .get(key)
+            .is_some_and(|s| s.handed_over_in);
         // Handed over from another geo: its avatar lives on, and its master record is in the
         // directory of whichever geo its owner is in (this geo's may hold none, or an older
         // owner's). Unless this node writes it, the owner hears of this newer session, joins it
@@ -470,7 +482,7 @@ impl Core {
             AvatarAt::Here => self.join_here(&account, reg.epoch, last_position),
             AvatarAt::Peer(owner) => {
                 if self.send_join(owner, &account, reg.epoch, last_position) {
-                    self.gw.master_owner.insert(account.clone(), owner);
+                    self.gateway.master_owner.insert(account.clone(), owner);
                 } else {
                     self.await_avatar(&account, reg.master);
                 }
@@ -495,10 +507,10 @@ impl Core {
     pub(crate) fn on_input(&mut self, link: LinkId, i: mesh::SessionInput) {
         self.metrics.inputs_from_proxies.inc();
         let Some(s) = self
-            .gw
+            .gateway
             .sessions
             .find(link, i.session_id)
-            .and_then(|k| self.gw.sessions.get(k))
+            .and_then(|k| self.gateway.sessions.get(k))
         else {
             return self.metrics.drop_input("unknown_session");
         };
@@ -509,7 +521,7 @@ impl Core {
             return self.metrics.drop_input("input_avatar_restoring");
         }
         let owner = self
-            .gw
+            .gateway
             .master_owner
             .get(&s.account)
             .copied()
@@ -519,7 +531,12 @@ impl Core {
             session_epoch: epoch,
             seq: i.seq,
             payload: i.payload,
-            entity_epoch: self.gw.master_epoch.get(&s.account).copied().unwrap_or(0),
+            entity_epoch: self
+                .gateway
+                .master_epoch
+                .get(&s.account)
+                .copied()
+                .unwrap_or(0),
             hops: 0,
             entity_id: 0,
         };
@@ -547,7 +564,7 @@ impl Core {
         self.release_avatar(&s.account, epoch, reason);
         self.announce_session_end(&s.account, epoch);
         let record = self.player_record(&s);
-        self.gw.anchor_pos.remove(&s.account);
+        self.gateway.anchor_pos.remove(&s.account);
         let hold_ms = if s.handed_over_at.is_some() {
             super::avatars::TRANSFER_GRACE_MS
         } else {
@@ -568,7 +585,7 @@ impl Core {
             .table
             .master_of(&s.account)
             .map(|e| [e.position.x, e.position.y, e.position.z])
-            .or(self.gw.anchor_pos.get(&s.account).copied())
+            .or(self.gateway.anchor_pos.get(&s.account).copied())
             .or(s.last_position);
         PlayerRecord {
             account: s.account.clone(),
@@ -588,24 +605,29 @@ impl Core {
         let now = self.now.mono_ms;
         let me = self.cfg.node_id;
         let mut reports = Vec::new();
-        for s in self.gw.sessions.iter() {
+        for s in self.gateway.sessions.iter() {
             if s.epoch.is_none() {
                 continue;
             }
-            let owner = self.gw.master_owner.get(&s.account).copied().unwrap_or(me);
+            let owner = self
+                .gateway
+                .master_owner
+                .get(&s.account)
+                .copied()
+                .unwrap_or(me);
             let pos = if owner == me {
                 self.table
                     .master_of(&s.account)
                     .map(|e| [e.position.x, e.position.y, e.position.z])
             } else {
-                self.gw.anchor_pos.get(&s.account).copied()
+                self.gateway.anchor_pos.get(&s.account).copied()
             };
             let Some(pos) = pos else { continue };
             // Borrowed: most passes send nothing, and a string per session every 100 ms adds up.
             let geo = if owner == me {
                 self.cfg.geo.as_str()
             } else {
-                match self.gw.node_geo.get(&owner) {
+                match self.gateway.node_geo.get(&owner) {
                     Some(g) => g.as_str(),
                     None => continue,
                 }
@@ -616,7 +638,7 @@ impl Core {
                 y: pos[1],
             });
             let region = (r.y * w.regions_x() + r.x) as u64;
-            let due = match self.gw.where_sent.get(&s.key) {
+            let due = match self.gateway.where_sent.get(&s.key) {
                 Some((g, reg, at)) => g != geo || *reg != region || now >= at + WHERE_EVERY_MS,
                 None => true,
             };
@@ -625,7 +647,9 @@ impl Core {
             }
         }
         for (key, link, session_id, geo, region, [x, y, z]) in reports {
-            self.gw.where_sent.insert(key, (geo.clone(), region, now));
+            self.gateway
+                .where_sent
+                .insert(key, (geo.clone(), region, now));
             self.queue_for_link(
                 link,
                 mesh_message::Body::Where(mesh::SessionWhere {
@@ -642,12 +666,12 @@ impl Core {
     /// of the gateway loses at most that much of where they were.
     pub(crate) fn save_player_records(&mut self) {
         let every = self.cfg.player_record_every_ms;
-        if every == 0 || self.now.mono_ms < self.gw.next_records_ms {
+        if every == 0 || self.now.mono_ms < self.gateway.next_records_ms {
             return;
         }
-        self.gw.next_records_ms = self.now.mono_ms + every;
+        self.gateway.next_records_ms = self.now.mono_ms + every;
         let records: Vec<PlayerRecord> = self
-            .gw
+            .gateway
             .sessions
             .iter()
             .filter(|s| s.epoch.is_some())
@@ -663,12 +687,12 @@ impl Core {
     /// `epoch` is over.
     pub(crate) fn release_avatar(&mut self, account: &str, epoch: u64, reason: &str) {
         let owner = self
-            .gw
+            .gateway
             .master_owner
             .remove(account)
             .unwrap_or(self.cfg.node_id);
-        self.gw.master_epoch.remove(account);
-        self.gw.clients.set_remote_anchor(account, None);
+        self.gateway.master_epoch.remove(account);
+        self.gateway.clients.set_remote_anchor(account, None);
         self.avatars.awaiting.remove(account);
         if owner != self.cfg.node_id {
             self.send_peer(
@@ -689,7 +713,7 @@ impl Core {
     /// A newer login of the account on another gateway won: the client is kicked and its
     /// avatar released (the new session's join respawns or keeps it), with no record saved.
     pub(crate) fn displace(&mut self, key: SessionKey, detail: &str) {
-        let Some(s) = self.gw.sessions.get(key) else {
+        let Some(s) = self.gateway.sessions.get(key) else {
             return;
         };
         let (link, session_id, account, epoch) = (s.link, s.session_id, s.account.clone(), s.epoch);
@@ -697,21 +721,21 @@ impl Core {
         if let Some(epoch) = epoch {
             self.release_avatar(&account, epoch, "displaced");
         }
-        self.gw.anchor_pos.remove(&account);
+        self.gateway.anchor_pos.remove(&account);
         self.forget_session(key);
     }
 
     /// Drops every trace of a session on this node, telling nobody.
     pub(crate) fn forget_session(&mut self, key: SessionKey) -> Option<Session> {
-        let s = self.gw.sessions.remove(key)?;
-        self.gw.where_sent.remove(&key);
+        let s = self.gateway.sessions.remove(key)?;
+        self.gateway.where_sent.remove(&key);
         if let Some(l) = self.mesh.links.get_mut(&s.link) {
             l.sessions.remove(&key);
         }
-        self.gw.clients.remove(key);
+        self.gateway.clients.remove(key);
         self.metrics
             .sessions
-            .set(self.gw.sessions.attached() as i64);
+            .set(self.gateway.sessions.attached() as i64);
         Some(s)
     }
 
@@ -722,11 +746,11 @@ impl Core {
     /// Renews the directory lease of every attached session, off the node task. One batch at a
     /// time: a store that answers late gets no second batch on top of the first.
     pub(crate) fn renew_leases(&mut self) {
-        if self.gw.renewing {
+        if self.gateway.renewing {
             return;
         }
         let due: Vec<(SessionKey, String, u64)> = self
-            .gw
+            .gateway
             .sessions
             .iter()
             .filter_map(|s| Some((s.key, s.account.clone(), s.epoch?)))
@@ -734,7 +758,7 @@ impl Core {
         if due.is_empty() {
             return;
         }
-        self.gw.renewing = true;
+        self.gateway.renewing = true;
         self.store(StoreRequest::Renew {
             sessions: due,
             lease_ms: self.cfg.session_lease_ms,
@@ -742,9 +766,14 @@ impl Core {
     }
 
     pub(crate) fn on_renewed(&mut self, results: Vec<(SessionKey, u64, Result<bool, String>)>) {
-        self.gw.renewing = false;
+        self.gateway.renewing = false;
         for (key, epoch, r) in results {
-            let Some(s) = self.gw.sessions.get(key).filter(|s| s.epoch == Some(epoch)) else {
+            let Some(s) = self
+                .gateway
+                .sessions
+                .get(key)
+                .filter(|s| s.epoch == Some(epoch))
+            else {
                 continue;
             };
             match r {
@@ -755,7 +784,7 @@ impl Core {
                     // tell which: the session registers again above its epoch unless a newer
                     // one exists, and is kicked only then.
                     let account = s.account.clone();
-                    if self.gw.reregistering.insert(key) {
+                    if self.gateway.reregistering.insert(key) {
                         self.store(StoreRequest::Reregister {
                             session: key,
                             account,
@@ -783,8 +812,13 @@ impl Core {
         held: u64,
         result: Result<Option<u64>, String>,
     ) {
-        self.gw.reregistering.remove(&key);
-        let Some(s) = self.gw.sessions.get(key).filter(|s| s.epoch == Some(held)) else {
+        self.gateway.reregistering.remove(&key);
+        let Some(s) = self
+            .gateway
+            .sessions
+            .get(key)
+            .filter(|s| s.epoch == Some(held))
+        else {
             // Ended or displaced meanwhile: undo the registration.
             if let Ok(Some(epoch)) = result {
                 self.release(account, epoch);
@@ -796,11 +830,11 @@ impl Core {
             Ok(Some(epoch)) => {
                 tracing::info!(%account, held, epoch, "the session directory had lost this session: registered again");
                 self.metrics.sessions_reregistered.inc();
-                if let Some(s) = self.gw.sessions.all.get_mut(&key) {
+                if let Some(s) = self.gateway.sessions.all.get_mut(&key) {
                     s.epoch = Some(epoch);
                 }
                 self.announce_session(&account, epoch, false);
-                match self.gw.master_owner.get(&account).copied() {
+                match self.gateway.master_owner.get(&account).copied() {
                     Some(owner) if owner == self.cfg.node_id => {
                         self.join_here(&account, epoch, last)
                     }

@@ -31,7 +31,7 @@ use crate::model::subs::{self};
 /// The handoffs this node takes part in, as source and as target, and the epoch fence.
 #[derive(Default)]
 pub(crate) struct Handoffs {
-    pub out: HandoffSource<Routed>,
+    pub outgoing: HandoffSource<Routed>,
     pub inbound: HandoffTarget,
     pub fence: Fence<Fenced>,
     /// Offers being adopted by the game: root -> the offer.
@@ -67,7 +67,7 @@ impl Handoffs {
     /// Whether `id` is frozen for a handoff of this node, or released by its game and waiting
     /// for the answer: nothing is applied to it until it thaws or moves on.
     pub(crate) fn frozen(&self, id: u64) -> bool {
-        self.out.is_frozen(id) || self.released_by.contains_key(&id)
+        self.outgoing.is_frozen(id) || self.released_by.contains_key(&id)
     }
 }
 
@@ -140,7 +140,7 @@ impl Core {
         self.handoff.released_by.clear();
         let alone = if self.game.slot.is_none() {
             Some("the game went away")
-        } else if !self.auth.lease_live {
+        } else if !self.authority.lease_live {
             Some("this node's lease lapsed or was lost")
         } else if !self.mesh.clustered {
             Some("this node is alone in the world")
@@ -158,7 +158,7 @@ impl Core {
     /// After the tick's moves: offers every owned entity standing far enough in another node's
     /// area (and those a new partition gave away, or that wait for a retry).
     pub(crate) fn check_handoffs(&mut self, changes: &TickChanges) {
-        if self.game.slot.is_none() || !self.auth.lease_live || !self.mesh.clustered {
+        if self.game.slot.is_none() || !self.authority.lease_live || !self.mesh.clustered {
             return;
         }
         let mut ids = std::mem::take(&mut self.handoff.recheck);
@@ -189,7 +189,7 @@ impl Core {
         if e.parent_id != 0 && self.table.get_local(e.parent_id).is_some() {
             return Due::No;
         }
-        if self.handoff.out.is_frozen(id) {
+        if self.handoff.outgoing.is_frozen(id) {
             return Due::No;
         }
         let margin = if self.handoff.mass.contains(&id) {
@@ -198,9 +198,9 @@ impl Core {
             i64::from(self.cfg.handoff_margin_chunks)
         };
         let Some(to) = crate::model::handoff::trigger(
-            &self.auth.partition,
+            &self.authority.partition,
             me,
-            &self.auth.area,
+            &self.authority.area,
             e.chunk,
             margin,
         ) else {
@@ -211,11 +211,11 @@ impl Core {
         // The target must hold the entity's ghost when the offer reaches it: this node has
         // sent it the full state on the same ordered link (or it stands beyond the reach the
         // target subscribes to, and the offer says so).
-        let unseen = subs::distance_to_area(&self.cfg.world, &self.auth.area, e.chunk)
+        let unseen = subs::distance_to_area(&self.cfg.world, &self.authority.area, e.chunk)
             > self.cfg.reach_chunks();
         let seen = unseen
             || self
-                .repl
+                .replication
                 .replicas
                 .get(&id)
                 .is_some_and(|holders| holders.contains(&to));
@@ -226,7 +226,7 @@ impl Core {
         let why = if self.mesh.peers.get(&to).is_none_or(|p| p.link.is_none()) {
             Some("the node that owns its position is unreachable")
         } else if self.mesh.peer_partition.get(&to).copied().unwrap_or(0)
-            < self.auth.partition.epoch()
+            < self.authority.partition.epoch()
         {
             Some("the node that owns its position is behind on the partition")
         } else if !seen {
@@ -253,7 +253,7 @@ impl Core {
         let attachments = self.attachments_of(root);
         match self
             .handoff
-            .out
+            .outgoing
             .begin(root, epoch, &attachments, to, self.now.mono_ms)
         {
             Ok(freeze) => {
@@ -299,7 +299,7 @@ impl Core {
             self.game_error(ErrorCode::InvalidValue, detail.clone(), id);
             return self.thaw_released(id, &detail);
         }
-        if self.handoff.out.is_frozen(id) {
+        if self.handoff.outgoing.is_frozen(id) {
             // It crossed our `Freeze`: its snapshots answer it.
             let root = local::Snapshot {
                 entity_id: id,
@@ -359,7 +359,7 @@ impl Core {
         self.metrics.releases_kept.inc();
         if self.lease_lapsed() {
             // Stays frozen, with the rest, until the lease is back.
-            self.auth.frozen_by_lapse.insert(id);
+            self.authority.frozen_by_lapse.insert(id);
             return;
         }
         self.out.to_game.push(
@@ -388,7 +388,7 @@ impl Core {
         let attachments = self.attachments_of(root);
         let begun = self
             .handoff
-            .out
+            .outgoing
             .begin(root, r.epoch, &attachments, to, self.now.mono_ms);
         if let Err(e) = begun {
             tracing::debug!(entity = root, error = %e, "released unit not offered");
@@ -410,7 +410,7 @@ impl Core {
             let epoch = self.table.get_local(id).map_or(r.epoch, |e| e.epoch);
             self.game.checkpoints.taken(id, epoch, state.clone(), now);
             snapshotted.push(id);
-            if let Ok(Some(o)) = self.handoff.out.snapshot(id, state) {
+            if let Ok(Some(o)) = self.handoff.outgoing.snapshot(id, state) {
                 offer = Some(o);
             }
         }
@@ -453,7 +453,7 @@ impl Core {
 
     /// Whether the game may write `id` now; if not, it is told why (and nothing changes).
     pub(crate) fn may_write(&mut self, id: u64) -> bool {
-        if !self.auth.lease_live {
+        if !self.authority.lease_live {
             self.game_error(
                 ErrorCode::NotOwner,
                 format!(
@@ -474,7 +474,7 @@ impl Core {
             );
             return false;
         }
-        if !self.handoff.out.writable(id) {
+        if !self.handoff.outgoing.writable(id) {
             self.game_error(
                 ErrorCode::NotOwner,
                 format!(
@@ -488,17 +488,18 @@ impl Core {
     }
 
     pub(crate) fn on_snapshot(&mut self, s: local::Snapshot) {
-        if !self.auth.lease_live {
+        if !self.authority.lease_live {
             // Frozen by a lapsed or lost lease: nothing is offered; the snapshot is not needed.
-            self.auth.lapse_freeze_unanswered.remove(&s.entity_id);
+            self.authority.lapse_freeze_unanswered.remove(&s.entity_id);
             return;
         }
-        if self.auth.snapshot_owed.remove(&s.entity_id) && !self.handoff.out.is_frozen(s.entity_id)
+        if self.authority.snapshot_owed.remove(&s.entity_id)
+            && !self.handoff.outgoing.is_frozen(s.entity_id)
         {
             // The answer to a lapse's Freeze, come after the lease was back and the Thaw sent.
             return;
         }
-        if !self.handoff.out.is_frozen(s.entity_id) {
+        if !self.handoff.outgoing.is_frozen(s.entity_id) {
             return self.game_error(
                 ErrorCode::UnexpectedMessage,
                 format!(
@@ -527,7 +528,7 @@ impl Core {
             s.state.clone(),
             self.now.mono_ms,
         );
-        match self.handoff.out.snapshot(s.entity_id, s.state) {
+        match self.handoff.outgoing.snapshot(s.entity_id, s.state) {
             Ok(Some(offer)) => self.send_offer(offer, false),
             Ok(None) => {}
             Err(e) => self.game_error(ErrorCode::UnexpectedMessage, e.to_string(), s.entity_id),
@@ -536,8 +537,8 @@ impl Core {
 
     /// Where `account`'s session is: (gateway node, session epoch).
     pub(crate) fn session_of(&self, account: &str) -> Option<(NodeId, u64)> {
-        if let Some(key) = self.gw.clients.key_of(account) {
-            if let Some(epoch) = self.gw.sessions.get(key).and_then(|s| s.epoch) {
+        if let Some(key) = self.gateway.clients.key_of(account) {
+            if let Some(epoch) = self.gateway.sessions.get(key).and_then(|s| s.epoch) {
                 return Some((self.cfg.node_id, epoch));
             }
         }
@@ -608,12 +609,12 @@ impl Core {
             .collect();
         let claims = self.claims_of(offer.parts.iter().map(|(id, _)| *id));
         let msg = mesh::HandoffOffer {
-            partition_epoch: self.auth.partition.epoch(),
+            partition_epoch: self.authority.partition.epoch(),
             command_cursors,
             claims,
             attachments,
             successor,
-            unseen: subs::distance_to_area(&self.cfg.world, &self.auth.area, e.chunk)
+            unseen: subs::distance_to_area(&self.cfg.world, &self.authority.area, e.chunk)
                 > self.cfg.reach_chunks(),
             ..self.offer_of(e, offer.epoch, state)
         };
@@ -628,7 +629,7 @@ impl Core {
         let (to, kept) = (offer.to, msg.clone());
         if !self.send_peer(offer.to, mesh_message::Body::HandoffOffer(msg)) {
             // It never left: the unit may thaw (a link lost after sending leaves it in doubt).
-            if let Ok(thawed) = self.handoff.out.unsent(root, self.now.mono_ms) {
+            if let Ok(thawed) = self.handoff.outgoing.unsent(root, self.now.mono_ms) {
                 self.metrics.handoff(self.cfg.node_id, offer.to, "unsent");
                 self.thaw(root, thawed, "the target was unreachable");
             }
@@ -637,7 +638,7 @@ impl Core {
         // The game's part of the freeze is over (a repeated offer keeps the first answer).
         let now = self.now.mono_ms;
         let last_tick = self.game.last_tick_end_ms.unwrap_or(0);
-        self.handoff.out.answered(root, now, last_tick);
+        self.handoff.outgoing.answered(root, now, last_tick);
         // Kept until the target has surely checkpointed it (see `restore`).
         let to_lease = self.restore.live.get(&to).copied().unwrap_or(0);
         self.restore.sent.insert(
@@ -653,7 +654,7 @@ impl Core {
             match held {
                 Routed::Input(i) => {
                     if !self.send_forward(offer.to, root, offer.epoch, i, 0) {
-                        self.handoff.out.forward_failed(root);
+                        self.handoff.outgoing.forward_failed(root);
                     }
                 }
                 // A copy stays with the unit: applied here if the offer is refused.
@@ -664,14 +665,14 @@ impl Core {
         }
         self.metrics
             .handoffs_in_doubt
-            .set(self.handoff.out.in_doubt().count() as i64);
+            .set(self.handoff.outgoing.in_doubt().count() as i64);
     }
 
     /// The game despawned `ids` (or went away with them): a unit frozen for a handoff waits
     /// for no snapshot of them. The rest of the unit is offered, or thawed if its root went.
     pub(crate) fn despawned_while_frozen(&mut self, gone: &[Entity]) {
         let ids: Vec<u64> = gone.iter().map(|e| e.id).collect();
-        for after in self.handoff.out.despawned(&ids, self.now.mono_ms) {
+        for after in self.handoff.outgoing.despawned(&ids, self.now.mono_ms) {
             match after {
                 AfterDespawn::Offer(offer) => self.send_offer(offer, false),
                 AfterDespawn::Abandoned { root, to, thawed } => {
@@ -695,7 +696,7 @@ impl Core {
         // What it released is kept here too (its entities stay for its return).
         self.handoff.released.clear();
         self.handoff.released_by.clear();
-        for (root, to, thawed) in self.handoff.out.abandon_freezing(self.now.mono_ms) {
+        for (root, to, thawed) in self.handoff.outgoing.abandon_freezing(self.now.mono_ms) {
             self.metrics.handoff(self.cfg.node_id, to, "abandoned");
             self.thaw(root, thawed, reason);
             self.handoff.retry.remove(&root);
@@ -707,7 +708,7 @@ impl Core {
         let frozen = self
             .table
             .master_of(account)
-            .is_some_and(|e| e.origin.is_none() && self.handoff.out.is_frozen(e.id));
+            .is_some_and(|e| e.origin.is_none() && self.handoff.outgoing.is_frozen(e.id));
         if frozen {
             self.handoff.leaving.insert(
                 account.to_string(),
@@ -735,7 +736,7 @@ impl Core {
             self.claims_thawed(*m);
             if lapsed {
                 // Stays frozen, with the rest, until the lease is back.
-                self.auth.frozen_by_lapse.insert(*m);
+                self.authority.frozen_by_lapse.insert(*m);
                 continue;
             }
             self.out.to_game.push(
@@ -764,7 +765,7 @@ impl Core {
         self.handoff.recheck.insert(root);
         self.metrics
             .handoffs_in_doubt
-            .set(self.handoff.out.in_doubt().count() as i64);
+            .set(self.handoff.outgoing.in_doubt().count() as i64);
     }
 
     pub(crate) fn on_handoff_ack(&mut self, from: NodeId, a: mesh::HandoffAck) {
@@ -773,7 +774,7 @@ impl Core {
         }
         match self
             .handoff
-            .out
+            .outgoing
             .acked(a.entity_id, a.entity_epoch, from, self.now.mono_ms)
         {
             Ok(done) => {
@@ -794,7 +795,7 @@ impl Core {
         }
         match self
             .handoff
-            .out
+            .outgoing
             .refused(r.entity_id, r.entity_epoch, from, self.now.mono_ms)
         {
             Ok(thawed) => {
@@ -852,8 +853,8 @@ impl Core {
             self.game.checkpoints.forget(id);
             self.handoff.mass.remove(&id);
             self.handoff.retry.remove(&id);
-            self.repl.newly_held.remove(&id);
-            let holders = self.repl.replicas.remove(&id).unwrap_or_default();
+            self.replication.newly_held.remove(&id);
+            let holders = self.replication.replicas.remove(&id).unwrap_or_default();
             tracing::debug!(
                 me,
                 entity = id,
@@ -904,7 +905,7 @@ impl Core {
             );
             // A chunk a client here views is followed at the new owner (subscribed now if it
             // was not yet): the entity stays as its ghost, with no vanish.
-            if self.repl.subs.has(chunk, done.to) || self.follow(chunk, done.to) {
+            if self.replication.subs.has(chunk, done.to) || self.follow(chunk, done.to) {
                 self.table.to_ghost(id, done.to, done.epoch);
                 for f in self.handoff.fence.advance(id, done.epoch, done.to) {
                     self.apply_fenced(f);
@@ -946,40 +947,46 @@ impl Core {
                 }
                 self.routing.remote_players.remove(&account);
                 self.routing.anchor_sent.remove(&account);
-                if self.gw.clients.key_of(&account).is_some() {
+                if self.gateway.clients.key_of(&account).is_some() {
                     // This node is the player's gateway: its input goes to the new owner now.
                     // An anchor the new owner sent first (the ack was lost and a later frame
                     // proved it) says where the avatar is now; the frozen copy's place is old.
-                    let anchored = self.gw.master_owner.get(&account) == Some(&done.to)
+                    let anchored = self.gateway.master_owner.get(&account) == Some(&done.to)
                         && self
-                            .gw
+                            .gateway
                             .master_epoch
                             .get(&account)
                             .is_some_and(|e| *e >= done.epoch);
-                    self.gw.master_owner.insert(account.clone(), done.to);
+                    self.gateway.master_owner.insert(account.clone(), done.to);
                     if !anchored {
-                        self.gw.master_epoch.insert(account.clone(), done.epoch);
-                        self.gw.clients.set_remote_anchor(&account, Some(chunk));
-                        self.gw.anchor_pos.insert(account, [pos.x, pos.y, pos.z]);
+                        self.gateway
+                            .master_epoch
+                            .insert(account.clone(), done.epoch);
+                        self.gateway
+                            .clients
+                            .set_remote_anchor(&account, Some(chunk));
+                        self.gateway
+                            .anchor_pos
+                            .insert(account, [pos.x, pos.y, pos.z]);
                     }
                 }
             }
         }
         self.metrics
             .handoffs_in_doubt
-            .set(self.handoff.out.in_doubt().count() as i64);
+            .set(self.handoff.outgoing.in_doubt().count() as i64);
     }
 
     /// The link to `node` is up again: offers in doubt towards it are repeated (a target that
     /// adopted answers with another ack), or re-made under a new epoch if a new process holds
     /// its id (it never saw the old offer; it adopts from the snapshot).
     pub(crate) fn resume_offers(&mut self, node: NodeId) {
-        for root in self.handoff.out.towards(node) {
+        for root in self.handoff.outgoing.towards(node) {
             if self.restore.in_doubt_to_dead.contains_key(&root) {
                 // Made to a process that died: the restore of its world settles it.
                 continue;
             }
-            if let Ok(offer) = self.handoff.out.repeat(root) {
+            if let Ok(offer) = self.handoff.outgoing.repeat(root) {
                 self.send_offer(offer, false);
             }
         }
@@ -1005,15 +1012,15 @@ impl Core {
             return self.answer_offer(from, mesh_message::Body::HandoffRefused(refused));
         }
         let at = o.position.as_ref().map(|p| Pos { x: p.x, y: p.y });
-        let owns = at.is_some_and(|p| self.auth.partition.owner_of(p).ok() == Some(me));
+        let owns = at.is_some_and(|p| self.authority.partition.owner_of(p).ok() == Some(me));
         let checks = OfferChecks {
             owns_position: owns,
-            lease_live: self.auth.lease_live,
-            partition_epoch_matches: o.partition_epoch == self.auth.partition.epoch(),
+            lease_live: self.authority.lease_live,
+            partition_epoch_matches: o.partition_epoch == self.authority.partition.epoch(),
             has_ghost: o.successor
                 || o.unseen
                 || self.table.get(id).is_some_and(|e| e.origin == Some(from)),
-            draining: self.auth.draining.is_some(),
+            draining: self.authority.draining.is_some(),
             game_connected: self.game.slot.is_some(),
         };
         let known = self.handoff.fence.current(id).map(|(e, _)| e);
@@ -1025,7 +1032,7 @@ impl Core {
             OfferDecision::Adopt => {
                 let adopt = self.adopt_message(&o);
                 for m in std::iter::once(id).chain(o.attachments.iter().map(|a| a.entity_id)) {
-                    if self.repl.sim.forget(m) {
+                    if self.replication.sim.forget(m) {
                         self.out.to_game.push(
                             sidecar_message::Body::GhostLeave(local::GhostLeave { entity_id: m })
                                 .into(),
@@ -1161,7 +1168,7 @@ impl Core {
                 tracing::error!(entity = id, error = %e, "installing an adopted entity failed");
                 continue;
             }
-            self.handoff.out.forget(id);
+            self.handoff.outgoing.forget(id);
             // The offer's snapshot is the first checkpoint of it here, under its new epoch.
             let state = if id == o.entity_id {
                 Some(o.state.clone())
@@ -1203,10 +1210,10 @@ impl Core {
                 // routes for it, and a later login must not take the avatar for this node's.
             } else if o.gateway_node == me || local.is_some_and(|l| l > o.session_epoch) {
                 // Gateway side only: the epoch its inputs are stamped with.
-                self.gw.master_epoch.insert(account.clone(), epoch);
-                self.gw.master_owner.insert(account.clone(), me);
-                self.gw.clients.set_remote_anchor(&account, None);
-                self.gw.anchor_pos.remove(&account);
+                self.gateway.master_epoch.insert(account.clone(), epoch);
+                self.gateway.master_owner.insert(account.clone(), me);
+                self.gateway.clients.set_remote_anchor(&account, None);
+                self.gateway.anchor_pos.remove(&account);
                 if let Some(l) = local.filter(|l| *l > o.session_epoch) {
                     self.join_here(&account, l, None);
                 }
@@ -1260,7 +1267,7 @@ impl Core {
         let now = self.now.mono_ms;
         if let Some(done) = self
             .handoff
-            .out
+            .outgoing
             .observed(s.entity_id, s.entity_epoch, node, now)
         {
             // The target writes under the offered epoch: it adopted, the ack was lost.
@@ -1278,7 +1285,7 @@ impl Core {
             .fence
             .current(id)
             .is_some_and(|(known, _)| epoch > known);
-        if !s.full && newer && self.repl.stale.contains_key(&id) {
+        if !s.full && newer && self.replication.stale.contains_key(&id) {
             // A stale ghost's owner changed while the old owner's link was down: its word
             // (`EntityMoved`) was lost with the link. The new owner sends the whole state again.
             let chunk = self.table.get(id).map(|e| e.chunk);
@@ -1293,7 +1300,7 @@ impl Core {
             return;
         }
         if s.full
-            && (self.table.get(id).is_none() || self.repl.stale.contains_key(&id))
+            && (self.table.get(id).is_none() || self.replication.stale.contains_key(&id))
             && self
                 .handoff
                 .fence
@@ -1359,7 +1366,7 @@ impl Core {
                     .position
                     .as_ref()
                     .map(|p| self.cfg.world.chunk_of(Pos { x: p.x, y: p.y }));
-                if at.is_some_and(|c| self.repl.subs.has(c, node)) {
+                if at.is_some_and(|c| self.replication.subs.has(c, node)) {
                     // This node subscribes there: its subscription has not reached the owner
                     // yet, and the snapshot burst that answers it refreshes the ghost.
                     return;
@@ -1373,7 +1380,7 @@ impl Core {
                     // owner: subscribed now, and kept meanwhile, stale (the owner no longer
                     // counts this node among its holders, so it will not say if it moves on).
                     let now = self.now.mono_ms;
-                    self.repl.stale.entry(g.entity_id).or_insert(now);
+                    self.replication.stale.entry(g.entity_id).or_insert(now);
                     return;
                 }
                 if self
@@ -1409,7 +1416,7 @@ impl Core {
                 .get_local(m.entity_id)
                 .is_some_and(|e| e.epoch == m.entity_epoch);
             if local && !m.holders.is_empty() {
-                self.repl
+                self.replication
                     .replicas
                     .entry(m.entity_id)
                     .or_default()
@@ -1432,12 +1439,12 @@ impl Core {
             origin.is_some_and(|o| o == node || self.restore.is_dead_node(o))
         };
         if let Some((_, chunk)) = held.filter(|h| from_writer(h.0)) {
-            if self.repl.subs.has(chunk, m.owner_node) || self.follow(chunk, m.owner_node) {
+            if self.replication.subs.has(chunk, m.owner_node) || self.follow(chunk, m.owner_node) {
                 self.table
                     .set_origin(m.entity_id, m.owner_node, m.entity_epoch);
                 // A stale ghost waits for its new writer from now on (a restored owner may be
                 // a process that has only just started, not linked here yet).
-                if let Some(since) = self.repl.stale.get_mut(&m.entity_id) {
+                if let Some(since) = self.replication.stale.get_mut(&m.entity_id) {
                     *since = self.now.mono_ms;
                 }
             } else {
@@ -1537,7 +1544,7 @@ impl Core {
                     self.hold_input(id, i);
                     return;
                 }
-                let route = self.handoff.out.route_input(id, Routed::Input(input));
+                let route = self.handoff.outgoing.route_input(id, Routed::Input(input));
                 self.follow_route(id, route, hops, None);
             }
             Some((id, Some(owner), epoch)) => {
@@ -1547,7 +1554,7 @@ impl Core {
                     self.hold_input(id, i);
                     return;
                 }
-                let route = self.handoff.out.route_input(id, Routed::Input(input));
+                let route = self.handoff.outgoing.route_input(id, Routed::Input(input));
                 self.follow_route(id, route, hops, Some((owner, epoch)));
             }
             None => {
@@ -1565,7 +1572,7 @@ impl Core {
                     }
                     // Handed away, and no ghost of it stayed here: forwarded all the same.
                     (_, Some(id)) => {
-                        let route = self.handoff.out.route_input(id, Routed::Input(input));
+                        let route = self.handoff.outgoing.route_input(id, Routed::Input(input));
                         self.follow_route(id, route, hops, None);
                     }
                     // Stamped for a master this process never held: it died with a process
@@ -1623,11 +1630,11 @@ impl Core {
         i: local::Input,
         hops: u32,
     ) {
-        if !self.handoff.out.is_frozen(id) {
+        if !self.handoff.outgoing.is_frozen(id) {
             return self.forward_input(to, id, epoch, i, hops);
         }
         if !self.send_forward(to, id, epoch, i, hops) {
-            self.handoff.out.forward_failed(id);
+            self.handoff.outgoing.forward_failed(id);
         }
     }
 
@@ -1665,10 +1672,10 @@ impl Core {
     /// the writer of its avatar for another gateway).
     fn session_current(&self, account: &str, epoch: u64) -> bool {
         let local = self
-            .gw
+            .gateway
             .clients
             .key_of(account)
-            .and_then(|k| self.gw.sessions.get(k))
+            .and_then(|k| self.gateway.sessions.get(k))
             .and_then(|s| s.epoch)
             == Some(epoch);
         local
@@ -1717,7 +1724,7 @@ impl Core {
         if self.game.slot.is_none() {
             return self.metrics.drop_input("no_game");
         }
-        if !self.auth.lease_live && !self.auth.lost {
+        if !self.authority.lease_live && !self.authority.lost {
             return self.hold_input_during_lapse(i);
         }
         // Held for a gap while a newer session began (a handover, a second login): the game

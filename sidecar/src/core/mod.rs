@@ -402,12 +402,12 @@ pub struct Core {
     /// Every entity the node holds: its reals and its render ghosts.
     pub(crate) table: EntityTable,
     pub(crate) game: LocalGame,
-    pub(crate) gw: Gateway,
+    pub(crate) gateway: Gateway,
     pub(crate) mesh: Mesh,
-    pub(crate) repl: Replication,
+    pub(crate) replication: Replication,
     pub(crate) routing: Routing,
     pub(crate) handoff: Handoffs,
-    pub(crate) auth: Authority,
+    pub(crate) authority: Authority,
     pub(crate) restore: restore::Restore,
     pub(crate) avatars: avatars::Avatars,
     pub(crate) commands: commands::Commands,
@@ -448,17 +448,17 @@ impl Core {
         lease: Option<LeaseTerms>,
         now: Now,
     ) -> Self {
-        let mut auth = Authority::new(&cfg, partition.clone());
-        auth.lease_until_ms = lease.as_ref().map(|l| l.until_ms);
+        let mut authority = Authority::new(&cfg, partition.clone());
+        authority.lease_until_ms = lease.as_ref().map(|l| l.until_ms);
         Self {
             table: EntityTable::new(cfg.world),
             game: LocalGame::new(&cfg, lease.as_ref().map(|l| &l.lease)),
-            gw: Gateway::new(&cfg),
+            gateway: Gateway::new(&cfg),
             mesh: Mesh::new(clustered),
-            repl: Replication::new(&cfg, &partition),
+            replication: Replication::new(&cfg, &partition),
             routing: Routing::default(),
             handoff: Handoffs::default(),
-            auth,
+            authority,
             restore: restore::Restore {
                 incarnation: lease.as_ref().map_or(0, |l| l.lease.epoch),
                 ..Default::default()
@@ -517,7 +517,7 @@ impl Core {
 
     /// Handoffs this node has begun as the source and not finished.
     pub fn handoffs_in_flight(&self) -> usize {
-        self.handoff.out.in_flight()
+        self.handoff.outgoing.in_flight()
     }
 
     /// Frames held by the epoch fence for entities whose epoch change is not seen yet.
@@ -531,7 +531,7 @@ impl Core {
         let now = self.now.mono_ms;
         self.table
             .iter()
-            .filter(|e| e.origin.is_none() && !self.handoff.out.is_frozen(e.id))
+            .filter(|e| e.origin.is_none() && !self.handoff.outgoing.is_frozen(e.id))
             .filter(|e| self.game.checkpoints.missing(e.id, e.epoch, now, slack_ms))
             .map(|e| e.id)
             .collect()
@@ -545,13 +545,13 @@ impl Core {
 
     /// Client inputs held here now (see `Metrics::inputs_held`).
     pub fn inputs_held(&self) -> usize {
-        self.handoff.out.held_inputs(handoff::Routed::is_input)
+        self.handoff.outgoing.held_inputs(handoff::Routed::is_input)
             + self
                 .handoff
                 .fence
                 .held_where(|f| matches!(f, handoff::Fenced::Input(_)))
             + self.handoff.input_order.held()
-            + self.auth.held_inputs.len()
+            + self.authority.held_inputs.len()
     }
 
     /// The restores this node decided and saw acked since the last call.
@@ -567,12 +567,12 @@ impl Core {
     /// As [`Core::inputs_only_here`], also counting the copies offered to nodes `dead` says
     /// died (which a simulator knows before this node hears of it).
     pub fn inputs_only_here_if(&self, dead: impl Fn(NodeId) -> bool) -> usize {
-        let in_doubt_to_dead = self.handoff.out.inputs_offered_to(
+        let in_doubt_to_dead = self.handoff.outgoing.inputs_offered_to(
             |n| dead(n) || self.restore.in_doubt_to_dead_node(n),
             handoff::Routed::is_input,
         );
         self.handoff
-            .out
+            .outgoing
             .inputs_not_forwarded(handoff::Routed::is_input)
             + in_doubt_to_dead
             + self
@@ -580,7 +580,7 @@ impl Core {
                 .fence
                 .held_where(|f| matches!(f, handoff::Fenced::Input(_)))
             + self.handoff.input_order.held()
-            + self.auth.held_inputs.len()
+            + self.authority.held_inputs.len()
     }
 
     /// What the epoch fence holds, entity by entity.
@@ -694,7 +694,7 @@ impl Core {
             .and_then(|l| self.mesh.links.get(&l))
             .is_some_and(|l| l.peer.is_some());
         if from_peer {
-            self.gw.ghosts_due = true;
+            self.gateway.ghosts_due = true;
             self.set_table_gauges();
         }
         self.flush_checkpoints();
@@ -725,7 +725,7 @@ impl Core {
     /// most one batch for all of them, with each entity's newest state.
     pub fn poll_output(&mut self) -> Option<Output> {
         if self.out.pending.is_empty() {
-            if std::mem::take(&mut self.gw.ghosts_due) {
+            if std::mem::take(&mut self.gateway.ghosts_due) {
                 self.send_ghost_changes();
             }
             self.pack_outboxes();
@@ -747,9 +747,9 @@ impl Core {
             .min()
             .unwrap_or(u64::MAX);
         let lease = self
-            .auth
+            .authority
             .lease_until_ms
-            .filter(|_| self.auth.lease_live)
+            .filter(|_| self.authority.lease_live)
             .unwrap_or(u64::MAX);
         Some(
             self.next_renew_ms
@@ -894,7 +894,7 @@ impl Core {
             })
         });
         let sessions: Vec<serde_json::Value> = self
-            .gw
+            .gateway
             .sessions
             .iter()
             .map(|s| {
@@ -906,7 +906,7 @@ impl Core {
                     "link": s.link,
                     "remote_addr": s.remote_addr,
                     "master_id": self.table.master_of(&s.account).map(|e| e.id),
-                    "view_chunks": self.gw.clients.view_len(s.key),
+                    "view_chunks": self.gateway.clients.view_len(s.key),
                     "rtt_ms_p50": s.rtt.map(|r| r.0),
                     "rtt_ms_min": s.rtt.map(|r| r.1),
                 })
@@ -940,13 +940,13 @@ impl Core {
             "sessions": sessions,
             "links": links,
             "peers": peers,
-            "partition_epoch": self.auth.partition.epoch(),
+            "partition_epoch": self.authority.partition.epoch(),
             "ghosts_render": self.table.ghost_count(),
             "reals": self.table.len() - self.table.ghost_count(),
             "load": {"smoothed": self.load.last(), "source": self.load.source()},
-            "ghosts_sim": self.repl.sim.len(),
-            "subscriptions": self.repl.subs.len(),
-            "subscribers": self.repl.subscribers.len(),
+            "ghosts_sim": self.replication.sim.len(),
+            "subscriptions": self.replication.subs.len(),
+            "subscribers": self.replication.subscribers.len(),
             // The accounts whose avatar this node writes.
             "masters": self
                 .table
@@ -955,13 +955,13 @@ impl Core {
                 .map(|(account, _)| account)
                 .collect::<Vec<_>>(),
             "inputs_held": self.inputs_held(),
-            "handoffs_in_flight": self.handoff.out.in_flight(),
-            "handoffs_in_doubt": self.handoff.out.in_doubt().map(|(id, to, epoch)| json!({"entity": id, "to": to, "epoch": epoch})).collect::<Vec<_>>(),
+            "handoffs_in_flight": self.handoff.outgoing.in_flight(),
+            "handoffs_in_doubt": self.handoff.outgoing.in_doubt().map(|(id, to, epoch)| json!({"entity": id, "to": to, "epoch": epoch})).collect::<Vec<_>>(),
             "adopting": self.handoff.adopting.len(),
             "held_frames": self.handoff.fence.held(),
-            "lease_live": self.auth.lease_live,
-            "lease_lost": self.auth.lost,
-            "draining": self.auth.draining.is_some(),
+            "lease_live": self.authority.lease_live,
+            "lease_lost": self.authority.lost,
+            "draining": self.authority.draining.is_some(),
             "admission": self.admission_state(),
         })
     }
@@ -971,9 +971,9 @@ impl Core {
     fn shutdown(&mut self) {
         self.shutting_down = true;
         self.set_ready(false);
-        let keys: Vec<SessionKey> = self.gw.sessions.iter().map(|s| s.key).collect();
+        let keys: Vec<SessionKey> = self.gateway.sessions.iter().map(|s| s.key).collect();
         for key in keys {
-            if let Some(s) = self.gw.sessions.get(key) {
+            if let Some(s) = self.gateway.sessions.get(key) {
                 let (link, session_id) = (s.link, s.session_id);
                 self.queue_for_link(
                     link,

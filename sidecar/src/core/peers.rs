@@ -86,7 +86,7 @@ impl Core {
             self.mesh.peer_partition.insert(node, hello.partition_epoch);
             if !hello.geo.is_empty() {
                 // Kept when the link drops: where an avatar is simulated is reported by geo.
-                self.gw.node_geo.insert(node, hello.geo.clone());
+                self.gateway.node_geo.insert(node, hello.geo.clone());
             }
         }
         if peer.is_none() {
@@ -176,7 +176,7 @@ impl Core {
         self.send_peer(
             node,
             mesh_message::Body::PartitionAck(mesh::PartitionAck {
-                partition_epoch: self.auth.partition.epoch(),
+                partition_epoch: self.authority.partition.epoch(),
             }),
         );
         let label = self.metrics.peer(node);
@@ -186,7 +186,7 @@ impl Core {
         self.resend_resolutions(node);
         // The owner forgot this node's subscriptions with the last link: ask again, for a fresh
         // snapshot burst.
-        let held = self.repl.subs.of_owner(node);
+        let held = self.replication.subs.of_owner(node);
         for part in held.chunks(super::replication::CHUNKS_PER_MESSAGE) {
             self.send_peer(
                 node,
@@ -197,7 +197,7 @@ impl Core {
         }
         // Gateways learn where the sessions of this node are, and owners who simulates whom.
         let moved: Vec<mesh_message::Body> = self
-            .gw
+            .gateway
             .sessions
             .iter()
             .filter_map(|s| {
@@ -259,14 +259,14 @@ impl Core {
         let now = self.now.mono_ms;
         for id in self.table.ghosts_of(node) {
             if !self.ghost_orphaned(id) {
-                self.repl.stale.entry(id).or_insert(now);
+                self.replication.stale.entry(id).or_insert(now);
             }
         }
-        self.repl.subscribers.remove_node(node);
+        self.replication.subscribers.remove_node(node);
         self.metrics
             .subscribers
-            .set(self.repl.subscribers.len() as i64);
-        self.repl.replicas.retain(|_, nodes| {
+            .set(self.replication.subscribers.len() as i64);
+        self.replication.replicas.retain(|_, nodes| {
             nodes.remove(&node);
             !nodes.is_empty()
         });

@@ -87,7 +87,7 @@ impl Core {
             // Any chunk is served: a subscriber may run a newer partition than this node (or an
             // older one), or follow an entity this node could not hand over yet. Refusing would
             // leave it waiting for frames that never come.
-            if !self.repl.subscribers.add(node, chunk) {
+            if !self.replication.subscribers.add(node, chunk) {
                 continue;
             }
             // The snapshot burst: every resident the node does not hold yet.
@@ -96,11 +96,21 @@ impl Core {
                 let Some(e) = self.table.get_local(id) else {
                     continue;
                 };
-                if self.repl.replicas.entry(id).or_default().insert(node) {
+                if self
+                    .replication
+                    .replicas
+                    .entry(id)
+                    .or_default()
+                    .insert(node)
+                {
                     let state = full_state(e);
                     self.metrics.cross_node_updates.inc();
                     self.send_peer(node, mesh_message::Body::EntityState(state));
-                    self.repl.newly_held.entry(id).or_default().insert(node);
+                    self.replication
+                        .newly_held
+                        .entry(id)
+                        .or_default()
+                        .insert(node);
                 }
             }
         }
@@ -110,22 +120,22 @@ impl Core {
         self.forget_subscriptions(node, chunks);
         self.metrics
             .subscribers
-            .set(self.repl.subscribers.len() as i64);
+            .set(self.replication.subscribers.len() as i64);
     }
 
     pub(crate) fn forget_subscriptions(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
         for c in chunks {
             let chunk = self.cfg.world.normalise_chunk(ChunkPos { x: c.x, y: c.y });
-            if !self.repl.subscribers.remove(node, chunk) {
+            if !self.replication.subscribers.remove(node, chunk) {
                 continue;
             }
             // The node drops its ghosts there itself; only the bookkeeping changes here.
             let residents: Vec<u64> = self.table.residents(chunk).collect();
             for id in residents {
-                if let Some(nodes) = self.repl.replicas.get_mut(&id) {
+                if let Some(nodes) = self.replication.replicas.get_mut(&id) {
                     nodes.remove(&node);
                     if nodes.is_empty() {
-                        self.repl.replicas.remove(&id);
+                        self.replication.replicas.remove(&id);
                     }
                 }
             }
@@ -139,7 +149,7 @@ impl Core {
         for (&id, ch) in changes {
             let Some(e) = self.table.get_local(id) else {
                 // Despawned (a ghost never has replicas).
-                if let Some(nodes) = self.repl.replicas.remove(&id) {
+                if let Some(nodes) = self.replication.replicas.remove(&id) {
                     for node in nodes {
                         self.metrics.cross_node_updates.inc();
                         // Despawned: whatever epoch the holder knows, it is gone (0: unfenced).
@@ -155,8 +165,8 @@ impl Core {
                 }
                 continue;
             };
-            let target: BTreeSet<NodeId> = self.repl.subscribers.of(e.chunk).collect();
-            let held = self.repl.replicas.remove(&id).unwrap_or_default();
+            let target: BTreeSet<NodeId> = self.replication.subscribers.of(e.chunk).collect();
+            let held = self.replication.replicas.remove(&id).unwrap_or_default();
             if target.is_empty() && held.is_empty() {
                 continue;
             }
@@ -182,13 +192,17 @@ impl Core {
                     // Internal: `full` is built on this very condition, from the local table.
                     let state = full.clone().expect("built when some node needs it");
                     frames.push((node, mesh_message::Body::EntityState(state)));
-                    self.repl.newly_held.entry(id).or_default().insert(node);
+                    self.replication
+                        .newly_held
+                        .entry(id)
+                        .or_default()
+                        .insert(node);
                 } else if let Some(d) = &delta {
                     frames.push((node, mesh_message::Body::EntityState(d.clone())));
                 }
             }
             if !target.is_empty() {
-                self.repl.replicas.insert(id, target);
+                self.replication.replicas.insert(id, target);
             }
             for (node, body) in frames {
                 self.metrics.cross_node_updates.inc();
@@ -203,7 +217,7 @@ impl Core {
             if !ev.audience.is_public() || self.table.get_local(ev.entity_id).is_none() {
                 continue;
             }
-            let Some(nodes) = self.repl.replicas.get(&ev.entity_id).cloned() else {
+            let Some(nodes) = self.replication.replicas.get(&ev.entity_id).cloned() else {
                 continue;
             };
             for node in nodes {
@@ -226,11 +240,11 @@ impl Core {
     /// client here views the chunk, the ghost stays and the chunk is subscribed at `owner` at
     /// once (its snapshot burst refreshes the ghost). Returns whether it is followed.
     pub(crate) fn follow(&mut self, chunk: ChunkPos, owner: NodeId) -> bool {
-        if owner == self.cfg.node_id || !self.gw.clients.is_viewed(chunk) {
+        if owner == self.cfg.node_id || !self.gateway.clients.is_viewed(chunk) {
             return false;
         }
-        if self.repl.followed.insert((chunk, owner)) {
-            self.repl.subs_dirty = true;
+        if self.replication.followed.insert((chunk, owner)) {
+            self.replication.subs_dirty = true;
             self.update_subscriptions();
         }
         true
@@ -240,12 +254,17 @@ impl Core {
     /// burst did not include them, or it stayed down longer than a node lease (the owner is
     /// gone; whoever takes its area over sends them again).
     pub(crate) fn sweep_stale_ghosts(&mut self) {
-        if self.repl.stale.is_empty() {
+        if self.replication.stale.is_empty() {
             return;
         }
         let now = self.now.mono_ms;
         let me = self.cfg.node_id;
-        let stale: Vec<(u64, u64)> = self.repl.stale.iter().map(|(k, v)| (*k, *v)).collect();
+        let stale: Vec<(u64, u64)> = self
+            .replication
+            .stale
+            .iter()
+            .map(|(k, v)| (*k, *v))
+            .collect();
         let mut gone = Vec::new();
         for (id, since) in stale {
             if self.awaits_restore(id) {
@@ -284,7 +303,7 @@ impl Core {
             }
         }
         for (id, ghost) in gone {
-            self.repl.stale.remove(&id);
+            self.replication.stale.remove(&id);
             if ghost {
                 tracing::debug!(entity = id, "stale ghost dropped: not refreshed");
                 let _ = self.table.despawn(id);
@@ -295,7 +314,7 @@ impl Core {
 
     pub(crate) fn on_entity_state(&mut self, node: NodeId, s: mesh::EntityState) {
         // A frame of its owner: the ghost is current again.
-        self.repl.stale.remove(&s.entity_id);
+        self.replication.stale.remove(&s.entity_id);
         let existing = self.table.get(s.entity_id).map(|e| (e.origin, e.chunk));
         if matches!(existing, Some((None, _))) {
             return self.metrics.drop_msg("ghost_of_local_entity", 1);
@@ -305,7 +324,7 @@ impl Core {
             .map(|p| self.cfg.world.chunk_of(Pos { x: p.x, y: p.y }))
             .or(existing.map(|e| e.1));
         // Only what lies in a chunk this node subscribes to from that owner.
-        if chunk.is_none_or(|c| !self.repl.subs.has(c, node)) {
+        if chunk.is_none_or(|c| !self.replication.subs.has(c, node)) {
             if existing.is_some_and(|e| e.0 == Some(node)) {
                 tracing::debug!(
                     me = self.cfg.node_id,
@@ -358,15 +377,17 @@ impl Core {
     pub(crate) fn resync(&mut self, chunk: ChunkPos, owner: NodeId) {
         let now = self.now.mono_ms;
         if self
-            .repl
+            .replication
             .resynced
             .get(&(chunk, owner))
             .is_some_and(|t| now < t + RESYNC_EVERY_MS)
         {
             return;
         }
-        self.repl.resynced.retain(|_, t| now < *t + RESYNC_EVERY_MS);
-        self.repl.resynced.insert((chunk, owner), now);
+        self.replication
+            .resynced
+            .retain(|_, t| now < *t + RESYNC_EVERY_MS);
+        self.replication.resynced.insert((chunk, owner), now);
         let refs = chunk_refs(&[chunk]);
         self.send_peer(
             owner,
@@ -383,13 +404,13 @@ impl Core {
     /// Brings the subscriptions to what the clients' views and the interaction band need, in
     /// one batch per owner; ghosts in chunks let go of vanish.
     pub(crate) fn update_subscriptions(&mut self) {
-        if !(self.gw.clients.take_views_changed() || self.repl.subs_dirty) {
+        if !(self.gateway.clients.take_views_changed() || self.replication.subs_dirty) {
             return;
         }
-        self.repl.subs_dirty = false;
+        self.replication.subs_dirty = false;
         let me = self.cfg.node_id;
-        let mut wanted = self.repl.band.clone();
-        let viewed: Vec<ChunkPos> = self.gw.clients.viewed_chunks().collect();
+        let mut wanted = self.replication.band.clone();
+        let viewed: Vec<ChunkPos> = self.gateway.clients.viewed_chunks().collect();
         for c in viewed {
             for n in self.owners_near(c) {
                 if n != me {
@@ -397,10 +418,12 @@ impl Core {
                 }
             }
         }
-        let clients = &self.gw.clients;
-        self.repl.followed.retain(|(c, _)| clients.is_viewed(*c));
-        wanted.extend(self.repl.followed.iter().copied());
-        let changes = self.repl.subs.update(wanted);
+        let clients = &self.gateway.clients;
+        self.replication
+            .followed
+            .retain(|(c, _)| clients.is_viewed(*c));
+        wanted.extend(self.replication.followed.iter().copied());
+        let changes = self.replication.subs.update(wanted);
         for (owner, chunks) in changes.unsubscribe {
             for c in &chunks {
                 let ghosts: Vec<u64> = self
@@ -433,17 +456,19 @@ impl Core {
                 );
             }
         }
-        self.metrics.subscriptions.set(self.repl.subs.len() as i64);
+        self.metrics
+            .subscriptions
+            .set(self.replication.subs.len() as i64);
     }
 
     /// Pushes the render ghosts in the interaction band to the game as simulation ghosts, with
     /// hysteresis and a minimum lifespan.
     pub(crate) fn step_sim_ghosts(&mut self, changes: &TickChanges, now_ms: u64) {
         if self.game.slot.is_none() {
-            self.repl.sim.clear();
+            self.replication.sim.clear();
             return;
         }
-        let mut ids: BTreeSet<u64> = self.repl.sim.ids().into_iter().collect();
+        let mut ids: BTreeSet<u64> = self.replication.sim.ids().into_iter().collect();
         for (&id, _) in changes.iter() {
             if self.table.get(id).is_none_or(|e| e.origin.is_some()) {
                 ids.insert(id);
@@ -456,9 +481,12 @@ impl Core {
                 continue;
             }
             let ghost = self.table.get(id).filter(|e| e.origin.is_some());
-            let distance = ghost.map(|e| distance_to_area(&world, &self.auth.area, e.chunk));
+            let distance = ghost.map(|e| distance_to_area(&world, &self.authority.area, e.chunk));
             let ch = changes.get(&id);
-            let step = self.repl.sim.observe(now_ms, id, distance, ch.is_some());
+            let step = self
+                .replication
+                .sim
+                .observe(now_ms, id, distance, ch.is_some());
             let msg = match (step, ghost) {
                 (GhostStep::Enter, Some(e)) => {
                     sidecar_message::Body::GhostEnter(local::GhostEnter {
@@ -499,6 +527,8 @@ impl Core {
             };
             self.out.to_game.push(msg.into());
         }
-        self.metrics.ghosts_sim.set(self.repl.sim.len() as i64);
+        self.metrics
+            .ghosts_sim
+            .set(self.replication.sim.len() as i64);
     }
 }

@@ -256,7 +256,7 @@ impl Core {
     fn fence_lapsed(&mut self) {
         let now = self.now.mono_ms;
         let grace = lapse_grace_ms(self.cfg.node_lease_ms);
-        if now < self.auth.live_since_ms + grace {
+        if now < self.authority.live_since_ms + grace {
             return;
         }
         let due: Vec<Incarnation> = self
@@ -350,14 +350,14 @@ impl Core {
         }
         for (root, _, thawed) in self
             .handoff
-            .out
+            .outgoing
             .abandon_freezing_towards(node, self.now.mono_ms)
         {
             self.metrics.handoff(self.cfg.node_id, node, "abandoned");
             self.thaw(root, thawed, "the target died before the offer left");
             self.handoff.retry.remove(&root);
         }
-        for (root, to, _) in self.handoff.out.in_doubt().collect::<Vec<_>>() {
+        for (root, to, _) in self.handoff.outgoing.in_doubt().collect::<Vec<_>>() {
             if to == node {
                 self.restore.in_doubt_to_dead.insert(root, inc);
             }
@@ -404,7 +404,7 @@ impl Core {
     ) -> (Vec<mesh::RealHeld>, Vec<mesh::HandoffOffer>, Vec<u64>) {
         // A unit frozen in an offer to the dead node is a candidate, not a holding: the offer
         // may have been adopted there.
-        let out = &self.handoff.out;
+        let out = &self.handoff.outgoing;
         let mut held: Vec<mesh::RealHeld> = self
             .table
             .iter()
@@ -462,7 +462,7 @@ impl Core {
         let in_doubt = offered
             .iter()
             .map(|o| o.entity_id)
-            .filter(|id| self.handoff.out.target_of(*id).is_some())
+            .filter(|id| self.handoff.outgoing.target_of(*id).is_some())
             .collect();
         (held, offered, in_doubt)
     }
@@ -477,10 +477,14 @@ impl Core {
                 return;
             };
             self.restore.sent.remove(&id);
-            let Some((to, offered)) = self.handoff.out.target_of(id) else {
+            let Some((to, offered)) = self.handoff.outgoing.target_of(id) else {
                 return;
             };
-            if let Ok(thawed) = self.handoff.out.refused(id, offered, to, self.now.mono_ms) {
+            if let Ok(thawed) = self
+                .handoff
+                .outgoing
+                .refused(id, offered, to, self.now.mono_ms)
+            {
                 self.metrics.handoff(self.cfg.node_id, dead, "returned");
                 self.thaw(
                     id,
@@ -502,7 +506,7 @@ impl Core {
         if self.restore.in_doubt_to_dead.remove(&id).is_some() {
             match self
                 .handoff
-                .out
+                .outgoing
                 .resolve(id, r.owner_node, r.entity_epoch, self.now.mono_ms)
             {
                 Ok(done) => self.complete_handoff(done),
@@ -510,7 +514,7 @@ impl Core {
             }
         } else {
             self.handoff
-                .out
+                .outgoing
                 .redirect_departed(id, r.owner_node, r.entity_epoch);
         }
     }
@@ -535,7 +539,7 @@ impl Core {
                     entity = id,
                     "ghost of a dead process dropped: not restored"
                 );
-                self.repl.stale.remove(&id);
+                self.replication.stale.remove(&id);
                 let _ = self.table.despawn(id);
                 self.handoff.fence.forget(id);
             }
@@ -621,7 +625,7 @@ impl Core {
     pub(crate) fn prune_sent_offers(&mut self) {
         let now = self.now.mono_ms;
         let keep_ms = self.cfg.node_lease_ms * 2 + FLUSH_EVERY_MS * 4;
-        let out = &self.handoff.out;
+        let out = &self.handoff.outgoing;
         self.restore
             .sent
             .retain(|root, s| out.is_frozen(*root) || now < s.at_ms + keep_ms);
@@ -631,7 +635,7 @@ impl Core {
 
     /// Whether this node may decide restores at all: it writes, and knows who is alive.
     fn may_decide(&self) -> bool {
-        self.auth.lease_live && self.mesh.clustered && self.restore.leases_heard
+        self.authority.lease_live && self.mesh.clustered && self.restore.leases_heard
     }
 
     /// Whether this node decides the restore of `node`'s dead processes. Each geo keeps its
@@ -669,7 +673,9 @@ impl Core {
             .departed
             .iter()
             .copied()
-            .filter(|n| *n != me && self.auth.partition.chunks_of(*n) > 0 && self.decides_for(*n))
+            .filter(|n| {
+                *n != me && self.authority.partition.chunks_of(*n) > 0 && self.decides_for(*n)
+            })
             .collect();
         if !gone.is_empty() {
             return self.ask_replan(&gone);
@@ -707,7 +713,7 @@ impl Core {
         for inc in decided {
             self.finish_round(inc);
         }
-        let epoch = self.auth.partition.epoch();
+        let epoch = self.authority.partition.epoch();
         let on_partition = self
             .restore
             .live
@@ -838,13 +844,13 @@ impl Core {
     /// Commits the partition without the `dead` (once per partition epoch; a losing commit
     /// learns the winner's partition like any other).
     fn ask_replan(&mut self, dead: &[NodeId]) {
-        let from = self.auth.partition.epoch();
+        let from = self.authority.partition.epoch();
         if self.restore.replan_from == Some(from) {
             return;
         }
         let mut live: Vec<NodeId> = self.restore.live.keys().copied().collect();
         live.push(self.cfg.node_id);
-        match self.auth.partition.without(dead, &live) {
+        match self.authority.partition.without(dead, &live) {
             Ok(Some(p)) => {
                 tracing::warn!(
                     ?dead,
@@ -955,7 +961,7 @@ impl Core {
             checkpoints.extend(round.checkpoints.take().unwrap_or_default());
         }
         let inc = incs[0];
-        let partition = self.auth.partition.clone();
+        let partition = self.authority.partition.clone();
         let mut live: BTreeSet<NodeId> = self.restore.live.keys().copied().collect();
         live.insert(me);
         // Only a live process holds anything: not one that died since it was reported (a node
@@ -1017,7 +1023,7 @@ impl Core {
             mut offer,
             reporters,
         } = r;
-        offer.partition_epoch = self.auth.partition.epoch();
+        offer.partition_epoch = self.authority.partition.epoch();
         let id = offer.entity_id;
         self.restore.offering.insert(
             id,
@@ -1056,7 +1062,12 @@ impl Core {
                 .offer
                 .position
                 .as_ref()
-                .and_then(|p| self.auth.partition.owner_of(Pos { x: p.x, y: p.y }).ok())
+                .and_then(|p| {
+                    self.authority
+                        .partition
+                        .owner_of(Pos { x: p.x, y: p.y })
+                        .ok()
+                })
                 .filter(|n| *n == me || self.restore.live.contains_key(n));
             let Some(owner) = owner else {
                 // Nobody owns its position yet: asked again later.

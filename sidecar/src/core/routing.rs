@@ -51,7 +51,7 @@ impl Core {
 
     /// Where `account`'s session is, as this node knows it.
     pub(crate) fn target(&self, account: &str) -> Target {
-        if self.gw.clients.key_of(account).is_some() {
+        if self.gateway.clients.key_of(account).is_some() {
             return Target::Local;
         }
         match self.routing.routes.get(account) {
@@ -75,7 +75,7 @@ impl Core {
         let mut pieces: Vec<Addressed> = Vec::new();
         // A client that newly sees an entity (its gateway just got it in full, or its session
         // just attached there) is owed the entity's current non-public state, not only changes.
-        let newly_held = std::mem::take(&mut self.repl.newly_held);
+        let newly_held = std::mem::take(&mut self.replication.newly_held);
         let newly_attached = std::mem::take(&mut self.routing.newly_attached);
         let whole = EntityChange {
             spawned: true,
@@ -119,7 +119,7 @@ impl Core {
             // Accounts that see the same thing share one encoded delta.
             let mut groups: SameView = BTreeMap::new();
             for (account, (send, removed, kind)) in views {
-                if self.gw.clients.key_of(&account).is_some() {
+                if self.gateway.clients.key_of(&account).is_some() {
                     continue;
                 }
                 groups
@@ -159,7 +159,7 @@ impl Core {
             let accounts: Vec<String> = ev
                 .audience
                 .named_accounts(&ev.owner_account)
-                .filter(|a| self.gw.clients.key_of(a).is_none())
+                .filter(|a| self.gateway.clients.key_of(a).is_none())
                 .map(str::to_string)
                 .collect();
             if accounts.is_empty() {
@@ -182,7 +182,7 @@ impl Core {
             let (local, remote): (Vec<String>, Vec<String>) = send
                 .accounts
                 .into_iter()
-                .partition(|a| self.gw.clients.key_of(a).is_some());
+                .partition(|a| self.gateway.clients.key_of(a).is_some());
             if !remote.is_empty() {
                 let encoded = encode_message(&AccountMessage {
                     r#type: send.r#type,
@@ -303,8 +303,8 @@ impl Core {
                     };
                     self.send_routed(r.gateway_node, routed);
                 }
-                _ => match self.gw.clients.key_of(&account) {
-                    Some(key) => self.gw.clients.inject(
+                _ => match self.gateway.clients.key_of(&account) {
+                    Some(key) => self.gateway.clients.inject(
                         key,
                         part_of(piece.kind as i32),
                         Encoded(piece.encoded),
@@ -484,7 +484,9 @@ impl Core {
 
     /// `account`'s session attached here.
     pub(crate) fn local_session(&self, account: &str) -> Option<&Session> {
-        self.gw.sessions.get(self.gw.clients.key_of(account)?)
+        self.gateway
+            .sessions
+            .get(self.gateway.clients.key_of(account)?)
     }
 
     /// The epoch of `account`'s session here, if it is attached.
@@ -499,7 +501,7 @@ impl Core {
             _ => return self.metrics.drop_msg("stale_session", 1),
         }
         if self
-            .gw
+            .gateway
             .master_epoch
             .get(&a.account)
             .is_some_and(|e| *e > a.entity_epoch)
@@ -528,13 +530,15 @@ impl Core {
             );
             return;
         }
-        self.gw
+        self.gateway
             .master_epoch
             .insert(a.account.clone(), a.entity_epoch);
         self.avatars.awaiting.remove(&a.account);
         let chunk = self.cfg.world.chunk_of(Pos { x: p.x, y: p.y });
-        self.gw.clients.set_remote_anchor(&a.account, Some(chunk));
-        self.gw.master_owner.insert(a.account.clone(), node);
+        self.gateway
+            .clients
+            .set_remote_anchor(&a.account, Some(chunk));
+        self.gateway.master_owner.insert(a.account.clone(), node);
         // The view follows the anchor: a render ghost of the master left behind (stale through
         // an outage, or not refreshed yet by its new owner) moves with it, so the client never
         // sees its own avatar leave its view.
@@ -550,7 +554,7 @@ impl Core {
                 ..Default::default()
             });
         }
-        self.gw.anchor_pos.insert(a.account, [p.x, p.y, p.z]);
+        self.gateway.anchor_pos.insert(a.account, [p.x, p.y, p.z]);
     }
 
     pub(crate) fn on_routed(&mut self, r: mesh::Routed) {
@@ -559,7 +563,7 @@ impl Core {
             for to in &piece.recipients {
                 match self.session_epoch(&to.account) {
                     Some((key, epoch)) if epoch == to.session_epoch => {
-                        self.gw
+                        self.gateway
                             .clients
                             .inject(key, part, Encoded(piece.encoded.clone()));
                     }

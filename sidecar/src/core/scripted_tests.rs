@@ -1025,7 +1025,7 @@ fn the_owners_near_cache_stays_bounded() {
     let first = core.owners_near(ChunkPos { x: 7, y: 3 });
     for i in 0..(authority::NEAR_CACHE_MAX as i64 + 100) {
         core.owners_near(ChunkPos { x: i, y: i / 16 });
-        assert!(core.repl.near_cache.len() <= authority::NEAR_CACHE_MAX);
+        assert!(core.replication.near_cache.len() <= authority::NEAR_CACHE_MAX);
     }
     assert_eq!(core.owners_near(ChunkPos { x: 7, y: 3 }), first);
 }
@@ -1647,7 +1647,7 @@ fn a_node_whose_cell_is_retired_stays_a_spare_or_drains_as_configured() {
         (crate::config::WhenRetired::Exit, true),
     ] {
         let mut core = configured_node(None, |c| c.when_retired = when);
-        let world = *core.auth.partition.shape();
+        let world = *core.authority.partition.shape();
         // Epoch 2 squeezes node 1 to no area (still a cell); epoch 3 deletes the cell.
         let squeezed = cellmesh_world::partition::BspTree::split(
             cellmesh_world::partition::Axis::X,
@@ -1659,7 +1659,7 @@ fn a_node_whose_cell_is_retired_stays_a_spare_or_drains_as_configured() {
         let p2 = Partition::new(world, 2, Layout::Bsp(bsp)).unwrap();
         core.handle(at(10), Input::Partition(Box::new(p2.clone())));
         assert!(
-            core.auth.draining.is_none(),
+            core.authority.draining.is_none(),
             "a cell with no area is not retired yet"
         );
         let p3 = p2
@@ -1668,7 +1668,7 @@ fn a_node_whose_cell_is_retired_stays_a_spare_or_drains_as_configured() {
             ))
             .unwrap();
         core.handle(at(20), Input::Partition(Box::new(p3)));
-        assert_eq!(core.auth.draining.is_some(), drains, "{when:?}");
+        assert_eq!(core.authority.draining.is_some(), drains, "{when:?}");
     }
 }
 
@@ -1746,7 +1746,7 @@ fn a_moved_session_superseded_by_a_newer_login_is_displaced() {
         }
     }
     assert_eq!(detached, [(20, 3, KickReason::Displaced as u32)]);
-    assert!(core.gw.sessions.get(key).is_none(), "forgotten");
+    assert!(core.gateway.sessions.get(key).is_none(), "forgotten");
     // Told twice (a late duplicate), nothing more happens.
     core.handle(
         at(120),
@@ -2022,5 +2022,5 @@ fn an_older_avatar_that_anchors_a_session_given_a_new_one_is_told_to_leave() {
         ("alice", 5)
     );
     assert_eq!(told[0].reason, "new_avatar_elsewhere");
-    assert_eq!(core.gw.master_owner.get("alice"), Some(&ME));
+    assert_eq!(core.gateway.master_owner.get("alice"), Some(&ME));
 }

@@ -32,7 +32,7 @@ impl Core {
         let released = match self.spawners.declare(
             &self.cfg.world,
             points,
-            &self.auth.partition,
+            &self.authority.partition,
             me,
             self.now.mono_ms,
         ) {
@@ -54,7 +54,7 @@ impl Core {
         let me = self.cfg.node_id;
         let released = self
             .spawners
-            .replanned(&self.auth.partition, me, self.now.mono_ms);
+            .replanned(&self.authority.partition, me, self.now.mono_ms);
         self.spawners_released(released, "its chunk went to another node");
     }
 
@@ -84,7 +84,7 @@ impl Core {
         if due.is_empty() {
             return;
         }
-        let ready = self.auth.lease_live && self.game.slot.is_some();
+        let ready = self.authority.lease_live && self.game.slot.is_some();
         for key in due {
             let claim_key = model::claim_key(&key);
             if !ready || self.claims.knows(&claim_key, None) {
@@ -131,7 +131,7 @@ impl Core {
         match result {
             Ok(ClaimOutcome::Granted(grant)) => {
                 let conn = self.game.slot.as_ref().map_or(0, |g| g.conn);
-                if !self.spawners.owns(&key) || conn != p.conn || !self.auth.lease_live {
+                if !self.spawners.owns(&key) || conn != p.conn || !self.authority.lease_live {
                     // The point moved on, or the game that was to stock it went, meanwhile.
                     self.free_claim(grant);
                     self.spawners.retry(&key, now);
