@@ -15,12 +15,12 @@ impl Core {
     /// The game's `Load` report.
     pub(crate) fn on_game_load(&mut self, l: &local::Load) {
         self.load
-            .on_report(self.now.mono_ms, l.tick_ms, l.budget_ms);
+            .on_report(self.cx.now.mono_ms, l.tick_ms, l.budget_ms);
         self.refresh_load();
         let sessions = self.gateway.sessions.attached();
         let change = self
             .admission
-            .on_load(self.now.mono_ms, l.tick_ms, l.budget_ms, sessions);
+            .on_load(self.cx.now.mono_ms, l.tick_ms, l.budget_ms, sessions);
         if matches!(change, Some(Change::Closed(_))) {
             tracing::warn!(
                 tick_ms = l.tick_ms,
@@ -35,8 +35,8 @@ impl Core {
     /// and its gauge.
     pub(crate) fn refresh_load(&mut self) -> f64 {
         let reals = self.table.len() - self.table.ghost_count();
-        let load = self.load.load(self.now.mono_ms, reals);
-        self.metrics.load.set(load);
+        let load = self.load.load(self.cx.now.mono_ms, reals);
+        self.cx.metrics.load.set(load);
         load
     }
 
@@ -47,7 +47,9 @@ impl Core {
             return;
         }
         let sessions = self.gateway.sessions.attached();
-        let change = self.admission.on_outbox(self.now.mono_ms, frames, sessions);
+        let change = self
+            .admission
+            .on_outbox(self.cx.now.mono_ms, frames, sessions);
         if matches!(change, Some(Change::Closed(_))) {
             tracing::warn!(
                 link,
@@ -62,10 +64,10 @@ impl Core {
     pub(crate) fn admit_login(&mut self) -> bool {
         // Those still attaching count: they are about to be held.
         let sessions = self.gateway.sessions.len();
-        let (admitted, change) = self.admission.on_login(self.now.mono_ms, sessions);
+        let (admitted, change) = self.admission.on_login(self.cx.now.mono_ms, sessions);
         self.admission_changed(change);
         if !admitted {
-            self.metrics.drop_msg("attach_refused_server_full", 1);
+            self.cx.metrics.drop_msg("attach_refused_server_full", 1);
         }
         admitted
     }
@@ -79,7 +81,7 @@ impl Core {
             kick_reason: cellmesh_proto::edge::KickReason::ServerFull as u32,
             detail: format!(
                 "the server is full: node {} admits no new session ({reason})",
-                self.cfg.node_id
+                self.cx.config.node_id
             ),
             retry_after_ms: self.admission.retry_after_ms(),
         })
@@ -87,7 +89,7 @@ impl Core {
 
     /// Reopens once calm long enough (on the timer).
     pub(crate) fn evaluate_admission(&mut self) {
-        let change = self.admission.evaluate(self.now.mono_ms);
+        let change = self.admission.evaluate(self.cx.now.mono_ms);
         if change == Some(Change::Opened) {
             tracing::info!("calm again: new sessions are admitted");
         }
@@ -98,16 +100,18 @@ impl Core {
         let Some(change) = change else {
             return;
         };
-        self.dirty = true;
+        self.cx.dirty = true;
         if let Change::Closed(reason) = change {
-            self.metrics
+            self.cx
+                .metrics
                 .admission_closings
                 .get_or_create(&ReasonLabel {
                     reason: reason.as_str(),
                 })
                 .inc();
         }
-        self.metrics
+        self.cx
+            .metrics
             .admission_open
             .set(i64::from(self.admission.is_open()));
         let proxies: Vec<LinkId> = self
@@ -118,14 +122,14 @@ impl Core {
             .map(|(id, _)| *id)
             .collect();
         for link in proxies {
-            self.queue_for_link(link, self.admission_message());
+            self.cx.queue_for_link(link, self.admission_message());
         }
     }
 
     /// A proxy link came up: it hears the node is closed, if it is.
     pub(crate) fn tell_admission(&mut self, link: LinkId) {
         if !self.admission.is_open() {
-            self.queue_for_link(link, self.admission_message());
+            self.cx.queue_for_link(link, self.admission_message());
         }
     }
 
@@ -140,7 +144,7 @@ impl Core {
 
     /// The decision as `/state` shows it.
     pub(crate) fn admission_state(&self) -> serde_json::Value {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         let closed = self.admission.closed();
         json!({
             "open": closed.is_none(),

@@ -110,7 +110,7 @@ impl Core {
             && self
                 .authority
                 .lease_until_ms
-                .is_some_and(|u| self.now.mono_ms < u)
+                .is_some_and(|u| self.cx.now.mono_ms < u)
         {
             self.resume_after_lapse();
         }
@@ -123,7 +123,7 @@ impl Core {
             && self
                 .authority
                 .lease_until_ms
-                .is_some_and(|u| self.now.mono_ms >= u)
+                .is_some_and(|u| self.cx.now.mono_ms >= u)
         {
             self.on_lease_lapsed();
         }
@@ -150,10 +150,10 @@ impl Core {
         if !self.authority.lease_live {
             return;
         }
-        self.metrics.error("lease_lapsed");
+        self.cx.metrics.error("lease_lapsed");
         self.authority.lease_live = false;
-        self.dirty = true;
-        self.set_ready(false);
+        self.cx.dirty = true;
+        self.cx.set_ready(false);
         // Released this tick and not offered yet: frozen already (the game released them).
         let released = std::mem::take(&mut self.handoff.released);
         self.handoff.released_by.clear();
@@ -166,8 +166,10 @@ impl Core {
         // Frozen for a handoff whose offer has not left: its snapshot would be offered under
         // a lease that may be gone, so the handoff is given up (the entities stay frozen, by
         // the lapse now, and are offered again once the lease is back). Offers that left stand.
-        for (root, to, thawed) in self.handoff.outgoing.abandon_freezing(self.now.mono_ms) {
-            self.metrics.handoff(self.cfg.node_id, to, "abandoned");
+        for (root, to, thawed) in self.handoff.outgoing.abandon_freezing(self.cx.now.mono_ms) {
+            self.cx
+                .metrics
+                .handoff(self.cx.config.node_id, to, "abandoned");
             self.thaw(root, thawed, "the node lease lapsed before the snapshot");
         }
         let owned = self.owned_reals();
@@ -190,21 +192,21 @@ impl Core {
     /// game, and the node serves again.
     fn resume_after_lapse(&mut self) {
         self.authority.lease_live = true;
-        self.dirty = true;
-        self.authority.live_since_ms = self.now.mono_ms;
+        self.cx.dirty = true;
+        self.authority.live_since_ms = self.cx.now.mono_ms;
         let frozen = std::mem::take(&mut self.authority.frozen_by_lapse);
         tracing::warn!(
             entities = frozen.len(),
             "the node lease is back: thawing what its lapse froze"
         );
-        self.metrics.leases_reclaimed.inc();
+        self.cx.metrics.leases_reclaimed.inc();
         let unanswered = std::mem::take(&mut self.authority.lapse_freeze_unanswered);
         self.authority.snapshot_owed = unanswered;
         for id in frozen {
             if self.table.get_local(id).is_none() {
                 continue;
             }
-            self.out.to_game.push(
+            self.cx.out.to_game.push(
                 sidecar_message::Body::Thaw(local::Thaw {
                     entity_id: id,
                     reason: "the node lease is back".to_string(),
@@ -215,7 +217,8 @@ impl Core {
         for i in std::mem::take(&mut self.authority.held_inputs) {
             self.deliver_input(i);
         }
-        self.set_ready(self.game.slot.is_some() && self.authority.draining.is_none());
+        self.cx
+            .set_ready(self.game.slot.is_some() && self.authority.draining.is_none());
     }
 
     /// Every entity this node writes.
@@ -235,7 +238,7 @@ impl Core {
     /// An input for the game while the lease is lapsed: held until it is back.
     pub(crate) fn hold_input_during_lapse(&mut self, i: local::Input) {
         if self.authority.held_inputs.len() >= HELD_INPUTS_MAX {
-            return self.metrics.drop_input("lease_lapsed");
+            return self.cx.metrics.drop_input("lease_lapsed");
         }
         self.authority.held_inputs.push(i);
     }
@@ -243,14 +246,14 @@ impl Core {
     /// Another grant replaced this node's lease (a new process, or a restore's fence): this
     /// process never writes again, and exits.
     pub(crate) fn on_lease_lost(&mut self) {
-        self.metrics.error("lease_lost");
-        self.set_ready(false);
+        self.cx.metrics.error("lease_lost");
+        self.cx.set_ready(false);
         if self.authority.lost {
             return;
         }
         self.authority.lost = true;
         for _ in std::mem::take(&mut self.authority.held_inputs) {
-            self.metrics.drop_input("lease_lost");
+            self.cx.metrics.drop_input("lease_lost");
         }
         let was_live = std::mem::replace(&mut self.authority.lease_live, false);
         let owned = self.owned_reals();
@@ -258,7 +261,7 @@ impl Core {
             entities = owned.len(),
             "the node lease was lost: freezing everything this node owns, then exiting"
         );
-        self.out.exit = Some(
+        self.cx.out.exit = Some(
             "the node lease was lost: another process may hold this node id now; everything \
              this process wrote is frozen and restored elsewhere from its checkpoints"
                 .into(),
@@ -278,22 +281,24 @@ impl Core {
         if p.epoch() <= self.authority.partition.epoch() {
             return;
         }
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         tracing::info!(epoch = p.epoch(), "applying a new partition");
         self.authority.area = subs::merge_rects(p.area_of(me));
-        let keep = i64::from(self.cfg.interaction_band_chunks + self.cfg.ghost_keep_margin_chunks);
-        self.replication.band = subs::band(&p, me, keep, self.cfg.reach_chunks());
+        let keep = i64::from(
+            self.cx.config.interaction_band_chunks + self.cx.config.ghost_keep_margin_chunks,
+        );
+        self.replication.band = subs::band(&p, me, keep, self.cx.config.reach_chunks());
         // Retired: the director deleted this node's cell (it held nothing by then).
         let retired =
             !p.members().contains(&me) && self.authority.partition.members().contains(&me);
         let prev = std::mem::replace(&mut self.authority.partition, std::sync::Arc::new(p));
         self.authority.prev_partitions.push(prev);
-        self.authority.changed_at_ms = self.now.mono_ms;
+        self.authority.changed_at_ms = self.cx.now.mono_ms;
         self.replication.near_cache.clear();
         self.replication.subs_dirty = true;
         let owned_area = self.owned_rects();
         if self.game.slot.is_some() {
-            self.out.to_game.push(
+            self.cx.out.to_game.push(
                 sidecar_message::Body::PartitionChanged(local::PartitionChanged {
                     partition_epoch: self.authority.partition.epoch(),
                     owned_area,
@@ -317,7 +322,7 @@ impl Core {
         self.handoff.recheck.extend(gone);
         self.spawners_replanned();
         if retired {
-            match self.cfg.when_retired {
+            match self.cx.config.when_retired {
                 WhenRetired::Spare => {
                     tracing::info!("this node's cell was retired: staying up as a spare")
                 }
@@ -339,8 +344,8 @@ impl Core {
         tracing::info!(
             "draining: refusing handoffs; waiting for the partition to give this node's area away"
         );
-        self.set_ready(false);
-        self.authority.draining = Some(self.now.mono_ms + self.cfg.drain_timeout_ms);
+        self.cx.set_ready(false);
+        self.authority.draining = Some(self.cx.now.mono_ms + self.cx.config.drain_timeout_ms);
     }
 
     /// Whether a drain is over: nothing left that another node could take (no real here and no
@@ -356,7 +361,7 @@ impl Core {
         if reals == 0 && self.handoff.outgoing.in_flight() == 0 {
             return true;
         }
-        if self.now.mono_ms >= deadline {
+        if self.cx.now.mono_ms >= deadline {
             tracing::warn!(left = reals, "drain timed out with entities still here");
             return true;
         }
@@ -369,7 +374,7 @@ impl Core {
         if let Some(v) = self.replication.near_cache.get(&chunk) {
             return v.clone();
         }
-        let reach = self.cfg.reach_chunks();
+        let reach = self.cx.config.reach_chunks();
         let mut near = subs::owners_near(&self.authority.partition, chunk, reach);
         for prev in &self.authority.prev_partitions {
             // Until the mass handoffs settle, the previous owners still write entities there.
@@ -390,7 +395,7 @@ impl Core {
     /// settled), and at least a second after the last change.
     pub(crate) fn settle_partition(&mut self) {
         if self.authority.prev_partitions.is_empty()
-            || self.now.mono_ms < self.authority.changed_at_ms + SETTLE_MIN_MS
+            || self.cx.now.mono_ms < self.authority.changed_at_ms + SETTLE_MIN_MS
         {
             return;
         }
@@ -398,7 +403,7 @@ impl Core {
         let peers_caught_up = self.mesh.peers.iter().all(|(node, p)| {
             p.link.is_none() || self.mesh.peer_partition.get(node).copied().unwrap_or(0) >= epoch
         });
-        let reach = self.cfg.reach_chunks();
+        let reach = self.cx.config.reach_chunks();
         let settled = peers_caught_up
             && self.table.iter().all(|e| match e.origin {
                 None => true,
@@ -432,17 +437,17 @@ impl Core {
                 } else {
                     EntityKind::Owned
                 },
-                node: self.cfg.node_id,
+                node: self.cx.config.node_id,
             })
             .collect();
         reals.sort_unstable_by_key(|e| e.id);
         NodeMap {
-            node: self.cfg.node_id,
-            geo: self.cfg.geo.clone(),
+            node: self.cx.config.node_id,
+            geo: self.cx.config.geo.clone(),
             partition_epoch: self.authority.partition.epoch(),
             entities_total: reals.len() as u64,
             entities: sample_evenly(reals, max),
-            handoffs: self.handoff.recent.shown(self.now.mono_ms),
+            handoffs: self.handoff.recent.shown(self.cx.now.mono_ms),
         }
     }
 

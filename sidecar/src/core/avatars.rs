@@ -84,7 +84,7 @@ impl Core {
     /// How long a session waits for a restored avatar before one is spawned: the owner's lease
     /// must lapse and the restore run.
     pub(crate) fn avatar_wait_ms(&self) -> u64 {
-        2 * self.cfg.node_lease_ms + 5_000
+        2 * self.cx.config.node_lease_ms + 5_000
     }
 
     // ------------------------------------------------------------------ owner side
@@ -102,7 +102,7 @@ impl Core {
             return;
         }
         self.avatars.synced_version = Some(version);
-        let (me, lease_epoch) = (self.cfg.node_id, self.restore.incarnation);
+        let (me, lease_epoch) = (self.cx.config.node_id, self.restore.incarnation);
         let current: HashMap<String, MasterEntry> = self
             .table
             .masters()
@@ -131,7 +131,7 @@ impl Core {
             .collect();
         self.avatars.written = current;
         if !set.is_empty() || !clear.is_empty() {
-            self.store(StoreRequest::WriteMasters { set, clear });
+            self.cx.store(StoreRequest::WriteMasters { set, clear });
         }
     }
 
@@ -147,7 +147,7 @@ impl Core {
     /// spawning again (the new gateway found it through the master record; its join and this
     /// leave race on different links).
     pub(crate) fn defer_leave(&mut self, account: &str, epoch: u64, reason: &str) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         let grace = if reason.starts_with(TRANSFERRED) {
             TRANSFER_GRACE_MS
         } else {
@@ -166,7 +166,7 @@ impl Core {
     /// gateway may be waiting for it, or have sent its join elsewhere), or, when that gateway
     /// spawns a new avatar, this one leaves at once: never two.
     pub(crate) fn avatar_meets_session(&mut self, m: &mesh::SessionMoved) {
-        if m.gateway_node == self.cfg.node_id || !self.writes_master(&m.account) {
+        if m.gateway_node == self.cx.config.node_id || !self.writes_master(&m.account) {
             return;
         }
         let served = self
@@ -199,7 +199,7 @@ impl Core {
     pub(crate) fn leave_game(&mut self, account: &str, epoch: u64, reason: &str) {
         self.leave_follows_handoff(account, epoch, reason);
         if self.game.slot.is_some() {
-            self.out.to_game.push(
+            self.cx.out.to_game.push(
                 sidecar_message::Body::PlayerLeave(local::PlayerLeave {
                     account: account.to_string(),
                     session_epoch: epoch,
@@ -211,7 +211,7 @@ impl Core {
     }
 
     fn apply_deferred_leaves(&mut self) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         let due: Vec<String> = self
             .avatars
             .displaced
@@ -229,7 +229,7 @@ impl Core {
             if !self.writes_master(&account) {
                 // Handed on meanwhile: the leave follows it (no second wait there).
                 let owner = self.departed_owner(&account);
-                if let Some(owner) = owner.filter(|o| *o != self.cfg.node_id) {
+                if let Some(owner) = owner.filter(|o| *o != self.cx.config.node_id) {
                     self.send_leave_on(
                         owner,
                         mesh::PeerPlayerLeave {
@@ -265,7 +265,7 @@ impl Core {
     /// Players whose avatar this node writes and whose gateway link is down: their session may
     /// have moved (a gateway that died) or ended for good.
     fn check_orphans(&mut self) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         let due: Vec<String> = self
             .routing
             .remote_players
@@ -287,7 +287,7 @@ impl Core {
         for account in due {
             self.avatars.orphan_checked.insert(account.clone(), now);
             if self.routing.looking_up.insert(account.clone()) {
-                self.store(StoreRequest::Lookup { account });
+                self.cx.store(StoreRequest::Lookup { account });
             }
         }
     }
@@ -306,7 +306,8 @@ impl Core {
     }
 
     fn peer_link_up(&self, node: NodeId) -> bool {
-        node == self.cfg.node_id || self.mesh.peers.get(&node).is_some_and(|p| p.link.is_some())
+        node == self.cx.config.node_id
+            || self.mesh.peers.get(&node).is_some_and(|p| p.link.is_some())
     }
 
     /// The directory's word on the session of a player whose gateway link is down.
@@ -330,7 +331,10 @@ impl Core {
                 tracing::debug!(%account, gateway = r.gateway_node, "the player's session ended with its gateway: avatar released");
                 self.release_remote_player(account, "gateway_gone");
             }
-            Some(e) if e.session_epoch > r.session_epoch && e.gateway_node != self.cfg.node_id => {
+            Some(e)
+                if e.session_epoch > r.session_epoch
+                    && e.gateway_node != self.cx.config.node_id =>
+            {
                 self.join_session(account, e);
             }
             _ => {}
@@ -344,7 +348,7 @@ impl Core {
             .restore
             .geo_of
             .get(&gateway)
-            .is_some_and(|g| *g != self.cfg.geo);
+            .is_some_and(|g| *g != self.cx.config.geo);
         elsewhere
             && (self.restore.live.contains_key(&gateway)
                 || self.restore.lapsed.contains_key(&gateway))
@@ -371,7 +375,7 @@ impl Core {
             .insert(account.to_string(), entry);
         self.routing.anchor_sent.remove(account);
         if self.game.slot.is_some() {
-            self.out.to_game.push(
+            self.cx.out.to_game.push(
                 sidecar_message::Body::PlayerJoin(local::PlayerJoin {
                     account: account.to_string(),
                     session_epoch: entry.session_epoch,
@@ -390,7 +394,7 @@ impl Core {
         let Some(m) = master else {
             return AvatarAt::Nowhere;
         };
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         if m.node == me && m.lease_epoch == self.restore.incarnation {
             if self.writes_master(account) {
                 return AvatarAt::Here;
@@ -426,7 +430,7 @@ impl Core {
         } else {
             self.avatar_wait_ms()
         };
-        let until = self.now.mono_ms + wait;
+        let until = self.cx.now.mono_ms + wait;
         self.avatars
             .awaiting
             .insert(account.to_string(), (until, dead));
@@ -436,7 +440,7 @@ impl Core {
     /// A session handed over from another geo waits [`HANDED_OVER_WAIT_MS`] for its avatar's
     /// owner to anchor it (the owner joins the newer session it is told of), then spawns one.
     pub(crate) fn await_handed_over_avatar(&mut self, account: &str) {
-        let until = self.now.mono_ms + HANDED_OVER_WAIT_MS;
+        let until = self.cx.now.mono_ms + HANDED_OVER_WAIT_MS;
         self.avatars
             .awaiting
             .insert(account.to_string(), (until, None));
@@ -446,7 +450,7 @@ impl Core {
     /// The world of `inc` is restored: a session still waiting for an avatar it wrote waits
     /// only a little longer (the restore had no checkpoint of it).
     pub(crate) fn avatars_restored(&mut self, inc: (NodeId, u64)) {
-        let soon = self.now.mono_ms + RESTORED_GRACE_MS;
+        let soon = self.cx.now.mono_ms + RESTORED_GRACE_MS;
         for (until, dead) in self.avatars.awaiting.values_mut() {
             if *dead == Some(inc) {
                 *until = (*until).min(soon);
@@ -457,7 +461,7 @@ impl Core {
     /// Sessions that waited too long for a restored avatar get a new one (the restore found no
     /// checkpoint of it).
     fn expire_avatar_waits(&mut self) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         let due: Vec<String> = self
             .avatars
             .awaiting
@@ -474,7 +478,7 @@ impl Core {
                 continue;
             }
             tracing::warn!(%account, "no restored avatar anchored the session in time: spawning one");
-            self.metrics.error("avatar_not_restored");
+            self.cx.metrics.error("avatar_not_restored");
             let last = self.gateway.sessions.get(key).and_then(|s| s.last_position);
             self.announce_session(&account, epoch, true);
             self.spawn_avatar(&account, epoch, last);
@@ -494,7 +498,7 @@ impl Core {
         {
             s.new_avatar = true;
         }
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         let owner = last
             .and_then(|[x, y, _]| self.authority.partition.owner_of(Pos { x, y }).ok())
             .unwrap_or(me);
@@ -507,7 +511,7 @@ impl Core {
 
     /// The game here simulates (or spawns) the avatar of the local session `epoch`.
     pub(crate) fn join_here(&mut self, account: &str, epoch: u64, last: Option<[f64; 3]>) {
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         self.gateway.master_owner.insert(account.to_string(), me);
         self.avatars.awaiting.remove(account);
         // An avatar simulated here for another gateway serves this session now.
@@ -520,7 +524,7 @@ impl Core {
             self.gateway.anchor_pos.remove(account);
         }
         if self.game.slot.is_some() {
-            self.out.to_game.push(
+            self.cx.out.to_game.push(
                 sidecar_message::Body::PlayerJoin(local::PlayerJoin {
                     account: account.to_string(),
                     session_epoch: epoch,

@@ -14,19 +14,19 @@ pub(crate) const LOAD_REPORT_EVERY_MS: u64 = 1_000;
 impl Core {
     /// Queues a report when one is due.
     pub(crate) fn maybe_report_load(&mut self) {
-        if self.now.mono_ms < self.next_load_report_ms {
+        if self.cx.now.mono_ms < self.next_load_report_ms {
             return;
         }
-        self.next_load_report_ms = self.now.mono_ms + LOAD_REPORT_EVERY_MS;
+        self.next_load_report_ms = self.cx.now.mono_ms + LOAD_REPORT_EVERY_MS;
         let report = self.cell_report();
-        self.emit(Output::LoadReport(Box::new(report)));
+        self.cx.emit(Output::LoadReport(Box::new(report)));
     }
 
     /// The report now. Levels are measured against the node's cell when it has exactly one (a
     /// BSP leaf); a node holding several areas (a grid's regions) reports none.
     pub fn cell_report(&mut self) -> CellReport {
         let load = self.refresh_load();
-        let node = self.cfg.node_id;
+        let node = self.cx.config.node_id;
         let areas = self.authority.partition.area_of(node);
         let rect = match areas.as_slice() {
             [one] => *one,
@@ -47,7 +47,9 @@ impl Core {
             entities,
             rect,
             levels: EntityBoundLevels::measure(rect, chunks, per_entity),
-            ghost_chunks: i64::from(self.cfg.view_radius_chunks + self.cfg.release_margin_chunks),
+            ghost_chunks: i64::from(
+                self.cx.config.view_radius_chunks + self.cx.config.release_margin_chunks,
+            ),
             partition_epoch: self.authority.partition.epoch(),
         }
     }

@@ -96,10 +96,10 @@ fn two_nodes_racing_for_a_key_get_one_grant_and_one_refusal_naming_the_winner() 
         p.store_holder(KEY).map(|h| h.entity),
         Some(won.1.holder_entity)
     );
-    let m = &p.node(won.0).core.metrics;
+    let m = &p.node(won.0).core.cx.metrics;
     assert_eq!((m.claims_for("granted"), m.claims_for("held")), (1, 0));
     assert_eq!(m.claims_held.get(), 1);
-    let m = &p.node(lost.0).core.metrics;
+    let m = &p.node(lost.0).core.cx.metrics;
     assert_eq!((m.claims_for("granted"), m.claims_for("held")), (0, 1));
     assert_eq!(m.claims_held.get(), 0);
     assert!(p.node(lost.0).core.claims.is_empty());
@@ -139,7 +139,7 @@ fn a_claim_follows_its_holder_through_a_handoff_and_fences_the_old_owner_out() {
     let carried = p.node(2).core.claims.get(KEY).cloned().unwrap();
     assert_eq!((carried.grant.token, carried.rebinding), (token, None));
     assert_eq!(carried.grant.holder, holder(WALKER, 2).unwrap());
-    assert_eq!(p.node(2).core.metrics.claims_rebound.get(), 1);
+    assert_eq!(p.node(2).core.cx.metrics.claims_rebound.get(), 1);
     assert!(p.node(1).core.claims.get(KEY).is_none(), "node 1 let it go");
     assert!(p.node(1).claims_lost.is_empty() && p.node(2).claims_lost.is_empty());
 
@@ -245,7 +245,7 @@ fn despawning_the_holder_frees_the_key_for_another_entity() {
     p.step();
     assert_eq!(p.store_holder(KEY), None);
     assert!(p.node(1).core.claims.is_empty());
-    assert_eq!(p.node(1).core.metrics.claims_released.get(), 1);
+    assert_eq!(p.node(1).core.cx.metrics.claims_released.get(), 1);
     granted(&mut p, 2, KEY, RIVAL, 2);
 
     // A holder that despawns while its claim is on its way: the grant is freed when it comes.
@@ -277,7 +277,7 @@ fn a_release_frees_the_key_even_one_sent_before_the_grant() {
     p.step();
     assert_eq!(p.store_holder(KEY), None);
     assert!(p.node(1).core.claims.is_empty());
-    assert_eq!(p.node(1).core.metrics.claims_held.get(), 0);
+    assert_eq!(p.node(1).core.cx.metrics.claims_held.get(), 0);
     granted(&mut p, 2, KEY, RIVAL, 2);
     p.release_claim(2, KEY);
     p.step();
@@ -344,6 +344,7 @@ fn with_the_store_unreachable_the_game_is_told_the_claim_is_lost_before_the_stor
     let lapsed = p
         .node(1)
         .core
+        .cx
         .metrics
         .claims_lost
         .get_or_create(&crate::metrics::ReasonLabel { reason: "lapsed" })
@@ -472,7 +473,7 @@ fn bad_claims_fail_with_a_reason_and_ask_nothing_of_the_store() {
         &p.node(1).store_asked[asked_before..]
     );
     assert_eq!(
-        p.node(1).core.metrics.claims_for("failed"),
+        p.node(1).core.cx.metrics.claims_for("failed"),
         cases.len() as u64
     );
 
@@ -515,7 +516,7 @@ fn a_game_that_disconnects_frees_its_claims_in_the_store() {
         "freed when its grant came"
     );
     assert!(p.node(1).core.claims.is_empty());
-    assert_eq!(p.node(1).core.metrics.claims_held.get(), 0);
+    assert_eq!(p.node(1).core.cx.metrics.claims_held.get(), 0);
     granted(&mut p, 2, KEY, RIVAL, 3);
     granted(&mut p, 2, "quest:giver", RIVAL, 4);
 }

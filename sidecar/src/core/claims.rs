@@ -102,7 +102,7 @@ impl Core {
     /// The game's `Claim`.
     pub(crate) fn on_claim(&mut self, c: local::Claim) {
         let ttl_ms = match u64::from(c.ttl_ms) {
-            0 => self.cfg.claim_ttl_ms,
+            0 => self.cx.config.claim_ttl_ms,
             t => t,
         };
         let fail = |detail: String| Err(detail);
@@ -128,7 +128,7 @@ impl Core {
         let holder = match checked {
             Ok(h) => h,
             Err(detail) => {
-                self.metrics.claim("failed");
+                self.cx.metrics.claim("failed");
                 return self.claim_result(local::ClaimResult {
                     request_id: c.request_id,
                     key: c.key,
@@ -146,11 +146,11 @@ impl Core {
             ttl_ms,
             request_id: c.request_id,
             conn,
-            sent_at: self.now.mono_ms,
+            sent_at: self.cx.now.mono_ms,
             released: false,
             spawner: false,
         });
-        self.emit(Output::Store(StoreRequest::Claim {
+        self.cx.emit(Output::Store(StoreRequest::Claim {
             token,
             key: c.key,
             holder,
@@ -185,7 +185,7 @@ impl Core {
         tracing::debug!(key = %r.key, holder = r.holder_entity, "claim released by the game");
         let spawner = r.key.starts_with(spawners::CLAIM_PREFIX);
         if spawner || !self.claims.knows(&r.key, holder) {
-            if !spawner && self.claims.lost_lately(&r.key, holder, self.now.mono_ms) {
+            if !spawner && self.claims.lost_lately(&r.key, holder, self.cx.now.mono_ms) {
                 // Sent before the game read our ClaimLost: nothing left to free.
                 return;
             }
@@ -208,27 +208,29 @@ impl Core {
         }
         if let Some(h) = self.claims.release(&r.key, holder) {
             self.free_claim(h.grant);
-            self.metrics.claims_held.set(self.claims.len() as i64);
+            self.cx.metrics.claims_held.set(self.claims.len() as i64);
         }
     }
 
     pub(crate) fn free_claim(&mut self, grant: ClaimGrant) {
-        self.metrics.claims_released.inc();
-        self.emit(Output::Store(StoreRequest::ReleaseClaim { grant }));
+        self.cx.metrics.claims_released.inc();
+        self.cx
+            .emit(Output::Store(StoreRequest::ReleaseClaim { grant }));
     }
 
     fn claim_result(&mut self, r: local::ClaimResult) {
-        self.out
+        self.cx
+            .out
             .to_game
             .push(sidecar_message::Body::ClaimResult(r).into());
     }
 
     fn claim_lost(&mut self, key: String, holder: u64, reason: &'static str, detail: &str) {
         tracing::debug!(%key, holder, reason, "claim lost");
-        self.metrics.claim_lost(reason);
-        self.claims.told_lost(&key, holder, self.now.mono_ms);
+        self.cx.metrics.claim_lost(reason);
+        self.claims.told_lost(&key, holder, self.cx.now.mono_ms);
         if self.game.slot.is_some() {
-            self.out.to_game.push(
+            self.cx.out.to_game.push(
                 sidecar_message::Body::ClaimLost(local::ClaimLost {
                     key,
                     holder_entity: holder,
@@ -269,7 +271,7 @@ impl Core {
                         .is_ok_and(|h| h == p.holder);
                 if p.released || !same || conn != p.conn {
                     self.free_claim(grant);
-                    self.metrics.claim("failed");
+                    self.cx.metrics.claim("failed");
                     r.outcome = Outcome::ClaimFailed as i32;
                     r.detail = if p.released {
                         "released before it was granted".into()
@@ -280,20 +282,20 @@ impl Core {
                         )
                     };
                 } else {
-                    self.metrics.claim("granted");
+                    self.cx.metrics.claim("granted");
                     r.outcome = Outcome::ClaimGranted as i32;
                     r.token = grant.token;
                     self.claims.granted(grant, p.ttl_ms, p.sent_at);
-                    self.metrics.claims_held.set(self.claims.len() as i64);
+                    self.cx.metrics.claims_held.set(self.claims.len() as i64);
                 }
             }
             Ok(ClaimOutcome::Held { by }) => {
-                self.metrics.claim("held");
+                self.cx.metrics.claim("held");
                 r.outcome = Outcome::ClaimHeld as i32;
                 r.held_by = by.entity;
             }
             Err(e) => {
-                self.metrics.claim("failed");
+                self.cx.metrics.claim("failed");
                 r.outcome = Outcome::ClaimFailed as i32;
                 r.detail = format!("the claim store did not answer: {e}");
             }
@@ -319,7 +321,7 @@ impl Core {
                 ),
             }
         }
-        self.metrics.claims_held.set(self.claims.len() as i64);
+        self.cx.metrics.claims_held.set(self.claims.len() as i64);
     }
 
     /// The store's answer to the rebind of a claim carried in by a handoff.
@@ -344,9 +346,9 @@ impl Core {
                 "the claim lapsed while its holder was handed over",
             );
         } else if ok {
-            self.metrics.claims_rebound.inc();
+            self.cx.metrics.claims_rebound.inc();
         }
-        self.metrics.claims_held.set(self.claims.len() as i64);
+        self.cx.metrics.claims_held.set(self.claims.len() as i64);
     }
 
     // ------------------------------------------------------------------ entities
@@ -380,7 +382,7 @@ impl Core {
                 token: c.token,
             };
             let ttl = u64::from(c.ttl_ms).clamp(MIN_CLAIM_TTL_MS, MAX_CLAIM_TTL_MS);
-            self.claims.carried_in(grant, ttl, self.now.mono_ms);
+            self.claims.carried_in(grant, ttl, self.cx.now.mono_ms);
         }
         if !claims.is_empty() {
             self.claims_step();
@@ -394,7 +396,7 @@ impl Core {
             tracing::debug!(key = %h.grant.key, holder = id, "claim handed away");
         }
         if !gone.is_empty() {
-            self.metrics.claims_held.set(self.claims.len() as i64);
+            self.cx.metrics.claims_held.set(self.claims.len() as i64);
         }
     }
 
@@ -408,7 +410,7 @@ impl Core {
                 "the claim was rebound by the handoff's target",
             );
         }
-        self.metrics.claims_held.set(self.claims.len() as i64);
+        self.cx.metrics.claims_held.set(self.claims.len() as i64);
     }
 
     /// `id` despawned: its claims are freed.
@@ -418,7 +420,7 @@ impl Core {
             tracing::debug!(key = %h.grant.key, holder = id, "claim freed: its holder is gone");
             self.free_claim(h.grant);
         }
-        self.metrics.claims_held.set(self.claims.len() as i64);
+        self.cx.metrics.claims_held.set(self.claims.len() as i64);
     }
 
     /// The game went away: what it claimed is freed. Its entities may wait for its return, but
@@ -431,7 +433,7 @@ impl Core {
             self.free_claim(h.grant);
         }
         self.spawners_game_gone();
-        self.metrics.claims_held.set(self.claims.len() as i64);
+        self.cx.metrics.claims_held.set(self.claims.len() as i64);
     }
 
     /// Renewals and rebinds due, lapsed leases, and holders that left the table.
@@ -452,7 +454,7 @@ impl Core {
         for id in gone {
             self.claims_holder_gone(id);
         }
-        let due = self.claims.due(self.now.mono_ms);
+        let due = self.claims.due(self.cx.now.mono_ms);
         for h in due.lapsed {
             self.claim_lost(
                 h.grant.key,
@@ -462,7 +464,7 @@ impl Core {
             );
         }
         if !due.renew.is_empty() {
-            self.emit(Output::Store(StoreRequest::RenewClaims {
+            self.cx.emit(Output::Store(StoreRequest::RenewClaims {
                 claims: due.renew,
             }));
         }
@@ -471,13 +473,13 @@ impl Core {
                 .table
                 .get_local(grant.holder.entity)
                 .map_or(grant.holder.entity_epoch, |e| e.epoch);
-            self.emit(Output::Store(StoreRequest::RebindClaim {
+            self.cx.emit(Output::Store(StoreRequest::RebindClaim {
                 grant,
                 entity_epoch,
                 ttl_ms,
             }));
         }
-        self.metrics.claims_held.set(self.claims.len() as i64);
+        self.cx.metrics.claims_held.set(self.claims.len() as i64);
     }
 
     /// The claims this node believes held at `mono_ms` (its own clock): (key, holder entity,

@@ -50,6 +50,7 @@ fn a_command_to_a_ghost_reaches_its_writer_and_its_result_comes_back_once() {
     assert_eq!(
         p.node(1)
             .core
+            .cx
             .metrics
             .commands_forwarded
             .get_or_create(&crate::metrics::WhyLabel { why: "owner" })
@@ -108,6 +109,7 @@ fn commands_to_an_entity_handed_off_mid_stream_are_applied_once_in_order_by_the_
     let followed = p
         .node(1)
         .core
+        .cx
         .metrics
         .commands_forwarded
         .get_or_create(&crate::metrics::WhyLabel { why: "handoff" })
@@ -258,6 +260,7 @@ fn a_stale_epoch_command_is_dropped_and_said_so() {
     let drops = p
         .node(2)
         .core
+        .cx
         .metrics
         .commands_dropped
         .get_or_create(&crate::metrics::ReasonLabel {

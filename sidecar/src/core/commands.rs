@@ -57,7 +57,7 @@ impl Core {
 
     /// The game's `Command`.
     pub(crate) fn on_command(&mut self, c: local::Command) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         if c.target_entity == 0 {
             return self.game_error(
                 ErrorCode::InvalidValue,
@@ -67,7 +67,7 @@ impl Core {
         }
         let mut token = 0;
         if c.request_id != 0 {
-            let deadline = now + self.cfg.command_timeout_ms;
+            let deadline = now + self.cx.config.command_timeout_ms;
             match self
                 .commands
                 .origin
@@ -78,7 +78,8 @@ impl Core {
                     return self.game_error(ErrorCode::InvalidValue, e.to_string(), c.target_entity)
                 }
             }
-            self.metrics
+            self.cx
+                .metrics
                 .commands_waiting
                 .set(self.commands.origin.waiting() as i64);
         }
@@ -88,11 +89,11 @@ impl Core {
             .map(|e| e.owner_account.clone())
             .unwrap_or_default();
         let (seq, prev_seq) = self.commands.origin.number(c.target_entity, now);
-        self.metrics.commands_sent.inc();
+        self.cx.metrics.commands_sent.inc();
         self.route_command(mesh::EntityCommand {
             target: c.target_entity,
             entity_epoch: 0,
-            origin_node: self.cfg.node_id,
+            origin_node: self.cx.config.node_id,
             origin_incarnation: self.restore.incarnation,
             seq,
             prev_seq,
@@ -109,7 +110,7 @@ impl Core {
     pub(crate) fn on_command_reply(&mut self, r: local::CommandReply) {
         let Some(reply) = self.commands.replies.take(r.request_id) else {
             // Answered already, or past its origin's deadline (the origin said TIMEOUT).
-            return self.metrics.drop_msg("command_reply_unknown", 1);
+            return self.cx.metrics.drop_msg("command_reply_unknown", 1);
         };
         let error = if r.refused {
             CommandError::Refused
@@ -138,7 +139,7 @@ impl Core {
         let id = c.target;
         if c.entity_epoch != 0 && self.handoff.fence.is_burnt(id, c.entity_epoch) {
             // A copy behind an offer this node refused: its source applies the original.
-            return self.metrics.drop_command("copy_refused");
+            return self.cx.metrics.drop_command("copy_refused");
         }
         if c.hops > MAX_COMMAND_HOPS {
             tracing::warn!(
@@ -154,7 +155,7 @@ impl Core {
                     return self.hold_command(id, c);
                 }
                 if c.entity_epoch != 0 && c.entity_epoch < epoch {
-                    self.metrics.stale_epoch_drops.inc();
+                    self.cx.metrics.stale_epoch_drops.inc();
                     let detail = format!(
                         "sent under epoch {} of entity {id}, which is at {epoch} here",
                         c.entity_epoch
@@ -225,7 +226,7 @@ impl Core {
             } => self.forward_routed(id, to, epoch, input, hops),
             InputRoute::Local(Routed::Command(c)) => match owner {
                 Some((owner, epoch)) => {
-                    self.metrics.command_forwarded("owner");
+                    self.cx.metrics.command_forwarded("owner");
                     self.forward_command(owner, epoch, *c, false);
                 }
                 None => self.command_to_game(*c),
@@ -237,7 +238,7 @@ impl Core {
             } => {
                 // Behind an offer in flight a copy stays with the unit; after it, none does.
                 let copy_kept = self.handoff.outgoing.is_frozen(id);
-                self.metrics.command_forwarded("handoff");
+                self.cx.metrics.command_forwarded("handoff");
                 self.forward_command(to, epoch, *c, copy_kept);
             }
         }
@@ -254,7 +255,7 @@ impl Core {
     ) {
         c.entity_epoch = epoch;
         c.hops += 1;
-        if to == self.cfg.node_id {
+        if to == self.cx.config.node_id {
             return self.route_command(c);
         }
         let kept = (!copy_kept).then(|| c.clone());
@@ -289,10 +290,10 @@ impl Core {
                 )
             }
             Admit::Dropped(Fenced::Command(_)) if self.handoff.fence.is_burnt(id, epoch) => {
-                self.metrics.drop_command("copy_refused");
+                self.cx.metrics.drop_command("copy_refused");
             }
             Admit::Dropped(Fenced::Command(c)) => {
-                self.metrics.stale_epoch_drops.inc();
+                self.cx.metrics.stale_epoch_drops.inc();
                 let detail = format!("sent under a stale epoch ({epoch}) of entity {id}");
                 self.drop_command(&c, "stale_epoch", &detail);
             }
@@ -334,7 +335,7 @@ impl Core {
         match self
             .commands
             .order
-            .offer(self.now.mono_ms, key, seq, prev, c)
+            .offer(self.cx.now.mono_ms, key, seq, prev, c)
         {
             Ordered::Deliver(commands) => {
                 for c in commands {
@@ -356,7 +357,7 @@ impl Core {
         let due = self
             .commands
             .order
-            .due(self.now.mono_ms, |id| self.handoff.frozen(id));
+            .due(self.cx.now.mono_ms, |id| self.handoff.frozen(id));
         for c in due {
             self.deliver_command(c);
         }
@@ -371,11 +372,11 @@ impl Core {
                 incarnation: c.origin_incarnation,
                 request_id: c.request_id,
                 target: c.target,
-                deadline_ms: self.now.mono_ms + self.cfg.command_timeout_ms,
+                deadline_ms: self.cx.now.mono_ms + self.cx.config.command_timeout_ms,
             })
         };
-        self.metrics.commands_delivered.inc();
-        self.out.to_game.push(
+        self.cx.metrics.commands_delivered.inc();
+        self.cx.out.to_game.push(
             sidecar_message::Body::CommandIn(local::CommandIn {
                 target: c.target,
                 from_entity: c.from_entity,
@@ -406,7 +407,7 @@ impl Core {
 
     /// An adopted unit's cursors: its commands go on in order here.
     pub(crate) fn resume_command_cursors(&mut self, cursors: &[mesh::CommandCursor]) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         for c in cursors {
             self.commands.order.resume(
                 c.target,
@@ -448,7 +449,7 @@ impl Core {
             Locating {
                 waiting: peers.into_iter().collect(),
                 commands: vec![c],
-                since_ms: self.now.mono_ms,
+                since_ms: self.cx.now.mono_ms,
             },
         );
     }
@@ -456,10 +457,10 @@ impl Core {
     /// Where this node knows `id` to be written, and under which epoch.
     fn whereabouts(&self, id: u64) -> Option<(NodeId, u64)> {
         if let Some(e) = self.table.get(id) {
-            return Some((e.origin.unwrap_or(self.cfg.node_id), e.epoch));
+            return Some((e.origin.unwrap_or(self.cx.config.node_id), e.epoch));
         }
         if let Some(epoch) = self.adopting_epoch(id) {
-            return Some((self.cfg.node_id, epoch));
+            return Some((self.cx.config.node_id, epoch));
         }
         self.handoff.outgoing.departed_to(id)
     }
@@ -495,12 +496,12 @@ impl Core {
             .remove(&l.entity)
             .expect("found above");
         for c in loc.commands {
-            if !l.found || l.owner == self.cfg.node_id {
+            if !l.found || l.owner == self.cx.config.node_id {
                 // Nobody holds it, or only stale ghosts name this node, which does not.
                 let detail = format!("no node holds entity {}", l.entity);
                 self.answer_command(&c, CommandError::EntityGone, detail);
             } else {
-                self.metrics.command_forwarded("owner");
+                self.cx.metrics.command_forwarded("owner");
                 self.forward_command(l.owner, l.entity_epoch, c, false);
             }
         }
@@ -512,14 +513,14 @@ impl Core {
     pub(crate) fn on_command_result(&mut self, r: mesh::EntityCommandResult) {
         if r.origin_incarnation != self.restore.incarnation {
             // For a process of this node id that died: nobody here waits for it.
-            return self.metrics.drop_msg("command_result_stale", 1);
+            return self.cx.metrics.drop_msg("command_result_stale", 1);
         }
         self.settle_command(r);
     }
 
     /// Drops a command the mesh is sure no game saw, and says so to its origin.
     fn drop_command(&mut self, c: &mesh::EntityCommand, reason: &'static str, detail: &str) {
-        self.metrics.drop_command(reason);
+        self.cx.metrics.drop_command(reason);
         self.answer_command(c, CommandError::NotDelivered, format!("{reason}: {detail}"));
     }
 
@@ -543,19 +544,19 @@ impl Core {
     }
 
     fn send_result(&mut self, origin: NodeId, incarnation: u64, r: mesh::EntityCommandResult) {
-        if origin == self.cfg.node_id && incarnation == self.restore.incarnation {
+        if origin == self.cx.config.node_id && incarnation == self.restore.incarnation {
             return self.settle_command(r);
         }
         if !self.try_send_peer(origin, mesh_message::Body::EntityCommandResult(r)) {
             // The origin times the request out.
-            self.metrics.drop_msg("command_result_peer_down", 1);
+            self.cx.metrics.drop_msg("command_result_peer_down", 1);
         }
     }
 
     /// The first result of a request goes to the game; any later one is dropped.
     fn settle_command(&mut self, r: mesh::EntityCommandResult) {
         let Some(p) = self.commands.origin.settle(r.request_id) else {
-            return self.metrics.drop_msg("command_result_late", 1);
+            return self.cx.metrics.drop_msg("command_result_late", 1);
         };
         let error = CommandError::try_from(r.error as i32).unwrap_or(CommandError::NotDelivered);
         self.give_result(p.request_id, r.target, error, r.payload, r.detail);
@@ -569,11 +570,12 @@ impl Core {
         payload: Bytes,
         detail: String,
     ) {
-        self.metrics.command_result(result_label(error));
-        self.metrics
+        self.cx.metrics.command_result(result_label(error));
+        self.cx
+            .metrics
             .commands_waiting
             .set(self.commands.origin.waiting() as i64);
-        self.out.to_game.push(
+        self.cx.out.to_game.push(
             sidecar_message::Body::CommandResult(local::CommandResult {
                 request_id,
                 target,
@@ -590,9 +592,9 @@ impl Core {
 
     /// Requests past their deadline are answered `TIMEOUT`; what waits too long is let go.
     pub(crate) fn commands_step(&mut self) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         for p in self.commands.origin.expired(now) {
-            let detail = format!("no result within {} ms", self.cfg.command_timeout_ms);
+            let detail = format!("no result within {} ms", self.cx.config.command_timeout_ms);
             self.give_result(
                 p.request_id,
                 p.target,
@@ -623,7 +625,7 @@ impl Core {
     pub(crate) fn commands_game_gone(&mut self) {
         self.commands.origin.clear();
         self.commands.replies.clear();
-        self.metrics.commands_waiting.set(0);
+        self.cx.metrics.commands_waiting.set(0);
     }
 }
 

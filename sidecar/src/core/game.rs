@@ -106,11 +106,11 @@ impl Core {
                 fatal: true,
                 entity_id: 0,
             };
-            self.emit(Output::GameFatal { conn, error: err });
+            self.cx.emit(Output::GameFatal { conn, error: err });
             return;
         }
         if self.shutting_down {
-            self.emit(Output::ReleaseGame { conn });
+            self.cx.emit(Output::ReleaseGame { conn });
             return;
         }
         tracing::info!(conn, game = %hello.game, "game connected");
@@ -121,12 +121,12 @@ impl Core {
             health: None,
             load: None,
         });
-        self.metrics.game_connected.set(1);
-        let w = &self.cfg.world;
-        self.out.to_game.push(
+        self.cx.metrics.game_connected.set(1);
+        let w = &self.cx.config.world;
+        self.cx.out.to_game.push(
             sidecar_message::Body::Welcome(local::Welcome {
                 version: Some(local::ProtocolVersion::current()),
-                node_id: self.cfg.node_id,
+                node_id: self.cx.config.node_id,
                 world: Some(local::WorldShape {
                     width: w.width,
                     height: w.height,
@@ -143,7 +143,7 @@ impl Core {
                         DEFAULT_TICK_HZ
                     },
                 }),
-                handoff_margin_chunks: self.cfg.handoff_margin_chunks,
+                handoff_margin_chunks: self.cx.config.handoff_margin_chunks,
             })
             .into(),
         );
@@ -151,7 +151,7 @@ impl Core {
         // Sessions outlive a game restart: the new game hears about every attached player whose
         // avatar this node simulates (one simulated elsewhere stays there: a join here would
         // spawn a second avatar).
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         let joins: Vec<SidecarMessage> = self
             .gateway
             .sessions
@@ -174,7 +174,7 @@ impl Core {
                 )
             })
             .collect();
-        self.out.to_game.extend(joins);
+        self.cx.out.to_game.extend(joins);
         let remote: Vec<SidecarMessage> = self
             .routing
             .remote_players
@@ -188,7 +188,7 @@ impl Core {
                 .into()
             })
             .collect();
-        self.out.to_game.extend(remote);
+        self.cx.out.to_game.extend(remote);
         self.routing.anchor_sent.clear();
         // Adopts the previous game never answered: the new game gets them again.
         let pending: Vec<local::Adopt> = self
@@ -198,11 +198,13 @@ impl Core {
             .map(|o| self.adopt_message(o))
             .collect();
         for adopt in pending {
-            self.out
+            self.cx
+                .out
                 .to_game
                 .push(sidecar_message::Body::Adopt(adopt).into());
         }
-        self.set_ready(self.authority.lease_live && self.authority.draining.is_none());
+        self.cx
+            .set_ready(self.authority.lease_live && self.authority.draining.is_none());
         for m in rest {
             if let Some(body) = m.body {
                 self.on_game_message(body);
@@ -212,7 +214,7 @@ impl Core {
 
     /// The node's area in metres, as the game is told it.
     pub(crate) fn owned_rects(&self) -> Vec<local::Rect> {
-        let w = &self.cfg.world;
+        let w = &self.cx.config.world;
         self.authority
             .area
             .iter()
@@ -267,7 +269,7 @@ impl Core {
             }),
             B::ReserveIds(r) => self.on_reserve_ids(r),
             B::TickEnd(t) => {
-                self.game.last_tick_end_ms = Some(self.now.mono_ms);
+                self.game.last_tick_end_ms = Some(self.cx.now.mono_ms);
                 self.end_tick(t.tick)
             }
             B::Load(l) => {
@@ -282,7 +284,7 @@ impl Core {
                 }
             }
             // Chunk events travel to peers and the journal, which a single node does not have yet.
-            B::ChunkEvent(_) => self.metrics.drop_msg("chunk_event_unsupported", 1),
+            B::ChunkEvent(_) => self.cx.metrics.drop_msg("chunk_event_unsupported", 1),
             B::Snapshot(s) => self.on_snapshot(s),
             B::Adopted(a) => self.on_adopted(a),
             B::CheckpointState(c) => self.on_checkpoint_state(c),
@@ -305,12 +307,12 @@ impl Core {
             .filter(|_| self.authority.lease_live);
         if current != Some(c.entity_epoch) {
             self.game.checkpoints.answered_in_vain(c.entity_id);
-            return self.metrics.drop_msg("checkpoint_stale", 1);
+            return self.cx.metrics.drop_msg("checkpoint_stale", 1);
         }
-        self.metrics.checkpoint(c.state.len());
+        self.cx.metrics.checkpoint(c.state.len());
         self.game
             .checkpoints
-            .taken(c.entity_id, c.entity_epoch, c.state, self.now.mono_ms);
+            .taken(c.entity_id, c.entity_epoch, c.state, self.cx.now.mono_ms);
     }
 
     /// Asks the game for the checkpoints now due (games of protocol 1.1 and later).
@@ -325,20 +327,21 @@ impl Core {
         // connection must stay free for what it cannot do without).
         if !speaks
             || !self.authority.lease_live
-            || self.game.checkpoints.outstanding(self.now.mono_ms) > 0
+            || self.game.checkpoints.outstanding(self.cx.now.mono_ms) > 0
         {
             return;
         }
         let due = self
             .game
             .checkpoints
-            .take_due(self.now.mono_ms, MAX_CHECKPOINTS_ASKED);
+            .take_due(self.cx.now.mono_ms, MAX_CHECKPOINTS_ASKED);
         let entity_ids: Vec<u64> = due
             .into_iter()
             .filter(|id| self.table.get_local(*id).is_some())
             .collect();
         if !entity_ids.is_empty() {
-            self.out
+            self.cx
+                .out
                 .to_game
                 .push(sidecar_message::Body::Checkpoint(local::Checkpoint { entity_ids }).into());
         }
@@ -364,7 +367,9 @@ impl Core {
         };
         match self.table.spawn(spawn) {
             Ok(()) => {
-                self.game.checkpoints.touched(s.entity_id, self.now.mono_ms);
+                self.game
+                    .checkpoints
+                    .touched(s.entity_id, self.cx.now.mono_ms);
                 self.spawners_spawned(s.entity_id);
                 if !self.authority.lease_live && !self.authority.lost {
                     // Born while the lease is lapsed: frozen with the rest until it is back.
@@ -393,7 +398,10 @@ impl Core {
             removed: u.removed_types,
         };
         match self.table.update(update) {
-            Ok(_) => self.game.checkpoints.touched(u.entity_id, self.now.mono_ms),
+            Ok(_) => self
+                .game
+                .checkpoints
+                .touched(u.entity_id, self.cx.now.mono_ms),
             Err(e) => self.entity_error(e),
         }
     }
@@ -429,7 +437,13 @@ impl Core {
 
     pub(crate) fn on_reserve_ids(&mut self, r: local::ReserveIds) {
         // Each id costs at most 9 bytes on the wire; the answer must fit one frame.
-        let max = MAX_RESERVE.min(self.cfg.max_frame_bytes.saturating_sub(TO_CLIENT_OVERHEAD) / 9);
+        let max = MAX_RESERVE.min(
+            self.cx
+                .config
+                .max_frame_bytes
+                .saturating_sub(TO_CLIENT_OVERHEAD)
+                / 9,
+        );
         let count = r.count as usize;
         if count > max {
             let detail = format!(
@@ -438,14 +452,14 @@ impl Core {
             );
             return self.game_error(ErrorCode::InvalidValue, detail, 0);
         }
-        let ids = match self.game.ids.mint_many(self.now.unix_ms, count) {
+        let ids = match self.game.ids.mint_many(self.cx.now.unix_ms, count) {
             Ok(ids) => ids,
             Err(e) => {
                 let detail = format!("ReserveIds {}: {e}", r.request_id);
                 return self.game_error(ErrorCode::NotOwner, detail, 0);
             }
         };
-        self.out.to_game.push(
+        self.cx.out.to_game.push(
             sidecar_message::Body::IdsReserved(local::IdsReserved {
                 request_id: r.request_id,
                 ids,
@@ -465,9 +479,9 @@ impl Core {
 
     /// A non-fatal error about something the game sent: reported, and nothing else changes.
     pub(crate) fn game_error(&mut self, code: ErrorCode, detail: String, entity_id: u64) {
-        self.metrics.error(error_kind(code));
+        self.cx.metrics.error(error_kind(code));
         tracing::debug!(?code, %detail, "game error");
-        self.out.to_game.push(
+        self.cx.out.to_game.push(
             sidecar_message::Body::Error(local::Error {
                 code: code as i32,
                 detail,
@@ -504,19 +518,20 @@ impl Core {
         self.replicate_events(&events);
         let sends = self.route_tick(changes, &events, sends);
         self.send_anchors(changes);
-        let budget = self.cfg.max_frame_bytes - TO_CLIENT_OVERHEAD;
+        let budget = self.cx.config.max_frame_bytes - TO_CLIENT_OVERHEAD;
         let out = self
             .gateway
             .clients
             .fold(tick, &self.table, &fresh, &events, &sends, budget);
         self.settle_partition();
         self.update_subscriptions();
-        self.step_sim_ghosts(changes, self.now.mono_ms);
+        self.step_sim_ghosts(changes, self.cx.now.mono_ms);
         self.check_handoffs(changes);
-        self.metrics.ticks.inc();
-        self.metrics.deltas_sent.inc_by(out.deltas);
-        self.metrics.deltas_encoded.inc_by(out.deltas_encoded);
-        self.metrics
+        self.cx.metrics.ticks.inc();
+        self.cx.metrics.deltas_sent.inc_by(out.deltas);
+        self.cx.metrics.deltas_encoded.inc_by(out.deltas_encoded);
+        self.cx
+            .metrics
             .drop_msg("unknown_account", out.unknown_accounts);
         self.set_table_gauges();
         self.maybe_report_load();
@@ -526,14 +541,16 @@ impl Core {
     /// The gauges of what the node holds: at every tick, and after every peer frame (which
     /// subscribes, unsubscribes and writes ghosts between ticks).
     pub(crate) fn set_table_gauges(&self) {
-        self.metrics
+        self.cx
+            .metrics
             .subscribers
             .set(self.replication.subscribers.len() as i64);
         let ghosts = self.table.ghost_count();
-        self.metrics
+        self.cx
+            .metrics
             .entities
             .set(self.table.len().saturating_sub(ghosts) as i64);
-        self.metrics.ghosts_render.set(ghosts as i64);
+        self.cx.metrics.ghosts_render.set(ghosts as i64);
     }
 
     /// Render ghosts' changes reach the clients that see them as they arrive from their owner,
@@ -548,13 +565,13 @@ impl Core {
         if changes.is_empty() {
             return;
         }
-        let budget = self.cfg.max_frame_bytes - TO_CLIENT_OVERHEAD;
+        let budget = self.cx.config.max_frame_bytes - TO_CLIENT_OVERHEAD;
         let out =
             self.gateway
                 .clients
                 .fold(self.game.last_tick, &self.table, &changes, &[], &[], budget);
-        self.metrics.deltas_sent.inc_by(out.deltas);
-        self.metrics.deltas_encoded.inc_by(out.deltas_encoded);
+        self.cx.metrics.deltas_sent.inc_by(out.deltas);
+        self.cx.metrics.deltas_encoded.inc_by(out.deltas_encoded);
         self.send_to_clients(out.frames, budget);
         merge_changes(&mut self.gateway.ghost_changes_sent, &changes);
     }
@@ -566,18 +583,18 @@ impl Core {
             };
             if server_frame.len() > budget {
                 // One piece alone outgrew a frame; the client cannot be sent it.
-                self.metrics.drop_msg("batch_too_large", 1);
+                self.cx.metrics.drop_msg("batch_too_large", 1);
                 continue;
             }
             let (link, session_id) = (s.link, s.session_id);
-            self.queue_for_link(
+            self.cx.queue_for_link(
                 link,
                 mesh_message::Body::ToClient(mesh::ToClient {
                     session_id,
                     server_frame,
                 }),
             );
-            self.metrics.batches_sent.inc();
+            self.cx.metrics.batches_sent.inc();
         }
     }
 
@@ -596,7 +613,7 @@ impl Core {
         if self.game.slot.as_ref().is_none_or(|g| g.conn != conn) {
             return;
         }
-        self.metrics.error("game_outbox_full");
+        self.cx.metrics.error("game_outbox_full");
         tracing::warn!(conn, "game outbox full: disconnecting the game");
         self.on_game_closed(conn, "outbox full: the game is not reading");
     }
@@ -607,8 +624,8 @@ impl Core {
         }
         tracing::info!(conn, %reason, "game disconnected");
         self.game.slot = None;
-        self.metrics.game_connected.set(0);
-        self.set_ready(false);
+        self.cx.metrics.game_connected.set(0);
+        self.cx.set_ready(false);
         // Remember where the avatars were, for the PlayerJoin of the next game.
         for s in self.gateway.sessions.iter_mut() {
             if let Some(e) = self.table.master_of(&s.account) {
@@ -619,16 +636,16 @@ impl Core {
         self.game.restoring.clear();
         self.commands_game_gone();
         self.claims_game_gone();
-        if self.cfg.game_grace_ms > 0 && self.authority.lease_live {
+        if self.cx.config.game_grace_ms > 0 && self.authority.lease_live {
             // Kept for the game's return: clients see them stand still. A handoff still waiting
             // for a snapshot will not get one: those units are abandoned (thawed, kept here).
-            self.game.gone_since = Some(self.now.mono_ms);
+            self.game.gone_since = Some(self.cx.now.mono_ms);
             self.abandon_freezing("the game went away before its snapshot");
-            self.out.to_game.clear();
+            self.cx.out.to_game.clear();
             self.end_tick(self.game.last_tick + 1);
             return;
         }
-        self.out.to_game.clear();
+        self.cx.out.to_game.clear();
         self.drop_game_entities();
     }
 
@@ -651,7 +668,7 @@ impl Core {
             && self
                 .game
                 .gone_since
-                .is_some_and(|t| self.now.mono_ms >= t + self.cfg.game_grace_ms)
+                .is_some_and(|t| self.cx.now.mono_ms >= t + self.cx.config.game_grace_ms)
         {
             tracing::warn!(
                 "the game did not come back within game_grace_ms: its entities are despawned"
@@ -691,11 +708,11 @@ impl Core {
                     self.game.checkpoints.forget(gone.id);
                     self.game.unrestorable.push(gone.id);
                 }
-                self.metrics.drop_msg("restore_without_checkpoint", 1);
+                self.cx.metrics.drop_msg("restore_without_checkpoint", 1);
                 continue;
             };
             self.game.restoring.insert(id);
-            self.out.to_game.push(
+            self.cx.out.to_game.push(
                 sidecar_message::Body::Adopt(local::Adopt {
                     entity_id: id,
                     entity_epoch: epoch,

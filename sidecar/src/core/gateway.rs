@@ -217,7 +217,7 @@ impl Core {
             Some(B::Detach(d)) => match self.gateway.sessions.find(link, d.session_id) {
                 Some(key) => {
                     if d.kick_reason == KickReason::Transferred as u32 {
-                        let now = self.now.unix_ms;
+                        let now = self.cx.now.unix_ms;
                         if let Some(s) = self.gateway.sessions.all.get_mut(&key) {
                             s.handed_over_at = Some(now);
                         }
@@ -228,7 +228,7 @@ impl Core {
                     };
                     self.end_session(key, &reason);
                 }
-                None => self.metrics.drop_msg("unknown_session", 1),
+                None => self.cx.metrics.drop_msg("unknown_session", 1),
             },
             Some(B::Input(i)) => self.on_input(link, i),
             Some(B::Rtt(r)) => {
@@ -240,7 +240,7 @@ impl Core {
             }
             Some(B::Heartbeat(_)) => {}
             Some(other) => {
-                self.metrics.error("unexpected_message");
+                self.cx.metrics.error("unexpected_message");
                 tracing::warn!(link, message = ?other, "proxy sent a message only a sidecar sends; ignored");
             }
             None => {}
@@ -249,8 +249,8 @@ impl Core {
 
     pub(crate) fn on_attach(&mut self, link: LinkId, a: mesh::Attach) {
         if a.account.is_empty() {
-            self.metrics.error("bad_attach");
-            return self.queue_for_link(
+            self.cx.metrics.error("bad_attach");
+            return self.cx.queue_for_link(
                 link,
                 detach(
                     a.session_id,
@@ -266,9 +266,10 @@ impl Core {
             &a.attestation,
             &a.account,
             a.session_id,
-            self.now.unix_ms,
+            self.cx.now.unix_ms,
         ) {
-            self.metrics
+            self.cx
+                .metrics
                 .attaches_refused
                 .get_or_create(&crate::metrics::KindLabel { kind: e.kind() })
                 .inc();
@@ -279,7 +280,7 @@ impl Core {
                 error = %e,
                 "attach refused"
             );
-            return self.queue_for_link(
+            return self.cx.queue_for_link(
                 link,
                 detach(
                     a.session_id,
@@ -290,7 +291,7 @@ impl Core {
         }
         if self.gateway.sessions.find(link, a.session_id).is_some() {
             // The proxy numbers sessions uniquely per link; a repeat is its bug, not a new client.
-            self.metrics.error("duplicate_session_id");
+            self.cx.metrics.error("duplicate_session_id");
             tracing::warn!(
                 link,
                 session_id = a.session_id,
@@ -300,7 +301,7 @@ impl Core {
         }
         // A session that moves here was admitted already; a new one only while the node admits.
         if !a.moved && !self.admit_login() {
-            return self.queue_for_link(link, self.refusal(a.session_id));
+            return self.cx.queue_for_link(link, self.refusal(a.session_id));
         }
         let key = self
             .gateway
@@ -316,7 +317,8 @@ impl Core {
             } else {
                 "hint"
             };
-            self.metrics
+            self.cx
+                .metrics
                 .login_hints
                 .get_or_create(&crate::metrics::KindLabel { kind })
                 .inc();
@@ -326,11 +328,11 @@ impl Core {
             }
             h.session_epoch
         });
-        self.store(StoreRequest::Register {
+        self.cx.store(StoreRequest::Register {
             session: key,
             account: a.account,
-            node: self.cfg.node_id,
-            lease_ms: self.cfg.session_lease_ms,
+            node: self.cx.config.node_id,
+            lease_ms: self.cx.config.session_lease_ms,
             handed_over_from,
             moved_from: (a.moved && a.moved_from_epoch > 0).then_some(a.moved_from_epoch),
         });
@@ -343,7 +345,7 @@ impl Core {
             return;
         };
         tracing::debug!(%account, "a moved session was superseded by a newer login");
-        self.queue_for_link(
+        self.cx.queue_for_link(
             s.link,
             detach(
                 s.session_id,
@@ -371,9 +373,9 @@ impl Core {
         let reg = match result {
             Ok(r) => r,
             Err(e) => {
-                self.metrics.error("store");
+                self.cx.metrics.error("store");
                 tracing::warn!(%account, error = %e, "attach failed");
-                self.queue_for_link(
+                self.cx.queue_for_link(
                     link,
                     detach(
                         session_id,
@@ -387,7 +389,7 @@ impl Core {
         };
         // Two logins raced and the newer one won, here or on another gateway that told this
         // node first: this one is displaced before it began (its avatar is never spawned).
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         let local = self.gateway.sessions.by_account.get(&account).copied();
         let newer_here = local
             .and_then(|o| self.gateway.sessions.get(o)?.epoch)
@@ -398,7 +400,7 @@ impl Core {
             .get(&account)
             .is_some_and(|r| r.gateway_node != me && r.session_epoch > reg.epoch);
         if newer_here || newer_elsewhere {
-            self.queue_for_link(
+            self.cx.queue_for_link(
                 link,
                 detach(
                     session_id,
@@ -413,14 +415,14 @@ impl Core {
             // The older session goes without a PlayerLeave: the game sees a new PlayerJoin.
             if let Some(o) = self.gateway.sessions.get(other) {
                 let (olink, osid) = (o.link, o.session_id);
-                self.queue_for_link(
+                self.cx.queue_for_link(
                     olink,
                     detach(osid, KickReason::Displaced, "the account logged in again"),
                 );
             }
             self.forget_session(other);
         }
-        let w = self.cfg.world;
+        let w = self.cx.config.world;
         // Internal: found at the top; `other` is the account's attached session, never `key`
         // (registered once, by this node's own store call, and attached only below).
         let s = self
@@ -434,7 +436,7 @@ impl Core {
             if s.handed_over_in {
                 // The store found the hint older than the record: the record stands.
                 s.handed_over_in = false;
-                self.metrics.login_hints_stale.inc();
+                self.cx.metrics.login_hints_stale.inc();
                 tracing::info!(%account, record_epoch = r.session_epoch, "handover hint older than the player record; the record is used");
             }
             s.last_position = r.last_position;
@@ -446,7 +448,8 @@ impl Core {
             .by_account
             .insert(account.clone(), key);
         self.gateway.clients.add(key, &account);
-        self.metrics
+        self.cx
+            .metrics
             .sessions
             .set(self.gateway.sessions.attached() as i64);
         // An avatar already simulated for this account (a session displaced here, or one the
@@ -490,12 +493,12 @@ impl Core {
             AvatarAt::Restoring => self.await_avatar(&account, reg.master),
             AvatarAt::Nowhere => self.spawn_avatar(&account, reg.epoch, last_position),
         }
-        self.queue_for_link(
+        self.cx.queue_for_link(
             link,
             mesh_message::Body::Attached(mesh::Attached {
                 session_id,
                 session_epoch: reg.epoch,
-                gateway_node: self.cfg.node_id,
+                gateway_node: self.cx.config.node_id,
                 world_width: w.width,
                 world_height: w.height,
                 chunk_size: w.chunk_size,
@@ -505,27 +508,27 @@ impl Core {
     }
 
     pub(crate) fn on_input(&mut self, link: LinkId, i: mesh::SessionInput) {
-        self.metrics.inputs_from_proxies.inc();
+        self.cx.metrics.inputs_from_proxies.inc();
         let Some(s) = self
             .gateway
             .sessions
             .find(link, i.session_id)
             .and_then(|k| self.gateway.sessions.get(k))
         else {
-            return self.metrics.drop_input("unknown_session");
+            return self.cx.metrics.drop_input("unknown_session");
         };
         let Some(epoch) = s.epoch else {
-            return self.metrics.drop_input("session_attaching");
+            return self.cx.metrics.drop_input("session_attaching");
         };
         if self.avatars.awaiting.contains_key(&s.account) {
-            return self.metrics.drop_input("input_avatar_restoring");
+            return self.cx.metrics.drop_input("input_avatar_restoring");
         }
         let owner = self
             .gateway
             .master_owner
             .get(&s.account)
             .copied()
-            .unwrap_or(self.cfg.node_id);
+            .unwrap_or(self.cx.config.node_id);
         let forward = mesh::ForwardInput {
             account: s.account.clone(),
             session_epoch: epoch,
@@ -540,11 +543,11 @@ impl Core {
             hops: 0,
             entity_id: 0,
         };
-        if owner != self.cfg.node_id {
+        if owner != self.cx.config.node_id {
             if self.try_send_peer(owner, mesh_message::Body::ForwardInput(forward)) {
-                self.metrics.inputs_forwarded.inc();
+                self.cx.metrics.inputs_forwarded.inc();
             } else {
-                self.metrics.drop_input("input_peer_down");
+                self.cx.metrics.drop_input("input_peer_down");
             }
             return;
         }
@@ -570,7 +573,7 @@ impl Core {
         } else {
             0
         };
-        self.store(StoreRequest::EndSession {
+        self.cx.store(StoreRequest::EndSession {
             record,
             epoch,
             hold_ms,
@@ -590,9 +593,12 @@ impl Core {
         PlayerRecord {
             account: s.account.clone(),
             last_position,
-            home_geo: s.home_geo.clone().unwrap_or_else(|| self.cfg.geo.clone()),
-            updated_unix_ms: self.now.unix_ms,
-            gateway_geo: self.cfg.geo.clone(),
+            home_geo: s
+                .home_geo
+                .clone()
+                .unwrap_or_else(|| self.cx.config.geo.clone()),
+            updated_unix_ms: self.cx.now.unix_ms,
+            gateway_geo: self.cx.config.geo.clone(),
             session_epoch: s.epoch.unwrap_or(0),
             last_handover_unix_ms: s.handed_over_at,
         }
@@ -602,8 +608,8 @@ impl Core {
     /// region, the position) when that changes region or node, and every [`WHERE_EVERY_MS`]:
     /// the proxy's handover policy decides from it.
     pub(crate) fn report_whereabouts(&mut self) {
-        let now = self.now.mono_ms;
-        let me = self.cfg.node_id;
+        let now = self.cx.now.mono_ms;
+        let me = self.cx.config.node_id;
         let mut reports = Vec::new();
         for s in self.gateway.sessions.iter() {
             if s.epoch.is_none() {
@@ -625,14 +631,14 @@ impl Core {
             let Some(pos) = pos else { continue };
             // Borrowed: most passes send nothing, and a string per session every 100 ms adds up.
             let geo = if owner == me {
-                self.cfg.geo.as_str()
+                self.cx.config.geo.as_str()
             } else {
                 match self.gateway.node_geo.get(&owner) {
                     Some(g) => g.as_str(),
                     None => continue,
                 }
             };
-            let w = &self.cfg.world;
+            let w = &self.cx.config.world;
             let r = w.region_of(cellmesh_world::geometry::Pos {
                 x: pos[0],
                 y: pos[1],
@@ -650,7 +656,7 @@ impl Core {
             self.gateway
                 .where_sent
                 .insert(key, (geo.clone(), region, now));
-            self.queue_for_link(
+            self.cx.queue_for_link(
                 link,
                 mesh_message::Body::Where(mesh::SessionWhere {
                     session_id,
@@ -665,11 +671,11 @@ impl Core {
     /// Saves the records of the attached players every `player_record_every_ms`, so a crash
     /// of the gateway loses at most that much of where they were.
     pub(crate) fn save_player_records(&mut self) {
-        let every = self.cfg.player_record_every_ms;
-        if every == 0 || self.now.mono_ms < self.gateway.next_records_ms {
+        let every = self.cx.config.player_record_every_ms;
+        if every == 0 || self.cx.now.mono_ms < self.gateway.next_records_ms {
             return;
         }
-        self.gateway.next_records_ms = self.now.mono_ms + every;
+        self.gateway.next_records_ms = self.cx.now.mono_ms + every;
         let records: Vec<PlayerRecord> = self
             .gateway
             .sessions
@@ -679,7 +685,7 @@ impl Core {
             .filter(|r| r.last_position.is_some())
             .collect();
         if !records.is_empty() {
-            self.store(StoreRequest::SaveRecords { records });
+            self.cx.store(StoreRequest::SaveRecords { records });
         }
     }
 
@@ -690,11 +696,11 @@ impl Core {
             .gateway
             .master_owner
             .remove(account)
-            .unwrap_or(self.cfg.node_id);
+            .unwrap_or(self.cx.config.node_id);
         self.gateway.master_epoch.remove(account);
         self.gateway.clients.set_remote_anchor(account, None);
         self.avatars.awaiting.remove(account);
-        if owner != self.cfg.node_id {
+        if owner != self.cx.config.node_id {
             self.send_peer(
                 owner,
                 mesh_message::Body::PlayerLeave(mesh::PeerPlayerLeave {
@@ -717,7 +723,8 @@ impl Core {
             return;
         };
         let (link, session_id, account, epoch) = (s.link, s.session_id, s.account.clone(), s.epoch);
-        self.queue_for_link(link, detach(session_id, KickReason::Displaced, detail));
+        self.cx
+            .queue_for_link(link, detach(session_id, KickReason::Displaced, detail));
         if let Some(epoch) = epoch {
             self.release_avatar(&account, epoch, "displaced");
         }
@@ -733,14 +740,15 @@ impl Core {
             l.sessions.remove(&key);
         }
         self.gateway.clients.remove(key);
-        self.metrics
+        self.cx
+            .metrics
             .sessions
             .set(self.gateway.sessions.attached() as i64);
         Some(s)
     }
 
     pub(crate) fn release(&mut self, account: String, epoch: u64) {
-        self.store(StoreRequest::Release { account, epoch });
+        self.cx.store(StoreRequest::Release { account, epoch });
     }
 
     /// Renews the directory lease of every attached session, off the node task. One batch at a
@@ -759,9 +767,9 @@ impl Core {
             return;
         }
         self.gateway.renewing = true;
-        self.store(StoreRequest::Renew {
+        self.cx.store(StoreRequest::Renew {
             sessions: due,
-            lease_ms: self.cfg.session_lease_ms,
+            lease_ms: self.cx.config.session_lease_ms,
         });
     }
 
@@ -785,17 +793,17 @@ impl Core {
                     // one exists, and is kicked only then.
                     let account = s.account.clone();
                     if self.gateway.reregistering.insert(key) {
-                        self.store(StoreRequest::Reregister {
+                        self.cx.store(StoreRequest::Reregister {
                             session: key,
                             account,
-                            node: self.cfg.node_id,
-                            lease_ms: self.cfg.session_lease_ms,
+                            node: self.cx.config.node_id,
+                            lease_ms: self.cx.config.session_lease_ms,
                             held: epoch,
                         });
                     }
                 }
                 Err(e) => {
-                    self.metrics.error("store");
+                    self.cx.metrics.error("store");
                     tracing::warn!(account = %s.account, error = %e, "renewing the session lease failed");
                 }
             }
@@ -829,13 +837,13 @@ impl Core {
         match result {
             Ok(Some(epoch)) => {
                 tracing::info!(%account, held, epoch, "the session directory had lost this session: registered again");
-                self.metrics.sessions_reregistered.inc();
+                self.cx.metrics.sessions_reregistered.inc();
                 if let Some(s) = self.gateway.sessions.all.get_mut(&key) {
                     s.epoch = Some(epoch);
                 }
                 self.announce_session(&account, epoch, false);
                 match self.gateway.master_owner.get(&account).copied() {
-                    Some(owner) if owner == self.cfg.node_id => {
+                    Some(owner) if owner == self.cx.config.node_id => {
                         self.join_here(&account, epoch, last)
                     }
                     Some(owner) => {
@@ -847,7 +855,7 @@ impl Core {
                 }
             }
             Ok(None) => {
-                self.queue_for_link(
+                self.cx.queue_for_link(
                     link,
                     detach(
                         session_id,
@@ -859,7 +867,7 @@ impl Core {
             }
             Err(e) => {
                 // The next renewal finds the entry gone again and asks once more.
-                self.metrics.error("store");
+                self.cx.metrics.error("store");
                 tracing::warn!(%account, error = %e, "registering a lost session again failed");
             }
         }

@@ -178,8 +178,8 @@ impl Core {
     /// Whether owned entity `id` is handed over now, keeping the bookkeeping of those that
     /// wait (a retry at the next tick, how long they waited for the target's ghost).
     fn handoff_due(&mut self, id: u64) -> Due {
-        let me = self.cfg.node_id;
-        let now = self.now.mono_ms;
+        let me = self.cx.config.node_id;
+        let now = self.cx.now.mono_ms;
         let Some(e) = self.table.get_local(id) else {
             self.handoff.mass.remove(&id);
             self.handoff.ghost_wait.remove(&id);
@@ -195,7 +195,7 @@ impl Core {
         let margin = if self.handoff.mass.contains(&id) {
             0
         } else {
-            i64::from(self.cfg.handoff_margin_chunks)
+            i64::from(self.cx.config.handoff_margin_chunks)
         };
         let Some(to) = crate::model::handoff::trigger(
             &self.authority.partition,
@@ -211,8 +211,8 @@ impl Core {
         // The target must hold the entity's ghost when the offer reaches it: this node has
         // sent it the full state on the same ordered link (or it stands beyond the reach the
         // target subscribes to, and the offer says so).
-        let unseen = subs::distance_to_area(&self.cfg.world, &self.authority.area, e.chunk)
-            > self.cfg.reach_chunks();
+        let unseen = subs::distance_to_area(&self.cx.config.world, &self.authority.area, e.chunk)
+            > self.cx.config.reach_chunks();
         let seen = unseen
             || self
                 .replication
@@ -246,7 +246,7 @@ impl Core {
 
     /// Freezes `root`'s unit in the game for a handoff to `to`.
     fn begin_handoff(&mut self, root: u64, to: NodeId) {
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         let Some(epoch) = self.table.get_local(root).map(|e| e.epoch) else {
             return;
         };
@@ -254,10 +254,10 @@ impl Core {
         match self
             .handoff
             .outgoing
-            .begin(root, epoch, &attachments, to, self.now.mono_ms)
+            .begin(root, epoch, &attachments, to, self.cx.now.mono_ms)
         {
             Ok(freeze) => {
-                self.metrics.handoff(me, to, "started");
+                self.cx.metrics.handoff(me, to, "started");
                 for m in freeze.members {
                     self.freeze_in_game(m);
                 }
@@ -272,7 +272,7 @@ impl Core {
         let Some(epoch) = self.table.get(id).map(|e| e.epoch) else {
             return;
         };
-        self.out.to_game.push(
+        self.cx.out.to_game.push(
             sidecar_message::Body::Freeze(local::Freeze {
                 entity_id: id,
                 entity_epoch: epoch,
@@ -356,13 +356,13 @@ impl Core {
     }
 
     fn thaw_released(&mut self, id: u64, reason: &str) {
-        self.metrics.releases_kept.inc();
+        self.cx.metrics.releases_kept.inc();
         if self.lease_lapsed() {
             // Stays frozen, with the rest, until the lease is back.
             self.authority.frozen_by_lapse.insert(id);
             return;
         }
-        self.out.to_game.push(
+        self.cx.out.to_game.push(
             sidecar_message::Body::Thaw(local::Thaw {
                 entity_id: id,
                 reason: format!("released, but kept: {reason}"),
@@ -373,7 +373,7 @@ impl Core {
 
     /// A unit the game released: offered now if it is due and its target ready, else thawed.
     fn offer_released(&mut self, root: u64, r: Released) {
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         let to = match self.handoff_due(root) {
             Due::Now(to) => to,
             Due::No => {
@@ -386,16 +386,16 @@ impl Core {
             Due::Later(why) => return self.keep_released(root, &r, why),
         };
         let attachments = self.attachments_of(root);
-        let begun = self
-            .handoff
-            .outgoing
-            .begin(root, r.epoch, &attachments, to, self.now.mono_ms);
+        let begun =
+            self.handoff
+                .outgoing
+                .begin(root, r.epoch, &attachments, to, self.cx.now.mono_ms);
         if let Err(e) = begun {
             tracing::debug!(entity = root, error = %e, "released unit not offered");
             return self.keep_released(root, &r, "it is in another handoff");
         }
-        self.metrics.handoff(me, to, "released");
-        let now = self.now.mono_ms;
+        self.cx.metrics.handoff(me, to, "released");
+        let now = self.cx.now.mono_ms;
         // What the game's release holds is the freshest checkpoint there is, as a snapshot.
         let mut parts: Vec<(u64, Bytes)> = vec![(root, r.state)];
         for a in r.attachments {
@@ -526,7 +526,7 @@ impl Core {
             s.entity_id,
             s.entity_epoch,
             s.state.clone(),
-            self.now.mono_ms,
+            self.cx.now.mono_ms,
         );
         match self.handoff.outgoing.snapshot(s.entity_id, s.state) {
             Ok(Some(offer)) => self.send_offer(offer, false),
@@ -539,7 +539,7 @@ impl Core {
     pub(crate) fn session_of(&self, account: &str) -> Option<(NodeId, u64)> {
         if let Some(key) = self.gateway.clients.key_of(account) {
             if let Some(epoch) = self.gateway.sessions.get(key).and_then(|s| s.epoch) {
-                return Some((self.cfg.node_id, epoch));
+                return Some((self.cx.config.node_id, epoch));
             }
         }
         self.routing
@@ -571,7 +571,7 @@ impl Core {
                     (epoch == s.1).then_some(seq)
                 })
                 .unwrap_or(0),
-            state_unix_ms: self.now.unix_ms,
+            state_unix_ms: self.cx.now.unix_ms,
             claims: self.claims_of([e.id]),
             ..Default::default()
         }
@@ -614,8 +614,8 @@ impl Core {
             claims,
             attachments,
             successor,
-            unseen: subs::distance_to_area(&self.cfg.world, &self.authority.area, e.chunk)
-                > self.cfg.reach_chunks(),
+            unseen: subs::distance_to_area(&self.cx.config.world, &self.authority.area, e.chunk)
+                > self.cx.config.reach_chunks(),
             ..self.offer_of(e, offer.epoch, state)
         };
         tracing::debug!(
@@ -629,14 +629,16 @@ impl Core {
         let (to, kept) = (offer.to, msg.clone());
         if !self.send_peer(offer.to, mesh_message::Body::HandoffOffer(msg)) {
             // It never left: the unit may thaw (a link lost after sending leaves it in doubt).
-            if let Ok(thawed) = self.handoff.outgoing.unsent(root, self.now.mono_ms) {
-                self.metrics.handoff(self.cfg.node_id, offer.to, "unsent");
+            if let Ok(thawed) = self.handoff.outgoing.unsent(root, self.cx.now.mono_ms) {
+                self.cx
+                    .metrics
+                    .handoff(self.cx.config.node_id, offer.to, "unsent");
                 self.thaw(root, thawed, "the target was unreachable");
             }
             return;
         }
         // The game's part of the freeze is over (a repeated offer keeps the first answer).
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         let last_tick = self.game.last_tick_end_ms.unwrap_or(0);
         self.handoff.outgoing.answered(root, now, last_tick);
         // Kept until the target has surely checkpointed it (see `restore`).
@@ -663,7 +665,8 @@ impl Core {
                 }
             }
         }
-        self.metrics
+        self.cx
+            .metrics
             .handoffs_in_doubt
             .set(self.handoff.outgoing.in_doubt().count() as i64);
     }
@@ -672,11 +675,13 @@ impl Core {
     /// for no snapshot of them. The rest of the unit is offered, or thawed if its root went.
     pub(crate) fn despawned_while_frozen(&mut self, gone: &[Entity]) {
         let ids: Vec<u64> = gone.iter().map(|e| e.id).collect();
-        for after in self.handoff.outgoing.despawned(&ids, self.now.mono_ms) {
+        for after in self.handoff.outgoing.despawned(&ids, self.cx.now.mono_ms) {
             match after {
                 AfterDespawn::Offer(offer) => self.send_offer(offer, false),
                 AfterDespawn::Abandoned { root, to, thawed } => {
-                    self.metrics.handoff(self.cfg.node_id, to, "abandoned");
+                    self.cx
+                        .metrics
+                        .handoff(self.cx.config.node_id, to, "abandoned");
                     // A leave kept for the new owner is moot: the avatar is gone.
                     if let Some(e) = gone.iter().find(|e| e.id == root && e.is_master) {
                         self.handoff.leaving.remove(&e.owner_account);
@@ -696,8 +701,10 @@ impl Core {
         // What it released is kept here too (its entities stay for its return).
         self.handoff.released.clear();
         self.handoff.released_by.clear();
-        for (root, to, thawed) in self.handoff.outgoing.abandon_freezing(self.now.mono_ms) {
-            self.metrics.handoff(self.cfg.node_id, to, "abandoned");
+        for (root, to, thawed) in self.handoff.outgoing.abandon_freezing(self.cx.now.mono_ms) {
+            self.cx
+                .metrics
+                .handoff(self.cx.config.node_id, to, "abandoned");
             self.thaw(root, thawed, reason);
             self.handoff.retry.remove(&root);
         }
@@ -722,7 +729,7 @@ impl Core {
     }
 
     pub(crate) fn thaw(&mut self, root: u64, thawed: Thawed<Routed>, reason: &str) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         // A thawed master's game applies the leave it holds itself.
         for m in &thawed.members {
             if let Some(e) = self.table.get_local(*m).filter(|e| e.is_master) {
@@ -730,7 +737,7 @@ impl Core {
                 self.handoff.leaving.remove(&account);
             }
         }
-        self.metrics.freeze_done(thawed.freeze_ms);
+        self.cx.metrics.freeze_done(thawed.freeze_ms);
         let lapsed = self.lease_lapsed();
         for m in &thawed.members {
             self.claims_thawed(*m);
@@ -739,7 +746,7 @@ impl Core {
                 self.authority.frozen_by_lapse.insert(*m);
                 continue;
             }
-            self.out.to_game.push(
+            self.cx.out.to_game.push(
                 sidecar_message::Body::Thaw(local::Thaw {
                     entity_id: *m,
                     reason: reason.to_string(),
@@ -750,7 +757,8 @@ impl Core {
         // Everything a unit held went behind its offer, or nothing did; the commands among
         // them are no input's copies.
         let commands = thawed.inputs.iter().filter(|r| !r.is_input()).count() as u64;
-        self.metrics
+        self.cx
+            .metrics
             .inputs_copies_applied
             .inc_by(thawed.forwarded_copies.saturating_sub(commands));
         for held in thawed.inputs {
@@ -761,9 +769,10 @@ impl Core {
         }
         self.handoff
             .retry
-            .insert(root, now + self.cfg.handoff_retry_ms);
+            .insert(root, now + self.cx.config.handoff_retry_ms);
         self.handoff.recheck.insert(root);
-        self.metrics
+        self.cx
+            .metrics
             .handoffs_in_doubt
             .set(self.handoff.outgoing.in_doubt().count() as i64);
     }
@@ -775,7 +784,7 @@ impl Core {
         match self
             .handoff
             .outgoing
-            .acked(a.entity_id, a.entity_epoch, from, self.now.mono_ms)
+            .acked(a.entity_id, a.entity_epoch, from, self.cx.now.mono_ms)
         {
             Ok(done) => {
                 self.note_freeze_cost(&done, a.adopt_timing);
@@ -783,7 +792,7 @@ impl Core {
             }
             // A repeated ack of a handoff already complete, or of an offer not made.
             Err(e) => {
-                self.metrics.drop_msg("handoff_ack_unexpected", 1);
+                self.cx.metrics.drop_msg("handoff_ack_unexpected", 1);
                 tracing::debug!(peer = from, error = %e, "handoff ack ignored");
             }
         }
@@ -796,17 +805,19 @@ impl Core {
         match self
             .handoff
             .outgoing
-            .refused(r.entity_id, r.entity_epoch, from, self.now.mono_ms)
+            .refused(r.entity_id, r.entity_epoch, from, self.cx.now.mono_ms)
         {
             Ok(thawed) => {
                 self.restore.sent.remove(&r.entity_id);
-                self.metrics.handoff(self.cfg.node_id, from, "refused");
-                self.metrics.handoffs_refused.inc();
+                self.cx
+                    .metrics
+                    .handoff(self.cx.config.node_id, from, "refused");
+                self.cx.metrics.handoffs_refused.inc();
                 tracing::debug!(entity = r.entity_id, peer = from, reason = %r.reason, "handoff refused");
                 self.thaw(r.entity_id, thawed, &r.reason);
             }
             Err(e) => {
-                self.metrics.drop_msg("handoff_refusal_unexpected", 1);
+                self.cx.metrics.drop_msg("handoff_refusal_unexpected", 1);
                 tracing::debug!(peer = from, error = %e, "handoff refusal ignored");
             }
         }
@@ -826,28 +837,29 @@ impl Core {
             .map(|g| g.hello.tick_rate_hz)
             .filter(|hz| *hz > 0)
             .map(|hz| 1000.0 / f64::from(hz));
-        let cost = freeze_cost(answered, self.now.mono_ms, timing.game_ms, tick_ms);
-        self.metrics.freeze_cost(&cost);
+        let cost = freeze_cost(answered, self.cx.now.mono_ms, timing.game_ms, tick_ms);
+        self.cx.metrics.freeze_cost(&cost);
     }
 
     /// The target owns the unit: the game evicts it, this node keeps it as a render ghost (no
     /// vanish), its holders learn the new owner, and so does the player's gateway.
     pub(crate) fn complete_handoff(&mut self, done: Completed) {
-        let me = self.cfg.node_id;
-        self.metrics.handoff(me, done.to, "completed");
+        let me = self.cx.config.node_id;
+        self.cx.metrics.handoff(me, done.to, "completed");
         for _ in 0..done.unforwarded {
-            self.metrics.drop_input("input_peer_down");
+            self.cx.metrics.drop_input("input_peer_down");
         }
-        self.metrics.handoffs_out.inc();
-        self.metrics.freeze_done(done.freeze_ms);
+        self.cx.metrics.handoffs_out.inc();
+        self.cx.metrics.freeze_done(done.freeze_ms);
         for &id in &done.members {
             if let Some(e) = self.table.get(id) {
                 let at = (e.position.x, e.position.y);
                 self.handoff
                     .recent
-                    .push(self.now.mono_ms, id, at, me, done.to);
+                    .push(self.cx.now.mono_ms, id, at, me, done.to);
             }
-            self.out
+            self.cx
+                .out
                 .to_game
                 .push(sidecar_message::Body::Evict(local::Evict { entity_id: id }).into());
             self.game.checkpoints.forget(id);
@@ -972,7 +984,8 @@ impl Core {
                 }
             }
         }
-        self.metrics
+        self.cx
+            .metrics
             .handoffs_in_doubt
             .set(self.handoff.outgoing.in_doubt().count() as i64);
     }
@@ -995,11 +1008,11 @@ impl Core {
     // ------------------------------------------------------------------ target
 
     pub(crate) fn on_handoff_offer(&mut self, from: NodeId, o: mesh::HandoffOffer) {
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         let id = o.entity_id;
         if !self.restore.live.contains_key(&from) && from != me && self.restore.is_dead_node(from) {
             // From a process that died: its world is restored from elsewhere.
-            return self.metrics.drop_msg("offer_from_dead", 1);
+            return self.cx.metrics.drop_msg("offer_from_dead", 1);
         }
         if o.successor && self.table.get_local(id).is_some() {
             // A restore of what this node writes already (two rounds crossed): never adopted
@@ -1033,17 +1046,18 @@ impl Core {
                 let adopt = self.adopt_message(&o);
                 for m in std::iter::once(id).chain(o.attachments.iter().map(|a| a.entity_id)) {
                     if self.replication.sim.forget(m) {
-                        self.out.to_game.push(
+                        self.cx.out.to_game.push(
                             sidecar_message::Body::GhostLeave(local::GhostLeave { entity_id: m })
                                 .into(),
                         );
                     }
                 }
-                self.out
+                self.cx
+                    .out
                     .to_game
                     .push(sidecar_message::Body::Adopt(adopt).into());
                 self.handoff.adopting.insert(id, o);
-                self.handoff.adopt_sent_ms.insert(id, self.now.mono_ms);
+                self.handoff.adopt_sent_ms.insert(id, self.cx.now.mono_ms);
             }
             OfferDecision::Pending => {}
             OfferDecision::Ack => {
@@ -1069,8 +1083,8 @@ impl Core {
                     .iter()
                     .filter(|f| matches!(f, Fenced::Input(_)))
                     .count() as u64;
-                self.metrics.copies_refused(copies);
-                self.metrics.handoff(from, me, "refused");
+                self.cx.metrics.copies_refused(copies);
+                self.cx.metrics.handoff(from, me, "refused");
                 self.answer_offer(
                     from,
                     mesh_message::Body::HandoffRefused(mesh::HandoffRefused {
@@ -1081,8 +1095,8 @@ impl Core {
                 );
             }
             OfferDecision::Stale => {
-                self.metrics.stale_epoch_drops.inc();
-                self.metrics.drop_msg("stale_offer", 1);
+                self.cx.metrics.stale_epoch_drops.inc();
+                self.cx.metrics.drop_msg("stale_offer", 1);
                 if o.successor {
                     // A restore under an epoch this node saw already (its decider died and the
                     // next one chose the same): refused, so it comes again above it instead of
@@ -1129,8 +1143,10 @@ impl Core {
             .is_some_and(|e| e.epoch == a.entity_epoch);
         if restored && self.game.restoring.remove(&a.entity_id) {
             // A returning game took back what it wrote: it writes it again from here on.
-            self.metrics.restored.inc();
-            self.game.checkpoints.touched(a.entity_id, self.now.mono_ms);
+            self.cx.metrics.restored.inc();
+            self.game
+                .checkpoints
+                .touched(a.entity_id, self.cx.now.mono_ms);
             return;
         }
         let offer = self
@@ -1158,9 +1174,9 @@ impl Core {
                 .adopt_sent_ms
                 .remove(&a.entity_id)
                 .map(|sent| mesh::AdoptTiming {
-                    game_ms: self.now.mono_ms.saturating_sub(sent),
+                    game_ms: self.cx.now.mono_ms.saturating_sub(sent),
                 });
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         let epoch = o.entity_epoch;
         for full in members_of(&o) {
             let id = full.id;
@@ -1181,13 +1197,13 @@ impl Core {
             if let Some(state) = state {
                 self.game
                     .checkpoints
-                    .taken(id, epoch, state, self.now.mono_ms);
+                    .taken(id, epoch, state, self.cx.now.mono_ms);
             }
         }
         // The player's inputs and routes follow its master.
         if o.is_master && !o.owner_account.is_empty() {
             let account = o.owner_account.clone();
-            let until = self.now.mono_ms + REORDER_WINDOW_MS;
+            let until = self.cx.now.mono_ms + REORDER_WINDOW_MS;
             self.handoff
                 .input_order
                 .resume(&account, o.session_epoch, o.last_input_seq, until);
@@ -1235,7 +1251,7 @@ impl Core {
                 self.apply_fenced(f);
             }
         }
-        self.metrics.handoff(source, me, "adopted");
+        self.cx.metrics.handoff(source, me, "adopted");
         self.answer_offer(
             source,
             mesh_message::Body::HandoffAck(mesh::HandoffAck {
@@ -1249,7 +1265,7 @@ impl Core {
     /// The answer to an offer: to its source, or to this node's own restore of a dead
     /// process's entity.
     fn answer_offer(&mut self, source: NodeId, body: mesh_message::Body) {
-        if source != self.cfg.node_id {
+        if source != self.cx.config.node_id {
             self.send_peer(source, body);
             return;
         }
@@ -1264,7 +1280,7 @@ impl Core {
 
     /// A frame about a foreign entity, through the fence.
     pub(crate) fn fence_entity_state(&mut self, node: NodeId, s: mesh::EntityState) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         if let Some(done) = self
             .handoff
             .outgoing
@@ -1292,7 +1308,7 @@ impl Core {
             let at = s
                 .position
                 .as_ref()
-                .map(|p| self.cfg.world.chunk_of(Pos { x: p.x, y: p.y }))
+                .map(|p| self.cx.config.world.chunk_of(Pos { x: p.x, y: p.y }))
                 .or(chunk);
             if let Some(c) = at {
                 self.resync(c, node);
@@ -1322,13 +1338,14 @@ impl Core {
         {
             Admit::Accept(f) => self.apply_fenced(f),
             Admit::Held => {
-                tracing::debug!(me = self.cfg.node_id, entity = id, epoch, peer = node, known = ?self.handoff.fence.current(id), ghost = ?self.table.get(id).map(|e| (e.origin, e.epoch)), "frame held for a newer epoch");
+                tracing::debug!(me = self.cx.config.node_id, entity = id, epoch, peer = node, known = ?self.handoff.fence.current(id), ghost = ?self.table.get(id).map(|e| (e.origin, e.epoch)), "frame held for a newer epoch");
             }
             Admit::Dropped(_) => {
-                self.metrics.stale_epoch_drops.inc();
+                self.cx.metrics.stale_epoch_drops.inc();
             }
         }
-        self.metrics
+        self.cx
+            .metrics
             .held_frames
             .set(self.handoff.fence.held() as i64);
     }
@@ -1353,7 +1370,7 @@ impl Core {
             Admit::Accept(f) => self.apply_fenced(f),
             Admit::Held => {}
             Admit::Dropped(_) => {
-                self.metrics.stale_epoch_drops.inc();
+                self.cx.metrics.stale_epoch_drops.inc();
             }
         }
     }
@@ -1365,7 +1382,7 @@ impl Core {
                 let at = g
                     .position
                     .as_ref()
-                    .map(|p| self.cfg.world.chunk_of(Pos { x: p.x, y: p.y }));
+                    .map(|p| self.cx.config.world.chunk_of(Pos { x: p.x, y: p.y }));
                 if at.is_some_and(|c| self.replication.subs.has(c, node)) {
                     // This node subscribes there: its subscription has not reached the owner
                     // yet, and the snapshot burst that answers it refreshes the ghost.
@@ -1379,7 +1396,7 @@ impl Core {
                     // It walked into a viewed chunk this node does not subscribe to at its
                     // owner: subscribed now, and kept meanwhile, stale (the owner no longer
                     // counts this node among its holders, so it will not say if it moves on).
-                    let now = self.now.mono_ms;
+                    let now = self.cx.now.mono_ms;
                     self.replication.stale.entry(g.entity_id).or_insert(now);
                     return;
                 }
@@ -1389,7 +1406,7 @@ impl Core {
                     .is_some_and(|e| e.origin == Some(node))
                 {
                     tracing::debug!(
-                        me = self.cfg.node_id,
+                        me = self.cx.config.node_id,
                         entity = g.entity_id,
                         node,
                         epoch = g.entity_epoch,
@@ -1407,7 +1424,7 @@ impl Core {
     /// `EntityMoved` from the old owner: the ghost follows the new one; frames held for its
     /// epoch are due.
     pub(crate) fn on_entity_moved(&mut self, node: NodeId, m: mesh::EntityMoved) {
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         if m.owner_node == me {
             // The old owner's holders are this node's replicas now: the next frame keeps them in
             // step, or tells those no longer subscribed that it is gone.
@@ -1445,7 +1462,7 @@ impl Core {
                 // A stale ghost waits for its new writer from now on (a restored owner may be
                 // a process that has only just started, not linked here yet).
                 if let Some(since) = self.replication.stale.get_mut(&m.entity_id) {
-                    *since = self.now.mono_ms;
+                    *since = self.cx.now.mono_ms;
                 }
             } else {
                 tracing::debug!(
@@ -1461,7 +1478,8 @@ impl Core {
         for f in due {
             self.apply_fenced(f);
         }
-        self.metrics
+        self.cx
+            .metrics
             .held_frames
             .set(self.handoff.fence.held() as i64);
     }
@@ -1469,7 +1487,7 @@ impl Core {
     /// Ghosts whose newer owner's frames waited too long for the old owner's word follow the
     /// newer owner.
     pub(crate) fn release_overdue_frames(&mut self) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         let held: BTreeSet<u64> = self
             .handoff
             .fence
@@ -1494,7 +1512,8 @@ impl Core {
                 }
             }
         }
-        self.metrics
+        self.cx
+            .metrics
             .held_frames
             .set(self.handoff.fence.held() as i64);
     }
@@ -1532,13 +1551,13 @@ impl Core {
         let hops = i.hops + 1;
         if i.entity_id != 0 && self.handoff.fence.is_burnt(i.entity_id, i.entity_epoch) {
             // A copy forwarded behind an offer this node refused: its source applies the original.
-            return self.metrics.copies_refused(1);
+            return self.cx.metrics.copies_refused(1);
         }
         match master {
             Some((id, None, epoch)) => {
                 if i.entity_epoch != 0 && i.entity_epoch < epoch {
-                    self.metrics.stale_epoch_drops.inc();
-                    return self.metrics.drop_input("stale_epoch_input");
+                    self.cx.metrics.stale_epoch_drops.inc();
+                    return self.cx.metrics.drop_input("stale_epoch_input");
                 }
                 if i.entity_epoch > epoch {
                     self.hold_input(id, i);
@@ -1577,7 +1596,7 @@ impl Core {
                     }
                     // Stamped for a master this process never held: it died with a process
                     // whose node id this one holds now (the restore re-anchors the gateway).
-                    _ if i.entity_id != 0 => self.metrics.drop_input("input_master_gone"),
+                    _ if i.entity_id != 0 => self.cx.metrics.drop_input("input_master_gone"),
                     _ => self.input_to_game(input),
                 }
             }
@@ -1592,14 +1611,14 @@ impl Core {
             Admit::Held => {}
             // The fence already follows that epoch while the table does not: handing it on
             // could loop, so it is counted instead.
-            Admit::Accept(_) => self.metrics.drop_input("input_epoch_conflict"),
+            Admit::Accept(_) => self.cx.metrics.drop_input("input_epoch_conflict"),
             Admit::Dropped(_) if self.handoff.fence.is_burnt(id, epoch) => {
                 // A copy forwarded behind a refused offer: its source applies the original.
-                self.metrics.copies_refused(1);
+                self.cx.metrics.copies_refused(1);
             }
             Admit::Dropped(_) => {
-                self.metrics.stale_epoch_drops.inc();
-                self.metrics.drop_input("stale_epoch_input");
+                self.cx.metrics.stale_epoch_drops.inc();
+                self.cx.metrics.drop_input("stale_epoch_input");
             }
         }
     }
@@ -1615,7 +1634,7 @@ impl Core {
         hops: u32,
     ) {
         if !self.send_forward(to, entity, epoch, i, hops) {
-            self.metrics.drop_input("input_peer_down");
+            self.cx.metrics.drop_input("input_peer_down");
         }
     }
 
@@ -1649,7 +1668,7 @@ impl Core {
     ) -> bool {
         if hops > MAX_INPUT_HOPS {
             tracing::warn!(account = %i.account, seq = i.seq, to, "input forwarded in a loop; dropped");
-            self.metrics.drop_input("input_forward_loop");
+            self.cx.metrics.drop_input("input_forward_loop");
             return true;
         }
         let forward = mesh_message::Body::ForwardInput(mesh::ForwardInput {
@@ -1663,7 +1682,7 @@ impl Core {
         });
         let sent = self.try_send_peer(to, forward);
         if sent {
-            self.metrics.inputs_forwarded.inc();
+            self.cx.metrics.inputs_forwarded.inc();
         }
         sent
     }
@@ -1689,16 +1708,16 @@ impl Core {
     /// Delivers an input to the game if its session is current here.
     pub(crate) fn input_to_game(&mut self, i: local::Input) {
         if !self.session_current(&i.account, i.session_epoch) {
-            return self.metrics.drop_input("input_stale_session");
+            return self.cx.metrics.drop_input("input_stale_session");
         }
         if self.game.slot.is_none() {
-            return self.metrics.drop_input("no_game");
+            return self.cx.metrics.drop_input("no_game");
         }
         let (account, epoch, seq) = (i.account.clone(), i.session_epoch, i.seq);
         match self
             .handoff
             .input_order
-            .offer(self.now.mono_ms, &account, epoch, seq, i)
+            .offer(self.cx.now.mono_ms, &account, epoch, seq, i)
         {
             Ordered::Deliver(inputs) => {
                 for i in inputs {
@@ -1706,23 +1725,23 @@ impl Core {
                 }
             }
             Ordered::Held => {}
-            Ordered::Late(_) => self.metrics.drop_input("input_late"),
+            Ordered::Late(_) => self.cx.metrics.drop_input("input_late"),
         }
         for _ in self.handoff.input_order.take_superseded() {
-            self.metrics.drop_input("input_stale_session");
+            self.cx.metrics.drop_input("input_stale_session");
         }
     }
 
     /// Inputs held for a gap that did not fill in time: delivered in order.
     pub(crate) fn deliver_due_inputs(&mut self) {
-        for i in self.handoff.input_order.due(self.now.mono_ms) {
+        for i in self.handoff.input_order.due(self.cx.now.mono_ms) {
             self.deliver_input(i);
         }
     }
 
     pub(crate) fn deliver_input(&mut self, i: local::Input) {
         if self.game.slot.is_none() {
-            return self.metrics.drop_input("no_game");
+            return self.cx.metrics.drop_input("no_game");
         }
         if !self.authority.lease_live && !self.authority.lost {
             return self.hold_input_during_lapse(i);
@@ -1730,11 +1749,12 @@ impl Core {
         // Held for a gap while a newer session began (a handover, a second login): the game
         // would ignore it.
         if !self.session_current(&i.account, i.session_epoch) {
-            return self.metrics.drop_input("input_stale_session");
+            return self.cx.metrics.drop_input("input_stale_session");
         }
-        self.out
+        self.cx
+            .out
             .to_game
             .push(sidecar_message::Body::Input(i).into());
-        self.metrics.inputs_delivered.inc();
+        self.cx.metrics.inputs_delivered.inc();
     }
 }

@@ -24,6 +24,7 @@ pub mod claims;
 #[cfg(test)]
 mod command_tests;
 pub(crate) mod commands;
+pub(crate) mod context;
 pub(crate) mod game;
 pub(crate) mod gateway;
 pub(crate) mod handoff;
@@ -40,10 +41,9 @@ mod spawner_tests;
 mod spawners;
 pub(crate) mod wire;
 
-use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
-use cellmesh_proto::local::{self, GameMessage, SidecarFrame, SidecarMessage};
+use cellmesh_proto::local::{self, GameMessage, SidecarFrame};
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage};
 use cellmesh_stores::claims::{ClaimGrant, ClaimHolder, ClaimOutcome};
 use cellmesh_stores::topology::{Fence, Lease};
@@ -61,6 +61,7 @@ pub use peers::PeerInfo;
 pub use restore::Restored;
 
 use authority::Authority;
+use context::Context;
 use game::LocalGame;
 use gateway::Gateway;
 use handoff::Handoffs;
@@ -382,23 +383,12 @@ const PUBLISH_EVERY_MS: u64 = 100;
 /// How often, at most, the driver reports the backlog of one link's outbox.
 pub const BACKLOG_REPORT_EVERY_MS: u64 = 100;
 
-/// What the node queued and has not handed to the driver yet.
-#[derive(Default)]
-pub(crate) struct Outbox {
-    pub to_game: Vec<SidecarMessage>,
-    pub to_links: BTreeMap<LinkId, Vec<MeshMessage>>,
-    pending: VecDeque<Output>,
-    ready: bool,
-    /// Why the node exits, once what is queued is out.
-    exit: Option<String>,
-}
-
 /// One sidecar's node: everything it knows and decides.
 pub struct Core {
+    /// The configuration, as the driver reads it (the parts read the context's).
     pub(crate) cfg: Arc<SidecarConfig>,
-    pub(crate) metrics: Metrics,
-    /// The time of the input being handled.
-    pub(crate) now: Now,
+    /// The time, the configuration, the metrics and the outbox every part shares.
+    pub(crate) cx: Context,
     /// Every entity the node holds: its reals and its render ghosts.
     pub(crate) table: EntityTable,
     pub(crate) game: LocalGame,
@@ -417,10 +407,7 @@ pub struct Core {
     pub(crate) admission: crate::model::admission::Admission,
     /// The game's smoothed load, for the balancer.
     pub(crate) load: crate::model::load::LoadMeter,
-    pub(crate) out: Outbox,
     shutting_down: bool,
-    /// Something changed since the last publish.
-    dirty: bool,
     next_renew_ms: u64,
     /// When the next load report is due.
     next_load_report_ms: u64,
@@ -472,20 +459,17 @@ impl Core {
                 crate::model::admission::Admission::new(cfg.admission.clone())
             },
             load: crate::model::load::LoadMeter::new(cfg.load.clone()),
-            out: Outbox::default(),
             shutting_down: false,
-            dirty: true,
             next_renew_ms: now.mono_ms + cfg.session_lease_ms / 3,
             next_load_report_ms: now.mono_ms,
             next_publish_ms: now.mono_ms,
-            now,
+            cx: Context::new(cfg.clone(), metrics, now),
             cfg,
-            metrics,
         }
     }
 
     pub fn metrics(&self) -> &Metrics {
-        &self.metrics
+        &self.cx.metrics
     }
 
     /// Names this process's incarnation (its lease epoch) where no lease is passed to
@@ -528,7 +512,7 @@ impl Core {
     /// Reals written here, unfrozen, that lack the checkpoint they should have by now: none
     /// kept under their epoch, and none asked for or due within `slack_ms`.
     pub fn checkpoints_missing(&self, slack_ms: u64) -> Vec<u64> {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         self.table
             .iter()
             .filter(|e| e.origin.is_none() && !self.handoff.outgoing.is_frozen(e.id))
@@ -600,10 +584,10 @@ impl Core {
 
     /// Handles one input at time `now` (which never goes backwards).
     pub fn handle(&mut self, now: Now, input: Input) {
-        self.now = now.max(self.now);
+        self.cx.now = now.max(self.cx.now);
         self.check_lease_deadline();
         if !matches!(input, Input::Timer) {
-            self.dirty = true;
+            self.cx.dirty = true;
         }
         let link = match &input {
             Input::LinkFrame { link, .. } | Input::LinkUp { link, .. } => Some(*link),
@@ -706,10 +690,10 @@ impl Core {
     pub(crate) fn count_fence_discards(&mut self) {
         for f in self.handoff.fence.take_discarded() {
             match f {
-                handoff::Fenced::Input(_) => self.metrics.drop_input("input_held_dropped"),
+                handoff::Fenced::Input(_) => self.cx.metrics.drop_input("input_held_dropped"),
                 // Not answered: a copy of it may still be applied elsewhere; its origin times
                 // it out.
-                handoff::Fenced::Command(_) => self.metrics.drop_command("fence"),
+                handoff::Fenced::Command(_) => self.cx.metrics.drop_command("fence"),
                 _ => {}
             }
         }
@@ -724,16 +708,19 @@ impl Core {
     /// behind the last, and clients cut as slow consumers). Folded together, each client gets at
     /// most one batch for all of them, with each entity's newest state.
     pub fn poll_output(&mut self) -> Option<Output> {
-        if self.out.pending.is_empty() {
+        if self.cx.out.pending.is_empty() {
             if std::mem::take(&mut self.gateway.ghosts_due) {
                 self.send_ghost_changes();
             }
             self.pack_outboxes();
         }
-        self.out
-            .pending
-            .pop_front()
-            .or_else(|| self.out.exit.take().map(|reason| Output::Exit { reason }))
+        self.cx.out.pending.pop_front().or_else(|| {
+            self.cx
+                .out
+                .exit
+                .take()
+                .map(|reason| Output::Exit { reason })
+        })
     }
 
     /// When the node wants [`Input::Timer`], at the latest.
@@ -760,12 +747,12 @@ impl Core {
     }
 
     fn on_timer(&mut self) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         self.deliver_due_inputs();
         self.deliver_due_commands();
         if now >= self.next_renew_ms {
             self.renew_leases();
-            self.next_renew_ms = now + (self.cfg.session_lease_ms / 3).max(1);
+            self.next_renew_ms = now + (self.cx.config.session_lease_ms / 3).max(1);
         }
         if now >= self.next_publish_ms {
             self.next_publish_ms = now + PUBLISH_EVERY_MS;
@@ -783,71 +770,53 @@ impl Core {
             self.save_player_records();
             self.report_whereabouts();
             self.evaluate_admission();
-            self.metrics.inputs_held.set(self.inputs_held() as i64);
-            if self.dirty {
-                self.dirty = false;
-                self.out.pending.push_back(Output::Publish);
+            self.cx.metrics.inputs_held.set(self.inputs_held() as i64);
+            if self.cx.dirty {
+                self.cx.dirty = false;
+                self.cx.out.pending.push_back(Output::Publish);
             }
             if self.drained() {
                 tracing::info!("drained: shutting down");
-                self.out.pending.push_back(Output::Stop);
+                self.cx.out.pending.push_back(Output::Stop);
             }
         }
     }
 
     // ------------------------------------------------------------------ outboxes
 
-    pub(crate) fn queue_for_link(&mut self, link: LinkId, body: mesh_message::Body) {
-        self.out.to_links.entry(link).or_default().push(body.into());
-    }
-
-    pub(crate) fn emit(&mut self, output: Output) {
-        self.out.pending.push_back(output);
-    }
-
-    pub(crate) fn store(&mut self, request: StoreRequest) {
-        self.out.pending.push_back(Output::Store(request));
-    }
-
-    pub(crate) fn set_ready(&mut self, ready: bool) {
-        if self.out.ready != ready {
-            self.out.ready = ready;
-            self.out.pending.push_back(Output::Ready(ready));
-        }
-    }
-
     /// Turns everything queued into frames, one batch per link and one for the game.
     fn pack_outboxes(&mut self) {
-        let max = self.cfg.max_frame_bytes;
-        for (link, messages) in std::mem::take(&mut self.out.to_links) {
+        let max = self.cx.config.max_frame_bytes;
+        for (link, messages) in std::mem::take(&mut self.cx.out.to_links) {
             if !self.mesh.links.contains_key(&link) {
                 // The link closed while these waited: the inputs among them are never written.
-                self.metrics
+                self.cx
+                    .metrics
                     .inputs_lost_in_links
                     .inc_by(wire::forwarded_inputs(&messages));
                 continue;
             }
             let (frames, oversize) = pack(messages, max);
-            self.metrics.drop_msg("message_too_large", oversize);
+            self.cx.metrics.drop_msg("message_too_large", oversize);
             for frame in frames {
-                self.out.pending.push_back(Output::ToLink {
+                self.cx.out.pending.push_back(Output::ToLink {
                     link,
                     frame: MeshFrame { messages: frame },
                 });
             }
         }
-        let messages = std::mem::take(&mut self.out.to_game);
+        let messages = std::mem::take(&mut self.cx.out.to_game);
         if messages.is_empty() {
             return;
         }
         let Some(conn) = self.game.slot.as_ref().map(|g| g.conn) else {
-            self.metrics.drop_msg("no_game", messages.len() as u64);
+            self.cx.metrics.drop_msg("no_game", messages.len() as u64);
             return;
         };
         let (frames, oversize) = pack(messages, max);
-        self.metrics.drop_msg("message_too_large", oversize);
+        self.cx.metrics.drop_msg("message_too_large", oversize);
         for frame in frames {
-            self.out.pending.push_back(Output::ToGame {
+            self.cx.out.pending.push_back(Output::ToGame {
                 conn,
                 frame: SidecarFrame { messages: frame },
             });
@@ -860,18 +829,18 @@ impl Core {
         let Some(l) = self.mesh.links.get(&link) else {
             return;
         };
-        self.metrics.error("link_outbox_full");
-        self.metrics.drop_msg("link_outbox_full", 1);
+        self.cx.metrics.error("link_outbox_full");
+        self.cx.metrics.drop_msg("link_outbox_full", 1);
         tracing::warn!(link, "mesh link outbox full: closing the link");
         let why = match l.peer {
             Some(node) => {
-                let label = self.metrics.peer(node);
-                self.metrics.peer_outbox_full.get_or_create(&label).inc();
+                let label = self.cx.metrics.peer(node);
+                self.cx.metrics.peer_outbox_full.get_or_create(&label).inc();
                 "outbox full: the peer is not reading"
             }
             None => {
                 // Pressure past all doubt: this node's client batches could not get out.
-                self.on_link_backlog(link, self.cfg.link_outbox_frames);
+                self.on_link_backlog(link, self.cx.config.link_outbox_frames);
                 "outbox full: the proxy is not reading"
             }
         };
@@ -930,9 +899,9 @@ impl Core {
             })
             .collect();
         json!({
-            "node_id": self.cfg.node_id,
-            "geo": self.cfg.geo,
-            "ready": self.out.ready,
+            "node_id": self.cx.config.node_id,
+            "geo": self.cx.config.geo,
+            "ready": self.cx.out.ready,
             "game_connected": self.game.slot.is_some(),
             "game": game,
             "last_tick": self.game.last_tick,
@@ -970,12 +939,12 @@ impl Core {
     /// what is queued for it, then closes).
     fn shutdown(&mut self) {
         self.shutting_down = true;
-        self.set_ready(false);
+        self.cx.set_ready(false);
         let keys: Vec<SessionKey> = self.gateway.sessions.iter().map(|s| s.key).collect();
         for key in keys {
             if let Some(s) = self.gateway.sessions.get(key) {
                 let (link, session_id) = (s.link, s.session_id);
-                self.queue_for_link(
+                self.cx.queue_for_link(
                     link,
                     mesh_message::Body::Detach(mesh::Detach {
                         session_id,
@@ -989,13 +958,13 @@ impl Core {
         }
         self.pack_outboxes();
         if let Some(g) = self.game.slot.take() {
-            self.emit(Output::ReleaseGame { conn: g.conn });
+            self.cx.emit(Output::ReleaseGame { conn: g.conn });
         }
         for link in std::mem::take(&mut self.mesh.links).into_keys() {
-            self.emit(Output::ReleaseLink { link });
+            self.cx.emit(Output::ReleaseLink { link });
         }
-        self.metrics.game_connected.set(0);
-        self.emit(Output::Publish);
+        self.cx.metrics.game_connected.set(0);
+        self.cx.emit(Output::Publish);
     }
 }
 
@@ -1034,7 +1003,7 @@ fn pack<M: Message>(messages: Vec<M>, max: usize) -> (Vec<Vec<M>>, u64) {
 mod tests {
     use super::*;
     use bytes::Bytes;
-    use cellmesh_proto::local::sidecar_message;
+    use cellmesh_proto::local::{sidecar_message, SidecarMessage};
 
     #[test]
     fn pack_splits_in_order_and_drops_the_impossible() {

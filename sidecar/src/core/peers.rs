@@ -78,7 +78,7 @@ impl Core {
 
     pub(crate) fn on_link_up(&mut self, link: LinkId, hello: mesh::LinkHello, remote: String) {
         if self.shutting_down {
-            self.emit(Output::ReleaseLink { link });
+            self.cx.emit(Output::ReleaseLink { link });
             return;
         }
         let peer = (hello.role == mesh::PeerRole::Sidecar as i32).then_some(hello.node_id);
@@ -112,8 +112,8 @@ impl Core {
         let Some(l) = self.mesh.links.remove(&link) else {
             return;
         };
-        self.emit(Output::KillLink { link });
-        self.out.to_links.remove(&link);
+        self.cx.emit(Output::KillLink { link });
+        self.cx.out.to_links.remove(&link);
         if let Some(node) = l.peer {
             return self.peer_down(node, link, reason);
         }
@@ -125,7 +125,7 @@ impl Core {
 
     /// The peers with a live lease now; dials those with a higher id.
     pub(crate) fn on_peers(&mut self, peers: Vec<PeerInfo>) {
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         for p in &peers {
             if !p.geo.is_empty() {
                 // Kept after the peer dies: its geo's decider restores it.
@@ -156,7 +156,7 @@ impl Core {
             }
         }
         for o in outputs {
-            self.emit(o);
+            self.cx.emit(o);
         }
     }
 
@@ -168,7 +168,7 @@ impl Core {
             }
         }
         tracing::info!(link, peer = node, "peer link up");
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         let p = self.mesh.peers.entry(node).or_default();
         p.link = Some(link);
         p.up_since_ms = now;
@@ -179,10 +179,10 @@ impl Core {
                 partition_epoch: self.authority.partition.epoch(),
             }),
         );
-        let label = self.metrics.peer(node);
-        self.metrics.peer_up.get_or_create(&label).set(1);
-        self.metrics.peers_up.set(self.up_peers().len() as i64);
-        self.metrics.peer_links.get_or_create(&label).inc();
+        let label = self.cx.metrics.peer(node);
+        self.cx.metrics.peer_up.get_or_create(&label).set(1);
+        self.cx.metrics.peers_up.set(self.up_peers().len() as i64);
+        self.cx.metrics.peer_links.get_or_create(&label).inc();
         self.resend_resolutions(node);
         // The owner forgot this node's subscriptions with the last link: ask again, for a fresh
         // snapshot burst.
@@ -204,7 +204,7 @@ impl Core {
                 Some(mesh_message::Body::SessionMoved(mesh::SessionMoved {
                     account: s.account.clone(),
                     session_epoch: s.epoch?,
-                    gateway_node: self.cfg.node_id,
+                    gateway_node: self.cx.config.node_id,
                     new_avatar: false,
                 }))
             })
@@ -249,21 +249,23 @@ impl Core {
         }
         p.link = None;
         tracing::info!(link, peer = node, %reason, "peer link down");
-        self.metrics
+        self.cx
+            .metrics
             .peer_up
-            .get_or_create(&self.metrics.peer(node))
+            .get_or_create(&self.cx.metrics.peer(node))
             .set(0);
-        self.metrics.peers_up.set(self.up_peers().len() as i64);
+        self.cx.metrics.peers_up.set(self.up_peers().len() as i64);
         // Its render ghosts stay, stale, so clients see no vanish: the subscriptions renewed when
         // the link is back refresh them (see `sweep_stale_ghosts`).
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         for id in self.table.ghosts_of(node) {
             if !self.ghost_orphaned(id) {
                 self.replication.stale.entry(id).or_insert(now);
             }
         }
         self.replication.subscribers.remove_node(node);
-        self.metrics
+        self.cx
+            .metrics
             .subscribers
             .set(self.replication.subscribers.len() as i64);
         self.replication.replicas.retain(|_, nodes| {
@@ -276,7 +278,7 @@ impl Core {
     pub(crate) fn send_peer(&mut self, node: NodeId, body: mesh_message::Body) -> bool {
         let sent = self.try_send_peer(node, body);
         if !sent {
-            self.metrics.drop_msg("peer_down", 1);
+            self.cx.metrics.drop_msg("peer_down", 1);
         }
         sent
     }
@@ -286,8 +288,8 @@ impl Core {
         let Some(link) = self.mesh.peers.get(&node).and_then(|p| p.link) else {
             return false;
         };
-        self.metrics.peer_message(node, "out");
-        self.queue_for_link(link, body);
+        self.cx.metrics.peer_message(node, "out");
+        self.cx.queue_for_link(link, body);
         true
     }
 
@@ -308,7 +310,7 @@ impl Core {
 
     pub(crate) fn on_peer_message(&mut self, node: NodeId, body: mesh_message::Body) {
         use mesh_message::Body as B;
-        self.metrics.peer_message(node, "in");
+        self.cx.metrics.peer_message(node, "in");
         match body {
             B::Heartbeat(_) => {}
             B::Subscribe(s) => self.on_subscribe(node, s.chunks),
@@ -346,7 +348,7 @@ impl Core {
             B::PlayerJoin(j) => self.on_peer_player_join(node, j),
             B::PlayerLeave(l) => self.on_peer_player_leave(l),
             B::ForwardInput(i) => {
-                self.metrics.inputs_from_peers.inc();
+                self.cx.metrics.inputs_from_peers.inc();
                 self.input_for_master(i)
             }
             B::Anchor(a) => self.on_anchor(node, a),
@@ -378,7 +380,7 @@ impl Core {
                 }
             }
             other => {
-                self.metrics.error("unexpected_message");
+                self.cx.metrics.error("unexpected_message");
                 tracing::warn!(peer = node, message = ?other, "a peer sent a message only a proxy sends; ignored");
             }
         }

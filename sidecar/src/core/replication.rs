@@ -83,7 +83,11 @@ impl Core {
 
     pub(crate) fn on_subscribe(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
         for c in chunks {
-            let chunk = self.cfg.world.normalise_chunk(ChunkPos { x: c.x, y: c.y });
+            let chunk = self
+                .cx
+                .config
+                .world
+                .normalise_chunk(ChunkPos { x: c.x, y: c.y });
             // Any chunk is served: a subscriber may run a newer partition than this node (or an
             // older one), or follow an entity this node could not hand over yet. Refusing would
             // leave it waiting for frames that never come.
@@ -104,7 +108,7 @@ impl Core {
                     .insert(node)
                 {
                     let state = full_state(e);
-                    self.metrics.cross_node_updates.inc();
+                    self.cx.metrics.cross_node_updates.inc();
                     self.send_peer(node, mesh_message::Body::EntityState(state));
                     self.replication
                         .newly_held
@@ -118,14 +122,19 @@ impl Core {
 
     pub(crate) fn on_unsubscribe(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
         self.forget_subscriptions(node, chunks);
-        self.metrics
+        self.cx
+            .metrics
             .subscribers
             .set(self.replication.subscribers.len() as i64);
     }
 
     pub(crate) fn forget_subscriptions(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
         for c in chunks {
-            let chunk = self.cfg.world.normalise_chunk(ChunkPos { x: c.x, y: c.y });
+            let chunk = self
+                .cx
+                .config
+                .world
+                .normalise_chunk(ChunkPos { x: c.x, y: c.y });
             if !self.replication.subscribers.remove(node, chunk) {
                 continue;
             }
@@ -151,7 +160,7 @@ impl Core {
                 // Despawned (a ghost never has replicas).
                 if let Some(nodes) = self.replication.replicas.remove(&id) {
                     for node in nodes {
-                        self.metrics.cross_node_updates.inc();
+                        self.cx.metrics.cross_node_updates.inc();
                         // Despawned: whatever epoch the holder knows, it is gone (0: unfenced).
                         self.send_peer(
                             node,
@@ -205,7 +214,7 @@ impl Core {
                 self.replication.replicas.insert(id, target);
             }
             for (node, body) in frames {
-                self.metrics.cross_node_updates.inc();
+                self.cx.metrics.cross_node_updates.inc();
                 self.send_peer(node, body);
             }
         }
@@ -221,7 +230,7 @@ impl Core {
                 continue;
             };
             for node in nodes {
-                self.metrics.cross_node_updates.inc();
+                self.cx.metrics.cross_node_updates.inc();
                 self.send_peer(
                     node,
                     mesh_message::Body::EntityEvent(mesh::EntityEvent {
@@ -240,7 +249,7 @@ impl Core {
     /// client here views the chunk, the ghost stays and the chunk is subscribed at `owner` at
     /// once (its snapshot burst refreshes the ghost). Returns whether it is followed.
     pub(crate) fn follow(&mut self, chunk: ChunkPos, owner: NodeId) -> bool {
-        if owner == self.cfg.node_id || !self.gateway.clients.is_viewed(chunk) {
+        if owner == self.cx.config.node_id || !self.gateway.clients.is_viewed(chunk) {
             return false;
         }
         if self.replication.followed.insert((chunk, owner)) {
@@ -257,8 +266,8 @@ impl Core {
         if self.replication.stale.is_empty() {
             return;
         }
-        let now = self.now.mono_ms;
-        let me = self.cfg.node_id;
+        let now = self.cx.now.mono_ms;
+        let me = self.cx.config.node_id;
         let stale: Vec<(u64, u64)> = self
             .replication
             .stale
@@ -296,7 +305,7 @@ impl Core {
                 .try_fold(since, |acc, up| up.map(|t| acc.max(t)));
             let expired = match reachable_since {
                 Some(t) => now >= t + STALE_RESYNC_GRACE_MS,
-                None => now >= since + 2 * self.cfg.node_lease_ms,
+                None => now >= since + 2 * self.cx.config.node_lease_ms,
             };
             if expired {
                 gone.push((id, true));
@@ -317,17 +326,17 @@ impl Core {
         self.replication.stale.remove(&s.entity_id);
         let existing = self.table.get(s.entity_id).map(|e| (e.origin, e.chunk));
         if matches!(existing, Some((None, _))) {
-            return self.metrics.drop_msg("ghost_of_local_entity", 1);
+            return self.cx.metrics.drop_msg("ghost_of_local_entity", 1);
         }
         let at = s.position.as_ref().map(position);
         let chunk = at
-            .map(|p| self.cfg.world.chunk_of(Pos { x: p.x, y: p.y }))
+            .map(|p| self.cx.config.world.chunk_of(Pos { x: p.x, y: p.y }))
             .or(existing.map(|e| e.1));
         // Only what lies in a chunk this node subscribes to from that owner.
         if chunk.is_none_or(|c| !self.replication.subs.has(c, node)) {
             if existing.is_some_and(|e| e.0 == Some(node)) {
                 tracing::debug!(
-                    me = self.cfg.node_id,
+                    me = self.cx.config.node_id,
                     entity = s.entity_id,
                     node,
                     ?chunk,
@@ -350,7 +359,7 @@ impl Core {
                 epoch: s.entity_epoch,
             };
             if let Err(e) = self.table.set_ghost(ghost) {
-                self.metrics.drop_msg("bad_entity_state", 1);
+                self.cx.metrics.drop_msg("bad_entity_state", 1);
                 tracing::debug!(peer = node, error = %e, "entity state refused");
             }
         } else if existing.is_some_and(|e| e.0 == Some(node)) {
@@ -361,12 +370,12 @@ impl Core {
                 removed: s.removed_types,
             };
             if self.table.update(update).is_err() {
-                self.metrics.drop_msg("bad_entity_state", 1);
+                self.cx.metrics.drop_msg("bad_entity_state", 1);
             }
         } else {
             // A delta for an entity this node never got the full state of: the owner thinks it
             // is held here. Subscribing to the chunk afresh gets a full snapshot burst.
-            self.metrics.drop_msg("ghost_unknown", 1);
+            self.cx.metrics.drop_msg("ghost_unknown", 1);
             if let Some(c) = chunk {
                 self.resync(c, node);
             }
@@ -375,7 +384,7 @@ impl Core {
 
     /// Asks `owner` for a fresh snapshot of `chunk` (at most once a second per pair).
     pub(crate) fn resync(&mut self, chunk: ChunkPos, owner: NodeId) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         if self
             .replication
             .resynced
@@ -408,7 +417,7 @@ impl Core {
             return;
         }
         self.replication.subs_dirty = false;
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         let mut wanted = self.replication.band.clone();
         let viewed: Vec<ChunkPos> = self.gateway.clients.viewed_chunks().collect();
         for c in viewed {
@@ -456,7 +465,8 @@ impl Core {
                 );
             }
         }
-        self.metrics
+        self.cx
+            .metrics
             .subscriptions
             .set(self.replication.subs.len() as i64);
     }
@@ -474,7 +484,7 @@ impl Core {
                 ids.insert(id);
             }
         }
-        let world = self.cfg.world;
+        let world = self.cx.config.world;
         for id in ids {
             if self.handoff.adopting.contains_key(&id) {
                 // Its game is adopting it: no longer a ghost to it.
@@ -525,9 +535,10 @@ impl Core {
                 }
                 _ => continue,
             };
-            self.out.to_game.push(msg.into());
+            self.cx.out.to_game.push(msg.into());
         }
-        self.metrics
+        self.cx
+            .metrics
             .ghosts_sim
             .set(self.replication.sim.len() as i64);
     }

@@ -205,7 +205,7 @@ impl Core {
     pub(crate) fn note_leases(&mut self, live: &[(NodeId, u64)], lapsed: &[(NodeId, u64)]) {
         self.restore.leases_heard = true;
         self.restore.known.extend(live.iter().copied());
-        let mono = self.now.mono_ms;
+        let mono = self.cx.now.mono_ms;
         let now: BTreeMap<NodeId, u64> = live.iter().copied().collect();
         let lapsed: BTreeMap<NodeId, u64> = lapsed.iter().copied().collect();
         let mut gone = Vec::new();
@@ -254,8 +254,8 @@ impl Core {
     /// The decider fences the lapsed leases of its geo that were not taken back in time: only
     /// then may their world be restored, since a fenced holder can never write again.
     fn fence_lapsed(&mut self) {
-        let now = self.now.mono_ms;
-        let grace = lapse_grace_ms(self.cfg.node_lease_ms);
+        let now = self.cx.now.mono_ms;
+        let grace = lapse_grace_ms(self.cx.config.node_lease_ms);
         if now < self.authority.live_since_ms + grace {
             return;
         }
@@ -276,7 +276,7 @@ impl Core {
             .collect();
         for (node, epoch) in due {
             self.restore.fencing.insert((node, epoch), now);
-            self.store(StoreRequest::FenceLease { node, epoch });
+            self.cx.store(StoreRequest::FenceLease { node, epoch });
         }
     }
 
@@ -293,7 +293,7 @@ impl Core {
         match result {
             Ok(Fence::Fenced | Fence::Moved) => {
                 if result == Ok(Fence::Fenced) {
-                    self.metrics.leases_fenced.inc();
+                    self.cx.metrics.leases_fenced.inc();
                     tracing::warn!(
                         peer = node,
                         lease_epoch = epoch,
@@ -311,7 +311,7 @@ impl Core {
                 self.restore.fencing.remove(&inc);
             }
             Err(e) => {
-                self.metrics.error("store");
+                self.cx.metrics.error("store");
                 tracing::warn!(peer = node, error = %e, "fencing a lapsed lease failed; retrying");
             }
         }
@@ -329,7 +329,7 @@ impl Core {
             lease_epoch,
             "a peer's process is dead: its world will be restored from its checkpoints"
         );
-        self.metrics.error("peer_dead");
+        self.cx.metrics.error("peer_dead");
         // The ghosts of its node id, unless this process never saw it alive: then they are a
         // newer process's, and stay when its world is restored.
         let ghosts: BTreeMap<u64, u64> = if self.restore.known.contains(&inc) {
@@ -351,9 +351,11 @@ impl Core {
         for (root, _, thawed) in self
             .handoff
             .outgoing
-            .abandon_freezing_towards(node, self.now.mono_ms)
+            .abandon_freezing_towards(node, self.cx.now.mono_ms)
         {
-            self.metrics.handoff(self.cfg.node_id, node, "abandoned");
+            self.cx
+                .metrics
+                .handoff(self.cx.config.node_id, node, "abandoned");
             self.thaw(root, thawed, "the target died before the offer left");
             self.handoff.retry.remove(&root);
         }
@@ -470,7 +472,7 @@ impl Core {
     /// The decider's word on an offer this node made to a dead process.
     pub(crate) fn on_restore_resolved(&mut self, r: mesh::RestoreResolved) {
         let id = r.entity_id;
-        if r.owner_node == self.cfg.node_id {
+        if r.owner_node == self.cx.config.node_id {
             // Back to this node, which still holds it frozen: the offer counts as refused.
             let Some((dead, _)) = self.restore.in_doubt_to_dead.remove(&id) else {
                 // A repeat of a word acted on already.
@@ -483,9 +485,11 @@ impl Core {
             if let Ok(thawed) = self
                 .handoff
                 .outgoing
-                .refused(id, offered, to, self.now.mono_ms)
+                .refused(id, offered, to, self.cx.now.mono_ms)
             {
-                self.metrics.handoff(self.cfg.node_id, dead, "returned");
+                self.cx
+                    .metrics
+                    .handoff(self.cx.config.node_id, dead, "returned");
                 self.thaw(
                     id,
                     thawed,
@@ -504,11 +508,12 @@ impl Core {
             self.restore.sent.remove(&id);
         }
         if self.restore.in_doubt_to_dead.remove(&id).is_some() {
-            match self
-                .handoff
-                .outgoing
-                .resolve(id, r.owner_node, r.entity_epoch, self.now.mono_ms)
-            {
+            match self.handoff.outgoing.resolve(
+                id,
+                r.owner_node,
+                r.entity_epoch,
+                self.cx.now.mono_ms,
+            ) {
                 Ok(done) => self.complete_handoff(done),
                 Err(e) => tracing::debug!(entity = id, error = %e, "restore word on no offer"),
             }
@@ -535,7 +540,7 @@ impl Core {
             });
             if still && !self.ghost_orphaned(id) {
                 tracing::debug!(
-                    me = self.cfg.node_id,
+                    me = self.cx.config.node_id,
                     entity = id,
                     "ghost of a dead process dropped: not restored"
                 );
@@ -559,7 +564,7 @@ impl Core {
     /// `FLUSH_EVERY_MS`, and at once for an entity the store has no checkpoint of yet (until it
     /// does, nothing could restore it).
     pub(crate) fn flush_checkpoints(&mut self) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         if self.restore.incarnation == 0 || !self.mesh.clustered {
             return;
         }
@@ -577,16 +582,18 @@ impl Core {
         }
         let ids: Vec<u64> = put.iter().map(|c| c.entity_id).collect();
         self.game.checkpoints.written(&ids, &forgotten);
-        self.metrics.checkpoint_writes.inc();
-        self.metrics.checkpoints_stored.inc_by(put.len() as u64);
-        self.metrics
+        self.cx.metrics.checkpoint_writes.inc();
+        self.cx.metrics.checkpoints_stored.inc_by(put.len() as u64);
+        self.cx
+            .metrics
             .checkpoint_stored_bytes
             .inc_by(put.iter().map(|c| c.encoded_len() as u64).sum());
-        self.metrics
+        self.cx
+            .metrics
             .checkpoints_removed
             .inc_by(forgotten.len() as u64);
-        self.store(StoreRequest::PutCheckpoints {
-            node: self.cfg.node_id,
+        self.cx.store(StoreRequest::PutCheckpoints {
+            node: self.cx.config.node_id,
             lease_epoch: self.restore.incarnation,
             put,
             remove: forgotten,
@@ -613,18 +620,18 @@ impl Core {
     fn checkpoint_record(&self, id: u64) -> Option<mesh::HandoffOffer> {
         let e = self.table.get_local(id)?;
         let kept = self.game.checkpoints.latest(id)?;
-        let age = self.now.mono_ms.saturating_sub(kept.at_ms);
+        let age = self.cx.now.mono_ms.saturating_sub(kept.at_ms);
         Some(mesh::HandoffOffer {
             successor: true,
-            state_unix_ms: self.now.unix_ms.saturating_sub(age),
+            state_unix_ms: self.cx.now.unix_ms.saturating_sub(age),
             ..self.offer_of(e, kept.epoch, kept.state.clone())
         })
     }
 
     /// Forgets offers settled long enough ago that their targets have checkpointed them.
     pub(crate) fn prune_sent_offers(&mut self) {
-        let now = self.now.mono_ms;
-        let keep_ms = self.cfg.node_lease_ms * 2 + FLUSH_EVERY_MS * 4;
+        let now = self.cx.now.mono_ms;
+        let keep_ms = self.cx.config.node_lease_ms * 2 + FLUSH_EVERY_MS * 4;
         let out = &self.handoff.outgoing;
         self.restore
             .sent
@@ -645,11 +652,11 @@ impl Core {
     /// together) is whole again when the cut heals, if nobody fenced it meanwhile. Only a node
     /// whose geo is not known is decided by the lowest live node of all.
     fn decides_for(&self, node: NodeId) -> bool {
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         let geo = |n: &NodeId| self.restore.geo_of.get(n).map(String::as_str);
         match geo(&node) {
             Some(g) => {
-                g == self.cfg.geo
+                g == self.cx.config.geo
                     && self
                         .restore
                         .live
@@ -667,7 +674,7 @@ impl Core {
         }
         // First a partition that gives no cell to a dead node (whether its world is restored
         // yet or not: a later re-plan may have given it cells again); rounds wait for it.
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         let gone: Vec<NodeId> = self
             .restore
             .departed
@@ -681,12 +688,12 @@ impl Core {
             return self.ask_replan(&gone);
         }
         self.fence_lapsed();
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         // This geo's store is listed by this geo's decider.
         if now >= self.restore.next_list_ms && !self.restore.listing && self.decides_for(me) {
             self.restore.next_list_ms = now + LIST_EVERY_MS;
             self.restore.listing = true;
-            self.store(StoreRequest::ListCheckpointed);
+            self.cx.store(StoreRequest::ListCheckpointed);
         }
         // Every dead process's round asks its questions; they are decided together, once
         // the restores of the last decision are all answered: a process restored by one round
@@ -738,12 +745,12 @@ impl Core {
         let all = match result {
             Ok(all) => all,
             Err(e) => {
-                self.metrics.error("store");
+                self.cx.metrics.error("store");
                 return tracing::warn!(error = %e, "listing checkpointed processes failed");
             }
         };
-        let me = (self.cfg.node_id, self.restore.incarnation);
-        let now = self.now.mono_ms;
+        let me = (self.cx.config.node_id, self.restore.incarnation);
+        let now = self.cx.now.mono_ms;
         let unleased: BTreeSet<Incarnation> = all
             .iter()
             .copied()
@@ -767,7 +774,8 @@ impl Core {
                 // Restored already (here or by another decider): the listing predates the
                 // drop of its checkpoints, or the drop failed. A second round would take the
                 // ghosts of a new process under the same id for the dead one's.
-                self.store(StoreRequest::DropCheckpoints { node, lease_epoch });
+                self.cx
+                    .store(StoreRequest::DropCheckpoints { node, lease_epoch });
                 continue;
             }
             let long_unleased = unleased.contains(&(node, lease_epoch))
@@ -801,7 +809,7 @@ impl Core {
     /// Asks what a round still needs; whether it has it all (or was decided already).
     fn prepare_round(&mut self, inc: Incarnation) -> bool {
         let (node, lease_epoch) = inc;
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         let peers: Vec<NodeId> = self
             .restore
             .live
@@ -836,7 +844,8 @@ impl Core {
             );
         }
         if load {
-            self.store(StoreRequest::LoadCheckpoints { node, lease_epoch });
+            self.cx
+                .store(StoreRequest::LoadCheckpoints { node, lease_epoch });
         }
         decided || ready
     }
@@ -849,7 +858,7 @@ impl Core {
             return;
         }
         let mut live: Vec<NodeId> = self.restore.live.keys().copied().collect();
-        live.push(self.cfg.node_id);
+        live.push(self.cx.config.node_id);
         match self.authority.partition.without(dead, &live) {
             Ok(Some(p)) => {
                 tracing::warn!(
@@ -858,7 +867,7 @@ impl Core {
                     "committing a partition without dead nodes"
                 );
                 self.restore.replan_from = Some(from);
-                self.store(StoreRequest::CommitPartition {
+                self.cx.store(StoreRequest::CommitPartition {
                     partition: Box::new(p),
                 });
             }
@@ -924,7 +933,7 @@ impl Core {
         match result {
             Ok(c) => round.checkpoints = Some(c),
             Err(e) => {
-                self.metrics.error("store");
+                self.cx.metrics.error("store");
                 tracing::warn!(node, error = %e, "loading a dead node's checkpoints failed; retrying");
             }
         }
@@ -933,7 +942,7 @@ impl Core {
     /// Decides the rounds of `incs` together: one entity, one restore, from the newest of what
     /// every dead process left and every offer made to them.
     fn decide_rounds(&mut self, incs: &[Incarnation]) {
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         let mut held = BTreeMap::new();
         let mut offered = Vec::new();
         let mut checkpoints = Vec::new();
@@ -985,7 +994,7 @@ impl Core {
             live.contains(&owner).then_some(owner)
         });
         tracing::info!(
-            me = self.cfg.node_id,
+            me = self.cx.config.node_id,
             dead = ?incs,
             checkpoints = checkpoints.len(),
             restores = d.restore.len(),
@@ -1011,7 +1020,7 @@ impl Core {
                     target: 0,
                     offer: r.offer,
                     reporters: r.reporters,
-                    retry_at_ms: self.now.mono_ms,
+                    retry_at_ms: self.cx.now.mono_ms,
                 },
             );
         }
@@ -1032,10 +1041,10 @@ impl Core {
                 target,
                 offer: offer.clone(),
                 reporters,
-                retry_at_ms: self.now.mono_ms + RESTORE_RETRY_MS,
+                retry_at_ms: self.cx.now.mono_ms + RESTORE_RETRY_MS,
             },
         );
-        if target == self.cfg.node_id {
+        if target == self.cx.config.node_id {
             self.on_handoff_offer(target, offer);
         } else {
             self.send_peer(target, mesh_message::Body::HandoffOffer(offer));
@@ -1045,7 +1054,7 @@ impl Core {
     /// Restore offers with no answer, or refused, are made again to whoever owns the position
     /// now, above the epoch they were refused under.
     fn retry_restores(&mut self) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         let due: Vec<u64> = self
             .restore
             .offering
@@ -1053,7 +1062,7 @@ impl Core {
             .filter(|(_, o)| now >= o.retry_at_ms)
             .map(|(id, _)| *id)
             .collect();
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         for id in due {
             let Some(mut o) = self.restore.offering.remove(&id) else {
                 continue;
@@ -1120,14 +1129,14 @@ impl Core {
                         entity_epoch: epoch + 1,
                         ..o.offer
                     },
-                    retry_at_ms: self.now.mono_ms + RESTORE_RETRY_MS / 4,
+                    retry_at_ms: self.cx.now.mono_ms + RESTORE_RETRY_MS / 4,
                     ..o
                 },
             );
             return true;
         }
-        self.metrics.handoff(o.dead.0, from, "restored");
-        let me = self.cfg.node_id;
+        self.cx.metrics.handoff(o.dead.0, from, "restored");
+        let me = self.cx.config.node_id;
         let mut members = vec![id];
         members.extend(o.offer.attachments.iter().map(|a| a.entity_id));
         for &m in &members {
@@ -1138,7 +1147,7 @@ impl Core {
                     dead_lease_epoch: o.dead.1,
                     owner: from,
                     state_unix_ms: o.offer.state_unix_ms,
-                    restored_unix_ms: self.now.unix_ms,
+                    restored_unix_ms: self.cx.now.unix_ms,
                 });
             }
         }
@@ -1170,14 +1179,14 @@ impl Core {
             entity_epoch: epoch,
             owner_node: owner,
         };
-        if reporter == self.cfg.node_id {
+        if reporter == self.cx.config.node_id {
             self.on_restore_resolved(r);
         } else {
             self.restore
                 .resolved_for
                 .entry(reporter)
                 .or_default()
-                .push((self.now.mono_ms, r));
+                .push((self.cx.now.mono_ms, r));
             self.send_peer(reporter, mesh_message::Body::RestoreResolved(r));
         }
     }
@@ -1185,7 +1194,7 @@ impl Core {
     /// The link to `node` is back: the decider's recent words to it go again (a repeat
     /// settles nothing twice: the reporter acts on the first and forgets the unit).
     pub(crate) fn resend_resolutions(&mut self, node: NodeId) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         self.restore.resolved_for.retain(|_, v| {
             v.retain(|(at, _)| now.saturating_sub(*at) < RESOLUTION_KEPT_MS);
             !v.is_empty()
@@ -1207,7 +1216,8 @@ impl Core {
         let done = mesh::RestoreDone { node, lease_epoch };
         self.broadcast(mesh_message::Body::RestoreDone(done));
         self.on_restore_done(done);
-        self.store(StoreRequest::DropCheckpoints { node, lease_epoch });
+        self.cx
+            .store(StoreRequest::DropCheckpoints { node, lease_epoch });
     }
 }
 

@@ -55,7 +55,7 @@ impl Core {
             return Target::Local;
         }
         match self.routing.routes.get(account) {
-            Some(r) if r.gateway_node != self.cfg.node_id => Target::Remote {
+            Some(r) if r.gateway_node != self.cx.config.node_id => Target::Remote {
                 gateway: r.gateway_node,
                 session_epoch: r.session_epoch,
             },
@@ -219,9 +219,10 @@ impl Core {
     pub(crate) fn send_routed(&mut self, gateway: NodeId, routed: mesh::Routed) {
         let kinds: BTreeSet<u32> = routed.pieces.iter().map(|p| p.audience).collect();
         if self.send_peer(gateway, mesh_message::Body::Routed(routed)) {
-            self.metrics.routed_messages.inc();
+            self.cx.metrics.routed_messages.inc();
             for k in kinds {
-                self.metrics
+                self.cx
+                    .metrics
                     .routed
                     .get_or_create(&crate::metrics::AudienceLabel {
                         audience: audience_label(k),
@@ -237,15 +238,15 @@ impl Core {
             .routing
             .unknown_until
             .get(&account)
-            .is_some_and(|t| *t > self.now.mono_ms)
+            .is_some_and(|t| *t > self.cx.now.mono_ms)
             || self.routing.parked.len() >= MAX_PARKED
         {
-            self.metrics.dropped_unknown_account.inc();
-            self.metrics.drop_msg("unknown_account", 1);
+            self.cx.metrics.dropped_unknown_account.inc();
+            self.cx.metrics.drop_msg("unknown_account", 1);
             return;
         }
         if self.routing.looking_up.insert(account.clone()) {
-            self.store(StoreRequest::Lookup {
+            self.cx.store(StoreRequest::Lookup {
                 account: account.clone(),
             });
         }
@@ -280,18 +281,18 @@ impl Core {
             Ok(None) => {
                 self.routing
                     .unknown_until
-                    .insert(account.clone(), self.now.mono_ms + NEGATIVE_TTL_MS);
+                    .insert(account.clone(), self.cx.now.mono_ms + NEGATIVE_TTL_MS);
                 None
             }
             Err(e) => {
-                self.metrics.error("store");
+                self.cx.metrics.error("store");
                 tracing::warn!(%account, error = %e, "looking up a session failed");
                 None
             }
         };
         for (_, piece) in mine {
             match entry {
-                Some(r) if r.gateway_node != self.cfg.node_id => {
+                Some(r) if r.gateway_node != self.cx.config.node_id => {
                     let routed = mesh::Routed {
                         pieces: vec![route::piece(
                             &piece,
@@ -310,8 +311,8 @@ impl Core {
                         Encoded(piece.encoded),
                     ),
                     None => {
-                        self.metrics.dropped_unknown_account.inc();
-                        self.metrics.drop_msg("unknown_account", 1);
+                        self.cx.metrics.dropped_unknown_account.inc();
+                        self.cx.metrics.drop_msg("unknown_account", 1);
                     }
                 },
             }
@@ -366,7 +367,7 @@ impl Core {
         };
         // The avatar was handed on before the gateway heard: the join follows it, or the game
         // here would spawn the account a second avatar.
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         let elsewhere = self
             .table
             .master_of(&j.account)
@@ -388,7 +389,7 @@ impl Core {
             .get(&j.account)
             .is_some_and(|r| r.session_epoch > j.session_epoch)
         {
-            return self.metrics.drop_msg("stale_session", 1);
+            return self.cx.metrics.drop_msg("stale_session", 1);
         }
         self.routing.remote_players.insert(j.account.clone(), entry);
         self.routing.routes.insert(j.account.clone(), entry);
@@ -403,7 +404,8 @@ impl Core {
             }),
         };
         if self.game.slot.is_some() {
-            self.out
+            self.cx
+                .out
                 .to_game
                 .push(sidecar_message::Body::PlayerJoin(join).into());
         }
@@ -414,7 +416,7 @@ impl Core {
     pub(crate) fn on_peer_player_leave(&mut self, l: mesh::PeerPlayerLeave) {
         if let Some(r) = self.routing.remote_players.get(&l.account) {
             if r.session_epoch > l.session_epoch {
-                return self.metrics.drop_msg("stale_session", 1);
+                return self.cx.metrics.drop_msg("stale_session", 1);
             }
         } else {
             // The avatar was handed on before the gateway heard: the leave follows it.
@@ -457,7 +459,7 @@ impl Core {
     /// old leave must not overtake it.
     pub(crate) fn send_leave_on(&mut self, owner: NodeId, l: mesh::PeerPlayerLeave) {
         if self.newer_route(&l.account, l.session_epoch) {
-            return self.metrics.drop_msg("stale_session", 1);
+            return self.cx.metrics.drop_msg("stale_session", 1);
         }
         self.send_peer(owner, mesh_message::Body::PlayerLeave(l));
     }
@@ -498,7 +500,7 @@ impl Core {
     pub(crate) fn on_anchor(&mut self, node: NodeId, a: mesh::Anchor) {
         match self.session_epoch(&a.account) {
             Some((_, epoch)) if epoch == a.session_epoch => {}
-            _ => return self.metrics.drop_msg("stale_session", 1),
+            _ => return self.cx.metrics.drop_msg("stale_session", 1),
         }
         if self
             .gateway
@@ -507,19 +509,19 @@ impl Core {
             .is_some_and(|e| *e > a.entity_epoch)
         {
             // A late word from a previous owner of the master.
-            return self.metrics.drop_msg("stale_anchor", 1);
+            return self.cx.metrics.drop_msg("stale_anchor", 1);
         }
         let Some(p) = a.position.as_ref().map(position) else {
             return;
         };
-        if node == self.cfg.node_id {
+        if node == self.cx.config.node_id {
             return;
         }
         if self.avatar_spawned_here_for(&a.account, a.entity_id) {
             // This gateway gave the session a new avatar, here, after waiting in vain for the
             // one `node` simulates (a cut kept them apart): of two avatars the older goes.
             tracing::info!(account = %a.account, peer = node, entity = a.entity_id, "an older avatar anchored a session that has a new one: it leaves");
-            self.metrics.drop_msg("older_avatar", 1);
+            self.cx.metrics.drop_msg("older_avatar", 1);
             self.send_peer(
                 node,
                 mesh_message::Body::PlayerLeave(mesh::PeerPlayerLeave {
@@ -534,7 +536,7 @@ impl Core {
             .master_epoch
             .insert(a.account.clone(), a.entity_epoch);
         self.avatars.awaiting.remove(&a.account);
-        let chunk = self.cfg.world.chunk_of(Pos { x: p.x, y: p.y });
+        let chunk = self.cx.config.world.chunk_of(Pos { x: p.x, y: p.y });
         self.gateway
             .clients
             .set_remote_anchor(&a.account, Some(chunk));
@@ -568,7 +570,7 @@ impl Core {
                             .inject(key, part, Encoded(piece.encoded.clone()));
                     }
                     // A late message for an older session, or for a session that left.
-                    _ => self.metrics.drop_msg("stale_session", 1),
+                    _ => self.cx.metrics.drop_msg("stale_session", 1),
                 }
             }
         }
@@ -586,7 +588,7 @@ impl Core {
             Some(r) if *r == entry => {}
             _ => {
                 self.routing.routes.insert(m.account.clone(), entry);
-                if m.gateway_node != self.cfg.node_id && self.game.slot.is_some() {
+                if m.gateway_node != self.cx.config.node_id && self.game.slot.is_some() {
                     self.routing.newly_attached.insert(m.account.clone());
                 }
             }
@@ -605,7 +607,7 @@ impl Core {
         self.broadcast(mesh_message::Body::SessionMoved(mesh::SessionMoved {
             account: account.to_string(),
             session_epoch: epoch,
-            gateway_node: self.cfg.node_id,
+            gateway_node: self.cx.config.node_id,
             new_avatar,
         }));
     }

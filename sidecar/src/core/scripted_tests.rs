@@ -1373,7 +1373,8 @@ fn admissions(core: &mut Core) -> Vec<(LinkId, bool, String, u32)> {
 }
 
 fn closings(core: &Core, reason: &'static str) -> u64 {
-    core.metrics
+    core.cx
+        .metrics
         .admission_closings
         .get_or_create(&crate::metrics::ReasonLabel { reason })
         .get()
@@ -1385,10 +1386,10 @@ fn closings(core: &Core, reason: &'static str) -> u64 {
 fn load_reports_are_smoothed_and_a_silent_game_is_estimated_from_its_reals() {
     let mut core = node();
     load(&mut core, 1000, 10.0);
-    assert_eq!(core.metrics.load.get(), 0.2);
+    assert_eq!(core.cx.metrics.load.get(), 0.2);
     assert_eq!(core.state()["load"]["source"], "game");
     load(&mut core, 2000, 40.0);
-    let smoothed = core.metrics.load.get();
+    let smoothed = core.cx.metrics.load.get();
     assert!((smoothed - (0.2 + 0.2 * 0.6)).abs() < 1e-9, "{smoothed}");
     assert_eq!(core.state()["load"]["smoothed"], smoothed);
     // Silent past `silent_after_ms`: the next tick estimates it from the reals (none here).
@@ -1400,7 +1401,7 @@ fn load_reports_are_smoothed_and_a_silent_game_is_estimated_from_its_reals() {
         },
     );
     assert_eq!(core.state()["load"]["source"], "estimate");
-    assert!(core.metrics.load.get() < smoothed, "falls toward 0");
+    assert!(core.cx.metrics.load.get() < smoothed, "falls toward 0");
 }
 
 /// A game that overruns its tick closes the node to new sessions: every proxy link hears it
@@ -1411,7 +1412,7 @@ fn a_tick_overrun_closes_admission_on_every_proxy_link_and_a_calm_reopens_it() {
     link_up(&mut core, 0, PEER_LINK, GATEWAY);
     proxy_up(&mut core, 0, 20);
     assert_eq!(admissions(&mut core), [], "open needs no word");
-    assert_eq!(core.metrics.admission_open.get(), 1);
+    assert_eq!(core.cx.metrics.admission_open.get(), 1);
 
     load(&mut core, 1000, 30.0);
     assert_eq!(admissions(&mut core), []);
@@ -1422,7 +1423,7 @@ fn a_tick_overrun_closes_admission_on_every_proxy_link_and_a_calm_reopens_it() {
         [(20, closed.0, closed.1.clone(), closed.2)],
         "the proxy link hears it, the peer link does not"
     );
-    assert_eq!(core.metrics.admission_open.get(), 0);
+    assert_eq!(core.cx.metrics.admission_open.get(), 0);
     assert_eq!(closings(&core, "tick_overrun"), 1);
     assert_eq!(core.state()["admission"]["open"], false);
     assert_eq!(core.state()["admission"]["reason"], "tick_overrun");
@@ -1451,7 +1452,7 @@ fn a_tick_overrun_closes_admission_on_every_proxy_link_and_a_calm_reopens_it() {
             (7000, (21, true, String::new(), 0))
         ]
     );
-    assert_eq!(core.metrics.admission_open.get(), 1);
+    assert_eq!(core.cx.metrics.admission_open.get(), 1);
     assert_eq!(core.state()["admission"]["open"], true);
     assert_eq!(closings(&core, "tick_overrun"), 1, "closed once");
 }

@@ -28,13 +28,13 @@ impl Core {
                 pos: Pos { x: p.x, y: p.y },
             })
             .collect();
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         let released = match self.spawners.declare(
-            &self.cfg.world,
+            &self.cx.config.world,
             points,
             &self.authority.partition,
             me,
-            self.now.mono_ms,
+            self.cx.now.mono_ms,
         ) {
             Ok(r) => r,
             Err(e) => {
@@ -51,17 +51,17 @@ impl Core {
 
     /// A new partition: points whose chunk went elsewhere are released, those gained asked for.
     pub(crate) fn spawners_replanned(&mut self) {
-        let me = self.cfg.node_id;
+        let me = self.cx.config.node_id;
         let released = self
             .spawners
-            .replanned(&self.authority.partition, me, self.now.mono_ms);
+            .replanned(&self.authority.partition, me, self.cx.now.mono_ms);
         self.spawners_released(released, "its chunk went to another node");
     }
 
     fn spawners_released(&mut self, keys: Vec<String>, reason: &str) {
         for key in keys {
-            self.metrics.spawners_released.inc();
-            self.out.to_game.push(
+            self.cx.metrics.spawners_released.inc();
+            self.cx.out.to_game.push(
                 sidecar_message::Body::SpawnerReleased(local::SpawnerReleased {
                     key,
                     reason: reason.to_string(),
@@ -69,14 +69,15 @@ impl Core {
                 .into(),
             );
         }
-        self.metrics
+        self.cx
+            .metrics
             .spawners_owned
             .set(self.spawners.owned_count() as i64);
     }
 
     /// Claims due for this node's points, and stocks never spawned given up.
     pub(crate) fn spawners_step(&mut self) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         for (id, a) in self.spawners.overdue(now) {
             self.give_up_stock(id, &a.key);
         }
@@ -93,7 +94,9 @@ impl Core {
                 self.spawners.retry(&key, now + model::HELD_RETRY_MS);
                 continue;
             }
-            let Asked { id, .. } = self.spawners.ask(&key, self.now.unix_ms, self.cfg.node_id);
+            let Asked { id, .. } =
+                self.spawners
+                    .ask(&key, self.cx.now.unix_ms, self.cx.config.node_id);
             let holder = ClaimHolder {
                 entity: id,
                 entity_epoch: 0,
@@ -109,7 +112,7 @@ impl Core {
                 released: false,
                 spawner: true,
             });
-            self.emit(Output::Store(StoreRequest::Claim {
+            self.cx.emit(Output::Store(StoreRequest::Claim {
                 token,
                 key: claim_key,
                 holder,
@@ -120,7 +123,7 @@ impl Core {
 
     /// The store's answer to a claim for a point's next stock.
     pub(crate) fn on_spawner_claimed(&mut self, p: Pending, result: Result<ClaimOutcome, String>) {
-        let now = self.now.mono_ms;
+        let now = self.cx.now.mono_ms;
         let Some(asked) = self.spawners.answered(p.holder.entity) else {
             if let Ok(ClaimOutcome::Granted(g)) = result {
                 self.free_claim(g);
@@ -138,13 +141,13 @@ impl Core {
                     return;
                 }
                 self.claims.granted(grant, p.ttl_ms, p.sent_at);
-                self.metrics.claims_held.set(self.claims.len() as i64);
-                self.metrics.spawner_stocks.inc();
+                self.cx.metrics.claims_held.set(self.claims.len() as i64);
+                self.cx.metrics.spawner_stocks.inc();
                 let position = self
                     .spawners
                     .position(&key)
                     .map(|at| local::Vec3::xy(at.x, at.y));
-                self.out.to_game.push(
+                self.cx.out.to_game.push(
                     sidecar_message::Body::SpawnerOwned(local::SpawnerOwned {
                         key: key.clone(),
                         entity_id: asked.id,
@@ -189,7 +192,7 @@ impl Core {
     fn give_up_stock(&mut self, id: u64, key: &str) {
         if let Some(h) = self.claims.release(&model::claim_key(key), Some(id)) {
             self.free_claim(h.grant);
-            self.metrics.claims_held.set(self.claims.len() as i64);
+            self.cx.metrics.claims_held.set(self.claims.len() as i64);
         }
     }
 
@@ -200,6 +203,6 @@ impl Core {
         for (id, a) in self.spawners.clear() {
             self.give_up_stock(id, &a.key);
         }
-        self.metrics.spawners_owned.set(0);
+        self.cx.metrics.spawners_owned.set(0);
     }
 }
