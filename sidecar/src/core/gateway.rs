@@ -301,7 +301,9 @@ impl Core {
         }
         // A session that moves here was admitted already; a new one only while the node admits.
         if !a.moved && !self.admit_login() {
-            return self.cx.queue_for_link(link, self.refusal(a.session_id));
+            return self
+                .cx
+                .queue_for_link(link, self.admission.refusal(&self.cx, a.session_id));
         }
         let key = self
             .gateway

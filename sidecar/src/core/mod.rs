@@ -403,14 +403,11 @@ pub struct Core {
     pub(crate) commands: commands::Commands,
     pub(crate) claims: crate::model::claims::Claims,
     pub(crate) spawners: crate::model::spawners::SpawnerBook,
-    /// Whether the node takes new sessions.
-    pub(crate) admission: crate::model::admission::Admission,
-    /// The game's smoothed load, for the balancer.
-    pub(crate) load: crate::model::load::LoadMeter,
+    /// Whether the node takes new sessions, and the game's smoothed load.
+    pub(crate) admission: admission::Admission,
     shutting_down: bool,
     next_renew_ms: u64,
-    /// When the next load report is due.
-    next_load_report_ms: u64,
+    load_reports: balance::LoadReports,
     next_publish_ms: u64,
 }
 
@@ -435,6 +432,7 @@ impl Core {
         lease: Option<LeaseTerms>,
         now: Now,
     ) -> Self {
+        let cx = Context::new(cfg.clone(), metrics, now);
         let mut authority = Authority::new(&cfg, partition.clone());
         authority.lease_until_ms = lease.as_ref().map(|l| l.until_ms);
         Self {
@@ -454,16 +452,12 @@ impl Core {
             commands: commands::Commands::default(),
             claims: Default::default(),
             spawners: Default::default(),
-            admission: {
-                metrics.admission_open.set(1);
-                crate::model::admission::Admission::new(cfg.admission.clone())
-            },
-            load: crate::model::load::LoadMeter::new(cfg.load.clone()),
+            admission: admission::Admission::new(&cx),
+            load_reports: balance::LoadReports::new(&cx),
             shutting_down: false,
             next_renew_ms: now.mono_ms + cfg.session_lease_ms / 3,
-            next_load_report_ms: now.mono_ms,
             next_publish_ms: now.mono_ms,
-            cx: Context::new(cfg.clone(), metrics, now),
+            cx,
             cfg,
         }
     }
@@ -769,7 +763,8 @@ impl Core {
             self.spawners_step();
             self.save_player_records();
             self.report_whereabouts();
-            self.evaluate_admission();
+            let change = self.admission.evaluate(&self.cx);
+            self.admission_changed(change);
             self.cx.metrics.inputs_held.set(self.inputs_held() as i64);
             if self.cx.dirty {
                 self.cx.dirty = false;
@@ -847,6 +842,64 @@ impl Core {
         self.close_link(link, why);
     }
 
+    // ------------------------------------------------------------------ admission and load
+
+    /// Reals the node holds (not render ghosts).
+    fn real_count(&self) -> usize {
+        self.table.len() - self.table.ghost_count()
+    }
+
+    /// The game's `Load` report.
+    pub(crate) fn on_game_load(&mut self, l: &local::Load) {
+        let (reals, attached) = (self.real_count(), self.gateway.sessions.attached());
+        let change = self
+            .admission
+            .on_game_load(&mut self.cx, l, reals, attached);
+        self.admission_changed(change);
+    }
+
+    /// A link's outbox holds `frames` frames. Only proxy links count: they carry this node's
+    /// client batches.
+    fn on_link_backlog(&mut self, link: LinkId, frames: usize) {
+        if self.mesh.links.get(&link).is_none_or(|l| l.peer.is_some()) {
+            return;
+        }
+        let attached = self.gateway.sessions.attached();
+        let change = self
+            .admission
+            .on_proxy_backlog(&mut self.cx, link, frames, attached);
+        self.admission_changed(change);
+    }
+
+    /// Whether a new session may attach.
+    pub(crate) fn admit_login(&mut self) -> bool {
+        // Those still attaching count: they are about to be held.
+        let sessions = self.gateway.sessions.len();
+        let (admitted, change) = self.admission.admit_login(&mut self.cx, sessions);
+        self.admission_changed(change);
+        admitted
+    }
+
+    fn admission_changed(&mut self, change: Option<admission::Change>) {
+        self.admission
+            .announce(&mut self.cx, change, self.mesh.proxy_links());
+    }
+
+    /// Queues a load report for the balancer when one is due (on the game's tick).
+    pub(crate) fn maybe_report_load(&mut self) {
+        if self.load_reports.due(&self.cx) {
+            let report = self.cell_report();
+            self.cx.emit(Output::LoadReport(Box::new(report)));
+        }
+    }
+
+    /// The report for the balancer now.
+    pub fn cell_report(&mut self) -> cellmesh_world::balance::CellReport {
+        let reals = self.real_count();
+        let load = self.admission.refresh_load(&mut self.cx, reals);
+        balance::cell_report(&self.cx, load, &self.table, &self.authority.partition)
+    }
+
     // ------------------------------------------------------------------ state
 
     /// The JSON view of the node for `/state`.
@@ -912,7 +965,7 @@ impl Core {
             "partition_epoch": self.authority.partition.epoch(),
             "ghosts_render": self.table.ghost_count(),
             "reals": self.table.len() - self.table.ghost_count(),
-            "load": {"smoothed": self.load.last(), "source": self.load.source()},
+            "load": self.admission.load_state(),
             "ghosts_sim": self.replication.sim.len(),
             "subscriptions": self.replication.subs.len(),
             "subscribers": self.replication.subscribers.len(),
@@ -931,7 +984,7 @@ impl Core {
             "lease_live": self.authority.lease_live,
             "lease_lost": self.authority.lost,
             "draining": self.authority.draining.is_some(),
-            "admission": self.admission_state(),
+            "admission": self.admission.state(&self.cx),
         })
     }
 

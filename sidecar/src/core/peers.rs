@@ -71,6 +71,14 @@ impl Mesh {
             peer_partition: HashMap::default(),
         }
     }
+
+    /// The links to proxies (not to peer sidecars).
+    pub(crate) fn proxy_links(&self) -> impl Iterator<Item = LinkId> + '_ {
+        self.links
+            .iter()
+            .filter(|(_, l)| l.peer.is_none())
+            .map(|(id, _)| *id)
+    }
 }
 
 impl Core {
@@ -103,7 +111,7 @@ impl Core {
         );
         match peer {
             Some(node) => self.on_peer_up(link, node),
-            None => self.tell_admission(link),
+            None => self.admission.tell(&mut self.cx, link),
         }
     }
 
