@@ -320,7 +320,8 @@ impl Core {
             .collect();
         self.handoff.mass.extend(gone.iter().copied());
         self.handoff.recheck.extend(gone);
-        self.spawners_replanned();
+        self.spawners
+            .replanned(&mut self.cx, &self.authority.partition);
         if retired {
             match self.cx.config.when_retired {
                 WhenRetired::Spare => {

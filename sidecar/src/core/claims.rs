@@ -96,6 +96,12 @@ pub fn claim_call_on_table(
     }
 }
 
+/// Frees `grant` in the store (no answer: its lease lapses anyway).
+pub(crate) fn free_claim(cx: &mut Context, grant: ClaimGrant) {
+    cx.metrics.claims_released.inc();
+    cx.emit(Output::Store(StoreRequest::ReleaseClaim { grant }));
+}
+
 impl Core {
     // ------------------------------------------------------------------ from the game
 
@@ -213,9 +219,7 @@ impl Core {
     }
 
     pub(crate) fn free_claim(&mut self, grant: ClaimGrant) {
-        self.cx.metrics.claims_released.inc();
-        self.cx
-            .emit(Output::Store(StoreRequest::ReleaseClaim { grant }));
+        free_claim(&mut self.cx, grant);
     }
 
     fn claim_result(&mut self, r: local::ClaimResult) {
@@ -250,7 +254,16 @@ impl Core {
         };
         tracing::debug!(key = %p.key, holder = p.holder.entity, released = p.released, ?result, "claim answered");
         if p.spawner {
-            return self.on_spawner_claimed(p, result);
+            let game = self.game.slot.as_ref().map(|g| g.conn);
+            let lease_live = self.authority.lease_live;
+            return self.spawners.on_claimed(
+                &mut self.cx,
+                &mut self.claims,
+                game,
+                lease_live,
+                p,
+                result,
+            );
         }
         let conn = self.game.slot.as_ref().map_or(0, |g| g.conn);
         let mut r = local::ClaimResult {
@@ -432,7 +445,7 @@ impl Core {
         {
             self.free_claim(h.grant);
         }
-        self.spawners_game_gone();
+        self.spawners.game_gone(&mut self.cx, &mut self.claims);
         self.cx.metrics.claims_held.set(self.claims.len() as i64);
     }
 

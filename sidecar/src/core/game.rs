@@ -352,7 +352,7 @@ impl Core {
             Ok(c) => c,
             Err(detail) => return self.game_error(ErrorCode::InvalidValue, detail, s.entity_id),
         };
-        if let Err(detail) = self.check_spawned_id(s.entity_id) {
+        if let Err(detail) = self.spawners.check_spawned_id(s.entity_id) {
             return self.game_error(ErrorCode::NotOwner, detail, s.entity_id);
         }
         let spawn = NewEntity {
@@ -370,7 +370,7 @@ impl Core {
                 self.game
                     .checkpoints
                     .touched(s.entity_id, self.cx.now.mono_ms);
-                self.spawners_spawned(s.entity_id);
+                self.spawners.spawned(s.entity_id);
                 if !self.authority.lease_live && !self.authority.lost {
                     // Born while the lease is lapsed: frozen with the rest until it is back.
                     self.authority.frozen_by_lapse.insert(s.entity_id);

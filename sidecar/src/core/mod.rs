@@ -402,7 +402,7 @@ pub struct Core {
     pub(crate) avatars: avatars::Avatars,
     pub(crate) commands: commands::Commands,
     pub(crate) claims: crate::model::claims::Claims,
-    pub(crate) spawners: crate::model::spawners::SpawnerBook,
+    pub(crate) spawners: spawners::Spawners,
     /// Whether the node takes new sessions, and the game's smoothed load.
     pub(crate) admission: admission::Admission,
     shutting_down: bool,
@@ -898,6 +898,27 @@ impl Core {
         let reals = self.real_count();
         let load = self.admission.refresh_load(&mut self.cx, reals);
         balance::cell_report(&self.cx, load, &self.table, &self.authority.partition)
+    }
+
+    // ------------------------------------------------------------------ spawners
+
+    /// The game's `DeclareSpawners`.
+    pub(crate) fn on_declare_spawners(&mut self, d: local::DeclareSpawners) {
+        let declared = self
+            .spawners
+            .on_declare(&mut self.cx, d, &self.authority.partition);
+        if let Err(detail) = declared {
+            return self.game_error(local::ErrorCode::InvalidValue, detail, 0);
+        }
+        self.spawners_step();
+    }
+
+    /// Claims due for this node's points.
+    fn spawners_step(&mut self) {
+        let game = self.game.slot.as_ref().map(|g| g.conn);
+        let lease_live = self.authority.lease_live;
+        self.spawners
+            .step(&mut self.cx, &mut self.claims, game, lease_live);
     }
 
     // ------------------------------------------------------------------ state
