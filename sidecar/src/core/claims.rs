@@ -7,11 +7,17 @@
 //! The bookkeeping is pure ([`crate::model::claims`]); this file turns the game's messages and
 //! the store's answers into store calls and messages to the game.
 
-use cellmesh_proto::local::{sidecar_message, ClaimOutcome as Outcome, ErrorCode};
+use cellmesh_proto::local::{sidecar_message, ClaimOutcome as Outcome};
 use cellmesh_stores::claims::ClaimTable;
 
-use super::*;
-use crate::model::claims::{Pending, Renewed};
+use cellmesh_proto::local;
+use cellmesh_proto::mesh;
+use cellmesh_stores::claims::{ClaimGrant, ClaimHolder, ClaimOutcome};
+
+use super::context::Context;
+use super::{ConnId, Output, StoreReply, StoreRequest};
+use crate::model::claims::{Claims as ClaimBook, Pending, Renewed};
+use crate::model::entities::EntityTable;
 use crate::model::spawners;
 
 /// The shortest and longest lease a game may ask for.
@@ -102,13 +108,62 @@ pub(crate) fn free_claim(cx: &mut Context, grant: ClaimGrant) {
     cx.emit(Output::Store(StoreRequest::ReleaseClaim { grant }));
 }
 
-impl Core {
+/// What the game's `ClaimRelease` comes to.
+pub(crate) enum Release {
+    /// Nothing to do.
+    Nothing,
+    /// A mistake of the game's, told to it.
+    Refused { detail: String, entity: u64 },
+    /// Freed, once the game may still write `guard` (a holder past its snapshot is the
+    /// handoff's: its claims go with it, and a release from here would free them under the next
+    /// owner).
+    Free {
+        key: String,
+        holder: Option<u64>,
+        guard: Option<u64>,
+    },
+}
+
+/// The claims this node holds and asked for. Its handlers are told what they need of the rest
+/// of the node: the game's connection (`game`, if one is connected) and, for a holder, whether
+/// it is still the claim's.
+#[derive(Default)]
+pub(crate) struct Claims {
+    book: ClaimBook,
+}
+
+impl Claims {
+    /// The bookkeeping, for the spawn points' claims (ordinary claims, asked by the node).
+    pub(crate) fn book_mut(&mut self) -> &mut ClaimBook {
+        &mut self.book
+    }
+
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.book.is_empty()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn get(&self, key: &str) -> Option<&crate::model::claims::Held> {
+        self.book.get(key)
+    }
+
+    fn count(&self, cx: &mut Context) {
+        cx.metrics.claims_held.set(self.book.len() as i64);
+    }
+
     // ------------------------------------------------------------------ from the game
 
-    /// The game's `Claim`.
-    pub(crate) fn on_claim(&mut self, c: local::Claim) {
+    /// The game's `Claim`; `holder_of` says whether an entity may hold a claim, and as what.
+    pub(crate) fn on_claim(
+        &mut self,
+        cx: &mut Context,
+        c: local::Claim,
+        game: Option<ConnId>,
+        holder_of: impl FnOnce(u64) -> Result<ClaimHolder, String>,
+    ) {
         let ttl_ms = match u64::from(c.ttl_ms) {
-            0 => self.cx.config.claim_ttl_ms,
+            0 => cx.config.claim_ttl_ms,
             t => t,
         };
         let fail = |detail: String| Err(detail);
@@ -124,39 +179,41 @@ impl Core {
                 c.key,
                 spawners::CLAIM_PREFIX
             ))
-        } else if self.claims.pending_count() >= MAX_PENDING_CLAIMS {
+        } else if self.book.pending_count() >= MAX_PENDING_CLAIMS {
             fail(format!(
                 "{MAX_PENDING_CLAIMS} claims wait for the store already"
             ))
         } else {
-            self.claim_holder(c.holder_entity)
+            holder_of(c.holder_entity)
         };
         let holder = match checked {
             Ok(h) => h,
             Err(detail) => {
-                self.cx.metrics.claim("failed");
-                return self.claim_result(local::ClaimResult {
-                    request_id: c.request_id,
-                    key: c.key,
-                    outcome: Outcome::ClaimFailed as i32,
-                    holder_entity: c.holder_entity,
-                    detail,
-                    ..Default::default()
-                });
+                cx.metrics.claim("failed");
+                return claim_result(
+                    cx,
+                    local::ClaimResult {
+                        request_id: c.request_id,
+                        key: c.key,
+                        outcome: Outcome::ClaimFailed as i32,
+                        holder_entity: c.holder_entity,
+                        detail,
+                        ..Default::default()
+                    },
+                );
             }
         };
-        let conn = self.game.slot.as_ref().map_or(0, |g| g.conn);
-        let token = self.claims.ask(Pending {
+        let token = self.book.ask(Pending {
             key: c.key.clone(),
             holder,
             ttl_ms,
             request_id: c.request_id,
-            conn,
-            sent_at: self.cx.now.mono_ms,
+            conn: game.unwrap_or(0),
+            sent_at: cx.now.mono_ms,
             released: false,
             spawner: false,
         });
-        self.cx.emit(Output::Store(StoreRequest::Claim {
+        cx.emit(Output::Store(StoreRequest::Claim {
             token,
             key: c.key,
             holder,
@@ -164,77 +221,59 @@ impl Core {
         }));
     }
 
-    /// The holder a claim may name: an entity this node writes, not frozen for a handoff.
-    fn claim_holder(&self, id: u64) -> Result<ClaimHolder, String> {
-        let Some(e) = self.table.get_local(id).filter(|e| e.origin.is_none()) else {
-            return Err(format!(
-                "entity {id} is not written here: only the node writing an entity claims for it"
-            ));
-        };
-        if !self.handoff.outgoing.writable(id) || self.handoff.released_by.contains_key(&id) {
-            return Err(format!(
-                "entity {id} is frozen for a handoff: claim again once it is written"
-            ));
-        }
-        if !self.authority.lease_live {
-            return Err("this node's lease lapsed or was lost".into());
-        }
-        Ok(ClaimHolder {
-            entity: id,
-            entity_epoch: e.epoch,
-        })
-    }
-
-    /// The game's `ClaimRelease`.
-    pub(crate) fn on_claim_release(&mut self, r: local::ClaimRelease) {
+    /// The game's `ClaimRelease`: what it comes to.
+    pub(crate) fn on_release(&self, cx: &Context, r: &local::ClaimRelease) -> Release {
         let holder = (r.holder_entity != 0).then_some(r.holder_entity);
         tracing::debug!(key = %r.key, holder = r.holder_entity, "claim released by the game");
         let spawner = r.key.starts_with(spawners::CLAIM_PREFIX);
-        if spawner || !self.claims.knows(&r.key, holder) {
-            if !spawner && self.claims.lost_lately(&r.key, holder, self.cx.now.mono_ms) {
+        if spawner || !self.book.knows(&r.key, holder) {
+            if !spawner && self.book.lost_lately(&r.key, holder, cx.now.mono_ms) {
                 // Sent before the game read our ClaimLost: nothing left to free.
-                return;
+                return Release::Nothing;
             }
-            return self.game_error(
-                ErrorCode::InvalidValue,
-                format!(
+            return Release::Refused {
+                detail: format!(
                     "ClaimRelease of {:?}: no entity here holds or asked for it{}",
                     r.key,
                     holder.map_or(String::new(), |h| format!(" as entity {h}"))
                 ),
-                r.holder_entity,
-            );
+                entity: r.holder_entity,
+            };
         }
-        // A holder past its snapshot is the handoff's: its claims go with it to the next owner,
-        // and a release from here would free the claim under that owner.
-        if let Some(h) = self.claims.get(&r.key).map(|h| h.grant.holder.entity) {
-            if holder.is_none_or(|id| id == h) && !self.may_write(h) {
-                return;
-            }
-        }
-        if let Some(h) = self.claims.release(&r.key, holder) {
-            self.free_claim(h.grant);
-            self.cx.metrics.claims_held.set(self.claims.len() as i64);
+        let guard = self
+            .book
+            .get(&r.key)
+            .map(|h| h.grant.holder.entity)
+            .filter(|h| holder.is_none_or(|id| id == *h));
+        Release::Free {
+            key: r.key.clone(),
+            holder,
+            guard,
         }
     }
 
-    pub(crate) fn free_claim(&mut self, grant: ClaimGrant) {
-        free_claim(&mut self.cx, grant);
+    /// Frees what a `ClaimRelease` named.
+    pub(crate) fn free(&mut self, cx: &mut Context, key: &str, holder: Option<u64>) {
+        if let Some(h) = self.book.release(key, holder) {
+            free_claim(cx, h.grant);
+            self.count(cx);
+        }
     }
 
-    fn claim_result(&mut self, r: local::ClaimResult) {
-        self.cx
-            .out
-            .to_game
-            .push(sidecar_message::Body::ClaimResult(r).into());
-    }
-
-    fn claim_lost(&mut self, key: String, holder: u64, reason: &'static str, detail: &str) {
+    fn claim_lost(
+        &mut self,
+        cx: &mut Context,
+        game: Option<ConnId>,
+        lost: (String, u64),
+        reason: &'static str,
+        detail: &str,
+    ) {
+        let (key, holder) = lost;
         tracing::debug!(%key, holder, reason, "claim lost");
-        self.cx.metrics.claim_lost(reason);
-        self.claims.told_lost(&key, holder, self.cx.now.mono_ms);
-        if self.game.slot.is_some() {
-            self.cx.out.to_game.push(
+        cx.metrics.claim_lost(reason);
+        self.book.told_lost(&key, holder, cx.now.mono_ms);
+        if game.is_some() {
+            cx.out.to_game.push(
                 sidecar_message::Body::ClaimLost(local::ClaimLost {
                     key,
                     holder_entity: holder,
@@ -247,25 +286,22 @@ impl Core {
 
     // ------------------------------------------------------------------ from the store
 
-    /// The store's answer to a `Claim`.
-    pub(crate) fn on_claimed(&mut self, token: u64, result: Result<ClaimOutcome, String>) {
-        let Some(p) = self.claims.answered(token) else {
-            return;
-        };
-        tracing::debug!(key = %p.key, holder = p.holder.entity, released = p.released, ?result, "claim answered");
-        if p.spawner {
-            let game = self.game.slot.as_ref().map(|g| g.conn);
-            let lease_live = self.authority.lease_live;
-            return self.spawners.on_claimed(
-                &mut self.cx,
-                &mut self.claims,
-                game,
-                lease_live,
-                p,
-                result,
-            );
-        }
-        let conn = self.game.slot.as_ref().map_or(0, |g| g.conn);
+    /// The claim a `Claim`'s answer is for, if still asked.
+    pub(crate) fn answered(&mut self, token: u64) -> Option<Pending> {
+        self.book.answered(token)
+    }
+
+    /// The store's answer to a game's `Claim`; `still_held` whether its holder is still the
+    /// one asked for, under the epoch asked with, and not frozen for a handoff.
+    pub(crate) fn on_claimed(
+        &mut self,
+        cx: &mut Context,
+        p: Pending,
+        result: Result<ClaimOutcome, String>,
+        game: Option<ConnId>,
+        still_held: bool,
+    ) {
+        let conn = game.unwrap_or(0);
         let mut r = local::ClaimResult {
             request_id: p.request_id,
             key: p.key.clone(),
@@ -274,17 +310,12 @@ impl Core {
         };
         match result {
             Ok(ClaimOutcome::Granted(grant)) => {
-                // Still the holder's, under the epoch asked with, and wanted by the game that asked?
                 // Not once a Freeze of the holder went out, even before its snapshot: the game
                 // hears of this grant after the Freeze, so it called off what the claim was for,
                 // and would release it after the handoff carried it to the next owner.
-                let same = !self.handoff.outgoing.is_frozen(p.holder.entity)
-                    && self
-                        .claim_holder(p.holder.entity)
-                        .is_ok_and(|h| h == p.holder);
-                if p.released || !same || conn != p.conn {
-                    self.free_claim(grant);
-                    self.cx.metrics.claim("failed");
+                if p.released || !still_held || conn != p.conn {
+                    free_claim(cx, grant);
+                    cx.metrics.claim("failed");
                     r.outcome = Outcome::ClaimFailed as i32;
                     r.detail = if p.released {
                         "released before it was granted".into()
@@ -295,82 +326,93 @@ impl Core {
                         )
                     };
                 } else {
-                    self.cx.metrics.claim("granted");
+                    cx.metrics.claim("granted");
                     r.outcome = Outcome::ClaimGranted as i32;
                     r.token = grant.token;
-                    self.claims.granted(grant, p.ttl_ms, p.sent_at);
-                    self.cx.metrics.claims_held.set(self.claims.len() as i64);
+                    self.book.granted(grant, p.ttl_ms, p.sent_at);
+                    self.count(cx);
                 }
             }
             Ok(ClaimOutcome::Held { by }) => {
-                self.cx.metrics.claim("held");
+                cx.metrics.claim("held");
                 r.outcome = Outcome::ClaimHeld as i32;
                 r.held_by = by.entity;
             }
             Err(e) => {
-                self.cx.metrics.claim("failed");
+                cx.metrics.claim("failed");
                 r.outcome = Outcome::ClaimFailed as i32;
                 r.detail = format!("the claim store did not answer: {e}");
             }
         }
         if conn == p.conn {
-            self.claim_result(r);
+            claim_result(cx, r);
         }
     }
 
-    /// The store's answers to renewals.
-    pub(crate) fn on_claims_renewed(&mut self, results: Vec<(ClaimGrant, Result<bool, String>)>) {
+    /// The store's answers to renewals; `frozen` says whether a holder is frozen for a handoff.
+    pub(crate) fn on_renewed(
+        &mut self,
+        cx: &mut Context,
+        results: Vec<(ClaimGrant, Result<bool, String>)>,
+        game: Option<ConnId>,
+        frozen: impl Fn(u64) -> bool,
+    ) {
         for (grant, result) in results {
             let id = grant.holder.entity;
-            let frozen =
-                !self.handoff.outgoing.writable(id) || self.handoff.released_by.contains_key(&id);
-            match self.claims.renewed(&grant, result.map_err(|_| ()), frozen) {
+            match self
+                .book
+                .renewed(&grant, result.map_err(|_| ()), frozen(id))
+            {
                 Renewed::Kept | Renewed::Fenced => {}
                 Renewed::Lost => self.claim_lost(
-                    grant.key,
-                    id,
+                    cx,
+                    game,
+                    (grant.key, id),
                     "fenced",
                     "the store holds the claim for another grant (its lease lapsed)",
                 ),
             }
         }
-        self.cx.metrics.claims_held.set(self.claims.len() as i64);
+        self.count(cx);
     }
 
     /// The store's answer to the rebind of a claim carried in by a handoff.
-    pub(crate) fn on_claim_rebound(
+    pub(crate) fn on_rebound(
         &mut self,
+        cx: &mut Context,
         old: ClaimGrant,
         result: Result<Option<ClaimGrant>, String>,
+        game: Option<ConnId>,
     ) {
         let ok = matches!(result, Ok(Some(_)));
-        if self.claims.get(&old.key).is_none_or(|h| h.grant != old) {
+        if self.book.get(&old.key).is_none_or(|h| h.grant != old) {
             // Released (or its holder gone) while the rebind was on its way: free what it bound.
             if let Ok(Some(g)) = result {
-                self.free_claim(g);
+                free_claim(cx, g);
             }
             return;
         }
-        if self.claims.rebound(&old, result.map_err(|_| ())) {
+        if self.book.rebound(&old, result.map_err(|_| ())) {
             self.claim_lost(
-                old.key,
-                old.holder.entity,
+                cx,
+                game,
+                (old.key, old.holder.entity),
                 "lapsed_in_handoff",
                 "the claim lapsed while its holder was handed over",
             );
         } else if ok {
-            self.cx.metrics.claims_rebound.inc();
+            cx.metrics.claims_rebound.inc();
         }
-        self.cx.metrics.claims_held.set(self.claims.len() as i64);
+        self.count(cx);
     }
 
     // ------------------------------------------------------------------ entities
 
     /// The claims `ids` hold, for an offer of them.
-    pub(crate) fn claims_of(&self, ids: impl IntoIterator<Item = u64>) -> Vec<mesh::HeldClaim> {
+    pub(crate) fn of(&self, ids: impl IntoIterator<Item = u64>) -> Vec<mesh::HeldClaim> {
         ids.into_iter()
-            .flat_map(|id| self.claims.of(id))
-            .filter_map(|k| self.claims.get(&k))
+            .flat_map(|id| self.book.of(id))
+            .filter_map(|k| self.book.get(&k))
             .map(|h| mesh::HeldClaim {
                 key: h.grant.key.clone(),
                 holder_entity: h.grant.holder.entity,
@@ -382,8 +424,8 @@ impl Core {
     }
 
     /// An offer was adopted here: its claims are the holder's still, under the new epoch once
-    /// the store agrees.
-    pub(crate) fn claims_adopted(&mut self, claims: &[mesh::HeldClaim]) {
+    /// the store agrees (the caller steps the claims when any came in).
+    pub(crate) fn adopted(&mut self, cx: &Context, claims: &[mesh::HeldClaim]) {
         for c in claims {
             tracing::debug!(key = %c.key, holder = c.holder_entity, "claim carried in");
             let grant = ClaimGrant {
@@ -395,114 +437,124 @@ impl Core {
                 token: c.token,
             };
             let ttl = u64::from(c.ttl_ms).clamp(MIN_CLAIM_TTL_MS, MAX_CLAIM_TTL_MS);
-            self.claims.carried_in(grant, ttl, self.cx.now.mono_ms);
-        }
-        if !claims.is_empty() {
-            self.claims_step();
+            self.book.carried_in(grant, ttl, cx.now.mono_ms);
         }
     }
 
     /// `id` was handed away: its claims went with it.
-    pub(crate) fn claims_handed_away(&mut self, id: u64) {
-        let gone = self.claims.drop_holder(id);
+    pub(crate) fn handed_away(&mut self, cx: &mut Context, id: u64) {
+        let gone = self.book.drop_holder(id);
         for h in &gone {
             tracing::debug!(key = %h.grant.key, holder = id, "claim handed away");
         }
         if !gone.is_empty() {
-            self.cx.metrics.claims_held.set(self.claims.len() as i64);
+            self.count(cx);
         }
     }
 
     /// `id`'s handoff came back: claims the store gave its target meanwhile are lost.
-    pub(crate) fn claims_thawed(&mut self, id: u64) {
-        for h in self.claims.thawed(id) {
+    pub(crate) fn thawed(&mut self, cx: &mut Context, id: u64, game: Option<ConnId>) {
+        for h in self.book.thawed(id) {
             self.claim_lost(
-                h.grant.key,
-                id,
+                cx,
+                game,
+                (h.grant.key, id),
                 "fenced",
                 "the claim was rebound by the handoff's target",
             );
         }
-        self.cx.metrics.claims_held.set(self.claims.len() as i64);
+        self.count(cx);
     }
 
     /// `id` despawned: its claims are freed.
-    pub(crate) fn claims_holder_gone(&mut self, id: u64) {
-        self.claims.abandon_asked(id);
-        for h in self.claims.drop_holder(id) {
+    pub(crate) fn holder_gone(&mut self, cx: &mut Context, id: u64) {
+        self.book.abandon_asked(id);
+        for h in self.book.drop_holder(id) {
             tracing::debug!(key = %h.grant.key, holder = id, "claim freed: its holder is gone");
-            self.free_claim(h.grant);
+            free_claim(cx, h.grant);
         }
-        self.cx.metrics.claims_held.set(self.claims.len() as i64);
+        self.count(cx);
     }
 
     /// The game went away: what it claimed is freed. Its entities may wait for its return, but
     /// the game that comes back knows nothing of these claims and would never release them.
-    pub(crate) fn claims_game_gone(&mut self) {
+    /// The spawn points' claims are the spawners' to give up.
+    pub(crate) fn game_gone(&mut self, cx: &mut Context) {
         for h in self
-            .claims
+            .book
             .forget_games(|k| k.starts_with(spawners::CLAIM_PREFIX))
         {
-            self.free_claim(h.grant);
+            free_claim(cx, h.grant);
         }
-        self.spawners.game_gone(&mut self.cx, &mut self.claims);
-        self.cx.metrics.claims_held.set(self.claims.len() as i64);
+        self.count(cx);
     }
 
-    /// Renewals and rebinds due, lapsed leases, and holders that left the table.
-    pub(crate) fn claims_step(&mut self) {
-        if self.claims.is_empty() {
+    /// Renewals and rebinds due, lapsed leases, and holders that left `table`; `awaited` says
+    /// whether an id is a stock handed to the game and not spawned yet.
+    pub(crate) fn step(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        game: Option<ConnId>,
+        awaited: impl Fn(u64) -> bool,
+    ) {
+        if self.book.is_empty() {
             return;
         }
         // A holder gone from the table without a despawn this node saw (dropped with its game).
         let gone: Vec<u64> = self
-            .claims
+            .book
             .held()
             .filter(|h| h.rebinding.is_none())
             .map(|h| h.grant.holder.entity)
             // A stock handed to the game and not spawned yet holds its claim meanwhile.
-            .filter(|id| !self.spawners.is_awaited(*id))
-            .filter(|id| self.table.get_local(*id).is_none_or(|e| e.origin.is_some()))
+            .filter(|id| !awaited(*id))
+            .filter(|id| table.get_local(*id).is_none_or(|e| e.origin.is_some()))
             .collect();
         for id in gone {
-            self.claims_holder_gone(id);
+            self.holder_gone(cx, id);
         }
-        let due = self.claims.due(self.cx.now.mono_ms);
+        let due = self.book.due(cx.now.mono_ms);
         for h in due.lapsed {
             self.claim_lost(
-                h.grant.key,
-                h.grant.holder.entity,
+                cx,
+                game,
+                (h.grant.key, h.grant.holder.entity),
                 "lapsed",
                 "the lease lapsed: no renewal reached the store in time",
             );
         }
         if !due.renew.is_empty() {
-            self.cx.emit(Output::Store(StoreRequest::RenewClaims {
+            cx.emit(Output::Store(StoreRequest::RenewClaims {
                 claims: due.renew,
             }));
         }
         for (grant, ttl_ms) in due.rebind {
-            let entity_epoch = self
-                .table
+            let entity_epoch = table
                 .get_local(grant.holder.entity)
                 .map_or(grant.holder.entity_epoch, |e| e.epoch);
-            self.cx.emit(Output::Store(StoreRequest::RebindClaim {
+            cx.emit(Output::Store(StoreRequest::RebindClaim {
                 grant,
                 entity_epoch,
                 ttl_ms,
             }));
         }
-        self.cx.metrics.claims_held.set(self.claims.len() as i64);
+        self.count(cx);
     }
 
     /// The claims this node believes held at `mono_ms` (its own clock): (key, holder entity,
-    /// the node's end of the lease). For the cluster simulator's check that no key has two
-    /// holders.
-    pub fn claims_believed(&self, mono_ms: u64) -> Vec<(String, u64, u64)> {
-        self.claims
+    /// the node's end of the lease).
+    pub(crate) fn believed(&self, mono_ms: u64) -> Vec<(String, u64, u64)> {
+        self.book
             .held()
             .filter(|h| !h.fenced && h.lease_until > mono_ms)
             .map(|h| (h.grant.key.clone(), h.grant.holder.entity, h.lease_until))
             .collect()
     }
+}
+
+fn claim_result(cx: &mut Context, r: local::ClaimResult) {
+    cx.out
+        .to_game
+        .push(sidecar_message::Body::ClaimResult(r).into());
 }

@@ -572,7 +572,7 @@ impl Core {
                 })
                 .unwrap_or(0),
             state_unix_ms: self.cx.now.unix_ms,
-            claims: self.claims_of([e.id]),
+            claims: self.claims.of([e.id]),
             ..Default::default()
         }
     }
@@ -607,7 +607,7 @@ impl Core {
             .iter()
             .flat_map(|(id, _)| self.command_cursors(*id))
             .collect();
-        let claims = self.claims_of(offer.parts.iter().map(|(id, _)| *id));
+        let claims = self.claims.of(offer.parts.iter().map(|(id, _)| *id));
         let msg = mesh::HandoffOffer {
             partition_epoch: self.authority.partition.epoch(),
             command_cursors,

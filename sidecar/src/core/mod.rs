@@ -401,7 +401,7 @@ pub struct Core {
     pub(crate) restore: restore::Restore,
     pub(crate) avatars: avatars::Avatars,
     pub(crate) commands: commands::Commands,
-    pub(crate) claims: crate::model::claims::Claims,
+    pub(crate) claims: claims::Claims,
     pub(crate) spawners: spawners::Spawners,
     /// Whether the node takes new sessions, and the game's smoothed load.
     pub(crate) admission: admission::Admission,
@@ -900,6 +900,118 @@ impl Core {
         balance::cell_report(&self.cx, load, &self.table, &self.authority.partition)
     }
 
+    // ------------------------------------------------------------------ claims
+
+    /// The game's connection, if one is connected.
+    fn game_conn(&self) -> Option<ConnId> {
+        self.game.slot.as_ref().map(|g| g.conn)
+    }
+
+    /// The game's `Claim`.
+    pub(crate) fn on_claim(&mut self, c: local::Claim) {
+        let game = self.game_conn();
+        let (table, handoff, lease_live) = (&self.table, &self.handoff, self.authority.lease_live);
+        self.claims.on_claim(&mut self.cx, c, game, |id| {
+            claim_holder(table, handoff, lease_live, id)
+        });
+    }
+
+    /// The game's `ClaimRelease`.
+    pub(crate) fn on_claim_release(&mut self, r: local::ClaimRelease) {
+        match self.claims.on_release(&self.cx, &r) {
+            claims::Release::Nothing => {}
+            claims::Release::Refused { detail, entity } => {
+                self.game_error(local::ErrorCode::InvalidValue, detail, entity)
+            }
+            claims::Release::Free { key, holder, guard } => {
+                if guard.is_some_and(|h| !self.may_write(h)) {
+                    return;
+                }
+                self.claims.free(&mut self.cx, &key, holder);
+            }
+        }
+    }
+
+    /// The store's answer to a `Claim`: the game's, or a spawn point's.
+    fn on_claimed(&mut self, token: u64, result: Result<ClaimOutcome, String>) {
+        let Some(p) = self.claims.answered(token) else {
+            return;
+        };
+        tracing::debug!(key = %p.key, holder = p.holder.entity, released = p.released, ?result, "claim answered");
+        let game = self.game_conn();
+        let lease_live = self.authority.lease_live;
+        if p.spawner {
+            let book = self.claims.book_mut();
+            return self
+                .spawners
+                .on_claimed(&mut self.cx, book, game, lease_live, p, result);
+        }
+        // Still the holder's, under the epoch asked with, and not frozen for a handoff?
+        let entity = p.holder.entity;
+        let still_held = !self.handoff.outgoing.is_frozen(entity)
+            && claim_holder(&self.table, &self.handoff, lease_live, entity)
+                .is_ok_and(|h| h == p.holder);
+        self.claims
+            .on_claimed(&mut self.cx, p, result, game, still_held);
+    }
+
+    fn on_claims_renewed(&mut self, results: Vec<(ClaimGrant, Result<bool, String>)>) {
+        let game = self.game_conn();
+        let handoff = &self.handoff;
+        self.claims.on_renewed(&mut self.cx, results, game, |id| {
+            !handoff.outgoing.writable(id) || handoff.released_by.contains_key(&id)
+        });
+    }
+
+    fn on_claim_rebound(&mut self, old: ClaimGrant, result: Result<Option<ClaimGrant>, String>) {
+        let game = self.game_conn();
+        self.claims.on_rebound(&mut self.cx, old, result, game);
+    }
+
+    /// An offer was adopted here: its claims come with it.
+    pub(crate) fn claims_adopted(&mut self, claims: &[mesh::HeldClaim]) {
+        self.claims.adopted(&self.cx, claims);
+        if !claims.is_empty() {
+            self.claims_step();
+        }
+    }
+
+    pub(crate) fn claims_handed_away(&mut self, id: u64) {
+        self.claims.handed_away(&mut self.cx, id);
+    }
+
+    pub(crate) fn claims_thawed(&mut self, id: u64) {
+        let game = self.game_conn();
+        self.claims.thawed(&mut self.cx, id, game);
+    }
+
+    pub(crate) fn claims_holder_gone(&mut self, id: u64) {
+        self.claims.holder_gone(&mut self.cx, id);
+    }
+
+    /// The game went away: its claims are freed, and the stocks it never spawned given up.
+    pub(crate) fn claims_game_gone(&mut self) {
+        self.claims.game_gone(&mut self.cx);
+        self.spawners
+            .game_gone(&mut self.cx, self.claims.book_mut());
+    }
+
+    /// Renewals and rebinds due, lapsed leases, and holders that left the table.
+    fn claims_step(&mut self) {
+        let game = self.game_conn();
+        let spawners = &self.spawners;
+        self.claims.step(&mut self.cx, &self.table, game, |id| {
+            spawners.is_awaited(id)
+        });
+    }
+
+    /// The claims this node believes held at `mono_ms` (its own clock): (key, holder entity,
+    /// the node's end of the lease). For the cluster simulator's check that no key has two
+    /// holders.
+    pub fn claims_believed(&self, mono_ms: u64) -> Vec<(String, u64, u64)> {
+        self.claims.believed(mono_ms)
+    }
+
     // ------------------------------------------------------------------ spawners
 
     /// The game's `DeclareSpawners`.
@@ -918,7 +1030,7 @@ impl Core {
         let game = self.game.slot.as_ref().map(|g| g.conn);
         let lease_live = self.authority.lease_live;
         self.spawners
-            .step(&mut self.cx, &mut self.claims, game, lease_live);
+            .step(&mut self.cx, self.claims.book_mut(), game, lease_live);
     }
 
     // ------------------------------------------------------------------ state
@@ -1040,6 +1152,33 @@ impl Core {
         self.cx.metrics.game_connected.set(0);
         self.cx.emit(Output::Publish);
     }
+}
+
+/// The holder a claim may name: an entity this node writes, not frozen for a handoff, while its
+/// lease is live.
+fn claim_holder(
+    table: &EntityTable,
+    handoff: &Handoffs,
+    lease_live: bool,
+    id: u64,
+) -> Result<ClaimHolder, String> {
+    let Some(e) = table.get_local(id).filter(|e| e.origin.is_none()) else {
+        return Err(format!(
+            "entity {id} is not written here: only the node writing an entity claims for it"
+        ));
+    };
+    if !handoff.outgoing.writable(id) || handoff.released_by.contains_key(&id) {
+        return Err(format!(
+            "entity {id} is frozen for a handoff: claim again once it is written"
+        ));
+    }
+    if !lease_live {
+        return Err("this node's lease lapsed or was lost".into());
+    }
+    Ok(ClaimHolder {
+        entity: id,
+        entity_epoch: e.epoch,
+    })
 }
 
 /// Packs messages into frames of at most `max` bytes, in order. Returns the frames and how many
