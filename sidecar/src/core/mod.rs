@@ -13,6 +13,11 @@
 //! [`avatars`] (one avatar per account, found through the directory's master record)
 //! [`authority`] (lease, partition, drain) and [`admission`] (whether new sessions are taken).
 //! [`wire`] holds the one copy of each conversion between the model and the wire.
+//!
+//! A part's handlers borrow the shared [`context`] (the time, the configuration, the metrics
+//! and the outbox) beside their own state; [`admission`], [`balance`], [`claims`] and
+//! [`spawners`] keep theirs private and are told by the core what they need of the other parts.
+//! The core's periodic checks are named deadlines ([`timers`]).
 
 pub(crate) mod admission;
 pub(crate) mod authority;
@@ -39,6 +44,7 @@ mod scripted_tests;
 #[cfg(test)]
 mod spawner_tests;
 mod spawners;
+pub(crate) mod timers;
 pub(crate) mod wire;
 
 use std::sync::Arc;
@@ -68,6 +74,7 @@ use handoff::Handoffs;
 use peers::Mesh;
 use replication::Replication;
 use routing::Routing;
+use timers::{Timer, Timers};
 
 /// A game connection, numbered by the driver.
 pub type ConnId = u64;
@@ -378,8 +385,6 @@ pub struct HeldFrames {
 
 /// Room for the frame, message and `ToClient` headers around one client batch.
 pub(crate) const TO_CLIENT_OVERHEAD: usize = 64;
-/// How often the state is published (if it changed) and a drain checked.
-const PUBLISH_EVERY_MS: u64 = 100;
 /// How often, at most, the driver reports the backlog of one link's outbox.
 pub const BACKLOG_REPORT_EVERY_MS: u64 = 100;
 
@@ -406,9 +411,9 @@ pub struct Core {
     /// Whether the node takes new sessions, and the game's smoothed load.
     pub(crate) admission: admission::Admission,
     shutting_down: bool,
-    next_renew_ms: u64,
+    /// The periodic checks' deadlines.
+    timers: Timers,
     load_reports: balance::LoadReports,
-    next_publish_ms: u64,
 }
 
 /// The node lease as the core holds it.
@@ -455,8 +460,7 @@ impl Core {
             admission: admission::Admission::new(&cx),
             load_reports: balance::LoadReports::new(&cx),
             shutting_down: false,
-            next_renew_ms: now.mono_ms + cfg.session_lease_ms / 3,
-            next_publish_ms: now.mono_ms,
+            timers: Timers::new(&cfg, now.mono_ms),
             cx,
             cfg,
         }
@@ -732,47 +736,48 @@ impl Core {
             .lease_until_ms
             .filter(|_| self.authority.lease_live)
             .unwrap_or(u64::MAX);
-        Some(
-            self.next_renew_ms
-                .min(self.next_publish_ms)
-                .min(inputs)
-                .min(lease),
-        )
+        Some(self.timers.next_due().min(inputs).min(lease))
     }
 
     fn on_timer(&mut self) {
-        let now = self.cx.now.mono_ms;
         self.deliver_due_inputs();
         self.deliver_due_commands();
-        if now >= self.next_renew_ms {
-            self.renew_leases();
-            self.next_renew_ms = now + (self.cx.config.session_lease_ms / 3).max(1);
+        for timer in self.timers.take_due(&self.cx.config, self.cx.now.mono_ms) {
+            self.run_timer(timer);
         }
-        if now >= self.next_publish_ms {
-            self.next_publish_ms = now + PUBLISH_EVERY_MS;
-            self.sweep_stale_ghosts();
-            self.release_overdue_frames();
-            self.ask_for_checkpoints();
-            self.expire_game_grace();
-            self.flush_checkpoints();
-            self.prune_sent_offers();
-            self.restore_step();
-            self.avatars_step();
-            self.commands_step();
-            self.claims_step();
-            self.spawners_step();
-            self.save_player_records();
-            self.report_whereabouts();
-            let change = self.admission.evaluate(&self.cx);
-            self.admission_changed(change);
-            self.cx.metrics.inputs_held.set(self.inputs_held() as i64);
-            if self.cx.dirty {
-                self.cx.dirty = false;
-                self.cx.out.pending.push_back(Output::Publish);
+    }
+
+    /// Runs one periodic check.
+    fn run_timer(&mut self, timer: Timer) {
+        match timer {
+            Timer::RenewSessions => self.renew_leases(),
+            Timer::StaleGhosts => self.sweep_stale_ghosts(),
+            Timer::OverdueFrames => self.release_overdue_frames(),
+            Timer::AskCheckpoints => self.ask_for_checkpoints(),
+            Timer::GameGrace => self.expire_game_grace(),
+            Timer::FlushCheckpoints => self.flush_checkpoints(),
+            Timer::SentOffers => self.prune_sent_offers(),
+            Timer::Restore => self.restore_step(),
+            Timer::Avatars => self.avatars_step(),
+            Timer::Commands => self.commands_step(),
+            Timer::Claims => self.claims_step(),
+            Timer::Spawners => self.spawners_step(),
+            Timer::PlayerRecords => self.save_player_records(),
+            Timer::Whereabouts => self.report_whereabouts(),
+            Timer::Admission => {
+                let change = self.admission.evaluate(&self.cx);
+                self.admission_changed(change);
             }
-            if self.drained() {
-                tracing::info!("drained: shutting down");
-                self.cx.out.pending.push_back(Output::Stop);
+            Timer::Publish => {
+                self.cx.metrics.inputs_held.set(self.inputs_held() as i64);
+                if self.cx.dirty {
+                    self.cx.dirty = false;
+                    self.cx.out.pending.push_back(Output::Publish);
+                }
+                if self.drained() {
+                    tracing::info!("drained: shutting down");
+                    self.cx.out.pending.push_back(Output::Stop);
+                }
             }
         }
     }
