@@ -14,6 +14,8 @@
 //! directory where the session is: gone for good releases the avatar, a newer session on
 //! another gateway is joined.
 
+use std::collections::hash_map::Entry;
+
 use rustc_hash::FxHashMap as HashMap;
 
 use cellmesh_proto::local::{self, sidecar_message};
@@ -153,12 +155,16 @@ impl Core {
         } else {
             LEAVE_GRACE_MS
         };
-        let slot = self
-            .avatars
-            .displaced
-            .entry(account.to_string())
-            .or_insert((epoch, now + grace, reason.to_string()));
-        slot.0 = slot.0.max(epoch);
+        let leave = (epoch, now + grace, reason.to_string());
+        // The newest session's leave decides how long the avatar waits: a handover's (long
+        // grace) does not inherit the deadline of an older session's leave still pending.
+        match self.avatars.displaced.entry(account.to_string()) {
+            Entry::Occupied(mut pending) if pending.get().0 < epoch => *pending.get_mut() = leave,
+            Entry::Occupied(_) => {}
+            Entry::Vacant(slot) => {
+                slot.insert(leave);
+            }
+        }
     }
 
     /// Another gateway announced a session of `account` (`m`): if this node writes the

@@ -2025,3 +2025,39 @@ fn an_older_avatar_that_anchors_a_session_given_a_new_one_is_told_to_leave() {
     assert_eq!(told[0].reason, "new_avatar_elsewhere");
     assert_eq!(core.gateway.master_owner.get("alice"), Some(&ME));
 }
+
+/// geos seed 157 (with the real proxy in the simulator): the leave of session 1, whose proxy
+/// died, waited here; the player logged in again and was handed over to another geo, and the
+/// leave of that session 2 (a transfer, which waits as long as a handover cookie lives) took the
+/// place of the first but kept its three-second deadline: the avatar left before the player
+/// reached the other geo. The newest session's leave sets the wait.
+#[test]
+fn a_handed_over_sessions_leave_waits_its_own_grace_past_an_older_pending_leave() {
+    let mut core = node();
+    alice_simulated_here(&mut core);
+    let leave = |epoch: u64, reason: String| {
+        mesh_message::Body::PlayerLeave(mesh::PeerPlayerLeave {
+            account: "alice".into(),
+            session_epoch: epoch,
+            reason,
+        })
+    };
+    let proxy_lost = format!("{}: connection reset", super::avatars::PROXY_LINK_LOST);
+    from_peer(&mut core, 60, leave(1, proxy_lost));
+    let transferred = format!("{}: to geo eu", super::avatars::TRANSFERRED);
+    from_peer(&mut core, 1_000, leave(2, transferred));
+    let left_at = |core: &mut Core, ms: u64| {
+        core.handle(at(ms), Input::Timer);
+        let (game, _) = outputs(core);
+        game.iter()
+            .any(|m| matches!(m, sidecar_message::Body::PlayerLeave(l) if l.account == "alice"))
+    };
+    for ms in [3_500, 6_000, 30_000] {
+        assert!(!left_at(&mut core, ms), "alice's avatar left at {ms} ms");
+    }
+    let grace = super::avatars::TRANSFER_GRACE_MS;
+    assert!(
+        left_at(&mut core, 1_000 + grace + 200),
+        "the transfer's grace over, the avatar leaves"
+    );
+}
