@@ -1,5 +1,10 @@
 //! The proxy's core driven by hand, input by input, in virtual time: logins, relays, moves,
-//! refusals, timeouts, drains.
+//! refusals, timeouts, drains. The harness is here; the modules below hold the tests by subject.
+
+mod admission;
+mod drains;
+mod logins;
+mod sessions;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,6 +26,8 @@ const UNIX_MS: u64 = 1_800_000_000_000;
 struct Harness {
     core: ProxyCore,
     cfg: ProxyConfig,
+    /// The registry the core's metrics are in: what `/metrics` would show.
+    registry: prometheus_client::registry::Registry,
     now: Duration,
     outputs: Vec<Output>,
 }
@@ -35,11 +42,12 @@ impl Harness {
         };
         tweak(&mut cfg);
         let rings = cfg.rings().expect("rings");
-        let (metrics, _registry) = crate::metrics::Metrics::new();
+        let (metrics, registry) = crate::metrics::Metrics::new();
         let core = ProxyCore::new(Arc::new(cfg.clone()), rings, Arc::new(metrics), 7);
         let mut h = Self {
             core,
             cfg,
+            registry,
             now: Duration::ZERO,
             outputs: Vec::new(),
         };
@@ -126,10 +134,58 @@ impl Harness {
 
     /// `account`'s hello with a valid token, proved over the challenge `nonce`.
     fn hello(&self, account: &str, nonce: &[u8]) -> client_message::Body {
+        hello_with(&self.token(account), nonce)
+    }
+
+    /// A token for `account` signed with the configured secret, valid for an hour.
+    fn token(&self, account: &str) -> String {
         let expiry = UNIX_MS / 1000 + 3600;
-        let token = cellmesh_proto::token::sign(self.cfg.token_secret.as_bytes(), account, expiry);
-        let hello = cellmesh_proto::client::login_hello(&token, nonce).unwrap();
-        client_message::Body::Hello(Box::new(hello))
+        cellmesh_proto::token::sign(self.cfg.token_secret.as_bytes(), account, expiry)
+    }
+
+    /// The `/metrics` page of the core's counters.
+    fn metrics_text(&self) -> String {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry).unwrap();
+        text
+    }
+
+    /// The gateway answers `session`'s attach with `epoch`: the client is welcomed.
+    fn gateway_attaches(&mut self, g: GatewayId, session: u64, epoch: u64) {
+        self.gateway_says(
+            g,
+            Body::Attached(Attached {
+                session_id: session,
+                session_epoch: epoch,
+                gateway_node: g as u32 + 1,
+                world_width: 4096.0,
+                world_height: 4096.0,
+                chunk_size: 32.0,
+            }),
+        );
+    }
+
+    /// The `Welcome` queued for `conn` (its other messages are dropped).
+    fn welcome(&mut self, conn: ConnId) -> cellmesh_proto::edge::Welcome {
+        let bodies = self.server_bodies(conn);
+        bodies
+            .into_iter()
+            .find_map(|b| match b {
+                server_message::Body::Welcome(w) => Some(w),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("no Welcome for {conn}; outputs {:?}", self.outputs))
+    }
+
+    /// The sessions' inputs sent to gateways since the last take: (gateway, session, seq).
+    fn inputs_sent(&mut self) -> Vec<(GatewayId, u64, u64)> {
+        self.sent_to_gateways()
+            .into_iter()
+            .filter_map(|(g, m, _)| match m {
+                Body::Input(i) => Some((g, i.session_id, i.seq)),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Opens connection `conn` and logs `account` in with a valid token; returns the session id
@@ -157,17 +213,7 @@ impl Harness {
     /// Logs in and attaches: the session is relayed.
     fn attached(&mut self, conn: ConnId, account: &str, epoch: u64) -> (GatewayId, u64) {
         let (g, session) = self.login(conn, account);
-        self.gateway_says(
-            g,
-            Body::Attached(Attached {
-                session_id: session,
-                session_epoch: epoch,
-                gateway_node: g as u32 + 1,
-                world_width: 4096.0,
-                world_height: 4096.0,
-                chunk_size: 32.0,
-            }),
-        );
+        self.gateway_attaches(g, session, epoch);
         match &self.server_bodies(conn)[..] {
             [server_message::Body::Welcome(w), ..] => {
                 assert_eq!((w.account.as_str(), w.session_epoch), (account, epoch))
@@ -232,6 +278,12 @@ impl Harness {
             ),
         }
     }
+}
+
+/// A hello carrying `token`, proved over the challenge `nonce`.
+fn hello_with(token: &str, nonce: &[u8]) -> client_message::Body {
+    let hello = cellmesh_proto::client::login_hello(token, nonce).unwrap();
+    client_message::Body::Hello(Box::new(hello))
 }
 
 fn decode(frame: &Bytes) -> Vec<server_message::Body> {
