@@ -8,7 +8,7 @@ use support::*;
 
 #[tokio::test]
 async fn ready_metrics_and_state() {
-    let gw = TestGateway::start(3).await;
+    let gw = Gateway::start(3).await;
     let proxy = TestProxy::start(config(&[&gw])).await;
     let admin = proxy.handle.admin_addr;
     assert_eq!(http_get(admin, "/live").await.unwrap().0, 200);
@@ -67,7 +67,7 @@ async fn ready_metrics_and_state() {
 
 #[tokio::test]
 async fn with_an_admin_token_the_state_needs_it_and_shows_it_masked() {
-    let gw = TestGateway::start(3).await;
+    let gw = Gateway::start(3).await;
     let proxy = TestProxy::start(ProxyConfig {
         admin_token: "ops-token".into(),
         ..config(&[&gw])

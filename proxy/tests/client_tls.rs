@@ -19,7 +19,7 @@ fn loopback_certs(dir: &std::path::Path) -> (ClientTlsConfig, ClientTls) {
 async fn players_log_in_over_tls_and_plaintext_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let (tls_cfg, trusting) = loopback_certs(dir.path());
-    let gw = TestGateway::start(1).await;
+    let gw = Gateway::start(1).await;
     let proxy = TestProxy::start(ProxyConfig {
         client_tls: tls_cfg,
         hello_timeout_ms: 1000,
@@ -101,7 +101,7 @@ async fn players_log_in_over_tls_and_plaintext_is_refused() {
 async fn a_proxy_dialled_by_address_is_checked_against_the_name_it_was_given_by() {
     let dir = tempfile::tempdir().unwrap();
     let (tls_cfg, ca) = edge_certs(dir.path(), &["localhost"]);
-    let gw = TestGateway::start(1).await;
+    let gw = Gateway::start(1).await;
     let proxy = TestProxy::start(ProxyConfig {
         client_tls: tls_cfg,
         ..config(&[&gw])

@@ -28,7 +28,7 @@ async fn run_client(args: &[&str]) -> std::process::Output {
 async fn the_python_client_plays_over_tls_with_a_proof() {
     let dir = tempfile::tempdir().unwrap();
     let (tls_cfg, ca) = edge_certs(dir.path(), &["127.0.0.1"]);
-    let gw = TestGateway::start(1).await;
+    let gw = Gateway::start(1).await;
     let proxy = TestProxy::start(ProxyConfig {
         client_tls: tls_cfg,
         hello_timeout_ms: 1000,
@@ -48,15 +48,8 @@ async fn the_python_client_plays_over_tls_with_a_proof() {
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("welcome alice"), "{stdout}");
     assert!(stdout.contains("batches 5"), "{stdout}");
-    // The gateway saw the inputs, in order.
-    let seqs: Vec<u64> = gw
-        .received()
-        .into_iter()
-        .filter_map(|b| match b {
-            cellmesh_proto::mesh::mesh_message::Body::Input(i) => Some(i.seq),
-            _ => None,
-        })
-        .collect();
+    // The game got the inputs, in order.
+    let seqs: Vec<u64> = gw.game.inputs().into_iter().map(|i| i.seq).collect();
     assert_eq!(seqs, [1, 2, 3, 4, 5]);
 
     // In plaintext, the TLS proxy answers nothing it can read.

@@ -12,7 +12,10 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+mod echo_game;
 mod process;
+
+pub use echo_game::{EchoGame, GameInput, ECHO};
 
 pub use process::{
     director_command, proxy_command, sidecar_command, DirectorProcess, Exited, Process,

@@ -1,33 +1,26 @@
-//! Test support: a small gateway that speaks the mesh protocol for real over TCP, and clients
-//! (well-behaved and raw) for the proxy under test.
+//! Test support: real gateways (a sidecar with a small real game), the proxy under test, and
+//! clients, well-behaved and raw.
 #![allow(dead_code)]
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use cellmesh_proto::client::{self, ClientError, ClientReceiver, ClientSender};
-use cellmesh_proto::codec::{encode_body, FrameCodec};
+use cellmesh_proto::codec::FrameCodec;
 use cellmesh_proto::edge::{
-    client_message, server_message, AccountMessage, Batch, Kick, KickReason, Pong, ServerFrame,
-    ServerMessage, Welcome,
-};
-use cellmesh_proto::mesh::{
-    mesh_message::Body, Admission, Attached, Detach, Heartbeat, LinkHello, MeshFrame, MeshMessage,
-    PeerRole, ProtocolVersion, SessionRtt, ToClient,
+    client_message, server_message, Kick, KickReason, Pong, ServerFrame, ServerMessage, Welcome,
 };
 use cellmesh_proxy::{ProxyConfig, ProxyHandle};
-pub use cellmesh_test_support::{unix_now, PATIENCE};
-use futures::{SinkExt, StreamExt};
+use cellmesh_sidecar::{SidecarConfig, SidecarHandle};
+use cellmesh_stores::Stores;
+pub use cellmesh_test_support::{unix_now, within, EchoGame, PATIENCE};
+use futures::StreamExt;
 use prost::Message;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
-use tokio_util::codec::{FramedRead, FramedWrite};
+use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
 pub const SECRET: &str = "test-secret";
@@ -37,369 +30,164 @@ pub fn token(account: &str) -> String {
 
 // ------------------------------------------------------------------------------------ gateway
 
-/// A gateway sidecar reduced to the mesh contract: answers `LinkHello`, `Attach` with
-/// `Attached` (displacing an older session of the account with `Detach{DISPLACED}`), echoes each
-/// `SessionInput` back as a one-message `Batch` (tick = seq), beats every second, and records
-/// everything the proxy sent.
-pub struct TestGateway {
+/// A real gateway: a sidecar with in-memory stores and a small real game connected over the
+/// local protocol, which sends each input's payload back to its account.
+pub struct Gateway {
+    /// Where the proxy dials it: the sidecar's mesh port, or the pipe in front of it.
     pub addr: SocketAddr,
     pub node_id: u32,
-    inner: Arc<GatewayInner>,
+    pub sidecar: SidecarHandle,
+    pub game: EchoGame,
+    pipe: Option<Pipe>,
     stop: CancellationToken,
 }
 
-struct GatewayInner {
-    node_id: u32,
-    /// account -> (link number, session id)
-    sessions: Mutex<HashMap<String, (u64, u64)>>,
-    links: Mutex<HashMap<u64, mpsc::UnboundedSender<MeshMessage>>>,
-    received: Mutex<Vec<Body>>,
-    epoch: AtomicU64,
-    next_link: AtomicU64,
-    drop_links: Mutex<CancellationToken>,
-    /// False while the gateway stops reading its links (a stalled sidecar).
-    reading: tokio::sync::watch::Sender<bool>,
-    /// What it says of new sessions while closed (told to every link, and to each new one).
-    closed: Mutex<Option<Admission>>,
-    /// Set while it refuses new sessions' attaches `SERVER_FULL` (detail, retry hint).
-    refusing: Mutex<Option<(String, u32)>>,
+impl Gateway {
+    pub async fn start(node_id: u32) -> Self {
+        Self::start_with(node_id, false).await
+    }
+
+    /// A gateway behind a pipe that can stop reading the proxy's bytes, as a stalled gateway's
+    /// full socket buffers do (see [`Self::pause_reading`]).
+    pub async fn stallable(node_id: u32) -> Self {
+        Self::start_with(node_id, true).await
+    }
+
+    async fn start_with(node_id: u32, piped: bool) -> Self {
+        let cfg = SidecarConfig {
+            node_id,
+            local_listen: "127.0.0.1:0".into(),
+            mesh_listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            ..SidecarConfig::default()
+        };
+        let stop = CancellationToken::new();
+        let sidecar = cellmesh_sidecar::start(cfg, Stores::in_memory(), stop.clone())
+            .await
+            .expect("the sidecar starts");
+        let game = EchoGame::connect(&sidecar.local_addr).await;
+        let pipe = match piped {
+            true => Some(Pipe::start(sidecar.mesh_addr).await),
+            false => None,
+        };
+        Self {
+            addr: pipe.as_ref().map_or(sidecar.mesh_addr, |p| p.addr),
+            node_id,
+            sidecar,
+            game,
+            pipe,
+            stop,
+        }
+    }
+
+    /// The sidecar's `/state` once `f` holds of it (it is published every 100 ms).
+    pub async fn state_until(
+        &self,
+        what: &str,
+        f: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        within(what, async {
+            loop {
+                let (_, body) = cellmesh_admin::http_get(self.sidecar.admin_addr, "/state")
+                    .await
+                    .unwrap();
+                let state: serde_json::Value = serde_json::from_str(&body).unwrap();
+                if f(&state) {
+                    return state;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+    }
+
+    /// Stops reading what the proxy sends (its writes go on) until [`Self::resume_reading`].
+    pub fn pause_reading(&self) {
+        self.pipe.as_ref().expect("a stallable gateway").pause(true);
+    }
+
+    pub fn resume_reading(&self) {
+        self.pipe
+            .as_ref()
+            .expect("a stallable gateway")
+            .pause(false);
+    }
 }
 
-impl TestGateway {
-    pub async fn start(node_id: u32) -> Self {
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// A TCP pipe to a gateway: bytes pass both ways, and the proxy's side can stop being read.
+struct Pipe {
+    addr: SocketAddr,
+    reading: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Pipe {
+    async fn start(to: SocketAddr) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let inner = Arc::new(GatewayInner {
-            node_id,
-            sessions: Mutex::default(),
-            links: Mutex::default(),
-            received: Mutex::default(),
-            epoch: AtomicU64::new(0),
-            next_link: AtomicU64::new(1),
-            drop_links: Mutex::new(CancellationToken::new()),
-            reading: tokio::sync::watch::Sender::new(true),
-            closed: Mutex::new(None),
-            refusing: Mutex::new(None),
-        });
-        let stop = CancellationToken::new();
-        tokio::spawn({
-            let (inner, stop) = (inner.clone(), stop.clone());
+        let reading = tokio::sync::watch::Sender::new(true);
+        let task = tokio::spawn({
+            let reading = reading.clone();
             async move {
-                loop {
-                    let (stream, _) = tokio::select! {
-                        _ = stop.cancelled() => return,
-                        r = listener.accept() => r.unwrap(),
+                while let Ok((from, _)) = listener.accept().await {
+                    let Ok(gateway) = TcpStream::connect(to).await else {
+                        continue;
                     };
-                    let drop = inner.drop_links.lock().unwrap().clone();
-                    tokio::spawn(serve_link(inner.clone(), stream, drop, stop.clone()));
+                    let (mut gateway_r, mut gateway_w) = gateway.into_split();
+                    let (mut from_r, mut from_w) = from.into_split();
+                    tokio::spawn(async move {
+                        let _ = tokio::io::copy(&mut gateway_r, &mut from_w).await;
+                    });
+                    let mut reading = reading.subscribe();
+                    tokio::spawn(async move {
+                        let mut buf = vec![0u8; 16 * 1024];
+                        loop {
+                            if reading.wait_for(|r| *r).await.is_err() {
+                                return;
+                            }
+                            let n = tokio::select! {
+                                n = from_r.read(&mut buf) => n,
+                                _ = reading.wait_for(|r| !*r) => continue,
+                            };
+                            let n = match n {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => n,
+                            };
+                            if gateway_w.write_all(&buf[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                    });
                 }
             }
         });
         Self {
             addr,
-            node_id,
-            inner,
-            stop,
+            reading,
+            task,
         }
     }
 
-    /// Everything the proxy sent after its `LinkHello`s, in order.
-    pub fn received(&self) -> Vec<Body> {
-        self.inner.received.lock().unwrap().clone()
-    }
-
-    pub fn detaches(&self) -> Vec<Detach> {
-        self.received()
-            .into_iter()
-            .filter_map(|b| {
-                if let Body::Detach(d) = b {
-                    Some(d)
-                } else {
-                    None
-                }
-            })
-            .collect()
-    }
-
-    pub fn rtts(&self) -> Vec<SessionRtt> {
-        self.received()
-            .into_iter()
-            .filter_map(|b| if let Body::Rtt(r) = b { Some(r) } else { None })
-            .collect()
-    }
-
-    pub fn hellos(&self) -> Vec<LinkHello> {
-        self.received()
-            .into_iter()
-            .filter_map(|b| {
-                if let Body::Hello(h) = b {
-                    Some(h)
-                } else {
-                    None
-                }
-            })
-            .collect()
-    }
-
-    /// Polls until `pred` holds on what the proxy sent.
-    pub async fn wait_for(&self, what: &str, pred: impl Fn(&[Body]) -> bool) {
-        let deadline = tokio::time::Instant::now() + PATIENCE;
-        while !pred(&self.received()) {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "gateway never saw {what}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-
-    /// Stops reading every link (writing and beating go on) until [`Self::resume_reading`].
-    pub fn pause_reading(&self) {
-        self.inner.reading.send_replace(false);
-    }
-
-    pub fn resume_reading(&self) {
-        self.inner.reading.send_replace(true);
-    }
-
-    /// Says on every link (and on each that comes up later) that the node admits no new
-    /// session, for `reason`, with the retry hint `retry_after_ms`.
-    pub fn close_admission(&self, reason: &str, retry_after_ms: u32) {
-        let a = Admission {
-            open: false,
-            reason: reason.into(),
-            retry_after_ms,
-        };
-        *self.inner.closed.lock().unwrap() = Some(a.clone());
-        self.tell_links(a);
-    }
-
-    /// Refuses the attach of every new session `SERVER_FULL` (a moved one is attached), as a
-    /// node that closed before the proxy heard does.
-    pub fn refuse_attaches(&self, detail: &str, retry_after_ms: u32) {
-        *self.inner.refusing.lock().unwrap() = Some((detail.into(), retry_after_ms));
-    }
-
-    /// Says on every link that the node admits new sessions again.
-    pub fn open_admission(&self) {
-        *self.inner.closed.lock().unwrap() = None;
-        self.tell_links(Admission {
-            open: true,
-            ..Default::default()
-        });
-    }
-
-    fn tell_links(&self, a: Admission) {
-        for tx in self.inner.links.lock().unwrap().values() {
-            let _ = tx.send(Body::Admission(a.clone()).into());
-        }
-    }
-
-    /// Closes every open link (the proxy is expected to redial).
-    pub fn drop_links(&self) {
-        let mut token = self.inner.drop_links.lock().unwrap();
-        token.cancel();
-        *token = CancellationToken::new();
-    }
-
-    /// Sends `count` batches of `size` payload bytes to `account`'s session, as fast as the link
-    /// takes them.
-    pub fn push(&self, account: &str, count: usize, size: usize) {
-        let (link, session_id) = self.inner.sessions.lock().unwrap()[account];
-        let tx = self.inner.links.lock().unwrap()[&link].clone();
-        let payload = Bytes::from(vec![7u8; size]);
-        for tick in 0..count as u64 {
-            let frame = batch_frame(tick, payload.clone());
-            let _ = tx.send(
-                Body::ToClient(ToClient {
-                    session_id,
-                    server_frame: frame,
-                })
-                .into(),
-            );
-        }
-    }
-
-    pub fn stop(&self) {
-        self.stop.cancel();
-        self.drop_links();
+    fn pause(&self, paused: bool) {
+        self.reading.send_replace(!paused);
     }
 }
 
-impl Drop for TestGateway {
+impl Drop for Pipe {
     fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-fn batch_frame(tick: u64, payload: Bytes) -> Bytes {
-    let batch = Batch {
-        tick,
-        messages: vec![AccountMessage { r#type: 1, payload }],
-        ..Default::default()
-    };
-    encode_body(&ServerFrame::one(server_message::Body::Batch(batch)))
-}
-
-async fn serve_link(
-    inner: Arc<GatewayInner>,
-    stream: TcpStream,
-    drop: CancellationToken,
-    stop: CancellationToken,
-) {
-    let link = inner.next_link.fetch_add(1, Ordering::Relaxed);
-    let (r, w) = stream.into_split();
-    let mut reader = FramedRead::new(r, FrameCodec::<MeshFrame>::default());
-    let mut writer = FramedWrite::new(w, FrameCodec::<MeshFrame>::default());
-    let Some(Ok(first)) = reader.next().await else {
-        return;
-    };
-    let Some(Body::Hello(hello)) = first.messages.into_iter().next().and_then(|m| m.body) else {
-        panic!("the proxy's first mesh frame must be LinkHello");
-    };
-    inner.received.lock().unwrap().push(Body::Hello(hello));
-    let reply = LinkHello {
-        version: Some(ProtocolVersion::current()),
-        role: PeerRole::Sidecar as i32,
-        id: inner.node_id.to_string(),
-        geo: "local".into(),
-        partition_epoch: 1,
-        node_id: inner.node_id,
-    };
-    if writer
-        .send(MeshFrame::one(Body::Hello(reply)))
-        .await
-        .is_err()
-    {
-        return;
-    }
-    let (tx, mut rx) = mpsc::unbounded_channel::<MeshMessage>();
-    if let Some(a) = inner.closed.lock().unwrap().clone() {
-        let _ = tx.send(Body::Admission(a).into());
-    }
-    inner.links.lock().unwrap().insert(link, tx.clone());
-    let writer_task = tokio::spawn({
-        let (drop, stop) = (drop.clone(), stop.clone());
-        async move {
-            let mut beat = tokio::time::interval(Duration::from_secs(1));
-            loop {
-                let msg = tokio::select! {
-                    _ = drop.cancelled() => break,
-                    _ = stop.cancelled() => break,
-                    m = rx.recv() => match m { Some(m) => m, None => break },
-                    _ = beat.tick() => Body::Heartbeat(Heartbeat { sent_unix_ms: 0 }).into(),
-                };
-                if writer
-                    .send(MeshFrame {
-                        messages: vec![msg],
-                    })
-                    .await
-                    .is_err()
-                {
-                    break;
-                }
-            }
-        }
-    });
-    let mut reading = inner.reading.subscribe();
-    loop {
-        let paused = tokio::select! {
-            _ = drop.cancelled() => break,
-            _ = stop.cancelled() => break,
-            _ = reading.wait_for(|r| !*r) => true,
-            f = reader.next() => match f {
-                Some(Ok(frame)) => {
-                    for body in frame.messages.into_iter().filter_map(|m| m.body) {
-                        handle(&inner, link, &tx, body);
-                    }
-                    false
-                }
-                _ => break,
-            },
-        };
-        if paused {
-            tokio::select! {
-                _ = drop.cancelled() => break,
-                _ = stop.cancelled() => break,
-                _ = reading.wait_for(|r| *r) => {}
-            }
-        }
-    }
-    inner.links.lock().unwrap().remove(&link);
-    inner
-        .sessions
-        .lock()
-        .unwrap()
-        .retain(|_, (l, _)| *l != link);
-    writer_task.abort();
-}
-
-fn handle(inner: &GatewayInner, link: u64, tx: &mpsc::UnboundedSender<MeshMessage>, body: Body) {
-    match &body {
-        Body::Attach(a) if !a.moved && inner.refusing.lock().unwrap().is_some() => {
-            let (detail, retry_after_ms) = inner.refusing.lock().unwrap().clone().unwrap();
-            let refusal = Detach {
-                session_id: a.session_id,
-                kick_reason: KickReason::ServerFull as u32,
-                detail,
-                retry_after_ms,
-            };
-            let _ = tx.send(Body::Detach(refusal).into());
-        }
-        Body::Attach(a) => {
-            let old = inner
-                .sessions
-                .lock()
-                .unwrap()
-                .insert(a.account.clone(), (link, a.session_id));
-            if let Some((old_link, old_session)) = old {
-                let detach = Detach {
-                    session_id: old_session,
-                    kick_reason: KickReason::Displaced as u32,
-                    detail: "account logged in elsewhere".into(),
-                    retry_after_ms: 0,
-                };
-                if let Some(old_tx) = inner.links.lock().unwrap().get(&old_link) {
-                    let _ = old_tx.send(Body::Detach(detach).into());
-                }
-            }
-            let attached = Attached {
-                session_id: a.session_id,
-                session_epoch: inner.epoch.fetch_add(1, Ordering::Relaxed) + 1,
-                gateway_node: inner.node_id,
-                world_width: 131_072.0,
-                world_height: 131_072.0,
-                chunk_size: 32.0,
-            };
-            let _ = tx.send(Body::Attached(attached).into());
-        }
-        Body::Input(i) => {
-            let frame = batch_frame(i.seq, i.payload.clone());
-            let _ = tx.send(
-                Body::ToClient(ToClient {
-                    session_id: i.session_id,
-                    server_frame: frame,
-                })
-                .into(),
-            );
-        }
-        Body::Detach(d) => {
-            inner
-                .sessions
-                .lock()
-                .unwrap()
-                .retain(|_, s| *s != (link, d.session_id));
-        }
-        _ => {}
-    }
-    if !matches!(body, Body::Heartbeat(_)) {
-        inner.received.lock().unwrap().push(body);
+        self.task.abort();
     }
 }
 
 // ------------------------------------------------------------------------------------ proxy
 
-pub fn config(gateways: &[&TestGateway]) -> ProxyConfig {
+pub fn config(gateways: &[&Gateway]) -> ProxyConfig {
     ProxyConfig {
         name: "proxy-test".into(),
         client_listen: "127.0.0.1:0".into(),
@@ -500,23 +288,32 @@ impl TestClient {
         }
     }
 
-    /// Sends input `seq` and waits for the gateway's echo of it.
+    /// Sends input `seq` and waits for the game's echo of it.
     pub async fn echo(&mut self, seq: u64) {
         let payload = Bytes::from(format!("input {seq}"));
+        self.echo_payload(seq, payload).await
+    }
+
+    /// Sends input `seq` carrying `payload` and waits for the game's echo of it.
+    pub async fn echo_payload(&mut self, seq: u64, payload: Bytes) {
         self.tx.input(seq, payload.clone()).await.unwrap();
-        loop {
-            match self.next().await.map(|m| m.body) {
-                Some(Some(server_message::Body::Batch(b))) if b.tick == seq => {
-                    assert_eq!(b.messages[0].payload, payload);
-                    return;
+        within(&format!("the echo of input {seq}"), async {
+            loop {
+                match self.next().await.map(|m| m.body) {
+                    Some(Some(server_message::Body::Batch(b)))
+                        if b.messages.iter().any(|m| m.payload == payload) =>
+                    {
+                        return;
+                    }
+                    Some(Some(server_message::Body::Kick(k))) => {
+                        panic!("kicked while echoing {seq}: {k:?}")
+                    }
+                    Some(_) => {}
+                    None => panic!("connection closed while echoing {seq}"),
                 }
-                Some(Some(server_message::Body::Kick(k))) => {
-                    panic!("kicked while echoing {seq}: {k:?}")
-                }
-                Some(_) => {}
-                None => panic!("connection closed while echoing {seq}"),
             }
-        }
+        })
+        .await
     }
 
     /// Answers pings for `time`.
