@@ -184,6 +184,11 @@ async fn a_client_that_stops_reading_is_kicked_slow_consumer_alone() {
             g.leaves().iter().any(|(account, _)| account == "slow")
         })
         .await;
+    let leaves = gw.game.leaves();
+    assert!(
+        leaves[0].1.starts_with("slow_consumer"),
+        "the gateway hears why: {leaves:?}"
+    );
     let page = http_get(proxy.handle.admin_addr, "/metrics")
         .await
         .unwrap()
