@@ -12,10 +12,8 @@ pub mod balance_cli;
 pub mod bench_cli;
 pub mod bots;
 pub mod certs_cli;
-pub mod director;
 #[cfg(feature = "tools")]
 pub mod geo_cli;
-pub mod live_map;
 pub mod partition_cli;
 #[cfg(feature = "tools")]
 mod scenario_cli;

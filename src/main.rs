@@ -484,14 +484,14 @@ async fn main() -> anyhow::Result<()> {
             print_config,
         } => {
             let _telemetry = telemetry::init("info", "cellmesh-director");
-            let cfg: cellmesh::director::DirectorConfig =
+            let cfg: cellmesh_director::DirectorConfig =
                 cellmesh_admin::config::load(config.as_deref())?;
             if print_config {
                 print!("{}", toml::to_string_pretty(&cfg.shown())?);
                 return Ok(());
             }
             let stop = CancellationToken::new();
-            let handle = cellmesh::director::start(cfg, stop.clone()).await?;
+            let handle = cellmesh_director::start(cfg, stop.clone()).await?;
             tracing::info!(admin = %handle.admin_addr, holder = %handle.holder, "director running");
             let interrupted = signal::shutdown();
             report_listening(format_args!(

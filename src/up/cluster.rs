@@ -22,7 +22,7 @@ use super::node::{node_runtime, start_node, NodeEnv, NodeRun};
 use super::proxies::start_proxies;
 use super::run_dir::{RunCa, RunDir, RunToken};
 use super::UpOptions;
-use crate::director::DirectorHandle;
+use cellmesh_director::DirectorHandle;
 
 /// A run's cluster, up: every node linked to its peers and its game, every proxy ready.
 pub(super) struct Cluster {
@@ -227,7 +227,7 @@ async fn serve_admin(
     // One admin token for every admin port of the run, its own included.
     let admin_token = RunToken::create().context("making the run's admin token")?;
     up_admin.set_token(&admin_token.token);
-    crate::live_map::serve(&up_admin, topology.clone(), &admin_token.token);
+    cellmesh_director::live_map::serve(&up_admin, topology.clone(), &admin_token.token);
     let up_admin_addr = cellmesh_admin::spawn(&opts.admin_listen, up_admin.clone(), stop.clone())
         .await
         .with_context(|| format!("binding the admin port --admin {}", opts.admin_listen))?;
@@ -310,7 +310,7 @@ async fn start_director(
     if !opts.balance {
         return Ok(None);
     }
-    let cfg = crate::director::DirectorConfig {
+    let cfg = cellmesh_director::DirectorConfig {
         topology_url: "memory".into(),
         admin_listen: "127.0.0.1:0".into(),
         admin_token: admin_token.to_string(),
@@ -321,10 +321,10 @@ async fn start_director(
             lower_bound: 0.1,
             ..Default::default()
         },
-        ..crate::director::DirectorConfig::default()
+        ..cellmesh_director::DirectorConfig::default()
     };
     Ok(Some(
-        crate::director::start_with(cfg, topology.clone(), stop.clone())
+        cellmesh_director::start_with(cfg, topology.clone(), stop.clone())
             .await
             .context("starting the director")?,
     ))

@@ -160,7 +160,7 @@ struct StatusFigures<'a> {
     inputs_per_s: f64,
     updates_per_s: f64,
     several_geos: bool,
-    director: Option<crate::director::DirectorStats>,
+    director: Option<cellmesh_director::DirectorStats>,
     bsp: bool,
     load_spread: Option<f64>,
 }

@@ -16,7 +16,7 @@ use super::input_ledger::InputLedger;
 use super::node_totals::{HandoffCosts, NodeTotals};
 use super::plot;
 use crate::bots::{BotStats, BotTotals};
-use crate::director::DirectorStats;
+use cellmesh_director::DirectorStats;
 
 /// What a run did; written as `--summary-json`.
 #[derive(Debug, Clone, Default, Serialize)]

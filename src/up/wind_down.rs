@@ -44,7 +44,7 @@ pub(super) async fn wind_down(
             let _ = tokio::time::timeout(Duration::from_secs(5), d.wait()).await;
             st
         }
-        None => crate::director::DirectorStats::default(),
+        None => cellmesh_director::DirectorStats::default(),
     };
     let load_end = live.spreads.last().copied().unwrap_or(0.0);
     bots.wait().await;

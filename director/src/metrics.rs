@@ -18,8 +18,9 @@ struct ReasonLabels {
     reason: &'static str,
 }
 
+/// The director's counters and gauges; [`Metrics::new`] also returns the registry that shows them.
 #[derive(Clone)]
-pub(crate) struct Metrics {
+pub struct Metrics {
     pub active: Gauge,
     pub leases_granted: Counter,
     pub leases_lost: Counter,
@@ -37,7 +38,7 @@ pub(crate) struct Metrics {
 }
 
 impl Metrics {
-    pub(crate) fn new() -> (Self, Registry) {
+    pub fn new() -> (Self, Registry) {
         let mut reg = Registry::with_prefix("cellmesh_director");
         let m = Self {
             active: Gauge::default(),
