@@ -1,5 +1,6 @@
 //! The director is a process players depend on: it links no simulator, plotting or bench code,
-//! and not the `cellmesh` command's crate (which links them with its `tools` feature).
+//! and not the `cellmesh` command's crate (which links them with its `tools` feature). The
+//! simulator drives the director's core, never the other way round.
 
 use std::path::Path;
 use std::process::Command;
@@ -68,4 +69,12 @@ fn the_director_links_no_simulator_plotting_bench_or_command_line() {
     for needed in ["cellmesh-world", "cellmesh-stores", "cellmesh-admin"] {
         assert!(crates.iter().any(|c| c == needed), "{needed} in {crates:?}");
     }
+}
+
+/// The check above would see what it looks for: the simulator's tree holds the director.
+#[test]
+fn the_simulator_drives_the_director() {
+    assert!(crates_in("cellmesh-sim")
+        .iter()
+        .any(|c| c == "cellmesh-director"));
 }

@@ -1,46 +1,144 @@
-//! The director in the simulator: it keeps each node's latest load report (as the topology store
-//! does), runs the balancer every balance period over the committed BSP, and commits each layout
-//! it yields as the next epoch, which the nodes apply by mass handoff. What it did, and how even
-//! the nodes' loads were meanwhile, is kept for the report.
+//! The director in the simulator: the real [`DirectorCore`] in virtual time, its store calls
+//! answered by the simulated topology store. The store keeps the director's lease here (by true
+//! time, with the rules of the real stores) and each node's latest load report; it commits a
+//! layout through the simulator's own partition commit, which the nodes apply by mass handoff.
+//! What the director did, and how even the nodes' loads were meanwhile, is kept for the report:
+//! the simulator's observation, not the director's logic.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
-use cellmesh_world::balance::{Balancer, CellReport, Decision, LoadConfig};
+use cellmesh_director::{DirectorConfig, DirectorCore, Event, Metrics};
+use cellmesh_stores::topology::{DirectorAcquire, DirectorLease};
+use cellmesh_world::balance::{CellReport, Decision, LoadConfig};
 use cellmesh_world::partition::{BspTree, NodeId};
 
+/// The director process's lease holder name.
+const HOLDER: &str = "sim-director";
+
 pub(crate) struct Director {
-    pub balancer: Balancer,
-    /// Each live node's latest report (a node's death takes its report with its lease).
+    pub core: DirectorCore,
+    /// The director's lease as the topology store holds it.
+    lease: Option<DirectorLease>,
+    /// Each live node's latest report, as the topology store keeps it (a node's death takes its
+    /// report with its lease).
     pub reports: BTreeMap<NodeId, CellReport>,
+    /// The wake-up scheduled for the core, if any.
+    pub wake_at: Option<u64>,
     pub figures: Balance,
 }
 
 impl Director {
-    pub fn new(cfg: LoadConfig) -> Self {
+    pub fn new(balance: LoadConfig) -> Self {
+        let cfg = DirectorConfig {
+            balance,
+            ..DirectorConfig::default()
+        };
         Self {
-            balancer: Balancer::new(cfg),
+            core: DirectorCore::new(cfg, HOLDER.into(), Metrics::new().0),
+            lease: None,
             reports: BTreeMap::new(),
+            wake_at: None,
             figures: Balance::default(),
         }
     }
 
     pub fn period_ms(&self) -> u64 {
-        self.balancer.config().balance_period_ms
+        self.core.period_ms()
     }
 
-    /// Counts a round's decisions by reason.
-    pub fn count(&mut self, decisions: &[Decision]) {
-        for d in decisions {
-            let reason = match d {
-                Decision::Line { line, .. } => line.reason.as_str(),
-                Decision::CellAdded { .. } => "cell_added",
-                Decision::RetireStarted { .. } => "retire_started",
-                Decision::RetireCancelled { .. } => "retire_cancelled",
-                Decision::CellDeleted { .. } => "cell_deleted",
-                Decision::CellReassigned { .. } => "cell_reassigned",
-            };
-            *self.figures.reasons.entry(reason).or_default() += 1;
+    /// The store's `acquire_director` at store time `now_unix_ms`: granted if free, lapsed or
+    /// already the holder's, under a new epoch.
+    pub fn acquire(&mut self, now_unix_ms: u64, holder: &str, ttl: Duration) -> DirectorAcquire {
+        if let Some(d) = self
+            .lease
+            .as_ref()
+            .filter(|d| now_unix_ms < d.expires_unix_ms && d.holder != holder)
+        {
+            return DirectorAcquire::Held(d.clone());
         }
+        let lease = DirectorLease {
+            holder: holder.to_string(),
+            epoch: self.lease.as_ref().map_or(0, |d| d.epoch) + 1,
+            expires_unix_ms: now_unix_ms + ttl.as_millis() as u64,
+        };
+        self.lease = Some(lease.clone());
+        DirectorAcquire::Granted(lease)
+    }
+
+    /// The store's lease if `lease` is it, current and live at `now_unix_ms`.
+    fn live(&mut self, lease: &DirectorLease, now_unix_ms: u64) -> Option<&mut DirectorLease> {
+        self.lease.as_mut().filter(|d| {
+            d.holder == lease.holder && d.epoch == lease.epoch && now_unix_ms < d.expires_unix_ms
+        })
+    }
+
+    pub fn renew(
+        &mut self,
+        now_unix_ms: u64,
+        lease: &DirectorLease,
+        ttl: Duration,
+    ) -> Option<DirectorLease> {
+        self.live(lease, now_unix_ms).map(|d| {
+            d.expires_unix_ms = now_unix_ms + ttl.as_millis() as u64;
+            d.clone()
+        })
+    }
+
+    pub fn release(&mut self, now_unix_ms: u64, lease: &DirectorLease) -> bool {
+        self.live(lease, now_unix_ms)
+            .map(|d| d.expires_unix_ms = 0)
+            .is_some()
+    }
+
+    /// Whether a commit under `lease` is the current director's; otherwise the store's lease.
+    pub fn fence(
+        &mut self,
+        now_unix_ms: u64,
+        lease: &DirectorLease,
+    ) -> Result<(), Option<DirectorLease>> {
+        match self.live(lease, now_unix_ms) {
+            Some(_) => Ok(()),
+            None => Err(self.lease.clone()),
+        }
+    }
+
+    /// What the core did, as the report counts it.
+    pub fn observe(&mut self, now: u64, event: Event) {
+        let f = &mut self.figures;
+        match event {
+            Event::Round { decisions, .. } => {
+                for d in &decisions {
+                    *f.reasons.entry(reason(d)).or_default() += 1;
+                }
+            }
+            // The store takes only a valid layout: one that is not is refused, and the director
+            // balances on from the committed one.
+            Event::LayoutRefused { layout, .. } => f.refused.push((now, layout)),
+            Event::Committed {
+                epoch,
+                chunks_moved,
+                decisions,
+            } => f.epochs.push(EpochRecord {
+                epoch,
+                at_ms: now,
+                chunks_moved,
+                decisions,
+            }),
+            _ => {}
+        }
+    }
+}
+
+/// A decision's reason, as the report counts it.
+fn reason(d: &Decision) -> &'static str {
+    match d {
+        Decision::Line { line, .. } => line.reason.as_str(),
+        Decision::CellAdded { .. } => "cell_added",
+        Decision::RetireStarted { .. } => "retire_started",
+        Decision::RetireCancelled { .. } => "retire_cancelled",
+        Decision::CellDeleted { .. } => "cell_deleted",
+        Decision::CellReassigned { .. } => "cell_reassigned",
     }
 }
 

@@ -20,7 +20,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::check::Checker;
 use crate::client::Client;
-use crate::director::{max_over_avg, Balance, Director, EpochRecord, Sample};
+use crate::director::{max_over_avg, Balance, Director, Sample};
 use crate::leases::{Answer, Clock, SimLeases};
 use crate::scenario::{Delay, Fault, FaultPlan, LayoutKind, Scenario};
 use crate::store::SimStore;
@@ -548,8 +548,8 @@ enum Ev {
     },
     Fault(Fault),
     StoreUp,
-    /// The director's balance round.
-    Balance,
+    /// The director's core is due (its lease, a round).
+    Director,
 }
 
 pub(crate) struct Sim<'a> {
@@ -697,9 +697,12 @@ impl<'a> Sim<'a> {
             sim.ask_lease(id, None);
         }
         sim.schedule(MEMBERSHIP_EVERY_MS, Ev::Membership);
-        if let Some(d) = &sim.director {
+        // The director starts a balance period into the run: its first round, as its lease is
+        // granted, comes then.
+        if let Some(d) = sim.director.as_mut() {
             let period = d.period_ms();
-            sim.schedule(period, Ev::Balance);
+            d.wake_at = Some(period);
+            sim.schedule(period, Ev::Director);
         }
         for c in 0..s.players as usize {
             let at = sim.rng.random_range(200..1_000);
@@ -870,14 +873,7 @@ impl<'a> Sim<'a> {
             Ev::Dial { from, to, inc } => self.dial(from, to, inc),
             Ev::Fault(f) => self.fault(f),
             Ev::StoreUp => {}
-            Ev::Balance => {
-                // The director stops with motion: the quiet end sees every handoff done.
-                if !self.halted {
-                    self.balance_round();
-                    let period = self.director.as_ref().map_or(1_000, Director::period_ms);
-                    self.schedule(period, Ev::Balance);
-                }
-            }
+            Ev::Director => self.director_wake(),
             Ev::Membership => {
                 self.membership(false);
                 self.schedule(MEMBERSHIP_EVERY_MS, Ev::Membership);
@@ -2505,10 +2501,197 @@ impl<'a> Sim<'a> {
             .collect()
     }
 
-    /// One round of the director: the balancer over the committed BSP and the latest reports;
-    /// a new layout is committed as the next epoch and published to the nodes as any re-plan.
-    fn balance_round(&mut self) {
+    /// The director's core is due: it is woken, its store calls answered at once, and woken
+    /// again when it asks. The director stops with motion: the quiet end sees every handoff done.
+    fn director_wake(&mut self) {
+        let Some(d) = self.director.as_mut() else {
+            return;
+        };
+        d.wake_at = None;
+        if self.halted {
+            return;
+        }
+        let mut input = cellmesh_director::Input::Timer;
+        loop {
+            let now = self.director_now();
+            let Some(d) = self.director.as_mut() else {
+                return;
+            };
+            d.core.handle(now, input);
+            let outputs: Vec<_> = std::iter::from_fn(|| d.core.poll_output()).collect();
+            let mut asked = None;
+            for output in outputs {
+                match output {
+                    cellmesh_director::Output::Store(request) => asked = Some(request),
+                    cellmesh_director::Output::Event(e) => self.director_saw(e),
+                    cellmesh_director::Output::Ready(_) | cellmesh_director::Output::Stopped => {}
+                }
+            }
+            let Some(request) = asked else {
+                break;
+            };
+            input = cellmesh_director::Input::Store(self.director_call(request));
+        }
+        let now = self.now;
+        let Some(d) = self.director.as_mut() else {
+            return;
+        };
+        if let Some(at) = d.core.poll_timeout().map(|at| at.max(now)) {
+            if d.wake_at != Some(at) {
+                d.wake_at = Some(at);
+                self.schedule_at(at, Ev::Director);
+            }
+        }
+    }
+
+    /// The director's clocks: it runs on the store's true time, from the start of the run.
+    fn director_now(&self) -> cellmesh_director::Now {
+        cellmesh_director::Now {
+            mono: std::time::Duration::from_millis(self.now),
+            unix_ms: START_UNIX_MS + self.now,
+        }
+    }
+
+    fn director_saw(&mut self, event: cellmesh_director::Event) {
+        if let cellmesh_director::Event::Committed {
+            epoch,
+            chunks_moved,
+            ..
+        } = &event
+        {
+            let (epoch, chunks_moved) = (*epoch, *chunks_moved);
+            self.note(|| format!("director commits partition {epoch}: {chunks_moved} chunks move"));
+        }
+        let now = self.now;
+        if let Some(d) = self.director.as_mut() {
+            d.observe(now, event);
+        }
+    }
+
+    /// The topology store answers one of the director's calls. It answers nothing while the
+    /// stores are out or stalled: the call fails.
+    fn director_call(
+        &mut self,
+        request: cellmesh_director::StoreRequest,
+    ) -> cellmesh_director::StoreReply {
+        use cellmesh_director::{StoreReply, StoreRequest};
+        // A round reads the store: how even the nodes are is sampled then, before it decides.
+        if matches!(request, StoreRequest::Read) {
+            self.balance_sample();
+        }
+        let unix_ms = START_UNIX_MS + self.now;
+        let out = self.now < self.store.down_until || self.now < self.topology_stall_until;
+        let unanswered = || {
+            topology::TopologyError::Store(cellmesh_stores::StoreError::Unavailable(
+                "no answer within 5 s".into(),
+            ))
+        };
+        let Some(d) = self.director.as_mut() else {
+            unreachable!("a call from no director")
+        };
+        match request {
+            _ if out => match request {
+                StoreRequest::Acquire { .. } => StoreReply::Acquired(Err(unanswered())),
+                StoreRequest::Renew { .. } => StoreReply::Renewed(Err(unanswered())),
+                StoreRequest::Read => StoreReply::Read(Err(unanswered())),
+                StoreRequest::Commit { .. } => StoreReply::Committed(Err(unanswered())),
+                StoreRequest::Release { .. } => StoreReply::Released(Err(unanswered())),
+            },
+            StoreRequest::Acquire { holder, ttl } => {
+                StoreReply::Acquired(Ok(d.acquire(unix_ms, &holder, ttl)))
+            }
+            StoreRequest::Renew { lease, ttl } => {
+                StoreReply::Renewed(Ok(d.renew(unix_ms, &lease, ttl)))
+            }
+            StoreRequest::Release { lease } => StoreReply::Released(Ok(d.release(unix_ms, &lease))),
+            StoreRequest::Read => {
+                let loads = self.director_loads();
+                let world = cellmesh_director::WorldRead {
+                    partition: Some((*self.partition).clone()),
+                    loads,
+                    nodes: self.node_entries(),
+                };
+                StoreReply::Read(Ok(Box::new(world)))
+            }
+            StoreRequest::Commit {
+                lease,
+                expected_epoch,
+                next,
+            } => StoreReply::Committed(Ok(self.director_commit(&lease, expected_epoch, *next))),
+        }
+    }
+
+    /// The store's `commit_partition_as`: the epoch compared and the lease checked in one step,
+    /// then published to the nodes as any re-plan.
+    fn director_commit(
+        &mut self,
+        lease: &cellmesh_stores::topology::DirectorLease,
+        expected_epoch: u64,
+        next: Partition,
+    ) -> topology::Commit {
+        let current_epoch = self.partition.epoch();
+        if current_epoch != expected_epoch || next.epoch() != expected_epoch + 1 {
+            return topology::Commit::Stale { current_epoch };
+        }
+        let unix_ms = START_UNIX_MS + self.now;
+        if let Some(d) = self.director.as_mut() {
+            if let Err(director) = d.fence(unix_ms, lease) {
+                return topology::Commit::Fenced { director };
+            }
+        }
+        self.publish_partition(next);
+        topology::Commit::Committed
+    }
+
+    /// The load reports of the nodes whose lease is live, as the store's `loads`.
+    fn director_loads(&self) -> BTreeMap<NodeId, cellmesh_world::balance::CellReport> {
+        let live: BTreeSet<NodeId> = self
+            .leases
+            .live(self.now)
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        self.director
+            .as_ref()
+            .map(|d| {
+                d.reports
+                    .iter()
+                    .filter(|(n, _)| live.contains(n))
+                    .map(|(n, r)| (*n, r.clone()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The store's `nodes` as the director reads them: each live grant whose process holds it,
+    /// with the record it publishes as soon as it does.
+    fn node_entries(&self) -> Vec<topology::NodeEntry> {
+        self.leases
+            .live(self.now)
+            .into_iter()
+            .filter_map(|(id, epoch)| {
+                let lease = self.nodes[id as usize - 1]
+                    .lease
+                    .clone()
+                    .filter(|l| l.epoch == epoch)?;
+                Some(topology::NodeEntry {
+                    lease,
+                    live: true,
+                    record: Some(topology::NodeRecord {
+                        node: id,
+                        geo: self.s.geo_name(id).into(),
+                        mesh_addr: format!("n{id}"),
+                        admin_addr: format!("n{id}"),
+                    }),
+                })
+            })
+            .collect()
+    }
+
+    /// How even the nodes are as a round starts: their reals, and the loads they reported.
+    fn balance_sample(&mut self) {
         let entities = self.reals_per_cell();
+        let now = self.now;
         let Some(d) = self.director.as_mut() else {
             return;
         };
@@ -2518,62 +2701,11 @@ impl<'a> Sim<'a> {
             .map(|(n, _)| d.reports.get(n).map_or(0.0, |r| r.load))
             .collect();
         d.figures.samples.push(Sample {
-            at_ms: self.now,
+            at_ms: now,
             max_over_avg: max_over_avg(entities.iter().map(|(_, n)| *n as f64)),
             reported_max_over_avg: max_over_avg(loads),
             entities,
         });
-        // The director reads the partition and commits through the store: not while it is down.
-        if self.now < self.store.down_until {
-            return;
-        }
-        let Ok(bsp) = self.partition.bsp() else {
-            return;
-        };
-        let tree = bsp.tree();
-        // A cell with no area (just added, or retiring) is a cell: its node is no spare.
-        let owning = self.partition.members();
-        let spares: Vec<NodeId> = d
-            .reports
-            .keys()
-            .copied()
-            .filter(|n| !owning.contains(n))
-            .collect();
-        let chunks = (self.world.chunks_x(), self.world.chunks_y());
-        let epoch = self.partition.epoch();
-        let round = d
-            .balancer
-            .round(self.now, epoch, &tree, chunks, &d.reports, &spares);
-        d.count(&round.decisions);
-        let Some(layout) = round.layout else {
-            return;
-        };
-        // The store takes only a valid layout: one that is not is refused, and the director
-        // balances on from the committed one.
-        let Ok(bsp) = Bsp::new(&self.world, &layout) else {
-            d.figures.refused.push((self.now, layout));
-            return;
-        };
-        let next = self
-            .partition
-            .successor(Layout::Bsp(bsp))
-            .expect("the same world");
-        let chunks_moved = self
-            .partition
-            .diff(&next)
-            .expect("the same world")
-            .iter()
-            .map(|t| t.area.area())
-            .sum();
-        let epoch = next.epoch();
-        d.figures.epochs.push(EpochRecord {
-            epoch,
-            at_ms: self.now,
-            chunks_moved,
-            decisions: round.decisions,
-        });
-        self.note(|| format!("director commits partition {epoch}: {chunks_moved} chunks move"));
-        self.publish_partition(next);
     }
 
     // ------------------------------------------------------------------ the end
