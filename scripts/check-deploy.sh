@@ -371,7 +371,7 @@ import glob, json, re
 registered = {}
 for path, prefix in [("sidecar/src/metrics.rs", "cellmesh_sidecar_"),
                      ("proxy/src/metrics.rs", "cellmesh_proxy_"),
-                     ("src/director/metrics.rs", "cellmesh_director_")]:
+                     ("director/src/metrics.rs", "cellmesh_director_")]:
     text = open(path).read()
     for name in re.findall(r'register\(\s*"([a-z0-9_]+)"', text):
         registered[prefix + name] = path
