@@ -356,7 +356,7 @@ impl Core {
             return false;
         };
         let reals = self.table.len() - self.table.ghost_count();
-        if self.game.slot.is_none() || !self.mesh.clustered {
+        if self.game.slot.is_none() || !self.mesh.clustered() {
             return true;
         }
         if reals == 0 && self.handoff.outgoing.in_flight() == 0 {
@@ -401,9 +401,7 @@ impl Core {
             return;
         }
         let epoch = self.authority.partition.epoch();
-        let peers_caught_up = self.mesh.peers.iter().all(|(node, p)| {
-            p.link.is_none() || self.mesh.peer_partition.get(node).copied().unwrap_or(0) >= epoch
-        });
+        let peers_caught_up = self.mesh.linked_peers_at(epoch);
         let reach = self.cx.config.reach_chunks();
         let settled = peers_caught_up
             && self.table.iter().all(|e| match e.origin {

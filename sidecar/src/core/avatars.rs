@@ -99,7 +99,7 @@ impl Core {
         if self.avatars.synced_version == Some(version)
             || self.restore.incarnation == 0
             || !self.authority.lease_live
-            || !self.mesh.clustered
+            || !self.mesh.clustered()
         {
             return;
         }
@@ -312,8 +312,7 @@ impl Core {
     }
 
     fn peer_link_up(&self, node: NodeId) -> bool {
-        node == self.cx.config.node_id
-            || self.mesh.peers.get(&node).is_some_and(|p| p.link.is_some())
+        node == self.cx.config.node_id || self.mesh.is_up(node)
     }
 
     /// The directory's word on the session of a player whose gateway link is down.

@@ -202,7 +202,7 @@ fn detach(session_id: u64, reason: KickReason, detail: impl Into<String>) -> mes
 
 impl Core {
     pub(crate) fn on_link_message(&mut self, link: LinkId, m: MeshMessage) {
-        let Some(l) = self.mesh.links.get(&link) else {
+        let Some(l) = self.mesh.link(link) else {
             return;
         };
         if let Some(node) = l.peer {
@@ -303,15 +303,13 @@ impl Core {
         if !a.moved && !self.admit_login() {
             return self
                 .cx
-                .queue_for_link(link, self.admission.refusal(&self.cx, a.session_id));
+                .queue_for_link(link, self.admission_refusal(a.session_id));
         }
         let key = self
             .gateway
             .sessions
             .begin(link, a.session_id, a.account.clone(), a.remote_addr);
-        if let Some(l) = self.mesh.links.get_mut(&link) {
-            l.sessions.insert(key);
-        }
+        self.mesh.add_session(link, key);
         // Handed over from another geo: the hint stands in for the player record.
         let handed_over_from = a.handover.map(|h| {
             let kind = if h.source == "cookie" {
@@ -738,9 +736,7 @@ impl Core {
     pub(crate) fn forget_session(&mut self, key: SessionKey) -> Option<Session> {
         let s = self.gateway.sessions.remove(key)?;
         self.gateway.where_sent.remove(&key);
-        if let Some(l) = self.mesh.links.get_mut(&s.link) {
-            l.sessions.remove(&key);
-        }
+        self.mesh.remove_session(s.link, key);
         self.gateway.clients.remove(key);
         self.cx
             .metrics

@@ -142,7 +142,7 @@ impl Core {
             Some("the game went away")
         } else if !self.authority.lease_live {
             Some("this node's lease lapsed or was lost")
-        } else if !self.mesh.clustered {
+        } else if !self.mesh.clustered() {
             Some("this node is alone in the world")
         } else {
             None
@@ -158,7 +158,7 @@ impl Core {
     /// After the tick's moves: offers every owned entity standing far enough in another node's
     /// area (and those a new partition gave away, or that wait for a retry).
     pub(crate) fn check_handoffs(&mut self, changes: &TickChanges) {
-        if self.game.slot.is_none() || !self.authority.lease_live || !self.mesh.clustered {
+        if self.game.slot.is_none() || !self.authority.lease_live || !self.mesh.clustered() {
             return;
         }
         let mut ids = std::mem::take(&mut self.handoff.recheck);
@@ -223,11 +223,9 @@ impl Core {
         // a while, and answers for itself.
         let waited = *self.handoff.ghost_wait.entry(id).or_insert(now);
         let seen = seen || now >= waited + GHOST_WAIT_MS;
-        let why = if self.mesh.peers.get(&to).is_none_or(|p| p.link.is_none()) {
+        let why = if !self.mesh.is_up(to) {
             Some("the node that owns its position is unreachable")
-        } else if self.mesh.peer_partition.get(&to).copied().unwrap_or(0)
-            < self.authority.partition.epoch()
-        {
+        } else if self.mesh.peer_partition(to) < self.authority.partition.epoch() {
             Some("the node that owns its position is behind on the partition")
         } else if !seen {
             Some("the node that owns its position holds no ghost of it yet")

@@ -15,7 +15,7 @@
 //! [`wire`] holds the one copy of each conversion between the model and the wire.
 //!
 //! A part's handlers borrow the shared [`context`] (the time, the configuration, the metrics
-//! and the outbox) beside their own state; [`admission`], [`balance`], [`claims`] and
+//! and the outbox) beside their own state; [`admission`], [`balance`], [`claims`], [`peers`] and
 //! [`spawners`] keep theirs private and are told by the core what they need of the other parts.
 //! The core's periodic checks are named deadlines ([`timers`]).
 
@@ -60,6 +60,7 @@ use serde_json::json;
 
 use crate::config::SidecarConfig;
 use crate::metrics::Metrics;
+use crate::model;
 use crate::model::entities::EntityTable;
 
 pub use gateway::SessionKey;
@@ -673,7 +674,7 @@ impl Core {
         // changes are folded for clients once the driver asks for output, once for all the peer
         // frames it handled meanwhile.
         let from_peer = link
-            .and_then(|l| self.mesh.links.get(&l))
+            .and_then(|l| self.mesh.link(l))
             .is_some_and(|l| l.peer.is_some());
         if from_peer {
             self.gateway.ghosts_due = true;
@@ -788,7 +789,7 @@ impl Core {
     fn pack_outboxes(&mut self) {
         let max = self.cx.config.max_frame_bytes;
         for (link, messages) in std::mem::take(&mut self.cx.out.to_links) {
-            if !self.mesh.links.contains_key(&link) {
+            if self.mesh.link(link).is_none() {
                 // The link closed while these waited: the inputs among them are never written.
                 self.cx
                     .metrics
@@ -826,7 +827,7 @@ impl Core {
     /// A link whose outbox filled: a slow peer is cut (it redials and resynchronises); the node
     /// never waits.
     fn on_link_stalled(&mut self, link: LinkId) {
-        let Some(l) = self.mesh.links.get(&link) else {
+        let Some(l) = self.mesh.link(link) else {
             return;
         };
         self.cx.metrics.error("link_outbox_full");
@@ -845,6 +846,246 @@ impl Core {
             }
         };
         self.close_link(link, why);
+    }
+
+    // ------------------------------------------------------------------ links and peers
+
+    fn on_link_up(&mut self, link: LinkId, hello: mesh::LinkHello, remote: String) {
+        if self.shutting_down {
+            self.cx.emit(Output::ReleaseLink { link });
+            return;
+        }
+        if hello.role == mesh::PeerRole::Sidecar as i32 && !hello.geo.is_empty() {
+            // Kept when the link drops: where an avatar is simulated is reported by geo.
+            self.gateway
+                .node_geo
+                .insert(hello.node_id, hello.geo.clone());
+        }
+        match self.mesh.on_link_up(link, hello, remote) {
+            Some(node) => self.on_peer_up(link, node),
+            None => self.admission.tell(&mut self.cx, link),
+        }
+    }
+
+    /// A link is gone (closed by the proxy, dead, or too slow): its sessions are detached.
+    pub(crate) fn close_link(&mut self, link: LinkId, reason: &str) {
+        let Some(l) = self.mesh.close(&mut self.cx, link) else {
+            return;
+        };
+        if let Some(node) = l.peer {
+            return self.peer_down(node, link, reason);
+        }
+        tracing::info!(link, proxy = %l.hello.id, %reason, "proxy link closed");
+        for key in l.sessions {
+            self.end_session(key, &format!("{}: {reason}", avatars::PROXY_LINK_LOST));
+        }
+    }
+
+    /// The peers with a live lease now.
+    fn on_peers(&mut self, peers: Vec<PeerInfo>) {
+        for p in &peers {
+            if !p.geo.is_empty() {
+                // Kept after the peer dies: its geo's decider restores it.
+                self.restore.geo_of.insert(p.node, p.geo.clone());
+            }
+        }
+        let live = peers.into_iter().map(|p| (p.node, p.mesh_addr)).collect();
+        self.mesh.on_peers(&mut self.cx, live);
+    }
+
+    /// A link to peer `node` is up (dialled or accepted): the newest link of a pair wins, and
+    /// what was lost with the last link is sent again.
+    fn on_peer_up(&mut self, link: LinkId, node: NodeId) {
+        if let Some(old) = self.mesh.peer_link(node) {
+            if old != link {
+                self.close_link(old, "replaced by a newer link from the same peer");
+            }
+        }
+        let epoch = self.authority.partition.epoch();
+        self.mesh.on_peer_up(&mut self.cx, link, node, epoch);
+        self.resend_resolutions(node);
+        // The owner forgot this node's subscriptions with the last link: ask again, for a fresh
+        // snapshot burst.
+        let held = self.replication.subs.of_owner(node);
+        for part in held.chunks(replication::CHUNKS_PER_MESSAGE) {
+            self.send_peer(
+                node,
+                mesh_message::Body::Subscribe(mesh::Subscribe {
+                    chunks: wire::chunk_refs(part),
+                }),
+            );
+        }
+        // Gateways learn where the sessions of this node are, and owners who simulates whom.
+        let moved: Vec<mesh_message::Body> = self
+            .gateway
+            .sessions
+            .iter()
+            .filter_map(|s| {
+                Some(mesh_message::Body::SessionMoved(mesh::SessionMoved {
+                    account: s.account.clone(),
+                    session_epoch: s.epoch?,
+                    gateway_node: self.cx.config.node_id,
+                    new_avatar: false,
+                }))
+            })
+            .collect();
+        for m in moved {
+            self.send_peer(node, m);
+        }
+        self.routing.anchor_sent.retain(|account, _| {
+            self.routing
+                .remote_players
+                .get(account)
+                .is_none_or(|r| r.gateway_node != node)
+        });
+        // Anchors sent while the link was down were lost, so that gateway's views still stand
+        // where its players' avatars were then (or where a previous owner last saw them). They
+        // are re-anchored now, not at the avatar's next change: a frozen or idle avatar has none,
+        // and a moving one's comes after this node has told the gateway that the ghosts outside
+        // the stale view are gone (the avatar itself included).
+        let mut players: Vec<(String, u64)> = self
+            .routing
+            .remote_players
+            .iter()
+            .filter(|(_, r)| r.gateway_node == node)
+            .map(|(account, r)| (account.clone(), r.session_epoch))
+            .collect();
+        players.sort();
+        for (account, session_epoch) in players {
+            self.send_anchor(node, &account, session_epoch);
+        }
+        // Offers in doubt towards it get their answer now.
+        self.resume_offers(node);
+    }
+
+    /// The link to `node` is gone: its subscriptions here are forgotten, and its render ghosts go
+    /// stale until the link is back.
+    fn peer_down(&mut self, node: NodeId, link: LinkId, reason: &str) {
+        if !self.mesh.on_peer_down(&mut self.cx, node, link, reason) {
+            return;
+        }
+        // Its render ghosts stay, stale, so clients see no vanish: the subscriptions renewed when
+        // the link is back refresh them (see `sweep_stale_ghosts`).
+        let now = self.cx.now.mono_ms;
+        for id in self.table.ghosts_of(node) {
+            if !self.ghost_orphaned(id) {
+                self.replication.stale.entry(id).or_insert(now);
+            }
+        }
+        self.replication.subscribers.remove_node(node);
+        self.cx
+            .metrics
+            .subscribers
+            .set(self.replication.subscribers.len() as i64);
+        self.replication.replicas.retain(|_, nodes| {
+            nodes.remove(&node);
+            !nodes.is_empty()
+        });
+    }
+
+    /// Queues `body` for peer `node`; false (and counted) when no link to it is up.
+    pub(crate) fn send_peer(&mut self, node: NodeId, body: mesh_message::Body) -> bool {
+        self.mesh.send(&mut self.cx, node, body)
+    }
+
+    /// Queues `body` for peer `node`; false when no link to it is up (the caller counts it).
+    pub(crate) fn try_send_peer(&mut self, node: NodeId, body: mesh_message::Body) -> bool {
+        self.mesh.try_send(&mut self.cx, node, body)
+    }
+
+    pub(crate) fn up_peers(&self) -> Vec<NodeId> {
+        self.mesh.up_peers()
+    }
+
+    pub(crate) fn broadcast(&mut self, body: mesh_message::Body) {
+        self.mesh.broadcast(&mut self.cx, body);
+    }
+
+    /// A peer's message, to the part it is for.
+    pub(crate) fn on_peer_message(&mut self, node: NodeId, body: mesh_message::Body) {
+        use mesh_message::Body as B;
+        self.cx.metrics.peer_message(node, "in");
+        match body {
+            B::Heartbeat(_) => {}
+            B::Subscribe(s) => self.on_subscribe(node, s.chunks),
+            B::Unsubscribe(u) => self.on_unsubscribe(node, u.chunks),
+            B::EntityState(s) => self.fence_entity_state(node, s),
+            B::EntityGone(g) => self.fence_entity_gone(node, g),
+            B::EntityMoved(m) => self.on_entity_moved(node, m),
+            B::HandoffOffer(o) => self.on_handoff_offer(node, o),
+            B::HandoffAck(a) => self.on_handoff_ack(node, a),
+            B::HandoffRefused(r) => self.on_handoff_refused(node, r),
+            B::PartitionAck(a) => self.mesh.on_partition_ack(node, a.partition_epoch),
+            B::EntityEvent(ev) => self.on_peer_entity_event(node, ev),
+            B::RestoreQuery(q) => self.on_restore_query(node, q),
+            B::RestoreReport(r) => self.on_restore_report(node, r),
+            B::RestoreResolved(r) => self.on_restore_resolved(r),
+            B::RestoreDone(d) => self.on_restore_done(d),
+            B::PlayerJoin(j) => self.on_peer_player_join(node, j),
+            B::PlayerLeave(l) => self.on_peer_player_leave(l),
+            B::ForwardInput(i) => {
+                self.cx.metrics.inputs_from_peers.inc();
+                self.input_for_master(i)
+            }
+            B::Anchor(a) => self.on_anchor(node, a),
+            B::EntityCommand(c) => self.route_command(c),
+            B::EntityCommandResult(r) => self.on_command_result(r),
+            B::Locate(l) => self.on_locate(node, l),
+            B::Located(l) => self.on_located(node, l),
+            B::Routed(r) => self.on_routed(r),
+            B::SessionMoved(m) => self.on_session_moved(m),
+            B::SessionEnded(e) => self.on_session_ended(e),
+            other => {
+                self.cx.metrics.error("unexpected_message");
+                tracing::warn!(peer = node, message = ?other, "a peer sent a message only a proxy sends; ignored");
+            }
+        }
+    }
+
+    /// An event of a render ghost, from the peer that writes it: the game hears it at the tick.
+    fn on_peer_entity_event(&mut self, node: NodeId, ev: mesh::EntityEvent) {
+        if let Some(e) = self
+            .table
+            .get(ev.entity_id)
+            .filter(|e| e.origin == Some(node))
+        {
+            self.game.tick_events.push(model::fold::TickEvent {
+                entity_id: e.id,
+                chunk: e.chunk,
+                owner_account: e.owner_account.clone(),
+                audience: model::audience::Audience::PublicInRange,
+                r#type: ev.r#type,
+                payload: ev.payload,
+            });
+        }
+    }
+
+    /// A remote gateway's session ended: its route goes, and the avatar of it is let go.
+    fn on_session_ended(&mut self, e: mesh::SessionEnded) {
+        if self
+            .routing
+            .routes
+            .get(&e.account)
+            .is_some_and(|r| r.session_epoch == e.session_epoch)
+        {
+            self.routing.routes.remove(&e.account);
+        }
+        // The avatar of a session that ended is released even if the gateway's leave
+        // never comes (it went to an owner the gateway was still waiting for), unless a
+        // newer session joins it meanwhile (the proxy moved the session).
+        if self
+            .routing
+            .remote_players
+            .get(&e.account)
+            .is_some_and(|r| r.session_epoch <= e.session_epoch)
+        {
+            self.defer_leave(&e.account, e.session_epoch, "session_ended");
+        }
+    }
+
+    /// The answer to an attach refused for admission.
+    pub(crate) fn admission_refusal(&self, session_id: u64) -> mesh_message::Body {
+        self.admission.refusal(&self.cx, session_id)
     }
 
     // ------------------------------------------------------------------ admission and load
@@ -866,7 +1107,7 @@ impl Core {
     /// A link's outbox holds `frames` frames. Only proxy links count: they carry this node's
     /// client batches.
     fn on_link_backlog(&mut self, link: LinkId, frames: usize) {
-        if self.mesh.links.get(&link).is_none_or(|l| l.peer.is_some()) {
+        if self.mesh.link(link).is_none_or(|l| l.peer.is_some()) {
             return;
         }
         let attached = self.gateway.sessions.attached();
@@ -1072,23 +1313,7 @@ impl Core {
                 })
             })
             .collect();
-        let links: Vec<serde_json::Value> = self
-            .mesh
-            .links
-            .iter()
-            .filter(|(_, l)| l.peer.is_none())
-            .map(|(id, l)| {
-                json!({"link": id, "proxy": l.hello.id, "geo": l.hello.geo, "remote": l.remote, "sessions": l.sessions.len()})
-            })
-            .collect();
-        let peers: Vec<serde_json::Value> = self
-            .mesh
-            .peers
-            .iter()
-            .map(|(node, p)| {
-                json!({"node": node, "addr": p.addr, "link": p.link, "up": p.link.is_some(), "dialling": p.dialling})
-            })
-            .collect();
+        let (links, peers) = self.mesh.state();
         json!({
             "node_id": self.cx.config.node_id,
             "geo": self.cx.config.geo,
@@ -1151,7 +1376,7 @@ impl Core {
         if let Some(g) = self.game.slot.take() {
             self.cx.emit(Output::ReleaseGame { conn: g.conn });
         }
-        for link in std::mem::take(&mut self.mesh.links).into_keys() {
+        for link in self.mesh.take_links() {
             self.cx.emit(Output::ReleaseLink { link });
         }
         self.cx.metrics.game_connected.set(0);

@@ -1,27 +1,18 @@
-//! The node's side of the peer protocol (docs/mesh.md#peer-links): what it sends other sidecars and what
-//! it does with what they send.
-//!
-//! - As an **owner**: answers chunk subscriptions with a snapshot burst, then sends each public
-//!   change of its entities once per subscribed node (`replicate`); routes non-public components,
-//!   events and messages to the gateways of the accounts they name (`route_tick`); tells remote
-//!   gateways where their players' avatars are (`send_anchors`); hands forwarded input and
-//!   remote joins to its game.
-//! - As an **observer**: keeps the render ghosts of the chunks it subscribes to, and pushes the
-//!   ones in its interaction band to its game as simulation ghosts.
-//! - As a **gateway**: delivers routed pieces to its sessions after checking their epoch.
+//! The node's links (docs/mesh.md#peer-links): to proxies, which carry sessions, and to its peer
+//! sidecars. This part keeps which links are up, which peers it dials and what partition each
+//! peer acknowledged, and sends to peers; what a peer's link coming up or going down means for
+//! the other parts, and what a peer's message asks of them, the core routes.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use rustc_hash::FxHashMap as HashMap;
+use serde_json::json;
 
 use cellmesh_proto::mesh::{self, mesh_message};
 use cellmesh_world::partition::NodeId;
 
-use super::avatars::PROXY_LINK_LOST;
-use super::wire::*;
-use super::*;
-use crate::model::audience::Audience;
-use crate::model::fold::TickEvent;
+use super::context::Context;
+use super::{LinkId, Output, SessionKey};
 
 /// A peer sidecar with a live lease: where to reach it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,13 +25,13 @@ pub struct PeerInfo {
 
 /// One peer sidecar as this node knows it.
 #[derive(Default)]
-pub(crate) struct PeerState {
-    pub addr: Option<String>,
-    pub link: Option<LinkId>,
+struct PeerState {
+    addr: Option<String>,
+    link: Option<LinkId>,
     /// Set while this node dials the peer (it has the lower id).
-    pub dialling: bool,
+    dialling: bool,
     /// When the current link came up (monotonic ms).
-    pub up_since_ms: u64,
+    up_since_ms: u64,
 }
 
 /// An established mesh link, to a proxy or to a peer sidecar.
@@ -54,12 +45,12 @@ pub(crate) struct Link {
 
 /// The node's links: to proxies (carrying sessions) and to its peer sidecars.
 pub(crate) struct Mesh {
-    pub links: BTreeMap<LinkId, Link>,
-    pub peers: BTreeMap<NodeId, PeerState>,
+    links: BTreeMap<LinkId, Link>,
+    peers: BTreeMap<NodeId, PeerState>,
     /// Whether this node has peers at all (a lone node owns the whole world).
-    pub clustered: bool,
+    clustered: bool,
     /// The partition epoch each peer acknowledged (BigWorld's `hasBeenCreated`).
-    pub peer_partition: HashMap<NodeId, u64>,
+    peer_partition: HashMap<NodeId, u64>,
 }
 
 impl Mesh {
@@ -72,6 +63,11 @@ impl Mesh {
         }
     }
 
+    /// Whether this node has peers at all.
+    pub(crate) fn clustered(&self) -> bool {
+        self.clustered
+    }
+
     /// The links to proxies (not to peer sidecars).
     pub(crate) fn proxy_links(&self) -> impl Iterator<Item = LinkId> + '_ {
         self.links
@@ -79,28 +75,87 @@ impl Mesh {
             .filter(|(_, l)| l.peer.is_none())
             .map(|(id, _)| *id)
     }
-}
 
-impl Core {
+    /// An established link, to a proxy or a peer.
+    pub(crate) fn link(&self, link: LinkId) -> Option<&Link> {
+        self.links.get(&link)
+    }
+
+    /// A session attached over a proxy link.
+    pub(crate) fn add_session(&mut self, link: LinkId, key: SessionKey) {
+        if let Some(l) = self.links.get_mut(&link) {
+            l.sessions.insert(key);
+        }
+    }
+
+    /// A session no longer held over its proxy link.
+    pub(crate) fn remove_session(&mut self, link: LinkId, key: SessionKey) {
+        if let Some(l) = self.links.get_mut(&link) {
+            l.sessions.remove(&key);
+        }
+    }
+
+    /// The link up to peer `node`, if any.
+    pub(crate) fn peer_link(&self, node: NodeId) -> Option<LinkId> {
+        self.peers.get(&node).and_then(|p| p.link)
+    }
+
+    /// Whether a link to peer `node` is up.
+    pub(crate) fn is_up(&self, node: NodeId) -> bool {
+        self.peer_link(node).is_some()
+    }
+
+    /// Since when the link to peer `node` has been up (monotonic ms), if it is.
+    pub(crate) fn up_since_ms(&self, node: NodeId) -> Option<u64> {
+        self.peers
+            .get(&node)
+            .filter(|p| p.link.is_some())
+            .map(|p| p.up_since_ms)
+    }
+
+    /// The links up, by peer.
+    pub(crate) fn peer_links(&self) -> BTreeMap<NodeId, LinkId> {
+        self.peers
+            .iter()
+            .filter_map(|(n, p)| Some((*n, p.link?)))
+            .collect()
+    }
+
+    /// The partition epoch peer `node` acknowledged (0: none).
+    pub(crate) fn peer_partition(&self, node: NodeId) -> u64 {
+        self.peer_partition.get(&node).copied().unwrap_or(0)
+    }
+
+    /// Whether every peer linked now acknowledged partition `epoch` or a later one.
+    pub(crate) fn linked_peers_at(&self, epoch: u64) -> bool {
+        self.peers
+            .iter()
+            .all(|(node, p)| p.link.is_none() || self.peer_partition(*node) >= epoch)
+    }
+
+    /// A peer's `PartitionAck`.
+    pub(crate) fn on_partition_ack(&mut self, node: NodeId, epoch: u64) {
+        let e = self.peer_partition.entry(node).or_default();
+        *e = (*e).max(epoch);
+    }
+
     // ------------------------------------------------------------------ links
 
-    pub(crate) fn on_link_up(&mut self, link: LinkId, hello: mesh::LinkHello, remote: String) {
-        if self.shutting_down {
-            self.cx.emit(Output::ReleaseLink { link });
-            return;
-        }
+    /// A link completed its handshake: the peer's node id, for a link to a peer sidecar.
+    pub(crate) fn on_link_up(
+        &mut self,
+        link: LinkId,
+        hello: mesh::LinkHello,
+        remote: String,
+    ) -> Option<NodeId> {
         let peer = (hello.role == mesh::PeerRole::Sidecar as i32).then_some(hello.node_id);
-        if let Some(node) = peer {
-            self.mesh.peer_partition.insert(node, hello.partition_epoch);
-            if !hello.geo.is_empty() {
-                // Kept when the link drops: where an avatar is simulated is reported by geo.
-                self.gateway.node_geo.insert(node, hello.geo.clone());
+        match peer {
+            Some(node) => {
+                self.peer_partition.insert(node, hello.partition_epoch);
             }
+            None => tracing::info!(link, proxy = %hello.id, %remote, "proxy link up"),
         }
-        if peer.is_none() {
-            tracing::info!(link, proxy = %hello.id, %remote, "proxy link up");
-        }
-        self.mesh.links.insert(
+        self.links.insert(
             link,
             Link {
                 peer,
@@ -109,288 +164,156 @@ impl Core {
                 sessions: Default::default(),
             },
         );
-        match peer {
-            Some(node) => self.on_peer_up(link, node),
-            None => self.admission.tell(&mut self.cx, link),
-        }
+        peer
     }
 
-    /// A link is gone (closed by the proxy, dead, or too slow): its sessions are detached.
-    pub(crate) fn close_link(&mut self, link: LinkId, reason: &str) {
-        let Some(l) = self.mesh.links.remove(&link) else {
-            return;
-        };
-        self.cx.emit(Output::KillLink { link });
-        self.cx.out.to_links.remove(&link);
-        if let Some(node) = l.peer {
-            return self.peer_down(node, link, reason);
-        }
-        tracing::info!(link, proxy = %l.hello.id, %reason, "proxy link closed");
-        for key in l.sessions {
-            self.end_session(key, &format!("{PROXY_LINK_LOST}: {reason}"));
-        }
+    /// Lets a link go at once, dropping what is queued for it; the link as it was, if it was up.
+    pub(crate) fn close(&mut self, cx: &mut Context, link: LinkId) -> Option<Link> {
+        let l = self.links.remove(&link)?;
+        cx.emit(Output::KillLink { link });
+        cx.out.to_links.remove(&link);
+        Some(l)
     }
 
-    /// The peers with a live lease now; dials those with a higher id.
-    pub(crate) fn on_peers(&mut self, peers: Vec<PeerInfo>) {
-        let me = self.cx.config.node_id;
-        for p in &peers {
-            if !p.geo.is_empty() {
-                // Kept after the peer dies: its geo's decider restores it.
-                self.restore.geo_of.insert(p.node, p.geo.clone());
-            }
-        }
-        let live: BTreeMap<NodeId, String> =
-            peers.into_iter().map(|p| (p.node, p.mesh_addr)).collect();
-        let mut outputs = Vec::new();
-        for (node, state) in self.mesh.peers.iter_mut() {
+    /// Every link, taken as the node shuts down.
+    pub(crate) fn take_links(&mut self) -> Vec<LinkId> {
+        std::mem::take(&mut self.links).into_keys().collect()
+    }
+
+    /// The peers with a live lease now, by node; dials those with a higher id.
+    pub(crate) fn on_peers(&mut self, cx: &mut Context, live: BTreeMap<NodeId, String>) {
+        let me = cx.config.node_id;
+        for (node, state) in self.peers.iter_mut() {
             if !live.contains_key(node) {
                 if std::mem::take(&mut state.dialling) {
-                    outputs.push(Output::StopDial { node: *node });
+                    cx.emit(Output::StopDial { node: *node });
                 }
                 state.addr = None;
             }
         }
         for (node, addr) in live {
-            let state = self.mesh.peers.entry(node).or_default();
+            let state = self.peers.entry(node).or_default();
             if state.addr.as_deref() == Some(addr.as_str()) && (node < me || state.dialling) {
                 continue;
             }
             state.addr = Some(addr.clone());
-            if node > me && self.mesh.clustered {
+            if node > me && self.clustered {
                 // A new address replaces the dialler.
                 state.dialling = true;
-                outputs.push(Output::Dial { node, addr });
+                cx.emit(Output::Dial { node, addr });
             }
-        }
-        for o in outputs {
-            self.cx.emit(o);
         }
     }
 
-    /// A link to peer `node` is up (dialled or accepted): the newest link of a pair wins.
-    pub(crate) fn on_peer_up(&mut self, link: LinkId, node: NodeId) {
-        if let Some(old) = self.mesh.peers.get(&node).and_then(|p| p.link) {
-            if old != link {
-                self.close_link(old, "replaced by a newer link from the same peer");
-            }
-        }
+    /// `link` is now the link to peer `node` (the core has closed any older one); it hears
+    /// which partition this node runs.
+    pub(crate) fn on_peer_up(
+        &mut self,
+        cx: &mut Context,
+        link: LinkId,
+        node: NodeId,
+        partition_epoch: u64,
+    ) {
         tracing::info!(link, peer = node, "peer link up");
-        let now = self.cx.now.mono_ms;
-        let p = self.mesh.peers.entry(node).or_default();
+        let p = self.peers.entry(node).or_default();
         p.link = Some(link);
-        p.up_since_ms = now;
+        p.up_since_ms = cx.now.mono_ms;
         // The link's hello named the partition this node started with; say which one it runs.
-        self.send_peer(
+        self.send(
+            cx,
             node,
-            mesh_message::Body::PartitionAck(mesh::PartitionAck {
-                partition_epoch: self.authority.partition.epoch(),
-            }),
+            mesh_message::Body::PartitionAck(mesh::PartitionAck { partition_epoch }),
         );
-        let label = self.cx.metrics.peer(node);
-        self.cx.metrics.peer_up.get_or_create(&label).set(1);
-        self.cx.metrics.peers_up.set(self.up_peers().len() as i64);
-        self.cx.metrics.peer_links.get_or_create(&label).inc();
-        self.resend_resolutions(node);
-        // The owner forgot this node's subscriptions with the last link: ask again, for a fresh
-        // snapshot burst.
-        let held = self.replication.subs.of_owner(node);
-        for part in held.chunks(super::replication::CHUNKS_PER_MESSAGE) {
-            self.send_peer(
-                node,
-                mesh_message::Body::Subscribe(mesh::Subscribe {
-                    chunks: chunk_refs(part),
-                }),
-            );
-        }
-        // Gateways learn where the sessions of this node are, and owners who simulates whom.
-        let moved: Vec<mesh_message::Body> = self
-            .gateway
-            .sessions
-            .iter()
-            .filter_map(|s| {
-                Some(mesh_message::Body::SessionMoved(mesh::SessionMoved {
-                    account: s.account.clone(),
-                    session_epoch: s.epoch?,
-                    gateway_node: self.cx.config.node_id,
-                    new_avatar: false,
-                }))
-            })
-            .collect();
-        for m in moved {
-            self.send_peer(node, m);
-        }
-        self.routing.anchor_sent.retain(|account, _| {
-            self.routing
-                .remote_players
-                .get(account)
-                .is_none_or(|r| r.gateway_node != node)
-        });
-        // Anchors sent while the link was down were lost, so that gateway's views still stand
-        // where its players' avatars were then (or where a previous owner last saw them). They
-        // are re-anchored now, not at the avatar's next change: a frozen or idle avatar has none,
-        // and a moving one's comes after this node has told the gateway that the ghosts outside
-        // the stale view are gone (the avatar itself included).
-        let mut players: Vec<(String, u64)> = self
-            .routing
-            .remote_players
-            .iter()
-            .filter(|(_, r)| r.gateway_node == node)
-            .map(|(account, r)| (account.clone(), r.session_epoch))
-            .collect();
-        players.sort();
-        for (account, session_epoch) in players {
-            self.send_anchor(node, &account, session_epoch);
-        }
-        // Offers in doubt towards it get their answer now.
-        self.resume_offers(node);
+        let label = cx.metrics.peer(node);
+        cx.metrics.peer_up.get_or_create(&label).set(1);
+        cx.metrics.peers_up.set(self.up_peers().len() as i64);
+        cx.metrics.peer_links.get_or_create(&label).inc();
     }
 
-    /// The link to `node` is gone: its subscriptions here are forgotten, and its render ghosts go
-    /// stale until the link is back.
-    pub(crate) fn peer_down(&mut self, node: NodeId, link: LinkId, reason: &str) {
-        let Some(p) = self.mesh.peers.get_mut(&node) else {
-            return;
+    /// `link` to peer `node` is gone: false when it was not the peer's current link (a newer
+    /// one replaced it), which changes nothing.
+    pub(crate) fn on_peer_down(
+        &mut self,
+        cx: &mut Context,
+        node: NodeId,
+        link: LinkId,
+        reason: &str,
+    ) -> bool {
+        let Some(p) = self.peers.get_mut(&node) else {
+            return false;
         };
         if p.link != Some(link) {
-            return;
+            return false;
         }
         p.link = None;
         tracing::info!(link, peer = node, %reason, "peer link down");
-        self.cx
-            .metrics
+        cx.metrics
             .peer_up
-            .get_or_create(&self.cx.metrics.peer(node))
+            .get_or_create(&cx.metrics.peer(node))
             .set(0);
-        self.cx.metrics.peers_up.set(self.up_peers().len() as i64);
-        // Its render ghosts stay, stale, so clients see no vanish: the subscriptions renewed when
-        // the link is back refresh them (see `sweep_stale_ghosts`).
-        let now = self.cx.now.mono_ms;
-        for id in self.table.ghosts_of(node) {
-            if !self.ghost_orphaned(id) {
-                self.replication.stale.entry(id).or_insert(now);
-            }
-        }
-        self.replication.subscribers.remove_node(node);
-        self.cx
-            .metrics
-            .subscribers
-            .set(self.replication.subscribers.len() as i64);
-        self.replication.replicas.retain(|_, nodes| {
-            nodes.remove(&node);
-            !nodes.is_empty()
-        });
+        cx.metrics.peers_up.set(self.up_peers().len() as i64);
+        true
     }
 
+    // ------------------------------------------------------------------ sending
+
     /// Queues `body` for peer `node`; false (and counted) when no link to it is up.
-    pub(crate) fn send_peer(&mut self, node: NodeId, body: mesh_message::Body) -> bool {
-        let sent = self.try_send_peer(node, body);
+    pub(crate) fn send(&self, cx: &mut Context, node: NodeId, body: mesh_message::Body) -> bool {
+        let sent = self.try_send(cx, node, body);
         if !sent {
-            self.cx.metrics.drop_msg("peer_down", 1);
+            cx.metrics.drop_msg("peer_down", 1);
         }
         sent
     }
 
     /// Queues `body` for peer `node`; false when no link to it is up (the caller counts it).
-    pub(crate) fn try_send_peer(&mut self, node: NodeId, body: mesh_message::Body) -> bool {
-        let Some(link) = self.mesh.peers.get(&node).and_then(|p| p.link) else {
+    pub(crate) fn try_send(
+        &self,
+        cx: &mut Context,
+        node: NodeId,
+        body: mesh_message::Body,
+    ) -> bool {
+        let Some(link) = self.peer_link(node) else {
             return false;
         };
-        self.cx.metrics.peer_message(node, "out");
-        self.cx.queue_for_link(link, body);
+        cx.metrics.peer_message(node, "out");
+        cx.queue_for_link(link, body);
         true
     }
 
+    /// The peers a link is up to.
     pub(crate) fn up_peers(&self) -> Vec<NodeId> {
-        self.mesh
-            .peers
+        self.peers
             .iter()
             .filter(|(_, p)| p.link.is_some())
             .map(|(n, _)| *n)
             .collect()
     }
 
-    pub(crate) fn broadcast(&mut self, body: mesh_message::Body) {
+    /// Queues `body` for every peer a link is up to.
+    pub(crate) fn broadcast(&self, cx: &mut Context, body: mesh_message::Body) {
         for node in self.up_peers() {
-            self.send_peer(node, body.clone());
+            self.send(cx, node, body.clone());
         }
     }
 
-    pub(crate) fn on_peer_message(&mut self, node: NodeId, body: mesh_message::Body) {
-        use mesh_message::Body as B;
-        self.cx.metrics.peer_message(node, "in");
-        match body {
-            B::Heartbeat(_) => {}
-            B::Subscribe(s) => self.on_subscribe(node, s.chunks),
-            B::Unsubscribe(u) => self.on_unsubscribe(node, u.chunks),
-            B::EntityState(s) => self.fence_entity_state(node, s),
-            B::EntityGone(g) => self.fence_entity_gone(node, g),
-            B::EntityMoved(m) => self.on_entity_moved(node, m),
-            B::HandoffOffer(o) => self.on_handoff_offer(node, o),
-            B::HandoffAck(a) => self.on_handoff_ack(node, a),
-            B::HandoffRefused(r) => self.on_handoff_refused(node, r),
-            B::PartitionAck(a) => {
-                let e = self.mesh.peer_partition.entry(node).or_default();
-                *e = (*e).max(a.partition_epoch);
-            }
-            B::EntityEvent(ev) => {
-                if let Some(e) = self
-                    .table
-                    .get(ev.entity_id)
-                    .filter(|e| e.origin == Some(node))
-                {
-                    self.game.tick_events.push(TickEvent {
-                        entity_id: e.id,
-                        chunk: e.chunk,
-                        owner_account: e.owner_account.clone(),
-                        audience: Audience::PublicInRange,
-                        r#type: ev.r#type,
-                        payload: ev.payload,
-                    });
-                }
-            }
-            B::RestoreQuery(q) => self.on_restore_query(node, q),
-            B::RestoreReport(r) => self.on_restore_report(node, r),
-            B::RestoreResolved(r) => self.on_restore_resolved(r),
-            B::RestoreDone(d) => self.on_restore_done(d),
-            B::PlayerJoin(j) => self.on_peer_player_join(node, j),
-            B::PlayerLeave(l) => self.on_peer_player_leave(l),
-            B::ForwardInput(i) => {
-                self.cx.metrics.inputs_from_peers.inc();
-                self.input_for_master(i)
-            }
-            B::Anchor(a) => self.on_anchor(node, a),
-            B::EntityCommand(c) => self.route_command(c),
-            B::EntityCommandResult(r) => self.on_command_result(r),
-            B::Locate(l) => self.on_locate(node, l),
-            B::Located(l) => self.on_located(node, l),
-            B::Routed(r) => self.on_routed(r),
-            B::SessionMoved(m) => self.on_session_moved(m),
-            B::SessionEnded(e) => {
-                if self
-                    .routing
-                    .routes
-                    .get(&e.account)
-                    .is_some_and(|r| r.session_epoch == e.session_epoch)
-                {
-                    self.routing.routes.remove(&e.account);
-                }
-                // The avatar of a session that ended is released even if the gateway's leave
-                // never comes (it went to an owner the gateway was still waiting for), unless a
-                // newer session joins it meanwhile (the proxy moved the session).
-                if self
-                    .routing
-                    .remote_players
-                    .get(&e.account)
-                    .is_some_and(|r| r.session_epoch <= e.session_epoch)
-                {
-                    self.defer_leave(&e.account, e.session_epoch, "session_ended");
-                }
-            }
-            other => {
-                self.cx.metrics.error("unexpected_message");
-                tracing::warn!(peer = node, message = ?other, "a peer sent a message only a proxy sends; ignored");
-            }
-        }
+    /// The proxy links and the peers as `/state` shows them.
+    pub(crate) fn state(&self) -> (serde_json::Value, serde_json::Value) {
+        let links: Vec<serde_json::Value> = self
+            .links
+            .iter()
+            .filter(|(_, l)| l.peer.is_none())
+            .map(|(id, l)| {
+                json!({"link": id, "proxy": l.hello.id, "geo": l.hello.geo, "remote": l.remote, "sessions": l.sessions.len()})
+            })
+            .collect();
+        let peers: Vec<serde_json::Value> = self
+            .peers
+            .iter()
+            .map(|(node, p)| {
+                json!({"node": node, "addr": p.addr, "link": p.link, "up": p.link.is_some(), "dialling": p.dialling})
+            })
+            .collect();
+        (links.into(), peers.into())
     }
 }

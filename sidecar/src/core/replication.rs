@@ -285,13 +285,7 @@ impl Core {
                 gone.push((id, false));
                 continue;
             };
-            let link_up = |core: &Self, n: NodeId| {
-                core.mesh
-                    .peers
-                    .get(&n)
-                    .filter(|p| p.link.is_some())
-                    .map(|p| p.up_since_ms)
-            };
+            let link_up = |core: &Self, n: NodeId| core.mesh.up_since_ms(n);
             // Whoever may write it now must have been reachable for a while to have refreshed
             // it: while one of them is not, the ghost stays, up to two node leases (a writer
             // that died is noticed a lease and a membership poll after it did, and from then

@@ -344,7 +344,7 @@ impl Core {
         self.restore.dead.insert(inc, ghosts);
         if !self.restore.live.contains_key(&node) {
             self.restore.departed.insert(node);
-            if let Some(link) = self.mesh.peers.get(&node).and_then(|p| p.link) {
+            if let Some(link) = self.mesh.peer_link(node) {
                 self.close_link(link, "its process is dead");
             }
         }
@@ -565,7 +565,7 @@ impl Core {
     /// does, nothing could restore it).
     pub(crate) fn flush_checkpoints(&mut self) {
         let now = self.cx.now.mono_ms;
-        if self.restore.incarnation == 0 || !self.mesh.clustered {
+        if self.restore.incarnation == 0 || !self.mesh.clustered() {
             return;
         }
         if now < self.restore.next_flush_ms && !self.game.checkpoints.fresh() {
@@ -642,7 +642,7 @@ impl Core {
 
     /// Whether this node may decide restores at all: it writes, and knows who is alive.
     fn may_decide(&self) -> bool {
-        self.authority.lease_live && self.mesh.clustered && self.restore.leases_heard
+        self.authority.lease_live && self.mesh.clustered() && self.restore.leases_heard
     }
 
     /// Whether this node decides the restore of `node`'s dead processes. Each geo keeps its
@@ -726,7 +726,7 @@ impl Core {
             .live
             .keys()
             .filter(|n| **n != me)
-            .all(|n| self.mesh.peer_partition.get(n).copied().unwrap_or(0) >= epoch);
+            .all(|n| self.mesh.peer_partition(*n) >= epoch);
         // A lapsed peer may hold what the dead left: decided once it is back or fenced.
         let limbo = !self.restore.lapsed_since.is_empty();
         if ready && on_partition && !limbo && !undecided.is_empty() {
@@ -817,12 +817,7 @@ impl Core {
             .copied()
             .filter(|n| *n != me)
             .collect();
-        let linked: BTreeMap<NodeId, LinkId> = self
-            .mesh
-            .peers
-            .iter()
-            .filter_map(|(n, p)| Some((*n, p.link?)))
-            .collect();
+        let linked: BTreeMap<NodeId, LinkId> = self.mesh.peer_links();
         let round = self.restore.rounds.entry(inc).or_default();
         round
             .asked
