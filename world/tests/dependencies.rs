@@ -83,6 +83,19 @@ fn the_sidecar_and_the_proxy_link_no_simulator_plotting_or_bench() {
     }
 }
 
+/// The director is a process the world depends on: no tool, and not the `cellmesh` command's
+/// crate (which links the tools with its `tools` feature). The simulator drives the director's
+/// core, never the other way round.
+#[test]
+fn the_director_links_no_simulator_plotting_bench_or_command_line() {
+    assert_links_none("cellmesh-director", NOT_IN_THE_DATA_PLANE);
+    assert_links_none("cellmesh-director", &["cellmesh"]);
+    let crates = crates_in("cellmesh-director");
+    for needed in ["cellmesh-world", "cellmesh-stores", "cellmesh-admin"] {
+        assert!(crates.iter().any(|c| c == needed), "{needed} in {crates:?}");
+    }
+}
+
 /// The `cellmesh` binary as the container image builds it (without the `tools` feature, with
 /// the store clients) runs the sidecar, the proxy and the director: none of the tools come with
 /// it.
@@ -151,4 +164,7 @@ fn the_checks_see_what_they_look_for() {
     assert!(crates_in("cellmesh-geosim").iter().any(|c| c == "plotters"));
     assert!(crates_in("cellmesh-stores").iter().any(|c| c == "mongodb"));
     assert!(crates_in("cellmesh-sidecar").iter().any(|c| c == "tokio"));
+    assert!(crates_in("cellmesh-sim")
+        .iter()
+        .any(|c| c == "cellmesh-director"));
 }
