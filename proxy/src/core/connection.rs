@@ -24,7 +24,7 @@ use cellmesh_stores::FarRtt;
 use cellmesh_world::handover::RttFigure;
 
 use super::gateways::{GatewayId, Gateways, NoGateway};
-use super::{BoardReply, BoardRequest, ConnId, Cx, LoginTrace, Output, TimerKey};
+use super::{BoardReply, BoardRequest, ConnId, Cx, Event, LoginTrace, Output, TimerKey};
 use crate::geo::{attach_hint, HintSource};
 use crate::metrics::InputLoss;
 use crate::ping::{PingTracker, RttSummary, RTT_WINDOW};
@@ -433,7 +433,11 @@ impl Connection {
                     }
                     Err(kind) => {
                         cx.metrics.hint_refused(kind);
-                        tracing::debug!(account = %login.account, peer = %self.peer, %kind, "handover cookie refused; the gateway reads the player record");
+                        cx.event(Event::CookieRefused {
+                            account: login.account.clone(),
+                            peer: self.peer,
+                            kind,
+                        });
                     }
                 }
                 self.open_waiting_session(cx, g);
@@ -453,7 +457,11 @@ impl Connection {
                     }
                     Err(e) => {
                         cx.metrics.error("far_rtt_store");
-                        tracing::warn!(origin = %probe.ticket.origin_geo, account = %probe.ticket.account, error = %e, "publishing a probe's RTT failed");
+                        cx.event(Event::ProbePublishFailed {
+                            origin: probe.ticket.origin_geo.clone(),
+                            account: probe.ticket.account.as_str().into(),
+                            error: e,
+                        });
                     }
                 }
                 let end = End::kick(KickReason::ProbeDone, format!("measured {min_ms:.1} ms"));
@@ -512,7 +520,11 @@ impl Connection {
                 detail,
             }) => {
                 cx.metrics.logins_refused_server_full.inc();
-                tracing::debug!(account = %login.account, peer = %self.peer, retry_after_ms, "login refused: every gateway is full");
+                cx.event(Event::LoginRefusedFull {
+                    account: login.account.clone(),
+                    peer: self.peer,
+                    retry_after_ms,
+                });
                 lose(cx, InputLoss::SessionEnded, &login.pending);
                 self.phase = Phase::Ended;
                 return self.finish(cx, End::Kick(Kick::server_full(detail, retry_after_ms)));
@@ -594,7 +606,12 @@ impl Connection {
         }
         login.epoch = attached.session_epoch;
         cx.metrics.session_opened();
-        tracing::debug!(account = %login.account, session = attaching.session, gateway = %g.addr(attaching.gateway), peer = %self.peer, "session attached");
+        cx.event(Event::SessionAttached {
+            account: login.account.clone(),
+            session: attaching.session,
+            gateway: g.addr(attaching.gateway).to_string(),
+            peer: self.peer,
+        });
         let now = cx.now.ms();
         cx.timers.disarm(TimerKey::Deadline(self.id));
         cx.timers
@@ -716,7 +733,10 @@ impl Connection {
             return;
         };
         cx.metrics.sessions_moved.inc();
-        tracing::info!(account = %login.account, %why, "gateway link lost: moving the session to another gateway");
+        cx.event(Event::SessionMoving {
+            account: login.account.clone(),
+            why,
+        });
         self.open_session(cx, g, login);
     }
 
@@ -969,7 +989,10 @@ impl Connection {
             Ok(t) => t,
             Err(why) => {
                 cx.metrics.probe_refused("bad_ticket");
-                tracing::debug!(peer = %self.peer, %why, "probe ticket refused");
+                cx.event(Event::ProbeRefused {
+                    peer: self.peer,
+                    why: why.to_string(),
+                });
                 return self.end(cx, g, done(format!("probe refused: {why}")));
             }
         };
@@ -1107,12 +1130,19 @@ impl Connection {
         relay.transferring = false;
         match result {
             Ok(t) => {
-                tracing::info!(account = %login.account, geo = %t.geo, ?because, "handing the session over");
+                cx.event(Event::HandingOver {
+                    account: login.account.clone(),
+                    geo: t.geo.clone(),
+                    because,
+                });
                 self.end(cx, g, End::Transfer(t, because));
                 true
             }
             Err(e) => {
-                tracing::warn!(account = %login.account, error = %e, "handover failed");
+                cx.event(Event::HandoverFailed {
+                    account: login.account.clone(),
+                    error: e,
+                });
                 false
             }
         }
@@ -1171,11 +1201,19 @@ impl Connection {
             )),
             End::Transfer(t, because) => {
                 cx.metrics.transferred(&t.geo, because);
-                tracing::debug!(peer = %self.peer, geo = %t.geo, host = %t.host, port = t.port, "client handed over");
+                cx.event(Event::ClientTransferred {
+                    peer: self.peer,
+                    geo: t.geo.clone(),
+                    host: t.host.clone(),
+                    port: t.port,
+                });
                 Some(server_message::Body::Transfer(t))
             }
             End::Left(why) => {
-                tracing::debug!(peer = %self.peer, "client left: {why}");
+                cx.event(Event::ClientLeft {
+                    peer: self.peer,
+                    why: why.to_string(),
+                });
                 None
             }
         };
@@ -1257,7 +1295,11 @@ fn detach(cx: &mut Cx<'_>, g: &mut Gateways, gateway: GatewayId, session: u64, e
 fn kick_message(cx: &mut Cx<'_>, peer: SocketAddr, kick: Kick) -> server_message::Body {
     let reason = KickReason::try_from(kick.reason).unwrap_or(KickReason::KickUnspecified);
     cx.metrics.kick(reason);
-    tracing::debug!(%peer, reason = reason.as_str_name(), detail = %kick.detail, "client kicked");
+    cx.event(Event::ClientKicked {
+        peer,
+        reason: reason.as_str_name(),
+        detail: kick.detail.clone(),
+    });
     server_message::Body::Kick(kick)
 }
 

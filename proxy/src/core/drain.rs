@@ -12,7 +12,7 @@ use rand::seq::SliceRandom;
 use rand::Rng;
 
 use super::connection::{Connection, End};
-use super::{ConnId, Output, ProxyCore, TimerKey};
+use super::{ConnId, Event, Output, ProxyCore, TimerKey};
 
 /// Where a drain is.
 #[derive(Debug, Default)]
@@ -65,11 +65,10 @@ impl ProxyCore {
         if self.drain.started() {
             return;
         }
-        tracing::info!(
-            grace_ms = self.cfg.drain_grace_ms,
-            spread_ms = self.cfg.drain_spread_ms,
-            "proxy draining; a second signal stops at once"
-        );
+        self.out.push_back(Output::Event(Event::DrainStarted {
+            grace_ms: self.cfg.drain_grace_ms,
+            spread_ms: self.cfg.drain_spread_ms,
+        }));
         self.drain = Drain::Grace;
         self.timers
             .arm(TimerKey::Drain, self.now.ms() + self.cfg.drain_grace_ms);
@@ -88,10 +87,9 @@ impl ProxyCore {
                 let spread = Duration::from_millis(self.cfg.drain_spread_ms);
                 let rng = &mut self.rng;
                 let at = drain_schedule(conns.len(), spread, || rng.random());
-                tracing::info!(
-                    clients = conns.len(),
-                    "asking clients to reconnect elsewhere"
-                );
+                self.out.push_back(Output::Event(Event::DrainKicking {
+                    clients: conns.len(),
+                }));
                 let queue = at
                     .into_iter()
                     .zip(conns)

@@ -16,6 +16,7 @@
 
 pub(crate) mod connection;
 mod drain;
+mod events;
 pub mod gateways;
 mod handover;
 #[cfg(test)]
@@ -43,6 +44,7 @@ pub use crate::tcpinfo::KernelRtt;
 use crate::{HandoverCause, HandoverRecord};
 
 use connection::{Connection, End};
+pub use events::Event;
 pub use gateways::{GatewayId, Gateways};
 use timers::Timers;
 
@@ -202,6 +204,8 @@ pub enum Output {
         account: String,
         result: Result<HandoverRecord, String>,
     },
+    /// Something that happened, for the log.
+    Event(Event),
 }
 
 /// What a login's span says once it ended (`login` under `cellmesh::spans`).
@@ -235,6 +239,10 @@ pub(crate) struct Cx<'a> {
 impl Cx<'_> {
     pub fn emit(&mut self, o: Output) {
         self.out.push_back(o);
+    }
+
+    pub fn event(&mut self, event: Event) {
+        self.out.push_back(Output::Event(event));
     }
 
     pub fn send_to_link(&mut self, gateway: GatewayId, body: Body, data: bool) {
@@ -476,7 +484,11 @@ impl ProxyCore {
             .set(self.gateways.closed() as i64);
         let addr = self.gateways.addr(gateway).to_string();
         if let Some(error) = &error {
-            tracing::warn!(gateway = %addr, sessions = orphans.len(), %error, "mesh link lost");
+            self.out.push_back(Output::Event(Event::LinkLost {
+                gateway: addr.clone(),
+                sessions: orphans.len(),
+                error: error.clone(),
+            }));
         }
         for (_, conn) in orphans {
             let end = match &error {
@@ -531,15 +543,11 @@ impl ProxyCore {
                     retry_after_ms: a.retry_after_ms,
                 });
                 if self.gateways.set_admission(gateway, closed) {
-                    let addr = self.gateways.addr(gateway);
-                    match self.gateways.admission(gateway) {
-                        Some(c) => {
-                            tracing::warn!(gateway = %addr, reason = %c.reason, "gateway admits no new session")
-                        }
-                        None => {
-                            tracing::info!(gateway = %addr, "gateway admits new sessions again")
-                        }
-                    }
+                    let closed = self.gateways.admission(gateway).map(|c| c.reason.clone());
+                    self.out.push_back(Output::Event(Event::GatewayAdmission {
+                        gateway: self.gateways.addr(gateway).to_string(),
+                        closed,
+                    }));
                     self.metrics
                         .gateways_closed
                         .set(self.gateways.closed() as i64);
@@ -557,9 +565,12 @@ impl ProxyCore {
     }
 
     /// A well-framed message the proxy has no use for: counted and skipped, the link stays up.
-    fn unexpected(&self, gateway: GatewayId, what: &str) {
+    fn unexpected(&mut self, gateway: GatewayId, what: &'static str) {
         self.metrics.error("unexpected_message");
-        tracing::warn!(gateway = %self.gateways.addr(gateway), "unexpected message on mesh link: {what}");
+        self.out.push_back(Output::Event(Event::UnexpectedMessage {
+            gateway: self.gateways.addr(gateway).to_string(),
+            what,
+        }));
     }
 
     fn on_board(&mut self, conn: ConnId, reply: BoardReply) {

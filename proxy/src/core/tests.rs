@@ -255,6 +255,17 @@ impl Harness {
         sent
     }
 
+    /// What the core said for the log since the last take.
+    fn events(&self) -> Vec<&Event> {
+        self.outputs
+            .iter()
+            .filter_map(|o| match o {
+                Output::Event(e) => Some(e),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The last frame `conn` was closed with, if it was closed.
     fn closed_with(&mut self, conn: ConnId) -> Option<Option<server_message::Body>> {
         let at = self
@@ -382,6 +393,47 @@ fn a_broken_link_moves_the_session_to_another_gateway_with_its_epoch() {
     assert_eq!(a.moved_from_epoch, 9);
     assert!(h.closed_with(1).is_none(), "the client stays connected");
     assert_eq!(h.core.metrics().sessions_moved.get(), 1);
+}
+
+#[test]
+fn a_lost_link_is_logged_with_its_sessions_and_each_move() {
+    let mut h = Harness::new(2, |_| {});
+    h.link_up(0, 1);
+    h.link_up(1, 2);
+    let (g, _) = h.attached(1, "alice", 9);
+    h.take();
+    h.feed(Input::LinkDown {
+        gateway: g,
+        error: Some("gateway silent for 5 s".into()),
+    });
+    let events = h.events();
+    let lost = events
+        .iter()
+        .position(|e| {
+            matches!(e, Event::LinkLost { gateway, sessions: 1, error }
+                if *gateway == format!("10.0.0.{}:7200", g + 1) && error == "gateway silent for 5 s")
+        })
+        .unwrap_or_else(|| panic!("no link lost in {events:?}"));
+    let moving = events
+        .iter()
+        .position(|e| matches!(e, Event::SessionMoving { account, .. } if &**account == "alice"))
+        .unwrap_or_else(|| panic!("no move in {events:?}"));
+    assert!(
+        lost < moving,
+        "the loss is said before the move: {events:?}"
+    );
+    // A link closed on purpose (no error) is not logged as lost.
+    let mut h = Harness::new(1, |_| {});
+    h.link_up(0, 1);
+    h.take();
+    h.feed(Input::LinkDown {
+        gateway: 0,
+        error: None,
+    });
+    assert!(!h
+        .events()
+        .iter()
+        .any(|e| matches!(e, Event::LinkLost { .. })));
 }
 
 #[test]

@@ -254,6 +254,7 @@ impl Driver {
                     let _ = reply.send(result.as_ref().map(|_| ()).map_err(Clone::clone));
                 }
             }
+            Output::Event(event) => super::log::log(&event),
         }
         false
     }

@@ -12,6 +12,7 @@ pub(crate) mod client;
 pub(crate) mod driver;
 pub(crate) mod link;
 pub(crate) mod listener;
+mod log;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
