@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-#[cfg(feature = "tools")]
+#[cfg(feature = "up")]
 use cellmesh::up;
 use cellmesh::{bots, signal, telemetry};
 use cellmesh_proxy::config::DEFAULT_TOKEN_SECRET;
@@ -26,7 +26,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run a local cluster in this process: sidecar + arena game, proxy and bots, with live status.
-    #[cfg(feature = "tools")]
+    #[cfg(feature = "up")]
     Up(UpArgs),
     /// Run a sidecar beside a game server.
     Sidecar {
@@ -98,6 +98,37 @@ enum Command {
         #[arg(long)]
         to: std::net::SocketAddr,
     },
+    /// A command this build was made without (see [`not_built`]).
+    #[cfg(not(all(feature = "up", feature = "tools")))]
+    #[command(external_subcommand)]
+    NotBuilt(Vec<String>),
+}
+
+/// The commands a feature adds, and that feature.
+const FEATURE_COMMANDS: &[(&str, &str)] = &[
+    ("up", "up"),
+    ("sim", "tools"),
+    ("geo", "tools"),
+    ("balance", "tools"),
+    ("bench", "tools"),
+    ("forwarder", "tools"),
+];
+
+/// The error for a command this build does not have: the feature that adds it and how to build
+/// with it, or that there is no such command.
+#[cfg_attr(all(feature = "up", feature = "tools"), allow(dead_code))]
+fn not_built(args: &[String]) -> anyhow::Error {
+    let name = args.first().map(String::as_str).unwrap_or_default();
+    match FEATURE_COMMANDS
+        .iter()
+        .find(|(command, _)| *command == name)
+    {
+        Some((command, feature)) => anyhow::anyhow!(
+            "`cellmesh {command}` is not in this build: it comes with the `{feature}` feature \
+             (`cargo run --release --features {feature} -- {command} ...`)"
+        ),
+        None => anyhow::anyhow!("no command `{name}`: see `cellmesh --help`"),
+    }
 }
 
 /// `--secret`: the proxies' token secret, never shown by `--help` when it comes from the
@@ -113,7 +144,7 @@ struct SecretArg {
     secret: String,
 }
 
-#[cfg(feature = "tools")]
+#[cfg(feature = "up")]
 #[derive(Args, Debug)]
 struct UpArgs {
     /// Number of bots playing through the proxy.
@@ -185,14 +216,14 @@ struct UpArgs {
     admin: String,
 }
 
-#[cfg(feature = "tools")]
+#[cfg(feature = "up")]
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum PartitionKind {
     Grid,
     Bsp,
 }
 
-#[cfg(feature = "tools")]
+#[cfg(feature = "up")]
 impl UpArgs {
     fn options(self) -> up::UpOptions {
         up::UpOptions {
@@ -303,7 +334,7 @@ fn seconds(s: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(secs).map_err(|e| e.to_string())
 }
 
-#[cfg(feature = "tools")]
+#[cfg(feature = "up")]
 /// `--chaos`: [`seconds`], at least one (nodes need time to come up between kills).
 fn chaos_seconds(s: &str) -> Result<Duration, String> {
     let every = seconds(s)?;
@@ -339,7 +370,7 @@ fn report_listening(line: std::fmt::Arguments) {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        #[cfg(feature = "tools")]
+        #[cfg(feature = "up")]
         Command::Up(args) => {
             let _telemetry = telemetry::init("warn", "cellmesh-up");
             let opts = args.options();
@@ -518,6 +549,8 @@ async fn main() -> anyhow::Result<()> {
         }
         #[cfg(feature = "tools")]
         Command::Forwarder { to } => cellmesh_benches::load::forwarder::run_process(to).await?,
+        #[cfg(not(all(feature = "up", feature = "tools")))]
+        Command::NotBuilt(args) => return Err(not_built(&args)),
         Command::Token {
             account,
             secret,
@@ -579,6 +612,22 @@ mod tests {
     #[test]
     fn the_command_line_is_well_formed() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn a_command_left_out_of_the_build_names_its_feature() {
+        let said = |args: &[&str]| {
+            not_built(&args.iter().map(|a| a.to_string()).collect::<Vec<_>>()).to_string()
+        };
+        let sim = said(&["sim", "--scenario", "cuts"]);
+        assert!(
+            sim.contains("`tools` feature") && sim.contains("--features tools -- sim"),
+            "{sim}"
+        );
+        let up = said(&["up"]);
+        assert!(up.contains("`up` feature"), "{up}");
+        let typo = said(&["simm"]);
+        assert!(typo.contains("no command `simm`"), "{typo}");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Crates are cut by what they link: the pure world (this crate) and the simulators built on it
 //! link no async runtime and no store client, and the data plane (the sidecar and the proxy)
 //! links no simulator, plotting or bench code; nor does the `cellmesh` binary built without its
-//! `tools` feature, as the container image is.
+//! `up` and `tools` features, as the container image is; and the first `up` builds no simulator.
 
 use std::path::Path;
 use std::process::Command;
@@ -121,8 +121,8 @@ fn the_binary_built_for_production_links_no_simulator_plotting_or_bench() {
             panic!("cellmesh without its tools depends on {b}, through:\n{through}");
         }
     }
-    // With the tools (the default), it does: the check sees what it looks for.
-    let tools = cargo_tree(&["-e", "normal", "-p", "cellmesh"]);
+    // With the tools (as the tests build it), it does: the check sees what it looks for.
+    let tools = cargo_tree(&["-e", "normal", "-p", "cellmesh", "--features", "tools"]);
     assert!(names(&tools).any(|c| c == "cellmesh-sim"));
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let dockerfile = std::fs::read_to_string(root.join("docker/Dockerfile")).unwrap();
@@ -134,11 +134,22 @@ fn the_binary_built_for_production_links_no_simulator_plotting_or_bench() {
 }
 
 /// What `cargo run --release -- up` builds first (the default features) runs on the in-memory
-/// stores: the Redis and MongoDB clients, the two largest dependencies, are left out of it.
+/// stores: the Redis and MongoDB clients, the two largest dependencies, are left out of it, and
+/// so are the simulators and the load generator, which `up` does not run.
 #[test]
-fn the_first_run_builds_no_store_client() {
+fn the_first_run_builds_no_store_client_simulator_or_bench() {
     let tree = cargo_tree(&["-e", "normal,build", "-p", "cellmesh"]);
-    for b in ["mongodb", "redis", "bson"] {
+    assert!(
+        names(&tree).any(|c| c == "cellmesh-plot"),
+        "the default build has `up` and its plot:\n{tree}"
+    );
+    let not_run_by_up = [
+        "cellmesh-sim",
+        "cellmesh-geosim",
+        "cellmesh-balancesim",
+        "cellmesh-benches",
+    ];
+    for &b in ["mongodb", "redis", "bson"].iter().chain(&not_run_by_up) {
         if names(&tree).any(|c| c == b) {
             let through = cargo_tree(&["-e", "normal,build", "-p", "cellmesh", "-i", b]);
             panic!("cellmesh's default build depends on {b}, through:\n{through}");
