@@ -32,7 +32,7 @@ impl Neighbour {
         let npc = s.id();
         s.game.push(npc_body(npc));
         s.tick().await;
-        assert_eq!(kinds(&s.link.batch(1).await), [(npc, DeltaKind::Appear)]);
+        assert_eq!(kinds(&s.edge.batch(1).await), [(npc, DeltaKind::Appear)]);
         Self { s, npc, seq: 0 }
     }
 
@@ -42,10 +42,10 @@ impl Neighbour {
         let to = chunk(102 + (self.seq % 2) as i64, 101);
         self.s.game.push(move_to(self.npc, to));
         let t = self.s.tick().await;
-        let b = self.s.link.batch(1).await;
+        let b = self.s.edge.batch(1).await;
         assert_eq!(b.tick, t);
         assert_eq!(kinds(&b), [(self.npc, DeltaKind::Update)]);
-        self.s.link.input(1, self.seq, b"still here").await;
+        self.s.edge.input(1, self.seq, b"still here").await;
         let seq = self.seq;
         self.s
             .game
@@ -321,8 +321,8 @@ async fn garbage_from_the_attached_game_ends_only_that_game() {
         Some(sidecar_message::Body::Welcome(_))
     ));
 
-    let mut link = sc.link("edge").await;
-    let attached = link.attach(1, "alice").await;
+    let mut edge = sc.edge("edge").await;
+    let welcome = edge.login(1, "alice").await;
     let join = within("PlayerJoin", rx.next()).await.unwrap().unwrap();
     assert!(
         matches!(&join.messages[0].body, Some(sidecar_message::Body::PlayerJoin(j)) if j.account == "alice")
@@ -337,7 +337,7 @@ async fn garbage_from_the_attached_game_ends_only_that_game() {
     })
     .await
     .unwrap();
-    assert_eq!(link.batch(1).await.deltas.len(), 2);
+    assert_eq!(edge.batch(1).await.deltas.len(), 2);
 
     tx.get_mut()
         .write_all(&[0, 0, 0, 2, 0xff, 0xff])
@@ -353,7 +353,7 @@ async fn garbage_from_the_attached_game_ends_only_that_game() {
     assert!(within("close", rx.next()).await.is_none());
 
     // The client sees the game's entities vanish, and stays attached.
-    let b = link.batch(1).await;
+    let b = edge.batch(1).await;
     let mut got = kinds(&b);
     got.sort();
     assert_eq!(got, [(11, DeltaKind::Vanish), (12, DeltaKind::Vanish)]);
@@ -362,13 +362,13 @@ async fn garbage_from_the_attached_game_ends_only_that_game() {
     // A new game hears about alice again, with where her avatar was.
     let mut game = sc.game().await;
     let join = game.expect_join("alice").await;
-    assert_eq!(join.session_epoch, attached.session_epoch);
+    assert_eq!(join.session_epoch, welcome.session_epoch);
     assert_eq!(
         join.last_position.map(|p| (p.x, p.y)),
         Some((40.0 * CHUNK + 16.0, 40.0 * CHUNK + 16.0))
     );
     game.push(avatar(21, "alice", chunk(40, 40), vec![]));
     game.tick(1).await;
-    assert_eq!(kinds(&link.batch(1).await), [(21, DeltaKind::Appear)]);
-    assert!(link.batches_within(1, QUIET).await.is_empty());
+    assert_eq!(kinds(&edge.batch(1).await), [(21, DeltaKind::Appear)]);
+    assert!(edge.batches_within(1, QUIET).await.is_empty());
 }

@@ -1,5 +1,5 @@
-//! What reaches a client session, over real sockets: a game on the local protocol and the proxy's
-//! end of a mesh link.
+//! What reaches a client session, over real sockets: a game on the local protocol, and clients
+//! logged in through a real proxy.
 
 mod support;
 
@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use cellmesh_proto::edge::DeltaKind;
 use cellmesh_proto::local::{game_message::Body, sidecar_message, AudienceKind, Event, Send};
+use cellmesh_proto::mesh::{self, mesh_message};
 use support::*;
 
 const QUIET: Duration = Duration::from_millis(300);
@@ -24,7 +25,7 @@ async fn spawn_update_despawn_arrive_as_one_batch_per_tick_on_tick_end() {
     // Give a sidecar that flushed early the time to do it: the next batch must still be the tick's.
     tokio::time::sleep(QUIET).await;
     let t = s.tick().await;
-    let got = s.link.batch(1).await;
+    let got = s.edge.batch(1).await;
     assert_eq!(got.tick, t, "nothing before TickEnd");
     let mut appeared = kinds(&got);
     appeared.sort();
@@ -50,7 +51,7 @@ async fn spawn_update_despawn_arrive_as_one_batch_per_tick_on_tick_end() {
     ));
     s.game.push(despawn(b));
     let t = s.tick().await;
-    let got = s.link.batch(1).await;
+    let got = s.edge.batch(1).await;
     assert_eq!(got.tick, t);
     let d = delta(&got, a);
     assert_eq!(d.kind(), DeltaKind::Update);
@@ -77,13 +78,13 @@ async fn public_in_range_within_five_chunks_with_hysteresis() {
     s.game.push(npc(near, chunk(105, 100))); // 5 away: seen
     s.game.push(npc(far, chunk(100, 107))); // 7 away: not seen
     s.tick().await;
-    let b = s.link.batch(1).await;
+    let b = s.edge.batch(1).await;
     assert_eq!(kinds(&b), [(near, DeltaKind::Appear)]);
 
     // 5 -> 6: stays (an update, not a vanish).
     s.game.push(move_to(near, chunk(106, 100)));
     s.tick().await;
-    let b = s.link.batch(1).await;
+    let b = s.edge.batch(1).await;
     assert_eq!(kinds(&b), [(near, DeltaKind::Update)]);
 
     // A stranger at 6 that was never seen does not appear; the far one moving to 6 neither.
@@ -95,7 +96,7 @@ async fn public_in_range_within_five_chunks_with_hysteresis() {
     s.game.push(move_to(near, chunk(107, 100)));
     s.game.push(move_to(far, chunk(100, 105)));
     s.tick().await;
-    let b = s.link.batch(1).await;
+    let b = s.edge.batch(1).await;
     let mut got = kinds(&b);
     got.sort();
     let mut want = vec![(near, DeltaKind::Vanish), (far, DeltaKind::Appear)];
@@ -112,7 +113,7 @@ async fn the_view_wraps_around_the_world() {
     let across = s.id();
     s.game.push(npc(across, chunk(last - 3, last))); // 4 west, 1 north across both seams
     s.tick().await;
-    let b = s.link.batch(1).await;
+    let b = s.edge.batch(1).await;
     assert_eq!(kinds(&b), [(across, DeltaKind::Appear)]);
 }
 
@@ -129,14 +130,14 @@ async fn owner_only_reaches_only_the_owner() {
     let (bob, b) = s.join(2, "bob", chunk(101, 100), vec![]).await;
     assert_eq!(types(delta(&b, alice)), [1], "a stranger does not");
     assert_eq!(delta(&b, alice).owner_account, "alice");
-    assert_eq!(kinds(&s.link.batch(1).await), [(bob, DeltaKind::Appear)]);
+    assert_eq!(kinds(&s.edge.batch(1).await), [(bob, DeltaKind::Appear)]);
 
     s.game.push(change(
         alice,
         comp(7, "sword,shield", aud(AudienceKind::OwnerOnly, &[])),
     ));
     s.tick().await;
-    let b = s.link.batch(1).await;
+    let b = s.edge.batch(1).await;
     assert_eq!(types(delta(&b, alice)), [7]);
     assert_eq!(
         delta(&b, alice).components[0].payload.as_ref(),
@@ -153,7 +154,7 @@ async fn owner_and_party_and_listed_accounts() {
     let (_, _) = s.join(2, "bob", chunk(300, 300), vec![]).await; // party member, far away
     let (_, _) = s.join(3, "carol", chunk(500, 500), vec![]).await; // a pen pal, far away
     let (_, _) = s.join(4, "dave", chunk(101, 101), vec![]).await; // a stranger next to alice
-    s.link.settle(QUIET).await;
+    s.edge.settle(QUIET).await;
 
     s.game.push(change(
         alice,
@@ -164,13 +165,13 @@ async fn owner_and_party_and_listed_accounts() {
         comp(4, "letter", aud(AudienceKind::Accounts, &["carol"])),
     ));
     s.tick().await;
-    let a = s.link.batch(1).await;
+    let a = s.edge.batch(1).await;
     assert_eq!(
         types(delta(&a, alice)),
         [3],
         "owner: the party component, not the letter"
     );
-    let b = s.link.batch(2).await;
+    let b = s.edge.batch(2).await;
     let d = delta(&b, alice);
     assert_eq!(
         (d.kind(), types(d)),
@@ -178,7 +179,7 @@ async fn owner_and_party_and_listed_accounts() {
         "party member, out of view"
     );
     assert!(d.position.is_none(), "out of view: no position");
-    let c = s.link.batch(3).await;
+    let c = s.edge.batch(3).await;
     assert_eq!(types(delta(&c, alice)), [4]);
     // Dave sees neither.
     s.nothing_for(4, "dave").await;
@@ -199,9 +200,9 @@ async fn owner_and_party_and_listed_accounts() {
     s.tick().await;
     let ev =
         |b: &cellmesh_proto::edge::Batch| b.events.iter().map(|e| e.r#type).collect::<Vec<_>>();
-    assert_eq!(ev(&s.link.batch(1).await), [9, 10]);
-    assert_eq!(ev(&s.link.batch(2).await), [10]);
-    assert_eq!(ev(&s.link.batch(4).await), [9]);
+    assert_eq!(ev(&s.edge.batch(1).await), [9, 10]);
+    assert_eq!(ev(&s.edge.batch(2).await), [10]);
+    assert_eq!(ev(&s.edge.batch(4).await), [9]);
     s.nothing_for(3, "carol").await;
 }
 
@@ -210,14 +211,14 @@ async fn send_reaches_the_account_wherever_it_is() {
     let mut s = Scene::new().await;
     let (_, _) = s.join(1, "alice", chunk(100, 100), vec![]).await;
     let (_, _) = s.join(2, "bob", chunk(900, 900), vec![]).await;
-    s.link.settle(QUIET).await;
+    s.edge.settle(QUIET).await;
     s.game.push(Body::Send(Send {
         accounts: vec!["bob".into(), "nobody".into()],
         r#type: 5,
         payload: "hi bob".into(),
     }));
     s.tick().await;
-    let b = s.link.batch(2).await;
+    let b = s.edge.batch(2).await;
     assert_eq!(b.messages.len(), 1);
     assert_eq!(
         (b.messages[0].r#type, b.messages[0].payload.as_ref()),
@@ -235,10 +236,10 @@ async fn send_reaches_the_account_wherever_it_is() {
 #[tokio::test]
 async fn input_reaches_the_game_with_the_session_epoch() {
     let mut s = Scene::new().await;
-    let attached = s.link.attach(1, "alice").await;
+    let welcome = s.edge.login(1, "alice").await;
     s.game.expect_join("alice").await;
-    s.link.input(1, 1, b"north").await;
-    s.link.input(1, 2, b"east").await;
+    s.edge.input(1, 1, b"north").await;
+    s.edge.input(1, 2, b"east").await;
     for (seq, payload) in [(1u64, &b"north"[..]), (2, &b"east"[..])] {
         let i = s
             .game
@@ -254,13 +255,32 @@ async fn input_reaches_the_game_with_the_session_epoch() {
                 i.seq,
                 i.payload.as_ref()
             ),
-            ("alice", attached.session_epoch, seq, payload)
+            ("alice", welcome.session_epoch, seq, payload)
         );
     }
     assert_eq!(s.sc.h().stats().inputs_delivered, 2);
-    // Input for a session the sidecar never attached is dropped and counted.
-    s.link.input(99, 1, b"ghost").await;
-    s.link.input(1, 3, b"after").await;
+    // Input for a session the sidecar never attached (no proxy sends one: a raw link does) is
+    // dropped and counted.
+    let mut raw = RawPeer::proxy(s.sc.mesh(), "edge-raw").await;
+    raw.send(mesh_message::Body::Input(mesh::SessionInput {
+        session_id: 99,
+        seq: 1,
+        payload: "ghost".into(),
+    }))
+    .await;
+    within("the unknown session's input counted", async {
+        while !s
+            .sc
+            .metrics()
+            .await
+            .contains("cellmesh_sidecar_dropped_total{reason=\"unknown_session\"} 1")
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    // It never reached the game: the next input the game gets is alice's.
+    s.edge.input(1, 3, b"after").await;
     let i = s
         .game
         .expect("Input", |m| match m {
@@ -269,11 +289,6 @@ async fn input_reaches_the_game_with_the_session_epoch() {
         })
         .await;
     assert_eq!(i.seq, 3);
-    assert!(s
-        .sc
-        .metrics()
-        .await
-        .contains("cellmesh_sidecar_dropped_total{reason=\"unknown_session\"} 1"));
 }
 
 #[tokio::test]
@@ -283,12 +298,12 @@ async fn many_clients_share_one_encoding_of_a_public_update() {
         s.join(sid, &format!("p{sid}"), chunk(100, 100), vec![])
             .await;
     }
-    s.link.settle(QUIET).await;
+    s.edge.settle(QUIET).await;
     let n = s.id();
     s.game.push(npc(n, chunk(102, 102)));
     s.tick().await;
     for sid in 1..=10u64 {
-        assert_eq!(kinds(&s.link.batch(sid).await), [(n, DeltaKind::Appear)]);
+        assert_eq!(kinds(&s.edge.batch(sid).await), [(n, DeltaKind::Appear)]);
     }
     let before = s.sc.metrics().await;
     let encoded = |text: &str| -> u64 {
@@ -300,7 +315,7 @@ async fn many_clients_share_one_encoding_of_a_public_update() {
     s.game.push(move_to(n, chunk(103, 102)));
     s.tick().await;
     for sid in 1..=10u64 {
-        assert_eq!(kinds(&s.link.batch(sid).await), [(n, DeltaKind::Update)]);
+        assert_eq!(kinds(&s.edge.batch(sid).await), [(n, DeltaKind::Update)]);
     }
     let after = s.sc.metrics().await;
     assert_eq!(

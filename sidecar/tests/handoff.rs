@@ -1,6 +1,6 @@
 //! Handoff between nodes over real sockets (docs/mesh.md#handoff): in-process sidecars on loopback, games
 //! scripted by the test through the local protocol (so the test decides when `Snapshot` and
-//! `Adopted` go), clients on proxy links, a relay that can hold, cut and replay the link between
+//! `Adopted` go), clients logged in through real proxies, a relay that can hold, cut and replay the link between
 //! two nodes, and peer sidecars played by the test over raw mesh links.
 //!
 //! The world is 16 × 16 chunks. With two nodes side by side, node 1 owns chunk columns 0-7 and
@@ -65,6 +65,7 @@ fn config(node_id: u32) -> SidecarConfig {
         local_listen: "127.0.0.1:0".into(),
         mesh_listen: "127.0.0.1:0".into(),
         admin_listen: "127.0.0.1:0".into(),
+        attest_keys: vec![attest_key()],
         ghost_min_lifespan_ms: 300,
         handoff_retry_ms: RETRY_MS,
         // Nodes of parallel tests share this process and their ids: none locks a state dir.
@@ -712,17 +713,17 @@ async fn cross(c: &mut Cluster, claims: &mut Claims, x: u64) {
 
 // ---------------------------------------------------------------------------- clients
 
-/// A client session on a proxy link, keeping every delta it got about one entity.
+/// A client logged in through a real proxy, keeping every delta it got about one entity.
 struct Watcher {
-    link: MeshLink,
-    session: u64,
+    proxy: Edge,
+    player: u64,
     of: u64,
     deltas: Vec<edge::EntityDelta>,
 }
 
 impl Watcher {
     async fn poll(&mut self) {
-        for b in self.link.batches_within(self.session, POLL).await {
+        for b in self.proxy.batches_within(self.player, POLL).await {
             let of = self.of;
             self.deltas
                 .extend(b.deltas.into_iter().filter(|d| d.entity_id == of));
@@ -995,26 +996,26 @@ async fn a_player_crosses_the_border_with_nothing_lost_doubled_or_seen() {
     c.linked().await;
 
     // Alice's gateway is node 1, whose game spawns her avatar X next to node 2's area.
-    let mut alice_link = MeshLink::dial(c.h(1).mesh_addr, "edge-1").await;
-    let session = alice_link.attach(1, "alice").await.session_epoch;
+    let mut alice_proxy = Edge::start("edge-1", &[c.h(1).mesh_addr]).await;
+    let session = alice_proxy.login(1, "alice").await.session_epoch;
     c.game(1).expect_join("alice").await;
     let mut claims = Claims::default();
     let x = spawn_near_border(&mut c, &mut claims, false).await;
     // Bob's gateway and avatar are on node 3, with X in his view.
-    let mut bob_link = MeshLink::dial(c.h(3).mesh_addr, "edge-3").await;
-    bob_link.attach(1, "bob").await;
+    let mut bob_proxy = Edge::start("edge-3", &[c.h(3).mesh_addr]).await;
+    bob_proxy.login(1, "bob").await;
     c.game(3).expect_join("bob").await;
     let b = c.id(3);
     c.game(3).push(avatar(b, "bob", chunk(6, 9), vec![]));
     let mut alice = Watcher {
-        link: alice_link,
-        session: 1,
+        proxy: alice_proxy,
+        player: 1,
         of: x,
         deltas: Vec::new(),
     };
     let mut bob = Watcher {
-        link: bob_link,
-        session: 1,
+        proxy: bob_proxy,
+        player: 1,
         of: x,
         deltas: Vec::new(),
     };
@@ -1034,12 +1035,15 @@ async fn a_player_crosses_the_border_with_nothing_lost_doubled_or_seen() {
         (1, Claim::Freeze(1)),
         "every entity starts at epoch 1"
     );
-    // Alice's input while X is frozen and not yet offered: node 1 holds it. (An attach behind
-    // it is the barrier: node 1 handles a link's frames in order.)
+    // Alice's input while X is frozen and not yet offered: node 1 holds it. (Node 1 counting
+    // the three is the barrier before the snapshot.)
     for seq in 1..=3 {
-        alice.link.input(1, seq, b"walk").await;
+        alice.proxy.input(1, seq, b"walk").await;
     }
-    alice.link.attach(2, "barrier").await;
+    c.stats_until(1, "alice's three inputs handled", |s| {
+        s.inputs_from_proxies >= 3
+    })
+    .await;
     snapshot(c.game(1), x, 1).await;
     let adopt = c.game(2).expect("Adopt of X", adopt_of(x)).await;
     assert_eq!(adopt.entity_epoch, 2);
@@ -1051,7 +1055,7 @@ async fn a_player_crosses_the_border_with_nothing_lost_doubled_or_seen() {
     );
     // Input after the offer left: forwarded to node 2, held there until its game adopts.
     for seq in 4..=6 {
-        alice.link.input(1, seq, b"walk").await;
+        alice.proxy.input(1, seq, b"walk").await;
     }
     c.state_until(2, "the six inputs held", |s| {
         s["held_frames"].as_u64() >= Some(6)
@@ -1067,7 +1071,7 @@ async fn a_player_crosses_the_border_with_nothing_lost_doubled_or_seen() {
     c.game(1).expect("Evict of X", evict_of(x)).await;
     claims.record(1, Claim::End);
     for seq in 7..=9 {
-        alice.link.input(1, seq, b"walk").await;
+        alice.proxy.input(1, seq, b"walk").await;
     }
     let mut seqs = Vec::new();
     while seqs.last() != Some(&9) {
@@ -1463,8 +1467,8 @@ async fn the_fence_drops_stale_frames_and_inputs_and_holds_future_frames() {
     // top-left quarter, node 3 the top-right, node 2 the bottom half.
     let mut c = Cluster::plan(2, 2, vec![1, 3, 2, 2]).await;
     c.start(config(3), true).await;
-    let mut one = MeshLink::dial_with(c.h(3).mesh_addr, sidecar_hello(1, 1)).await;
-    let mut two = MeshLink::dial_with(c.h(3).mesh_addr, sidecar_hello(2, 1)).await;
+    let mut one = RawPeer::dial(c.h(3).mesh_addr, sidecar_hello(1, 1)).await;
+    let mut two = RawPeer::dial(c.h(3).mesh_addr, sidecar_hello(2, 1)).await;
     c.peers_up(3, 2).await;
     c.tick().await;
     // G stands where node 3 subscribes at both (next to its area, so its game perceives G).

@@ -181,8 +181,11 @@ async fn bad_config_and_busy_ports_are_named() {
 #[tokio::test]
 async fn attach_registers_and_detach_saves_and_releases() {
     let mut s = Scene::new().await;
-    let attached = s.link.attach(1, "alice").await;
-    assert_eq!(attached.gateway_node, 7);
+    let attached = s.edge.login(1, "alice").await;
+    assert_eq!(
+        (attached.account.as_str(), attached.gateway_node),
+        ("alice", 7)
+    );
     assert_eq!(
         (attached.world_width, attached.chunk_size),
         (131_072.0, 32.0)
@@ -205,26 +208,30 @@ async fn attach_registers_and_detach_saves_and_releases() {
     s.game.push(avatar(me, "alice", chunk(10, 20), vec![]));
     s.game.push(move_to(me, chunk(11, 20)));
     s.tick().await;
-    s.link.batch(1).await;
+    s.edge.batch(1).await;
     s.sc.state_until("alice in /state", |st| st["sessions"][0]["master_id"] == me)
         .await;
-    s.link
-        .send(mesh_message::Body::Rtt(mesh::SessionRtt {
-            session_id: 1,
-            rtt_ms_p50: 12.5,
-            rtt_ms_min: 9.0,
-        }))
-        .await;
-    let st =
-        s.sc.state_until("rtt in /state", |st| {
-            st["sessions"][0]["rtt_ms_p50"] == 12.5
-        })
-        .await;
+    // The proxy reports the round trip its pings measure once the client answers one.
+    let st = within("the proxy's rtt report in /state", async {
+        loop {
+            s.edge.player(1).pump(Duration::from_millis(100)).await;
+            let st = s.sc.state().await;
+            if st["sessions"][0]["rtt_ms_p50"].is_number() {
+                return st;
+            }
+        }
+    })
+    .await;
+    let (p50, min) = (
+        st["sessions"][0]["rtt_ms_p50"].as_f64().unwrap(),
+        st["sessions"][0]["rtt_ms_min"].as_f64().unwrap(),
+    );
+    assert!((0.0..1000.0).contains(&min) && min <= p50, "{p50} {min}");
     assert_eq!(st["sessions"][0]["view_chunks"], 121);
     assert_eq!(st["sessions"][0]["epoch"], attached.session_epoch);
     assert_eq!(st["links"][0]["proxy"], "edge-test");
 
-    s.link.detach(1).await;
+    s.edge.leave(1).await;
     let leave = s
         .game
         .expect("PlayerLeave", |m| match m {
@@ -262,7 +269,7 @@ async fn attach_registers_and_detach_saves_and_releases() {
     );
 
     // The next login starts where the player left, with a higher epoch.
-    let again = s.link.attach(2, "alice").await;
+    let again = s.edge.login(2, "alice").await;
     assert!(again.session_epoch > attached.session_epoch);
     let join = s.game.expect_join("alice").await;
     assert_eq!(
@@ -284,7 +291,7 @@ async fn the_player_record_seeds_the_join() {
         ..PlayerRecord::default()
     };
     s.sc.stores.players.save(&record).await.unwrap();
-    let attached = s.link.attach(1, "bob").await;
+    let attached = s.edge.login(1, "bob").await;
     let join = s.game.expect_join("bob").await;
     let p = join.last_position.unwrap();
     assert_eq!((p.x, p.y, p.z), (100.0, 200.0, 3.0));
@@ -332,7 +339,9 @@ async fn a_hint_older_than_the_player_record_does_not_rewind_it() {
         ..PlayerRecord::default()
     };
     s.sc.stores.players.save(&newer).await.unwrap();
-    s.link
+    // A proxy's attach carrying a handover hint, as the proxy of a handover writes it.
+    let mut proxy = RawPeer::proxy(s.sc.mesh(), "edge-handover").await;
+    proxy
         .send(mesh_message::Body::Attach(mesh::Attach {
             session_id: 1,
             account: "bob".into(),
@@ -351,8 +360,7 @@ async fn a_hint_older_than_the_player_record_does_not_rewind_it() {
             ..Default::default()
         }))
         .await;
-    let attached = s
-        .link
+    let attached = proxy
         .expect("Attached", |m| match m {
             mesh_message::Body::Attached(a) => Some(*a),
             _ => None,
@@ -380,7 +388,9 @@ async fn a_login_handed_over_from_another_geo_skips_the_record_read() {
         ..PlayerRecord::default()
     };
     s.sc.stores.players.save(&stale).await.unwrap();
-    s.link
+    // A proxy's attach carrying a handover hint, as the proxy of a handover writes it.
+    let mut proxy = RawPeer::proxy(s.sc.mesh(), "edge-handover").await;
+    proxy
         .send(mesh_message::Body::Attach(mesh::Attach {
             session_id: 1,
             account: "bob".into(),
@@ -400,8 +410,7 @@ async fn a_login_handed_over_from_another_geo_skips_the_record_read() {
             attestation: attestation("bob", 1),
         }))
         .await;
-    let attached = s
-        .link
+    let attached = proxy
         .expect("Attached", |m| match m {
             mesh_message::Body::Attached(a) => Some(*a),
             _ => None,
@@ -418,7 +427,7 @@ async fn a_login_handed_over_from_another_geo_skips_the_record_read() {
     );
 
     // Handed over again: the record saved says where the session went and when.
-    s.link
+    proxy
         .send(mesh_message::Body::Detach(mesh::Detach {
             session_id: 1,
             kick_reason: KickReason::Transferred as u32,
@@ -445,8 +454,34 @@ async fn a_login_handed_over_from_another_geo_skips_the_record_read() {
 #[tokio::test]
 async fn a_second_login_displaces_the_first() {
     let mut s = Scene::new().await;
+    // The first session's proxy is a raw link: its input and Detach for the session after the
+    // sidecar displaced it (a proxy's frames crossing the sidecar's Detach) are on the wire.
+    let mut old = RawPeer::proxy(s.sc.mesh(), "edge-old").await;
+    old.send(mesh_message::Body::Attach(mesh::Attach {
+        session_id: 1,
+        account: "alice".into(),
+        remote_addr: "127.0.0.1:1".into(),
+        attestation: attestation("alice", 1),
+        ..Default::default()
+    }))
+    .await;
+    let old_epoch = old
+        .expect("Attached", |m| match m {
+            mesh_message::Body::Attached(a) => Some(a.session_epoch),
+            _ => None,
+        })
+        .await;
+    assert_eq!(s.game.expect_join("alice").await.session_epoch, old_epoch);
+    let me = s.id();
     let inventory = comp(7, "sword", aud(AudienceKind::OwnerOnly, &[]));
-    let (me, _) = s.join(1, "alice", chunk(100, 100), vec![inventory]).await;
+    s.game
+        .push(avatar(me, "alice", chunk(100, 100), vec![inventory]));
+    s.tick().await;
+    old.expect("the old session's first batch", |m| match m {
+        mesh_message::Body::ToClient(t) if t.session_id == 1 => Some(()),
+        _ => None,
+    })
+    .await;
     let first =
         s.sc.stores
             .directory
@@ -455,11 +490,11 @@ async fn a_second_login_displaces_the_first() {
             .unwrap()
             .unwrap()
             .session_epoch;
-    // The same account through another proxy.
-    let mut other = s.sc.link("edge-other").await;
-    let attached = other.attach(5, "alice").await;
+    assert_eq!(first, old_epoch);
+    // The same account through a real proxy.
+    let attached = s.edge.login(5, "alice").await;
     assert!(attached.session_epoch > first);
-    let kicked = s.link.expect_detach(1).await;
+    let kicked = old.expect_detach(1).await;
     assert_eq!(kicked.kick_reason, KickReason::Displaced as u32);
     // The game hears a new PlayerJoin with the new epoch, and no PlayerLeave.
     let join = s.game.expect_join("alice").await;
@@ -473,12 +508,17 @@ async fn a_second_login_displaces_the_first() {
     );
     // The new session is shown the world (its own avatar, inventory included) at the next tick.
     s.tick().await;
-    let b = other.batch(5).await;
+    let b = s.edge.batch(5).await;
     assert_eq!(kinds(&b), [(me, DeltaKind::Appear)]);
     assert_eq!(types(&b.deltas[0]), [1, 7]);
     // The old session is gone: its input is dropped, the new one's reaches the game.
-    s.link.input(1, 1, b"old").await;
-    other.input(5, 1, b"new").await;
+    old.send(mesh_message::Body::Input(mesh::SessionInput {
+        session_id: 1,
+        seq: 1,
+        payload: "old".into(),
+    }))
+    .await;
+    s.edge.input(5, 1, b"new").await;
     let i = s
         .game
         .expect("Input", |m| match m {
@@ -492,14 +532,28 @@ async fn a_second_login_displaces_the_first() {
     );
     assert_eq!(s.sc.h().stats().sessions, 1);
     // A late Detach of the old session changes nothing.
-    s.link.detach(1).await;
-    other.input(5, 2, b"still").await;
+    old.send(mesh_message::Body::Detach(mesh::Detach {
+        session_id: 1,
+        kick_reason: KickReason::KickUnspecified as u32,
+        detail: "bye".into(),
+        retry_after_ms: 0,
+    }))
+    .await;
+    s.edge.input(5, 2, b"still").await;
     s.game
         .expect("Input 2", |m| match m {
             sidecar_message::Body::Input(i) if i.seq == 2 => Some(()),
             _ => None,
         })
         .await;
+    // Nor did the old session's input come later: the two proxies' links are not ordered.
+    let rest = s.game.drain(QUIET).await;
+    assert!(
+        !rest
+            .iter()
+            .any(|m| matches!(m, sidecar_message::Body::Input(i) if i.payload == "old")),
+        "{rest:?}"
+    );
     assert!(s
         .sc
         .stores
@@ -523,14 +577,14 @@ async fn a_game_restart_keeps_the_sessions() {
             .unwrap()
             .session_epoch;
     s.game.tx.close().await.unwrap();
-    let b = s.link.batch(1).await;
+    let b = s.edge.batch(1).await;
     assert_eq!(kinds(&b), [(me, DeltaKind::Vanish)]);
     assert_eq!(s.sc.h().stats().sessions, 1);
     let mut game = s.sc.game().await;
     let join = game.expect_join("alice").await;
     assert_eq!(join.session_epoch, epoch);
     assert!(join.last_position.is_some());
-    s.link.input(1, 1, b"hello again").await;
+    s.edge.input(1, 1, b"hello again").await;
     game.expect("Input", |m| match m {
         sidecar_message::Body::Input(i) => Some(i.seq),
         _ => None,
@@ -584,13 +638,10 @@ async fn link_handshake_rules() {
     }));
     assert!(refused(attach_first).await.contains("expected LinkHello"));
 
-    let link = sc.link("edge-ok").await;
-    assert_eq!(link.sidecar_hello.role, PeerRole::Sidecar as i32);
-    assert_eq!(
-        (link.sidecar_hello.id.as_str(), link.sidecar_hello.node_id),
-        ("7", 7)
-    );
-    assert_eq!(link.sidecar_hello.version.unwrap().major, 1);
+    let peer = RawPeer::proxy(sc.mesh(), "edge-ok").await;
+    assert_eq!(peer.hello.role, PeerRole::Sidecar as i32);
+    assert_eq!((peer.hello.id.as_str(), peer.hello.node_id), ("7", 7));
+    assert_eq!(peer.hello.version.unwrap().major, 1);
 }
 
 #[tokio::test]
@@ -649,7 +700,7 @@ async fn a_silent_link_dies_and_its_sessions_leave() {
         .await
         .contains("cellmesh_sidecar_errors_total{kind=\"link_timeout\"} 1"));
     // The healthy session is untouched.
-    s.link.input(2, 1, b"fine").await;
+    s.edge.input(2, 1, b"fine").await;
     s.game
         .expect("alice's input", |m| match m {
             sidecar_message::Body::Input(i) if i.account == "alice" => Some(()),
@@ -725,11 +776,11 @@ async fn a_link_that_stops_reading_is_closed_without_stalling_the_node() {
         .await
         .contains("cellmesh_sidecar_errors_total{kind=\"link_outbox_full\"} 1"));
     // The healthy link still gets its batches.
-    s.link.settle(QUIET).await;
+    s.edge.settle(QUIET).await;
     let n = s.id();
     s.game.push(npc(n, chunk(101, 100)));
     s.tick().await;
-    assert_eq!(kinds(&s.link.batch(2).await), [(n, DeltaKind::Appear)]);
+    assert_eq!(kinds(&s.edge.batch(2).await), [(n, DeltaKind::Appear)]);
     tx.send(MeshFrame::one(mesh_message::Body::Heartbeat(
         mesh::Heartbeat { sent_unix_ms: 0 },
     )))
@@ -744,8 +795,8 @@ async fn shutdown_detaches_sessions_and_closes_the_game_cleanly() {
     let admin = s.sc.h().admin.clone();
     assert!(admin.is_ready());
     s.sc.stop.cancel();
-    let d = s.link.expect_detach(1).await;
-    assert_eq!(d.kick_reason, KickReason::Shutdown as u32);
+    let kick = s.edge.kicked(1).await;
+    assert_eq!(kick.reason, KickReason::Shutdown as i32);
     let rest = s.game.closed().await;
     assert!(
         rest.iter()

@@ -43,7 +43,7 @@ async fn a_first_frame_larger_than_a_hello_is_refused_at_once() {
         "{metrics}"
     );
     // A peer that says who it is gets in, and may then send frames as large as the config lets.
-    let _link = s.link("proxy-a").await;
+    let _peer = RawPeer::proxy(s.mesh(), "proxy-a").await;
 }
 
 /// Idle connections that never say hello hold at most 256 handshakes: the next is closed at once,
@@ -99,7 +99,7 @@ async fn an_attach_needs_an_attestation_for_its_account_under_the_attest_key() {
         ..test_config()
     })
     .await;
-    let mut link = s.link("proxy-a").await;
+    let mut link = RawPeer::proxy(s.mesh(), "proxy-a").await;
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -196,6 +196,7 @@ fn off_loopback_a_sidecar_needs_its_attest_keys() {
     let open = SidecarConfig {
         mesh_listen: "0.0.0.0:7200".into(),
         mesh_tls: tls,
+        attest_keys: Vec::new(),
         ..test_config()
     };
     let err = open.validate().unwrap_err().to_string();

@@ -1,5 +1,6 @@
 //! Several nodes serving one world, over real sockets: sidecars linked to each other over
-//! loopback TCP, a game on each (the test drives them), and proxies' ends of mesh links.
+//! loopback TCP, a game on each (the test drives them), and clients logged in through real
+//! proxies in front of them.
 
 mod support;
 
@@ -71,6 +72,7 @@ fn config(node_id: u32, shape: WorldShape) -> SidecarConfig {
         local_listen: "127.0.0.1:0".into(),
         mesh_listen: "127.0.0.1:0".into(),
         admin_listen: "127.0.0.1:0".into(),
+        attest_keys: vec![attest_key()],
         ghost_min_lifespan_ms: 300,
         // Nodes of parallel tests share this process and their ids: none locks a state dir.
         state_dir: String::new(),
@@ -166,18 +168,18 @@ impl World {
         }
     }
 
-    /// Ticks every game until a batch of `session_id` on `link` satisfies `f`.
+    /// Ticks every game until a batch of player `player` of `proxy` satisfies `f`.
     async fn until<T>(
         &mut self,
-        link: &mut MeshLink,
-        session_id: u64,
+        proxy: &mut Edge,
+        player: u64,
         what: &str,
         mut f: impl FnMut(&edge::Batch) -> Option<T>,
     ) -> T {
         for _ in 0..ROUNDS {
             self.tick().await;
-            for b in link
-                .batches_within(session_id, Duration::from_millis(25))
+            for b in proxy
+                .batches_within(player, Duration::from_millis(25))
                 .await
             {
                 if let Some(t) = f(&b) {
@@ -185,19 +187,20 @@ impl World {
                 }
             }
         }
-        panic!("session {session_id} never got {what}");
+        panic!("player {player} never got {what}");
     }
 
-    /// Attaches `account` on gateway `node` as `session_id` and spawns its avatar there at `at`.
+    /// Logs `account` in as player `player` of `proxy`, whose gateway is `node`, and spawns its
+    /// avatar there at `at`.
     async fn join(
         &mut self,
         node: u32,
-        link: &mut MeshLink,
-        session_id: u64,
+        proxy: &mut Edge,
+        player: u64,
         account: &str,
         at: local::Vec3,
     ) -> u64 {
-        let attached = link.attach(session_id, account).await;
+        let attached = proxy.login(player, account).await;
         assert_eq!(attached.gateway_node, node);
         let n = self.node(node);
         let join = n.game.expect_join(account).await;
@@ -242,13 +245,13 @@ fn npc_with_secret(id: u64, at: local::Vec3) -> game_message::Body {
 
 async fn sees_remote_npc_appear_move_vanish(cols: u32, rows: u32) {
     let mut w = World::start(cols, rows).await;
-    let mut link = MeshLink::dial(w.node(1).h().mesh_addr, "edge").await;
+    let mut edge = Edge::start("edge", &[w.node(1).h().mesh_addr]).await;
     // Alice stands in node 1's cell two chunks from node 2's.
-    let me = w.join(1, &mut link, 1, "alice", chunk(30, 10)).await;
+    let me = w.join(1, &mut edge, 1, "alice", chunk(30, 10)).await;
     let npc = w.node(2).id();
     w.node(2).game.push(npc_with_secret(npc, chunk(33, 10)));
     let first = w
-        .until(&mut link, 1, "the NPC of node 2", |b| appeared(b, npc))
+        .until(&mut edge, 1, "the NPC of node 2", |b| appeared(b, npc))
         .await;
     assert_eq!(
         types(&first),
@@ -261,7 +264,7 @@ async fn sees_remote_npc_appear_move_vanish(cols: u32, rows: u32) {
 
     w.node(2).game.push(move_to(npc, chunk(34, 10)));
     let moved = w
-        .until(&mut link, 1, "the NPC's move", |b| {
+        .until(&mut edge, 1, "the NPC's move", |b| {
             b.deltas
                 .iter()
                 .find(|d| d.entity_id == npc && d.kind() == DeltaKind::Update)
@@ -277,7 +280,7 @@ async fn sees_remote_npc_appear_move_vanish(cols: u32, rows: u32) {
     ));
     w.node(2).game.push(despawn(npc));
     let gone = w
-        .until(&mut link, 1, "the NPC's vanish", |b| {
+        .until(&mut edge, 1, "the NPC's vanish", |b| {
             for d in &b.deltas {
                 assert!(
                     !d.components.iter().any(|c| c.r#type == 3),
@@ -308,11 +311,11 @@ async fn four_nodes_a_client_sees_a_remote_npc_appear_move_and_vanish() {
 #[tokio::test]
 async fn thirty_watchers_on_one_gateway_cost_the_owner_one_message_per_update() {
     let mut w = World::start(2, 1).await;
-    let mut link = MeshLink::dial(w.node(1).h().mesh_addr, "edge").await;
+    let mut edge = Edge::start("edge", &[w.node(1).h().mesh_addr]).await;
     for s in 1..=30u64 {
         w.join(
             1,
-            &mut link,
+            &mut edge,
             s,
             &format!("watcher-{s}"),
             chunk(30, 8 + (s % 5) as i64),
@@ -325,7 +328,7 @@ async fn thirty_watchers_on_one_gateway_cost_the_owner_one_message_per_update() 
     for _ in 0..ROUNDS {
         w.tick().await;
         for s in waiting.clone() {
-            if link
+            if edge
                 .batches_within(s, Duration::from_millis(2))
                 .await
                 .iter()
@@ -339,7 +342,7 @@ async fn thirty_watchers_on_one_gateway_cost_the_owner_one_message_per_update() 
         }
     }
     assert!(waiting.is_empty(), "never saw the NPC: {waiting:?}");
-    link.settle(Duration::from_millis(100)).await;
+    edge.settle(Duration::from_millis(100)).await;
 
     let before = w.node(2).h().stats().cross_node_updates;
     const MOVES: u64 = 5;
@@ -355,7 +358,7 @@ async fn thirty_watchers_on_one_gateway_cost_the_owner_one_message_per_update() 
     let mut last: BTreeMap<u64, f64> = BTreeMap::new();
     for _ in 0..50 {
         for s in 1..=30u64 {
-            for b in link.batches_within(s, Duration::from_millis(1)).await {
+            for b in edge.batches_within(s, Duration::from_millis(1)).await {
                 for d in b.deltas.iter().filter(|d| d.entity_id == npc) {
                     assert_eq!(d.kind(), DeltaKind::Update);
                     last.insert(s, d.position.unwrap().x);
@@ -379,17 +382,17 @@ async fn thirty_watchers_on_one_gateway_cost_the_owner_one_message_per_update() 
 #[tokio::test]
 async fn a_party_over_three_gateways_costs_three_node_messages() {
     let mut w = World::start(2, 2).await;
-    let mut links = Vec::new();
+    let mut edges = Vec::new();
     for (node, account) in [(1u32, "alice"), (2, "bob"), (3, "carol")] {
-        let mut link = MeshLink::dial(w.node(node).h().mesh_addr, "edge").await;
+        let mut edge = Edge::start("edge", &[w.node(node).h().mesh_addr]).await;
         // Deep inside each gateway's own cell, far from node 4's.
         let at = match node {
             1 => chunk(5, 5),
             2 => chunk(40, 5),
             _ => chunk(5, 40),
         };
-        w.join(node, &mut link, 1, account, at).await;
-        links.push(link);
+        w.join(node, &mut edge, 1, account, at).await;
+        edges.push(edge);
     }
     // Node 4 simulates something of alice's whose health her party sees.
     let pet = w.node(4).id();
@@ -407,8 +410,8 @@ async fn a_party_over_three_gateways_costs_three_node_messages() {
         owner_account: "alice".into(),
         ..Default::default()
     }));
-    for link in links.iter_mut() {
-        w.until(link, 1, "the pet's health", |b| {
+    for edge in edges.iter_mut() {
+        w.until(edge, 1, "the pet's health", |b| {
             b.deltas
                 .iter()
                 .any(|d| d.entity_id == pet && types(d) == [2])
@@ -425,9 +428,9 @@ async fn a_party_over_three_gateways_costs_three_node_messages() {
             aud(AudienceKind::OwnerAndParty, &["bob", "carol"]),
         ),
     ));
-    for link in links.iter_mut() {
+    for edge in edges.iter_mut() {
         let d = w
-            .until(link, 1, "the health change", |b| {
+            .until(edge, 1, "the health change", |b| {
                 b.deltas.iter().find(|d| d.entity_id == pet).cloned()
             })
             .await;
@@ -479,8 +482,8 @@ async fn a_player_simulated_off_its_gateway_sees_its_own_inventory_with_its_avat
         .await
         .unwrap();
     let mut w = World::start_with(2, 1, stores, |_| None).await;
-    let mut link = MeshLink::dial(w.node(1).h().mesh_addr, "edge").await;
-    assert_eq!(link.attach(1, "alice").await.gateway_node, 1);
+    let mut edge = Edge::start("edge", &[w.node(1).h().mesh_addr]).await;
+    assert_eq!(edge.login(1, "alice").await.gateway_node, 1);
     let join = w.node(2).game.expect_join("alice").await;
     let at = join.last_position.expect("the record's position");
     let avatar_id = w.node(2).id();
@@ -495,7 +498,7 @@ async fn a_player_simulated_off_its_gateway_sees_its_own_inventory_with_its_avat
     let mut held: Option<BTreeSet<u32>> = None;
     for _ in 0..ROUNDS {
         w.tick().await;
-        for b in link.batches_within(1, Duration::from_millis(25)).await {
+        for b in edge.batches_within(1, Duration::from_millis(25)).await {
             for d in b.deltas.iter().filter(|d| d.entity_id == avatar_id) {
                 let types = types(d).into_iter();
                 match d.kind() {
@@ -520,20 +523,20 @@ async fn a_player_simulated_off_its_gateway_sees_its_own_inventory_with_its_avat
     );
 
     // Bob, on the same gateway across the border, sees her avatar but never her inventory.
-    w.join(1, &mut link, 2, "bob", chunk(31, 5)).await;
+    w.join(1, &mut edge, 2, "bob", chunk(31, 5)).await;
     let appear = w
-        .until(&mut link, 2, "alice's avatar", |b| appeared(b, avatar_id))
+        .until(&mut edge, 2, "alice's avatar", |b| appeared(b, avatar_id))
         .await;
     assert_eq!(types(&appear), [1]);
     for _ in 0..10 {
         w.tick().await;
-        for b in link.batches_within(2, Duration::from_millis(25)).await {
+        for b in edge.batches_within(2, Duration::from_millis(25)).await {
             for d in b.deltas.iter().filter(|d| d.entity_id == avatar_id) {
                 assert!(!types(d).contains(&3), "bob got alice's inventory: {d:?}");
             }
         }
         // Nor is it sent to alice again while it does not change.
-        for b in link.batches_within(1, Duration::ZERO).await {
+        for b in edge.batches_within(1, Duration::ZERO).await {
             assert!(b.deltas.iter().all(|d| d.entity_id != avatar_id), "{b:?}");
         }
     }
@@ -558,10 +561,10 @@ async fn a_party_member_logging_in_elsewhere_gets_the_current_party_state_once()
         w.tick().await;
     }
     // Bob logs in on node 1, far from the pet: it reaches him though nothing changed.
-    let mut link = MeshLink::dial(w.node(1).h().mesh_addr, "edge").await;
-    w.join(1, &mut link, 1, "bob", chunk(5, 5)).await;
+    let mut edge = Edge::start("edge", &[w.node(1).h().mesh_addr]).await;
+    w.join(1, &mut edge, 1, "bob", chunk(5, 5)).await;
     let d = w
-        .until(&mut link, 1, "the pet's health", |b| {
+        .until(&mut edge, 1, "the pet's health", |b| {
             b.deltas.iter().find(|d| d.entity_id == pet).cloned()
         })
         .await;
@@ -569,7 +572,7 @@ async fn a_party_member_logging_in_elsewhere_gets_the_current_party_state_once()
     assert_eq!(d.components[0].payload, Bytes::from_static(b"hp-100"));
     for _ in 0..10 {
         w.tick().await;
-        for b in link.batches_within(1, Duration::from_millis(25)).await {
+        for b in edge.batches_within(1, Duration::from_millis(25)).await {
             assert!(b.deltas.iter().all(|d| d.entity_id != pet), "{b:?}");
         }
     }
@@ -578,15 +581,15 @@ async fn a_party_member_logging_in_elsewhere_gets_the_current_party_state_once()
 #[tokio::test]
 async fn a_send_reaches_an_account_on_another_gateway() {
     let mut w = World::start(2, 1).await;
-    let mut link = MeshLink::dial(w.node(2).h().mesh_addr, "edge").await;
-    w.join(2, &mut link, 1, "bob", chunk(40, 5)).await;
+    let mut edge = Edge::start("edge", &[w.node(2).h().mesh_addr]).await;
+    w.join(2, &mut edge, 1, "bob", chunk(40, 5)).await;
     w.node(1).game.push(game_message::Body::Send(local::Send {
         accounts: vec!["bob".into()],
         r#type: 42,
         payload: Bytes::from_static(b"trade?"),
     }));
     let m = w
-        .until(&mut link, 1, "the message", |b| b.messages.first().cloned())
+        .until(&mut edge, 1, "the message", |b| b.messages.first().cloned())
         .await;
     assert_eq!((m.r#type, m.payload), (42, Bytes::from_static(b"trade?")));
 }
@@ -670,9 +673,9 @@ async fn an_npc_perceives_a_player_across_the_border_without_flapping() {
 #[tokio::test]
 async fn across_the_seam_a_client_sees_both_sides_at_their_true_offsets() {
     let mut w = World::start(2, 1).await;
-    let mut link = MeshLink::dial(w.node(1).h().mesh_addr, "edge").await;
+    let mut edge = Edge::start("edge", &[w.node(1).h().mesh_addr]).await;
     let me_at = chunk(0, 10);
-    w.join(1, &mut link, 1, "alice", me_at).await;
+    w.join(1, &mut edge, 1, "alice", me_at).await;
     let west = w.node(2).id(); // last column of node 2's cell: across the seam
     let east = w.node(1).id();
     w.node(2).game.push(npc(west, chunk(63, 10)));
@@ -680,7 +683,7 @@ async fn across_the_seam_a_client_sees_both_sides_at_their_true_offsets() {
     let mut seen: BTreeMap<u64, edge::Vec3> = BTreeMap::new();
     for _ in 0..ROUNDS {
         w.tick().await;
-        for b in link.batches_within(1, Duration::from_millis(20)).await {
+        for b in edge.batches_within(1, Duration::from_millis(20)).await {
             for d in &b.deltas {
                 if d.kind() == DeltaKind::Appear {
                     if let Some(p) = d.position {
@@ -711,8 +714,8 @@ async fn across_the_seam_a_client_sees_both_sides_at_their_true_offsets() {
 /// is kicked, and what is addressed to alice afterwards reaches the new session only.
 async fn displacement(stores: Stores) {
     let mut w = World::start_with(2, 1, stores, |_| None).await;
-    let mut l1 = MeshLink::dial(w.node(1).h().mesh_addr, "edge-a").await;
-    let mut l2 = MeshLink::dial(w.node(2).h().mesh_addr, "edge-b").await;
+    let mut l1 = Edge::start("edge-a", &[w.node(1).h().mesh_addr]).await;
+    let mut l2 = Edge::start("edge-b", &[w.node(2).h().mesh_addr]).await;
     // Unique per run: the Redis directory outlives the test.
     let account = format!("alice-{}", run_id());
     w.join(1, &mut l1, 1, &account, chunk(5, 5)).await;
@@ -721,10 +724,10 @@ async fn displacement(stores: Stores) {
         .await;
     assert!(first > 0);
 
-    let attached = l2.attach(1, &account).await;
+    let attached = l2.login(1, &account).await;
     assert_eq!(attached.gateway_node, 2);
-    let kicked = l1.expect_detach(1).await;
-    assert_eq!(kicked.kick_reason, KickReason::Displaced as u32);
+    let kicked = l1.kicked(1).await;
+    assert_eq!(kicked.reason, KickReason::Displaced as i32);
     // One avatar per account: the new gateway found it in the directory's master record, so
     // node 1's game keeps it and hears the new session join; node 2's game spawns none, and the
     // old session's leave never reaches a game (it waits for, and is met by, the newer join).
@@ -840,11 +843,11 @@ async fn a_cut_link_resynchronises_without_duplicates_or_leaks() {
     *relay.target.lock().unwrap() = Some(w.node(2).h().mesh_addr);
     w.linked().await;
 
-    let mut link = MeshLink::dial(w.node(1).h().mesh_addr, "edge").await;
-    w.join(1, &mut link, 1, "alice", chunk(30, 10)).await;
+    let mut edge = Edge::start("edge", &[w.node(1).h().mesh_addr]).await;
+    w.join(1, &mut edge, 1, "alice", chunk(30, 10)).await;
     let npc = w.node(2).id();
     w.node(2).game.push(npc_with_secret(npc, chunk(33, 10)));
-    w.until(&mut link, 1, "the NPC", |b| appeared(b, npc)).await;
+    w.until(&mut edge, 1, "the NPC", |b| appeared(b, npc)).await;
     let subscribers = w.node(2).h().stats().subscribers;
     let ghosts = w.node(1).h().stats().ghosts_render;
     assert!(subscribers > 0 && ghosts >= 1, "{subscribers} {ghosts}");
@@ -858,7 +861,7 @@ async fn a_cut_link_resynchronises_without_duplicates_or_leaks() {
             break;
         }
         w.tick().await;
-        seen.extend(link.batches_within(1, Duration::from_millis(25)).await);
+        seen.extend(edge.batches_within(1, Duration::from_millis(25)).await);
     }
     assert_eq!(w.node(2).h().stats().subscribers, 0);
     assert_eq!(
@@ -872,11 +875,11 @@ async fn a_cut_link_resynchronises_without_duplicates_or_leaks() {
     w.node(2).game.push(move_to(npc, chunk(34, 11)));
     for _ in 0..5 {
         w.tick().await;
-        seen.extend(link.batches_within(1, Duration::from_millis(25)).await);
+        seen.extend(edge.batches_within(1, Duration::from_millis(25)).await);
     }
     relay.restore();
     let at = (34.0 * CHUNK + 16.0, 11.0 * CHUNK + 16.0);
-    w.until(&mut link, 1, "the NPC where it is after the restore", |b| {
+    w.until(&mut edge, 1, "the NPC where it is after the restore", |b| {
         seen.push(b.clone());
         b.deltas
             .iter()
@@ -892,7 +895,7 @@ async fn a_cut_link_resynchronises_without_duplicates_or_leaks() {
     for _ in 0..3 {
         w.tick().await;
     }
-    let later = link.batches_within(1, Duration::from_millis(200)).await;
+    let later = edge.batches_within(1, Duration::from_millis(200)).await;
     assert!(
         later.iter().all(|b| appeared(b, npc).is_none()),
         "{later:?}"

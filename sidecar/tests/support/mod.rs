@@ -1,28 +1,30 @@
 //! Test harness: a sidecar on ephemeral ports with in-memory stores, a game speaking the local
-//! protocol through the SDK, and the proxy's side of a mesh link speaking the mesh protocol over
-//! real TCP.
+//! protocol through the SDK, a real proxy in front with clients logged in through it, and raw
+//! mesh peers for the tests whose subject is the bytes on the wire.
 #![allow(dead_code)]
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
+use cellmesh_proto::client::{self, ClientReceiver, ClientSender};
 use cellmesh_proto::codec::FrameCodec;
-use cellmesh_proto::edge::{self, server_message, DeltaKind, EntityDelta, ServerFrame};
+use cellmesh_proto::edge::{self, client_message, server_message, DeltaKind, EntityDelta};
 use cellmesh_proto::local::{
     self, game_message, sidecar_message, Audience, AudienceKind, Component, SidecarFrame, Vec3,
 };
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, PeerRole};
 use cellmesh_proto::sdk::{self, GameReceiver, GameSender, SdkConfig};
+use cellmesh_proxy::{ProxyConfig, ProxyHandle};
 use cellmesh_sidecar::{SidecarConfig, SidecarHandle};
 use cellmesh_stores::Stores;
 pub use cellmesh_test_support::within;
 use futures::{SinkExt, StreamExt};
 use prost::Message;
 use tokio::io::AsyncWriteExt;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
 use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 
@@ -43,6 +45,7 @@ pub fn test_config() -> SidecarConfig {
         local_listen: "127.0.0.1:0".into(),
         mesh_listen: "127.0.0.1:0".into(),
         admin_listen: "127.0.0.1:0".into(),
+        attest_keys: vec![attest_key()],
         ..SidecarConfig::default()
     }
 }
@@ -82,8 +85,9 @@ impl TestSidecar {
         TestGame::connect(&self.local()).await
     }
 
-    pub async fn link(&self, name: &str) -> MeshLink {
-        MeshLink::dial(self.mesh(), name).await
+    /// A real proxy with this sidecar its one gateway.
+    pub async fn edge(&self, name: &str) -> Edge {
+        Edge::start(name, &[self.mesh()]).await
     }
 
     pub async fn state(&self) -> serde_json::Value {
@@ -382,25 +386,255 @@ pub fn delta(b: &edge::Batch, id: u64) -> &EntityDelta {
         .unwrap_or_else(|| panic!("no delta for {id} in {b:?}"))
 }
 
-// ---------------------------------------------------------------------------- mesh link
+// ---------------------------------------------------------------------------- proxies and players
 
-/// The proxy's end of a mesh link: handshake, heartbeats every second, and a typed inbox.
-pub struct MeshLink {
-    out: mpsc::Sender<MeshFrame>,
-    inbox: mpsc::UnboundedReceiver<mesh_message::Body>,
-    backlog: VecDeque<mesh_message::Body>,
-    pub sidecar_hello: mesh::LinkHello,
-    stop: CancellationToken,
+/// The attach key the sidecars under test and their proxies share, made for this process.
+pub fn attest_key() -> String {
+    static KEY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    KEY.get_or_init(|| format!("test:{}", cellmesh_test_support::run_id()))
+        .clone()
 }
 
-impl Drop for MeshLink {
+/// The token secret of the proxies under test.
+const TOKEN_SECRET: &str = "test-secret";
+
+/// A real proxy in front of gateway sidecars, and the players logged in through it, each known
+/// by the number the test gives it.
+pub struct Edge {
+    pub handle: ProxyHandle,
+    stop: CancellationToken,
+    players: BTreeMap<u64, Player>,
+}
+
+impl Edge {
+    /// Starts proxy `name` with `gateways` and waits until it is ready (a gateway link up).
+    pub async fn start(name: &str, gateways: &[SocketAddr]) -> Self {
+        let cfg = ProxyConfig {
+            name: name.into(),
+            client_listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            gateways: gateways.iter().map(|g| g.to_string()).collect(),
+            token_secret: TOKEN_SECRET.into(),
+            attest_keys: vec![attest_key()],
+            drain_grace_ms: 0,
+            drain_spread_ms: 0,
+            ..ProxyConfig::default()
+        };
+        let stop = CancellationToken::new();
+        let handle = cellmesh_proxy::start(cfg, stop.clone())
+            .await
+            .expect("the proxy starts");
+        within("the proxy to be ready", async {
+            while !handle.admin.is_ready() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        Self {
+            handle,
+            stop,
+            players: BTreeMap::new(),
+        }
+    }
+
+    /// Logs `account` in as player `player`; its `Welcome` (the session's gateway and epoch).
+    pub async fn login(&mut self, player: u64, account: &str) -> edge::Welcome {
+        let token = cellmesh_proto::token::sign(
+            TOKEN_SECRET.as_bytes(),
+            account,
+            cellmesh_test_support::unix_now() + 3600,
+        );
+        let addr = self.handle.client_addr.to_string();
+        let (tx, rx, welcome) = within(&format!("{account}'s login"), client::login(&addr, &token))
+            .await
+            .unwrap_or_else(|e| panic!("{account}'s login failed: {e}"));
+        self.players.insert(
+            player,
+            Player {
+                tx,
+                rx,
+                backlog: VecDeque::new(),
+            },
+        );
+        welcome.clone()
+    }
+
+    pub fn player(&mut self, player: u64) -> &mut Player {
+        self.players
+            .get_mut(&player)
+            .unwrap_or_else(|| panic!("no player {player}"))
+    }
+
+    /// The next batch player `player` gets.
+    pub async fn batch(&mut self, player: u64) -> edge::Batch {
+        self.player(player).batch().await
+    }
+
+    /// Every batch player `player` gets within `d` (for "exactly one" and "none" checks).
+    pub async fn batches_within(&mut self, player: u64, d: Duration) -> Vec<edge::Batch> {
+        self.player(player).batches_within(d).await
+    }
+
+    pub async fn input(&mut self, player: u64, seq: u64, payload: &'static [u8]) {
+        self.player(player).input(seq, payload).await
+    }
+
+    /// Forgets every batch the players got so far or within `d`.
+    pub async fn settle(&mut self, d: Duration) {
+        tokio::time::sleep(d).await;
+        for p in self.players.values_mut() {
+            p.batches_within(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Player `player` says goodbye and closes its connection.
+    pub async fn leave(&mut self, player: u64) {
+        let p = self
+            .players
+            .remove(&player)
+            .unwrap_or_else(|| panic!("no player {player}"));
+        p.tx.close().await.expect("the goodbye is sent");
+    }
+
+    /// The `Kick` player `player` gets, after which the proxy closes its connection.
+    pub async fn kicked(&mut self, player: u64) -> edge::Kick {
+        self.player(player).kicked().await
+    }
+}
+
+impl Drop for Edge {
     fn drop(&mut self) {
         self.stop.cancel();
     }
 }
 
-/// What a proxy holding the built-in attest key (a sidecar's default) signs for `account`'s
-/// session `session_id` now.
+/// A logged-in client of a proxy, answering its pings whenever it reads.
+pub struct Player {
+    tx: ClientSender,
+    rx: ClientReceiver,
+    /// What came while the test waited for something else.
+    backlog: VecDeque<server_message::Body>,
+}
+
+impl Player {
+    pub async fn input(&mut self, seq: u64, payload: &'static [u8]) {
+        self.tx
+            .input(seq, Bytes::from_static(payload))
+            .await
+            .expect("the input is sent");
+    }
+
+    /// The next message kept or read.
+    async fn next(&mut self) -> Option<server_message::Body> {
+        match self.backlog.pop_front() {
+            Some(m) => Some(m),
+            None => self.read().await,
+        }
+    }
+
+    /// The next message read that is not a ping (pings are answered); `None` once closed.
+    async fn read(&mut self) -> Option<server_message::Body> {
+        loop {
+            let m = self.rx.next().await?.ok()?;
+            match m.body {
+                Some(server_message::Body::Ping(p)) => {
+                    let pong = client_message::Body::Pong(edge::Pong { nonce: p.nonce });
+                    let _ = self.tx.send(pong).await;
+                }
+                Some(body) => return Some(body),
+                None => {}
+            }
+        }
+    }
+
+    /// The next batch; anything else before it is kept for later.
+    pub async fn batch(&mut self) -> edge::Batch {
+        if let Some(i) = self
+            .backlog
+            .iter()
+            .position(|m| matches!(m, server_message::Body::Batch(_)))
+        {
+            let Some(server_message::Body::Batch(b)) = self.backlog.remove(i) else {
+                unreachable!()
+            };
+            return b;
+        }
+        let mut kept = Vec::new();
+        let b = within("a batch", async {
+            loop {
+                match self.read().await {
+                    Some(server_message::Body::Batch(b)) => return b,
+                    Some(other) => kept.push(other),
+                    None => panic!("the proxy closed the player while it waited for a batch"),
+                }
+            }
+        })
+        .await;
+        self.backlog.extend(kept);
+        b
+    }
+
+    /// Every batch within `d`; anything else is kept for later.
+    pub async fn batches_within(&mut self, d: Duration) -> Vec<edge::Batch> {
+        let mut out = Vec::new();
+        let mut kept = Vec::new();
+        self.backlog.retain(|m| match m {
+            server_message::Body::Batch(b) => {
+                out.push(b.clone());
+                false
+            }
+            _ => true,
+        });
+        let _ = tokio::time::timeout(d, async {
+            while let Some(m) = self.read().await {
+                match m {
+                    server_message::Body::Batch(b) => out.push(b),
+                    other => kept.push(other),
+                }
+            }
+        })
+        .await;
+        self.backlog.extend(kept);
+        out
+    }
+
+    /// Reads past anything else to the `Kick`, then expects the connection to close.
+    pub async fn kicked(&mut self) -> edge::Kick {
+        within("a kick", async {
+            loop {
+                match self.next().await {
+                    Some(server_message::Body::Kick(k)) => {
+                        assert!(
+                            self.read().await.is_none(),
+                            "the proxy must close after a kick"
+                        );
+                        return k;
+                    }
+                    Some(_) => {}
+                    None => panic!("the connection closed without a Kick"),
+                }
+            }
+        })
+        .await
+    }
+
+    /// Reads and answers pings for `d` (batches and all are kept for later).
+    pub async fn pump(&mut self, d: Duration) {
+        let mut kept = Vec::new();
+        let _ = tokio::time::timeout(d, async {
+            while let Some(m) = self.read().await {
+                kept.push(m);
+            }
+        })
+        .await;
+        self.backlog.extend(kept);
+    }
+}
+
+// ---------------------------------------------------------------------------- raw peers
+
+/// A signed attestation under the shared attest key for `account`'s session `session_id` now,
+/// for a raw peer's `Attach`.
 pub fn attestation(account: &str, session_id: u64) -> String {
     let ring = test_config().attest_ring().unwrap();
     let now = std::time::SystemTime::now()
@@ -433,80 +667,54 @@ pub fn sidecar_hello(node_id: u32, partition_epoch: u64) -> MeshFrame {
     }))
 }
 
-impl MeshLink {
-    pub async fn dial(addr: SocketAddr, name: &str) -> Self {
-        Self::dial_with(addr, link_hello(name, 1)).await
+/// A mesh connection that sends the frames the test writes and reads what comes back, for tests
+/// whose subject is what crosses the wire: it keeps no heartbeat of its own.
+pub struct RawPeer {
+    reader: FramedRead<OwnedReadHalf, FrameCodec<MeshFrame>>,
+    writer: FramedWrite<OwnedWriteHalf, FrameCodec<MeshFrame>>,
+    /// What came while the test waited for something else.
+    backlog: VecDeque<mesh_message::Body>,
+    /// The sidecar's `LinkHello`.
+    pub hello: mesh::LinkHello,
+}
+
+impl RawPeer {
+    /// Dials `addr` as proxy `name`.
+    pub async fn proxy(addr: SocketAddr, name: &str) -> Self {
+        Self::dial(addr, link_hello(name, 1)).await
     }
 
-    /// Dials with `hello` as the first frame (e.g. [`sidecar_hello`] to play a peer sidecar).
-    pub async fn dial_with(addr: SocketAddr, hello: MeshFrame) -> Self {
+    /// Dials with `hello` as the first frame and waits for the sidecar's `LinkHello`.
+    pub async fn dial(addr: SocketAddr, hello: MeshFrame) -> Self {
         let stream = TcpStream::connect(addr).await.expect("mesh dial");
         stream.set_nodelay(true).unwrap();
         let (r, w) = stream.into_split();
-        let mut reader = FramedRead::new(r, FrameCodec::<MeshFrame>::default());
-        let mut writer = FramedWrite::new(w, FrameCodec::<MeshFrame>::default());
-        writer.send(hello).await.unwrap();
-        let first = within("LinkHello back", reader.next())
+        let mut peer = Self {
+            reader: FramedRead::new(r, FrameCodec::default()),
+            writer: FramedWrite::new(w, FrameCodec::default()),
+            backlog: VecDeque::new(),
+            hello: mesh::LinkHello::default(),
+        };
+        peer.writer.send(hello).await.expect("the hello is sent");
+        let first = within("LinkHello back", peer.reader.next())
             .await
             .expect("an answer")
             .expect("a frame");
-        let sidecar_hello = match first.messages.into_iter().next().and_then(|m| m.body) {
+        peer.hello = match first.messages.into_iter().next().and_then(|m| m.body) {
             Some(mesh_message::Body::Hello(h)) => h,
             other => panic!("expected LinkHello, got {other:?}"),
         };
-        let (out, mut queue) = mpsc::channel::<MeshFrame>(1024);
-        let (deliver, inbox) = mpsc::unbounded_channel();
-        let stop = CancellationToken::new();
-        let halt = stop.clone();
-        tokio::spawn(async move {
-            let mut beat = tokio::time::interval(Duration::from_secs(1));
-            loop {
-                tokio::select! {
-                    _ = halt.cancelled() => break,
-                    f = queue.recv() => match f {
-                        Some(f) => if writer.send(f).await.is_err() { break },
-                        None => break,
-                    },
-                    _ = beat.tick() => {
-                        let hb = MeshFrame::one(mesh_message::Body::Heartbeat(mesh::Heartbeat { sent_unix_ms: 0 }));
-                        if writer.send(hb).await.is_err() { break }
-                    }
-                    f = reader.next() => match f {
-                        Some(Ok(frame)) => {
-                            for m in frame.messages {
-                                match m.body {
-                                    Some(mesh_message::Body::Heartbeat(_)) | None => {}
-                                    Some(b) => { let _ = deliver.send(b); }
-                                }
-                            }
-                        }
-                        _ => break,
-                    },
-                }
-            }
-            let _ = writer.get_mut().shutdown().await;
-        });
-        Self {
-            out,
-            inbox,
-            backlog: VecDeque::new(),
-            sidecar_hello,
-            stop,
-        }
+        peer
     }
 
-    pub async fn send(&self, body: mesh_message::Body) {
-        self.out
+    pub async fn send(&mut self, body: mesh_message::Body) {
+        self.writer
             .send(MeshFrame::one(body))
             .await
-            .expect("link task alive");
+            .expect("the frame is sent");
     }
 
-    /// Closes the link from the proxy side.
-    pub fn close(&self) {
-        self.stop.cancel();
-    }
-
+    /// The first message `f` accepts (heartbeats skipped, others kept for later calls).
     pub async fn expect<T>(
         &mut self,
         what: &str,
@@ -518,58 +726,28 @@ impl MeshLink {
         }
         within(what, async {
             loop {
-                let m = self
-                    .inbox
-                    .recv()
+                let frame = self
+                    .reader
+                    .next()
                     .await
-                    .unwrap_or_else(|| panic!("link closed while waiting for {what}"));
-                if let Some(t) = f(&m) {
+                    .unwrap_or_else(|| panic!("link closed while waiting for {what}"))
+                    .expect("a frame");
+                let mut found = None;
+                for m in frame.messages.into_iter().filter_map(|m| m.body) {
+                    if matches!(m, mesh_message::Body::Heartbeat(_)) {
+                        continue;
+                    }
+                    match f(&m) {
+                        Some(t) if found.is_none() => found = Some(t),
+                        _ => self.backlog.push_back(m),
+                    }
+                }
+                if let Some(t) = found {
                     return t;
                 }
-                self.backlog.push_back(m);
             }
         })
         .await
-    }
-
-    pub async fn attach(&mut self, session_id: u64, account: &str) -> mesh::Attached {
-        self.send(mesh_message::Body::Attach(mesh::Attach {
-            session_id,
-            account: account.into(),
-            remote_addr: "127.0.0.1:1".into(),
-            moved: false,
-            moved_from_epoch: 0,
-            handover: None,
-            attestation: attestation(account, session_id),
-        }))
-        .await;
-        self.expect(&format!("Attached for session {session_id}"), |m| match m {
-            mesh_message::Body::Attached(a) if a.session_id == session_id => Some(*a),
-            mesh_message::Body::Detach(d) if d.session_id == session_id => {
-                panic!("attach refused: {d:?}")
-            }
-            _ => None,
-        })
-        .await
-    }
-
-    pub async fn input(&self, session_id: u64, seq: u64, payload: &'static [u8]) {
-        self.send(mesh_message::Body::Input(mesh::SessionInput {
-            session_id,
-            seq,
-            payload: Bytes::from_static(payload),
-        }))
-        .await;
-    }
-
-    pub async fn detach(&self, session_id: u64) {
-        self.send(mesh_message::Body::Detach(mesh::Detach {
-            session_id,
-            kick_reason: edge::KickReason::KickUnspecified as u32,
-            detail: "bye".into(),
-            retry_after_ms: 0,
-        }))
-        .await;
     }
 
     pub async fn expect_detach(&mut self, session_id: u64) -> mesh::Detach {
@@ -578,59 +756,6 @@ impl MeshLink {
             _ => None,
         })
         .await
-    }
-
-    /// The next tick batch for `session_id`.
-    pub async fn batch(&mut self, session_id: u64) -> edge::Batch {
-        let bytes = self
-            .expect(&format!("a batch for session {session_id}"), |m| match m {
-                mesh_message::Body::ToClient(t) if t.session_id == session_id => {
-                    Some(t.server_frame.clone())
-                }
-                _ => None,
-            })
-            .await;
-        decode_batch(bytes)
-    }
-
-    /// Forgets every batch received so far or within `d`, for any session.
-    pub async fn settle(&mut self, d: Duration) {
-        let _ = tokio::time::timeout(d, async {
-            while let Some(m) = self.inbox.recv().await {
-                self.backlog.push_back(m);
-            }
-        })
-        .await;
-        self.backlog
-            .retain(|m| !matches!(m, mesh_message::Body::ToClient(_)));
-    }
-
-    /// Every batch for `session_id` arriving within `d` (for "exactly one" and "none" checks).
-    pub async fn batches_within(&mut self, session_id: u64, d: Duration) -> Vec<edge::Batch> {
-        let _ = tokio::time::timeout(d, async {
-            while let Some(m) = self.inbox.recv().await {
-                self.backlog.push_back(m);
-            }
-        })
-        .await;
-        let mut out = Vec::new();
-        self.backlog.retain(|m| match m {
-            mesh_message::Body::ToClient(t) if t.session_id == session_id => {
-                out.push(decode_batch(t.server_frame.clone()));
-                false
-            }
-            _ => true,
-        });
-        out
-    }
-}
-
-pub fn decode_batch(bytes: Bytes) -> edge::Batch {
-    let frame = ServerFrame::decode(bytes).expect("a ServerFrame");
-    assert_eq!(frame.messages.len(), 1, "one message per ToClient");
-    match frame.messages.into_iter().next().unwrap().body {
-        Some(server_message::Body::Batch(b)) => b,
-        other => panic!("expected a Batch, got {other:?}"),
     }
 }
 
@@ -697,11 +822,11 @@ pub fn hello(major: u32, minor: u32) -> local::GameFrame {
 
 // ---------------------------------------------------------------------------- a scene
 
-/// A sidecar with a game connected and one proxy link: the usual starting point.
+/// A sidecar with a game connected and a real proxy in front of it: the usual starting point.
 pub struct Scene {
     pub sc: TestSidecar,
     pub game: TestGame,
-    pub link: MeshLink,
+    pub edge: Edge,
     ids: Vec<u64>,
     pub tick: u64,
 }
@@ -714,11 +839,11 @@ impl Scene {
     pub async fn with(sc: TestSidecar) -> Self {
         let mut game = sc.game().await;
         let ids = game.reserve(256).await;
-        let link = sc.link("edge-test").await;
+        let edge = sc.edge("edge-test").await;
         Self {
             sc,
             game,
-            link,
+            edge,
             ids,
             tick: 0,
         }
@@ -735,22 +860,22 @@ impl Scene {
         self.tick
     }
 
-    /// Attaches `account` as `session_id` and spawns its avatar at `at`; returns the avatar id.
-    /// The session's first batch (the avatar and whatever is around it) is returned too.
+    /// Logs `account` in as player `player` and spawns its avatar at `at`; returns the avatar
+    /// id. The player's first batch (the avatar and whatever is around it) is returned too.
     pub async fn join(
         &mut self,
-        session_id: u64,
+        player: u64,
         account: &str,
         at: Vec3,
         components: Vec<Component>,
     ) -> (u64, edge::Batch) {
-        let attached = self.link.attach(session_id, account).await;
+        let welcome = self.edge.login(player, account).await;
         let join = self.game.expect_join(account).await;
-        assert_eq!(join.session_epoch, attached.session_epoch);
+        assert_eq!(join.session_epoch, welcome.session_epoch);
         let id = self.id();
         self.game.push(avatar(id, account, at, components));
         self.tick().await;
-        let b = self.link.batch(session_id).await;
+        let b = self.edge.batch(player).await;
         assert_eq!(b.tick, self.tick);
         (id, b)
     }
@@ -760,20 +885,20 @@ impl Scene {
 pub const MARKER: u32 = 9999;
 
 impl Scene {
-    /// Asserts that `session_id` (of `account`) got no batch since the last one it received:
-    /// sends the account a marker message in a new tick and checks that the session's next
-    /// batch is that tick's, holding the marker alone. Link order makes this exact, not timed.
-    pub async fn nothing_for(&mut self, session_id: u64, account: &str) {
+    /// Asserts that player `player` (of `account`) got no batch since the last one it received:
+    /// sends the account a marker message in a new tick and checks that the player's next batch
+    /// is that tick's, holding the marker alone. Link order makes this exact, not timed.
+    pub async fn nothing_for(&mut self, player: u64, account: &str) {
         self.game.push(game_message::Body::Send(local::Send {
             accounts: vec![account.into()],
             r#type: MARKER,
             payload: Bytes::from_static(b"marker"),
         }));
         let t = self.tick().await;
-        let b = self.link.batch(session_id).await;
+        let b = self.edge.batch(player).await;
         assert_eq!(
             b.tick, t,
-            "session {session_id} got a batch before the marker: {b:?}"
+            "player {player} got a batch before the marker: {b:?}"
         );
         assert!(b.deltas.is_empty() && b.events.is_empty(), "{b:?}");
         assert_eq!(
