@@ -222,13 +222,7 @@ fn a_stale_epoch_command_is_dropped_and_said_so() {
     p.steps(6);
     let (local, epoch) = p.node(2).entity(NPC).unwrap();
     assert!(local && epoch == 2, "node 2 writes it under epoch 2");
-    let token = p
-        .node(1)
-        .core
-        .commands
-        .origin
-        .open(14, NPC, u64::MAX)
-        .unwrap();
+    let token = p.node(1).core.commands.open(14, NPC, u64::MAX).unwrap();
     // A command stamped with epoch 1 (when node 1 wrote it), as a peer with an old view sends.
     let stale = mesh::EntityCommand {
         target: NPC,

@@ -901,7 +901,7 @@ impl Core {
             }
             // Commands held here for a gap in their order follow it (its new writer orders them
             // from the cursors the offer carried).
-            for c in self.commands.order.forget(id) {
+            for c in self.commands.forget(id) {
                 self.forward_command(done.to, done.epoch, c, false);
             }
             self.claims_handed_away(id);

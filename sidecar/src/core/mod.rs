@@ -729,7 +729,7 @@ impl Core {
             .input_order
             .next_due()
             .into_iter()
-            .chain(self.commands.order.next_due(|id| self.handoff.frozen(id)))
+            .chain(self.commands.next_due(|id| self.handoff.frozen(id)))
             .min()
             .unwrap_or(u64::MAX);
         let lease = self
@@ -1277,6 +1277,229 @@ impl Core {
         let lease_live = self.authority.lease_live;
         self.spawners
             .step(&mut self.cx, self.claims.book_mut(), game, lease_live);
+    }
+
+    // ------------------------------------------------------------------ commands
+
+    /// The game's `Command`.
+    pub(crate) fn on_command(&mut self, c: local::Command) {
+        let from_account = self
+            .table
+            .get_local(c.from_entity)
+            .map(|e| e.owner_account.clone())
+            .unwrap_or_default();
+        let incarnation = self.restore.incarnation;
+        match self
+            .commands
+            .on_game_command(&mut self.cx, c, from_account, incarnation)
+        {
+            Ok(command) => self.route_command(command),
+            Err((detail, entity)) => {
+                self.game_error(local::ErrorCode::InvalidValue, detail, entity)
+            }
+        }
+    }
+
+    /// The game's answer to a `CommandIn`: to the command's origin, once.
+    pub(crate) fn on_command_reply(&mut self, r: local::CommandReply) {
+        let path = commands::ResultPath {
+            mesh: &self.mesh,
+            incarnation: self.restore.incarnation,
+        };
+        self.commands.on_reply(&mut self.cx, &path, r);
+    }
+
+    /// Routes a command to the writer of its target: from this node's game, from a peer, or
+    /// let go by the fence or a thaw.
+    pub(crate) fn route_command(&mut self, c: mesh::EntityCommand) {
+        let path = commands::ResultPath {
+            mesh: &self.mesh,
+            incarnation: self.restore.incarnation,
+        };
+        let next = self
+            .commands
+            .route(&mut self.cx, &path, &self.table, &self.handoff, c);
+        match next {
+            commands::Next::Done => {}
+            commands::Next::Hold(id, c) => self.hold_command(id, c),
+            commands::Next::Route { id, owner, command } => {
+                let route = self
+                    .handoff
+                    .outgoing
+                    .route_input(id, handoff::Routed::Command(Box::new(command)));
+                self.follow_route(id, route, 0, owner);
+            }
+        }
+    }
+
+    /// A command under an epoch of its target not seen here yet: held by the fence until the
+    /// epoch change is.
+    fn hold_command(&mut self, id: u64, c: mesh::EntityCommand) {
+        let epoch = c.entity_epoch;
+        let admitted =
+            self.handoff
+                .fence
+                .admit(id, epoch, None, handoff::Fenced::Command(Box::new(c)));
+        let burnt = self.handoff.fence.is_burnt(id, epoch);
+        let path = commands::ResultPath {
+            mesh: &self.mesh,
+            incarnation: self.restore.incarnation,
+        };
+        self.commands
+            .fenced(&mut self.cx, &path, id, epoch, admitted, burnt);
+    }
+
+    /// Carries out the handoff machine's route for an input or command of entity `id`. One not
+    /// in a handoff goes to the game, or to `owner` (the writer of the ghost this node holds)
+    /// under its epoch.
+    pub(crate) fn follow_route(
+        &mut self,
+        id: u64,
+        route: model::handoff::InputRoute<handoff::Routed>,
+        hops: u32,
+        owner: Option<(NodeId, u64)>,
+    ) {
+        use handoff::Routed;
+        use model::handoff::InputRoute;
+        match route {
+            InputRoute::Held => {}
+            InputRoute::Local(Routed::Input(input)) => match owner {
+                Some((owner, epoch)) => self.forward_input(owner, id, epoch, input, hops),
+                None => self.input_to_game(input),
+            },
+            InputRoute::Forward {
+                to,
+                epoch,
+                input: Routed::Input(input),
+            } => self.forward_routed(id, to, epoch, input, hops),
+            InputRoute::Local(Routed::Command(c)) => match owner {
+                Some((owner, epoch)) => {
+                    self.cx.metrics.command_forwarded("owner");
+                    self.forward_command(owner, epoch, *c, false);
+                }
+                None => {
+                    let game_connected = self.game.slot.is_some();
+                    let path = commands::ResultPath {
+                        mesh: &self.mesh,
+                        incarnation: self.restore.incarnation,
+                    };
+                    self.commands
+                        .for_game(&mut self.cx, &path, *c, game_connected);
+                }
+            },
+            InputRoute::Forward {
+                to,
+                epoch,
+                input: Routed::Command(c),
+            } => {
+                // Behind an offer in flight a copy stays with the unit; after it, none does.
+                let copy_kept = self.handoff.outgoing.is_frozen(id);
+                self.cx.metrics.command_forwarded("handoff");
+                self.forward_command(to, epoch, *c, copy_kept);
+            }
+        }
+    }
+
+    /// Sends a command on to `to`, which writes (or is adopting) its target under `epoch`.
+    /// One that cannot be sent is answered, unless a copy of it stays here.
+    pub(crate) fn forward_command(
+        &mut self,
+        to: NodeId,
+        epoch: u64,
+        mut c: mesh::EntityCommand,
+        copy_kept: bool,
+    ) {
+        c.entity_epoch = epoch;
+        c.hops += 1;
+        if to == self.cx.config.node_id {
+            return self.route_command(c);
+        }
+        let path = commands::ResultPath {
+            mesh: &self.mesh,
+            incarnation: self.restore.incarnation,
+        };
+        self.commands.send_on(&mut self.cx, &path, to, c, copy_kept);
+    }
+
+    /// Commands for entities released in the tick that just ended: their unit is offered (or
+    /// kept) now.
+    pub(crate) fn route_after_tick(&mut self) {
+        for c in self.commands.take_after_tick() {
+            self.route_command(c);
+        }
+    }
+
+    /// Commands whose predecessor did not come in time: delivered in order all the same (those
+    /// of frozen entities wait: they follow the unit if it goes).
+    pub(crate) fn deliver_due_commands(&mut self) {
+        let handoff = &self.handoff;
+        self.commands
+            .deliver_due(&mut self.cx, |id| handoff.frozen(id));
+    }
+
+    /// The order each stream to `id` got to, for the offer that hands it on.
+    pub(crate) fn command_cursors(&self, id: u64) -> Vec<mesh::CommandCursor> {
+        self.commands.cursors(id)
+    }
+
+    /// An adopted unit's cursors: its commands go on in order here.
+    pub(crate) fn resume_command_cursors(&mut self, cursors: &[mesh::CommandCursor]) {
+        self.commands.resume_cursors(&self.cx, cursors);
+    }
+
+    /// The game despawned `id`: commands held for it find no target.
+    pub(crate) fn command_target_gone(&mut self, id: u64) {
+        let path = commands::ResultPath {
+            mesh: &self.mesh,
+            incarnation: self.restore.incarnation,
+        };
+        self.commands.target_gone(&mut self.cx, &path, id);
+    }
+
+    /// A peer asks where `l.entity` is written.
+    pub(crate) fn on_locate(&mut self, from: NodeId, l: mesh::Locate) {
+        let found = commands::whereabouts(&self.cx, &self.table, &self.handoff, l.entity);
+        self.send_peer(
+            from,
+            mesh_message::Body::Located(mesh::Located {
+                entity: l.entity,
+                found: found.is_some(),
+                owner: found.map_or(0, |f| f.0),
+                entity_epoch: found.map_or(0, |f| f.1),
+            }),
+        );
+    }
+
+    /// A peer says where an entity commands wait for is written.
+    pub(crate) fn on_located(&mut self, from: NodeId, l: mesh::Located) {
+        let path = commands::ResultPath {
+            mesh: &self.mesh,
+            incarnation: self.restore.incarnation,
+        };
+        let forward = self.commands.on_located(&mut self.cx, &path, from, l);
+        for (owner, epoch, c) in forward {
+            self.forward_command(owner, epoch, c, false);
+        }
+    }
+
+    /// A result from the writer (or a node that dropped the command): to the game, once.
+    pub(crate) fn on_command_result(&mut self, r: mesh::EntityCommandResult) {
+        let incarnation = self.restore.incarnation;
+        self.commands.on_result(&mut self.cx, incarnation, r);
+    }
+
+    /// Requests past their deadline are answered `TIMEOUT`; what waits too long is let go.
+    pub(crate) fn commands_step(&mut self) {
+        let path = commands::ResultPath {
+            mesh: &self.mesh,
+            incarnation: self.restore.incarnation,
+        };
+        self.commands.step(&mut self.cx, &path);
+    }
+
+    /// The game went away: the results it waited for and the replies it owed go with it.
+    pub(crate) fn commands_game_gone(&mut self) {
+        self.commands.game_gone(&mut self.cx);
     }
 
     // ------------------------------------------------------------------ state
