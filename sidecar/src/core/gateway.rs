@@ -520,7 +520,7 @@ impl Core {
         let Some(epoch) = s.epoch else {
             return self.cx.metrics.drop_input("session_attaching");
         };
-        if self.avatars.awaiting.contains_key(&s.account) {
+        if self.avatars.is_waiting(&s.account) {
             return self.cx.metrics.drop_input("input_avatar_restoring");
         }
         let owner = self
@@ -699,7 +699,7 @@ impl Core {
             .unwrap_or(self.cx.config.node_id);
         self.gateway.master_epoch.remove(account);
         self.gateway.clients.set_remote_anchor(account, None);
-        self.avatars.awaiting.remove(account);
+        self.avatars.stop_waiting(account);
         if owner != self.cx.config.node_id {
             self.send_peer(
                 owner,

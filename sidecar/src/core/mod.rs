@@ -1502,6 +1502,388 @@ impl Core {
         self.commands.game_gone(&mut self.cx);
     }
 
+    // ------------------------------------------------------------------ avatars
+
+    pub(crate) fn avatars_step(&mut self) {
+        self.apply_deferred_leaves();
+        self.expire_avatar_waits();
+        self.check_orphans();
+    }
+
+    /// Writes the master records of avatars this node now writes, and clears those of avatars
+    /// it despawned (see [`avatars::Avatars::sync_master_records`]).
+    pub(crate) fn sync_master_records(&mut self) {
+        let incarnation = self.restore.incarnation;
+        let writable = incarnation != 0 && self.authority.lease_live && self.mesh.clustered();
+        self.avatars
+            .sync_master_records(&mut self.cx, &self.table, incarnation, writable);
+    }
+
+    /// Whether a leave for `reason` waits for a newer session.
+    pub(crate) fn leave_waits(reason: &str) -> bool {
+        avatars::leave_waits(reason)
+    }
+
+    /// The leave of a session a newer login displaced, or whose proxy link broke, waits for
+    /// the newer session's join.
+    pub(crate) fn defer_leave(&mut self, account: &str, epoch: u64, reason: &str) {
+        self.avatars.defer_leave(&self.cx, account, epoch, reason);
+    }
+
+    /// Another gateway announced a session of `account` (`m`): if this node writes the
+    /// account's avatar and serves an older session with it, the avatar serves the new one (its
+    /// gateway may be waiting for it, or have sent its join elsewhere), or, when that gateway
+    /// spawns a new avatar, this one leaves at once: never two.
+    pub(crate) fn avatar_meets_session(&mut self, m: &mesh::SessionMoved) {
+        if m.gateway_node == self.cx.config.node_id || !self.writes_master(&m.account) {
+            return;
+        }
+        let served = self
+            .routing
+            .remote_players
+            .get(&m.account)
+            .map(|r| r.session_epoch)
+            .or_else(|| self.session_epoch(&m.account).map(|(_, e)| e))
+            .unwrap_or(0);
+        if m.session_epoch <= served {
+            return;
+        }
+        if !m.new_avatar {
+            let entry = SessionEntry {
+                gateway_node: m.gateway_node,
+                session_epoch: m.session_epoch,
+            };
+            return self.join_session(&m.account, entry);
+        }
+        tracing::debug!(account = %m.account, "a newer session spawns a new avatar: this one leaves");
+        self.avatars.take_leave(&m.account);
+        self.routing.remote_players.remove(&m.account);
+        self.routing.anchor_sent.remove(&m.account);
+        // Every session before the new one is over.
+        self.leave_game(&m.account, m.session_epoch - 1, "new_avatar_elsewhere");
+    }
+
+    /// The game hears session `epoch` of `account` leave (after the handoff of a frozen avatar,
+    /// if one is in flight).
+    pub(crate) fn leave_game(&mut self, account: &str, epoch: u64, reason: &str) {
+        self.leave_follows_handoff(account, epoch, reason);
+        if self.game.slot.is_some() {
+            self.cx.out.to_game.push(
+                local::sidecar_message::Body::PlayerLeave(local::PlayerLeave {
+                    account: account.to_string(),
+                    session_epoch: epoch,
+                    reason: reason.to_string(),
+                })
+                .into(),
+            );
+        }
+    }
+
+    fn apply_deferred_leaves(&mut self) {
+        for account in self.avatars.leaves_due(&self.cx) {
+            let Some((epoch, reason)) = self.avatars.take_leave(&account) else {
+                continue;
+            };
+            if self.serves_newer_session(&account, epoch) {
+                continue;
+            }
+            if !self.writes_master(&account) {
+                // Handed on meanwhile: the leave follows it (no second wait there).
+                let owner = self.departed_owner(&account);
+                if let Some(owner) = owner.filter(|o| *o != self.cx.config.node_id) {
+                    self.send_leave_on(
+                        owner,
+                        mesh::PeerPlayerLeave {
+                            account: account.clone(),
+                            session_epoch: epoch,
+                            reason: "session_over".into(),
+                        },
+                    );
+                    continue;
+                }
+            }
+            if self
+                .routing
+                .remote_players
+                .get(&account)
+                .is_some_and(|r| r.session_epoch <= epoch)
+            {
+                self.routing.remote_players.remove(&account);
+                self.routing.anchor_sent.remove(&account);
+            }
+            self.leave_game(&account, epoch, &reason);
+        }
+    }
+
+    /// The store refused a write of master records: they are written again at the next sync.
+    pub(crate) fn on_masters_not_written(&mut self, accounts: Vec<String>) {
+        self.avatars.on_masters_not_written(accounts);
+    }
+
+    /// Players whose avatar this node writes and whose gateway link is down: their session may
+    /// have moved (a gateway that died) or ended for good.
+    fn check_orphans(&mut self) {
+        let orphans: Vec<String> = self
+            .routing
+            .remote_players
+            .iter()
+            .filter(|(account, r)| {
+                !self.peer_link_up(r.gateway_node) && self.writes_master(account)
+            })
+            .map(|(a, _)| a.clone())
+            .collect();
+        let routing = &self.routing;
+        let due = self.avatars.orphans_due(&self.cx, orphans, |a| {
+            routing.remote_players.contains_key(a)
+        });
+        for account in due {
+            if self.routing.looking_up.insert(account.clone()) {
+                self.cx.store(StoreRequest::Lookup { account });
+            }
+        }
+    }
+
+    /// The node this node handed `account`'s avatar to, while it remembers.
+    pub(crate) fn departed_owner(&self, account: &str) -> Option<NodeId> {
+        let id = self.handoff.departed_masters.get(account)?;
+        Some(self.handoff.outgoing.departed_to(*id)?.0)
+    }
+
+    /// Whether this node writes `account`'s avatar.
+    pub(crate) fn writes_master(&self, account: &str) -> bool {
+        self.table
+            .master_of(account)
+            .is_some_and(|e| e.origin.is_none())
+    }
+
+    fn peer_link_up(&self, node: NodeId) -> bool {
+        node == self.cx.config.node_id || self.mesh.is_up(node)
+    }
+
+    /// The directory's word on the session of a player whose gateway link is down.
+    pub(crate) fn on_orphan_looked_up(&mut self, account: &str, entry: Option<SessionEntry>) {
+        let Some(r) = self.routing.remote_players.get(account).copied() else {
+            return;
+        };
+        if self.peer_link_up(r.gateway_node) || !self.writes_master(account) {
+            return;
+        }
+        match entry {
+            None if self.gateway_elsewhere_lives(r.gateway_node) => {
+                // That gateway registers its sessions in its own geo's directory, not in the
+                // one this node reads: a miss here says nothing. While its lease holds (or has
+                // only lapsed: a cut between the geos), the session may well go on; its link's
+                // return brings the gateway's sessions (`SessionMoved`), and its death moves them
+                // to another gateway of its geo, which announces them.
+            }
+            None => {
+                // The session is gone for good: so is its avatar.
+                tracing::debug!(%account, gateway = r.gateway_node, "the player's session ended with its gateway: avatar released");
+                self.release_remote_player(account, "gateway_gone");
+            }
+            Some(e)
+                if e.session_epoch > r.session_epoch
+                    && e.gateway_node != self.cx.config.node_id =>
+            {
+                self.join_session(account, e);
+            }
+            _ => {}
+        }
+    }
+
+    /// Whether `gateway` is a node of another geo (whose sessions this node's directory does not
+    /// hold) that has not died: its lease is live or lapsed, as this node last heard.
+    fn gateway_elsewhere_lives(&self, gateway: NodeId) -> bool {
+        let elsewhere = self
+            .restore
+            .geo_of
+            .get(&gateway)
+            .is_some_and(|g| *g != self.cx.config.geo);
+        elsewhere
+            && (self.restore.live.contains_key(&gateway)
+                || self.restore.lapsed.contains_key(&gateway))
+    }
+
+    /// The session of a player whose avatar this node simulates for another gateway ended.
+    pub(crate) fn release_remote_player(&mut self, account: &str, reason: &str) {
+        let Some(r) = self.routing.remote_players.remove(account) else {
+            return;
+        };
+        self.routing.anchor_sent.remove(account);
+        self.avatars.forget_orphan(account);
+        if !self.writes_master(account) {
+            return;
+        }
+        self.leave_game(account, r.session_epoch, reason);
+    }
+
+    /// The avatar this node writes serves the newer session `entry` of another gateway.
+    pub(crate) fn join_session(&mut self, account: &str, entry: SessionEntry) {
+        self.routing.routes.insert(account.to_string(), entry);
+        self.routing
+            .remote_players
+            .insert(account.to_string(), entry);
+        self.routing.anchor_sent.remove(account);
+        if self.game.slot.is_some() {
+            self.cx.out.to_game.push(
+                local::sidecar_message::Body::PlayerJoin(local::PlayerJoin {
+                    account: account.to_string(),
+                    session_epoch: entry.session_epoch,
+                    last_position: None,
+                })
+                .into(),
+            );
+        }
+        self.send_anchor(entry.gateway_node, account, entry.session_epoch);
+    }
+
+    /// Where a login of `account` finds its avatar, from the directory's record.
+    pub(crate) fn avatar_at(
+        &self,
+        account: &str,
+        master: Option<MasterEntry>,
+    ) -> avatars::AvatarAt {
+        use avatars::AvatarAt;
+        let Some(m) = master else {
+            return AvatarAt::Nowhere;
+        };
+        let me = self.cx.config.node_id;
+        if m.node == me && m.lease_epoch == self.restore.incarnation {
+            if self.writes_master(account) {
+                return AvatarAt::Here;
+            }
+            return match self.departed_owner(account) {
+                Some(owner) if owner != me => AvatarAt::Peer(owner),
+                // Despawned since (the record is cleared soon).
+                _ => AvatarAt::Nowhere,
+            };
+        }
+        if self.restore.fenced.contains(&(m.node, m.lease_epoch)) {
+            return AvatarAt::Restoring;
+        }
+        match self.restore.live.get(&m.node) {
+            Some(l) if *l == m.lease_epoch => AvatarAt::Peer(m.node),
+            // A newer process holds the id, or the lease lapsed: the writer is dead.
+            Some(_) => AvatarAt::Restoring,
+            None if self.restore.live.is_empty() => AvatarAt::Peer(m.node),
+            None => AvatarAt::Restoring,
+        }
+    }
+
+    /// A session whose avatar is being restored waits for the restored owner's anchor.
+    pub(crate) fn await_avatar(&mut self, account: &str, master: Option<MasterEntry>) {
+        let dead = master.map(|m| (m.node, m.lease_epoch));
+        let restored = dead.is_some_and(|inc| {
+            self.restore.fenced.contains(&inc) && !self.restore.dead.contains_key(&inc)
+        });
+        self.avatars.await_avatar(&self.cx, account, dead, restored);
+        self.gateway.master_owner.remove(account);
+    }
+
+    /// A session handed over from another geo waits for its avatar's owner to anchor it, then
+    /// spawns one.
+    pub(crate) fn await_handed_over_avatar(&mut self, account: &str) {
+        self.avatars.await_handed_over_avatar(&self.cx, account);
+        self.gateway.master_owner.remove(account);
+    }
+
+    /// The world of `inc` is restored: a session still waiting for an avatar it wrote waits
+    /// only a little longer (the restore had no checkpoint of it).
+    pub(crate) fn avatars_restored(&mut self, inc: (NodeId, u64)) {
+        self.avatars.restored(&self.cx, inc);
+    }
+
+    /// Sessions that waited too long for a restored avatar get a new one (the restore found no
+    /// checkpoint of it).
+    fn expire_avatar_waits(&mut self) {
+        for account in self.avatars.waits_due(&self.cx) {
+            self.avatars.stop_waiting(&account);
+            let Some((key, epoch)) = self.session_epoch(&account) else {
+                continue;
+            };
+            if self.gateway.master_owner.contains_key(&account) {
+                continue;
+            }
+            tracing::warn!(%account, "no restored avatar anchored the session in time: spawning one");
+            self.cx.metrics.error("avatar_not_restored");
+            let last = self.gateway.sessions.get(key).and_then(|s| s.last_position);
+            self.announce_session(&account, epoch, true);
+            self.spawn_avatar(&account, epoch, last);
+        }
+    }
+
+    /// The avatar is spawned by the game of the node owning where it stands (the player's last
+    /// position); a player with none starts in this node's world.
+    pub(crate) fn spawn_avatar(&mut self, account: &str, epoch: u64, last: Option<[f64; 3]>) {
+        // Remembered: an older avatar that anchors this session later is told to go.
+        if let Some(s) = self
+            .gateway
+            .clients
+            .key_of(account)
+            .and_then(|k| self.gateway.sessions.get_mut(k))
+            .filter(|s| s.epoch == Some(epoch))
+        {
+            s.new_avatar = true;
+        }
+        let me = self.cx.config.node_id;
+        let owner = last
+            .and_then(|[x, y, _]| {
+                let at = cellmesh_world::geometry::Pos { x, y };
+                self.authority.partition.owner_of(at).ok()
+            })
+            .unwrap_or(me);
+        if owner != me && self.send_join(owner, account, epoch, last) {
+            self.gateway.master_owner.insert(account.to_string(), owner);
+            return;
+        }
+        self.join_here(account, epoch, last);
+    }
+
+    /// The game here simulates (or spawns) the avatar of the local session `epoch`.
+    pub(crate) fn join_here(&mut self, account: &str, epoch: u64, last: Option<[f64; 3]>) {
+        let me = self.cx.config.node_id;
+        self.gateway.master_owner.insert(account.to_string(), me);
+        self.avatars.stop_waiting(account);
+        // An avatar simulated here for another gateway serves this session now.
+        self.routing.remote_players.remove(account);
+        self.routing.anchor_sent.remove(account);
+        if let Some(e) = self.table.master_of(account).filter(|e| e.origin.is_none()) {
+            let epoch = e.epoch;
+            self.gateway.master_epoch.insert(account.to_string(), epoch);
+            self.gateway.clients.set_remote_anchor(account, None);
+            self.gateway.anchor_pos.remove(account);
+        }
+        if self.game.slot.is_some() {
+            self.cx.out.to_game.push(
+                local::sidecar_message::Body::PlayerJoin(local::PlayerJoin {
+                    account: account.to_string(),
+                    session_epoch: epoch,
+                    last_position: last.map(|[x, y, z]| local::Vec3 { x, y, z }),
+                })
+                .into(),
+            );
+        }
+    }
+
+    /// Asks `owner`'s game to simulate the avatar of this gateway's session `epoch`.
+    pub(crate) fn send_join(
+        &mut self,
+        owner: NodeId,
+        account: &str,
+        epoch: u64,
+        last: Option<[f64; 3]>,
+    ) -> bool {
+        self.send_peer(
+            owner,
+            mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
+                account: account.to_string(),
+                session_epoch: epoch,
+                last_position: last.map(|[x, y, z]| mesh::MeshVec3 { x, y, z }),
+                gateway_node: 0,
+            }),
+        )
+    }
+
     // ------------------------------------------------------------------ state
 
     /// The JSON view of the node for `/state`.

@@ -535,7 +535,7 @@ impl Core {
         self.gateway
             .master_epoch
             .insert(a.account.clone(), a.entity_epoch);
-        self.avatars.awaiting.remove(&a.account);
+        self.avatars.stop_waiting(&a.account);
         let chunk = self.cx.config.world.chunk_of(Pos { x: p.x, y: p.y });
         self.gateway
             .clients
