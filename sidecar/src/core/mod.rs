@@ -15,8 +15,9 @@
 //! [`wire`] holds the one copy of each conversion between the model and the wire.
 //!
 //! A part's handlers borrow the shared [`context`] (the time, the configuration, the metrics
-//! and the outbox) beside their own state; [`admission`], [`balance`], [`claims`], [`peers`] and
-//! [`spawners`] keep theirs private and are told by the core what they need of the other parts.
+//! and the outbox) beside their own state; [`admission`], [`avatars`], [`balance`], [`claims`],
+//! [`commands`], [`peers`] and [`spawners`] keep theirs private and are told by the core what
+//! they need of the other parts.
 //! The core's periodic checks are named deadlines ([`timers`]).
 
 pub(crate) mod admission;
