@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cellmesh_proto::local::{self, sidecar_message};
 use cellmesh_proto::mesh::{self, mesh_message};
 use cellmesh_world::geometry::ChunkRect;
-use cellmesh_world::partition::{NodeId, Partition};
+use cellmesh_world::partition::Partition;
 use cellmesh_world::world_map::NodeMap;
 
 use super::*;
@@ -80,10 +80,6 @@ const SETTLE_MIN_MS: u64 = 1_000;
 /// Inputs held for the game while the lease is lapsed, at most; later ones are dropped
 /// (counted as `lease_lapsed`).
 const HELD_INPUTS_MAX: usize = 65_536;
-
-/// Chunks whose nearby owners are cached at most: a few views' worth many times over (a view
-/// of radius 5 is 121 chunks), a few megabytes at most.
-pub(crate) const NEAR_CACHE_MAX: usize = 1 << 15;
 
 impl Core {
     // ------------------------------------------------------------------ the node's own lot
@@ -284,18 +280,13 @@ impl Core {
         let me = self.cx.config.node_id;
         tracing::info!(epoch = p.epoch(), "applying a new partition");
         self.authority.area = subs::merge_rects(p.area_of(me));
-        let keep = i64::from(
-            self.cx.config.interaction_band_chunks + self.cx.config.ghost_keep_margin_chunks,
-        );
-        self.replication.band = subs::band(&p, me, keep, self.cx.config.reach_chunks());
+        self.replication.partition_changed(&self.cx.config, &p);
         // Retired: the director deleted this node's cell (it held nothing by then).
         let retired =
             !p.members().contains(&me) && self.authority.partition.members().contains(&me);
         let prev = std::mem::replace(&mut self.authority.partition, std::sync::Arc::new(p));
         self.authority.prev_partitions.push(prev);
         self.authority.changed_at_ms = self.cx.now.mono_ms;
-        self.replication.near_cache.clear();
-        self.replication.subs_dirty = true;
         let owned_area = self.owned_rects();
         if self.game.slot.is_some() {
             self.cx.out.to_game.push(
@@ -369,28 +360,6 @@ impl Core {
         false
     }
 
-    /// The nodes that may own an entity in `chunk`, cached per partition (at most
-    /// [`NEAR_CACHE_MAX`] chunks).
-    pub(crate) fn owners_near(&mut self, chunk: cellmesh_world::geometry::ChunkPos) -> Vec<NodeId> {
-        if let Some(v) = self.replication.near_cache.get(&chunk) {
-            return v.clone();
-        }
-        let reach = self.cx.config.reach_chunks();
-        let mut near = subs::owners_near(&self.authority.partition, chunk, reach);
-        for prev in &self.authority.prev_partitions {
-            // Until the mass handoffs settle, the previous owners still write entities there.
-            near.extend(subs::owners_near(prev, chunk, reach));
-        }
-        let v: Vec<NodeId> = near.into_iter().collect();
-        if self.replication.near_cache.len() >= NEAR_CACHE_MAX {
-            // Roaming views would otherwise fill it with every chunk they ever held (the world
-            // has millions); it refills with the chunks in use.
-            self.replication.near_cache.clear();
-        }
-        self.replication.near_cache.insert(chunk, v.clone());
-        v
-    }
-
     /// Forgets the previous partitions once every peer says it runs the current one, every
     /// ghost here is written by a node the current partition puts near it (the mass handoffs
     /// settled), and at least a second after the last change.
@@ -412,8 +381,7 @@ impl Core {
             });
         if settled {
             self.authority.prev_partitions.clear();
-            self.replication.near_cache.clear();
-            self.replication.subs_dirty = true;
+            self.replication.partitions_settled();
         }
     }
 

@@ -544,7 +544,7 @@ impl Core {
         self.cx
             .metrics
             .subscribers
-            .set(self.replication.subscribers.len() as i64);
+            .set(self.replication.subscriber_count() as i64);
         let ghosts = self.table.ghost_count();
         self.cx
             .metrics
@@ -632,7 +632,7 @@ impl Core {
                 s.last_position = Some([e.position.x, e.position.y, e.position.z]);
             }
         }
-        self.replication.sim.clear();
+        self.replication.clear_sim_ghosts();
         self.game.restoring.clear();
         self.commands_game_gone();
         self.claims_game_gone();

@@ -213,12 +213,7 @@ impl Core {
         // target subscribes to, and the offer says so).
         let unseen = subs::distance_to_area(&self.cx.config.world, &self.authority.area, e.chunk)
             > self.cx.config.reach_chunks();
-        let seen = unseen
-            || self
-                .replication
-                .replicas
-                .get(&id)
-                .is_some_and(|holders| holders.contains(&to));
+        let seen = unseen || self.replication.holds_ghost(id, to);
         // A target that never subscribes (no game to tick, say) is offered all the same after
         // a while, and answers for itself.
         let waited = *self.handoff.ghost_wait.entry(id).or_insert(now);
@@ -863,8 +858,7 @@ impl Core {
             self.game.checkpoints.forget(id);
             self.handoff.mass.remove(&id);
             self.handoff.retry.remove(&id);
-            self.replication.newly_held.remove(&id);
-            let holders = self.replication.replicas.remove(&id).unwrap_or_default();
+            let holders = self.replication.handed_away(id);
             tracing::debug!(
                 me,
                 entity = id,
@@ -915,7 +909,7 @@ impl Core {
             );
             // A chunk a client here views is followed at the new owner (subscribed now if it
             // was not yet): the entity stays as its ghost, with no vanish.
-            if self.replication.subs.has(chunk, done.to) || self.follow(chunk, done.to) {
+            if self.replication.subscribes(chunk, done.to) || self.follow(chunk, done.to) {
                 self.table.to_ghost(id, done.to, done.epoch);
                 for f in self.handoff.fence.advance(id, done.epoch, done.to) {
                     self.apply_fenced(f);
@@ -1043,7 +1037,7 @@ impl Core {
             OfferDecision::Adopt => {
                 let adopt = self.adopt_message(&o);
                 for m in std::iter::once(id).chain(o.attachments.iter().map(|a| a.entity_id)) {
-                    if self.replication.sim.forget(m) {
+                    if self.replication.forget_sim_ghost(m) {
                         self.cx.out.to_game.push(
                             sidecar_message::Body::GhostLeave(local::GhostLeave { entity_id: m })
                                 .into(),
@@ -1299,7 +1293,7 @@ impl Core {
             .fence
             .current(id)
             .is_some_and(|(known, _)| epoch > known);
-        if !s.full && newer && self.replication.stale.contains_key(&id) {
+        if !s.full && newer && self.replication.is_stale(id) {
             // A stale ghost's owner changed while the old owner's link was down: its word
             // (`EntityMoved`) was lost with the link. The new owner sends the whole state again.
             let chunk = self.table.get(id).map(|e| e.chunk);
@@ -1314,7 +1308,7 @@ impl Core {
             return;
         }
         if s.full
-            && (self.table.get(id).is_none() || self.replication.stale.contains_key(&id))
+            && (self.table.get(id).is_none() || self.replication.is_stale(id))
             && self
                 .handoff
                 .fence
@@ -1381,7 +1375,7 @@ impl Core {
                     .position
                     .as_ref()
                     .map(|p| self.cx.config.world.chunk_of(Pos { x: p.x, y: p.y }));
-                if at.is_some_and(|c| self.replication.subs.has(c, node)) {
+                if at.is_some_and(|c| self.replication.subscribes(c, node)) {
                     // This node subscribes there: its subscription has not reached the owner
                     // yet, and the snapshot burst that answers it refreshes the ghost.
                     return;
@@ -1395,7 +1389,7 @@ impl Core {
                     // owner: subscribed now, and kept meanwhile, stale (the owner no longer
                     // counts this node among its holders, so it will not say if it moves on).
                     let now = self.cx.now.mono_ms;
-                    self.replication.stale.entry(g.entity_id).or_insert(now);
+                    self.replication.mark_stale(g.entity_id, now);
                     return;
                 }
                 if self
@@ -1432,10 +1426,7 @@ impl Core {
                 .is_some_and(|e| e.epoch == m.entity_epoch);
             if local && !m.holders.is_empty() {
                 self.replication
-                    .replicas
-                    .entry(m.entity_id)
-                    .or_default()
-                    .extend(m.holders.iter().copied().filter(|n| *n != me));
+                    .add_holders(m.entity_id, m.holders.iter().copied().filter(|n| *n != me));
             }
             return;
         }
@@ -1454,14 +1445,14 @@ impl Core {
             origin.is_some_and(|o| o == node || self.restore.is_dead_node(o))
         };
         if let Some((_, chunk)) = held.filter(|h| from_writer(h.0)) {
-            if self.replication.subs.has(chunk, m.owner_node) || self.follow(chunk, m.owner_node) {
+            if self.replication.subscribes(chunk, m.owner_node) || self.follow(chunk, m.owner_node)
+            {
                 self.table
                     .set_origin(m.entity_id, m.owner_node, m.entity_epoch);
                 // A stale ghost waits for its new writer from now on (a restored owner may be
                 // a process that has only just started, not linked here yet).
-                if let Some(since) = self.replication.stale.get_mut(&m.entity_id) {
-                    *since = self.cx.now.mono_ms;
-                }
+                self.replication
+                    .restart_stale(m.entity_id, self.cx.now.mono_ms);
             } else {
                 tracing::debug!(
                     me,

@@ -55,6 +55,7 @@ use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage};
 use cellmesh_stores::claims::{ClaimGrant, ClaimHolder, ClaimOutcome};
 use cellmesh_stores::topology::{Fence, Lease};
 use cellmesh_stores::{MasterEntry, PlayerRecord, SessionEntry};
+use cellmesh_world::geometry::ChunkPos;
 use cellmesh_world::partition::{NodeId, Partition};
 use prost::Message;
 use serde_json::json;
@@ -907,15 +908,7 @@ impl Core {
         self.resend_resolutions(node);
         // The owner forgot this node's subscriptions with the last link: ask again, for a fresh
         // snapshot burst.
-        let held = self.replication.subs.of_owner(node);
-        for part in held.chunks(replication::CHUNKS_PER_MESSAGE) {
-            self.send_peer(
-                node,
-                mesh_message::Body::Subscribe(mesh::Subscribe {
-                    chunks: wire::chunk_refs(part),
-                }),
-            );
-        }
+        self.replication.resubscribe(&mut self.cx, &self.mesh, node);
         // Gateways learn where the sessions of this node are, and owners who simulates whom.
         let moved: Vec<mesh_message::Body> = self
             .gateway
@@ -970,18 +963,10 @@ impl Core {
         let now = self.cx.now.mono_ms;
         for id in self.table.ghosts_of(node) {
             if !self.ghost_orphaned(id) {
-                self.replication.stale.entry(id).or_insert(now);
+                self.replication.mark_stale(id, now);
             }
         }
-        self.replication.subscribers.remove_node(node);
-        self.cx
-            .metrics
-            .subscribers
-            .set(self.replication.subscribers.len() as i64);
-        self.replication.replicas.retain(|_, nodes| {
-            nodes.remove(&node);
-            !nodes.is_empty()
-        });
+        self.replication.peer_down(&self.cx, node);
     }
 
     /// Queues `body` for peer `node`; false (and counted) when no link to it is up.
@@ -1082,6 +1067,124 @@ impl Core {
         {
             self.defer_leave(&e.account, e.session_epoch, "session_ended");
         }
+    }
+
+    // ------------------------------------------------------------------ replication
+
+    fn on_subscribe(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
+        self.replication
+            .on_subscribe(&mut self.cx, &self.table, &self.mesh, node, chunks);
+    }
+
+    fn on_unsubscribe(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
+        self.replication
+            .on_unsubscribe(&self.cx, &self.table, node, chunks);
+    }
+
+    /// This tick's public changes of local entities, to the nodes subscribed to them.
+    pub(crate) fn replicate(&mut self, changes: &model::entities::TickChanges) {
+        self.replication
+            .replicate(&mut self.cx, &self.table, &self.mesh, changes);
+    }
+
+    /// This tick's public events of local entities, to the nodes holding their ghosts.
+    pub(crate) fn replicate_events(&mut self, events: &[model::fold::TickEvent]) {
+        self.replication
+            .replicate_events(&mut self.cx, &self.table, &self.mesh, events);
+    }
+
+    /// A ghost in `chunk` is now written by `owner`, where this node does not subscribe: whether
+    /// it is followed there (a client here views the chunk).
+    pub(crate) fn follow(&mut self, chunk: ChunkPos, owner: NodeId) -> bool {
+        let follow = self
+            .replication
+            .follow(&self.cx, &self.gateway.clients, chunk, owner);
+        if follow == replication::Follow::Started {
+            self.update_subscriptions();
+        }
+        follow.followed()
+    }
+
+    /// Drops the stale ghosts nobody refreshed (a dead process's wait for their restore).
+    pub(crate) fn sweep_stale_ghosts(&mut self) {
+        let stale = self.replication.stale_ids();
+        if stale.is_empty() {
+            return;
+        }
+        let awaiting_restore = stale
+            .into_iter()
+            .filter(|id| self.awaits_restore(*id))
+            .collect();
+        let dropped = self.replication.sweep_stale(
+            &self.cx,
+            &self.table,
+            &self.authority,
+            &self.mesh,
+            &awaiting_restore,
+        );
+        for id in dropped {
+            self.drop_ghost(id);
+        }
+    }
+
+    /// A peer's `EntityState`, past the fence.
+    pub(crate) fn on_entity_state(&mut self, node: NodeId, s: mesh::EntityState) {
+        let dropped =
+            self.replication
+                .on_entity_state(&mut self.cx, &mut self.table, &self.mesh, node, s);
+        if let Some(id) = dropped {
+            self.drop_ghost(id);
+        }
+    }
+
+    /// Asks `owner` for a fresh snapshot of `chunk`.
+    pub(crate) fn resync(&mut self, chunk: ChunkPos, owner: NodeId) {
+        self.replication
+            .resync(&mut self.cx, &self.mesh, chunk, owner);
+    }
+
+    /// Brings the subscriptions to what the clients' views and the interaction band need.
+    pub(crate) fn update_subscriptions(&mut self) {
+        let views_changed = self.gateway.clients.take_views_changed();
+        let dropped = self.replication.update_subscriptions(
+            &mut self.cx,
+            views_changed,
+            &self.gateway.clients,
+            &self.authority,
+            &self.table,
+            &self.mesh,
+        );
+        for id in dropped {
+            self.drop_ghost(id);
+        }
+    }
+
+    /// The game's simulation ghosts after this tick's `changes`.
+    pub(crate) fn step_sim_ghosts(&mut self, changes: &model::entities::TickChanges, now_ms: u64) {
+        let game_connected = self.game.slot.is_some();
+        let adopting = &self.handoff.adopting;
+        self.replication.step_sim_ghosts(
+            &mut self.cx,
+            &self.table,
+            &self.authority.area,
+            game_connected,
+            |id| adopting.contains_key(&id),
+            changes,
+            now_ms,
+        );
+    }
+
+    /// The nodes that may own an entity in `chunk`.
+    #[cfg(test)]
+    pub(crate) fn owners_near(&mut self, chunk: ChunkPos) -> Vec<NodeId> {
+        self.replication
+            .owners_near(&self.cx, &self.authority, chunk)
+    }
+
+    /// A render ghost let go of: gone from the table, and the fence forgets it.
+    fn drop_ghost(&mut self, id: u64) {
+        let _ = self.table.despawn(id);
+        self.handoff.fence.forget(id);
     }
 
     /// The answer to an attach refused for admission.
@@ -1935,9 +2038,9 @@ impl Core {
             "ghosts_render": self.table.ghost_count(),
             "reals": self.table.len() - self.table.ghost_count(),
             "load": self.admission.load_state(),
-            "ghosts_sim": self.replication.sim.len(),
-            "subscriptions": self.replication.subs.len(),
-            "subscribers": self.replication.subscribers.len(),
+            "ghosts_sim": self.replication.sim_ghost_count(),
+            "subscriptions": self.replication.subscription_count(),
+            "subscribers": self.replication.subscriber_count(),
             // The accounts whose avatar this node writes.
             "masters": self
                 .table

@@ -7,13 +7,16 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use cellmesh_proto::local::{self, sidecar_message};
 use cellmesh_proto::mesh::{self, mesh_message};
-use cellmesh_world::geometry::{ChunkPos, Pos};
+use cellmesh_world::geometry::{ChunkPos, ChunkRect, Pos};
 use cellmesh_world::partition::{NodeId, Partition};
 
+use super::authority::Authority;
+use super::context::Context;
+use super::peers::Mesh;
 use super::wire::*;
-use super::*;
 use crate::config::SidecarConfig;
-use crate::model::entities::{EntityUpdate, NewEntity, TickChanges};
+use crate::model::entities::{EntityTable, EntityUpdate, NewEntity, TickChanges};
+use crate::model::fold::Clients;
 use crate::model::fold::TickEvent;
 use crate::model::ghosts::GhostStep;
 use crate::model::ghosts::{GhostRules, SimGhosts};
@@ -26,44 +29,63 @@ pub(crate) const CHUNKS_PER_MESSAGE: usize = 4096;
 const STALE_RESYNC_GRACE_MS: u64 = 2_000;
 /// A (chunk, owner) pair is re-subscribed to recover a ghost at most this often.
 const RESYNC_EVERY_MS: u64 = 1_000;
+/// Chunks whose nearby owners are cached at most: a few views' worth many times over (a view
+/// of radius 5 is 121 chunks), a few megabytes at most.
+pub(crate) const NEAR_CACHE_MAX: usize = 1 << 15;
+
+/// What a ghost's new writer, where this node does not subscribe, means for the subscriptions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Follow {
+    /// Not followed: no client here views the chunk (or the writer is this node).
+    No,
+    /// Followed already.
+    Already,
+    /// Followed from now on: the subscriptions are brought up to date at once.
+    Started,
+}
+
+impl Follow {
+    pub(crate) fn followed(self) -> bool {
+        self != Follow::No
+    }
+}
 
 /// What this node subscribes to and serves, and the ghosts that follow from it.
 pub(crate) struct Replication {
     /// The (chunk, node) pairs of the interaction band, its keep margin and the handoff reach
     /// inside the area, always subscribed.
-    pub band: HashSet<(ChunkPos, NodeId)>,
+    band: HashSet<(ChunkPos, NodeId)>,
     /// chunk -> the nodes that may own an entity there (cleared with each partition).
-    pub near_cache: HashMap<ChunkPos, Vec<NodeId>>,
+    near_cache: HashMap<ChunkPos, Vec<NodeId>>,
     /// (chunk, owner) pairs re-subscribed lately to recover a ghost (monotonic ms).
-    pub resynced: HashMap<(ChunkPos, NodeId), u64>,
-    pub subs: Subscriptions,
-    pub subs_dirty: bool,
-    pub subscribers: Subscribers,
+    resynced: HashMap<(ChunkPos, NodeId), u64>,
+    subs: Subscriptions,
+    subs_dirty: bool,
+    subscribers: Subscribers,
     /// Local entity -> nodes holding its render ghost.
-    pub replicas: HashMap<u64, BTreeSet<NodeId>>,
-    pub sim: SimGhosts,
+    replicas: HashMap<u64, BTreeSet<NodeId>>,
+    sim: SimGhosts,
     /// Local entities that went in full to nodes not holding them, since the tick began. The
     /// accounts those nodes serve get the entity's current non-public state.
-    pub newly_held: BTreeMap<u64, BTreeSet<NodeId>>,
+    newly_held: BTreeMap<u64, BTreeSet<NodeId>>,
     /// Render ghosts whose owner's link went down, and since when (monotonic ms): kept, still,
     /// until a frame refreshes them.
-    pub stale: BTreeMap<u64, u64>,
+    stale: BTreeMap<u64, u64>,
     /// (chunk, node) pairs subscribed because a ghost in a viewed chunk went to a node the
     /// partition as known here does not put there (a newer partition not read yet, or an entity
     /// its owner could not hand over yet): kept while the chunk is viewed.
-    pub followed: BTreeSet<(ChunkPos, NodeId)>,
+    followed: BTreeSet<(ChunkPos, NodeId)>,
 }
 
 impl Replication {
     pub fn new(cfg: &SidecarConfig, partition: &Partition) -> Self {
-        let keep = i64::from(cfg.interaction_band_chunks + cfg.ghost_keep_margin_chunks);
         let rules = GhostRules {
             band: i64::from(cfg.interaction_band_chunks),
             keep_margin: i64::from(cfg.ghost_keep_margin_chunks),
             min_lifespan_ms: cfg.ghost_min_lifespan_ms,
         };
         Self {
-            band: subs::band(partition, cfg.node_id, keep, cfg.reach_chunks()),
+            band: band_of(cfg, partition),
             near_cache: HashMap::default(),
             resynced: HashMap::default(),
             subs: Subscriptions::default(),
@@ -76,93 +98,224 @@ impl Replication {
             followed: BTreeSet::new(),
         }
     }
-}
 
-impl Core {
+    // ------------------------------------------------------------------ what others read
+
+    /// Whether this node subscribes to `chunk` at `owner`.
+    pub(crate) fn subscribes(&self, chunk: ChunkPos, owner: NodeId) -> bool {
+        self.subs.has(chunk, owner)
+    }
+
+    /// Whether `id` is a render ghost whose owner's link went down, not refreshed since.
+    pub(crate) fn is_stale(&self, id: u64) -> bool {
+        self.stale.contains_key(&id)
+    }
+
+    /// The stale render ghosts, by id.
+    pub(crate) fn stale_ids(&self) -> Vec<u64> {
+        self.stale.keys().copied().collect()
+    }
+
+    /// `id` went stale at `now_ms`, unless it already was.
+    pub(crate) fn mark_stale(&mut self, id: u64, now_ms: u64) {
+        self.stale.entry(id).or_insert(now_ms);
+    }
+
+    /// A stale ghost waits for its new writer from `now_ms` on.
+    pub(crate) fn restart_stale(&mut self, id: u64, now_ms: u64) {
+        if let Some(since) = self.stale.get_mut(&id) {
+            *since = now_ms;
+        }
+    }
+
+    /// `id` is no longer a stale ghost (refreshed, or dropped).
+    pub(crate) fn forget_stale(&mut self, id: u64) {
+        self.stale.remove(&id);
+    }
+
+    /// Local entities that went in full to nodes not holding them since the tick began.
+    pub(crate) fn take_newly_held(&mut self) -> BTreeMap<u64, BTreeSet<NodeId>> {
+        std::mem::take(&mut self.newly_held)
+    }
+
+    /// A local entity handed away: the nodes that held its render ghost.
+    pub(crate) fn handed_away(&mut self, id: u64) -> BTreeSet<NodeId> {
+        self.newly_held.remove(&id);
+        self.replicas.remove(&id).unwrap_or_default()
+    }
+
+    /// Whether `node` holds the render ghost of local entity `id`, as far as this node knows.
+    pub(crate) fn holds_ghost(&self, id: u64, node: NodeId) -> bool {
+        self.replicas
+            .get(&id)
+            .is_some_and(|holders| holders.contains(&node))
+    }
+
+    /// Local entity `id` came back here: `holders` hold its render ghost (the old owner's
+    /// replicas are this node's now).
+    pub(crate) fn add_holders(&mut self, id: u64, holders: impl Iterator<Item = NodeId>) {
+        self.replicas.entry(id).or_default().extend(holders);
+    }
+
+    /// Forgets the simulation ghost `id` (its game is adopting it): whether the game held it.
+    pub(crate) fn forget_sim_ghost(&mut self, id: u64) -> bool {
+        self.sim.forget(id)
+    }
+
+    /// The game went away, and the simulation ghosts it held with it.
+    pub(crate) fn clear_sim_ghosts(&mut self) {
+        self.sim.clear();
+    }
+
+    /// The (chunk, node) pairs this node serves.
+    pub(crate) fn subscriber_count(&self) -> usize {
+        self.subscribers.len()
+    }
+
+    /// The (chunk, owner) pairs this node subscribes to.
+    pub(crate) fn subscription_count(&self) -> usize {
+        self.subs.len()
+    }
+
+    /// The simulation ghosts the game holds.
+    pub(crate) fn sim_ghost_count(&self) -> usize {
+        self.sim.len()
+    }
+
+    /// Chunks whose nearby owners are cached.
+    #[cfg(test)]
+    pub(crate) fn near_cache_len(&self) -> usize {
+        self.near_cache.len()
+    }
+
+    // ------------------------------------------------------------------ the partition
+
+    /// A newer partition: its band is subscribed, and the owners near each chunk asked afresh.
+    pub(crate) fn partition_changed(&mut self, cfg: &SidecarConfig, partition: &Partition) {
+        self.band = band_of(cfg, partition);
+        self.partitions_settled();
+    }
+
+    /// The previous partitions are forgotten: the owners near each chunk are asked afresh.
+    pub(crate) fn partitions_settled(&mut self) {
+        self.near_cache.clear();
+        self.subs_dirty = true;
+    }
+
+    /// The nodes that may own an entity in `chunk`, cached per partition (at most
+    /// [`NEAR_CACHE_MAX`] chunks).
+    pub(crate) fn owners_near(
+        &mut self,
+        cx: &Context,
+        authority: &Authority,
+        chunk: ChunkPos,
+    ) -> Vec<NodeId> {
+        if let Some(v) = self.near_cache.get(&chunk) {
+            return v.clone();
+        }
+        let reach = cx.config.reach_chunks();
+        let mut near = subs::owners_near(&authority.partition, chunk, reach);
+        for prev in &authority.prev_partitions {
+            // Until the mass handoffs settle, the previous owners still write entities there.
+            near.extend(subs::owners_near(prev, chunk, reach));
+        }
+        let v: Vec<NodeId> = near.into_iter().collect();
+        if self.near_cache.len() >= NEAR_CACHE_MAX {
+            // Roaming views would otherwise fill it with every chunk they ever held (the world
+            // has millions); it refills with the chunks in use.
+            self.near_cache.clear();
+        }
+        self.near_cache.insert(chunk, v.clone());
+        v
+    }
+
     // ------------------------------------------------------------------ owner: subscriptions
 
-    pub(crate) fn on_subscribe(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
+    /// The link to `node` is gone: what it subscribed to here is forgotten.
+    pub(crate) fn peer_down(&mut self, cx: &Context, node: NodeId) {
+        self.subscribers.remove_node(node);
+        cx.metrics.subscribers.set(self.subscribers.len() as i64);
+        self.replicas.retain(|_, nodes| {
+            nodes.remove(&node);
+            !nodes.is_empty()
+        });
+    }
+
+    pub(crate) fn on_subscribe(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        mesh: &Mesh,
+        node: NodeId,
+        chunks: Vec<mesh::ChunkRef>,
+    ) {
         for c in chunks {
-            let chunk = self
-                .cx
-                .config
-                .world
-                .normalise_chunk(ChunkPos { x: c.x, y: c.y });
+            let chunk = cx.config.world.normalise_chunk(ChunkPos { x: c.x, y: c.y });
             // Any chunk is served: a subscriber may run a newer partition than this node (or an
             // older one), or follow an entity this node could not hand over yet. Refusing would
             // leave it waiting for frames that never come.
-            if !self.replication.subscribers.add(node, chunk) {
+            if !self.subscribers.add(node, chunk) {
                 continue;
             }
             // The snapshot burst: every resident the node does not hold yet.
-            let residents: Vec<u64> = self.table.residents(chunk).collect();
-            for id in residents {
-                let Some(e) = self.table.get_local(id) else {
+            for id in table.residents(chunk) {
+                let Some(e) = table.get_local(id) else {
                     continue;
                 };
-                if self
-                    .replication
-                    .replicas
-                    .entry(id)
-                    .or_default()
-                    .insert(node)
-                {
+                if self.replicas.entry(id).or_default().insert(node) {
                     let state = full_state(e);
-                    self.cx.metrics.cross_node_updates.inc();
-                    self.send_peer(node, mesh_message::Body::EntityState(state));
-                    self.replication
-                        .newly_held
-                        .entry(id)
-                        .or_default()
-                        .insert(node);
+                    cx.metrics.cross_node_updates.inc();
+                    mesh.send(cx, node, mesh_message::Body::EntityState(state));
+                    self.newly_held.entry(id).or_default().insert(node);
                 }
             }
         }
     }
 
-    pub(crate) fn on_unsubscribe(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
-        self.forget_subscriptions(node, chunks);
-        self.cx
-            .metrics
-            .subscribers
-            .set(self.replication.subscribers.len() as i64);
-    }
-
-    pub(crate) fn forget_subscriptions(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
+    pub(crate) fn on_unsubscribe(
+        &mut self,
+        cx: &Context,
+        table: &EntityTable,
+        node: NodeId,
+        chunks: Vec<mesh::ChunkRef>,
+    ) {
         for c in chunks {
-            let chunk = self
-                .cx
-                .config
-                .world
-                .normalise_chunk(ChunkPos { x: c.x, y: c.y });
-            if !self.replication.subscribers.remove(node, chunk) {
+            let chunk = cx.config.world.normalise_chunk(ChunkPos { x: c.x, y: c.y });
+            if !self.subscribers.remove(node, chunk) {
                 continue;
             }
             // The node drops its ghosts there itself; only the bookkeeping changes here.
-            let residents: Vec<u64> = self.table.residents(chunk).collect();
-            for id in residents {
-                if let Some(nodes) = self.replication.replicas.get_mut(&id) {
+            for id in table.residents(chunk) {
+                if let Some(nodes) = self.replicas.get_mut(&id) {
                     nodes.remove(&node);
                     if nodes.is_empty() {
-                        self.replication.replicas.remove(&id);
+                        self.replicas.remove(&id);
                     }
                 }
             }
         }
+        cx.metrics.subscribers.set(self.subscribers.len() as i64);
     }
 
     /// Sends this tick's public changes of local entities once per subscribed node: a full
     /// state to a node that does not hold the entity yet, a delta to one that does, and a gone
     /// to one whose subscriptions it left.
-    pub(crate) fn replicate(&mut self, changes: &TickChanges) {
+    pub(crate) fn replicate(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        mesh: &Mesh,
+        changes: &TickChanges,
+    ) {
         for (&id, ch) in changes {
-            let Some(e) = self.table.get_local(id) else {
+            let Some(e) = table.get_local(id) else {
                 // Despawned (a ghost never has replicas).
-                if let Some(nodes) = self.replication.replicas.remove(&id) {
+                if let Some(nodes) = self.replicas.remove(&id) {
                     for node in nodes {
-                        self.cx.metrics.cross_node_updates.inc();
+                        cx.metrics.cross_node_updates.inc();
                         // Despawned: whatever epoch the holder knows, it is gone (0: unfenced).
-                        self.send_peer(
+                        mesh.send(
+                            cx,
                             node,
                             mesh_message::Body::EntityGone(mesh::EntityGone {
                                 entity_id: id,
@@ -174,8 +327,8 @@ impl Core {
                 }
                 continue;
             };
-            let target: BTreeSet<NodeId> = self.replication.subscribers.of(e.chunk).collect();
-            let held = self.replication.replicas.remove(&id).unwrap_or_default();
+            let target: BTreeSet<NodeId> = self.subscribers.of(e.chunk).collect();
+            let held = self.replicas.remove(&id).unwrap_or_default();
             if target.is_empty() && held.is_empty() {
                 continue;
             }
@@ -201,37 +354,40 @@ impl Core {
                     // Internal: `full` is built on this very condition, from the local table.
                     let state = full.clone().expect("built when some node needs it");
                     frames.push((node, mesh_message::Body::EntityState(state)));
-                    self.replication
-                        .newly_held
-                        .entry(id)
-                        .or_default()
-                        .insert(node);
+                    self.newly_held.entry(id).or_default().insert(node);
                 } else if let Some(d) = &delta {
                     frames.push((node, mesh_message::Body::EntityState(d.clone())));
                 }
             }
             if !target.is_empty() {
-                self.replication.replicas.insert(id, target);
+                self.replicas.insert(id, target);
             }
             for (node, body) in frames {
-                self.cx.metrics.cross_node_updates.inc();
-                self.send_peer(node, body);
+                cx.metrics.cross_node_updates.inc();
+                mesh.send(cx, node, body);
             }
         }
     }
 
     /// Public events of local entities go to every node holding their ghost.
-    pub(crate) fn replicate_events(&mut self, events: &[TickEvent]) {
+    pub(crate) fn replicate_events(
+        &self,
+        cx: &mut Context,
+        table: &EntityTable,
+        mesh: &Mesh,
+        events: &[TickEvent],
+    ) {
         for ev in events {
-            if !ev.audience.is_public() || self.table.get_local(ev.entity_id).is_none() {
+            if !ev.audience.is_public() || table.get_local(ev.entity_id).is_none() {
                 continue;
             }
-            let Some(nodes) = self.replication.replicas.get(&ev.entity_id).cloned() else {
+            let Some(nodes) = self.replicas.get(&ev.entity_id) else {
                 continue;
             };
-            for node in nodes {
-                self.cx.metrics.cross_node_updates.inc();
-                self.send_peer(
+            for &node in nodes {
+                cx.metrics.cross_node_updates.inc();
+                mesh.send(
+                    cx,
                     node,
                     mesh_message::Body::EntityEvent(mesh::EntityEvent {
                         entity_id: ev.entity_id,
@@ -246,100 +402,116 @@ impl Core {
     // ------------------------------------------------------------------ observer side
 
     /// A ghost in `chunk` is now written by `owner`, where this node does not subscribe: if a
-    /// client here views the chunk, the ghost stays and the chunk is subscribed at `owner` at
-    /// once (its snapshot burst refreshes the ghost). Returns whether it is followed.
-    pub(crate) fn follow(&mut self, chunk: ChunkPos, owner: NodeId) -> bool {
-        if owner == self.cx.config.node_id || !self.gateway.clients.is_viewed(chunk) {
-            return false;
+    /// client here views the chunk, the ghost stays and the chunk is subscribed at `owner` (its
+    /// snapshot burst refreshes the ghost). A pair followed anew wants the subscriptions
+    /// brought up to date at once.
+    pub(crate) fn follow(
+        &mut self,
+        cx: &Context,
+        clients: &Clients,
+        chunk: ChunkPos,
+        owner: NodeId,
+    ) -> Follow {
+        if owner == cx.config.node_id || !clients.is_viewed(chunk) {
+            return Follow::No;
         }
-        if self.replication.followed.insert((chunk, owner)) {
-            self.replication.subs_dirty = true;
-            self.update_subscriptions();
+        if self.followed.insert((chunk, owner)) {
+            self.subs_dirty = true;
+            return Follow::Started;
         }
-        true
+        Follow::Already
     }
 
-    /// Drops the stale ghosts nobody refreshed: their owner's link is back and its snapshot
-    /// burst did not include them, or it stayed down longer than a node lease (the owner is
-    /// gone; whoever takes its area over sends them again).
-    pub(crate) fn sweep_stale_ghosts(&mut self) {
-        if self.replication.stale.is_empty() {
-            return;
-        }
-        let now = self.cx.now.mono_ms;
-        let me = self.cx.config.node_id;
-        let stale: Vec<(u64, u64)> = self
-            .replication
-            .stale
-            .iter()
-            .map(|(k, v)| (*k, *v))
-            .collect();
+    /// The stale ghosts nobody refreshed, to be dropped: their owner's link is back and its
+    /// snapshot burst did not include them, or it stayed down longer than a node lease (the
+    /// owner is gone; whoever takes its area over sends them again). `awaiting_restore`: the
+    /// stale ghosts of dead processes, which stay until their restored owner writes them.
+    /// Returns the render ghosts to despawn.
+    pub(crate) fn sweep_stale(
+        &mut self,
+        cx: &Context,
+        table: &EntityTable,
+        authority: &Authority,
+        mesh: &Mesh,
+        awaiting_restore: &BTreeSet<u64>,
+    ) -> Vec<u64> {
+        let now = cx.now.mono_ms;
+        let me = cx.config.node_id;
+        let stale: Vec<(u64, u64)> = self.stale.iter().map(|(k, v)| (*k, *v)).collect();
         let mut gone = Vec::new();
         for (id, since) in stale {
-            if self.awaits_restore(id) {
-                // A dead process's ghost stays until its restored owner writes it.
+            if awaiting_restore.contains(&id) {
                 continue;
             }
-            let Some((origin, chunk)) = self.table.get(id).and_then(|e| Some((e.origin?, e.chunk)))
+            let Some((origin, chunk)) = table.get(id).and_then(|e| Some((e.origin?, e.chunk)))
             else {
                 gone.push((id, false));
                 continue;
             };
-            let link_up = |core: &Self, n: NodeId| core.mesh.up_since_ms(n);
             // Whoever may write it now must have been reachable for a while to have refreshed
             // it: while one of them is not, the ghost stays, up to two node leases (a writer
             // that died is noticed a lease and a membership poll after it did, and from then
             // on its ghosts wait for their restore).
-            let mut writers = self.owners_near(chunk);
+            let mut writers = self.owners_near(cx, authority, chunk);
             writers.push(origin);
             let reachable_since = writers
                 .into_iter()
                 .filter(|n| *n != me)
-                .map(|n| link_up(self, n))
+                .map(|n| mesh.up_since_ms(n))
                 .try_fold(since, |acc, up| up.map(|t| acc.max(t)));
             let expired = match reachable_since {
                 Some(t) => now >= t + STALE_RESYNC_GRACE_MS,
-                None => now >= since + 2 * self.cx.config.node_lease_ms,
+                None => now >= since + 2 * cx.config.node_lease_ms,
             };
             if expired {
                 gone.push((id, true));
             }
         }
+        let mut dropped = Vec::new();
         for (id, ghost) in gone {
-            self.replication.stale.remove(&id);
+            self.stale.remove(&id);
             if ghost {
                 tracing::debug!(entity = id, "stale ghost dropped: not refreshed");
-                let _ = self.table.despawn(id);
-                self.handoff.fence.forget(id);
+                dropped.push(id);
             }
         }
+        dropped
     }
 
-    pub(crate) fn on_entity_state(&mut self, node: NodeId, s: mesh::EntityState) {
+    /// A peer's `EntityState` the fence let through. Returns the render ghost it dropped, if
+    /// any (it moved out of the chunks subscribed at its owner).
+    pub(crate) fn on_entity_state(
+        &mut self,
+        cx: &mut Context,
+        table: &mut EntityTable,
+        mesh: &Mesh,
+        node: NodeId,
+        s: mesh::EntityState,
+    ) -> Option<u64> {
         // A frame of its owner: the ghost is current again.
-        self.replication.stale.remove(&s.entity_id);
-        let existing = self.table.get(s.entity_id).map(|e| (e.origin, e.chunk));
+        self.stale.remove(&s.entity_id);
+        let existing = table.get(s.entity_id).map(|e| (e.origin, e.chunk));
         if matches!(existing, Some((None, _))) {
-            return self.cx.metrics.drop_msg("ghost_of_local_entity", 1);
+            cx.metrics.drop_msg("ghost_of_local_entity", 1);
+            return None;
         }
         let at = s.position.as_ref().map(position);
         let chunk = at
-            .map(|p| self.cx.config.world.chunk_of(Pos { x: p.x, y: p.y }))
+            .map(|p| cx.config.world.chunk_of(Pos { x: p.x, y: p.y }))
             .or(existing.map(|e| e.1));
         // Only what lies in a chunk this node subscribes to from that owner.
-        if chunk.is_none_or(|c| !self.replication.subs.has(c, node)) {
+        if chunk.is_none_or(|c| !self.subs.has(c, node)) {
             if existing.is_some_and(|e| e.0 == Some(node)) {
                 tracing::debug!(
-                    me = self.cx.config.node_id,
+                    me = cx.config.node_id,
                     entity = s.entity_id,
                     node,
                     ?chunk,
                     "ghost dropped: moved out of the subscribed chunks"
                 );
-                let _ = self.table.despawn(s.entity_id);
-                self.handoff.fence.forget(s.entity_id);
+                return Some(s.entity_id);
             }
-            return;
+            return None;
         }
         if s.full {
             let ghost = NewEntity {
@@ -352,8 +524,8 @@ impl Core {
                 origin: Some(node),
                 epoch: s.entity_epoch,
             };
-            if let Err(e) = self.table.set_ghost(ghost) {
-                self.cx.metrics.drop_msg("bad_entity_state", 1);
+            if let Err(e) = table.set_ghost(ghost) {
+                cx.metrics.drop_msg("bad_entity_state", 1);
                 tracing::debug!(peer = node, error = %e, "entity state refused");
             }
         } else if existing.is_some_and(|e| e.0 == Some(node)) {
@@ -363,85 +535,104 @@ impl Core {
                 changed: public_components(s.components),
                 removed: s.removed_types,
             };
-            if self.table.update(update).is_err() {
-                self.cx.metrics.drop_msg("bad_entity_state", 1);
+            if table.update(update).is_err() {
+                cx.metrics.drop_msg("bad_entity_state", 1);
             }
         } else {
             // A delta for an entity this node never got the full state of: the owner thinks it
             // is held here. Subscribing to the chunk afresh gets a full snapshot burst.
-            self.cx.metrics.drop_msg("ghost_unknown", 1);
+            cx.metrics.drop_msg("ghost_unknown", 1);
             if let Some(c) = chunk {
-                self.resync(c, node);
+                self.resync(cx, mesh, c, node);
             }
         }
+        None
     }
 
     /// Asks `owner` for a fresh snapshot of `chunk` (at most once a second per pair).
-    pub(crate) fn resync(&mut self, chunk: ChunkPos, owner: NodeId) {
-        let now = self.cx.now.mono_ms;
+    pub(crate) fn resync(&mut self, cx: &mut Context, mesh: &Mesh, chunk: ChunkPos, owner: NodeId) {
+        let now = cx.now.mono_ms;
         if self
-            .replication
             .resynced
             .get(&(chunk, owner))
             .is_some_and(|t| now < t + RESYNC_EVERY_MS)
         {
             return;
         }
-        self.replication
-            .resynced
-            .retain(|_, t| now < *t + RESYNC_EVERY_MS);
-        self.replication.resynced.insert((chunk, owner), now);
+        self.resynced.retain(|_, t| now < *t + RESYNC_EVERY_MS);
+        self.resynced.insert((chunk, owner), now);
         let refs = chunk_refs(&[chunk]);
-        self.send_peer(
+        mesh.send(
+            cx,
             owner,
             mesh_message::Body::Unsubscribe(mesh::Unsubscribe {
                 chunks: refs.clone(),
             }),
         );
-        self.send_peer(
+        mesh.send(
+            cx,
             owner,
             mesh_message::Body::Subscribe(mesh::Subscribe { chunks: refs }),
         );
     }
 
-    /// Brings the subscriptions to what the clients' views and the interaction band need, in
-    /// one batch per owner; ghosts in chunks let go of vanish.
-    pub(crate) fn update_subscriptions(&mut self) {
-        if !(self.gateway.clients.take_views_changed() || self.replication.subs_dirty) {
-            return;
+    /// The link to `owner` is back: what this node subscribes to there is asked again (the
+    /// owner forgot it with the last link), for a fresh snapshot burst.
+    pub(crate) fn resubscribe(&self, cx: &mut Context, mesh: &Mesh, owner: NodeId) {
+        let held = self.subs.of_owner(owner);
+        for part in held.chunks(CHUNKS_PER_MESSAGE) {
+            mesh.send(
+                cx,
+                owner,
+                mesh_message::Body::Subscribe(mesh::Subscribe {
+                    chunks: chunk_refs(part),
+                }),
+            );
         }
-        self.replication.subs_dirty = false;
-        let me = self.cx.config.node_id;
-        let mut wanted = self.replication.band.clone();
-        let viewed: Vec<ChunkPos> = self.gateway.clients.viewed_chunks().collect();
-        for c in viewed {
-            for n in self.owners_near(c) {
+    }
+
+    /// Brings the subscriptions to what the clients' views and the interaction band need, in
+    /// one batch per owner, when the views changed or the subscriptions are due. Returns the
+    /// render ghosts in chunks let go of, to despawn.
+    pub(crate) fn update_subscriptions(
+        &mut self,
+        cx: &mut Context,
+        views_changed: bool,
+        clients: &Clients,
+        authority: &Authority,
+        table: &EntityTable,
+        mesh: &Mesh,
+    ) -> Vec<u64> {
+        if !(views_changed || self.subs_dirty) {
+            return Vec::new();
+        }
+        self.subs_dirty = false;
+        let me = cx.config.node_id;
+        let mut wanted = self.band.clone();
+        for c in clients.viewed_chunks() {
+            for n in self.owners_near(cx, authority, c) {
                 if n != me {
                     wanted.insert((c, n));
                 }
             }
         }
-        let clients = &self.gateway.clients;
-        self.replication
-            .followed
-            .retain(|(c, _)| clients.is_viewed(*c));
-        wanted.extend(self.replication.followed.iter().copied());
-        let changes = self.replication.subs.update(wanted);
+        self.followed.retain(|(c, _)| clients.is_viewed(*c));
+        wanted.extend(self.followed.iter().copied());
+        let changes = self.subs.update(wanted);
+        let mut dropped = Vec::new();
         for (owner, chunks) in changes.unsubscribe {
             for c in &chunks {
-                let ghosts: Vec<u64> = self
-                    .table
+                let ghosts = table
                     .residents(*c)
-                    .filter(|id| self.table.get(*id).is_some_and(|e| e.origin == Some(owner)))
-                    .collect();
+                    .filter(|id| table.get(*id).is_some_and(|e| e.origin == Some(owner)));
                 for id in ghosts {
                     tracing::debug!(me, entity = id, owner, "ghost dropped: chunk unsubscribed");
-                    let _ = self.table.despawn(id);
-                    self.handoff.fence.forget(id);
+                    dropped.push(id);
                 }
             }
             for part in chunks.chunks(CHUNKS_PER_MESSAGE) {
-                self.send_peer(
+                mesh.send(
+                    cx,
                     owner,
                     mesh_message::Body::Unsubscribe(mesh::Unsubscribe {
                         chunks: chunk_refs(part),
@@ -451,7 +642,8 @@ impl Core {
         }
         for (owner, chunks) in changes.subscribe {
             for part in chunks.chunks(CHUNKS_PER_MESSAGE) {
-                self.send_peer(
+                mesh.send(
+                    cx,
                     owner,
                     mesh_message::Body::Subscribe(mesh::Subscribe {
                         chunks: chunk_refs(part),
@@ -459,38 +651,44 @@ impl Core {
                 );
             }
         }
-        self.cx
-            .metrics
-            .subscriptions
-            .set(self.replication.subs.len() as i64);
+        cx.metrics.subscriptions.set(self.subs.len() as i64);
+        dropped
     }
 
     /// Pushes the render ghosts in the interaction band to the game as simulation ghosts, with
-    /// hysteresis and a minimum lifespan.
-    pub(crate) fn step_sim_ghosts(&mut self, changes: &TickChanges, now_ms: u64) {
-        if self.game.slot.is_none() {
-            self.replication.sim.clear();
+    /// hysteresis and a minimum lifespan. `game_connected`: whether a game is there to hold
+    /// them; `adopting`: whether the game is adopting an entity (no longer a ghost to it).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn step_sim_ghosts(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        area: &[ChunkRect],
+        game_connected: bool,
+        adopting: impl Fn(u64) -> bool,
+        changes: &TickChanges,
+        now_ms: u64,
+    ) {
+        if !game_connected {
+            self.sim.clear();
             return;
         }
-        let mut ids: BTreeSet<u64> = self.replication.sim.ids().into_iter().collect();
+        let mut ids: BTreeSet<u64> = self.sim.ids().into_iter().collect();
         for (&id, _) in changes.iter() {
-            if self.table.get(id).is_none_or(|e| e.origin.is_some()) {
+            if table.get(id).is_none_or(|e| e.origin.is_some()) {
                 ids.insert(id);
             }
         }
-        let world = self.cx.config.world;
+        let world = cx.config.world;
         for id in ids {
-            if self.handoff.adopting.contains_key(&id) {
+            if adopting(id) {
                 // Its game is adopting it: no longer a ghost to it.
                 continue;
             }
-            let ghost = self.table.get(id).filter(|e| e.origin.is_some());
-            let distance = ghost.map(|e| distance_to_area(&world, &self.authority.area, e.chunk));
+            let ghost = table.get(id).filter(|e| e.origin.is_some());
+            let distance = ghost.map(|e| distance_to_area(&world, area, e.chunk));
             let ch = changes.get(&id);
-            let step = self
-                .replication
-                .sim
-                .observe(now_ms, id, distance, ch.is_some());
+            let step = self.sim.observe(now_ms, id, distance, ch.is_some());
             let msg = match (step, ghost) {
                 (GhostStep::Enter, Some(e)) => {
                     sidecar_message::Body::GhostEnter(local::GhostEnter {
@@ -529,11 +727,15 @@ impl Core {
                 }
                 _ => continue,
             };
-            self.cx.out.to_game.push(msg.into());
+            cx.out.to_game.push(msg.into());
         }
-        self.cx
-            .metrics
-            .ghosts_sim
-            .set(self.replication.sim.len() as i64);
+        cx.metrics.ghosts_sim.set(self.sim.len() as i64);
     }
+}
+
+/// The (chunk, node) pairs always subscribed under `partition`: the interaction band, its keep
+/// margin and the handoff reach inside the area.
+fn band_of(cfg: &SidecarConfig, partition: &Partition) -> HashSet<(ChunkPos, NodeId)> {
+    let keep = i64::from(cfg.interaction_band_chunks + cfg.ghost_keep_margin_chunks);
+    subs::band(partition, cfg.node_id, keep, cfg.reach_chunks())
 }

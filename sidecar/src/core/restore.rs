@@ -544,7 +544,7 @@ impl Core {
                     entity = id,
                     "ghost of a dead process dropped: not restored"
                 );
-                self.replication.stale.remove(&id);
+                self.replication.forget_stale(id);
                 let _ = self.table.despawn(id);
                 self.handoff.fence.forget(id);
             }

@@ -75,7 +75,7 @@ impl Core {
         let mut pieces: Vec<Addressed> = Vec::new();
         // A client that newly sees an entity (its gateway just got it in full, or its session
         // just attached there) is owed the entity's current non-public state, not only changes.
-        let newly_held = std::mem::take(&mut self.replication.newly_held);
+        let newly_held = self.replication.take_newly_held();
         let newly_attached = std::mem::take(&mut self.routing.newly_attached);
         let whole = EntityChange {
             spawned: true,

@@ -1023,9 +1023,9 @@ fn the_owners_near_cache_stays_bounded() {
     use cellmesh_world::geometry::ChunkPos;
     let mut core = node();
     let first = core.owners_near(ChunkPos { x: 7, y: 3 });
-    for i in 0..(authority::NEAR_CACHE_MAX as i64 + 100) {
+    for i in 0..(replication::NEAR_CACHE_MAX as i64 + 100) {
         core.owners_near(ChunkPos { x: i, y: i / 16 });
-        assert!(core.replication.near_cache.len() <= authority::NEAR_CACHE_MAX);
+        assert!(core.replication.near_cache_len() <= replication::NEAR_CACHE_MAX);
     }
     assert_eq!(core.owners_near(ChunkPos { x: 7, y: 3 }), first);
 }
