@@ -177,8 +177,7 @@ impl Core {
         self.cx.out.to_game.extend(joins);
         let remote: Vec<SidecarMessage> = self
             .routing
-            .remote_players
-            .iter()
+            .remote_players()
             .map(|(account, r)| {
                 sidecar_message::Body::PlayerJoin(local::PlayerJoin {
                     account: account.clone(),
@@ -189,7 +188,7 @@ impl Core {
             })
             .collect();
         self.cx.out.to_game.extend(remote);
-        self.routing.anchor_sent.clear();
+        self.routing.forget_anchors();
         // Adopts the previous game never answered: the new game gets them again.
         let pending: Vec<local::Adopt> = self
             .handoff

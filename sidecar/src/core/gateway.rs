@@ -10,15 +10,17 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use rustc_hash::FxHashMap as HashMap;
 
+use cellmesh_proto::batch::Encoded;
 use cellmesh_proto::edge::KickReason;
 use cellmesh_proto::mesh::{self, mesh_message, MeshMessage};
 use cellmesh_stores::PlayerRecord;
+use cellmesh_world::geometry::Pos;
 use cellmesh_world::partition::NodeId;
 
 use super::avatars::AvatarAt;
 use super::*;
 use crate::config::SidecarConfig;
-use crate::model::entities::TickChanges;
+use crate::model::entities::{EntityUpdate, TickChanges};
 use crate::model::fold::Clients;
 use crate::model::interest::InterestShape;
 
@@ -102,6 +104,113 @@ impl Gateway {
             attest: cfg
                 .attest_ring()
                 .expect("attest_keys are checked by SidecarConfig::validate"),
+        }
+    }
+
+    /// `account`'s session attached here.
+    pub(crate) fn local_session(&self, account: &str) -> Option<&Session> {
+        self.sessions.get(self.clients.key_of(account)?)
+    }
+
+    /// The key and epoch of `account`'s session here, if it is attached.
+    pub(crate) fn session_epoch(&self, account: &str) -> Option<(SessionKey, u64)> {
+        let s = self.local_session(account)?;
+        Some((s.key, s.epoch?))
+    }
+
+    /// Whether the local session of `account` was given a new avatar that this node writes, and
+    /// `entity` is another one.
+    fn avatar_spawned_here_for(&self, table: &EntityTable, account: &str, entity: u64) -> bool {
+        self.local_session(account).is_some_and(|s| s.new_avatar)
+            && table
+                .master_of(account)
+                .is_some_and(|e| e.origin.is_none() && e.id != entity)
+    }
+
+    /// An owner's word of where `a.account`'s avatar is: the session's view follows it. Returns
+    /// whether the avatar anchored the session (it no longer waits for one).
+    pub(crate) fn on_anchor(
+        &mut self,
+        cx: &mut Context,
+        table: &mut EntityTable,
+        mesh: &Mesh,
+        node: NodeId,
+        a: mesh::Anchor,
+    ) -> bool {
+        match self.session_epoch(&a.account) {
+            Some((_, epoch)) if epoch == a.session_epoch => {}
+            _ => {
+                cx.metrics.drop_msg("stale_session", 1);
+                return false;
+            }
+        }
+        if self
+            .master_epoch
+            .get(&a.account)
+            .is_some_and(|e| *e > a.entity_epoch)
+        {
+            // A late word from a previous owner of the master.
+            cx.metrics.drop_msg("stale_anchor", 1);
+            return false;
+        }
+        let Some(p) = a.position.as_ref().map(wire::position) else {
+            return false;
+        };
+        if node == cx.config.node_id {
+            return false;
+        }
+        if self.avatar_spawned_here_for(table, &a.account, a.entity_id) {
+            // This gateway gave the session a new avatar, here, after waiting in vain for the
+            // one `node` simulates (a cut kept them apart): of two avatars the older goes.
+            tracing::info!(account = %a.account, peer = node, entity = a.entity_id, "an older avatar anchored a session that has a new one: it leaves");
+            cx.metrics.drop_msg("older_avatar", 1);
+            mesh.send(
+                cx,
+                node,
+                mesh_message::Body::PlayerLeave(mesh::PeerPlayerLeave {
+                    account: a.account.clone(),
+                    session_epoch: a.session_epoch,
+                    reason: "new_avatar_elsewhere".into(),
+                }),
+            );
+            return false;
+        }
+        self.master_epoch.insert(a.account.clone(), a.entity_epoch);
+        let chunk = cx.config.world.chunk_of(Pos { x: p.x, y: p.y });
+        self.clients.set_remote_anchor(&a.account, Some(chunk));
+        self.master_owner.insert(a.account.clone(), node);
+        // The view follows the anchor: a render ghost of the master left behind (stale through
+        // an outage, or not refreshed yet by its new owner) moves with it, so the client never
+        // sees its own avatar leave its view.
+        let behind = table
+            .get(a.entity_id)
+            .filter(|e| e.origin.is_some() && e.epoch <= a.entity_epoch && e.position != p)
+            .is_some();
+        if behind {
+            let _ = table.update(EntityUpdate {
+                id: a.entity_id,
+                position: Some(p),
+                ..Default::default()
+            });
+        }
+        self.anchor_pos.insert(a.account, [p.x, p.y, p.z]);
+        true
+    }
+
+    /// Pieces an owner routed to this gateway's sessions.
+    pub(crate) fn on_routed(&mut self, cx: &Context, r: mesh::Routed) {
+        for piece in r.pieces {
+            let part = wire::part_of(piece.kind);
+            for to in &piece.recipients {
+                match self.session_epoch(&to.account) {
+                    Some((key, epoch)) if epoch == to.session_epoch => {
+                        self.clients
+                            .inject(key, part, Encoded(piece.encoded.clone()));
+                    }
+                    // A late message for an older session, or for a session that left.
+                    _ => cx.metrics.drop_msg("stale_session", 1),
+                }
+            }
         }
     }
 }
@@ -396,8 +505,7 @@ impl Core {
             .is_some_and(|e| e > reg.epoch);
         let newer_elsewhere = self
             .routing
-            .routes
-            .get(&account)
+            .route(&account)
             .is_some_and(|r| r.gateway_node != me && r.session_epoch > reg.epoch);
         if newer_here || newer_elsewhere {
             self.cx.queue_for_link(

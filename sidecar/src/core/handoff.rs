@@ -536,8 +536,7 @@ impl Core {
             }
         }
         self.routing
-            .remote_players
-            .get(account)
+            .remote_player(account)
             .map(|r| (r.gateway_node, r.session_epoch))
     }
 
@@ -936,7 +935,7 @@ impl Core {
                     .sent
                     .get(&id)
                     .map_or(0, |s| s.offer.session_epoch);
-                if let Some(r) = self.routing.remote_players.get(&account).copied() {
+                if let Some(r) = self.routing.remote_player(&account) {
                     if r.session_epoch > offered && r.gateway_node != done.to {
                         self.send_peer(
                             done.to,
@@ -949,8 +948,7 @@ impl Core {
                         );
                     }
                 }
-                self.routing.remote_players.remove(&account);
-                self.routing.anchor_sent.remove(&account);
+                self.routing.remove_remote_player(&account);
                 if self.gateway.clients.key_of(&account).is_some() {
                     // This node is the player's gateway: its input goes to the new owner now.
                     // An anchor the new owner sent first (the ack was lost and a later frame
@@ -1206,11 +1204,9 @@ impl Core {
             let local = self.session_epoch(&account).map(|(_, e)| e);
             let newer_remote = self
                 .routing
-                .routes
-                .get(&account)
+                .route(&account)
                 .filter(|r| r.gateway_node != me && r.session_epoch > o.session_epoch)
-                .filter(|r| local.is_none_or(|l| r.session_epoch > l))
-                .copied();
+                .filter(|r| local.is_none_or(|l| r.session_epoch > l));
             if let Some(entry) = newer_remote {
                 self.join_session(&account, entry);
             } else if o.gateway_node == me && local.is_none() {
@@ -1230,9 +1226,7 @@ impl Core {
                     gateway_node: o.gateway_node,
                     session_epoch: o.session_epoch,
                 };
-                self.routing.routes.insert(account.clone(), entry);
-                self.routing.remote_players.insert(account.clone(), entry);
-                self.routing.anchor_sent.remove(&account);
+                self.routing.serve(&account, entry);
                 self.send_anchor(o.gateway_node, &account, o.session_epoch);
             }
         }
@@ -1689,8 +1683,7 @@ impl Core {
         local
             || self
                 .routing
-                .remote_players
-                .get(account)
+                .remote_player(account)
                 .is_some_and(|r| r.session_epoch == epoch)
     }
 

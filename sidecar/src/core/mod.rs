@@ -926,25 +926,12 @@ impl Core {
         for m in moved {
             self.send_peer(node, m);
         }
-        self.routing.anchor_sent.retain(|account, _| {
-            self.routing
-                .remote_players
-                .get(account)
-                .is_none_or(|r| r.gateway_node != node)
-        });
+        let players = self.routing.peer_up(node);
         // Anchors sent while the link was down were lost, so that gateway's views still stand
         // where its players' avatars were then (or where a previous owner last saw them). They
         // are re-anchored now, not at the avatar's next change: a frozen or idle avatar has none,
         // and a moving one's comes after this node has told the gateway that the ghosts outside
         // the stale view are gone (the avatar itself included).
-        let mut players: Vec<(String, u64)> = self
-            .routing
-            .remote_players
-            .iter()
-            .filter(|(_, r)| r.gateway_node == node)
-            .map(|(account, r)| (account.clone(), r.session_epoch))
-            .collect();
-        players.sort();
         for (account, session_epoch) in players {
             self.send_anchor(node, &account, session_epoch);
         }
@@ -1048,23 +1035,10 @@ impl Core {
 
     /// A remote gateway's session ended: its route goes, and the avatar of it is let go.
     fn on_session_ended(&mut self, e: mesh::SessionEnded) {
-        if self
-            .routing
-            .routes
-            .get(&e.account)
-            .is_some_and(|r| r.session_epoch == e.session_epoch)
-        {
-            self.routing.routes.remove(&e.account);
-        }
         // The avatar of a session that ended is released even if the gateway's leave
         // never comes (it went to an owner the gateway was still waiting for), unless a
         // newer session joins it meanwhile (the proxy moved the session).
-        if self
-            .routing
-            .remote_players
-            .get(&e.account)
-            .is_some_and(|r| r.session_epoch <= e.session_epoch)
-        {
+        if self.routing.on_session_ended(&e) {
             self.defer_leave(&e.account, e.session_epoch, "session_ended");
         }
     }
@@ -1185,6 +1159,162 @@ impl Core {
     fn drop_ghost(&mut self, id: u64) {
         let _ = self.table.despawn(id);
         self.handoff.fence.forget(id);
+    }
+
+    // ------------------------------------------------------------------ routing
+
+    /// Routes this tick's changes, events and sends to other gateways; returns the sends for
+    /// the local fold.
+    pub(crate) fn route_tick(
+        &mut self,
+        changes: &model::entities::TickChanges,
+        events: &[model::fold::TickEvent],
+        sends: Vec<model::fold::TickSend>,
+    ) -> Vec<model::fold::TickSend> {
+        let newly_held = self.replication.take_newly_held();
+        self.routing.route_tick(
+            &mut self.cx,
+            &self.table,
+            &self.gateway.clients,
+            &self.mesh,
+            newly_held,
+            changes,
+            events,
+            sends,
+        )
+    }
+
+    /// Tells remote gateways where their players' avatars are, where they changed.
+    pub(crate) fn send_anchors(&mut self, changes: &model::entities::TickChanges) {
+        self.routing
+            .send_anchors(&mut self.cx, &self.table, &self.mesh, changes);
+    }
+
+    /// Tells `gateway` where `account`'s master is, if this node writes it.
+    pub(crate) fn send_anchor(&mut self, gateway: NodeId, account: &str, session_epoch: u64) {
+        self.routing.send_anchor(
+            &mut self.cx,
+            &self.table,
+            &self.mesh,
+            gateway,
+            account,
+            session_epoch,
+        );
+    }
+
+    /// The directory's answer to a lookup: an orphaned avatar's check, and what was parked.
+    fn on_looked_up(&mut self, account: String, result: Result<Option<SessionEntry>, String>) {
+        self.routing.lookup_answered(&account);
+        if let Ok(entry) = &result {
+            self.on_orphan_looked_up(&account, *entry);
+        }
+        let here = self
+            .routing
+            .on_looked_up(&mut self.cx, &self.mesh, &account, result);
+        for piece in here {
+            match self.gateway.clients.key_of(&account) {
+                Some(key) => self.gateway.clients.inject(
+                    key,
+                    wire::part_of(piece.kind as i32),
+                    cellmesh_proto::batch::Encoded(piece.encoded),
+                ),
+                None => {
+                    self.cx.metrics.dropped_unknown_account.inc();
+                    self.cx.metrics.drop_msg("unknown_account", 1);
+                }
+            }
+        }
+    }
+
+    fn on_peer_player_join(&mut self, from: NodeId, j: mesh::PeerPlayerJoin) {
+        let departed = self.departed_owner(&j.account);
+        let game_connected = self.game.slot.is_some();
+        self.routing.on_peer_player_join(
+            &mut self.cx,
+            &self.table,
+            &self.mesh,
+            game_connected,
+            departed,
+            from,
+            j,
+        );
+    }
+
+    fn on_peer_player_leave(&mut self, l: mesh::PeerPlayerLeave) {
+        let departed = self.departed_owner(&l.account);
+        let leave =
+            self.routing
+                .on_peer_player_leave(&mut self.cx, &self.table, &self.mesh, departed, l);
+        let Some(l) = leave else {
+            return;
+        };
+        if Self::leave_waits(&l.reason) {
+            return self.defer_leave(&l.account, l.session_epoch, &l.reason);
+        }
+        self.leave_game(&l.account, l.session_epoch, &l.reason);
+    }
+
+    /// Sends the leave of a session on to `owner`, unless a newer session wants the avatar.
+    pub(crate) fn send_leave_on(&mut self, owner: NodeId, l: mesh::PeerPlayerLeave) {
+        self.routing
+            .send_leave_on(&mut self.cx, &self.mesh, owner, l);
+    }
+
+    /// Whether this node serves a session of `account` newer than `epoch` with the avatar it
+    /// writes, or has one attached here.
+    pub(crate) fn serves_newer_session(&self, account: &str, epoch: u64) -> bool {
+        self.routing.serves_newer_remote(account, epoch)
+            || self.session_epoch(account).is_some_and(|(_, e)| e > epoch)
+    }
+
+    /// The key and epoch of `account`'s session here, if it is attached.
+    pub(crate) fn session_epoch(&self, account: &str) -> Option<(SessionKey, u64)> {
+        self.gateway.session_epoch(account)
+    }
+
+    fn on_anchor(&mut self, node: NodeId, a: mesh::Anchor) {
+        let account = a.account.clone();
+        let anchored = self
+            .gateway
+            .on_anchor(&mut self.cx, &mut self.table, &self.mesh, node, a);
+        if anchored {
+            self.avatars.stop_waiting(&account);
+        }
+    }
+
+    fn on_routed(&mut self, r: mesh::Routed) {
+        self.gateway.on_routed(&self.cx, r);
+    }
+
+    /// Another gateway holds `account` now: routes follow it, and an older session here is
+    /// displaced (its avatar is released where it is simulated).
+    fn on_session_moved(&mut self, m: mesh::SessionMoved) {
+        let game_connected = self.game.slot.is_some();
+        self.routing.on_session_moved(&self.cx, game_connected, &m);
+        if let Some((key, epoch)) = self.session_epoch(&m.account) {
+            if epoch < m.session_epoch {
+                self.displace(key, "the account logged in on another gateway");
+            }
+        }
+        self.avatar_meets_session(&m);
+    }
+
+    /// Tells every peer that `account` now has a session here, and whether its gateway spawns
+    /// the avatar anew.
+    pub(crate) fn announce_session(&mut self, account: &str, epoch: u64, new_avatar: bool) {
+        self.broadcast(mesh_message::Body::SessionMoved(mesh::SessionMoved {
+            account: account.to_string(),
+            session_epoch: epoch,
+            gateway_node: self.cx.config.node_id,
+            new_avatar,
+        }));
+    }
+
+    pub(crate) fn announce_session_end(&mut self, account: &str, epoch: u64) {
+        self.broadcast(mesh_message::Body::SessionEnded(mesh::SessionEnded {
+            account: account.to_string(),
+            session_epoch: epoch,
+        }));
     }
 
     /// The answer to an attach refused for admission.
@@ -1644,8 +1774,7 @@ impl Core {
         }
         let served = self
             .routing
-            .remote_players
-            .get(&m.account)
+            .remote_player(&m.account)
             .map(|r| r.session_epoch)
             .or_else(|| self.session_epoch(&m.account).map(|(_, e)| e))
             .unwrap_or(0);
@@ -1661,8 +1790,7 @@ impl Core {
         }
         tracing::debug!(account = %m.account, "a newer session spawns a new avatar: this one leaves");
         self.avatars.take_leave(&m.account);
-        self.routing.remote_players.remove(&m.account);
-        self.routing.anchor_sent.remove(&m.account);
+        self.routing.remove_remote_player(&m.account);
         // Every session before the new one is over.
         self.leave_game(&m.account, m.session_epoch - 1, "new_avatar_elsewhere");
     }
@@ -1708,12 +1836,10 @@ impl Core {
             }
             if self
                 .routing
-                .remote_players
-                .get(&account)
+                .remote_player(&account)
                 .is_some_and(|r| r.session_epoch <= epoch)
             {
-                self.routing.remote_players.remove(&account);
-                self.routing.anchor_sent.remove(&account);
+                self.routing.remove_remote_player(&account);
             }
             self.leave_game(&account, epoch, &reason);
         }
@@ -1729,19 +1855,18 @@ impl Core {
     fn check_orphans(&mut self) {
         let orphans: Vec<String> = self
             .routing
-            .remote_players
-            .iter()
+            .remote_players()
             .filter(|(account, r)| {
                 !self.peer_link_up(r.gateway_node) && self.writes_master(account)
             })
             .map(|(a, _)| a.clone())
             .collect();
         let routing = &self.routing;
-        let due = self.avatars.orphans_due(&self.cx, orphans, |a| {
-            routing.remote_players.contains_key(a)
-        });
+        let due = self
+            .avatars
+            .orphans_due(&self.cx, orphans, |a| routing.is_remote_player(a));
         for account in due {
-            if self.routing.looking_up.insert(account.clone()) {
+            if self.routing.start_lookup(&account) {
                 self.cx.store(StoreRequest::Lookup { account });
             }
         }
@@ -1766,7 +1891,7 @@ impl Core {
 
     /// The directory's word on the session of a player whose gateway link is down.
     pub(crate) fn on_orphan_looked_up(&mut self, account: &str, entry: Option<SessionEntry>) {
-        let Some(r) = self.routing.remote_players.get(account).copied() else {
+        let Some(r) = self.routing.remote_player(account) else {
             return;
         };
         if self.peer_link_up(r.gateway_node) || !self.writes_master(account) {
@@ -1810,10 +1935,9 @@ impl Core {
 
     /// The session of a player whose avatar this node simulates for another gateway ended.
     pub(crate) fn release_remote_player(&mut self, account: &str, reason: &str) {
-        let Some(r) = self.routing.remote_players.remove(account) else {
+        let Some(r) = self.routing.remove_remote_player(account) else {
             return;
         };
-        self.routing.anchor_sent.remove(account);
         self.avatars.forget_orphan(account);
         if !self.writes_master(account) {
             return;
@@ -1823,11 +1947,7 @@ impl Core {
 
     /// The avatar this node writes serves the newer session `entry` of another gateway.
     pub(crate) fn join_session(&mut self, account: &str, entry: SessionEntry) {
-        self.routing.routes.insert(account.to_string(), entry);
-        self.routing
-            .remote_players
-            .insert(account.to_string(), entry);
-        self.routing.anchor_sent.remove(account);
+        self.routing.serve(account, entry);
         if self.game.slot.is_some() {
             self.cx.out.to_game.push(
                 local::sidecar_message::Body::PlayerJoin(local::PlayerJoin {
@@ -1949,8 +2069,7 @@ impl Core {
         self.gateway.master_owner.insert(account.to_string(), me);
         self.avatars.stop_waiting(account);
         // An avatar simulated here for another gateway serves this session now.
-        self.routing.remote_players.remove(account);
-        self.routing.anchor_sent.remove(account);
+        self.routing.remove_remote_player(account);
         if let Some(e) = self.table.master_of(account).filter(|e| e.origin.is_none()) {
             let epoch = e.epoch;
             self.gateway.master_epoch.insert(account.to_string(), epoch);

@@ -5,19 +5,20 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
-use cellmesh_proto::batch::{encode_delta, encode_event, encode_message, Encoded};
+use cellmesh_proto::batch::{encode_delta, encode_event, encode_message};
 use cellmesh_proto::edge::{AccountMessage, ComponentData, DeltaKind, EntityDelta, EventData};
 use cellmesh_proto::local::{self, sidecar_message, AudienceKind};
 use cellmesh_proto::mesh::{self, mesh_message, PieceKind};
 use cellmesh_stores::SessionEntry;
-use cellmesh_world::geometry::{ChunkPos, Pos};
+use cellmesh_world::geometry::ChunkPos;
 use cellmesh_world::partition::NodeId;
 
-use super::gateway::Session;
+use super::context::Context;
+use super::peers::Mesh;
 use super::wire::*;
-use super::*;
-use crate::model::entities::{EntityChange, EntityUpdate, TickChanges};
-use crate::model::fold::{TickEvent, TickSend};
+use super::StoreRequest;
+use crate::model::entities::{EntityChange, EntityTable, TickChanges};
+use crate::model::fold::{Clients, TickEvent, TickSend};
 use crate::model::route::{self, Addressed, Target};
 
 /// Pieces waiting for a directory lookup, at most; beyond, new ones are dropped (counted).
@@ -33,29 +34,89 @@ type SameView = BTreeMap<(Vec<u32>, Vec<u32>), (AudienceKind, Vec<String>)>;
 #[derive(Default)]
 pub(crate) struct Routing {
     /// Route cache: account -> its gateway and session epoch.
-    pub routes: HashMap<String, SessionEntry>,
+    routes: HashMap<String, SessionEntry>,
     /// Players whose avatar this node's game simulates for another gateway.
-    pub remote_players: HashMap<String, SessionEntry>,
+    remote_players: HashMap<String, SessionEntry>,
     /// Owner side: the chunk last told to each remote player's gateway.
-    pub anchor_sent: HashMap<String, ChunkPos>,
+    anchor_sent: HashMap<String, ChunkPos>,
     /// Owner side: accounts whose session newly attached to another gateway since the tick began.
-    pub newly_attached: BTreeSet<String>,
-    pub parked: Vec<(String, Addressed)>,
-    pub looking_up: HashSet<String>,
+    newly_attached: BTreeSet<String>,
+    parked: Vec<(String, Addressed)>,
+    looking_up: HashSet<String>,
     /// Accounts the directory did not know, until (monotonic ms).
-    pub unknown_until: HashMap<String, u64>,
+    unknown_until: HashMap<String, u64>,
 }
 
-impl Core {
+impl Routing {
+    // ------------------------------------------------------------------ what others read and tell
+
+    /// The session of another gateway whose avatar this node's game simulates for `account`.
+    pub(crate) fn remote_player(&self, account: &str) -> Option<SessionEntry> {
+        self.remote_players.get(account).copied()
+    }
+
+    /// Every remote player: account, and the session at its gateway.
+    pub(crate) fn remote_players(&self) -> impl Iterator<Item = (&String, &SessionEntry)> {
+        self.remote_players.iter()
+    }
+
+    /// Where `account`'s session is, as the route cache has it.
+    pub(crate) fn route(&self, account: &str) -> Option<SessionEntry> {
+        self.routes.get(account).copied()
+    }
+
+    pub(crate) fn is_remote_player(&self, account: &str) -> bool {
+        self.remote_players.contains_key(account)
+    }
+
+    /// This node's game no longer simulates `account`'s avatar for another gateway: the session
+    /// it did, if any.
+    pub(crate) fn remove_remote_player(&mut self, account: &str) -> Option<SessionEntry> {
+        self.anchor_sent.remove(account);
+        self.remote_players.remove(account)
+    }
+
+    /// The avatar this node writes serves `account`'s session `entry` at another gateway; the
+    /// gateway is anchored afresh.
+    pub(crate) fn serve(&mut self, account: &str, entry: SessionEntry) {
+        self.routes.insert(account.to_string(), entry);
+        self.remote_players.insert(account.to_string(), entry);
+        self.anchor_sent.remove(account);
+    }
+
+    /// A new game: every remote player's gateway is anchored afresh.
+    pub(crate) fn forget_anchors(&mut self) {
+        self.anchor_sent.clear();
+    }
+
+    /// Whether `account` should be looked up now (no lookup of it is under way).
+    pub(crate) fn start_lookup(&mut self, account: &str) -> bool {
+        self.looking_up.insert(account.to_string())
+    }
+
+    /// Whether a gateway announced a session of `account` newer than `epoch`.
+    pub(crate) fn newer_route(&self, account: &str, epoch: u64) -> bool {
+        self.routes
+            .get(account)
+            .is_some_and(|r| r.session_epoch > epoch)
+    }
+
+    /// Whether this node's game simulates `account`'s avatar for a session newer than `epoch`.
+    pub(crate) fn serves_newer_remote(&self, account: &str, epoch: u64) -> bool {
+        self.remote_players
+            .get(account)
+            .is_some_and(|r| r.session_epoch > epoch)
+    }
+
     // ------------------------------------------------------------------ owner: routing
 
     /// Where `account`'s session is, as this node knows it.
-    pub(crate) fn target(&self, account: &str) -> Target {
-        if self.gateway.clients.key_of(account).is_some() {
+    fn target(&self, cx: &Context, clients: &Clients, account: &str) -> Target {
+        if clients.key_of(account).is_some() {
             return Target::Local;
         }
-        match self.routing.routes.get(account) {
-            Some(r) if r.gateway_node != self.cx.config.node_id => Target::Remote {
+        match self.routes.get(account) {
+            Some(r) if r.gateway_node != cx.config.node_id => Target::Remote {
                 gateway: r.gateway_node,
                 session_epoch: r.session_epoch,
             },
@@ -64,35 +125,111 @@ impl Core {
     }
 
     /// Routes this tick's non-public component changes and events of local entities, and the
-    /// game's `Send`s, to the gateways of the accounts they name. Returns the sends for the local
-    /// fold, narrowed to accounts with a session here.
+    /// game's `Send`s, to the gateways of the accounts they name. `newly_held`: the local
+    /// entities that went in full to nodes not holding them since the tick began. Returns the
+    /// sends for the local fold, narrowed to accounts with a session here.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn route_tick(
         &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        clients: &Clients,
+        mesh: &Mesh,
+        newly_held: BTreeMap<u64, BTreeSet<NodeId>>,
         changes: &TickChanges,
         events: &[TickEvent],
         sends: Vec<TickSend>,
     ) -> Vec<TickSend> {
+        let mut pieces = self.change_pieces(cx, table, clients, newly_held, changes);
+        for ev in events {
+            if ev.audience.is_public() || table.get_local(ev.entity_id).is_none() {
+                continue;
+            }
+            let accounts: Vec<String> = ev
+                .audience
+                .named_accounts(&ev.owner_account)
+                .filter(|a| clients.key_of(a).is_none())
+                .map(str::to_string)
+                .collect();
+            if accounts.is_empty() {
+                continue;
+            }
+            let encoded = encode_event(&EventData {
+                entity_id: ev.entity_id,
+                r#type: ev.r#type,
+                payload: ev.payload.clone(),
+            });
+            pieces.push(Addressed {
+                kind: PieceKind::PieceEvent,
+                audience: route::kind_of(&ev.audience),
+                encoded: encoded.0,
+                accounts,
+            });
+        }
+        let mut local_sends = Vec::with_capacity(sends.len());
+        for send in sends {
+            let (local, remote): (Vec<String>, Vec<String>) = send
+                .accounts
+                .into_iter()
+                .partition(|a| clients.key_of(a).is_some());
+            if !remote.is_empty() {
+                let encoded = encode_message(&AccountMessage {
+                    r#type: send.r#type,
+                    payload: send.payload.clone(),
+                });
+                pieces.push(Addressed {
+                    kind: PieceKind::PieceMessage,
+                    audience: AudienceKind::Accounts,
+                    encoded: encoded.0,
+                    accounts: remote,
+                });
+            }
+            if !local.is_empty() {
+                local_sends.push(TickSend {
+                    accounts: local,
+                    r#type: send.r#type,
+                    payload: send.payload,
+                });
+            }
+        }
+        if pieces.is_empty() {
+            return local_sends;
+        }
+        let resolved = route::resolve(&pieces, |a| self.target(cx, clients, a));
+        for (gateway, routed) in resolved.per_gateway {
+            send_routed(cx, mesh, gateway, routed);
+        }
+        for (account, index) in resolved.unknown {
+            self.park(cx, account, pieces[index].clone());
+        }
+        local_sends
+    }
+
+    /// The pieces of this tick's non-public component changes of local entities, for accounts
+    /// with no session here.
+    fn change_pieces(
+        &mut self,
+        cx: &Context,
+        table: &EntityTable,
+        clients: &Clients,
+        newly_held: BTreeMap<u64, BTreeSet<NodeId>>,
+        changes: &TickChanges,
+    ) -> Vec<Addressed> {
         let mut pieces: Vec<Addressed> = Vec::new();
         // A client that newly sees an entity (its gateway just got it in full, or its session
         // just attached there) is owed the entity's current non-public state, not only changes.
-        let newly_held = self.replication.take_newly_held();
-        let newly_attached = std::mem::take(&mut self.routing.newly_attached);
+        let newly_attached = std::mem::take(&mut self.newly_attached);
         let whole = EntityChange {
             spawned: true,
             ..Default::default()
         };
         let mut ids: BTreeSet<u64> = changes.keys().chain(newly_held.keys()).copied().collect();
         if !newly_attached.is_empty() {
-            ids.extend(
-                self.table
-                    .iter()
-                    .filter(|e| e.origin.is_none())
-                    .map(|e| e.id),
-            );
+            ids.extend(table.iter().filter(|e| e.origin.is_none()).map(|e| e.id));
         }
         let no_change = EntityChange::default();
         for id in ids {
-            let Some(e) = self.table.get_local(id) else {
+            let Some(e) = table.get_local(id) else {
                 continue;
             };
             let mut views = route::account_views(e, changes.get(&id).unwrap_or(&no_change));
@@ -106,7 +243,7 @@ impl Core {
             };
             for (account, view) in whole_views {
                 let fresh = newly_attached.contains(&account)
-                    || match self.target(&account) {
+                    || match self.target(cx, clients, &account) {
                         Target::Remote { gateway, .. } => {
                             held_by.is_some_and(|n| n.contains(&gateway))
                         }
@@ -119,7 +256,7 @@ impl Core {
             // Accounts that see the same thing share one encoded delta.
             let mut groups: SameView = BTreeMap::new();
             for (account, (send, removed, kind)) in views {
-                if self.gateway.clients.key_of(&account).is_some() {
+                if clients.key_of(&account).is_some() {
                     continue;
                 }
                 groups
@@ -152,231 +289,191 @@ impl Core {
                 });
             }
         }
-        for ev in events {
-            if ev.audience.is_public() || self.table.get_local(ev.entity_id).is_none() {
-                continue;
-            }
-            let accounts: Vec<String> = ev
-                .audience
-                .named_accounts(&ev.owner_account)
-                .filter(|a| self.gateway.clients.key_of(a).is_none())
-                .map(str::to_string)
-                .collect();
-            if accounts.is_empty() {
-                continue;
-            }
-            let encoded = encode_event(&EventData {
-                entity_id: ev.entity_id,
-                r#type: ev.r#type,
-                payload: ev.payload.clone(),
-            });
-            pieces.push(Addressed {
-                kind: PieceKind::PieceEvent,
-                audience: route::kind_of(&ev.audience),
-                encoded: encoded.0,
-                accounts,
-            });
-        }
-        let mut local_sends = Vec::with_capacity(sends.len());
-        for send in sends {
-            let (local, remote): (Vec<String>, Vec<String>) = send
-                .accounts
-                .into_iter()
-                .partition(|a| self.gateway.clients.key_of(a).is_some());
-            if !remote.is_empty() {
-                let encoded = encode_message(&AccountMessage {
-                    r#type: send.r#type,
-                    payload: send.payload.clone(),
-                });
-                pieces.push(Addressed {
-                    kind: PieceKind::PieceMessage,
-                    audience: AudienceKind::Accounts,
-                    encoded: encoded.0,
-                    accounts: remote,
-                });
-            }
-            if !local.is_empty() {
-                local_sends.push(TickSend {
-                    accounts: local,
-                    r#type: send.r#type,
-                    payload: send.payload,
-                });
-            }
-        }
-        if pieces.is_empty() {
-            return local_sends;
-        }
-        let resolved = route::resolve(&pieces, |a| self.target(a));
-        for (gateway, routed) in resolved.per_gateway {
-            self.send_routed(gateway, routed);
-        }
-        for (account, index) in resolved.unknown {
-            self.park(account, pieces[index].clone());
-        }
-        local_sends
-    }
-
-    pub(crate) fn send_routed(&mut self, gateway: NodeId, routed: mesh::Routed) {
-        let kinds: BTreeSet<u32> = routed.pieces.iter().map(|p| p.audience).collect();
-        if self.send_peer(gateway, mesh_message::Body::Routed(routed)) {
-            self.cx.metrics.routed_messages.inc();
-            for k in kinds {
-                self.cx
-                    .metrics
-                    .routed
-                    .get_or_create(&crate::metrics::AudienceLabel {
-                        audience: audience_label(k),
-                    })
-                    .inc();
-            }
-        }
+        pieces
     }
 
     /// Holds a piece for an account with no known route, and looks the account up.
-    pub(crate) fn park(&mut self, account: String, piece: Addressed) {
+    fn park(&mut self, cx: &mut Context, account: String, piece: Addressed) {
         if self
-            .routing
             .unknown_until
             .get(&account)
-            .is_some_and(|t| *t > self.cx.now.mono_ms)
-            || self.routing.parked.len() >= MAX_PARKED
+            .is_some_and(|t| *t > cx.now.mono_ms)
+            || self.parked.len() >= MAX_PARKED
         {
-            self.cx.metrics.dropped_unknown_account.inc();
-            self.cx.metrics.drop_msg("unknown_account", 1);
+            cx.metrics.dropped_unknown_account.inc();
+            cx.metrics.drop_msg("unknown_account", 1);
             return;
         }
-        if self.routing.looking_up.insert(account.clone()) {
-            self.cx.store(StoreRequest::Lookup {
+        if self.looking_up.insert(account.clone()) {
+            cx.store(StoreRequest::Lookup {
                 account: account.clone(),
             });
         }
-        self.routing.parked.push((account, piece));
+        self.parked.push((account, piece));
     }
 
+    /// The directory's answer to a lookup of `account` is in: no lookup of it is under way.
+    pub(crate) fn lookup_answered(&mut self, account: &str) {
+        self.looking_up.remove(account);
+    }
+
+    /// The directory's answer to a lookup of `account`: what was parked for it goes to its
+    /// gateway. Returns the pieces for this node's own session of it, if any.
     pub(crate) fn on_looked_up(
         &mut self,
-        account: String,
+        cx: &mut Context,
+        mesh: &Mesh,
+        account: &str,
         result: Result<Option<SessionEntry>, String>,
-    ) {
-        self.routing.looking_up.remove(&account);
-        if let Ok(entry) = &result {
-            self.on_orphan_looked_up(&account, *entry);
-        }
-        let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.routing.parked)
+    ) -> Vec<Addressed> {
+        let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.parked)
             .into_iter()
             .partition(|(a, _)| *a == account);
-        self.routing.parked = rest;
+        self.parked = rest;
         let entry = match result {
             Ok(Some(entry)) => {
                 let newer = self
-                    .routing
                     .routes
-                    .get(&account)
+                    .get(account)
                     .is_none_or(|r| r.session_epoch <= entry.session_epoch);
                 if newer {
-                    self.routing.routes.insert(account.clone(), entry);
+                    self.routes.insert(account.to_string(), entry);
                 }
                 Some(entry)
             }
             Ok(None) => {
-                self.routing
-                    .unknown_until
-                    .insert(account.clone(), self.cx.now.mono_ms + NEGATIVE_TTL_MS);
+                self.unknown_until
+                    .insert(account.to_string(), cx.now.mono_ms + NEGATIVE_TTL_MS);
                 None
             }
             Err(e) => {
-                self.cx.metrics.error("store");
+                cx.metrics.error("store");
                 tracing::warn!(%account, error = %e, "looking up a session failed");
                 None
             }
         };
+        let mut here = Vec::new();
         for (_, piece) in mine {
             match entry {
-                Some(r) if r.gateway_node != self.cx.config.node_id => {
+                Some(r) if r.gateway_node != cx.config.node_id => {
                     let routed = mesh::Routed {
                         pieces: vec![route::piece(
                             &piece,
                             vec![mesh::Recipient {
-                                account: account.clone(),
+                                account: account.to_string(),
                                 session_epoch: r.session_epoch,
                             }],
                         )],
                     };
-                    self.send_routed(r.gateway_node, routed);
+                    send_routed(cx, mesh, r.gateway_node, routed);
                 }
-                _ => match self.gateway.clients.key_of(&account) {
-                    Some(key) => self.gateway.clients.inject(
-                        key,
-                        part_of(piece.kind as i32),
-                        Encoded(piece.encoded),
-                    ),
-                    None => {
-                        self.cx.metrics.dropped_unknown_account.inc();
-                        self.cx.metrics.drop_msg("unknown_account", 1);
-                    }
-                },
+                _ => here.push(piece),
             }
         }
+        here
     }
 
     /// Tells remote gateways where their players' avatars are when they spawn or change chunk.
-    pub(crate) fn send_anchors(&mut self, changes: &TickChanges) {
+    pub(crate) fn send_anchors(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        mesh: &Mesh,
+        changes: &TickChanges,
+    ) {
         let mut due = Vec::new();
         for &id in changes.keys() {
-            let Some(e) = self.table.get_local(id).filter(|e| e.is_master) else {
+            let Some(e) = table.get_local(id).filter(|e| e.is_master) else {
                 continue;
             };
-            let Some(r) = self.routing.remote_players.get(&e.owner_account) else {
+            let Some(r) = self.remote_players.get(&e.owner_account) else {
                 continue;
             };
-            if self.routing.anchor_sent.get(&e.owner_account) != Some(&e.chunk) {
+            if self.anchor_sent.get(&e.owner_account) != Some(&e.chunk) {
                 due.push((e.owner_account.clone(), *r));
             }
         }
         for (account, r) in due {
-            self.send_anchor(r.gateway_node, &account, r.session_epoch);
+            self.send_anchor(cx, table, mesh, r.gateway_node, &account, r.session_epoch);
         }
     }
 
     /// Tells `gateway` where `account`'s master is, if this node writes it, and remembers the
     /// chunk told. The anchor carries the master's epoch, so a late one from a previous owner
     /// loses against it.
-    pub(crate) fn send_anchor(&mut self, gateway: NodeId, account: &str, session_epoch: u64) {
-        let Some(e) = self.table.master_of(account).filter(|e| e.origin.is_none()) else {
+    pub(crate) fn send_anchor(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        mesh: &Mesh,
+        gateway: NodeId,
+        account: &str,
+        session_epoch: u64,
+    ) {
+        let Some(e) = table.master_of(account).filter(|e| e.origin.is_none()) else {
             return;
         };
-        let (id, pos, chunk, epoch) = (e.id, e.position, e.chunk, e.epoch);
         let anchor = mesh_message::Body::Anchor(mesh::Anchor {
             account: account.to_string(),
             session_epoch,
-            entity_id: id,
-            position: Some(vec3(pos)),
-            entity_epoch: epoch,
+            entity_id: e.id,
+            position: Some(vec3(e.position)),
+            entity_epoch: e.epoch,
         });
-        if self.send_peer(gateway, anchor) {
-            self.routing.anchor_sent.insert(account.to_string(), chunk);
+        if mesh.send(cx, gateway, anchor) {
+            self.anchor_sent.insert(account.to_string(), e.chunk);
         }
+    }
+
+    /// The link to `node` is back: the remote players whose gateway it is, to anchor again
+    /// (those sent while the link was down were lost).
+    pub(crate) fn peer_up(&mut self, node: NodeId) -> Vec<(String, u64)> {
+        let remote_players = &self.remote_players;
+        self.anchor_sent.retain(|account, _| {
+            remote_players
+                .get(account)
+                .is_none_or(|r| r.gateway_node != node)
+        });
+        let mut players: Vec<(String, u64)> = self
+            .remote_players
+            .iter()
+            .filter(|(_, r)| r.gateway_node == node)
+            .map(|(account, r)| (account.clone(), r.session_epoch))
+            .collect();
+        players.sort();
+        players
     }
 
     // ------------------------------------------------------------------ owner: remote players
 
-    pub(crate) fn on_peer_player_join(&mut self, from: NodeId, mut j: mesh::PeerPlayerJoin) {
+    /// A gateway's `PlayerJoin` (from `from`): the game here joins the avatar to the session,
+    /// or the join follows the avatar to `departed`, the node it was handed on to.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn on_peer_player_join(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        mesh: &Mesh,
+        game_connected: bool,
+        departed: Option<NodeId>,
+        from: NodeId,
+        mut j: mesh::PeerPlayerJoin,
+    ) {
         let gateway = match j.gateway_node {
             0 => from,
             g => g,
         };
         // The avatar was handed on before the gateway heard: the join follows it, or the game
         // here would spawn the account a second avatar.
-        let me = self.cx.config.node_id;
-        let elsewhere = self
-            .table
+        let me = cx.config.node_id;
+        let elsewhere = table
             .master_of(&j.account)
             .and_then(|e| e.origin)
-            .or_else(|| self.departed_owner(&j.account))
+            .or(departed)
             .filter(|owner| *owner != me && j.gateway_node == 0);
         if let Some(owner) = elsewhere {
             j.gateway_node = gateway;
-            self.send_peer(owner, mesh_message::Body::PlayerJoin(j));
+            mesh.send(cx, owner, mesh_message::Body::PlayerJoin(j));
             return;
         }
         let entry = SessionEntry {
@@ -384,16 +481,15 @@ impl Core {
             session_epoch: j.session_epoch,
         };
         if self
-            .routing
             .remote_players
             .get(&j.account)
             .is_some_and(|r| r.session_epoch > j.session_epoch)
         {
-            return self.cx.metrics.drop_msg("stale_session", 1);
+            return cx.metrics.drop_msg("stale_session", 1);
         }
-        self.routing.remote_players.insert(j.account.clone(), entry);
-        self.routing.routes.insert(j.account.clone(), entry);
-        self.routing.anchor_sent.remove(&j.account);
+        self.remote_players.insert(j.account.clone(), entry);
+        self.routes.insert(j.account.clone(), entry);
+        self.anchor_sent.remove(&j.account);
         let join = local::PlayerJoin {
             account: j.account.clone(),
             session_epoch: j.session_epoch,
@@ -403,219 +499,119 @@ impl Core {
                 z: v.z,
             }),
         };
-        if self.game.slot.is_some() {
-            self.cx
-                .out
+        if game_connected {
+            cx.out
                 .to_game
                 .push(sidecar_message::Body::PlayerJoin(join).into());
         }
         // An avatar that already exists (a new login) anchors the new session at once.
-        self.send_anchor(gateway, &j.account, j.session_epoch);
+        self.send_anchor(cx, table, mesh, gateway, &j.account, j.session_epoch);
     }
 
-    pub(crate) fn on_peer_player_leave(&mut self, l: mesh::PeerPlayerLeave) {
-        if let Some(r) = self.routing.remote_players.get(&l.account) {
+    /// A gateway's `PlayerLeave`: stale, or sent on to where the avatar went (`departed`, the
+    /// node it was handed on to, when the table does not say). Returns the leave when the
+    /// avatar written here leaves (now, or once a newer session had its chance).
+    pub(crate) fn on_peer_player_leave(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        mesh: &Mesh,
+        departed: Option<NodeId>,
+        l: mesh::PeerPlayerLeave,
+    ) -> Option<mesh::PeerPlayerLeave> {
+        if let Some(r) = self.remote_players.get(&l.account) {
             if r.session_epoch > l.session_epoch {
-                return self.cx.metrics.drop_msg("stale_session", 1);
+                cx.metrics.drop_msg("stale_session", 1);
+                return None;
             }
         } else {
             // The avatar was handed on before the gateway heard: the leave follows it.
-            let owner = self
-                .table
+            let owner = table
                 .master_of(&l.account)
                 .and_then(|e| e.origin)
-                .or_else(|| self.departed_owner(&l.account));
+                .or(departed);
             if let Some(owner) = owner {
-                return self.send_leave_on(owner, l);
+                self.send_leave_on(cx, mesh, owner, l);
+                return None;
             }
-            if self.table.master_of(&l.account).is_none() {
-                return;
-            }
+            table.master_of(&l.account)?;
             // Written here with no session known: adopted under a session that a newer login
             // had displaced (the adopt leaves the route to the newer one); this is that
             // session's leave, sent on by the source once acked. The game drops a leave older
             // than its avatar's session.
         }
-        self.routing.remote_players.remove(&l.account);
-        self.routing.anchor_sent.remove(&l.account);
-        if Self::leave_waits(&l.reason) {
-            return self.defer_leave(&l.account, l.session_epoch, &l.reason);
-        }
-        self.leave_game(&l.account, l.session_epoch, &l.reason);
-    }
-
-    /// Whether the local session of `account` was given a new avatar that this node writes, and
-    /// `entity` is another one.
-    fn avatar_spawned_here_for(&self, account: &str, entity: u64) -> bool {
-        self.local_session(account).is_some_and(|s| s.new_avatar)
-            && self
-                .table
-                .master_of(account)
-                .is_some_and(|e| e.origin.is_none() && e.id != entity)
+        self.remote_players.remove(&l.account);
+        self.anchor_sent.remove(&l.account);
+        Some(l)
     }
 
     /// Sends the leave of a session on to `owner`, the node the avatar went to, unless a newer
     /// session wants the avatar: that gateway's join or announcement reaches the owner, and an
     /// old leave must not overtake it.
-    pub(crate) fn send_leave_on(&mut self, owner: NodeId, l: mesh::PeerPlayerLeave) {
+    pub(crate) fn send_leave_on(
+        &self,
+        cx: &mut Context,
+        mesh: &Mesh,
+        owner: NodeId,
+        l: mesh::PeerPlayerLeave,
+    ) {
         if self.newer_route(&l.account, l.session_epoch) {
-            return self.cx.metrics.drop_msg("stale_session", 1);
+            return cx.metrics.drop_msg("stale_session", 1);
         }
-        self.send_peer(owner, mesh_message::Body::PlayerLeave(l));
+        mesh.send(cx, owner, mesh_message::Body::PlayerLeave(l));
     }
 
-    /// Whether this node serves a session of `account` newer than `epoch` with the avatar it
-    /// writes, or has one attached here.
-    pub(crate) fn serves_newer_session(&self, account: &str, epoch: u64) -> bool {
-        self.routing
-            .remote_players
-            .get(account)
-            .is_some_and(|r| r.session_epoch > epoch)
-            || self.session_epoch(account).is_some_and(|(_, e)| e > epoch)
-    }
-
-    /// Whether a gateway announced a session of `account` newer than `epoch`.
-    pub(crate) fn newer_route(&self, account: &str, epoch: u64) -> bool {
-        self.routing
-            .routes
-            .get(account)
-            .is_some_and(|r| r.session_epoch > epoch)
-    }
-
-    // ------------------------------------------------------------------ gateway side
-
-    /// `account`'s session attached here.
-    pub(crate) fn local_session(&self, account: &str) -> Option<&Session> {
-        self.gateway
-            .sessions
-            .get(self.gateway.clients.key_of(account)?)
-    }
-
-    /// The epoch of `account`'s session here, if it is attached.
-    pub(crate) fn session_epoch(&self, account: &str) -> Option<(u64, u64)> {
-        let s = self.local_session(account)?;
-        Some((s.key, s.epoch?))
-    }
-
-    pub(crate) fn on_anchor(&mut self, node: NodeId, a: mesh::Anchor) {
-        match self.session_epoch(&a.account) {
-            Some((_, epoch)) if epoch == a.session_epoch => {}
-            _ => return self.cx.metrics.drop_msg("stale_session", 1),
-        }
-        if self
-            .gateway
-            .master_epoch
-            .get(&a.account)
-            .is_some_and(|e| *e > a.entity_epoch)
-        {
-            // A late word from a previous owner of the master.
-            return self.cx.metrics.drop_msg("stale_anchor", 1);
-        }
-        let Some(p) = a.position.as_ref().map(position) else {
-            return;
-        };
-        if node == self.cx.config.node_id {
-            return;
-        }
-        if self.avatar_spawned_here_for(&a.account, a.entity_id) {
-            // This gateway gave the session a new avatar, here, after waiting in vain for the
-            // one `node` simulates (a cut kept them apart): of two avatars the older goes.
-            tracing::info!(account = %a.account, peer = node, entity = a.entity_id, "an older avatar anchored a session that has a new one: it leaves");
-            self.cx.metrics.drop_msg("older_avatar", 1);
-            self.send_peer(
-                node,
-                mesh_message::Body::PlayerLeave(mesh::PeerPlayerLeave {
-                    account: a.account.clone(),
-                    session_epoch: a.session_epoch,
-                    reason: "new_avatar_elsewhere".into(),
-                }),
-            );
-            return;
-        }
-        self.gateway
-            .master_epoch
-            .insert(a.account.clone(), a.entity_epoch);
-        self.avatars.stop_waiting(&a.account);
-        let chunk = self.cx.config.world.chunk_of(Pos { x: p.x, y: p.y });
-        self.gateway
-            .clients
-            .set_remote_anchor(&a.account, Some(chunk));
-        self.gateway.master_owner.insert(a.account.clone(), node);
-        // The view follows the anchor: a render ghost of the master left behind (stale through
-        // an outage, or not refreshed yet by its new owner) moves with it, so the client never
-        // sees its own avatar leave its view.
-        let behind = self
-            .table
-            .get(a.entity_id)
-            .filter(|e| e.origin.is_some() && e.epoch <= a.entity_epoch && e.position != p)
-            .is_some();
-        if behind {
-            let _ = self.table.update(EntityUpdate {
-                id: a.entity_id,
-                position: Some(p),
-                ..Default::default()
-            });
-        }
-        self.gateway.anchor_pos.insert(a.account, [p.x, p.y, p.z]);
-    }
-
-    pub(crate) fn on_routed(&mut self, r: mesh::Routed) {
-        for piece in r.pieces {
-            let part = part_of(piece.kind);
-            for to in &piece.recipients {
-                match self.session_epoch(&to.account) {
-                    Some((key, epoch)) if epoch == to.session_epoch => {
-                        self.gateway
-                            .clients
-                            .inject(key, part, Encoded(piece.encoded.clone()));
-                    }
-                    // A late message for an older session, or for a session that left.
-                    _ => self.cx.metrics.drop_msg("stale_session", 1),
-                }
-            }
-        }
-    }
-
-    /// Another gateway holds `account` now: routes follow it, and an older session here is
-    /// displaced (its avatar is released where it is simulated).
-    pub(crate) fn on_session_moved(&mut self, m: mesh::SessionMoved) {
+    /// Another gateway holds `account` now: routes follow it.
+    pub(crate) fn on_session_moved(
+        &mut self,
+        cx: &Context,
+        game_connected: bool,
+        m: &mesh::SessionMoved,
+    ) {
         let entry = SessionEntry {
             gateway_node: m.gateway_node,
             session_epoch: m.session_epoch,
         };
-        match self.routing.routes.get(&m.account) {
+        match self.routes.get(&m.account) {
             Some(r) if r.session_epoch > m.session_epoch => {}
             Some(r) if *r == entry => {}
             _ => {
-                self.routing.routes.insert(m.account.clone(), entry);
-                if m.gateway_node != self.cx.config.node_id && self.game.slot.is_some() {
-                    self.routing.newly_attached.insert(m.account.clone());
+                self.routes.insert(m.account.clone(), entry);
+                if m.gateway_node != cx.config.node_id && game_connected {
+                    self.newly_attached.insert(m.account.clone());
                 }
             }
         }
-        if let Some((key, epoch)) = self.session_epoch(&m.account) {
-            if epoch < m.session_epoch {
-                self.displace(key, "the account logged in on another gateway");
-            }
+    }
+
+    /// A remote gateway's session ended: its route goes. Returns whether the avatar this node
+    /// simulates for it, if any, is let go.
+    pub(crate) fn on_session_ended(&mut self, e: &mesh::SessionEnded) -> bool {
+        if self
+            .routes
+            .get(&e.account)
+            .is_some_and(|r| r.session_epoch == e.session_epoch)
+        {
+            self.routes.remove(&e.account);
         }
-        self.avatar_meets_session(&m);
+        self.remote_players
+            .get(&e.account)
+            .is_some_and(|r| r.session_epoch <= e.session_epoch)
     }
+}
 
-    /// Tells every peer that `account` now has a session here, and whether its gateway spawns
-    /// the avatar anew.
-    pub(crate) fn announce_session(&mut self, account: &str, epoch: u64, new_avatar: bool) {
-        self.broadcast(mesh_message::Body::SessionMoved(mesh::SessionMoved {
-            account: account.to_string(),
-            session_epoch: epoch,
-            gateway_node: self.cx.config.node_id,
-            new_avatar,
-        }));
-    }
-
-    pub(crate) fn announce_session_end(&mut self, account: &str, epoch: u64) {
-        self.broadcast(mesh_message::Body::SessionEnded(mesh::SessionEnded {
-            account: account.to_string(),
-            session_epoch: epoch,
-        }));
+/// Queues `routed` for `gateway`, counted by audience when a link to it is up.
+fn send_routed(cx: &mut Context, mesh: &Mesh, gateway: NodeId, routed: mesh::Routed) {
+    let kinds: BTreeSet<u32> = routed.pieces.iter().map(|p| p.audience).collect();
+    if mesh.send(cx, gateway, mesh_message::Body::Routed(routed)) {
+        cx.metrics.routed_messages.inc();
+        for k in kinds {
+            cx.metrics
+                .routed
+                .get_or_create(&crate::metrics::AudienceLabel {
+                    audience: audience_label(k),
+                })
+                .inc();
+        }
     }
 }
