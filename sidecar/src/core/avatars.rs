@@ -268,6 +268,26 @@ impl Avatars {
         }
     }
 
+    /// The waiting sessions whose avatar's writer `is_live` says is alive, with that writer:
+    /// the link to it was down when they registered, and no restore of it will come.
+    pub(crate) fn waiting_on_live(
+        &self,
+        is_live: impl Fn((NodeId, u64)) -> bool,
+    ) -> Vec<(String, NodeId)> {
+        let mut found: Vec<(String, NodeId)> = self
+            .awaiting
+            .iter()
+            .filter_map(|(account, (_, writer))| {
+                writer
+                    .filter(|w| is_live(*w))
+                    .map(|(node, _)| (account.clone(), node))
+            })
+            .collect();
+        // Sorted: the joins go out in one order for one sequence of inputs.
+        found.sort();
+        found
+    }
+
     /// The accounts whose wait for a restored avatar is over.
     pub(crate) fn waits_due(&self, cx: &Context) -> Vec<String> {
         let now = cx.now.mono_ms;

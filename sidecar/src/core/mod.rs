@@ -1740,6 +1740,7 @@ impl Core {
 
     pub(crate) fn avatars_step(&mut self) {
         self.apply_deferred_leaves();
+        self.join_live_writers();
         self.expire_avatar_waits();
         self.check_orphans();
     }
@@ -2015,6 +2016,28 @@ impl Core {
     /// only a little longer (the restore had no checkpoint of it).
     pub(crate) fn avatars_restored(&mut self, inc: (NodeId, u64)) {
         self.avatars.restored(&self.cx, inc);
+    }
+
+    /// A session that registered while the link to its avatar's writer was down waits as if
+    /// the writer were being restored; a writer whose lease is still its own was not dead, and
+    /// no restore will anchor the session: the join goes to it once the link is back (its game
+    /// spawns the avatar again if it let the old one go meanwhile).
+    fn join_live_writers(&mut self) {
+        let restore = &self.restore;
+        let waiting = self.avatars.waiting_on_live(|(node, epoch)| {
+            restore.live.get(&node) == Some(&epoch) && !restore.fenced.contains(&(node, epoch))
+        });
+        for (account, writer) in waiting {
+            let Some((key, epoch)) = self.session_epoch(&account) else {
+                continue;
+            };
+            let last = self.gateway.sessions.get(key).and_then(|s| s.last_position);
+            if self.send_join(writer, &account, epoch, last) {
+                tracing::info!(%account, writer, "the link to the avatar's writer is back: joined there");
+                self.avatars.stop_waiting(&account);
+                self.gateway.master_owner.insert(account, writer);
+            }
+        }
     }
 
     /// Sessions that waited too long for a restored avatar get a new one (the restore found no

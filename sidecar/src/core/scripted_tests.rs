@@ -705,6 +705,84 @@ fn a_handed_over_login_waits_for_its_avatars_owner_before_spawning_one() {
     }
 }
 
+/// A login whose avatar the directory says a live node writes, while the link to that node is
+/// down (a cut), waits for no restore: the join goes to the writer as soon as the link is back,
+/// not after the wait for a restored avatar (which would leave the session without an avatar
+/// for seconds if the writer let the old one go in the meantime).
+#[test]
+fn a_login_whose_avatars_writer_is_unreachable_joins_it_once_the_link_is_back() {
+    let mut core = node();
+    core.handle(
+        at(0),
+        Input::PeerLeases {
+            live: vec![(GATEWAY, 1)],
+            lapsed: vec![],
+        },
+    );
+    proxy_attaches(&mut core, 10, "alice", None);
+    let key = store_requests(&mut core)
+        .into_iter()
+        .find_map(|r| match r {
+            StoreRequest::Register { session, .. } => Some(session),
+            _ => None,
+        })
+        .expect("the attach registers the session");
+    core.handle(
+        at(20),
+        Input::Store(StoreReply::Registered {
+            session: key,
+            account: "alice".into(),
+            result: Ok(Registration {
+                epoch: 5,
+                record: None,
+                master: Some(MasterEntry {
+                    node: GATEWAY,
+                    lease_epoch: 1,
+                    entity_id: AVATAR,
+                    entity_epoch: 1,
+                }),
+            }),
+        }),
+    );
+    let joins_sent = |links: &[(LinkId, mesh_message::Body)]| {
+        links
+            .iter()
+            .filter(|(link, b)| {
+                *link == PEER_LINK
+                    && matches!(b, mesh_message::Body::PlayerJoin(j)
+                        if j.account == "alice" && j.session_epoch == 5)
+            })
+            .count()
+    };
+    let spawned = |game: &[sidecar_message::Body]| {
+        game.iter()
+            .filter(|b| matches!(b, sidecar_message::Body::PlayerJoin(_)))
+            .count()
+    };
+    let (game, links) = outputs(&mut core);
+    assert_eq!(
+        spawned(&game),
+        0,
+        "a live node writes the avatar: none here"
+    );
+    assert_eq!(joins_sent(&links), 0, "no link to node 2 yet");
+    core.handle(at(500), Input::Timer);
+    let (game, _) = outputs(&mut core);
+    assert_eq!(spawned(&game), 0, "the writer is waited for");
+    link_up(&mut core, 1_000, PEER_LINK, GATEWAY);
+    core.handle(at(1_100), Input::Timer);
+    let (game, links) = outputs(&mut core);
+    assert_eq!(
+        joins_sent(&links),
+        1,
+        "the link is back: the join goes to the writer"
+    );
+    assert_eq!(spawned(&game), 0, "and no second avatar is spawned here");
+    core.handle(at(1_200), Input::Timer);
+    let (_, links) = outputs(&mut core);
+    assert_eq!(joins_sent(&links), 0, "the join goes once");
+}
+
 /// The client `alice` on proxy link 20, her avatar at (240, 50) near node 2's border (x 256), and
 /// the link to node 2 (link 30) up: her view takes in node 2's chunks.
 fn alice_at_the_border(core: &mut Core) {
