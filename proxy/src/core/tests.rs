@@ -369,8 +369,8 @@ fn a_client_without_a_hello_is_kicked_at_the_deadline_and_not_before() {
     assert_eq!(h.core.connections(), 0);
 }
 
-#[test]
-fn a_broken_link_moves_the_session_to_another_gateway_with_its_epoch() {
+/// Two gateways up, alice attached at epoch 9, then her gateway's link breaks.
+fn alice_attached_then_her_link_lost() -> (Harness, GatewayId) {
     let mut h = Harness::new(2, |_| {});
     h.link_up(0, 1);
     h.link_up(1, 2);
@@ -380,6 +380,12 @@ fn a_broken_link_moves_the_session_to_another_gateway_with_its_epoch() {
         gateway: g,
         error: Some("gateway silent for 5 s".into()),
     });
+    (h, g)
+}
+
+#[test]
+fn a_broken_link_moves_the_session_to_another_gateway_with_its_epoch() {
+    let (mut h, g) = alice_attached_then_her_link_lost();
     let attach = h
         .sent_to_gateways()
         .into_iter()
@@ -397,15 +403,7 @@ fn a_broken_link_moves_the_session_to_another_gateway_with_its_epoch() {
 
 #[test]
 fn a_lost_link_is_logged_with_its_sessions_and_each_move() {
-    let mut h = Harness::new(2, |_| {});
-    h.link_up(0, 1);
-    h.link_up(1, 2);
-    let (g, _) = h.attached(1, "alice", 9);
-    h.take();
-    h.feed(Input::LinkDown {
-        gateway: g,
-        error: Some("gateway silent for 5 s".into()),
-    });
+    let (h, g) = alice_attached_then_her_link_lost();
     let events = h.events();
     let lost = events
         .iter()
