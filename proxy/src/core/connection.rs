@@ -5,7 +5,7 @@
 //! new `Welcome`); or an RTT probe another geo's proxy asked the client for. Everything a client
 //! can do wrong ends in a `Kick` to that client alone.
 
-use std::net::SocketAddr;
+use ::core::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;

@@ -3,7 +3,7 @@
 //!
 //! [`Output::Event`]: super::Output::Event
 
-use std::net::SocketAddr;
+use ::core::net::SocketAddr;
 use std::sync::Arc;
 
 use crate::HandoverCause;

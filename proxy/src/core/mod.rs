@@ -24,7 +24,8 @@ mod tests;
 pub mod timers;
 
 use std::collections::{HashMap, VecDeque};
-use std::net::{IpAddr, SocketAddr};
+// Addresses are values here (`core::net`): the core never opens a socket.
+use ::core::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
