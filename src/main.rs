@@ -114,8 +114,8 @@ const FEATURE_COMMANDS: &[(&str, &str)] = &[
     ("forwarder", "tools"),
 ];
 
-/// The error for a command this build does not have: the feature that adds it and how to build
-/// with it, or that there is no such command.
+/// The error for a command this build was made without: the feature that adds it and how to
+/// build with it.
 #[cfg_attr(all(feature = "up", feature = "tools"), allow(dead_code))]
 fn not_built(args: &[String]) -> anyhow::Error {
     let name = args.first().map(String::as_str).unwrap_or_default();
@@ -129,6 +129,21 @@ fn not_built(args: &[String]) -> anyhow::Error {
         ),
         None => anyhow::anyhow!("no command `{name}`: see `cellmesh --help`"),
     }
+}
+
+/// A name that no build has as a command: clap's own usage error (exit status 2), as a build
+/// with every command gives for it.
+#[cfg_attr(all(feature = "up", feature = "tools"), allow(dead_code))]
+fn unknown_command(args: &[String]) -> Option<clap::Error> {
+    use clap::CommandFactory;
+    let name = args.first().map(String::as_str).unwrap_or_default();
+    if FEATURE_COMMANDS.iter().any(|(command, _)| *command == name) {
+        return None;
+    }
+    Some(Cli::command().error(
+        clap::error::ErrorKind::InvalidSubcommand,
+        format!("unrecognized subcommand '{name}'"),
+    ))
 }
 
 /// `--secret`: the proxies' token secret, never shown by `--help` when it comes from the
@@ -368,237 +383,266 @@ fn report_listening(line: std::fmt::Arguments) {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
-    match cli.command {
+    match Cli::parse().command {
         #[cfg(feature = "up")]
-        Command::Up(args) => {
-            let _telemetry = telemetry::init("warn", "cellmesh-up");
-            let opts = args.options();
-            let s = up::run(opts, signal::shutdown()).await?;
-            println!(
-                "summary: {:.1}s, sessions peak {}, inputs {}/{} delivered ({:.1}%), {} updates delivered, rtt p50 {:.2} ms p99 {:.2} ms, errors {}",
-                s.duration_s,
-                s.sessions_peak,
-                s.inputs_delivered,
-                s.inputs_sent,
-                100.0 * s.inputs_delivered as f64 / s.inputs_sent.max(1) as f64,
-                s.updates_delivered,
-                s.rtt_ms_p50,
-                s.rtt_ms_p99,
-                s.errors
-            );
-            println!(
-                "handoffs: {} completed, {} refused, freeze p50 {:.0} ms p99 {:.0} ms, ticks missed p50 {:.0} p99 {:.0}, sidecars' share of the freeze p50 {:.0} ms p99 {:.0} ms",
-                s.handoffs,
-                s.handoffs_refused,
-                s.handoff_freeze_ms_p50,
-                s.handoff_freeze_ms_p99,
-                s.handoff_ticks_missed_p50,
-                s.handoff_ticks_missed_p99,
-                s.handoff_freeze_sidecars_ms_p50,
-                s.handoff_freeze_sidecars_ms_p99
-            );
-            if !s.inputs_undelivered.is_empty() {
-                println!("undelivered inputs by reason: {:?}", s.inputs_undelivered);
-            }
-            if s.nodes_killed > 0 {
-                println!(
-                    "chaos: {} nodes killed, {} entities restored (restore p50 {:.0} ms p99 {:.0} ms from the kill, progress lost p99 {:.0} ms), sessions kept {} dropped {}, accounts with two avatars {}, sessions without avatar {}",
-                    s.nodes_killed,
-                    s.entities_restored,
-                    s.restore_ms_p50,
-                    s.restore_ms_p99,
-                    s.progress_lost_ms_p99,
-                    s.sessions_kept,
-                    s.sessions_dropped,
-                    s.accounts_with_two_avatars,
-                    s.sessions_without_avatar
-                );
-            }
-            let problems = s.problems();
-            anyhow::ensure!(
-                problems.is_empty(),
-                "the run broke a guarantee: {}",
-                problems.join("; ")
-            );
-        }
+        Command::Up(args) => run_up(args).await,
         Command::Sidecar {
             config,
             print_config,
-        } => {
-            // Dropped on every way out of the arm: the spans still batched are sent.
-            let _telemetry = telemetry::init("info", "cellmesh-sidecar");
-            let cfg: cellmesh_sidecar::SidecarConfig =
-                cellmesh_admin::config::load(config.as_deref())?;
-            // Under Agones, its SDK server's port (unless the configuration names one).
-            let cfg = cfg.under_agones(std::env::var("AGONES_SDK_HTTP_PORT").ok().as_deref())?;
-            if print_config {
-                print!("{}", toml::to_string_pretty(&cfg.redacted())?);
-                return Ok(());
-            }
-            let stores =
-                cellmesh_stores::Stores::open(&cfg.directory_url, &cfg.players_url, &cfg.geo)
-                    .await
-                    .context("opening the stores")?;
-            let stop = CancellationToken::new();
-            let handle = if cfg.topology_url.is_empty() {
-                cellmesh_sidecar::start(cfg, stores, stop.clone()).await?
-            } else {
-                let topology = cellmesh_stores::topology::open(&cfg.topology_url)
-                    .await
-                    .context("opening the topology store")?;
-                cellmesh_sidecar::start_in(cfg, stores, topology, stop.clone()).await?
-            };
-            tracing::info!(node = handle.node_id, local = %handle.local_addr, mesh = %handle.mesh_addr, admin = %handle.admin_addr, "sidecar running");
-            // Listening for signals before saying so: whoever read the line may signal at once.
-            let interrupted = signal::shutdown();
-            report_listening(format_args!(
-                "cellmesh sidecar listening local={} mesh={} admin={} node={}",
-                handle.local_addr, handle.mesh_addr, handle.admin_addr, handle.node_id
-            ));
-            tokio::select! {
-                _ = interrupted => {}
-                _ = stop.cancelled() => {}
-            }
-            if let Some(why) = handle.failure() {
-                // Nothing to drain: everything is frozen and restored elsewhere.
-                handle.wait().await;
-                anyhow::bail!("{why}");
-            }
-            // Drain: not ready, no handoffs accepted, what others own now handed to them.
-            tracing::info!("draining; a second signal stops at once");
-            handle.drain();
-            tokio::select! {
-                _ = stop.cancelled() => {}
-                _ = signal::shutdown() => tracing::warn!("stopping before the drain finished"),
-            }
-            tracing::info!("shutting down");
-            stop.cancel();
-            handle.wait().await;
-        }
+        } => run_sidecar(config, print_config).await,
         Command::Proxy {
             config,
             print_config,
-        } => {
-            let _telemetry = telemetry::init("info", "cellmesh-proxy");
-            let cfg: cellmesh_proxy::ProxyConfig = cellmesh_admin::config::load(config.as_deref())?;
-            if print_config {
-                print!("{}", toml::to_string_pretty(&proxy_config_shown(&cfg))?);
-                return Ok(());
-            }
-            let stop = CancellationToken::new();
-            let handle = cellmesh_proxy::start(cfg, stop.clone()).await?;
-            tracing::info!(clients = %handle.client_addr, admin = %handle.admin_addr, "proxy running");
-            // Listening for signals before saying so: whoever read the line may signal at once.
-            let interrupted = signal::shutdown();
-            report_listening(format_args!(
-                "cellmesh proxy listening clients={} admin={}",
-                handle.client_addr, handle.admin_addr
-            ));
-            interrupted.await;
-            tracing::info!("draining; a second signal stops at once");
-            stop.cancel();
-            let now = handle.stopper();
-            let drained = handle.wait();
-            tokio::pin!(drained);
-            tokio::select! {
-                _ = &mut drained => {}
-                _ = signal::shutdown() => {
-                    tracing::warn!("stopping before the drain finished");
-                    now.cancel();
-                    drained.await;
-                }
-            }
-        }
+        } => run_proxy(config, print_config).await,
         Command::Director {
             config,
             print_config,
-        } => {
-            let _telemetry = telemetry::init("info", "cellmesh-director");
-            let cfg: cellmesh_director::DirectorConfig =
-                cellmesh_admin::config::load(config.as_deref())?;
-            if print_config {
-                print!("{}", toml::to_string_pretty(&cfg.shown())?);
-                return Ok(());
-            }
-            let stop = CancellationToken::new();
-            let handle = cellmesh_director::start(cfg, stop.clone()).await?;
-            tracing::info!(admin = %handle.admin_addr, holder = %handle.holder, "director running");
-            let interrupted = signal::shutdown();
-            report_listening(format_args!(
-                "cellmesh director listening admin={} holder={}",
-                handle.admin_addr, handle.holder
-            ));
-            interrupted.await;
-            tracing::info!("stopping: the director's lease goes back to the store");
-            stop.cancel();
-            handle.wait().await;
-        }
-        Command::Partition(args) => cellmesh::partition_cli::run(args).await?,
+        } => run_director(config, print_config).await,
+        Command::Partition(args) => cellmesh::partition_cli::run(args).await,
         #[cfg(feature = "tools")]
-        Command::Geo(args) => cellmesh::geo_cli::run(args)?,
-        Command::Certs(args) => cellmesh::certs_cli::run(args)?,
+        Command::Geo(args) => cellmesh::geo_cli::run(args),
+        Command::Certs(args) => cellmesh::certs_cli::run(args),
         #[cfg(feature = "tools")]
-        Command::Balance(args) => cellmesh::balance_cli::run(args)?,
+        Command::Balance(args) => cellmesh::balance_cli::run(args),
         #[cfg(feature = "tools")]
-        Command::Sim(args) => cellmesh::sim_cli::run(args)?,
+        Command::Sim(args) => cellmesh::sim_cli::run(args),
         #[cfg(feature = "tools")]
         Command::Bench(args) => {
             let _telemetry = telemetry::init("warn", "cellmesh-bench");
-            cellmesh::bench_cli::run(args).await?
+            cellmesh::bench_cli::run(args).await
         }
         #[cfg(feature = "tools")]
-        Command::Forwarder { to } => cellmesh_benches::load::forwarder::run_process(to).await?,
+        Command::Forwarder { to } => cellmesh_benches::load::forwarder::run_process(to).await,
         #[cfg(not(all(feature = "up", feature = "tools")))]
-        Command::NotBuilt(args) => return Err(not_built(&args)),
+        Command::NotBuilt(args) => match unknown_command(&args) {
+            // A typo is a usage error, as it is in a build with every command.
+            Some(usage) => usage.exit(),
+            None => Err(not_built(&args)),
+        },
         Command::Token {
             account,
             secret,
             key,
             ttl,
-        } => {
-            use cellmesh_proto::keys::KeyRing;
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)?
-                .as_secs();
-            let ring = match key {
-                Some(k) => KeyRing::parse(&[k], "").map_err(|e| anyhow::anyhow!("--key: {e}"))?,
-                None => KeyRing::single(secret.secret.as_bytes()),
-            };
-            println!(
-                "{}",
-                cellmesh_proto::token::sign_with(ring.signing(), &account, token_expiry(now, ttl)?)
-            );
-        }
-        Command::Bots(args) => {
-            let _telemetry = telemetry::init("warn", "cellmesh-bots");
-            let cfg = Arc::new(args.config()?);
-            let (count, duration) = (args.count, args.duration);
-            let stats = Arc::new(bots::BotStats::default());
-            let stop = CancellationToken::new();
-            let tasks: Vec<_> = (0..count)
-                .map(|i| {
-                    tokio::spawn(bots::run_bot(
-                        format!("{}{i}", args.account_prefix),
-                        cfg.clone(),
-                        stats.clone(),
-                        stop.clone(),
-                    ))
-                })
-                .collect();
-            match duration {
-                Some(d) => {
-                    tokio::select! { _ = signal::shutdown() => {}, _ = tokio::time::sleep(d) => {} }
-                }
-                None => signal::shutdown().await,
-            }
-            stop.cancel();
-            for t in tasks {
-                let _ = t.await;
-            }
-            println!("{}", serde_json::to_string_pretty(&stats.totals())?);
+        } => run_token(&account, &secret, key, ttl),
+        Command::Bots(args) => run_bots(args).await,
+    }
+}
+
+/// `cellmesh up`: the local cluster, its summary, and an error if it broke a guarantee.
+#[cfg(feature = "up")]
+async fn run_up(args: UpArgs) -> anyhow::Result<()> {
+    let _telemetry = telemetry::init("warn", "cellmesh-up");
+    let s = up::run(args.options(), signal::shutdown()).await?;
+    println!(
+        "summary: {:.1}s, sessions peak {}, inputs {}/{} delivered ({:.1}%), {} updates delivered, rtt p50 {:.2} ms p99 {:.2} ms, errors {}",
+        s.duration_s,
+        s.sessions_peak,
+        s.inputs_delivered,
+        s.inputs_sent,
+        100.0 * s.inputs_delivered as f64 / s.inputs_sent.max(1) as f64,
+        s.updates_delivered,
+        s.rtt_ms_p50,
+        s.rtt_ms_p99,
+        s.errors
+    );
+    println!(
+        "handoffs: {} completed, {} refused, freeze p50 {:.0} ms p99 {:.0} ms, ticks missed p50 {:.0} p99 {:.0}, sidecars' share of the freeze p50 {:.0} ms p99 {:.0} ms",
+        s.handoffs,
+        s.handoffs_refused,
+        s.handoff_freeze_ms_p50,
+        s.handoff_freeze_ms_p99,
+        s.handoff_ticks_missed_p50,
+        s.handoff_ticks_missed_p99,
+        s.handoff_freeze_sidecars_ms_p50,
+        s.handoff_freeze_sidecars_ms_p99
+    );
+    if !s.inputs_undelivered.is_empty() {
+        println!("undelivered inputs by reason: {:?}", s.inputs_undelivered);
+    }
+    if s.nodes_killed > 0 {
+        println!(
+            "chaos: {} nodes killed, {} entities restored (restore p50 {:.0} ms p99 {:.0} ms from the kill, progress lost p99 {:.0} ms), sessions kept {} dropped {}, accounts with two avatars {}, sessions without avatar {}",
+            s.nodes_killed,
+            s.entities_restored,
+            s.restore_ms_p50,
+            s.restore_ms_p99,
+            s.progress_lost_ms_p99,
+            s.sessions_kept,
+            s.sessions_dropped,
+            s.accounts_with_two_avatars,
+            s.sessions_without_avatar
+        );
+    }
+    let problems = s.problems();
+    anyhow::ensure!(
+        problems.is_empty(),
+        "the run broke a guarantee: {}",
+        problems.join("; ")
+    );
+    Ok(())
+}
+
+/// `cellmesh sidecar`: runs until a signal or a failure, then drains (a second signal stops at
+/// once).
+async fn run_sidecar(config: Option<PathBuf>, print_config: bool) -> anyhow::Result<()> {
+    // Dropped on every way out: the spans still batched are sent.
+    let _telemetry = telemetry::init("info", "cellmesh-sidecar");
+    let cfg: cellmesh_sidecar::SidecarConfig = cellmesh_admin::config::load(config.as_deref())?;
+    // Under Agones, its SDK server's port (unless the configuration names one).
+    let cfg = cfg.under_agones(std::env::var("AGONES_SDK_HTTP_PORT").ok().as_deref())?;
+    if print_config {
+        print!("{}", toml::to_string_pretty(&cfg.redacted())?);
+        return Ok(());
+    }
+    let stores = cellmesh_stores::Stores::open(&cfg.directory_url, &cfg.players_url, &cfg.geo)
+        .await
+        .context("opening the stores")?;
+    let stop = CancellationToken::new();
+    let handle = if cfg.topology_url.is_empty() {
+        cellmesh_sidecar::start(cfg, stores, stop.clone()).await?
+    } else {
+        let topology = cellmesh_stores::topology::open(&cfg.topology_url)
+            .await
+            .context("opening the topology store")?;
+        cellmesh_sidecar::start_in(cfg, stores, topology, stop.clone()).await?
+    };
+    tracing::info!(node = handle.node_id, local = %handle.local_addr, mesh = %handle.mesh_addr, admin = %handle.admin_addr, "sidecar running");
+    // Listening for signals before saying so: whoever read the line may signal at once.
+    let interrupted = signal::shutdown();
+    report_listening(format_args!(
+        "cellmesh sidecar listening local={} mesh={} admin={} node={}",
+        handle.local_addr, handle.mesh_addr, handle.admin_addr, handle.node_id
+    ));
+    tokio::select! {
+        _ = interrupted => {}
+        _ = stop.cancelled() => {}
+    }
+    if let Some(why) = handle.failure() {
+        // Nothing to drain: everything is frozen and restored elsewhere.
+        handle.wait().await;
+        anyhow::bail!("{why}");
+    }
+    // Drain: not ready, no handoffs accepted, what others own now handed to them.
+    tracing::info!("draining; a second signal stops at once");
+    handle.drain();
+    tokio::select! {
+        _ = stop.cancelled() => {}
+        _ = signal::shutdown() => tracing::warn!("stopping before the drain finished"),
+    }
+    tracing::info!("shutting down");
+    stop.cancel();
+    handle.wait().await;
+    Ok(())
+}
+
+/// `cellmesh proxy`: serves until a signal, then drains its sessions (a second signal stops at
+/// once).
+async fn run_proxy(config: Option<PathBuf>, print_config: bool) -> anyhow::Result<()> {
+    let _telemetry = telemetry::init("info", "cellmesh-proxy");
+    let cfg: cellmesh_proxy::ProxyConfig = cellmesh_admin::config::load(config.as_deref())?;
+    if print_config {
+        print!("{}", toml::to_string_pretty(&proxy_config_shown(&cfg))?);
+        return Ok(());
+    }
+    let stop = CancellationToken::new();
+    let handle = cellmesh_proxy::start(cfg, stop.clone()).await?;
+    tracing::info!(clients = %handle.client_addr, admin = %handle.admin_addr, "proxy running");
+    // Listening for signals before saying so: whoever read the line may signal at once.
+    let interrupted = signal::shutdown();
+    report_listening(format_args!(
+        "cellmesh proxy listening clients={} admin={}",
+        handle.client_addr, handle.admin_addr
+    ));
+    interrupted.await;
+    tracing::info!("draining; a second signal stops at once");
+    stop.cancel();
+    let now = handle.stopper();
+    let drained = handle.wait();
+    tokio::pin!(drained);
+    tokio::select! {
+        _ = &mut drained => {}
+        _ = signal::shutdown() => {
+            tracing::warn!("stopping before the drain finished");
+            now.cancel();
+            drained.await;
         }
     }
+    Ok(())
+}
+
+/// `cellmesh director`: balances while it holds the lease, and gives the lease back on a signal.
+async fn run_director(config: Option<PathBuf>, print_config: bool) -> anyhow::Result<()> {
+    let _telemetry = telemetry::init("info", "cellmesh-director");
+    let cfg: cellmesh_director::DirectorConfig = cellmesh_admin::config::load(config.as_deref())?;
+    if print_config {
+        print!("{}", toml::to_string_pretty(&cfg.shown())?);
+        return Ok(());
+    }
+    let stop = CancellationToken::new();
+    let handle = cellmesh_director::start(cfg, stop.clone()).await?;
+    tracing::info!(admin = %handle.admin_addr, holder = %handle.holder, "director running");
+    let interrupted = signal::shutdown();
+    report_listening(format_args!(
+        "cellmesh director listening admin={} holder={}",
+        handle.admin_addr, handle.holder
+    ));
+    interrupted.await;
+    tracing::info!("stopping: the director's lease goes back to the store");
+    stop.cancel();
+    handle.wait().await;
+    Ok(())
+}
+
+/// `cellmesh token`: one login token on stdout.
+fn run_token(
+    account: &str,
+    secret: &SecretArg,
+    key: Option<String>,
+    ttl: u64,
+) -> anyhow::Result<()> {
+    use cellmesh_proto::keys::KeyRing;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
+    let ring = match key {
+        Some(k) => KeyRing::parse(&[k], "").map_err(|e| anyhow::anyhow!("--key: {e}"))?,
+        None => KeyRing::single(secret.secret.as_bytes()),
+    };
+    println!(
+        "{}",
+        cellmesh_proto::token::sign_with(ring.signing(), account, token_expiry(now, ttl)?)
+    );
+    Ok(())
+}
+
+/// `cellmesh bots`: plays until the duration or a signal, then prints the totals as JSON.
+async fn run_bots(args: BotsArgs) -> anyhow::Result<()> {
+    let _telemetry = telemetry::init("warn", "cellmesh-bots");
+    let cfg = Arc::new(args.config()?);
+    let stats = Arc::new(bots::BotStats::default());
+    let stop = CancellationToken::new();
+    let tasks: Vec<_> = (0..args.count)
+        .map(|i| {
+            tokio::spawn(bots::run_bot(
+                format!("{}{i}", args.account_prefix),
+                cfg.clone(),
+                stats.clone(),
+                stop.clone(),
+            ))
+        })
+        .collect();
+    match args.duration {
+        Some(d) => {
+            tokio::select! { _ = signal::shutdown() => {}, _ = tokio::time::sleep(d) => {} }
+        }
+        None => signal::shutdown().await,
+    }
+    stop.cancel();
+    for t in tasks {
+        let _ = t.await;
+    }
+    println!("{}", serde_json::to_string_pretty(&stats.totals())?);
     Ok(())
 }
 
@@ -626,8 +670,10 @@ mod tests {
         );
         let up = said(&["up"]);
         assert!(up.contains("`up` feature"), "{up}");
-        let typo = said(&["simm"]);
-        assert!(typo.contains("no command `simm`"), "{typo}");
+        let typo = unknown_command(&["simm".to_string()]).expect("no build has `simm`");
+        assert_eq!(typo.kind(), clap::error::ErrorKind::InvalidSubcommand);
+        assert!(typo.to_string().contains("'simm'"), "{typo}");
+        assert!(unknown_command(&["sim".to_string()]).is_none());
     }
 
     #[test]
