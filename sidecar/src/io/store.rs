@@ -5,8 +5,10 @@ use std::time::Duration;
 
 use cellmesh_proto::mesh::HandoffOffer;
 use cellmesh_stores::topology::{Commit, TopologyStore};
-use cellmesh_stores::{StoreError, Stores};
+use cellmesh_stores::{MasterEntry, PlayerRecord, Stores};
 use prost::Message;
+
+use cellmesh_world::partition::{NodeId, Partition};
 
 use crate::core::{Registration, StoreReply, StoreRequest};
 use crate::metrics::Metrics;
@@ -14,8 +16,8 @@ use crate::metrics::Metrics;
 /// Longest a store call may take before the node gives up on it.
 pub(crate) const STORE_TIMEOUT: Duration = Duration::from_secs(5);
 
-async fn timed<T>(
-    fut: impl std::future::Future<Output = Result<T, StoreError>>,
+async fn timed<T, E: std::fmt::Display>(
+    fut: impl std::future::Future<Output = Result<T, E>>,
 ) -> Result<T, String> {
     match tokio::time::timeout(STORE_TIMEOUT, fut).await {
         Ok(r) => r.map_err(|e| e.to_string()),
@@ -40,83 +42,17 @@ pub(crate) async fn execute(
             moved_from,
         } => {
             let lease = Duration::from_millis(lease_ms);
-            let result = async {
-                // The record first: the epoch it names (a session in another geo, whose
-                // directory counts on its own) is the floor of the new one.
-                let (record, floor) = match handed_over_from {
-                    Some(epoch) => (None, epoch),
-                    None => {
-                        metrics.login_record_reads.inc();
-                        let record = timed(stores.players.load(&account)).await?;
-                        let floor = record.as_ref().map_or(0, |r| r.session_epoch);
-                        (record, floor)
-                    }
-                };
-                let mut record = record;
-                let epoch = match moved_from {
-                    None => {
-                        let epoch = timed(
-                            stores
-                                .directory
-                                .register_above(&account, node, lease, floor),
-                        )
-                        .await?;
-                        match handed_over_from {
-                            // This geo's directory had counted past the hinted session: a later
-                            // one may have saved the record since. Session epochs order records
-                            // across geos (each login registers above the record it read), so
-                            // the record decides; a hint older than it must not rewind it.
-                            Some(hinted) if epoch > hinted + 1 => {
-                                metrics.login_record_reads.inc();
-                                match timed(stores.players.load(&account)).await? {
-                                    Some(r) if r.session_epoch > hinted => {
-                                        let newer = r.session_epoch;
-                                        record = Some(r);
-                                        if newer >= epoch {
-                                            timed(
-                                                stores
-                                                    .directory
-                                                    .register_above(&account, node, lease, newer),
-                                            )
-                                            .await?
-                                        } else {
-                                            epoch
-                                        }
-                                    }
-                                    _ => epoch,
-                                }
-                            }
-                            _ => epoch,
-                        }
-                    }
-                    // The record names a later session: one that began after this one.
-                    Some(moved_from) if floor > moved_from => return Ok(None),
-                    Some(moved_from) => match timed(
-                        stores
-                            .directory
-                            .register_moved(&account, node, lease, moved_from),
-                    )
-                    .await?
-                    {
-                        Some(epoch) => epoch,
-                        None => return Ok(None),
-                    },
-                };
-                match timed(stores.directory.master(&account)).await {
-                    Ok(master) => Ok(Some(Registration {
-                        epoch,
-                        record,
-                        master,
-                    })),
-                    Err(e) => {
-                        let _ = timed(stores.directory.release(&account, epoch)).await;
-                        Err(e)
-                    }
-                }
-            }
+            let registered = register(
+                stores,
+                metrics,
+                &account,
+                node,
+                lease,
+                handed_over_from,
+                moved_from,
+            )
             .await;
-            Some(match result {
-                // A newer login registered after the moved session's epoch.
+            Some(match registered {
                 Ok(None) => StoreReply::Superseded { session, account },
                 Ok(Some(r)) => StoreReply::Registered {
                     session,
@@ -169,21 +105,7 @@ pub(crate) async fn execute(
             epoch,
             hold_ms,
         } => {
-            if let Err(e) = timed(stores.players.save(&record)).await {
-                metrics.error("store");
-                tracing::warn!(account = %record.account, error = %e, "saving the player record failed");
-            }
-            let ended = if hold_ms > 0 {
-                // Displaced by the login in the other geo, or expired if it never comes.
-                let hold = Duration::from_millis(hold_ms);
-                timed(stores.directory.renew(&record.account, epoch, hold)).await
-            } else {
-                timed(stores.directory.release(&record.account, epoch)).await
-            };
-            if let Err(e) = ended {
-                metrics.error("store");
-                tracing::warn!(account = %record.account, error = %e, "releasing the session failed");
-            }
+            end_session(stores, metrics, &record, epoch, hold_ms).await;
             None
         }
         StoreRequest::SaveRecords { records } => {
@@ -200,72 +122,19 @@ pub(crate) async fn execute(
             None
         }
         StoreRequest::WriteMasters { set, clear } => {
-            let mut failed = Vec::new();
-            for (account, entry) in set {
-                if let Err(e) = timed(stores.directory.set_master(&account, entry)).await {
-                    tracing::warn!(%account, error = %e, "writing the avatar's master record failed; retrying");
-                    failed.push(account);
-                }
-            }
-            for (account, id, epoch) in clear {
-                if let Err(e) = timed(stores.directory.clear_master(&account, id, epoch)).await {
-                    // Harmless if left: a login sent to this node finds no avatar and spawns.
-                    tracing::debug!(%account, error = %e, "clearing the avatar's master record failed");
-                }
-            }
-            if failed.is_empty() {
-                None
-            } else {
-                metrics.error("store");
-                Some(StoreReply::MastersNotWritten { accounts: failed })
-            }
+            write_masters(stores, metrics, set, clear).await
         }
         StoreRequest::PutCheckpoints {
             node,
             lease_epoch,
             put,
             remove,
-        } => {
-            let ids: Vec<u64> = put.iter().map(|c| c.entity_id).collect();
-            let put = put
-                .into_iter()
-                .map(|c| (c.entity_id, c.encode_to_vec()))
-                .collect();
-            let written = timed(
-                stores
-                    .checkpoints
-                    .write(node, lease_epoch, put, remove.clone()),
-            )
-            .await;
-            match written {
-                Ok(()) => None,
-                Err(e) => {
-                    // The node writes them again with its next flush.
-                    metrics.error("checkpoint_write");
-                    tracing::warn!(error = %e, "writing checkpoints failed");
-                    Some(StoreReply::CheckpointsNotWritten {
-                        lease_epoch,
-                        put: ids,
-                        remove,
-                    })
-                }
-            }
-        }
+        } => put_checkpoints(stores, metrics, node, lease_epoch, put, remove).await,
         StoreRequest::LoadCheckpoints { node, lease_epoch } => {
-            let result = timed(stores.checkpoints.load(node, lease_epoch))
-                .await
-                .and_then(|all| {
-                    all.into_iter()
-                        .map(|(id, bytes)| {
-                            HandoffOffer::decode(bytes.as_slice())
-                                .map_err(|e| format!("checkpoint of entity {id}: {e}"))
-                        })
-                        .collect()
-                });
             Some(StoreReply::CheckpointsLoaded {
                 node,
                 lease_epoch,
-                result,
+                result: load_checkpoints(stores, node, lease_epoch).await,
             })
         }
         StoreRequest::DropCheckpoints { node, lease_epoch } => {
@@ -278,48 +147,18 @@ pub(crate) async fn execute(
         StoreRequest::ListCheckpointed => Some(StoreReply::Checkpointed {
             result: timed(stores.checkpoints.processes()).await,
         }),
-        StoreRequest::FenceLease { node, epoch } => {
-            let result = match topology {
+        StoreRequest::FenceLease { node, epoch } => Some(StoreReply::LeaseFenced {
+            node,
+            epoch,
+            result: match topology {
                 None => Err("no topology store: a lone node fences nothing".to_string()),
-                Some(t) => match tokio::time::timeout(
-                    STORE_TIMEOUT,
-                    cellmesh_stores::topology::fence_lease(t, node, epoch),
-                )
-                .await
-                {
-                    Ok(r) => r.map_err(|e| e.to_string()),
-                    Err(_) => Err(format!("no answer within {} s", STORE_TIMEOUT.as_secs())),
-                },
-            };
-            Some(StoreReply::LeaseFenced {
-                node,
-                epoch,
-                result,
-            })
-        }
-        StoreRequest::CommitPartition { partition } => {
-            let epoch = partition.epoch();
-            let result = match topology {
-                None => Err("no topology store: a lone node commits nothing".to_string()),
-                Some(t) => match tokio::time::timeout(
-                    STORE_TIMEOUT,
-                    t.commit_partition(epoch.saturating_sub(1), &partition),
-                )
-                .await
-                {
-                    Ok(Ok(Commit::Committed)) => Ok(()),
-                    Ok(Ok(Commit::Stale { current_epoch })) => {
-                        Err(format!("the store is at epoch {current_epoch}"))
-                    }
-                    Ok(Ok(Commit::Fenced { .. })) => {
-                        Err("refused: a plain commit is never fenced".to_string())
-                    }
-                    Ok(Err(e)) => Err(e.to_string()),
-                    Err(_) => Err(format!("no answer within {} s", STORE_TIMEOUT.as_secs())),
-                },
-            };
-            Some(StoreReply::PartitionCommitted { epoch, result })
-        }
+                Some(t) => timed(cellmesh_stores::topology::fence_lease(t, node, epoch)).await,
+            },
+        }),
+        StoreRequest::CommitPartition { partition } => Some(StoreReply::PartitionCommitted {
+            epoch: partition.epoch(),
+            result: commit_partition(topology, &partition).await,
+        }),
         StoreRequest::Claim {
             token,
             key,
@@ -359,4 +198,201 @@ pub(crate) async fn execute(
             None
         }
     }
+}
+
+/// A login's or a moved session's registration: the record read (unless a hint names the
+/// epoch), the directory's epoch above it, and the avatar's master entry; `None` when a newer
+/// login registered after the moved session's epoch.
+async fn register(
+    stores: &Stores,
+    metrics: &Metrics,
+    account: &str,
+    node: NodeId,
+    lease: Duration,
+    handed_over_from: Option<u64>,
+    moved_from: Option<u64>,
+) -> Result<Option<Registration>, String> {
+    // The record first: the epoch it names (a session in another geo, whose
+    // directory counts on its own) is the floor of the new one.
+    let (record, floor) = match handed_over_from {
+        Some(epoch) => (None, epoch),
+        None => {
+            metrics.login_record_reads.inc();
+            let record = timed(stores.players.load(account)).await?;
+            let floor = record.as_ref().map_or(0, |r| r.session_epoch);
+            (record, floor)
+        }
+    };
+    let mut record = record;
+    let epoch = match moved_from {
+        None => {
+            let epoch = timed(stores.directory.register_above(account, node, lease, floor)).await?;
+            match handed_over_from {
+                // This geo's directory had counted past the hinted session: a later
+                // one may have saved the record since. Session epochs order records
+                // across geos (each login registers above the record it read), so
+                // the record decides; a hint older than it must not rewind it.
+                Some(hinted) if epoch > hinted + 1 => {
+                    metrics.login_record_reads.inc();
+                    match timed(stores.players.load(account)).await? {
+                        Some(r) if r.session_epoch > hinted => {
+                            let newer = r.session_epoch;
+                            record = Some(r);
+                            if newer >= epoch {
+                                timed(stores.directory.register_above(account, node, lease, newer))
+                                    .await?
+                            } else {
+                                epoch
+                            }
+                        }
+                        _ => epoch,
+                    }
+                }
+                _ => epoch,
+            }
+        }
+        // The record names a later session: one that began after this one.
+        Some(moved_from) if floor > moved_from => return Ok(None),
+        Some(moved_from) => match timed(
+            stores
+                .directory
+                .register_moved(account, node, lease, moved_from),
+        )
+        .await?
+        {
+            Some(epoch) => epoch,
+            None => return Ok(None),
+        },
+    };
+    match timed(stores.directory.master(account)).await {
+        Ok(master) => Ok(Some(Registration {
+            epoch,
+            record,
+            master,
+        })),
+        Err(e) => {
+            let _ = timed(stores.directory.release(account, epoch)).await;
+            Err(e)
+        }
+    }
+}
+
+/// The partition a lone node's balancer planned, over the epoch before it.
+async fn commit_partition(
+    topology: Option<&dyn TopologyStore>,
+    partition: &Partition,
+) -> Result<(), String> {
+    let Some(t) = topology else {
+        return Err("no topology store: a lone node commits nothing".to_string());
+    };
+    match timed(t.commit_partition(partition.epoch().saturating_sub(1), partition)).await? {
+        Commit::Committed => Ok(()),
+        Commit::Stale { current_epoch } => Err(format!("the store is at epoch {current_epoch}")),
+        Commit::Fenced { .. } => Err("refused: a plain commit is never fenced".to_string()),
+    }
+}
+
+/// A session's end: its record saved, its directory entry released, or held `hold_ms` for the
+/// login a handover sent to the other geo.
+async fn end_session(
+    stores: &Stores,
+    metrics: &Metrics,
+    record: &PlayerRecord,
+    epoch: u64,
+    hold_ms: u64,
+) {
+    if let Err(e) = timed(stores.players.save(record)).await {
+        metrics.error("store");
+        tracing::warn!(account = %record.account, error = %e, "saving the player record failed");
+    }
+    let ended = if hold_ms > 0 {
+        // Displaced by the login in the other geo, or expired if it never comes.
+        let hold = Duration::from_millis(hold_ms);
+        timed(stores.directory.renew(&record.account, epoch, hold)).await
+    } else {
+        timed(stores.directory.release(&record.account, epoch)).await
+    };
+    if let Err(e) = ended {
+        metrics.error("store");
+        tracing::warn!(account = %record.account, error = %e, "releasing the session failed");
+    }
+}
+
+/// Avatars' master entries set and cleared; the accounts whose entry was not written, to retry.
+async fn write_masters(
+    stores: &Stores,
+    metrics: &Metrics,
+    set: Vec<(String, MasterEntry)>,
+    clear: Vec<(String, u64, u64)>,
+) -> Option<StoreReply> {
+    let mut failed = Vec::new();
+    for (account, entry) in set {
+        if let Err(e) = timed(stores.directory.set_master(&account, entry)).await {
+            tracing::warn!(%account, error = %e, "writing the avatar's master record failed; retrying");
+            failed.push(account);
+        }
+    }
+    for (account, id, epoch) in clear {
+        if let Err(e) = timed(stores.directory.clear_master(&account, id, epoch)).await {
+            // Harmless if left: a login sent to this node finds no avatar and spawns.
+            tracing::debug!(%account, error = %e, "clearing the avatar's master record failed");
+        }
+    }
+    if failed.is_empty() {
+        None
+    } else {
+        metrics.error("store");
+        Some(StoreReply::MastersNotWritten { accounts: failed })
+    }
+}
+
+/// Checkpoints written and removed in one call; what was not written, for the next flush.
+async fn put_checkpoints(
+    stores: &Stores,
+    metrics: &Metrics,
+    node: NodeId,
+    lease_epoch: u64,
+    put: Vec<HandoffOffer>,
+    remove: Vec<u64>,
+) -> Option<StoreReply> {
+    let ids: Vec<u64> = put.iter().map(|c| c.entity_id).collect();
+    let put = put
+        .into_iter()
+        .map(|c| (c.entity_id, c.encode_to_vec()))
+        .collect();
+    let written = timed(
+        stores
+            .checkpoints
+            .write(node, lease_epoch, put, remove.clone()),
+    )
+    .await;
+    match written {
+        Ok(()) => None,
+        Err(e) => {
+            // The node writes them again with its next flush.
+            metrics.error("checkpoint_write");
+            tracing::warn!(error = %e, "writing checkpoints failed");
+            Some(StoreReply::CheckpointsNotWritten {
+                lease_epoch,
+                put: ids,
+                remove,
+            })
+        }
+    }
+}
+
+/// A dead process's checkpoints, each decoded as the offer it was written from.
+async fn load_checkpoints(
+    stores: &Stores,
+    node: NodeId,
+    lease_epoch: u64,
+) -> Result<Vec<HandoffOffer>, String> {
+    timed(stores.checkpoints.load(node, lease_epoch))
+        .await?
+        .into_iter()
+        .map(|(id, bytes)| {
+            HandoffOffer::decode(bytes.as_slice())
+                .map_err(|e| format!("checkpoint of entity {id}: {e}"))
+        })
+        .collect()
 }
