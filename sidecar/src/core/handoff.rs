@@ -22,8 +22,8 @@ use super::wire::*;
 use super::*;
 use crate::model::entities::{Entity, EntityError, TickChanges};
 use crate::model::handoff::{
-    freeze_cost, Admit, AfterDespawn, Completed, Fence, HandoffSource, HandoffTarget, Offer,
-    OfferChecks, OfferDecision, Thawed,
+    freeze_cost, Admit, AfterDespawn, Completed, Fence, HandoffSource, HandoffTarget, InputRoute,
+    Offer, OfferChecks, OfferDecision, Thawed,
 };
 use crate::model::inputs::{InputOrder, Ordered};
 use crate::model::subs::{self};
@@ -647,7 +647,7 @@ impl Core {
         for held in offer.inputs {
             match held {
                 Routed::Input(i) => {
-                    if !self.send_forward(offer.to, root, offer.epoch, i, 0) {
+                    if !send_forward(&mut self.cx, &self.mesh, offer.to, root, offer.epoch, i, 0) {
                         self.handoff.outgoing.forward_failed(root);
                     }
                 }
@@ -1261,268 +1261,214 @@ impl Core {
             _ => {}
         }
     }
+}
 
+/// What the fence makes of a peer's `EntityState` before admitting it.
+pub(crate) enum StateAhead {
+    /// A change to an entity held nowhere here: for replication as it is, not fenced.
+    Unheld(mesh::EntityState),
+    /// A change to a stale ghost whose owner changed unseen: the chunk it stands in (if known)
+    /// is asked of the sender afresh, and the change is let go.
+    Resync(Option<ChunkPos>),
+    /// Admitted next ([`Handoffs::admit_state`]), after the frames held for older epochs that
+    /// a newer epoch's full state let go.
+    Admit(Vec<Fenced>, mesh::EntityState),
+}
+
+impl Handoffs {
     // ------------------------------------------------------------------ observers
 
-    /// A frame about a foreign entity, through the fence.
-    pub(crate) fn fence_entity_state(&mut self, node: NodeId, s: mesh::EntityState) {
-        let now = self.cx.now.mono_ms;
-        if let Some(done) = self
-            .handoff
-            .outgoing
-            .observed(s.entity_id, s.entity_epoch, node, now)
-        {
-            // The target writes under the offered epoch: it adopted, the ack was lost.
-            self.complete_handoff(done);
-        }
+    /// A frame of `node` under the epoch this node offered `s`'s entity to it under: the target
+    /// writes it, so it adopted (and the ack was lost). The handoff it completes, if any.
+    pub(crate) fn observed(
+        &mut self,
+        cx: &Context,
+        node: NodeId,
+        s: &mesh::EntityState,
+    ) -> Option<Completed> {
+        self.outgoing
+            .observed(s.entity_id, s.entity_epoch, node, cx.now.mono_ms)
+    }
+
+    /// What a frame about a foreign entity needs before the fence admits it.
+    pub(crate) fn state_ahead(
+        &mut self,
+        cx: &Context,
+        table: &EntityTable,
+        replication: &Replication,
+        node: NodeId,
+        s: mesh::EntityState,
+    ) -> StateAhead {
         let (id, epoch) = (s.entity_id, s.entity_epoch);
-        if !s.full && self.table.get(id).is_none() {
+        if !s.full && table.get(id).is_none() {
             // A change to an entity held nowhere here: nothing to keep in order, and holding it
             // for an epoch change this node may never hear of would keep it forever. The
             // observer side asks the owner for the whole state instead.
-            return self.on_entity_state(node, s);
+            return StateAhead::Unheld(s);
         }
         let newer = self
-            .handoff
             .fence
             .current(id)
             .is_some_and(|(known, _)| epoch > known);
-        if !s.full && newer && self.replication.is_stale(id) {
+        if !s.full && newer && replication.is_stale(id) {
             // A stale ghost's owner changed while the old owner's link was down: its word
             // (`EntityMoved`) was lost with the link. The new owner sends the whole state again.
-            let chunk = self.table.get(id).map(|e| e.chunk);
+            let chunk = table.get(id).map(|e| e.chunk);
             let at = s
                 .position
                 .as_ref()
-                .map(|p| self.cx.config.world.chunk_of(Pos { x: p.x, y: p.y }))
+                .map(|p| cx.config.world.chunk_of(Pos { x: p.x, y: p.y }))
                 .or(chunk);
-            if let Some(c) = at {
-                self.resync(c, node);
-            }
-            return;
+            return StateAhead::Resync(at);
         }
-        if s.full
-            && (self.table.get(id).is_none() || self.replication.is_stale(id))
-            && self
-                .handoff
-                .fence
-                .current(id)
-                .is_some_and(|(known, _)| epoch > known)
-        {
+        let mut due = Vec::new();
+        if s.full && (table.get(id).is_none() || replication.is_stale(id)) && newer {
             // Nothing held here to keep in order, or only a stale ghost whose old owner's word
             // (`EntityMoved`) was lost with its link or will never come (this node is no longer
             // among its holders): a newer epoch's full state is the truth (only that epoch's
             // owner writes under it); frames held for older epochs go.
-            for f in self.handoff.fence.advance(id, epoch, node) {
-                self.apply_fenced(f);
-            }
+            due = self.fence.advance(id, epoch, node);
         }
+        StateAhead::Admit(due, s)
+    }
+
+    /// A frame about a foreign entity, through the fence: the frame to apply now, if any (one
+    /// of an epoch not seen yet is held, one of an older epoch dropped).
+    pub(crate) fn admit_state(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        node: NodeId,
+        s: mesh::EntityState,
+    ) -> Option<Fenced> {
+        let (id, epoch) = (s.entity_id, s.entity_epoch);
         match self
-            .handoff
             .fence
             .admit(id, epoch, Some(node), Fenced::State(node, s))
         {
-            Admit::Accept(f) => self.apply_fenced(f),
+            Admit::Accept(f) => Some(f),
             Admit::Held => {
-                tracing::debug!(me = self.cx.config.node_id, entity = id, epoch, peer = node, known = ?self.handoff.fence.current(id), ghost = ?self.table.get(id).map(|e| (e.origin, e.epoch)), "frame held for a newer epoch");
+                tracing::debug!(me = cx.config.node_id, entity = id, epoch, peer = node, known = ?self.fence.current(id), ghost = ?table.get(id).map(|e| (e.origin, e.epoch)), "frame held for a newer epoch");
+                None
             }
             Admit::Dropped(_) => {
-                self.cx.metrics.stale_epoch_drops.inc();
+                cx.metrics.stale_epoch_drops.inc();
+                None
             }
         }
-        self.cx
-            .metrics
-            .held_frames
-            .set(self.handoff.fence.held() as i64);
     }
 
-    /// `EntityGone` from its owner: ordered with the owner's frames by the fence (a gone sent by
-    /// a new owner must not pass the `EntityMoved` that makes it the owner here). Epoch 0: the
-    /// entity was despawned; it goes whatever the epoch.
-    pub(crate) fn fence_entity_gone(&mut self, node: NodeId, g: mesh::EntityGone) {
+    /// `EntityGone` from its owner, through the fence: the frame to apply now, if any. It is
+    /// ordered with the owner's frames (a gone sent by a new owner must not pass the
+    /// `EntityMoved` that makes it the owner here). Epoch 0: the entity was despawned; it goes
+    /// whatever the epoch.
+    pub(crate) fn admit_gone(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        node: NodeId,
+        g: mesh::EntityGone,
+    ) -> Option<Fenced> {
         if g.entity_epoch == 0 {
-            return self.apply_fenced(Fenced::Gone(node, g));
+            return Some(Fenced::Gone(node, g));
         }
         let (id, epoch) = (g.entity_id, g.entity_epoch);
-        if self.table.get(id).is_none() {
-            // Gone from a view this node does not hold it in: moot.
-            return;
-        }
+        // Gone from a view this node does not hold it in: moot.
+        table.get(id)?;
         match self
-            .handoff
             .fence
             .admit(id, epoch, Some(node), Fenced::Gone(node, g))
         {
-            Admit::Accept(f) => self.apply_fenced(f),
-            Admit::Held => {}
+            Admit::Accept(f) => Some(f),
+            Admit::Held => None,
             Admit::Dropped(_) => {
-                self.cx.metrics.stale_epoch_drops.inc();
+                cx.metrics.stale_epoch_drops.inc();
+                None
             }
         }
     }
 
-    pub(crate) fn apply_fenced(&mut self, f: Fenced) {
-        match f {
-            Fenced::State(node, s) => self.on_entity_state(node, s),
-            Fenced::Gone(node, g) => {
-                let at = g
-                    .position
-                    .as_ref()
-                    .map(|p| self.cx.config.world.chunk_of(Pos { x: p.x, y: p.y }));
-                if at.is_some_and(|c| self.replication.subscribes(c, node)) {
-                    // This node subscribes there: its subscription has not reached the owner
-                    // yet, and the snapshot burst that answers it refreshes the ghost.
-                    return;
-                }
-                let ghost = self
-                    .table
-                    .get(g.entity_id)
-                    .is_some_and(|e| e.origin == Some(node));
-                if ghost && at.is_some_and(|c| self.follow(c, node)) {
-                    // It walked into a viewed chunk this node does not subscribe to at its
-                    // owner: subscribed now, and kept meanwhile, stale (the owner no longer
-                    // counts this node among its holders, so it will not say if it moves on).
-                    let now = self.cx.now.mono_ms;
-                    self.replication.mark_stale(g.entity_id, now);
-                    return;
-                }
-                if self
-                    .table
-                    .get(g.entity_id)
-                    .is_some_and(|e| e.origin == Some(node))
-                {
-                    tracing::debug!(
-                        me = self.cx.config.node_id,
-                        entity = g.entity_id,
-                        node,
-                        epoch = g.entity_epoch,
-                        "ghost dropped: gone"
-                    );
-                    let _ = self.table.despawn(g.entity_id);
-                    self.handoff.fence.forget(g.entity_id);
-                }
-            }
-            Fenced::Input(i) => self.input_for_master(i),
-            Fenced::Command(c) => self.route_command(*c),
-        }
+    /// The fence follows `owner` for `id` from `epoch` on: the frames held for it are due.
+    pub(crate) fn advance(&mut self, id: u64, epoch: u64, owner: NodeId) -> Vec<Fenced> {
+        self.fence.advance(id, epoch, owner)
     }
 
-    /// `EntityMoved` from the old owner: the ghost follows the new one; frames held for its
-    /// epoch are due.
-    pub(crate) fn on_entity_moved(&mut self, node: NodeId, m: mesh::EntityMoved) {
-        let me = self.cx.config.node_id;
-        if m.owner_node == me {
-            // The old owner's holders are this node's replicas now: the next frame keeps them in
-            // step, or tells those no longer subscribed that it is gone.
-            let local = self
-                .table
-                .get_local(m.entity_id)
-                .is_some_and(|e| e.epoch == m.entity_epoch);
-            if local && !m.holders.is_empty() {
-                self.replication
-                    .add_holders(m.entity_id, m.holders.iter().copied().filter(|n| *n != me));
-            }
-            return;
-        }
-        let held = self.table.get(m.entity_id).map(|e| (e.origin, e.chunk));
-        if matches!(held, Some((None, _))) {
-            // This node's own entity: its epoch is the node's to decide.
-            return;
-        }
-        let due = self
-            .handoff
-            .fence
-            .advance(m.entity_id, m.entity_epoch, m.owner_node);
-        // A ghost of the sender follows the new owner (if this node subscribes there); so does
-        // a ghost of a dead process, on the word of the node that restored it.
-        let from_writer = |origin: Option<NodeId>| {
-            origin.is_some_and(|o| o == node || self.restore.is_dead_node(o))
-        };
-        if let Some((_, chunk)) = held.filter(|h| from_writer(h.0)) {
-            if self.replication.subscribes(chunk, m.owner_node) || self.follow(chunk, m.owner_node)
-            {
-                self.table
-                    .set_origin(m.entity_id, m.owner_node, m.entity_epoch);
-                // A stale ghost waits for its new writer from now on (a restored owner may be
-                // a process that has only just started, not linked here yet).
-                self.replication
-                    .restart_stale(m.entity_id, self.cx.now.mono_ms);
-            } else {
-                tracing::debug!(
-                    me,
-                    entity = m.entity_id,
-                    owner = m.owner_node,
-                    "ghost dropped: moved to a node not subscribed"
-                );
-                let _ = self.table.despawn(m.entity_id);
-                self.handoff.fence.forget(m.entity_id);
-            }
-        }
-        for f in due {
-            self.apply_fenced(f);
-        }
-        self.cx
-            .metrics
-            .held_frames
-            .set(self.handoff.fence.held() as i64);
+    /// `id` is not held here any more: the fence forgets it (what it held is counted).
+    pub(crate) fn forget_fenced(&mut self, id: u64) {
+        self.fence.forget(id);
     }
 
-    /// Ghosts whose newer owner's frames waited too long for the old owner's word follow the
-    /// newer owner.
-    pub(crate) fn release_overdue_frames(&mut self) {
-        let now = self.cx.now.mono_ms;
+    /// The gauge of the frames the fence holds.
+    pub(crate) fn count_held(&self, cx: &Context) {
+        cx.metrics.held_frames.set(self.fence.held() as i64);
+    }
+
+    /// Entities whose newer owner's frames waited too long for the old owner's word: their
+    /// ghosts follow the newer owner. What waits for this node's own adoption waits for its
+    /// game, however slow.
+    pub(crate) fn overdue_frames(&mut self, cx: &Context) -> Vec<u64> {
+        let now = cx.now.mono_ms;
         let held: BTreeSet<u64> = self
-            .handoff
             .fence
             .held_by_epoch()
             .into_iter()
             .map(|(id, _, _)| id)
             .collect();
-        self.handoff.held_since.retain(|id, _| held.contains(id));
+        self.held_since.retain(|id, _| held.contains(id));
+        let mut overdue = Vec::new();
         for id in held {
-            let since = *self.handoff.held_since.entry(id).or_insert(now);
-            // What waits for this node's own adoption waits for its game, however slow.
-            let adopting = self.handoff.adopting.contains_key(&id);
+            let since = *self.held_since.entry(id).or_insert(now);
+            let adopting = self.adopting.contains_key(&id);
             if !adopting && now >= since + HELD_MAX_MS {
-                self.handoff.held_since.remove(&id);
+                self.held_since.remove(&id);
                 tracing::debug!(
                     entity = id,
                     "held frames overdue: following the newer owner"
                 );
-                if !self.ghost_orphaned(id) {
-                    // Inputs only: the entity is not held here; let them go (counted).
-                    self.handoff.fence.forget(id);
-                }
+                overdue.push(id);
             }
         }
-        self.cx
-            .metrics
-            .held_frames
-            .set(self.handoff.fence.held() as i64);
+        overdue
     }
 
-    /// A ghost of a peer whose link closed: if frames of a newer owner are held for it, it
-    /// follows that owner instead of vanishing.
-    pub(crate) fn ghost_orphaned(&mut self, id: u64) -> bool {
-        let Some((epoch, owner)) = self.handoff.fence.held_newest(id) else {
-            return false;
-        };
-        let due = self.handoff.fence.advance(id, epoch, owner);
-        self.table.set_origin(id, owner, epoch);
-        for f in due {
-            self.apply_fenced(f);
-        }
-        true
+    /// A ghost whose writer is gone: the newest owner the fence holds frames of, which it
+    /// follows from now on (epoch, owner), and the frames due; `None` if it holds none.
+    pub(crate) fn follow_newest(&mut self, id: u64) -> Option<(u64, NodeId, Vec<Fenced>)> {
+        let (epoch, owner) = self.fence.held_newest(id)?;
+        let due = self.fence.advance(id, epoch, owner);
+        Some((epoch, owner, due))
     }
+}
 
+/// Where an input for a player's master goes next, as the fence and the handoff machine see it.
+pub(crate) enum InputNext {
+    /// Held by the fence, or dropped (and counted).
+    Done,
+    /// The handoff machine's route for the input of entity `id`; `owner` is the writer of the
+    /// ghost this node holds, if it holds one.
+    Route {
+        id: u64,
+        route: InputRoute<Routed>,
+        hops: u32,
+        owner: Option<(NodeId, u64)>,
+    },
+    /// For this node's game (its session is checked there).
+    ToGame(local::Input),
+}
+
+impl Handoffs {
     // ------------------------------------------------------------------ inputs
 
     /// An input for `i.account`'s master, from its gateway (this node or a peer) or from the
     /// previous owner: to the game if this node writes the master, held while it is adopting
     /// it, forwarded if it was handed away.
-    pub(crate) fn input_for_master(&mut self, i: mesh::ForwardInput) {
-        let master = self
-            .table
+    pub(crate) fn input_for_master(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        i: mesh::ForwardInput,
+    ) -> InputNext {
+        let master = table
             .master_of(&i.account)
             .map(|e| (e.id, e.origin, e.epoch));
         let input = local::Input {
@@ -1532,55 +1478,75 @@ impl Core {
             payload: i.payload.clone(),
         };
         let hops = i.hops + 1;
-        if i.entity_id != 0 && self.handoff.fence.is_burnt(i.entity_id, i.entity_epoch) {
+        if i.entity_id != 0 && self.fence.is_burnt(i.entity_id, i.entity_epoch) {
             // A copy forwarded behind an offer this node refused: its source applies the original.
-            return self.cx.metrics.copies_refused(1);
+            cx.metrics.copies_refused(1);
+            return InputNext::Done;
         }
         match master {
             Some((id, None, epoch)) => {
                 if i.entity_epoch != 0 && i.entity_epoch < epoch {
-                    self.cx.metrics.stale_epoch_drops.inc();
-                    return self.cx.metrics.drop_input("stale_epoch_input");
+                    cx.metrics.stale_epoch_drops.inc();
+                    cx.metrics.drop_input("stale_epoch_input");
+                    return InputNext::Done;
                 }
                 if i.entity_epoch > epoch {
-                    self.hold_input(id, i);
-                    return;
+                    self.hold_input(cx, id, i);
+                    return InputNext::Done;
                 }
-                let route = self.handoff.outgoing.route_input(id, Routed::Input(input));
-                self.follow_route(id, route, hops, None);
+                let route = self.outgoing.route_input(id, Routed::Input(input));
+                InputNext::Route {
+                    id,
+                    route,
+                    hops,
+                    owner: None,
+                }
             }
             Some((id, Some(owner), epoch)) => {
                 if i.entity_epoch > epoch {
                     // Forwarded behind an offer: due once this node adopted (or learns who
                     // did); a copy behind an offer it refused is dropped.
-                    self.hold_input(id, i);
-                    return;
+                    self.hold_input(cx, id, i);
+                    return InputNext::Done;
                 }
-                let route = self.handoff.outgoing.route_input(id, Routed::Input(input));
-                self.follow_route(id, route, hops, Some((owner, epoch)));
+                let route = self.outgoing.route_input(id, Routed::Input(input));
+                InputNext::Route {
+                    id,
+                    route,
+                    hops,
+                    owner: Some((owner, epoch)),
+                }
             }
             None => {
                 // Adopting the master from a snapshot (no ghost here): held until `Adopted`.
                 let adopting = self
-                    .handoff
                     .adopting
                     .values()
                     .find(|o| o.is_master && o.owner_account == i.account)
                     .map(|o| (o.entity_id, o.entity_epoch));
-                let departed = self.handoff.departed_masters.get(&i.account).copied();
+                let departed = self.departed_masters.get(&i.account).copied();
                 match (adopting, departed) {
                     (Some((id, epoch)), _) if i.entity_epoch >= epoch => {
-                        self.hold_input(id, i);
+                        self.hold_input(cx, id, i);
+                        InputNext::Done
                     }
                     // Handed away, and no ghost of it stayed here: forwarded all the same.
                     (_, Some(id)) => {
-                        let route = self.handoff.outgoing.route_input(id, Routed::Input(input));
-                        self.follow_route(id, route, hops, None);
+                        let route = self.outgoing.route_input(id, Routed::Input(input));
+                        InputNext::Route {
+                            id,
+                            route,
+                            hops,
+                            owner: None,
+                        }
                     }
                     // Stamped for a master this process never held: it died with a process
                     // whose node id this one holds now (the restore re-anchors the gateway).
-                    _ if i.entity_id != 0 => self.cx.metrics.drop_input("input_master_gone"),
-                    _ => self.input_to_game(input),
+                    _ if i.entity_id != 0 => {
+                        cx.metrics.drop_input("input_master_gone");
+                        InputNext::Done
+                    }
+                    _ => InputNext::ToGame(input),
                 }
             }
         }
@@ -1588,155 +1554,116 @@ impl Core {
 
     /// An input stamped with an epoch of its master not seen here yet: held by the fence until
     /// the epoch change is (or counted if the fence refuses it).
-    fn hold_input(&mut self, id: u64, i: mesh::ForwardInput) {
+    fn hold_input(&mut self, cx: &mut Context, id: u64, i: mesh::ForwardInput) {
         let epoch = i.entity_epoch;
-        match self.handoff.fence.admit(id, epoch, None, Fenced::Input(i)) {
+        match self.fence.admit(id, epoch, None, Fenced::Input(i)) {
             Admit::Held => {}
             // The fence already follows that epoch while the table does not: handing it on
             // could loop, so it is counted instead.
-            Admit::Accept(_) => self.cx.metrics.drop_input("input_epoch_conflict"),
-            Admit::Dropped(_) if self.handoff.fence.is_burnt(id, epoch) => {
+            Admit::Accept(_) => cx.metrics.drop_input("input_epoch_conflict"),
+            Admit::Dropped(_) if self.fence.is_burnt(id, epoch) => {
                 // A copy forwarded behind a refused offer: its source applies the original.
-                self.cx.metrics.copies_refused(1);
+                cx.metrics.copies_refused(1);
             }
             Admit::Dropped(_) => {
-                self.cx.metrics.stale_epoch_drops.inc();
-                self.cx.metrics.drop_input("stale_epoch_input");
+                cx.metrics.stale_epoch_drops.inc();
+                cx.metrics.drop_input("stale_epoch_input");
             }
-        }
-    }
-
-    /// Sends an input on to the node that writes its master; `hops` counts the forwards
-    /// between owners so far. An input that cannot be sent is counted as dropped.
-    pub(crate) fn forward_input(
-        &mut self,
-        to: NodeId,
-        entity: u64,
-        epoch: u64,
-        i: local::Input,
-        hops: u32,
-    ) {
-        if !self.send_forward(to, entity, epoch, i, hops) {
-            self.cx.metrics.drop_input("input_peer_down");
         }
     }
 
     /// An input the handoff machine routed for `id`: behind an offer in flight it keeps a copy
     /// (applied here on a refusal), so a forward that cannot be sent is only lost if the offer
     /// completes.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward_routed(
         &mut self,
+        cx: &mut Context,
+        mesh: &Mesh,
         id: u64,
         to: NodeId,
         epoch: u64,
         i: local::Input,
         hops: u32,
     ) {
-        if !self.handoff.outgoing.is_frozen(id) {
-            return self.forward_input(to, id, epoch, i, hops);
+        if !self.outgoing.is_frozen(id) {
+            return forward_input(cx, mesh, to, id, epoch, i, hops);
         }
-        if !self.send_forward(to, id, epoch, i, hops) {
-            self.handoff.outgoing.forward_failed(id);
+        if !send_forward(cx, mesh, to, id, epoch, i, hops) {
+            self.outgoing.forward_failed(id);
         }
     }
 
-    /// Queues a `ForwardInput`; false when the node is unreachable (the caller counts it).
-    fn send_forward(
-        &mut self,
-        to: NodeId,
-        entity: u64,
-        epoch: u64,
-        i: local::Input,
-        hops: u32,
-    ) -> bool {
-        if hops > MAX_INPUT_HOPS {
-            tracing::warn!(account = %i.account, seq = i.seq, to, "input forwarded in a loop; dropped");
-            self.cx.metrics.drop_input("input_forward_loop");
-            return true;
-        }
-        let forward = mesh_message::Body::ForwardInput(mesh::ForwardInput {
-            account: i.account,
-            session_epoch: i.session_epoch,
-            seq: i.seq,
-            payload: i.payload,
-            entity_epoch: epoch,
-            hops,
-            entity_id: entity,
-        });
-        let sent = self.try_send_peer(to, forward);
-        if sent {
-            self.cx.metrics.inputs_forwarded.inc();
-        }
-        sent
-    }
-
-    /// Whether `epoch` is the session of `account` this node serves now (as its gateway, or as
-    /// the writer of its avatar for another gateway).
-    fn session_current(&self, account: &str, epoch: u64) -> bool {
-        let local = self
-            .gateway
-            .clients
-            .key_of(account)
-            .and_then(|k| self.gateway.sessions.get(k))
-            .and_then(|s| s.epoch)
-            == Some(epoch);
-        local
-            || self
-                .routing
-                .remote_player(account)
-                .is_some_and(|r| r.session_epoch == epoch)
-    }
-
-    /// Delivers an input to the game if its session is current here.
-    pub(crate) fn input_to_game(&mut self, i: local::Input) {
-        if !self.session_current(&i.account, i.session_epoch) {
-            return self.cx.metrics.drop_input("input_stale_session");
-        }
-        if self.game.slot.is_none() {
-            return self.cx.metrics.drop_input("no_game");
-        }
+    /// An input for the game of a session current here, in its session's order: those it
+    /// lets through now (none while a gap before it is open; dropped, and counted, if late).
+    pub(crate) fn order_input(&mut self, cx: &mut Context, i: local::Input) -> Vec<local::Input> {
         let (account, epoch, seq) = (i.account.clone(), i.session_epoch, i.seq);
-        match self
-            .handoff
+        let due = match self
             .input_order
-            .offer(self.cx.now.mono_ms, &account, epoch, seq, i)
+            .offer(cx.now.mono_ms, &account, epoch, seq, i)
         {
-            Ordered::Deliver(inputs) => {
-                for i in inputs {
-                    self.deliver_input(i);
-                }
+            Ordered::Deliver(inputs) => inputs,
+            Ordered::Held => vec![],
+            Ordered::Late(_) => {
+                cx.metrics.drop_input("input_late");
+                vec![]
             }
-            Ordered::Held => {}
-            Ordered::Late(_) => self.cx.metrics.drop_input("input_late"),
+        };
+        for _ in self.input_order.take_superseded() {
+            cx.metrics.drop_input("input_stale_session");
         }
-        for _ in self.handoff.input_order.take_superseded() {
-            self.cx.metrics.drop_input("input_stale_session");
-        }
+        due
     }
 
-    /// Inputs held for a gap that did not fill in time: delivered in order.
-    pub(crate) fn deliver_due_inputs(&mut self) {
-        for i in self.handoff.input_order.due(self.cx.now.mono_ms) {
-            self.deliver_input(i);
-        }
+    /// Inputs held for a gap that did not fill in time, in order: due now.
+    pub(crate) fn due_inputs(&mut self, now_ms: u64) -> Vec<local::Input> {
+        self.input_order.due(now_ms)
     }
+}
 
-    pub(crate) fn deliver_input(&mut self, i: local::Input) {
-        if self.game.slot.is_none() {
-            return self.cx.metrics.drop_input("no_game");
-        }
-        if !self.authority.lease_live && !self.authority.lost {
-            return self.hold_input_during_lapse(i);
-        }
-        // Held for a gap while a newer session began (a handover, a second login): the game
-        // would ignore it.
-        if !self.session_current(&i.account, i.session_epoch) {
-            return self.cx.metrics.drop_input("input_stale_session");
-        }
-        self.cx
-            .out
-            .to_game
-            .push(sidecar_message::Body::Input(i).into());
-        self.cx.metrics.inputs_delivered.inc();
+/// Sends an input on to the node that writes its master; `hops` counts the forwards between
+/// owners so far. An input that cannot be sent is counted as dropped.
+pub(crate) fn forward_input(
+    cx: &mut Context,
+    mesh: &Mesh,
+    to: NodeId,
+    entity: u64,
+    epoch: u64,
+    i: local::Input,
+    hops: u32,
+) {
+    if !send_forward(cx, mesh, to, entity, epoch, i, hops) {
+        cx.metrics.drop_input("input_peer_down");
     }
+}
+
+/// Queues a `ForwardInput`; false when the node is unreachable (the caller counts it).
+fn send_forward(
+    cx: &mut Context,
+    mesh: &Mesh,
+    to: NodeId,
+    entity: u64,
+    epoch: u64,
+    i: local::Input,
+    hops: u32,
+) -> bool {
+    if hops > MAX_INPUT_HOPS {
+        tracing::warn!(account = %i.account, seq = i.seq, to, "input forwarded in a loop; dropped");
+        cx.metrics.drop_input("input_forward_loop");
+        return true;
+    }
+    let forward = mesh_message::Body::ForwardInput(mesh::ForwardInput {
+        account: i.account,
+        session_epoch: i.session_epoch,
+        seq: i.seq,
+        payload: i.payload,
+        entity_epoch: epoch,
+        hops,
+        entity_id: entity,
+    });
+    let sent = mesh.try_send(cx, to, forward);
+    if sent {
+        cx.metrics.inputs_forwarded.inc();
+    }
+    sent
 }

@@ -1043,6 +1043,275 @@ impl Core {
         }
     }
 
+    // ------------------------------------------------------------------ handoffs
+
+    /// A frame about a foreign entity, through the fence.
+    pub(crate) fn fence_entity_state(&mut self, node: NodeId, s: mesh::EntityState) {
+        if let Some(done) = self.handoff.observed(&self.cx, node, &s) {
+            // The target writes under the offered epoch: it adopted, the ack was lost.
+            self.complete_handoff(done);
+        }
+        let s = match self
+            .handoff
+            .state_ahead(&self.cx, &self.table, &self.replication, node, s)
+        {
+            handoff::StateAhead::Unheld(s) => return self.on_entity_state(node, s),
+            handoff::StateAhead::Resync(at) => {
+                if let Some(chunk) = at {
+                    self.resync(chunk, node);
+                }
+                return;
+            }
+            handoff::StateAhead::Admit(due, s) => {
+                for f in due {
+                    self.apply_fenced(f);
+                }
+                s
+            }
+        };
+        if let Some(f) = self.handoff.admit_state(&mut self.cx, &self.table, node, s) {
+            self.apply_fenced(f);
+        }
+        self.handoff.count_held(&self.cx);
+    }
+
+    /// `EntityGone` from its owner, through the fence.
+    pub(crate) fn fence_entity_gone(&mut self, node: NodeId, g: mesh::EntityGone) {
+        if let Some(f) = self.handoff.admit_gone(&mut self.cx, &self.table, node, g) {
+            self.apply_fenced(f);
+        }
+    }
+
+    /// A frame the fence let through, to the part it is for.
+    pub(crate) fn apply_fenced(&mut self, f: handoff::Fenced) {
+        match f {
+            handoff::Fenced::State(node, s) => self.on_entity_state(node, s),
+            handoff::Fenced::Gone(node, g) => self.on_entity_gone(node, g),
+            handoff::Fenced::Input(i) => self.input_for_master(i),
+            handoff::Fenced::Command(c) => self.route_command(*c),
+        }
+    }
+
+    /// `EntityGone` past the fence: the ghost of `node`'s entity goes, unless a client here
+    /// still views where it went.
+    fn on_entity_gone(&mut self, node: NodeId, g: mesh::EntityGone) {
+        let at = g.position.as_ref().map(|p| {
+            self.cx
+                .config
+                .world
+                .chunk_of(cellmesh_world::geometry::Pos { x: p.x, y: p.y })
+        });
+        if at.is_some_and(|c| self.replication.subscribes(c, node)) {
+            // This node subscribes there: its subscription has not reached the owner
+            // yet, and the snapshot burst that answers it refreshes the ghost.
+            return;
+        }
+        let ghost = self
+            .table
+            .get(g.entity_id)
+            .is_some_and(|e| e.origin == Some(node));
+        if ghost && at.is_some_and(|c| self.follow(c, node)) {
+            // It walked into a viewed chunk this node does not subscribe to at its
+            // owner: subscribed now, and kept meanwhile, stale (the owner no longer
+            // counts this node among its holders, so it will not say if it moves on).
+            let now = self.cx.now.mono_ms;
+            self.replication.mark_stale(g.entity_id, now);
+            return;
+        }
+        if self
+            .table
+            .get(g.entity_id)
+            .is_some_and(|e| e.origin == Some(node))
+        {
+            tracing::debug!(
+                me = self.cx.config.node_id,
+                entity = g.entity_id,
+                node,
+                epoch = g.entity_epoch,
+                "ghost dropped: gone"
+            );
+            let _ = self.table.despawn(g.entity_id);
+            self.handoff.forget_fenced(g.entity_id);
+        }
+    }
+
+    /// `EntityMoved` from the old owner: the ghost follows the new one; frames held for its
+    /// epoch are due.
+    pub(crate) fn on_entity_moved(&mut self, node: NodeId, m: mesh::EntityMoved) {
+        let me = self.cx.config.node_id;
+        if m.owner_node == me {
+            // The old owner's holders are this node's replicas now: the next frame keeps them in
+            // step, or tells those no longer subscribed that it is gone.
+            let local = self
+                .table
+                .get_local(m.entity_id)
+                .is_some_and(|e| e.epoch == m.entity_epoch);
+            if local && !m.holders.is_empty() {
+                self.replication
+                    .add_holders(m.entity_id, m.holders.iter().copied().filter(|n| *n != me));
+            }
+            return;
+        }
+        let held = self.table.get(m.entity_id).map(|e| (e.origin, e.chunk));
+        if matches!(held, Some((None, _))) {
+            // This node's own entity: its epoch is the node's to decide.
+            return;
+        }
+        let due = self
+            .handoff
+            .advance(m.entity_id, m.entity_epoch, m.owner_node);
+        // A ghost of the sender follows the new owner (if this node subscribes there); so does
+        // a ghost of a dead process, on the word of the node that restored it.
+        let from_writer = |origin: Option<NodeId>| {
+            origin.is_some_and(|o| o == node || self.restore.is_dead_node(o))
+        };
+        if let Some((_, chunk)) = held.filter(|h| from_writer(h.0)) {
+            if self.replication.subscribes(chunk, m.owner_node) || self.follow(chunk, m.owner_node)
+            {
+                self.table
+                    .set_origin(m.entity_id, m.owner_node, m.entity_epoch);
+                // A stale ghost waits for its new writer from now on (a restored owner may be
+                // a process that has only just started, not linked here yet).
+                self.replication
+                    .restart_stale(m.entity_id, self.cx.now.mono_ms);
+            } else {
+                tracing::debug!(
+                    me,
+                    entity = m.entity_id,
+                    owner = m.owner_node,
+                    "ghost dropped: moved to a node not subscribed"
+                );
+                let _ = self.table.despawn(m.entity_id);
+                self.handoff.forget_fenced(m.entity_id);
+            }
+        }
+        for f in due {
+            self.apply_fenced(f);
+        }
+        self.handoff.count_held(&self.cx);
+    }
+
+    /// Ghosts whose newer owner's frames waited too long for the old owner's word follow the
+    /// newer owner.
+    pub(crate) fn release_overdue_frames(&mut self) {
+        for id in self.handoff.overdue_frames(&self.cx) {
+            if !self.ghost_orphaned(id) {
+                // Inputs only: the entity is not held here; let them go (counted).
+                self.handoff.forget_fenced(id);
+            }
+        }
+        self.handoff.count_held(&self.cx);
+    }
+
+    /// A ghost of a peer whose link closed: if frames of a newer owner are held for it, it
+    /// follows that owner instead of vanishing.
+    pub(crate) fn ghost_orphaned(&mut self, id: u64) -> bool {
+        let Some((epoch, owner, due)) = self.handoff.follow_newest(id) else {
+            return false;
+        };
+        self.table.set_origin(id, owner, epoch);
+        for f in due {
+            self.apply_fenced(f);
+        }
+        true
+    }
+
+    /// An input for `i.account`'s master: through the fence and the handoff machine, then to
+    /// where they send it.
+    pub(crate) fn input_for_master(&mut self, i: mesh::ForwardInput) {
+        match self.handoff.input_for_master(&mut self.cx, &self.table, i) {
+            handoff::InputNext::Done => {}
+            handoff::InputNext::Route {
+                id,
+                route,
+                hops,
+                owner,
+            } => self.follow_route(id, route, hops, owner),
+            handoff::InputNext::ToGame(input) => self.input_to_game(input),
+        }
+    }
+
+    /// Sends an input on to the node that writes its master (counted as dropped if it cannot).
+    pub(crate) fn forward_input(
+        &mut self,
+        to: NodeId,
+        entity: u64,
+        epoch: u64,
+        i: local::Input,
+        hops: u32,
+    ) {
+        handoff::forward_input(&mut self.cx, &self.mesh, to, entity, epoch, i, hops);
+    }
+
+    /// An input the handoff machine routed for `id` to `to`.
+    pub(crate) fn forward_routed(
+        &mut self,
+        id: u64,
+        to: NodeId,
+        epoch: u64,
+        i: local::Input,
+        hops: u32,
+    ) {
+        self.handoff
+            .forward_routed(&mut self.cx, &self.mesh, id, to, epoch, i, hops);
+    }
+
+    /// Whether `epoch` is the session of `account` this node serves now (as its gateway, or as
+    /// the writer of its avatar for another gateway).
+    fn session_current(&self, account: &str, epoch: u64) -> bool {
+        let local = self
+            .gateway
+            .clients
+            .key_of(account)
+            .and_then(|k| self.gateway.sessions.get(k))
+            .and_then(|s| s.epoch)
+            == Some(epoch);
+        local
+            || self
+                .routing
+                .remote_player(account)
+                .is_some_and(|r| r.session_epoch == epoch)
+    }
+
+    /// Delivers an input to the game if its session is current here, in its session's order.
+    pub(crate) fn input_to_game(&mut self, i: local::Input) {
+        if !self.session_current(&i.account, i.session_epoch) {
+            return self.cx.metrics.drop_input("input_stale_session");
+        }
+        if self.game.slot.is_none() {
+            return self.cx.metrics.drop_input("no_game");
+        }
+        for i in self.handoff.order_input(&mut self.cx, i) {
+            self.deliver_input(i);
+        }
+    }
+
+    /// Inputs held for a gap that did not fill in time: delivered in order.
+    pub(crate) fn deliver_due_inputs(&mut self) {
+        for i in self.handoff.due_inputs(self.cx.now.mono_ms) {
+            self.deliver_input(i);
+        }
+    }
+
+    pub(crate) fn deliver_input(&mut self, i: local::Input) {
+        if self.game.slot.is_none() {
+            return self.cx.metrics.drop_input("no_game");
+        }
+        if !self.authority.lease_live && !self.authority.lost {
+            return self.hold_input_during_lapse(i);
+        }
+        // Held for a gap while a newer session began (a handover, a second login): the game
+        // would ignore it.
+        if !self.session_current(&i.account, i.session_epoch) {
+            return self.cx.metrics.drop_input("input_stale_session");
+        }
+        self.cx
+            .out
+            .to_game
+            .push(local::sidecar_message::Body::Input(i).into());
+        self.cx.metrics.inputs_delivered.inc();
+    }
+
     // ------------------------------------------------------------------ replication
 
     fn on_subscribe(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
