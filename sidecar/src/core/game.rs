@@ -190,12 +190,7 @@ impl Core {
         self.cx.out.to_game.extend(remote);
         self.routing.forget_anchors();
         // Adopts the previous game never answered: the new game gets them again.
-        let pending: Vec<local::Adopt> = self
-            .handoff
-            .adopting
-            .values()
-            .map(|o| self.adopt_message(o))
-            .collect();
+        let pending = self.handoff.pending_adopts();
         for adopt in pending {
             self.cx
                 .out

@@ -1,6 +1,8 @@
 //! The node's side of handoff: drives the pure state machines of [`crate::model::handoff`] with the
-//! game, the peers and the clock, and keeps everything else of the node (ghosts, replicas,
-//! sessions, routes) in step when the real of an entity moves.
+//! game, the peers and the clock. Its handlers borrow the context and what they read of the other
+//! parts (the table, the authority, the mesh) and say what came of an offer, an answer or a frame
+//! (what is due, what thaws, what a completed unit leaves behind); the core keeps everything else
+//! of the node (ghosts, replicas, sessions, routes, claims, commands) in step with that.
 //!
 //! Source: trigger → `Freeze` → the game's `Snapshot`s → `HandoffOffer` (plus the inputs held
 //! meanwhile) → `HandoffAck` → `Evict`, the entity stays as a render ghost and its holders hear
@@ -14,13 +16,13 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use cellmesh_proto::local::{self, sidecar_message, ErrorCode};
 use cellmesh_proto::mesh::{self, mesh_message};
-use cellmesh_stores::SessionEntry;
 use cellmesh_world::geometry::Pos;
 use cellmesh_world::partition::NodeId;
 
+use super::claims::Claims;
 use super::wire::*;
 use super::*;
-use crate::model::entities::{Entity, EntityError, TickChanges};
+use crate::model::entities::{Entity, TickChanges};
 use crate::model::handoff::{
     freeze_cost, Admit, AfterDespawn, Completed, Fence, HandoffSource, HandoffTarget, InputRoute,
     Offer, OfferChecks, OfferDecision, Thawed,
@@ -80,7 +82,7 @@ pub(crate) struct Released {
 }
 
 /// Whether an owned entity is handed over now.
-enum Due {
+pub(crate) enum Due {
     /// It stays: not far enough past the border (or nowhere else to go).
     No,
     /// It is due, but not yet: the target is unreachable, behind on the partition, holds no
@@ -126,42 +128,22 @@ impl Routed {
     }
 }
 
-impl Core {
-    // ------------------------------------------------------------------ source
+/// What the source reads of the other parts to tell whether an entity is handed over now:
+/// where this node's area ends, and whether the target can take it.
+pub(crate) struct TargetView<'a> {
+    pub table: &'a EntityTable,
+    pub authority: &'a Authority,
+    pub replication: &'a Replication,
+    pub mesh: &'a Mesh,
+}
 
-    /// At the tick's end, before its state goes out: offers what the game released in it, so
-    /// the offer leads the tick's traffic on the link and its target's game gets the `Adopt` as
-    /// early as it can. (The target holds the ghost already: an offer waits for that.)
-    pub(crate) fn offer_releases(&mut self) {
-        if self.handoff.released.is_empty() {
-            return;
-        }
-        let released = std::mem::take(&mut self.handoff.released);
-        self.handoff.released_by.clear();
-        let alone = if self.game.slot.is_none() {
-            Some("the game went away")
-        } else if !self.authority.lease_live {
-            Some("this node's lease lapsed or was lost")
-        } else if !self.mesh.clustered() {
-            Some("this node is alone in the world")
-        } else {
-            None
-        };
-        for (root, r) in released {
-            match alone {
-                Some(reason) => self.keep_released(root, &r, reason),
-                None => self.offer_released(root, r),
-            }
-        }
-    }
+impl Handoffs {
+    // ------------------------------------------------------------------ source
 
     /// After the tick's moves: offers every owned entity standing far enough in another node's
     /// area (and those a new partition gave away, or that wait for a retry).
-    pub(crate) fn check_handoffs(&mut self, changes: &TickChanges) {
-        if self.game.slot.is_none() || !self.authority.lease_live || !self.mesh.clustered() {
-            return;
-        }
-        let mut ids = std::mem::take(&mut self.handoff.recheck);
+    pub(crate) fn check(&mut self, cx: &mut Context, view: &TargetView, changes: &TickChanges) {
+        let mut ids = std::mem::take(&mut self.recheck);
         ids.extend(
             changes
                 .iter()
@@ -169,176 +151,244 @@ impl Core {
                 .map(|(id, _)| *id),
         );
         for id in ids {
-            if let Due::Now(to) = self.handoff_due(id) {
-                self.begin_handoff(id, to);
+            if let Due::Now(to) = self.due(cx, view, id) {
+                self.begin(cx, view.table, id, to);
             }
         }
     }
 
     /// Whether owned entity `id` is handed over now, keeping the bookkeeping of those that
     /// wait (a retry at the next tick, how long they waited for the target's ghost).
-    fn handoff_due(&mut self, id: u64) -> Due {
-        let me = self.cx.config.node_id;
-        let now = self.cx.now.mono_ms;
-        let Some(e) = self.table.get_local(id) else {
-            self.handoff.mass.remove(&id);
-            self.handoff.ghost_wait.remove(&id);
+    pub(crate) fn due(&mut self, cx: &Context, view: &TargetView, id: u64) -> Due {
+        let me = cx.config.node_id;
+        let now = cx.now.mono_ms;
+        let authority = view.authority;
+        let Some(e) = view.table.get_local(id) else {
+            self.mass.remove(&id);
+            self.ghost_wait.remove(&id);
             return Due::No;
         };
         // Attachments move with their root.
-        if e.parent_id != 0 && self.table.get_local(e.parent_id).is_some() {
+        if e.parent_id != 0 && view.table.get_local(e.parent_id).is_some() {
             return Due::No;
         }
-        if self.handoff.outgoing.is_frozen(id) {
+        if self.outgoing.is_frozen(id) {
             return Due::No;
         }
-        let margin = if self.handoff.mass.contains(&id) {
+        let margin = if self.mass.contains(&id) {
             0
         } else {
-            i64::from(self.cx.config.handoff_margin_chunks)
+            i64::from(cx.config.handoff_margin_chunks)
         };
         let Some(to) = crate::model::handoff::trigger(
-            &self.authority.partition,
+            &authority.partition,
             me,
-            &self.authority.area,
+            &authority.area,
             e.chunk,
             margin,
         ) else {
-            self.handoff.mass.remove(&id);
-            self.handoff.ghost_wait.remove(&id);
+            self.mass.remove(&id);
+            self.ghost_wait.remove(&id);
             return Due::No;
         };
         // The target must hold the entity's ghost when the offer reaches it: this node has
         // sent it the full state on the same ordered link (or it stands beyond the reach the
         // target subscribes to, and the offer says so).
-        let unseen = subs::distance_to_area(&self.cx.config.world, &self.authority.area, e.chunk)
-            > self.cx.config.reach_chunks();
-        let seen = unseen || self.replication.holds_ghost(id, to);
+        let unseen = subs::distance_to_area(&cx.config.world, &authority.area, e.chunk)
+            > cx.config.reach_chunks();
+        let seen = unseen || view.replication.holds_ghost(id, to);
         // A target that never subscribes (no game to tick, say) is offered all the same after
         // a while, and answers for itself.
-        let waited = *self.handoff.ghost_wait.entry(id).or_insert(now);
+        let waited = *self.ghost_wait.entry(id).or_insert(now);
         let seen = seen || now >= waited + GHOST_WAIT_MS;
-        let why = if !self.mesh.is_up(to) {
+        let why = if !view.mesh.is_up(to) {
             Some("the node that owns its position is unreachable")
-        } else if self.mesh.peer_partition(to) < self.authority.partition.epoch() {
+        } else if view.mesh.peer_partition(to) < authority.partition.epoch() {
             Some("the node that owns its position is behind on the partition")
         } else if !seen {
             Some("the node that owns its position holds no ghost of it yet")
-        } else if self.handoff.retry.get(&id).is_some_and(|t| *t > now) {
+        } else if self.retry.get(&id).is_some_and(|t| *t > now) {
             Some("the node that owns its position refused it lately")
         } else {
             None
         };
         if let Some(why) = why {
-            self.handoff.recheck.insert(id);
+            self.recheck.insert(id);
             return Due::Later(why);
         }
-        self.handoff.ghost_wait.remove(&id);
+        self.ghost_wait.remove(&id);
         Due::Now(to)
     }
 
     /// Freezes `root`'s unit in the game for a handoff to `to`.
-    fn begin_handoff(&mut self, root: u64, to: NodeId) {
-        let me = self.cx.config.node_id;
-        let Some(epoch) = self.table.get_local(root).map(|e| e.epoch) else {
+    fn begin(&mut self, cx: &mut Context, table: &EntityTable, root: u64, to: NodeId) {
+        let me = cx.config.node_id;
+        let Some(epoch) = table.get_local(root).map(|e| e.epoch) else {
             return;
         };
-        let attachments = self.attachments_of(root);
+        let attachments = attachments_of(table, root);
         match self
-            .handoff
             .outgoing
-            .begin(root, epoch, &attachments, to, self.cx.now.mono_ms)
+            .begin(root, epoch, &attachments, to, cx.now.mono_ms)
         {
             Ok(freeze) => {
-                self.cx.metrics.handoff(me, to, "started");
+                cx.metrics.handoff(me, to, "started");
                 for m in freeze.members {
-                    self.freeze_in_game(m);
+                    freeze_in_game(cx, table, m);
                 }
             }
             Err(e) => tracing::debug!(entity = root, error = %e, "handoff not begun"),
         }
     }
+}
 
-    /// Tells the game to stop writing `id` under its current epoch (it answers with its
-    /// snapshot).
-    pub(crate) fn freeze_in_game(&mut self, id: u64) {
-        let Some(epoch) = self.table.get(id).map(|e| e.epoch) else {
-            return;
-        };
-        self.cx.out.to_game.push(
-            sidecar_message::Body::Freeze(local::Freeze {
-                entity_id: id,
-                entity_epoch: epoch,
-            })
-            .into(),
-        );
+/// Tells the game to stop writing `id` under its current epoch (it answers with its snapshot).
+pub(crate) fn freeze_in_game(cx: &mut Context, table: &EntityTable, id: u64) {
+    let Some(epoch) = table.get(id).map(|e| e.epoch) else {
+        return;
+    };
+    cx.out.to_game.push(
+        sidecar_message::Body::Freeze(local::Freeze {
+            entity_id: id,
+            entity_epoch: epoch,
+        })
+        .into(),
+    );
+}
+
+/// The local entities attached (directly or not) to `root`.
+pub(crate) fn attachments_of(table: &EntityTable, root: u64) -> Vec<u64> {
+    let mut out = Vec::new();
+    let mut parents = vec![root];
+    while let Some(p) = parents.pop() {
+        for e in table.iter() {
+            if e.origin.is_none() && e.parent_id == p && e.id != root && !out.contains(&e.id) {
+                out.push(e.id);
+                parents.push(e.id);
+            }
+        }
+    }
+    out
+}
+
+/// What a game's `Release` comes to before this node's write check.
+pub(crate) enum ReleaseCheck {
+    /// No such entity of this game.
+    Unknown,
+    /// Released under another epoch than the entity's: what the game is told.
+    WrongEpoch(String),
+    /// It crossed this node's `Freeze`: its snapshots answer it.
+    Snapshots(Vec<local::Snapshot>),
+    /// Released already in this tick: the first release is answered, this one is not.
+    Twice,
+    /// Whether the game may write it decides the rest ([`Handoffs::record_release`]).
+    Writable(local::Release),
+}
+
+/// Why a released unit stays here: a mistake of the game's (which it is told), or not.
+pub(crate) enum KeptBecause {
+    Error(String),
+    Reason(&'static str),
+}
+
+/// What comes of a unit the game released, at its tick's end.
+pub(crate) enum ReleasedNext {
+    /// It stays here, for this reason.
+    Kept(Released, &'static str),
+    /// Its handoff began: the checkpoints its release holds (entity, epoch, state), the offer
+    /// if every member's snapshot is in, and the members whose snapshots are asked for if not.
+    Begun {
+        checkpoints: Vec<(u64, u64, Bytes)>,
+        offer: Option<Offer<Routed>>,
+        unsnapshotted: Vec<u64>,
+    },
+}
+
+impl Handoffs {
+    // ------------------------------------------------------------------ source: offers
+
+    /// Whether `id` is frozen for a handoff of this node.
+    pub(crate) fn is_frozen(&self, id: u64) -> bool {
+        self.outgoing.is_frozen(id)
     }
 
-    /// `Release` from the game: checked now, offered at the tick's end. Every release is answered
-    /// by an `Evict` or a `Thaw` (after an `Error` if it was wrong), so the game never holds an
-    /// entity frozen for nothing.
-    pub(crate) fn on_release(&mut self, r: local::Release) {
+    /// Why the game may not write `id` for a handoff, if it may not.
+    pub(crate) fn unwritable(&self, id: u64) -> Option<String> {
+        if let Some(root) = self.released_by.get(&id) {
+            return Some(format!(
+                "entity {id} was released for a handoff (with entity {root}): the game must not write it until Thaw or Evict"
+            ));
+        }
+        if !self.outgoing.writable(id) {
+            return Some(format!(
+                "entity {id} is frozen for a handoff: the game must not write it until Thaw or Evict"
+            ));
+        }
+        None
+    }
+
+    /// The game's `Release`, checked against what the table and the handoffs hold.
+    pub(crate) fn check_release(&self, table: &EntityTable, r: local::Release) -> ReleaseCheck {
         let id = r.entity_id;
-        let Some(e) = self.table.get_local(id) else {
-            self.entity_error(EntityError::Unknown(id));
-            return self.thaw_released(id, "the sidecar holds no such entity of this game");
+        let Some(e) = table.get_local(id) else {
+            return ReleaseCheck::Unknown;
         };
-        let (epoch, parent) = (e.epoch, e.parent_id);
+        let epoch = e.epoch;
         if r.entity_epoch != epoch {
-            let detail = format!(
+            return ReleaseCheck::WrongEpoch(format!(
                 "Release of entity {id} under epoch {}, the entity is at epoch {epoch}",
                 r.entity_epoch
-            );
-            self.game_error(ErrorCode::InvalidValue, detail.clone(), id);
-            return self.thaw_released(id, &detail);
+            ));
         }
-        if self.handoff.outgoing.is_frozen(id) {
-            // It crossed our `Freeze`: its snapshots answer it.
+        if self.outgoing.is_frozen(id) {
             let root = local::Snapshot {
                 entity_id: id,
                 entity_epoch: epoch,
                 state: r.state,
             };
-            for s in std::iter::once(root).chain(r.attachments) {
-                self.on_snapshot(s);
-            }
-            return;
+            return ReleaseCheck::Snapshots(std::iter::once(root).chain(r.attachments).collect());
         }
-        if self.handoff.released_by.contains_key(&id) {
-            // The first release is answered; this one is not.
-            return self.game_error(
-                ErrorCode::UnexpectedMessage,
-                format!("entity {id} was released already in this tick"),
-                id,
-            );
+        if self.released_by.contains_key(&id) {
+            return ReleaseCheck::Twice;
         }
-        if !self.may_write(id) {
-            return self.thaw_released(id, "this node may not hand it over now");
-        }
-        let mut members = self.attachments_of(id);
+        ReleaseCheck::Writable(r)
+    }
+
+    /// A release the game may make: its unit is offered at the tick's end, unless it may not
+    /// be released (it holds a player's avatar, or it is no unit's root).
+    pub(crate) fn record_release(
+        &mut self,
+        table: &EntityTable,
+        r: local::Release,
+    ) -> Result<(), KeptBecause> {
+        let id = r.entity_id;
+        let Some(e) = table.get_local(id) else {
+            return Err(KeptBecause::Reason(
+                "the sidecar holds no such entity of this game",
+            ));
+        };
+        let (epoch, parent) = (e.epoch, e.parent_id);
+        let mut members = attachments_of(table, id);
         members.push(id);
         if members
             .iter()
-            .any(|m| self.table.get_local(*m).is_some_and(|e| e.is_master))
+            .any(|m| table.get_local(*m).is_some_and(|e| e.is_master))
         {
             // Inputs already on their way to the game would reach an avatar frozen there, with
             // nobody to apply them; a Freeze holds them here instead.
-            return self.thaw_released(
-                id,
+            return Err(KeptBecause::Reason(
                 "a player's avatar is handed over by Freeze, so that no input on its way to the game is lost",
-            );
+            ));
         }
-        if parent != 0 && self.table.get_local(parent).is_some() {
-            let detail = format!(
+        if parent != 0 && table.get_local(parent).is_some() {
+            return Err(KeptBecause::Error(format!(
                 "entity {id} is attached to entity {parent}: release the root, whose unit it moves with"
-            );
-            self.game_error(ErrorCode::InvalidValue, detail.clone(), id);
-            return self.thaw_released(id, &detail);
+            )));
         }
         for m in members {
-            self.handoff.released_by.insert(m, id);
+            self.released_by.insert(m, id);
         }
-        self.handoff.released.insert(
+        self.released.insert(
             id,
             Released {
                 epoch,
@@ -346,207 +396,127 @@ impl Core {
                 attachments: r.attachments,
             },
         );
+        Ok(())
     }
 
-    fn thaw_released(&mut self, id: u64, reason: &str) {
-        self.cx.metrics.releases_kept.inc();
-        if self.lease_lapsed() {
-            // Stays frozen, with the rest, until the lease is back.
-            self.authority.frozen_by_lapse.insert(id);
-            return;
+    /// The units the game released in the tick that ended, to offer now.
+    pub(crate) fn take_released(&mut self) -> BTreeMap<u64, Released> {
+        if self.released.is_empty() {
+            return BTreeMap::new();
         }
-        self.cx.out.to_game.push(
-            sidecar_message::Body::Thaw(local::Thaw {
-                entity_id: id,
-                reason: format!("released, but kept: {reason}"),
-            })
-            .into(),
-        );
+        self.released_by.clear();
+        std::mem::take(&mut self.released)
     }
 
-    /// A unit the game released: offered now if it is due and its target ready, else thawed.
-    fn offer_released(&mut self, root: u64, r: Released) {
-        let me = self.cx.config.node_id;
-        let to = match self.handoff_due(root) {
+    /// A unit the game released: its handoff begins now if it is due and its target ready.
+    pub(crate) fn offer_released(
+        &mut self,
+        cx: &mut Context,
+        view: &TargetView,
+        root: u64,
+        r: Released,
+    ) -> ReleasedNext {
+        let me = cx.config.node_id;
+        let to = match self.due(cx, view, root) {
             Due::Now(to) => to,
             Due::No => {
-                return self.keep_released(
-                    root,
-                    &r,
+                return ReleasedNext::Kept(
+                    r,
                     "it is inside this node's area or within the handoff margin of it",
                 )
             }
-            Due::Later(why) => return self.keep_released(root, &r, why),
+            Due::Later(why) => return ReleasedNext::Kept(r, why),
         };
-        let attachments = self.attachments_of(root);
-        let begun =
-            self.handoff
-                .outgoing
-                .begin(root, r.epoch, &attachments, to, self.cx.now.mono_ms);
+        let table = view.table;
+        let attachments = attachments_of(table, root);
+        let begun = self
+            .outgoing
+            .begin(root, r.epoch, &attachments, to, cx.now.mono_ms);
         if let Err(e) = begun {
             tracing::debug!(entity = root, error = %e, "released unit not offered");
-            return self.keep_released(root, &r, "it is in another handoff");
+            return ReleasedNext::Kept(r, "it is in another handoff");
         }
-        self.cx.metrics.handoff(me, to, "released");
-        let now = self.cx.now.mono_ms;
+        cx.metrics.handoff(me, to, "released");
         // What the game's release holds is the freshest checkpoint there is, as a snapshot.
         let mut parts: Vec<(u64, Bytes)> = vec![(root, r.state)];
         for a in r.attachments {
-            let current = self.table.get_local(a.entity_id).map(|e| e.epoch);
+            let current = table.get_local(a.entity_id).map(|e| e.epoch);
             if attachments.contains(&a.entity_id) && current == Some(a.entity_epoch) {
                 parts.push((a.entity_id, a.state));
             }
         }
         let mut offer = None;
-        let mut snapshotted = Vec::with_capacity(parts.len());
+        let mut checkpoints = Vec::with_capacity(parts.len());
         for (id, state) in parts {
-            let epoch = self.table.get_local(id).map_or(r.epoch, |e| e.epoch);
-            self.game.checkpoints.taken(id, epoch, state.clone(), now);
-            snapshotted.push(id);
-            if let Ok(Some(o)) = self.handoff.outgoing.snapshot(id, state) {
+            let epoch = table.get_local(id).map_or(r.epoch, |e| e.epoch);
+            checkpoints.push((id, epoch, state.clone()));
+            if let Ok(Some(o)) = self.outgoing.snapshot(id, state) {
                 offer = Some(o);
             }
         }
-        match offer {
-            Some(offer) => self.send_offer(offer, false),
-            // Attachments the release did not carry: their snapshots are asked for.
-            None => {
-                for m in attachments {
-                    if !snapshotted.contains(&m) {
-                        self.freeze_in_game(m);
-                    }
-                }
-            }
+        // Attachments the release did not carry: their snapshots are asked for.
+        let unsnapshotted = attachments
+            .into_iter()
+            .filter(|m| !checkpoints.iter().any(|(id, _, _)| id == m))
+            .collect();
+        ReleasedNext::Begun {
+            checkpoints,
+            offer,
+            unsnapshotted,
         }
     }
 
-    /// A released unit stays here: the game resumes it.
-    fn keep_released(&mut self, root: u64, r: &Released, reason: &str) {
-        tracing::debug!(entity = root, reason, "released entity kept");
-        let members = std::iter::once(root).chain(r.attachments.iter().map(|a| a.entity_id));
-        for id in members.collect::<Vec<_>>() {
-            self.thaw_released(id, reason);
-        }
-    }
-
-    /// The local entities attached (directly or not) to `root`.
-    pub(crate) fn attachments_of(&self, root: u64) -> Vec<u64> {
-        let mut out = Vec::new();
-        let mut parents = vec![root];
-        while let Some(p) = parents.pop() {
-            for e in self.table.iter() {
-                if e.origin.is_none() && e.parent_id == p && e.id != root && !out.contains(&e.id) {
-                    out.push(e.id);
-                    parents.push(e.id);
-                }
-            }
-        }
-        out
-    }
-
-    /// Whether the game may write `id` now; if not, it is told why (and nothing changes).
-    pub(crate) fn may_write(&mut self, id: u64) -> bool {
-        if !self.authority.lease_live {
-            self.game_error(
-                ErrorCode::NotOwner,
-                format!(
-                    "entity {id}: this node's lease lapsed or was lost; everything it owns is frozen"
-                ),
-                id,
-            );
-            return false;
-        }
-        if let Some(root) = self.handoff.released_by.get(&id) {
-            let root = *root;
-            self.game_error(
-                ErrorCode::NotOwner,
-                format!(
-                    "entity {id} was released for a handoff (with entity {root}): the game must not write it until Thaw or Evict"
-                ),
-                id,
-            );
-            return false;
-        }
-        if !self.handoff.outgoing.writable(id) {
-            self.game_error(
-                ErrorCode::NotOwner,
-                format!(
-                    "entity {id} is frozen for a handoff: the game must not write it until Thaw or Evict"
-                ),
-                id,
-            );
-            return false;
-        }
-        true
-    }
-
-    pub(crate) fn on_snapshot(&mut self, s: local::Snapshot) {
-        if !self.authority.lease_live {
-            // Frozen by a lapsed or lost lease: nothing is offered; the snapshot is not needed.
-            self.authority.lapse_freeze_unanswered.remove(&s.entity_id);
-            return;
-        }
-        if self.authority.snapshot_owed.remove(&s.entity_id)
-            && !self.handoff.outgoing.is_frozen(s.entity_id)
-        {
-            // The answer to a lapse's Freeze, come after the lease was back and the Thaw sent.
-            return;
-        }
-        if !self.handoff.outgoing.is_frozen(s.entity_id) {
-            return self.game_error(
+    /// Whether the game's `Snapshot` answers a `Freeze` of this node's: if not, what the game
+    /// is told.
+    pub(crate) fn check_snapshot(
+        &self,
+        table: &EntityTable,
+        s: &local::Snapshot,
+    ) -> Result<(), (ErrorCode, String)> {
+        if !self.outgoing.is_frozen(s.entity_id) {
+            return Err((
                 ErrorCode::UnexpectedMessage,
                 format!(
                     "Snapshot of entity {}, which is not frozen for a handoff",
                     s.entity_id
                 ),
-                s.entity_id,
-            );
+            ));
         }
-        let epoch = self.table.get_local(s.entity_id).map(|e| e.epoch);
+        let epoch = table.get_local(s.entity_id).map(|e| e.epoch);
         if epoch != Some(s.entity_epoch) {
-            return self.game_error(
+            return Err((
                 ErrorCode::InvalidValue,
                 format!(
                     "Snapshot of entity {} under epoch {}, the Freeze named epoch {:?}",
                     s.entity_id, s.entity_epoch, epoch
                 ),
-                s.entity_id,
-            );
+            ));
         }
-        // A handoff's snapshot is the freshest checkpoint there is (if it is refused, the entity
-        // stays here with exactly this state).
-        self.game.checkpoints.taken(
-            s.entity_id,
-            s.entity_epoch,
-            s.state.clone(),
-            self.cx.now.mono_ms,
-        );
-        match self.handoff.outgoing.snapshot(s.entity_id, s.state) {
-            Ok(Some(offer)) => self.send_offer(offer, false),
-            Ok(None) => {}
-            Err(e) => self.game_error(ErrorCode::UnexpectedMessage, e.to_string(), s.entity_id),
-        }
+        Ok(())
     }
 
-    /// Where `account`'s session is: (gateway node, session epoch).
-    pub(crate) fn session_of(&self, account: &str) -> Option<(NodeId, u64)> {
-        if let Some(key) = self.gateway.clients.key_of(account) {
-            if let Some(epoch) = self.gateway.sessions.get(key).and_then(|s| s.epoch) {
-                return Some((self.cx.config.node_id, epoch));
-            }
-        }
-        self.routing
-            .remote_player(account)
-            .map(|r| (r.gateway_node, r.session_epoch))
+    /// A member's snapshot: the unit's offer once every member's is in.
+    pub(crate) fn snapshot(
+        &mut self,
+        id: u64,
+        state: Bytes,
+    ) -> Result<Option<Offer<Routed>>, String> {
+        self.outgoing.snapshot(id, state).map_err(|e| e.to_string())
     }
 
     /// An offer of `e` under `epoch` with its game's `state`, as a target adopts it: where it
-    /// stands, what it is, and for a player's master the session it routes to and the last
-    /// input its game was handed (a handoff's offer and a checkpoint in the store alike).
-    pub(crate) fn offer_of(&self, e: &Entity, epoch: u64, state: Bytes) -> mesh::HandoffOffer {
-        let session = (e.is_master && !e.owner_account.is_empty())
-            .then(|| self.session_of(&e.owner_account))
-            .flatten();
+    /// stands, what it is, and for a player's master the `session` it routes to (gateway node,
+    /// session epoch) and the last input its game was handed (a handoff's offer and a
+    /// checkpoint in the store alike).
+    pub(crate) fn offer_of(
+        &self,
+        cx: &Context,
+        e: &Entity,
+        epoch: u64,
+        state: Bytes,
+        session: Option<(NodeId, u64)>,
+        claims: Vec<mesh::HeldClaim>,
+    ) -> mesh::HandoffOffer {
         mesh::HandoffOffer {
             entity_id: e.id,
             entity_epoch: epoch,
@@ -559,30 +529,40 @@ impl Core {
             session_epoch: session.map_or(0, |s| s.1),
             last_input_seq: session
                 .and_then(|s| {
-                    let (epoch, seq) = self.handoff.input_order.last_of(&e.owner_account)?;
+                    let (epoch, seq) = self.input_order.last_of(&e.owner_account)?;
                     (epoch == s.1).then_some(seq)
                 })
                 .unwrap_or(0),
-            state_unix_ms: self.cx.now.unix_ms,
-            claims: self.claims.of([e.id]),
+            state_unix_ms: cx.now.unix_ms,
+            claims,
             ..Default::default()
         }
     }
 
-    pub(crate) fn send_offer(&mut self, offer: Offer<Routed>, successor: bool) {
+    /// The message of `offer` to its target, with what it carries of the other parts;
+    /// `None` if its root left the table.
+    pub(crate) fn offer_message(
+        &self,
+        cx: &Context,
+        table: &EntityTable,
+        authority: &Authority,
+        offer: &Offer<Routed>,
+        successor: bool,
+        carried: Carried,
+    ) -> Option<mesh::HandoffOffer> {
         let root = offer.root;
-        let Some(e) = self.table.get_local(root) else {
+        let Some(e) = table.get_local(root) else {
             tracing::warn!(
                 entity = root,
                 "the frozen entity left the table; offer not sent"
             );
-            return;
+            return None;
         };
         let mut parts = offer.parts.iter();
         let state = parts.next().map(|p| p.1.clone()).unwrap_or_default();
         let attachments = parts
             .filter_map(|(id, state)| {
-                let a = self.table.get_local(*id)?;
+                let a = table.get_local(*id)?;
                 Some(mesh::HandoffPart {
                     entity_id: a.id,
                     position: Some(vec3(a.position)),
@@ -594,151 +574,88 @@ impl Core {
                 })
             })
             .collect();
-        let command_cursors = offer
-            .parts
-            .iter()
-            .flat_map(|(id, _)| self.command_cursors(*id))
-            .collect();
-        let claims = self.claims.of(offer.parts.iter().map(|(id, _)| *id));
-        let msg = mesh::HandoffOffer {
-            partition_epoch: self.authority.partition.epoch(),
-            command_cursors,
-            claims,
+        Some(mesh::HandoffOffer {
+            partition_epoch: authority.partition.epoch(),
+            command_cursors: carried.command_cursors,
+            claims: carried.claims,
             attachments,
             successor,
-            unseen: subs::distance_to_area(&self.cx.config.world, &self.authority.area, e.chunk)
-                > self.cx.config.reach_chunks(),
-            ..self.offer_of(e, offer.epoch, state)
-        };
-        tracing::debug!(
-            entity = root,
-            to = offer.to,
-            epoch = offer.epoch,
-            successor,
-            claims = ?msg.claims.iter().map(|c| &c.key).collect::<Vec<_>>(),
-            "offer sent"
-        );
-        let (to, kept) = (offer.to, msg.clone());
-        if !self.send_peer(offer.to, mesh_message::Body::HandoffOffer(msg)) {
-            // It never left: the unit may thaw (a link lost after sending leaves it in doubt).
-            if let Ok(thawed) = self.handoff.outgoing.unsent(root, self.cx.now.mono_ms) {
-                self.cx
-                    .metrics
-                    .handoff(self.cx.config.node_id, offer.to, "unsent");
-                self.thaw(root, thawed, "the target was unreachable");
-            }
-            return;
-        }
-        // The game's part of the freeze is over (a repeated offer keeps the first answer).
-        let now = self.cx.now.mono_ms;
-        let last_tick = self.game.last_tick_end_ms.unwrap_or(0);
-        self.handoff.outgoing.answered(root, now, last_tick);
-        // Kept until the target has surely checkpointed it (see `restore`).
-        let to_lease = self.restore.live.get(&to).copied().unwrap_or(0);
-        self.restore.sent.insert(
-            root,
-            super::restore::SentOffer {
-                at_ms: now,
-                to,
-                to_lease,
-                offer: kept,
-            },
-        );
-        for held in offer.inputs {
-            match held {
-                Routed::Input(i) => {
-                    if !send_forward(&mut self.cx, &self.mesh, offer.to, root, offer.epoch, i, 0) {
-                        self.handoff.outgoing.forward_failed(root);
-                    }
-                }
-                // A copy stays with the unit: applied here if the offer is refused.
-                Routed::Command(c) => {
-                    self.forward_command(offer.to, offer.epoch, *c, true);
-                }
-            }
-        }
-        self.cx
-            .metrics
-            .handoffs_in_doubt
-            .set(self.handoff.outgoing.in_doubt().count() as i64);
+            unseen: subs::distance_to_area(&cx.config.world, &authority.area, e.chunk)
+                > cx.config.reach_chunks(),
+            ..self.offer_of(cx, e, offer.epoch, state, carried.session, vec![])
+        })
     }
 
-    /// The game despawned `ids` (or went away with them): a unit frozen for a handoff waits
-    /// for no snapshot of them. The rest of the unit is offered, or thawed if its root went.
-    pub(crate) fn despawned_while_frozen(&mut self, gone: &[Entity]) {
-        let ids: Vec<u64> = gone.iter().map(|e| e.id).collect();
-        for after in self.handoff.outgoing.despawned(&ids, self.cx.now.mono_ms) {
-            match after {
-                AfterDespawn::Offer(offer) => self.send_offer(offer, false),
-                AfterDespawn::Abandoned { root, to, thawed } => {
-                    self.cx
-                        .metrics
-                        .handoff(self.cx.config.node_id, to, "abandoned");
-                    // A leave kept for the new owner is moot: the avatar is gone.
-                    if let Some(e) = gone.iter().find(|e| e.id == root && e.is_master) {
-                        self.handoff.leaving.remove(&e.owner_account);
-                    }
-                    // The attachments left are roots of their own now: checked at the next tick.
-                    self.handoff.recheck.extend(thawed.members.iter().copied());
-                    self.thaw(root, thawed, "the entity was despawned before its snapshot");
-                    self.handoff.retry.remove(&root);
-                }
-            }
-        }
+    /// An offer that never left (no link to its target): the unit to thaw, if it may.
+    pub(crate) fn unsent(&mut self, cx: &Context, root: u64, to: NodeId) -> Option<Thawed<Routed>> {
+        let thawed = self.outgoing.unsent(root, cx.now.mono_ms).ok()?;
+        cx.metrics.handoff(cx.config.node_id, to, "unsent");
+        Some(thawed)
     }
 
-    /// Every unit still waiting for a snapshot is thawed: its game went away (its entities kept
-    /// for its return), so no snapshot will come.
-    pub(crate) fn abandon_freezing(&mut self, reason: &str) {
-        // What it released is kept here too (its entities stay for its return).
-        self.handoff.released.clear();
-        self.handoff.released_by.clear();
-        for (root, to, thawed) in self.handoff.outgoing.abandon_freezing(self.cx.now.mono_ms) {
-            self.cx
-                .metrics
-                .handoff(self.cx.config.node_id, to, "abandoned");
-            self.thaw(root, thawed, reason);
-            self.handoff.retry.remove(&root);
-        }
+    /// The offer of `root` left: the game's part of the freeze is over (a repeated offer
+    /// keeps the first answer).
+    pub(crate) fn offer_sent(&mut self, cx: &Context, root: u64, last_tick_end_ms: u64) {
+        self.outgoing
+            .answered(root, cx.now.mono_ms, last_tick_end_ms);
     }
 
-    /// `account` left: if its master is frozen in a handoff, the leave is kept for the new owner.
-    pub(crate) fn leave_follows_handoff(&mut self, account: &str, epoch: u64, reason: &str) {
-        let frozen = self
-            .table
-            .master_of(account)
-            .is_some_and(|e| e.origin.is_none() && self.handoff.outgoing.is_frozen(e.id));
-        if frozen {
-            self.handoff.leaving.insert(
-                account.to_string(),
-                mesh::PeerPlayerLeave {
-                    account: account.to_string(),
-                    session_epoch: epoch,
-                    reason: reason.to_string(),
-                },
-            );
+    /// An input the unit of `root` held, sent on behind its offer to `to`.
+    pub(crate) fn forward_held(
+        &mut self,
+        cx: &mut Context,
+        mesh: &Mesh,
+        to: NodeId,
+        root: u64,
+        epoch: u64,
+        i: local::Input,
+    ) {
+        if !send_forward(cx, mesh, to, root, epoch, i, 0) {
+            self.outgoing.forward_failed(root);
         }
     }
+}
 
-    pub(crate) fn thaw(&mut self, root: u64, thawed: Thawed<Routed>, reason: &str) {
-        let now = self.cx.now.mono_ms;
+/// What an offer carries of the other parts: the order each command stream to its members
+/// got to, the claims they hold, and the session of a player's master (gateway node, epoch).
+pub(crate) struct Carried {
+    pub command_cursors: Vec<mesh::CommandCursor>,
+    pub claims: Vec<mesh::HeldClaim>,
+    pub session: Option<(NodeId, u64)>,
+}
+
+impl Handoffs {
+    // ------------------------------------------------------------------ source: answers
+
+    /// A unit whose handoff is over while it stays here: its members thaw in the game (or,
+    /// while the lease is lapsed, stay frozen with the rest in `lapse`), the claims its target
+    /// was given meanwhile are lost, and what it held comes back, to be applied here.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn thaw(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        claims: &mut Claims,
+        game: Option<ConnId>,
+        mut lapse: Option<&mut BTreeSet<u64>>,
+        thawed: Thawed<Routed>,
+        reason: &str,
+    ) -> Vec<Routed> {
         // A thawed master's game applies the leave it holds itself.
         for m in &thawed.members {
-            if let Some(e) = self.table.get_local(*m).filter(|e| e.is_master) {
-                let account = e.owner_account.clone();
-                self.handoff.leaving.remove(&account);
+            if let Some(e) = table.get_local(*m).filter(|e| e.is_master) {
+                self.leaving.remove(&e.owner_account);
             }
         }
-        self.cx.metrics.freeze_done(thawed.freeze_ms);
-        let lapsed = self.lease_lapsed();
+        cx.metrics.freeze_done(thawed.freeze_ms);
         for m in &thawed.members {
-            self.claims_thawed(*m);
-            if lapsed {
+            claims.thawed(cx, *m, game);
+            if let Some(frozen) = lapse.as_deref_mut() {
                 // Stays frozen, with the rest, until the lease is back.
-                self.authority.frozen_by_lapse.insert(*m);
+                frozen.insert(*m);
                 continue;
             }
-            self.cx.out.to_game.push(
+            cx.out.to_game.push(
                 sidecar_message::Body::Thaw(local::Thaw {
                     entity_id: *m,
                     reason: reason.to_string(),
@@ -749,262 +666,326 @@ impl Core {
         // Everything a unit held went behind its offer, or nothing did; the commands among
         // them are no input's copies.
         let commands = thawed.inputs.iter().filter(|r| !r.is_input()).count() as u64;
-        self.cx
-            .metrics
+        cx.metrics
             .inputs_copies_applied
             .inc_by(thawed.forwarded_copies.saturating_sub(commands));
-        for held in thawed.inputs {
-            match held {
-                Routed::Input(i) => self.input_to_game(i),
-                Routed::Command(c) => self.route_command(*c),
-            }
-        }
-        self.handoff
-            .retry
-            .insert(root, now + self.cx.config.handoff_retry_ms);
-        self.handoff.recheck.insert(root);
-        self.cx
-            .metrics
-            .handoffs_in_doubt
-            .set(self.handoff.outgoing.in_doubt().count() as i64);
+        thawed.inputs
     }
 
-    pub(crate) fn on_handoff_ack(&mut self, from: NodeId, a: mesh::HandoffAck) {
-        if self.on_restore_answer(from, a.entity_id, a.entity_epoch, None) {
-            return;
-        }
+    /// After a thaw, once what the unit held is applied: `root` is offered again after a
+    /// while, checked at the next tick.
+    pub(crate) fn thawed(&mut self, cx: &Context, root: u64) {
+        self.retry
+            .insert(root, cx.now.mono_ms + cx.config.handoff_retry_ms);
+        self.recheck.insert(root);
+        self.count_in_doubt(cx);
+    }
+
+    /// The gauge of the offers in doubt.
+    pub(crate) fn count_in_doubt(&self, cx: &Context) {
+        cx.metrics
+            .handoffs_in_doubt
+            .set(self.outgoing.in_doubt().count() as i64);
+    }
+
+    /// `root` is not offered again sooner for its last refusal.
+    pub(crate) fn forget_retry(&mut self, root: u64) {
+        self.retry.remove(&root);
+    }
+
+    /// A `HandoffAck` from `from`: the handoff it completes, if any. `tick_ms`: how long a tick
+    /// of this node's game lasts, for what the freeze cost.
+    pub(crate) fn acked(
+        &mut self,
+        cx: &mut Context,
+        from: NodeId,
+        a: &mesh::HandoffAck,
+        tick_ms: Option<f64>,
+    ) -> Option<Completed> {
         match self
-            .handoff
             .outgoing
-            .acked(a.entity_id, a.entity_epoch, from, self.cx.now.mono_ms)
+            .acked(a.entity_id, a.entity_epoch, from, cx.now.mono_ms)
         {
             Ok(done) => {
-                self.note_freeze_cost(&done, a.adopt_timing);
-                self.complete_handoff(done)
+                note_freeze_cost(cx, &done, a.adopt_timing, tick_ms);
+                Some(done)
             }
             // A repeated ack of a handoff already complete, or of an offer not made.
             Err(e) => {
-                self.cx.metrics.drop_msg("handoff_ack_unexpected", 1);
+                cx.metrics.drop_msg("handoff_ack_unexpected", 1);
                 tracing::debug!(peer = from, error = %e, "handoff ack ignored");
+                None
             }
         }
     }
 
-    pub(crate) fn on_handoff_refused(&mut self, from: NodeId, r: mesh::HandoffRefused) {
-        if self.on_restore_answer(from, r.entity_id, r.entity_epoch, Some(&r.reason)) {
-            return;
-        }
+    /// A `HandoffRefused` from `from`: the unit to thaw, if the refusal answers an offer.
+    pub(crate) fn refused(
+        &mut self,
+        cx: &mut Context,
+        from: NodeId,
+        r: &mesh::HandoffRefused,
+    ) -> Option<Thawed<Routed>> {
         match self
-            .handoff
             .outgoing
-            .refused(r.entity_id, r.entity_epoch, from, self.cx.now.mono_ms)
+            .refused(r.entity_id, r.entity_epoch, from, cx.now.mono_ms)
         {
             Ok(thawed) => {
-                self.restore.sent.remove(&r.entity_id);
-                self.cx
-                    .metrics
-                    .handoff(self.cx.config.node_id, from, "refused");
-                self.cx.metrics.handoffs_refused.inc();
+                cx.metrics.handoff(cx.config.node_id, from, "refused");
+                cx.metrics.handoffs_refused.inc();
                 tracing::debug!(entity = r.entity_id, peer = from, reason = %r.reason, "handoff refused");
-                self.thaw(r.entity_id, thawed, &r.reason);
+                Some(thawed)
             }
             Err(e) => {
-                self.cx.metrics.drop_msg("handoff_refusal_unexpected", 1);
+                cx.metrics.drop_msg("handoff_refusal_unexpected", 1);
                 tracing::debug!(peer = from, error = %e, "handoff refusal ignored");
+                None
             }
         }
     }
 
-    /// What an acked handoff cost (see [`freeze_cost`]), when the ack says how long the target's
-    /// game took. An ack repeated after a lost link, or a handoff proved by the target's frames,
-    /// has no such word: its freeze is counted, its cost is not.
-    fn note_freeze_cost(&self, done: &Completed, timing: Option<mesh::AdoptTiming>) {
-        let (Some(answered), Some(timing)) = (done.answered, timing) else {
-            return;
-        };
-        let tick_ms = self
-            .game
-            .slot
-            .as_ref()
-            .map(|g| g.hello.tick_rate_hz)
-            .filter(|hz| *hz > 0)
-            .map(|hz| 1000.0 / f64::from(hz));
-        let cost = freeze_cost(answered, self.cx.now.mono_ms, timing.game_ms, tick_ms);
-        self.cx.metrics.freeze_cost(&cost);
+    /// Every unit still waiting for a snapshot, to thaw: its game went away (its entities kept
+    /// for its return), so no snapshot will come. What it released is kept here too.
+    pub(crate) fn abandon_freezing(&mut self, cx: &Context) -> Vec<(u64, Thawed<Routed>)> {
+        self.released.clear();
+        self.released_by.clear();
+        let abandoned = self.outgoing.abandon_freezing(cx.now.mono_ms);
+        abandoned
+            .into_iter()
+            .map(|(root, to, thawed)| {
+                cx.metrics.handoff(cx.config.node_id, to, "abandoned");
+                (root, thawed)
+            })
+            .collect()
     }
 
-    /// The target owns the unit: the game evicts it, this node keeps it as a render ghost (no
-    /// vanish), its holders learn the new owner, and so does the player's gateway.
-    pub(crate) fn complete_handoff(&mut self, done: Completed) {
-        let me = self.cx.config.node_id;
-        self.cx.metrics.handoff(me, done.to, "completed");
+    /// The game despawned `gone` (or went away with them): a unit frozen for a handoff waits
+    /// for no snapshot of them. What comes of each unit touched: an offer of the rest, or the
+    /// rest to thaw if its root went.
+    pub(crate) fn despawned(&mut self, cx: &Context, gone: &[Entity]) -> Vec<AfterDespawn<Routed>> {
+        let ids: Vec<u64> = gone.iter().map(|e| e.id).collect();
+        let after = self.outgoing.despawned(&ids, cx.now.mono_ms);
+        for a in &after {
+            if let AfterDespawn::Abandoned { root, to, thawed } = a {
+                cx.metrics.handoff(cx.config.node_id, *to, "abandoned");
+                // A leave kept for the new owner is moot: the avatar is gone.
+                if let Some(e) = gone.iter().find(|e| e.id == *root && e.is_master) {
+                    self.leaving.remove(&e.owner_account);
+                }
+                // The attachments left are roots of their own now: checked at the next tick.
+                self.recheck.extend(thawed.members.iter().copied());
+            }
+        }
+        after
+    }
+
+    /// `account` left: if its master is frozen in a handoff, the leave is kept for the new owner.
+    pub(crate) fn leave_follows(
+        &mut self,
+        table: &EntityTable,
+        account: &str,
+        epoch: u64,
+        reason: &str,
+    ) {
+        let frozen = table
+            .master_of(account)
+            .is_some_and(|e| e.origin.is_none() && self.outgoing.is_frozen(e.id));
+        if frozen {
+            self.leaving.insert(
+                account.to_string(),
+                mesh::PeerPlayerLeave {
+                    account: account.to_string(),
+                    session_epoch: epoch,
+                    reason: reason.to_string(),
+                },
+            );
+        }
+    }
+
+    /// The units offered to `node` and still in doubt.
+    pub(crate) fn offered_to(&self, node: NodeId) -> Vec<u64> {
+        self.outgoing.towards(node)
+    }
+
+    /// The offer of `root` again, as it was made.
+    pub(crate) fn repeat(&mut self, root: u64) -> Option<Offer<Routed>> {
+        self.outgoing.repeat(root).ok()
+    }
+}
+
+/// What an acked handoff cost (see [`freeze_cost`]), when the ack says how long the target's
+/// game took. An ack repeated after a lost link, or a handoff proved by the target's frames,
+/// has no such word: its freeze is counted, its cost is not.
+fn note_freeze_cost(
+    cx: &Context,
+    done: &Completed,
+    timing: Option<mesh::AdoptTiming>,
+    tick_ms: Option<f64>,
+) {
+    let (Some(answered), Some(timing)) = (done.answered, timing) else {
+        return;
+    };
+    let cost = freeze_cost(answered, cx.now.mono_ms, timing.game_ms, tick_ms);
+    cx.metrics.freeze_cost(&cost);
+}
+
+/// A unit the game released stays here: the game resumes it, or, while the lease is lapsed,
+/// it stays frozen with the rest in `lapse`.
+pub(crate) fn thaw_released(
+    cx: &mut Context,
+    lapse: Option<&mut BTreeSet<u64>>,
+    id: u64,
+    reason: &str,
+) {
+    cx.metrics.releases_kept.inc();
+    if let Some(frozen) = lapse {
+        // Stays frozen, with the rest, until the lease is back.
+        frozen.insert(id);
+        return;
+    }
+    cx.out.to_game.push(
+        sidecar_message::Body::Thaw(local::Thaw {
+            entity_id: id,
+            reason: format!("released, but kept: {reason}"),
+        })
+        .into(),
+    );
+}
+
+impl Handoffs {
+    // ------------------------------------------------------------------ source: completion
+
+    /// The target of `done` owns its unit: counted.
+    pub(crate) fn completed(&self, cx: &Context, done: &Completed) {
+        cx.metrics.handoff(cx.config.node_id, done.to, "completed");
         for _ in 0..done.unforwarded {
-            self.cx.metrics.drop_input("input_peer_down");
+            cx.metrics.drop_input("input_peer_down");
         }
-        self.cx.metrics.handoffs_out.inc();
-        self.cx.metrics.freeze_done(done.freeze_ms);
-        for &id in &done.members {
-            if let Some(e) = self.table.get(id) {
-                let at = (e.position.x, e.position.y);
-                self.handoff
-                    .recent
-                    .push(self.cx.now.mono_ms, id, at, me, done.to);
-            }
-            self.cx
-                .out
-                .to_game
-                .push(sidecar_message::Body::Evict(local::Evict { entity_id: id }).into());
-            self.game.checkpoints.forget(id);
-            self.handoff.mass.remove(&id);
-            self.handoff.retry.remove(&id);
-            let holders = self.replication.handed_away(id);
-            tracing::debug!(
-                me,
-                entity = id,
-                to = done.to,
-                epoch = done.epoch,
-                ?holders,
-                "handoff complete; telling the holders"
-            );
-            for &node in &holders {
-                self.send_peer(
-                    node,
-                    mesh_message::Body::EntityMoved(mesh::EntityMoved {
-                        entity_id: id,
-                        entity_epoch: done.epoch,
-                        owner_node: done.to,
-                        holders: if node == done.to {
-                            holders.iter().copied().filter(|n| *n != done.to).collect()
-                        } else {
-                            vec![]
-                        },
-                    }),
-                );
-            }
-            if !holders.contains(&done.to) {
-                self.send_peer(
-                    done.to,
-                    mesh_message::Body::EntityMoved(mesh::EntityMoved {
-                        entity_id: id,
-                        entity_epoch: done.epoch,
-                        owner_node: done.to,
-                        holders: holders.iter().copied().collect(),
-                    }),
-                );
-            }
-            // Commands held here for a gap in their order follow it (its new writer orders them
-            // from the cursors the offer carried).
-            for c in self.commands.forget(id) {
-                self.forward_command(done.to, done.epoch, c, false);
-            }
-            self.claims_handed_away(id);
-            let Some(e) = self.table.get_local(id) else {
-                continue;
-            };
-            let (chunk, pos, master) = (
-                e.chunk,
-                e.position,
-                (e.is_master && !e.owner_account.is_empty()).then(|| e.owner_account.clone()),
-            );
-            // A chunk a client here views is followed at the new owner (subscribed now if it
-            // was not yet): the entity stays as its ghost, with no vanish.
-            if self.replication.subscribes(chunk, done.to) || self.follow(chunk, done.to) {
-                self.table.to_ghost(id, done.to, done.epoch);
-                for f in self.handoff.fence.advance(id, done.epoch, done.to) {
-                    self.apply_fenced(f);
-                }
-            } else {
-                // Nobody here looks there: no client can see it go, and nothing is fenced.
-                let _ = self.table.despawn(id);
-                self.handoff.fence.forget(id);
-            }
-            if let Some(account) = master {
-                // Late inputs follow it even when no ghost of it stays here; so do those still
-                // held here for a gap in their order (the new owner orders them from here on).
-                self.handoff.departed_masters.insert(account.clone(), id);
-                for i in self.handoff.input_order.forget(&account) {
-                    self.forward_routed(id, done.to, done.epoch, i, 0);
-                }
-                if let Some(leave) = self.handoff.leaving.remove(&account) {
-                    self.send_peer(done.to, mesh_message::Body::PlayerLeave(leave));
-                }
-                // A newer session joined while the offer was out: its join follows the avatar
-                // (the offer carries the session it was made under).
-                let offered = self
-                    .restore
-                    .sent
-                    .get(&id)
-                    .map_or(0, |s| s.offer.session_epoch);
-                if let Some(r) = self.routing.remote_player(&account) {
-                    if r.session_epoch > offered && r.gateway_node != done.to {
-                        self.send_peer(
-                            done.to,
-                            mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
-                                account: account.clone(),
-                                session_epoch: r.session_epoch,
-                                last_position: None,
-                                gateway_node: r.gateway_node,
-                            }),
-                        );
-                    }
-                }
-                self.routing.remove_remote_player(&account);
-                if self.gateway.clients.key_of(&account).is_some() {
-                    // This node is the player's gateway: its input goes to the new owner now.
-                    // An anchor the new owner sent first (the ack was lost and a later frame
-                    // proved it) says where the avatar is now; the frozen copy's place is old.
-                    let anchored = self.gateway.master_owner.get(&account) == Some(&done.to)
-                        && self
-                            .gateway
-                            .master_epoch
-                            .get(&account)
-                            .is_some_and(|e| *e >= done.epoch);
-                    self.gateway.master_owner.insert(account.clone(), done.to);
-                    if !anchored {
-                        self.gateway
-                            .master_epoch
-                            .insert(account.clone(), done.epoch);
-                        self.gateway
-                            .clients
-                            .set_remote_anchor(&account, Some(chunk));
-                        self.gateway
-                            .anchor_pos
-                            .insert(account, [pos.x, pos.y, pos.z]);
-                    }
-                }
-            }
-        }
-        self.cx
-            .metrics
-            .handoffs_in_doubt
-            .set(self.handoff.outgoing.in_doubt().count() as i64);
+        cx.metrics.handoffs_out.inc();
+        cx.metrics.freeze_done(done.freeze_ms);
     }
 
-    /// The link to `node` is up again: offers in doubt towards it are repeated (a target that
-    /// adopted answers with another ack), or re-made under a new epoch if a new process holds
-    /// its id (it never saw the old offer; it adopts from the snapshot).
-    pub(crate) fn resume_offers(&mut self, node: NodeId) {
-        for root in self.handoff.outgoing.towards(node) {
-            if self.restore.in_doubt_to_dead.contains_key(&root) {
-                // Made to a process that died: the restore of its world settles it.
-                continue;
-            }
-            if let Ok(offer) = self.handoff.outgoing.repeat(root) {
-                self.send_offer(offer, false);
-            }
+    /// A member of a completed unit leaves this node's game: shown on the live map, evicted
+    /// from the game, and no longer offered or retried.
+    pub(crate) fn evict(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        done: &Completed,
+        id: u64,
+    ) {
+        if let Some(e) = table.get(id) {
+            let at = (e.position.x, e.position.y);
+            self.recent
+                .push(cx.now.mono_ms, id, at, cx.config.node_id, done.to);
         }
+        cx.out
+            .to_game
+            .push(sidecar_message::Body::Evict(local::Evict { entity_id: id }).into());
     }
 
+    /// A member of a completed unit is neither offered nor retried again from here.
+    pub(crate) fn handed_away(&mut self, id: u64) {
+        self.mass.remove(&id);
+        self.retry.remove(&id);
+    }
+
+    /// `account`'s master `id` was handed away: late inputs follow it even when no ghost of it
+    /// stays here. The inputs held here for a gap in their order (the new owner orders them from
+    /// here on) and the leave kept for the new owner, to send on.
+    pub(crate) fn master_departed(
+        &mut self,
+        account: &str,
+        id: u64,
+    ) -> (Vec<local::Input>, Option<mesh::PeerPlayerLeave>) {
+        self.departed_masters.insert(account.to_string(), id);
+        let held = self.input_order.forget(account);
+        (held, self.leaving.remove(account))
+    }
+}
+
+/// Tells the nodes that held a ghost of `id` (and its new owner, which learns who they are)
+/// that the unit of `done` moved.
+pub(crate) fn tell_holders(
+    cx: &mut Context,
+    mesh: &Mesh,
+    done: &Completed,
+    id: u64,
+    holders: &BTreeSet<NodeId>,
+) {
+    tracing::debug!(
+        me = cx.config.node_id,
+        entity = id,
+        to = done.to,
+        epoch = done.epoch,
+        ?holders,
+        "handoff complete; telling the holders"
+    );
+    for &node in holders {
+        mesh.send(
+            cx,
+            node,
+            mesh_message::Body::EntityMoved(mesh::EntityMoved {
+                entity_id: id,
+                entity_epoch: done.epoch,
+                owner_node: done.to,
+                holders: if node == done.to {
+                    holders.iter().copied().filter(|n| *n != done.to).collect()
+                } else {
+                    vec![]
+                },
+            }),
+        );
+    }
+    if !holders.contains(&done.to) {
+        mesh.send(
+            cx,
+            done.to,
+            mesh_message::Body::EntityMoved(mesh::EntityMoved {
+                entity_id: id,
+                entity_epoch: done.epoch,
+                owner_node: done.to,
+                holders: holders.iter().copied().collect(),
+            }),
+        );
+    }
+}
+
+/// An offer the game adopted: what the core carries out beyond the handoff's own state.
+pub(crate) struct Adoption {
+    pub offer: mesh::HandoffOffer,
+    /// The node the offer came from (this node, for its own restore of a dead process's entity).
+    pub source: NodeId,
+    pub adopt_timing: Option<mesh::AdoptTiming>,
+    /// The first checkpoint of each member installed, under the offer's epoch.
+    pub checkpoints: Vec<(u64, Bytes)>,
+}
+
+impl Handoffs {
     // ------------------------------------------------------------------ target
 
-    pub(crate) fn on_handoff_offer(&mut self, from: NodeId, o: mesh::HandoffOffer) {
-        let me = self.cx.config.node_id;
+    /// An offer from `from`, checked against this node's view: the game is told to adopt it, or
+    /// the answer to send is returned. `from_dead`: the offer comes from a process that died
+    /// (its world is restored from elsewhere).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn on_offer(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        authority: &Authority,
+        replication: &mut Replication,
+        game_connected: bool,
+        from_dead: bool,
+        from: NodeId,
+        o: mesh::HandoffOffer,
+    ) -> Option<mesh_message::Body> {
+        let me = cx.config.node_id;
         let id = o.entity_id;
-        if !self.restore.live.contains_key(&from) && from != me && self.restore.is_dead_node(from) {
-            // From a process that died: its world is restored from elsewhere.
-            return self.cx.metrics.drop_msg("offer_from_dead", 1);
+        if from_dead {
+            cx.metrics.drop_msg("offer_from_dead", 1);
+            return None;
         }
-        if o.successor && self.table.get_local(id).is_some() {
+        if o.successor && table.get_local(id).is_some() {
             // A restore of what this node writes already (two rounds crossed): never adopted
             // twice.
             let refused = mesh::HandoffRefused {
@@ -1012,169 +993,144 @@ impl Core {
                 entity_epoch: o.entity_epoch,
                 reason: super::restore::ALREADY_WRITES.into(),
             };
-            return self.answer_offer(from, mesh_message::Body::HandoffRefused(refused));
+            return Some(mesh_message::Body::HandoffRefused(refused));
         }
         let at = o.position.as_ref().map(|p| Pos { x: p.x, y: p.y });
-        let owns = at.is_some_and(|p| self.authority.partition.owner_of(p).ok() == Some(me));
+        let owns = at.is_some_and(|p| authority.partition.owner_of(p).ok() == Some(me));
         let checks = OfferChecks {
             owns_position: owns,
-            lease_live: self.authority.lease_live,
-            partition_epoch_matches: o.partition_epoch == self.authority.partition.epoch(),
+            lease_live: authority.lease_live,
+            partition_epoch_matches: o.partition_epoch == authority.partition.epoch(),
             has_ghost: o.successor
                 || o.unseen
-                || self.table.get(id).is_some_and(|e| e.origin == Some(from)),
-            draining: self.authority.draining.is_some(),
-            game_connected: self.game.slot.is_some(),
+                || table.get(id).is_some_and(|e| e.origin == Some(from)),
+            draining: authority.draining.is_some(),
+            game_connected,
         };
-        let known = self.handoff.fence.current(id).map(|(e, _)| e);
-        match self
-            .handoff
-            .inbound
-            .offer(from, id, o.entity_epoch, known, checks)
-        {
+        let known = self.fence.current(id).map(|(e, _)| e);
+        match self.inbound.offer(from, id, o.entity_epoch, known, checks) {
             OfferDecision::Adopt => {
-                let adopt = self.adopt_message(&o);
+                let adopt = adopt_message(&o);
                 for m in std::iter::once(id).chain(o.attachments.iter().map(|a| a.entity_id)) {
-                    if self.replication.forget_sim_ghost(m) {
-                        self.cx.out.to_game.push(
+                    if replication.forget_sim_ghost(m) {
+                        cx.out.to_game.push(
                             sidecar_message::Body::GhostLeave(local::GhostLeave { entity_id: m })
                                 .into(),
                         );
                     }
                 }
-                self.cx
-                    .out
+                cx.out
                     .to_game
                     .push(sidecar_message::Body::Adopt(adopt).into());
-                self.handoff.adopting.insert(id, o);
-                self.handoff.adopt_sent_ms.insert(id, self.cx.now.mono_ms);
+                self.adopting.insert(id, o);
+                self.adopt_sent_ms.insert(id, cx.now.mono_ms);
+                None
             }
-            OfferDecision::Pending => {}
-            OfferDecision::Ack => {
-                self.answer_offer(
-                    from,
-                    mesh_message::Body::HandoffAck(mesh::HandoffAck {
-                        entity_id: id,
-                        entity_epoch: o.entity_epoch,
-                        adopt_timing: None,
-                    }),
-                );
-            }
+            OfferDecision::Pending => None,
+            OfferDecision::Ack => Some(mesh_message::Body::HandoffAck(mesh::HandoffAck {
+                entity_id: id,
+                entity_epoch: o.entity_epoch,
+                adopt_timing: None,
+            })),
             OfferDecision::Refuse(r) => {
                 // Inputs held for the refused epoch are copies: the source keeps the originals
                 // and applies them when it thaws.
-                self.count_fence_discards();
-                self.handoff.fence.burn(id, o.entity_epoch);
+                self.count_discards(cx);
+                self.fence.burn(id, o.entity_epoch);
                 // So are commands: their copies are applied there, and answered from there.
                 let copies = self
-                    .handoff
                     .fence
                     .take_discarded()
                     .iter()
                     .filter(|f| matches!(f, Fenced::Input(_)))
                     .count() as u64;
-                self.cx.metrics.copies_refused(copies);
-                self.cx.metrics.handoff(from, me, "refused");
-                self.answer_offer(
-                    from,
+                cx.metrics.copies_refused(copies);
+                cx.metrics.handoff(from, me, "refused");
+                Some(mesh_message::Body::HandoffRefused(mesh::HandoffRefused {
+                    entity_id: id,
+                    entity_epoch: o.entity_epoch,
+                    reason: r.as_str().to_string(),
+                }))
+            }
+            OfferDecision::Stale => {
+                cx.metrics.stale_epoch_drops.inc();
+                cx.metrics.drop_msg("stale_offer", 1);
+                // A restore under an epoch this node saw already (its decider died and the
+                // next one chose the same): refused, so it comes again above it instead of
+                // being retried unanswered forever.
+                o.successor.then(|| {
                     mesh_message::Body::HandoffRefused(mesh::HandoffRefused {
                         entity_id: id,
                         entity_epoch: o.entity_epoch,
-                        reason: r.as_str().to_string(),
-                    }),
-                );
-            }
-            OfferDecision::Stale => {
-                self.cx.metrics.stale_epoch_drops.inc();
-                self.cx.metrics.drop_msg("stale_offer", 1);
-                if o.successor {
-                    // A restore under an epoch this node saw already (its decider died and the
-                    // next one chose the same): refused, so it comes again above it instead of
-                    // being retried unanswered forever.
-                    let refused = mesh::HandoffRefused {
-                        entity_id: id,
-                        entity_epoch: o.entity_epoch,
                         reason: super::restore::STALE_RESTORE.into(),
-                    };
-                    self.answer_offer(from, mesh_message::Body::HandoffRefused(refused));
-                }
+                    })
+                })
             }
         }
     }
 
-    pub(crate) fn adopt_message(&self, o: &mesh::HandoffOffer) -> local::Adopt {
-        local::Adopt {
-            entity_id: o.entity_id,
-            entity_epoch: o.entity_epoch,
-            position: o.position.as_ref().map(local_vec3),
-            state: o.state.clone(),
-            owner_account: o.owner_account.clone(),
-            is_master: o.is_master,
-            attachments: o
-                .attachments
-                .iter()
-                .map(|a| local::Adopt {
-                    entity_id: a.entity_id,
-                    entity_epoch: o.entity_epoch,
-                    position: a.position.as_ref().map(local_vec3),
-                    state: a.state.clone(),
-                    owner_account: a.owner_account.clone(),
-                    is_master: a.is_master,
-                    attachments: vec![],
-                })
-                .collect(),
+    /// Held inputs and commands the fence let go of are counted, never lost silently.
+    pub(crate) fn count_discards(&mut self, cx: &Context) {
+        for f in self.fence.take_discarded() {
+            match f {
+                Fenced::Input(_) => cx.metrics.drop_input("input_held_dropped"),
+                // Not answered: a copy of it may still be applied elsewhere; its origin times
+                // it out.
+                Fenced::Command(_) => cx.metrics.drop_command("fence"),
+                _ => {}
+            }
         }
     }
 
-    pub(crate) fn on_adopted(&mut self, a: local::Adopted) {
-        let restored = self
-            .table
-            .get_local(a.entity_id)
-            .is_some_and(|e| e.epoch == a.entity_epoch);
-        if restored && self.game.restoring.remove(&a.entity_id) {
-            // A returning game took back what it wrote: it writes it again from here on.
-            self.cx.metrics.restored.inc();
-            self.game
-                .checkpoints
-                .touched(a.entity_id, self.cx.now.mono_ms);
-            return;
-        }
+    /// The `Adopt`s the game has not answered, for a game that connects again.
+    pub(crate) fn pending_adopts(&self) -> Vec<local::Adopt> {
+        self.adopting.values().map(adopt_message).collect()
+    }
+
+    /// Whether this node's game is adopting entity `id`.
+    pub(crate) fn adopting(&self, id: u64) -> bool {
+        self.adopting.contains_key(&id)
+    }
+
+    /// The game's `Adopted`: the unit is this node's own from now on, installed in `table`
+    /// under the offer's epoch, and the player's inputs follow its master here. `Err`: no such
+    /// `Adopt` is pending (the game is told so).
+    pub(crate) fn adopted(
+        &mut self,
+        cx: &Context,
+        table: &mut EntityTable,
+        a: &local::Adopted,
+    ) -> Result<Adoption, String> {
         let offer = self
-            .handoff
             .adopting
             .get(&a.entity_id)
             .filter(|o| o.entity_epoch == a.entity_epoch)
             .cloned();
         let source = offer
             .as_ref()
-            .and_then(|_| self.handoff.inbound.adopted(a.entity_id, a.entity_epoch));
+            .and_then(|_| self.inbound.adopted(a.entity_id, a.entity_epoch));
         let (Some(o), Some(source)) = (offer, source) else {
-            return self.game_error(
-                ErrorCode::UnexpectedMessage,
-                format!(
-                    "Adopted of entity {} under epoch {}: no such Adopt is pending",
-                    a.entity_id, a.entity_epoch
-                ),
-                a.entity_id,
-            );
+            return Err(format!(
+                "Adopted of entity {} under epoch {}: no such Adopt is pending",
+                a.entity_id, a.entity_epoch
+            ));
         };
-        self.handoff.adopting.remove(&a.entity_id);
-        let adopt_timing =
-            self.handoff
-                .adopt_sent_ms
-                .remove(&a.entity_id)
-                .map(|sent| mesh::AdoptTiming {
-                    game_ms: self.cx.now.mono_ms.saturating_sub(sent),
-                });
-        let me = self.cx.config.node_id;
-        let epoch = o.entity_epoch;
+        self.adopting.remove(&a.entity_id);
+        let now = cx.now.mono_ms;
+        let adopt_timing = self
+            .adopt_sent_ms
+            .remove(&a.entity_id)
+            .map(|sent| mesh::AdoptTiming {
+                game_ms: now.saturating_sub(sent),
+            });
+        let mut checkpoints = Vec::new();
         for full in members_of(&o) {
             let id = full.id;
-            if let Err(e) = self.table.to_local(full) {
+            if let Err(e) = table.to_local(full) {
                 tracing::error!(entity = id, error = %e, "installing an adopted entity failed");
                 continue;
             }
-            self.handoff.outgoing.forget(id);
+            self.outgoing.forget(id);
             // The offer's snapshot is the first checkpoint of it here, under its new epoch.
             let state = if id == o.entity_id {
                 Some(o.state.clone())
@@ -1185,81 +1141,47 @@ impl Core {
                     .map(|a| a.state.clone())
             };
             if let Some(state) = state {
-                self.game
-                    .checkpoints
-                    .taken(id, epoch, state, self.cx.now.mono_ms);
+                checkpoints.push((id, state));
             }
         }
-        // The player's inputs and routes follow its master.
+        // The player's inputs follow its master.
         if o.is_master && !o.owner_account.is_empty() {
-            let account = o.owner_account.clone();
-            let until = self.cx.now.mono_ms + REORDER_WINDOW_MS;
-            self.handoff
-                .input_order
-                .resume(&account, o.session_epoch, o.last_input_seq, until);
-            self.handoff.departed_masters.remove(&account);
-            // The session the avatar serves: the one the offer carries, or a newer one that
-            // logged in meanwhile (on any gateway, after the old one died, say) and waits for
-            // this avatar instead of spawning another.
-            let local = self.session_epoch(&account).map(|(_, e)| e);
-            let newer_remote = self
-                .routing
-                .route(&account)
-                .filter(|r| r.gateway_node != me && r.session_epoch > o.session_epoch)
-                .filter(|r| local.is_none_or(|l| r.session_epoch > l));
-            if let Some(entry) = newer_remote {
-                self.join_session(&account, entry);
-            } else if o.gateway_node == me && local.is_none() {
-                // The session was this node id's, but of a process that died: nothing here
-                // routes for it, and a later login must not take the avatar for this node's.
-            } else if o.gateway_node == me || local.is_some_and(|l| l > o.session_epoch) {
-                // Gateway side only: the epoch its inputs are stamped with.
-                self.gateway.master_epoch.insert(account.clone(), epoch);
-                self.gateway.master_owner.insert(account.clone(), me);
-                self.gateway.clients.set_remote_anchor(&account, None);
-                self.gateway.anchor_pos.remove(&account);
-                if let Some(l) = local.filter(|l| *l > o.session_epoch) {
-                    self.join_here(&account, l, None);
-                }
-            } else if o.gateway_node != 0 {
-                let entry = SessionEntry {
-                    gateway_node: o.gateway_node,
-                    session_epoch: o.session_epoch,
-                };
-                self.routing.serve(&account, entry);
-                self.send_anchor(o.gateway_node, &account, o.session_epoch);
-            }
+            let until = now + REORDER_WINDOW_MS;
+            self.input_order
+                .resume(&o.owner_account, o.session_epoch, o.last_input_seq, until);
+            self.departed_masters.remove(&o.owner_account);
         }
-        self.resume_command_cursors(&o.command_cursors);
-        self.claims_adopted(&o.claims);
-        for m in std::iter::once(o.entity_id).chain(o.attachments.iter().map(|a| a.entity_id)) {
-            for f in self.handoff.fence.advance(m, epoch, me) {
-                self.apply_fenced(f);
-            }
-        }
-        self.cx.metrics.handoff(source, me, "adopted");
-        self.answer_offer(
+        Ok(Adoption {
+            offer: o,
             source,
-            mesh_message::Body::HandoffAck(mesh::HandoffAck {
-                entity_id: o.entity_id,
-                entity_epoch: epoch,
-                adopt_timing,
-            }),
-        );
+            adopt_timing,
+            checkpoints,
+        })
     }
+}
 
-    /// The answer to an offer: to its source, or to this node's own restore of a dead
-    /// process's entity.
-    fn answer_offer(&mut self, source: NodeId, body: mesh_message::Body) {
-        if source != self.cx.config.node_id {
-            self.send_peer(source, body);
-            return;
-        }
-        match body {
-            mesh_message::Body::HandoffAck(a) => self.on_handoff_ack(source, a),
-            mesh_message::Body::HandoffRefused(r) => self.on_handoff_refused(source, r),
-            _ => {}
-        }
+/// What the game is told to adopt for offer `o`.
+pub(crate) fn adopt_message(o: &mesh::HandoffOffer) -> local::Adopt {
+    local::Adopt {
+        entity_id: o.entity_id,
+        entity_epoch: o.entity_epoch,
+        position: o.position.as_ref().map(local_vec3),
+        state: o.state.clone(),
+        owner_account: o.owner_account.clone(),
+        is_master: o.is_master,
+        attachments: o
+            .attachments
+            .iter()
+            .map(|a| local::Adopt {
+                entity_id: a.entity_id,
+                entity_epoch: o.entity_epoch,
+                position: a.position.as_ref().map(local_vec3),
+                state: a.state.clone(),
+                owner_account: a.owner_account.clone(),
+                is_master: a.is_master,
+                attachments: vec![],
+            })
+            .collect(),
     }
 }
 

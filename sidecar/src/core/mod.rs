@@ -689,15 +689,7 @@ impl Core {
 
     /// Held inputs the fence let go of are counted, never lost silently.
     pub(crate) fn count_fence_discards(&mut self) {
-        for f in self.handoff.fence.take_discarded() {
-            match f {
-                handoff::Fenced::Input(_) => self.cx.metrics.drop_input("input_held_dropped"),
-                // Not answered: a copy of it may still be applied elsewhere; its origin times
-                // it out.
-                handoff::Fenced::Command(_) => self.cx.metrics.drop_command("fence"),
-                _ => {}
-            }
-        }
+        self.handoff.count_discards(&self.cx);
     }
 
     /// The next thing to do, if any. Messages queued by the handlers are packed here into as
@@ -1044,6 +1036,623 @@ impl Core {
     }
 
     // ------------------------------------------------------------------ handoffs
+
+    /// After the tick's moves: the handoffs due now begin.
+    pub(crate) fn check_handoffs(&mut self, changes: &model::entities::TickChanges) {
+        if self.game.slot.is_none() || !self.authority.lease_live || !self.mesh.clustered() {
+            return;
+        }
+        let view = handoff::TargetView {
+            table: &self.table,
+            authority: &self.authority,
+            replication: &self.replication,
+            mesh: &self.mesh,
+        };
+        self.handoff.check(&mut self.cx, &view, changes);
+    }
+
+    /// Tells the game to stop writing `id` under its current epoch (it answers with its
+    /// snapshot).
+    pub(crate) fn freeze_in_game(&mut self, id: u64) {
+        handoff::freeze_in_game(&mut self.cx, &self.table, id);
+    }
+
+    /// At the tick's end, before its state goes out: offers what the game released in it, so
+    /// the offer leads the tick's traffic on the link and its target's game gets the `Adopt` as
+    /// early as it can. (The target holds the ghost already: an offer waits for that.)
+    pub(crate) fn offer_releases(&mut self) {
+        let released = self.handoff.take_released();
+        if released.is_empty() {
+            return;
+        }
+        let alone = if self.game.slot.is_none() {
+            Some("the game went away")
+        } else if !self.authority.lease_live {
+            Some("this node's lease lapsed or was lost")
+        } else if !self.mesh.clustered() {
+            Some("this node is alone in the world")
+        } else {
+            None
+        };
+        for (root, r) in released {
+            match alone {
+                Some(reason) => self.keep_released(root, &r, reason),
+                None => self.offer_released(root, r),
+            }
+        }
+    }
+
+    /// A unit the game released: offered now if it is due and its target ready, else thawed.
+    fn offer_released(&mut self, root: u64, r: handoff::Released) {
+        let view = handoff::TargetView {
+            table: &self.table,
+            authority: &self.authority,
+            replication: &self.replication,
+            mesh: &self.mesh,
+        };
+        match self.handoff.offer_released(&mut self.cx, &view, root, r) {
+            handoff::ReleasedNext::Kept(r, reason) => self.keep_released(root, &r, reason),
+            handoff::ReleasedNext::Begun {
+                checkpoints,
+                offer,
+                unsnapshotted,
+            } => {
+                let now = self.cx.now.mono_ms;
+                for (id, epoch, state) in checkpoints {
+                    self.game.checkpoints.taken(id, epoch, state, now);
+                }
+                match offer {
+                    Some(offer) => self.send_offer(offer, false),
+                    None => {
+                        for m in unsnapshotted {
+                            self.freeze_in_game(m);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A released unit stays here: the game resumes it.
+    fn keep_released(&mut self, root: u64, r: &handoff::Released, reason: &str) {
+        tracing::debug!(entity = root, reason, "released entity kept");
+        let members = std::iter::once(root).chain(r.attachments.iter().map(|a| a.entity_id));
+        for id in members.collect::<Vec<_>>() {
+            self.thaw_released(id, reason);
+        }
+    }
+
+    /// `Release` from the game: checked now, offered at the tick's end. Every release is answered
+    /// by an `Evict` or a `Thaw` (after an `Error` if it was wrong), so the game never holds an
+    /// entity frozen for nothing.
+    pub(crate) fn on_release(&mut self, r: local::Release) {
+        use local::ErrorCode;
+        let id = r.entity_id;
+        let r = match self.handoff.check_release(&self.table, r) {
+            handoff::ReleaseCheck::Unknown => {
+                self.entity_error(model::entities::EntityError::Unknown(id));
+                return self.thaw_released(id, "the sidecar holds no such entity of this game");
+            }
+            handoff::ReleaseCheck::WrongEpoch(detail) => {
+                self.game_error(ErrorCode::InvalidValue, detail.clone(), id);
+                return self.thaw_released(id, &detail);
+            }
+            handoff::ReleaseCheck::Snapshots(snapshots) => {
+                // It crossed our `Freeze`: its snapshots answer it.
+                for s in snapshots {
+                    self.on_snapshot(s);
+                }
+                return;
+            }
+            handoff::ReleaseCheck::Twice => {
+                // The first release is answered; this one is not.
+                return self.game_error(
+                    ErrorCode::UnexpectedMessage,
+                    format!("entity {id} was released already in this tick"),
+                    id,
+                );
+            }
+            handoff::ReleaseCheck::Writable(r) => r,
+        };
+        if !self.may_write(id) {
+            return self.thaw_released(id, "this node may not hand it over now");
+        }
+        match self.handoff.record_release(&self.table, r) {
+            Ok(()) => {}
+            Err(handoff::KeptBecause::Reason(reason)) => self.thaw_released(id, reason),
+            Err(handoff::KeptBecause::Error(detail)) => {
+                self.game_error(ErrorCode::InvalidValue, detail.clone(), id);
+                self.thaw_released(id, &detail);
+            }
+        }
+    }
+
+    /// Whether the game may write `id` now; if not, it is told why (and nothing changes).
+    pub(crate) fn may_write(&mut self, id: u64) -> bool {
+        let why = if !self.authority.lease_live {
+            Some(format!(
+                "entity {id}: this node's lease lapsed or was lost; everything it owns is frozen"
+            ))
+        } else {
+            self.handoff.unwritable(id)
+        };
+        match why {
+            Some(detail) => {
+                self.game_error(local::ErrorCode::NotOwner, detail, id);
+                false
+            }
+            None => true,
+        }
+    }
+
+    /// The game's `Snapshot` of an entity frozen for a handoff (or for a lapsed lease).
+    pub(crate) fn on_snapshot(&mut self, s: local::Snapshot) {
+        if !self.authority.lease_live {
+            // Frozen by a lapsed or lost lease: nothing is offered; the snapshot is not needed.
+            self.authority.lapse_freeze_unanswered.remove(&s.entity_id);
+            return;
+        }
+        if self.authority.snapshot_owed.remove(&s.entity_id) && !self.handoff.is_frozen(s.entity_id)
+        {
+            // The answer to a lapse's Freeze, come after the lease was back and the Thaw sent.
+            return;
+        }
+        if let Err((code, detail)) = self.handoff.check_snapshot(&self.table, &s) {
+            return self.game_error(code, detail, s.entity_id);
+        }
+        // A handoff's snapshot is the freshest checkpoint there is (if it is refused, the entity
+        // stays here with exactly this state).
+        self.game.checkpoints.taken(
+            s.entity_id,
+            s.entity_epoch,
+            s.state.clone(),
+            self.cx.now.mono_ms,
+        );
+        match self.handoff.snapshot(s.entity_id, s.state) {
+            Ok(Some(offer)) => self.send_offer(offer, false),
+            Ok(None) => {}
+            Err(e) => self.game_error(local::ErrorCode::UnexpectedMessage, e, s.entity_id),
+        }
+    }
+
+    /// Where `account`'s session is: (gateway node, session epoch).
+    pub(crate) fn session_of(&self, account: &str) -> Option<(NodeId, u64)> {
+        if let Some(key) = self.gateway.clients.key_of(account) {
+            if let Some(epoch) = self.gateway.sessions.get(key).and_then(|s| s.epoch) {
+                return Some((self.cx.config.node_id, epoch));
+            }
+        }
+        self.routing
+            .remote_player(account)
+            .map(|r| (r.gateway_node, r.session_epoch))
+    }
+
+    /// An offer of `e` under `epoch` with its game's `state`, as a target adopts it (a
+    /// handoff's offer and a checkpoint in the store alike).
+    pub(crate) fn offer_of(
+        &self,
+        e: &model::entities::Entity,
+        epoch: u64,
+        state: bytes::Bytes,
+    ) -> mesh::HandoffOffer {
+        let session = (e.is_master && !e.owner_account.is_empty())
+            .then(|| self.session_of(&e.owner_account))
+            .flatten();
+        let claims = self.claims.of([e.id]);
+        self.handoff
+            .offer_of(&self.cx, e, epoch, state, session, claims)
+    }
+
+    /// Sends `offer` to its target, with what the other parts know of its unit, and what its
+    /// unit held behind it; an offer that cannot leave thaws its unit.
+    pub(crate) fn send_offer(
+        &mut self,
+        offer: model::handoff::Offer<handoff::Routed>,
+        successor: bool,
+    ) {
+        let root = offer.root;
+        let session = self
+            .table
+            .get_local(root)
+            .filter(|e| e.is_master && !e.owner_account.is_empty())
+            .and_then(|e| self.session_of(&e.owner_account));
+        let carried = handoff::Carried {
+            command_cursors: offer
+                .parts
+                .iter()
+                .flat_map(|(id, _)| self.command_cursors(*id))
+                .collect(),
+            claims: self.claims.of(offer.parts.iter().map(|(id, _)| *id)),
+            session,
+        };
+        let Some(msg) = self.handoff.offer_message(
+            &self.cx,
+            &self.table,
+            &self.authority,
+            &offer,
+            successor,
+            carried,
+        ) else {
+            return;
+        };
+        tracing::debug!(
+            entity = root,
+            to = offer.to,
+            epoch = offer.epoch,
+            successor,
+            claims = ?msg.claims.iter().map(|c| &c.key).collect::<Vec<_>>(),
+            "offer sent"
+        );
+        let (to, kept) = (offer.to, msg.clone());
+        if !self.send_peer(to, mesh_message::Body::HandoffOffer(msg)) {
+            // It never left: the unit may thaw (a link lost after sending leaves it in doubt).
+            if let Some(thawed) = self.handoff.unsent(&self.cx, root, to) {
+                self.thaw(root, thawed, "the target was unreachable");
+            }
+            return;
+        }
+        let now = self.cx.now.mono_ms;
+        let last_tick = self.game.last_tick_end_ms.unwrap_or(0);
+        self.handoff.offer_sent(&self.cx, root, last_tick);
+        // Kept until the target has surely checkpointed it (see `restore`).
+        let to_lease = self.restore.live.get(&to).copied().unwrap_or(0);
+        self.restore.sent.insert(
+            root,
+            restore::SentOffer {
+                at_ms: now,
+                to,
+                to_lease,
+                offer: kept,
+            },
+        );
+        for held in offer.inputs {
+            match held {
+                handoff::Routed::Input(i) => {
+                    self.handoff
+                        .forward_held(&mut self.cx, &self.mesh, to, root, offer.epoch, i)
+                }
+                // A copy stays with the unit: applied here if the offer is refused.
+                handoff::Routed::Command(c) => self.forward_command(to, offer.epoch, *c, true),
+            }
+        }
+        self.handoff.count_in_doubt(&self.cx);
+    }
+
+    /// The target owns the unit: the game evicts it, this node keeps it as a render ghost (no
+    /// vanish), its holders learn the new owner, and so does the player's gateway.
+    pub(crate) fn complete_handoff(&mut self, done: model::handoff::Completed) {
+        self.handoff.completed(&self.cx, &done);
+        for &id in &done.members {
+            self.handoff.evict(&mut self.cx, &self.table, &done, id);
+            self.game.checkpoints.forget(id);
+            self.handoff.handed_away(id);
+            let holders = self.replication.handed_away(id);
+            handoff::tell_holders(&mut self.cx, &self.mesh, &done, id, &holders);
+            // Commands held here for a gap in their order follow it (its new writer orders them
+            // from the cursors the offer carried).
+            for c in self.commands.forget(id) {
+                self.forward_command(done.to, done.epoch, c, false);
+            }
+            self.claims_handed_away(id);
+            let Some(e) = self.table.get_local(id) else {
+                continue;
+            };
+            let (chunk, pos, master) = (
+                e.chunk,
+                e.position,
+                (e.is_master && !e.owner_account.is_empty()).then(|| e.owner_account.clone()),
+            );
+            // A chunk a client here views is followed at the new owner (subscribed now if it
+            // was not yet): the entity stays as its ghost, with no vanish.
+            if self.replication.subscribes(chunk, done.to) || self.follow(chunk, done.to) {
+                self.table.to_ghost(id, done.to, done.epoch);
+                for f in self.handoff.advance(id, done.epoch, done.to) {
+                    self.apply_fenced(f);
+                }
+            } else {
+                // Nobody here looks there: no client can see it go, and nothing is fenced.
+                let _ = self.table.despawn(id);
+                self.handoff.forget_fenced(id);
+            }
+            if let Some(account) = master {
+                self.master_handed_away(&done, id, account, chunk, [pos.x, pos.y, pos.z]);
+            }
+        }
+        self.handoff.count_in_doubt(&self.cx);
+    }
+
+    /// `account`'s master `id` went with the unit of `done`, from `chunk` at `pos`: its late
+    /// inputs, its leave and a newer session's join follow it, and as its gateway this node
+    /// routes its input to the new owner.
+    fn master_handed_away(
+        &mut self,
+        done: &model::handoff::Completed,
+        id: u64,
+        account: String,
+        chunk: ChunkPos,
+        pos: [f64; 3],
+    ) {
+        // Late inputs follow it even when no ghost of it stays here; so do those still
+        // held here for a gap in their order (the new owner orders them from here on).
+        let (held, leave) = self.handoff.master_departed(&account, id);
+        for i in held {
+            self.forward_routed(id, done.to, done.epoch, i, 0);
+        }
+        if let Some(leave) = leave {
+            self.send_peer(done.to, mesh_message::Body::PlayerLeave(leave));
+        }
+        // A newer session joined while the offer was out: its join follows the avatar
+        // (the offer carries the session it was made under).
+        let offered = self
+            .restore
+            .sent
+            .get(&id)
+            .map_or(0, |s| s.offer.session_epoch);
+        if let Some(r) = self.routing.remote_player(&account) {
+            if r.session_epoch > offered && r.gateway_node != done.to {
+                self.send_peer(
+                    done.to,
+                    mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
+                        account: account.clone(),
+                        session_epoch: r.session_epoch,
+                        last_position: None,
+                        gateway_node: r.gateway_node,
+                    }),
+                );
+            }
+        }
+        self.routing.remove_remote_player(&account);
+        if self.gateway.clients.key_of(&account).is_some() {
+            // This node is the player's gateway: its input goes to the new owner now.
+            // An anchor the new owner sent first (the ack was lost and a later frame
+            // proved it) says where the avatar is now; the frozen copy's place is old.
+            let anchored = self.gateway.master_owner.get(&account) == Some(&done.to)
+                && self
+                    .gateway
+                    .master_epoch
+                    .get(&account)
+                    .is_some_and(|e| *e >= done.epoch);
+            self.gateway.master_owner.insert(account.clone(), done.to);
+            if !anchored {
+                self.gateway
+                    .master_epoch
+                    .insert(account.clone(), done.epoch);
+                self.gateway
+                    .clients
+                    .set_remote_anchor(&account, Some(chunk));
+                self.gateway.anchor_pos.insert(account, pos);
+            }
+        }
+    }
+
+    /// A unit whose handoff is over while it stays here thaws; what it held is applied here.
+    pub(crate) fn thaw(
+        &mut self,
+        root: u64,
+        thawed: model::handoff::Thawed<handoff::Routed>,
+        reason: &str,
+    ) {
+        let lapsed = self.lease_lapsed();
+        let game = self.game_conn();
+        let lapse = lapsed.then_some(&mut self.authority.frozen_by_lapse);
+        let held = self.handoff.thaw(
+            &mut self.cx,
+            &self.table,
+            &mut self.claims,
+            game,
+            lapse,
+            thawed,
+            reason,
+        );
+        for held in held {
+            match held {
+                handoff::Routed::Input(i) => self.input_to_game(i),
+                handoff::Routed::Command(c) => self.route_command(*c),
+            }
+        }
+        self.handoff.thawed(&self.cx, root);
+    }
+
+    /// A unit the game released stays here.
+    pub(crate) fn thaw_released(&mut self, id: u64, reason: &str) {
+        let lapse = self
+            .lease_lapsed()
+            .then_some(&mut self.authority.frozen_by_lapse);
+        handoff::thaw_released(&mut self.cx, lapse, id, reason);
+    }
+
+    pub(crate) fn on_handoff_ack(&mut self, from: NodeId, a: mesh::HandoffAck) {
+        if self.on_restore_answer(from, a.entity_id, a.entity_epoch, None) {
+            return;
+        }
+        let tick_ms = self
+            .game
+            .slot
+            .as_ref()
+            .map(|g| g.hello.tick_rate_hz)
+            .filter(|hz| *hz > 0)
+            .map(|hz| 1000.0 / f64::from(hz));
+        if let Some(done) = self.handoff.acked(&mut self.cx, from, &a, tick_ms) {
+            self.complete_handoff(done);
+        }
+    }
+
+    pub(crate) fn on_handoff_refused(&mut self, from: NodeId, r: mesh::HandoffRefused) {
+        if self.on_restore_answer(from, r.entity_id, r.entity_epoch, Some(&r.reason)) {
+            return;
+        }
+        if let Some(thawed) = self.handoff.refused(&mut self.cx, from, &r) {
+            self.restore.sent.remove(&r.entity_id);
+            self.thaw(r.entity_id, thawed, &r.reason);
+        }
+    }
+
+    /// Every unit still waiting for a snapshot is thawed: its game went away (its entities kept
+    /// for its return), so no snapshot will come.
+    pub(crate) fn abandon_freezing(&mut self, reason: &str) {
+        for (root, thawed) in self.handoff.abandon_freezing(&self.cx) {
+            self.thaw(root, thawed, reason);
+            self.handoff.forget_retry(root);
+        }
+    }
+
+    /// The game despawned `gone` (or went away with them): the rest of a unit frozen for a
+    /// handoff is offered, or thawed if its root went.
+    pub(crate) fn despawned_while_frozen(&mut self, gone: &[model::entities::Entity]) {
+        for after in self.handoff.despawned(&self.cx, gone) {
+            match after {
+                model::handoff::AfterDespawn::Offer(offer) => self.send_offer(offer, false),
+                model::handoff::AfterDespawn::Abandoned { root, thawed, .. } => {
+                    self.thaw(root, thawed, "the entity was despawned before its snapshot");
+                    self.handoff.forget_retry(root);
+                }
+            }
+        }
+    }
+
+    /// `account` left: if its master is frozen in a handoff, the leave is kept for the new owner.
+    pub(crate) fn leave_follows_handoff(&mut self, account: &str, epoch: u64, reason: &str) {
+        self.handoff
+            .leave_follows(&self.table, account, epoch, reason);
+    }
+
+    /// The link to `node` is up again: offers in doubt towards it are repeated (a target that
+    /// adopted answers with another ack), or re-made under a new epoch if a new process holds
+    /// its id (it never saw the old offer; it adopts from the snapshot).
+    pub(crate) fn resume_offers(&mut self, node: NodeId) {
+        for root in self.handoff.offered_to(node) {
+            if self.restore.in_doubt_to_dead.contains_key(&root) {
+                // Made to a process that died: the restore of its world settles it.
+                continue;
+            }
+            if let Some(offer) = self.handoff.repeat(root) {
+                self.send_offer(offer, false);
+            }
+        }
+    }
+
+    /// A peer's offer (or this node's own restore of a dead process's entity).
+    pub(crate) fn on_handoff_offer(&mut self, from: NodeId, o: mesh::HandoffOffer) {
+        let from_dead = !self.restore.live.contains_key(&from)
+            && from != self.cx.config.node_id
+            && self.restore.is_dead_node(from);
+        let game_connected = self.game.slot.is_some();
+        let answer = self.handoff.on_offer(
+            &mut self.cx,
+            &self.table,
+            &self.authority,
+            &mut self.replication,
+            game_connected,
+            from_dead,
+            from,
+            o,
+        );
+        if let Some(answer) = answer {
+            self.answer_offer(from, answer);
+        }
+    }
+
+    /// The game's `Adopted`: a returning game's own entity, or an offer adopted, whose unit
+    /// the other parts take up (its checkpoints, its player's session, its commands and
+    /// claims, the frames the fence held for it) before its source hears the ack.
+    pub(crate) fn on_adopted(&mut self, a: local::Adopted) {
+        let restored = self
+            .table
+            .get_local(a.entity_id)
+            .is_some_and(|e| e.epoch == a.entity_epoch);
+        if restored && self.game.restoring.remove(&a.entity_id) {
+            // A returning game took back what it wrote: it writes it again from here on.
+            self.cx.metrics.restored.inc();
+            self.game
+                .checkpoints
+                .touched(a.entity_id, self.cx.now.mono_ms);
+            return;
+        }
+        let adoption = match self.handoff.adopted(&self.cx, &mut self.table, &a) {
+            Ok(adoption) => adoption,
+            Err(detail) => {
+                return self.game_error(local::ErrorCode::UnexpectedMessage, detail, a.entity_id)
+            }
+        };
+        let o = adoption.offer;
+        let (me, epoch) = (self.cx.config.node_id, o.entity_epoch);
+        for (id, state) in adoption.checkpoints {
+            self.game
+                .checkpoints
+                .taken(id, epoch, state, self.cx.now.mono_ms);
+        }
+        if o.is_master && !o.owner_account.is_empty() {
+            self.adopted_master_session(&o);
+        }
+        self.resume_command_cursors(&o.command_cursors);
+        self.claims_adopted(&o.claims);
+        for m in std::iter::once(o.entity_id).chain(o.attachments.iter().map(|a| a.entity_id)) {
+            for f in self.handoff.advance(m, epoch, me) {
+                self.apply_fenced(f);
+            }
+        }
+        self.cx.metrics.handoff(adoption.source, me, "adopted");
+        self.answer_offer(
+            adoption.source,
+            mesh_message::Body::HandoffAck(mesh::HandoffAck {
+                entity_id: o.entity_id,
+                entity_epoch: epoch,
+                adopt_timing: adoption.adopt_timing,
+            }),
+        );
+    }
+
+    /// An adopted master's route: the session the avatar serves is the one the offer carries,
+    /// or a newer one that logged in meanwhile (on any gateway, after the old one died, say)
+    /// and waits for this avatar instead of spawning another.
+    fn adopted_master_session(&mut self, o: &mesh::HandoffOffer) {
+        let me = self.cx.config.node_id;
+        let account = o.owner_account.clone();
+        let local = self.session_epoch(&account).map(|(_, e)| e);
+        let newer_remote = self
+            .routing
+            .route(&account)
+            .filter(|r| r.gateway_node != me && r.session_epoch > o.session_epoch)
+            .filter(|r| local.is_none_or(|l| r.session_epoch > l));
+        if let Some(entry) = newer_remote {
+            self.join_session(&account, entry);
+        } else if o.gateway_node == me && local.is_none() {
+            // The session was this node id's, but of a process that died: nothing here
+            // routes for it, and a later login must not take the avatar for this node's.
+        } else if o.gateway_node == me || local.is_some_and(|l| l > o.session_epoch) {
+            // Gateway side only: the epoch its inputs are stamped with.
+            self.gateway
+                .master_epoch
+                .insert(account.clone(), o.entity_epoch);
+            self.gateway.master_owner.insert(account.clone(), me);
+            self.gateway.clients.set_remote_anchor(&account, None);
+            self.gateway.anchor_pos.remove(&account);
+            if let Some(l) = local.filter(|l| *l > o.session_epoch) {
+                self.join_here(&account, l, None);
+            }
+        } else if o.gateway_node != 0 {
+            let entry = SessionEntry {
+                gateway_node: o.gateway_node,
+                session_epoch: o.session_epoch,
+            };
+            self.routing.serve(&account, entry);
+            self.send_anchor(o.gateway_node, &account, o.session_epoch);
+        }
+    }
+
+    /// The answer to an offer: to its source, or to this node's own restore of a dead
+    /// process's entity.
+    fn answer_offer(&mut self, source: NodeId, body: mesh_message::Body) {
+        if source != self.cx.config.node_id {
+            self.send_peer(source, body);
+            return;
+        }
+        match body {
+            mesh_message::Body::HandoffAck(a) => self.on_handoff_ack(source, a),
+            mesh_message::Body::HandoffRefused(r) => self.on_handoff_refused(source, r),
+            _ => {}
+        }
+    }
 
     /// A frame about a foreign entity, through the fence.
     pub(crate) fn fence_entity_state(&mut self, node: NodeId, s: mesh::EntityState) {
@@ -1405,13 +2014,13 @@ impl Core {
     /// The game's simulation ghosts after this tick's `changes`.
     pub(crate) fn step_sim_ghosts(&mut self, changes: &model::entities::TickChanges, now_ms: u64) {
         let game_connected = self.game.slot.is_some();
-        let adopting = &self.handoff.adopting;
+        let handoff = &self.handoff;
         self.replication.step_sim_ghosts(
             &mut self.cx,
             &self.table,
             &self.authority.area,
             game_connected,
-            |id| adopting.contains_key(&id),
+            |id| handoff.adopting(id),
             changes,
             now_ms,
         );
@@ -1727,11 +2336,6 @@ impl Core {
 
     pub(crate) fn claims_handed_away(&mut self, id: u64) {
         self.claims.handed_away(&mut self.cx, id);
-    }
-
-    pub(crate) fn claims_thawed(&mut self, id: u64) {
-        let game = self.game_conn();
-        self.claims.thawed(&mut self.cx, id, game);
     }
 
     pub(crate) fn claims_holder_gone(&mut self, id: u64) {
