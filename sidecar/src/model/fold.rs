@@ -257,6 +257,11 @@ impl Clients {
             }
             // The anchor moved: whatever was shown may now be out of range.
             ids.extend(c.appeared.iter().copied());
+            // The avatar the view now centres on comes with it: a new one (a spawn that has not
+            // reached the tick's fold yet) may stand in chunks the view held already.
+            if let Some(e) = master {
+                ids.insert(e.id);
+            }
         }
 
         // Then every changed entity, for each client it may concern.
@@ -303,7 +308,14 @@ impl Clients {
                 continue;
             };
             let mut pieces = Vec::new();
-            for id in ids {
+            // The client's own avatar first: a client judges the rest of the batch (what left
+            // a re-centred view) from where its avatar is.
+            let own = table
+                .master_of(&client.account)
+                .map(|e| e.id)
+                .filter(|id| ids.contains(id));
+            let rest = ids.into_iter().filter(|id| Some(*id) != own);
+            for id in own.into_iter().chain(rest) {
                 decide(
                     &world,
                     shape,
@@ -820,6 +832,50 @@ mod tests {
             [(200, DeltaKind::Vanish), (201, DeltaKind::Vanish)]
         );
         assert_eq!(f.clients.shown(1), [100]);
+    }
+
+    #[test]
+    fn a_view_recentred_on_a_new_avatar_brings_it_first() {
+        // The session's old avatar is a ghost of a dead writer; a new one is spawned here, in
+        // chunks the view holds already, and a ghost's change is folded before the tick ends.
+        let mut f = fixture();
+        f.clients.add(1, "alice");
+        f.table
+            .spawn(NewEntity {
+                origin: Some(2),
+                ..avatar(300, "alice", at(10.0, 10.0))
+            })
+            .unwrap();
+        f.table
+            .spawn(NewEntity {
+                origin: Some(2),
+                ..npc(200, at(6.0, 10.0))
+            })
+            .unwrap();
+        f.run();
+        f.table.spawn(avatar(400, "alice", at(14.0, 10.0))).unwrap();
+        f.table
+            .update(EntityUpdate {
+                id: 200,
+                position: Some(at(5.0, 10.0)),
+                ..Default::default()
+            })
+            .unwrap();
+        let changes = f.table.take_ghost_changes();
+        let out = f
+            .clients
+            .fold(f.tick + 1, &f.table, &changes, &[], &[], 1 << 20);
+        let frame = ServerFrame::decode(out.frames[0].1.clone()).unwrap();
+        let Some(server_message::Body::Batch(b)) = frame.messages[0].body.clone() else {
+            panic!()
+        };
+        // The view moved four chunks east: the ghost 200 nine chunks west of the new avatar
+        // leaves it, and the new avatar comes first, with its owner named.
+        assert_eq!(
+            kinds(&b),
+            [(400, DeltaKind::Appear), (200, DeltaKind::Vanish)]
+        );
+        assert_eq!(b.deltas[0].owner_account, "alice");
     }
 
     #[test]
