@@ -3,7 +3,6 @@
 use cellmesh_proto::local::{
     self, game_message, sidecar_message, ErrorCode, GameMessage, SidecarMessage,
 };
-use cellmesh_proto::mesh::{self, mesh_message};
 
 use super::wire::*;
 use super::*;
@@ -151,29 +150,7 @@ impl Core {
         // Sessions outlive a game restart: the new game hears about every attached player whose
         // avatar this node simulates (one simulated elsewhere stays there: a join here would
         // spawn a second avatar).
-        let me = self.cx.config.node_id;
-        let joins: Vec<SidecarMessage> = self
-            .gateway
-            .sessions
-            .iter()
-            .filter(|s| {
-                self.gateway
-                    .master_owner
-                    .get(&s.account)
-                    .is_none_or(|owner| *owner == me)
-            })
-            .filter_map(|s| {
-                let epoch = s.epoch?;
-                Some(
-                    sidecar_message::Body::PlayerJoin(local::PlayerJoin {
-                        account: s.account.clone(),
-                        session_epoch: epoch,
-                        last_position: s.last_position.map(|[x, y, z]| local::Vec3 { x, y, z }),
-                    })
-                    .into(),
-                )
-            })
-            .collect();
+        let joins = self.gateway.joins_for_game(self.cx.config.node_id);
         self.cx.out.to_game.extend(joins);
         let remote: Vec<SidecarMessage> = self
             .routing
@@ -495,10 +472,11 @@ impl Core {
         // Clients already got the ghosts' changes sent on arrival; the rest of the tick's work
         // sees the whole tick.
         let fresh = self.table.take_changes();
-        let changes = if self.gateway.ghost_changes_sent.is_empty() {
+        let sent = self.gateway.take_ghost_changes_sent();
+        let changes = if sent.is_empty() {
             None
         } else {
-            let mut all = std::mem::take(&mut self.gateway.ghost_changes_sent);
+            let mut all = sent;
             merge_changes(&mut all, &fresh);
             Some(all)
         };
@@ -515,8 +493,7 @@ impl Core {
         let budget = self.cx.config.max_frame_bytes - TO_CLIENT_OVERHEAD;
         let out = self
             .gateway
-            .clients
-            .fold(tick, &self.table, &fresh, &events, &sends, budget);
+            .fold_tick(tick, &self.table, &fresh, &events, &sends, budget);
         self.settle_partition();
         self.update_subscriptions();
         self.step_sim_ghosts(changes, self.cx.now.mono_ms);
@@ -529,7 +506,8 @@ impl Core {
             .drop_msg("unknown_account", out.unknown_accounts);
         self.set_table_gauges();
         self.maybe_report_load();
-        self.send_to_clients(out.frames, budget);
+        self.gateway
+            .send_to_clients(&mut self.cx, out.frames, budget);
     }
 
     /// The gauges of what the node holds: at every tick, and after every peer frame (which
@@ -545,51 +523,6 @@ impl Core {
             .entities
             .set(self.table.len().saturating_sub(ghosts) as i64);
         self.cx.metrics.ghosts_render.set(ghosts as i64);
-    }
-
-    /// Render ghosts' changes reach the clients that see them as they arrive from their owner,
-    /// not at this node's next tick: a neighbour's update would otherwise wait up to a whole tick
-    /// here (every tick, with games ticking in phase). The changes stay for the tick's other
-    /// work, which sees them merged with the rest at its end.
-    pub(crate) fn send_ghost_changes(&mut self) {
-        if self.gateway.clients.is_empty() {
-            return;
-        }
-        let changes = self.table.take_ghost_changes();
-        if changes.is_empty() {
-            return;
-        }
-        let budget = self.cx.config.max_frame_bytes - TO_CLIENT_OVERHEAD;
-        let out =
-            self.gateway
-                .clients
-                .fold(self.game.last_tick, &self.table, &changes, &[], &[], budget);
-        self.cx.metrics.deltas_sent.inc_by(out.deltas);
-        self.cx.metrics.deltas_encoded.inc_by(out.deltas_encoded);
-        self.send_to_clients(out.frames, budget);
-        merge_changes(&mut self.gateway.ghost_changes_sent, &changes);
-    }
-
-    fn send_to_clients(&mut self, frames: Vec<(SessionKey, bytes::Bytes)>, budget: usize) {
-        for (key, server_frame) in frames {
-            let Some(s) = self.gateway.sessions.get(key) else {
-                continue;
-            };
-            if server_frame.len() > budget {
-                // One piece alone outgrew a frame; the client cannot be sent it.
-                self.cx.metrics.drop_msg("batch_too_large", 1);
-                continue;
-            }
-            let (link, session_id) = (s.link, s.session_id);
-            self.cx.queue_for_link(
-                link,
-                mesh_message::Body::ToClient(mesh::ToClient {
-                    session_id,
-                    server_frame,
-                }),
-            );
-            self.cx.metrics.batches_sent.inc();
-        }
     }
 
     pub(crate) fn on_game_frame(&mut self, conn: ConnId, messages: Vec<GameMessage>) {
@@ -621,11 +554,7 @@ impl Core {
         self.cx.metrics.game_connected.set(0);
         self.cx.set_ready(false);
         // Remember where the avatars were, for the PlayerJoin of the next game.
-        for s in self.gateway.sessions.iter_mut() {
-            if let Some(e) = self.table.master_of(&s.account) {
-                s.last_position = Some([e.position.x, e.position.y, e.position.z]);
-            }
-        }
+        self.gateway.remember_avatar_positions(&self.table);
         self.replication.clear_sim_ghosts();
         self.game.restoring.clear();
         self.commands_game_gone();

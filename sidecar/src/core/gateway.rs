@@ -12,16 +12,15 @@ use rustc_hash::FxHashMap as HashMap;
 
 use cellmesh_proto::batch::Encoded;
 use cellmesh_proto::edge::KickReason;
-use cellmesh_proto::mesh::{self, mesh_message, MeshMessage};
+use cellmesh_proto::mesh::{self, mesh_message};
 use cellmesh_stores::PlayerRecord;
 use cellmesh_world::geometry::Pos;
 use cellmesh_world::partition::NodeId;
 
-use super::avatars::AvatarAt;
 use super::*;
 use crate::config::SidecarConfig;
-use crate::model::entities::{EntityUpdate, TickChanges};
-use crate::model::fold::Clients;
+use crate::model::entities::{merge_changes, EntityUpdate, TickChanges};
+use crate::model::fold::{Clients, FoldOutput, Part, TickEvent, TickSend};
 use crate::model::interest::InterestShape;
 
 /// A node-local handle of a session (proxies number their sessions per link).
@@ -53,32 +52,32 @@ pub(crate) struct Session {
 /// The gateway side of the node: the client sessions proxies attached here, their views, and
 /// where each one's avatar is simulated.
 pub(crate) struct Gateway {
-    pub sessions: Sessions,
-    pub clients: Clients,
+    sessions: Sessions,
+    clients: Clients,
     /// The node simulating each local session's avatar.
-    pub master_owner: HashMap<String, NodeId>,
+    master_owner: HashMap<String, NodeId>,
     /// The epoch of each local session's master, from its owner's anchors.
-    pub master_epoch: HashMap<String, u64>,
+    master_epoch: HashMap<String, u64>,
     /// The last known position of avatars simulated elsewhere.
-    pub anchor_pos: HashMap<String, [f64; 3]>,
+    anchor_pos: HashMap<String, [f64; 3]>,
     /// When the attached players' records are saved next (monotonic ms).
-    pub next_records_ms: u64,
+    next_records_ms: u64,
     /// Render ghosts' changes already sent to clients this tick: the tick's other consumers
     /// still get them, merged with the rest, at its end.
-    pub ghost_changes_sent: TickChanges,
+    ghost_changes_sent: TickChanges,
     /// Peer frames changed render ghosts since they were last folded for clients.
-    pub ghosts_due: bool,
+    ghosts_due: bool,
     /// What each session's proxy was last told of where its avatar is simulated: geo, region,
     /// and when (monotonic ms).
-    pub where_sent: HashMap<SessionKey, (String, u64, u64)>,
+    where_sent: HashMap<SessionKey, (String, u64, u64)>,
     /// The geo of every peer node seen, from its link's hello (kept when the link drops).
-    pub node_geo: HashMap<NodeId, String>,
+    node_geo: HashMap<NodeId, String>,
     /// A batch of session renewals is with the store.
-    pub renewing: bool,
+    renewing: bool,
     /// Sessions whose lost directory entry is being registered again.
-    pub reregistering: BTreeSet<SessionKey>,
+    reregistering: BTreeSet<SessionKey>,
     /// The keys an `Attach`'s attestation must be signed under.
-    pub attest: cellmesh_proto::keys::KeyRing,
+    attest: cellmesh_proto::keys::KeyRing,
 }
 
 /// A session's proxy hears where its avatar is simulated at least this often, and at once when
@@ -309,57 +308,349 @@ fn detach(session_id: u64, reason: KickReason, detail: impl Into<String>) -> mes
     })
 }
 
-impl Core {
-    pub(crate) fn on_link_message(&mut self, link: LinkId, m: MeshMessage) {
-        let Some(l) = self.mesh.link(link) else {
-            return;
-        };
-        if let Some(node) = l.peer {
-            if let Some(body) = m.body {
-                self.on_peer_message(node, body);
-            }
-            return;
-        }
-        use mesh_message::Body as B;
-        match m.body {
-            Some(B::Attach(a)) => self.on_attach(link, a),
-            Some(B::Detach(d)) => match self.gateway.sessions.find(link, d.session_id) {
-                Some(key) => {
-                    if d.kick_reason == KickReason::Transferred as u32 {
-                        let now = self.cx.now.unix_ms;
-                        if let Some(s) = self.gateway.sessions.all.get_mut(&key) {
-                            s.handed_over_at = Some(now);
-                        }
-                    }
-                    let reason = match d.detail.as_str() {
-                        "" => kick_name(d.kick_reason),
-                        detail => format!("{}: {detail}", kick_name(d.kick_reason)),
-                    };
-                    self.end_session(key, &reason);
-                }
-                None => self.cx.metrics.drop_msg("unknown_session", 1),
-            },
-            Some(B::Input(i)) => self.on_input(link, i),
-            Some(B::Rtt(r)) => {
-                if let Some(key) = self.gateway.sessions.find(link, r.session_id) {
-                    if let Some(s) = self.gateway.sessions.all.get_mut(&key) {
-                        s.rtt = Some((r.rtt_ms_p50, r.rtt_ms_min));
-                    }
-                }
-            }
-            Some(B::Heartbeat(_)) => {}
-            Some(other) => {
-                self.cx.metrics.error("unexpected_message");
-                tracing::warn!(link, message = ?other, "proxy sent a message only a sidecar sends; ignored");
-            }
-            None => {}
+/// Queues the release of a registration nobody wants any more.
+fn release(cx: &mut Context, account: String, epoch: u64) {
+    cx.store(StoreRequest::Release { account, epoch });
+}
+
+/// A registration that attached its session: what the core needs to find its avatar, wait for
+/// it or spawn one.
+pub(crate) struct NewSession {
+    pub link: LinkId,
+    pub session_id: u64,
+    pub epoch: u64,
+    pub last_position: Option<[f64; 3]>,
+    /// Handed over from another geo, and the player record did not overrule the hint.
+    pub handed_over_in: bool,
+    /// The node already simulating the account's avatar for this gateway (a session displaced
+    /// here), if any.
+    pub owner: Option<NodeId>,
+    /// Where the directory's master record says the avatar is simulated.
+    pub master: Option<MasterEntry>,
+}
+
+/// What became of a session registered again after its directory entry was lost.
+pub(crate) enum Reregistered {
+    /// Nothing more to do: it ended meanwhile, or the store failed (the next renewal asks
+    /// again).
+    Nothing,
+    /// It goes on under `epoch`: its avatar's game and the peers learn it.
+    Again {
+        epoch: u64,
+        last_position: Option<[f64; 3]>,
+    },
+    /// A newer login holds the account: the client was told, and the session ends.
+    Displaced,
+}
+
+impl Gateway {
+    /// The session `key`, attached or attaching.
+    pub(crate) fn session(&self, key: SessionKey) -> Option<&Session> {
+        self.sessions.get(key)
+    }
+
+    /// Every session here, attached or attaching.
+    pub(crate) fn session_keys(&self) -> Vec<SessionKey> {
+        self.sessions.iter().map(|s| s.key).collect()
+    }
+
+    /// Sessions attached.
+    pub(crate) fn attached(&self) -> usize {
+        self.sessions.attached()
+    }
+
+    /// Sessions attached or attaching.
+    pub(crate) fn session_count(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// The clients' views and batches.
+    pub(crate) fn clients(&self) -> &Clients {
+        &self.clients
+    }
+
+    /// Whether a client's view changed since the last call.
+    pub(crate) fn take_views_changed(&mut self) -> bool {
+        self.clients.take_views_changed()
+    }
+
+    /// The node simulating the avatar of `account`'s session here, as far as it is known.
+    pub(crate) fn master_owner(&self, account: &str) -> Option<NodeId> {
+        self.master_owner.get(account).copied()
+    }
+
+    pub(crate) fn set_master_owner(&mut self, account: &str, node: NodeId) {
+        self.master_owner.insert(account.to_string(), node);
+    }
+
+    /// The avatar is not simulated anywhere this gateway knows of (it waits for one).
+    pub(crate) fn forget_master_owner(&mut self, account: &str) {
+        self.master_owner.remove(account);
+    }
+
+    /// Where the player of session `key` was last seen.
+    pub(crate) fn last_position(&self, key: SessionKey) -> Option<[f64; 3]> {
+        self.sessions.get(key).and_then(|s| s.last_position)
+    }
+
+    /// Peer `node` is in `geo` (from its link's hello; kept when the link drops).
+    pub(crate) fn note_geo(&mut self, node: NodeId, geo: String) {
+        self.node_geo.insert(node, geo);
+    }
+
+    /// Peer frames changed render ghosts: they are folded for clients at the next output.
+    pub(crate) fn ghosts_changed(&mut self) {
+        self.ghosts_due = true;
+    }
+
+    /// The render ghosts' changes already sent to clients this tick.
+    pub(crate) fn take_ghost_changes_sent(&mut self) -> TickChanges {
+        std::mem::take(&mut self.ghost_changes_sent)
+    }
+
+    /// The session `epoch` of `account` is given a new avatar: an older one that anchors the
+    /// session later is told to go.
+    pub(crate) fn mark_new_avatar(&mut self, account: &str, epoch: u64) {
+        if let Some(s) = self
+            .clients
+            .key_of(account)
+            .and_then(|k| self.sessions.get_mut(k))
+            .filter(|s| s.epoch == Some(epoch))
+        {
+            s.new_avatar = true;
         }
     }
 
-    pub(crate) fn on_attach(&mut self, link: LinkId, a: mesh::Attach) {
+    /// This node writes `account`'s avatar under `entity_epoch`: its inputs are stamped with
+    /// it, and the view no longer follows an owner's anchors.
+    pub(crate) fn avatar_written_here(&mut self, account: &str, entity_epoch: u64) {
+        self.master_epoch.insert(account.to_string(), entity_epoch);
+        self.clients.set_remote_anchor(account, None);
+        self.anchor_pos.remove(account);
+    }
+
+    /// This node handed `account`'s avatar to `to` under `entity_epoch`, standing at `chunk`
+    /// and `pos`: if the player's session is here, its input goes to the new owner now.
+    pub(crate) fn avatar_handed_on(
+        &mut self,
+        account: &str,
+        to: NodeId,
+        entity_epoch: u64,
+        chunk: ChunkPos,
+        pos: [f64; 3],
+    ) {
+        if self.clients.key_of(account).is_none() {
+            return;
+        }
+        // An anchor the new owner sent first (the ack was lost and a later frame proved it)
+        // says where the avatar is now; the frozen copy's place is old.
+        let anchored = self.master_owner.get(account) == Some(&to)
+            && self
+                .master_epoch
+                .get(account)
+                .is_some_and(|e| *e >= entity_epoch);
+        self.master_owner.insert(account.to_string(), to);
+        if !anchored {
+            self.master_epoch.insert(account.to_string(), entity_epoch);
+            self.clients.set_remote_anchor(account, Some(chunk));
+            self.anchor_pos.insert(account.to_string(), pos);
+        }
+    }
+
+    /// A piece for `account`'s client, if it is this node's.
+    pub(crate) fn deliver(&mut self, cx: &Context, account: &str, part: Part, encoded: Encoded) {
+        match self.clients.key_of(account) {
+            Some(key) => self.clients.inject(key, part, encoded),
+            None => {
+                cx.metrics.dropped_unknown_account.inc();
+                cx.metrics.drop_msg("unknown_account", 1);
+            }
+        }
+    }
+
+    /// Where the attached sessions are, for a peer whose link came up.
+    pub(crate) fn session_announcements(&self, me: NodeId) -> Vec<mesh_message::Body> {
+        self.sessions
+            .iter()
+            .filter_map(|s| {
+                Some(mesh_message::Body::SessionMoved(mesh::SessionMoved {
+                    account: s.account.clone(),
+                    session_epoch: s.epoch?,
+                    gateway_node: me,
+                    new_avatar: false,
+                }))
+            })
+            .collect()
+    }
+
+    /// The sessions as `/state` shows them.
+    pub(crate) fn sessions_state(&self, table: &EntityTable) -> Vec<serde_json::Value> {
+        self.sessions
+            .iter()
+            .map(|s| {
+                json!({
+                    "account": s.account,
+                    "session_id": s.session_id,
+                    "epoch": s.epoch,
+                    "attached": s.epoch.is_some(),
+                    "link": s.link,
+                    "remote_addr": s.remote_addr,
+                    "master_id": table.master_of(&s.account).map(|e| e.id),
+                    "view_chunks": self.clients.view_len(s.key),
+                    "rtt_ms_p50": s.rtt.map(|r| r.0),
+                    "rtt_ms_min": s.rtt.map(|r| r.1),
+                })
+            })
+            .collect()
+    }
+
+    /// The `PlayerJoin` of every attached player whose avatar this node (`me`) simulates, for a
+    /// game that connected (one simulated elsewhere stays there: a join here would spawn a
+    /// second avatar).
+    pub(crate) fn joins_for_game(&self, me: NodeId) -> Vec<local::SidecarMessage> {
+        self.sessions
+            .iter()
+            .filter(|s| {
+                self.master_owner
+                    .get(&s.account)
+                    .is_none_or(|owner| *owner == me)
+            })
+            .filter_map(|s| {
+                let epoch = s.epoch?;
+                Some(
+                    local::sidecar_message::Body::PlayerJoin(local::PlayerJoin {
+                        account: s.account.clone(),
+                        session_epoch: epoch,
+                        last_position: s.last_position.map(|[x, y, z]| local::Vec3 { x, y, z }),
+                    })
+                    .into(),
+                )
+            })
+            .collect()
+    }
+
+    /// The game went away: where the avatars it wrote were is kept for the next game's
+    /// `PlayerJoin`.
+    pub(crate) fn remember_avatar_positions(&mut self, table: &EntityTable) {
+        for s in self.sessions.iter_mut() {
+            if let Some(e) = table.master_of(&s.account) {
+                s.last_position = Some([e.position.x, e.position.y, e.position.z]);
+            }
+        }
+    }
+
+    /// Folds one tick for this node's clients.
+    pub(crate) fn fold_tick(
+        &mut self,
+        tick: u64,
+        table: &EntityTable,
+        changes: &TickChanges,
+        events: &[TickEvent],
+        sends: &[TickSend],
+        budget: usize,
+    ) -> FoldOutput {
+        self.clients
+            .fold(tick, table, changes, events, sends, budget)
+    }
+
+    /// Render ghosts' changes reach the clients that see them as they arrive from their owner,
+    /// not at this node's next tick: a neighbour's update would otherwise wait up to a whole tick
+    /// here (every tick, with games ticking in phase). The changes stay for the tick's other
+    /// work, which sees them merged with the rest at its end. Only when peer frames changed
+    /// ghosts since the last fold.
+    pub(crate) fn send_ghost_changes(
+        &mut self,
+        cx: &mut Context,
+        table: &mut EntityTable,
+        last_tick: u64,
+    ) {
+        if !std::mem::take(&mut self.ghosts_due) || self.clients.is_empty() {
+            return;
+        }
+        let changes = table.take_ghost_changes();
+        if changes.is_empty() {
+            return;
+        }
+        let budget = cx.config.max_frame_bytes - TO_CLIENT_OVERHEAD;
+        let out = self
+            .clients
+            .fold(last_tick, table, &changes, &[], &[], budget);
+        cx.metrics.deltas_sent.inc_by(out.deltas);
+        cx.metrics.deltas_encoded.inc_by(out.deltas_encoded);
+        self.send_to_clients(cx, out.frames, budget);
+        merge_changes(&mut self.ghost_changes_sent, &changes);
+    }
+
+    /// Each client's batch, to its proxy.
+    pub(crate) fn send_to_clients(
+        &self,
+        cx: &mut Context,
+        frames: Vec<(SessionKey, bytes::Bytes)>,
+        budget: usize,
+    ) {
+        for (key, server_frame) in frames {
+            let Some(s) = self.sessions.get(key) else {
+                continue;
+            };
+            if server_frame.len() > budget {
+                // One piece alone outgrew a frame; the client cannot be sent it.
+                cx.metrics.drop_msg("batch_too_large", 1);
+                continue;
+            }
+            cx.queue_for_link(
+                s.link,
+                mesh_message::Body::ToClient(mesh::ToClient {
+                    session_id: s.session_id,
+                    server_frame,
+                }),
+            );
+            cx.metrics.batches_sent.inc();
+        }
+    }
+
+    /// A proxy's `Detach`: returns the session it ends and why.
+    pub(crate) fn on_detach(
+        &mut self,
+        cx: &Context,
+        link: LinkId,
+        d: mesh::Detach,
+    ) -> Option<(SessionKey, String)> {
+        let Some(key) = self.sessions.find(link, d.session_id) else {
+            cx.metrics.drop_msg("unknown_session", 1);
+            return None;
+        };
+        if d.kick_reason == KickReason::Transferred as u32 {
+            if let Some(s) = self.sessions.all.get_mut(&key) {
+                s.handed_over_at = Some(cx.now.unix_ms);
+            }
+        }
+        let reason = match d.detail.as_str() {
+            "" => kick_name(d.kick_reason),
+            detail => format!("{}: {detail}", kick_name(d.kick_reason)),
+        };
+        Some((key, reason))
+    }
+
+    /// A proxy's measure of a session's round trip.
+    pub(crate) fn on_rtt(&mut self, link: LinkId, r: mesh::SessionRtt) {
+        if let Some(key) = self.sessions.find(link, r.session_id) {
+            if let Some(s) = self.sessions.all.get_mut(&key) {
+                s.rtt = Some((r.rtt_ms_p50, r.rtt_ms_min));
+            }
+        }
+    }
+
+    /// Whether an `Attach` may begin a session: it names an account, a proxy holding an attest
+    /// key admitted it, and its session id is new on the link. One refused is answered here.
+    pub(crate) fn attach_acceptable(
+        &self,
+        cx: &mut Context,
+        link: LinkId,
+        a: &mesh::Attach,
+    ) -> bool {
         if a.account.is_empty() {
-            self.cx.metrics.error("bad_attach");
-            return self.cx.queue_for_link(
+            cx.metrics.error("bad_attach");
+            cx.queue_for_link(
                 link,
                 detach(
                     a.session_id,
@@ -367,18 +658,18 @@ impl Core {
                     "attach without an account",
                 ),
             );
+            return false;
         }
         // Only a proxy holding an attest key admitted this account: a mesh peer's word is not
         // enough, or anyone who reaches the mesh listener could attach any account.
         if let Err(e) = cellmesh_proto::attest::verify(
-            &self.gateway.attest,
+            &self.attest,
             &a.attestation,
             &a.account,
             a.session_id,
-            self.cx.now.unix_ms,
+            cx.now.unix_ms,
         ) {
-            self.cx
-                .metrics
+            cx.metrics
                 .attaches_refused
                 .get_or_create(&crate::metrics::KindLabel { kind: e.kind() })
                 .inc();
@@ -389,7 +680,7 @@ impl Core {
                 error = %e,
                 "attach refused"
             );
-            return self.cx.queue_for_link(
+            cx.queue_for_link(
                 link,
                 detach(
                     a.session_id,
@@ -397,28 +688,33 @@ impl Core {
                     format!("attach refused: {e}"),
                 ),
             );
+            return false;
         }
-        if self.gateway.sessions.find(link, a.session_id).is_some() {
+        if self.sessions.find(link, a.session_id).is_some() {
             // The proxy numbers sessions uniquely per link; a repeat is its bug, not a new client.
-            self.cx.metrics.error("duplicate_session_id");
+            cx.metrics.error("duplicate_session_id");
             tracing::warn!(
                 link,
                 session_id = a.session_id,
                 "attach for a session id already in use; ignored"
             );
-            return;
+            return false;
         }
-        // A session that moves here was admitted already; a new one only while the node admits.
-        if !a.moved && !self.admit_login() {
-            return self
-                .cx
-                .queue_for_link(link, self.admission_refusal(a.session_id));
-        }
+        true
+    }
+
+    /// An admitted `Attach` begins a session: the directory registers it.
+    pub(crate) fn begin_attach(
+        &mut self,
+        cx: &mut Context,
+        mesh: &mut Mesh,
+        link: LinkId,
+        a: mesh::Attach,
+    ) {
         let key = self
-            .gateway
             .sessions
             .begin(link, a.session_id, a.account.clone(), a.remote_addr);
-        self.mesh.add_session(link, key);
+        mesh.add_session(link, key);
         // Handed over from another geo: the hint stands in for the player record.
         let handed_over_from = a.handover.map(|h| {
             let kind = if h.source == "cookie" {
@@ -426,22 +722,21 @@ impl Core {
             } else {
                 "hint"
             };
-            self.cx
-                .metrics
+            cx.metrics
                 .login_hints
                 .get_or_create(&crate::metrics::KindLabel { kind })
                 .inc();
-            if let Some(s) = self.gateway.sessions.all.get_mut(&key) {
+            if let Some(s) = self.sessions.all.get_mut(&key) {
                 s.last_position = h.last_position.map(|p| [p.x, p.y, p.z]);
                 s.handed_over_in = true;
             }
             h.session_epoch
         });
-        self.cx.store(StoreRequest::Register {
+        cx.store(StoreRequest::Register {
             session: key,
             account: a.account,
-            node: self.cx.config.node_id,
-            lease_ms: self.cx.config.session_lease_ms,
+            node: cx.config.node_id,
+            lease_ms: cx.config.session_lease_ms,
             handed_over_from,
             moved_from: (a.moved && a.moved_from_epoch > 0).then_some(a.moved_from_epoch),
         });
@@ -449,42 +744,51 @@ impl Core {
 
     /// A session moving here from a lost gateway found a newer login of its account registered
     /// meanwhile: it ends, displaced, and the newer one keeps the avatar.
-    pub(crate) fn on_superseded(&mut self, key: SessionKey, account: &str) {
-        let Some(s) = self.gateway.sessions.get(key) else {
+    pub(crate) fn on_superseded(
+        &mut self,
+        cx: &mut Context,
+        mesh: &mut Mesh,
+        key: SessionKey,
+        account: &str,
+    ) {
+        if self.sessions.get(key).is_none() {
             return;
-        };
+        }
         tracing::debug!(%account, "a moved session was superseded by a newer login");
-        self.cx.queue_for_link(
-            s.link,
-            detach(
-                s.session_id,
-                KickReason::Displaced,
-                "the account logged in again",
-            ),
+        self.kick(
+            cx,
+            key,
+            KickReason::Displaced,
+            "the account logged in again",
         );
-        self.forget_session(key);
+        self.forget_session(cx, mesh, key);
     }
 
+    /// The directory's answer to a session's registration: the session attached, or `None`
+    /// when it did not (it left meanwhile, the store failed, or a newer login won).
     pub(crate) fn on_registered(
         &mut self,
+        cx: &mut Context,
+        mesh: &mut Mesh,
+        routing: &Routing,
         key: SessionKey,
-        account: String,
+        account: &str,
         result: Result<Registration, String>,
-    ) {
-        let Some(s) = self.gateway.sessions.get(key) else {
+    ) -> Option<NewSession> {
+        let Some(s) = self.sessions.get(key) else {
             // Detached while registering: undo the registration.
             if let Ok(r) = result {
-                self.release(account, r.epoch);
+                release(cx, account.to_string(), r.epoch);
             }
-            return;
+            return None;
         };
         let (link, session_id) = (s.link, s.session_id);
         let reg = match result {
             Ok(r) => r,
             Err(e) => {
-                self.cx.metrics.error("store");
+                cx.metrics.error("store");
                 tracing::warn!(%account, error = %e, "attach failed");
-                self.cx.queue_for_link(
+                cx.queue_for_link(
                     link,
                     detach(
                         session_id,
@@ -492,23 +796,22 @@ impl Core {
                         format!("session directory: {e}"),
                     ),
                 );
-                self.forget_session(key);
-                return;
+                self.forget_session(cx, mesh, key);
+                return None;
             }
         };
         // Two logins raced and the newer one won, here or on another gateway that told this
         // node first: this one is displaced before it began (its avatar is never spawned).
-        let me = self.cx.config.node_id;
-        let local = self.gateway.sessions.by_account.get(&account).copied();
+        let me = cx.config.node_id;
+        let local = self.sessions.by_account.get(account).copied();
         let newer_here = local
-            .and_then(|o| self.gateway.sessions.get(o)?.epoch)
+            .and_then(|o| self.sessions.get(o)?.epoch)
             .is_some_and(|e| e > reg.epoch);
-        let newer_elsewhere = self
-            .routing
-            .route(&account)
+        let newer_elsewhere = routing
+            .route(account)
             .is_some_and(|r| r.gateway_node != me && r.session_epoch > reg.epoch);
         if newer_here || newer_elsewhere {
-            self.cx.queue_for_link(
+            cx.queue_for_link(
                 link,
                 detach(
                     session_id,
@@ -516,172 +819,139 @@ impl Core {
                     "a newer login of this account exists",
                 ),
             );
-            self.forget_session(key);
-            return;
+            self.forget_session(cx, mesh, key);
+            return None;
         }
         if let Some(other) = local {
             // The older session goes without a PlayerLeave: the game sees a new PlayerJoin.
-            if let Some(o) = self.gateway.sessions.get(other) {
-                let (olink, osid) = (o.link, o.session_id);
-                self.cx.queue_for_link(
-                    olink,
-                    detach(osid, KickReason::Displaced, "the account logged in again"),
-                );
-            }
-            self.forget_session(other);
+            self.kick(
+                cx,
+                other,
+                KickReason::Displaced,
+                "the account logged in again",
+            );
+            self.forget_session(cx, mesh, other);
         }
-        let w = self.cx.config.world;
         // Internal: found at the top; `other` is the account's attached session, never `key`
         // (registered once, by this node's own store call, and attached only below).
-        let s = self
-            .gateway
-            .sessions
-            .all
-            .get_mut(&key)
-            .expect("checked above");
+        let s = self.sessions.all.get_mut(&key).expect("checked above");
         s.epoch = Some(reg.epoch);
         if let Some(r) = reg.record {
             if s.handed_over_in {
                 // The store found the hint older than the record: the record stands.
                 s.handed_over_in = false;
-                self.cx.metrics.login_hints_stale.inc();
+                cx.metrics.login_hints_stale.inc();
                 tracing::info!(%account, record_epoch = r.session_epoch, "handover hint older than the player record; the record is used");
             }
             s.last_position = r.last_position;
             s.home_geo = Some(r.home_geo);
         }
-        let last_position = s.last_position;
-        self.gateway
-            .sessions
-            .by_account
-            .insert(account.clone(), key);
-        self.gateway.clients.add(key, &account);
-        self.cx
-            .metrics
-            .sessions
-            .set(self.gateway.sessions.attached() as i64);
-        // An avatar already simulated for this account (a session displaced here, or one the
-        // directory's master record names) keeps being simulated where it is: its game sees a
-        // new PlayerJoin. With none, one is spawned.
-        let at = match self.gateway.master_owner.get(&account).copied() {
-            Some(owner) if owner == me => AvatarAt::Here,
-            Some(owner) => AvatarAt::Peer(owner),
-            None => {
-                // A new session learns its master's epoch from the master's owner.
-                self.gateway.master_epoch.remove(&account);
-                self.avatar_at(&account, reg.master)
-            }
-        };
-        let handed_over_in = self
-            .gateway
-            .sessions
-            .get(key)
-            .is_some_and(|s| s.handed_over_in);
-        // Handed over from another geo: its avatar lives on, and its master record is in the
-        // directory of whichever geo its owner is in (this geo's may hold none, or an older
-        // owner's). Unless this node writes it, the owner hears of this newer session, joins it
-        // and anchors it here; only if none does in time is one spawned.
-        let wait_for_owner = handed_over_in && at != AvatarAt::Here;
-        if wait_for_owner {
-            self.announce_session(&account, reg.epoch, false);
-            self.await_handed_over_avatar(&account);
-        } else {
-            self.announce_session(&account, reg.epoch, at == AvatarAt::Nowhere);
+        let (last_position, handed_over_in) = (s.last_position, s.handed_over_in);
+        self.sessions.by_account.insert(account.to_string(), key);
+        self.clients.add(key, account);
+        cx.metrics.sessions.set(self.sessions.attached() as i64);
+        let owner = self.master_owner.get(account).copied();
+        if owner.is_none() {
+            // A new session learns its master's epoch from the master's owner.
+            self.master_epoch.remove(account);
         }
-        match at {
-            _ if wait_for_owner => {}
-            AvatarAt::Here => self.join_here(&account, reg.epoch, last_position),
-            AvatarAt::Peer(owner) => {
-                if self.send_join(owner, &account, reg.epoch, last_position) {
-                    self.gateway.master_owner.insert(account.clone(), owner);
-                } else {
-                    self.await_avatar(&account, reg.master);
-                }
-            }
-            AvatarAt::Restoring => self.await_avatar(&account, reg.master),
-            AvatarAt::Nowhere => self.spawn_avatar(&account, reg.epoch, last_position),
-        }
-        self.cx.queue_for_link(
+        Some(NewSession {
             link,
+            session_id,
+            epoch: reg.epoch,
+            last_position,
+            handed_over_in,
+            owner,
+            master: reg.master,
+        })
+    }
+
+    /// The proxy hears that `new` is attached.
+    pub(crate) fn confirm_attach(&self, cx: &mut Context, account: &str, new: &NewSession) {
+        let w = cx.config.world;
+        cx.queue_for_link(
+            new.link,
             mesh_message::Body::Attached(mesh::Attached {
-                session_id,
-                session_epoch: reg.epoch,
-                gateway_node: self.cx.config.node_id,
+                session_id: new.session_id,
+                session_epoch: new.epoch,
+                gateway_node: cx.config.node_id,
                 world_width: w.width,
                 world_height: w.height,
                 chunk_size: w.chunk_size,
             }),
         );
-        tracing::debug!(%account, epoch = reg.epoch, "session attached");
+        tracing::debug!(%account, epoch = new.epoch, "session attached");
     }
 
-    pub(crate) fn on_input(&mut self, link: LinkId, i: mesh::SessionInput) {
-        self.cx.metrics.inputs_from_proxies.inc();
+    /// A client's input: forwarded to the peer simulating its avatar, or returned for the
+    /// avatar this node writes. `avatar_waits`: whether an account's session waits for its
+    /// avatar (being restored), whose input has nowhere to go yet.
+    pub(crate) fn on_input(
+        &self,
+        cx: &mut Context,
+        mesh: &Mesh,
+        link: LinkId,
+        i: mesh::SessionInput,
+        avatar_waits: impl Fn(&str) -> bool,
+    ) -> Option<mesh::ForwardInput> {
+        cx.metrics.inputs_from_proxies.inc();
         let Some(s) = self
-            .gateway
             .sessions
             .find(link, i.session_id)
-            .and_then(|k| self.gateway.sessions.get(k))
+            .and_then(|k| self.sessions.get(k))
         else {
-            return self.cx.metrics.drop_input("unknown_session");
+            cx.metrics.drop_input("unknown_session");
+            return None;
         };
         let Some(epoch) = s.epoch else {
-            return self.cx.metrics.drop_input("session_attaching");
+            cx.metrics.drop_input("session_attaching");
+            return None;
         };
-        if self.avatars.is_waiting(&s.account) {
-            return self.cx.metrics.drop_input("input_avatar_restoring");
+        if avatar_waits(&s.account) {
+            cx.metrics.drop_input("input_avatar_restoring");
+            return None;
         }
-        let owner = self
-            .gateway
-            .master_owner
-            .get(&s.account)
-            .copied()
-            .unwrap_or(self.cx.config.node_id);
+        let me = cx.config.node_id;
+        let owner = self.master_owner.get(&s.account).copied().unwrap_or(me);
         let forward = mesh::ForwardInput {
             account: s.account.clone(),
             session_epoch: epoch,
             seq: i.seq,
             payload: i.payload,
-            entity_epoch: self
-                .gateway
-                .master_epoch
-                .get(&s.account)
-                .copied()
-                .unwrap_or(0),
+            entity_epoch: self.master_epoch.get(&s.account).copied().unwrap_or(0),
             hops: 0,
             entity_id: 0,
         };
-        if owner != self.cx.config.node_id {
-            if self.try_send_peer(owner, mesh_message::Body::ForwardInput(forward)) {
-                self.cx.metrics.inputs_forwarded.inc();
-            } else {
-                self.cx.metrics.drop_input("input_peer_down");
-            }
-            return;
+        if owner == me {
+            return Some(forward);
         }
-        self.input_for_master(forward);
+        if mesh.try_send(cx, owner, mesh_message::Body::ForwardInput(forward)) {
+            cx.metrics.inputs_forwarded.inc();
+        } else {
+            cx.metrics.drop_input("input_peer_down");
+        }
+        None
     }
 
-    /// The client is gone: the game hears `PlayerLeave`, the record is saved, the directory
-    /// entry released.
-    pub(crate) fn end_session(&mut self, key: SessionKey, reason: &str) {
-        let Some(s) = self.forget_session(key) else {
-            return;
-        };
-        let Some(epoch) = s.epoch else {
-            // Still registering: `on_registered` undoes the registration when it lands.
-            return;
-        };
-        self.release_avatar(&s.account, epoch, reason);
-        self.announce_session_end(&s.account, epoch);
-        let record = self.player_record(&s);
-        self.gateway.anchor_pos.remove(&s.account);
+    /// A session ended (its avatar released, the peers told): the player record is saved and
+    /// the directory entry released (or held a while for a session handed over to another
+    /// geo).
+    pub(crate) fn session_ended(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        s: &Session,
+        epoch: u64,
+        reason: &str,
+    ) {
+        let record = self.player_record(cx, table, s);
+        self.anchor_pos.remove(&s.account);
         let hold_ms = if s.handed_over_at.is_some() {
             super::avatars::TRANSFER_GRACE_MS
         } else {
             0
         };
-        self.cx.store(StoreRequest::EndSession {
+        cx.store(StoreRequest::EndSession {
             record,
             epoch,
             hold_ms,
@@ -691,22 +961,18 @@ impl Core {
 
     /// What the world remembers of a session's player: where its avatar stands (here, as its
     /// owner last anchored it, or as the record said at login).
-    fn player_record(&self, s: &Session) -> PlayerRecord {
-        let last_position = self
-            .table
+    fn player_record(&self, cx: &Context, table: &EntityTable, s: &Session) -> PlayerRecord {
+        let last_position = table
             .master_of(&s.account)
             .map(|e| [e.position.x, e.position.y, e.position.z])
-            .or(self.gateway.anchor_pos.get(&s.account).copied())
+            .or(self.anchor_pos.get(&s.account).copied())
             .or(s.last_position);
         PlayerRecord {
             account: s.account.clone(),
             last_position,
-            home_geo: s
-                .home_geo
-                .clone()
-                .unwrap_or_else(|| self.cx.config.geo.clone()),
-            updated_unix_ms: self.cx.now.unix_ms,
-            gateway_geo: self.cx.config.geo.clone(),
+            home_geo: s.home_geo.clone().unwrap_or_else(|| cx.config.geo.clone()),
+            updated_unix_ms: cx.now.unix_ms,
+            gateway_geo: cx.config.geo.clone(),
             session_epoch: s.epoch.unwrap_or(0),
             last_handover_unix_ms: s.handed_over_at,
         }
@@ -715,44 +981,39 @@ impl Core {
     /// Tells each session's proxy where its avatar is simulated (the home geo of that node, the
     /// region, the position) when that changes region or node, and every [`WHERE_EVERY_MS`]:
     /// the proxy's handover policy decides from it.
-    pub(crate) fn report_whereabouts(&mut self) {
-        let now = self.cx.now.mono_ms;
-        let me = self.cx.config.node_id;
+    pub(crate) fn report_whereabouts(&mut self, cx: &mut Context, table: &EntityTable) {
+        let now = cx.now.mono_ms;
+        let me = cx.config.node_id;
         let mut reports = Vec::new();
-        for s in self.gateway.sessions.iter() {
+        for s in self.sessions.iter() {
             if s.epoch.is_none() {
                 continue;
             }
-            let owner = self
-                .gateway
-                .master_owner
-                .get(&s.account)
-                .copied()
-                .unwrap_or(me);
+            let owner = self.master_owner.get(&s.account).copied().unwrap_or(me);
             let pos = if owner == me {
-                self.table
+                table
                     .master_of(&s.account)
                     .map(|e| [e.position.x, e.position.y, e.position.z])
             } else {
-                self.gateway.anchor_pos.get(&s.account).copied()
+                self.anchor_pos.get(&s.account).copied()
             };
             let Some(pos) = pos else { continue };
             // Borrowed: most passes send nothing, and a string per session every 100 ms adds up.
             let geo = if owner == me {
-                self.cx.config.geo.as_str()
+                cx.config.geo.as_str()
             } else {
-                match self.gateway.node_geo.get(&owner) {
+                match self.node_geo.get(&owner) {
                     Some(g) => g.as_str(),
                     None => continue,
                 }
             };
-            let w = &self.cx.config.world;
-            let r = w.region_of(cellmesh_world::geometry::Pos {
+            let w = &cx.config.world;
+            let r = w.region_of(Pos {
                 x: pos[0],
                 y: pos[1],
             });
             let region = (r.y * w.regions_x() + r.x) as u64;
-            let due = match self.gateway.where_sent.get(&s.key) {
+            let due = match self.where_sent.get(&s.key) {
                 Some((g, reg, at)) => g != geo || *reg != region || now >= at + WHERE_EVERY_MS,
                 None => true,
             };
@@ -761,10 +1022,8 @@ impl Core {
             }
         }
         for (key, link, session_id, geo, region, [x, y, z]) in reports {
-            self.gateway
-                .where_sent
-                .insert(key, (geo.clone(), region, now));
-            self.cx.queue_for_link(
+            self.where_sent.insert(key, (geo.clone(), region, now));
+            cx.queue_for_link(
                 link,
                 mesh_message::Body::Where(mesh::SessionWhere {
                     session_id,
@@ -778,93 +1037,70 @@ impl Core {
 
     /// Saves the records of the attached players every `player_record_every_ms`, so a crash
     /// of the gateway loses at most that much of where they were.
-    pub(crate) fn save_player_records(&mut self) {
-        let every = self.cx.config.player_record_every_ms;
-        if every == 0 || self.cx.now.mono_ms < self.gateway.next_records_ms {
+    pub(crate) fn save_player_records(&mut self, cx: &mut Context, table: &EntityTable) {
+        let every = cx.config.player_record_every_ms;
+        if every == 0 || cx.now.mono_ms < self.next_records_ms {
             return;
         }
-        self.gateway.next_records_ms = self.cx.now.mono_ms + every;
+        self.next_records_ms = cx.now.mono_ms + every;
         let records: Vec<PlayerRecord> = self
-            .gateway
             .sessions
             .iter()
             .filter(|s| s.epoch.is_some())
-            .map(|s| self.player_record(s))
+            .map(|s| self.player_record(cx, table, s))
             .filter(|r| r.last_position.is_some())
             .collect();
         if !records.is_empty() {
-            self.cx.store(StoreRequest::SaveRecords { records });
+            cx.store(StoreRequest::SaveRecords { records });
         }
     }
 
-    /// Tells the game simulating `account`'s avatar (this node's or a peer's) that the session
-    /// `epoch` is over.
-    pub(crate) fn release_avatar(&mut self, account: &str, epoch: u64, reason: &str) {
+    /// `account`'s session is over: where its avatar is simulated is forgotten. Returns the node
+    /// that simulates it (this one when no other is known), whose game hears the leave.
+    pub(crate) fn release_avatar(&mut self, cx: &Context, account: &str) -> NodeId {
         let owner = self
-            .gateway
             .master_owner
             .remove(account)
-            .unwrap_or(self.cx.config.node_id);
-        self.gateway.master_epoch.remove(account);
-        self.gateway.clients.set_remote_anchor(account, None);
-        self.avatars.stop_waiting(account);
-        if owner != self.cx.config.node_id {
-            self.send_peer(
-                owner,
-                mesh_message::Body::PlayerLeave(mesh::PeerPlayerLeave {
-                    account: account.to_string(),
-                    session_epoch: epoch,
-                    reason: reason.to_string(),
-                }),
-            );
-        } else if Self::leave_waits(reason) {
-            self.defer_leave(account, epoch, reason);
-        } else if self.game.slot.is_some() {
-            self.leave_game(account, epoch, reason);
-        }
+            .unwrap_or(cx.config.node_id);
+        self.master_epoch.remove(account);
+        self.clients.set_remote_anchor(account, None);
+        owner
     }
 
-    /// A newer login of the account on another gateway won: the client is kicked and its
-    /// avatar released (the new session's join respawns or keeps it), with no record saved.
-    pub(crate) fn displace(&mut self, key: SessionKey, detail: &str) {
-        let Some(s) = self.gateway.sessions.get(key) else {
-            return;
-        };
-        let (link, session_id, account, epoch) = (s.link, s.session_id, s.account.clone(), s.epoch);
-        self.cx
-            .queue_for_link(link, detach(session_id, KickReason::Displaced, detail));
-        if let Some(epoch) = epoch {
-            self.release_avatar(&account, epoch, "displaced");
+    /// Where `account`'s avatar was last anchored is forgotten.
+    pub(crate) fn forget_avatar_position(&mut self, account: &str) {
+        self.anchor_pos.remove(account);
+    }
+
+    /// Tells the proxy of session `key`, if it is here, that the session is detached.
+    pub(crate) fn kick(&self, cx: &mut Context, key: SessionKey, reason: KickReason, detail: &str) {
+        if let Some(s) = self.sessions.get(key) {
+            cx.queue_for_link(s.link, detach(s.session_id, reason, detail));
         }
-        self.gateway.anchor_pos.remove(&account);
-        self.forget_session(key);
     }
 
     /// Drops every trace of a session on this node, telling nobody.
-    pub(crate) fn forget_session(&mut self, key: SessionKey) -> Option<Session> {
-        let s = self.gateway.sessions.remove(key)?;
-        self.gateway.where_sent.remove(&key);
-        self.mesh.remove_session(s.link, key);
-        self.gateway.clients.remove(key);
-        self.cx
-            .metrics
-            .sessions
-            .set(self.gateway.sessions.attached() as i64);
+    pub(crate) fn forget_session(
+        &mut self,
+        cx: &Context,
+        mesh: &mut Mesh,
+        key: SessionKey,
+    ) -> Option<Session> {
+        let s = self.sessions.remove(key)?;
+        self.where_sent.remove(&key);
+        mesh.remove_session(s.link, key);
+        self.clients.remove(key);
+        cx.metrics.sessions.set(self.sessions.attached() as i64);
         Some(s)
-    }
-
-    pub(crate) fn release(&mut self, account: String, epoch: u64) {
-        self.cx.store(StoreRequest::Release { account, epoch });
     }
 
     /// Renews the directory lease of every attached session, off the node task. One batch at a
     /// time: a store that answers late gets no second batch on top of the first.
-    pub(crate) fn renew_leases(&mut self) {
-        if self.gateway.renewing {
+    pub(crate) fn renew_leases(&mut self, cx: &mut Context) {
+        if self.renewing {
             return;
         }
         let due: Vec<(SessionKey, String, u64)> = self
-            .gateway
             .sessions
             .iter()
             .filter_map(|s| Some((s.key, s.account.clone(), s.epoch?)))
@@ -872,22 +1108,21 @@ impl Core {
         if due.is_empty() {
             return;
         }
-        self.gateway.renewing = true;
-        self.cx.store(StoreRequest::Renew {
+        self.renewing = true;
+        cx.store(StoreRequest::Renew {
             sessions: due,
-            lease_ms: self.cx.config.session_lease_ms,
+            lease_ms: cx.config.session_lease_ms,
         });
     }
 
-    pub(crate) fn on_renewed(&mut self, results: Vec<(SessionKey, u64, Result<bool, String>)>) {
-        self.gateway.renewing = false;
+    pub(crate) fn on_renewed(
+        &mut self,
+        cx: &mut Context,
+        results: Vec<(SessionKey, u64, Result<bool, String>)>,
+    ) {
+        self.renewing = false;
         for (key, epoch, r) in results {
-            let Some(s) = self
-                .gateway
-                .sessions
-                .get(key)
-                .filter(|s| s.epoch == Some(epoch))
-            else {
+            let Some(s) = self.sessions.get(key).filter(|s| s.epoch == Some(epoch)) else {
                 continue;
             };
             match r {
@@ -898,18 +1133,18 @@ impl Core {
                     // tell which: the session registers again above its epoch unless a newer
                     // one exists, and is kicked only then.
                     let account = s.account.clone();
-                    if self.gateway.reregistering.insert(key) {
-                        self.cx.store(StoreRequest::Reregister {
+                    if self.reregistering.insert(key) {
+                        cx.store(StoreRequest::Reregister {
                             session: key,
                             account,
-                            node: self.cx.config.node_id,
-                            lease_ms: self.cx.config.session_lease_ms,
+                            node: cx.config.node_id,
+                            lease_ms: cx.config.session_lease_ms,
                             held: epoch,
                         });
                     }
                 }
                 Err(e) => {
-                    self.cx.metrics.error("store");
+                    cx.metrics.error("store");
                     tracing::warn!(account = %s.account, error = %e, "renewing the session lease failed");
                 }
             }
@@ -921,60 +1156,47 @@ impl Core {
     /// login of the account registered meanwhile.
     pub(crate) fn on_reregistered(
         &mut self,
+        cx: &mut Context,
         key: SessionKey,
         account: String,
         held: u64,
         result: Result<Option<u64>, String>,
-    ) {
-        self.gateway.reregistering.remove(&key);
-        let Some(s) = self
-            .gateway
-            .sessions
-            .get(key)
-            .filter(|s| s.epoch == Some(held))
-        else {
+    ) -> Reregistered {
+        self.reregistering.remove(&key);
+        let Some(s) = self.sessions.get(key).filter(|s| s.epoch == Some(held)) else {
             // Ended or displaced meanwhile: undo the registration.
             if let Ok(Some(epoch)) = result {
-                self.release(account, epoch);
+                release(cx, account, epoch);
             }
-            return;
+            return Reregistered::Nothing;
         };
-        let (link, session_id, last) = (s.link, s.session_id, s.last_position);
+        let last_position = s.last_position;
         match result {
             Ok(Some(epoch)) => {
                 tracing::info!(%account, held, epoch, "the session directory had lost this session: registered again");
-                self.cx.metrics.sessions_reregistered.inc();
-                if let Some(s) = self.gateway.sessions.all.get_mut(&key) {
+                cx.metrics.sessions_reregistered.inc();
+                if let Some(s) = self.sessions.all.get_mut(&key) {
                     s.epoch = Some(epoch);
                 }
-                self.announce_session(&account, epoch, false);
-                match self.gateway.master_owner.get(&account).copied() {
-                    Some(owner) if owner == self.cx.config.node_id => {
-                        self.join_here(&account, epoch, last)
-                    }
-                    Some(owner) => {
-                        self.send_join(owner, &account, epoch, last);
-                    }
-                    // The avatar is on its way (restoring, handed over): its join names the
-                    // session's epoch as it is then.
-                    None => {}
+                Reregistered::Again {
+                    epoch,
+                    last_position,
                 }
             }
             Ok(None) => {
-                self.cx.queue_for_link(
-                    link,
-                    detach(
-                        session_id,
-                        KickReason::Displaced,
-                        "the account logged in again",
-                    ),
+                self.kick(
+                    cx,
+                    key,
+                    KickReason::Displaced,
+                    "the account logged in again",
                 );
-                self.end_session(key, "displaced");
+                Reregistered::Displaced
             }
             Err(e) => {
                 // The next renewal finds the entry gone again and asks once more.
-                self.cx.metrics.error("store");
+                cx.metrics.error("store");
                 tracing::warn!(%account, error = %e, "registering a lost session again failed");
+                Reregistered::Nothing
             }
         }
     }

@@ -50,6 +50,7 @@ pub(crate) mod wire;
 
 use std::sync::Arc;
 
+use cellmesh_proto::edge::KickReason;
 use cellmesh_proto::local::{self, GameMessage, SidecarFrame};
 use cellmesh_proto::mesh::{self, mesh_message, MeshFrame, MeshMessage};
 use cellmesh_stores::claims::{ClaimGrant, ClaimHolder, ClaimOutcome};
@@ -623,10 +624,12 @@ impl Core {
                 account,
                 result,
             }) => self.on_registered(session, account, result),
-            Input::Store(StoreReply::Superseded { session, account }) => {
-                self.on_superseded(session, &account)
+            Input::Store(StoreReply::Superseded { session, account }) => self
+                .gateway
+                .on_superseded(&mut self.cx, &mut self.mesh, session, &account),
+            Input::Store(StoreReply::Renewed { results }) => {
+                self.gateway.on_renewed(&mut self.cx, results)
             }
-            Input::Store(StoreReply::Renewed { results }) => self.on_renewed(results),
             Input::Store(StoreReply::Reregistered {
                 session,
                 account,
@@ -679,7 +682,7 @@ impl Core {
             .and_then(|l| self.mesh.link(l))
             .is_some_and(|l| l.peer.is_some());
         if from_peer {
-            self.gateway.ghosts_due = true;
+            self.gateway.ghosts_changed();
             self.set_table_gauges();
         }
         self.flush_checkpoints();
@@ -702,9 +705,8 @@ impl Core {
     /// most one batch for all of them, with each entity's newest state.
     pub fn poll_output(&mut self) -> Option<Output> {
         if self.cx.out.pending.is_empty() {
-            if std::mem::take(&mut self.gateway.ghosts_due) {
-                self.send_ghost_changes();
-            }
+            self.gateway
+                .send_ghost_changes(&mut self.cx, &mut self.table, self.game.last_tick);
             self.pack_outboxes();
         }
         self.cx.out.pending.pop_front().or_else(|| {
@@ -745,7 +747,7 @@ impl Core {
     /// Runs one periodic check.
     fn run_timer(&mut self, timer: Timer) {
         match timer {
-            Timer::RenewSessions => self.renew_leases(),
+            Timer::RenewSessions => self.gateway.renew_leases(&mut self.cx),
             Timer::StaleGhosts => self.sweep_stale_ghosts(),
             Timer::OverdueFrames => self.release_overdue_frames(),
             Timer::AskCheckpoints => self.ask_for_checkpoints(),
@@ -757,8 +759,8 @@ impl Core {
             Timer::Commands => self.commands_step(),
             Timer::Claims => self.claims_step(),
             Timer::Spawners => self.spawners_step(),
-            Timer::PlayerRecords => self.save_player_records(),
-            Timer::Whereabouts => self.report_whereabouts(),
+            Timer::PlayerRecords => self.gateway.save_player_records(&mut self.cx, &self.table),
+            Timer::Whereabouts => self.gateway.report_whereabouts(&mut self.cx, &self.table),
             Timer::Admission => {
                 let change = self.admission.evaluate(&self.cx);
                 self.admission_changed(change);
@@ -851,9 +853,7 @@ impl Core {
         }
         if hello.role == mesh::PeerRole::Sidecar as i32 && !hello.geo.is_empty() {
             // Kept when the link drops: where an avatar is simulated is reported by geo.
-            self.gateway
-                .node_geo
-                .insert(hello.node_id, hello.geo.clone());
+            self.gateway.note_geo(hello.node_id, hello.geo.clone());
         }
         match self.mesh.on_link_up(link, hello, remote) {
             Some(node) => self.on_peer_up(link, node),
@@ -902,20 +902,7 @@ impl Core {
         // snapshot burst.
         self.replication.resubscribe(&mut self.cx, &self.mesh, node);
         // Gateways learn where the sessions of this node are, and owners who simulates whom.
-        let moved: Vec<mesh_message::Body> = self
-            .gateway
-            .sessions
-            .iter()
-            .filter_map(|s| {
-                Some(mesh_message::Body::SessionMoved(mesh::SessionMoved {
-                    account: s.account.clone(),
-                    session_epoch: s.epoch?,
-                    gateway_node: self.cx.config.node_id,
-                    new_avatar: false,
-                }))
-            })
-            .collect();
-        for m in moved {
+        for m in self.gateway.session_announcements(self.cx.config.node_id) {
             self.send_peer(node, m);
         }
         let players = self.routing.peer_up(node);
@@ -1217,10 +1204,8 @@ impl Core {
 
     /// Where `account`'s session is: (gateway node, session epoch).
     pub(crate) fn session_of(&self, account: &str) -> Option<(NodeId, u64)> {
-        if let Some(key) = self.gateway.clients.key_of(account) {
-            if let Some(epoch) = self.gateway.sessions.get(key).and_then(|s| s.epoch) {
-                return Some((self.cx.config.node_id, epoch));
-            }
+        if let Some((_, epoch)) = self.gateway.session_epoch(account) {
+            return Some((self.cx.config.node_id, epoch));
         }
         self.routing
             .remote_player(account)
@@ -1402,27 +1387,9 @@ impl Core {
             }
         }
         self.routing.remove_remote_player(&account);
-        if self.gateway.clients.key_of(&account).is_some() {
-            // This node is the player's gateway: its input goes to the new owner now.
-            // An anchor the new owner sent first (the ack was lost and a later frame
-            // proved it) says where the avatar is now; the frozen copy's place is old.
-            let anchored = self.gateway.master_owner.get(&account) == Some(&done.to)
-                && self
-                    .gateway
-                    .master_epoch
-                    .get(&account)
-                    .is_some_and(|e| *e >= done.epoch);
-            self.gateway.master_owner.insert(account.clone(), done.to);
-            if !anchored {
-                self.gateway
-                    .master_epoch
-                    .insert(account.clone(), done.epoch);
-                self.gateway
-                    .clients
-                    .set_remote_anchor(&account, Some(chunk));
-                self.gateway.anchor_pos.insert(account, pos);
-            }
-        }
+        // If this node is the player's gateway, its input goes to the new owner now.
+        self.gateway
+            .avatar_handed_on(&account, done.to, done.epoch, chunk, pos);
     }
 
     /// A unit whose handoff is over while it stays here thaws; what it held is applied here.
@@ -1621,12 +1588,8 @@ impl Core {
             // routes for it, and a later login must not take the avatar for this node's.
         } else if o.gateway_node == me || local.is_some_and(|l| l > o.session_epoch) {
             // Gateway side only: the epoch its inputs are stamped with.
-            self.gateway
-                .master_epoch
-                .insert(account.clone(), o.entity_epoch);
-            self.gateway.master_owner.insert(account.clone(), me);
-            self.gateway.clients.set_remote_anchor(&account, None);
-            self.gateway.anchor_pos.remove(&account);
+            self.gateway.avatar_written_here(&account, o.entity_epoch);
+            self.gateway.set_master_owner(&account, me);
             if let Some(l) = local.filter(|l| *l > o.session_epoch) {
                 self.join_here(&account, l, None);
             }
@@ -1868,13 +1831,7 @@ impl Core {
     /// Whether `epoch` is the session of `account` this node serves now (as its gateway, or as
     /// the writer of its avatar for another gateway).
     fn session_current(&self, account: &str, epoch: u64) -> bool {
-        let local = self
-            .gateway
-            .clients
-            .key_of(account)
-            .and_then(|k| self.gateway.sessions.get(k))
-            .and_then(|s| s.epoch)
-            == Some(epoch);
+        let local = self.gateway.session_epoch(account).map(|(_, e)| e) == Some(epoch);
         local
             || self
                 .routing
@@ -1950,7 +1907,7 @@ impl Core {
     pub(crate) fn follow(&mut self, chunk: ChunkPos, owner: NodeId) -> bool {
         let follow = self
             .replication
-            .follow(&self.cx, &self.gateway.clients, chunk, owner);
+            .follow(&self.cx, self.gateway.clients(), chunk, owner);
         if follow == replication::Follow::Started {
             self.update_subscriptions();
         }
@@ -1997,11 +1954,11 @@ impl Core {
 
     /// Brings the subscriptions to what the clients' views and the interaction band need.
     pub(crate) fn update_subscriptions(&mut self) {
-        let views_changed = self.gateway.clients.take_views_changed();
+        let views_changed = self.gateway.take_views_changed();
         let dropped = self.replication.update_subscriptions(
             &mut self.cx,
             views_changed,
-            &self.gateway.clients,
+            self.gateway.clients(),
             &self.authority,
             &self.table,
             &self.mesh,
@@ -2053,7 +2010,7 @@ impl Core {
         self.routing.route_tick(
             &mut self.cx,
             &self.table,
-            &self.gateway.clients,
+            self.gateway.clients(),
             &self.mesh,
             newly_held,
             changes,
@@ -2090,17 +2047,12 @@ impl Core {
             .routing
             .on_looked_up(&mut self.cx, &self.mesh, &account, result);
         for piece in here {
-            match self.gateway.clients.key_of(&account) {
-                Some(key) => self.gateway.clients.inject(
-                    key,
-                    wire::part_of(piece.kind as i32),
-                    cellmesh_proto::batch::Encoded(piece.encoded),
-                ),
-                None => {
-                    self.cx.metrics.dropped_unknown_account.inc();
-                    self.cx.metrics.drop_msg("unknown_account", 1);
-                }
-            }
+            self.gateway.deliver(
+                &self.cx,
+                &account,
+                wire::part_of(piece.kind as i32),
+                cellmesh_proto::batch::Encoded(piece.encoded),
+            );
         }
     }
 
@@ -2200,6 +2152,208 @@ impl Core {
         self.admission.refusal(&self.cx, session_id)
     }
 
+    // ------------------------------------------------------------------ gateway
+
+    /// A message on a mesh link: a peer's goes to the part it is for, a proxy's to the gateway.
+    pub(crate) fn on_link_message(&mut self, link: LinkId, m: MeshMessage) {
+        let Some(l) = self.mesh.link(link) else {
+            return;
+        };
+        if let Some(node) = l.peer {
+            if let Some(body) = m.body {
+                self.on_peer_message(node, body);
+            }
+            return;
+        }
+        use mesh_message::Body as B;
+        match m.body {
+            Some(B::Attach(a)) => self.on_attach(link, a),
+            Some(B::Detach(d)) => {
+                if let Some((key, reason)) = self.gateway.on_detach(&self.cx, link, d) {
+                    self.end_session(key, &reason);
+                }
+            }
+            Some(B::Input(i)) => self.on_input(link, i),
+            Some(B::Rtt(r)) => self.gateway.on_rtt(link, r),
+            Some(B::Heartbeat(_)) => {}
+            Some(other) => {
+                self.cx.metrics.error("unexpected_message");
+                tracing::warn!(link, message = ?other, "proxy sent a message only a sidecar sends; ignored");
+            }
+            None => {}
+        }
+    }
+
+    /// A proxy attaches a client: the gateway checks it, admission decides for a new session.
+    fn on_attach(&mut self, link: LinkId, a: mesh::Attach) {
+        if !self.gateway.attach_acceptable(&mut self.cx, link, &a) {
+            return;
+        }
+        // A session that moves here was admitted already; a new one only while the node admits.
+        if !a.moved && !self.admit_login() {
+            return self
+                .cx
+                .queue_for_link(link, self.admission_refusal(a.session_id));
+        }
+        self.gateway
+            .begin_attach(&mut self.cx, &mut self.mesh, link, a);
+    }
+
+    /// The directory registered a session: its avatar goes on where it is simulated, is waited
+    /// for, or is spawned; then the proxy hears the session attached.
+    fn on_registered(
+        &mut self,
+        key: SessionKey,
+        account: String,
+        result: Result<Registration, String>,
+    ) {
+        use avatars::AvatarAt;
+        let Some(new) = self.gateway.on_registered(
+            &mut self.cx,
+            &mut self.mesh,
+            &self.routing,
+            key,
+            &account,
+            result,
+        ) else {
+            return;
+        };
+        // An avatar already simulated for this account (a session displaced here, or one the
+        // directory's master record names) keeps being simulated where it is: its game sees a
+        // new PlayerJoin. With none, one is spawned.
+        let me = self.cx.config.node_id;
+        let at = match new.owner {
+            Some(owner) if owner == me => AvatarAt::Here,
+            Some(owner) => AvatarAt::Peer(owner),
+            None => self.avatar_at(&account, new.master),
+        };
+        // Handed over from another geo: its avatar lives on, and its master record is in the
+        // directory of whichever geo its owner is in (this geo's may hold none, or an older
+        // owner's). Unless this node writes it, the owner hears of this newer session, joins it
+        // and anchors it here; only if none does in time is one spawned.
+        let wait_for_owner = new.handed_over_in && at != AvatarAt::Here;
+        if wait_for_owner {
+            self.announce_session(&account, new.epoch, false);
+            self.await_handed_over_avatar(&account);
+        } else {
+            self.announce_session(&account, new.epoch, at == AvatarAt::Nowhere);
+        }
+        match at {
+            _ if wait_for_owner => {}
+            AvatarAt::Here => self.join_here(&account, new.epoch, new.last_position),
+            AvatarAt::Peer(owner) => {
+                if self.send_join(owner, &account, new.epoch, new.last_position) {
+                    self.gateway.set_master_owner(&account, owner);
+                } else {
+                    self.await_avatar(&account, new.master);
+                }
+            }
+            AvatarAt::Restoring => self.await_avatar(&account, new.master),
+            AvatarAt::Nowhere => self.spawn_avatar(&account, new.epoch, new.last_position),
+        }
+        self.gateway.confirm_attach(&mut self.cx, &account, &new);
+    }
+
+    /// A session registered again after its directory entry was lost: its avatar's game and the
+    /// peers learn its new epoch, or it ends if a newer login holds the account.
+    fn on_reregistered(
+        &mut self,
+        key: SessionKey,
+        account: String,
+        held: u64,
+        result: Result<Option<u64>, String>,
+    ) {
+        let outcome =
+            self.gateway
+                .on_reregistered(&mut self.cx, key, account.clone(), held, result);
+        match outcome {
+            gateway::Reregistered::Nothing => {}
+            gateway::Reregistered::Again {
+                epoch,
+                last_position,
+            } => {
+                self.announce_session(&account, epoch, false);
+                match self.gateway.master_owner(&account) {
+                    Some(owner) if owner == self.cx.config.node_id => {
+                        self.join_here(&account, epoch, last_position)
+                    }
+                    Some(owner) => {
+                        self.send_join(owner, &account, epoch, last_position);
+                    }
+                    // The avatar is on its way (restoring, handed over): its join names the
+                    // session's epoch as it is then.
+                    None => {}
+                }
+            }
+            gateway::Reregistered::Displaced => self.end_session(key, "displaced"),
+        }
+    }
+
+    /// A client's input, to the game writing its avatar (forwarded there by the gateway when
+    /// that is a peer's).
+    fn on_input(&mut self, link: LinkId, i: mesh::SessionInput) {
+        let avatars = &self.avatars;
+        let forward = self
+            .gateway
+            .on_input(&mut self.cx, &self.mesh, link, i, |a| avatars.is_waiting(a));
+        if let Some(forward) = forward {
+            self.input_for_master(forward);
+        }
+    }
+
+    /// The client is gone: the game hears `PlayerLeave`, the record is saved, the directory
+    /// entry released.
+    pub(crate) fn end_session(&mut self, key: SessionKey, reason: &str) {
+        let Some(s) = self.gateway.forget_session(&self.cx, &mut self.mesh, key) else {
+            return;
+        };
+        let Some(epoch) = s.epoch else {
+            // Still registering: `on_registered` undoes the registration when it lands.
+            return;
+        };
+        self.release_avatar(&s.account, epoch, reason);
+        self.announce_session_end(&s.account, epoch);
+        self.gateway
+            .session_ended(&mut self.cx, &self.table, &s, epoch, reason);
+    }
+
+    /// Tells the game simulating `account`'s avatar (this node's or a peer's) that the session
+    /// `epoch` is over.
+    fn release_avatar(&mut self, account: &str, epoch: u64, reason: &str) {
+        let owner = self.gateway.release_avatar(&self.cx, account);
+        self.avatars.stop_waiting(account);
+        if owner != self.cx.config.node_id {
+            self.send_peer(
+                owner,
+                mesh_message::Body::PlayerLeave(mesh::PeerPlayerLeave {
+                    account: account.to_string(),
+                    session_epoch: epoch,
+                    reason: reason.to_string(),
+                }),
+            );
+        } else if Self::leave_waits(reason) {
+            self.defer_leave(account, epoch, reason);
+        } else if self.game.slot.is_some() {
+            self.leave_game(account, epoch, reason);
+        }
+    }
+
+    /// A newer login of the account on another gateway won: the client is kicked and its
+    /// avatar released (the new session's join respawns or keeps it), with no record saved.
+    fn displace(&mut self, key: SessionKey, detail: &str) {
+        let Some(s) = self.gateway.session(key) else {
+            return;
+        };
+        let (account, epoch) = (s.account.clone(), s.epoch);
+        self.gateway
+            .kick(&mut self.cx, key, KickReason::Displaced, detail);
+        if let Some(epoch) = epoch {
+            self.release_avatar(&account, epoch, "displaced");
+        }
+        self.gateway.forget_avatar_position(&account);
+        self.gateway.forget_session(&self.cx, &mut self.mesh, key);
+    }
+
     // ------------------------------------------------------------------ admission and load
 
     /// Reals the node holds (not render ghosts).
@@ -2209,7 +2363,7 @@ impl Core {
 
     /// The game's `Load` report.
     pub(crate) fn on_game_load(&mut self, l: &local::Load) {
-        let (reals, attached) = (self.real_count(), self.gateway.sessions.attached());
+        let (reals, attached) = (self.real_count(), self.gateway.attached());
         let change = self
             .admission
             .on_game_load(&mut self.cx, l, reals, attached);
@@ -2222,7 +2376,7 @@ impl Core {
         if self.mesh.link(link).is_none_or(|l| l.peer.is_some()) {
             return;
         }
-        let attached = self.gateway.sessions.attached();
+        let attached = self.gateway.attached();
         let change = self
             .admission
             .on_proxy_backlog(&mut self.cx, link, frames, attached);
@@ -2232,7 +2386,7 @@ impl Core {
     /// Whether a new session may attach.
     pub(crate) fn admit_login(&mut self) -> bool {
         // Those still attaching count: they are about to be held.
-        let sessions = self.gateway.sessions.len();
+        let sessions = self.gateway.session_count();
         let (admitted, change) = self.admission.admit_login(&mut self.cx, sessions);
         self.admission_changed(change);
         admitted
@@ -2875,14 +3029,14 @@ impl Core {
             self.restore.fenced.contains(&inc) && !self.restore.dead.contains_key(&inc)
         });
         self.avatars.await_avatar(&self.cx, account, dead, restored);
-        self.gateway.master_owner.remove(account);
+        self.gateway.forget_master_owner(account);
     }
 
     /// A session handed over from another geo waits for its avatar's owner to anchor it, then
     /// spawns one.
     pub(crate) fn await_handed_over_avatar(&mut self, account: &str) {
         self.avatars.await_handed_over_avatar(&self.cx, account);
-        self.gateway.master_owner.remove(account);
+        self.gateway.forget_master_owner(account);
     }
 
     /// The world of `inc` is restored: a session still waiting for an avatar it wrote waits
@@ -2904,11 +3058,11 @@ impl Core {
             let Some((key, epoch)) = self.session_epoch(&account) else {
                 continue;
             };
-            let last = self.gateway.sessions.get(key).and_then(|s| s.last_position);
+            let last = self.gateway.last_position(key);
             if self.send_join(writer, &account, epoch, last) {
                 tracing::info!(%account, writer, "the link to the avatar's writer is back: joined there");
                 self.avatars.stop_waiting(&account);
-                self.gateway.master_owner.insert(account, writer);
+                self.gateway.set_master_owner(&account, writer);
             }
         }
     }
@@ -2921,12 +3075,12 @@ impl Core {
             let Some((key, epoch)) = self.session_epoch(&account) else {
                 continue;
             };
-            if self.gateway.master_owner.contains_key(&account) {
+            if self.gateway.master_owner(&account).is_some() {
                 continue;
             }
             tracing::warn!(%account, "no restored avatar anchored the session in time: spawning one");
             self.cx.metrics.error("avatar_not_restored");
-            let last = self.gateway.sessions.get(key).and_then(|s| s.last_position);
+            let last = self.gateway.last_position(key);
             self.announce_session(&account, epoch, true);
             self.spawn_avatar(&account, epoch, last);
         }
@@ -2936,15 +3090,7 @@ impl Core {
     /// position); a player with none starts in this node's world.
     pub(crate) fn spawn_avatar(&mut self, account: &str, epoch: u64, last: Option<[f64; 3]>) {
         // Remembered: an older avatar that anchors this session later is told to go.
-        if let Some(s) = self
-            .gateway
-            .clients
-            .key_of(account)
-            .and_then(|k| self.gateway.sessions.get_mut(k))
-            .filter(|s| s.epoch == Some(epoch))
-        {
-            s.new_avatar = true;
-        }
+        self.gateway.mark_new_avatar(account, epoch);
         let me = self.cx.config.node_id;
         let owner = last
             .and_then(|[x, y, _]| {
@@ -2953,7 +3099,7 @@ impl Core {
             })
             .unwrap_or(me);
         if owner != me && self.send_join(owner, account, epoch, last) {
-            self.gateway.master_owner.insert(account.to_string(), owner);
+            self.gateway.set_master_owner(account, owner);
             return;
         }
         self.join_here(account, epoch, last);
@@ -2962,15 +3108,13 @@ impl Core {
     /// The game here simulates (or spawns) the avatar of the local session `epoch`.
     pub(crate) fn join_here(&mut self, account: &str, epoch: u64, last: Option<[f64; 3]>) {
         let me = self.cx.config.node_id;
-        self.gateway.master_owner.insert(account.to_string(), me);
+        self.gateway.set_master_owner(account, me);
         self.avatars.stop_waiting(account);
         // An avatar simulated here for another gateway serves this session now.
         self.routing.remove_remote_player(account);
         if let Some(e) = self.table.master_of(account).filter(|e| e.origin.is_none()) {
             let epoch = e.epoch;
-            self.gateway.master_epoch.insert(account.to_string(), epoch);
-            self.gateway.clients.set_remote_anchor(account, None);
-            self.gateway.anchor_pos.remove(account);
+            self.gateway.avatar_written_here(account, epoch);
         }
         if self.game.slot.is_some() {
             self.cx.out.to_game.push(
@@ -3018,25 +3162,7 @@ impl Core {
                 "load": g.load.as_ref().map(|l| json!({"tick_ms": l.tick_ms, "budget_ms": l.budget_ms, "entity_count": l.entity_count})),
             })
         });
-        let sessions: Vec<serde_json::Value> = self
-            .gateway
-            .sessions
-            .iter()
-            .map(|s| {
-                json!({
-                    "account": s.account,
-                    "session_id": s.session_id,
-                    "epoch": s.epoch,
-                    "attached": s.epoch.is_some(),
-                    "link": s.link,
-                    "remote_addr": s.remote_addr,
-                    "master_id": self.table.master_of(&s.account).map(|e| e.id),
-                    "view_chunks": self.gateway.clients.view_len(s.key),
-                    "rtt_ms_p50": s.rtt.map(|r| r.0),
-                    "rtt_ms_min": s.rtt.map(|r| r.1),
-                })
-            })
-            .collect();
+        let sessions = self.gateway.sessions_state(&self.table);
         let (links, peers) = self.mesh.state();
         json!({
             "node_id": self.cx.config.node_id,
@@ -3080,20 +3206,13 @@ impl Core {
     fn shutdown(&mut self) {
         self.shutting_down = true;
         self.cx.set_ready(false);
-        let keys: Vec<SessionKey> = self.gateway.sessions.iter().map(|s| s.key).collect();
-        for key in keys {
-            if let Some(s) = self.gateway.sessions.get(key) {
-                let (link, session_id) = (s.link, s.session_id);
-                self.cx.queue_for_link(
-                    link,
-                    mesh_message::Body::Detach(mesh::Detach {
-                        session_id,
-                        kick_reason: cellmesh_proto::edge::KickReason::Shutdown as u32,
-                        detail: "the node is shutting down".into(),
-                        retry_after_ms: 0,
-                    }),
-                );
-            }
+        for key in self.gateway.session_keys() {
+            self.gateway.kick(
+                &mut self.cx,
+                key,
+                KickReason::Shutdown,
+                "the node is shutting down",
+            );
             self.end_session(key, "shutdown");
         }
         self.pack_outboxes();

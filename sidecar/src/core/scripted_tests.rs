@@ -1825,7 +1825,7 @@ fn a_moved_session_superseded_by_a_newer_login_is_displaced() {
         }
     }
     assert_eq!(detached, [(20, 3, KickReason::Displaced as u32)]);
-    assert!(core.gateway.sessions.get(key).is_none(), "forgotten");
+    assert!(core.gateway.session(key).is_none(), "forgotten");
     // Told twice (a late duplicate), nothing more happens.
     core.handle(
         at(120),
@@ -2101,7 +2101,7 @@ fn an_older_avatar_that_anchors_a_session_given_a_new_one_is_told_to_leave() {
         ("alice", 5)
     );
     assert_eq!(told[0].reason, "new_avatar_elsewhere");
-    assert_eq!(core.gateway.master_owner.get("alice"), Some(&ME));
+    assert_eq!(core.gateway.master_owner("alice"), Some(ME));
 }
 
 /// geos seed 157 (with the real proxy in the simulator): the leave of session 1, whose proxy
