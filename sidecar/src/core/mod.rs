@@ -16,8 +16,8 @@
 //!
 //! A part's handlers borrow the shared [`context`] (the time, the configuration, the metrics
 //! and the outbox) beside their own state; [`admission`], [`avatars`], [`balance`], [`claims`],
-//! [`commands`], [`peers`], [`replication`], [`routing`] and [`spawners`] keep theirs private and
-//! are told by the core what they need of the other parts.
+//! [`commands`], [`gateway`], [`peers`], [`replication`], [`routing`] and [`spawners`] keep theirs
+//! private and are told by the core what they need of the other parts.
 //! The core's periodic checks are named deadlines ([`timers`]).
 
 pub(crate) mod admission;
