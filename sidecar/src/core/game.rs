@@ -67,6 +67,93 @@ impl LocalGame {
             unrestorable: Vec::new(),
         }
     }
+
+    /// A checkpoint the game answered: kept if it is of an entity written here, under its
+    /// current epoch, while the lease is live (an answer that crossed a handoff is of no use).
+    pub(crate) fn on_checkpoint_state(
+        &mut self,
+        cx: &Context,
+        table: &EntityTable,
+        lease_live: bool,
+        c: local::CheckpointState,
+    ) {
+        let current = table
+            .get_local(c.entity_id)
+            .map(|e| e.epoch)
+            .filter(|_| lease_live);
+        if current != Some(c.entity_epoch) {
+            self.checkpoints.answered_in_vain(c.entity_id);
+            return cx.metrics.drop_msg("checkpoint_stale", 1);
+        }
+        cx.metrics.checkpoint(c.state.len());
+        self.checkpoints
+            .taken(c.entity_id, c.entity_epoch, c.state, cx.now.mono_ms);
+    }
+
+    /// Asks the game for the checkpoints now due (games of protocol 1.1 and later), while the
+    /// lease is live.
+    pub(crate) fn ask_for_checkpoints(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        lease_live: bool,
+    ) {
+        let speaks = self
+            .slot
+            .as_ref()
+            .and_then(|g| g.hello.version.as_ref())
+            .is_some_and(|v| v.minor >= 1);
+        // One batch at a time: a game that is slow to answer is not asked for more (its
+        // connection must stay free for what it cannot do without).
+        if !speaks || !lease_live || self.checkpoints.outstanding(cx.now.mono_ms) > 0 {
+            return;
+        }
+        let due = self
+            .checkpoints
+            .take_due(cx.now.mono_ms, MAX_CHECKPOINTS_ASKED);
+        let entity_ids: Vec<u64> = due
+            .into_iter()
+            .filter(|id| table.get_local(*id).is_some())
+            .collect();
+        if !entity_ids.is_empty() {
+            cx.out
+                .to_game
+                .push(sidecar_message::Body::Checkpoint(local::Checkpoint { entity_ids }).into());
+        }
+    }
+
+    /// The game's `ReserveIds`: the ids minted, or why none are (the error the game hears).
+    pub(crate) fn reserve_ids(
+        &mut self,
+        cx: &mut Context,
+        r: local::ReserveIds,
+    ) -> Result<(), (ErrorCode, String)> {
+        // Each id costs at most 9 bytes on the wire; the answer must fit one frame.
+        let max = MAX_RESERVE.min(cx.config.max_frame_bytes.saturating_sub(TO_CLIENT_OVERHEAD) / 9);
+        let count = r.count as usize;
+        if count > max {
+            let detail = format!(
+                "ReserveIds {} asks for {count} ids; at most {max} per request",
+                r.request_id
+            );
+            return Err((ErrorCode::InvalidValue, detail));
+        }
+        let ids = match self.ids.mint_many(cx.now.unix_ms, count) {
+            Ok(ids) => ids,
+            Err(e) => {
+                let detail = format!("ReserveIds {}: {e}", r.request_id);
+                return Err((ErrorCode::NotOwner, detail));
+            }
+        };
+        cx.out.to_game.push(
+            sidecar_message::Body::IdsReserved(local::IdsReserved {
+                request_id: r.request_id,
+                ids,
+            })
+            .into(),
+        );
+        Ok(())
+    }
 }
 
 /// The epoch every entity starts with; each handoff adds one.
@@ -238,7 +325,11 @@ impl Core {
                 r#type: s.r#type,
                 payload: s.payload,
             }),
-            B::ReserveIds(r) => self.on_reserve_ids(r),
+            B::ReserveIds(r) => {
+                if let Err((code, detail)) = self.game.reserve_ids(&mut self.cx, r) {
+                    self.game_error(code, detail, 0);
+                }
+            }
             B::TickEnd(t) => {
                 self.game.last_tick_end_ms = Some(self.cx.now.mono_ms);
                 self.end_tick(t.tick)
@@ -258,63 +349,17 @@ impl Core {
             B::ChunkEvent(_) => self.cx.metrics.drop_msg("chunk_event_unsupported", 1),
             B::Snapshot(s) => self.on_snapshot(s),
             B::Adopted(a) => self.on_adopted(a),
-            B::CheckpointState(c) => self.on_checkpoint_state(c),
+            B::CheckpointState(c) => {
+                let lease_live = self.authority.lease_live;
+                self.game
+                    .on_checkpoint_state(&self.cx, &self.table, lease_live, c)
+            }
             B::Release(r) => self.on_release(r),
             B::Command(c) => self.on_command(c),
             B::CommandReply(r) => self.on_command_reply(r),
             B::Claim(c) => self.on_claim(c),
             B::ClaimRelease(r) => self.on_claim_release(r),
             B::DeclareSpawners(d) => self.on_declare_spawners(d),
-        }
-    }
-
-    /// A checkpoint the game answered: kept if it is of an entity written here, under its
-    /// current epoch (an answer that crossed a handoff is of no use).
-    pub(crate) fn on_checkpoint_state(&mut self, c: local::CheckpointState) {
-        let current = self
-            .table
-            .get_local(c.entity_id)
-            .map(|e| e.epoch)
-            .filter(|_| self.authority.lease_live);
-        if current != Some(c.entity_epoch) {
-            self.game.checkpoints.answered_in_vain(c.entity_id);
-            return self.cx.metrics.drop_msg("checkpoint_stale", 1);
-        }
-        self.cx.metrics.checkpoint(c.state.len());
-        self.game
-            .checkpoints
-            .taken(c.entity_id, c.entity_epoch, c.state, self.cx.now.mono_ms);
-    }
-
-    /// Asks the game for the checkpoints now due (games of protocol 1.1 and later).
-    pub(crate) fn ask_for_checkpoints(&mut self) {
-        let speaks = self
-            .game
-            .slot
-            .as_ref()
-            .and_then(|g| g.hello.version.as_ref())
-            .is_some_and(|v| v.minor >= 1);
-        // One batch at a time: a game that is slow to answer is not asked for more (its
-        // connection must stay free for what it cannot do without).
-        if !speaks
-            || !self.authority.lease_live
-            || self.game.checkpoints.outstanding(self.cx.now.mono_ms) > 0
-        {
-            return;
-        }
-        let due = self
-            .game
-            .checkpoints
-            .take_due(self.cx.now.mono_ms, MAX_CHECKPOINTS_ASKED);
-        let entity_ids: Vec<u64> = due
-            .into_iter()
-            .filter(|id| self.table.get_local(*id).is_some())
-            .collect();
-        if !entity_ids.is_empty() {
-            self.cx
-                .out
-                .to_game
-                .push(sidecar_message::Body::Checkpoint(local::Checkpoint { entity_ids }).into());
         }
     }
 
@@ -406,39 +451,6 @@ impl Core {
         });
     }
 
-    pub(crate) fn on_reserve_ids(&mut self, r: local::ReserveIds) {
-        // Each id costs at most 9 bytes on the wire; the answer must fit one frame.
-        let max = MAX_RESERVE.min(
-            self.cx
-                .config
-                .max_frame_bytes
-                .saturating_sub(TO_CLIENT_OVERHEAD)
-                / 9,
-        );
-        let count = r.count as usize;
-        if count > max {
-            let detail = format!(
-                "ReserveIds {} asks for {count} ids; at most {max} per request",
-                r.request_id
-            );
-            return self.game_error(ErrorCode::InvalidValue, detail, 0);
-        }
-        let ids = match self.game.ids.mint_many(self.cx.now.unix_ms, count) {
-            Ok(ids) => ids,
-            Err(e) => {
-                let detail = format!("ReserveIds {}: {e}", r.request_id);
-                return self.game_error(ErrorCode::NotOwner, detail, 0);
-            }
-        };
-        self.cx.out.to_game.push(
-            sidecar_message::Body::IdsReserved(local::IdsReserved {
-                request_id: r.request_id,
-                ids,
-            })
-            .into(),
-        );
-    }
-
     pub(crate) fn entity_error(&mut self, e: EntityError) {
         let code = match e {
             EntityError::Unknown(_) => ErrorCode::UnknownEntity,
@@ -468,7 +480,8 @@ impl Core {
         self.game.last_tick = tick;
         // New entities are asked for in the tick they appear: until a checkpoint of them comes
         // back, a crash of the game would lose them.
-        self.ask_for_checkpoints();
+        self.game
+            .ask_for_checkpoints(&mut self.cx, &self.table, self.authority.lease_live);
         // Clients already got the ghosts' changes sent on arrival; the rest of the tick's work
         // sees the whole tick.
         let fresh = self.table.take_changes();

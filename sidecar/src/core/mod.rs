@@ -750,7 +750,10 @@ impl Core {
             Timer::RenewSessions => self.gateway.renew_leases(&mut self.cx),
             Timer::StaleGhosts => self.sweep_stale_ghosts(),
             Timer::OverdueFrames => self.release_overdue_frames(),
-            Timer::AskCheckpoints => self.ask_for_checkpoints(),
+            Timer::AskCheckpoints => {
+                self.game
+                    .ask_for_checkpoints(&mut self.cx, &self.table, self.authority.lease_live)
+            }
             Timer::GameGrace => self.expire_game_grace(),
             Timer::FlushCheckpoints => self.flush_checkpoints(),
             Timer::SentOffers => self.prune_sent_offers(),
