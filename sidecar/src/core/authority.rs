@@ -1,16 +1,22 @@
 //! The node's own lot: its lease, the partition it serves under, and draining.
+//!
+//! This part keeps whether the lease is live, lapsed or lost and until when it holds, what a
+//! lapse froze and the inputs it held for the game, the partition with the ones before it that
+//! still count, and the drain. The freezes, thaws, offers and deliveries those come to, which
+//! touch the game and the handoffs, the core carries out.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use cellmesh_proto::local::{self, sidecar_message};
-use cellmesh_proto::mesh::{self, mesh_message};
 use cellmesh_world::geometry::ChunkRect;
 use cellmesh_world::partition::Partition;
-use cellmesh_world::world_map::NodeMap;
+use cellmesh_world::world_map::{MapHandoff, NodeMap};
 
-use super::*;
+use super::context::Context;
+use super::peers::Mesh;
 use crate::config::{SidecarConfig, WhenRetired};
+use crate::model::entities::EntityTable;
 use crate::model::subs::{self};
 
 /// An entity a node writes, as a census sees it: frozen ones are in a handoff and write nothing.
@@ -23,40 +29,69 @@ pub struct Real {
 
 /// What this node may write, and under which partition.
 pub(crate) struct Authority {
-    pub partition: Arc<Partition>,
+    partition: Arc<Partition>,
     /// The partitions before the last changes, and when the last change came (monotonic ms),
     /// while their owners may still write entities that the mass handoffs have not moved yet
     /// (views subscribe to them too). Two changes in quick succession keep both.
-    pub prev_partitions: Vec<Arc<Partition>>,
-    pub changed_at_ms: u64,
+    prev_partitions: Vec<Arc<Partition>>,
+    changed_at_ms: u64,
     /// The chunks this node owns.
-    pub area: Vec<ChunkRect>,
+    area: Vec<ChunkRect>,
     /// False while the node may not write: its lease lapsed (everything it owns is frozen until
     /// it takes the lease back) or was lost for good.
-    pub lease_live: bool,
+    lease_live: bool,
     /// The lease was lost for good (another grant replaced it): the process exits.
-    pub lost: bool,
+    lost: bool,
     /// Entities frozen because the lease lapsed: thawed when it is taken back.
-    pub frozen_by_lapse: BTreeSet<u64>,
+    frozen_by_lapse: BTreeSet<u64>,
     /// Frozen by the lapse's own `Freeze`, whose `Snapshot` the game has not answered yet.
-    pub lapse_freeze_unanswered: BTreeSet<u64>,
+    lapse_freeze_unanswered: BTreeSet<u64>,
     /// Thawed by the lease's return before the game's answer to the lapse's Freeze came: that
     /// `Snapshot` is expected, and dropped.
-    pub snapshot_owed: BTreeSet<u64>,
+    snapshot_owed: BTreeSet<u64>,
     /// Inputs for the game held while the lease is lapsed, in arrival order.
-    pub held_inputs: Vec<local::Input>,
+    held_inputs: Vec<local::Input>,
     /// When the lease last became writable (monotonic ms): a decider waits a while after its
     /// own lease came back before it takes a peer's lapse for a death.
-    pub live_since_ms: u64,
+    live_since_ms: u64,
     /// The node stops writing at this time (monotonic ms) unless a renewal lands first: the
     /// store's expiry passes no earlier, whatever the wall clocks say. None: no lease (alone).
-    pub lease_until_ms: Option<u64>,
+    lease_until_ms: Option<u64>,
     /// While draining: the time (monotonic ms) the node exits at the latest.
-    pub draining: Option<u64>,
+    draining: Option<u64>,
 }
 
+/// What a renewal of the lease came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Renewal {
+    /// The lease was lost already: lost is lost, the world may have moved on without this node.
+    Ignored,
+    /// Writing goes on until the renewal's terms (or stays stopped: it came too late).
+    Extended,
+    /// The lapsed lease is taken back, still under its epoch: what the lapse froze thaws.
+    TakenBack,
+}
+
+/// A newer partition this node applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Applied {
+    /// The partition retired this node's cell.
+    pub retired: bool,
+}
+
+/// The previous partition is forgotten no sooner than this after a change.
+const SETTLE_MIN_MS: u64 = 1_000;
+/// Inputs held for the game while the lease is lapsed, at most; later ones are dropped
+/// (counted as `lease_lapsed`).
+const HELD_INPUTS_MAX: usize = 65_536;
+
 impl Authority {
-    pub fn new(cfg: &SidecarConfig, partition: Arc<Partition>) -> Self {
+    /// Serving `partition`, writing until `lease_until_ms` (`None`: no lease, alone).
+    pub fn new(
+        cfg: &SidecarConfig,
+        partition: Arc<Partition>,
+        lease_until_ms: Option<u64>,
+    ) -> Self {
         Self {
             area: subs::merge_rects(partition.area_of(cfg.node_id)),
             partition,
@@ -69,140 +104,174 @@ impl Authority {
             snapshot_owed: BTreeSet::new(),
             held_inputs: Vec::new(),
             live_since_ms: 0,
-            lease_until_ms: None,
+            lease_until_ms,
             draining: None,
         }
     }
-}
 
-/// The previous partition is forgotten no sooner than this after a change.
-const SETTLE_MIN_MS: u64 = 1_000;
-/// Inputs held for the game while the lease is lapsed, at most; later ones are dropped
-/// (counted as `lease_lapsed`).
-const HELD_INPUTS_MAX: usize = 65_536;
+    // ------------------------------------------------------------------ what others read
 
-impl Core {
-    // ------------------------------------------------------------------ the node's own lot
-
-    /// A renewal landed: minting and writing go on until its terms. After a lapse it is the
-    /// lease taken back, still under its epoch (nobody was granted the id meanwhile): what the
-    /// lapse froze thaws, and the inputs held meanwhile reach the game.
-    pub(crate) fn on_lease_renewed(&mut self, terms: LeaseTerms) {
-        if self.authority.lost {
-            // Lost is lost: the world may already have moved on without this node.
-            return;
-        }
-        let lapsed = !self.authority.lease_live;
-        self.authority.lease_until_ms = Some(if lapsed {
-            terms.until_ms
-        } else {
-            self.authority
-                .lease_until_ms
-                .map_or(terms.until_ms, |u| u.max(terms.until_ms))
-        });
-        // A lease of another node id would be a driver bug; minting then stays bounded.
-        let _ = self.game.ids.renewed(&terms.lease);
-        if lapsed
-            && self
-                .authority
-                .lease_until_ms
-                .is_some_and(|u| self.cx.now.mono_ms < u)
-        {
-            self.resume_after_lapse();
-        }
+    /// The partition this node serves under.
+    pub(crate) fn partition(&self) -> &Arc<Partition> {
+        &self.partition
     }
 
-    /// No renewal landed before the lease's deadline: stop writing now, before the store could
-    /// grant the id to anyone else.
-    pub(crate) fn check_lease_deadline(&mut self) {
-        if self.authority.lease_live
-            && self
-                .authority
-                .lease_until_ms
-                .is_some_and(|u| self.cx.now.mono_ms >= u)
-        {
-            self.on_lease_lapsed();
-        }
+    /// The partitions before the last changes that still count (see [`Authority::settle`]).
+    pub(crate) fn previous_partitions(&self) -> &[Arc<Partition>] {
+        &self.prev_partitions
+    }
+
+    /// The chunks this node owns.
+    pub(crate) fn area(&self) -> &[ChunkRect] {
+        &self.area
+    }
+
+    /// Whether the node may write: its lease is neither lapsed nor lost.
+    pub(crate) fn lease_live(&self) -> bool {
+        self.lease_live
+    }
+
+    /// Whether the lease was lost for good.
+    pub(crate) fn lost(&self) -> bool {
+        self.lost
+    }
+
+    /// Whether the lease is lapsed (not lost): what would thaw stays frozen until it is back.
+    pub(crate) fn lapsed(&self) -> bool {
+        !self.lease_live && !self.lost
+    }
+
+    /// Whether the node is draining.
+    pub(crate) fn draining(&self) -> bool {
+        self.draining.is_some()
+    }
+
+    /// When the lease last became writable (monotonic ms).
+    pub(crate) fn live_since_ms(&self) -> u64 {
+        self.live_since_ms
+    }
+
+    /// When the node stops writing unless a renewal lands first, while it writes.
+    pub(crate) fn deadline(&self) -> Option<u64> {
+        self.lease_until_ms.filter(|_| self.lease_live)
+    }
+
+    /// Inputs held for the game while the lease is lapsed.
+    pub(crate) fn held_input_count(&self) -> usize {
+        self.held_inputs.len()
     }
 
     /// Whether this process may still write at `mono_ms` of its own clock: its lease is neither
-    /// lapsed, lost nor past its deadline. (The simulator checks it whenever the store grants
-    /// this node's id to another process.)
-    pub fn writes_at(&self, mono_ms: u64) -> bool {
-        self.authority.lease_live && self.authority.lease_until_ms.is_none_or(|u| mono_ms < u)
+    /// lapsed, lost nor past its deadline.
+    pub(crate) fn writes_at(&self, mono_ms: u64) -> bool {
+        self.lease_live && self.lease_until_ms.is_none_or(|u| mono_ms < u)
     }
 
-    /// The lease was lost for good: this process writes nothing ever again and should exit, so
-    /// that its supervisor starts it afresh.
-    pub fn lease_lost(&self) -> bool {
-        self.authority.lost
+    // ------------------------------------------------------------------ the lease
+
+    /// A renewal until `until_ms` landed: minting and writing go on until then. After a lapse
+    /// it is the lease taken back if it is still ahead (nobody was granted the id meanwhile).
+    pub(crate) fn on_lease_renewed(&mut self, cx: &Context, until_ms: u64) -> Renewal {
+        if self.lost {
+            return Renewal::Ignored;
+        }
+        let lapsed = !self.lease_live;
+        self.lease_until_ms = Some(if lapsed {
+            until_ms
+        } else {
+            self.lease_until_ms.map_or(until_ms, |u| u.max(until_ms))
+        });
+        if lapsed && cx.now.mono_ms < until_ms {
+            Renewal::TakenBack
+        } else {
+            Renewal::Extended
+        }
     }
 
-    /// The lease lapsed: the store did not answer in time (a MongoDB election, a paused or
-    /// unreachable store). Everything this node owns is frozen and nothing is written, as if
-    /// the lease were lost, but the process stays: the driver keeps asking for the lease under
-    /// its epoch, and gets it back unless a restore fenced it meanwhile (then it is lost).
-    pub(crate) fn on_lease_lapsed(&mut self) {
-        if !self.authority.lease_live {
-            return;
+    /// Whether no renewal landed before the lease's deadline: the node must stop writing now,
+    /// before the store could grant the id to anyone else.
+    pub(crate) fn deadline_passed(&self, cx: &Context) -> bool {
+        self.lease_live && self.lease_until_ms.is_some_and(|u| cx.now.mono_ms >= u)
+    }
+
+    /// The lease lapsed: nothing is written until it is back. False if it was not live.
+    pub(crate) fn lapse(&mut self, cx: &mut Context) -> bool {
+        if !self.lease_live {
+            return false;
         }
-        self.cx.metrics.error("lease_lapsed");
-        self.authority.lease_live = false;
-        self.cx.dirty = true;
-        self.cx.set_ready(false);
-        // Released this tick and not offered yet: frozen already (the game released them).
-        let released = std::mem::take(&mut self.handoff.released);
-        self.handoff.released_by.clear();
-        for (root, r) in released {
-            self.authority.frozen_by_lapse.insert(root);
-            self.authority
-                .frozen_by_lapse
-                .extend(r.attachments.iter().map(|a| a.entity_id));
-        }
-        // Frozen for a handoff whose offer has not left: its snapshot would be offered under
-        // a lease that may be gone, so the handoff is given up (the entities stay frozen, by
-        // the lapse now, and are offered again once the lease is back). Offers that left stand.
-        for (root, to, thawed) in self.handoff.outgoing.abandon_freezing(self.cx.now.mono_ms) {
-            self.cx
-                .metrics
-                .handoff(self.cx.config.node_id, to, "abandoned");
-            self.thaw(root, thawed, "the node lease lapsed before the snapshot");
-        }
-        let owned = self.owned_reals();
+        cx.metrics.error("lease_lapsed");
+        self.lease_live = false;
+        cx.dirty = true;
+        cx.set_ready(false);
+        true
+    }
+
+    /// The lapse freezes every entity this node writes: those the game must be told to freeze,
+    /// leaving out the ones frozen for a handoff (`in_handoff`: its offer stands) or already.
+    pub(crate) fn freeze_owned(
+        &mut self,
+        table: &EntityTable,
+        in_handoff: impl Fn(u64) -> bool,
+    ) -> Vec<u64> {
+        let owned = owned_reals(table);
         tracing::error!(
             entities = owned.len(),
             "no renewal of the node lease landed before its deadline: freezing everything this \
              node owns until the store answers"
         );
-        for id in owned {
-            // Frozen for a handoff in doubt (its offer stands), or frozen already above.
-            if self.handoff.outgoing.is_frozen(id) || !self.authority.frozen_by_lapse.insert(id) {
-                continue;
-            }
-            self.authority.lapse_freeze_unanswered.insert(id);
-            self.freeze_in_game(id);
-        }
+        owned
+            .into_iter()
+            .filter(|&id| {
+                if in_handoff(id) || !self.frozen_by_lapse.insert(id) {
+                    return false;
+                }
+                self.lapse_freeze_unanswered.insert(id);
+                true
+            })
+            .collect()
     }
 
-    /// The lease is back under its epoch: the lapse's freezes thaw, the held inputs go to the
-    /// game, and the node serves again.
-    fn resume_after_lapse(&mut self) {
-        self.authority.lease_live = true;
-        self.cx.dirty = true;
-        self.authority.live_since_ms = self.cx.now.mono_ms;
-        let frozen = std::mem::take(&mut self.authority.frozen_by_lapse);
+    /// `id` stays frozen, with the rest, until the lease is back.
+    pub(crate) fn keep_frozen(&mut self, id: u64) {
+        self.frozen_by_lapse.insert(id);
+    }
+
+    /// `id` was born while the lease is lapsed: frozen with the rest by a `Freeze` of its own,
+    /// whose snapshot nobody needs.
+    pub(crate) fn freeze_newborn(&mut self, id: u64) {
+        self.frozen_by_lapse.insert(id);
+        self.lapse_freeze_unanswered.insert(id);
+    }
+
+    /// The game's snapshot of `id` came while the lease is not live: nothing is offered.
+    pub(crate) fn snapshot_while_not_live(&mut self, id: u64) {
+        self.lapse_freeze_unanswered.remove(&id);
+    }
+
+    /// Whether the snapshot of `id` answers a lapse's `Freeze` the lease's return thawed
+    /// already (it is dropped, unless the entity is frozen for a handoff since).
+    pub(crate) fn take_owed_snapshot(&mut self, id: u64) -> bool {
+        self.snapshot_owed.remove(&id)
+    }
+
+    /// The lease is back under its epoch: the lapse's freezes thaw and the node writes again.
+    /// Returns the inputs held meanwhile, for the game, in order.
+    pub(crate) fn resume(&mut self, cx: &mut Context, table: &EntityTable) -> Vec<local::Input> {
+        self.lease_live = true;
+        cx.dirty = true;
+        self.live_since_ms = cx.now.mono_ms;
+        let frozen = std::mem::take(&mut self.frozen_by_lapse);
         tracing::warn!(
             entities = frozen.len(),
             "the node lease is back: thawing what its lapse froze"
         );
-        self.cx.metrics.leases_reclaimed.inc();
-        let unanswered = std::mem::take(&mut self.authority.lapse_freeze_unanswered);
-        self.authority.snapshot_owed = unanswered;
+        cx.metrics.leases_reclaimed.inc();
+        self.snapshot_owed = std::mem::take(&mut self.lapse_freeze_unanswered);
         for id in frozen {
-            if self.table.get_local(id).is_none() {
+            if table.get_local(id).is_none() {
                 continue;
             }
-            self.cx.out.to_game.push(
+            cx.out.to_game.push(
                 sidecar_message::Body::Thaw(local::Thaw {
                     entity_id: id,
                     reason: "the node lease is back".to_string(),
@@ -210,187 +279,168 @@ impl Core {
                 .into(),
             );
         }
-        for i in std::mem::take(&mut self.authority.held_inputs) {
-            self.deliver_input(i);
-        }
-        self.cx
-            .set_ready(self.game.slot.is_some() && self.authority.draining.is_none());
-    }
-
-    /// Every entity this node writes.
-    fn owned_reals(&self) -> Vec<u64> {
-        self.table
-            .iter()
-            .filter(|e| e.origin.is_none())
-            .map(|e| e.id)
-            .collect()
-    }
-
-    /// Whether the lease is lapsed (not lost): what would thaw stays frozen until it is back.
-    pub(crate) fn lease_lapsed(&self) -> bool {
-        !self.authority.lease_live && !self.authority.lost
+        std::mem::take(&mut self.held_inputs)
     }
 
     /// An input for the game while the lease is lapsed: held until it is back.
-    pub(crate) fn hold_input_during_lapse(&mut self, i: local::Input) {
-        if self.authority.held_inputs.len() >= HELD_INPUTS_MAX {
-            return self.cx.metrics.drop_input("lease_lapsed");
+    pub(crate) fn hold_input(&mut self, cx: &Context, i: local::Input) {
+        if self.held_inputs.len() >= HELD_INPUTS_MAX {
+            return cx.metrics.drop_input("lease_lapsed");
         }
-        self.authority.held_inputs.push(i);
+        self.held_inputs.push(i);
     }
 
-    /// Another grant replaced this node's lease (a new process, or a restore's fence): this
-    /// process never writes again, and exits.
-    pub(crate) fn on_lease_lost(&mut self) {
-        self.cx.metrics.error("lease_lost");
-        self.cx.set_ready(false);
-        if self.authority.lost {
-            return;
+    /// Another grant replaced this node's lease: this process never writes again, and exits.
+    /// Returns what the game must be told to freeze (nothing if it was lost already).
+    pub(crate) fn on_lease_lost(&mut self, cx: &mut Context, table: &EntityTable) -> Vec<u64> {
+        cx.metrics.error("lease_lost");
+        cx.set_ready(false);
+        if self.lost {
+            return Vec::new();
         }
-        self.authority.lost = true;
-        for _ in std::mem::take(&mut self.authority.held_inputs) {
-            self.cx.metrics.drop_input("lease_lost");
+        self.lost = true;
+        for _ in std::mem::take(&mut self.held_inputs) {
+            cx.metrics.drop_input("lease_lost");
         }
-        let was_live = std::mem::replace(&mut self.authority.lease_live, false);
-        let owned = self.owned_reals();
+        let was_live = std::mem::replace(&mut self.lease_live, false);
+        let owned = owned_reals(table);
         tracing::error!(
             entities = owned.len(),
             "the node lease was lost: freezing everything this node owns, then exiting"
         );
-        self.cx.out.exit = Some(
+        cx.out.exit = Some(
             "the node lease was lost: another process may hold this node id now; everything \
              this process wrote is frozen and restored elsewhere from its checkpoints"
                 .into(),
         );
-        for id in owned {
-            // Frozen by the lapse already.
-            if !was_live && self.authority.frozen_by_lapse.contains(&id) {
-                continue;
+        // Those frozen by the lapse are frozen already.
+        owned
+            .into_iter()
+            .filter(|id| was_live || !self.frozen_by_lapse.contains(id))
+            .collect()
+    }
+
+    // ------------------------------------------------------------------ the partition
+
+    /// A newer partition: this node's area follows it, and the one before it is kept until
+    /// the change settles. `None` for one no newer than the current.
+    pub(crate) fn apply_partition(&mut self, cx: &Context, p: Partition) -> Option<Applied> {
+        if p.epoch() <= self.partition.epoch() {
+            return None;
+        }
+        let me = cx.config.node_id;
+        tracing::info!(epoch = p.epoch(), "applying a new partition");
+        self.area = subs::merge_rects(p.area_of(me));
+        // Retired: the director deleted this node's cell (it held nothing by then).
+        let retired = !p.members().contains(&me) && self.partition.members().contains(&me);
+        let prev = std::mem::replace(&mut self.partition, Arc::new(p));
+        self.prev_partitions.push(prev);
+        self.changed_at_ms = cx.now.mono_ms;
+        Some(Applied { retired })
+    }
+
+    /// The entities this node writes standing where the partition gave the area to another
+    /// node: each is handed over.
+    pub(crate) fn given_away(&self, cx: &Context, table: &EntityTable) -> BTreeSet<u64> {
+        let me = cx.config.node_id;
+        table
+            .iter()
+            .filter(|e| e.origin.is_none() && self.partition.owner_of_chunk(e.chunk) != me)
+            .map(|e| e.id)
+            .collect()
+    }
+
+    /// This node's cell was retired: it stays up as a spare, or drains and exits.
+    pub(crate) fn retired(&mut self, cx: &mut Context) {
+        match cx.config.when_retired {
+            WhenRetired::Spare => {
+                tracing::info!("this node's cell was retired: staying up as a spare")
             }
-            self.freeze_in_game(id);
+            WhenRetired::Exit => {
+                tracing::info!("this node's cell was retired: draining, then exiting");
+                self.begin_drain(cx);
+            }
         }
     }
 
-    /// A newer partition: the game learns its area, peers learn this node applied it, and every
-    /// entity standing where the partition gave the area to another node is handed over.
-    pub(crate) fn apply_partition(&mut self, p: Partition) {
-        if p.epoch() <= self.authority.partition.epoch() {
-            return;
+    /// Forgets the previous partitions once every peer says it runs the current one, every
+    /// ghost here is written by a node the current partition puts near it (the mass handoffs
+    /// settled), and at least a second after the last change. Whether they were forgotten now.
+    pub(crate) fn settle(&mut self, cx: &Context, table: &EntityTable, mesh: &Mesh) -> bool {
+        if self.prev_partitions.is_empty() || cx.now.mono_ms < self.changed_at_ms + SETTLE_MIN_MS {
+            return false;
         }
-        let me = self.cx.config.node_id;
-        tracing::info!(epoch = p.epoch(), "applying a new partition");
-        self.authority.area = subs::merge_rects(p.area_of(me));
-        self.replication.partition_changed(&self.cx.config, &p);
-        // Retired: the director deleted this node's cell (it held nothing by then).
-        let retired =
-            !p.members().contains(&me) && self.authority.partition.members().contains(&me);
-        let prev = std::mem::replace(&mut self.authority.partition, std::sync::Arc::new(p));
-        self.authority.prev_partitions.push(prev);
-        self.authority.changed_at_ms = self.cx.now.mono_ms;
-        let owned_area = self.owned_rects();
-        if self.game.slot.is_some() {
-            self.cx.out.to_game.push(
-                sidecar_message::Body::PartitionChanged(local::PartitionChanged {
-                    partition_epoch: self.authority.partition.epoch(),
-                    owned_area,
-                })
-                .into(),
-            );
+        let epoch = self.partition.epoch();
+        let peers_caught_up = mesh.linked_peers_at(epoch);
+        let reach = cx.config.reach_chunks();
+        let settled = peers_caught_up
+            && table.iter().all(|e| match e.origin {
+                None => true,
+                Some(n) => subs::owners_near(&self.partition, e.chunk, reach).contains(&n),
+            });
+        if settled {
+            self.prev_partitions.clear();
         }
-        let ack = mesh_message::Body::PartitionAck(mesh::PartitionAck {
-            partition_epoch: self.authority.partition.epoch(),
-        });
-        self.broadcast(ack);
-        let gone: BTreeSet<u64> = self
-            .table
-            .iter()
-            .filter(|e| {
-                e.origin.is_none() && self.authority.partition.owner_of_chunk(e.chunk) != me
-            })
-            .map(|e| e.id)
-            .collect();
-        self.handoff.mass.extend(gone.iter().copied());
-        self.handoff.recheck.extend(gone);
-        self.spawners
-            .replanned(&mut self.cx, &self.authority.partition);
-        if retired {
-            match self.cx.config.when_retired {
-                WhenRetired::Spare => {
-                    tracing::info!("this node's cell was retired: staying up as a spare")
-                }
-                WhenRetired::Exit => {
-                    tracing::info!("this node's cell was retired: draining, then exiting");
-                    self.begin_drain();
-                }
-            }
-        }
+        settled
     }
+
+    // ------------------------------------------------------------------ draining
 
     /// SIGTERM: not ready, no more handoffs accepted. Entities keep being handed to whoever the
     /// partition gives their chunks (re-plan it to move this node's area away); the node exits
     /// once it writes nothing, or when the drain timeout passes.
-    pub(crate) fn begin_drain(&mut self) {
-        if self.authority.draining.is_some() {
+    pub(crate) fn begin_drain(&mut self, cx: &mut Context) {
+        if self.draining.is_some() {
             return;
         }
         tracing::info!(
             "draining: refusing handoffs; waiting for the partition to give this node's area away"
         );
-        self.cx.set_ready(false);
-        self.authority.draining = Some(self.cx.now.mono_ms + self.cx.config.drain_timeout_ms);
+        cx.set_ready(false);
+        self.draining = Some(cx.now.mono_ms + cx.config.drain_timeout_ms);
     }
 
     /// Whether a drain is over: nothing left that another node could take (no real here and no
-    /// handoff in flight; a lone node or one without a game has nothing to hand), or out of time.
-    pub(crate) fn drained(&self) -> bool {
-        let Some(deadline) = self.authority.draining else {
+    /// handoff in flight, `in_flight`; a lone node or one without a game has nothing to hand),
+    /// or out of time.
+    pub(crate) fn drained(
+        &self,
+        cx: &Context,
+        table: &EntityTable,
+        game_connected: bool,
+        mesh: &Mesh,
+        in_flight: usize,
+    ) -> bool {
+        let Some(deadline) = self.draining else {
             return false;
         };
-        let reals = self.table.len() - self.table.ghost_count();
-        if self.game.slot.is_none() || !self.mesh.clustered() {
+        let reals = table.len() - table.ghost_count();
+        if !game_connected || !mesh.clustered() {
             return true;
         }
-        if reals == 0 && self.handoff.outgoing.in_flight() == 0 {
+        if reals == 0 && in_flight == 0 {
             return true;
         }
-        if self.cx.now.mono_ms >= deadline {
+        if cx.now.mono_ms >= deadline {
             tracing::warn!(left = reals, "drain timed out with entities still here");
             return true;
         }
         false
     }
 
-    /// Forgets the previous partitions once every peer says it runs the current one, every
-    /// ghost here is written by a node the current partition puts near it (the mass handoffs
-    /// settled), and at least a second after the last change.
-    pub(crate) fn settle_partition(&mut self) {
-        if self.authority.prev_partitions.is_empty()
-            || self.cx.now.mono_ms < self.authority.changed_at_ms + SETTLE_MIN_MS
-        {
-            return;
-        }
-        let epoch = self.authority.partition.epoch();
-        let peers_caught_up = self.mesh.linked_peers_at(epoch);
-        let reach = self.cx.config.reach_chunks();
-        let settled = peers_caught_up
-            && self.table.iter().all(|e| match e.origin {
-                None => true,
-                Some(n) => {
-                    subs::owners_near(&self.authority.partition, e.chunk, reach).contains(&n)
-                }
-            });
-        if settled {
-            self.authority.prev_partitions.clear();
-            self.replication.partitions_settled();
-        }
-    }
+    // ------------------------------------------------------------------ views
 
     /// This node's part of the live map: its reals (every k-th past `max`, by id) and its
-    /// handoffs of the last second.
-    pub fn node_map(&mut self, max: usize) -> NodeMap {
+    /// recent `handoffs`.
+    pub(crate) fn node_map(
+        &self,
+        cx: &Context,
+        table: &EntityTable,
+        max: usize,
+        handoffs: Vec<MapHandoff>,
+    ) -> NodeMap {
         use cellmesh_world::world_map::{sample_evenly, EntityKind, MapEntity};
-        let mut reals: Vec<MapEntity> = self
-            .table
+        let mut reals: Vec<MapEntity> = table
             .iter()
             .filter(|e| e.origin.is_none())
             .map(|e| MapEntity {
@@ -404,33 +454,42 @@ impl Core {
                 } else {
                     EntityKind::Owned
                 },
-                node: self.cx.config.node_id,
+                node: cx.config.node_id,
             })
             .collect();
         reals.sort_unstable_by_key(|e| e.id);
         NodeMap {
-            node: self.cx.config.node_id,
-            geo: self.cx.config.geo.clone(),
-            partition_epoch: self.authority.partition.epoch(),
+            node: cx.config.node_id,
+            geo: cx.config.geo.clone(),
+            partition_epoch: self.partition.epoch(),
             entities_total: reals.len() as u64,
             entities: sample_evenly(reals, max),
-            handoffs: self.handoff.recent.shown(self.cx.now.mono_ms),
+            handoffs,
         }
     }
 
-    /// Every real of this node, for a census.
-    pub fn reals(&self) -> Vec<Real> {
-        let mut v: Vec<Real> = self
-            .table
+    /// Every real of this node, for a census: frozen while `in_handoff` or the lease is not
+    /// live.
+    pub(crate) fn reals(&self, table: &EntityTable, in_handoff: impl Fn(u64) -> bool) -> Vec<Real> {
+        let mut v: Vec<Real> = table
             .iter()
             .filter(|e| e.origin.is_none())
             .map(|e| Real {
                 id: e.id,
                 epoch: e.epoch,
-                frozen: self.handoff.outgoing.is_frozen(e.id) || !self.authority.lease_live,
+                frozen: in_handoff(e.id) || !self.lease_live,
             })
             .collect();
         v.sort_unstable_by_key(|r| r.id);
         v
     }
+}
+
+/// Every entity this node writes.
+fn owned_reals(table: &EntityTable) -> Vec<u64> {
+    table
+        .iter()
+        .filter(|e| e.origin.is_none())
+        .map(|e| e.id)
+        .collect()
 }

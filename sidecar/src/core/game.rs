@@ -220,7 +220,7 @@ impl Core {
                     region_size: w.region_size,
                 }),
                 owned_area: self.owned_rects(),
-                partition_epoch: self.authority.partition.epoch(),
+                partition_epoch: self.authority.partition().epoch(),
                 tick_phase: Some(local::TickPhase {
                     origin_unix_ms: TICK_ORIGIN_UNIX_MS,
                     tick_rate_hz: if hello_rate > 0 {
@@ -262,7 +262,7 @@ impl Core {
                 .push(sidecar_message::Body::Adopt(adopt).into());
         }
         self.cx
-            .set_ready(self.authority.lease_live && self.authority.draining.is_none());
+            .set_ready(self.authority.lease_live() && !self.authority.draining());
         for m in rest {
             if let Some(body) = m.body {
                 self.on_game_message(body);
@@ -274,7 +274,7 @@ impl Core {
     pub(crate) fn owned_rects(&self) -> Vec<local::Rect> {
         let w = &self.cx.config.world;
         self.authority
-            .area
+            .area()
             .iter()
             .map(|r| {
                 let (x, y, width, height) = w.rect_metres(r);
@@ -350,7 +350,7 @@ impl Core {
             B::Snapshot(s) => self.on_snapshot(s),
             B::Adopted(a) => self.on_adopted(a),
             B::CheckpointState(c) => {
-                let lease_live = self.authority.lease_live;
+                let lease_live = self.authority.lease_live();
                 self.game
                     .on_checkpoint_state(&self.cx, &self.table, lease_live, c)
             }
@@ -387,10 +387,9 @@ impl Core {
                     .checkpoints
                     .touched(s.entity_id, self.cx.now.mono_ms);
                 self.spawners.spawned(s.entity_id);
-                if !self.authority.lease_live && !self.authority.lost {
+                if !self.authority.lease_live() && !self.authority.lost() {
                     // Born while the lease is lapsed: frozen with the rest until it is back.
-                    self.authority.frozen_by_lapse.insert(s.entity_id);
-                    self.authority.lapse_freeze_unanswered.insert(s.entity_id);
+                    self.authority.freeze_newborn(s.entity_id);
                     self.freeze_in_game(s.entity_id);
                 }
             }
@@ -481,7 +480,7 @@ impl Core {
         // New entities are asked for in the tick they appear: until a checkpoint of them comes
         // back, a crash of the game would lose them.
         self.game
-            .ask_for_checkpoints(&mut self.cx, &self.table, self.authority.lease_live);
+            .ask_for_checkpoints(&mut self.cx, &self.table, self.authority.lease_live());
         // Clients already got the ghosts' changes sent on arrival; the rest of the tick's work
         // sees the whole tick.
         let fresh = self.table.take_changes();
@@ -572,7 +571,7 @@ impl Core {
         self.game.restoring.clear();
         self.commands_game_gone();
         self.claims_game_gone();
-        if self.cx.config.game_grace_ms > 0 && self.authority.lease_live {
+        if self.cx.config.game_grace_ms > 0 && self.authority.lease_live() {
             // Kept for the game's return: clients see them stand still. A handoff still waiting
             // for a snapshot will not get one: those units are abandoned (thawed, kept here).
             self.game.gone_since = Some(self.cx.now.mono_ms);

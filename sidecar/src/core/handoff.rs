@@ -181,9 +181,9 @@ impl Handoffs {
             i64::from(cx.config.handoff_margin_chunks)
         };
         let Some(to) = crate::model::handoff::trigger(
-            &authority.partition,
+            authority.partition(),
             me,
-            &authority.area,
+            authority.area(),
             e.chunk,
             margin,
         ) else {
@@ -194,7 +194,7 @@ impl Handoffs {
         // The target must hold the entity's ghost when the offer reaches it: this node has
         // sent it the full state on the same ordered link (or it stands beyond the reach the
         // target subscribes to, and the offer says so).
-        let unseen = subs::distance_to_area(&cx.config.world, &authority.area, e.chunk)
+        let unseen = subs::distance_to_area(&cx.config.world, authority.area(), e.chunk)
             > cx.config.reach_chunks();
         let seen = unseen || view.replication.holds_ghost(id, to);
         // A target that never subscribes (no game to tick, say) is offered all the same after
@@ -203,7 +203,7 @@ impl Handoffs {
         let seen = seen || now >= waited + GHOST_WAIT_MS;
         let why = if !view.mesh.is_up(to) {
             Some("the node that owns its position is unreachable")
-        } else if view.mesh.peer_partition(to) < authority.partition.epoch() {
+        } else if view.mesh.peer_partition(to) < authority.partition().epoch() {
             Some("the node that owns its position is behind on the partition")
         } else if !seen {
             Some("the node that owns its position holds no ghost of it yet")
@@ -575,12 +575,12 @@ impl Handoffs {
             })
             .collect();
         Some(mesh::HandoffOffer {
-            partition_epoch: authority.partition.epoch(),
+            partition_epoch: authority.partition().epoch(),
             command_cursors: carried.command_cursors,
             claims: carried.claims,
             attachments,
             successor,
-            unseen: subs::distance_to_area(&cx.config.world, &authority.area, e.chunk)
+            unseen: subs::distance_to_area(&cx.config.world, authority.area(), e.chunk)
                 > cx.config.reach_chunks(),
             ..self.offer_of(cx, e, offer.epoch, state, carried.session, vec![])
         })
@@ -628,7 +628,7 @@ impl Handoffs {
     // ------------------------------------------------------------------ source: answers
 
     /// A unit whose handoff is over while it stays here: its members thaw in the game (or,
-    /// while the lease is lapsed, stay frozen with the rest in `lapse`), the claims its target
+    /// while the lease is lapsed, stay frozen with the lapse's rest), the claims its target
     /// was given meanwhile are lost, and what it held comes back, to be applied here.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn thaw(
@@ -637,7 +637,7 @@ impl Handoffs {
         table: &EntityTable,
         claims: &mut Claims,
         game: Option<ConnId>,
-        mut lapse: Option<&mut BTreeSet<u64>>,
+        mut lapse: Option<&mut Authority>,
         thawed: Thawed<Routed>,
         reason: &str,
     ) -> Vec<Routed> {
@@ -650,9 +650,9 @@ impl Handoffs {
         cx.metrics.freeze_done(thawed.freeze_ms);
         for m in &thawed.members {
             claims.thawed(cx, *m, game);
-            if let Some(frozen) = lapse.as_deref_mut() {
+            if let Some(authority) = lapse.as_deref_mut() {
                 // Stays frozen, with the rest, until the lease is back.
-                frozen.insert(*m);
+                authority.keep_frozen(*m);
                 continue;
             }
             cx.out.to_game.push(
@@ -830,17 +830,17 @@ fn note_freeze_cost(
 }
 
 /// A unit the game released stays here: the game resumes it, or, while the lease is lapsed,
-/// it stays frozen with the rest in `lapse`.
+/// it stays frozen with the lapse's rest.
 pub(crate) fn thaw_released(
     cx: &mut Context,
-    lapse: Option<&mut BTreeSet<u64>>,
+    lapse: Option<&mut Authority>,
     id: u64,
     reason: &str,
 ) {
     cx.metrics.releases_kept.inc();
-    if let Some(frozen) = lapse {
+    if let Some(authority) = lapse {
         // Stays frozen, with the rest, until the lease is back.
-        frozen.insert(id);
+        authority.keep_frozen(id);
         return;
     }
     cx.out.to_game.push(
@@ -996,15 +996,15 @@ impl Handoffs {
             return Some(mesh_message::Body::HandoffRefused(refused));
         }
         let at = o.position.as_ref().map(|p| Pos { x: p.x, y: p.y });
-        let owns = at.is_some_and(|p| authority.partition.owner_of(p).ok() == Some(me));
+        let owns = at.is_some_and(|p| authority.partition().owner_of(p).ok() == Some(me));
         let checks = OfferChecks {
             owns_position: owns,
-            lease_live: authority.lease_live,
-            partition_epoch_matches: o.partition_epoch == authority.partition.epoch(),
+            lease_live: authority.lease_live(),
+            partition_epoch_matches: o.partition_epoch == authority.partition().epoch(),
             has_ghost: o.successor
                 || o.unseen
                 || table.get(id).is_some_and(|e| e.origin == Some(from)),
-            draining: authority.draining.is_some(),
+            draining: authority.draining(),
             game_connected,
         };
         let known = self.fence.current(id).map(|(e, _)| e);

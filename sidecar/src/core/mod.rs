@@ -442,8 +442,7 @@ impl Core {
         now: Now,
     ) -> Self {
         let cx = Context::new(cfg.clone(), metrics, now);
-        let mut authority = Authority::new(&cfg, partition.clone());
-        authority.lease_until_ms = lease.as_ref().map(|l| l.until_ms);
+        let authority = Authority::new(&cfg, partition.clone(), lease.as_ref().map(|l| l.until_ms));
         Self {
             table: EntityTable::new(cfg.world),
             game: LocalGame::new(&cfg, lease.as_ref().map(|l| &l.lease)),
@@ -537,7 +536,7 @@ impl Core {
                 .fence
                 .held_where(|f| matches!(f, handoff::Fenced::Input(_)))
             + self.handoff.input_order.held()
-            + self.authority.held_inputs.len()
+            + self.authority.held_input_count()
     }
 
     /// The restores this node decided and saw acked since the last call.
@@ -566,7 +565,7 @@ impl Core {
                 .fence
                 .held_where(|f| matches!(f, handoff::Fenced::Input(_)))
             + self.handoff.input_order.held()
-            + self.authority.held_inputs.len()
+            + self.authority.held_input_count()
     }
 
     /// What the epoch fence holds, entity by entity.
@@ -671,7 +670,7 @@ impl Core {
             Input::LeaseLost => self.on_lease_lost(),
             Input::LeaseRenewed(terms) => self.on_lease_renewed(terms),
             Input::Partition(p) => self.apply_partition(*p),
-            Input::Drain => self.begin_drain(),
+            Input::Drain => self.authority.begin_drain(&mut self.cx),
             Input::Timer => self.on_timer(),
             Input::Shutdown => self.shutdown(),
         }
@@ -728,11 +727,7 @@ impl Core {
             .chain(self.commands.next_due(|id| self.handoff.frozen(id)))
             .min()
             .unwrap_or(u64::MAX);
-        let lease = self
-            .authority
-            .lease_until_ms
-            .filter(|_| self.authority.lease_live)
-            .unwrap_or(u64::MAX);
+        let lease = self.authority.deadline().unwrap_or(u64::MAX);
         Some(self.timers.next_due().min(inputs).min(lease))
     }
 
@@ -752,7 +747,7 @@ impl Core {
             Timer::OverdueFrames => self.release_overdue_frames(),
             Timer::AskCheckpoints => {
                 self.game
-                    .ask_for_checkpoints(&mut self.cx, &self.table, self.authority.lease_live)
+                    .ask_for_checkpoints(&mut self.cx, &self.table, self.authority.lease_live())
             }
             Timer::GameGrace => self.expire_game_grace(),
             Timer::FlushCheckpoints => self.flush_checkpoints(),
@@ -780,6 +775,167 @@ impl Core {
                 }
             }
         }
+    }
+
+    // ------------------------------------------------------------------ authority
+
+    /// A renewal landed: minting and writing go on until its terms. After a lapse it is the
+    /// lease taken back, still under its epoch (nobody was granted the id meanwhile): what the
+    /// lapse froze thaws, and the inputs held meanwhile reach the game.
+    pub(crate) fn on_lease_renewed(&mut self, terms: LeaseTerms) {
+        let renewal = self.authority.on_lease_renewed(&self.cx, terms.until_ms);
+        if renewal == authority::Renewal::Ignored {
+            return;
+        }
+        // A lease of another node id would be a driver bug; minting then stays bounded.
+        let _ = self.game.ids.renewed(&terms.lease);
+        if renewal == authority::Renewal::TakenBack {
+            for i in self.authority.resume(&mut self.cx, &self.table) {
+                self.deliver_input(i);
+            }
+            let ready = self.game.slot.is_some() && !self.authority.draining();
+            self.cx.set_ready(ready);
+        }
+    }
+
+    /// No renewal landed before the lease's deadline: stop writing now, before the store could
+    /// grant the id to anyone else.
+    pub(crate) fn check_lease_deadline(&mut self) {
+        if self.authority.deadline_passed(&self.cx) {
+            self.on_lease_lapsed();
+        }
+    }
+
+    /// Whether this process may still write at `mono_ms` of its own clock: its lease is neither
+    /// lapsed, lost nor past its deadline. (The simulator checks it whenever the store grants
+    /// this node's id to another process.)
+    pub fn writes_at(&self, mono_ms: u64) -> bool {
+        self.authority.writes_at(mono_ms)
+    }
+
+    /// The lease was lost for good: this process writes nothing ever again and should exit, so
+    /// that its supervisor starts it afresh.
+    pub fn lease_lost(&self) -> bool {
+        self.authority.lost()
+    }
+
+    /// The lease lapsed: the store did not answer in time (a MongoDB election, a paused or
+    /// unreachable store). Everything this node owns is frozen and nothing is written, as if
+    /// the lease were lost, but the process stays: the driver keeps asking for the lease under
+    /// its epoch, and gets it back unless a restore fenced it meanwhile (then it is lost).
+    pub(crate) fn on_lease_lapsed(&mut self) {
+        if !self.authority.lapse(&mut self.cx) {
+            return;
+        }
+        // Released this tick and not offered yet: frozen already (the game released them).
+        let released = std::mem::take(&mut self.handoff.released);
+        self.handoff.released_by.clear();
+        for (root, r) in released {
+            self.authority.keep_frozen(root);
+            for a in &r.attachments {
+                self.authority.keep_frozen(a.entity_id);
+            }
+        }
+        // Frozen for a handoff whose offer has not left: its snapshot would be offered under
+        // a lease that may be gone, so the handoff is given up (the entities stay frozen, by
+        // the lapse now, and are offered again once the lease is back). Offers that left stand.
+        for (root, to, thawed) in self.handoff.outgoing.abandon_freezing(self.cx.now.mono_ms) {
+            self.cx
+                .metrics
+                .handoff(self.cx.config.node_id, to, "abandoned");
+            self.thaw(root, thawed, "the node lease lapsed before the snapshot");
+        }
+        let outgoing = &self.handoff.outgoing;
+        let freeze = self
+            .authority
+            .freeze_owned(&self.table, |id| outgoing.is_frozen(id));
+        for id in freeze {
+            self.freeze_in_game(id);
+        }
+    }
+
+    /// Whether the lease is lapsed (not lost): what would thaw stays frozen until it is back.
+    pub(crate) fn lease_lapsed(&self) -> bool {
+        self.authority.lapsed()
+    }
+
+    /// An input for the game while the lease is lapsed: held until it is back.
+    pub(crate) fn hold_input_during_lapse(&mut self, i: local::Input) {
+        self.authority.hold_input(&self.cx, i);
+    }
+
+    /// Another grant replaced this node's lease (a new process, or a restore's fence): this
+    /// process never writes again, and exits.
+    pub(crate) fn on_lease_lost(&mut self) {
+        for id in self.authority.on_lease_lost(&mut self.cx, &self.table) {
+            self.freeze_in_game(id);
+        }
+    }
+
+    /// A newer partition: the game learns its area, peers learn this node applied it, and every
+    /// entity standing where the partition gave the area to another node is handed over.
+    pub(crate) fn apply_partition(&mut self, p: Partition) {
+        let Some(applied) = self.authority.apply_partition(&self.cx, p) else {
+            return;
+        };
+        self.replication
+            .partition_changed(&self.cx.config, self.authority.partition());
+        let epoch = self.authority.partition().epoch();
+        let owned_area = self.owned_rects();
+        if self.game.slot.is_some() {
+            self.cx.out.to_game.push(
+                local::sidecar_message::Body::PartitionChanged(local::PartitionChanged {
+                    partition_epoch: epoch,
+                    owned_area,
+                })
+                .into(),
+            );
+        }
+        let ack = mesh_message::Body::PartitionAck(mesh::PartitionAck {
+            partition_epoch: epoch,
+        });
+        self.broadcast(ack);
+        let gone = self.authority.given_away(&self.cx, &self.table);
+        self.handoff.mass.extend(gone.iter().copied());
+        self.handoff.recheck.extend(gone);
+        self.spawners
+            .replanned(&mut self.cx, self.authority.partition());
+        if applied.retired {
+            self.authority.retired(&mut self.cx);
+        }
+    }
+
+    /// Whether a drain is over (see [`Authority::drained`]).
+    pub(crate) fn drained(&self) -> bool {
+        self.authority.drained(
+            &self.cx,
+            &self.table,
+            self.game.slot.is_some(),
+            &self.mesh,
+            self.handoff.outgoing.in_flight(),
+        )
+    }
+
+    /// Forgets the previous partitions once the change settled (see [`Authority::settle`]).
+    pub(crate) fn settle_partition(&mut self) {
+        if self.authority.settle(&self.cx, &self.table, &self.mesh) {
+            self.replication.partitions_settled();
+        }
+    }
+
+    /// This node's part of the live map: its reals (every k-th past `max`, by id) and its
+    /// handoffs of the last second.
+    pub fn node_map(&mut self, max: usize) -> cellmesh_world::world_map::NodeMap {
+        let handoffs = self.handoff.recent.shown(self.cx.now.mono_ms);
+        self.authority
+            .node_map(&self.cx, &self.table, max, handoffs)
+    }
+
+    /// Every real of this node, for a census.
+    pub fn reals(&self) -> Vec<authority::Real> {
+        let outgoing = &self.handoff.outgoing;
+        self.authority
+            .reals(&self.table, |id| outgoing.is_frozen(id))
     }
 
     // ------------------------------------------------------------------ outboxes
@@ -898,7 +1054,7 @@ impl Core {
                 self.close_link(old, "replaced by a newer link from the same peer");
             }
         }
-        let epoch = self.authority.partition.epoch();
+        let epoch = self.authority.partition().epoch();
         self.mesh.on_peer_up(&mut self.cx, link, node, epoch);
         self.resend_resolutions(node);
         // The owner forgot this node's subscriptions with the last link: ask again, for a fresh
@@ -941,11 +1097,6 @@ impl Core {
     /// Queues `body` for peer `node`; false (and counted) when no link to it is up.
     pub(crate) fn send_peer(&mut self, node: NodeId, body: mesh_message::Body) -> bool {
         self.mesh.send(&mut self.cx, node, body)
-    }
-
-    /// Queues `body` for peer `node`; false when no link to it is up (the caller counts it).
-    pub(crate) fn try_send_peer(&mut self, node: NodeId, body: mesh_message::Body) -> bool {
-        self.mesh.try_send(&mut self.cx, node, body)
     }
 
     pub(crate) fn up_peers(&self) -> Vec<NodeId> {
@@ -1029,7 +1180,7 @@ impl Core {
 
     /// After the tick's moves: the handoffs due now begin.
     pub(crate) fn check_handoffs(&mut self, changes: &model::entities::TickChanges) {
-        if self.game.slot.is_none() || !self.authority.lease_live || !self.mesh.clustered() {
+        if self.game.slot.is_none() || !self.authority.lease_live() || !self.mesh.clustered() {
             return;
         }
         let view = handoff::TargetView {
@@ -1057,7 +1208,7 @@ impl Core {
         }
         let alone = if self.game.slot.is_none() {
             Some("the game went away")
-        } else if !self.authority.lease_live {
+        } else if !self.authority.lease_live() {
             Some("this node's lease lapsed or was lost")
         } else if !self.mesh.clustered() {
             Some("this node is alone in the world")
@@ -1159,7 +1310,7 @@ impl Core {
 
     /// Whether the game may write `id` now; if not, it is told why (and nothing changes).
     pub(crate) fn may_write(&mut self, id: u64) -> bool {
-        let why = if !self.authority.lease_live {
+        let why = if !self.authority.lease_live() {
             Some(format!(
                 "entity {id}: this node's lease lapsed or was lost; everything it owns is frozen"
             ))
@@ -1177,12 +1328,12 @@ impl Core {
 
     /// The game's `Snapshot` of an entity frozen for a handoff (or for a lapsed lease).
     pub(crate) fn on_snapshot(&mut self, s: local::Snapshot) {
-        if !self.authority.lease_live {
+        if !self.authority.lease_live() {
             // Frozen by a lapsed or lost lease: nothing is offered; the snapshot is not needed.
-            self.authority.lapse_freeze_unanswered.remove(&s.entity_id);
+            self.authority.snapshot_while_not_live(s.entity_id);
             return;
         }
-        if self.authority.snapshot_owed.remove(&s.entity_id) && !self.handoff.is_frozen(s.entity_id)
+        if self.authority.take_owed_snapshot(s.entity_id) && !self.handoff.is_frozen(s.entity_id)
         {
             // The answer to a lapse's Freeze, come after the lease was back and the Thaw sent.
             return;
@@ -1404,7 +1555,7 @@ impl Core {
     ) {
         let lapsed = self.lease_lapsed();
         let game = self.game_conn();
-        let lapse = lapsed.then_some(&mut self.authority.frozen_by_lapse);
+        let lapse = lapsed.then_some(&mut self.authority);
         let held = self.handoff.thaw(
             &mut self.cx,
             &self.table,
@@ -1427,7 +1578,7 @@ impl Core {
     pub(crate) fn thaw_released(&mut self, id: u64, reason: &str) {
         let lapse = self
             .lease_lapsed()
-            .then_some(&mut self.authority.frozen_by_lapse);
+            .then_some(&mut self.authority);
         handoff::thaw_released(&mut self.cx, lapse, id, reason);
     }
 
@@ -1866,7 +2017,7 @@ impl Core {
         if self.game.slot.is_none() {
             return self.cx.metrics.drop_input("no_game");
         }
-        if !self.authority.lease_live && !self.authority.lost {
+        if !self.authority.lease_live() && !self.authority.lost() {
             return self.hold_input_during_lapse(i);
         }
         // Held for a gap while a newer session began (a handover, a second login): the game
@@ -1978,7 +2129,7 @@ impl Core {
         self.replication.step_sim_ghosts(
             &mut self.cx,
             &self.table,
-            &self.authority.area,
+            self.authority.area(),
             game_connected,
             |id| handoff.adopting(id),
             changes,
@@ -2412,7 +2563,7 @@ impl Core {
     pub fn cell_report(&mut self) -> cellmesh_world::balance::CellReport {
         let reals = self.real_count();
         let load = self.admission.refresh_load(&mut self.cx, reals);
-        balance::cell_report(&self.cx, load, &self.table, &self.authority.partition)
+        balance::cell_report(&self.cx, load, &self.table, self.authority.partition())
     }
 
     // ------------------------------------------------------------------ claims
@@ -2425,7 +2576,8 @@ impl Core {
     /// The game's `Claim`.
     pub(crate) fn on_claim(&mut self, c: local::Claim) {
         let game = self.game_conn();
-        let (table, handoff, lease_live) = (&self.table, &self.handoff, self.authority.lease_live);
+        let (table, handoff, lease_live) =
+            (&self.table, &self.handoff, self.authority.lease_live());
         self.claims.on_claim(&mut self.cx, c, game, |id| {
             claim_holder(table, handoff, lease_live, id)
         });
@@ -2454,7 +2606,7 @@ impl Core {
         };
         tracing::debug!(key = %p.key, holder = p.holder.entity, released = p.released, ?result, "claim answered");
         let game = self.game_conn();
-        let lease_live = self.authority.lease_live;
+        let lease_live = self.authority.lease_live();
         if p.spawner {
             let book = self.claims.book_mut();
             return self
@@ -2528,7 +2680,7 @@ impl Core {
     pub(crate) fn on_declare_spawners(&mut self, d: local::DeclareSpawners) {
         let declared = self
             .spawners
-            .on_declare(&mut self.cx, d, &self.authority.partition);
+            .on_declare(&mut self.cx, d, self.authority.partition());
         if let Err(detail) = declared {
             return self.game_error(local::ErrorCode::InvalidValue, detail, 0);
         }
@@ -2538,7 +2690,7 @@ impl Core {
     /// Claims due for this node's points.
     fn spawners_step(&mut self) {
         let game = self.game.slot.as_ref().map(|g| g.conn);
-        let lease_live = self.authority.lease_live;
+        let lease_live = self.authority.lease_live();
         self.spawners
             .step(&mut self.cx, self.claims.book_mut(), game, lease_live);
     }
@@ -2779,7 +2931,7 @@ impl Core {
     /// it despawned (see [`avatars::Avatars::sync_master_records`]).
     pub(crate) fn sync_master_records(&mut self) {
         let incarnation = self.restore.incarnation;
-        let writable = incarnation != 0 && self.authority.lease_live && self.mesh.clustered();
+        let writable = incarnation != 0 && self.authority.lease_live() && self.mesh.clustered();
         self.avatars
             .sync_master_records(&mut self.cx, &self.table, incarnation, writable);
     }
@@ -3098,7 +3250,7 @@ impl Core {
         let owner = last
             .and_then(|[x, y, _]| {
                 let at = cellmesh_world::geometry::Pos { x, y };
-                self.authority.partition.owner_of(at).ok()
+                self.authority.partition().owner_of(at).ok()
             })
             .unwrap_or(me);
         if owner != me && self.send_join(owner, account, epoch, last) {
@@ -3178,7 +3330,7 @@ impl Core {
             "sessions": sessions,
             "links": links,
             "peers": peers,
-            "partition_epoch": self.authority.partition.epoch(),
+            "partition_epoch": self.authority.partition().epoch(),
             "ghosts_render": self.table.ghost_count(),
             "reals": self.table.len() - self.table.ghost_count(),
             "load": self.admission.load_state(),
@@ -3197,9 +3349,9 @@ impl Core {
             "handoffs_in_doubt": self.handoff.outgoing.in_doubt().map(|(id, to, epoch)| json!({"entity": id, "to": to, "epoch": epoch})).collect::<Vec<_>>(),
             "adopting": self.handoff.adopting.len(),
             "held_frames": self.handoff.fence.held(),
-            "lease_live": self.authority.lease_live,
-            "lease_lost": self.authority.lost,
-            "draining": self.authority.draining.is_some(),
+            "lease_live": self.authority.lease_live(),
+            "lease_lost": self.authority.lost(),
+            "draining": self.authority.draining(),
             "admission": self.admission.state(&self.cx),
         })
     }

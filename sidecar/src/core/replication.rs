@@ -214,8 +214,8 @@ impl Replication {
             return v.clone();
         }
         let reach = cx.config.reach_chunks();
-        let mut near = subs::owners_near(&authority.partition, chunk, reach);
-        for prev in &authority.prev_partitions {
+        let mut near = subs::owners_near(authority.partition(), chunk, reach);
+        for prev in authority.previous_partitions() {
             // Until the mass handoffs settle, the previous owners still write entities there.
             near.extend(subs::owners_near(prev, chunk, reach));
         }

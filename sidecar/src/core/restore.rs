@@ -256,7 +256,7 @@ impl Core {
     fn fence_lapsed(&mut self) {
         let now = self.cx.now.mono_ms;
         let grace = lapse_grace_ms(self.cx.config.node_lease_ms);
-        if now < self.authority.live_since_ms + grace {
+        if now < self.authority.live_since_ms() + grace {
             return;
         }
         let due: Vec<Incarnation> = self
@@ -642,7 +642,7 @@ impl Core {
 
     /// Whether this node may decide restores at all: it writes, and knows who is alive.
     fn may_decide(&self) -> bool {
-        self.authority.lease_live && self.mesh.clustered() && self.restore.leases_heard
+        self.authority.lease_live() && self.mesh.clustered() && self.restore.leases_heard
     }
 
     /// Whether this node decides the restore of `node`'s dead processes. Each geo keeps its
@@ -681,7 +681,7 @@ impl Core {
             .iter()
             .copied()
             .filter(|n| {
-                *n != me && self.authority.partition.chunks_of(*n) > 0 && self.decides_for(*n)
+                *n != me && self.authority.partition().chunks_of(*n) > 0 && self.decides_for(*n)
             })
             .collect();
         if !gone.is_empty() {
@@ -720,7 +720,7 @@ impl Core {
         for inc in decided {
             self.finish_round(inc);
         }
-        let epoch = self.authority.partition.epoch();
+        let epoch = self.authority.partition().epoch();
         let on_partition = self
             .restore
             .live
@@ -848,13 +848,13 @@ impl Core {
     /// Commits the partition without the `dead` (once per partition epoch; a losing commit
     /// learns the winner's partition like any other).
     fn ask_replan(&mut self, dead: &[NodeId]) {
-        let from = self.authority.partition.epoch();
+        let from = self.authority.partition().epoch();
         if self.restore.replan_from == Some(from) {
             return;
         }
         let mut live: Vec<NodeId> = self.restore.live.keys().copied().collect();
         live.push(self.cx.config.node_id);
-        match self.authority.partition.without(dead, &live) {
+        match self.authority.partition().without(dead, &live) {
             Ok(Some(p)) => {
                 tracing::warn!(
                     ?dead,
@@ -965,7 +965,7 @@ impl Core {
             checkpoints.extend(round.checkpoints.take().unwrap_or_default());
         }
         let inc = incs[0];
-        let partition = self.authority.partition.clone();
+        let partition = self.authority.partition().clone();
         let mut live: BTreeSet<NodeId> = self.restore.live.keys().copied().collect();
         live.insert(me);
         // Only a live process holds anything: not one that died since it was reported (a node
@@ -1027,7 +1027,7 @@ impl Core {
             mut offer,
             reporters,
         } = r;
-        offer.partition_epoch = self.authority.partition.epoch();
+        offer.partition_epoch = self.authority.partition().epoch();
         let id = offer.entity_id;
         self.restore.offering.insert(
             id,
@@ -1068,7 +1068,7 @@ impl Core {
                 .as_ref()
                 .and_then(|p| {
                     self.authority
-                        .partition
+                        .partition()
                         .owner_of(Pos { x: p.x, y: p.y })
                         .ok()
                 })
