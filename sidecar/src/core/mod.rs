@@ -452,10 +452,7 @@ impl Core {
             routing: Routing::default(),
             handoff: Handoffs::default(),
             authority,
-            restore: restore::Restore {
-                incarnation: lease.as_ref().map_or(0, |l| l.lease.epoch),
-                ..Default::default()
-            },
+            restore: restore::Restore::new(lease.as_ref().map_or(0, |l| l.lease.epoch)),
             avatars: avatars::Avatars::default(),
             commands: commands::Commands::default(),
             claims: Default::default(),
@@ -476,7 +473,7 @@ impl Core {
     /// Names this process's incarnation (its lease epoch) where no lease is passed to
     /// [`Core::new`] (the simulator's stores have none): checkpoints go to the store under it.
     pub fn set_incarnation(&mut self, lease_epoch: u64) {
-        self.restore.incarnation = lease_epoch;
+        self.restore.set_incarnation(lease_epoch);
     }
 
     /// Entities this process spawned whose first checkpoint has not reached the store yet: if
@@ -492,7 +489,7 @@ impl Core {
 
     /// Dead processes whose world this node has not seen restored yet.
     pub fn restores_pending(&self) -> usize {
-        self.restore.dead.len()
+        self.restore.pending()
     }
 
     /// Every entity the node holds, reals and render ghosts (read-only).
@@ -541,7 +538,7 @@ impl Core {
 
     /// The restores this node decided and saw acked since the last call.
     pub fn take_restored(&mut self) -> Vec<Restored> {
-        std::mem::take(&mut self.restore.log)
+        self.restore.take_log()
     }
 
     /// Client inputs held here that no other node has a copy of: lost if this process died now.
@@ -642,9 +639,11 @@ impl Core {
                 node,
                 lease_epoch,
                 result,
-            }) => self.on_checkpoints_loaded(node, lease_epoch, result),
+            }) => self
+                .restore
+                .on_checkpoints_loaded(&self.cx, node, lease_epoch, result),
             Input::Store(StoreReply::PartitionCommitted { epoch, result }) => {
-                self.on_partition_committed(epoch, result)
+                self.restore.on_partition_committed(epoch, result)
             }
             Input::Store(StoreReply::Checkpointed { result }) => self.on_checkpointed(result),
             Input::Store(StoreReply::CheckpointsNotWritten {
@@ -938,6 +937,274 @@ impl Core {
             .reals(&self.table, |id| outgoing.is_frozen(id))
     }
 
+    // ------------------------------------------------------------------ restore
+
+    /// The store's word on who is alive (see [`restore::Restore::note_leases`]).
+    pub(crate) fn note_leases(&mut self, live: &[(NodeId, u64)], lapsed: &[(NodeId, u64)]) {
+        for inc in self.restore.note_leases(&self.cx, live, lapsed) {
+            self.mark_dead(inc);
+        }
+    }
+
+    /// The store's answer to a fence: a fenced (or replaced) lease's process is dead.
+    pub(crate) fn on_lease_fenced(
+        &mut self,
+        node: NodeId,
+        epoch: u64,
+        result: Result<Fence, String>,
+    ) {
+        if let Some(inc) = self.restore.on_lease_fenced(&self.cx, node, epoch, result) {
+            self.mark_dead(inc);
+        }
+    }
+
+    /// Nothing more is taken from process `inc`.
+    pub(crate) fn mark_dead(&mut self, inc: restore::Incarnation) {
+        if let Some(dead) = self.restore.mark_dead(&self.cx, &self.table, inc) {
+            self.process_died(dead);
+        }
+    }
+
+    /// A process this node has just taken for dead: its link goes if no process holds its node
+    /// id, handoffs towards it that never left thaw, and those in doubt wait for the decider.
+    fn process_died(&mut self, dead: restore::Dead) {
+        let (node, _) = dead.inc;
+        if dead.departed {
+            if let Some(link) = self.mesh.peer_link(node) {
+                self.close_link(link, "its process is dead");
+            }
+        }
+        for (root, _, thawed) in self
+            .handoff
+            .outgoing
+            .abandon_freezing_towards(node, self.cx.now.mono_ms)
+        {
+            self.cx
+                .metrics
+                .handoff(self.cx.config.node_id, node, "abandoned");
+            self.thaw(root, thawed, "the target died before the offer left");
+            self.handoff.retry.remove(&root);
+        }
+        let in_doubt = self
+            .handoff
+            .outgoing
+            .in_doubt()
+            .filter(|(_, to, _)| *to == node)
+            .map(|(root, _, _)| root)
+            .collect();
+        self.restore.in_doubt_to(dead.inc, in_doubt);
+    }
+
+    /// The decider asks what this node holds of the dead process's world.
+    pub(crate) fn on_restore_query(&mut self, from: NodeId, q: mesh::RestoreQuery) {
+        self.mark_dead((q.node, q.lease_epoch));
+        let holdings = restore::Holdings {
+            table: &self.table,
+            outgoing: &self.handoff.outgoing,
+            adopting: &self.handoff.adopting,
+        };
+        self.restore
+            .report(&mut self.cx, &self.mesh, &holdings, from, q);
+    }
+
+    /// The decider's word on an offer this node made to a dead process.
+    pub(crate) fn on_restore_resolved(&mut self, r: mesh::RestoreResolved) {
+        let id = r.entity_id;
+        let now = self.cx.now.mono_ms;
+        match self.restore.on_resolved(&self.cx, &r) {
+            restore::Resolution::Repeat => {}
+            restore::Resolution::Returned { dead } => {
+                let Some((to, offered)) = self.handoff.outgoing.target_of(id) else {
+                    return;
+                };
+                if let Ok(thawed) = self.handoff.outgoing.refused(id, offered, to, now) {
+                    self.cx
+                        .metrics
+                        .handoff(self.cx.config.node_id, dead, "returned");
+                    self.thaw(
+                        id,
+                        thawed,
+                        "its target died; this node owns its position now",
+                    );
+                }
+            }
+            restore::Resolution::Settle => {
+                match self
+                    .handoff
+                    .outgoing
+                    .resolve(id, r.owner_node, r.entity_epoch, now)
+                {
+                    Ok(done) => self.complete_handoff(done),
+                    Err(e) => tracing::debug!(entity = id, error = %e, "restore word on no offer"),
+                }
+            }
+            restore::Resolution::Redirect => {
+                self.handoff
+                    .outgoing
+                    .redirect_departed(id, r.owner_node, r.entity_epoch);
+            }
+        }
+    }
+
+    /// The dead process's world is restored: its ghosts nobody took over are gone.
+    pub(crate) fn on_restore_done(&mut self, d: mesh::RestoreDone) {
+        let inc = (d.node, d.lease_epoch);
+        let ghosts = self.restore.on_done(inc);
+        self.avatars_restored(inc);
+        for (id, epoch) in ghosts {
+            if self.restore.left_over(&self.table, d.node, id, epoch) && !self.ghost_orphaned(id) {
+                tracing::debug!(
+                    me = self.cx.config.node_id,
+                    entity = id,
+                    "ghost of a dead process dropped: not restored"
+                );
+                self.replication.forget_stale(id);
+                self.drop_ghost(id);
+            }
+        }
+    }
+
+    /// Writes the checkpoints taken (and forgets those let go) since the last flush, when one
+    /// is due (see [`restore::Restore::flush_due`]).
+    pub(crate) fn flush_checkpoints(&mut self) {
+        let fresh = self.game.checkpoints.fresh();
+        if !self
+            .restore
+            .flush_due(&self.cx, self.mesh.clustered(), fresh)
+        {
+            return;
+        }
+        let (taken, forgotten) = self.game.checkpoints.take_changes();
+        let put: Vec<mesh::HandoffOffer> = taken
+            .into_iter()
+            .filter_map(|id| self.checkpoint_record(id))
+            .collect();
+        if put.is_empty() && forgotten.is_empty() {
+            return;
+        }
+        let ids: Vec<u64> = put.iter().map(|c| c.entity_id).collect();
+        self.game.checkpoints.written(&ids, &forgotten);
+        self.restore.write_checkpoints(&mut self.cx, put, forgotten);
+    }
+
+    /// A checkpoint write the store refused: what it carried is written again at the next flush
+    /// (what changed since goes with it), so the store never keeps less than it was sent.
+    pub(crate) fn on_checkpoints_not_written(
+        &mut self,
+        lease_epoch: u64,
+        put: Vec<u64>,
+        remove: Vec<u64>,
+    ) {
+        if lease_epoch != self.restore.incarnation() {
+            return;
+        }
+        for id in put.into_iter().chain(remove) {
+            self.game.checkpoints.unflushed(id);
+        }
+    }
+
+    /// The checkpoint of `id` as the store keeps it: an offer a successor could adopt.
+    fn checkpoint_record(&self, id: u64) -> Option<mesh::HandoffOffer> {
+        let e = self.table.get_local(id)?;
+        let kept = self.game.checkpoints.latest(id)?;
+        let age = self.cx.now.mono_ms.saturating_sub(kept.at_ms);
+        Some(mesh::HandoffOffer {
+            successor: true,
+            state_unix_ms: self.cx.now.unix_ms.saturating_sub(age),
+            ..self.offer_of(e, kept.epoch, kept.state.clone())
+        })
+    }
+
+    /// Forgets offers settled long enough ago that their targets have checkpointed them.
+    pub(crate) fn prune_sent_offers(&mut self) {
+        let outgoing = &self.handoff.outgoing;
+        self.restore
+            .prune_sent(&self.cx, |root| outgoing.is_frozen(root));
+    }
+
+    /// Moves every round this node decides one step on: the questions and the offers made
+    /// again first, then, once every restore offer is answered, the rounds decided before are
+    /// finished and those ready decided.
+    pub(crate) fn restore_step(&mut self) {
+        let Some((prepared, acts)) =
+            self.restore
+                .prepare_step(&mut self.cx, &self.mesh, &self.authority)
+        else {
+            return;
+        };
+        self.restore_acts(acts);
+        let Some((decided, undecided)) = self.restore.rounds_of(&prepared) else {
+            return;
+        };
+        for inc in decided {
+            let done = self.restore.finish_round(inc);
+            self.broadcast(mesh_message::Body::RestoreDone(done));
+            self.on_restore_done(done);
+            self.cx.store(StoreRequest::DropCheckpoints {
+                node: done.node,
+                lease_epoch: done.lease_epoch,
+            });
+        }
+        let partition = self.authority.partition();
+        if !self
+            .restore
+            .decides_now(&self.cx, &self.mesh, partition, &prepared, &undecided)
+        {
+            return;
+        }
+        let holdings = restore::Holdings {
+            table: &self.table,
+            outgoing: &self.handoff.outgoing,
+            adopting: &self.handoff.adopting,
+        };
+        let acts = self
+            .restore
+            .decide_rounds(&self.cx, &holdings, partition, &undecided);
+        self.restore_acts(acts);
+    }
+
+    /// The processes with checkpoints in the store (see [`restore::Restore::on_checkpointed`]).
+    pub(crate) fn on_checkpointed(&mut self, result: Result<Vec<(NodeId, u64)>, String>) {
+        let acts = self.restore.on_checkpointed(&self.cx, &self.table, result);
+        self.restore_acts(acts);
+    }
+
+    /// A target's answer to a restore offer; false when it answers no restore of this node.
+    pub(crate) fn on_restore_answer(
+        &mut self,
+        from: NodeId,
+        id: u64,
+        epoch: u64,
+        refused: Option<&str>,
+    ) -> bool {
+        let answer = self
+            .restore
+            .on_answer(&self.cx, &self.mesh, from, id, epoch, refused);
+        let Some(acts) = answer else {
+            return false;
+        };
+        self.restore_acts(acts);
+        true
+    }
+
+    /// Carries out what a death or a decision of the restore part comes to, in its order.
+    fn restore_acts(&mut self, acts: Vec<restore::Act>) {
+        use restore::Act;
+        let me = self.cx.config.node_id;
+        for act in acts {
+            match act {
+                Act::Send(node, body) => {
+                    self.send_peer(node, body);
+                }
+                Act::Store(request) => self.cx.store(request),
+                Act::Died(dead) => self.process_died(dead),
+                Act::OfferHere(offer) => self.on_handoff_offer(me, offer),
+                Act::ResolvedHere(r) => self.on_restore_resolved(r),
+                Act::MovedHere(from, moved) => self.on_entity_moved(from, moved),
+            }
+        }
+    }
+
     // ------------------------------------------------------------------ outboxes
 
     /// Turns everything queued into frames, one batch per link and one for the game.
@@ -1039,7 +1306,7 @@ impl Core {
         for p in &peers {
             if !p.geo.is_empty() {
                 // Kept after the peer dies: its geo's decider restores it.
-                self.restore.geo_of.insert(p.node, p.geo.clone());
+                self.restore.note_geo(p.node, p.geo.clone());
             }
         }
         let live = peers.into_iter().map(|p| (p.node, p.mesh_addr)).collect();
@@ -1056,7 +1323,8 @@ impl Core {
         }
         let epoch = self.authority.partition().epoch();
         self.mesh.on_peer_up(&mut self.cx, link, node, epoch);
-        self.resend_resolutions(node);
+        self.restore
+            .resend_resolutions(&mut self.cx, &self.mesh, node);
         // The owner forgot this node's subscriptions with the last link: ask again, for a fresh
         // snapshot burst.
         self.replication.resubscribe(&mut self.cx, &self.mesh, node);
@@ -1099,10 +1367,6 @@ impl Core {
         self.mesh.send(&mut self.cx, node, body)
     }
 
-    pub(crate) fn up_peers(&self) -> Vec<NodeId> {
-        self.mesh.up_peers()
-    }
-
     pub(crate) fn broadcast(&mut self, body: mesh_message::Body) {
         self.mesh.broadcast(&mut self.cx, body);
     }
@@ -1124,7 +1388,7 @@ impl Core {
             B::PartitionAck(a) => self.mesh.on_partition_ack(node, a.partition_epoch),
             B::EntityEvent(ev) => self.on_peer_entity_event(node, ev),
             B::RestoreQuery(q) => self.on_restore_query(node, q),
-            B::RestoreReport(r) => self.on_restore_report(node, r),
+            B::RestoreReport(r) => self.restore.on_report(node, r),
             B::RestoreResolved(r) => self.on_restore_resolved(r),
             B::RestoreDone(d) => self.on_restore_done(d),
             B::PlayerJoin(j) => self.on_peer_player_join(node, j),
@@ -1434,8 +1698,8 @@ impl Core {
         let last_tick = self.game.last_tick_end_ms.unwrap_or(0);
         self.handoff.offer_sent(&self.cx, root, last_tick);
         // Kept until the target has surely checkpointed it (see `restore`).
-        let to_lease = self.restore.live.get(&to).copied().unwrap_or(0);
-        self.restore.sent.insert(
+        let to_lease = self.restore.lease_of(to).unwrap_or(0);
+        self.restore.offer_sent(
             root,
             restore::SentOffer {
                 at_ms: now,
@@ -1524,8 +1788,7 @@ impl Core {
         // (the offer carries the session it was made under).
         let offered = self
             .restore
-            .sent
-            .get(&id)
+            .sent_offer(id)
             .map_or(0, |s| s.offer.session_epoch);
         if let Some(r) = self.routing.remote_player(&account) {
             if r.session_epoch > offered && r.gateway_node != done.to {
@@ -1603,7 +1866,7 @@ impl Core {
             return;
         }
         if let Some(thawed) = self.handoff.refused(&mut self.cx, from, &r) {
-            self.restore.sent.remove(&r.entity_id);
+            self.restore.forget_sent(r.entity_id);
             self.thaw(r.entity_id, thawed, &r.reason);
         }
     }
@@ -1642,7 +1905,7 @@ impl Core {
     /// its id (it never saw the old offer; it adopts from the snapshot).
     pub(crate) fn resume_offers(&mut self, node: NodeId) {
         for root in self.handoff.offered_to(node) {
-            if self.restore.in_doubt_to_dead.contains_key(&root) {
+            if self.restore.offered_to_dead(root) {
                 // Made to a process that died: the restore of its world settles it.
                 continue;
             }
@@ -1654,7 +1917,7 @@ impl Core {
 
     /// A peer's offer (or this node's own restore of a dead process's entity).
     pub(crate) fn on_handoff_offer(&mut self, from: NodeId, o: mesh::HandoffOffer) {
-        let from_dead = !self.restore.live.contains_key(&from)
+        let from_dead = !self.restore.is_live(from)
             && from != self.cx.config.node_id
             && self.restore.is_dead_node(from);
         let game_connected = self.game.slot.is_some();
@@ -2076,7 +2339,7 @@ impl Core {
         }
         let awaiting_restore = stale
             .into_iter()
-            .filter(|id| self.awaits_restore(*id))
+            .filter(|id| self.restore.awaits_restore(&self.table, *id))
             .collect();
         let dropped = self.replication.sweep_stale(
             &self.cx,
@@ -2704,7 +2967,7 @@ impl Core {
             .get_local(c.from_entity)
             .map(|e| e.owner_account.clone())
             .unwrap_or_default();
-        let incarnation = self.restore.incarnation;
+        let incarnation = self.restore.incarnation();
         match self
             .commands
             .on_game_command(&mut self.cx, c, from_account, incarnation)
@@ -2720,7 +2983,7 @@ impl Core {
     pub(crate) fn on_command_reply(&mut self, r: local::CommandReply) {
         let path = commands::ResultPath {
             mesh: &self.mesh,
-            incarnation: self.restore.incarnation,
+            incarnation: self.restore.incarnation(),
         };
         self.commands.on_reply(&mut self.cx, &path, r);
     }
@@ -2730,7 +2993,7 @@ impl Core {
     pub(crate) fn route_command(&mut self, c: mesh::EntityCommand) {
         let path = commands::ResultPath {
             mesh: &self.mesh,
-            incarnation: self.restore.incarnation,
+            incarnation: self.restore.incarnation(),
         };
         let next = self
             .commands
@@ -2759,7 +3022,7 @@ impl Core {
         let burnt = self.handoff.fence.is_burnt(id, epoch);
         let path = commands::ResultPath {
             mesh: &self.mesh,
-            incarnation: self.restore.incarnation,
+            incarnation: self.restore.incarnation(),
         };
         self.commands
             .fenced(&mut self.cx, &path, id, epoch, admitted, burnt);
@@ -2797,7 +3060,7 @@ impl Core {
                     let game_connected = self.game.slot.is_some();
                     let path = commands::ResultPath {
                         mesh: &self.mesh,
-                        incarnation: self.restore.incarnation,
+                        incarnation: self.restore.incarnation(),
                     };
                     self.commands
                         .for_game(&mut self.cx, &path, *c, game_connected);
@@ -2832,7 +3095,7 @@ impl Core {
         }
         let path = commands::ResultPath {
             mesh: &self.mesh,
-            incarnation: self.restore.incarnation,
+            incarnation: self.restore.incarnation(),
         };
         self.commands.send_on(&mut self.cx, &path, to, c, copy_kept);
     }
@@ -2867,7 +3130,7 @@ impl Core {
     pub(crate) fn command_target_gone(&mut self, id: u64) {
         let path = commands::ResultPath {
             mesh: &self.mesh,
-            incarnation: self.restore.incarnation,
+            incarnation: self.restore.incarnation(),
         };
         self.commands.target_gone(&mut self.cx, &path, id);
     }
@@ -2890,7 +3153,7 @@ impl Core {
     pub(crate) fn on_located(&mut self, from: NodeId, l: mesh::Located) {
         let path = commands::ResultPath {
             mesh: &self.mesh,
-            incarnation: self.restore.incarnation,
+            incarnation: self.restore.incarnation(),
         };
         let forward = self.commands.on_located(&mut self.cx, &path, from, l);
         for (owner, epoch, c) in forward {
@@ -2900,7 +3163,7 @@ impl Core {
 
     /// A result from the writer (or a node that dropped the command): to the game, once.
     pub(crate) fn on_command_result(&mut self, r: mesh::EntityCommandResult) {
-        let incarnation = self.restore.incarnation;
+        let incarnation = self.restore.incarnation();
         self.commands.on_result(&mut self.cx, incarnation, r);
     }
 
@@ -2908,7 +3171,7 @@ impl Core {
     pub(crate) fn commands_step(&mut self) {
         let path = commands::ResultPath {
             mesh: &self.mesh,
-            incarnation: self.restore.incarnation,
+            incarnation: self.restore.incarnation(),
         };
         self.commands.step(&mut self.cx, &path);
     }
@@ -2930,7 +3193,7 @@ impl Core {
     /// Writes the master records of avatars this node now writes, and clears those of avatars
     /// it despawned (see [`avatars::Avatars::sync_master_records`]).
     pub(crate) fn sync_master_records(&mut self) {
-        let incarnation = self.restore.incarnation;
+        let incarnation = self.restore.incarnation();
         let writable = incarnation != 0 && self.authority.lease_live() && self.mesh.clustered();
         self.avatars
             .sync_master_records(&mut self.cx, &self.table, incarnation, writable);
@@ -3108,12 +3371,9 @@ impl Core {
     fn gateway_elsewhere_lives(&self, gateway: NodeId) -> bool {
         let elsewhere = self
             .restore
-            .geo_of
-            .get(&gateway)
-            .is_some_and(|g| *g != self.cx.config.geo);
-        elsewhere
-            && (self.restore.live.contains_key(&gateway)
-                || self.restore.lapsed.contains_key(&gateway))
+            .geo_of(gateway)
+            .is_some_and(|g| g != self.cx.config.geo);
+        elsewhere && (self.restore.is_live(gateway) || self.restore.is_lapsed(gateway))
     }
 
     /// The session of a player whose avatar this node simulates for another gateway ended.
@@ -3155,7 +3415,7 @@ impl Core {
             return AvatarAt::Nowhere;
         };
         let me = self.cx.config.node_id;
-        if m.node == me && m.lease_epoch == self.restore.incarnation {
+        if m.node == me && m.lease_epoch == self.restore.incarnation() {
             if self.writes_master(account) {
                 return AvatarAt::Here;
             }
@@ -3165,14 +3425,14 @@ impl Core {
                 _ => AvatarAt::Nowhere,
             };
         }
-        if self.restore.fenced.contains(&(m.node, m.lease_epoch)) {
+        if self.restore.is_fenced((m.node, m.lease_epoch)) {
             return AvatarAt::Restoring;
         }
-        match self.restore.live.get(&m.node) {
-            Some(l) if *l == m.lease_epoch => AvatarAt::Peer(m.node),
+        match self.restore.lease_of(m.node) {
+            Some(l) if l == m.lease_epoch => AvatarAt::Peer(m.node),
             // A newer process holds the id, or the lease lapsed: the writer is dead.
             Some(_) => AvatarAt::Restoring,
-            None if self.restore.live.is_empty() => AvatarAt::Peer(m.node),
+            None if self.restore.knows_no_live_peer() => AvatarAt::Peer(m.node),
             None => AvatarAt::Restoring,
         }
     }
@@ -3180,9 +3440,7 @@ impl Core {
     /// A session whose avatar is being restored waits for the restored owner's anchor.
     pub(crate) fn await_avatar(&mut self, account: &str, master: Option<MasterEntry>) {
         let dead = master.map(|m| (m.node, m.lease_epoch));
-        let restored = dead.is_some_and(|inc| {
-            self.restore.fenced.contains(&inc) && !self.restore.dead.contains_key(&inc)
-        });
+        let restored = dead.is_some_and(|inc| self.restore.is_restored(inc));
         self.avatars.await_avatar(&self.cx, account, dead, restored);
         self.gateway.forget_master_owner(account);
     }
@@ -3207,7 +3465,7 @@ impl Core {
     fn join_live_writers(&mut self) {
         let restore = &self.restore;
         let waiting = self.avatars.waiting_on_live(|(node, epoch)| {
-            restore.live.get(&node) == Some(&epoch) && !restore.fenced.contains(&(node, epoch))
+            restore.lease_of(node) == Some(epoch) && !restore.is_fenced((node, epoch))
         });
         for (account, writer) in waiting {
             let Some((key, epoch)) = self.session_epoch(&account) else {

@@ -16,16 +16,26 @@
 //! 4. each ack moves the entity's ghosts to its new owner and settles the offers made of it to
 //!    the dead node; with every restore answered, `RestoreDone` lets the peers drop the dead
 //!    process's ghosts that nobody took over.
+//!
+//! This part keeps who is alive and who died, the offers this node made, the rounds it decides
+//! and the restore offers out. What a death or a decision comes to for the handoffs, the links
+//! and the ghosts, the core carries out, in the order the part gives it ([`Act`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use cellmesh_proto::mesh::{self, mesh_message};
 use cellmesh_world::geometry::Pos;
-use cellmesh_world::partition::NodeId;
-
+use cellmesh_world::partition::{NodeId, Partition};
 use prost::Message;
+use rustc_hash::FxHashMap as HashMap;
 
-use super::*;
+use super::authority::Authority;
+use super::context::Context;
+use super::handoff::Routed;
+use super::peers::Mesh;
+use super::{LinkId, StoreRequest};
+use crate::model::entities::EntityTable;
+use crate::model::handoff::HandoffSource;
 use crate::model::restore::{self as model, Restoration};
 
 /// A process of the cluster: its node id and the lease epoch it held.
@@ -112,61 +122,61 @@ pub struct Restored {
 #[derive(Default)]
 pub(crate) struct Restore {
     /// This process's lease epoch (0: no lease, nothing is checkpointed to the store).
-    pub incarnation: u64,
+    incarnation: u64,
     /// The live peers and their lease epochs, as the store last said.
-    pub live: BTreeMap<NodeId, u64>,
+    live: BTreeMap<NodeId, u64>,
     /// Whether the store said yet: a process that has just started knows no peer, and must
     /// not take itself for the lowest live node.
-    pub leases_heard: bool,
+    leases_heard: bool,
     /// Dead processes whose world is not restored yet, each with the ghosts of it held here
     /// when it died and their epochs then (they stay until a restored owner takes them over,
     /// under a newer epoch, or the round ends).
-    pub dead: BTreeMap<Incarnation, BTreeMap<u64, u64>>,
+    dead: BTreeMap<Incarnation, BTreeMap<u64, u64>>,
     /// Every dead process this node heard of: nothing is taken from them.
-    pub fenced: BTreeSet<Incarnation>,
+    fenced: BTreeSet<Incarnation>,
     /// Every process the store said was alive while this one ran: only those can have written
     /// the ghosts held here (a process that started after its node id's previous one died holds
     /// ghosts of the new one only).
-    pub known: BTreeSet<Incarnation>,
+    known: BTreeSet<Incarnation>,
     /// Offers this node made, kept while in doubt and for a while after the ack: the target
     /// may die before it checkpoints what it adopted, and a round must know what moved between
     /// live nodes while it asked them. root -> the offer.
-    pub sent: BTreeMap<u64, SentOffer>,
+    sent: BTreeMap<u64, SentOffer>,
     /// In-doubt offers to a process that died: frozen until the decider settles them.
-    pub in_doubt_to_dead: BTreeMap<u64, Incarnation>,
-    pub rounds: BTreeMap<Incarnation, Round>,
-    pub offering: BTreeMap<u64, Offering>,
+    in_doubt_to_dead: BTreeMap<u64, Incarnation>,
+    rounds: BTreeMap<Incarnation, Round>,
+    offering: BTreeMap<u64, Offering>,
     /// The partition epoch a re-plan was asked from (once per epoch).
-    pub replan_from: Option<u64>,
-    pub next_flush_ms: u64,
+    replan_from: Option<u64>,
+    next_flush_ms: u64,
     /// Nodes whose process died with no new one holding their id: the partition gives them
     /// nothing while they stay so.
-    pub departed: BTreeSet<NodeId>,
+    departed: BTreeSet<NodeId>,
     /// When the decider next lists the processes with checkpoints, and whether it is listing.
-    pub next_list_ms: u64,
-    pub listing: bool,
+    next_list_ms: u64,
+    listing: bool,
     /// Processes with checkpoints and no lease in this node's view, since when (monotonic ms).
-    pub suspects: BTreeMap<Incarnation, u64>,
+    suspects: BTreeMap<Incarnation, u64>,
     /// Restores this node decided and saw acked, since the driver last took them.
-    pub log: Vec<Restored>,
+    log: Vec<Restored>,
     /// The decider's word sent to each reporter lately, with when: sent again whenever the
     /// link to that reporter comes back, since a word lost with a cut link would leave the
     /// reporter's unit frozen for good.
-    pub resolved_for: BTreeMap<NodeId, Vec<(u64, mesh::RestoreResolved)>>,
+    resolved_for: BTreeMap<NodeId, Vec<(u64, mesh::RestoreResolved)>>,
     /// The geo of every node whose record this node read: a dead node's checkpoints are in its
     /// geo's store, so that geo's lowest live node restores it.
-    pub geo_of: BTreeMap<NodeId, String>,
+    geo_of: BTreeMap<NodeId, String>,
     /// Peers' leases lapsed in the store and not replaced by another grant, by the store's
     /// last word: their holders may take them back (see `TopologyStore::reclaim_lease`).
-    pub lapsed: BTreeMap<NodeId, u64>,
+    lapsed: BTreeMap<NodeId, u64>,
     /// Incarnations whose lease lapsed, not replaced yet, since when (monotonic ms). Not dead
     /// yet: a store that stopped answering (an election, a pause) lapses every lease at once,
     /// and every holder takes its own back when it answers again. Their geo's decider fences
     /// those still lapsed after [`lapse_grace_ms`]; then they are dead. Meanwhile no round is
     /// decided: what they hold must be known first.
-    pub lapsed_since: BTreeMap<Incarnation, u64>,
+    lapsed_since: BTreeMap<Incarnation, u64>,
     /// Fences asked of the store, and when.
-    pub fencing: BTreeMap<Incarnation, u64>,
+    fencing: BTreeMap<Incarnation, u64>,
 }
 
 /// How long a lapsed lease is left to be taken back before its geo's decider fences it: a
@@ -180,7 +190,129 @@ pub(crate) fn lapse_grace_ms(lease_ms: u64) -> u64 {
 /// A fence with no answer is asked again after this long.
 const FENCE_RETRY_MS: u64 = 1_000;
 
+/// What a death or a decision of this part comes to, for the core to carry out in this order.
+#[derive(Debug)]
+pub(crate) enum Act {
+    /// A message to a peer.
+    Send(NodeId, mesh_message::Body),
+    /// A store call.
+    Store(StoreRequest),
+    /// A process this node now takes for dead: nothing more is taken from it.
+    Died(Dead),
+    /// A restore offer whose target is this node.
+    OfferHere(mesh::HandoffOffer),
+    /// The decider's word on an offer this node made to a dead process.
+    ResolvedHere(mesh::RestoreResolved),
+    /// An entity of the dead node `from` restored on a peer: its ghost here follows it.
+    MovedHere(NodeId, mesh::EntityMoved),
+}
+
+/// A process this node has just taken for dead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Dead {
+    pub inc: Incarnation,
+    /// No process holds its node id now: its link goes.
+    pub departed: bool,
+}
+
+/// What the decider's word on an offer this node made to a dead process means for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Resolution {
+    /// A repeat of a word acted on already.
+    Repeat,
+    /// Back to this node, which still holds it frozen: the offer counts as refused by `dead`.
+    Returned { dead: NodeId },
+    /// The offer in doubt is settled: the word's owner writes the entity.
+    Settle,
+    /// Not in doubt here: a departed entity's owner is the word's.
+    Redirect,
+}
+
+/// What this node writes or adopts, read for its own report of a dead process's world.
+pub(crate) struct Holdings<'a> {
+    pub table: &'a EntityTable,
+    pub outgoing: &'a HandoffSource<Routed>,
+    pub adopting: &'a HashMap<u64, mesh::HandoffOffer>,
+}
+
+/// The rounds a step of the decider found, once their questions were asked.
+pub(crate) struct Prepared {
+    /// The dead processes whose rounds this node decides.
+    pending: Vec<Incarnation>,
+    /// Whether every round has all it asked for (or was decided already).
+    ready: bool,
+}
+
 impl Restore {
+    /// Process `incarnation` of this node (0: no lease, nothing is checkpointed).
+    pub(crate) fn new(incarnation: u64) -> Self {
+        Self {
+            incarnation,
+            ..Default::default()
+        }
+    }
+
+    // ------------------------------------------------------------------ what others read
+
+    /// This process's lease epoch (0: no lease).
+    pub(crate) fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    pub(crate) fn set_incarnation(&mut self, lease_epoch: u64) {
+        self.incarnation = lease_epoch;
+    }
+
+    /// Dead processes whose world this node has not seen restored yet.
+    pub(crate) fn pending(&self) -> usize {
+        self.dead.len()
+    }
+
+    /// The restores this node decided and saw acked since the last call.
+    pub(crate) fn take_log(&mut self) -> Vec<Restored> {
+        std::mem::take(&mut self.log)
+    }
+
+    /// The lease epoch of `node`'s live process, as the store last said.
+    pub(crate) fn lease_of(&self, node: NodeId) -> Option<u64> {
+        self.live.get(&node).copied()
+    }
+
+    /// Whether the store last said `node` has a live process.
+    pub(crate) fn is_live(&self, node: NodeId) -> bool {
+        self.live.contains_key(&node)
+    }
+
+    /// Whether the store named no live peer (or has not said yet).
+    pub(crate) fn knows_no_live_peer(&self) -> bool {
+        self.live.is_empty()
+    }
+
+    /// Whether `node`'s lease lapsed, not replaced by another grant, by the store's last word.
+    pub(crate) fn is_lapsed(&self, node: NodeId) -> bool {
+        self.lapsed.contains_key(&node)
+    }
+
+    /// Whether this node heard that `inc` died.
+    pub(crate) fn is_fenced(&self, inc: Incarnation) -> bool {
+        self.fenced.contains(&inc)
+    }
+
+    /// Whether `inc` died and its world is restored.
+    pub(crate) fn is_restored(&self, inc: Incarnation) -> bool {
+        self.fenced.contains(&inc) && !self.dead.contains_key(&inc)
+    }
+
+    /// The geo of `node`, if this node read its record.
+    pub(crate) fn geo_of(&self, node: NodeId) -> Option<&str> {
+        self.geo_of.get(&node).map(String::as_str)
+    }
+
+    /// Kept after the peer dies: its geo's decider restores it.
+    pub(crate) fn note_geo(&mut self, node: NodeId, geo: String) {
+        self.geo_of.insert(node, geo);
+    }
+
     /// Whether `node`'s ghosts may belong to a dead process whose world is being restored.
     pub fn is_dead_node(&self, node: NodeId) -> bool {
         self.dead.keys().any(|(n, _)| *n == node)
@@ -191,25 +323,57 @@ impl Restore {
         self.in_doubt_to_dead.values().any(|(n, _)| *n == node)
     }
 
+    /// Whether the offer of `root` in doubt went to a process that died: the restore of its
+    /// world settles it.
+    pub(crate) fn offered_to_dead(&self, root: u64) -> bool {
+        self.in_doubt_to_dead.contains_key(&root)
+    }
+
+    /// An offer this node made of `root`: kept until the target has surely checkpointed it.
+    pub(crate) fn offer_sent(&mut self, root: u64, sent: SentOffer) {
+        self.sent.insert(root, sent);
+    }
+
+    /// The offer this node made of `root`, while it keeps it.
+    pub(crate) fn sent_offer(&self, root: u64) -> Option<&SentOffer> {
+        self.sent.get(&root)
+    }
+
+    /// The offer of `root` was refused: nothing of it is kept.
+    pub(crate) fn forget_sent(&mut self, root: u64) {
+        self.sent.remove(&root);
+    }
+
     fn dead_ghost(&self, id: u64, epoch: u64) -> bool {
         self.dead.values().any(|g| g.get(&id) == Some(&epoch))
     }
-}
 
-impl Core {
+    /// Whether `id` is a ghost of a dead process waiting for its restore (not swept as stale).
+    pub(crate) fn awaits_restore(&self, table: &EntityTable, id: u64) -> bool {
+        table
+            .get(id)
+            .is_some_and(|e| e.origin.is_some() && self.dead_ghost(id, e.epoch))
+    }
+
     // ------------------------------------------------------------------ every node
 
     /// The store's word on who is alive. A process whose lease another grant replaced (a new
     /// process holds its id, or a restore fenced it) is dead. One whose lease only lapsed may
-    /// take it back: it is left alone until it does, or its geo's decider fences it.
-    pub(crate) fn note_leases(&mut self, live: &[(NodeId, u64)], lapsed: &[(NodeId, u64)]) {
-        self.restore.leases_heard = true;
-        self.restore.known.extend(live.iter().copied());
-        let mono = self.cx.now.mono_ms;
+    /// take it back: it is left alone until it does, or its geo's decider fences it. Returns
+    /// the processes found dead.
+    pub(crate) fn note_leases(
+        &mut self,
+        cx: &Context,
+        live: &[(NodeId, u64)],
+        lapsed: &[(NodeId, u64)],
+    ) -> Vec<Incarnation> {
+        self.leases_heard = true;
+        self.known.extend(live.iter().copied());
+        let mono = cx.now.mono_ms;
         let now: BTreeMap<NodeId, u64> = live.iter().copied().collect();
         let lapsed: BTreeMap<NodeId, u64> = lapsed.iter().copied().collect();
         let mut gone = Vec::new();
-        for (&n, &e) in &self.restore.live {
+        for (&n, &e) in &self.live {
             if now.get(&n) == Some(&e) {
                 continue;
             }
@@ -219,14 +383,14 @@ impl Core {
                     lease_epoch = e,
                     "a peer's lease lapsed: waiting for it to take it back"
                 );
-                self.restore.lapsed_since.entry((n, e)).or_insert(mono);
+                self.lapsed_since.entry((n, e)).or_insert(mono);
             } else {
                 gone.push((n, e));
             }
         }
         // Back (live again under the same epoch), still lapsed, or replaced: dead.
         let mut back = Vec::new();
-        self.restore.lapsed_since.retain(|&(n, e), _| {
+        self.lapsed_since.retain(|&(n, e), _| {
             if now.get(&n) == Some(&e) {
                 back.push(n);
                 false
@@ -240,34 +404,30 @@ impl Core {
         for n in back {
             tracing::info!(peer = n, "a peer took its lapsed lease back");
         }
-        self.restore.live = now;
-        self.restore.lapsed = lapsed;
-        let back: Vec<NodeId> = self.restore.live.keys().copied().collect();
+        self.live = now;
+        self.lapsed = lapsed;
+        let back: Vec<NodeId> = self.live.keys().copied().collect();
         for n in back {
-            self.restore.departed.remove(&n);
+            self.departed.remove(&n);
         }
-        for inc in gone {
-            self.mark_dead(inc);
-        }
+        gone
     }
 
     /// The decider fences the lapsed leases of its geo that were not taken back in time: only
     /// then may their world be restored, since a fenced holder can never write again.
-    fn fence_lapsed(&mut self) {
-        let now = self.cx.now.mono_ms;
-        let grace = lapse_grace_ms(self.cx.config.node_lease_ms);
-        if now < self.authority.live_since_ms() + grace {
+    fn fence_lapsed(&mut self, cx: &mut Context, live_since_ms: u64) {
+        let now = cx.now.mono_ms;
+        let grace = lapse_grace_ms(cx.config.node_lease_ms);
+        if now < live_since_ms + grace {
             return;
         }
         let due: Vec<Incarnation> = self
-            .restore
             .lapsed_since
             .iter()
             .filter(|&(inc, &since)| {
                 now >= since + grace
-                    && self.decides_for(inc.0)
+                    && self.decides_for(cx, inc.0)
                     && self
-                        .restore
                         .fencing
                         .get(inc)
                         .is_none_or(|&at| now >= at + FENCE_RETRY_MS)
@@ -275,53 +435,62 @@ impl Core {
             .map(|(inc, _)| *inc)
             .collect();
         for (node, epoch) in due {
-            self.restore.fencing.insert((node, epoch), now);
-            self.cx.store(StoreRequest::FenceLease { node, epoch });
+            self.fencing.insert((node, epoch), now);
+            cx.store(StoreRequest::FenceLease { node, epoch });
         }
     }
 
-    /// The store's answer to a fence: a fenced (or replaced) lease's process is dead; one taken
-    /// back is alive.
+    /// The store's answer to a fence: a fenced (or replaced) lease's process is dead (returned);
+    /// one taken back is alive.
     pub(crate) fn on_lease_fenced(
         &mut self,
+        cx: &Context,
         node: NodeId,
         epoch: u64,
         result: Result<cellmesh_stores::topology::Fence, String>,
-    ) {
+    ) -> Option<Incarnation> {
         use cellmesh_stores::topology::Fence;
         let inc = (node, epoch);
         match result {
             Ok(Fence::Fenced | Fence::Moved) => {
                 if result == Ok(Fence::Fenced) {
-                    self.cx.metrics.leases_fenced.inc();
+                    cx.metrics.leases_fenced.inc();
                     tracing::warn!(
                         peer = node,
                         lease_epoch = epoch,
                         "fenced a peer's lapsed lease: its world is restored from its checkpoints"
                     );
                 }
-                self.restore.fencing.remove(&inc);
-                self.restore.lapsed_since.remove(&inc);
-                if self.restore.lapsed.get(&node) == Some(&epoch) {
-                    self.restore.lapsed.remove(&node);
+                self.fencing.remove(&inc);
+                self.lapsed_since.remove(&inc);
+                if self.lapsed.get(&node) == Some(&epoch) {
+                    self.lapsed.remove(&node);
                 }
-                self.mark_dead(inc);
+                Some(inc)
             }
             Ok(Fence::Live) => {
-                self.restore.fencing.remove(&inc);
+                self.fencing.remove(&inc);
+                None
             }
             Err(e) => {
-                self.cx.metrics.error("store");
+                cx.metrics.error("store");
                 tracing::warn!(peer = node, error = %e, "fencing a lapsed lease failed; retrying");
+                None
             }
         }
     }
 
-    /// Nothing more is taken from `inc`: handoffs towards it that never left thaw, those in
-    /// doubt wait for the decider, and its ghosts stay until its world is restored.
-    pub(crate) fn mark_dead(&mut self, inc: Incarnation) {
-        if !self.restore.fenced.insert(inc) {
-            return;
+    /// Nothing more is taken from `inc`: its ghosts here stay until its world is restored.
+    /// `None` if it was known dead already; otherwise what the core does about it (handoffs
+    /// towards it that never left thaw, those in doubt wait for the decider).
+    pub(crate) fn mark_dead(
+        &mut self,
+        cx: &Context,
+        table: &EntityTable,
+        inc: Incarnation,
+    ) -> Option<Dead> {
+        if !self.fenced.insert(inc) {
+            return None;
         }
         let (node, lease_epoch) = inc;
         tracing::warn!(
@@ -329,48 +498,46 @@ impl Core {
             lease_epoch,
             "a peer's process is dead: its world will be restored from its checkpoints"
         );
-        self.cx.metrics.error("peer_dead");
+        cx.metrics.error("peer_dead");
         // The ghosts of its node id, unless this process never saw it alive: then they are a
         // newer process's, and stay when its world is restored.
-        let ghosts: BTreeMap<u64, u64> = if self.restore.known.contains(&inc) {
-            self.table
+        let ghosts: BTreeMap<u64, u64> = if self.known.contains(&inc) {
+            table
                 .ghosts_of(node)
                 .into_iter()
-                .filter_map(|id| Some((id, self.table.get(id)?.epoch)))
+                .filter_map(|id| Some((id, table.get(id)?.epoch)))
                 .collect()
         } else {
             BTreeMap::new()
         };
-        self.restore.dead.insert(inc, ghosts);
-        if !self.restore.live.contains_key(&node) {
-            self.restore.departed.insert(node);
-            if let Some(link) = self.mesh.peer_link(node) {
-                self.close_link(link, "its process is dead");
-            }
+        self.dead.insert(inc, ghosts);
+        let departed = !self.live.contains_key(&node);
+        if departed {
+            self.departed.insert(node);
         }
-        for (root, _, thawed) in self
-            .handoff
-            .outgoing
-            .abandon_freezing_towards(node, self.cx.now.mono_ms)
-        {
-            self.cx
-                .metrics
-                .handoff(self.cx.config.node_id, node, "abandoned");
-            self.thaw(root, thawed, "the target died before the offer left");
-            self.handoff.retry.remove(&root);
-        }
-        for (root, to, _) in self.handoff.outgoing.in_doubt().collect::<Vec<_>>() {
-            if to == node {
-                self.restore.in_doubt_to_dead.insert(root, inc);
-            }
+        Some(Dead { inc, departed })
+    }
+
+    /// Offers this node made of `roots`, in doubt towards `dead`: frozen until the decider
+    /// settles them.
+    pub(crate) fn in_doubt_to(&mut self, dead: Incarnation, roots: Vec<u64>) {
+        for root in roots {
+            self.in_doubt_to_dead.insert(root, dead);
         }
     }
 
-    /// The decider asks what this node holds of the dead process's world.
-    pub(crate) fn on_restore_query(&mut self, from: NodeId, q: mesh::RestoreQuery) {
+    /// The decider asks what this node holds of the dead process's world: the answer goes in
+    /// parts.
+    pub(crate) fn report(
+        &self,
+        cx: &mut Context,
+        mesh: &Mesh,
+        holdings: &Holdings,
+        from: NodeId,
+        q: mesh::RestoreQuery,
+    ) {
         let inc = (q.node, q.lease_epoch);
-        self.mark_dead(inc);
-        let (held, offered, in_doubt) = self.report_of(inc);
+        let (held, offered, in_doubt) = self.report_of(holdings, inc);
         let mut parts: Vec<mesh::RestoreReport> = held
             .chunks(HELD_PER_MESSAGE)
             .map(|c| mesh::RestoreReport {
@@ -394,7 +561,7 @@ impl Core {
             ..Default::default()
         });
         for p in parts {
-            self.send_peer(from, mesh_message::Body::RestoreReport(p));
+            mesh.send(cx, from, mesh_message::Body::RestoreReport(p));
         }
     }
 
@@ -402,12 +569,13 @@ impl Core {
     /// keeps, and which of those are in doubt (their units frozen here).
     fn report_of(
         &self,
+        holdings: &Holdings,
         (dead_node, dead_lease): Incarnation,
     ) -> (Vec<mesh::RealHeld>, Vec<mesh::HandoffOffer>, Vec<u64>) {
         // A unit frozen in an offer to the dead node is a candidate, not a holding: the offer
         // may have been adopted there.
-        let out = &self.handoff.outgoing;
-        let mut held: Vec<mesh::RealHeld> = self
+        let out = holdings.outgoing;
+        let mut held: Vec<mesh::RealHeld> = holdings
             .table
             .iter()
             .filter(|e| e.origin.is_none())
@@ -419,30 +587,29 @@ impl Core {
                 entity_id: e.id,
                 entity_epoch: e.epoch,
                 owner_node: 0,
-                owner_lease: self.restore.incarnation,
+                owner_lease: self.incarnation,
             })
             .collect();
-        for o in self.handoff.adopting.values() {
+        for o in holdings.adopting.values() {
             held.push(mesh::RealHeld {
                 entity_id: o.entity_id,
                 entity_epoch: o.entity_epoch,
                 owner_node: 0,
-                owner_lease: self.restore.incarnation,
+                owner_lease: self.incarnation,
             });
             held.extend(o.attachments.iter().map(|a| mesh::RealHeld {
                 entity_id: a.entity_id,
                 entity_epoch: o.entity_epoch,
                 owner_node: 0,
-                owner_lease: self.restore.incarnation,
+                owner_lease: self.incarnation,
             }));
         }
         let to_dead =
             |s: &SentOffer| s.to == dead_node && (s.to_lease == dead_lease || s.to_lease == 0);
         // Handed to a live process lately: it writes them (or is adopting them) now, even if
         // its own report went before it adopted.
-        let live = &self.restore.live;
+        let live = &self.live;
         for s in self
-            .restore
             .sent
             .values()
             .filter(|s| live.get(&s.to) == Some(&s.to_lease))
@@ -455,7 +622,6 @@ impl Core {
             });
         }
         let offered: Vec<mesh::HandoffOffer> = self
-            .restore
             .sent
             .values()
             .filter(|s| to_dead(s))
@@ -464,185 +630,104 @@ impl Core {
         let in_doubt = offered
             .iter()
             .map(|o| o.entity_id)
-            .filter(|id| self.handoff.outgoing.target_of(*id).is_some())
+            .filter(|id| out.target_of(*id).is_some())
             .collect();
         (held, offered, in_doubt)
     }
 
     /// The decider's word on an offer this node made to a dead process.
-    pub(crate) fn on_restore_resolved(&mut self, r: mesh::RestoreResolved) {
+    pub(crate) fn on_resolved(&mut self, cx: &Context, r: &mesh::RestoreResolved) -> Resolution {
         let id = r.entity_id;
-        if r.owner_node == self.cx.config.node_id {
-            // Back to this node, which still holds it frozen: the offer counts as refused.
-            let Some((dead, _)) = self.restore.in_doubt_to_dead.remove(&id) else {
-                // A repeat of a word acted on already.
-                return;
+        if r.owner_node == cx.config.node_id {
+            let Some((dead, _)) = self.in_doubt_to_dead.remove(&id) else {
+                return Resolution::Repeat;
             };
-            self.restore.sent.remove(&id);
-            let Some((to, offered)) = self.handoff.outgoing.target_of(id) else {
-                return;
-            };
-            if let Ok(thawed) = self
-                .handoff
-                .outgoing
-                .refused(id, offered, to, self.cx.now.mono_ms)
-            {
-                self.cx
-                    .metrics
-                    .handoff(self.cx.config.node_id, dead, "returned");
-                self.thaw(
-                    id,
-                    thawed,
-                    "its target died; this node owns its position now",
-                );
-            }
-            return;
+            self.sent.remove(&id);
+            return Resolution::Returned { dead };
         }
         // Not an offer made since (a repeated word names an older epoch).
         if self
-            .restore
             .sent
             .get(&id)
             .is_some_and(|s| s.offer.entity_epoch <= r.entity_epoch)
         {
-            self.restore.sent.remove(&id);
+            self.sent.remove(&id);
         }
-        if self.restore.in_doubt_to_dead.remove(&id).is_some() {
-            match self.handoff.outgoing.resolve(
-                id,
-                r.owner_node,
-                r.entity_epoch,
-                self.cx.now.mono_ms,
-            ) {
-                Ok(done) => self.complete_handoff(done),
-                Err(e) => tracing::debug!(entity = id, error = %e, "restore word on no offer"),
-            }
+        if self.in_doubt_to_dead.remove(&id).is_some() {
+            Resolution::Settle
         } else {
-            self.handoff
-                .outgoing
-                .redirect_departed(id, r.owner_node, r.entity_epoch);
+            Resolution::Redirect
         }
     }
 
-    /// The dead process's world is restored: its ghosts nobody took over are gone.
-    pub(crate) fn on_restore_done(&mut self, d: mesh::RestoreDone) {
-        let inc = (d.node, d.lease_epoch);
-        self.restore.fenced.insert(inc);
-        self.avatars_restored(inc);
-        let Some(ghosts) = self.restore.dead.remove(&inc) else {
-            return;
-        };
-        for (id, epoch) in ghosts {
-            // Not taken over: still the dead process's, under the epoch it wrote (a new process
-            // under the same node id that restored it writes a newer one).
-            let still = self.table.get(id).is_some_and(|e| {
-                e.origin == Some(d.node) && e.epoch == epoch && !self.restore.dead_ghost(id, epoch)
-            });
-            if still && !self.ghost_orphaned(id) {
-                tracing::debug!(
-                    me = self.cx.config.node_id,
-                    entity = id,
-                    "ghost of a dead process dropped: not restored"
-                );
-                self.replication.forget_stale(id);
-                let _ = self.table.despawn(id);
-                self.handoff.fence.forget(id);
-            }
-        }
+    /// The dead process's world is restored: the ghosts of it this node held then, each with
+    /// its epoch then.
+    pub(crate) fn on_done(&mut self, inc: Incarnation) -> BTreeMap<u64, u64> {
+        self.fenced.insert(inc);
+        self.dead.remove(&inc).unwrap_or_default()
     }
 
-    /// Whether `id` is a ghost of a dead process waiting for its restore (not swept as stale).
-    pub(crate) fn awaits_restore(&self, id: u64) -> bool {
-        self.table
-            .get(id)
-            .is_some_and(|e| e.origin.is_some() && self.restore.dead_ghost(id, e.epoch))
+    /// Whether the ghost `id` of the dead `node` was taken over by nobody: still the dead
+    /// process's, under the epoch it wrote (a new process under the same node id that
+    /// restored it writes a newer one).
+    pub(crate) fn left_over(&self, table: &EntityTable, node: NodeId, id: u64, epoch: u64) -> bool {
+        table.get(id).is_some_and(|e| {
+            e.origin == Some(node) && e.epoch == epoch && !self.dead_ghost(id, epoch)
+        })
     }
 
     // ------------------------------------------------------------------ checkpoints to the store
 
-    /// Writes the checkpoints taken (and forgets those let go) since the last flush: every
-    /// `FLUSH_EVERY_MS`, and at once for an entity the store has no checkpoint of yet (until it
-    /// does, nothing could restore it).
-    pub(crate) fn flush_checkpoints(&mut self) {
-        let now = self.cx.now.mono_ms;
-        if self.restore.incarnation == 0 || !self.mesh.clustered() {
-            return;
+    /// Whether the checkpoints are written now: every `FLUSH_EVERY_MS`, and at once when the
+    /// store has no checkpoint of an entity yet (`fresh`: until it does, nothing could restore
+    /// it). Only a process with a lease, in a cluster, writes any.
+    pub(crate) fn flush_due(&mut self, cx: &Context, clustered: bool, fresh: bool) -> bool {
+        let now = cx.now.mono_ms;
+        if self.incarnation == 0 || !clustered {
+            return false;
         }
-        if now < self.restore.next_flush_ms && !self.game.checkpoints.fresh() {
-            return;
+        if now < self.next_flush_ms && !fresh {
+            return false;
         }
-        self.restore.next_flush_ms = now + FLUSH_EVERY_MS;
-        let (taken, forgotten) = self.game.checkpoints.take_changes();
-        let put: Vec<mesh::HandoffOffer> = taken
-            .into_iter()
-            .filter_map(|id| self.checkpoint_record(id))
-            .collect();
-        if put.is_empty() && forgotten.is_empty() {
-            return;
-        }
-        let ids: Vec<u64> = put.iter().map(|c| c.entity_id).collect();
-        self.game.checkpoints.written(&ids, &forgotten);
-        self.cx.metrics.checkpoint_writes.inc();
-        self.cx.metrics.checkpoints_stored.inc_by(put.len() as u64);
-        self.cx
-            .metrics
+        self.next_flush_ms = now + FLUSH_EVERY_MS;
+        true
+    }
+
+    /// Writes checkpoints (`put`) of this process and removes those let go (`removed`).
+    pub(crate) fn write_checkpoints(
+        &self,
+        cx: &mut Context,
+        put: Vec<mesh::HandoffOffer>,
+        removed: Vec<u64>,
+    ) {
+        cx.metrics.checkpoint_writes.inc();
+        cx.metrics.checkpoints_stored.inc_by(put.len() as u64);
+        cx.metrics
             .checkpoint_stored_bytes
             .inc_by(put.iter().map(|c| c.encoded_len() as u64).sum());
-        self.cx
-            .metrics
-            .checkpoints_removed
-            .inc_by(forgotten.len() as u64);
-        self.cx.store(StoreRequest::PutCheckpoints {
-            node: self.cx.config.node_id,
-            lease_epoch: self.restore.incarnation,
+        cx.metrics.checkpoints_removed.inc_by(removed.len() as u64);
+        cx.store(StoreRequest::PutCheckpoints {
+            node: cx.config.node_id,
+            lease_epoch: self.incarnation,
             put,
-            remove: forgotten,
+            remove: removed,
         });
     }
 
-    /// A checkpoint write the store refused: what it carried is written again at the next flush
-    /// (what changed since goes with it), so the store never keeps less than it was sent.
-    pub(crate) fn on_checkpoints_not_written(
-        &mut self,
-        lease_epoch: u64,
-        put: Vec<u64>,
-        remove: Vec<u64>,
-    ) {
-        if lease_epoch != self.restore.incarnation {
-            return;
-        }
-        for id in put.into_iter().chain(remove) {
-            self.game.checkpoints.unflushed(id);
-        }
-    }
-
-    /// The checkpoint of `id` as the store keeps it: an offer a successor could adopt.
-    fn checkpoint_record(&self, id: u64) -> Option<mesh::HandoffOffer> {
-        let e = self.table.get_local(id)?;
-        let kept = self.game.checkpoints.latest(id)?;
-        let age = self.cx.now.mono_ms.saturating_sub(kept.at_ms);
-        Some(mesh::HandoffOffer {
-            successor: true,
-            state_unix_ms: self.cx.now.unix_ms.saturating_sub(age),
-            ..self.offer_of(e, kept.epoch, kept.state.clone())
-        })
-    }
-
-    /// Forgets offers settled long enough ago that their targets have checkpointed them.
-    pub(crate) fn prune_sent_offers(&mut self) {
-        let now = self.cx.now.mono_ms;
-        let keep_ms = self.cx.config.node_lease_ms * 2 + FLUSH_EVERY_MS * 4;
-        let out = &self.handoff.outgoing;
-        self.restore
-            .sent
-            .retain(|root, s| out.is_frozen(*root) || now < s.at_ms + keep_ms);
+    /// Forgets offers settled long enough ago that their targets have checkpointed them (those
+    /// still frozen, `in_handoff`, stay).
+    pub(crate) fn prune_sent(&mut self, cx: &Context, in_handoff: impl Fn(u64) -> bool) {
+        let now = cx.now.mono_ms;
+        let keep_ms = cx.config.node_lease_ms * 2 + FLUSH_EVERY_MS * 4;
+        self.sent
+            .retain(|root, s| in_handoff(*root) || now < s.at_ms + keep_ms);
     }
 
     // ------------------------------------------------------------------ the decider
 
     /// Whether this node may decide restores at all: it writes, and knows who is alive.
-    fn may_decide(&self) -> bool {
-        self.authority.lease_live() && self.mesh.clustered() && self.restore.leases_heard
+    fn may_decide(&self, authority: &Authority, mesh: &Mesh) -> bool {
+        authority.lease_live() && mesh.clustered() && self.leases_heard
     }
 
     /// Whether this node decides the restore of `node`'s dead processes. Each geo keeps its
@@ -651,87 +736,110 @@ impl Core {
     /// are in a store no live node reads, and a geo cut off from the rest (its leases lapse
     /// together) is whole again when the cut heals, if nobody fenced it meanwhile. Only a node
     /// whose geo is not known is decided by the lowest live node of all.
-    fn decides_for(&self, node: NodeId) -> bool {
-        let me = self.cx.config.node_id;
-        let geo = |n: &NodeId| self.restore.geo_of.get(n).map(String::as_str);
+    fn decides_for(&self, cx: &Context, node: NodeId) -> bool {
+        let me = cx.config.node_id;
+        let geo = |n: &NodeId| self.geo_of.get(n).map(String::as_str);
         match geo(&node) {
             Some(g) => {
-                g == self.cx.config.geo
-                    && self
-                        .restore
-                        .live
-                        .keys()
-                        .all(|n| *n >= me || geo(n) != Some(g))
+                g == cx.config.geo && self.live.keys().all(|n| *n >= me || geo(n) != Some(g))
             }
-            None => self.restore.live.keys().all(|n| *n >= me),
+            None => self.live.keys().all(|n| *n >= me),
         }
     }
 
-    /// Moves every round this node decides one step on.
-    pub(crate) fn restore_step(&mut self) {
-        if !self.may_decide() {
-            return;
+    /// The first part of a step of every round this node decides: a partition without the
+    /// dead first, the lapsed leases fenced, the store listed, each round's questions asked,
+    /// and the restore offers with no answer made again (what those come to is returned).
+    /// `None`: nothing more to do in this step.
+    pub(crate) fn prepare_step(
+        &mut self,
+        cx: &mut Context,
+        mesh: &Mesh,
+        authority: &Authority,
+    ) -> Option<(Prepared, Vec<Act>)> {
+        if !self.may_decide(authority, mesh) {
+            return None;
         }
         // First a partition that gives no cell to a dead node (whether its world is restored
         // yet or not: a later re-plan may have given it cells again); rounds wait for it.
-        let me = self.cx.config.node_id;
+        let me = cx.config.node_id;
+        let partition = authority.partition();
         let gone: Vec<NodeId> = self
-            .restore
             .departed
             .iter()
             .copied()
-            .filter(|n| {
-                *n != me && self.authority.partition().chunks_of(*n) > 0 && self.decides_for(*n)
-            })
+            .filter(|n| *n != me && partition.chunks_of(*n) > 0 && self.decides_for(cx, *n))
             .collect();
         if !gone.is_empty() {
-            return self.ask_replan(&gone);
+            self.ask_replan(cx, partition, &gone);
+            return None;
         }
-        self.fence_lapsed();
-        let now = self.cx.now.mono_ms;
+        self.fence_lapsed(cx, authority.live_since_ms());
+        let now = cx.now.mono_ms;
         // This geo's store is listed by this geo's decider.
-        if now >= self.restore.next_list_ms && !self.restore.listing && self.decides_for(me) {
-            self.restore.next_list_ms = now + LIST_EVERY_MS;
-            self.restore.listing = true;
-            self.cx.store(StoreRequest::ListCheckpointed);
+        if now >= self.next_list_ms && !self.listing && self.decides_for(cx, me) {
+            self.next_list_ms = now + LIST_EVERY_MS;
+            self.listing = true;
+            cx.store(StoreRequest::ListCheckpointed);
         }
         // Every dead process's round asks its questions; they are decided together, once
         // the restores of the last decision are all answered: a process restored by one round
         // and dead again by the next has its older checkpoints weighed against its newer ones.
         let pending: Vec<Incarnation> = self
-            .restore
             .dead
             .keys()
             .copied()
-            .filter(|(n, _)| self.decides_for(*n))
+            .filter(|(n, _)| self.decides_for(cx, *n))
             .collect();
         let mut ready = true;
         for &inc in &pending {
-            ready &= self.prepare_round(inc);
+            ready &= self.prepare_round(cx, mesh, inc);
         }
-        self.retry_restores();
-        if !self.restore.offering.is_empty() {
-            return;
+        let mut acts = Vec::new();
+        self.retry_restores(cx, partition, &mut acts);
+        Some((Prepared { pending, ready }, acts))
+    }
+
+    /// The rounds of a step once the restores it made again are carried out: those decided
+    /// (to finish) and those not yet. `None` while restore offers wait for their answers.
+    pub(crate) fn rounds_of(
+        &self,
+        prepared: &Prepared,
+    ) -> Option<(Vec<Incarnation>, Vec<Incarnation>)> {
+        if !self.offering.is_empty() {
+            return None;
         }
-        let (decided, undecided): (Vec<Incarnation>, Vec<Incarnation>) = pending
-            .into_iter()
-            .filter(|inc| self.restore.rounds.contains_key(inc))
-            .partition(|inc| self.restore.rounds[inc].decided);
-        for inc in decided {
-            self.finish_round(inc);
-        }
-        let epoch = self.authority.partition().epoch();
+        Some(
+            prepared
+                .pending
+                .iter()
+                .copied()
+                .filter(|inc| self.rounds.contains_key(inc))
+                .partition(|inc| self.rounds[inc].decided),
+        )
+    }
+
+    /// Whether the `undecided` rounds are decided now: every round has all it asked for,
+    /// every live peer runs this node's partition, and no lapsed peer (which may hold what the
+    /// dead left) is waited for.
+    pub(crate) fn decides_now(
+        &self,
+        cx: &Context,
+        mesh: &Mesh,
+        partition: &Partition,
+        prepared: &Prepared,
+        undecided: &[Incarnation],
+    ) -> bool {
+        let me = cx.config.node_id;
+        let epoch = partition.epoch();
         let on_partition = self
-            .restore
             .live
             .keys()
             .filter(|n| **n != me)
-            .all(|n| self.mesh.peer_partition(*n) >= epoch);
+            .all(|n| mesh.peer_partition(*n) >= epoch);
         // A lapsed peer may hold what the dead left: decided once it is back or fenced.
-        let limbo = !self.restore.lapsed_since.is_empty();
-        if ready && on_partition && !limbo && !undecided.is_empty() {
-            self.decide_rounds(&undecided);
-        }
+        let limbo = !self.lapsed_since.is_empty();
+        prepared.ready && on_partition && !limbo && !undecided.is_empty()
     }
 
     /// The processes with checkpoints in the store: one that is surely dead and was not seen
@@ -740,85 +848,78 @@ impl Core {
     /// die with nobody holding the id since, or it held no lease in this node's view for two
     /// listings in a row (a process that just started is in the view within one membership
     /// read, well inside that).
-    pub(crate) fn on_checkpointed(&mut self, result: Result<Vec<(NodeId, u64)>, String>) {
-        self.restore.listing = false;
+    pub(crate) fn on_checkpointed(
+        &mut self,
+        cx: &Context,
+        table: &EntityTable,
+        result: Result<Vec<(NodeId, u64)>, String>,
+    ) -> Vec<Act> {
+        self.listing = false;
         let all = match result {
             Ok(all) => all,
             Err(e) => {
-                self.cx.metrics.error("store");
-                return tracing::warn!(error = %e, "listing checkpointed processes failed");
+                cx.metrics.error("store");
+                tracing::warn!(error = %e, "listing checkpointed processes failed");
+                return Vec::new();
             }
         };
-        let me = (self.cx.config.node_id, self.restore.incarnation);
-        let now = self.cx.now.mono_ms;
+        let me = (cx.config.node_id, self.incarnation);
+        let now = cx.now.mono_ms;
         let unleased: BTreeSet<Incarnation> = all
             .iter()
             .copied()
-            .filter(|&(n, l)| (n, l) != me && self.restore.live.get(&n) != Some(&l))
+            .filter(|&(n, l)| (n, l) != me && self.live.get(&n) != Some(&l))
             .collect();
-        self.restore
-            .suspects
-            .retain(|inc, _| unleased.contains(inc));
+        self.suspects.retain(|inc, _| unleased.contains(inc));
+        let mut acts = Vec::new();
         for (node, lease_epoch) in all {
             let inc = (node, lease_epoch);
             // A store shared by geos lists processes of another geo: theirs to restore.
-            if node != me.0 && !self.decides_for(node) {
+            if node != me.0 && !self.decides_for(cx, node) {
                 continue;
             }
             // Lapsed, not replaced: its holder may take it back. Dead once fenced.
-            if node != me.0 && self.restore.lapsed.get(&node) == Some(&lease_epoch) {
-                self.restore.lapsed_since.entry(inc).or_insert(now);
+            if node != me.0 && self.lapsed.get(&node) == Some(&lease_epoch) {
+                self.lapsed_since.entry(inc).or_insert(now);
                 continue;
             }
-            if self.restore.fenced.contains(&inc) && !self.restore.dead.contains_key(&inc) {
+            if self.fenced.contains(&inc) && !self.dead.contains_key(&inc) {
                 // Restored already (here or by another decider): the listing predates the
                 // drop of its checkpoints, or the drop failed. A second round would take the
                 // ghosts of a new process under the same id for the dead one's.
-                self.cx
-                    .store(StoreRequest::DropCheckpoints { node, lease_epoch });
+                acts.push(Act::Store(StoreRequest::DropCheckpoints {
+                    node,
+                    lease_epoch,
+                }));
                 continue;
             }
             let long_unleased = unleased.contains(&(node, lease_epoch))
-                && *self
-                    .restore
-                    .suspects
-                    .entry((node, lease_epoch))
-                    .or_insert(now)
-                    + LIST_EVERY_MS
-                    <= now;
+                && *self.suspects.entry((node, lease_epoch)).or_insert(now) + LIST_EVERY_MS <= now;
             let newer = if node == me.0 {
                 lease_epoch < me.1
             } else {
-                self.restore
-                    .live
-                    .get(&node)
-                    .is_some_and(|live| lease_epoch < *live)
+                self.live.get(&node).is_some_and(|live| lease_epoch < *live)
             };
-            let gone = !self.restore.live.contains_key(&node)
-                && node != me.0
-                && self.restore.departed.contains(&node);
-            if (newer || gone || long_unleased)
-                && !self.restore.dead.contains_key(&(node, lease_epoch))
-            {
-                self.restore.fenced.remove(&(node, lease_epoch));
-                self.mark_dead((node, lease_epoch));
+            let gone =
+                !self.live.contains_key(&node) && node != me.0 && self.departed.contains(&node);
+            if (newer || gone || long_unleased) && !self.dead.contains_key(&(node, lease_epoch)) {
+                self.fenced.remove(&(node, lease_epoch));
+                acts.extend(
+                    self.mark_dead(cx, table, (node, lease_epoch))
+                        .map(Act::Died),
+                );
             }
         }
+        acts
     }
 
     /// Asks what a round still needs; whether it has it all (or was decided already).
-    fn prepare_round(&mut self, inc: Incarnation) -> bool {
+    fn prepare_round(&mut self, cx: &mut Context, mesh: &Mesh, inc: Incarnation) -> bool {
         let (node, lease_epoch) = inc;
-        let me = self.cx.config.node_id;
-        let peers: Vec<NodeId> = self
-            .restore
-            .live
-            .keys()
-            .copied()
-            .filter(|n| *n != me)
-            .collect();
-        let linked: BTreeMap<NodeId, LinkId> = self.mesh.peer_links();
-        let round = self.restore.rounds.entry(inc).or_default();
+        let me = cx.config.node_id;
+        let peers: Vec<NodeId> = self.live.keys().copied().filter(|n| *n != me).collect();
+        let linked: BTreeMap<NodeId, LinkId> = mesh.peer_links();
+        let round = self.rounds.entry(inc).or_default();
         round
             .asked
             .retain(|n, l| linked.get(n) == Some(l) || round.reported.contains(n));
@@ -833,36 +934,36 @@ impl Core {
         let decided = round.decided;
         let ready = peers.iter().all(|n| round.reported.contains(n)) && round.checkpoints.is_some();
         for n in ask {
-            self.send_peer(
+            mesh.send(
+                cx,
                 n,
                 mesh_message::Body::RestoreQuery(mesh::RestoreQuery { node, lease_epoch }),
             );
         }
         if load {
-            self.cx
-                .store(StoreRequest::LoadCheckpoints { node, lease_epoch });
+            cx.store(StoreRequest::LoadCheckpoints { node, lease_epoch });
         }
         decided || ready
     }
 
     /// Commits the partition without the `dead` (once per partition epoch; a losing commit
     /// learns the winner's partition like any other).
-    fn ask_replan(&mut self, dead: &[NodeId]) {
-        let from = self.authority.partition().epoch();
-        if self.restore.replan_from == Some(from) {
+    fn ask_replan(&mut self, cx: &mut Context, partition: &Partition, dead: &[NodeId]) {
+        let from = partition.epoch();
+        if self.replan_from == Some(from) {
             return;
         }
-        let mut live: Vec<NodeId> = self.restore.live.keys().copied().collect();
-        live.push(self.cx.config.node_id);
-        match self.authority.partition().without(dead, &live) {
+        let mut live: Vec<NodeId> = self.live.keys().copied().collect();
+        live.push(cx.config.node_id);
+        match partition.without(dead, &live) {
             Ok(Some(p)) => {
                 tracing::warn!(
                     ?dead,
                     epoch = p.epoch(),
                     "committing a partition without dead nodes"
                 );
-                self.restore.replan_from = Some(from);
-                self.cx.store(StoreRequest::CommitPartition {
+                self.replan_from = Some(from);
+                cx.store(StoreRequest::CommitPartition {
                     partition: Box::new(p),
                 });
             }
@@ -876,14 +977,14 @@ impl Core {
             // Another commit won (its partition arrives as any other), or the store failed:
             // asked again at the next step.
             tracing::info!(epoch, error = %e, "re-plan without a dead node not committed");
-            if self.restore.replan_from == Some(epoch.saturating_sub(1)) {
-                self.restore.replan_from = None;
+            if self.replan_from == Some(epoch.saturating_sub(1)) {
+                self.replan_from = None;
             }
         }
     }
 
-    pub(crate) fn on_restore_report(&mut self, from: NodeId, r: mesh::RestoreReport) {
-        let Some(round) = self.restore.rounds.get_mut(&(r.node, r.lease_epoch)) else {
+    pub(crate) fn on_report(&mut self, from: NodeId, r: mesh::RestoreReport) {
+        let Some(round) = self.rounds.get_mut(&(r.node, r.lease_epoch)) else {
             return;
         };
         if round.reported.contains(&from) || round.decided {
@@ -917,34 +1018,42 @@ impl Core {
 
     pub(crate) fn on_checkpoints_loaded(
         &mut self,
+        cx: &Context,
         node: NodeId,
         lease_epoch: u64,
         result: Result<Vec<mesh::HandoffOffer>, String>,
     ) {
-        let Some(round) = self.restore.rounds.get_mut(&(node, lease_epoch)) else {
+        let Some(round) = self.rounds.get_mut(&(node, lease_epoch)) else {
             return;
         };
         round.loading = false;
         match result {
             Ok(c) => round.checkpoints = Some(c),
             Err(e) => {
-                self.cx.metrics.error("store");
+                cx.metrics.error("store");
                 tracing::warn!(node, error = %e, "loading a dead node's checkpoints failed; retrying");
             }
         }
     }
 
     /// Decides the rounds of `incs` together: one entity, one restore, from the newest of what
-    /// every dead process left and every offer made to them.
-    fn decide_rounds(&mut self, incs: &[Incarnation]) {
-        let me = self.cx.config.node_id;
+    /// every dead process left and every offer made to them (this node's own report read from
+    /// `holdings`).
+    pub(crate) fn decide_rounds(
+        &mut self,
+        cx: &Context,
+        holdings: &Holdings,
+        partition: &Partition,
+        incs: &[Incarnation],
+    ) -> Vec<Act> {
+        let me = cx.config.node_id;
         let mut held = BTreeMap::new();
         let mut offered = Vec::new();
         let mut checkpoints = Vec::new();
         for &inc in incs {
-            let (own_held, own_offered, own_in_doubt) = self.report_of(inc);
+            let (own_held, own_offered, own_in_doubt) = self.report_of(holdings, inc);
             // Internal: a timer step; the caller kept only incarnations with a round.
-            let round = self.restore.rounds.get_mut(&inc).expect("prepared above");
+            let round = self.rounds.get_mut(&inc).expect("prepared above");
             round.decided = true;
             for (id, h) in std::mem::take(&mut round.held) {
                 hold(&mut held, id, h);
@@ -965,13 +1074,12 @@ impl Core {
             checkpoints.extend(round.checkpoints.take().unwrap_or_default());
         }
         let inc = incs[0];
-        let partition = self.authority.partition().clone();
-        let mut live: BTreeSet<NodeId> = self.restore.live.keys().copied().collect();
+        let mut live: BTreeSet<NodeId> = self.live.keys().copied().collect();
         live.insert(me);
         // Only a live process holds anything: not one that died since it was reported (a node
         // id a new process holds now included).
-        let incarnation = self.restore.incarnation;
-        let leases = &self.restore.live;
+        let incarnation = self.incarnation;
+        let leases = &self.live;
         let held: BTreeMap<u64, (NodeId, u64)> = held
             .into_iter()
             .filter(|(_, (owner, _, lease))| {
@@ -989,7 +1097,7 @@ impl Core {
             live.contains(&owner).then_some(owner)
         });
         tracing::info!(
-            me = self.cx.config.node_id,
+            me,
             dead = ?incs,
             checkpoints = checkpoints.len(),
             restores = d.restore.len(),
@@ -997,86 +1105,89 @@ impl Core {
             homeless = d.homeless.len(),
             "restoring a dead process's world"
         );
+        let mut acts = Vec::new();
         for (reporter, id, epoch, owner) in d.settled {
-            self.resolve_for(reporter, id, epoch, owner);
+            self.resolve_for(cx, reporter, id, epoch, owner, &mut acts);
         }
         for (reporter, id) in d.returned {
-            self.resolve_for(reporter, id, 0, reporter);
+            self.resolve_for(cx, reporter, id, 0, reporter, &mut acts);
         }
         for r in d.restore {
-            self.offer_restore(inc, r);
+            self.offer_restore(cx, partition.epoch(), inc, r, &mut acts);
         }
         for r in d.homeless {
             // Offered once a live node owns the position (see `retry_restores`).
-            self.restore.offering.insert(
+            self.offering.insert(
                 r.offer.entity_id,
                 Offering {
                     dead: inc,
                     target: 0,
                     offer: r.offer,
                     reporters: r.reporters,
-                    retry_at_ms: self.cx.now.mono_ms,
+                    retry_at_ms: cx.now.mono_ms,
                 },
             );
         }
+        acts
     }
 
-    fn offer_restore(&mut self, dead: Incarnation, r: Restoration) {
+    fn offer_restore(
+        &mut self,
+        cx: &Context,
+        partition_epoch: u64,
+        dead: Incarnation,
+        r: Restoration,
+        acts: &mut Vec<Act>,
+    ) {
         let Restoration {
             target,
             mut offer,
             reporters,
         } = r;
-        offer.partition_epoch = self.authority.partition().epoch();
+        offer.partition_epoch = partition_epoch;
         let id = offer.entity_id;
-        self.restore.offering.insert(
+        self.offering.insert(
             id,
             Offering {
                 dead,
                 target,
                 offer: offer.clone(),
                 reporters,
-                retry_at_ms: self.cx.now.mono_ms + RESTORE_RETRY_MS,
+                retry_at_ms: cx.now.mono_ms + RESTORE_RETRY_MS,
             },
         );
-        if target == self.cx.config.node_id {
-            self.on_handoff_offer(target, offer);
+        if target == cx.config.node_id {
+            acts.push(Act::OfferHere(offer));
         } else {
-            self.send_peer(target, mesh_message::Body::HandoffOffer(offer));
+            acts.push(Act::Send(target, mesh_message::Body::HandoffOffer(offer)));
         }
     }
 
     /// Restore offers with no answer, or refused, are made again to whoever owns the position
     /// now, above the epoch they were refused under.
-    fn retry_restores(&mut self) {
-        let now = self.cx.now.mono_ms;
+    fn retry_restores(&mut self, cx: &Context, partition: &Partition, acts: &mut Vec<Act>) {
+        let now = cx.now.mono_ms;
         let due: Vec<u64> = self
-            .restore
             .offering
             .iter()
             .filter(|(_, o)| now >= o.retry_at_ms)
             .map(|(id, _)| *id)
             .collect();
-        let me = self.cx.config.node_id;
+        let me = cx.config.node_id;
         for id in due {
-            let Some(mut o) = self.restore.offering.remove(&id) else {
+            let Some(mut o) = self.offering.remove(&id) else {
                 continue;
             };
             let owner = o
                 .offer
                 .position
                 .as_ref()
-                .and_then(|p| {
-                    self.authority
-                        .partition()
-                        .owner_of(Pos { x: p.x, y: p.y })
-                        .ok()
-                })
-                .filter(|n| *n == me || self.restore.live.contains_key(n));
+                .and_then(|p| partition.owner_of(Pos { x: p.x, y: p.y }).ok())
+                .filter(|n| *n == me || self.live.contains_key(n));
             let Some(owner) = owner else {
                 // Nobody owns its position yet: asked again later.
                 o.retry_at_ms = now + RESTORE_RETRY_MS;
-                self.restore.offering.insert(id, o);
+                self.offering.insert(id, o);
                 continue;
             };
             if owner != o.target && o.target != 0 {
@@ -1087,68 +1198,70 @@ impl Core {
                 offer: o.offer,
                 reporters: o.reporters,
             };
-            self.offer_restore(o.dead, r);
+            self.offer_restore(cx, partition.epoch(), o.dead, r, acts);
         }
     }
 
-    /// A target's answer to a restore offer; false when it answers no restore of this node.
-    pub(crate) fn on_restore_answer(
+    /// A target's answer to a restore offer: what it comes to, or `None` when it answers no
+    /// restore of this node.
+    pub(crate) fn on_answer(
         &mut self,
+        cx: &Context,
+        mesh: &Mesh,
         from: NodeId,
         id: u64,
         epoch: u64,
         refused: Option<&str>,
-    ) -> bool {
-        let Some(o) = self.restore.offering.get(&id) else {
-            return false;
-        };
+    ) -> Option<Vec<Act>> {
+        let o = self.offering.get(&id)?;
         if o.target != from || o.offer.entity_epoch != epoch {
-            return false;
+            return None;
         }
         // Internal: looked up just above, nothing removed it since.
-        let o = self.restore.offering.remove(&id).expect("checked above");
+        let o = self.offering.remove(&id).expect("checked above");
+        let mut acts = Vec::new();
         if refused == Some(ALREADY_WRITES) {
             // A live node writes it after all (it moved between live nodes while the round
             // asked them): nothing to restore; offers made of it to the dead node settle there.
             for &r in &o.reporters {
-                self.resolve_for(r, id, epoch, from);
+                self.resolve_for(cx, r, id, epoch, from, &mut acts);
             }
-            return true;
+            return Some(acts);
         }
         if let Some(reason) = refused {
             tracing::debug!(entity = id, target = from, %reason, "restore refused; trying again");
-            self.restore.offering.insert(
+            self.offering.insert(
                 id,
                 Offering {
                     offer: mesh::HandoffOffer {
                         entity_epoch: epoch + 1,
                         ..o.offer
                     },
-                    retry_at_ms: self.cx.now.mono_ms + RESTORE_RETRY_MS / 4,
+                    retry_at_ms: cx.now.mono_ms + RESTORE_RETRY_MS / 4,
                     ..o
                 },
             );
-            return true;
+            return Some(acts);
         }
-        self.cx.metrics.handoff(o.dead.0, from, "restored");
-        let me = self.cx.config.node_id;
+        cx.metrics.handoff(o.dead.0, from, "restored");
+        let me = cx.config.node_id;
         let mut members = vec![id];
         members.extend(o.offer.attachments.iter().map(|a| a.entity_id));
         for &m in &members {
-            if self.restore.log.len() < RESTORE_LOG_MAX {
-                self.restore.log.push(Restored {
+            if self.log.len() < RESTORE_LOG_MAX {
+                self.log.push(Restored {
                     entity_id: m,
                     dead_node: o.dead.0,
                     dead_lease_epoch: o.dead.1,
                     owner: from,
                     state_unix_ms: o.offer.state_unix_ms,
-                    restored_unix_ms: self.cx.now.unix_ms,
+                    restored_unix_ms: cx.now.unix_ms,
                 });
             }
         }
         for m in members {
             for &r in &o.reporters {
-                self.resolve_for(r, m, epoch, from);
+                self.resolve_for(cx, r, m, epoch, from, &mut acts);
             }
             let moved = mesh::EntityMoved {
                 entity_id: m,
@@ -1156,63 +1269,66 @@ impl Core {
                 owner_node: from,
                 holders: vec![],
             };
-            for n in self.up_peers() {
+            for n in mesh.up_peers() {
                 if n != from {
-                    self.send_peer(n, mesh_message::Body::EntityMoved(moved.clone()));
+                    acts.push(Act::Send(n, mesh_message::Body::EntityMoved(moved.clone())));
                 }
             }
             if from != me {
-                self.on_entity_moved(o.dead.0, moved);
+                acts.push(Act::MovedHere(o.dead.0, moved));
             }
         }
-        true
+        Some(acts)
     }
 
-    fn resolve_for(&mut self, reporter: NodeId, id: u64, epoch: u64, owner: NodeId) {
+    fn resolve_for(
+        &mut self,
+        cx: &Context,
+        reporter: NodeId,
+        id: u64,
+        epoch: u64,
+        owner: NodeId,
+        acts: &mut Vec<Act>,
+    ) {
         let r = mesh::RestoreResolved {
             entity_id: id,
             entity_epoch: epoch,
             owner_node: owner,
         };
-        if reporter == self.cx.config.node_id {
-            self.on_restore_resolved(r);
+        if reporter == cx.config.node_id {
+            acts.push(Act::ResolvedHere(r));
         } else {
-            self.restore
-                .resolved_for
+            self.resolved_for
                 .entry(reporter)
                 .or_default()
-                .push((self.cx.now.mono_ms, r));
-            self.send_peer(reporter, mesh_message::Body::RestoreResolved(r));
+                .push((cx.now.mono_ms, r));
+            acts.push(Act::Send(reporter, mesh_message::Body::RestoreResolved(r)));
         }
     }
 
     /// The link to `node` is back: the decider's recent words to it go again (a repeat
     /// settles nothing twice: the reporter acts on the first and forgets the unit).
-    pub(crate) fn resend_resolutions(&mut self, node: NodeId) {
-        let now = self.cx.now.mono_ms;
-        self.restore.resolved_for.retain(|_, v| {
+    pub(crate) fn resend_resolutions(&mut self, cx: &mut Context, mesh: &Mesh, node: NodeId) {
+        let now = cx.now.mono_ms;
+        self.resolved_for.retain(|_, v| {
             v.retain(|(at, _)| now.saturating_sub(*at) < RESOLUTION_KEPT_MS);
             !v.is_empty()
         });
         let again: Vec<mesh::RestoreResolved> = self
-            .restore
             .resolved_for
             .get(&node)
             .map(|v| v.iter().map(|(_, r)| *r).collect())
             .unwrap_or_default();
         for r in again {
-            self.send_peer(node, mesh_message::Body::RestoreResolved(r));
+            mesh.send(cx, node, mesh_message::Body::RestoreResolved(r));
         }
     }
 
-    fn finish_round(&mut self, inc: Incarnation) {
+    /// The round of `inc` is over: what every peer is told.
+    pub(crate) fn finish_round(&mut self, inc: Incarnation) -> mesh::RestoreDone {
         let (node, lease_epoch) = inc;
-        self.restore.rounds.remove(&inc);
-        let done = mesh::RestoreDone { node, lease_epoch };
-        self.broadcast(mesh_message::Body::RestoreDone(done));
-        self.on_restore_done(done);
-        self.cx
-            .store(StoreRequest::DropCheckpoints { node, lease_epoch });
+        self.rounds.remove(&inc);
+        mesh::RestoreDone { node, lease_epoch }
     }
 }
 
