@@ -11,13 +11,15 @@
 //! proxies and other sidecars), [`replication`] (subscriptions, render and simulation ghosts),
 //! [`routing`] (routing by account, anchors), [`handoff`] (moving reals, the epoch fence, inputs)
 //! [`avatars`] (one avatar per account, found through the directory's master record)
-//! [`authority`] (lease, partition, drain) and [`admission`] (whether new sessions are taken).
+//! [`authority`] (lease, partition, drain), [`restore`] (checkpoints to the store, a dead
+//! process's world restored) and [`admission`] (whether new sessions are taken).
 //! [`wire`] holds the one copy of each conversion between the model and the wire.
 //!
 //! A part's handlers borrow the shared [`context`] (the time, the configuration, the metrics
-//! and the outbox) beside their own state; [`admission`], [`avatars`], [`balance`], [`claims`],
-//! [`commands`], [`gateway`], [`peers`], [`replication`], [`routing`] and [`spawners`] keep theirs
-//! private and are told by the core what they need of the other parts.
+//! and the outbox) beside their own state; [`admission`], [`authority`], [`avatars`], [`balance`],
+//! [`claims`], [`commands`], [`gateway`], [`peers`], [`replication`], [`restore`], [`routing`]
+//! and [`spawners`] keep theirs private and are told by the core what they need of the other
+//! parts.
 //! The core's periodic checks are named deadlines ([`timers`]).
 
 pub(crate) mod admission;
@@ -744,10 +746,11 @@ impl Core {
             Timer::RenewSessions => self.gateway.renew_leases(&mut self.cx),
             Timer::StaleGhosts => self.sweep_stale_ghosts(),
             Timer::OverdueFrames => self.release_overdue_frames(),
-            Timer::AskCheckpoints => {
-                self.game
-                    .ask_for_checkpoints(&mut self.cx, &self.table, self.authority.lease_live())
-            }
+            Timer::AskCheckpoints => self.game.ask_for_checkpoints(
+                &mut self.cx,
+                &self.table,
+                self.authority.lease_live(),
+            ),
             Timer::GameGrace => self.expire_game_grace(),
             Timer::FlushCheckpoints => self.flush_checkpoints(),
             Timer::SentOffers => self.prune_sent_offers(),
@@ -1597,8 +1600,7 @@ impl Core {
             self.authority.snapshot_while_not_live(s.entity_id);
             return;
         }
-        if self.authority.take_owed_snapshot(s.entity_id) && !self.handoff.is_frozen(s.entity_id)
-        {
+        if self.authority.take_owed_snapshot(s.entity_id) && !self.handoff.is_frozen(s.entity_id) {
             // The answer to a lapse's Freeze, come after the lease was back and the Thaw sent.
             return;
         }
@@ -1839,9 +1841,7 @@ impl Core {
 
     /// A unit the game released stays here.
     pub(crate) fn thaw_released(&mut self, id: u64, reason: &str) {
-        let lapse = self
-            .lease_lapsed()
-            .then_some(&mut self.authority);
+        let lapse = self.lease_lapsed().then_some(&mut self.authority);
         handoff::thaw_released(&mut self.cx, lapse, id, reason);
     }
 
