@@ -114,36 +114,34 @@ const FEATURE_COMMANDS: &[(&str, &str)] = &[
     ("forwarder", "tools"),
 ];
 
+/// The feature that adds `name`, if a fuller build has it as a command.
+#[cfg_attr(all(feature = "up", feature = "tools"), allow(dead_code))]
+fn feature_of(name: &str) -> Option<&'static str> {
+    FEATURE_COMMANDS
+        .iter()
+        .find(|(command, _)| *command == name)
+        .map(|(_, feature)| *feature)
+}
+
 /// The error for a command this build was made without: the feature that adds it and how to
 /// build with it.
 #[cfg_attr(all(feature = "up", feature = "tools"), allow(dead_code))]
-fn not_built(args: &[String]) -> anyhow::Error {
-    let name = args.first().map(String::as_str).unwrap_or_default();
-    match FEATURE_COMMANDS
-        .iter()
-        .find(|(command, _)| *command == name)
-    {
-        Some((command, feature)) => anyhow::anyhow!(
-            "`cellmesh {command}` is not in this build: it comes with the `{feature}` feature \
-             (`cargo run --release --features {feature} -- {command} ...`)"
-        ),
-        None => anyhow::anyhow!("no command `{name}`: see `cellmesh --help`"),
-    }
+fn not_built(command: &str, feature: &str) -> anyhow::Error {
+    anyhow::anyhow!(
+        "`cellmesh {command}` is not in this build: it comes with the `{feature}` feature \
+         (`cargo run --release --features {feature} -- {command} ...`)"
+    )
 }
 
 /// A name that no build has as a command: clap's own usage error (exit status 2), as a build
 /// with every command gives for it.
 #[cfg_attr(all(feature = "up", feature = "tools"), allow(dead_code))]
-fn unknown_command(args: &[String]) -> Option<clap::Error> {
+fn unknown_command(name: &str) -> clap::Error {
     use clap::CommandFactory;
-    let name = args.first().map(String::as_str).unwrap_or_default();
-    if FEATURE_COMMANDS.iter().any(|(command, _)| *command == name) {
-        return None;
-    }
-    Some(Cli::command().error(
+    Cli::command().error(
         clap::error::ErrorKind::InvalidSubcommand,
         format!("unrecognized subcommand '{name}'"),
-    ))
+    )
 }
 
 /// `--secret`: the proxies' token secret, never shown by `--help` when it comes from the
@@ -414,11 +412,14 @@ async fn main() -> anyhow::Result<()> {
         #[cfg(feature = "tools")]
         Command::Forwarder { to } => cellmesh_benches::load::forwarder::run_process(to).await,
         #[cfg(not(all(feature = "up", feature = "tools")))]
-        Command::NotBuilt(args) => match unknown_command(&args) {
-            // A typo is a usage error, as it is in a build with every command.
-            Some(usage) => usage.exit(),
-            None => Err(not_built(&args)),
-        },
+        Command::NotBuilt(args) => {
+            let name = args.first().map(String::as_str).unwrap_or_default();
+            match feature_of(name) {
+                Some(feature) => Err(not_built(name, feature)),
+                // A typo is a usage error, as it is in a build with every command.
+                None => unknown_command(name).exit(),
+            }
+        }
         Command::Token {
             account,
             secret,
@@ -660,20 +661,18 @@ mod tests {
 
     #[test]
     fn a_command_left_out_of_the_build_names_its_feature() {
-        let said = |args: &[&str]| {
-            not_built(&args.iter().map(|a| a.to_string()).collect::<Vec<_>>()).to_string()
-        };
-        let sim = said(&["sim", "--scenario", "cuts"]);
+        let said = |name: &str| not_built(name, feature_of(name).expect("a feature's")).to_string();
+        let sim = said("sim");
         assert!(
             sim.contains("`tools` feature") && sim.contains("--features tools -- sim"),
             "{sim}"
         );
-        let up = said(&["up"]);
+        let up = said("up");
         assert!(up.contains("`up` feature"), "{up}");
-        let typo = unknown_command(&["simm".to_string()]).expect("no build has `simm`");
+        assert_eq!(feature_of("simm"), None);
+        let typo = unknown_command("simm");
         assert_eq!(typo.kind(), clap::error::ErrorKind::InvalidSubcommand);
         assert!(typo.to_string().contains("'simm'"), "{typo}");
-        assert!(unknown_command(&["sim".to_string()]).is_none());
     }
 
     #[test]
