@@ -628,8 +628,9 @@ impl Handoffs {
     // ------------------------------------------------------------------ source: answers
 
     /// A unit whose handoff is over while it stays here: its members thaw in the game (or,
-    /// while the lease is lapsed, stay frozen with the lapse's rest), the claims its target
-    /// was given meanwhile are lost, and what it held comes back, to be applied here.
+    /// while the lease is lapsed, `while_lapsed` being then the authority, stay frozen with the
+    /// lapse's rest), the claims its target was given meanwhile are lost, and what it held comes
+    /// back, to be applied here.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn thaw(
         &mut self,
@@ -637,7 +638,7 @@ impl Handoffs {
         table: &EntityTable,
         claims: &mut Claims,
         game: Option<ConnId>,
-        mut lapse: Option<&mut Authority>,
+        mut while_lapsed: Option<&mut Authority>,
         thawed: Thawed<Routed>,
         reason: &str,
     ) -> Vec<Routed> {
@@ -650,7 +651,7 @@ impl Handoffs {
         cx.metrics.freeze_done(thawed.freeze_ms);
         for m in &thawed.members {
             claims.thawed(cx, *m, game);
-            if let Some(authority) = lapse.as_deref_mut() {
+            if let Some(authority) = while_lapsed.as_deref_mut() {
                 // Stays frozen, with the rest, until the lease is back.
                 authority.keep_frozen(*m);
                 continue;
@@ -830,15 +831,15 @@ fn note_freeze_cost(
 }
 
 /// A unit the game released stays here: the game resumes it, or, while the lease is lapsed,
-/// it stays frozen with the lapse's rest.
+/// it stays frozen with the lapse's rest (`while_lapsed` is then the authority).
 pub(crate) fn thaw_released(
     cx: &mut Context,
-    lapse: Option<&mut Authority>,
+    while_lapsed: Option<&mut Authority>,
     id: u64,
     reason: &str,
 ) {
     cx.metrics.releases_kept.inc();
-    if let Some(authority) = lapse {
+    if let Some(authority) = while_lapsed {
         // Stays frozen, with the rest, until the lease is back.
         authority.keep_frozen(id);
         return;
