@@ -1227,6 +1227,7 @@ impl<'a> Sim<'a> {
                     geo: "sim".into(),
                     partition_epoch: 0,
                     node_id: 0,
+                    lease_epoch: 0,
                 },
                 remote: "proxy".into(),
                 rest: vec![],
@@ -1666,6 +1667,10 @@ impl<'a> Sim<'a> {
             },
         );
         let epoch = self.partition.epoch();
+        let lease_epochs: BTreeMap<NodeId, u64> = [from, to]
+            .into_iter()
+            .map(|n| (n, self.node(n).lease.as_ref().map_or(0, |l| l.epoch)))
+            .collect();
         let hello = |node: NodeId| mesh::LinkHello {
             version: Some(mesh::ProtocolVersion::current()),
             role: PeerRole::Sidecar as i32,
@@ -1673,6 +1678,7 @@ impl<'a> Sim<'a> {
             geo: self.s.geo_name(node).into(),
             partition_epoch: epoch,
             node_id: node,
+            lease_epoch: lease_epochs[&node],
         };
         let inc_to = self.node(to).incarnation;
         // The accepting side hears the dialler's hello first; the dialler gets the answer a

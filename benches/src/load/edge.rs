@@ -590,6 +590,7 @@ async fn serve_mesh(
             geo: ProxyConfig::default().geo,
             partition_epoch: 1,
             node_id: NODE,
+            lease_epoch: 1,
         })))
         .await?;
     let (link, rx) = mpsc::channel(OUTBOX);

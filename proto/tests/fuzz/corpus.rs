@@ -381,6 +381,7 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
             geo: "eu-west".into(),
             partition_epoch: 5,
             node_id: 3,
+            lease_epoch: 2,
         }),
         B::Heartbeat(Heartbeat { sent_unix_ms: 17 }),
         B::Attach(Attach {

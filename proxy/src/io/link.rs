@@ -254,6 +254,7 @@ async fn dial(gateway: &str, io: &Io) -> anyhow::Result<(LinkReader, LinkWriter,
         geo: io.cfg.geo.clone(),
         partition_epoch: 0,
         node_id: 0,
+        lease_epoch: 0,
     }));
     io.metrics.link_out.frame(hello.encoded_len());
     writer.send(hello).await.context("sending LinkHello")?;

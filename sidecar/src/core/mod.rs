@@ -3461,11 +3461,16 @@ impl Core {
     /// A session that registered while the link to its avatar's writer was down waits as if
     /// the writer were being restored; a writer whose lease is still its own was not dead, and
     /// no restore will anchor the session: the join goes to it once the link is back (its game
-    /// spawns the avatar again if it let the old one go meanwhile).
+    /// spawns the avatar again if it let the old one go meanwhile). The link must be to that
+    /// very process: a node restarted in place restores its predecessor's world, avatar
+    /// included, and a join there would spawn a second one.
     fn join_live_writers(&mut self) {
         let restore = &self.restore;
+        let mesh = &self.mesh;
         let waiting = self.avatars.waiting_on_live(|(node, epoch)| {
-            restore.lease_of(node) == Some(epoch) && !restore.is_fenced((node, epoch))
+            restore.lease_of(node) == Some(epoch)
+                && !restore.is_fenced((node, epoch))
+                && mesh.linked_lease(node) == Some(epoch)
         });
         for (account, writer) in waiting {
             let Some((key, epoch)) = self.session_epoch(&account) else {

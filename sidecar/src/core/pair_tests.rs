@@ -235,6 +235,7 @@ impl Pair {
                         geo: "test".into(),
                         partition_epoch: 1,
                         node_id: other,
+                        lease_epoch: 1,
                     },
                     remote: format!("node-{other}"),
                     rest: vec![],

@@ -105,6 +105,12 @@ impl Mesh {
         self.peer_link(node).is_some()
     }
 
+    /// The lease epoch the process at the end of the link up to peer `node` said it runs under.
+    pub(crate) fn linked_lease(&self, node: NodeId) -> Option<u64> {
+        let link = self.peer_link(node)?;
+        self.links.get(&link).map(|l| l.hello.lease_epoch)
+    }
+
     /// Since when the link to peer `node` has been up (monotonic ms), if it is.
     pub(crate) fn up_since_ms(&self, node: NodeId) -> Option<u64> {
         self.peers

@@ -78,6 +78,11 @@ fn attested(account: &str, session_id: u64, ms: u64) -> String {
 }
 
 fn link_up(core: &mut Core, ms: u64, link: LinkId, node: NodeId) {
+    link_up_as(core, ms, link, node, 1);
+}
+
+/// Peer `node`'s link up from the process holding its lease under `lease_epoch`.
+fn link_up_as(core: &mut Core, ms: u64, link: LinkId, node: NodeId, lease_epoch: u64) {
     core.handle(
         at(ms),
         Input::LinkUp {
@@ -89,6 +94,7 @@ fn link_up(core: &mut Core, ms: u64, link: LinkId, node: NodeId) {
                 geo: "test".into(),
                 partition_epoch: 1,
                 node_id: node,
+                lease_epoch,
             },
             remote: format!("node-{node}"),
             rest: vec![],
@@ -469,6 +475,7 @@ fn proxy_attaches(core: &mut Core, ms: u64, account: &str, handover: Option<mesh
                 geo: "test".into(),
                 partition_epoch: 0,
                 node_id: 0,
+                lease_epoch: 0,
             },
             remote: "edge".into(),
             rest: vec![mesh_message::Body::Attach(mesh::Attach {
@@ -781,6 +788,78 @@ fn a_login_whose_avatars_writer_is_unreachable_joins_it_once_the_link_is_back() 
     core.handle(at(1_200), Input::Timer);
     let (_, links) = outputs(&mut core);
     assert_eq!(joins_sent(&links), 0, "the join goes once");
+}
+
+/// The same login, but the link that comes back is from a process restarted in place under a
+/// new lease before membership said so: it restores its predecessor's world, avatar included, so
+/// the session goes on waiting for that restore and no join is sent (a join would have its game
+/// spawn a second avatar).
+#[test]
+fn a_writer_restarted_in_place_is_not_sent_the_join_of_its_predecessors_avatar() {
+    let mut core = node();
+    core.handle(
+        at(0),
+        Input::PeerLeases {
+            live: vec![(GATEWAY, 1)],
+            lapsed: vec![],
+        },
+    );
+    proxy_attaches(&mut core, 10, "alice", None);
+    let key = store_requests(&mut core)
+        .into_iter()
+        .find_map(|r| match r {
+            StoreRequest::Register { session, .. } => Some(session),
+            _ => None,
+        })
+        .expect("the attach registers the session");
+    core.handle(
+        at(20),
+        Input::Store(StoreReply::Registered {
+            session: key,
+            account: "alice".into(),
+            result: Ok(Registration {
+                epoch: 5,
+                record: None,
+                master: Some(MasterEntry {
+                    node: GATEWAY,
+                    lease_epoch: 1,
+                    entity_id: AVATAR,
+                    entity_epoch: 1,
+                }),
+            }),
+        }),
+    );
+    let joins_sent = |links: &[(LinkId, mesh_message::Body)]| {
+        links
+            .iter()
+            .filter(|(_, b)| matches!(b, mesh_message::Body::PlayerJoin(j) if j.account == "alice"))
+            .count()
+    };
+    outputs(&mut core);
+    link_up_as(&mut core, 1_000, PEER_LINK, GATEWAY, 2);
+    core.handle(at(1_100), Input::Timer);
+    let (_, links) = outputs(&mut core);
+    assert_eq!(
+        joins_sent(&links),
+        0,
+        "the process at the link's end is not the avatar's writer"
+    );
+    core.handle(
+        at(1_200),
+        Input::PeerLeases {
+            live: vec![(GATEWAY, 2)],
+            lapsed: vec![],
+        },
+    );
+    core.handle(at(1_300), Input::Timer);
+    let (game, links) = outputs(&mut core);
+    assert_eq!(joins_sent(&links), 0, "nor once membership names it");
+    assert!(
+        !game
+            .iter()
+            .any(|b| matches!(b, sidecar_message::Body::PlayerJoin(_))),
+        "and none is spawned here while the restore may anchor the session"
+    );
 }
 
 /// The client `alice` on proxy link 20, her avatar at (240, 50) near node 2's border (x 256), and
@@ -1415,6 +1494,7 @@ fn proxy_up(core: &mut Core, ms: u64, link: LinkId) {
                 geo: "test".into(),
                 partition_epoch: 0,
                 node_id: 0,
+                lease_epoch: 0,
             },
             remote: "edge".into(),
             rest: vec![],

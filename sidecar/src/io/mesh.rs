@@ -155,6 +155,9 @@ pub(crate) struct MeshCtx {
     pub node_id: u32,
     pub geo: String,
     pub partition_epoch: u64,
+    /// This process's lease epoch (0: no lease), told to every peer so that a link to a node
+    /// restarted in place is not taken for a link to its predecessor.
+    pub lease_epoch: u64,
     /// Link ids, shared by accepted and dialled links.
     pub next_link: Arc<AtomicU64>,
     pub shutdown: CancellationToken,
@@ -194,6 +197,7 @@ impl MeshCtx {
             geo: self.geo.clone(),
             partition_epoch: self.partition_epoch,
             node_id: self.node_id,
+            lease_epoch: self.lease_epoch,
         }))
     }
 }

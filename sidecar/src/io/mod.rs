@@ -177,6 +177,7 @@ pub(crate) async fn launch(
         node_id: cfg.node_id,
         geo: cfg.geo.clone(),
         partition_epoch: partition.epoch(),
+        lease_epoch: membership.as_ref().map_or(0, |(_, held)| held.lease.epoch),
         next_link: Arc::new(AtomicU64::new(1)),
         shutdown: shutdown.clone(),
         tasks: tasks.clone(),

@@ -652,6 +652,7 @@ pub fn link_hello(name: &str, major: u32) -> MeshFrame {
         geo: "local".into(),
         partition_epoch: 0,
         node_id: 0,
+        lease_epoch: 0,
     }))
 }
 
@@ -664,6 +665,7 @@ pub fn sidecar_hello(node_id: u32, partition_epoch: u64) -> MeshFrame {
         geo: "local".into(),
         partition_epoch,
         node_id,
+        lease_epoch: 1,
     }))
 }
 
