@@ -488,7 +488,7 @@ fn bad_claims_fail_with_a_reason_and_ask_nothing_of_the_store() {
     let errors = &p.node(1).errors;
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert!(errors[0].detail.contains("nobody:holds") && !errors[0].fatal);
-    assert!(!p.node(1).game_cut && p.node(1).core.game.slot.is_some());
+    assert!(!p.node(1).game_cut && p.node(1).core.game.connected());
     granted(&mut p, 1, KEY, HOLDER, 11);
 }
 

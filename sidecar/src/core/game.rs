@@ -1,47 +1,81 @@
 //! The local game: its connection, what it sends each tick, and the end of a tick (README.md#how-a-game-server-adopts-the-local-protocol).
+//!
+//! This part keeps the game's connection, what it sent during the current tick, the ids it
+//! mints, the checkpoints asked of it and the entities kept for its return. Its handlers check
+//! what the game sends against the table and answer the game's mistakes themselves; what a
+//! spawn, a despawn, the end of a tick or the game's leaving comes to for the other parts, the
+//! core carries out.
 
-use cellmesh_proto::local::{
-    self, game_message, sidecar_message, ErrorCode, GameMessage, SidecarMessage,
-};
-
-use super::wire::*;
-use super::*;
-use crate::config::SidecarConfig;
-use crate::model::audience::Audience;
 use std::collections::BTreeSet;
 
+use cellmesh_proto::local::{self, sidecar_message, ErrorCode};
+use cellmesh_stores::topology::Lease;
+use serde_json::json;
+
+use super::authority::Authority;
+use super::context::Context;
+use super::wire::{error_kind, local_components, local_position};
+use super::{ConnId, Output, TO_CLIENT_OVERHEAD};
+use crate::config::SidecarConfig;
+use crate::model::audience::Audience;
 use crate::model::checkpoints::Checkpoints;
-use crate::model::entities::{merge_changes, EntityError, EntityUpdate, NewEntity};
+use crate::model::entities::{Entity, EntityError, EntityTable, EntityUpdate, NewEntity};
 use crate::model::fold::{TickEvent, TickSend};
 use crate::model::ids::IdMinter;
-use cellmesh_stores::topology::Lease;
 
 /// The game connected to this node, as the node knows it.
-pub(crate) struct GameSlot {
-    pub conn: ConnId,
-    pub hello: local::Hello,
-    pub health: Option<local::Health>,
-    pub load: Option<local::Load>,
+struct GameSlot {
+    conn: ConnId,
+    hello: local::Hello,
+    health: Option<local::Health>,
+    load: Option<local::Load>,
 }
 
 /// The local game and what it sent during the current tick.
 pub(crate) struct LocalGame {
-    pub slot: Option<GameSlot>,
-    pub tick_events: Vec<TickEvent>,
-    pub tick_sends: Vec<TickSend>,
-    pub last_tick: u64,
+    slot: Option<GameSlot>,
+    tick_events: Vec<TickEvent>,
+    tick_sends: Vec<TickSend>,
+    last_tick: u64,
     /// When the game's last `TickEnd` came (monotonic ms): where a handoff's snapshot finds the
     /// end of its entity's last simulated tick.
-    pub last_tick_end_ms: Option<u64>,
-    pub ids: IdMinter,
+    last_tick_end_ms: Option<u64>,
+    ids: IdMinter,
     /// The latest state of every entity written here, asked of the game.
-    pub checkpoints: Checkpoints,
+    checkpoints: Checkpoints,
     /// Since when the game has been gone with its entities kept for its return (monotonic ms).
-    pub gone_since: Option<u64>,
+    gone_since: Option<u64>,
     /// Entities handed back to a returning game with `Adopt`, not yet `Adopted`.
-    pub restoring: BTreeSet<u64>,
+    restoring: BTreeSet<u64>,
     /// Entities despawned because their game went away before any checkpoint of them came.
-    pub unrestorable: Vec<u64>,
+    unrestorable: Vec<u64>,
+}
+
+/// What a game's `Hello` came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hello {
+    /// Turned away (another game is connected, or the node is shutting down): nothing changed.
+    Refused,
+    /// The game is connected and welcomed, with its kept entities handed back to it.
+    Connected,
+}
+
+/// What the end of a tick takes from the game part: the tick's events and sends, for the
+/// other parts to route and fold.
+pub(crate) struct TickWork {
+    pub events: Vec<TickEvent>,
+    pub sends: Vec<TickSend>,
+}
+
+/// What the game's leaving leaves behind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Gone {
+    /// Not the game connected: nothing changed.
+    NotConnected,
+    /// Its entities are kept for its return within its grace.
+    Kept,
+    /// Its entities go with it.
+    Dropped,
 }
 
 impl LocalGame {
@@ -66,6 +100,474 @@ impl LocalGame {
             restoring: BTreeSet::new(),
             unrestorable: Vec::new(),
         }
+    }
+
+    /// Whether a game is connected now (it said `Hello`).
+    pub(crate) fn connected(&self) -> bool {
+        self.slot.is_some()
+    }
+
+    /// The game's connection, if one is connected.
+    pub(crate) fn conn(&self) -> Option<ConnId> {
+        self.slot.as_ref().map(|g| g.conn)
+    }
+
+    /// Whether `conn` is the connected game's.
+    pub(crate) fn is_conn(&self, conn: ConnId) -> bool {
+        self.conn() == Some(conn)
+    }
+
+    /// The game's tick in milliseconds, from the rate it named in its `Hello`.
+    pub(crate) fn tick_ms(&self) -> Option<f64> {
+        self.slot
+            .as_ref()
+            .map(|g| g.hello.tick_rate_hz)
+            .filter(|hz| *hz > 0)
+            .map(|hz| 1000.0 / f64::from(hz))
+    }
+
+    /// The last tick the game ended (or the node ended for it, once it went away).
+    pub(crate) fn last_tick(&self) -> u64 {
+        self.last_tick
+    }
+
+    /// When the game's last `TickEnd` came (monotonic ms).
+    pub(crate) fn last_tick_end_ms(&self) -> Option<u64> {
+        self.last_tick_end_ms
+    }
+
+    /// The checkpoints of the entities written here.
+    pub(crate) fn checkpoints(&self) -> &Checkpoints {
+        &self.checkpoints
+    }
+
+    /// The checkpoints, for the parts that take (a handoff's snapshot, an adoption), forget
+    /// (a handoff completed) and write them to the store.
+    pub(crate) fn checkpoints_mut(&mut self) -> &mut Checkpoints {
+        &mut self.checkpoints
+    }
+
+    /// Ids are minted until the renewed lease's expiry (a lease of another node id is refused:
+    /// minting then stays bounded by the old one).
+    pub(crate) fn lease_renewed(&mut self, lease: &Lease) {
+        let _ = self.ids.renewed(lease);
+    }
+
+    /// An event the game hears at the end of the tick (a render ghost's, from its writer).
+    pub(crate) fn hear_event(&mut self, event: TickEvent) {
+        self.tick_events.push(event);
+    }
+
+    /// Entities despawned since the last call because their game went away before any
+    /// checkpoint of them came back.
+    pub(crate) fn take_unrestorable(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.unrestorable)
+    }
+
+    /// The game as `/state` shows it.
+    pub(crate) fn state(&self) -> Option<serde_json::Value> {
+        self.slot.as_ref().map(|g| {
+            let v = g.hello.version.unwrap_or_default();
+            json!({
+                "conn": g.conn,
+                "game": g.hello.game,
+                "version": format!("{}.{}", v.major, v.minor),
+                "tick_rate_hz": g.hello.tick_rate_hz,
+                "health": g.health.as_ref().map(|h| json!({"ok": h.ok, "detail": h.detail})),
+                "load": g.load.as_ref().map(|l| json!({"tick_ms": l.tick_ms, "budget_ms": l.budget_ms, "entity_count": l.entity_count})),
+            })
+        })
+    }
+
+    /// A game's `Hello`: a second game is refused (fatally, on its own connection), and so is
+    /// any while the node shuts down; one taken is welcomed and given back what it wrote before
+    /// it went away.
+    pub(crate) fn on_hello(
+        &mut self,
+        cx: &mut Context,
+        table: &mut EntityTable,
+        authority: &Authority,
+        shutting_down: bool,
+        conn: ConnId,
+        hello: local::Hello,
+    ) -> Hello {
+        if let Some(current) = &self.slot {
+            let detail = format!(
+                "a game ({:?}) is already connected to this sidecar; it serves one game at a time",
+                current.hello.game
+            );
+            let error = local::Error {
+                code: ErrorCode::AlreadyConnected as i32,
+                detail,
+                fatal: true,
+                entity_id: 0,
+            };
+            cx.emit(Output::GameFatal { conn, error });
+            return Hello::Refused;
+        }
+        if shutting_down {
+            cx.emit(Output::ReleaseGame { conn });
+            return Hello::Refused;
+        }
+        tracing::info!(conn, game = %hello.game, "game connected");
+        let hello_rate = hello.tick_rate_hz;
+        self.slot = Some(GameSlot {
+            conn,
+            hello,
+            health: None,
+            load: None,
+        });
+        cx.metrics.game_connected.set(1);
+        let w = &cx.config.world;
+        let welcome = local::Welcome {
+            version: Some(local::ProtocolVersion::current()),
+            node_id: cx.config.node_id,
+            world: Some(local::WorldShape {
+                width: w.width,
+                height: w.height,
+                chunk_size: w.chunk_size,
+                region_size: w.region_size,
+            }),
+            owned_area: owned_area(cx, authority),
+            partition_epoch: authority.partition().epoch(),
+            tick_phase: Some(local::TickPhase {
+                origin_unix_ms: TICK_ORIGIN_UNIX_MS,
+                tick_rate_hz: if hello_rate > 0 {
+                    hello_rate
+                } else {
+                    DEFAULT_TICK_HZ
+                },
+            }),
+            handoff_margin_chunks: cx.config.handoff_margin_chunks,
+        };
+        cx.out
+            .to_game
+            .push(sidecar_message::Body::Welcome(welcome).into());
+        self.restore_to_game(cx, table);
+        Hello::Connected
+    }
+
+    /// A game back within its grace gets every entity it wrote from the latest checkpoint, as
+    /// an `Adopt` under the entity's epoch (before any `PlayerJoin`, so a player finds its
+    /// avatar). One with no checkpoint cannot be restored and is despawned.
+    fn restore_to_game(&mut self, cx: &mut Context, table: &mut EntityTable) {
+        if self.gone_since.take().is_none() {
+            return;
+        }
+        let kept: Vec<_> = table
+            .iter()
+            .filter(|e| e.origin.is_none())
+            .map(|e| {
+                (
+                    e.id,
+                    e.epoch,
+                    e.position,
+                    e.owner_account.clone(),
+                    e.is_master,
+                )
+            })
+            .collect();
+        for (id, epoch, p, owner_account, is_master) in kept {
+            let Some(state) = self.checkpoints.latest(id).map(|k| k.state.clone()) else {
+                tracing::warn!(
+                    entity = id,
+                    "no checkpoint to give back to the game: despawned"
+                );
+                if let Ok(gone) = table.despawn(id) {
+                    self.checkpoints.forget(gone.id);
+                    self.unrestorable.push(gone.id);
+                }
+                cx.metrics.drop_msg("restore_without_checkpoint", 1);
+                continue;
+            };
+            self.restoring.insert(id);
+            cx.out.to_game.push(
+                sidecar_message::Body::Adopt(local::Adopt {
+                    entity_id: id,
+                    entity_epoch: epoch,
+                    position: Some(local::Vec3 {
+                        x: p.x,
+                        y: p.y,
+                        z: p.z,
+                    }),
+                    state,
+                    owner_account,
+                    is_master,
+                    attachments: vec![],
+                })
+                .into(),
+            );
+        }
+    }
+
+    /// The game's `Adopted` of an entity it was handed back on its return: it writes it again
+    /// from here on. False when the `Adopted` answers something else (an offer).
+    pub(crate) fn took_back(
+        &mut self,
+        cx: &Context,
+        table: &EntityTable,
+        a: &local::Adopted,
+    ) -> bool {
+        let restored = table
+            .get_local(a.entity_id)
+            .is_some_and(|e| e.epoch == a.entity_epoch);
+        if !restored || !self.restoring.remove(&a.entity_id) {
+            return false;
+        }
+        cx.metrics.restored.inc();
+        self.checkpoints.touched(a.entity_id, cx.now.mono_ms);
+        true
+    }
+
+    /// The game's `Spawn`: the entity written here from now on. Returns its id, or `None` when
+    /// the game was told what is wrong with it. `check_id` is whether a spawn point's id is one
+    /// this node was given to stock.
+    pub(crate) fn on_spawn(
+        &mut self,
+        cx: &mut Context,
+        table: &mut EntityTable,
+        check_id: impl FnOnce(u64) -> Result<(), String>,
+        s: local::Spawn,
+    ) -> Option<u64> {
+        let id = s.entity_id;
+        let components = match local_components(id, s.components) {
+            Ok(c) => c,
+            Err(detail) => return refuse(cx, ErrorCode::InvalidValue, detail, id),
+        };
+        if let Err(detail) = check_id(id) {
+            return refuse(cx, ErrorCode::NotOwner, detail, id);
+        }
+        let spawn = NewEntity {
+            id,
+            position: s.position.map(local_position).unwrap_or_default(),
+            owner_account: s.owner_account,
+            is_master: s.is_master,
+            parent_id: s.parent_id,
+            components,
+            origin: None,
+            epoch: FIRST_EPOCH,
+        };
+        match table.spawn(spawn) {
+            Ok(()) => {
+                self.checkpoints.touched(id, cx.now.mono_ms);
+                Some(id)
+            }
+            Err(e) => {
+                entity_error(cx, e);
+                None
+            }
+        }
+    }
+
+    /// The game's `Update`, unless `refused` says why the game may not write the entity now.
+    pub(crate) fn on_update(
+        &mut self,
+        cx: &mut Context,
+        table: &mut EntityTable,
+        refused: Option<String>,
+        u: local::Update,
+    ) {
+        let id = u.entity_id;
+        if let Some(detail) = refused {
+            return error(cx, ErrorCode::NotOwner, detail, id);
+        }
+        if table.get_local(id).is_none() {
+            // Ghosts are read-only to the game.
+            return entity_error(cx, EntityError::Unknown(id));
+        }
+        let changed = match local_components(id, u.changed) {
+            Ok(c) => c,
+            Err(detail) => return error(cx, ErrorCode::InvalidValue, detail, id),
+        };
+        let update = EntityUpdate {
+            id,
+            position: u.position.map(local_position),
+            changed,
+            removed: u.removed_types,
+        };
+        match table.update(update) {
+            Ok(_) => self.checkpoints.touched(id, cx.now.mono_ms),
+            Err(e) => entity_error(cx, e),
+        }
+    }
+
+    /// The game's `Despawn`, unless `refused` says why the game may not write the entity now.
+    /// Returns the entity gone.
+    pub(crate) fn on_despawn(
+        &mut self,
+        cx: &mut Context,
+        table: &mut EntityTable,
+        refused: Option<String>,
+        d: local::Despawn,
+    ) -> Option<Entity> {
+        let id = d.entity_id;
+        if table.get_local(id).is_none() {
+            entity_error(cx, EntityError::Unknown(id));
+            return None;
+        }
+        if let Some(detail) = refused {
+            return refuse(cx, ErrorCode::NotOwner, detail, id);
+        }
+        match table.despawn(id) {
+            Ok(gone) => {
+                self.checkpoints.forget(gone.id);
+                Some(gone)
+            }
+            Err(e) => {
+                entity_error(cx, e);
+                None
+            }
+        }
+    }
+
+    /// The game's `Event`, heard by clients at the end of the tick, unless `refused` says why
+    /// the game may not write the entity now.
+    pub(crate) fn on_event(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        refused: Option<String>,
+        e: local::Event,
+    ) {
+        let id = e.entity_id;
+        let audience = match Audience::from_proto(e.audience.as_ref()) {
+            Ok(a) => a,
+            Err(err) => {
+                let detail = format!("event on entity {id}: {err}");
+                return error(cx, ErrorCode::InvalidValue, detail, id);
+            }
+        };
+        let Some(entity) = table.get_local(id) else {
+            return entity_error(cx, EntityError::Unknown(id));
+        };
+        if let Some(detail) = refused {
+            return error(cx, ErrorCode::NotOwner, detail, id);
+        }
+        self.tick_events.push(TickEvent {
+            entity_id: id,
+            chunk: entity.chunk,
+            owner_account: entity.owner_account.clone(),
+            audience,
+            r#type: e.r#type,
+            payload: e.payload,
+        });
+    }
+
+    /// The game's `Send`: folded for its accounts at the end of the tick.
+    pub(crate) fn on_send(&mut self, s: local::Send) {
+        self.tick_sends.push(TickSend {
+            accounts: s.accounts,
+            r#type: s.r#type,
+            payload: s.payload,
+        });
+    }
+
+    /// The game's `Load` report, as `/state` shows it.
+    pub(crate) fn on_load(&mut self, l: local::Load) {
+        if let Some(g) = self.slot.as_mut() {
+            g.load = Some(l);
+        }
+    }
+
+    /// The game's `Health` report, as `/state` shows it.
+    pub(crate) fn on_health(&mut self, h: local::Health) {
+        if let Some(g) = self.slot.as_mut() {
+            g.health = Some(h);
+        }
+    }
+
+    /// The game's `TickEnd` came now.
+    pub(crate) fn on_tick_end(&mut self, cx: &Context) {
+        self.last_tick_end_ms = Some(cx.now.mono_ms);
+    }
+
+    /// The end of `tick`: the checkpoints due are asked for, and the tick's events and sends
+    /// are handed on.
+    pub(crate) fn end_tick(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        lease_live: bool,
+        tick: u64,
+    ) -> TickWork {
+        self.last_tick = tick;
+        // New entities are asked for in the tick they appear: until a checkpoint of them comes
+        // back, a crash of the game would lose them.
+        self.ask_for_checkpoints(cx, table, lease_live);
+        TickWork {
+            events: std::mem::take(&mut self.tick_events),
+            sends: std::mem::take(&mut self.tick_sends),
+        }
+    }
+
+    /// The game stopped reading: whether it is the game connected on `conn` (the driver already
+    /// cut the connection).
+    pub(crate) fn stalled(&self, cx: &Context, conn: ConnId) -> bool {
+        if !self.is_conn(conn) {
+            return false;
+        }
+        cx.metrics.error("game_outbox_full");
+        tracing::warn!(conn, "game outbox full: disconnecting the game");
+        true
+    }
+
+    /// The game on `conn` went away: the node is not ready without it, and what was queued for
+    /// it goes. Its entities are kept for its return when it has a grace and the lease is live
+    /// (clients see them stand still), else they go with it.
+    pub(crate) fn on_closed(
+        &mut self,
+        cx: &mut Context,
+        lease_live: bool,
+        conn: ConnId,
+        reason: &str,
+    ) -> Gone {
+        if !self.is_conn(conn) {
+            return Gone::NotConnected;
+        }
+        tracing::info!(conn, %reason, "game disconnected");
+        self.slot = None;
+        cx.metrics.game_connected.set(0);
+        cx.set_ready(false);
+        self.restoring.clear();
+        if cx.config.game_grace_ms > 0 && lease_live {
+            self.gone_since = Some(cx.now.mono_ms);
+            return Gone::Kept;
+        }
+        Gone::Dropped
+    }
+
+    /// The game's entities go with it: returns them (ghosts stay: their owners still send
+    /// them).
+    pub(crate) fn drop_entities(&mut self, table: &mut EntityTable) -> Vec<Entity> {
+        self.gone_since = None;
+        self.restoring.clear();
+        let gone = table.clear_local();
+        for e in &gone {
+            self.checkpoints.forget(e.id);
+        }
+        gone
+    }
+
+    /// Whether the game stayed away past its grace (its entities are to go).
+    pub(crate) fn grace_expired(&self, cx: &Context) -> bool {
+        let expired = self.slot.is_none()
+            && self
+                .gone_since
+                .is_some_and(|t| cx.now.mono_ms >= t + cx.config.game_grace_ms);
+        if expired {
+            tracing::warn!(
+                "the game did not come back within game_grace_ms: its entities are despawned"
+            );
+        }
+        expired
+    }
+
+    /// The node is shutting down: the game's connection, if one is connected, is let go.
+    pub(crate) fn release(&mut self, cx: &mut Context) {
+        if let Some(g) = self.slot.take() {
+            cx.emit(Output::ReleaseGame { conn: g.conn });
+        }
+        cx.metrics.game_connected.set(0);
     }
 
     /// A checkpoint the game answered: kept if it is of an entity written here, under its
@@ -122,12 +624,8 @@ impl LocalGame {
         }
     }
 
-    /// The game's `ReserveIds`: the ids minted, or why none are (the error the game hears).
-    pub(crate) fn reserve_ids(
-        &mut self,
-        cx: &mut Context,
-        r: local::ReserveIds,
-    ) -> Result<(), (ErrorCode, String)> {
+    /// The game's `ReserveIds`: the ids minted, or the game hears why none are.
+    pub(crate) fn reserve_ids(&mut self, cx: &mut Context, r: local::ReserveIds) {
         // Each id costs at most 9 bytes on the wire; the answer must fit one frame.
         let max = MAX_RESERVE.min(cx.config.max_frame_bytes.saturating_sub(TO_CLIENT_OVERHEAD) / 9);
         let count = r.count as usize;
@@ -136,13 +634,13 @@ impl LocalGame {
                 "ReserveIds {} asks for {count} ids; at most {max} per request",
                 r.request_id
             );
-            return Err((ErrorCode::InvalidValue, detail));
+            return error(cx, ErrorCode::InvalidValue, detail, 0);
         }
         let ids = match self.ids.mint_many(cx.now.unix_ms, count) {
             Ok(ids) => ids,
             Err(e) => {
                 let detail = format!("ReserveIds {}: {e}", r.request_id);
-                return Err((ErrorCode::NotOwner, detail));
+                return error(cx, ErrorCode::NotOwner, detail, 0);
             }
         };
         cx.out.to_game.push(
@@ -152,8 +650,56 @@ impl LocalGame {
             })
             .into(),
         );
-        Ok(())
     }
+}
+
+/// The node's area in metres, as the game is told it.
+pub(crate) fn owned_area(cx: &Context, authority: &Authority) -> Vec<local::Rect> {
+    let w = &cx.config.world;
+    authority
+        .area()
+        .iter()
+        .map(|r| {
+            let (x, y, width, height) = w.rect_metres(r);
+            local::Rect {
+                x,
+                y,
+                width,
+                height,
+            }
+        })
+        .collect()
+}
+
+/// A non-fatal error about something the game sent: reported, and nothing else changes.
+pub(crate) fn error(cx: &mut Context, code: ErrorCode, detail: String, entity_id: u64) {
+    cx.metrics.error(error_kind(code));
+    tracing::debug!(?code, %detail, "game error");
+    cx.out.to_game.push(
+        sidecar_message::Body::Error(local::Error {
+            code: code as i32,
+            detail,
+            fatal: false,
+            entity_id,
+        })
+        .into(),
+    );
+}
+
+/// A table's refusal of what the game sent, reported as [`error`].
+pub(crate) fn entity_error(cx: &mut Context, e: EntityError) {
+    let code = match e {
+        EntityError::Unknown(_) => ErrorCode::UnknownEntity,
+        EntityError::Duplicate(_) => ErrorCode::DuplicateEntity,
+        EntityError::ZeroId | EntityError::NonFinite { .. } => ErrorCode::InvalidValue,
+    };
+    error(cx, code, e.to_string(), e.entity_id());
+}
+
+/// Reports [`error`] where a handler answers with nothing.
+fn refuse<T>(cx: &mut Context, code: ErrorCode, detail: String, entity_id: u64) -> Option<T> {
+    error(cx, code, detail, entity_id);
+    None
 }
 
 /// The epoch every entity starts with; each handoff adds one.
@@ -168,501 +714,3 @@ const MAX_RESERVE: usize = 65_536;
 const TICK_ORIGIN_UNIX_MS: u64 = 0;
 /// The tick rate the phase is given in for a game that named none.
 const DEFAULT_TICK_HZ: u32 = 20;
-
-impl Core {
-    /// Whether a game is connected now (it said `Hello`).
-    pub fn game_connected(&self) -> bool {
-        self.game.slot.is_some()
-    }
-
-    pub(crate) fn on_game_hello(
-        &mut self,
-        conn: ConnId,
-        hello: local::Hello,
-        rest: Vec<GameMessage>,
-    ) {
-        if let Some(current) = &self.game.slot {
-            let detail = format!(
-                "a game ({:?}) is already connected to this sidecar; it serves one game at a time",
-                current.hello.game
-            );
-            let err = local::Error {
-                code: ErrorCode::AlreadyConnected as i32,
-                detail,
-                fatal: true,
-                entity_id: 0,
-            };
-            self.cx.emit(Output::GameFatal { conn, error: err });
-            return;
-        }
-        if self.shutting_down {
-            self.cx.emit(Output::ReleaseGame { conn });
-            return;
-        }
-        tracing::info!(conn, game = %hello.game, "game connected");
-        let hello_rate = hello.tick_rate_hz;
-        self.game.slot = Some(GameSlot {
-            conn,
-            hello,
-            health: None,
-            load: None,
-        });
-        self.cx.metrics.game_connected.set(1);
-        let w = &self.cx.config.world;
-        self.cx.out.to_game.push(
-            sidecar_message::Body::Welcome(local::Welcome {
-                version: Some(local::ProtocolVersion::current()),
-                node_id: self.cx.config.node_id,
-                world: Some(local::WorldShape {
-                    width: w.width,
-                    height: w.height,
-                    chunk_size: w.chunk_size,
-                    region_size: w.region_size,
-                }),
-                owned_area: self.owned_rects(),
-                partition_epoch: self.authority.partition().epoch(),
-                tick_phase: Some(local::TickPhase {
-                    origin_unix_ms: TICK_ORIGIN_UNIX_MS,
-                    tick_rate_hz: if hello_rate > 0 {
-                        hello_rate
-                    } else {
-                        DEFAULT_TICK_HZ
-                    },
-                }),
-                handoff_margin_chunks: self.cx.config.handoff_margin_chunks,
-            })
-            .into(),
-        );
-        self.restore_to_game();
-        // Sessions outlive a game restart: the new game hears about every attached player whose
-        // avatar this node simulates (one simulated elsewhere stays there: a join here would
-        // spawn a second avatar).
-        let joins = self.gateway.joins_for_game(self.cx.config.node_id);
-        self.cx.out.to_game.extend(joins);
-        let remote: Vec<SidecarMessage> = self
-            .routing
-            .remote_players()
-            .map(|(account, r)| {
-                sidecar_message::Body::PlayerJoin(local::PlayerJoin {
-                    account: account.clone(),
-                    session_epoch: r.session_epoch,
-                    last_position: None,
-                })
-                .into()
-            })
-            .collect();
-        self.cx.out.to_game.extend(remote);
-        self.routing.forget_anchors();
-        // Adopts the previous game never answered: the new game gets them again.
-        let pending = self.handoff.pending_adopts();
-        for adopt in pending {
-            self.cx
-                .out
-                .to_game
-                .push(sidecar_message::Body::Adopt(adopt).into());
-        }
-        self.cx
-            .set_ready(self.authority.lease_live() && !self.authority.draining());
-        for m in rest {
-            if let Some(body) = m.body {
-                self.on_game_message(body);
-            }
-        }
-    }
-
-    /// The node's area in metres, as the game is told it.
-    pub(crate) fn owned_rects(&self) -> Vec<local::Rect> {
-        let w = &self.cx.config.world;
-        self.authority
-            .area()
-            .iter()
-            .map(|r| {
-                let (x, y, width, height) = w.rect_metres(r);
-                local::Rect {
-                    x,
-                    y,
-                    width,
-                    height,
-                }
-            })
-            .collect()
-    }
-
-    pub(crate) fn on_game_message(&mut self, body: game_message::Body) {
-        use game_message::Body as B;
-        match body {
-            B::Hello(_) => self.game_error(
-                ErrorCode::UnexpectedMessage,
-                "Hello was already received on this connection".into(),
-                0,
-            ),
-            B::Spawn(s) => self.on_spawn(s),
-            B::Update(u) => {
-                if self.may_write(u.entity_id) {
-                    self.on_update(u)
-                }
-            }
-            B::Despawn(d) => {
-                if self.table.get_local(d.entity_id).is_none() {
-                    return self.entity_error(EntityError::Unknown(d.entity_id));
-                }
-                if !self.may_write(d.entity_id) {
-                    return;
-                }
-                match self.table.despawn(d.entity_id) {
-                    Ok(gone) => {
-                        self.game.checkpoints.forget(gone.id);
-                        self.command_target_gone(gone.id);
-                        self.claims_holder_gone(gone.id);
-                        self.despawned_while_frozen(&[gone]);
-                    }
-                    Err(e) => self.entity_error(e),
-                }
-            }
-            B::Event(e) => self.on_event(e),
-            B::Send(s) => self.game.tick_sends.push(TickSend {
-                accounts: s.accounts,
-                r#type: s.r#type,
-                payload: s.payload,
-            }),
-            B::ReserveIds(r) => {
-                if let Err((code, detail)) = self.game.reserve_ids(&mut self.cx, r) {
-                    self.game_error(code, detail, 0);
-                }
-            }
-            B::TickEnd(t) => {
-                self.game.last_tick_end_ms = Some(self.cx.now.mono_ms);
-                self.end_tick(t.tick)
-            }
-            B::Load(l) => {
-                self.on_game_load(&l);
-                if let Some(g) = self.game.slot.as_mut() {
-                    g.load = Some(l);
-                }
-            }
-            B::Health(h) => {
-                if let Some(g) = self.game.slot.as_mut() {
-                    g.health = Some(h);
-                }
-            }
-            // Chunk events travel to peers and the journal, which a single node does not have yet.
-            B::ChunkEvent(_) => self.cx.metrics.drop_msg("chunk_event_unsupported", 1),
-            B::Snapshot(s) => self.on_snapshot(s),
-            B::Adopted(a) => self.on_adopted(a),
-            B::CheckpointState(c) => {
-                let lease_live = self.authority.lease_live();
-                self.game
-                    .on_checkpoint_state(&self.cx, &self.table, lease_live, c)
-            }
-            B::Release(r) => self.on_release(r),
-            B::Command(c) => self.on_command(c),
-            B::CommandReply(r) => self.on_command_reply(r),
-            B::Claim(c) => self.on_claim(c),
-            B::ClaimRelease(r) => self.on_claim_release(r),
-            B::DeclareSpawners(d) => self.on_declare_spawners(d),
-        }
-    }
-
-    pub(crate) fn on_spawn(&mut self, s: local::Spawn) {
-        let components = match local_components(s.entity_id, s.components) {
-            Ok(c) => c,
-            Err(detail) => return self.game_error(ErrorCode::InvalidValue, detail, s.entity_id),
-        };
-        if let Err(detail) = self.spawners.check_spawned_id(s.entity_id) {
-            return self.game_error(ErrorCode::NotOwner, detail, s.entity_id);
-        }
-        let spawn = NewEntity {
-            id: s.entity_id,
-            position: s.position.map(local_position).unwrap_or_default(),
-            owner_account: s.owner_account,
-            is_master: s.is_master,
-            parent_id: s.parent_id,
-            components,
-            origin: None,
-            epoch: FIRST_EPOCH,
-        };
-        match self.table.spawn(spawn) {
-            Ok(()) => {
-                self.game
-                    .checkpoints
-                    .touched(s.entity_id, self.cx.now.mono_ms);
-                self.spawners.spawned(s.entity_id);
-                if !self.authority.lease_live() && !self.authority.lost() {
-                    // Born while the lease is lapsed: frozen with the rest until it is back.
-                    self.authority.freeze_newborn(s.entity_id);
-                    self.freeze_in_game(s.entity_id);
-                }
-            }
-            Err(e) => self.entity_error(e),
-        }
-    }
-
-    pub(crate) fn on_update(&mut self, u: local::Update) {
-        if self.table.get_local(u.entity_id).is_none() {
-            // Ghosts are read-only to the game.
-            return self.entity_error(EntityError::Unknown(u.entity_id));
-        }
-        let changed = match local_components(u.entity_id, u.changed) {
-            Ok(c) => c,
-            Err(detail) => return self.game_error(ErrorCode::InvalidValue, detail, u.entity_id),
-        };
-        let update = EntityUpdate {
-            id: u.entity_id,
-            position: u.position.map(local_position),
-            changed,
-            removed: u.removed_types,
-        };
-        match self.table.update(update) {
-            Ok(_) => self
-                .game
-                .checkpoints
-                .touched(u.entity_id, self.cx.now.mono_ms),
-            Err(e) => self.entity_error(e),
-        }
-    }
-
-    pub(crate) fn on_event(&mut self, e: local::Event) {
-        let audience = match Audience::from_proto(e.audience.as_ref()) {
-            Ok(a) => a,
-            Err(err) => {
-                return self.game_error(
-                    ErrorCode::InvalidValue,
-                    format!("event on entity {}: {err}", e.entity_id),
-                    e.entity_id,
-                )
-            }
-        };
-        if self.table.get_local(e.entity_id).is_none() {
-            return self.entity_error(EntityError::Unknown(e.entity_id));
-        }
-        if !self.may_write(e.entity_id) {
-            return;
-        }
-        // Internal: checked above; `may_write` only queues an error, it changes no entity.
-        let entity = self.table.get_local(e.entity_id).expect("checked above");
-        self.game.tick_events.push(TickEvent {
-            entity_id: e.entity_id,
-            chunk: entity.chunk,
-            owner_account: entity.owner_account.clone(),
-            audience,
-            r#type: e.r#type,
-            payload: e.payload,
-        });
-    }
-
-    pub(crate) fn entity_error(&mut self, e: EntityError) {
-        let code = match e {
-            EntityError::Unknown(_) => ErrorCode::UnknownEntity,
-            EntityError::Duplicate(_) => ErrorCode::DuplicateEntity,
-            EntityError::ZeroId | EntityError::NonFinite { .. } => ErrorCode::InvalidValue,
-        };
-        self.game_error(code, e.to_string(), e.entity_id());
-    }
-
-    /// A non-fatal error about something the game sent: reported, and nothing else changes.
-    pub(crate) fn game_error(&mut self, code: ErrorCode, detail: String, entity_id: u64) {
-        self.cx.metrics.error(error_kind(code));
-        tracing::debug!(?code, %detail, "game error");
-        self.cx.out.to_game.push(
-            sidecar_message::Body::Error(local::Error {
-                code: code as i32,
-                detail,
-                fatal: false,
-                entity_id,
-            })
-            .into(),
-        );
-    }
-
-    /// Folds the tick into one batch per client and queues them on their links.
-    pub(crate) fn end_tick(&mut self, tick: u64) {
-        self.game.last_tick = tick;
-        // New entities are asked for in the tick they appear: until a checkpoint of them comes
-        // back, a crash of the game would lose them.
-        self.game
-            .ask_for_checkpoints(&mut self.cx, &self.table, self.authority.lease_live());
-        // Clients already got the ghosts' changes sent on arrival; the rest of the tick's work
-        // sees the whole tick.
-        let fresh = self.table.take_changes();
-        let sent = self.gateway.take_ghost_changes_sent();
-        let changes = if sent.is_empty() {
-            None
-        } else {
-            let mut all = sent;
-            merge_changes(&mut all, &fresh);
-            Some(all)
-        };
-        let changes = changes.as_ref().unwrap_or(&fresh);
-        let events = std::mem::take(&mut self.game.tick_events);
-        let sends = std::mem::take(&mut self.game.tick_sends);
-        self.offer_releases();
-        self.route_after_tick();
-        // Other nodes first: public changes to subscribers, the rest to gateways by account.
-        self.replicate(changes);
-        self.replicate_events(&events);
-        let sends = self.route_tick(changes, &events, sends);
-        self.send_anchors(changes);
-        let budget = self.cx.config.max_frame_bytes - TO_CLIENT_OVERHEAD;
-        let out = self
-            .gateway
-            .fold_tick(tick, &self.table, &fresh, &events, &sends, budget);
-        self.settle_partition();
-        self.update_subscriptions();
-        self.step_sim_ghosts(changes, self.cx.now.mono_ms);
-        self.check_handoffs(changes);
-        self.cx.metrics.ticks.inc();
-        self.cx.metrics.deltas_sent.inc_by(out.deltas);
-        self.cx.metrics.deltas_encoded.inc_by(out.deltas_encoded);
-        self.cx
-            .metrics
-            .drop_msg("unknown_account", out.unknown_accounts);
-        self.set_table_gauges();
-        self.maybe_report_load();
-        self.gateway
-            .send_to_clients(&mut self.cx, out.frames, budget);
-    }
-
-    /// The gauges of what the node holds: at every tick, and after every peer frame (which
-    /// subscribes, unsubscribes and writes ghosts between ticks).
-    pub(crate) fn set_table_gauges(&self) {
-        self.cx
-            .metrics
-            .subscribers
-            .set(self.replication.subscriber_count() as i64);
-        let ghosts = self.table.ghost_count();
-        self.cx
-            .metrics
-            .entities
-            .set(self.table.len().saturating_sub(ghosts) as i64);
-        self.cx.metrics.ghosts_render.set(ghosts as i64);
-    }
-
-    pub(crate) fn on_game_frame(&mut self, conn: ConnId, messages: Vec<GameMessage>) {
-        if self.game.slot.as_ref().is_some_and(|g| g.conn == conn) {
-            for m in messages {
-                if let Some(body) = m.body {
-                    self.on_game_message(body);
-                }
-            }
-        }
-    }
-
-    /// The game stopped reading: it is disconnected (the driver already cut the connection).
-    pub(crate) fn on_game_stalled(&mut self, conn: ConnId) {
-        if self.game.slot.as_ref().is_none_or(|g| g.conn != conn) {
-            return;
-        }
-        self.cx.metrics.error("game_outbox_full");
-        tracing::warn!(conn, "game outbox full: disconnecting the game");
-        self.on_game_closed(conn, "outbox full: the game is not reading");
-    }
-
-    pub(crate) fn on_game_closed(&mut self, conn: ConnId, reason: &str) {
-        if self.game.slot.as_ref().is_none_or(|g| g.conn != conn) {
-            return;
-        }
-        tracing::info!(conn, %reason, "game disconnected");
-        self.game.slot = None;
-        self.cx.metrics.game_connected.set(0);
-        self.cx.set_ready(false);
-        // Remember where the avatars were, for the PlayerJoin of the next game.
-        self.gateway.remember_avatar_positions(&self.table);
-        self.replication.clear_sim_ghosts();
-        self.game.restoring.clear();
-        self.commands_game_gone();
-        self.claims_game_gone();
-        if self.cx.config.game_grace_ms > 0 && self.authority.lease_live() {
-            // Kept for the game's return: clients see them stand still. A handoff still waiting
-            // for a snapshot will not get one: those units are abandoned (thawed, kept here).
-            self.game.gone_since = Some(self.cx.now.mono_ms);
-            self.abandon_freezing("the game went away before its snapshot");
-            self.cx.out.to_game.clear();
-            self.end_tick(self.game.last_tick + 1);
-            return;
-        }
-        self.cx.out.to_game.clear();
-        self.drop_game_entities();
-    }
-
-    /// The game's entities go with it; clients see them vanish. Ghosts stay: their owners still
-    /// send them.
-    pub(crate) fn drop_game_entities(&mut self) {
-        self.game.gone_since = None;
-        self.game.restoring.clear();
-        let gone = self.table.clear_local();
-        for e in &gone {
-            self.game.checkpoints.forget(e.id);
-        }
-        self.despawned_while_frozen(&gone);
-        self.end_tick(self.game.last_tick + 1);
-    }
-
-    /// A game that did not come back within its grace: its entities are despawned.
-    pub(crate) fn expire_game_grace(&mut self) {
-        if self.game.slot.is_none()
-            && self
-                .game
-                .gone_since
-                .is_some_and(|t| self.cx.now.mono_ms >= t + self.cx.config.game_grace_ms)
-        {
-            tracing::warn!(
-                "the game did not come back within game_grace_ms: its entities are despawned"
-            );
-            self.drop_game_entities();
-        }
-    }
-
-    /// A game back within its grace gets every entity it wrote from the latest checkpoint, as
-    /// an `Adopt` under the entity's epoch (before any `PlayerJoin`, so a player finds its
-    /// avatar). One with no checkpoint cannot be restored and is despawned.
-    fn restore_to_game(&mut self) {
-        if self.game.gone_since.take().is_none() {
-            return;
-        }
-        let kept: Vec<_> = self
-            .table
-            .iter()
-            .filter(|e| e.origin.is_none())
-            .map(|e| {
-                (
-                    e.id,
-                    e.epoch,
-                    e.position,
-                    e.owner_account.clone(),
-                    e.is_master,
-                )
-            })
-            .collect();
-        for (id, epoch, p, owner_account, is_master) in kept {
-            let Some(state) = self.game.checkpoints.latest(id).map(|k| k.state.clone()) else {
-                tracing::warn!(
-                    entity = id,
-                    "no checkpoint to give back to the game: despawned"
-                );
-                if let Ok(gone) = self.table.despawn(id) {
-                    self.game.checkpoints.forget(gone.id);
-                    self.game.unrestorable.push(gone.id);
-                }
-                self.cx.metrics.drop_msg("restore_without_checkpoint", 1);
-                continue;
-            };
-            self.game.restoring.insert(id);
-            self.cx.out.to_game.push(
-                sidecar_message::Body::Adopt(local::Adopt {
-                    entity_id: id,
-                    entity_epoch: epoch,
-                    position: Some(local::Vec3 {
-                        x: p.x,
-                        y: p.y,
-                        z: p.z,
-                    }),
-                    state,
-                    owner_account,
-                    is_master,
-                    attachments: vec![],
-                })
-                .into(),
-            );
-        }
-    }
-}

@@ -17,9 +17,9 @@
 //!
 //! A part's handlers borrow the shared [`context`] (the time, the configuration, the metrics
 //! and the outbox) beside their own state; [`admission`], [`authority`], [`avatars`], [`balance`],
-//! [`claims`], [`commands`], [`gateway`], [`peers`], [`replication`], [`restore`], [`routing`]
-//! and [`spawners`] keep theirs private and are told by the core what they need of the other
-//! parts.
+//! [`claims`], [`commands`], [`game`], [`gateway`], [`peers`], [`replication`], [`restore`],
+//! [`routing`] and [`spawners`] keep theirs private and are told by the core what they need of
+//! the other parts.
 //! The core's periodic checks are named deadlines ([`timers`]).
 
 pub(crate) mod admission;
@@ -484,7 +484,7 @@ impl Core {
         self.table
             .iter()
             .filter(|e| e.origin.is_none() && e.epoch == game::FIRST_EPOCH)
-            .filter(|e| !self.game.checkpoints.is_stored(e.id))
+            .filter(|e| !self.game.checkpoints().is_stored(e.id))
             .map(|e| e.id)
             .collect()
     }
@@ -516,7 +516,11 @@ impl Core {
         self.table
             .iter()
             .filter(|e| e.origin.is_none() && !self.handoff.outgoing.is_frozen(e.id))
-            .filter(|e| self.game.checkpoints.missing(e.id, e.epoch, now, slack_ms))
+            .filter(|e| {
+                self.game
+                    .checkpoints()
+                    .missing(e.id, e.epoch, now, slack_ms)
+            })
             .map(|e| e.id)
             .collect()
     }
@@ -524,7 +528,7 @@ impl Core {
     /// Entities despawned since the last call because their game went away before any
     /// checkpoint of them came back (for a census of the world).
     pub fn take_unrestorable(&mut self) -> Vec<u64> {
-        std::mem::take(&mut self.game.unrestorable)
+        self.game.take_unrestorable()
     }
 
     /// Client inputs held here now (see `Metrics::inputs_held`).
@@ -706,7 +710,7 @@ impl Core {
     pub fn poll_output(&mut self) -> Option<Output> {
         if self.cx.out.pending.is_empty() {
             self.gateway
-                .send_ghost_changes(&mut self.cx, &mut self.table, self.game.last_tick);
+                .send_ghost_changes(&mut self.cx, &mut self.table, self.game.last_tick());
             self.pack_outboxes();
         }
         self.cx.out.pending.pop_front().or_else(|| {
@@ -779,6 +783,274 @@ impl Core {
         }
     }
 
+    // ------------------------------------------------------------------ game
+
+    /// Whether a game is connected now (it said `Hello`).
+    pub fn game_connected(&self) -> bool {
+        self.game.connected()
+    }
+
+    /// A game's `Hello`: once it is welcomed (and handed back what it wrote, if it returns
+    /// within its grace), it hears about every player it simulates and every adoption it owes,
+    /// then what followed its `Hello` in the frame is handled.
+    pub(crate) fn on_game_hello(
+        &mut self,
+        conn: ConnId,
+        hello: local::Hello,
+        rest: Vec<GameMessage>,
+    ) {
+        let hello = self.game.on_hello(
+            &mut self.cx,
+            &mut self.table,
+            &self.authority,
+            self.shutting_down,
+            conn,
+            hello,
+        );
+        if hello == game::Hello::Refused {
+            return;
+        }
+        // Sessions outlive a game restart: the new game hears about every attached player whose
+        // avatar this node simulates (one simulated elsewhere stays there: a join here would
+        // spawn a second avatar).
+        let joins = self.gateway.joins_for_game(self.cx.config.node_id);
+        self.cx.out.to_game.extend(joins);
+        let remote: Vec<local::SidecarMessage> = self
+            .routing
+            .remote_players()
+            .map(|(account, r)| {
+                local::sidecar_message::Body::PlayerJoin(local::PlayerJoin {
+                    account: account.clone(),
+                    session_epoch: r.session_epoch,
+                    last_position: None,
+                })
+                .into()
+            })
+            .collect();
+        self.cx.out.to_game.extend(remote);
+        self.routing.forget_anchors();
+        // Adopts the previous game never answered: the new game gets them again.
+        let pending = self.handoff.pending_adopts();
+        for adopt in pending {
+            self.cx
+                .out
+                .to_game
+                .push(local::sidecar_message::Body::Adopt(adopt).into());
+        }
+        self.cx
+            .set_ready(self.authority.lease_live() && !self.authority.draining());
+        for m in rest {
+            if let Some(body) = m.body {
+                self.on_game_message(body);
+            }
+        }
+    }
+
+    pub(crate) fn on_game_frame(&mut self, conn: ConnId, messages: Vec<GameMessage>) {
+        if !self.game.is_conn(conn) {
+            return;
+        }
+        for m in messages {
+            if let Some(body) = m.body {
+                self.on_game_message(body);
+            }
+        }
+    }
+
+    /// A message of the game, to the part it is for.
+    pub(crate) fn on_game_message(&mut self, body: local::game_message::Body) {
+        use local::game_message::Body as B;
+        use local::ErrorCode;
+        match body {
+            B::Hello(_) => game::error(
+                &mut self.cx,
+                ErrorCode::UnexpectedMessage,
+                "Hello was already received on this connection".into(),
+                0,
+            ),
+            B::Spawn(s) => self.on_spawn(s),
+            B::Update(u) => {
+                let refused = self.write_refusal(u.entity_id);
+                self.game
+                    .on_update(&mut self.cx, &mut self.table, refused, u);
+            }
+            B::Despawn(d) => self.on_despawn(d),
+            B::Event(e) => {
+                let refused = self.write_refusal(e.entity_id);
+                self.game.on_event(&mut self.cx, &self.table, refused, e);
+            }
+            B::Send(s) => self.game.on_send(s),
+            B::ReserveIds(r) => self.game.reserve_ids(&mut self.cx, r),
+            B::TickEnd(t) => {
+                self.game.on_tick_end(&self.cx);
+                self.end_tick(t.tick)
+            }
+            B::Load(l) => {
+                self.on_game_load(&l);
+                self.game.on_load(l);
+            }
+            B::Health(h) => self.game.on_health(h),
+            // Chunk events travel to peers and the journal, which a single node does not have yet.
+            B::ChunkEvent(_) => self.cx.metrics.drop_msg("chunk_event_unsupported", 1),
+            B::Snapshot(s) => self.on_snapshot(s),
+            B::Adopted(a) => self.on_adopted(a),
+            B::CheckpointState(c) => {
+                let lease_live = self.authority.lease_live();
+                self.game
+                    .on_checkpoint_state(&self.cx, &self.table, lease_live, c)
+            }
+            B::Release(r) => self.on_release(r),
+            B::Command(c) => self.on_command(c),
+            B::CommandReply(r) => self.on_command_reply(r),
+            B::Claim(c) => self.on_claim(c),
+            B::ClaimRelease(r) => self.on_claim_release(r),
+            B::DeclareSpawners(d) => self.on_declare_spawners(d),
+        }
+    }
+
+    /// The game's `Spawn`: a spawn point's stock is counted, and one born while the lease is
+    /// lapsed is frozen with the rest until it is back.
+    pub(crate) fn on_spawn(&mut self, s: local::Spawn) {
+        let spawners = &self.spawners;
+        let spawned = self.game.on_spawn(
+            &mut self.cx,
+            &mut self.table,
+            |id| spawners.check_spawned_id(id),
+            s,
+        );
+        let Some(id) = spawned else {
+            return;
+        };
+        self.spawners.spawned(id);
+        if !self.authority.lease_live() && !self.authority.lost() {
+            self.authority.freeze_newborn(id);
+            self.freeze_in_game(id);
+        }
+    }
+
+    /// The game's `Despawn`: commands and claims lose their target, and a unit frozen for a
+    /// handoff goes on without it.
+    pub(crate) fn on_despawn(&mut self, d: local::Despawn) {
+        let refused = self.write_refusal(d.entity_id);
+        let Some(gone) = self
+            .game
+            .on_despawn(&mut self.cx, &mut self.table, refused, d)
+        else {
+            return;
+        };
+        self.command_target_gone(gone.id);
+        self.claims_holder_gone(gone.id);
+        self.despawned_while_frozen(&[gone]);
+    }
+
+    /// Folds the tick into one batch per client and queues them on their links.
+    pub(crate) fn end_tick(&mut self, tick: u64) {
+        let lease_live = self.authority.lease_live();
+        let game::TickWork { events, sends } =
+            self.game
+                .end_tick(&mut self.cx, &self.table, lease_live, tick);
+        // Clients already got the ghosts' changes sent on arrival; the rest of the tick's work
+        // sees the whole tick.
+        let fresh = self.table.take_changes();
+        let sent = self.gateway.take_ghost_changes_sent();
+        let changes = if sent.is_empty() {
+            None
+        } else {
+            let mut all = sent;
+            model::entities::merge_changes(&mut all, &fresh);
+            Some(all)
+        };
+        let changes = changes.as_ref().unwrap_or(&fresh);
+        self.offer_releases();
+        self.route_after_tick();
+        // Other nodes first: public changes to subscribers, the rest to gateways by account.
+        self.replicate(changes);
+        self.replicate_events(&events);
+        let sends = self.route_tick(changes, &events, sends);
+        self.send_anchors(changes);
+        let budget = self.cx.config.max_frame_bytes - TO_CLIENT_OVERHEAD;
+        let out = self
+            .gateway
+            .fold_tick(tick, &self.table, &fresh, &events, &sends, budget);
+        self.settle_partition();
+        self.update_subscriptions();
+        self.step_sim_ghosts(changes, self.cx.now.mono_ms);
+        self.check_handoffs(changes);
+        self.cx.metrics.ticks.inc();
+        self.cx.metrics.deltas_sent.inc_by(out.deltas);
+        self.cx.metrics.deltas_encoded.inc_by(out.deltas_encoded);
+        self.cx
+            .metrics
+            .drop_msg("unknown_account", out.unknown_accounts);
+        self.set_table_gauges();
+        self.maybe_report_load();
+        self.gateway
+            .send_to_clients(&mut self.cx, out.frames, budget);
+    }
+
+    /// The gauges of what the node holds: at every tick, and after every peer frame (which
+    /// subscribes, unsubscribes and writes ghosts between ticks).
+    pub(crate) fn set_table_gauges(&self) {
+        self.cx
+            .metrics
+            .subscribers
+            .set(self.replication.subscriber_count() as i64);
+        let ghosts = self.table.ghost_count();
+        self.cx
+            .metrics
+            .entities
+            .set(self.table.len().saturating_sub(ghosts) as i64);
+        self.cx.metrics.ghosts_render.set(ghosts as i64);
+    }
+
+    /// The game stopped reading: it is disconnected (the driver already cut the connection).
+    pub(crate) fn on_game_stalled(&mut self, conn: ConnId) {
+        if self.game.stalled(&self.cx, conn) {
+            self.on_game_closed(conn, "outbox full: the game is not reading");
+        }
+    }
+
+    /// The game went away: the avatars' positions are remembered for the next game's joins,
+    /// and what the game was doing for the other parts ends. Its entities are kept for its
+    /// return (clients see them stand still) or go with it.
+    pub(crate) fn on_game_closed(&mut self, conn: ConnId, reason: &str) {
+        let lease_live = self.authority.lease_live();
+        let gone = self.game.on_closed(&mut self.cx, lease_live, conn, reason);
+        if gone == game::Gone::NotConnected {
+            return;
+        }
+        // Remember where the avatars were, for the PlayerJoin of the next game.
+        self.gateway.remember_avatar_positions(&self.table);
+        self.replication.clear_sim_ghosts();
+        self.commands_game_gone();
+        self.claims_game_gone();
+        if gone == game::Gone::Kept {
+            // A handoff still waiting for a snapshot will not get one: those units are abandoned
+            // (thawed, kept here).
+            self.abandon_freezing("the game went away before its snapshot");
+            self.cx.out.to_game.clear();
+            self.end_tick(self.game.last_tick() + 1);
+            return;
+        }
+        self.cx.out.to_game.clear();
+        self.drop_game_entities();
+    }
+
+    /// The game's entities go with it; clients see them vanish. Ghosts stay: their owners still
+    /// send them.
+    pub(crate) fn drop_game_entities(&mut self) {
+        let gone = self.game.drop_entities(&mut self.table);
+        self.despawned_while_frozen(&gone);
+        self.end_tick(self.game.last_tick() + 1);
+    }
+
+    /// A game that did not come back within its grace: its entities are despawned.
+    pub(crate) fn expire_game_grace(&mut self) {
+        if self.game.grace_expired(&self.cx) {
+            self.drop_game_entities();
+        }
+    }
+
     // ------------------------------------------------------------------ authority
 
     /// A renewal landed: minting and writing go on until its terms. After a lapse it is the
@@ -790,12 +1062,12 @@ impl Core {
             return;
         }
         // A lease of another node id would be a driver bug; minting then stays bounded.
-        let _ = self.game.ids.renewed(&terms.lease);
+        self.game.lease_renewed(&terms.lease);
         if renewal == authority::Renewal::TakenBack {
             for i in self.authority.resume(&mut self.cx, &self.table) {
                 self.deliver_input(i);
             }
-            let ready = self.game.slot.is_some() && !self.authority.draining();
+            let ready = self.game.connected() && !self.authority.draining();
             self.cx.set_ready(ready);
         }
     }
@@ -883,8 +1155,8 @@ impl Core {
         self.replication
             .partition_changed(&self.cx.config, self.authority.partition());
         let epoch = self.authority.partition().epoch();
-        let owned_area = self.owned_rects();
-        if self.game.slot.is_some() {
+        let owned_area = game::owned_area(&self.cx, &self.authority);
+        if self.game.connected() {
             self.cx.out.to_game.push(
                 local::sidecar_message::Body::PartitionChanged(local::PartitionChanged {
                     partition_epoch: epoch,
@@ -912,7 +1184,7 @@ impl Core {
         self.authority.drained(
             &self.cx,
             &self.table,
-            self.game.slot.is_some(),
+            self.game.connected(),
             &self.mesh,
             self.handoff.outgoing.in_flight(),
         )
@@ -1070,14 +1342,14 @@ impl Core {
     /// Writes the checkpoints taken (and forgets those let go) since the last flush, when one
     /// is due (see [`restore::Restore::flush_due`]).
     pub(crate) fn flush_checkpoints(&mut self) {
-        let fresh = self.game.checkpoints.fresh();
+        let fresh = self.game.checkpoints().fresh();
         if !self
             .restore
             .flush_due(&self.cx, self.mesh.clustered(), fresh)
         {
             return;
         }
-        let (taken, forgotten) = self.game.checkpoints.take_changes();
+        let (taken, forgotten) = self.game.checkpoints_mut().take_changes();
         let put: Vec<mesh::HandoffOffer> = taken
             .into_iter()
             .filter_map(|id| self.checkpoint_record(id))
@@ -1086,7 +1358,7 @@ impl Core {
             return;
         }
         let ids: Vec<u64> = put.iter().map(|c| c.entity_id).collect();
-        self.game.checkpoints.written(&ids, &forgotten);
+        self.game.checkpoints_mut().written(&ids, &forgotten);
         self.restore.write_checkpoints(&mut self.cx, put, forgotten);
     }
 
@@ -1102,14 +1374,14 @@ impl Core {
             return;
         }
         for id in put.into_iter().chain(remove) {
-            self.game.checkpoints.unflushed(id);
+            self.game.checkpoints_mut().unflushed(id);
         }
     }
 
     /// The checkpoint of `id` as the store keeps it: an offer a successor could adopt.
     fn checkpoint_record(&self, id: u64) -> Option<mesh::HandoffOffer> {
         let e = self.table.get_local(id)?;
-        let kept = self.game.checkpoints.latest(id)?;
+        let kept = self.game.checkpoints().latest(id)?;
         let age = self.cx.now.mono_ms.saturating_sub(kept.at_ms);
         Some(mesh::HandoffOffer {
             successor: true,
@@ -1235,7 +1507,7 @@ impl Core {
         if messages.is_empty() {
             return;
         }
-        let Some(conn) = self.game.slot.as_ref().map(|g| g.conn) else {
+        let Some(conn) = self.game.conn() else {
             self.cx.metrics.drop_msg("no_game", messages.len() as u64);
             return;
         };
@@ -1422,7 +1694,7 @@ impl Core {
             .get(ev.entity_id)
             .filter(|e| e.origin == Some(node))
         {
-            self.game.tick_events.push(model::fold::TickEvent {
+            self.game.hear_event(model::fold::TickEvent {
                 entity_id: e.id,
                 chunk: e.chunk,
                 owner_account: e.owner_account.clone(),
@@ -1447,7 +1719,7 @@ impl Core {
 
     /// After the tick's moves: the handoffs due now begin.
     pub(crate) fn check_handoffs(&mut self, changes: &model::entities::TickChanges) {
-        if self.game.slot.is_none() || !self.authority.lease_live() || !self.mesh.clustered() {
+        if !self.game.connected() || !self.authority.lease_live() || !self.mesh.clustered() {
             return;
         }
         let view = handoff::TargetView {
@@ -1473,7 +1745,7 @@ impl Core {
         if released.is_empty() {
             return;
         }
-        let alone = if self.game.slot.is_none() {
+        let alone = if !self.game.connected() {
             Some("the game went away")
         } else if !self.authority.lease_live() {
             Some("this node's lease lapsed or was lost")
@@ -1507,7 +1779,7 @@ impl Core {
             } => {
                 let now = self.cx.now.mono_ms;
                 for (id, epoch, state) in checkpoints {
-                    self.game.checkpoints.taken(id, epoch, state, now);
+                    self.game.checkpoints_mut().taken(id, epoch, state, now);
                 }
                 match offer {
                     Some(offer) => self.send_offer(offer, false),
@@ -1538,11 +1810,11 @@ impl Core {
         let id = r.entity_id;
         let r = match self.handoff.check_release(&self.table, r) {
             handoff::ReleaseCheck::Unknown => {
-                self.entity_error(model::entities::EntityError::Unknown(id));
+                game::entity_error(&mut self.cx, model::entities::EntityError::Unknown(id));
                 return self.thaw_released(id, "the sidecar holds no such entity of this game");
             }
             handoff::ReleaseCheck::WrongEpoch(detail) => {
-                self.game_error(ErrorCode::InvalidValue, detail.clone(), id);
+                game::error(&mut self.cx, ErrorCode::InvalidValue, detail.clone(), id);
                 return self.thaw_released(id, &detail);
             }
             handoff::ReleaseCheck::Snapshots(snapshots) => {
@@ -1554,7 +1826,8 @@ impl Core {
             }
             handoff::ReleaseCheck::Twice => {
                 // The first release is answered; this one is not.
-                return self.game_error(
+                return game::error(
+                    &mut self.cx,
                     ErrorCode::UnexpectedMessage,
                     format!("entity {id} was released already in this tick"),
                     id,
@@ -1569,24 +1842,27 @@ impl Core {
             Ok(()) => {}
             Err(handoff::KeptBecause::Reason(reason)) => self.thaw_released(id, reason),
             Err(handoff::KeptBecause::Error(detail)) => {
-                self.game_error(ErrorCode::InvalidValue, detail.clone(), id);
+                game::error(&mut self.cx, ErrorCode::InvalidValue, detail.clone(), id);
                 self.thaw_released(id, &detail);
             }
         }
     }
 
+    /// Why the game may not write `id` now (its lease, or a handoff), if it may not.
+    pub(crate) fn write_refusal(&self, id: u64) -> Option<String> {
+        if !self.authority.lease_live() {
+            return Some(format!(
+                "entity {id}: this node's lease lapsed or was lost; everything it owns is frozen"
+            ));
+        }
+        self.handoff.unwritable(id)
+    }
+
     /// Whether the game may write `id` now; if not, it is told why (and nothing changes).
     pub(crate) fn may_write(&mut self, id: u64) -> bool {
-        let why = if !self.authority.lease_live() {
-            Some(format!(
-                "entity {id}: this node's lease lapsed or was lost; everything it owns is frozen"
-            ))
-        } else {
-            self.handoff.unwritable(id)
-        };
-        match why {
+        match self.write_refusal(id) {
             Some(detail) => {
-                self.game_error(local::ErrorCode::NotOwner, detail, id);
+                game::error(&mut self.cx, local::ErrorCode::NotOwner, detail, id);
                 false
             }
             None => true,
@@ -1605,11 +1881,11 @@ impl Core {
             return;
         }
         if let Err((code, detail)) = self.handoff.check_snapshot(&self.table, &s) {
-            return self.game_error(code, detail, s.entity_id);
+            return game::error(&mut self.cx, code, detail, s.entity_id);
         }
         // A handoff's snapshot is the freshest checkpoint there is (if it is refused, the entity
         // stays here with exactly this state).
-        self.game.checkpoints.taken(
+        self.game.checkpoints_mut().taken(
             s.entity_id,
             s.entity_epoch,
             s.state.clone(),
@@ -1618,7 +1894,12 @@ impl Core {
         match self.handoff.snapshot(s.entity_id, s.state) {
             Ok(Some(offer)) => self.send_offer(offer, false),
             Ok(None) => {}
-            Err(e) => self.game_error(local::ErrorCode::UnexpectedMessage, e, s.entity_id),
+            Err(e) => game::error(
+                &mut self.cx,
+                local::ErrorCode::UnexpectedMessage,
+                e,
+                s.entity_id,
+            ),
         }
     }
 
@@ -1697,7 +1978,7 @@ impl Core {
             return;
         }
         let now = self.cx.now.mono_ms;
-        let last_tick = self.game.last_tick_end_ms.unwrap_or(0);
+        let last_tick = self.game.last_tick_end_ms().unwrap_or(0);
         self.handoff.offer_sent(&self.cx, root, last_tick);
         // Kept until the target has surely checkpointed it (see `restore`).
         let to_lease = self.restore.lease_of(to).unwrap_or(0);
@@ -1729,7 +2010,7 @@ impl Core {
         self.handoff.completed(&self.cx, &done);
         for &id in &done.members {
             self.handoff.evict(&mut self.cx, &self.table, &done, id);
-            self.game.checkpoints.forget(id);
+            self.game.checkpoints_mut().forget(id);
             self.handoff.handed_away(id);
             let holders = self.replication.handed_away(id);
             handoff::tell_holders(&mut self.cx, &self.mesh, &done, id, &holders);
@@ -1819,7 +2100,7 @@ impl Core {
         reason: &str,
     ) {
         let lapsed = self.lease_lapsed();
-        let game = self.game_conn();
+        let game = self.game.conn();
         let lapse = lapsed.then_some(&mut self.authority);
         let held = self.handoff.thaw(
             &mut self.cx,
@@ -1849,13 +2130,7 @@ impl Core {
         if self.on_restore_answer(from, a.entity_id, a.entity_epoch, None) {
             return;
         }
-        let tick_ms = self
-            .game
-            .slot
-            .as_ref()
-            .map(|g| g.hello.tick_rate_hz)
-            .filter(|hz| *hz > 0)
-            .map(|hz| 1000.0 / f64::from(hz));
+        let tick_ms = self.game.tick_ms();
         if let Some(done) = self.handoff.acked(&mut self.cx, from, &a, tick_ms) {
             self.complete_handoff(done);
         }
@@ -1920,7 +2195,7 @@ impl Core {
         let from_dead = !self.restore.is_live(from)
             && from != self.cx.config.node_id
             && self.restore.is_dead_node(from);
-        let game_connected = self.game.slot.is_some();
+        let game_connected = self.game.connected();
         let answer = self.handoff.on_offer(
             &mut self.cx,
             &self.table,
@@ -1940,29 +2215,25 @@ impl Core {
     /// the other parts take up (its checkpoints, its player's session, its commands and
     /// claims, the frames the fence held for it) before its source hears the ack.
     pub(crate) fn on_adopted(&mut self, a: local::Adopted) {
-        let restored = self
-            .table
-            .get_local(a.entity_id)
-            .is_some_and(|e| e.epoch == a.entity_epoch);
-        if restored && self.game.restoring.remove(&a.entity_id) {
-            // A returning game took back what it wrote: it writes it again from here on.
-            self.cx.metrics.restored.inc();
-            self.game
-                .checkpoints
-                .touched(a.entity_id, self.cx.now.mono_ms);
+        if self.game.took_back(&self.cx, &self.table, &a) {
             return;
         }
         let adoption = match self.handoff.adopted(&self.cx, &mut self.table, &a) {
             Ok(adoption) => adoption,
             Err(detail) => {
-                return self.game_error(local::ErrorCode::UnexpectedMessage, detail, a.entity_id)
+                return game::error(
+                    &mut self.cx,
+                    local::ErrorCode::UnexpectedMessage,
+                    detail,
+                    a.entity_id,
+                )
             }
         };
         let o = adoption.offer;
         let (me, epoch) = (self.cx.config.node_id, o.entity_epoch);
         for (id, state) in adoption.checkpoints {
             self.game
-                .checkpoints
+                .checkpoints_mut()
                 .taken(id, epoch, state, self.cx.now.mono_ms);
         }
         if o.is_master && !o.owner_account.is_empty() {
@@ -2261,7 +2532,7 @@ impl Core {
         if !self.session_current(&i.account, i.session_epoch) {
             return self.cx.metrics.drop_input("input_stale_session");
         }
-        if self.game.slot.is_none() {
+        if !self.game.connected() {
             return self.cx.metrics.drop_input("no_game");
         }
         for i in self.handoff.order_input(&mut self.cx, i) {
@@ -2277,7 +2548,7 @@ impl Core {
     }
 
     pub(crate) fn deliver_input(&mut self, i: local::Input) {
-        if self.game.slot.is_none() {
+        if !self.game.connected() {
             return self.cx.metrics.drop_input("no_game");
         }
         if !self.authority.lease_live() && !self.authority.lost() {
@@ -2387,7 +2658,7 @@ impl Core {
 
     /// The game's simulation ghosts after this tick's `changes`.
     pub(crate) fn step_sim_ghosts(&mut self, changes: &model::entities::TickChanges, now_ms: u64) {
-        let game_connected = self.game.slot.is_some();
+        let game_connected = self.game.connected();
         let handoff = &self.handoff;
         self.replication.step_sim_ghosts(
             &mut self.cx,
@@ -2475,7 +2746,7 @@ impl Core {
 
     fn on_peer_player_join(&mut self, from: NodeId, j: mesh::PeerPlayerJoin) {
         let departed = self.departed_owner(&j.account);
-        let game_connected = self.game.slot.is_some();
+        let game_connected = self.game.connected();
         self.routing.on_peer_player_join(
             &mut self.cx,
             &self.table,
@@ -2536,7 +2807,7 @@ impl Core {
     /// Another gateway holds `account` now: routes follow it, and an older session here is
     /// displaced (its avatar is released where it is simulated).
     fn on_session_moved(&mut self, m: mesh::SessionMoved) {
-        let game_connected = self.game.slot.is_some();
+        let game_connected = self.game.connected();
         self.routing.on_session_moved(&self.cx, game_connected, &m);
         if let Some((key, epoch)) = self.session_epoch(&m.account) {
             if epoch < m.session_epoch {
@@ -2750,7 +3021,7 @@ impl Core {
             );
         } else if Self::leave_waits(reason) {
             self.defer_leave(account, epoch, reason);
-        } else if self.game.slot.is_some() {
+        } else if self.game.connected() {
             self.leave_game(account, epoch, reason);
         }
     }
@@ -2831,14 +3102,9 @@ impl Core {
 
     // ------------------------------------------------------------------ claims
 
-    /// The game's connection, if one is connected.
-    fn game_conn(&self) -> Option<ConnId> {
-        self.game.slot.as_ref().map(|g| g.conn)
-    }
-
     /// The game's `Claim`.
     pub(crate) fn on_claim(&mut self, c: local::Claim) {
-        let game = self.game_conn();
+        let game = self.game.conn();
         let (table, handoff, lease_live) =
             (&self.table, &self.handoff, self.authority.lease_live());
         self.claims.on_claim(&mut self.cx, c, game, |id| {
@@ -2851,7 +3117,7 @@ impl Core {
         match self.claims.on_release(&self.cx, &r) {
             claims::Release::Nothing => {}
             claims::Release::Refused { detail, entity } => {
-                self.game_error(local::ErrorCode::InvalidValue, detail, entity)
+                game::error(&mut self.cx, local::ErrorCode::InvalidValue, detail, entity)
             }
             claims::Release::Free { key, holder, guard } => {
                 if guard.is_some_and(|h| !self.may_write(h)) {
@@ -2868,7 +3134,7 @@ impl Core {
             return;
         };
         tracing::debug!(key = %p.key, holder = p.holder.entity, released = p.released, ?result, "claim answered");
-        let game = self.game_conn();
+        let game = self.game.conn();
         let lease_live = self.authority.lease_live();
         if p.spawner {
             let book = self.claims.book_mut();
@@ -2886,7 +3152,7 @@ impl Core {
     }
 
     fn on_claims_renewed(&mut self, results: Vec<(ClaimGrant, Result<bool, String>)>) {
-        let game = self.game_conn();
+        let game = self.game.conn();
         let handoff = &self.handoff;
         self.claims.on_renewed(&mut self.cx, results, game, |id| {
             !handoff.outgoing.writable(id) || handoff.released_by.contains_key(&id)
@@ -2894,7 +3160,7 @@ impl Core {
     }
 
     fn on_claim_rebound(&mut self, old: ClaimGrant, result: Result<Option<ClaimGrant>, String>) {
-        let game = self.game_conn();
+        let game = self.game.conn();
         self.claims.on_rebound(&mut self.cx, old, result, game);
     }
 
@@ -2923,7 +3189,7 @@ impl Core {
 
     /// Renewals and rebinds due, lapsed leases, and holders that left the table.
     fn claims_step(&mut self) {
-        let game = self.game_conn();
+        let game = self.game.conn();
         let spawners = &self.spawners;
         self.claims.step(&mut self.cx, &self.table, game, |id| {
             spawners.is_awaited(id)
@@ -2945,14 +3211,14 @@ impl Core {
             .spawners
             .on_declare(&mut self.cx, d, self.authority.partition());
         if let Err(detail) = declared {
-            return self.game_error(local::ErrorCode::InvalidValue, detail, 0);
+            return game::error(&mut self.cx, local::ErrorCode::InvalidValue, detail, 0);
         }
         self.spawners_step();
     }
 
     /// Claims due for this node's points.
     fn spawners_step(&mut self) {
-        let game = self.game.slot.as_ref().map(|g| g.conn);
+        let game = self.game.conn();
         let lease_live = self.authority.lease_live();
         self.spawners
             .step(&mut self.cx, self.claims.book_mut(), game, lease_live);
@@ -2974,7 +3240,7 @@ impl Core {
         {
             Ok(command) => self.route_command(command),
             Err((detail, entity)) => {
-                self.game_error(local::ErrorCode::InvalidValue, detail, entity)
+                game::error(&mut self.cx, local::ErrorCode::InvalidValue, detail, entity)
             }
         }
     }
@@ -3057,7 +3323,7 @@ impl Core {
                     self.forward_command(owner, epoch, *c, false);
                 }
                 None => {
-                    let game_connected = self.game.slot.is_some();
+                    let game_connected = self.game.connected();
                     let path = commands::ResultPath {
                         mesh: &self.mesh,
                         incarnation: self.restore.incarnation(),
@@ -3245,7 +3511,7 @@ impl Core {
     /// if one is in flight).
     pub(crate) fn leave_game(&mut self, account: &str, epoch: u64, reason: &str) {
         self.leave_follows_handoff(account, epoch, reason);
-        if self.game.slot.is_some() {
+        if self.game.connected() {
             self.cx.out.to_game.push(
                 local::sidecar_message::Body::PlayerLeave(local::PlayerLeave {
                     account: account.to_string(),
@@ -3391,7 +3657,7 @@ impl Core {
     /// The avatar this node writes serves the newer session `entry` of another gateway.
     pub(crate) fn join_session(&mut self, account: &str, entry: SessionEntry) {
         self.routing.serve(account, entry);
-        if self.game.slot.is_some() {
+        if self.game.connected() {
             self.cx.out.to_game.push(
                 local::sidecar_message::Body::PlayerJoin(local::PlayerJoin {
                     account: account.to_string(),
@@ -3534,7 +3800,7 @@ impl Core {
             let epoch = e.epoch;
             self.gateway.avatar_written_here(account, epoch);
         }
-        if self.game.slot.is_some() {
+        if self.game.connected() {
             self.cx.out.to_game.push(
                 local::sidecar_message::Body::PlayerJoin(local::PlayerJoin {
                     account: account.to_string(),
@@ -3569,26 +3835,16 @@ impl Core {
 
     /// The JSON view of the node for `/state`.
     pub fn state(&self) -> serde_json::Value {
-        let game = self.game.slot.as_ref().map(|g| {
-            let v = g.hello.version.unwrap_or_default();
-            json!({
-                "conn": g.conn,
-                "game": g.hello.game,
-                "version": format!("{}.{}", v.major, v.minor),
-                "tick_rate_hz": g.hello.tick_rate_hz,
-                "health": g.health.as_ref().map(|h| json!({"ok": h.ok, "detail": h.detail})),
-                "load": g.load.as_ref().map(|l| json!({"tick_ms": l.tick_ms, "budget_ms": l.budget_ms, "entity_count": l.entity_count})),
-            })
-        });
+        let game = self.game.state();
         let sessions = self.gateway.sessions_state(&self.table);
         let (links, peers) = self.mesh.state();
         json!({
             "node_id": self.cx.config.node_id,
             "geo": self.cx.config.geo,
             "ready": self.cx.out.ready,
-            "game_connected": self.game.slot.is_some(),
+            "game_connected": self.game.connected(),
             "game": game,
-            "last_tick": self.game.last_tick,
+            "last_tick": self.game.last_tick(),
             "entities": self.table.len(),
             "sessions": sessions,
             "links": links,
@@ -3634,13 +3890,10 @@ impl Core {
             self.end_session(key, "shutdown");
         }
         self.pack_outboxes();
-        if let Some(g) = self.game.slot.take() {
-            self.cx.emit(Output::ReleaseGame { conn: g.conn });
-        }
+        self.game.release(&mut self.cx);
         for link in self.mesh.take_links() {
             self.cx.emit(Output::ReleaseLink { link });
         }
-        self.cx.metrics.game_connected.set(0);
         self.cx.emit(Output::Publish);
     }
 }
