@@ -172,7 +172,7 @@ fn a_grant_that_comes_after_its_holders_freeze_is_failed_and_freed() {
     p.claim(1, KEY, WALKER, TTL, 1);
     p.move_to(1, WALKER, 330.0);
     p.step();
-    assert!(p.node(1).core.handoff.outgoing.is_frozen(WALKER));
+    assert!(p.node(1).core.handoff.outgoing().is_frozen(WALKER));
     assert!(p.node(1).claim_result_of(1).is_empty(), "not answered yet");
     p.answer_store();
     let r = answer(&mut p, 1, 1);
@@ -205,9 +205,9 @@ fn a_release_after_the_holders_snapshot_is_refused_and_the_claim_goes_with_it() 
     p.node(2).adopts = false;
     p.move_to(1, WALKER, 330.0);
     p.steps(3);
-    assert!(p.node(1).core.handoff.outgoing.is_frozen(WALKER));
+    assert!(p.node(1).core.handoff.outgoing().is_frozen(WALKER));
     assert!(
-        !p.node(1).core.handoff.outgoing.writable(WALKER),
+        !p.node(1).core.handoff.outgoing().writable(WALKER),
         "snapshot taken"
     );
     p.release_claim(1, KEY);
@@ -222,7 +222,7 @@ fn a_release_after_the_holders_snapshot_is_refused_and_the_claim_goes_with_it() 
     assert_eq!(p.store_holder(KEY).map(|h| h.entity), Some(WALKER));
 
     p.node(2).adopts = true;
-    let epoch = p.node(2).core.handoff.adopting[&WALKER].entity_epoch;
+    let epoch = p.node(2).core.handoff.adopting_epoch(WALKER).unwrap();
     p.game_sends(
         2,
         game_message::Body::Adopted(local::Adopted {
@@ -433,7 +433,7 @@ fn bad_claims_fail_with_a_reason_and_ask_nothing_of_the_store() {
     p.node(2).adopts = false;
     p.move_to(1, WALKER, 330.0);
     p.steps(3);
-    assert!(p.node(1).core.handoff.outgoing.is_frozen(WALKER));
+    assert!(p.node(1).core.handoff.outgoing().is_frozen(WALKER));
 
     // 101 two-byte characters: 202 bytes.
     let long = "é".repeat(101);

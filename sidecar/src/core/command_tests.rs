@@ -133,7 +133,7 @@ fn a_command_that_meets_a_frozen_entity_waits_and_is_applied_by_the_new_writer()
     p.move_to(1, NPC, 330.0);
     p.steps(3);
     assert!(
-        p.node(1).core.handoff.outgoing.is_frozen(NPC),
+        p.node(1).core.handoff.outgoing().is_frozen(NPC),
         "frozen on node 1"
     );
     p.command(1, NPC, 9, 4);
@@ -146,14 +146,7 @@ fn a_command_that_meets_a_frozen_entity_waits_and_is_applied_by_the_new_writer()
     assert!(p.node(2).commands_in.is_empty());
     // The game adopts at last.
     p.node(2).adopts = true;
-    let adopt = p
-        .node(2)
-        .core
-        .handoff
-        .adopting
-        .get(&NPC)
-        .map(|o| o.entity_epoch)
-        .unwrap();
+    let adopt = p.node(2).core.handoff.adopting_epoch(NPC).unwrap();
     p.game_sends(
         2,
         game_message::Body::Adopted(local::Adopted {

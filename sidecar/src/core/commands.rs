@@ -178,7 +178,7 @@ impl Commands {
         mut c: mesh::EntityCommand,
     ) -> Next {
         let id = c.target;
-        if c.entity_epoch != 0 && handoff.fence.is_burnt(id, c.entity_epoch) {
+        if c.entity_epoch != 0 && handoff.fence().is_burnt(id, c.entity_epoch) {
             // A copy behind an offer this node refused: its source applies the original.
             cx.metrics.drop_command("copy_refused");
             return Next::Done;
@@ -212,7 +212,7 @@ impl Commands {
                     self.drop_command(cx, path, &c, "stale_epoch", &detail);
                     return Next::Done;
                 }
-                if handoff.released_by.contains_key(&id) {
+                if handoff.is_released(id) {
                     // Released by the game in this tick: offered (or kept) at its end.
                     self.after_tick.push(c);
                     return Next::Done;
@@ -236,13 +236,13 @@ impl Commands {
                 }
             }
             None => {
-                if let Some(epoch) = adopting_epoch(handoff, id) {
+                if let Some(epoch) = handoff.adopting_epoch(id) {
                     if c.entity_epoch <= epoch {
                         c.entity_epoch = epoch;
                         return Next::Hold(id, c);
                     }
                 }
-                if handoff.outgoing.departed_to(id).is_some() {
+                if handoff.outgoing().departed_to(id).is_some() {
                     return Next::Route {
                         id,
                         owner: None,
@@ -682,15 +682,6 @@ impl Commands {
     }
 }
 
-/// The epoch this node is adopting `id` under (as the root or a member of an offer).
-fn adopting_epoch(handoff: &Handoffs, id: u64) -> Option<u64> {
-    handoff
-        .adopting
-        .values()
-        .find(|o| o.entity_id == id || o.attachments.iter().any(|a| a.entity_id == id))
-        .map(|o| o.entity_epoch)
-}
-
 /// Where this node knows `id` to be written, and under which epoch: what it answers a peer's
 /// `Locate` with.
 pub(crate) fn whereabouts(
@@ -702,10 +693,10 @@ pub(crate) fn whereabouts(
     if let Some(e) = table.get(id) {
         return Some((e.origin.unwrap_or(cx.config.node_id), e.epoch));
     }
-    if let Some(epoch) = adopting_epoch(handoff, id) {
+    if let Some(epoch) = handoff.adopting_epoch(id) {
         return Some((cx.config.node_id, epoch));
     }
-    handoff.outgoing.departed_to(id)
+    handoff.outgoing().departed_to(id)
 }
 
 /// The label of a result in `command_results`.

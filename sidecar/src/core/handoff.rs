@@ -33,43 +33,120 @@ use crate::model::subs::{self};
 /// The handoffs this node takes part in, as source and as target, and the epoch fence.
 #[derive(Default)]
 pub(crate) struct Handoffs {
-    pub outgoing: HandoffSource<Routed>,
-    pub inbound: HandoffTarget,
-    pub fence: Fence<Fenced>,
+    outgoing: HandoffSource<Routed>,
+    inbound: HandoffTarget,
+    fence: Fence<Fenced>,
     /// Offers being adopted by the game: root -> the offer.
-    pub adopting: HashMap<u64, mesh::HandoffOffer>,
+    adopting: HashMap<u64, mesh::HandoffOffer>,
     /// When the `Adopt` of each offer in `adopting` went to the game (monotonic ms).
-    pub adopt_sent_ms: HashMap<u64, u64>,
+    adopt_sent_ms: HashMap<u64, u64>,
     /// Entities not offered again before this time (monotonic ms), after a refusal.
-    pub retry: HashMap<u64, u64>,
+    retry: HashMap<u64, u64>,
     /// Entities to check for a handoff at the next tick even if they did not move.
-    pub recheck: BTreeSet<u64>,
+    recheck: BTreeSet<u64>,
     /// Entities in chunks a new partition gave away: handed over with no margin.
-    pub mass: HashSet<u64>,
+    mass: HashSet<u64>,
     /// Masters handed away from here, by account, so late input finds them with no ghost left.
-    pub departed_masters: HashMap<String, u64>,
+    departed_masters: HashMap<String, u64>,
     /// Players who left while their master was frozen for a handoff: the leave goes to the new
     /// owner once it acks (the game here drops it on Evict).
-    pub leaving: HashMap<String, mesh::PeerPlayerLeave>,
+    leaving: HashMap<String, mesh::PeerPlayerLeave>,
     /// The order of each player's inputs handed to the game here.
-    pub input_order: InputOrder<local::Input>,
+    input_order: InputOrder<local::Input>,
     /// Entities due for a handoff whose target does not hold their ghost yet, since when.
-    pub ghost_wait: HashMap<u64, u64>,
+    ghost_wait: HashMap<u64, u64>,
     /// Entities the fence holds frames for, since when (monotonic ms).
-    pub held_since: HashMap<u64, u64>,
+    held_since: HashMap<u64, u64>,
     /// Units the game released in the tick under way, by root: offered at its `TickEnd`.
-    pub released: BTreeMap<u64, Released>,
+    released: BTreeMap<u64, Released>,
     /// Every member of a unit in `released` -> its root (the game must not write them).
-    pub released_by: HashMap<u64, u64>,
+    released_by: HashMap<u64, u64>,
     /// Completed handoffs of the last second, for the live map.
-    pub recent: crate::model::recent_handoffs::RecentHandoffs,
+    recent: crate::model::recent_handoffs::RecentHandoffs,
 }
 
 impl Handoffs {
     /// Whether `id` is frozen for a handoff of this node, or released by its game and waiting
     /// for the answer: nothing is applied to it until it thaws or moves on.
     pub(crate) fn frozen(&self, id: u64) -> bool {
-        self.outgoing.is_frozen(id) || self.released_by.contains_key(&id)
+        self.outgoing.is_frozen(id) || self.is_released(id)
+    }
+
+    /// Whether the game released `id` in the tick under way (its unit is offered at the tick's
+    /// end).
+    pub(crate) fn is_released(&self, id: u64) -> bool {
+        self.released_by.contains_key(&id)
+    }
+
+    /// The handoffs this node makes as the source: what is frozen, offered, in doubt, departed.
+    pub(crate) fn outgoing(&self) -> &HandoffSource<Routed> {
+        &self.outgoing
+    }
+
+    /// The source side, for what a dead target's restore, a lapse and the routes of inputs and
+    /// commands decide of its units.
+    pub(crate) fn outgoing_mut(&mut self) -> &mut HandoffSource<Routed> {
+        &mut self.outgoing
+    }
+
+    /// The epoch fence: the frames held for epochs of foreign entities not seen here yet.
+    pub(crate) fn fence(&self) -> &Fence<Fenced> {
+        &self.fence
+    }
+
+    /// A command under `epoch` of `id`, through the fence.
+    pub(crate) fn fence_command(
+        &mut self,
+        id: u64,
+        epoch: u64,
+        c: mesh::EntityCommand,
+    ) -> Admit<Fenced> {
+        self.fence
+            .admit(id, epoch, None, Fenced::Command(Box::new(c)))
+    }
+
+    /// The order of each player's inputs handed to the game here.
+    pub(crate) fn input_order(&self) -> &InputOrder<local::Input> {
+        &self.input_order
+    }
+
+    /// How many offers the game is adopting.
+    pub(crate) fn adopting_count(&self) -> usize {
+        self.adopting.len()
+    }
+
+    /// The epoch this node is adopting `id` under (as the root or a member of an offer).
+    pub(crate) fn adopting_epoch(&self, id: u64) -> Option<u64> {
+        self.adopting
+            .values()
+            .find(|o| o.entity_id == id || o.attachments.iter().any(|a| a.entity_id == id))
+            .map(|o| o.entity_epoch)
+    }
+
+    /// What this node writes, offered or adopts, as a restore asks it.
+    pub(crate) fn holdings<'a>(&'a self, table: &'a EntityTable) -> super::restore::Holdings<'a> {
+        super::restore::Holdings {
+            table,
+            outgoing: &self.outgoing,
+            adopting: &self.adopting,
+        }
+    }
+
+    /// The master of `account` this node handed away, while it remembers.
+    pub(crate) fn departed_master(&self, account: &str) -> Option<u64> {
+        self.departed_masters.get(account).copied()
+    }
+
+    /// Entities standing where a new partition gave the area away: handed over at the next
+    /// tick, with no margin.
+    pub(crate) fn given_away(&mut self, ids: BTreeSet<u64>) {
+        self.mass.extend(ids.iter().copied());
+        self.recheck.extend(ids);
+    }
+
+    /// The handoffs completed lately, for the live map.
+    pub(crate) fn recent(&mut self, now_ms: u64) -> Vec<cellmesh_world::world_map::MapHandoff> {
+        self.recent.shown(now_ms)
     }
 }
 

@@ -501,12 +501,12 @@ impl Core {
 
     /// Handoffs this node has begun as the source and not finished.
     pub fn handoffs_in_flight(&self) -> usize {
-        self.handoff.outgoing.in_flight()
+        self.handoff.outgoing().in_flight()
     }
 
     /// Frames held by the epoch fence for entities whose epoch change is not seen yet.
     pub fn held_frames(&self) -> usize {
-        self.handoff.fence.held()
+        self.handoff.fence().held()
     }
 
     /// Reals written here, unfrozen, that lack the checkpoint they should have by now: none
@@ -515,7 +515,7 @@ impl Core {
         let now = self.cx.now.mono_ms;
         self.table
             .iter()
-            .filter(|e| e.origin.is_none() && !self.handoff.outgoing.is_frozen(e.id))
+            .filter(|e| e.origin.is_none() && !self.handoff.outgoing().is_frozen(e.id))
             .filter(|e| {
                 self.game
                     .checkpoints()
@@ -533,12 +533,14 @@ impl Core {
 
     /// Client inputs held here now (see `Metrics::inputs_held`).
     pub fn inputs_held(&self) -> usize {
-        self.handoff.outgoing.held_inputs(handoff::Routed::is_input)
+        self.handoff
+            .outgoing()
+            .held_inputs(handoff::Routed::is_input)
             + self
                 .handoff
-                .fence
+                .fence()
                 .held_where(|f| matches!(f, handoff::Fenced::Input(_)))
-            + self.handoff.input_order.held()
+            + self.handoff.input_order().held()
             + self.authority.held_input_count()
     }
 
@@ -555,33 +557,33 @@ impl Core {
     /// As [`Core::inputs_only_here`], also counting the copies offered to nodes `dead` says
     /// died (which a simulator knows before this node hears of it).
     pub fn inputs_only_here_if(&self, dead: impl Fn(NodeId) -> bool) -> usize {
-        let in_doubt_to_dead = self.handoff.outgoing.inputs_offered_to(
+        let in_doubt_to_dead = self.handoff.outgoing().inputs_offered_to(
             |n| dead(n) || self.restore.in_doubt_to_dead_node(n),
             handoff::Routed::is_input,
         );
         self.handoff
-            .outgoing
+            .outgoing()
             .inputs_not_forwarded(handoff::Routed::is_input)
             + in_doubt_to_dead
             + self
                 .handoff
-                .fence
+                .fence()
                 .held_where(|f| matches!(f, handoff::Fenced::Input(_)))
-            + self.handoff.input_order.held()
+            + self.handoff.input_order().held()
             + self.authority.held_input_count()
     }
 
     /// What the epoch fence holds, entity by entity.
     pub fn held_detail(&self) -> Vec<HeldFrames> {
         self.handoff
-            .fence
+            .fence()
             .held_by_epoch()
             .into_iter()
             .map(|(entity, waits_for, frames)| HeldFrames {
                 entity,
                 waits_for,
                 frames,
-                follows: self.handoff.fence.current(entity),
+                follows: self.handoff.fence().current(entity),
             })
             .collect()
     }
@@ -726,7 +728,7 @@ impl Core {
     pub fn poll_timeout(&self) -> Option<u64> {
         let inputs = self
             .handoff
-            .input_order
+            .input_order()
             .next_due()
             .into_iter()
             .chain(self.commands.next_due(|id| self.handoff.frozen(id)))
@@ -1102,8 +1104,7 @@ impl Core {
             return;
         }
         // Released this tick and not offered yet: frozen already (the game released them).
-        let released = std::mem::take(&mut self.handoff.released);
-        self.handoff.released_by.clear();
+        let released = self.handoff.take_released();
         for (root, r) in released {
             self.authority.keep_frozen(root);
             for a in &r.attachments {
@@ -1113,13 +1114,17 @@ impl Core {
         // Frozen for a handoff whose offer has not left: its snapshot would be offered under
         // a lease that may be gone, so the handoff is given up (the entities stay frozen, by
         // the lapse now, and are offered again once the lease is back). Offers that left stand.
-        for (root, to, thawed) in self.handoff.outgoing.abandon_freezing(self.cx.now.mono_ms) {
+        for (root, to, thawed) in self
+            .handoff
+            .outgoing_mut()
+            .abandon_freezing(self.cx.now.mono_ms)
+        {
             self.cx
                 .metrics
                 .handoff(self.cx.config.node_id, to, "abandoned");
             self.thaw(root, thawed, "the node lease lapsed before the snapshot");
         }
-        let outgoing = &self.handoff.outgoing;
+        let outgoing = self.handoff.outgoing();
         let freeze = self
             .authority
             .freeze_owned(&self.table, |id| outgoing.is_frozen(id));
@@ -1170,8 +1175,7 @@ impl Core {
         });
         self.broadcast(ack);
         let gone = self.authority.given_away(&self.cx, &self.table);
-        self.handoff.mass.extend(gone.iter().copied());
-        self.handoff.recheck.extend(gone);
+        self.handoff.given_away(gone);
         self.spawners
             .replanned(&mut self.cx, self.authority.partition());
         if applied.retired {
@@ -1186,7 +1190,7 @@ impl Core {
             &self.table,
             self.game.connected(),
             &self.mesh,
-            self.handoff.outgoing.in_flight(),
+            self.handoff.outgoing().in_flight(),
         )
     }
 
@@ -1200,14 +1204,14 @@ impl Core {
     /// This node's part of the live map: its reals (every k-th past `max`, by id) and its
     /// handoffs of the last second.
     pub fn node_map(&mut self, max: usize) -> cellmesh_world::world_map::NodeMap {
-        let handoffs = self.handoff.recent.shown(self.cx.now.mono_ms);
+        let handoffs = self.handoff.recent(self.cx.now.mono_ms);
         self.authority
             .node_map(&self.cx, &self.table, max, handoffs)
     }
 
     /// Every real of this node, for a census.
     pub fn reals(&self) -> Vec<authority::Real> {
-        let outgoing = &self.handoff.outgoing;
+        let outgoing = self.handoff.outgoing();
         self.authority
             .reals(&self.table, |id| outgoing.is_frozen(id))
     }
@@ -1251,18 +1255,18 @@ impl Core {
         }
         for (root, _, thawed) in self
             .handoff
-            .outgoing
+            .outgoing_mut()
             .abandon_freezing_towards(node, self.cx.now.mono_ms)
         {
             self.cx
                 .metrics
                 .handoff(self.cx.config.node_id, node, "abandoned");
             self.thaw(root, thawed, "the target died before the offer left");
-            self.handoff.retry.remove(&root);
+            self.handoff.forget_retry(root);
         }
         let in_doubt = self
             .handoff
-            .outgoing
+            .outgoing()
             .in_doubt()
             .filter(|(_, to, _)| *to == node)
             .map(|(root, _, _)| root)
@@ -1273,11 +1277,7 @@ impl Core {
     /// The decider asks what this node holds of the dead process's world.
     pub(crate) fn on_restore_query(&mut self, from: NodeId, q: mesh::RestoreQuery) {
         self.mark_dead((q.node, q.lease_epoch));
-        let holdings = restore::Holdings {
-            table: &self.table,
-            outgoing: &self.handoff.outgoing,
-            adopting: &self.handoff.adopting,
-        };
+        let holdings = self.handoff.holdings(&self.table);
         self.restore
             .report(&mut self.cx, &self.mesh, &holdings, from, q);
     }
@@ -1289,10 +1289,10 @@ impl Core {
         match self.restore.on_resolved(&self.cx, &r) {
             restore::Resolution::Repeat => {}
             restore::Resolution::Returned { dead } => {
-                let Some((to, offered)) = self.handoff.outgoing.target_of(id) else {
+                let Some((to, offered)) = self.handoff.outgoing().target_of(id) else {
                     return;
                 };
-                if let Ok(thawed) = self.handoff.outgoing.refused(id, offered, to, now) {
+                if let Ok(thawed) = self.handoff.outgoing_mut().refused(id, offered, to, now) {
                     self.cx
                         .metrics
                         .handoff(self.cx.config.node_id, dead, "returned");
@@ -1306,7 +1306,7 @@ impl Core {
             restore::Resolution::Settle => {
                 match self
                     .handoff
-                    .outgoing
+                    .outgoing_mut()
                     .resolve(id, r.owner_node, r.entity_epoch, now)
                 {
                     Ok(done) => self.complete_handoff(done),
@@ -1315,7 +1315,7 @@ impl Core {
             }
             restore::Resolution::Redirect => {
                 self.handoff
-                    .outgoing
+                    .outgoing_mut()
                     .redirect_departed(id, r.owner_node, r.entity_epoch);
             }
         }
@@ -1392,7 +1392,7 @@ impl Core {
 
     /// Forgets offers settled long enough ago that their targets have checkpointed them.
     pub(crate) fn prune_sent_offers(&mut self) {
-        let outgoing = &self.handoff.outgoing;
+        let outgoing = self.handoff.outgoing();
         self.restore
             .prune_sent(&self.cx, |root| outgoing.is_frozen(root));
     }
@@ -1427,11 +1427,7 @@ impl Core {
         {
             return;
         }
-        let holdings = restore::Holdings {
-            table: &self.table,
-            outgoing: &self.handoff.outgoing,
-            adopting: &self.handoff.adopting,
-        };
+        let holdings = self.handoff.holdings(&self.table);
         let acts = self
             .restore
             .decide_rounds(&self.cx, &holdings, partition, &undecided);
@@ -2681,7 +2677,7 @@ impl Core {
     /// A render ghost let go of: gone from the table, and the fence forgets it.
     fn drop_ghost(&mut self, id: u64) {
         let _ = self.table.despawn(id);
-        self.handoff.fence.forget(id);
+        self.handoff.forget_fenced(id);
     }
 
     // ------------------------------------------------------------------ routing
@@ -3144,7 +3140,7 @@ impl Core {
         }
         // Still the holder's, under the epoch asked with, and not frozen for a handoff?
         let entity = p.holder.entity;
-        let still_held = !self.handoff.outgoing.is_frozen(entity)
+        let still_held = !self.handoff.outgoing().is_frozen(entity)
             && claim_holder(&self.table, &self.handoff, lease_live, entity)
                 .is_ok_and(|h| h == p.holder);
         self.claims
@@ -3155,7 +3151,7 @@ impl Core {
         let game = self.game.conn();
         let handoff = &self.handoff;
         self.claims.on_renewed(&mut self.cx, results, game, |id| {
-            !handoff.outgoing.writable(id) || handoff.released_by.contains_key(&id)
+            !handoff.outgoing().writable(id) || handoff.is_released(id)
         });
     }
 
@@ -3270,7 +3266,7 @@ impl Core {
             commands::Next::Route { id, owner, command } => {
                 let route = self
                     .handoff
-                    .outgoing
+                    .outgoing_mut()
                     .route_input(id, handoff::Routed::Command(Box::new(command)));
                 self.follow_route(id, route, 0, owner);
             }
@@ -3281,11 +3277,8 @@ impl Core {
     /// epoch change is.
     fn hold_command(&mut self, id: u64, c: mesh::EntityCommand) {
         let epoch = c.entity_epoch;
-        let admitted =
-            self.handoff
-                .fence
-                .admit(id, epoch, None, handoff::Fenced::Command(Box::new(c)));
-        let burnt = self.handoff.fence.is_burnt(id, epoch);
+        let admitted = self.handoff.fence_command(id, epoch, c);
+        let burnt = self.handoff.fence().is_burnt(id, epoch);
         let path = commands::ResultPath {
             mesh: &self.mesh,
             incarnation: self.restore.incarnation(),
@@ -3338,7 +3331,7 @@ impl Core {
                 input: Routed::Command(c),
             } => {
                 // Behind an offer in flight a copy stays with the unit; after it, none does.
-                let copy_kept = self.handoff.outgoing.is_frozen(id);
+                let copy_kept = self.handoff.outgoing().is_frozen(id);
                 self.cx.metrics.command_forwarded("handoff");
                 self.forward_command(to, epoch, *c, copy_kept);
             }
@@ -3586,8 +3579,8 @@ impl Core {
 
     /// The node this node handed `account`'s avatar to, while it remembers.
     pub(crate) fn departed_owner(&self, account: &str) -> Option<NodeId> {
-        let id = self.handoff.departed_masters.get(account)?;
-        Some(self.handoff.outgoing.departed_to(*id)?.0)
+        let id = self.handoff.departed_master(account)?;
+        Some(self.handoff.outgoing().departed_to(id)?.0)
     }
 
     /// Whether this node writes `account`'s avatar.
@@ -3864,10 +3857,10 @@ impl Core {
                 .map(|(account, _)| account)
                 .collect::<Vec<_>>(),
             "inputs_held": self.inputs_held(),
-            "handoffs_in_flight": self.handoff.outgoing.in_flight(),
-            "handoffs_in_doubt": self.handoff.outgoing.in_doubt().map(|(id, to, epoch)| json!({"entity": id, "to": to, "epoch": epoch})).collect::<Vec<_>>(),
-            "adopting": self.handoff.adopting.len(),
-            "held_frames": self.handoff.fence.held(),
+            "handoffs_in_flight": self.handoff.outgoing().in_flight(),
+            "handoffs_in_doubt": self.handoff.outgoing().in_doubt().map(|(id, to, epoch)| json!({"entity": id, "to": to, "epoch": epoch})).collect::<Vec<_>>(),
+            "adopting": self.handoff.adopting_count(),
+            "held_frames": self.handoff.fence().held(),
             "lease_live": self.authority.lease_live(),
             "lease_lost": self.authority.lost(),
             "draining": self.authority.draining(),
@@ -3911,7 +3904,7 @@ fn claim_holder(
             "entity {id} is not written here: only the node writing an entity claims for it"
         ));
     };
-    if !handoff.outgoing.writable(id) || handoff.released_by.contains_key(&id) {
+    if !handoff.outgoing().writable(id) || handoff.is_released(id) {
         return Err(format!(
             "entity {id} is frozen for a handoff: claim again once it is written"
         ));
