@@ -714,3 +714,184 @@ const MAX_RESERVE: usize = 65_536;
 const TICK_ORIGIN_UNIX_MS: u64 = 0;
 /// The tick rate the phase is given in for a game that named none.
 const DEFAULT_TICK_HZ: u32 = 20;
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use cellmesh_world::geometry::WorldShape;
+    use cellmesh_world::partition::{Grid, Layout, Partition};
+
+    use super::*;
+    use crate::core::Now;
+    use crate::metrics::Metrics;
+
+    const NPC: u64 = 30;
+
+    /// A lone node's game part, its context, table and authority, the game connected.
+    fn connected() -> (LocalGame, Context, EntityTable, Authority) {
+        let world = WorldShape {
+            width: 512.0,
+            height: 512.0,
+            chunk_size: 32.0,
+            region_size: 256.0,
+        };
+        let grid = Grid::even(&world, 1, 1, &[1]).unwrap();
+        let partition = Arc::new(Partition::new(world, 1, Layout::Grid(grid)).unwrap());
+        let cfg = SidecarConfig {
+            node_id: 1,
+            world,
+            ..SidecarConfig::default()
+        };
+        let authority = Authority::new(&cfg, partition, None);
+        let mut cx = Context::new(Arc::new(cfg.clone()), Metrics::default(), Now::default());
+        let mut table = EntityTable::new(world);
+        let mut game = LocalGame::new(&cfg, None);
+        let hello = hello(&mut game, &mut cx, &mut table, &authority);
+        assert_eq!(hello, Hello::Connected);
+        (game, cx, table, authority)
+    }
+
+    fn hello(
+        game: &mut LocalGame,
+        cx: &mut Context,
+        table: &mut EntityTable,
+        authority: &Authority,
+    ) -> Hello {
+        let hello = local::Hello {
+            version: Some(local::ProtocolVersion::current()),
+            tick_rate_hz: 20,
+            game: "test".into(),
+        };
+        game.on_hello(cx, table, authority, false, 1, hello)
+    }
+
+    /// What was queued for the game since the last call.
+    fn heard(cx: &mut Context) -> Vec<sidecar_message::Body> {
+        std::mem::take(&mut cx.out.to_game)
+            .into_iter()
+            .filter_map(|m| m.body)
+            .collect()
+    }
+
+    fn error_codes(cx: &mut Context) -> Vec<i32> {
+        heard(cx)
+            .into_iter()
+            .filter_map(|b| match b {
+                sidecar_message::Body::Error(e) => Some(e.code),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn spawn(game: &mut LocalGame, cx: &mut Context, table: &mut EntityTable, id: u64) {
+        let s = local::Spawn {
+            entity_id: id,
+            position: Some(local::Vec3 {
+                x: 10.0,
+                y: 10.0,
+                z: 0.0,
+            }),
+            ..Default::default()
+        };
+        assert_eq!(game.on_spawn(cx, table, |_| Ok(()), s), Some(id));
+    }
+
+    /// The game hears why it may not write before whether the entity exists (as the sidecar
+    /// has always answered an `Update`), but a `Despawn` of an entity it never had is unknown
+    /// whatever the node's state.
+    #[test]
+    fn a_refused_write_is_answered_in_the_order_of_its_checks() {
+        let (mut game, mut cx, mut table, _) = connected();
+        heard(&mut cx);
+        let refused = || Some("frozen".to_string());
+        let update = local::Update {
+            entity_id: NPC,
+            ..Default::default()
+        };
+        game.on_update(&mut cx, &mut table, refused(), update);
+        assert_eq!(error_codes(&mut cx), [ErrorCode::NotOwner as i32]);
+        let despawn = local::Despawn { entity_id: NPC };
+        assert!(game
+            .on_despawn(&mut cx, &mut table, refused(), despawn)
+            .is_none());
+        assert_eq!(error_codes(&mut cx), [ErrorCode::UnknownEntity as i32]);
+
+        spawn(&mut game, &mut cx, &mut table, NPC);
+        let despawn = local::Despawn { entity_id: NPC };
+        assert!(game
+            .on_despawn(&mut cx, &mut table, refused(), despawn)
+            .is_none());
+        assert_eq!(error_codes(&mut cx), [ErrorCode::NotOwner as i32]);
+        assert!(
+            table.get_local(NPC).is_some(),
+            "a refused despawn changes nothing"
+        );
+        let despawn = local::Despawn { entity_id: NPC };
+        let gone = game.on_despawn(&mut cx, &mut table, None, despawn);
+        assert_eq!(gone.map(|e| e.id), Some(NPC));
+        assert!(table.get_local(NPC).is_none());
+    }
+
+    /// A game back within its grace is welcomed, then given back what it wrote from its
+    /// checkpoints; an entity with none is despawned and counted as lost.
+    #[test]
+    fn a_returning_game_gets_back_what_it_wrote_after_its_welcome() {
+        let (mut game, mut cx, mut table, authority) = connected();
+        let kept = NPC + 1;
+        spawn(&mut game, &mut cx, &mut table, NPC);
+        spawn(&mut game, &mut cx, &mut table, kept);
+        let checkpoint = local::CheckpointState {
+            entity_id: kept,
+            entity_epoch: FIRST_EPOCH,
+            state: Bytes::from_static(b"kept"),
+        };
+        game.on_checkpoint_state(&cx, &table, true, checkpoint);
+        assert_eq!(game.on_closed(&mut cx, true, 1, "gone"), Gone::Kept);
+        assert!(!game.connected());
+        heard(&mut cx);
+
+        assert_eq!(
+            hello(&mut game, &mut cx, &mut table, &authority),
+            Hello::Connected
+        );
+        let heard = heard(&mut cx);
+        assert!(matches!(heard[0], sidecar_message::Body::Welcome(_)));
+        let adopts: Vec<(u64, Bytes)> = heard[1..]
+            .iter()
+            .filter_map(|b| match b {
+                sidecar_message::Body::Adopt(a) => Some((a.entity_id, a.state.clone())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(adopts, [(kept, Bytes::from_static(b"kept"))]);
+        assert!(table.get_local(NPC).is_none());
+        assert_eq!(game.take_unrestorable(), [NPC]);
+
+        let adopted = local::Adopted {
+            entity_id: kept,
+            entity_epoch: FIRST_EPOCH,
+        };
+        assert!(game.took_back(&cx, &table, &adopted));
+        assert!(!game.took_back(&cx, &table, &adopted), "taken back once");
+    }
+
+    /// A second game is turned away on its own connection; the first stays.
+    #[test]
+    fn a_second_game_is_refused_fatally() {
+        let (mut game, mut cx, mut table, authority) = connected();
+        cx.out.pending.clear();
+        let second = local::Hello {
+            game: "other".into(),
+            ..Default::default()
+        };
+        let hello = game.on_hello(&mut cx, &mut table, &authority, false, 2, second);
+        assert_eq!(hello, Hello::Refused);
+        assert!(matches!(
+            cx.out.pending.pop_front(),
+            Some(Output::GameFatal { conn: 2, error }) if error.fatal
+        ));
+        assert_eq!(game.conn(), Some(1));
+    }
+}
