@@ -17,9 +17,9 @@
 //!
 //! A part's handlers borrow the shared [`context`] (the time, the configuration, the metrics
 //! and the outbox) beside their own state; [`admission`], [`authority`], [`avatars`], [`balance`],
-//! [`claims`], [`commands`], [`game`], [`gateway`], [`peers`], [`replication`], [`restore`],
-//! [`routing`] and [`spawners`] keep theirs private and are told by the core what they need of
-//! the other parts.
+//! [`claims`], [`commands`], [`game`], [`gateway`], [`handoff`], [`peers`], [`replication`],
+//! [`restore`], [`routing`] and [`spawners`] keep theirs private and are told by the core what
+//! they need of the other parts.
 //! The core's periodic checks are named deadlines ([`timers`]).
 
 pub(crate) mod admission;
