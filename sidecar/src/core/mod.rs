@@ -2608,12 +2608,14 @@ impl Core {
             .into_iter()
             .filter(|id| self.restore.awaits_restore(&self.table, *id))
             .collect();
+        let restore = &self.restore;
         let dropped = self.replication.sweep_stale(
             &self.cx,
             &self.table,
             &self.authority,
             &self.mesh,
             &awaiting_restore,
+            |node| restore.is_live(node),
         );
         for id in dropped {
             self.drop_ghost(id);

@@ -423,10 +423,11 @@ impl Replication {
     }
 
     /// The stale ghosts nobody refreshed, to be dropped: their owner's link is back and its
-    /// snapshot burst did not include them, or it stayed down longer than a node lease (the
-    /// owner is gone; whoever takes its area over sends them again). `awaiting_restore`: the
-    /// stale ghosts of dead processes, which stay until their restored owner writes them.
-    /// Returns the render ghosts to despawn.
+    /// snapshot burst did not include them, or it stayed down longer than two node leases while
+    /// no unreachable writer of theirs was live by membership (the owner is gone; whoever takes
+    /// its area over sends them again). `awaiting_restore`: the stale ghosts of dead processes,
+    /// which stay until their restored owner writes them. `is_live`: whether the store last
+    /// said a node has a live process. Returns the render ghosts to despawn.
     pub(crate) fn sweep_stale(
         &mut self,
         cx: &Context,
@@ -434,6 +435,7 @@ impl Replication {
         authority: &Authority,
         mesh: &Mesh,
         awaiting_restore: &BTreeSet<u64>,
+        is_live: impl Fn(NodeId) -> bool,
     ) -> Vec<u64> {
         let now = cx.now.mono_ms;
         let me = cx.config.node_id;
@@ -454,14 +456,21 @@ impl Replication {
             // on its ghosts wait for their restore).
             let mut writers = self.owners_near(cx, authority, chunk);
             writers.push(origin);
+            writers.retain(|n| *n != me);
             let reachable_since = writers
-                .into_iter()
-                .filter(|n| *n != me)
-                .map(|n| mesh.up_since_ms(n))
+                .iter()
+                .map(|n| mesh.up_since_ms(*n))
                 .try_fold(since, |acc, up| up.map(|t| acc.max(t)));
+            // A writer cut off but still live by membership may still write the entity: its
+            // ghost stays until the link is back and the snapshot burst says.
+            let live_unreachable = || {
+                writers
+                    .iter()
+                    .any(|n| mesh.up_since_ms(*n).is_none() && is_live(*n))
+            };
             let expired = match reachable_since {
                 Some(t) => now >= t + STALE_RESYNC_GRACE_MS,
-                None => now >= since + 2 * cx.config.node_lease_ms,
+                None => now >= since + 2 * cx.config.node_lease_ms && !live_unreachable(),
             };
             if expired {
                 gone.push((id, true));

@@ -941,6 +941,50 @@ fn a_ghosts_change_reaches_clients_on_arrival_and_only_once() {
     assert_eq!(deltas_of_99(&mut core), [DeltaKind::Update as i32]);
 }
 
+/// cuts: a client saw a ghost vanish from well inside its view two node leases into a cut of
+/// the link to the ghost's owner, while that owner was alive and still wrote it. A writer the
+/// store still names live keeps its ghosts stale for as long as the cut lasts; only one no
+/// longer named live gives them up after two leases.
+#[test]
+fn a_ghost_of_a_live_owner_cut_off_stays_in_view_past_two_leases() {
+    use cellmesh_proto::edge::DeltaKind;
+    for (owner_live, vanishes) in [(true, false), (false, true)] {
+        let mut core = node();
+        alice_at_the_border(&mut core);
+        if owner_live {
+            core.handle(
+                at(25),
+                Input::PeerLeases {
+                    live: vec![(GATEWAY, 1)],
+                    lapsed: vec![],
+                },
+            );
+        }
+        from_node_2(&mut core, 30, true, 270.0);
+        assert_eq!(deltas_of_99(&mut core), [DeltaKind::Appear as i32]);
+        core.handle(
+            at(100),
+            Input::LinkClosed {
+                link: 30,
+                reason: "cut".into(),
+            },
+        );
+        let lease_ms = SidecarConfig::default().node_lease_ms;
+        let mut kinds = Vec::new();
+        // The game ticks on: a dropped ghost's vanish goes out with the tick's fold.
+        for (tick, ms) in (500..=3 * lease_ms).step_by(500).enumerate() {
+            core.handle(at(ms), Input::Timer);
+            game_frame(&mut core, ms, tick as u64 + 2, None);
+            kinds.extend(deltas_of_99(&mut core));
+        }
+        assert_eq!(
+            kinds.contains(&(DeltaKind::Vanish as i32)),
+            vanishes,
+            "owner live by membership: {owner_live}; deltas {kinds:?}"
+        );
+    }
+}
+
 /// Everything queued: for the game, and for the links as (link, message), in order.
 fn outputs(
     core: &mut Core,
