@@ -332,6 +332,14 @@ impl ProxyCore {
         core
     }
 
+    /// A core for `cfg` with its own counters, registered nowhere: what a driver in virtual
+    /// time (the cluster simulator) runs, with the rings the config names.
+    pub fn standalone(cfg: ProxyConfig, seed: u64) -> anyhow::Result<Self> {
+        let rings = cfg.rings()?;
+        let (metrics, _) = Metrics::new();
+        Ok(Self::new(Arc::new(cfg), rings, Arc::new(metrics), seed))
+    }
+
     #[cfg(test)]
     pub(crate) fn metrics(&self) -> &Metrics {
         &self.metrics
