@@ -16,8 +16,14 @@ const FLAP_MS: u64 = 1_000;
 
 pub(crate) struct Client {
     pub account: String,
+    /// The proxy it plays through (an index), and its connection there (0: none).
+    pub proxy: usize,
+    pub conn: u64,
+    /// Sent to another geo: its connection closes, and it connects there.
+    pub leaving: bool,
+    /// The gateway its proxy attached its session on, as the `Welcome` says.
     pub gateway: NodeId,
-    /// The session id on the gateway's proxy link (0: not logged in).
+    /// The session id its proxy gave the session (0: not logged in).
     pub session_id: u64,
     pub epoch: Option<u64>,
     /// Kicked or displaced: this session is over; nothing it sees is checked any more.
@@ -43,6 +49,9 @@ impl Client {
     pub fn new(account: String) -> Self {
         Self {
             account,
+            proxy: 0,
+            conn: 0,
+            leaving: false,
             gateway: 0,
             session_id: 0,
             epoch: None,
@@ -59,7 +68,7 @@ impl Client {
         }
     }
 
-    /// A new session on `gateway`: the view starts empty.
+    /// A session (new, or moved by its proxy) on `gateway`: the view starts empty.
     pub fn begin(&mut self, gateway: NodeId, session_id: u64) {
         self.gateway = gateway;
         self.session_id = session_id;
@@ -105,7 +114,8 @@ impl Client {
         Some((seq, cellmesh_arena::schema::input(dx as f32, dy as f32)))
     }
 
-    /// Applies one batch from the gateway. `truth` tells where an entity really is (if any game
+    /// Applies a frame's batches from the gateway, each batch's deltas in order (an entity may
+    /// vanish and appear again within one). `truth` tells where an entity really is (if any game
     /// holds it), and `avatar_at` where this client's avatar is. Returns what looks wrong.
     pub fn on_frame(
         &mut self,

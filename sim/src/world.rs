@@ -1,5 +1,6 @@
-//! The simulated cluster: sidecar cores with their games, the links between them, the proxy's
-//! part for the clients, and the stores, all in virtual time. One seed draws every delay, fault
+//! The simulated cluster: sidecar cores with their games, the links between them, the real
+//! proxies in front of them with their clients (see `edge`; `stand_in` in the scenarios that do
+//! not run them yet), and the stores, all in virtual time. One seed draws every delay, fault
 //! and choice, so one seed reproduces one run exactly.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -24,6 +25,10 @@ use crate::director::{max_over_avg, Balance, Director, Sample};
 use crate::leases::{Answer, Clock, SimLeases};
 use crate::scenario::{Delay, Fault, FaultPlan, LayoutKind, Scenario};
 use crate::store::SimStore;
+
+mod edge;
+mod stand_in;
+use edge::{ProxyLink, SimProxy};
 
 /// The wall clock the simulation starts at (any fixed value: runs must not depend on the day).
 const START_UNIX_MS: u64 = 1_800_000_000_000;
@@ -321,7 +326,10 @@ impl Counted {
 #[derive(Debug, Clone, Copy)]
 enum Far {
     Peer(u64),
-    Proxy,
+    /// A proxy's link (see `edge`).
+    Proxy(u64),
+    /// The stand-in proxy's link (see `stand_in`).
+    StandIn,
 }
 
 /// A link between two nodes (one ordered stream each way).
@@ -384,7 +392,7 @@ struct SimNode {
     game: Option<Game>,
     links: BTreeMap<LinkId, Far>,
     next_link: LinkId,
-    proxy_link: Option<LinkId>,
+    stand_in_link: Option<LinkId>,
     timer_at: Option<u64>,
     dialling: BTreeSet<NodeId>,
     /// The process (its holder number) running as this node, or that last did, and the machine
@@ -511,33 +519,92 @@ enum Ev {
         node: NodeId,
         inc: u32,
     },
-    /// A handed-over client logs in on a gateway of the geo it was sent to.
-    HandedOverLogin {
+    /// An input for proxy `p`'s process `inc` (a client's, a board's answer).
+    ProxyIn {
+        p: usize,
+        inc: u32,
+        input: cellmesh_proxy::core::Input,
+    },
+    ProxyTimer {
+        p: usize,
+        inc: u32,
+    },
+    /// Proxy `p` dials its gateway `gateway`.
+    ProxyDial {
+        p: usize,
+        inc: u32,
+        gateway: cellmesh_proxy::core::GatewayId,
+    },
+    /// The gateway's hello on link `uid` reaches the proxy.
+    ProxyLinkUp {
+        uid: u64,
+        hello: mesh::LinkHello,
+    },
+    /// A gateway's frame on link `uid` reaches the proxy.
+    ProxyFrame {
+        uid: u64,
+        frame: MeshFrame,
+    },
+    /// The proxy notices link `uid` is gone.
+    ProxyLinkDown {
+        uid: u64,
+        reason: String,
+    },
+    /// The gateway notices proxy link `uid` is gone.
+    ProxyLinkClosedAtNode {
+        uid: u64,
+        node: NodeId,
+        inc: u32,
+        reason: String,
+    },
+    /// A new process of proxy `p` starts.
+    ProxyBack {
+        p: usize,
+    },
+    /// Frames of connection `conn` reach its client (then the connection closes: `close`).
+    ToClient {
+        client: usize,
+        conn: u64,
+        frames: Vec<bytes::Bytes>,
+        close: bool,
+    },
+    ClientInput {
+        client: usize,
+        conn: u64,
+    },
+    /// A client logs in through its own geo's proxy.
+    Login {
+        client: usize,
+    },
+    /// A client connects to proxy `p` and logs in.
+    ConnectTo {
+        client: usize,
+        p: usize,
+    },
+    /// The stand-in: a handed-over client logs in on a gateway of the geo it was sent to.
+    StandInHandedOver {
         client: usize,
         gateway: NodeId,
         session_epoch: u64,
     },
-    /// A message from the gateway reaches a client (through the proxy).
-    ToClient {
+    /// The stand-in: a message from the gateway reaches a client.
+    StandInToClient {
         client: usize,
         session_id: u64,
         body: mesh_message::Body,
     },
-    ClientInput {
+    StandInInput {
         client: usize,
         session_id: u64,
     },
-    Login {
-        client: usize,
-    },
-    /// A client logs in again on `gateway` (its proxy restarted).
-    LoginOn {
+    /// The stand-in: a client logs in again on `gateway` (its proxy restarted).
+    StandInLoginOn {
         client: usize,
         gateway: NodeId,
     },
-    /// The new proxy of `geo` links to the geo's gateways; `clients` were attached through the
-    /// one that died.
-    ProxyBack {
+    /// The stand-in: the new proxy of `geo` links to the geo's gateways; `clients` were
+    /// attached through the one that died.
+    StandInProxyBack {
         geo: usize,
         clients: Vec<usize>,
     },
@@ -579,10 +646,21 @@ pub(crate) struct Sim<'a> {
     partition: Arc<Partition>,
     census: Arc<Census>,
     pub(crate) check: Checker,
+    /// The stand-in's sessions: the next id, which client each belongs to, the next gateway.
     next_session: u64,
-    /// Which client each session id belongs to.
     session_client: BTreeMap<u64, usize>,
     next_gateway: usize,
+    /// One proxy per geo with gateways, and the links to its gateways by uid.
+    proxies: Vec<SimProxy>,
+    proxy_links: BTreeMap<u64, ProxyLink>,
+    /// (node, its end of a proxy link, session id) -> the client the proxy attached there.
+    link_sessions: BTreeMap<(NodeId, LinkId, u64), usize>,
+    account_client: BTreeMap<String, usize>,
+    /// Every client connection (numbered across proxies) -> its client.
+    conn_client: BTreeMap<u64, usize>,
+    next_conn: u64,
+    /// The geos' boards: (geo, account) -> the handover hint pinned there.
+    hints: BTreeMap<(String, String), cellmesh_proto::cookie::HintCookie>,
     trace: Option<(usize, VecDeque<String>)>,
     streams: BTreeMap<Stream, u64>,
     /// An entity whose every change of holder is traced (`CELLMESH_SIM_WATCH`).
@@ -629,6 +707,7 @@ impl<'a> Sim<'a> {
             world,
             link_outbox_frames: s.link_outbox_frames,
             game_outbox_frames: s.game_outbox_frames,
+            attest_keys: vec![edge::ATTEST_KEY.into()],
             ..SidecarConfig::default()
         };
         if let Some(ms) = s.entity_cost_ms {
@@ -663,6 +742,19 @@ impl<'a> Sim<'a> {
             next_session: 1,
             session_client: BTreeMap::new(),
             next_gateway: 0,
+            proxies: if s.real_proxy {
+                edge::proxies_of(s)
+            } else {
+                Vec::new()
+            },
+            proxy_links: BTreeMap::new(),
+            link_sessions: BTreeMap::new(),
+            account_client: (0..s.players as usize)
+                .map(|i| (format!("player-{i}"), i))
+                .collect(),
+            conn_client: BTreeMap::new(),
+            next_conn: 1,
+            hints: BTreeMap::new(),
             trace: trace_len.map(|n| (n, VecDeque::new())),
             streams: BTreeMap::new(),
             watch: trace_len.and_then(|_| std::env::var("CELLMESH_SIM_WATCH").ok()?.parse().ok()),
@@ -683,7 +775,7 @@ impl<'a> Sim<'a> {
                 game: None,
                 links: BTreeMap::new(),
                 next_link: 1,
-                proxy_link: None,
+                stand_in_link: None,
                 timer_at: None,
                 dialling: BTreeSet::new(),
                 holder: 0,
@@ -697,6 +789,9 @@ impl<'a> Sim<'a> {
             sim.ask_lease(id, None);
         }
         sim.schedule(MEMBERSHIP_EVERY_MS, Ev::Membership);
+        for p in 0..sim.proxies.len() {
+            sim.start_proxy(p);
+        }
         // The director starts a balance period into the run: its first round, as its lease is
         // granted, comes then.
         if let Some(d) = sim.director.as_mut() {
@@ -793,9 +888,14 @@ impl<'a> Sim<'a> {
                 } else if let Input::LinkFrame { messages, .. } = &input {
                     // A client's input on its way to a gateway that died, or over a proxy link
                     // that closed, is lost with it.
+                    let Input::LinkFrame { link, .. } = &input else {
+                        unreachable!("matched above")
+                    };
                     for m in messages {
                         if let Some(mesh_message::Body::Input(i)) = &m.body {
-                            if let Some(c) = self.session_client.get(&i.session_id) {
+                            if self.s.real_proxy {
+                                self.proxy_input_lost(node, *link, i.session_id, i.seq);
+                            } else if let Some(c) = self.session_client.get(&i.session_id) {
                                 let account = self.clients[*c].account.clone();
                                 self.check.client_input_lost(&account, i.seq);
                             }
@@ -847,20 +947,42 @@ impl<'a> Sim<'a> {
                     self.feed(node, Input::Timer);
                 }
             }
+            Ev::ProxyIn { p, inc, input } => self.proxy_in(p, inc, input),
+            Ev::ProxyTimer { p, inc } => self.proxy_timer(p, inc),
+            Ev::ProxyDial { p, inc, gateway } => self.proxy_dial(p, inc, gateway),
+            Ev::ProxyLinkUp { uid, hello } => self.proxy_link_up(uid, hello),
+            Ev::ProxyFrame { uid, frame } => self.proxy_frame(uid, frame),
+            Ev::ProxyLinkDown { uid, reason } => self.proxy_link_down(uid, reason),
+            Ev::ProxyLinkClosedAtNode {
+                uid,
+                node,
+                inc,
+                reason,
+            } => self.proxy_link_closed_at_node(uid, node, inc, reason),
+            Ev::ProxyBack { p } => self.start_proxy(p),
             Ev::ToClient {
+                client,
+                conn,
+                frames,
+                close,
+            } => self.client_receives(client, conn, frames, close),
+            Ev::ClientInput { client, conn } => self.client_input(client, conn),
+            Ev::Login { client } if self.s.real_proxy => self.login(client),
+            Ev::Login { client } => self.stand_in_login(client, None),
+            Ev::ConnectTo { client, p } => self.connect(client, p),
+            Ev::StandInToClient {
                 client,
                 session_id,
                 body,
-            } => self.client_receives(client, session_id, body),
-            Ev::ClientInput { client, session_id } => self.client_input(client, session_id),
-            Ev::Login { client } => self.login(client, None),
-            Ev::LoginOn { client, gateway } => self.login(client, Some(gateway)),
-            Ev::ProxyBack { geo, clients } => self.proxy_back(geo, clients),
-            Ev::HandedOverLogin {
+            } => self.stand_in_client_receives(client, session_id, body),
+            Ev::StandInInput { client, session_id } => self.stand_in_input(client, session_id),
+            Ev::StandInLoginOn { client, gateway } => self.stand_in_login(client, Some(gateway)),
+            Ev::StandInProxyBack { geo, clients } => self.stand_in_proxy_back(geo, clients),
+            Ev::StandInHandedOver {
                 client,
                 gateway,
                 session_epoch,
-            } => self.login_with(
+            } => self.stand_in_login_with(
                 client,
                 Some(gateway),
                 Some(mesh::HandoverHint {
@@ -1194,8 +1316,11 @@ impl<'a> Sim<'a> {
         n.game = Some(Game::new(conn));
         // The lease task renews at once, then every `renew_every_ms`.
         self.schedule(0, Ev::LeaseTick { node: id, inc });
-        // The proxy's link, then the game, then membership: who else is alive, under which lease.
-        self.open_proxy_link(id);
+        // The stand-in's link, the game, then membership: who else is alive, under which lease.
+        // Real proxies dial it themselves.
+        if !self.s.real_proxy {
+            self.stand_in_link(id);
+        }
         self.connect_game(id, conn);
         let first_tick = self.rng.random_range(0..self.s.tick_ms);
         self.schedule(
@@ -1207,32 +1332,6 @@ impl<'a> Sim<'a> {
             },
         );
         self.membership(true);
-    }
-
-    /// The proxy links to node `id` (its hello checked, as a real proxy's would be).
-    fn open_proxy_link(&mut self, id: NodeId) {
-        let n = self.node(id);
-        let link = n.next_link;
-        n.next_link += 1;
-        n.links.insert(link, Far::Proxy);
-        n.proxy_link = Some(link);
-        self.feed(
-            id,
-            Input::LinkUp {
-                link,
-                hello: mesh::LinkHello {
-                    version: Some(mesh::ProtocolVersion::current()),
-                    role: PeerRole::Proxy as i32,
-                    id: "sim-proxy".into(),
-                    geo: "sim".into(),
-                    partition_epoch: 0,
-                    node_id: 0,
-                    lease_epoch: 0,
-                },
-                remote: "proxy".into(),
-                rest: vec![],
-            },
-        );
     }
 
     /// The game on connection `conn` says Hello to its sidecar.
@@ -1391,7 +1490,7 @@ impl<'a> Sim<'a> {
         let n = self.node(id);
         n.alive = false;
         n.core = None;
-        n.proxy_link = None;
+        n.stand_in_link = None;
         n.links.clear();
         self.check.node_gone(id);
         self.census.release_holder(id);
@@ -1409,12 +1508,24 @@ impl<'a> Sim<'a> {
         for uid in uids {
             self.break_link(uid, "the peer died", 50);
         }
-        // Its clients lose their session (the proxy kicks them); they log in again elsewhere.
-        for c in 0..self.clients.len() {
-            if self.clients[c].gateway == id && !self.clients[c].ended {
-                self.clients[c].ended = true;
-                let back = self.rng.random_range(500..1_500);
-                self.schedule(back, Ev::Login { client: c });
+        // Its proxies' links break too: the proxies move its sessions to other gateways.
+        let uids: Vec<u64> = self
+            .proxy_links
+            .iter()
+            .filter(|(_, l)| l.up && l.node() == id)
+            .map(|(u, _)| *u)
+            .collect();
+        for uid in uids {
+            self.break_proxy_link(uid, "the gateway died", 50);
+        }
+        // The stand-in kicks its clients; they log in again elsewhere.
+        if !self.s.real_proxy {
+            for c in 0..self.clients.len() {
+                if self.clients[c].gateway == id && !self.clients[c].ended {
+                    self.clients[c].ended = true;
+                    let back = self.rng.random_range(500..1_500);
+                    self.schedule(back, Ev::Login { client: c });
+                }
             }
         }
     }
@@ -1530,7 +1641,8 @@ impl<'a> Sim<'a> {
             Output::KillLink { link } | Output::ReleaseLink { link } => {
                 match self.node(id).links.remove(&link) {
                     Some(Far::Peer(uid)) => self.break_link(uid, "closed by the peer", 0),
-                    Some(Far::Proxy) => self.node(id).proxy_link = None,
+                    Some(Far::Proxy(uid)) => self.node_closes_proxy_link(uid),
+                    Some(Far::StandIn) => self.node(id).stand_in_link = None,
                     None => {}
                 }
             }
@@ -1721,7 +1833,8 @@ impl<'a> Sim<'a> {
 
     fn send_on_link(&mut self, id: NodeId, link: LinkId, frame: MeshFrame) {
         match self.node(id).links.get(&link).copied() {
-            Some(Far::Proxy) => self.proxy_receives(id, frame),
+            Some(Far::Proxy(uid)) => self.gateway_sends(uid, frame),
+            Some(Far::StandIn) => self.stand_in_receives(id, frame),
             Some(Far::Peer(uid)) => {
                 let Some(l) = self.links.get_mut(&uid) else {
                     return;
@@ -2031,309 +2144,6 @@ impl<'a> Sim<'a> {
 
     // ------------------------------------------------------------------ clients
 
-    /// A client logs in, on `gateway` or on the next live node (round robin, as the proxy
-    /// picks).
-    fn login(&mut self, c: usize, gateway: Option<NodeId>) {
-        self.login_with(c, gateway, None);
-    }
-
-    /// [`Self::login`], handed over from another geo with the handover's hint.
-    fn login_with(
-        &mut self,
-        c: usize,
-        gateway: Option<NodeId>,
-        handover: Option<mesh::HandoverHint>,
-    ) {
-        let alive: Vec<NodeId> = self
-            .nodes
-            .iter()
-            .filter(|n| n.alive && (self.s.gateways.is_empty() || self.s.gateways.contains(&n.id)))
-            .map(|n| n.id)
-            .collect();
-        if alive.is_empty() {
-            return;
-        }
-        let gateway = match gateway.filter(|g| alive.contains(g)) {
-            Some(g) => g,
-            None => {
-                self.next_gateway += 1;
-                alive[(self.next_gateway - 1) % alive.len()]
-            }
-        };
-        let Some(link) = self.node(gateway).proxy_link else {
-            return;
-        };
-        let session_id = self.next_session;
-        self.next_session += 1;
-        self.session_client.insert(session_id, c);
-        let inc = self.node(gateway).incarnation;
-        let account = self.clients[c].account.clone();
-        self.clients[c].begin(gateway, session_id);
-        self.note(|| format!("{account} logs in on n{gateway} as session {session_id}"));
-        // The proxy signs by the gateway's own clock: the sim's proxy has none. The key is the
-        // built-in one every simulated sidecar's default config accepts.
-        let key = cellmesh_proto::keys::KeyRing::parse(
-            &[cellmesh_proto::attest::DEFAULT_KEY.to_string()],
-            "",
-        )
-        .expect("the built-in attest key parses");
-        let attestation = cellmesh_proto::attest::sign(
-            key.signing(),
-            &account,
-            session_id,
-            self.time_of(gateway).unix_ms,
-        );
-        self.client_sends(
-            c,
-            gateway,
-            inc,
-            link,
-            mesh_message::Body::Attach(mesh::Attach {
-                session_id,
-                account,
-                remote_addr: format!("client-{c}"),
-                moved: false,
-                moved_from_epoch: 0,
-                handover,
-                attestation,
-            }),
-        );
-        let first = self.s.input_every_ms;
-        self.schedule(
-            first,
-            Ev::ClientInput {
-                client: c,
-                session_id,
-            },
-        );
-    }
-
-    /// The proxy of `geo` dies (see [`Fault::ProxyRestart`]): its links close at once (the
-    /// process is gone, its sockets with it), its clients' sessions are over, and a new proxy
-    /// links to the geo's gateways `down_ms` later.
-    fn proxy_restart(&mut self, geo: usize, down_ms: u64) {
-        let clients: Vec<usize> = (0..self.clients.len())
-            .filter(|&c| {
-                let cl = &self.clients[c];
-                !cl.ended && self.s.geo_of(cl.gateway) == geo
-            })
-            .collect();
-        for &c in &clients {
-            self.clients[c].ended = true;
-        }
-        self.note(|| {
-            format!(
-                "the proxy of {} dies; {} sessions with it",
-                self.s.geo_label(geo),
-                clients.len()
-            )
-        });
-        for id in self.live_nodes_of(geo) {
-            let Some(link) = self.node(id).proxy_link.take() else {
-                continue;
-            };
-            self.node(id).links.remove(&link);
-            self.feed(
-                id,
-                Input::LinkClosed {
-                    link,
-                    reason: "connection reset".into(),
-                },
-            );
-        }
-        self.schedule(down_ms, Ev::ProxyBack { geo, clients });
-    }
-
-    fn live_nodes_of(&self, geo: usize) -> Vec<NodeId> {
-        (1..=self.s.nodes)
-            .filter(|&n| self.s.geo_of(n) == geo && self.nodes[n as usize - 1].alive)
-            .collect()
-    }
-
-    /// The new proxy of `geo` links to every live node of the geo, and the clients of the old one
-    /// log in again over the next few hundred ms, each on any of its gateways.
-    fn proxy_back(&mut self, geo: usize, clients: Vec<usize>) {
-        let live = self.live_nodes_of(geo);
-        // As at a node's start, the proxy links to every node; players attach to gateways.
-        for &id in &live {
-            if self.node(id).proxy_link.is_none() {
-                self.open_proxy_link(id);
-            }
-        }
-        let nodes: Vec<NodeId> = live
-            .into_iter()
-            .filter(|n| self.s.gateways.is_empty() || self.s.gateways.contains(n))
-            .collect();
-        if nodes.is_empty() {
-            return;
-        }
-        for c in clients {
-            // A client that logged in again meanwhile (a planned relogin) keeps that session.
-            if !self.clients[c].ended {
-                continue;
-            }
-            let gateway = nodes[self.rng.random_range(0..nodes.len())];
-            let d = self.rng.random_range(0..400);
-            self.schedule(d, Ev::LoginOn { client: c, gateway });
-        }
-    }
-
-    /// The client's proxy hands its session over to another geo (see [`Fault::Handover`]).
-    fn hand_over(&mut self, c: usize) {
-        let Some(cl) = self.clients.get(c) else {
-            return;
-        };
-        let (Some(epoch), false) = (cl.epoch, cl.ended) else {
-            return;
-        };
-        let (from, session_id) = (cl.gateway, cl.session_id);
-        let from_geo = self.s.geo_of(from);
-        let home = self.s.client_geo(c);
-        let mut targets: Vec<NodeId> = self
-            .nodes
-            .iter()
-            .filter(|n| n.alive && n.proxy_link.is_some() && self.s.geo_of(n.id) != from_geo)
-            .filter(|n| self.s.gateways.is_empty() || self.s.gateways.contains(&n.id))
-            .map(|n| n.id)
-            .collect();
-        if targets.is_empty() {
-            return;
-        }
-        // The client's own geo if it played elsewhere; any other geo otherwise.
-        targets.sort_by_key(|&n| (self.s.geo_of(n) != home, n));
-        let to = targets[0];
-        if let Some(link) = self.node(from).proxy_link {
-            let inc = self.node(from).incarnation;
-            self.client_sends(
-                c,
-                from,
-                inc,
-                link,
-                mesh_message::Body::Detach(mesh::Detach {
-                    session_id,
-                    kick_reason: cellmesh_proto::edge::KickReason::Transferred as u32,
-                    detail: format!("handed over to geo {}", self.s.geo_name(to)),
-                    retry_after_ms: 0,
-                }),
-            );
-        }
-        let account = self.clients[c].account.clone();
-        self.note(|| {
-            format!(
-                "{account}'s session {session_id} on n{from} is handed over to n{to} ({})",
-                self.s.geo_name(to)
-            )
-        });
-        // The session here is over; the client reconnects there after a round trip and a bit.
-        self.clients[c].ended = true;
-        self.clients[c].keep_avatar = self.clients[c].avatar;
-        let rtt = 2 * self.s.client_delay_of(c, to).base_ms;
-        self.schedule(
-            rtt + 50,
-            Ev::HandedOverLogin {
-                client: c,
-                gateway: to,
-                session_epoch: epoch,
-            },
-        );
-    }
-
-    /// A message from client `c` reaches its gateway through the proxy's link, in order.
-    fn client_sends(
-        &mut self,
-        c: usize,
-        gateway: NodeId,
-        inc: u32,
-        link: LinkId,
-        body: mesh_message::Body,
-    ) {
-        let d = self.s.client_delay_of(c, gateway).draw(&mut self.rng);
-        let at = self.fifo(Stream::FromClient(c), d);
-        self.schedule_at(
-            at,
-            Ev::Core {
-                node: gateway,
-                inc,
-                input: Input::LinkFrame {
-                    link,
-                    messages: vec![MeshMessage::from(body)],
-                },
-            },
-        );
-    }
-
-    fn proxy_receives(&mut self, gateway: NodeId, frame: MeshFrame) {
-        for m in frame.messages {
-            let Some(body) = m.body else { continue };
-            let session_id = match &body {
-                mesh_message::Body::ToClient(t) => t.session_id,
-                mesh_message::Body::Attached(a) => a.session_id,
-                mesh_message::Body::Detach(d) => d.session_id,
-                _ => continue,
-            };
-            let Some(client) = self
-                .clients
-                .iter()
-                .position(|c| c.gateway == gateway && c.session_id == session_id)
-            else {
-                continue;
-            };
-            let d = self.s.client_delay_of(client, gateway).draw(&mut self.rng);
-            let at = self.fifo(Stream::ToClient(client), d);
-            self.schedule_at(
-                at,
-                Ev::ToClient {
-                    client,
-                    session_id,
-                    body,
-                },
-            );
-        }
-    }
-
-    fn client_receives(&mut self, c: usize, session_id: u64, body: mesh_message::Body) {
-        if self.clients[c].session_id != session_id || self.clients[c].ended {
-            return;
-        }
-        match body {
-            mesh_message::Body::Attached(a) => self.clients[c].epoch = Some(a.session_epoch),
-            mesh_message::Body::Detach(d) => {
-                let account = self.clients[c].account.clone();
-                self.note(|| format!("{account} detached: {}", d.detail));
-                self.clients[c].ended = true;
-            }
-            mesh_message::Body::ToClient(t) => {
-                let truth = self.truth();
-                // Where the avatar is, and where the client sees it: through an outage it stands
-                // still in the view while the real one walks on, and the view follows what the
-                // client sees. Only a vanish close to both is wrong.
-                let avatar_at: Vec<(f64, f64)> = self.clients[c]
-                    .avatar
-                    .map(|id| {
-                        [truth.get(&id), self.clients[c].seen.get(&id)]
-                            .into_iter()
-                            .flatten()
-                            .copied()
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                let world = self.world;
-                let wrong = self.clients[c].on_frame(
-                    self.now,
-                    &t.server_frame,
-                    &world,
-                    INSIDE_VIEW,
-                    |id| truth.get(&id).copied(),
-                    &avatar_at,
-                );
-                for w in wrong {
-                    self.check.violation(self.now, w);
-                }
-            }
-            _ => {}
-        }
-    }
-
     /// Where every entity held by a live game is. One its owner despawned is gone, even while an
     /// old owner still holds it frozen, waiting to be told to evict it.
     fn truth(&self) -> BTreeMap<u64, (f64, f64)> {
@@ -2349,48 +2159,6 @@ impl<'a> Sim<'a> {
             }
         }
         t
-    }
-
-    fn client_input(&mut self, c: usize, session_id: u64) {
-        if self.clients[c].session_id != session_id || self.clients[c].ended {
-            return;
-        }
-        if self.now + INPUTS_STOP_BEFORE_END_MS > self.s.motion_ms + self.s.settle_ms {
-            // The last inputs must land before the final count.
-            return;
-        }
-        let gateway = self.clients[c].gateway;
-        let world = self.world;
-        let now = self.now;
-        if let Some((seq, payload)) = self.clients[c].next_input(now, &world, &mut self.rng) {
-            let link = self.node(gateway).proxy_link;
-            if let (Some(link), true) = (link, self.node(gateway).alive) {
-                let inc = self.node(gateway).incarnation;
-                let account = self.clients[c].account.clone();
-                let epoch = self.clients[c].epoch.unwrap_or(0);
-                self.check.input_sent(&account, epoch, seq);
-                self.stats.inputs_sent += 1;
-                self.client_sends(
-                    c,
-                    gateway,
-                    inc,
-                    link,
-                    mesh_message::Body::Input(mesh::SessionInput {
-                        session_id,
-                        seq,
-                        payload,
-                    }),
-                );
-            }
-        }
-        let every = self.s.input_every_ms;
-        self.schedule(
-            every,
-            Ev::ClientInput {
-                client: c,
-                session_id,
-            },
-        );
     }
 
     // ------------------------------------------------------------------ faults
@@ -2443,14 +2211,27 @@ impl<'a> Sim<'a> {
                 client,
                 same_gateway,
             } => {
-                if client < self.clients.len() {
+                if client < self.clients.len() && self.s.real_proxy {
+                    // A new connection to the same proxy; the old one stays open until the
+                    // gateway displaces its session.
+                    let p = self.clients[client].proxy;
+                    self.connect(client, p);
+                } else if client < self.clients.len() {
                     // The old session stays open until the gateway displaces it.
                     let at = same_gateway.then(|| self.clients[client].gateway);
-                    self.login(client, at);
+                    self.stand_in_login(client, at);
                 }
             }
-            Fault::Handover { client } => self.hand_over(client),
-            Fault::ProxyRestart { geo, down_ms } => self.proxy_restart(geo, down_ms),
+            Fault::Handover { client } if self.s.real_proxy => self.hand_over(client),
+            Fault::Handover { client } => self.stand_in_hand_over(client),
+            Fault::ProxyRestart { geo, down_ms } if !self.s.real_proxy => {
+                self.stand_in_proxy_restart(geo, down_ms)
+            }
+            Fault::ProxyRestart { geo, down_ms } => {
+                if let Some(p) = self.proxies.iter().position(|x| x.geo == geo) {
+                    self.proxy_restart(p, down_ms);
+                }
+            }
             Fault::StoreOutage { ms } => {
                 self.store.down_until = self.now + ms;
                 self.schedule(ms, Ev::StoreUp);
@@ -2862,6 +2643,7 @@ impl<'a> Sim<'a> {
     }
 
     fn final_checks(&mut self) {
+        self.inputs_left_in_proxies();
         // Every entity is checkpointed within an interval of its last change (a game busy with
         // a long tick answers late: the slack covers one).
         let slack = self.s.slow_tick_ms + 500;
