@@ -712,12 +712,9 @@ fn a_handed_over_login_waits_for_its_avatars_owner_before_spawning_one() {
     }
 }
 
-/// A login whose avatar the directory says a live node writes, while the link to that node is
-/// down (a cut), waits for no restore: the join goes to the writer as soon as the link is back,
-/// not after the wait for a restored avatar (which would leave the session without an avatar
-/// for seconds if the writer let the old one go in the meantime).
-#[test]
-fn a_login_whose_avatars_writer_is_unreachable_joins_it_once_the_link_is_back() {
+/// `alice` logs in (session epoch 5) while the directory names node 2, under lease 1, as her
+/// avatar's writer and no link to node 2 is up.
+fn alice_registered_while_her_writer_is_cut_off() -> Core {
     let mut core = node();
     core.handle(
         at(0),
@@ -751,6 +748,16 @@ fn a_login_whose_avatars_writer_is_unreachable_joins_it_once_the_link_is_back() 
             }),
         }),
     );
+    core
+}
+
+/// A login whose avatar the directory says a live node writes, while the link to that node is
+/// down (a cut), waits for no restore: the join goes to the writer as soon as the link is back,
+/// not after the wait for a restored avatar (which would leave the session without an avatar
+/// for seconds if the writer let the old one go in the meantime).
+#[test]
+fn a_login_whose_avatars_writer_is_unreachable_joins_it_once_the_link_is_back() {
+    let mut core = alice_registered_while_her_writer_is_cut_off();
     let joins_sent = |links: &[(LinkId, mesh_message::Body)]| {
         links
             .iter()
@@ -796,39 +803,7 @@ fn a_login_whose_avatars_writer_is_unreachable_joins_it_once_the_link_is_back() 
 /// spawn a second avatar).
 #[test]
 fn a_writer_restarted_in_place_is_not_sent_the_join_of_its_predecessors_avatar() {
-    let mut core = node();
-    core.handle(
-        at(0),
-        Input::PeerLeases {
-            live: vec![(GATEWAY, 1)],
-            lapsed: vec![],
-        },
-    );
-    proxy_attaches(&mut core, 10, "alice", None);
-    let key = store_requests(&mut core)
-        .into_iter()
-        .find_map(|r| match r {
-            StoreRequest::Register { session, .. } => Some(session),
-            _ => None,
-        })
-        .expect("the attach registers the session");
-    core.handle(
-        at(20),
-        Input::Store(StoreReply::Registered {
-            session: key,
-            account: "alice".into(),
-            result: Ok(Registration {
-                epoch: 5,
-                record: None,
-                master: Some(MasterEntry {
-                    node: GATEWAY,
-                    lease_epoch: 1,
-                    entity_id: AVATAR,
-                    entity_epoch: 1,
-                }),
-            }),
-        }),
-    );
+    let mut core = alice_registered_while_her_writer_is_cut_off();
     let joins_sent = |links: &[(LinkId, mesh_message::Body)]| {
         links
             .iter()
