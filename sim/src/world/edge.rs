@@ -4,7 +4,7 @@
 //! connections are the simulated players, who send the real edge frames and read the real
 //! `ServerFrame`s. A proxy that restarts is a new core, whose players log in again.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -49,7 +49,7 @@ pub(super) struct SimProxy {
     /// The link to each gateway, up or on its way up (by `GatewayId`).
     links: Vec<Option<u64>>,
     /// Inputs read from its clients and not yet sent on to a gateway: (account, seq).
-    held: BTreeMap<(String, u64), ()>,
+    held: BTreeSet<(String, u64)>,
 }
 
 /// A link between a proxy and a gateway sidecar (one ordered stream each way).
@@ -93,7 +93,7 @@ pub(super) fn proxies_of(s: &crate::Scenario) -> Vec<SimProxy> {
                 timer_at: None,
                 links: vec![None; gateways.len()],
                 gateways,
-                held: BTreeMap::new(),
+                held: BTreeSet::new(),
             })
         })
         .collect()
@@ -194,7 +194,7 @@ impl Sim<'_> {
                 let account = self.clients[c].account.clone();
                 for m in &frame.messages {
                     if let Some(client_message::Body::Input(i)) = &m.body {
-                        self.proxies[p].held.insert((account.clone(), i.seq), ());
+                        self.proxies[p].held.insert((account.clone(), i.seq));
                     }
                 }
             }
@@ -798,8 +798,8 @@ impl Sim<'_> {
         }
     }
 
-    /// Client `c`'s view takes in a frame's batches, in order.
-    fn client_views(&mut self, c: usize, bytes: &Bytes) {
+    /// Client `c`'s view takes in a frame's batches, in order (the stand-in's clients too).
+    pub(super) fn client_views(&mut self, c: usize, bytes: &Bytes) {
         if self.clients[c].ended {
             return;
         }
@@ -931,7 +931,7 @@ impl Sim<'_> {
         self.note(|| format!("the proxy of geo {geo} dies"));
         // What it held of its clients' inputs dies with it.
         let held = std::mem::take(&mut self.proxies[p].held);
-        for (account, seq) in held.into_keys() {
+        for (account, seq) in held {
             self.check.client_input_lost(&account, seq);
         }
         let links: Vec<u64> = self.proxies[p].links.iter().flatten().copied().collect();
@@ -955,7 +955,7 @@ impl Sim<'_> {
     pub(super) fn inputs_left_in_proxies(&mut self) {
         for p in 0..self.proxies.len() {
             let held = std::mem::take(&mut self.proxies[p].held);
-            for (account, seq) in held.into_keys() {
+            for (account, seq) in held {
                 self.check.client_input_lost(&account, seq);
             }
         }

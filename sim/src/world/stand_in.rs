@@ -8,7 +8,7 @@ use cellmesh_sidecar::core::{Input, LinkId};
 use cellmesh_world::partition::NodeId;
 use rand::Rng;
 
-use super::{Ev, Far, Sim, Stream, INPUTS_STOP_BEFORE_END_MS, INSIDE_VIEW};
+use super::{Ev, Far, Sim, Stream, INPUTS_STOP_BEFORE_END_MS};
 
 impl Sim<'_> {
     /// The proxy links to node `id` (its hello checked, as a real proxy's would be).
@@ -310,34 +310,7 @@ impl Sim<'_> {
                 self.note(|| format!("{account} detached: {}", d.detail));
                 self.clients[c].ended = true;
             }
-            mesh_message::Body::ToClient(t) => {
-                let truth = self.truth();
-                // Where the avatar is, and where the client sees it: through an outage it stands
-                // still in the view while the real one walks on, and the view follows what the
-                // client sees. Only a vanish close to both is wrong.
-                let avatar_at: Vec<(f64, f64)> = self.clients[c]
-                    .avatar
-                    .map(|id| {
-                        [truth.get(&id), self.clients[c].seen.get(&id)]
-                            .into_iter()
-                            .flatten()
-                            .copied()
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                let world = self.world;
-                let wrong = self.clients[c].on_frame(
-                    self.now,
-                    &t.server_frame,
-                    &world,
-                    INSIDE_VIEW,
-                    |id| truth.get(&id).copied(),
-                    &avatar_at,
-                );
-                for w in wrong {
-                    self.check.violation(self.now, w);
-                }
-            }
+            mesh_message::Body::ToClient(t) => self.client_views(c, &t.server_frame),
             _ => {}
         }
     }
