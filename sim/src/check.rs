@@ -51,6 +51,9 @@ pub(crate) struct Checker {
     lost_forwards: u64,
     /// (account, seq) of inputs written to a game that crashed before it read them.
     lost_with_game: BTreeSet<(String, u64)>,
+    /// (account, seq) of inputs a killed node held that no live node had a copy of; a copy
+    /// its dead handoff target delivered before dying was delivered all the same.
+    lost_with_nodes: BTreeSet<(String, u64)>,
     /// node -> the entities it holds as unfrozen reals (as of its last step).
     unfrozen: BTreeMap<NodeId, BTreeSet<u64>>,
     /// entity -> the nodes holding it as an unfrozen real.
@@ -103,9 +106,20 @@ impl Checker {
         }
     }
 
-    /// Inputs lost with a crashed game.
+    /// Inputs a killed node held with no copy anywhere else.
+    pub fn inputs_lost_with_node(&mut self, inputs: Vec<(String, u64)>) {
+        self.lost_with_nodes.extend(inputs);
+    }
+
+    /// Inputs lost with a crashed game or a killed node, and never delivered by another way.
+    /// A copy a killed node held whose other copy was lost with a link is counted there.
     pub fn lost_with_game(&self) -> u64 {
-        self.lost_with_game.len() as u64
+        let with_nodes = self.lost_with_nodes.iter().filter(|k| {
+            !self.delivered.contains_key(*k)
+                && !self.lost_with_game.contains(*k)
+                && !self.lost.contains(*k)
+        });
+        (self.lost_with_game.len() + with_nodes.count()) as u64
     }
 
     /// Forwarded inputs lost with a link, each copy counted.

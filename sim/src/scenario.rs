@@ -622,9 +622,6 @@ pub fn catalogue() -> Vec<Scenario> {
         },
         Scenario {
             faults: gateway_kills,
-            // Seed 83 with the real proxy: an input counted twice by the nodes' counters across
-            // a session the proxy moved off a dead gateway.
-            real_proxy: false,
             ..Scenario::base("gateway_kills")
         },
         Scenario {
@@ -634,8 +631,6 @@ pub fn catalogue() -> Vec<Scenario> {
             clock_skew_ms: 400,
             gateways: &[2, 4],
             faults: gateway_kills,
-            // Seed 151 with the real proxy: as gateway_kills seed 83.
-            real_proxy: false,
             ..Scenario::base("skew")
         },
         Scenario {

@@ -670,8 +670,6 @@ pub(crate) struct Sim<'a> {
     departed: Counted,
     /// What crashed games had counted.
     game_stats: Vec<ArenaStats>,
-    /// Inputs killed cores held that no other node had a copy of.
-    inputs_lost_with_nodes: u64,
     /// Inputs the cores of killed nodes dropped, by reason.
     departed_drops: BTreeMap<&'static str, u64>,
     halted: bool,
@@ -762,7 +760,6 @@ impl<'a> Sim<'a> {
             departed: Counted::default(),
             game_stats: Vec::new(),
             departed_drops: BTreeMap::new(),
-            inputs_lost_with_nodes: 0,
             halted: false,
             director: s.director.clone().map(Director::new),
         };
@@ -1463,7 +1460,8 @@ impl<'a> Sim<'a> {
                 .filter(|n| !n.alive)
                 .map(|n| n.id)
                 .collect();
-            self.inputs_lost_with_nodes += c.inputs_only_here_if(|n| dead.contains(&n)) as u64;
+            let held = c.inputs_only_here_if(|n| dead.contains(&n));
+            self.check.inputs_lost_with_node(held);
             // Spawned too late for their first checkpoint to reach the store: gone with it, as
             // if their spawn had been lost.
             for e in c.unpersisted() {
@@ -2735,9 +2733,8 @@ impl<'a> Sim<'a> {
             counted.add(self.counted_by(n));
         }
         counted.lost_forwards = self.check.lost_forwards();
-        counted.lost_with_game = self.check.lost_with_game() + self.inputs_lost_with_nodes;
-        self.stats.inputs_lost_with_game =
-            self.check.lost_with_game() + self.inputs_lost_with_nodes;
+        counted.lost_with_game = self.check.lost_with_game();
+        self.stats.inputs_lost_with_game = self.check.lost_with_game();
         self.stats.counted = counted;
         self.stats.handoffs = self.sum_over_cores(|c| c.metrics().handoffs_out.get());
         self.command_checks(&games);

@@ -157,8 +157,8 @@ impl Authority {
     }
 
     /// Inputs held for the game while the lease is lapsed.
-    pub(crate) fn held_input_count(&self) -> usize {
-        self.held_inputs.len()
+    pub(crate) fn held_inputs(&self) -> &[local::Input] {
+        &self.held_inputs
     }
 
     /// Whether this process may still write at `mono_ms` of its own clock: its lease is neither

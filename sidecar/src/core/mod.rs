@@ -540,8 +540,9 @@ impl Core {
                 .handoff
                 .fence()
                 .held_where(|f| matches!(f, handoff::Fenced::Input(_)))
+                .count()
             + self.handoff.input_order().held()
-            + self.authority.held_input_count()
+            + self.authority.held_inputs().len()
     }
 
     /// The restores this node decided and saw acked since the last call.
@@ -551,26 +552,37 @@ impl Core {
 
     /// Client inputs held here that no other node has a copy of: lost if this process died now.
     pub fn inputs_only_here(&self) -> usize {
-        self.inputs_only_here_if(|_| false)
+        self.inputs_only_here_if(|_| false).len()
     }
 
-    /// As [`Core::inputs_only_here`], also counting the copies offered to nodes `dead` says
-    /// died (which a simulator knows before this node hears of it).
-    pub fn inputs_only_here_if(&self, dead: impl Fn(NodeId) -> bool) -> usize {
-        let in_doubt_to_dead = self.handoff.outgoing().inputs_offered_to(
-            |n| dead(n) || self.restore.in_doubt_to_dead_node(n),
-            handoff::Routed::is_input,
-        );
-        self.handoff
-            .outgoing()
-            .inputs_not_forwarded(handoff::Routed::is_input)
-            + in_doubt_to_dead
-            + self
-                .handoff
-                .fence()
-                .held_where(|f| matches!(f, handoff::Fenced::Input(_)))
-            + self.handoff.input_order().held()
-            + self.authority.held_input_count()
+    /// As [`Core::inputs_only_here`], also naming the copies offered to nodes `dead` says
+    /// died (which a simulator knows before this node hears of it): `(account, seq)` of each.
+    /// A copy the dead target delivered before it died was delivered after all, which only the
+    /// caller can tell.
+    pub fn inputs_only_here_if(&self, dead: impl Fn(NodeId) -> bool) -> Vec<(String, u64)> {
+        let outgoing = self.handoff.outgoing();
+        let routed = outgoing
+            .inputs_offered_to(
+                |n| dead(n) || self.restore.in_doubt_to_dead_node(n),
+                handoff::Routed::is_input,
+            )
+            .chain(outgoing.inputs_not_forwarded(handoff::Routed::is_input))
+            .filter_map(|r| match r {
+                handoff::Routed::Input(i) => Some((i.account.clone(), i.seq)),
+                handoff::Routed::Command(_) => None,
+            });
+        let fenced = self
+            .handoff
+            .fence()
+            .held_where(|_| true)
+            .filter_map(|f| match f {
+                handoff::Fenced::Input(i) => Some((i.account.clone(), i.seq)),
+                _ => None,
+            });
+        let local = (self.handoff.input_order().pending())
+            .chain(self.authority.held_inputs())
+            .map(|i| (i.account.clone(), i.seq));
+        routed.chain(fenced).chain(local).collect()
     }
 
     /// What the epoch fence holds, entity by entity.

@@ -544,12 +544,12 @@ impl<I: Clone> HandoffSource<I> {
 
     /// Inputs (those `is` picks) held for units whose offer has not left: no copy of them went
     /// anywhere.
-    pub fn inputs_not_forwarded(&self, is: impl Fn(&I) -> bool) -> usize {
+    pub fn inputs_not_forwarded(&self, is: impl Fn(&I) -> bool) -> impl Iterator<Item = &I> {
         self.out
             .values()
             .filter(|o| matches!(o.phase, Phase::Freezing { .. }))
-            .map(|o| o.inputs.iter().filter(|i| is(i)).count())
-            .sum()
+            .flat_map(|o| o.inputs.iter())
+            .filter(move |i| is(i))
     }
 
     /// Inputs (those `is` picks) held for units offered to one of `dead`: their copies died
@@ -558,12 +558,12 @@ impl<I: Clone> HandoffSource<I> {
         &self,
         dead: impl Fn(NodeId) -> bool,
         is: impl Fn(&I) -> bool,
-    ) -> usize {
+    ) -> impl Iterator<Item = &I> {
         self.out
             .values()
-            .filter(|o| matches!(o.phase, Phase::Offered { .. }) && dead(o.to))
-            .map(|o| o.inputs.iter().filter(|i| is(i)).count())
-            .sum()
+            .filter(move |o| matches!(o.phase, Phase::Offered { .. }) && dead(o.to))
+            .flat_map(|o| o.inputs.iter())
+            .filter(move |i| is(i))
     }
 
     /// Inputs (those `is` picks) held for frozen entities (to apply on a thaw; the copies of
@@ -1069,13 +1069,13 @@ impl<F> Fence<F> {
     }
 
     /// Held frames that `is` picks.
-    pub fn held_where(&self, is: impl Fn(&F) -> bool) -> usize {
+    pub fn held_where(&self, is: impl Fn(&F) -> bool) -> impl Iterator<Item = &F> {
         self.held
             .values()
             .flat_map(|m| m.values())
             .flatten()
-            .filter(|(_, f)| is(f))
-            .count()
+            .map(|(_, f)| f)
+            .filter(move |f| is(f))
     }
 
     pub fn stale_drops(&self) -> u64 {

@@ -186,6 +186,11 @@ impl<I> InputOrder<I> {
     pub fn held(&self) -> usize {
         self.accounts.values().map(|a| a.pending.len()).sum()
     }
+
+    /// The inputs held, account by account.
+    pub fn pending(&self) -> impl Iterator<Item = &I> {
+        self.accounts.values().flat_map(|a| a.pending.values())
+    }
 }
 
 #[cfg(test)]
