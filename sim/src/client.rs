@@ -23,8 +23,6 @@ pub(crate) struct Client {
     pub leaving: bool,
     /// The gateway its proxy attached its session on, as the `Welcome` says.
     pub gateway: NodeId,
-    /// The session id its proxy gave the session (0: not logged in).
-    pub session_id: u64,
     pub epoch: Option<u64>,
     /// Kicked or displaced: this session is over; nothing it sees is checked any more.
     pub ended: bool,
@@ -53,7 +51,6 @@ impl Client {
             conn: 0,
             leaving: false,
             gateway: 0,
-            session_id: 0,
             epoch: None,
             ended: true,
             seen: BTreeMap::new(),
@@ -69,9 +66,8 @@ impl Client {
     }
 
     /// A session (new, or moved by its proxy) on `gateway`: the view starts empty.
-    pub fn begin(&mut self, gateway: NodeId, session_id: u64) {
+    pub fn begin(&mut self, gateway: NodeId) {
         self.gateway = gateway;
-        self.session_id = session_id;
         self.epoch = None;
         self.ended = false;
         self.seen.clear();

@@ -47,9 +47,8 @@ pub enum Fault {
     /// A new partition: the grid's regions, row-major, go to these nodes.
     Replan(Vec<NodeId>),
     /// A client logs in again while its session is live, on a new connection to its proxy
-    /// (which picks the gateway, the same or another; the stand-in for the proxy takes the same
-    /// gateway or the next one as `same_gateway` says); the old session is displaced.
-    Relogin { client: usize, same_gateway: bool },
+    /// (which picks the gateway, the same or another); the old session is displaced.
+    Relogin { client: usize },
     /// The stores answer nothing for this long (every call times out).
     StoreOutage { ms: u64 },
     /// A node's game is busy for this long (a long tick): it reads nothing meanwhile.
@@ -196,9 +195,6 @@ pub struct Scenario {
     pub no_lease_exits: bool,
     /// The faults, drawn from the run's random source.
     pub faults: fn(&Scenario, &mut StdRng, &mut FaultPlan),
-    /// The players play through the real proxy, one per geo; `false`: through the simulator's
-    /// stand-in for it, in the scenarios some of whose seeds still fail with the real one.
-    pub real_proxy: bool,
 }
 
 fn lan(_: NodeId, _: NodeId) -> Delay {
@@ -245,7 +241,6 @@ impl Scenario {
             game_outbox_frames: 4096,
             no_lease_exits: false,
             faults: no_faults,
-            real_proxy: true,
         }
     }
 
@@ -357,13 +352,7 @@ fn overload(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
 fn logins(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     for _ in 0..rng.random_range(1..=4) {
         let client = rng.random_range(0..s.players as usize);
-        plan.at(
-            s.during(rng, 500),
-            Fault::Relogin {
-                client,
-                same_gateway: rng.random_bool(0.5),
-            },
-        );
+        plan.at(s.during(rng, 500), Fault::Relogin { client });
     }
     proxy_restart(s, rng, plan);
 }
@@ -605,9 +594,6 @@ pub fn catalogue() -> Vec<Scenario> {
         },
         Scenario {
             faults: stores,
-            // Seeds 49 and 217 with the real proxy: a vanish inside a view, and frames a node
-            // still holds for an entity at the end.
-            real_proxy: false,
             ..Scenario::base("stores")
         },
         Scenario {
@@ -659,10 +645,6 @@ pub fn catalogue() -> Vec<Scenario> {
         Scenario {
             geos: Some(&THREE_GEOS),
             faults: geo_faults,
-            // Seeds 146, 179 and 245 with the real proxy: a vanish inside a view, a handed-over
-            // session whose gateway despawned the avatar it was to find, a session with no
-            // avatar at the end.
-            real_proxy: false,
             ..Scenario::base("geos")
         },
         Scenario {
@@ -710,8 +692,6 @@ pub fn catalogue() -> Vec<Scenario> {
             settle_ms: 8_000,
             gateways: &[2, 4],
             faults: spawner_faults,
-            // Seed 234 with the real proxy: an input delivered to a game with no avatar there.
-            real_proxy: false,
             ..Scenario::base("spawners")
         },
         hotspot("balance"),

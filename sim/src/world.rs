@@ -1,6 +1,5 @@
 //! The simulated cluster: sidecar cores with their games, the links between them, the real
-//! proxies in front of them with their clients (see `edge`; `stand_in` in the scenarios that do
-//! not run them yet), and the stores, all in virtual time. One seed draws every delay, fault
+//! proxies in front of them with their clients (see `edge`), and the stores, all in virtual time. One seed draws every delay, fault
 //! and choice, so one seed reproduces one run exactly.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -27,7 +26,6 @@ use crate::scenario::{Delay, Fault, FaultPlan, LayoutKind, Scenario};
 use crate::store::SimStore;
 
 mod edge;
-mod stand_in;
 use edge::{ProxyLink, SimProxy};
 
 /// The wall clock the simulation starts at (any fixed value: runs must not depend on the day).
@@ -328,8 +326,6 @@ enum Far {
     Peer(u64),
     /// A proxy's link (see `edge`).
     Proxy(u64),
-    /// The stand-in proxy's link (see `stand_in`).
-    StandIn,
 }
 
 /// A link between two nodes (one ordered stream each way).
@@ -392,7 +388,6 @@ struct SimNode {
     game: Option<Game>,
     links: BTreeMap<LinkId, Far>,
     next_link: LinkId,
-    stand_in_link: Option<LinkId>,
     timer_at: Option<u64>,
     dialling: BTreeSet<NodeId>,
     /// The process (its holder number) running as this node, or that last did, and the machine
@@ -581,33 +576,6 @@ enum Ev {
         client: usize,
         p: usize,
     },
-    /// The stand-in: a handed-over client logs in on a gateway of the geo it was sent to.
-    StandInHandedOver {
-        client: usize,
-        gateway: NodeId,
-        session_epoch: u64,
-    },
-    /// The stand-in: a message from the gateway reaches a client.
-    StandInToClient {
-        client: usize,
-        session_id: u64,
-        body: mesh_message::Body,
-    },
-    StandInInput {
-        client: usize,
-        session_id: u64,
-    },
-    /// The stand-in: a client logs in again on `gateway` (its proxy restarted).
-    StandInLoginOn {
-        client: usize,
-        gateway: NodeId,
-    },
-    /// The stand-in: the new proxy of `geo` links to the geo's gateways; `clients` were
-    /// attached through the one that died.
-    StandInProxyBack {
-        geo: usize,
-        clients: Vec<usize>,
-    },
     Dial {
         from: NodeId,
         to: NodeId,
@@ -646,10 +614,6 @@ pub(crate) struct Sim<'a> {
     partition: Arc<Partition>,
     census: Arc<Census>,
     pub(crate) check: Checker,
-    /// The stand-in's sessions: the next id, which client each belongs to, the next gateway.
-    next_session: u64,
-    session_client: BTreeMap<u64, usize>,
-    next_gateway: usize,
     /// One proxy per geo with gateways, and the links to its gateways by uid.
     proxies: Vec<SimProxy>,
     proxy_links: BTreeMap<u64, ProxyLink>,
@@ -737,14 +701,7 @@ impl<'a> Sim<'a> {
             partition,
             census: Arc::new(Census::default()),
             check: Checker::default(),
-            next_session: 1,
-            session_client: BTreeMap::new(),
-            next_gateway: 0,
-            proxies: if s.real_proxy {
-                edge::proxies_of(s)
-            } else {
-                Vec::new()
-            },
+            proxies: edge::proxies_of(s),
             proxy_links: BTreeMap::new(),
             link_sessions: BTreeMap::new(),
             account_client: (0..s.players as usize)
@@ -772,7 +729,6 @@ impl<'a> Sim<'a> {
                 game: None,
                 links: BTreeMap::new(),
                 next_link: 1,
-                stand_in_link: None,
                 timer_at: None,
                 dialling: BTreeSet::new(),
                 holder: 0,
@@ -890,12 +846,7 @@ impl<'a> Sim<'a> {
                     };
                     for m in messages {
                         if let Some(mesh_message::Body::Input(i)) = &m.body {
-                            if self.s.real_proxy {
-                                self.proxy_input_lost(node, *link, i.session_id, i.seq);
-                            } else if let Some(c) = self.session_client.get(&i.session_id) {
-                                let account = self.clients[*c].account.clone();
-                                self.check.client_input_lost(&account, i.seq);
-                            }
+                            self.proxy_input_lost(node, *link, i.session_id, i.seq);
                         }
                     }
                 }
@@ -964,31 +915,8 @@ impl<'a> Sim<'a> {
                 close,
             } => self.client_receives(client, conn, frames, close),
             Ev::ClientInput { client, conn } => self.client_input(client, conn),
-            Ev::Login { client } if self.s.real_proxy => self.login(client),
-            Ev::Login { client } => self.stand_in_login(client, None),
+            Ev::Login { client } => self.login(client),
             Ev::ConnectTo { client, p } => self.connect(client, p),
-            Ev::StandInToClient {
-                client,
-                session_id,
-                body,
-            } => self.stand_in_client_receives(client, session_id, body),
-            Ev::StandInInput { client, session_id } => self.stand_in_input(client, session_id),
-            Ev::StandInLoginOn { client, gateway } => self.stand_in_login(client, Some(gateway)),
-            Ev::StandInProxyBack { geo, clients } => self.stand_in_proxy_back(geo, clients),
-            Ev::StandInHandedOver {
-                client,
-                gateway,
-                session_epoch,
-            } => self.stand_in_login_with(
-                client,
-                Some(gateway),
-                Some(mesh::HandoverHint {
-                    session_epoch,
-                    last_position: None,
-                    issued_unix_ms: 0,
-                    source: "hint".into(),
-                }),
-            ),
             Ev::Dial { from, to, inc } => self.dial(from, to, inc),
             Ev::Fault(f) => self.fault(f),
             Ev::StoreUp => {}
@@ -1313,11 +1241,8 @@ impl<'a> Sim<'a> {
         n.game = Some(Game::new(conn));
         // The lease task renews at once, then every `renew_every_ms`.
         self.schedule(0, Ev::LeaseTick { node: id, inc });
-        // The stand-in's link, the game, then membership: who else is alive, under which lease.
-        // Real proxies dial it themselves.
-        if !self.s.real_proxy {
-            self.stand_in_link(id);
-        }
+        // The game, then membership: who else is alive, under which lease. Proxies dial it
+        // themselves.
         self.connect_game(id, conn);
         let first_tick = self.rng.random_range(0..self.s.tick_ms);
         self.schedule(
@@ -1488,7 +1413,6 @@ impl<'a> Sim<'a> {
         let n = self.node(id);
         n.alive = false;
         n.core = None;
-        n.stand_in_link = None;
         n.links.clear();
         self.check.node_gone(id);
         self.census.release_holder(id);
@@ -1515,16 +1439,6 @@ impl<'a> Sim<'a> {
             .collect();
         for uid in uids {
             self.break_proxy_link(uid, "the gateway died", 50);
-        }
-        // The stand-in kicks its clients; they log in again elsewhere.
-        if !self.s.real_proxy {
-            for c in 0..self.clients.len() {
-                if self.clients[c].gateway == id && !self.clients[c].ended {
-                    self.clients[c].ended = true;
-                    let back = self.rng.random_range(500..1_500);
-                    self.schedule(back, Ev::Login { client: c });
-                }
-            }
         }
     }
 
@@ -1640,7 +1554,6 @@ impl<'a> Sim<'a> {
                 match self.node(id).links.remove(&link) {
                     Some(Far::Peer(uid)) => self.break_link(uid, "closed by the peer", 0),
                     Some(Far::Proxy(uid)) => self.node_closes_proxy_link(uid),
-                    Some(Far::StandIn) => self.node(id).stand_in_link = None,
                     None => {}
                 }
             }
@@ -1832,7 +1745,6 @@ impl<'a> Sim<'a> {
     fn send_on_link(&mut self, id: NodeId, link: LinkId, frame: MeshFrame) {
         match self.node(id).links.get(&link).copied() {
             Some(Far::Proxy(uid)) => self.gateway_sends(uid, frame),
-            Some(Far::StandIn) => self.stand_in_receives(id, frame),
             Some(Far::Peer(uid)) => {
                 let Some(l) = self.links.get_mut(&uid) else {
                     return;
@@ -2205,26 +2117,15 @@ impl<'a> Sim<'a> {
                 let p = Partition::new(self.world, epoch, Layout::Grid(grid)).expect("plan");
                 self.publish_partition(p);
             }
-            Fault::Relogin {
-                client,
-                same_gateway,
-            } => {
-                if client < self.clients.len() && self.s.real_proxy {
+            Fault::Relogin { client } => {
+                if client < self.clients.len() {
                     // A new connection to the same proxy; the old one stays open until the
                     // gateway displaces its session.
                     let p = self.clients[client].proxy;
                     self.connect(client, p);
-                } else if client < self.clients.len() {
-                    // The old session stays open until the gateway displaces it.
-                    let at = same_gateway.then(|| self.clients[client].gateway);
-                    self.stand_in_login(client, at);
                 }
             }
-            Fault::Handover { client } if self.s.real_proxy => self.hand_over(client),
-            Fault::Handover { client } => self.stand_in_hand_over(client),
-            Fault::ProxyRestart { geo, down_ms } if !self.s.real_proxy => {
-                self.stand_in_proxy_restart(geo, down_ms)
-            }
+            Fault::Handover { client } => self.hand_over(client),
             Fault::ProxyRestart { geo, down_ms } => {
                 if let Some(p) = self.proxies.iter().position(|x| x.geo == geo) {
                     self.proxy_restart(p, down_ms);

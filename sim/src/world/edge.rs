@@ -769,7 +769,7 @@ impl Sim<'_> {
                         )
                     });
                     let starting = self.clients[c].epoch.is_none();
-                    self.clients[c].begin(w.gateway_node, w.session_id);
+                    self.clients[c].begin(w.gateway_node);
                     self.clients[c].epoch = Some(w.session_epoch);
                     if starting {
                         let first = self.s.input_every_ms;
@@ -798,7 +798,7 @@ impl Sim<'_> {
         }
     }
 
-    /// Client `c`'s view takes in a frame's batches, in order (the stand-in's clients too).
+    /// Client `c`'s view takes in a frame's batches, in order.
     pub(super) fn client_views(&mut self, c: usize, bytes: &Bytes) {
         if self.clients[c].ended {
             return;
