@@ -117,6 +117,13 @@ impl Gateway {
         Some((s.key, s.epoch?))
     }
 
+    /// Whether a session of `account` attached here waits for the directory's registration.
+    pub(crate) fn registering(&self, account: &str) -> bool {
+        self.sessions
+            .iter()
+            .any(|s| s.account == account && s.epoch.is_none())
+    }
+
     /// Whether the local session of `account` was given a new avatar that this node writes, and
     /// `entity` is another one.
     fn avatar_spawned_here_for(&self, table: &EntityTable, account: &str, entity: u64) -> bool {

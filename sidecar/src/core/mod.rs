@@ -3532,6 +3532,12 @@ impl Core {
 
     fn apply_deferred_leaves(&mut self) {
         for account in self.avatars.leaves_due(&self.cx) {
+            if self.gateway.registering(&account) {
+                // A login here is registering (its epoch, newer than any leave, unknown yet):
+                // the master record it reads may name this node's avatar. The leave waits
+                // for its registration to find it, or to fail.
+                continue;
+            }
             let Some((epoch, reason)) = self.avatars.take_leave(&account) else {
                 continue;
             };

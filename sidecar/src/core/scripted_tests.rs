@@ -2238,3 +2238,77 @@ fn a_handed_over_sessions_leave_waits_its_own_grace_past_an_older_pending_leave(
         "the transfer's grace over, the avatar leaves"
     );
 }
+
+/// geos seed 179: node 1 simulated alice's avatar for gateway node 2, whose session 1 ended
+/// (its proxy died); the leave waited here for a newer join, which a cut kept away. The player
+/// was handed over to this node's geo and her login attached here just before the leave was
+/// due: the leave went while the login was still registering, the registration then found the
+/// master record naming this node's avatar, gone, and the session got a new one seconds later.
+/// A due leave waits for a login registering here.
+#[test]
+fn a_due_leave_waits_for_a_login_registering_on_the_avatars_node() {
+    let mut core = node();
+    alice_simulated_here(&mut core);
+    from_peer(
+        &mut core,
+        60,
+        mesh_message::Body::SessionEnded(mesh::SessionEnded {
+            account: "alice".into(),
+            session_epoch: 1,
+        }),
+    );
+    let hint = mesh::HandoverHint {
+        session_epoch: 2,
+        last_position: None,
+        issued_unix_ms: 0,
+        source: "hint".into(),
+    };
+    proxy_attaches(&mut core, 3_000, "alice", Some(hint));
+    let key = store_requests(&mut core)
+        .into_iter()
+        .find_map(|r| match r {
+            StoreRequest::Register { session, .. } => Some(session),
+            _ => None,
+        })
+        .expect("the attach registers the session");
+    let game_of = |core: &mut Core, ms: u64| {
+        core.handle(at(ms), Input::Timer);
+        outputs(core).0
+    };
+    let left = |game: &[sidecar_message::Body]| {
+        game.iter()
+            .any(|m| matches!(m, sidecar_message::Body::PlayerLeave(l) if l.account == "alice"))
+    };
+    for ms in [3_100, 3_200] {
+        let game = game_of(&mut core, ms);
+        assert!(!left(&game), "alice's avatar left at {ms} ms: {game:?}");
+    }
+    let master = MasterEntry {
+        node: ME,
+        lease_epoch: core.restore.incarnation(),
+        entity_id: AVATAR,
+        entity_epoch: 1,
+    };
+    core.handle(
+        at(3_250),
+        Input::Store(StoreReply::Registered {
+            session: key,
+            account: "alice".into(),
+            result: Ok(Registration {
+                epoch: 3,
+                record: None,
+                master: Some(master),
+            }),
+        }),
+    );
+    let game = game_of(&mut core, 3_300);
+    assert!(
+        game.iter().any(|m| matches!(m,
+            sidecar_message::Body::PlayerJoin(j) if j.account == "alice" && j.session_epoch == 3)),
+        "the login joins the avatar here: {game:?}"
+    );
+    for ms in [3_400, 6_000] {
+        let game = game_of(&mut core, ms);
+        assert!(!left(&game), "alice's avatar left at {ms} ms: {game:?}");
+    }
+}
