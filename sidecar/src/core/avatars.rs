@@ -10,7 +10,7 @@
 //! A node writing an avatar joins any newer session of its account a gateway announces
 //! (`SessionMoved`), and lets its avatar go at once when that gateway spawns a new one: of two
 //! avatars the older always goes. The leave of a displaced or cut-off session waits
-//! [`LEAVE_GRACE_MS`] for the newer join. An owner whose player's gateway link is down asks the
+//! [`LEAVE_GRACE_MS`] for the newer join, counted while its gateway can be heard. An owner whose player's gateway link is down asks the
 //! directory where the session is: gone for good releases the avatar, a newer session on
 //! another gateway is joined.
 //!
@@ -61,9 +61,19 @@ pub(crate) struct Avatars {
     awaiting: HashMap<String, (u64, Option<(NodeId, u64)>)>,
     /// Owner side: when each player whose gateway link is down was last looked up.
     orphan_checked: HashMap<String, u64>,
-    /// Owner side: leaves of displaced or cut-off sessions, (session epoch, due, reason): the
-    /// newer session's join usually follows at once from its gateway, and keeps the avatar.
-    displaced: HashMap<String, (u64, u64, String)>,
+    /// Owner side: leaves of displaced or cut-off sessions: the newer session's join usually
+    /// follows at once from its gateway, and keeps the avatar.
+    displaced: HashMap<String, DeferredLeave>,
+}
+
+/// The leave of a session, kept for a newer session's join.
+struct DeferredLeave {
+    epoch: u64,
+    /// When it goes to the game (monotonic ms).
+    due: u64,
+    reason: String,
+    /// The peer gateway whose session it ends (`None`: this node's own).
+    gateway: Option<NodeId>,
 }
 
 /// Where a login finds the account's avatar.
@@ -152,21 +162,52 @@ impl Avatars {
     /// [`LEAVE_GRACE_MS`], so the avatar serves the newer session instead of leaving and
     /// spawning again (the new gateway found it through the master record; its join and this
     /// leave race on different links).
-    pub(crate) fn defer_leave(&mut self, cx: &Context, account: &str, epoch: u64, reason: &str) {
+    pub(crate) fn defer_leave(
+        &mut self,
+        cx: &Context,
+        account: &str,
+        epoch: u64,
+        reason: &str,
+        gateway: Option<NodeId>,
+    ) {
         let now = cx.now.mono_ms;
         let grace = if reason.starts_with(TRANSFERRED) {
             TRANSFER_GRACE_MS
         } else {
             LEAVE_GRACE_MS
         };
-        let leave = (epoch, now + grace, reason.to_string());
+        let leave = DeferredLeave {
+            epoch,
+            due: now + grace,
+            reason: reason.to_string(),
+            gateway,
+        };
         // The newest session's leave decides how long the avatar waits: a handover's (long
         // grace) does not inherit the deadline of an older session's leave still pending.
         match self.displaced.entry(account.to_string()) {
-            Entry::Occupied(mut pending) if pending.get().0 < epoch => *pending.get_mut() = leave,
+            Entry::Occupied(mut pending) if pending.get().epoch < epoch => {
+                *pending.get_mut() = leave
+            }
             Entry::Occupied(_) => {}
             Entry::Vacant(slot) => {
                 slot.insert(leave);
+            }
+        }
+    }
+
+    /// The peer gateways of the sessions whose leaves are deferred.
+    pub(crate) fn leave_gateways(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.displaced.values().filter_map(|l| l.gateway)
+    }
+
+    /// The deferred leaves of sessions whose gateway `cut_off` says cannot be heard wait on:
+    /// the newer session's join would come from there (its link's return brings the gateway's
+    /// sessions), so the grace runs out only [`LEAVE_GRACE_MS`] after the gateway is heard again.
+    pub(crate) fn hold_leaves(&mut self, cx: &Context, cut_off: impl Fn(NodeId) -> bool) {
+        let until = cx.now.mono_ms + LEAVE_GRACE_MS;
+        for leave in self.displaced.values_mut() {
+            if leave.gateway.is_some_and(&cut_off) {
+                leave.due = leave.due.max(until);
             }
         }
     }
@@ -176,16 +217,14 @@ impl Avatars {
         let now = cx.now.mono_ms;
         self.displaced
             .iter()
-            .filter(|(_, (_, due, _))| now >= *due)
+            .filter(|(_, l)| now >= l.due)
             .map(|(a, _)| a.clone())
             .collect()
     }
 
     /// Takes `account`'s deferred leave, if one is still kept: (session epoch, reason).
     pub(crate) fn take_leave(&mut self, account: &str) -> Option<(u64, String)> {
-        self.displaced
-            .remove(account)
-            .map(|(epoch, _, reason)| (epoch, reason))
+        self.displaced.remove(account).map(|l| (l.epoch, l.reason))
     }
 
     /// Of `orphans` (players whose avatar this node writes and whose gateway link is down, in

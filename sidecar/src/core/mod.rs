@@ -1675,7 +1675,7 @@ impl Core {
             B::RestoreResolved(r) => self.on_restore_resolved(r),
             B::RestoreDone(d) => self.on_restore_done(d),
             B::PlayerJoin(j) => self.on_peer_player_join(node, j),
-            B::PlayerLeave(l) => self.on_peer_player_leave(l),
+            B::PlayerLeave(l) => self.on_peer_player_leave(node, l),
             B::ForwardInput(i) => {
                 self.cx.metrics.inputs_from_peers.inc();
                 self.input_for_master(i)
@@ -1687,7 +1687,7 @@ impl Core {
             B::Located(l) => self.on_located(node, l),
             B::Routed(r) => self.on_routed(r),
             B::SessionMoved(m) => self.on_session_moved(m),
-            B::SessionEnded(e) => self.on_session_ended(e),
+            B::SessionEnded(e) => self.on_session_ended(node, e),
             other => {
                 self.cx.metrics.error("unexpected_message");
                 tracing::warn!(peer = node, message = ?other, "a peer sent a message only a proxy sends; ignored");
@@ -1714,12 +1714,12 @@ impl Core {
     }
 
     /// A remote gateway's session ended: its route goes, and the avatar of it is let go.
-    fn on_session_ended(&mut self, e: mesh::SessionEnded) {
+    fn on_session_ended(&mut self, gateway: NodeId, e: mesh::SessionEnded) {
         // The avatar of a session that ended is released even if the gateway's leave
         // never comes (it went to an owner the gateway was still waiting for), unless a
         // newer session joins it meanwhile (the proxy moved the session).
         if self.routing.on_session_ended(&e) {
-            self.defer_leave(&e.account, e.session_epoch, "session_ended");
+            self.defer_leave(&e.account, e.session_epoch, "session_ended", Some(gateway));
         }
     }
 
@@ -2768,7 +2768,7 @@ impl Core {
         );
     }
 
-    fn on_peer_player_leave(&mut self, l: mesh::PeerPlayerLeave) {
+    fn on_peer_player_leave(&mut self, gateway: NodeId, l: mesh::PeerPlayerLeave) {
         let departed = self.departed_owner(&l.account);
         let leave =
             self.routing
@@ -2777,7 +2777,7 @@ impl Core {
             return;
         };
         if Self::leave_waits(&l.reason) {
-            return self.defer_leave(&l.account, l.session_epoch, &l.reason);
+            return self.defer_leave(&l.account, l.session_epoch, &l.reason, Some(gateway));
         }
         self.leave_game(&l.account, l.session_epoch, &l.reason);
     }
@@ -3030,7 +3030,7 @@ impl Core {
                 }),
             );
         } else if Self::leave_waits(reason) {
-            self.defer_leave(account, epoch, reason);
+            self.defer_leave(account, epoch, reason, None);
         } else if self.game.connected() {
             self.leave_game(account, epoch, reason);
         }
@@ -3479,8 +3479,16 @@ impl Core {
 
     /// The leave of a session a newer login displaced, or whose proxy link broke, waits for
     /// the newer session's join.
-    pub(crate) fn defer_leave(&mut self, account: &str, epoch: u64, reason: &str) {
-        self.avatars.defer_leave(&self.cx, account, epoch, reason);
+    /// `gateway` is the peer whose session it was (`None`: this node's own).
+    pub(crate) fn defer_leave(
+        &mut self,
+        account: &str,
+        epoch: u64,
+        reason: &str,
+        gateway: Option<NodeId>,
+    ) {
+        self.avatars
+            .defer_leave(&self.cx, account, epoch, reason, gateway);
     }
 
     /// Another gateway announced a session of `account` (`m`): if this node writes the
@@ -3531,6 +3539,17 @@ impl Core {
     }
 
     fn apply_deferred_leaves(&mut self) {
+        // A newer session's join cannot come from a gateway cut off from this node (a live one,
+        // whose sessions go on): its leaves wait for the link's return.
+        let cut_off: Vec<NodeId> = self
+            .avatars
+            .leave_gateways()
+            .filter(|&g| {
+                !self.peer_link_up(g)
+                    && (self.restore.is_live(g) || self.gateway_elsewhere_lives(g))
+            })
+            .collect();
+        self.avatars.hold_leaves(&self.cx, |g| cut_off.contains(&g));
         for account in self.avatars.leaves_due(&self.cx) {
             if self.gateway.registering(&account) {
                 // A login here is registering (its epoch, newer than any leave, unknown yet):

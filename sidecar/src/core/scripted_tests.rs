@@ -2312,3 +2312,95 @@ fn a_due_leave_waits_for_a_login_registering_on_the_avatars_node() {
         assert!(!left(&game), "alice's avatar left at {ms} ms: {game:?}");
     }
 }
+
+/// geos seed 245: node 1 simulated alice's avatar for gateway node 2, whose proxy died; node 2's
+/// leave of session 1 waited here for a newer join. The player logged in again on node 2, whose
+/// join was lost in a cut between the two, and the leave went while the link was down: when it
+/// came back, node 2 announced session 2 to a node with no avatar left, and the session had none
+/// to the end. The grace runs only while the gateway can be heard; a dead one's leave goes.
+#[test]
+fn a_leave_from_a_cut_off_gateway_waits_for_its_link_to_come_back() {
+    for (gateway_lives, newer_session) in [(true, true), (true, false), (false, false)] {
+        let case = format!("gateway lives: {gateway_lives}, newer session: {newer_session}");
+        let mut core = node();
+        core.handle(
+            at(0),
+            Input::PeerLeases {
+                live: vec![(GATEWAY, 1)],
+                lapsed: vec![],
+            },
+        );
+        alice_simulated_here(&mut core);
+        from_peer(
+            &mut core,
+            60,
+            mesh_message::Body::PlayerLeave(mesh::PeerPlayerLeave {
+                account: "alice".into(),
+                session_epoch: 1,
+                reason: format!("{}: connection reset", super::avatars::PROXY_LINK_LOST),
+            }),
+        );
+        core.handle(
+            at(1_000),
+            Input::LinkClosed {
+                link: PEER_LINK,
+                reason: "cut".into(),
+            },
+        );
+        if !gateway_lives {
+            core.handle(
+                at(1_100),
+                Input::PeerLeases {
+                    live: vec![],
+                    lapsed: vec![],
+                },
+            );
+        }
+        let mut left_at = None;
+        let mut joined = false;
+        for ms in (1_200..=12_000).step_by(100) {
+            if ms == 6_000 {
+                link_up(&mut core, ms, PEER_LINK, GATEWAY);
+            }
+            if ms == 6_100 && newer_session {
+                from_peer(
+                    &mut core,
+                    ms,
+                    mesh_message::Body::SessionMoved(mesh::SessionMoved {
+                        account: "alice".into(),
+                        session_epoch: 2,
+                        gateway_node: GATEWAY,
+                        new_avatar: false,
+                    }),
+                );
+            }
+            core.handle(at(ms), Input::Timer);
+            for m in outputs(&mut core).0 {
+                match m {
+                    sidecar_message::Body::PlayerLeave(l) if l.account == "alice" => {
+                        left_at.get_or_insert(ms);
+                    }
+                    sidecar_message::Body::PlayerJoin(j)
+                        if j.account == "alice" && j.session_epoch == 2 =>
+                    {
+                        joined = true
+                    }
+                    _ => {}
+                }
+            }
+        }
+        assert_eq!(joined, newer_session, "{case}");
+        match (gateway_lives, newer_session) {
+            (true, true) => assert_eq!(left_at, None, "{case}"),
+            (true, false) => assert!(
+                // The grace from the last step that found the link down.
+                left_at.is_some_and(|ms| ms >= 5_900 + super::avatars::LEAVE_GRACE_MS),
+                "{case}: left at {left_at:?}"
+            ),
+            _ => assert!(
+                left_at.is_some_and(|ms| ms <= 60 + super::avatars::LEAVE_GRACE_MS + 100),
+                "{case}: left at {left_at:?}"
+            ),
+        }
+    }
+}
