@@ -316,6 +316,18 @@ impl Clients {
                 .filter(|id| ids.contains(id));
             let rest = ids.into_iter().filter(|id| Some(*id) != own);
             for id in own.into_iter().chain(rest) {
+                if !changes.contains_key(&id)
+                    && table
+                        .pending_changes()
+                        .get(&id)
+                        .is_some_and(|c| c.despawned)
+                {
+                    // A despawn (and respawn) still pending in the table, which this fold does
+                    // not carry (a mid-tick fold of render ghosts' changes), is left to the fold
+                    // that does: shown the entity now, the client would get it again there,
+                    // after a vanish.
+                    continue;
+                }
                 decide(
                     &world,
                     shape,
@@ -1066,6 +1078,41 @@ mod tests {
             kinds(&b[&1][0]),
             [(200, DeltaKind::Vanish), (200, DeltaKind::Appear)]
         );
+    }
+
+    /// geos seed 146: a ghost dropped (gone from its owner's view of this node's subscriptions)
+    /// and adopted here from its snapshot in the same tick is a respawn the tick's end carries.
+    /// A client whose first view a mid-tick fold of ghosts' changes showed it was then sent a
+    /// vanish and a new appear of the entity it had just been shown.
+    #[test]
+    fn a_respawn_pending_in_the_table_is_shown_once_by_the_fold_that_carries_it() {
+        let mut f = fixture();
+        f.table
+            .spawn(NewEntity {
+                origin: Some(2),
+                ..npc(200, at(11.0, 10.0))
+            })
+            .unwrap();
+        f.run();
+        f.table.despawn(200).unwrap();
+        f.table.spawn(npc(200, at(11.0, 10.0))).unwrap();
+        f.clients.add(1, "alice");
+        f.clients
+            .set_remote_anchor("alice", Some(ChunkPos { x: 10, y: 10 }));
+        let ghosts = f.table.take_ghost_changes();
+        let mid = f.clients.fold(f.tick, &f.table, &ghosts, &[], &[], 1 << 20);
+        let (end, _) = f.run();
+        let mut shown = Vec::new();
+        for (_, bytes) in &mid.frames {
+            let frame = ServerFrame::decode(bytes.clone()).unwrap();
+            for m in frame.messages {
+                if let Some(server_message::Body::Batch(b)) = m.body {
+                    shown.extend(kinds(&b));
+                }
+            }
+        }
+        shown.extend(end.get(&1).into_iter().flatten().flat_map(kinds));
+        assert_eq!(shown, [(200, DeltaKind::Appear)]);
     }
 
     #[test]
