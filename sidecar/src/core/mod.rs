@@ -3702,21 +3702,24 @@ impl Core {
         self.send_anchor(entry.gateway_node, account, entry.session_epoch);
     }
 
-    /// Where a login of `account` finds its avatar, from the directory's record.
+    /// Where a login of `account` finds its avatar: here if this node writes it, else from the
+    /// directory's record.
     pub(crate) fn avatar_at(
         &self,
         account: &str,
         master: Option<MasterEntry>,
     ) -> avatars::AvatarAt {
         use avatars::AvatarAt;
+        // The record may lag the avatar (its writes wait out a store outage): a join sent where
+        // it names can end on a node the avatar has left, whose game spawns a second one.
+        if self.writes_master(account) {
+            return AvatarAt::Here;
+        }
         let Some(m) = master else {
             return AvatarAt::Nowhere;
         };
         let me = self.cx.config.node_id;
         if m.node == me && m.lease_epoch == self.restore.incarnation() {
-            if self.writes_master(account) {
-                return AvatarAt::Here;
-            }
             return match self.departed_owner(account) {
                 Some(owner) if owner != me => AvatarAt::Peer(owner),
                 // Despawned since (the record is cleared soon).

@@ -2404,3 +2404,64 @@ fn a_leave_from_a_cut_off_gateway_waits_for_its_link_to_come_back() {
         }
     }
 }
+
+/// stores seed 49 (with the real proxy in the simulator): an avatar was handed on twice during a
+/// store outage, so the directory's master record still named an earlier owner when its player
+/// logged in again, on the very node now writing it. The gateway believed the record over its
+/// own table and sent the join away; it was passed on once and ended on a node the avatar had
+/// left, whose game spawned the account a second avatar. A node writing the avatar joins it
+/// here, whatever the record says.
+#[test]
+fn a_login_on_the_node_writing_its_avatar_joins_it_here_past_a_stale_master_record() {
+    let mut core = node();
+    core.handle(
+        at(0),
+        Input::PeerLeases {
+            live: vec![(GATEWAY, 1)],
+            lapsed: vec![],
+        },
+    );
+    alice_simulated_here(&mut core);
+    proxy_attaches(&mut core, 100, "alice", None);
+    let key = store_requests(&mut core)
+        .into_iter()
+        .find_map(|r| match r {
+            StoreRequest::Register { session, .. } => Some(session),
+            _ => None,
+        })
+        .expect("the attach registers the session");
+    core.handle(
+        at(110),
+        Input::Store(StoreReply::Registered {
+            session: key,
+            account: "alice".into(),
+            result: Ok(Registration {
+                epoch: 5,
+                record: None,
+                master: Some(MasterEntry {
+                    node: GATEWAY,
+                    lease_epoch: 1,
+                    entity_id: AVATAR,
+                    entity_epoch: 1,
+                }),
+            }),
+        }),
+    );
+    let (game, links) = outputs(&mut core);
+    assert!(
+        !links
+            .iter()
+            .any(|(_, m)| matches!(m, mesh_message::Body::PlayerJoin(j) if j.account == "alice")),
+        "the join stays here: {links:?}"
+    );
+    assert!(
+        game.iter().any(|m| matches!(m, sidecar_message::Body::PlayerJoin(j)
+            if j.account == "alice" && j.session_epoch == 5)),
+        "the game here joins its avatar to the new session: {game:?}"
+    );
+    assert!(
+        links.iter().any(|(_, m)| matches!(m, mesh_message::Body::SessionMoved(s)
+            if s.account == "alice" && !s.new_avatar)),
+        "and no new avatar is announced: {links:?}"
+    );
+}
