@@ -56,8 +56,9 @@ pub(crate) struct Gateway {
     clients: Clients,
     /// The node simulating each local session's avatar.
     master_owner: HashMap<String, NodeId>,
-    /// The epoch of each local session's master, from its owner's anchors.
-    master_epoch: HashMap<String, u64>,
+    /// Each local session's master and its epoch, from its owner's anchors (the entity too: a
+    /// new avatar numbers its epochs from 1 again).
+    master_epoch: HashMap<String, (u64, u64)>,
     /// The last known position of avatars simulated elsewhere.
     anchor_pos: HashMap<String, [f64; 3]>,
     /// When the attached players' records are saved next (monotonic ms).
@@ -153,7 +154,7 @@ impl Gateway {
         if self
             .master_epoch
             .get(&a.account)
-            .is_some_and(|e| *e > a.entity_epoch)
+            .is_some_and(|&(id, e)| id == a.entity_id && e > a.entity_epoch)
         {
             // A late word from a previous owner of the master.
             cx.metrics.drop_msg("stale_anchor", 1);
@@ -181,7 +182,8 @@ impl Gateway {
             );
             return false;
         }
-        self.master_epoch.insert(a.account.clone(), a.entity_epoch);
+        self.master_epoch
+            .insert(a.account.clone(), (a.entity_id, a.entity_epoch));
         let chunk = cx.config.world.chunk_of(Pos { x: p.x, y: p.y });
         self.clients.set_remote_anchor(&a.account, Some(chunk));
         self.master_owner.insert(a.account.clone(), node);
@@ -430,8 +432,9 @@ impl Gateway {
 
     /// This node writes `account`'s avatar under `entity_epoch`: its inputs are stamped with
     /// it, and the view no longer follows an owner's anchors.
-    pub(crate) fn avatar_written_here(&mut self, account: &str, entity_epoch: u64) {
-        self.master_epoch.insert(account.to_string(), entity_epoch);
+    pub(crate) fn avatar_written_here(&mut self, account: &str, id: u64, entity_epoch: u64) {
+        self.master_epoch
+            .insert(account.to_string(), (id, entity_epoch));
         self.clients.set_remote_anchor(account, None);
         self.anchor_pos.remove(account);
     }
@@ -442,6 +445,7 @@ impl Gateway {
         &mut self,
         account: &str,
         to: NodeId,
+        id: u64,
         entity_epoch: u64,
         chunk: ChunkPos,
         pos: [f64; 3],
@@ -455,10 +459,11 @@ impl Gateway {
             && self
                 .master_epoch
                 .get(account)
-                .is_some_and(|e| *e >= entity_epoch);
+                .is_some_and(|&(anchored, e)| anchored == id && e >= entity_epoch);
         self.master_owner.insert(account.to_string(), to);
         if !anchored {
-            self.master_epoch.insert(account.to_string(), entity_epoch);
+            self.master_epoch
+                .insert(account.to_string(), (id, entity_epoch));
             self.clients.set_remote_anchor(account, Some(chunk));
             self.anchor_pos.insert(account.to_string(), pos);
         }
@@ -925,7 +930,7 @@ impl Gateway {
             session_epoch: epoch,
             seq: i.seq,
             payload: i.payload,
-            entity_epoch: self.master_epoch.get(&s.account).copied().unwrap_or(0),
+            entity_epoch: self.master_epoch.get(&s.account).map_or(0, |&(_, e)| e),
             hops: 0,
             entity_id: 0,
         };

@@ -2097,7 +2097,7 @@ impl Core {
         self.routing.remove_remote_player(&account);
         // If this node is the player's gateway, its input goes to the new owner now.
         self.gateway
-            .avatar_handed_on(&account, done.to, done.epoch, chunk, pos);
+            .avatar_handed_on(&account, done.to, id, done.epoch, chunk, pos);
     }
 
     /// A unit whose handoff is over while it stays here thaws; what it held is applied here.
@@ -2284,7 +2284,8 @@ impl Core {
             // routes for it, and a later login must not take the avatar for this node's.
         } else if o.gateway_node == me || local.is_some_and(|l| l > o.session_epoch) {
             // Gateway side only: the epoch its inputs are stamped with.
-            self.gateway.avatar_written_here(&account, o.entity_epoch);
+            self.gateway
+                .avatar_written_here(&account, o.entity_id, o.entity_epoch);
             self.gateway.set_master_owner(&account, me);
             if let Some(l) = local.filter(|l| *l > o.session_epoch) {
                 self.join_here(&account, l, None);
@@ -3832,8 +3833,8 @@ impl Core {
         // An avatar simulated here for another gateway serves this session now.
         self.routing.remove_remote_player(account);
         if let Some(e) = self.table.master_of(account).filter(|e| e.origin.is_none()) {
-            let epoch = e.epoch;
-            self.gateway.avatar_written_here(account, epoch);
+            let (id, epoch) = (e.id, e.epoch);
+            self.gateway.avatar_written_here(account, id, epoch);
         }
         if self.game.connected() {
             self.cx.out.to_game.push(

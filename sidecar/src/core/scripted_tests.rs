@@ -2465,3 +2465,50 @@ fn a_login_on_the_node_writing_its_avatar_joins_it_here_past_a_stale_master_reco
         "and no new avatar is announced: {links:?}"
     );
 }
+
+/// stores seed 217 (with the real proxy in the simulator): a login found no master record (its
+/// writes were waiting out a store outage) and had a new avatar spawned on the node that still
+/// simulated the old one, which anchored the session with the old avatar (epoch 2) as its game
+/// let it go. The gateway took the new avatar's anchor (epoch 1) for a late word from a previous
+/// owner and dropped it: its inputs, stamped with epoch 2, waited at the owner's fence for an
+/// epoch the new avatar never reached. Epochs compare within one entity only.
+#[test]
+fn a_new_avatars_anchor_is_taken_after_an_older_avatars_of_a_higher_epoch() {
+    let mut core = alice_registered_while_her_writer_is_cut_off();
+    link_up(&mut core, 1_000, PEER_LINK, GATEWAY);
+    core.handle(at(1_100), Input::Timer);
+    let anchor = |id: u64, epoch: u64, x: f64| {
+        mesh_message::Body::Anchor(mesh::Anchor {
+            account: "alice".into(),
+            session_epoch: 5,
+            entity_id: id,
+            entity_epoch: epoch,
+            position: Some(mesh::MeshVec3 { x, y: 40.0, z: 0.0 }),
+        })
+    };
+    from_peer(&mut core, 1_200, anchor(AVATAR, 2, 300.0));
+    // Node 2's game let that avatar go and spawned the new one the gateway asked for.
+    from_peer(&mut core, 1_300, anchor(99, 1, 420.0));
+    outputs(&mut core);
+    core.handle(
+        at(1_400),
+        Input::LinkFrame {
+            link: 20,
+            messages: vec![mesh_message::Body::Input(mesh::SessionInput {
+                session_id: 1,
+                seq: 1,
+                payload: bytes::Bytes::from_static(b"w"),
+            })
+            .into()],
+        },
+    );
+    let (_, links) = outputs(&mut core);
+    let stamped: Vec<u64> = links
+        .iter()
+        .filter_map(|(l, m)| match m {
+            mesh_message::Body::ForwardInput(f) if *l == PEER_LINK => Some(f.entity_epoch),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stamped, vec![1], "stamped with the new avatar's epoch");
+}
