@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use crate::model::handoff::FreezeCost;
 
 /// Every reason a client input is dropped for before it reaches a game (`inputs_dropped`).
-pub const INPUT_DROP_REASONS: [&str; 14] = [
+pub const INPUT_DROP_REASONS: [&str; 15] = [
     // The proxy named a session this gateway does not have, or one still registering.
     "unknown_session",
     "session_attaching",
@@ -29,6 +29,9 @@ pub const INPUT_DROP_REASONS: [&str; 14] = [
     // For a session whose avatar is being restored (its owner died): until the restored owner
     // anchors the session.
     "input_avatar_restoring",
+    // For a player whose avatar a returning game is to spawn again (it had no checkpoint):
+    // until the game spawns it.
+    "input_avatar_respawning",
     // Held for an epoch change that never came (the entity left this node's sight).
     "input_held_dropped",
     // The fence follows a newer epoch than the entity table (never seen; counted if it is).

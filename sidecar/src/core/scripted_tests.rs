@@ -2455,12 +2455,15 @@ fn a_login_on_the_node_writing_its_avatar_joins_it_here_past_a_stale_master_reco
         "the join stays here: {links:?}"
     );
     assert!(
-        game.iter().any(|m| matches!(m, sidecar_message::Body::PlayerJoin(j)
+        game.iter()
+            .any(|m| matches!(m, sidecar_message::Body::PlayerJoin(j)
             if j.account == "alice" && j.session_epoch == 5)),
         "the game here joins its avatar to the new session: {game:?}"
     );
     assert!(
-        links.iter().any(|(_, m)| matches!(m, mesh_message::Body::SessionMoved(s)
+        links
+            .iter()
+            .any(|(_, m)| matches!(m, mesh_message::Body::SessionMoved(s)
             if s.account == "alice" && !s.new_avatar)),
         "and no new avatar is announced: {links:?}"
     );
@@ -2511,4 +2514,73 @@ fn a_new_avatars_anchor_is_taken_after_an_older_avatars_of_a_higher_epoch() {
         })
         .collect();
     assert_eq!(stamped, vec![1], "stamped with the new avatar's epoch");
+}
+
+/// spawners seed 234 (with the real proxy in the simulator): a game crashed before its player's
+/// new avatar had a checkpoint; back within its grace, it was told to spawn the avatar again,
+/// and the player's next input, which came before that spawn, was handed to a game with no
+/// avatar to apply it to (it waited for ids to spawn one). Until the game's avatar is back the
+/// input is counted as dropped here.
+#[test]
+fn an_input_before_a_returning_games_new_avatar_is_dropped_not_delivered() {
+    let mut core = node();
+    attach(&mut core, 10, "alice");
+    spawn_alices_avatar(&mut core);
+    let input = |core: &mut Core, ms: u64, seq: u64| {
+        core.handle(
+            at(ms),
+            Input::LinkFrame {
+                link: 20,
+                messages: vec![mesh_message::Body::Input(mesh::SessionInput {
+                    session_id: 1,
+                    seq,
+                    payload: bytes::Bytes::from_static(b"w"),
+                })
+                .into()],
+            },
+        );
+        to_game(core)
+            .iter()
+            .filter(|m| matches!(m, sidecar_message::Body::Input(i) if i.account == "alice"))
+            .count()
+    };
+    assert_eq!(input(&mut core, 60, 1), 1);
+    core.handle(
+        at(100),
+        Input::GameClosed {
+            conn: 1,
+            reason: "crashed".into(),
+        },
+    );
+    hello(&mut core, 500, 2);
+    let back = to_game(&mut core);
+    assert!(
+        back.iter()
+            .any(|m| matches!(m, sidecar_message::Body::PlayerJoin(j) if j.account == "alice")),
+        "{back:?}"
+    );
+    assert!(core.reals().is_empty(), "no checkpoint: the avatar is gone");
+    assert_eq!(input(&mut core, 520, 2), 0, "no avatar to apply it to yet");
+    assert_eq!(
+        core.metrics().inputs_dropped_for("input_avatar_respawning"),
+        1
+    );
+    core.handle(
+        at(550),
+        Input::GameFrame {
+            conn: 2,
+            messages: vec![
+                game_message::Body::Spawn(local::Spawn {
+                    entity_id: AVATAR + 1,
+                    position: pos(100.0, 40.0),
+                    owner_account: "alice".into(),
+                    is_master: true,
+                    ..Default::default()
+                })
+                .into(),
+                game_message::Body::TickEnd(local::TickEnd { tick: 1 }).into(),
+            ],
+        },
+    );
+    assert_eq!(input(&mut core, 600, 3), 1, "the new avatar takes it");
 }
