@@ -10,15 +10,17 @@
 //! A node writing an avatar joins any newer session of its account a gateway announces
 //! (`SessionMoved`), and lets its avatar go at once when that gateway spawns a new one: of two
 //! avatars the older always goes. The leave of a displaced or cut-off session waits
-//! [`LEAVE_GRACE_MS`] for the newer join, counted while its gateway can be heard. An owner whose player's gateway link is down asks the
-//! directory where the session is: gone for good releases the avatar, a newer session on
-//! another gateway is joined.
+//! [`LEAVE_GRACE_MS`] for the newer join, counted while its gateway can be heard. An owner
+//! whose player's gateway link is down asks the directory where the session is: gone for good
+//! releases the avatar, a newer session on another gateway is joined. A returning game told to
+//! spawn an avatar again (it had no checkpoint) gets no input of its player until it has.
 //!
 //! This part keeps the records as last written, the deferred leaves, the orphans' look-ups and
 //! the sessions waiting for an avatar; the joins, leaves and spawns those come to, which touch
 //! the routes, the sessions and the game, the core carries out.
 
 use std::collections::hash_map::Entry;
+use std::collections::BTreeSet;
 
 use rustc_hash::FxHashMap as HashMap;
 
@@ -64,6 +66,9 @@ pub(crate) struct Avatars {
     /// Owner side: leaves of displaced or cut-off sessions: the newer session's join usually
     /// follows at once from its gateway, and keeps the avatar.
     displaced: HashMap<String, DeferredLeave>,
+    /// Players a returning game was told to spawn an avatar for again (theirs had no
+    /// checkpoint): their inputs have nothing to apply to until it spawns one.
+    respawning: BTreeSet<String>,
 }
 
 /// The leave of a session, kept for a newer session's join.
@@ -193,6 +198,24 @@ impl Avatars {
                 slot.insert(leave);
             }
         }
+    }
+
+    /// A returning game was told to join `accounts`, which have no avatar here: it spawns them
+    /// once it has ids.
+    pub(crate) fn await_respawns(&mut self, accounts: impl IntoIterator<Item = String>) {
+        self.respawning = accounts.into_iter().collect();
+    }
+
+    /// Whether an input of `account` has no avatar to go to yet: the game is to spawn it again
+    /// and has not (`spawned`: the table has one now, which ends the wait).
+    pub(crate) fn awaits_respawn(&mut self, account: &str, spawned: bool) -> bool {
+        if !self.respawning.contains(account) {
+            return false;
+        }
+        if spawned {
+            self.respawning.remove(account);
+        }
+        !spawned
     }
 
     /// The peer gateways of the sessions whose leaves are deferred.

@@ -417,9 +417,6 @@ pub struct Core {
     /// Whether the node takes new sessions, and the game's smoothed load.
     pub(crate) admission: admission::Admission,
     shutting_down: bool,
-    /// Players a returning game was told to spawn an avatar for again (theirs had no
-    /// checkpoint): their inputs have nothing to apply to until it spawns one.
-    respawning: std::collections::BTreeSet<String>,
     /// The periodic checks' deadlines.
     timers: Timers,
     load_reports: balance::LoadReports,
@@ -465,7 +462,6 @@ impl Core {
             admission: admission::Admission::new(&cx),
             load_reports: balance::LoadReports::new(&cx),
             shutting_down: false,
-            respawning: Default::default(),
             timers: Timers::new(&cfg, now.mono_ms),
             cx,
             cfg,
@@ -847,7 +843,7 @@ impl Core {
             .collect();
         self.cx.out.to_game.extend(remote);
         let table = &self.table;
-        self.respawning = self
+        let respawning = self
             .cx
             .out
             .to_game
@@ -856,8 +852,8 @@ impl Core {
                 Some(local::sidecar_message::Body::PlayerJoin(j)) => Some(j.account.clone()),
                 _ => None,
             })
-            .filter(|account| table.master_of(account).is_none())
-            .collect();
+            .filter(|account| table.master_of(account).is_none());
+        self.avatars.await_respawns(respawning);
         self.routing.forget_anchors();
         // Adopts the previous game never answered: the new game gets them again.
         let pending = self.handoff.pending_adopts();
@@ -2560,12 +2556,10 @@ impl Core {
         if !self.game.connected() {
             return self.cx.metrics.drop_input("no_game");
         }
-        if self.respawning.contains(&i.account) {
+        let spawned = self.table.master_of(&i.account).is_some();
+        if self.avatars.awaits_respawn(&i.account, spawned) {
             // The game waits for ids to spawn it, and would ignore the input.
-            if self.table.master_of(&i.account).is_none() {
-                return self.cx.metrics.drop_input("input_avatar_respawning");
-            }
-            self.respawning.remove(&i.account);
+            return self.cx.metrics.drop_input("input_avatar_respawning");
         }
         for i in self.handoff.order_input(&mut self.cx, i) {
             self.deliver_input(i);
