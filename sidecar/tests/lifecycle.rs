@@ -580,16 +580,35 @@ async fn a_game_restart_keeps_the_sessions() {
     let b = s.edge.batch(1).await;
     assert_eq!(kinds(&b), [(me, DeltaKind::Vanish)]);
     assert_eq!(s.sc.h().stats().sessions, 1);
-    let mut game = s.sc.game().await;
-    let join = game.expect_join("alice").await;
+    s.game = s.sc.game().await;
+    let join = s.game.expect_join("alice").await;
     assert_eq!(join.session_epoch, epoch);
     assert!(join.last_position.is_some());
-    s.edge.input(1, 1, b"hello again").await;
-    game.expect("Input", |m| match m {
-        sidecar_message::Body::Input(i) => Some(i.seq),
-        _ => None,
+    // The avatar had no checkpoint: the new game spawns it again, and until it has, the
+    // player's input has nothing to apply to. It is dropped and counted, not handed over.
+    s.edge.input(1, 1, b"too early").await;
+    let respawning = "cellmesh_sidecar_inputs_dropped_total{reason=\"input_avatar_respawning\"} 1";
+    within("the early input counted", async {
+        while !s.sc.metrics().await.lines().any(|l| l == respawning) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     })
     .await;
+    let again = s.game.reserve(1).await[0];
+    s.game
+        .push(avatar(again, "alice", join.last_position.unwrap(), vec![]));
+    s.tick().await;
+    let b = s.edge.batch(1).await;
+    assert!(kinds(&b).contains(&(again, DeltaKind::Appear)), "{b:?}");
+    s.edge.input(1, 2, b"hello again").await;
+    let i = s
+        .game
+        .expect("Input", |m| match m {
+            sidecar_message::Body::Input(i) => Some(i.clone()),
+            _ => None,
+        })
+        .await;
+    assert_eq!((i.seq, i.payload.as_ref()), (2, &b"hello again"[..]));
 }
 
 #[tokio::test]
