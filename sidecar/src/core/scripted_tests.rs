@@ -495,22 +495,40 @@ fn proxy_attaches(core: &mut Core, ms: u64, account: &str, handover: Option<mesh
 /// A proxy link (20) attaches `account`'s session 1, registered under session epoch 5.
 fn attach(core: &mut Core, ms: u64, account: &str) {
     proxy_attaches(core, ms, account, None);
-    let key = store_requests(core)
+    let key = registration_asked(core);
+    registered(core, ms, key, account, 5, None);
+}
+
+/// The session key of the registration an attach just asked the store for.
+fn registration_asked(core: &mut Core) -> SessionKey {
+    store_requests(core)
         .into_iter()
         .find_map(|r| match r {
             StoreRequest::Register { session, .. } => Some(session),
             _ => None,
         })
-        .expect("the attach registers the session");
+        .expect("the attach registers the session")
+}
+
+/// The store answers the registration `key` of `account`: session epoch `epoch`, and the
+/// directory's master record as it stands.
+fn registered(
+    core: &mut Core,
+    ms: u64,
+    key: SessionKey,
+    account: &str,
+    epoch: u64,
+    master: Option<MasterEntry>,
+) {
     core.handle(
         at(ms),
         Input::Store(StoreReply::Registered {
             session: key,
             account: account.into(),
             result: Ok(Registration {
-                epoch: 5,
+                epoch,
                 record: None,
-                master: None,
+                master,
             }),
         }),
     );
@@ -724,30 +742,14 @@ fn alice_registered_while_her_writer_is_cut_off() -> Core {
         },
     );
     proxy_attaches(&mut core, 10, "alice", None);
-    let key = store_requests(&mut core)
-        .into_iter()
-        .find_map(|r| match r {
-            StoreRequest::Register { session, .. } => Some(session),
-            _ => None,
-        })
-        .expect("the attach registers the session");
-    core.handle(
-        at(20),
-        Input::Store(StoreReply::Registered {
-            session: key,
-            account: "alice".into(),
-            result: Ok(Registration {
-                epoch: 5,
-                record: None,
-                master: Some(MasterEntry {
-                    node: GATEWAY,
-                    lease_epoch: 1,
-                    entity_id: AVATAR,
-                    entity_epoch: 1,
-                }),
-            }),
-        }),
-    );
+    let key = registration_asked(&mut core);
+    let master = MasterEntry {
+        node: GATEWAY,
+        lease_epoch: 1,
+        entity_id: AVATAR,
+        entity_epoch: 1,
+    };
+    registered(&mut core, 20, key, "alice", 5, Some(master));
     core
 }
 
@@ -2264,13 +2266,7 @@ fn a_due_leave_waits_for_a_login_registering_on_the_avatars_node() {
         source: "hint".into(),
     };
     proxy_attaches(&mut core, 3_000, "alice", Some(hint));
-    let key = store_requests(&mut core)
-        .into_iter()
-        .find_map(|r| match r {
-            StoreRequest::Register { session, .. } => Some(session),
-            _ => None,
-        })
-        .expect("the attach registers the session");
+    let key = registration_asked(&mut core);
     let game_of = |core: &mut Core, ms: u64| {
         core.handle(at(ms), Input::Timer);
         outputs(core).0
@@ -2289,18 +2285,7 @@ fn a_due_leave_waits_for_a_login_registering_on_the_avatars_node() {
         entity_id: AVATAR,
         entity_epoch: 1,
     };
-    core.handle(
-        at(3_250),
-        Input::Store(StoreReply::Registered {
-            session: key,
-            account: "alice".into(),
-            result: Ok(Registration {
-                epoch: 3,
-                record: None,
-                master: Some(master),
-            }),
-        }),
-    );
+    registered(&mut core, 3_250, key, "alice", 3, Some(master));
     let game = game_of(&mut core, 3_300);
     assert!(
         game.iter().any(|m| matches!(m,
@@ -2423,30 +2408,14 @@ fn a_login_on_the_node_writing_its_avatar_joins_it_here_past_a_stale_master_reco
     );
     alice_simulated_here(&mut core);
     proxy_attaches(&mut core, 100, "alice", None);
-    let key = store_requests(&mut core)
-        .into_iter()
-        .find_map(|r| match r {
-            StoreRequest::Register { session, .. } => Some(session),
-            _ => None,
-        })
-        .expect("the attach registers the session");
-    core.handle(
-        at(110),
-        Input::Store(StoreReply::Registered {
-            session: key,
-            account: "alice".into(),
-            result: Ok(Registration {
-                epoch: 5,
-                record: None,
-                master: Some(MasterEntry {
-                    node: GATEWAY,
-                    lease_epoch: 1,
-                    entity_id: AVATAR,
-                    entity_epoch: 1,
-                }),
-            }),
-        }),
-    );
+    let key = registration_asked(&mut core);
+    let master = MasterEntry {
+        node: GATEWAY,
+        lease_epoch: 1,
+        entity_id: AVATAR,
+        entity_epoch: 1,
+    };
+    registered(&mut core, 110, key, "alice", 5, Some(master));
     let (game, links) = outputs(&mut core);
     assert!(
         !links
