@@ -207,15 +207,17 @@ impl Avatars {
     }
 
     /// Whether an input of `account` has no avatar to go to yet: the game is to spawn it again
-    /// and has not (`spawned`: the table has one now, which ends the wait).
-    pub(crate) fn awaits_respawn(&mut self, account: &str, spawned: bool) -> bool {
+    /// and has not (`spawned`: whether the table has one now, which ends the wait; asked only
+    /// of an account that waits, so the input path pays one set look-up).
+    pub(crate) fn awaits_respawn(&mut self, account: &str, spawned: impl FnOnce() -> bool) -> bool {
         if !self.respawning.contains(account) {
             return false;
         }
-        if spawned {
+        if spawned() {
             self.respawning.remove(account);
+            return false;
         }
-        !spawned
+        true
     }
 
     /// The peer gateways of the sessions whose leaves are deferred.

@@ -550,13 +550,9 @@ impl Core {
         self.restore.take_log()
     }
 
-    /// Client inputs held here that no other node has a copy of: lost if this process died now.
-    pub fn inputs_only_here(&self) -> usize {
-        self.inputs_only_here_if(|_| false).len()
-    }
-
-    /// As [`Core::inputs_only_here`], also naming the copies offered to nodes `dead` says
-    /// died (which a simulator knows before this node hears of it): `(account, seq)` of each.
+    /// Client inputs held here that no other node has a copy of, lost if this process died
+    /// now, with the copies offered to nodes `dead` says died (which a simulator knows before
+    /// this node hears of it): `(account, seq)` of each.
     /// A copy the dead target delivered before it died was delivered after all, which only the
     /// caller can tell.
     pub fn inputs_only_here_if(&self, dead: impl Fn(NodeId) -> bool) -> Vec<(String, u64)> {
@@ -2556,7 +2552,8 @@ impl Core {
         if !self.game.connected() {
             return self.cx.metrics.drop_input("no_game");
         }
-        let spawned = self.table.master_of(&i.account).is_some();
+        let table = &self.table;
+        let spawned = || table.master_of(&i.account).is_some();
         if self.avatars.awaits_respawn(&i.account, spawned) {
             // The game waits for ids to spawn it, and would ignore the input.
             return self.cx.metrics.drop_input("input_avatar_respawning");
