@@ -153,6 +153,42 @@ fn up_binary_writes_summary_json() {
     assert!(stdout.contains("sessions="), "no status line in: {stdout}");
 }
 
+/// `cellmesh up --geos 2 --duration 60`, as a user runs it, for three seeds: every claim key is
+/// granted by its home geo's store alone, so no key is held twice world-wide (the arenas' trades
+/// cross the geo border), and no account has two avatars. Each geo keeps its own claim store.
+#[test]
+fn two_geos_hold_every_claim_once_world_wide() {
+    let _one = ONE_UP.blocking_lock();
+    for seed in ["1", "2", "3"] {
+        let (v, _) = support::run_up_binary(
+            &["--geos", "2", "--duration", "60", "--seed", seed],
+            &[
+                "trades_overlapping",
+                "claims_overlapping",
+                "accounts_with_two_avatars",
+            ],
+        );
+        let n = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k} in {v}"));
+        assert_eq!(
+            (
+                n("trades_overlapping"),
+                n("claims_overlapping"),
+                n("accounts_with_two_avatars")
+            ),
+            (0, 0, 0),
+            "seed {seed}: {v}"
+        );
+        // Trades did cross: claims granted, some refused because the other geo's entity held
+        // the key.
+        assert!(
+            n("claims_granted") > 100 && n("trades_done") > 50,
+            "seed {seed}: {v}"
+        );
+        assert!(n("claims_refused") > 0, "seed {seed}: {v}");
+        assert_eq!(v["geos"], serde_json::json!(["paris", "montreal"]), "{v}");
+    }
+}
+
 /// Two geos 45 ms apart, latency shaped in-process: bots bridged into the other geo's regions
 /// keep playing through their proxy; those who logged in far from home are handed over to the
 /// nearer proxy, log in there on the hint (no record read), keep their avatar, and see their
@@ -196,6 +232,11 @@ async fn two_geos_bridge_then_hand_over_without_loss() {
     assert_eq!(s.accounts_with_two_avatars, 0, "{s:?}");
     assert_eq!(s.sessions_without_avatar, 0, "{s:?}");
     assert_eq!(s.inputs_unaccounted, 0, "{s:?}");
+    assert_eq!(
+        (s.trades_overlapping, s.claims_overlapping),
+        (0, 0),
+        "{s:?}"
+    );
     assert!(s.handed_over_bots > 0, "{s:?}");
     assert!(s.handover_avatar_kept > 0, "{s:?}");
     assert_eq!(

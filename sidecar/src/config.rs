@@ -42,6 +42,11 @@ pub struct SidecarConfig {
     pub node_id_auto: bool,
     /// The geo (datacenter) this node runs in.
     pub geo: String,
+    /// Every geo of the world, the same list on every node (in any order): the homes of the keys
+    /// that must be unique world-wide. Each claim key has one home geo among them, whose store
+    /// alone grants it; a node of another geo asks a node of the home geo over the mesh. Empty:
+    /// this node's geo alone (one geo, every claim granted by its store).
+    pub geos: Vec<String>,
     /// Where the game server connects: `host:port`, or `unix:/path/to.sock` for a Unix socket.
     pub local_listen: String,
     /// Where proxies and peer sidecars dial in. Off loopback only with `mesh_tls`.
@@ -167,6 +172,7 @@ impl Default for SidecarConfig {
             node_id: 1,
             node_id_auto: false,
             geo: "local".into(),
+            geos: Vec::new(),
             local_listen: "127.0.0.1:7100".into(),
             mesh_listen: "127.0.0.1:7200".into(),
             mesh_tls: Default::default(),
@@ -255,6 +261,8 @@ pub enum ConfigError {
     PlayerRecordEvery(u64),
     #[error("checkpoint_interval_ms {0} is below the minimum of 100 (0 turns checkpoints off)")]
     CheckpointInterval(u64),
+    #[error("geos: {0}")]
+    Geos(String),
     #[error("claim_ttl_ms {0} is outside 1000..=600000")]
     ClaimTtl(u64),
     #[error("attest_keys: {0}")]
@@ -268,6 +276,34 @@ pub enum ConfigError {
 }
 
 impl SidecarConfig {
+    /// The world's geos, the homes of its unique keys: `geos`, or this node's geo alone.
+    pub fn world_geos(&self) -> Vec<String> {
+        if self.geos.is_empty() {
+            vec![self.geo.clone()]
+        } else {
+            self.geos.clone()
+        }
+    }
+
+    fn check_geos(&self) -> Result<(), ConfigError> {
+        let mut seen = std::collections::BTreeSet::new();
+        for g in &self.geos {
+            if g.trim().is_empty() {
+                return Err(ConfigError::Geos("a geo's name is empty".into()));
+            }
+            if !seen.insert(g.as_str()) {
+                return Err(ConfigError::Geos(format!("{g:?} is listed twice")));
+            }
+        }
+        if !self.geos.is_empty() && !seen.contains(self.geo.as_str()) {
+            return Err(ConfigError::Geos(format!(
+                "{:?} does not list this node's geo {:?}",
+                self.geos, self.geo
+            )));
+        }
+        Ok(())
+    }
+
     /// Checks every value before anything binds; the error names the bad value.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.world.validate()?;
@@ -344,6 +380,7 @@ impl SidecarConfig {
         {
             return Err(ConfigError::ClaimTtl(self.claim_ttl_ms));
         }
+        self.check_geos()?;
         self.admission.check().map_err(ConfigError::Admission)?;
         self.load.check().map_err(ConfigError::Load)?;
         self.agones.check().map_err(ConfigError::Agones)?;
@@ -641,5 +678,29 @@ mod tests {
             "off by default"
         );
         assert!(toml_from_str("[shaping.to_geos.x]\nbase = 1\n").is_err());
+    }
+
+    #[test]
+    fn the_worlds_geos_must_list_this_nodes_geo_once() {
+        let check = |geos: &[&str]| {
+            SidecarConfig {
+                geo: "paris".into(),
+                geos: geos.iter().map(|g| g.to_string()).collect(),
+                ..Default::default()
+            }
+            .validate()
+            .map_err(|e| e.to_string())
+        };
+        assert!(check(&[]).is_ok());
+        assert!(check(&["montreal", "paris"]).is_ok());
+        let missing = check(&["montreal", "sydney"]).unwrap_err();
+        assert!(missing.contains("\"paris\""), "{missing}");
+        assert!(check(&["paris", "paris"]).unwrap_err().contains("twice"));
+        assert!(check(&["paris", " "]).unwrap_err().contains("empty"));
+        let one = SidecarConfig {
+            geo: "paris".into(),
+            ..Default::default()
+        };
+        assert_eq!(one.world_geos(), ["paris"]);
     }
 }

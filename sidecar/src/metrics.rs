@@ -203,6 +203,11 @@ pub struct Metrics {
     pub claims_rebound: Counter,
     /// Claims this node's entities hold now.
     pub claims_held: Gauge,
+    /// Claim calls for keys homed in another geo, by result: `asked` (sent to a node of the
+    /// home geo), `home_unreachable` (no link to one: refused), `served` (run here for a node of
+    /// another geo), `not_home` (a call for a key whose home is not this geo: refused), `busy`
+    /// (too many of one link's calls under way: refused).
+    pub claim_home_calls: Family<ResultLabel, Counter>,
     /// Spawn points this node stocks now (its partition gives it their chunks).
     pub spawners_owned: Gauge,
     /// Stocks granted to this node's game (`SpawnerOwned`).
@@ -318,6 +323,7 @@ impl Default for Metrics {
             commands_waiting: Default::default(),
             claims: Default::default(),
             claims_lost: Default::default(),
+            claim_home_calls: Default::default(),
             claims_released: Default::default(),
             claims_rebound: Default::default(),
             claims_held: Default::default(),
@@ -530,6 +536,11 @@ impl Metrics {
             "claims_held",
             "Claims this node's entities hold now",
             m.claims_held.clone(),
+        );
+        r.register(
+            "claim_home_calls",
+            "Claim calls for keys homed in another geo, by result (asked, home_unreachable, served, not_home, busy)",
+            m.claim_home_calls.clone(),
         );
         r.register(
             "spawners_owned",
@@ -843,6 +854,18 @@ impl Metrics {
 
     pub fn claims_for(&self, result: &'static str) -> u64 {
         self.claims.get_or_create(&ResultLabel { result }).get()
+    }
+
+    pub fn claim_home_call(&self, result: &'static str) {
+        self.claim_home_calls
+            .get_or_create(&ResultLabel { result })
+            .inc();
+    }
+
+    pub fn claim_home_calls_for(&self, result: &'static str) -> u64 {
+        self.claim_home_calls
+            .get_or_create(&ResultLabel { result })
+            .get()
     }
 
     pub fn claim_lost(&self, reason: &'static str) {

@@ -383,6 +383,32 @@ fn claim_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     kill_some(s, rng, plan, 1, true);
 }
 
+/// The claim faults over geos: cuts (within and between geos), a node cut from its geo's
+/// stores, and a death in the one geo with two nodes, whose other node restores it. (A geo's
+/// last node dying is the edge-outage fallback, not restored yet.)
+fn geo_claim_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    cuts(s, rng, plan);
+    let victims: Vec<NodeId> = (1..=s.nodes).filter(|n| !s.gateways.contains(n)).collect();
+    plan.at(
+        s.during(rng, 2_000),
+        Fault::StoreCut {
+            node: victims[rng.random_range(0..victims.len())],
+            ms: rng.random_range(300..4_000),
+        },
+    );
+    let geo_of = |n: NodeId| s.geo_of(n);
+    let restorable: Vec<NodeId> = victims
+        .into_iter()
+        .filter(|v| (1..=s.nodes).any(|n| n != *v && geo_of(n) == geo_of(*v)))
+        .collect();
+    let node = restorable[rng.random_range(0..restorable.len())];
+    let at = s.during(rng, 3_000);
+    plan.at(at, Fault::Kill(node));
+    if rng.random_bool(0.5) {
+        plan.at(at + rng.random_range(200..2_000), Fault::Restart(node));
+    }
+}
+
 fn spawner_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     replan(s, rng, plan);
     cuts(s, rng, plan);
@@ -530,6 +556,21 @@ fn proxy_restart(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
 /// A hotspot on a BSP of four cells, balanced by the director: every game's NPCs roam one
 /// square, three fifths of it inside node 1's cell (the rest across its neighbours'), while the
 /// players walk the whole world. Motion runs long enough for the lines to settle.
+/// Twelve players trading around the corner four regions share, slow enough to stay within
+/// reach, through the claim faults.
+fn trading(name: &'static str) -> Scenario {
+    Scenario {
+        trade: true,
+        players: 12,
+        npc_area: Some(((256.0, 256.0), 48.0)),
+        player_speed: 8.0,
+        settle_ms: 8_000,
+        gateways: &[2, 4],
+        faults: claim_faults,
+        ..Scenario::base(name)
+    }
+}
+
 pub fn hotspot(name: &'static str) -> Scenario {
     Scenario {
         world_m: 1024.0,
@@ -659,19 +700,18 @@ pub fn catalogue() -> Vec<Scenario> {
             faults: command_faults,
             ..Scenario::base("commands")
         },
+        // Players trade with whoever stands near, across borders, each trade under two claims
+        // raced from the nodes of both players, through link cuts, a node cut from the store
+        // (its leases lapse while it still believes) and a node death.
+        trading("claims"),
         Scenario {
-            // Players trade with whoever stands near, across borders, each trade under two
-            // claims raced from the nodes of both players, through link cuts, a node cut from
-            // the store (its leases lapse while it still believes) and a node death.
-            trade: true,
-            players: 12,
-            // Around the corner four regions share, slow enough to stay within reach.
-            npc_area: Some(((256.0, 256.0), 48.0)),
-            player_speed: 8.0,
-            settle_ms: 8_000,
-            gateways: &[2, 4],
-            faults: claim_faults,
-            ..Scenario::base("claims")
+            // Over three geos, each with its own claim store: a key is granted by its home
+            // geo's store alone, asked for over the mesh from the others, through cuts between
+            // the geos (a claim whose home is cut off is refused), a node cut from its geo's
+            // stores and a node death.
+            geos: Some(&THREE_GEOS),
+            faults: geo_claim_faults,
+            ..trading("geo_claims")
         },
         Scenario {
             // Dens on the borders around the corner four regions share, stocked by whichever

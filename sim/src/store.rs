@@ -23,8 +23,9 @@ pub(crate) struct SimStore {
     masters: BTreeMap<String, MasterEntry>,
     /// (node, lease epoch) -> entity -> its checkpoint.
     checkpoints: BTreeMap<(NodeId, u64), BTreeMap<u64, HandoffOffer>>,
-    /// The geo's claims, on the true clock.
-    pub claims: ClaimTable,
+    /// Each geo's claim store (by geo index), on the true clock: a key is granted by its home
+    /// geo's alone.
+    pub claims: BTreeMap<usize, ClaimTable>,
     /// No answers before this time.
     pub down_until: u64,
 }
@@ -32,16 +33,19 @@ pub(crate) struct SimStore {
 impl SimStore {
     /// Runs `request` at `now`; the answer (if the request has one) and how long after the
     /// delay it comes: at once, or at the driver's timeout during an outage.
-    /// `cut`: the asking machine is cut from the store (its claim calls time out).
+    /// `cut`: the asking machine is cut from the store (its claim calls time out). `geo`: the
+    /// asking machine's, whose claim store it reaches.
     pub fn execute(
         &mut self,
         now: u64,
         request: StoreRequest,
         cut: bool,
+        geo: usize,
     ) -> (Option<StoreReply>, u64) {
         let reachable = now >= self.down_until && !cut;
         if is_claim_call(&request) {
-            let reply = claim_call_on_table(&mut self.claims, now, request, reachable);
+            let claims = self.claims.entry(geo).or_default();
+            let reply = claim_call_on_table(claims, now, request, reachable);
             return (reply, if reachable { 0 } else { TIMEOUT_MS });
         }
         if now < self.down_until {
@@ -102,6 +106,7 @@ impl SimStore {
                 | StoreRequest::RenewClaims { .. }
                 | StoreRequest::RebindClaim { .. }
                 | StoreRequest::ReleaseClaim { .. }
+                | StoreRequest::ClaimForPeer { .. }
                 | StoreRequest::EndSession { .. }
                 | StoreRequest::SaveRecords { .. }
                 | StoreRequest::Release { .. }
@@ -303,7 +308,8 @@ impl SimStore {
             StoreRequest::Claim { .. }
             | StoreRequest::RenewClaims { .. }
             | StoreRequest::RebindClaim { .. }
-            | StoreRequest::ReleaseClaim { .. } => None,
+            | StoreRequest::ReleaseClaim { .. }
+            | StoreRequest::ClaimForPeer { .. } => None,
         };
         (reply, 0)
     }

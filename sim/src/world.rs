@@ -1206,6 +1206,12 @@ impl<'a> Sim<'a> {
         let mut cfg = self.cfg.clone();
         cfg.node_id = id;
         cfg.geo = self.s.geo_name(id).into();
+        // Each geo has its own claim store; a key's home geo is one of the run's geos.
+        cfg.geos = self
+            .s
+            .geos
+            .map(|g| g.names.iter().map(|n| n.to_string()).collect())
+            .unwrap_or_default();
         self.node(id).clock = clock;
         let now = self.time_of(id);
         self.note(|| {
@@ -1621,7 +1627,8 @@ impl<'a> Sim<'a> {
                 // A machine cut from the store reaches none of its claims either.
                 let holder = self.node(id).holder;
                 let cut = self.cut_from_store(id, holder);
-                let (reply, extra) = self.store.execute(self.now, req, cut);
+                let geo = self.s.geo_of(id);
+                let (reply, extra) = self.store.execute(self.now, req, cut, geo);
                 if let Some(reply) = reply {
                     let d = self.s.store_delay.draw(&mut self.rng) * 2 + extra;
                     self.schedule(

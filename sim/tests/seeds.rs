@@ -215,7 +215,13 @@ fn claims_seeds_that_once_failed() {
 fn claims_are_raced_across_borders_in_the_claims_scenario() {
     // Not vacuous: trades across borders, claims refused because another node's entity held
     // the key, trades done; and never a player in two trades at once.
-    let s = named("claims").unwrap();
+    trades_raced_across_borders("claims");
+}
+
+/// Eight seeds of `name`: trades across borders, done and refused, claims refused because
+/// another node's entity held the key, and no player in two trades at once.
+fn trades_raced_across_borders(name: &str) {
+    let s = named(name).unwrap();
     let mut all = cellmesh_sim::TradeFigures::default();
     for seed in 1..=8 {
         let r = run(&s, seed);
@@ -226,6 +232,19 @@ fn claims_are_raced_across_borders_in_the_claims_scenario() {
     assert!(all.done > 20 && all.refused > 20, "{all}");
     assert!(all.claims_refused > 20, "{all}");
     assert_eq!(all.overlapping, 0, "{all}");
+}
+
+#[test]
+fn geo_claims() {
+    seeds_of("geo_claims");
+}
+
+#[test]
+fn claims_are_raced_across_geos_and_granted_by_each_keys_home_only() {
+    // Not vacuous: trades across the borders of three geos (each with its own claim store),
+    // claims refused because an entity of another geo held the key; never a key believed held
+    // by two entities (the checker looks after every step, world-wide), never two trades.
+    trades_raced_across_borders("geo_claims");
 }
 
 #[test]
@@ -328,6 +347,7 @@ fn the_suite_runs_every_scenario_of_the_catalogue_with_enough_seeds() {
             "geos",
             "commands",
             "claims",
+            "geo_claims",
             "spawners",
             "balance",
             "balance_cuts",

@@ -73,6 +73,8 @@ pub(super) async fn start_node(
     let mut cfg = SidecarConfig {
         node_id: id,
         geo: env.geos.names[geo].clone(),
+        // Every claim key has one home among the run's geos, whose store alone grants it.
+        geos: env.geos.names.clone(),
         world: env.world,
         local_listen: "127.0.0.1:0".into(),
         mesh_listen,

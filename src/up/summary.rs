@@ -79,6 +79,9 @@ pub struct Summary {
     pub trades_done: u64,
     pub trades_refused: u64,
     pub trades_overlapping: u64,
+    /// Claims granted to an arena's entity while another entity held the key, world-wide (every
+    /// geo's arenas in one census): keys held twice, must be 0.
+    pub claims_overlapping: u64,
     pub handoffs_refused: u64,
     pub handoff_freeze_ms_p50: f64,
     pub handoff_freeze_ms_p99: f64,
@@ -227,6 +230,12 @@ impl Summary {
                 self.trades_overlapping
             ));
         }
+        if self.claims_overlapping > 0 {
+            p.push(format!(
+                "{} claims granted while another entity held the key (two holders of a claim)",
+                self.claims_overlapping
+            ));
+        }
         if self.accounts_with_two_avatars > 0 {
             p.push(format!(
                 "{} accounts with two avatars",
@@ -273,6 +282,7 @@ pub(super) struct Figures {
     pub(super) arenas: ArenaStats,
     pub(super) inputs_ignored_by_games: BTreeMap<String, u64>,
     pub(super) trades_overlapping: u64,
+    pub(super) claims_overlapping: u64,
     pub(super) handoff_costs: HandoffCosts,
     pub(super) in_doubt_now: u64,
     pub(super) census: CensusRead,
@@ -359,6 +369,7 @@ impl Summary {
             trades_done: arena_stats.trades_done,
             trades_refused: arena_stats.trades_refused,
             trades_overlapping: f.trades_overlapping,
+            claims_overlapping: f.claims_overlapping,
             handoff_freeze_ms_p50: handoff_costs.freeze.value_at_quantile(0.5) as f64,
             handoff_freeze_ms_p99: handoff_costs.freeze.value_at_quantile(0.99) as f64,
             handoff_ticks_missed_p50: handoff_costs.ticks_missed.value_at_quantile(0.5) as f64,

@@ -91,6 +91,7 @@ pub(super) async fn wind_down(
         arenas,
         inputs_ignored_by_games,
         trades_overlapping: games.trades().1,
+        claims_overlapping: games.claims().1,
         handoff_costs,
         in_doubt_now,
         census,

@@ -4,6 +4,14 @@
 //! the claim under the entity's newer epoch, and from then on the old owner's renewals, rebinds
 //! and releases (under the older epoch) are refused. A claim whose lease lapses is free.
 //!
+//! A token is never reused, even by a store that lost its data: each is at least the store's
+//! clock in ms (time-floored, like session epochs), so a grant made after a wipe is newer than
+//! every grant made before it. Every renewal, rebind and release names the holder's entity as
+//! well as the token, and is refused when either differs.
+//!
+//! Only one store grants a key: that of the key's home geo (`cellmesh_world::homes`); nodes of
+//! other geos ask it over the mesh.
+//!
 //! In the geo's Redis (one Lua script per operation, so two nodes racing for a key see exactly
 //! one grant) and in memory for a process on its own. Keys, for geo `G` and claim key `K` (its
 //! own hash tag): `cellmesh:G:{claim:K}:holder` (`token:entity:epoch`, the lease as its TTL) and
@@ -114,6 +122,8 @@ pub struct ClaimTable {
     held: HashMap<String, (ClaimGrant, u64)>,
     /// The last token of each key: tokens never repeat.
     tokens: HashMap<String, u64>,
+    /// The wall-clock time (ms) of `now_ms` 0: a token is at least the wall-clock ms.
+    origin_ms: u64,
 }
 
 impl ClaimTable {
@@ -129,8 +139,18 @@ impl ClaimTable {
         self.held.get_mut(key)
     }
 
+    /// A table whose `now_ms` 0 is `origin_ms` on the wall clock (ms since the Unix epoch).
+    pub fn with_origin(origin_ms: u64) -> Self {
+        Self {
+            origin_ms,
+            ..Self::default()
+        }
+    }
+
     fn current(stored: &ClaimGrant, grant: &ClaimGrant) -> bool {
-        stored.token == grant.token && grant.holder.entity_epoch >= stored.holder.entity_epoch
+        stored.token == grant.token
+            && stored.holder.entity == grant.holder.entity
+            && grant.holder.entity_epoch >= stored.holder.entity_epoch
     }
 
     /// See [`ClaimStore::claim`].
@@ -147,8 +167,9 @@ impl ClaimTable {
                 return Ok(ClaimOutcome::Held { by: g.holder });
             }
         }
+        let floor = self.origin_ms + now_ms;
         let token = self.tokens.entry(key.to_string()).or_insert(0);
-        *token += 1;
+        *token = (*token + 1).max(floor);
         let grant = ClaimGrant {
             key: key.to_string(),
             holder,
@@ -233,8 +254,11 @@ pub struct MemoryClaims {
 
 impl Default for MemoryClaims {
     fn default() -> Self {
+        let unix_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
         Self {
-            table: Mutex::default(),
+            table: Mutex::new(ClaimTable::with_origin(unix_ms)),
             started: Instant::now(),
         }
     }

@@ -13,7 +13,9 @@ use super::StoreError;
 
 /// KEYS: holder, token. ARGV: entity, epoch, ttl ms. Returns `{1, token, entity, epoch}` when
 /// granted, `{0, token, entity, epoch}` of the holder otherwise. (Ids and epochs travel as
-/// strings: Lua's numbers are doubles.)
+/// strings: Lua's numbers are doubles.) A token is the last one plus one, and at least the
+/// server's clock in ms: a Redis that lost the key never gives an old token again. (Ms since
+/// 1970 fit a double exactly.)
 static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
@@ -24,16 +26,20 @@ static CLAIM: LazyLock<Script> = LazyLock::new(|| {
                 return {0, t, e, ep}
             end
         end
-        local t = tostring(redis.call('INCR', KEYS[2]))
+        local now = redis.call('TIME')
+        local floor = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+        local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+        local t = string.format('%.0f', math.max(last + 1, floor))
+        redis.call('SET', KEYS[2], t)
         redis.call('SET', KEYS[1], t .. ':' .. ARGV[1] .. ':' .. ARGV[2], 'PX', ARGV[3])
         return {1, t, ARGV[1], ARGV[2]}
         ",
     )
 });
 
-/// KEYS: holder. ARGV: token, epoch, op (`renew`, `rebind`, `release`), ttl ms or new epoch.
-/// Returns 1 when `token` still holds the claim under an epoch not newer than ARGV[2] (and, for
-/// a rebind, not newer than the new one), 0 otherwise.
+/// KEYS: holder. ARGV: token, epoch, op (`renew`, `rebind`, `release`), ttl ms or new epoch,
+/// entity. Returns 1 when `token` still holds the claim for that entity under an epoch not newer
+/// than ARGV[2] (and, for a rebind, not newer than the new one), 0 otherwise.
 static FENCED: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
@@ -41,7 +47,7 @@ static FENCED: LazyLock<Script> = LazyLock::new(|| {
         local v = redis.call('GET', KEYS[1])
         if not v then return 0 end
         local t, e, ep = string.match(v, '^(%d+):(%d+):(%d+)$')
-        if t ~= ARGV[1] or older(ARGV[2], ep) then return 0 end
+        if t ~= ARGV[1] or e ~= ARGV[5] or older(ARGV[2], ep) then return 0 end
         if ARGV[3] == 'renew' then
             redis.call('PEXPIRE', KEYS[1], ARGV[4])
         elseif ARGV[3] == 'rebind' then
@@ -72,6 +78,7 @@ impl RedisDirectory {
             .arg(grant.holder.entity_epoch.to_string())
             .arg(op)
             .arg(arg.to_string())
+            .arg(grant.holder.entity.to_string())
             .invoke_async(&mut conn)
             .await
             .map_err(|e| self.error(op, e))?;

@@ -125,6 +125,20 @@ async fn a_lapsed_claim_is_free(store: Arc<dyn ClaimStore>) {
     assert!(next.token > g.token);
 }
 
+/// A renewal, rebind or release with the grant's token but another entity is refused.
+async fn a_grant_holds_for_its_entity_only(store: Arc<dyn ClaimStore>) {
+    let g = granted(store.claim("escrow:dave", who(11, 2), LEASE).await.unwrap());
+    let other = ClaimGrant {
+        holder: who(12, 2),
+        ..g.clone()
+    };
+    assert!(!store.renew(&other, LEASE).await.unwrap());
+    assert!(store.rebind(&other, 3).await.unwrap().is_none());
+    assert!(!store.release(&other).await.unwrap());
+    assert!(store.renew(&g, LEASE).await.unwrap(), "still the holder's");
+    assert!(store.release(&g).await.unwrap());
+}
+
 async fn bad_keys_are_refused(store: Arc<dyn ClaimStore>) {
     for key in ["", "a\nb", &"k".repeat(201)] {
         assert!(store.claim(key, who(1, 1), LEASE).await.is_err(), "{key:?}");
@@ -138,7 +152,45 @@ async fn memory_claims_keep_their_contract() {
     the_holder_keeps_a_claim_and_a_release_frees_it(memory()).await;
     a_rebind_after_a_handoff_fences_the_old_owner(memory()).await;
     a_lapsed_claim_is_free(memory()).await;
+    a_grant_holds_for_its_entity_only(memory()).await;
     bad_keys_are_refused(memory()).await;
+}
+
+/// A store that lost its data (a process restarted, a Redis wiped) never grants an old token
+/// again: a stale holder's renewal cannot pass for the new holder's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_never_repeat_after_a_store_loses_its_data() {
+    let before = granted(
+        memory()
+            .claim("escrow:erin", who(1, 1), LEASE)
+            .await
+            .unwrap(),
+    );
+    tokio::time::sleep(Duration::from_millis(3)).await;
+    let fresh = memory();
+    let after = granted(fresh.claim("escrow:erin", who(2, 1), LEASE).await.unwrap());
+    assert!(after.token > before.token, "{after:?} after {before:?}");
+
+    let url = required("CELLMESH_TEST_REDIS_URL");
+    let geo = unique("claims-wipe");
+    let store = RedisDirectory::connect(&url, &geo).await.unwrap();
+    let before = granted(store.claim("escrow:erin", who(1, 1), LEASE).await.unwrap());
+    let mut raw = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let wiped: i64 = redis::cmd("DEL")
+        .arg(format!("cellmesh:{geo}:{{claim:escrow:erin}}:holder"))
+        .arg(format!("cellmesh:{geo}:{{claim:escrow:erin}}:token"))
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(wiped, 2, "the claim's keys as the store names them");
+    tokio::time::sleep(Duration::from_millis(3)).await;
+    let after = granted(store.claim("escrow:erin", who(2, 1), LEASE).await.unwrap());
+    assert!(after.token > before.token, "{after:?} after {before:?}");
+    assert!(!store.renew(&before, LEASE).await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -147,5 +199,6 @@ async fn redis_claims_keep_their_contract() {
     the_holder_keeps_a_claim_and_a_release_frees_it(redis().await).await;
     a_rebind_after_a_handoff_fences_the_old_owner(redis().await).await;
     a_lapsed_claim_is_free(redis().await).await;
+    a_grant_holds_for_its_entity_only(redis().await).await;
     bad_keys_are_refused(redis().await).await;
 }

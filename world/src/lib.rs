@@ -10,6 +10,7 @@
 //! - [`bubbles`]: which datacenter simulates each group of players (virtual time). The scenario
 //!   simulator that tunes it is the `cellmesh-geosim` crate, kept apart so that what links this
 //!   crate does not link its plotting.
+//! - [`homes`]: the one geo whose store grants a key that must be unique world-wide.
 //! - [`handover`]: when a bridged player is worth a reconnect to another geo's proxies (virtual
 //!   time).
 //! - [`world_map`]: the live map of the world, put together from the partition, the load
@@ -22,6 +23,7 @@ pub mod balance;
 pub mod bubbles;
 pub mod geometry;
 pub mod handover;
+pub mod homes;
 pub mod partition;
 pub mod spawners;
 pub mod world_map;

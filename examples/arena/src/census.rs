@@ -31,6 +31,13 @@ struct Inner {
     trades_opened: u64,
     /// Trades opened while one of their players was in another: must stay 0.
     trades_overlapping: u64,
+    /// Every claim an arena was granted and holds, as the arenas see it: key -> (arena, holder
+    /// entity). A claim is let go here no later than its holder's sidecar lets it go: when the
+    /// game releases it, is told it is lost, or its holder despawns, leaves or its arena stops.
+    claims: BTreeMap<String, (u32, u64)>,
+    claims_granted: u64,
+    /// Grants of a key while another entity held it: two holders of one claim, must stay 0.
+    claims_overlapping: u64,
     /// The den of every den NPC spawned (see `ArenaConfig::dens`).
     stock_keys: BTreeMap<u64, String>,
     dens_stocked: u64,
@@ -136,6 +143,34 @@ impl Census {
         let mut c = self.lock();
         c.despawned.insert(id);
         release(&mut c.holders, id, holder);
+        c.claims.retain(|_, (_, entity)| *entity != id);
+    }
+
+    /// Arena `arena` was granted claim `key` for its entity `entity`. False, and counted, when
+    /// another entity holds the key: two holders of one claim.
+    pub fn claim_granted(&self, key: &str, arena: u32, entity: u64) -> bool {
+        let mut c = self.lock();
+        c.claims_granted += 1;
+        let twice = c.claims.get(key).is_some_and(|(_, e)| *e != entity);
+        if twice {
+            c.claims_overlapping += 1;
+        }
+        c.claims.insert(key.to_string(), (arena, entity));
+        !twice
+    }
+
+    /// `entity` let claim `key` go (released it, or was told it is lost).
+    pub fn claim_freed(&self, key: &str, entity: u64) {
+        let mut c = self.lock();
+        if c.claims.get(key).is_some_and(|(_, e)| *e == entity) {
+            c.claims.remove(key);
+        }
+    }
+
+    /// Claims granted, and of those granted while another entity held the key (must be 0).
+    pub fn claims(&self) -> (u64, u64) {
+        let c = self.lock();
+        (c.claims_granted, c.claims_overlapping)
     }
 
     /// `holder` took `id` over from another arena.
@@ -150,9 +185,12 @@ impl Census {
         }
     }
 
-    /// `holder` let `id` go to another arena.
+    /// `holder` let `id` go to another arena. Its claims are not counted from here on (a
+    /// handoff may carry them to the next owner, whose game never hears of them).
     pub fn evicted(&self, id: u64, holder: u32) {
-        release(&mut self.lock().holders, id, holder);
+        let mut c = self.lock();
+        release(&mut c.holders, id, holder);
+        c.claims.retain(|_, (_, entity)| *entity != id);
     }
 
     /// `holder` stopped: it holds nothing any more (its entities live on only if another arena
@@ -165,6 +203,7 @@ impl Census {
         });
         // Its trades end with it (their claims lapse in the store).
         c.trading.retain(|_, opener| *opener != holder);
+        c.claims.retain(|_, (arena, _)| *arena != holder);
     }
 
     /// `opener` opened a trade between `accounts` (both escrows granted). False, and counted,
@@ -266,6 +305,26 @@ mod tests {
             c.avatars(),
             BTreeMap::from([("alice".to_string(), vec![2])])
         );
+    }
+
+    #[test]
+    fn a_claim_granted_while_another_entity_holds_it_is_counted_twice_held() {
+        let c = Census::default();
+        assert!(c.claim_granted("trade:a", 1, 100));
+        assert!(c.claim_granted("trade:a", 1, 100), "its holder again");
+        assert!(!c.claim_granted("trade:a", 2, 200), "another entity");
+        assert_eq!(c.claims(), (3, 1));
+        // Freed by its holder, its holder's despawn, evict or arena: free for the next one.
+        c.claim_freed("trade:a", 100);
+        c.claim_freed("trade:a", 200);
+        assert!(c.claim_granted("trade:b", 1, 100));
+        c.despawned(100, 1);
+        assert!(c.claim_granted("trade:b", 2, 200));
+        c.evicted(200, 2);
+        assert!(c.claim_granted("trade:b", 3, 300));
+        c.release_holder(3);
+        assert!(c.claim_granted("trade:b", 1, 400));
+        assert_eq!(c.claims(), (7, 1));
     }
 
     #[test]

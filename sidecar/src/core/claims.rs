@@ -15,7 +15,7 @@ use cellmesh_proto::mesh;
 use cellmesh_stores::claims::{ClaimGrant, ClaimHolder, ClaimOutcome};
 
 use super::context::Context;
-use super::{ConnId, Output, StoreReply, StoreRequest};
+use super::{ConnId, StoreReply, StoreRequest};
 use crate::model::claims::{Claims as ClaimBook, Pending, Renewed};
 use crate::model::entities::EntityTable;
 use crate::model::spawners;
@@ -34,6 +34,7 @@ pub fn is_claim_call(request: &StoreRequest) -> bool {
             | StoreRequest::RenewClaims { .. }
             | StoreRequest::RebindClaim { .. }
             | StoreRequest::ReleaseClaim { .. }
+            | StoreRequest::ClaimForPeer { .. }
     )
 }
 
@@ -98,6 +99,17 @@ pub fn claim_call_on_table(
             }
             None
         }
+        StoreRequest::ClaimForPeer {
+            link,
+            call,
+            request,
+        } => claim_call_on_table(table, now_ms, *request, reachable).map(|reply| {
+            StoreReply::ClaimForPeer {
+                link,
+                call,
+                reply: Box::new(reply),
+            }
+        }),
         _ => None,
     }
 }
@@ -105,7 +117,7 @@ pub fn claim_call_on_table(
 /// Frees `grant` in the store (no answer: its lease lapses anyway).
 pub(crate) fn free_claim(cx: &mut Context, grant: ClaimGrant) {
     cx.metrics.claims_released.inc();
-    cx.emit(Output::Store(StoreRequest::ReleaseClaim { grant }));
+    cx.claim_call(StoreRequest::ReleaseClaim { grant });
 }
 
 /// What the game's `ClaimRelease` comes to.
@@ -213,12 +225,12 @@ impl Claims {
             released: false,
             spawner: false,
         });
-        cx.emit(Output::Store(StoreRequest::Claim {
+        cx.claim_call(StoreRequest::Claim {
             token,
             key: c.key,
             holder,
             ttl_ms,
-        }));
+        });
     }
 
     /// The game's `ClaimRelease`: what it comes to.
@@ -525,19 +537,17 @@ impl Claims {
             );
         }
         if !due.renew.is_empty() {
-            cx.emit(Output::Store(StoreRequest::RenewClaims {
-                claims: due.renew,
-            }));
+            cx.claim_call(StoreRequest::RenewClaims { claims: due.renew });
         }
         for (grant, ttl_ms) in due.rebind {
             let entity_epoch = table
                 .get_local(grant.holder.entity)
                 .map_or(grant.holder.entity_epoch, |e| e.epoch);
-            cx.emit(Output::Store(StoreRequest::RebindClaim {
+            cx.claim_call(StoreRequest::RebindClaim {
                 grant,
                 entity_epoch,
                 ttl_ms,
-            }));
+            });
         }
         self.count(cx);
     }

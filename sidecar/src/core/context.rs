@@ -18,6 +18,9 @@ pub(crate) struct Outbox {
     pub to_game: Vec<SidecarMessage>,
     pub to_links: BTreeMap<LinkId, Vec<MeshMessage>>,
     pub(super) pending: VecDeque<Output>,
+    /// Claim store calls, routed by the core to the store of each key's home geo once the
+    /// handler is done (see `claim_homes`).
+    pub(super) claim_calls: Vec<StoreRequest>,
     pub(super) ready: bool,
     /// Why the node exits, once what is queued is out.
     pub(super) exit: Option<String>,
@@ -55,6 +58,11 @@ impl Context {
 
     pub(crate) fn store(&mut self, request: StoreRequest) {
         self.out.pending.push_back(Output::Store(request));
+    }
+
+    /// A call to the claim store of the key's home geo.
+    pub(crate) fn claim_call(&mut self, request: StoreRequest) {
+        self.out.claim_calls.push(request);
     }
 
     pub(crate) fn set_ready(&mut self, ready: bool) {

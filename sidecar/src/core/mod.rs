@@ -27,6 +27,9 @@ pub(crate) mod authority;
 pub(crate) mod avatars;
 pub(crate) mod balance;
 #[cfg(test)]
+mod claim_home_tests;
+pub(crate) mod claim_homes;
+#[cfg(test)]
 mod claim_tests;
 pub mod claims;
 #[cfg(test)]
@@ -295,6 +298,13 @@ pub enum StoreRequest {
     },
     /// Frees a claim if `grant` still holds it (no answer: a lease lapses anyway).
     ReleaseClaim { grant: ClaimGrant },
+    /// A claim call run on this geo's store for a node of another geo (this geo is the key's
+    /// home): its answer goes back on `link` under the peer's `call` id.
+    ClaimForPeer {
+        link: LinkId,
+        call: u64,
+        request: Box<StoreRequest>,
+    },
     /// Fences the lapsed lease `epoch` of `node` before its world is restored (see
     /// `cellmesh_stores::topology::fence_lease`).
     FenceLease { node: NodeId, epoch: u64 },
@@ -368,6 +378,12 @@ pub enum StoreReply {
         old: ClaimGrant,
         result: Result<Option<ClaimGrant>, String>,
     },
+    /// The answer of a [`StoreRequest::ClaimForPeer`], for that peer.
+    ClaimForPeer {
+        link: LinkId,
+        call: u64,
+        reply: Box<StoreReply>,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -413,6 +429,8 @@ pub struct Core {
     pub(crate) avatars: avatars::Avatars,
     pub(crate) commands: commands::Commands,
     pub(crate) claims: claims::Claims,
+    /// Claim calls for keys homed in other geos: sent there, and run here for them.
+    pub(crate) claim_homes: claim_homes::ClaimHomes,
     pub(crate) spawners: spawners::Spawners,
     /// Whether the node takes new sessions, and the game's smoothed load.
     pub(crate) admission: admission::Admission,
@@ -458,6 +476,7 @@ impl Core {
             avatars: avatars::Avatars::default(),
             commands: commands::Commands::default(),
             claims: Default::default(),
+            claim_homes: claim_homes::ClaimHomes::new(&cfg),
             spawners: Default::default(),
             admission: admission::Admission::new(&cx),
             load_reports: balance::LoadReports::new(&cx),
@@ -672,6 +691,9 @@ impl Core {
             Input::Store(StoreReply::ClaimRebound { old, result }) => {
                 self.on_claim_rebound(old, result)
             }
+            Input::Store(StoreReply::ClaimForPeer { link, call, reply }) => {
+                self.claim_homes.on_served(&mut self.cx, link, call, *reply)
+            }
             Input::Store(StoreReply::MastersNotWritten { accounts }) => {
                 self.on_masters_not_written(accounts)
             }
@@ -702,6 +724,7 @@ impl Core {
         self.flush_checkpoints();
         self.sync_master_records();
         self.count_fence_discards();
+        self.route_claim_calls();
     }
 
     /// Held inputs the fence let go of are counted, never lost silently.
@@ -718,6 +741,9 @@ impl Core {
     /// behind the last, and clients cut as slow consumers). Folded together, each client gets at
     /// most one batch for all of them, with each entity's newest state.
     pub fn poll_output(&mut self) -> Option<Output> {
+        if !self.cx.out.claim_calls.is_empty() {
+            self.route_claim_calls();
+        }
         if self.cx.out.pending.is_empty() {
             self.gateway
                 .send_ghost_changes(&mut self.cx, &mut self.table, self.game.last_tick());
@@ -1642,6 +1668,9 @@ impl Core {
         if !self.mesh.on_peer_down(&mut self.cx, node, link, reason) {
             return;
         }
+        for reply in self.claim_homes.peer_down(node, link) {
+            self.on_claim_reply(reply);
+        }
         // Its render ghosts stay, stale, so clients see no vanish: the subscriptions renewed when
         // the link is back refresh them (see `sweep_stale_ghosts`).
         let now = self.cx.now.mono_ms;
@@ -1693,6 +1722,16 @@ impl Core {
             B::EntityCommandResult(r) => self.on_command_result(r),
             B::Locate(l) => self.on_locate(node, l),
             B::Located(l) => self.on_located(node, l),
+            B::ClaimCall(c) => {
+                if let Some(link) = self.mesh.peer_link(node) {
+                    self.claim_homes.on_call(&mut self.cx, link, c);
+                }
+            }
+            B::ClaimAnswer(a) => {
+                if let Some(reply) = self.claim_homes.on_answer(node, a) {
+                    self.on_claim_reply(reply);
+                }
+            }
             B::Routed(r) => self.on_routed(r),
             B::SessionMoved(m) => self.on_session_moved(m),
             B::SessionEnded(e) => self.on_session_ended(node, e),
@@ -3174,6 +3213,35 @@ impl Core {
                 .is_ok_and(|h| h == p.holder);
         self.claims
             .on_claimed(&mut self.cx, p, result, game, still_held);
+    }
+
+    /// A claim call's answer, from this geo's store or the key's home.
+    fn on_claim_reply(&mut self, reply: StoreReply) {
+        match reply {
+            StoreReply::Claimed { token, result } => self.on_claimed(token, result),
+            StoreReply::ClaimsRenewed { results } => self.on_claims_renewed(results),
+            StoreReply::ClaimRebound { old, result } => self.on_claim_rebound(old, result),
+            _ => {}
+        }
+    }
+
+    /// Sends the claim calls the parts asked for to the stores of their keys' homes. A call no
+    /// home can take is answered at once, and that answer may ask again (bounded: a failed
+    /// call is retried on a timer, not at once).
+    fn route_claim_calls(&mut self) {
+        for _ in 0..4 {
+            let calls = std::mem::take(&mut self.cx.out.claim_calls);
+            if calls.is_empty() {
+                return;
+            }
+            let mut replies = Vec::new();
+            for call in calls {
+                replies.extend(self.claim_homes.route(&mut self.cx, &self.mesh, call));
+            }
+            for reply in replies {
+                self.on_claim_reply(reply);
+            }
+        }
     }
 
     fn on_claims_renewed(&mut self, results: Vec<(ClaimGrant, Result<bool, String>)>) {

@@ -61,7 +61,12 @@ pub(super) struct Pair {
     /// Calls kept unanswered (by the node index that made them) while the store is slow: run
     /// in order by [`Pair::answer_store`].
     pub store_slow: Option<Vec<(usize, StoreRequest)>>,
+    /// In two geos ([`Pair::in_two_geos`]): node 2's geo's store (`store` is node 1's).
+    pub second_store: Option<ClaimTable>,
 }
+
+/// The geos of [`Pair::in_two_geos`]: node 1's, then node 2's.
+pub(super) const GEOS: [&str; 2] = ["paris", "montreal"];
 
 pub(super) fn at(ms: u64) -> Now {
     Now {
@@ -76,6 +81,10 @@ pub(super) fn pos(x: f64, y: f64) -> Option<local::Vec3> {
 
 impl Node {
     fn new(id: NodeId) -> Self {
+        Self::configured(id, |_| {})
+    }
+
+    fn configured(id: NodeId, tweak: impl FnOnce(&mut SidecarConfig)) -> Self {
         let world = WorldShape {
             width: 512.0,
             height: 512.0,
@@ -84,11 +93,12 @@ impl Node {
         };
         let grid = Grid::even(&world, 2, 1, &[1, 2]).unwrap();
         let partition = Partition::new(world, 1, Layout::Grid(grid)).unwrap();
-        let cfg = SidecarConfig {
+        let mut cfg = SidecarConfig {
             node_id: id,
             world,
             ..SidecarConfig::default()
         };
+        tweak(&mut cfg);
         let lease = LeaseTerms {
             lease: Lease {
                 node: id,
@@ -216,23 +226,48 @@ impl Node {
 
 impl Pair {
     pub fn new() -> Self {
+        Self::linked([Node::new(1), Node::new(2)], None)
+    }
+
+    /// Node 1 in geo `GEOS[0]`, node 2 in `GEOS[1]`, each geo with its own claim store; both
+    /// list both geos as the world's (so each claim key has one home among them).
+    pub fn in_two_geos() -> Self {
+        let node = |id: NodeId| {
+            Node::configured(id, |c| {
+                c.geo = GEOS[id as usize - 1].into();
+                c.geos = GEOS.iter().map(|g| g.to_string()).collect();
+            })
+        };
+        Self::linked([node(1), node(2)], Some(ClaimTable::default()))
+    }
+
+    fn linked(nodes: [Node; 2], second_store: Option<ClaimTable>) -> Self {
         let mut p = Pair {
-            nodes: [Node::new(1), Node::new(2)],
+            nodes,
             now: 0,
             store: ClaimTable::default(),
             store_down: false,
             store_slow: None,
+            second_store,
         };
-        for (i, other) in [(0, 2), (1, 1)] {
-            p.nodes[i].core.handle(
-                at(0),
+        p.link_up();
+        p
+    }
+
+    /// The link between the two nodes comes up (again), under id [`LINK`] on both sides.
+    pub fn link_up(&mut self) {
+        for (i, other) in [(0, 2u32), (1, 1)] {
+            let geo = self.nodes[1 - i].core.cx.config.geo.clone();
+            let geo = if geo == "local" { "test".into() } else { geo };
+            self.nodes[i].core.handle(
+                at(self.now),
                 Input::LinkUp {
                     link: LINK,
                     hello: mesh::LinkHello {
                         version: Some(mesh::ProtocolVersion::current()),
                         role: mesh::PeerRole::Sidecar as i32,
                         id: other.to_string(),
-                        geo: "test".into(),
+                        geo,
                         partition_epoch: 1,
                         node_id: other,
                         lease_epoch: 1,
@@ -242,7 +277,19 @@ impl Pair {
                 },
             );
         }
-        p
+    }
+
+    /// The link between the two nodes drops, both sides see it.
+    pub fn cut(&mut self) {
+        for n in &mut self.nodes {
+            n.core.handle(
+                at(self.now),
+                Input::LinkClosed {
+                    link: LINK,
+                    reason: "cut by the test".into(),
+                },
+            );
+        }
     }
 
     pub fn node(&mut self, id: NodeId) -> &mut Node {
@@ -311,7 +358,7 @@ impl Pair {
                         slow.push((i, request));
                         continue;
                     }
-                    if let Some(reply) = self.run_store(request) {
+                    if let Some(reply) = self.run_store(i, request) {
                         moved = true;
                         self.nodes[i].core.handle(at(self.now), Input::Store(reply));
                     }
@@ -332,18 +379,22 @@ impl Pair {
     /// what follows; the store answers at once again.
     pub fn answer_store(&mut self) {
         for (i, request) in self.store_slow.take().unwrap_or_default() {
-            if let Some(reply) = self.run_store(request) {
+            if let Some(reply) = self.run_store(i, request) {
                 self.nodes[i].core.handle(at(self.now), Input::Store(reply));
             }
         }
         self.carry();
     }
 
-    /// Runs a claim call as the sidecar's store driver does, at the harness's time. Other store
-    /// calls go unanswered.
-    fn run_store(&mut self, request: StoreRequest) -> Option<StoreReply> {
+    /// Runs node index `i`'s claim call as the sidecar's store driver does, on its geo's store,
+    /// at the harness's time. Other store calls go unanswered.
+    fn run_store(&mut self, i: usize, request: StoreRequest) -> Option<StoreReply> {
         let up = !self.store_down;
-        super::claims::claim_call_on_table(&mut self.store, self.now, request, up)
+        let store = match (&mut self.second_store, i) {
+            (Some(second), 1) => second,
+            _ => &mut self.store,
+        };
+        super::claims::claim_call_on_table(store, self.now, request, up)
     }
 
     /// Who holds `key` in the store now (looked at without touching the store).

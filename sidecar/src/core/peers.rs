@@ -287,6 +287,26 @@ impl Mesh {
         true
     }
 
+    /// A peer of `geo` a link is up to, chosen by `key` among them (so one geo's calls spread
+    /// over its nodes); `None` when no link to that geo is up.
+    pub(crate) fn linked_peer_in_geo(&self, geo: &str, key: &str) -> Option<NodeId> {
+        let linked: Vec<NodeId> = self
+            .peers
+            .iter()
+            .filter_map(|(node, p)| {
+                let link = self.links.get(&p.link?)?;
+                (link.hello.geo == geo).then_some(*node)
+            })
+            .collect();
+        if linked.is_empty() {
+            return None;
+        }
+        let spread = key.bytes().fold(0usize, |h, b| {
+            h.wrapping_mul(31).wrapping_add(usize::from(b))
+        });
+        Some(linked[spread % linked.len()])
+    }
+
     /// The peers a link is up to.
     pub(crate) fn up_peers(&self) -> Vec<NodeId> {
         self.peers

@@ -19,7 +19,7 @@ use cellmesh_world::partition::Partition;
 
 use super::claims::free_claim;
 use super::context::Context;
-use super::{ConnId, Output, StoreRequest};
+use super::{ConnId, StoreRequest};
 use crate::model::claims::{Claims, Pending, RETRY_MS};
 use crate::model::spawners::{self as model, Asked, SpawnerBook};
 
@@ -119,12 +119,12 @@ impl Spawners {
                 released: false,
                 spawner: true,
             });
-            cx.emit(Output::Store(StoreRequest::Claim {
+            cx.claim_call(StoreRequest::Claim {
                 token,
                 key: claim_key,
                 holder,
                 ttl_ms: model::CLAIM_TTL_MS,
-            }));
+            });
         }
     }
 

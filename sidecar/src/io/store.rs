@@ -197,6 +197,17 @@ pub(crate) async fn execute(
             }
             None
         }
+        StoreRequest::ClaimForPeer {
+            link,
+            call,
+            request,
+        } => Box::pin(execute(stores, topology, *request, metrics))
+            .await
+            .map(|reply| StoreReply::ClaimForPeer {
+                link,
+                call,
+                reply: Box::new(reply),
+            }),
     }
 }
 

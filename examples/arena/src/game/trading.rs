@@ -77,12 +77,18 @@ impl Arena {
         let granted = r.outcome == ClaimOutcome::ClaimGranted as i32;
         if granted {
             self.stats.claims_granted += 1;
+            if let Some(c) = &self.cfg.census {
+                c.claim_granted(&r.key, self.node, r.holder_entity);
+            }
         } else if r.outcome == ClaimOutcome::ClaimHeld as i32 {
             self.stats.claims_refused += 1;
         }
         if let Some(avatar) = self.release_on_answer.remove(&r.request_id) {
             // A despawned holder's claims were freed by its despawn.
             if granted && self.entities.contains_key(&avatar) {
+                if let Some(c) = &self.cfg.census {
+                    c.claim_freed(&r.key, avatar);
+                }
                 out.push(Body::ClaimRelease(ClaimRelease {
                     key: r.key,
                     holder_entity: avatar,
@@ -142,6 +148,9 @@ impl Arena {
 
     pub(super) fn on_claim_lost(&mut self, out: &mut impl Outbox, l: ClaimLost) {
         self.stats.claims_lost += 1;
+        if let Some(c) = &self.cfg.census {
+            c.claim_freed(&l.key, l.holder_entity);
+        }
         tracing::debug!(key = %l.key, holder = l.holder_entity, reason = %l.reason, "claim lost");
         if self
             .trades
@@ -196,10 +205,16 @@ impl Arena {
         self.claims_asked.retain(|_, a| *a != avatar);
         for (account, escrow) in &t.parties {
             match escrow {
-                Escrow::Granted => out.push(Body::ClaimRelease(ClaimRelease {
-                    key: trade::escrow(account),
-                    holder_entity: avatar,
-                })),
+                Escrow::Granted => {
+                    let key = trade::escrow(account);
+                    if let Some(c) = &self.cfg.census {
+                        c.claim_freed(&key, avatar);
+                    }
+                    out.push(Body::ClaimRelease(ClaimRelease {
+                        key,
+                        holder_entity: avatar,
+                    }))
+                }
                 // Its answer may be on its way already: released once it comes, if granted.
                 Escrow::Asked(request_id) => {
                     self.release_on_answer.insert(*request_id, avatar);
