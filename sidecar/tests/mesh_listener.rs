@@ -211,3 +211,57 @@ fn off_loopback_a_sidecar_needs_its_attest_keys() {
     .validate()
     .unwrap();
 }
+
+/// A peer sidecar whose list of the world's geos differs is refused at the link, with the
+/// reason; one listing the same geos in another order gets in.
+#[tokio::test]
+async fn a_peer_sidecar_listing_other_world_geos_is_refused() {
+    let s = TestSidecar::start_with(SidecarConfig {
+        geo: "eu".into(),
+        geos: vec!["eu".into(), "us".into()],
+        ..test_config()
+    })
+    .await;
+    let hello = |geos: &[&str]| {
+        MeshFrame::one(mesh_message::Body::Hello(cellmesh_proto::mesh::LinkHello {
+            version: Some(cellmesh_proto::mesh::ProtocolVersion::current()),
+            role: cellmesh_proto::mesh::PeerRole::Sidecar as i32,
+            id: "3".into(),
+            geo: "us".into(),
+            node_id: 3,
+            world_geos: geos.iter().map(|g| g.to_string()).collect(),
+            ..Default::default()
+        }))
+    };
+    let addr = s.mesh();
+    let answer = |geos: &'static [&'static str]| async move {
+        let (r, w) = TcpStream::connect(addr).await.unwrap().into_split();
+        let mut writer = FramedWrite::new(w, FrameCodec::<MeshFrame>::default());
+        writer.send(hello(geos)).await.unwrap();
+        let mut reader = FramedRead::new(r, FrameCodec::<MeshFrame>::default());
+        tokio::time::timeout(Duration::from_secs(3), reader.next())
+            .await
+            .expect("an answer")
+            .expect("a frame")
+            .expect("a well-formed frame")
+            .messages
+            .into_iter()
+            .next()
+            .and_then(|m| m.body)
+    };
+    match answer(&["eu", "ap"]).await {
+        Some(mesh_message::Body::Refused(r)) => {
+            assert!(r.reason.contains("two homes"), "{r:?}")
+        }
+        other => panic!("expected LinkRefused, got {other:?}"),
+    }
+    let metrics = s.metrics().await;
+    assert!(
+        metrics.contains("cellmesh_sidecar_errors_total{kind=\"link_refused\"} 1"),
+        "{metrics}"
+    );
+    match answer(&["us", "eu"]).await {
+        Some(mesh_message::Body::Hello(h)) => assert_eq!(h.world_geos, ["eu", "us"]),
+        other => panic!("expected its LinkHello, got {other:?}"),
+    }
+}

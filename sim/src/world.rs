@@ -1709,6 +1709,8 @@ impl<'a> Sim<'a> {
             partition_epoch: epoch,
             node_id: node,
             lease_epoch: lease_epochs[&node],
+            // The list of homes is compared by the driver's handshake, not in the core.
+            ..Default::default()
         };
         let inc_to = self.node(to).incarnation;
         // The accepting side hears the dialler's hello first; the dialler gets the answer a

@@ -38,6 +38,18 @@ pub fn home_geo<'a, S: AsRef<str>>(key: &str, geos: &'a [S]) -> Option<&'a str> 
     })
 }
 
+/// Whether two nodes' lists of the world's geos give every key the same home: the same geos,
+/// in any order. An empty list (not configured) is not compared.
+pub fn same_homes<S: AsRef<str>>(a: &[S], b: &[S]) -> bool {
+    if a.is_empty() || b.is_empty() {
+        return true;
+    }
+    fn set<S: AsRef<str>>(l: &[S]) -> std::collections::BTreeSet<&str> {
+        l.iter().map(AsRef::as_ref).collect()
+    }
+    set(a) == set(b)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,6 +98,14 @@ mod tests {
             }
         }
         assert!((450..900).contains(&moved), "{moved} of 2000 moved");
+    }
+
+    #[test]
+    fn two_lists_give_the_same_homes_only_with_the_same_geos() {
+        assert!(same_homes(&["paris", "montreal"], &["montreal", "paris"]));
+        assert!(!same_homes(&["paris", "montreal"], &["paris", "sydney"]));
+        assert!(!same_homes(&["paris", "montreal"], &["paris"]));
+        assert!(same_homes::<&str>(&[], &["paris"]), "not configured");
     }
 
     #[test]

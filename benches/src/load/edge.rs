@@ -591,6 +591,7 @@ async fn serve_mesh(
             partition_epoch: 1,
             node_id: NODE,
             lease_epoch: 1,
+            world_geos: Vec::new(),
         })))
         .await?;
     let (link, rx) = mpsc::channel(OUTBOX);

@@ -382,6 +382,7 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
             partition_epoch: 5,
             node_id: 3,
             lease_epoch: 2,
+            world_geos: vec!["eu-west".into(), "us-east".into()],
         }),
         B::Heartbeat(Heartbeat { sent_unix_ms: 17 }),
         B::Attach(Attach {
@@ -608,6 +609,44 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
             found: true,
             owner: 3,
             entity_epoch: 4,
+        }),
+        B::ClaimCall(ClaimCall {
+            call: 9,
+            op: Some(claim_call::Op::Claim(ClaimAsk {
+                key: "trade:ada".into(),
+                holder_entity: 7,
+                entity_epoch: 2,
+                ttl_ms: 5_000,
+            })),
+        }),
+        B::ClaimCall(ClaimCall {
+            call: 10,
+            op: Some(claim_call::Op::Rebind(ClaimRebind {
+                grant: Some(HeldClaim {
+                    key: "trade:bob".into(),
+                    holder_entity: 7,
+                    token: 1_800_000_000_000,
+                    entity_epoch: 2,
+                    ttl_ms: 5_000,
+                }),
+                entity_epoch: 3,
+            })),
+        }),
+        B::ClaimAnswer(ClaimAnswer {
+            call: 9,
+            results: vec![
+                ClaimCallResult {
+                    ok: true,
+                    token: 1_800_000_000_001,
+                    ..Default::default()
+                },
+                ClaimCallResult {
+                    error: "refused: home geo us unreachable".into(),
+                    held_by_entity: 8,
+                    held_by_epoch: 1,
+                    ..Default::default()
+                },
+            ],
         }),
     ];
     let mut frames: Vec<MeshFrame> = all.iter().map(|b| MeshFrame::one(b.clone())).collect();

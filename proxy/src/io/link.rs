@@ -255,6 +255,8 @@ async fn dial(gateway: &str, io: &Io) -> anyhow::Result<(LinkReader, LinkWriter,
         partition_epoch: 0,
         node_id: 0,
         lease_epoch: 0,
+        // A proxy grants no claim: it has no list of homes.
+        world_geos: Vec::new(),
     }));
     io.metrics.link_out.frame(hello.encoded_len());
     writer.send(hello).await.context("sending LinkHello")?;

@@ -271,6 +271,7 @@ impl Pair {
                         partition_epoch: 1,
                         node_id: other,
                         lease_epoch: 1,
+                        ..Default::default()
                     },
                     remote: format!("node-{other}"),
                     rest: vec![],

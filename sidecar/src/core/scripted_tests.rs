@@ -95,6 +95,7 @@ fn link_up_as(core: &mut Core, ms: u64, link: LinkId, node: NodeId, lease_epoch:
                 partition_epoch: 1,
                 node_id: node,
                 lease_epoch,
+                ..Default::default()
             },
             remote: format!("node-{node}"),
             rest: vec![],
@@ -476,6 +477,7 @@ fn proxy_attaches(core: &mut Core, ms: u64, account: &str, handover: Option<mesh
                 partition_epoch: 0,
                 node_id: 0,
                 lease_epoch: 0,
+                ..Default::default()
             },
             remote: "edge".into(),
             rest: vec![mesh_message::Body::Attach(mesh::Attach {
@@ -1516,6 +1518,7 @@ fn proxy_up(core: &mut Core, ms: u64, link: LinkId) {
                 partition_epoch: 0,
                 node_id: 0,
                 lease_epoch: 0,
+                ..Default::default()
             },
             remote: "edge".into(),
             rest: vec![],

@@ -154,6 +154,9 @@ pub(crate) struct MeshCtx {
     pub outbox_frames: usize,
     pub node_id: u32,
     pub geo: String,
+    /// The world's geos as this node's `geos` lists them (empty: not set), told in its hello
+    /// and compared with every peer sidecar's.
+    pub world_geos: Vec<String>,
     pub partition_epoch: u64,
     /// This process's lease epoch (0: no lease), told to every peer so that a link to a node
     /// restarted in place is not taken for a link to its predecessor.
@@ -198,8 +201,24 @@ impl MeshCtx {
             partition_epoch: self.partition_epoch,
             node_id: self.node_id,
             lease_epoch: self.lease_epoch,
+            world_geos: self.world_geos.clone(),
         }))
     }
+}
+
+/// Refuses a peer sidecar whose list of the world's geos differs from this node's: a claim key
+/// would have a home in each list.
+pub(crate) fn check_world_geos(hello: &mesh::LinkHello, ours: &[String]) -> Result<(), String> {
+    if hello.role != PeerRole::Sidecar as i32
+        || cellmesh_world::homes::same_homes(&hello.world_geos, ours)
+    {
+        return Ok(());
+    }
+    Err(format!(
+        "sidecar node {} lists the world's geos as {:?}, this node as {:?}: a claim key would \
+         have two homes (set the same `geos` on every node)",
+        hello.node_id, hello.world_geos, ours
+    ))
 }
 
 pub(crate) async fn accept_loop(listener: TcpListener, ctx: MeshCtx) {
@@ -255,6 +274,7 @@ pub(crate) fn check_proven(hello: &mesh::LinkHello, proven: &Identity) -> Result
 pub(crate) fn check_link_hello(
     frame: MeshFrame,
     node_id: u32,
+    world_geos: &[String],
     proven: Option<&Identity>,
 ) -> Result<(mesh::LinkHello, Vec<MeshMessage>), String> {
     let mut messages = frame.messages.into_iter();
@@ -298,6 +318,7 @@ pub(crate) fn check_link_hello(
     if let Some(proven) = proven {
         check_proven(&hello, proven)?;
     }
+    check_world_geos(&hello, world_geos)?;
     Ok((hello, messages.collect()))
 }
 
@@ -398,7 +419,7 @@ async fn run(
                 ctx.metrics.error(e.kind());
                 Err(e.to_string())
             }
-            Some(Ok(frame)) => check_link_hello(frame, ctx.node_id, proven.as_ref()),
+            Some(Ok(frame)) => check_link_hello(frame, ctx.node_id, &ctx.world_geos, proven.as_ref()),
         },
     };
     drop(handshake);
@@ -578,14 +599,14 @@ mod tests {
 
     #[test]
     fn link_hello_rules() {
-        assert!(check_link_hello(hello(1, PeerRole::Proxy), 5, None).is_ok());
-        let e = check_link_hello(hello(2, PeerRole::Proxy), 5, None).unwrap_err();
+        assert!(check_link_hello(hello(1, PeerRole::Proxy), 5, &[], None).is_ok());
+        let e = check_link_hello(hello(2, PeerRole::Proxy), 5, &[], None).unwrap_err();
         assert_eq!(
             e,
             format!("peer \"edge-1\" speaks protocol 2.3, sidecar speaks {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}")
         );
         assert!(
-            check_link_hello(hello(1, PeerRole::RoleUnspecified), 5, None)
+            check_link_hello(hello(1, PeerRole::RoleUnspecified), 5, &[], None)
                 .unwrap_err()
                 .contains("proxy and sidecar links only")
         );
@@ -597,19 +618,41 @@ mod tests {
                 ..Default::default()
             }))
         };
-        assert!(check_link_hello(sidecar(2), 5, None).is_ok());
-        assert!(check_link_hello(sidecar(5), 5, None)
+        assert!(check_link_hello(sidecar(2), 5, &[], None).is_ok());
+        assert!(check_link_hello(sidecar(5), 5, &[], None)
             .unwrap_err()
             .contains("only the lower node id dials"));
-        assert!(check_link_hello(MeshFrame::default(), 5, None)
+        assert!(check_link_hello(MeshFrame::default(), 5, &[], None)
             .unwrap_err()
             .contains("empty frame"));
         let beat = MeshFrame::one(mesh_message::Body::Heartbeat(mesh::Heartbeat {
             sent_unix_ms: 1,
         }));
-        assert!(check_link_hello(beat, 5, None)
+        assert!(check_link_hello(beat, 5, &[], None)
             .unwrap_err()
             .contains("expected LinkHello"));
+    }
+
+    #[test]
+    fn a_sidecar_listing_other_world_geos_is_refused() {
+        let with = |role: PeerRole, geos: &[&str]| {
+            MeshFrame::one(mesh_message::Body::Hello(mesh::LinkHello {
+                version: Some(mesh::ProtocolVersion::current()),
+                role: role as i32,
+                node_id: 2,
+                world_geos: geos.iter().map(|g| g.to_string()).collect(),
+                ..Default::default()
+            }))
+        };
+        let ours = ["eu".to_string(), "us".to_string()];
+        assert!(check_link_hello(with(PeerRole::Sidecar, &["us", "eu"]), 5, &ours, None).is_ok());
+        assert!(check_link_hello(with(PeerRole::Sidecar, &[]), 5, &ours, None).is_ok());
+        let e = check_link_hello(with(PeerRole::Sidecar, &["eu"]), 5, &ours, None).unwrap_err();
+        assert!(e.contains("two homes") && e.contains("node 2"), "{e}");
+        assert!(
+            check_link_hello(with(PeerRole::Proxy, &["eu"]), 5, &ours, None).is_ok(),
+            "a proxy grants no claim"
+        );
     }
 
     #[test]
@@ -625,13 +668,15 @@ mod tests {
         };
         let node3 = Identity::new(Role::Sidecar, Some(3), Some("eu")).unwrap();
         let proxy = Identity::new(Role::Proxy, None, Some("eu")).unwrap();
-        assert!(check_link_hello(with(PeerRole::Sidecar, 3, "eu"), 5, Some(&node3)).is_ok());
-        let e = check_link_hello(with(PeerRole::Sidecar, 2, "eu"), 5, Some(&node3)).unwrap_err();
+        assert!(check_link_hello(with(PeerRole::Sidecar, 3, "eu"), 5, &[], Some(&node3)).is_ok());
+        let e =
+            check_link_hello(with(PeerRole::Sidecar, 2, "eu"), 5, &[], Some(&node3)).unwrap_err();
         assert!(e.contains("node 2") && e.contains("node 3"), "{e}");
-        let e = check_link_hello(with(PeerRole::Sidecar, 2, "eu"), 5, Some(&proxy)).unwrap_err();
+        let e =
+            check_link_hello(with(PeerRole::Sidecar, 2, "eu"), 5, &[], Some(&proxy)).unwrap_err();
         assert!(e.contains("proves proxy"), "{e}");
-        assert!(check_link_hello(with(PeerRole::Proxy, 0, "eu"), 5, Some(&proxy)).is_ok());
-        assert!(check_link_hello(with(PeerRole::Proxy, 0, "eu"), 5, Some(&node3)).is_err());
-        assert!(check_link_hello(with(PeerRole::Proxy, 0, "us"), 5, Some(&proxy)).is_err());
+        assert!(check_link_hello(with(PeerRole::Proxy, 0, "eu"), 5, &[], Some(&proxy)).is_ok());
+        assert!(check_link_hello(with(PeerRole::Proxy, 0, "eu"), 5, &[], Some(&node3)).is_err());
+        assert!(check_link_hello(with(PeerRole::Proxy, 0, "us"), 5, &[], Some(&proxy)).is_err());
     }
 }

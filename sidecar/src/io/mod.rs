@@ -176,6 +176,7 @@ pub(crate) async fn launch(
         outbox_frames: cfg.link_outbox_frames,
         node_id: cfg.node_id,
         geo: cfg.geo.clone(),
+        world_geos: cfg.geos.clone(),
         partition_epoch: partition.epoch(),
         lease_epoch: membership.as_ref().map_or(0, |(_, held)| held.lease.epoch),
         next_link: Arc::new(AtomicU64::new(1)),

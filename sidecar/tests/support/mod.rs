@@ -653,6 +653,7 @@ pub fn link_hello(name: &str, major: u32) -> MeshFrame {
         partition_epoch: 0,
         node_id: 0,
         lease_epoch: 0,
+        world_geos: Vec::new(),
     }))
 }
 
@@ -666,6 +667,7 @@ pub fn sidecar_hello(node_id: u32, partition_epoch: u64) -> MeshFrame {
         partition_epoch,
         node_id,
         lease_epoch: 1,
+        world_geos: Vec::new(),
     }))
 }
 

@@ -371,6 +371,7 @@ impl Sim<'_> {
             partition_epoch: 0,
             node_id: 0,
             lease_epoch: 0,
+            ..Default::default()
         };
         self.schedule(
             delay,
@@ -393,6 +394,7 @@ impl Sim<'_> {
             partition_epoch: self.partition.epoch(),
             node_id: node,
             lease_epoch,
+            ..Default::default()
         };
         self.schedule(
             2 * delay,
