@@ -97,7 +97,7 @@ async fn dial_once(
             Err(_) => return Err("no LinkHello in time".into()),
         },
     };
-    let (their, rest) = check_reply(reply, peer, &ctx.world_geos)?;
+    let (their, rest) = check_reply(reply, peer, (&ctx.geo, &ctx.world_geos))?;
     if let Some(proven) = &proven {
         if let Err(e) = super::mesh::check_proven(&their, proven) {
             ctx.metrics.error("link_refused");
@@ -142,7 +142,7 @@ async fn dial_once(
 fn check_reply(
     frame: MeshFrame,
     peer: NodeId,
-    world_geos: &[String],
+    (geo, world_geos): (&str, &[String]),
 ) -> Result<(mesh::LinkHello, Vec<mesh::MeshMessage>), String> {
     let mut messages = frame.messages.into_iter();
     match messages.next().and_then(|m| m.body) {
@@ -159,7 +159,7 @@ fn check_reply(
                     h.id, h.node_id
                 ));
             }
-            super::mesh::check_world_geos(&h, world_geos)?;
+            super::mesh::check_world_geos(&h, geo, world_geos)?;
             Ok((h, messages.collect()))
         }
         Some(mesh_message::Body::Refused(r)) => Err(format!("refused: {}", r.reason)),
@@ -182,33 +182,43 @@ mod tests {
 
     #[test]
     fn the_reply_must_come_from_the_node_dialled() {
-        assert!(check_reply(hello(3, PeerRole::Sidecar), 3, &[]).is_ok());
-        assert!(check_reply(hello(4, PeerRole::Sidecar), 3, &[])
+        assert!(check_reply(hello(3, PeerRole::Sidecar), 3, ("eu", &[])).is_ok());
+        assert!(check_reply(hello(4, PeerRole::Sidecar), 3, ("eu", &[]))
             .unwrap_err()
             .contains("expected sidecar node 3"));
-        assert!(check_reply(hello(3, PeerRole::Proxy), 3, &[]).is_err());
+        assert!(check_reply(hello(3, PeerRole::Proxy), 3, ("eu", &[])).is_err());
         let refused = MeshFrame::one(mesh_message::Body::Refused(mesh::LinkRefused {
             reason: "no".into(),
         }));
-        assert_eq!(check_reply(refused, 3, &[]).unwrap_err(), "refused: no");
+        assert_eq!(
+            check_reply(refused, 3, ("eu", &[])).unwrap_err(),
+            "refused: no"
+        );
     }
 
     #[test]
     fn a_peer_listing_other_world_geos_is_refused() {
-        let with = |geos: &[&str]| {
+        let with = |geo: &str, geos: &[&str]| {
             MeshFrame::one(mesh_message::Body::Hello(mesh::LinkHello {
                 version: Some(mesh::ProtocolVersion::current()),
                 role: PeerRole::Sidecar as i32,
                 node_id: 3,
+                geo: geo.into(),
                 world_geos: geos.iter().map(|g| g.to_string()).collect(),
                 ..Default::default()
             }))
         };
         let ours = ["eu".to_string(), "us".to_string()];
-        assert!(check_reply(with(&["us", "eu"]), 3, &ours).is_ok());
-        assert!(check_reply(with(&[]), 3, &ours).is_ok(), "not set there");
-        assert!(check_reply(with(&["eu"]), 3, &[]).is_ok(), "not set here");
-        let e = check_reply(with(&["eu", "ap"]), 3, &ours).unwrap_err();
+        let ok = |hello, ours: (&str, &[String])| check_reply(hello, 3, ours).is_ok();
+        assert!(ok(with("us", &["us", "eu"]), ("eu", &ours)));
+        let e = check_reply(with("eu", &["eu", "ap"]), 3, ("eu", &ours)).unwrap_err();
         assert!(e.contains("two homes") && e.contains("\"ap\""), "{e}");
+        // A node with no list is its geo's only home: refused by a world of two geos.
+        assert!(!ok(with("us", &[]), ("eu", &ours)), "unset there");
+        assert!(!ok(with("us", &["eu", "us"]), ("eu", &[])), "unset here");
+        // A world of one geo agrees with a node of that geo that set nothing.
+        assert!(ok(with("eu", &[]), ("eu", &["eu".to_string()])));
+        // Neither set: not compared.
+        assert!(ok(with("us", &[]), ("eu", &[])));
     }
 }

@@ -208,16 +208,35 @@ impl MeshCtx {
 
 /// Refuses a peer sidecar whose list of the world's geos differs from this node's: a claim key
 /// would have a home in each list.
-pub(crate) fn check_world_geos(hello: &mesh::LinkHello, ours: &[String]) -> Result<(), String> {
-    if hello.role != PeerRole::Sidecar as i32
-        || cellmesh_world::homes::same_homes(&hello.world_geos, ours)
-    {
+/// A node with no list is its own geo's only home: once either side lists geos, the other's
+/// unset list counts as its geo alone. Two nodes with no list are not compared (one geo, or a
+/// world that has not set `geos` yet).
+pub(crate) fn check_world_geos(
+    hello: &mesh::LinkHello,
+    our_geo: &str,
+    ours: &[String],
+) -> Result<(), String> {
+    if hello.role != PeerRole::Sidecar as i32 || (hello.world_geos.is_empty() && ours.is_empty()) {
+        return Ok(());
+    }
+    let or_alone = |list: &[String], geo: &str| {
+        if list.is_empty() {
+            vec![geo.to_string()]
+        } else {
+            list.to_vec()
+        }
+    };
+    let (theirs, ours) = (
+        or_alone(&hello.world_geos, &hello.geo),
+        or_alone(ours, our_geo),
+    );
+    if cellmesh_world::homes::same_homes(&theirs, &ours) {
         return Ok(());
     }
     Err(format!(
-        "sidecar node {} lists the world's geos as {:?}, this node as {:?}: a claim key would \
-         have two homes (set the same `geos` on every node)",
-        hello.node_id, hello.world_geos, ours
+        "sidecar node {} lists the world's geos as {theirs:?}, this node as {ours:?}: a claim key \
+         would have two homes (set the same `geos` on every node)",
+        hello.node_id
     ))
 }
 
@@ -274,7 +293,7 @@ pub(crate) fn check_proven(hello: &mesh::LinkHello, proven: &Identity) -> Result
 pub(crate) fn check_link_hello(
     frame: MeshFrame,
     node_id: u32,
-    world_geos: &[String],
+    (geo, world_geos): (&str, &[String]),
     proven: Option<&Identity>,
 ) -> Result<(mesh::LinkHello, Vec<MeshMessage>), String> {
     let mut messages = frame.messages.into_iter();
@@ -318,7 +337,7 @@ pub(crate) fn check_link_hello(
     if let Some(proven) = proven {
         check_proven(&hello, proven)?;
     }
-    check_world_geos(&hello, world_geos)?;
+    check_world_geos(&hello, geo, world_geos)?;
     Ok((hello, messages.collect()))
 }
 
@@ -419,7 +438,7 @@ async fn run(
                 ctx.metrics.error(e.kind());
                 Err(e.to_string())
             }
-            Some(Ok(frame)) => check_link_hello(frame, ctx.node_id, &ctx.world_geos, proven.as_ref()),
+            Some(Ok(frame)) => check_link_hello(frame, ctx.node_id, (&ctx.geo, &ctx.world_geos), proven.as_ref()),
         },
     };
     drop(handshake);
@@ -599,14 +618,14 @@ mod tests {
 
     #[test]
     fn link_hello_rules() {
-        assert!(check_link_hello(hello(1, PeerRole::Proxy), 5, &[], None).is_ok());
-        let e = check_link_hello(hello(2, PeerRole::Proxy), 5, &[], None).unwrap_err();
+        assert!(check_link_hello(hello(1, PeerRole::Proxy), 5, ("eu", &[]), None).is_ok());
+        let e = check_link_hello(hello(2, PeerRole::Proxy), 5, ("eu", &[]), None).unwrap_err();
         assert_eq!(
             e,
             format!("peer \"edge-1\" speaks protocol 2.3, sidecar speaks {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}")
         );
         assert!(
-            check_link_hello(hello(1, PeerRole::RoleUnspecified), 5, &[], None)
+            check_link_hello(hello(1, PeerRole::RoleUnspecified), 5, ("eu", &[]), None)
                 .unwrap_err()
                 .contains("proxy and sidecar links only")
         );
@@ -618,17 +637,17 @@ mod tests {
                 ..Default::default()
             }))
         };
-        assert!(check_link_hello(sidecar(2), 5, &[], None).is_ok());
-        assert!(check_link_hello(sidecar(5), 5, &[], None)
+        assert!(check_link_hello(sidecar(2), 5, ("eu", &[]), None).is_ok());
+        assert!(check_link_hello(sidecar(5), 5, ("eu", &[]), None)
             .unwrap_err()
             .contains("only the lower node id dials"));
-        assert!(check_link_hello(MeshFrame::default(), 5, &[], None)
+        assert!(check_link_hello(MeshFrame::default(), 5, ("eu", &[]), None)
             .unwrap_err()
             .contains("empty frame"));
         let beat = MeshFrame::one(mesh_message::Body::Heartbeat(mesh::Heartbeat {
             sent_unix_ms: 1,
         }));
-        assert!(check_link_hello(beat, 5, &[], None)
+        assert!(check_link_hello(beat, 5, ("eu", &[]), None)
             .unwrap_err()
             .contains("expected LinkHello"));
     }
@@ -640,17 +659,29 @@ mod tests {
                 version: Some(mesh::ProtocolVersion::current()),
                 role: role as i32,
                 node_id: 2,
+                geo: "us".into(),
                 world_geos: geos.iter().map(|g| g.to_string()).collect(),
                 ..Default::default()
             }))
         };
         let ours = ["eu".to_string(), "us".to_string()];
-        assert!(check_link_hello(with(PeerRole::Sidecar, &["us", "eu"]), 5, &ours, None).is_ok());
-        assert!(check_link_hello(with(PeerRole::Sidecar, &[]), 5, &ours, None).is_ok());
-        let e = check_link_hello(with(PeerRole::Sidecar, &["eu"]), 5, &ours, None).unwrap_err();
+        assert!(check_link_hello(
+            with(PeerRole::Sidecar, &["us", "eu"]),
+            5,
+            ("eu", &ours),
+            None
+        )
+        .is_ok());
+        assert!(
+            check_link_hello(with(PeerRole::Sidecar, &[]), 5, ("eu", &ours), None).is_err(),
+            "a node of another geo with no list is its geo's only home"
+        );
+        assert!(check_link_hello(with(PeerRole::Sidecar, &[]), 5, ("eu", &[]), None).is_ok());
+        let e =
+            check_link_hello(with(PeerRole::Sidecar, &["eu"]), 5, ("eu", &ours), None).unwrap_err();
         assert!(e.contains("two homes") && e.contains("node 2"), "{e}");
         assert!(
-            check_link_hello(with(PeerRole::Proxy, &["eu"]), 5, &ours, None).is_ok(),
+            check_link_hello(with(PeerRole::Proxy, &["eu"]), 5, ("eu", &ours), None).is_ok(),
             "a proxy grants no claim"
         );
     }
@@ -668,15 +699,37 @@ mod tests {
         };
         let node3 = Identity::new(Role::Sidecar, Some(3), Some("eu")).unwrap();
         let proxy = Identity::new(Role::Proxy, None, Some("eu")).unwrap();
-        assert!(check_link_hello(with(PeerRole::Sidecar, 3, "eu"), 5, &[], Some(&node3)).is_ok());
-        let e =
-            check_link_hello(with(PeerRole::Sidecar, 2, "eu"), 5, &[], Some(&node3)).unwrap_err();
+        assert!(check_link_hello(
+            with(PeerRole::Sidecar, 3, "eu"),
+            5,
+            ("eu", &[]),
+            Some(&node3)
+        )
+        .is_ok());
+        let e = check_link_hello(
+            with(PeerRole::Sidecar, 2, "eu"),
+            5,
+            ("eu", &[]),
+            Some(&node3),
+        )
+        .unwrap_err();
         assert!(e.contains("node 2") && e.contains("node 3"), "{e}");
-        let e =
-            check_link_hello(with(PeerRole::Sidecar, 2, "eu"), 5, &[], Some(&proxy)).unwrap_err();
+        let e = check_link_hello(
+            with(PeerRole::Sidecar, 2, "eu"),
+            5,
+            ("eu", &[]),
+            Some(&proxy),
+        )
+        .unwrap_err();
         assert!(e.contains("proves proxy"), "{e}");
-        assert!(check_link_hello(with(PeerRole::Proxy, 0, "eu"), 5, &[], Some(&proxy)).is_ok());
-        assert!(check_link_hello(with(PeerRole::Proxy, 0, "eu"), 5, &[], Some(&node3)).is_err());
-        assert!(check_link_hello(with(PeerRole::Proxy, 0, "us"), 5, &[], Some(&proxy)).is_err());
+        assert!(
+            check_link_hello(with(PeerRole::Proxy, 0, "eu"), 5, ("eu", &[]), Some(&proxy)).is_ok()
+        );
+        assert!(
+            check_link_hello(with(PeerRole::Proxy, 0, "eu"), 5, ("eu", &[]), Some(&node3)).is_err()
+        );
+        assert!(
+            check_link_hello(with(PeerRole::Proxy, 0, "us"), 5, ("eu", &[]), Some(&proxy)).is_err()
+        );
     }
 }
