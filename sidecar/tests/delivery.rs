@@ -6,7 +6,7 @@ mod support;
 use std::time::Duration;
 
 use cellmesh_proto::edge::DeltaKind;
-use cellmesh_proto::local::{game_message::Body, sidecar_message, AudienceKind, Event, Send};
+use cellmesh_proto::local::{game_message::Body, AudienceKind, Event, Send};
 use cellmesh_proto::mesh::{self, mesh_message};
 use support::*;
 
@@ -241,13 +241,7 @@ async fn input_reaches_the_game_with_the_session_epoch() {
     s.edge.input(1, 1, b"north").await;
     s.edge.input(1, 2, b"east").await;
     for (seq, payload) in [(1u64, &b"north"[..]), (2, &b"east"[..])] {
-        let i = s
-            .game
-            .expect("Input", |m| match m {
-                sidecar_message::Body::Input(i) => Some(i.clone()),
-                _ => None,
-            })
-            .await;
+        let i = s.game.expect_input().await;
         assert_eq!(
             (
                 i.account.as_str(),
@@ -281,13 +275,7 @@ async fn input_reaches_the_game_with_the_session_epoch() {
     .await;
     // It never reached the game: the next input the game gets is alice's.
     s.edge.input(1, 3, b"after").await;
-    let i = s
-        .game
-        .expect("Input", |m| match m {
-            sidecar_message::Body::Input(i) => Some(i.clone()),
-            _ => None,
-        })
-        .await;
+    let i = s.game.expect_input().await;
     assert_eq!(i.seq, 3);
 }
 

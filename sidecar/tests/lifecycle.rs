@@ -519,13 +519,7 @@ async fn a_second_login_displaces_the_first() {
     }))
     .await;
     s.edge.input(5, 1, b"new").await;
-    let i = s
-        .game
-        .expect("Input", |m| match m {
-            sidecar_message::Body::Input(i) => Some(i.clone()),
-            _ => None,
-        })
-        .await;
+    let i = s.game.expect_input().await;
     assert_eq!(
         (i.payload.as_ref(), i.session_epoch),
         (&b"new"[..], attached.session_epoch)
@@ -601,13 +595,7 @@ async fn a_game_restart_keeps_the_sessions() {
     let b = s.edge.batch(1).await;
     assert!(kinds(&b).contains(&(again, DeltaKind::Appear)), "{b:?}");
     s.edge.input(1, 2, b"hello again").await;
-    let i = s
-        .game
-        .expect("Input", |m| match m {
-            sidecar_message::Body::Input(i) => Some(i.clone()),
-            _ => None,
-        })
-        .await;
+    let i = s.game.expect_input().await;
     assert_eq!((i.seq, i.payload.as_ref()), (2, &b"hello again"[..]));
 }
 

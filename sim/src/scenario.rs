@@ -372,6 +372,12 @@ fn command_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
 
 fn claim_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     cuts(s, rng, plan);
+    store_cut_one(s, rng, plan);
+    kill_some(s, rng, plan, 1, true);
+}
+
+/// One node that is no client's gateway is cut from its stores for 0.3 to 4 s.
+fn store_cut_one(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     let victims: Vec<NodeId> = (1..=s.nodes).filter(|n| !s.gateways.contains(n)).collect();
     plan.at(
         s.during(rng, 2_000),
@@ -380,7 +386,6 @@ fn claim_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
             ms: rng.random_range(300..4_000),
         },
     );
-    kill_some(s, rng, plan, 1, true);
 }
 
 /// The claim faults over geos: cuts (within and between geos), a node cut from its geo's
@@ -388,18 +393,10 @@ fn claim_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
 /// last node dying is the edge-outage fallback, not restored yet.)
 fn geo_claim_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     cuts(s, rng, plan);
-    let victims: Vec<NodeId> = (1..=s.nodes).filter(|n| !s.gateways.contains(n)).collect();
-    plan.at(
-        s.during(rng, 2_000),
-        Fault::StoreCut {
-            node: victims[rng.random_range(0..victims.len())],
-            ms: rng.random_range(300..4_000),
-        },
-    );
-    let geo_of = |n: NodeId| s.geo_of(n);
-    let restorable: Vec<NodeId> = victims
-        .into_iter()
-        .filter(|v| (1..=s.nodes).any(|n| n != *v && geo_of(n) == geo_of(*v)))
+    store_cut_one(s, rng, plan);
+    let restorable: Vec<NodeId> = (1..=s.nodes)
+        .filter(|v| !s.gateways.contains(v))
+        .filter(|v| (1..=s.nodes).any(|n| n != *v && s.geo_of(n) == s.geo_of(*v)))
         .collect();
     let node = restorable[rng.random_range(0..restorable.len())];
     let at = s.during(rng, 3_000);

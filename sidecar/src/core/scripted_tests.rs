@@ -736,13 +736,7 @@ fn a_handed_over_login_waits_for_its_avatars_owner_before_spawning_one() {
 /// avatar's writer and no link to node 2 is up.
 fn alice_registered_while_her_writer_is_cut_off() -> Core {
     let mut core = node();
-    core.handle(
-        at(0),
-        Input::PeerLeases {
-            live: vec![(GATEWAY, 1)],
-            lapsed: vec![],
-        },
-    );
+    gateway_live(&mut core, 0);
     proxy_attaches(&mut core, 10, "alice", None);
     let key = registration_asked(&mut core);
     let master = MasterEntry {
@@ -931,13 +925,7 @@ fn a_ghost_of_a_live_owner_cut_off_stays_in_view_past_two_leases() {
         let mut core = node();
         alice_at_the_border(&mut core);
         if owner_live {
-            core.handle(
-                at(25),
-                Input::PeerLeases {
-                    live: vec![(GATEWAY, 1)],
-                    lapsed: vec![],
-                },
-            );
+            gateway_live(&mut core, 25);
         }
         from_node_2(&mut core, 30, true, 270.0);
         assert_eq!(deltas_of_99(&mut core), [DeltaKind::Appear as i32]);
@@ -1952,13 +1940,7 @@ fn node_in_eu_with_peer_in(geo: &str) -> Core {
             geo: geo.into(),
         }]),
     );
-    core.handle(
-        at(0),
-        Input::PeerLeases {
-            live: vec![(GATEWAY, 1)],
-            lapsed: vec![],
-        },
-    );
+    gateway_live(&mut core, 0);
     core
 }
 
@@ -2060,6 +2042,17 @@ fn an_owner_cut_off_from_a_gateway_of_another_geo_keeps_its_players_avatar() {
         }
         assert_eq!(!leaves.is_empty(), released, "{case}: leaves {leaves:?}");
     }
+}
+
+/// The topology store says the gateway's lease (epoch 1) is live, at `ms`.
+fn gateway_live(core: &mut Core, ms: u64) {
+    core.handle(
+        at(ms),
+        Input::PeerLeases {
+            live: vec![(GATEWAY, 1)],
+            lapsed: vec![],
+        },
+    );
 }
 
 /// Node 1 simulates alice's avatar for her gateway, node 2: the join, and the game's spawn at
@@ -2311,13 +2304,7 @@ fn a_leave_from_a_cut_off_gateway_waits_for_its_link_to_come_back() {
     for (gateway_lives, newer_session) in [(true, true), (true, false), (false, false)] {
         let case = format!("gateway lives: {gateway_lives}, newer session: {newer_session}");
         let mut core = node();
-        core.handle(
-            at(0),
-            Input::PeerLeases {
-                live: vec![(GATEWAY, 1)],
-                lapsed: vec![],
-            },
-        );
+        gateway_live(&mut core, 0);
         alice_simulated_here(&mut core);
         from_peer(
             &mut core,
@@ -2402,13 +2389,7 @@ fn a_leave_from_a_cut_off_gateway_waits_for_its_link_to_come_back() {
 #[test]
 fn a_login_on_the_node_writing_its_avatar_joins_it_here_past_a_stale_master_record() {
     let mut core = node();
-    core.handle(
-        at(0),
-        Input::PeerLeases {
-            live: vec![(GATEWAY, 1)],
-            lapsed: vec![],
-        },
-    );
+    gateway_live(&mut core, 0);
     alice_simulated_here(&mut core);
     proxy_attaches(&mut core, 100, "alice", None);
     let key = registration_asked(&mut core);

@@ -250,6 +250,15 @@ impl TestGame {
         .await
     }
 
+    /// The next `Input` the game is handed.
+    pub async fn expect_input(&mut self) -> local::Input {
+        self.expect("Input", |m| match m {
+            sidecar_message::Body::Input(i) => Some(i.clone()),
+            _ => None,
+        })
+        .await
+    }
+
     pub async fn reserve(&mut self, count: u32) -> Vec<u64> {
         let request_id = rand_id();
         self.push(game_message::Body::ReserveIds(local::ReserveIds {
