@@ -498,7 +498,23 @@ async fn run_sidecar(config: Option<PathBuf>, print_config: bool) -> anyhow::Res
     }
     let stores = cellmesh_stores::Stores::open(&cfg.directory_url, &cfg.players_url, &cfg.geo)
         .await
-        .context("opening the stores")?;
+        .context("opening the stores")?
+        .with_core_copies(
+            &cfg.geo,
+            &cfg.world_geos(),
+            &cfg.core_geo,
+            &cfg.directory_url,
+            &cfg.core_directory_url,
+        )
+        .await
+        .context("opening the core geo's copy of the checkpoints")?;
+    if !cfg.core_geo.is_empty() && cfg.geo != cfg.core_geo && stores.core_copy.is_none() {
+        tracing::warn!(
+            core_geo = %cfg.core_geo,
+            "no core_directory_url (redis://…): this geo's checkpoints are not copied to the \
+             core geo, which cannot restore its world if every node of this geo dies"
+        );
+    }
     let stop = CancellationToken::new();
     let handle = if cfg.topology_url.is_empty() {
         cellmesh_sidecar::start(cfg, stores, stop.clone()).await?

@@ -74,6 +74,8 @@ async fn sidecar(
         players,
         checkpoints: Arc::new(MemoryCheckpoints::default()),
         claims: Arc::new(cellmesh_stores::claims::MemoryClaims::default()),
+        core_copy: None,
+        copies: Default::default(),
     };
     cellmesh_sidecar::start(cfg, stores, stop.clone())
         .await

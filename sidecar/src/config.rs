@@ -47,6 +47,15 @@ pub struct SidecarConfig {
     /// alone grants it; a node of another geo asks a node of the home geo over the mesh. Empty:
     /// this node's geo alone (one geo, every claim granted by its store).
     pub geos: Vec<String>,
+    /// The core geo among `geos`, the same on every node: when no node of another geo lives
+    /// (its datacenter or its link is down), the core's nodes restore that geo's world from the
+    /// copy of its checkpoints kept in the core geo's store. Empty: no core; a geo whose last
+    /// node died waits for one of its own nodes to restore it.
+    pub core_geo: String,
+    /// The core geo's session directory (`redis://…`), where a node of another geo copies its
+    /// checkpoints (a core node reads the copies from its own `directory_url`). Empty, or
+    /// `memory`: no copy is written, and the core cannot restore this geo.
+    pub core_directory_url: String,
     /// Where the game server connects: `host:port`, or `unix:/path/to.sock` for a Unix socket.
     pub local_listen: String,
     /// Where proxies and peer sidecars dial in. Off loopback only with `mesh_tls`.
@@ -157,6 +166,7 @@ impl SidecarConfig {
         use cellmesh_stores::redact_url;
         Self {
             directory_url: redact_url(&self.directory_url),
+            core_directory_url: redact_url(&self.core_directory_url),
             players_url: redact_url(&self.players_url),
             topology_url: redact_url(&self.topology_url),
             attest_keys: cellmesh_proto::keys::masked(&self.attest_keys),
@@ -173,6 +183,8 @@ impl Default for SidecarConfig {
             node_id_auto: false,
             geo: "local".into(),
             geos: Vec::new(),
+            core_geo: String::new(),
+            core_directory_url: String::new(),
             local_listen: "127.0.0.1:7100".into(),
             mesh_listen: "127.0.0.1:7200".into(),
             mesh_tls: Default::default(),
@@ -299,6 +311,13 @@ impl SidecarConfig {
             return Err(ConfigError::Geos(format!(
                 "{:?} does not list this node's geo {:?}",
                 self.geos, self.geo
+            )));
+        }
+        if !self.core_geo.is_empty() && !self.world_geos().contains(&self.core_geo) {
+            return Err(ConfigError::Geos(format!(
+                "the core geo {:?} is not among the world's geos {:?}",
+                self.core_geo,
+                self.world_geos()
             )));
         }
         Ok(())
@@ -702,5 +721,17 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(one.world_geos(), ["paris"]);
+        let core = |core: &str| {
+            SidecarConfig {
+                geo: "paris".into(),
+                geos: vec!["paris".into(), "montreal".into()],
+                core_geo: core.into(),
+                ..SidecarConfig::default()
+            }
+            .validate()
+        };
+        assert!(core("").is_ok() && core("montreal").is_ok() && core("paris").is_ok());
+        let err = core("sydney").unwrap_err().to_string();
+        assert!(err.contains("core geo \"sydney\""), "{err}");
     }
 }

@@ -185,6 +185,15 @@ impl TopologyStore for NodeView {
     async fn nodes(&self) -> Result<Vec<NodeEntry>, TopologyError> {
         self.call(self.store.nodes()).await
     }
+    async fn mark_restored(&self, node: u32, lease_epoch: u64) -> Result<(), TopologyError> {
+        self.call(self.store.mark_restored(node, lease_epoch)).await
+    }
+    async fn restored_among(
+        &self,
+        processes: &[(u32, u64)],
+    ) -> Result<Vec<(u32, u64)>, TopologyError> {
+        self.call(self.store.restored_among(processes)).await
+    }
     async fn publish_load(
         &self,
         lease: &Lease,

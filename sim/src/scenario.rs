@@ -406,6 +406,34 @@ fn geo_claim_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     }
 }
 
+/// The only node of a geo dies: the core geo restores its world from the copy of its
+/// checkpoints kept in the core's store. Half the time it comes back, before or after that
+/// restore (nothing its geo's store still holds is restored again); a third of the time a node
+/// of the core dies too, restored by the core's other node.
+fn geo_restore_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    let lone: Vec<NodeId> = (1..=s.nodes)
+        .filter(|v| !s.gateways.contains(v))
+        .filter(|v| (1..=s.nodes).all(|n| n == *v || s.geo_of(n) != s.geo_of(*v)))
+        .collect();
+    let node = lone[rng.random_range(0..lone.len())];
+    let at = s.during(rng, 3_000);
+    plan.at(at, Fault::Kill(node));
+    if rng.random_bool(0.5) {
+        plan.at(at + rng.random_range(200..4_000), Fault::Restart(node));
+    }
+    if rng.random_bool(0.3) {
+        let core: Vec<NodeId> = (1..=s.nodes)
+            .filter(|v| !s.gateways.contains(v) && s.geo_of(*v) == 0)
+            .collect();
+        let node = core[rng.random_range(0..core.len())];
+        let at = s.during(rng, 3_000);
+        plan.at(at, Fault::Kill(node));
+        if rng.random_bool(0.5) {
+            plan.at(at + rng.random_range(200..2_000), Fault::Restart(node));
+        }
+    }
+}
+
 fn spawner_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     replan(s, rng, plan);
     cuts(s, rng, plan);
@@ -684,6 +712,15 @@ pub fn catalogue() -> Vec<Scenario> {
             geos: Some(&THREE_GEOS),
             faults: geo_faults,
             ..Scenario::base("geos")
+        },
+        Scenario {
+            // Montreal's only node dies while players fight NPCs: Paris, the core, restores
+            // its world from the copy Montreal kept there; the node may come back before or
+            // after, and nothing killed since comes back with it.
+            geos: Some(&THREE_GEOS),
+            gateways: &[2, 4],
+            faults: geo_restore_faults,
+            ..Scenario::base("geo_restore")
         },
         Scenario {
             // Players fight NPCs wherever they are simulated while both cross borders back and

@@ -13,6 +13,11 @@ use cellmesh_world::partition::NodeId;
 /// What the driver answers when a store call times out.
 const TIMEOUT_MS: u64 = 5_000;
 
+type Checkpoints = BTreeMap<(NodeId, u64), BTreeMap<u64, HandoffOffer>>;
+
+/// The core geo: the first.
+const CORE: usize = 0;
+
 #[derive(Default)]
 pub(crate) struct SimStore {
     /// account -> (gateway, session epoch, lease expiry ms).
@@ -21,8 +26,14 @@ pub(crate) struct SimStore {
     epochs: BTreeMap<String, u64>,
     players: BTreeMap<String, PlayerRecord>,
     masters: BTreeMap<String, MasterEntry>,
-    /// (node, lease epoch) -> entity -> its checkpoint.
-    checkpoints: BTreeMap<(NodeId, u64), BTreeMap<u64, HandoffOffer>>,
+    /// (the geo whose store holds them, the geo whose processes wrote them) -> (node, lease
+    /// epoch) -> entity -> its checkpoint. A geo's own are under (g, g); the copy a geo other
+    /// than the core (geo 0) keeps in the core's store under (0, g).
+    checkpoints: BTreeMap<(usize, usize), Checkpoints>,
+    /// The processes marked restored, for good (in the topology, which every geo shares).
+    restored: std::collections::BTreeSet<(NodeId, u64)>,
+    /// The geos' names, by index (a `copy_of` names its geo).
+    geo_names: Vec<String>,
     /// Each geo's claim store (by geo index), on the true clock: a key is granted by its home
     /// geo's alone.
     pub claims: BTreeMap<usize, ClaimTable>,
@@ -31,6 +42,13 @@ pub(crate) struct SimStore {
 }
 
 impl SimStore {
+    pub fn with_geos(geo_names: Vec<String>) -> Self {
+        Self {
+            geo_names,
+            ..Self::default()
+        }
+    }
+
     /// Runs `request` at `now`; the answer (if the request has one) and how long after the
     /// delay it comes: at once, or at the driver's timeout during an outage.
     /// `cut`: the asking machine is cut from the store (its claim calls time out). `geo`: the
@@ -79,16 +97,18 @@ impl SimStore {
                     held,
                     result: Err(err()),
                 }),
-                StoreRequest::LoadCheckpoints { node, lease_epoch } => {
-                    Some(StoreReply::CheckpointsLoaded {
-                        node,
-                        lease_epoch,
-                        result: Err(err()),
-                    })
-                }
-                StoreRequest::ListCheckpointed => {
-                    Some(StoreReply::Checkpointed { result: Err(err()) })
-                }
+                StoreRequest::LoadCheckpoints {
+                    node, lease_epoch, ..
+                } => Some(StoreReply::CheckpointsLoaded {
+                    node,
+                    lease_epoch,
+                    result: Err(err()),
+                }),
+                StoreRequest::ListCheckpointed { copy_of } => Some(StoreReply::Checkpointed {
+                    copy_of,
+                    result: Err(err()),
+                    restored: Vec::new(),
+                }),
                 StoreRequest::WriteMasters { set, .. } => Some(StoreReply::MastersNotWritten {
                     accounts: set.into_iter().map(|(a, _)| a).collect(),
                 }),
@@ -269,19 +289,38 @@ impl SimStore {
                 put,
                 remove,
             } => {
-                let kept = self.checkpoints.entry((node, lease_epoch)).or_default();
-                for id in remove {
-                    kept.remove(&id);
-                }
-                for c in put {
-                    kept.insert(c.entity_id, c);
+                // This geo's store, and the core's copy of a geo other than the core.
+                let places: &[(usize, usize)] = if geo == CORE {
+                    &[(CORE, CORE)]
+                } else {
+                    &[(geo, geo), (CORE, geo)]
+                };
+                for place in places {
+                    let kept = self
+                        .checkpoints
+                        .entry(*place)
+                        .or_default()
+                        .entry((node, lease_epoch))
+                        .or_default();
+                    for id in &remove {
+                        kept.remove(id);
+                    }
+                    for c in &put {
+                        kept.insert(c.entity_id, c.clone());
+                    }
                 }
                 None
             }
-            StoreRequest::LoadCheckpoints { node, lease_epoch } => {
+            StoreRequest::LoadCheckpoints {
+                node,
+                lease_epoch,
+                copy_of,
+            } => {
+                let place = self.place(geo, copy_of.as_deref());
                 let all = self
                     .checkpoints
-                    .get(&(node, lease_epoch))
+                    .get(&place)
+                    .and_then(|c| c.get(&(node, lease_epoch)))
                     .map(|k| k.values().cloned().collect())
                     .unwrap_or_default();
                 Some(StoreReply::CheckpointsLoaded {
@@ -290,18 +329,45 @@ impl SimStore {
                     result: Ok(all),
                 })
             }
-            StoreRequest::DropCheckpoints { node, lease_epoch } => {
-                self.checkpoints.remove(&(node, lease_epoch));
+            StoreRequest::DropCheckpoints {
+                node,
+                lease_epoch,
+                copy_of,
+            } => {
+                self.restored.insert((node, lease_epoch));
+                let place = self.place(geo, copy_of.as_deref());
+                let mut places = vec![place];
+                if copy_of.is_none() && geo != CORE {
+                    places.push((CORE, geo));
+                }
+                for place in places {
+                    if let Some(c) = self.checkpoints.get_mut(&place) {
+                        c.remove(&(node, lease_epoch));
+                    }
+                }
                 None
             }
-            StoreRequest::ListCheckpointed => Some(StoreReply::Checkpointed {
-                result: Ok(self
+            StoreRequest::ListCheckpointed { copy_of } => {
+                let place = self.place(geo, copy_of.as_deref());
+                let all: Vec<(NodeId, u64)> = self
                     .checkpoints
-                    .iter()
+                    .get(&place)
+                    .into_iter()
+                    .flatten()
                     .filter(|(_, kept)| !kept.is_empty())
                     .map(|(k, _)| *k)
-                    .collect()),
-            }),
+                    .collect();
+                let restored = all
+                    .iter()
+                    .copied()
+                    .filter(|p| self.restored.contains(p))
+                    .collect();
+                Some(StoreReply::Checkpointed {
+                    copy_of,
+                    result: Ok(all),
+                    restored,
+                })
+            }
             // The world commits partitions itself (it publishes them to the nodes).
             StoreRequest::CommitPartition { .. } | StoreRequest::FenceLease { .. } => None,
             // Claim calls were run above.
@@ -312,6 +378,15 @@ impl SimStore {
             | StoreRequest::ClaimForPeer { .. } => None,
         };
         (reply, 0)
+    }
+
+    /// Where a checkpoint request of a machine of `geo` reads: its geo's store, or the copy of
+    /// `copy_of`'s kept there.
+    fn place(&self, geo: usize, copy_of: Option<&str>) -> (usize, usize) {
+        let of = copy_of
+            .and_then(|name| self.geo_names.iter().position(|g| g == name))
+            .unwrap_or(geo);
+        (geo, of)
     }
 
     fn release(&mut self, account: &str, epoch: u64) {

@@ -691,7 +691,11 @@ impl<'a> Sim<'a> {
             links: BTreeMap::new(),
             next_uid: 1,
             cut: BTreeSet::new(),
-            store: SimStore::default(),
+            store: SimStore::with_geos(
+                s.geos
+                    .map(|g| g.names.iter().map(|n| n.to_string()).collect())
+                    .unwrap_or_default(),
+            ),
             leases: SimLeases::default(),
             next_holder: 1,
             store_cut: BTreeMap::new(),
@@ -1212,6 +1216,10 @@ impl<'a> Sim<'a> {
             .geos
             .map(|g| g.names.iter().map(|n| n.to_string()).collect())
             .unwrap_or_default();
+        // The first geo is the core: it restores a geo none of whose nodes lives.
+        if cfg.geos.len() > 1 {
+            cfg.core_geo = cfg.geos[0].clone();
+        }
         self.node(id).clock = clock;
         let now = self.time_of(id);
         self.note(|| {

@@ -165,22 +165,36 @@ pub fn grid_shape(n: usize) -> (u32, u32) {
     ((n / rows) as u32, rows as u32)
 }
 
-/// One directory, claim store (and board) per geo, as a Redis per geo would hold them; player
-/// records and checkpoints shared.
+/// One directory, claim store, checkpoint store (and board) per geo, as a Redis per geo would
+/// hold them, and the core geo's copies of the others' checkpoints; player records shared.
 fn stores_per_geo(geos: &GeoLayout) -> Vec<Stores> {
     let shared = Stores::in_memory();
-    (0..geos.names.len())
+    let mut stores: Vec<Stores> = (0..geos.names.len())
         .map(|g| {
             if g == 0 {
                 return shared.clone();
             }
+            // A geo's directory, claims and checkpoints are its own; a copy of its
+            // checkpoints is kept in the core geo's store (the first geo is the core).
+            let copy: Arc<dyn cellmesh_stores::CheckpointStore> =
+                Arc::new(cellmesh_stores::memory::MemoryCheckpoints::default());
             Stores {
                 directory: Arc::new(cellmesh_stores::memory::MemoryDirectory::default()),
                 claims: Arc::new(cellmesh_stores::claims::MemoryClaims::default()),
+                checkpoints: Arc::new(cellmesh_stores::memory::MemoryCheckpoints::default()),
+                core_copy: Some(copy),
                 ..shared.clone()
             }
         })
-        .collect()
+        .collect();
+    let copies = stores
+        .iter()
+        .enumerate()
+        .skip(1)
+        .filter_map(|(g, s)| Some((geos.names[g].clone(), s.core_copy.clone()?)))
+        .collect();
+    stores[0].copies = copies;
+    stores
 }
 
 /// Lays the world out for nodes `ids` (a grid, or a BSP), and commits it to a topology of the

@@ -75,6 +75,13 @@ pub(super) async fn start_node(
         geo: env.geos.names[geo].clone(),
         // Every claim key has one home among the run's geos, whose store alone grants it.
         geos: env.geos.names.clone(),
+        // The first geo is the core: its decider restores every geo's dead nodes, from the
+        // copies of their checkpoints each geo writes to its store.
+        core_geo: if env.geos.several() {
+            env.geos.names[0].clone()
+        } else {
+            String::new()
+        },
         world: env.world,
         local_listen: "127.0.0.1:0".into(),
         mesh_listen,

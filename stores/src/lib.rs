@@ -318,6 +318,17 @@ pub struct Stores {
     pub checkpoints: Arc<dyn CheckpointStore>,
     /// Exclusive claims, in the geo's Redis beside the directory.
     pub claims: Arc<dyn claims::ClaimStore>,
+    /// A node outside the core geo writes its checkpoints here too: the core geo's store, under
+    /// [`copy_keyspace`] of its geo. When no node of its geo lives, the core restores its world
+    /// from this copy. None: a core node, or a world with no core geo.
+    pub core_copy: Option<Arc<dyn CheckpointStore>>,
+    /// A core geo's node reads the copies every other geo writes to its store, by geo.
+    pub copies: std::collections::BTreeMap<String, Arc<dyn CheckpointStore>>,
+}
+
+/// The keyspace of the core geo's store that holds the copy of `geo`'s checkpoints.
+pub fn copy_keyspace(geo: &str) -> String {
+    format!("{geo}.copy")
 }
 
 impl Stores {
@@ -328,7 +339,41 @@ impl Stores {
             players: Arc::new(memory::MemoryPlayers::default()),
             checkpoints: Arc::new(memory::MemoryCheckpoints::default()),
             claims: Arc::new(claims::MemoryClaims::default()),
+            core_copy: None,
+            copies: Default::default(),
         }
+    }
+
+    /// Sets up the copies of checkpoints kept in the core geo `core_geo` (see
+    /// [`Stores::core_copy`]): a node of another geo writes its own to `core_url` (the core
+    /// geo's Redis), a core node reads every other geo's from its own directory's Redis. In
+    /// memory nothing is shared between processes: no copies (`cellmesh up` sets them itself).
+    #[cfg_attr(not(feature = "redis"), allow(unused_variables, unused_mut))]
+    pub async fn with_core_copies(
+        mut self,
+        geo: &str,
+        geos: &[String],
+        core_geo: &str,
+        directory_url: &str,
+        core_url: &str,
+    ) -> Result<Self, StoreError> {
+        if core_geo.is_empty() {
+            return Ok(self);
+        }
+        #[cfg(feature = "redis")]
+        if geo == core_geo {
+            if is_redis_url(directory_url) {
+                for g in geos.iter().filter(|g| *g != core_geo) {
+                    let keyspace = copy_keyspace(g);
+                    let copy = redis::RedisDirectory::connect(directory_url, &keyspace).await?;
+                    self.copies.insert(g.clone(), Arc::new(copy));
+                }
+            }
+        } else if is_redis_url(core_url) {
+            let copy = redis::RedisDirectory::connect(core_url, &copy_keyspace(geo)).await?;
+            self.core_copy = Some(Arc::new(copy));
+        }
+        Ok(self)
     }
 
     /// Opens the stores named by URLs: `memory`, `redis://host:port` (directory) and
@@ -372,6 +417,8 @@ impl Stores {
             players,
             checkpoints,
             claims,
+            core_copy: None,
+            copies: Default::default(),
         })
     }
 }

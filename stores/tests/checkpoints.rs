@@ -119,3 +119,49 @@ async fn redis_keys_expire_and_share_one_slot_per_process() {
         "ttl {ttl}"
     );
 }
+
+/// A node outside the core geo copies its checkpoints to the core's Redis; a core node reads
+/// them there as that geo's copy, apart from the core's own and from the geo's own store.
+#[tokio::test]
+async fn redis_copies_for_the_core_geo_are_read_by_its_nodes() {
+    use cellmesh_stores::Stores;
+    let url = required("CELLMESH_TEST_REDIS_URL");
+    let run = unique("ckpt_core");
+    let (core, edge) = (format!("{run}-core"), format!("{run}-edge"));
+    let geos = vec![core.clone(), edge.clone()];
+    // Both geos' directories in one server here: each keeps its own keyspace.
+    let open = |geo: String| {
+        let (url, geos, core) = (url.clone(), geos.clone(), core.clone());
+        async move {
+            Stores::open(&url, "memory", &geo)
+                .await
+                .unwrap()
+                .with_core_copies(&geo, &geos, &core, &url, &url)
+                .await
+                .unwrap()
+        }
+    };
+    let (at_core, at_edge) = (open(core.clone()).await, open(edge.clone()).await);
+    assert!(at_core.core_copy.is_none(), "a core node copies nowhere");
+    assert_eq!(at_core.copies.keys().collect::<Vec<_>>(), [&edge]);
+    let copy = at_edge.core_copy.expect("an edge node copies to the core");
+    copy.write(3, 7, vec![c(1, "a")], vec![]).await.unwrap();
+    assert_eq!(
+        at_core.copies[&edge].load(3, 7).await.unwrap(),
+        vec![c(1, "a")]
+    );
+    assert_eq!(
+        at_core.copies[&edge].processes().await.unwrap(),
+        vec![(3, 7)]
+    );
+    assert!(at_core.checkpoints.load(3, 7).await.unwrap().is_empty());
+    assert!(at_edge.checkpoints.load(3, 7).await.unwrap().is_empty());
+    // Without a core geo, nothing is copied.
+    let plain = Stores::open(&url, "memory", &edge)
+        .await
+        .unwrap()
+        .with_core_copies(&edge, &geos, "", &url, &url)
+        .await
+        .unwrap();
+    assert!(plain.core_copy.is_none() && plain.copies.is_empty());
+}

@@ -371,6 +371,21 @@ fn grid_partition(epoch: u64, table: Vec<u32>) -> Partition {
 }
 
 /// Compare-and-set commits of the partition.
+/// A restored process is marked for good (twice is once), and a listing finds exactly the
+/// marked ones.
+async fn restored_marks(store: &dyn TopologyStore) {
+    assert!(store.restored_among(&[]).await.unwrap().is_empty());
+    assert!(store.restored_among(&[(3, 7)]).await.unwrap().is_empty());
+    store.mark_restored(3, 7).await.unwrap();
+    store.mark_restored(3, 7).await.unwrap();
+    store.mark_restored(4, 1).await.unwrap();
+    let asked = [(3, 6), (3, 7), (4, 1), (3, 8)];
+    assert_eq!(
+        store.restored_among(&asked).await.unwrap(),
+        [(3, 7), (4, 1)]
+    );
+}
+
 async fn commits(store: &dyn TopologyStore) {
     assert_eq!(store.partition().await.unwrap(), None);
     let p1 = grid_partition(1, vec![1, 2, 3, 4]);
@@ -588,6 +603,11 @@ async fn memory_commits() {
 }
 
 #[tokio::test]
+async fn memory_restored_marks() {
+    restored_marks(&MemoryTopology::default()).await;
+}
+
+#[tokio::test]
 async fn memory_directors() {
     let (store, pass) = virtual_memory();
     directors(&store, TTL, &pass).await;
@@ -644,6 +664,13 @@ async fn mongo_takeovers() {
 async fn mongo_commits() {
     let db = TestDb::new("commits");
     commits(&db.open().await).await;
+    db.drop_all().await;
+}
+
+#[tokio::test]
+async fn mongo_restored_marks() {
+    let db = TestDb::new("restored-marks");
+    restored_marks(&db.open().await).await;
     db.drop_all().await;
 }
 

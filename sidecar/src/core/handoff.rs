@@ -212,6 +212,7 @@ pub(crate) struct TargetView<'a> {
     pub authority: &'a Authority,
     pub replication: &'a Replication,
     pub mesh: &'a Mesh,
+    pub restore: &'a super::restore::Restore,
 }
 
 impl Handoffs {
@@ -280,6 +281,10 @@ impl Handoffs {
         let seen = seen || now >= waited + GHOST_WAIT_MS;
         let why = if !view.mesh.is_up(to) {
             Some("the node that owns its position is unreachable")
+        } else if view.restore.is_lapsed(to) {
+            // It cannot adopt before it takes its lease back, and may be fenced meanwhile:
+            // the unit would only stay frozen here, with its inputs, for nothing.
+            Some("the node that owns its position has let its lease lapse")
         } else if view.mesh.peer_partition(to) < authority.partition().epoch() {
             Some("the node that owns its position is behind on the partition")
         } else if !seen {

@@ -272,12 +272,25 @@ pub enum StoreRequest {
         put: Vec<mesh::HandoffOffer>,
         remove: Vec<u64>,
     },
-    /// Every checkpoint a dead process left.
-    LoadCheckpoints { node: NodeId, lease_epoch: u64 },
-    /// A dead process's checkpoints, once its world is restored.
-    DropCheckpoints { node: NodeId, lease_epoch: u64 },
-    /// Every process with checkpoints in the store.
-    ListCheckpointed,
+    /// Every checkpoint a dead process left: in this geo's store, or (`copy_of`: a geo none
+    /// of whose nodes lives, asked by the core geo's decider) in the copy of that geo's
+    /// checkpoints kept in this geo's store.
+    LoadCheckpoints {
+        node: NodeId,
+        lease_epoch: u64,
+        copy_of: Option<String>,
+    },
+    /// A dead process's checkpoints, once its world is restored: the process is marked
+    /// restored for good in the topology first (so neither its geo's store nor a copy of it is
+    /// ever restored again), then its checkpoints are dropped (and their copy in the core).
+    DropCheckpoints {
+        node: NodeId,
+        lease_epoch: u64,
+        copy_of: Option<String>,
+    },
+    /// Every process with checkpoints in the store (or in the copy of `copy_of`'s).
+    ListCheckpointed { copy_of: Option<String> },
+
     /// Commits `partition` if the store's current epoch is the one before it.
     CommitPartition { partition: Box<Partition> },
     /// Claims `key` for `holder` with a lease of `ttl_ms`; answered under `token`.
@@ -353,9 +366,12 @@ pub enum StoreReply {
         epoch: u64,
         result: Result<Fence, String>,
     },
-    /// The processes with checkpoints in the store: (node, lease epoch).
+    /// The processes with checkpoints in the store (or the copy of `copy_of`'s): (node,
+    /// lease epoch); `restored`: those of them marked restored already.
     Checkpointed {
+        copy_of: Option<String>,
         result: Result<Vec<(NodeId, u64)>, String>,
+        restored: Vec<(NodeId, u64)>,
     },
     /// A `PutCheckpoints` the store refused: the entities of both lists go in the next write.
     CheckpointsNotWritten {
@@ -680,7 +696,11 @@ impl Core {
             Input::Store(StoreReply::PartitionCommitted { epoch, result }) => {
                 self.restore.on_partition_committed(epoch, result)
             }
-            Input::Store(StoreReply::Checkpointed { result }) => self.on_checkpointed(result),
+            Input::Store(StoreReply::Checkpointed {
+                copy_of,
+                result,
+                restored,
+            }) => self.on_checkpointed(copy_of, result, restored),
             Input::Store(StoreReply::CheckpointsNotWritten {
                 lease_epoch,
                 put,
@@ -1464,6 +1484,7 @@ impl Core {
             self.cx.store(StoreRequest::DropCheckpoints {
                 node: done.node,
                 lease_epoch: done.lease_epoch,
+                copy_of: self.restore.copy_of(&self.cx, done.node),
             });
         }
         let partition = self.authority.partition();
@@ -1481,8 +1502,15 @@ impl Core {
     }
 
     /// The processes with checkpoints in the store (see [`restore::Restore::on_checkpointed`]).
-    pub(crate) fn on_checkpointed(&mut self, result: Result<Vec<(NodeId, u64)>, String>) {
-        let acts = self.restore.on_checkpointed(&self.cx, &self.table, result);
+    pub(crate) fn on_checkpointed(
+        &mut self,
+        copy_of: Option<String>,
+        result: Result<Vec<(NodeId, u64)>, String>,
+        restored: Vec<(NodeId, u64)>,
+    ) {
+        let acts = self
+            .restore
+            .on_checkpointed(&self.cx, &self.table, copy_of, result, &restored);
         self.restore_acts(acts);
     }
 
@@ -1782,6 +1810,7 @@ impl Core {
             authority: &self.authority,
             replication: &self.replication,
             mesh: &self.mesh,
+            restore: &self.restore,
         };
         self.handoff.check(&mut self.cx, &view, changes);
     }
@@ -1824,6 +1853,7 @@ impl Core {
             authority: &self.authority,
             replication: &self.replication,
             mesh: &self.mesh,
+            restore: &self.restore,
         };
         match self.handoff.offer_released(&mut self.cx, &view, root, r) {
             handoff::ReleasedNext::Kept(r, reason) => self.keep_released(root, &r, reason),

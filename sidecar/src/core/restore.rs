@@ -2,8 +2,10 @@
 //!
 //! Every owner writes the checkpoints it keeps to the store under its own incarnation (node id
 //! and lease epoch). When an incarnation dies (its lease lapsed, or a new process holds its
-//! id), every node stops taking anything from it, and the decider, the lowest live node of
-//! the dead node's geo (whose store holds its checkpoints), runs one round for it:
+//! id), every node stops taking anything from it, and the decider runs one round for it: the
+//! lowest live node of the core geo, which reads other geos' checkpoints from the copies they
+//! write to its store, or, with no core geo live, the lowest live node of the dead node's geo
+//! (whose store holds its checkpoints):
 //!
 //! 1. if the dead node still owns cells and no new process holds its id, it commits a partition
 //!    without it (the store's compare-and-set lets one such commit win);
@@ -15,7 +17,8 @@
 //!    position as a successor handoff under an epoch above every candidate's;
 //! 4. each ack moves the entity's ghosts to its new owner and settles the offers made of it to
 //!    the dead node; with every restore answered, `RestoreDone` lets the peers drop the dead
-//!    process's ghosts that nobody took over.
+//!    process's ghosts that nobody took over, and the process is marked restored in the
+//!    topology store for good (its checkpoints found anywhere later are only dropped).
 //!
 //! This part keeps who is alive and who died, the offers this node made, the rounds it decides
 //! and the restore offers out. What a death or a decision comes to for the handoffs, the links
@@ -152,9 +155,10 @@ pub(crate) struct Restore {
     /// Nodes whose process died with no new one holding their id: the partition gives them
     /// nothing while they stay so.
     departed: BTreeSet<NodeId>,
-    /// When the decider next lists the processes with checkpoints, and whether it is listing.
+    /// When the decider next lists the processes with checkpoints, and how many listings (of
+    /// its store, and, at the core's decider, of every other geo's copy) are under way.
     next_list_ms: u64,
-    listing: bool,
+    listing: usize,
     /// Processes with checkpoints and no lease in this node's view, since when (monotonic ms).
     suspects: BTreeMap<Incarnation, u64>,
     /// Restores this node decided and saw acked, since the driver last took them.
@@ -664,6 +668,7 @@ impl Restore {
     /// its epoch then.
     pub(crate) fn on_done(&mut self, inc: Incarnation) -> BTreeMap<u64, u64> {
         self.fenced.insert(inc);
+        self.rounds.remove(&inc);
         self.dead.remove(&inc).unwrap_or_default()
     }
 
@@ -730,21 +735,56 @@ impl Restore {
         authority.lease_live() && mesh.clustered() && self.leases_heard
     }
 
-    /// Whether this node decides the restore of `node`'s dead processes. Each geo keeps its
-    /// checkpoints in its own store, so the lowest live node of the dead node's geo decides.
-    /// A node of another geo none of whose nodes is live is decided by nobody: its checkpoints
-    /// are in a store no live node reads, and a geo cut off from the rest (its leases lapse
-    /// together) is whole again when the cut heals, if nobody fenced it meanwhile. Only a node
-    /// whose geo is not known is decided by the lowest live node of all.
+    /// Whether this node decides the restore of `node`'s dead processes.
+    ///
+    /// While the core geo has a live node, its lowest live node decides every geo's: it reads a
+    /// dead node of another geo's checkpoints from the copy that geo writes to the core's store.
+    /// One decider for the world decides the processes that died together in two geos in one
+    /// round, as within one geo: two deciders each restoring what its own dead process last
+    /// wrote would restore an entity handed between them twice. Without a core geo (or with
+    /// none of its nodes live) each geo's lowest live node decides its own geo's, from its
+    /// store; a node whose geo is not known is decided by the lowest live node of all.
     fn decides_for(&self, cx: &Context, node: NodeId) -> bool {
+        if let Some(core) = self.live_core(cx) {
+            return cx.config.geo == core && self.lowest_live_of(cx, core);
+        }
         let me = cx.config.node_id;
-        let geo = |n: &NodeId| self.geo_of.get(n).map(String::as_str);
-        match geo(&node) {
-            Some(g) => {
-                g == cx.config.geo && self.live.keys().all(|n| *n >= me || geo(n) != Some(g))
-            }
+        if node == me {
+            return self.lowest_live_of(cx, &cx.config.geo);
+        }
+        match self.geo_of.get(&node) {
+            Some(g) => *g == cx.config.geo && self.lowest_live_of(cx, g),
             None => self.live.keys().all(|n| *n >= me),
         }
+    }
+
+    /// The core geo, if there is one and a node of it lives (this one, or a peer the store
+    /// says holds a live lease).
+    fn live_core<'a>(&self, cx: &'a Context) -> Option<&'a str> {
+        let core = cx.config.core_geo.as_str();
+        let alive = cx.config.geo == core
+            || self
+                .live
+                .keys()
+                .any(|n| self.geo_of.get(n).map(String::as_str) == Some(core));
+        (!core.is_empty() && alive).then_some(core)
+    }
+
+    /// Whether no live node of `geo` is below this one.
+    fn lowest_live_of(&self, cx: &Context, geo: &str) -> bool {
+        let me = cx.config.node_id;
+        self.live
+            .keys()
+            .all(|n| *n >= me || self.geo_of.get(n).map(String::as_str) != Some(geo))
+    }
+
+    /// Where `node`'s checkpoints are read from here: this geo's store (`None`), or the copy of
+    /// its geo's kept in this (the core) geo's store.
+    pub(crate) fn copy_of(&self, cx: &Context, node: NodeId) -> Option<String> {
+        self.geo_of
+            .get(&node)
+            .filter(|g| **g != cx.config.geo)
+            .cloned()
     }
 
     /// The first part of a step of every round this node decides: a partition without the
@@ -776,11 +816,28 @@ impl Restore {
         }
         self.fence_lapsed(cx, authority.live_since_ms());
         let now = cx.now.mono_ms;
-        // This geo's store is listed by this geo's decider.
-        if now >= self.next_list_ms && !self.listing && self.decides_for(cx, me) {
+        // This geo's store is listed by this geo's lowest live node (to drop what was restored
+        // from a copy, if it decides nothing), and by the core's decider the copies of every
+        // other geo's.
+        if now >= self.next_list_ms && self.listing == 0 {
+            let mut lists: Vec<Option<String>> = Vec::new();
+            if self.lowest_live_of(cx, &cx.config.geo) {
+                lists.push(None);
+            }
+            if self.decides_for(cx, me) && self.live_core(cx) == Some(cx.config.geo.as_str()) {
+                lists.extend(
+                    cx.config
+                        .world_geos()
+                        .into_iter()
+                        .filter(|g| *g != cx.config.geo)
+                        .map(Some),
+                );
+            }
             self.next_list_ms = now + LIST_EVERY_MS;
-            self.listing = true;
-            cx.store(StoreRequest::ListCheckpointed);
+            self.listing = lists.len();
+            for copy_of in lists {
+                cx.store(StoreRequest::ListCheckpointed { copy_of });
+            }
         }
         // Every dead process's round asks its questions; they are decided together, once
         // the restores of the last decision are all answered: a process restored by one round
@@ -848,21 +905,32 @@ impl Restore {
     /// die with nobody holding the id since, or it held no lease in this node's view for two
     /// listings in a row (a process that just started is in the view within one membership
     /// read, well inside that).
+    /// `copy_of`: the listing is of the copy of that geo's checkpoints, and every process in
+    /// it ran in that geo. `restored`: those of them marked restored already (by whichever
+    /// geo restored them), whose checkpoints are only dropped.
     pub(crate) fn on_checkpointed(
         &mut self,
         cx: &Context,
         table: &EntityTable,
+        copy_of: Option<String>,
         result: Result<Vec<(NodeId, u64)>, String>,
+        restored: &[Incarnation],
     ) -> Vec<Act> {
-        self.listing = false;
+        self.listing = self.listing.saturating_sub(1);
         let all = match result {
             Ok(all) => all,
             Err(e) => {
                 cx.metrics.error("store");
-                tracing::warn!(error = %e, "listing checkpointed processes failed");
+                tracing::warn!(error = %e, copy_of = ?copy_of, "listing checkpointed processes failed");
                 return Vec::new();
             }
         };
+        if let Some(g) = &copy_of {
+            for &(node, _) in &all {
+                self.geo_of.entry(node).or_insert_with(|| g.clone());
+            }
+        }
+        let restored: BTreeSet<Incarnation> = restored.iter().copied().collect();
         let me = (cx.config.node_id, self.incarnation);
         let now = cx.now.mono_ms;
         let unleased: BTreeSet<Incarnation> = all
@@ -870,12 +938,32 @@ impl Restore {
             .copied()
             .filter(|&(n, l)| (n, l) != me && self.live.get(&n) != Some(&l))
             .collect();
-        self.suspects.retain(|inc, _| unleased.contains(inc));
+        // Suspects of this listing's store that it no longer lists are not suspects any more.
+        let cleared: Vec<Incarnation> = self
+            .suspects
+            .keys()
+            .copied()
+            .filter(|inc| !unleased.contains(inc) && self.copy_of(cx, inc.0) == copy_of)
+            .collect();
+        for inc in cleared {
+            self.suspects.remove(&inc);
+        }
         let mut acts = Vec::new();
         for (node, lease_epoch) in all {
             let inc = (node, lease_epoch);
-            // A store shared by geos lists processes of another geo: theirs to restore.
-            if node != me.0 && !self.decides_for(cx, node) {
+            if restored.contains(&inc) && !self.dead.contains_key(&inc) {
+                // Restored (by the core from the copy, or by another decider): never again.
+                self.fenced.insert(inc);
+                acts.push(Act::Store(StoreRequest::DropCheckpoints {
+                    node,
+                    lease_epoch,
+                    copy_of: copy_of.clone(),
+                }));
+                continue;
+            }
+            // Another node decides it: the core's decider (this geo's store is listed to drop
+            // what it restored), or another geo's (a store shared by geos).
+            if !self.decides_for(cx, node) {
                 continue;
             }
             // Lapsed, not replaced: its holder may take it back. Dead once fenced.
@@ -890,6 +978,7 @@ impl Restore {
                 acts.push(Act::Store(StoreRequest::DropCheckpoints {
                     node,
                     lease_epoch,
+                    copy_of: copy_of.clone(),
                 }));
                 continue;
             }
@@ -941,7 +1030,12 @@ impl Restore {
             );
         }
         if load {
-            cx.store(StoreRequest::LoadCheckpoints { node, lease_epoch });
+            let copy_of = self.copy_of(cx, node);
+            cx.store(StoreRequest::LoadCheckpoints {
+                node,
+                lease_epoch,
+                copy_of,
+            });
         }
         decided || ready
     }

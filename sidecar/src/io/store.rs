@@ -130,23 +130,34 @@ pub(crate) async fn execute(
             put,
             remove,
         } => put_checkpoints(stores, metrics, node, lease_epoch, put, remove).await,
-        StoreRequest::LoadCheckpoints { node, lease_epoch } => {
-            Some(StoreReply::CheckpointsLoaded {
-                node,
-                lease_epoch,
-                result: load_checkpoints(stores, node, lease_epoch).await,
-            })
-        }
-        StoreRequest::DropCheckpoints { node, lease_epoch } => {
-            if let Err(e) = timed(stores.checkpoints.drop_all(node, lease_epoch)).await {
-                metrics.error("store");
-                tracing::warn!(node, error = %e, "dropping a dead node's checkpoints failed");
-            }
+        StoreRequest::LoadCheckpoints {
+            node,
+            lease_epoch,
+            copy_of,
+        } => Some(StoreReply::CheckpointsLoaded {
+            node,
+            lease_epoch,
+            result: match checkpoints_of(stores, copy_of.as_deref()) {
+                Ok(store) => load_checkpoints(store, node, lease_epoch).await,
+                Err(e) => Err(e),
+            },
+        }),
+        StoreRequest::DropCheckpoints {
+            node,
+            lease_epoch,
+            copy_of,
+        } => {
+            drop_checkpoints(stores, topology, metrics, node, lease_epoch, copy_of).await;
             None
         }
-        StoreRequest::ListCheckpointed => Some(StoreReply::Checkpointed {
-            result: timed(stores.checkpoints.processes()).await,
-        }),
+        StoreRequest::ListCheckpointed { copy_of } => {
+            let (result, restored) = list_checkpointed(stores, topology, copy_of.as_deref()).await;
+            Some(StoreReply::Checkpointed {
+                copy_of,
+                result,
+                restored,
+            })
+        }
         StoreRequest::FenceLease { node, epoch } => Some(StoreReply::LeaseFenced {
             node,
             epoch,
@@ -371,12 +382,33 @@ async fn put_checkpoints(
         .into_iter()
         .map(|c| (c.entity_id, c.encode_to_vec()))
         .collect();
-    let written = timed(
-        stores
-            .checkpoints
-            .write(node, lease_epoch, put, remove.clone()),
-    )
-    .await;
+    // The core geo's copy is written with the same changes: a write either missed is written
+    // again, whole, with the next flush (both are idempotent).
+    let written = match &stores.core_copy {
+        None => {
+            timed(
+                stores
+                    .checkpoints
+                    .write(node, lease_epoch, put, remove.clone()),
+            )
+            .await
+        }
+        Some(copy) => {
+            let own = timed(stores.checkpoints.write(
+                node,
+                lease_epoch,
+                put.clone(),
+                remove.clone(),
+            ));
+            let copy = async {
+                timed(copy.write(node, lease_epoch, put, remove.clone()))
+                    .await
+                    .map_err(|e| format!("the core geo's copy: {e}"))
+            };
+            let (own, copy) = tokio::join!(own, copy);
+            own.and(copy)
+        }
+    };
     match written {
         Ok(()) => None,
         Err(e) => {
@@ -392,13 +424,89 @@ async fn put_checkpoints(
     }
 }
 
+/// The checkpoint store a request names: this geo's, or the copy of `copy_of`'s kept here.
+fn checkpoints_of<'a>(
+    stores: &'a Stores,
+    copy_of: Option<&str>,
+) -> Result<&'a dyn cellmesh_stores::CheckpointStore, String> {
+    match copy_of {
+        None => Ok(stores.checkpoints.as_ref()),
+        Some(geo) => stores.copies.get(geo).map(|c| c.as_ref()).ok_or_else(|| {
+            format!(
+                "this node keeps no copy of geo {geo:?}'s checkpoints (a core geo's node reads \
+                 the copies from its directory's Redis, and every node of {geo:?} needs \
+                 core_directory_url)"
+            )
+        }),
+    }
+}
+
+/// The processes with checkpoints in the store named, and which of them the topology marks
+/// restored. A mark that cannot be read fails the listing: a round on it could bring back what
+/// was restored, and then killed, elsewhere.
+async fn list_checkpointed(
+    stores: &Stores,
+    topology: Option<&dyn TopologyStore>,
+    copy_of: Option<&str>,
+) -> (Result<Vec<(NodeId, u64)>, String>, Vec<(NodeId, u64)>) {
+    let listed = match checkpoints_of(stores, copy_of) {
+        Ok(store) => timed(store.processes()).await,
+        Err(e) => Err(e),
+    };
+    let all = match listed {
+        Ok(all) => all,
+        Err(e) => return (Err(e), Vec::new()),
+    };
+    let Some(topology) = topology else {
+        return (Ok(all), Vec::new());
+    };
+    match timed(topology.restored_among(&all)).await {
+        Ok(restored) => (Ok(all), restored),
+        Err(e) => (Err(format!("reading which were restored: {e}")), Vec::new()),
+    }
+}
+
+/// Marks a dead process restored for good, then drops its checkpoints: from the store named,
+/// and from the core geo's copy when they are this geo's own. Not marked, nothing is dropped
+/// (the next listing finds it again and drops it then).
+async fn drop_checkpoints(
+    stores: &Stores,
+    topology: Option<&dyn TopologyStore>,
+    metrics: &Metrics,
+    node: NodeId,
+    lease_epoch: u64,
+    copy_of: Option<String>,
+) {
+    if let Some(topology) = topology {
+        if let Err(e) = timed(topology.mark_restored(node, lease_epoch)).await {
+            metrics.error("store");
+            tracing::warn!(node, lease_epoch, error = %e, "marking a dead node's world restored failed; its checkpoints are kept");
+            return;
+        }
+    }
+    let mut stores_of: Vec<&dyn cellmesh_stores::CheckpointStore> = Vec::new();
+    match checkpoints_of(stores, copy_of.as_deref()) {
+        Ok(store) => stores_of.push(store),
+        Err(e) => tracing::warn!(node, error = %e, "a dead node's checkpoints are not dropped"),
+    }
+    if copy_of.is_none() {
+        stores_of.extend(stores.core_copy.as_deref());
+    }
+    for store in stores_of {
+        if let Err(e) = timed(store.drop_all(node, lease_epoch)).await {
+            metrics.error("store");
+            tracing::warn!(node, error = %e, "dropping a dead node's checkpoints failed");
+        }
+    }
+}
+
 /// A dead process's checkpoints, each decoded as the offer it was written from.
 async fn load_checkpoints(
-    stores: &Stores,
+    store: &dyn cellmesh_stores::CheckpointStore,
     node: NodeId,
     lease_epoch: u64,
 ) -> Result<Vec<HandoffOffer>, String> {
-    timed(stores.checkpoints.load(node, lease_epoch))
+    timed(store.load(node, lease_epoch))
         .await?
         .into_iter()
         .map(|(id, bytes)| {

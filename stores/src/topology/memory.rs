@@ -39,6 +39,8 @@ struct State {
     partition: Option<Partition>,
     director: Option<DirectorLease>,
     nodes: BTreeMap<NodeId, Stored>,
+    /// Dead processes whose world was restored.
+    restored: std::collections::BTreeSet<(NodeId, u64)>,
 }
 
 struct Stored {
@@ -321,6 +323,23 @@ impl TopologyStore for MemoryTopology {
             .iter()
             .filter(|(_, s)| now < s.entry.lease.expires_unix_ms)
             .filter_map(|(n, s)| Some((*n, s.load.clone()?)))
+            .collect())
+    }
+
+    async fn mark_restored(&self, node: NodeId, lease_epoch: u64) -> Result<(), TopologyError> {
+        self.state().restored.insert((node, lease_epoch));
+        Ok(())
+    }
+
+    async fn restored_among(
+        &self,
+        processes: &[(NodeId, u64)],
+    ) -> Result<Vec<(NodeId, u64)>, TopologyError> {
+        let state = self.state();
+        Ok(processes
+            .iter()
+            .copied()
+            .filter(|p| state.restored.contains(p))
             .collect())
     }
 

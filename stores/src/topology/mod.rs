@@ -283,6 +283,18 @@ pub trait TopologyStore: Send + Sync {
         next: &Partition,
     ) -> Result<Commit, TopologyError>;
 
+    /// Marks the world of the dead process `(node, lease_epoch)` restored, for good (the
+    /// topology is the one store every geo shares). A decider that later finds that process's
+    /// checkpoints (its geo's own store, once the core restored it from the copy) drops them
+    /// instead of restoring what may have been killed or spent since.
+    async fn mark_restored(&self, node: NodeId, lease_epoch: u64) -> Result<(), TopologyError>;
+
+    /// Which of `processes` are marked restored.
+    async fn restored_among(
+        &self,
+        processes: &[(NodeId, u64)],
+    ) -> Result<Vec<(NodeId, u64)>, TopologyError>;
+
     /// Closes connections and waits for background work; the store is unusable afterwards. A
     /// short-lived process calls it before its runtime goes away.
     async fn close(&self) {}

@@ -144,6 +144,8 @@ pub struct MongoTopology {
     client: Client,
     partition: Collection<PartitionDoc>,
     nodes: Collection<NodeDoc>,
+    /// One document per dead process whose world was restored, `_id` `"node:lease_epoch"`.
+    restored: Collection<Document>,
     /// For error messages: the URL without its password.
     url: String,
 }
@@ -188,6 +190,11 @@ fn grant(holder: &str, ttl: i64) -> Vec<Document> {
         } },
         doc! { "$unset": ["record", "load"] },
     ]
+}
+
+/// The `_id` of a restored process's mark.
+fn restored_id(node: NodeId, lease_epoch: u64) -> String {
+    format!("{node}:{lease_epoch}")
 }
 
 fn ttl_ms(ttl: u64) -> Result<i64, TopologyError> {
@@ -243,7 +250,8 @@ impl MongoTopology {
         let this = Self {
             client: client.clone(),
             partition: db.collection_with_options("partition", concerns.clone()),
-            nodes: db.collection_with_options("nodes", concerns),
+            nodes: db.collection_with_options("nodes", concerns.clone()),
+            restored: db.collection_with_options("restored", concerns),
             url: shown,
         };
         Ok(this)
@@ -607,6 +615,35 @@ impl TopologyStore for MongoTopology {
             .nodes
             .update_one(filter, doc! { "$set": { "record": fields } });
         Ok(self.bounded("publish node", publish).await?.matched_count == 1)
+    }
+
+    async fn mark_restored(&self, node: NodeId, lease_epoch: u64) -> Result<(), TopologyError> {
+        let mark = self
+            .restored
+            .insert_one(doc! { "_id": restored_id(node, lease_epoch) });
+        // Marked already: the same.
+        self.unless_duplicate("mark restored", mark).await?;
+        Ok(())
+    }
+
+    async fn restored_among(
+        &self,
+        processes: &[(NodeId, u64)],
+    ) -> Result<Vec<(NodeId, u64)>, TopologyError> {
+        if processes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<String> = processes.iter().map(|&(n, e)| restored_id(n, e)).collect();
+        let find = self.restored.find(doc! { "_id": { "$in": &ids } });
+        let cursor = self.bounded("read restored", find).await?;
+        let docs: Vec<Document> = self.bounded("read restored", cursor.try_collect()).await?;
+        let marked: std::collections::BTreeSet<&str> =
+            docs.iter().filter_map(|d| d.get_str("_id").ok()).collect();
+        Ok(processes
+            .iter()
+            .copied()
+            .filter(|&(n, e)| marked.contains(restored_id(n, e).as_str()))
+            .collect())
     }
 
     async fn nodes(&self) -> Result<Vec<NodeEntry>, TopologyError> {
