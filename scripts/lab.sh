@@ -1128,16 +1128,24 @@ def over_processes(stat):
 
 # A container that restarted, or that is not running other than by the partition and trust jobs' or
 # the bots' planned exit, did so unasked (the containers a fault kills it starts again, and the engine
-# does not count those starts). One that did so during a fault names it.
+# does not count those starts). One that did so during a fault names it. A sidecar cut off with its
+# geo by partition-geo is fenced by the core geo's decider, which restores its world: when the cut
+# heals it finds its lease gone, exits 0 and is started afresh. That exit is the fallback working,
+# listed as fenced_and_restarted, not unplanned.
 faults = json.loads(env["LAB_FAULTS"])
 unplanned = []
+fenced_and_restarted = []
 containers = [line.split() for line in open(os.path.join(run, "containers.txt")) if line.strip()]
 for name, restarts, status, code in containers:
     planned_exit = (name.endswith(("_partition_1", "_trust_1", "bots_1", "_travellers_1"))) and status == "exited" and code == "0"
     if int(restarts) > 0 or (status != "running" and not planned_exit):
         during = sorted({f["name"] for f in faults for e in f.get("cost", {}).get("containers_exited", []) if e["container"] == name})
-        unplanned.append({"container": name, "restarts": int(restarts), "status": status, "exit_code": int(code),
-                          "during_faults": during})
+        entry = {"container": name, "restarts": int(restarts), "status": status, "exit_code": int(code),
+                 "during_faults": during}
+        if name.endswith("-sidecar_1") and code == "0" and status == "running" and during == ["partition-geo"]:
+            fenced_and_restarted.append(entry)
+        else:
+            unplanned.append(entry)
 
 try:
     census = json.load(open(os.path.join(run, "census.json")))
@@ -1205,6 +1213,7 @@ summary.update({
     "kicks_by_reason": kicks,
     "processes_exited_unplanned": len(unplanned),
     "processes_exited_unplanned_list": unplanned,
+    "sidecars_fenced_and_restarted": fenced_and_restarted,
     "played_s": int(env["LAB_PLAYED_S"]) if env.get("LAB_PLAYED_S") else None,
     "faults": faults,
     "faults_failed": [f["name"] for f in faults if f.get("recovered_s") is None or f.get("violations")],
