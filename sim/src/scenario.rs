@@ -389,8 +389,8 @@ fn store_cut_one(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
 }
 
 /// The claim faults over geos: cuts (within and between geos), a node cut from its geo's
-/// stores, and a death in the one geo with two nodes, whose other node restores it. (A geo's
-/// last node dying is the edge-outage fallback, not restored yet.)
+/// stores, and a death in the one geo with two nodes. (A geo's last node dying is
+/// `geo_restore`'s.)
 fn geo_claim_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     cuts(s, rng, plan);
     store_cut_one(s, rng, plan);
@@ -398,12 +398,7 @@ fn geo_claim_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
         .filter(|v| !s.gateways.contains(v))
         .filter(|v| (1..=s.nodes).any(|n| n != *v && s.geo_of(n) == s.geo_of(*v)))
         .collect();
-    let node = restorable[rng.random_range(0..restorable.len())];
-    let at = s.during(rng, 3_000);
-    plan.at(at, Fault::Kill(node));
-    if rng.random_bool(0.5) {
-        plan.at(at + rng.random_range(200..2_000), Fault::Restart(node));
-    }
+    kill_one_of(s, rng, plan, &restorable, Some(2_000));
 }
 
 /// The only node of a geo dies: the core geo restores its world from the copy of its
@@ -415,21 +410,30 @@ fn geo_restore_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
         .filter(|v| !s.gateways.contains(v))
         .filter(|v| (1..=s.nodes).all(|n| n == *v || s.geo_of(n) != s.geo_of(*v)))
         .collect();
-    let node = lone[rng.random_range(0..lone.len())];
-    let at = s.during(rng, 3_000);
-    plan.at(at, Fault::Kill(node));
-    if rng.random_bool(0.5) {
-        plan.at(at + rng.random_range(200..4_000), Fault::Restart(node));
-    }
+    kill_one_of(s, rng, plan, &lone, Some(4_000));
     if rng.random_bool(0.3) {
         let core: Vec<NodeId> = (1..=s.nodes)
             .filter(|v| !s.gateways.contains(v) && s.geo_of(*v) == 0)
             .collect();
-        let node = core[rng.random_range(0..core.len())];
-        let at = s.during(rng, 3_000);
-        plan.at(at, Fault::Kill(node));
+        kill_one_of(s, rng, plan, &core, Some(2_000));
+    }
+}
+
+/// One of `victims` dies while the world moves; with `back_within_ms`, half the time it comes
+/// back within that long (at least 200 ms later).
+fn kill_one_of(
+    s: &Scenario,
+    rng: &mut StdRng,
+    plan: &mut FaultPlan,
+    victims: &[NodeId],
+    back_within_ms: Option<u64>,
+) {
+    let node = victims[rng.random_range(0..victims.len())];
+    let at = s.during(rng, 3_000);
+    plan.at(at, Fault::Kill(node));
+    if let Some(within) = back_within_ms {
         if rng.random_bool(0.5) {
-            plan.at(at + rng.random_range(200..2_000), Fault::Restart(node));
+            plan.at(at + rng.random_range(200..within), Fault::Restart(node));
         }
     }
 }
@@ -471,12 +475,7 @@ fn gateway_kills(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
 fn kill_some(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan, most: usize, restarts: bool) {
     let victims: Vec<NodeId> = (1..=s.nodes).filter(|n| !s.gateways.contains(n)).collect();
     for _ in 0..rng.random_range(1..=most) {
-        let node = victims[rng.random_range(0..victims.len())];
-        let at = s.during(rng, 3_000);
-        plan.at(at, Fault::Kill(node));
-        if restarts && rng.random_bool(0.5) {
-            plan.at(at + rng.random_range(200..2_000), Fault::Restart(node));
-        }
+        kill_one_of(s, rng, plan, &victims, restarts.then_some(2_000));
     }
     if rng.random_bool(0.3) {
         replan(s, rng, plan);

@@ -373,6 +373,14 @@ impl Stores {
             let copy = redis::RedisDirectory::connect(core_url, &copy_keyspace(geo)).await?;
             self.core_copy = Some(Arc::new(copy));
         }
+        #[cfg(not(feature = "redis"))]
+        if geo != core_geo && is_redis_url(core_url) {
+            return Err(not_built_in(core_url, "Redis", "redis"));
+        }
+        // A URL that names no Redis copies nothing: a typo must not pass for "no copy".
+        if geo != core_geo && !matches!(core_url, "" | "memory") && !is_redis_url(core_url) {
+            return Err(StoreError::BadUrl(redact_url(core_url)));
+        }
         Ok(self)
     }
 

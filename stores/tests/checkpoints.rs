@@ -164,4 +164,11 @@ async fn redis_copies_for_the_core_geo_are_read_by_its_nodes() {
         .await
         .unwrap();
     assert!(plain.core_copy.is_none() && plain.copies.is_empty());
+    // A core URL that names no Redis is refused, not taken for "no copy".
+    let typo = Stores::open(&url, "memory", &edge)
+        .await
+        .unwrap()
+        .with_core_copies(&edge, &geos, &core, &url, "redis//eu-redis:6379")
+        .await;
+    assert!(typo.is_err(), "a malformed core URL must be refused");
 }

@@ -168,7 +168,7 @@ pub(crate) struct Restore {
     /// reporter's unit frozen for good.
     resolved_for: BTreeMap<NodeId, Vec<(u64, mesh::RestoreResolved)>>,
     /// The geo of every node whose record this node read: a dead node's checkpoints are in its
-    /// geo's store, so that geo's lowest live node restores it.
+    /// geo's store (and in the core's copy of it), which says who restores it and from where.
     geo_of: BTreeMap<NodeId, String>,
     /// Peers' leases lapsed in the store and not replaced by another grant, by the store's
     /// last word: their holders may take them back (see `TopologyStore::reclaim_lease`).
