@@ -223,6 +223,13 @@ struct UpArgs {
     /// balanced run is compared with).
     #[arg(long)]
     no_balance: bool,
+    /// Move the world's simulation to the players (needs --geos 2 or more, on the grid): a
+    /// geo-aware director in this process moves the regions around each group of players to the
+    /// geo nearest them, as the proxies measure it. The last geo's own bots gather in a region of
+    /// the first (core) geo, so their bubble moves; the summary adds the moves and the click to
+    /// screen of those bots before and after.
+    #[arg(long, conflicts_with = "balance")]
+    bubbles: bool,
     /// Where `up` serves its admin HTTP: the live map at /map (drawn from /api/world), /live,
     /// /ready. Port 0 takes a free one (printed).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9000")]
@@ -261,6 +268,7 @@ impl UpArgs {
                 || (self.partition.is_none() && self.balance),
             balance: self.balance
                 || (self.partition == Some(PartitionKind::Bsp) && !self.no_balance),
+            bubbles: self.bubbles,
             admin_listen: self.admin,
         }
     }
@@ -434,6 +442,7 @@ async fn main() -> anyhow::Result<()> {
 #[cfg(feature = "up")]
 async fn run_up(args: UpArgs) -> anyhow::Result<()> {
     let _telemetry = telemetry::init("warn", "cellmesh-up");
+    let bubbles = args.bubbles;
     let s = up::run(args.options(), signal::shutdown()).await?;
     println!(
         "summary: {:.1}s, sessions peak {}, inputs {}/{} delivered ({:.1}%), {} updates delivered, rtt p50 {:.2} ms p99 {:.2} ms, errors {}",
@@ -473,6 +482,19 @@ async fn run_up(args: UpArgs) -> anyhow::Result<()> {
             s.sessions_dropped,
             s.accounts_with_two_avatars,
             s.sessions_without_avatar
+        );
+    }
+    if bubbles {
+        println!(
+            "bubbles: {} moves, {} regions moved; the gathering bots' bubble moved at {:.1} s; their click to screen p50 {:.1} ms before ({} samples), {:.1} ms after ({} samples); moved entities unsimulated p99 {:.0} ms (from their last tick at the source to their first at the target)",
+            s.bubble_moves,
+            s.regions_moved,
+            s.bubble_moved_at_s,
+            s.click_to_screen_ms_p50_before,
+            s.click_to_screen_samples_before,
+            s.click_to_screen_ms_p50_after,
+            s.click_to_screen_samples_after,
+            s.bubble_switch_freeze_ms_p99
         );
     }
     let problems = s.problems();

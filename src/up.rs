@@ -76,6 +76,10 @@ pub struct UpOptions {
     pub bsp: bool,
     /// Run a director in this process that balances the BSP (needs `bsp`).
     pub balance: bool,
+    /// Run a geo-aware director in this process that moves the regions around each group of
+    /// players to the geo nearest them (needs several geos and the grid); the last geo's own
+    /// bots gather in a region of the first (core) geo (see [`Bubble`](crowd::Bubble)).
+    pub bubbles: bool,
     /// Where `up` serves its own admin HTTP: `/live`, `/ready`, the live map (`/map`,
     /// `/api/world`) and `/state` (the options and the status line's figures).
     pub admin_listen: String,
@@ -99,6 +103,7 @@ impl Default for UpOptions {
             svg: None,
             bsp: false,
             balance: false,
+            bubbles: false,
             admin_listen: "127.0.0.1:0".into(),
         }
     }

@@ -267,6 +267,49 @@ async fn two_geos_bridge_then_hand_over_without_loss() {
     );
 }
 
+/// Three geos, Hong Kong's own bots gathered in a region of Paris (110 ms away): the geo-aware
+/// director moves their bubble's region to Hong Kong once the gain held, every entity of it
+/// crosses by the handoff, nothing is lost or doubled, and the bots' click to screen after the
+/// move is less than half what it was before (the bridge is gone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_geos_move_the_gathering_bubble_to_its_players() {
+    let _one = ONE_UP.lock().await;
+    let opts = UpOptions {
+        bots: 30,
+        npcs: 40,
+        nodes: 4,
+        // The move comes once the far proxies measured the bots (a probe every 10 s) and the
+        // gain held 20 s: about 25 s in.
+        duration: Some(Duration::from_secs(55)),
+        seed: 3,
+        status: false,
+        geos: vec!["paris".into(), "montreal".into(), "hongkong".into()],
+        bubbles: true,
+        ..UpOptions::default()
+    };
+    let s = run(opts, std::future::pending()).await.expect("up runs");
+    eprintln!("{s:?}");
+    assert!(s.problems().is_empty(), "{:?}", s.problems());
+    assert!(s.bubble_moves >= 1 && s.regions_moved >= 1, "{s:?}");
+    assert!(
+        s.bubble_moved_at_s > 0.0,
+        "the gathering bots' bubble moved: {s:?}"
+    );
+    assert!(
+        s.click_to_screen_samples_before > 100 && s.click_to_screen_samples_after > 100,
+        "{s:?}"
+    );
+    assert!(
+        s.click_to_screen_ms_p50_after * 2.0 <= s.click_to_screen_ms_p50_before,
+        "{s:?}"
+    );
+    // The move's handoffs were timed.
+    assert!(s.bubble_switch_freeze_ms_p99 > 0.0, "{s:?}");
+    assert_eq!((s.entities_lost, s.entities_duplicated), (0, 0), "{s:?}");
+    assert_eq!(s.accounts_with_two_avatars, 0, "{s:?}");
+    assert_eq!(s.claims_overlapping, 0, "{s:?}");
+}
+
 /// A crowd gathering in one cell of a BSP, side by side with and without the director: the
 /// balanced run ends with the busiest node far closer to the average than the unbalanced one,
 /// and both keep the census clean through the director's mass handoffs.

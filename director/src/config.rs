@@ -1,6 +1,7 @@
 //! The director's configuration: TOML with `CELLMESH_*` overrides (see `cellmesh_admin::config`).
 
 use cellmesh_world::balance::LoadConfig;
+use cellmesh_world::bubbles::{Params, Sites};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -25,6 +26,44 @@ pub struct DirectorConfig {
     pub decisions_kept: usize,
     /// The balancer's parameters.
     pub balance: LoadConfig,
+    /// Bubble placement across geos (docs/geo.md#bubbles): set, the director moves the regions
+    /// around each group of players to the geo nearest them, in place of balancing load.
+    pub bubbles: Option<BubbleConfig>,
+}
+
+/// The geo-aware director's settings.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BubbleConfig {
+    /// The geos, core first, by the names the nodes publish (`geo`): the core is where a
+    /// bubble falls back to when its geo has no live node.
+    pub sites: Vec<String>,
+    /// The placement policy's parameters (hysteresis, dwell, fairness cap, RTT filter).
+    pub params: Params,
+}
+
+impl BubbleConfig {
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.sites.len() >= 2,
+            "bubbles.sites lists {} geo(s): bubble placement needs the core and at least one \
+             other geo, core first",
+            self.sites.len()
+        );
+        self.to_sites()?;
+        self.params
+            .validate()
+            .map_err(|e| anyhow::anyhow!("bubbles.params: {e}"))
+    }
+
+    pub fn to_sites(&self) -> anyhow::Result<Sites> {
+        let (core, others) = self
+            .sites
+            .split_first()
+            .ok_or_else(|| anyhow::anyhow!("bubbles.sites is empty: list the geos, core first"))?;
+        Sites::new(core.clone(), others.iter().cloned())
+            .map_err(|e| anyhow::anyhow!("bubbles.sites: {e}"))
+    }
 }
 
 impl Default for DirectorConfig {
@@ -38,6 +77,7 @@ impl Default for DirectorConfig {
             standby_poll_ms: 250,
             decisions_kept: 512,
             balance: LoadConfig::default(),
+            bubbles: None,
         }
     }
 }
@@ -63,6 +103,9 @@ impl DirectorConfig {
             self.lease_ms
         );
         self.balance.validate()?;
+        if let Some(b) = &self.bubbles {
+            b.validate()?;
+        }
         cellmesh_admin::guard::require_token_off_loopback(&self.admin_listen, &self.admin_token)?;
         Ok(())
     }
@@ -109,6 +152,34 @@ mod tests {
         };
         assert!(cfg.validate().is_ok());
         assert!(!cfg.shown().topology_url.contains("pw"));
+    }
+
+    #[test]
+    fn bubbles_need_the_core_and_another_geo_and_valid_parameters() {
+        let with = |sites: &[&str], params: Params| DirectorConfig {
+            topology_url: "mongodb://h/db".into(),
+            bubbles: Some(BubbleConfig {
+                sites: sites.iter().map(|s| s.to_string()).collect(),
+                params,
+            }),
+            ..DirectorConfig::default()
+        };
+        assert!(with(&["paris", "hongkong"], Params::default())
+            .validate()
+            .is_ok());
+        let e = with(&["paris"], Params::default()).validate().unwrap_err();
+        assert!(e.to_string().contains("bubbles.sites"), "{e}");
+        let e = with(&["paris", "paris"], Params::default())
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("twice"), "{e}");
+        let bad = Params {
+            dwell_ms: 0,
+            evaluate_every_ms: 0,
+            ..Params::default()
+        };
+        let e = with(&["paris", "hongkong"], bad).validate().unwrap_err();
+        assert!(e.to_string().contains("evaluate_every_ms"), "{e}");
     }
 
     #[test]

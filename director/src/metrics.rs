@@ -28,6 +28,10 @@ pub struct Metrics {
     pub partition_epoch: Gauge,
     pub epochs_committed: Counter,
     pub chunks_moved: Counter,
+    pub bubble_moves: Counter,
+    pub regions_moved: Counter,
+    pub bubbles: Gauge,
+    pub players_placed: Gauge,
     commits_refused: Family<KindLabels, Counter>,
     lines: Family<ReasonLabels, Counter>,
     cells: Family<KindLabels, Counter>,
@@ -48,6 +52,10 @@ impl Metrics {
             partition_epoch: Gauge::default(),
             epochs_committed: Counter::default(),
             chunks_moved: Counter::default(),
+            bubble_moves: Counter::default(),
+            regions_moved: Counter::default(),
+            bubbles: Gauge::default(),
+            players_placed: Gauge::default(),
             commits_refused: Family::default(),
             lines: Family::default(),
             cells: Family::default(),
@@ -90,6 +98,26 @@ impl Metrics {
             "chunks_moved",
             "Chunks that changed hands in the epochs this director committed (each a mass handoff)",
             m.chunks_moved.clone(),
+        );
+        reg.register(
+            "bubble_moves",
+            "Bubbles whose regions this director moved to another geo (one per bubble and epoch)",
+            m.bubble_moves.clone(),
+        );
+        reg.register(
+            "regions_moved",
+            "Grid regions this director committed to a node of another geo for a bubble",
+            m.regions_moved.clone(),
+        );
+        reg.register(
+            "bubbles",
+            "Bubbles (groups of players) in the last placement",
+            m.bubbles.clone(),
+        );
+        reg.register(
+            "players_placed",
+            "Players in the last placement (those measured toward every available geo)",
+            m.players_placed.clone(),
         );
         reg.register(
             "commits_refused",

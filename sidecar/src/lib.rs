@@ -201,6 +201,16 @@ impl SidecarHandle {
             .clone()
     }
 
+    /// Of the handoffs a new partition started from here (a bubble move's), how long nobody
+    /// simulated the entity, from its last tick here to its first at the target (milliseconds).
+    pub fn partition_gap_ms(&self) -> hdrhistogram::Histogram<u64> {
+        self.metrics
+            .gap_partition_ms
+            .lock()
+            .expect("gap histogram lock poisoned")
+            .clone()
+    }
+
     /// Per handoff this node completed as the source: game ticks in which nobody simulated the
     /// entity (see [`model::handoff::freeze_cost`]).
     pub fn ticks_missed(&self) -> hdrhistogram::Histogram<u64> {

@@ -273,6 +273,10 @@ pub struct Metrics {
     /// The same for ticks missed and the sidecars' share of the freeze (ms).
     pub ticks_missed: Arc<Mutex<hdrhistogram::Histogram<u64>>>,
     pub freeze_sidecars_ms: Arc<Mutex<hdrhistogram::Histogram<u64>>>,
+    /// Of the handoffs a new partition started (its area given to another node, as a bubble move
+    /// does), how long nobody simulated the entity: from its last tick at the source to its first
+    /// at the target (see [`FreezeCost::gap_ms`]), for the summary percentiles (ms).
+    pub gap_partition_ms: Arc<Mutex<hdrhistogram::Histogram<u64>>>,
     // Totals over every label, for `SidecarStats` (not registered: the families carry them).
     // Errors are kept by kind, as a family cannot be listed; their total is the sum.
     errors_by_kind: Arc<Mutex<std::collections::BTreeMap<&'static str, u64>>>,
@@ -370,6 +374,7 @@ impl Default for Metrics {
             freeze_ms: Arc::new(Mutex::new(freeze_histogram())),
             ticks_missed: Arc::new(Mutex::new(freeze_histogram())),
             freeze_sidecars_ms: Arc::new(Mutex::new(freeze_histogram())),
+            gap_partition_ms: Arc::new(Mutex::new(freeze_histogram())),
             errors_by_kind: Default::default(),
             frames_in_all: Default::default(),
             frames_out_all: Default::default(),
@@ -766,6 +771,15 @@ impl Metrics {
                 outcome,
             })
             .inc();
+    }
+
+    /// A handoff a new partition started is done: how long nobody simulated it.
+    pub fn partition_gap(&self, gap_ms: f64) {
+        let _ = self
+            .gap_partition_ms
+            .lock()
+            .expect("gap histogram lock poisoned")
+            .record((gap_ms.round() as u64).clamp(1, FREEZE_MAX_MS));
     }
 
     pub fn freeze_done(&self, ms: u64) {

@@ -206,6 +206,18 @@ impl TopologyStore for NodeView {
     ) -> Result<BTreeMap<u32, cellmesh_world::balance::CellReport>, TopologyError> {
         self.call(self.store.loads()).await
     }
+    async fn publish_players(
+        &self,
+        lease: &Lease,
+        players: &[cellmesh_stores::topology::PlayerSample],
+    ) -> Result<bool, TopologyError> {
+        self.call(self.store.publish_players(lease, players)).await
+    }
+    async fn players(
+        &self,
+    ) -> Result<BTreeMap<u32, Vec<cellmesh_stores::topology::PlayerSample>>, TopologyError> {
+        self.call(self.store.players()).await
+    }
     async fn acquire_director(
         &self,
         holder: &str,

@@ -23,6 +23,8 @@ pub(crate) struct Director {
     /// Each live node's latest report, as the topology store keeps it (a node's death takes its
     /// report with its lease).
     pub reports: BTreeMap<NodeId, CellReport>,
+    /// Each live node's latest players, kept alike.
+    pub players: BTreeMap<NodeId, Vec<cellmesh_stores::topology::PlayerSample>>,
     /// The wake-up scheduled for the core, if any.
     pub wake_at: Option<u64>,
     pub figures: Balance,
@@ -38,6 +40,7 @@ impl Director {
             core: DirectorCore::new(cfg, HOLDER.into(), Metrics::new().0),
             lease: None,
             reports: BTreeMap::new(),
+            players: BTreeMap::new(),
             wake_at: None,
             figures: Balance::default(),
         }

@@ -1650,6 +1650,7 @@ impl<'a> Sim<'a> {
                 }
             }
             Output::LoadReport(report) => self.load_report(id, *report),
+            Output::Players(players) => self.players_report(id, players),
             Output::Ready(_) | Output::Publish => {}
             Output::Stop => self.kill(id),
             // The process exits (right after this step); its supervisor starts it again.
@@ -2179,11 +2180,7 @@ impl<'a> Sim<'a> {
     /// A node's load report reaches the director (through the topology store, where a node
     /// publishes it under its lease: a process that may no longer write publishes nothing).
     fn load_report(&mut self, id: NodeId, report: cellmesh_world::balance::CellReport) {
-        let local = self.nodes[id as usize - 1].clock.local(self.now);
-        let writes = self.nodes[id as usize - 1]
-            .core
-            .as_ref()
-            .is_some_and(|c| c.writes_at(local));
+        let writes = self.writes_now(id);
         if let (Some(d), true) = (self.director.as_mut(), writes) {
             d.reports.insert(id, report);
         }
@@ -2279,7 +2276,7 @@ impl<'a> Sim<'a> {
     ) -> cellmesh_director::StoreReply {
         use cellmesh_director::{StoreReply, StoreRequest};
         // A round reads the store: how even the nodes are is sampled then, before it decides.
-        if matches!(request, StoreRequest::Read) {
+        if matches!(request, StoreRequest::Read { .. }) {
             self.balance_sample();
         }
         let unix_ms = START_UNIX_MS + self.now;
@@ -2296,7 +2293,7 @@ impl<'a> Sim<'a> {
             _ if out => match request {
                 StoreRequest::Acquire { .. } => StoreReply::Acquired(Err(unanswered())),
                 StoreRequest::Renew { .. } => StoreReply::Renewed(Err(unanswered())),
-                StoreRequest::Read => StoreReply::Read(Err(unanswered())),
+                StoreRequest::Read { .. } => StoreReply::Read(Err(unanswered())),
                 StoreRequest::Commit { .. } => StoreReply::Committed(Err(unanswered())),
                 StoreRequest::Release { .. } => StoreReply::Released(Err(unanswered())),
             },
@@ -2307,12 +2304,13 @@ impl<'a> Sim<'a> {
                 StoreReply::Renewed(Ok(d.renew(unix_ms, &lease, ttl)))
             }
             StoreRequest::Release { lease } => StoreReply::Released(Ok(d.release(unix_ms, &lease))),
-            StoreRequest::Read => {
+            StoreRequest::Read { .. } => {
                 let loads = self.director_loads();
                 let world = cellmesh_director::WorldRead {
                     partition: Some((*self.partition).clone()),
                     loads,
                     nodes: self.node_entries(),
+                    players: self.director_players(),
                 };
                 StoreReply::Read(Ok(Box::new(world)))
             }
@@ -2346,14 +2344,51 @@ impl<'a> Sim<'a> {
         topology::Commit::Committed
     }
 
-    /// The load reports of the nodes whose lease is live, as the store's `loads`.
-    fn director_loads(&self) -> BTreeMap<NodeId, cellmesh_world::balance::CellReport> {
-        let live: BTreeSet<NodeId> = self
-            .leases
+    /// A node's players reach the director the same way.
+    fn players_report(
+        &mut self,
+        id: NodeId,
+        players: Vec<cellmesh_stores::topology::PlayerSample>,
+    ) {
+        let writes = self.writes_now(id);
+        if let (Some(d), true) = (self.director.as_mut(), writes) {
+            d.players.insert(id, players);
+        }
+    }
+
+    /// Whether node `id`'s process may write now, by its own clock.
+    fn writes_now(&self, id: NodeId) -> bool {
+        let local = self.nodes[id as usize - 1].clock.local(self.now);
+        self.nodes[id as usize - 1]
+            .core
+            .as_ref()
+            .is_some_and(|c| c.writes_at(local))
+    }
+
+    /// The nodes whose lease is live now.
+    fn live_nodes(&self) -> BTreeSet<NodeId> {
+        self.leases
             .live(self.now)
             .into_iter()
             .map(|(n, _)| n)
-            .collect();
+            .collect()
+    }
+
+    /// The players of the nodes whose lease is live, as the store's `players`.
+    fn director_players(&self) -> BTreeMap<NodeId, Vec<cellmesh_stores::topology::PlayerSample>> {
+        let live = self.live_nodes();
+        self.director.as_ref().map_or_else(BTreeMap::new, |d| {
+            d.players
+                .iter()
+                .filter(|(n, _)| live.contains(n))
+                .map(|(n, p)| (*n, p.clone()))
+                .collect()
+        })
+    }
+
+    /// The load reports of the nodes whose lease is live, as the store's `loads`.
+    fn director_loads(&self) -> BTreeMap<NodeId, cellmesh_world::balance::CellReport> {
+        let live = self.live_nodes();
         self.director
             .as_ref()
             .map(|d| {

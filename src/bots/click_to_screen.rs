@@ -37,6 +37,9 @@ struct Location {
     open: u64,
     samples: Vec<f64>,
     bins: Vec<Bin>,
+    /// Every sample, (s from the origin, ms), for a location tracked to the sample: its figures
+    /// can then be cut at any instant (before and after a bubble move). `None` once full.
+    kept: Option<Vec<(f32, f32)>>,
 }
 
 impl Location {
@@ -47,6 +50,7 @@ impl Location {
             open: 0,
             samples: Vec::new(),
             bins: Vec::new(),
+            kept: None,
         }
     }
 
@@ -72,6 +76,9 @@ fn bin_of(index: u64, samples: &mut [f64]) -> Option<Bin> {
         samples: samples.len(),
     })
 }
+
+/// Most samples kept for one tracked location (8 MB): hours of a few dozen bots.
+const KEPT_MAX: usize = 1_000_000;
 
 /// The click-to-screen samples of every bot of a run.
 #[derive(Debug)]
@@ -119,8 +126,50 @@ impl ClickToScreen {
             loc.open = index;
         }
         loc.samples.push(ms);
+        if let Some(kept) = &mut loc.kept {
+            if kept.len() < KEPT_MAX {
+                let t = at.saturating_duration_since(self.origin).as_secs_f32();
+                kept.push((t, ms as f32));
+            } else {
+                loc.kept = None;
+            }
+        }
         loc.all
             .saturating_record((ms * 1000.0).round().max(1.0) as u64);
+    }
+
+    /// Keeps every sample of `location` from now on (up to a million), for
+    /// [`Self::median_between`].
+    pub fn track(&self, location: &str) {
+        let mut all = self
+            .by_location
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        all.entry(location.to_string())
+            .or_insert_with(Location::new)
+            .kept = Some(Vec::new());
+    }
+
+    /// The median and the count of `location`'s samples taken between `from_s` and `to_s` after
+    /// the origin; `None` if the location is not tracked (or overflowed) or has none there.
+    pub fn median_between(&self, location: &str, from_s: f64, to_s: f64) -> Option<(f64, usize)> {
+        let all = self
+            .by_location
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut ms: Vec<f32> = all
+            .get(location)?
+            .kept
+            .as_ref()?
+            .iter()
+            .filter(|(t, _)| (from_s..to_s).contains(&f64::from(*t)))
+            .map(|(_, ms)| *ms)
+            .collect();
+        if ms.is_empty() {
+            return None;
+        }
+        ms.sort_by(f32::total_cmp);
+        Some((f64::from(ms[(ms.len() - 1) / 2]), ms.len()))
     }
 
     /// The whole run's median and 99th percentile by location.
@@ -196,5 +245,27 @@ mod tests {
         assert!((f["paris"].p50_ms - 30.0).abs() < 0.1, "{:?}", f["paris"]);
         assert!((f["paris"].p99_ms - 100.0).abs() < 0.1, "{:?}", f["paris"]);
         assert!((f["montreal"].p50_ms - 5.0).abs() < 0.01);
+        // Not tracked: no cut.
+        assert_eq!(c.median_between("paris", 0.0, 10.0), None);
+    }
+
+    #[test]
+    fn a_tracked_location_is_cut_at_any_instant() {
+        let t0 = Instant::now();
+        let c = ClickToScreen::starting(t0);
+        c.track("far");
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        for (ms, v) in [
+            (100, 200.0),
+            (900, 220.0),
+            (1_100, 210.0),
+            (5_000, 8.0),
+            (6_000, 6.0),
+        ] {
+            c.record("far", at(ms), v);
+        }
+        assert_eq!(c.median_between("far", 0.0, 2.0), Some((210.0, 3)));
+        assert_eq!(c.median_between("far", 4.0, 60.0), Some((6.0, 2)));
+        assert_eq!(c.median_between("far", 2.0, 4.0), None);
     }
 }

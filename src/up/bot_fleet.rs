@@ -7,7 +7,7 @@ use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
 use super::cluster::Cluster;
-use super::crowd::{Crowd, ARENA_SPREAD, MEETING_POINT};
+use super::crowd::{Bubble, Crowd, ARENA_SPREAD, MEETING_POINT};
 use super::UpOptions;
 use crate::bots::{self, BotConfig, BotStats};
 
@@ -28,8 +28,26 @@ impl BotFleet {
     ) -> anyhow::Result<Self> {
         let bot_cfgs = configs(opts, cluster).await?;
         let geos = &cluster.env.geos;
+        let n = geos.names.len();
+        let gathers = |i: usize| opts.bubbles && is_bubble_bot(i, n);
+        // The gathering bots' saved avatars stand at the bubble's point: they log in there.
+        let at_home = &bot_cfgs[(n - 1) * 2];
+        let bubble_cfg = Arc::new(BotConfig {
+            home: Bubble::POINT,
+            roam: Bubble::ROAM_M,
+            geo: at_home.geo.clone().map(|g| bots::BotGeo {
+                location: Bubble::location(&g.location),
+                ..g
+            }),
+            ..(**at_home).clone()
+        });
+        for i in (0..opts.bots).filter(|i| gathers(*i)) {
+            gather_at_the_bubble(cluster, &format!("bot-{i}"), &geos.names[n - 1], i).await?;
+        }
         let bot_cfg_of = |i: usize| {
-            let n = geos.names.len();
+            if gathers(i) {
+                return bubble_cfg.clone();
+            }
             let (location, far) = (i % n, i / n % 4 == 3 && n > 1);
             bot_cfgs[location * 2 + usize::from(far)].clone()
         };
@@ -37,6 +55,9 @@ impl BotFleet {
             click_to_screen: bots::ClickToScreen::starting(started),
             ..BotStats::default()
         });
+        if let Some(g) = bubble_cfg.geo.as_ref().filter(|_| opts.bubbles) {
+            bot_stats.click_to_screen.track(&g.location);
+        }
         let bot_stop = CancellationToken::new();
         let mut bot_tasks = Vec::with_capacity(opts.bots);
         for i in 0..opts.bots {
@@ -66,6 +87,38 @@ impl BotFleet {
             let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
         }
     }
+}
+
+/// Whether bot `i` of a run over `geos` geos gathers at the bubble's point: the last geo's bots
+/// that log in at home.
+pub(super) fn is_bubble_bot(i: usize, geos: usize) -> bool {
+    geos > 1 && i % geos == geos - 1 && i / geos % 4 != 3
+}
+
+/// Saves `account`'s record with its avatar at the bubble's point (spread a few metres by `i`),
+/// so that its first login spawns it there.
+async fn gather_at_the_bubble(
+    cluster: &Cluster,
+    account: &str,
+    geo: &str,
+    i: usize,
+) -> anyhow::Result<()> {
+    let (x, y) = Bubble::POINT;
+    let spread = (i % 10) as f64 * 8.0;
+    let record = cellmesh_stores::PlayerRecord {
+        account: account.to_string(),
+        last_position: Some([x + spread, y - spread, 0.0]),
+        home_geo: geo.to_string(),
+        updated_unix_ms: super::unix_ms(),
+        gateway_geo: geo.to_string(),
+        session_epoch: 0,
+        last_handover_unix_ms: None,
+    };
+    cluster.env.stores[0]
+        .players
+        .save(&record)
+        .await
+        .with_context(|| format!("saving {account}'s record at the bubble's point"))
 }
 
 /// The bots' configurations, two per geo: each bot plays from a geo (round robin); from there

@@ -1,6 +1,6 @@
 //! The cluster of a run, started and linked: the stores, the partition committed to the
-//! topology, the run's admin port and token, the nodes, the director (`--balance`) and the
-//! proxies.
+//! topology, the run's admin port and token, the nodes, the director (`--balance`, or the
+//! geo-aware one of `--bubbles`) and the proxies.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -68,8 +68,14 @@ impl Cluster {
         )?;
         let nodes = start_nodes(opts, &env, &ids).await?;
         let director_stop = env.stop.child_token();
-        let director =
-            start_director(opts, &env.topology, &admin_token.token, &director_stop).await?;
+        let director = start_director(
+            opts,
+            &env.topology,
+            &env.geos,
+            &admin_token.token,
+            &director_stop,
+        )
+        .await?;
         let secret = format!("{:032x}", rand::random::<u128>());
         let proxies = start_proxies(&env, &nodes, opts.bots, &secret).await?;
         let cluster = Self {
@@ -206,6 +212,10 @@ async fn commit_partition(
 ) -> anyhow::Result<Arc<dyn TopologyStore>> {
     let (rx, ry) = (world.regions_x() as u32, world.regions_y() as u32);
     anyhow::ensure!(
+        !opts.bubbles || (!opts.bsp && opts.geos.len() > 1),
+        "--bubbles moves grid regions between geos: it needs --geos 2 or more, on the grid"
+    );
+    anyhow::ensure!(
         opts.bsp || !opts.balance,
         "--balance needs a BSP partition (--partition bsp): the director moves the lines of a BSP"
     );
@@ -318,9 +328,29 @@ async fn start_nodes(opts: &UpOptions, env: &NodeEnv, ids: &[u32]) -> anyhow::Re
 async fn start_director(
     opts: &UpOptions,
     topology: &Arc<dyn TopologyStore>,
+    geos: &GeoLayout,
     admin_token: &str,
     stop: &CancellationToken,
 ) -> anyhow::Result<Option<DirectorHandle>> {
+    if opts.bubbles {
+        let cfg = cellmesh_director::DirectorConfig {
+            topology_url: "memory".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            admin_token: admin_token.to_string(),
+            name: "up-director".into(),
+            bubbles: Some(cellmesh_director::config::BubbleConfig {
+                sites: geos.names.clone(),
+                params: bubble_params(),
+            }),
+            ..cellmesh_director::DirectorConfig::default()
+        };
+        cfg.validate().context("the geo-aware director")?;
+        return Ok(Some(
+            cellmesh_director::start_with(cfg, topology.clone(), stop.clone())
+                .await
+                .context("starting the geo-aware director")?,
+        ));
+    }
     if !opts.balance {
         return Ok(None);
     }
@@ -342,6 +372,21 @@ async fn start_director(
             .await
             .context("starting the director")?,
     ))
+}
+
+/// The placement's parameters for a run of minutes: the policy's own, but evaluated every two
+/// seconds and sustained twenty, so that a bubble moves within the first minute; and a fairness
+/// cap above the longest bridge between the default geos (Montreal–Hong Kong, 240 ms), so that
+/// the move is the policy's gain and not a cap forced at the first evaluation, and click to
+/// screen is seen on both sides of it.
+pub(super) fn bubble_params() -> cellmesh_world::bubbles::Params {
+    cellmesh_world::bubbles::Params {
+        evaluate_every_ms: 2_000,
+        sustain_ms: 20_000,
+        dwell_ms: 60_000,
+        fairness_cap_ms: 300.0,
+        ..cellmesh_world::bubbles::Params::default()
+    }
 }
 
 #[cfg(test)]

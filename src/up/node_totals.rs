@@ -86,6 +86,8 @@ pub(super) struct HandoffCosts {
     pub(super) freeze: hdrhistogram::Histogram<u64>,
     pub(super) ticks_missed: hdrhistogram::Histogram<u64>,
     pub(super) sidecars_ms: hdrhistogram::Histogram<u64>,
+    /// How long nobody simulated an entity a new partition moved (a bubble move's handoffs).
+    pub(super) partition_gap: hdrhistogram::Histogram<u64>,
 }
 
 impl Default for HandoffCosts {
@@ -95,6 +97,7 @@ impl Default for HandoffCosts {
             freeze: h(),
             ticks_missed: h(),
             sidecars_ms: h(),
+            partition_gap: h(),
         }
     }
 }
@@ -104,6 +107,7 @@ impl HandoffCosts {
         let _ = self.freeze.add(s.freeze_ms());
         let _ = self.ticks_missed.add(s.ticks_missed());
         let _ = self.sidecars_ms.add(s.freeze_sidecars_ms());
+        let _ = self.partition_gap.add(s.partition_gap_ms());
     }
 }
 

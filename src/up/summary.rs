@@ -164,6 +164,32 @@ pub struct Summary {
     pub cells_retired: u64,
     pub chunks_moved: u64,
     pub load_max_over_avg: LoadSpread,
+    /// `--bubbles`: bubbles whose regions the geo-aware director committed to another geo (one
+    /// per bubble and epoch), the regions moved, when the gathering bots' bubble first moved (s
+    /// into the run; 0: never), the 99th percentile freeze of an entity a new partition moved
+    /// (nobody simulates it from its last tick at the source to its first at the target), and
+    /// the gathering bots' click to screen before that move and after it (from
+    /// [`BUBBLE_SETTLE_S`] after, once its handoffs are done), with the samples of each.
+    pub bubble_moves: u64,
+    pub regions_moved: u64,
+    pub bubble_moved_at_s: f64,
+    pub bubble_switch_freeze_ms_p99: f64,
+    pub click_to_screen_ms_p50_before: f64,
+    pub click_to_screen_ms_p50_after: f64,
+    pub click_to_screen_samples_before: usize,
+    pub click_to_screen_samples_after: usize,
+}
+
+/// Seconds after a bubble's move before its bots' click to screen counts as "after".
+pub const BUBBLE_SETTLE_S: f64 = 5.0;
+
+/// The gathering bots' figures of a `--bubbles` run.
+#[derive(Debug, Clone, Default)]
+pub(super) struct BubbleFigures {
+    /// When their bubble's region was first committed to another geo (s into the run).
+    pub(super) moved_at_s: Option<f64>,
+    pub(super) before: Option<(f64, usize)>,
+    pub(super) after: Option<(f64, usize)>,
 }
 
 /// The busiest node's load over the average of the nodes holding a cell.
@@ -303,6 +329,7 @@ pub(super) struct Figures {
     pub(super) bridged_over_time: Vec<(f64, u64)>,
     pub(super) handover_marks: Vec<plot::HandoverMark>,
     pub(super) kill_marks: Vec<plot::KillMark>,
+    pub(super) bubble: BubbleFigures,
 }
 
 impl Summary {
@@ -312,6 +339,28 @@ impl Summary {
             .with_census_and_chaos(f)
             .with_geos(f)
             .with_partition(f)
+            .with_bubbles(f)
+    }
+
+    /// `--bubbles`: what the geo-aware director moved, and what the gathering bots saw of it.
+    fn with_bubbles(self, f: &Figures) -> Self {
+        let (d, b) = (&f.directed, &f.bubble);
+        let freeze = &f.handoff_costs.partition_gap;
+        Summary {
+            bubble_moves: d.bubble_moves,
+            regions_moved: d.regions_moved,
+            bubble_moved_at_s: b.moved_at_s.unwrap_or(0.0),
+            bubble_switch_freeze_ms_p99: if freeze.is_empty() {
+                0.0
+            } else {
+                freeze.value_at_quantile(0.99) as f64
+            },
+            click_to_screen_ms_p50_before: b.before.map_or(0.0, |(ms, _)| ms),
+            click_to_screen_ms_p50_after: b.after.map_or(0.0, |(ms, _)| ms),
+            click_to_screen_samples_before: b.before.map_or(0, |(_, n)| n),
+            click_to_screen_samples_after: b.after.map_or(0, |(_, n)| n),
+            ..self
+        }
     }
 
     /// What the sidecars, proxies, bots and games counted.

@@ -11,12 +11,13 @@ use super::bot_fleet::BotFleet;
 use super::census;
 use super::chaos::{chaos_figures, Chaos};
 use super::cluster::Cluster;
+use super::crowd::Bubble;
 use super::input_ledger::InputLedger;
 use super::live::Live;
 use super::node::NodeRun;
 use super::node_totals::{totals, NodeTotals};
 use super::proxies::proxy_stats;
-use super::summary::Figures;
+use super::summary::{BubbleFigures, Figures, BUBBLE_SETTLE_S};
 use super::UpOptions;
 use crate::bots::{BotStats, BotTotals};
 
@@ -47,6 +48,14 @@ pub(super) async fn wind_down(
         None => cellmesh_director::DirectorStats::default(),
     };
     let load_end = live.spreads.last().copied().unwrap_or(0.0);
+    let bubble = bubble_figures(
+        opts,
+        &cluster.env.geos,
+        &cluster.env.world,
+        &directed,
+        &bot_stats,
+        started,
+    );
     bots.wait().await;
     cluster
         .env
@@ -110,6 +119,39 @@ pub(super) async fn wind_down(
         bridged_over_time: live.bridged_over_time,
         handover_marks: live.handover_marks,
         kill_marks: chaos.kill_marks,
+        bubble,
+    }
+}
+
+/// The gathering bots' figures: their bubble's first move (the first committed epoch that gave
+/// the region of their point to another geo), and their click to screen on either side of it.
+fn bubble_figures(
+    opts: &UpOptions,
+    geos: &super::geo_layout::GeoLayout,
+    world: &cellmesh_world::geometry::WorldShape,
+    directed: &cellmesh_director::DirectorStats,
+    bot_stats: &BotStats,
+    started: Instant,
+) -> BubbleFigures {
+    if !opts.bubbles {
+        return BubbleFigures::default();
+    }
+    let (x, y) = Bubble::POINT;
+    let r = world.region_of(cellmesh_world::geometry::Pos { x, y });
+    let region = (r.x as u32, r.y as u32);
+    let start_unix_ms = super::unix_ms().saturating_sub(started.elapsed().as_millis() as u64);
+    let moved_at_s = directed
+        .first_moves
+        .iter()
+        .find(|f| f.region == region)
+        .map(|f| f.at_unix_ms.saturating_sub(start_unix_ms) as f64 / 1000.0);
+    let location = Bubble::location(&geos.names[geos.names.len() - 1]);
+    let c = &bot_stats.click_to_screen;
+    BubbleFigures {
+        moved_at_s,
+        before: c.median_between(&location, 0.0, moved_at_s.unwrap_or(f64::INFINITY)),
+        after: moved_at_s
+            .and_then(|at| c.median_between(&location, at + BUBBLE_SETTLE_S, f64::INFINITY)),
     }
 }
 

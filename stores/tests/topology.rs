@@ -13,12 +13,12 @@ use std::time::Duration;
 use cellmesh_stores::topology::memory::MemoryTopology;
 use cellmesh_stores::topology::mongo::MongoTopology;
 use cellmesh_stores::topology::{
-    self, ids, Acquire, Commit, DirectorAcquire, Lease, LeasedIds, NodeRecord, TopologyError,
-    TopologyStore,
+    self, ids, Acquire, Commit, DirectorAcquire, Lease, LeasedIds, NodeRecord, PlayerSample,
+    TopologyError, TopologyStore, MAX_PLAYER_SAMPLES,
 };
 use cellmesh_stores::StoreError;
 use cellmesh_world::balance::{CellReport, EntityBoundLevels};
-use cellmesh_world::geometry::{ChunkPos, ChunkRect, WorldShape};
+use cellmesh_world::geometry::{ChunkPos, ChunkRect, Pos, WorldShape};
 use cellmesh_world::partition::{Bsp, Grid, Layout, Partition};
 use futures::future::{join_all, BoxFuture};
 use mongodb::bson::doc;
@@ -545,6 +545,71 @@ async fn load_reports(store: &dyn TopologyStore, ttl: Duration, pass: &Pass) {
     assert_eq!(store.loads().await.unwrap().len(), 1);
 }
 
+/// `n` players of a gateway, each different, measured from a geo or two.
+fn player_samples(n: usize) -> Vec<PlayerSample> {
+    (0..n)
+        .map(|i| PlayerSample {
+            account: format!("player-{i}"),
+            session_id: i as u64 + 1,
+            pos: Pos {
+                x: i as f64 * 0.25,
+                y: 2047.5,
+            },
+            speed_mps: 1.5 + i as f64,
+            rtt_ms: [("eu".to_string(), 12.5), ("us-east".to_string(), 80.25)]
+                .into_iter()
+                .take(1 + i % 2)
+                .collect(),
+        })
+        .collect()
+}
+
+/// Player samples: published under a live lease, replaced whole, listed while the lease lives,
+/// cleared by a new grant, and capped at [`MAX_PLAYER_SAMPLES`].
+async fn player_reports(store: &dyn TopologyStore, ttl: Duration, pass: &Pass) {
+    let lapse = ttl + ttl / 5;
+    let a = granted(store.acquire_lease(3, "a", ttl).await.unwrap());
+    let b = granted(store.acquire_lease(4, "b", ttl).await.unwrap());
+    granted(store.acquire_lease(5, "quiet", ttl).await.unwrap());
+    assert!(store.players().await.unwrap().is_empty());
+    assert!(store.publish_players(&a, &player_samples(3)).await.unwrap());
+    assert!(store.publish_players(&b, &player_samples(1)).await.unwrap());
+    let players = store.players().await.unwrap();
+    assert_eq!(players.len(), 2, "node 5 published none");
+    assert_eq!(players[&3], player_samples(3));
+    assert_eq!(players[&4], player_samples(1));
+    // A new list replaces the old one, even an empty one.
+    assert!(store.publish_players(&a, &player_samples(2)).await.unwrap());
+    assert!(store.publish_players(&b, &[]).await.unwrap());
+    let players = store.players().await.unwrap();
+    assert_eq!(players[&3], player_samples(2));
+    assert_eq!(players[&4], []);
+
+    // Released: not listed, and its holder can no longer publish.
+    assert!(store.release_lease(&b).await.unwrap());
+    assert!(!store.players().await.unwrap().contains_key(&4));
+    assert!(!store.publish_players(&b, &player_samples(1)).await.unwrap());
+
+    // Taken over: the new grant starts without the old holder's players, which is fenced off.
+    let c = granted(store.take_over_lease(&a, "c", ttl).await.unwrap());
+    assert!(store.players().await.unwrap().is_empty());
+    assert!(!store.publish_players(&a, &player_samples(2)).await.unwrap());
+    assert!(store.players().await.unwrap().is_empty());
+
+    // More than the cap: the first ones are kept.
+    let c = store.renew_lease(&c, ttl).await.unwrap().expect("live");
+    let many = player_samples(MAX_PLAYER_SAMPLES + 5);
+    assert!(store.publish_players(&c, &many).await.unwrap());
+    let players = store.players().await.unwrap();
+    assert_eq!(players[&3].len(), MAX_PLAYER_SAMPLES);
+    assert_eq!(players[&3][..], many[..MAX_PLAYER_SAMPLES]);
+
+    // Lapsed: not listed, and nothing more is published under it.
+    pass(lapse).await;
+    assert!(store.players().await.unwrap().is_empty());
+    assert!(!store.publish_players(&c, &player_samples(1)).await.unwrap());
+}
+
 /// Many contenders at once for one node's lease, and many committers from one epoch.
 async fn races(stores: Vec<Arc<dyn TopologyStore>>) {
     for node in 0..8 {
@@ -616,6 +681,12 @@ async fn memory_directors() {
 }
 
 #[tokio::test]
+async fn memory_players() {
+    let (store, pass) = virtual_memory();
+    player_reports(&store, TTL, &pass).await;
+}
+
+#[tokio::test]
 async fn memory_races() {
     let store: Arc<dyn TopologyStore> = Arc::new(MemoryTopology::default());
     races(vec![store]).await;
@@ -679,6 +750,13 @@ async fn mongo_directors() {
     let db = TestDb::new("directors");
     directors(&db.open().await, MONGO_TTL, &real_time()).await;
     load_reports(&db.open().await, MONGO_TTL, &real_time()).await;
+    db.drop_all().await;
+}
+
+#[tokio::test]
+async fn mongo_players() {
+    let db = TestDb::new("players");
+    player_reports(&db.open().await, MONGO_TTL, &real_time()).await;
     db.drop_all().await;
 }
 

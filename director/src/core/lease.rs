@@ -37,6 +37,13 @@ impl DirectorCore {
                 // last balanced it, and the layout it reads now is the truth.
                 self.balancer = Balancer::new(self.cfg.balance.clone());
                 self.last_reason.clear();
+                // The bubbles too: what this director placed before may have been moved since,
+                // and a fresh placement starts each group where it is simulated now.
+                self.bubbles = self
+                    .cfg
+                    .bubbles
+                    .as_ref()
+                    .and_then(super::bubbles::Bubbles::new);
                 self.phase = Phase::Active(Active {
                     lease,
                     valid_until: asked + writable_ms(self.cfg.lease_ms),

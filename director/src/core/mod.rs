@@ -14,6 +14,7 @@
 //! The core asks the store one thing at a time, as the loop it replaced did: a round's reads, its
 //! commit and a renewal never overtake one another.
 
+mod bubbles;
 mod lease;
 mod round;
 pub mod stats;
@@ -24,7 +25,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
 use cellmesh_stores::topology::{
-    renew_every_ms, Commit, DirectorAcquire, DirectorLease, NodeEntry, TopologyError,
+    renew_every_ms, Commit, DirectorAcquire, DirectorLease, NodeEntry, PlayerSample, TopologyError,
 };
 use cellmesh_world::balance::{Balancer, CellReport, Decision, Reason};
 use cellmesh_world::partition::{BspTree, NodeId, Partition};
@@ -70,8 +71,9 @@ pub enum StoreRequest {
     Acquire { holder: String, ttl: Duration },
     /// `renew_director`.
     Renew { lease: DirectorLease, ttl: Duration },
-    /// What a round balances: `partition`, then `loads` and `nodes`.
-    Read,
+    /// What a round balances: `partition`, then `loads` and `nodes`, and the gateways'
+    /// `players` when bubbles are placed.
+    Read { players: bool },
     /// `commit_partition_as`: `next` (epoch `expected_epoch + 1`) under `lease`.
     Commit {
         lease: DirectorLease,
@@ -89,6 +91,8 @@ pub struct WorldRead {
     /// The latest load report of every node whose lease is live.
     pub loads: BTreeMap<NodeId, CellReport>,
     pub nodes: Vec<NodeEntry>,
+    /// The players every live gateway published (read only when bubbles are placed).
+    pub players: BTreeMap<NodeId, Vec<PlayerSample>>,
 }
 
 /// The store's answer to a [`StoreRequest`], of the same kind.
@@ -153,6 +157,22 @@ pub enum Event {
         chunks_moved: i64,
         decisions: Vec<Decision>,
     },
+    /// A bubble placement ran: the decisions that move a bubble or change its membership.
+    Placed {
+        epoch: u64,
+        players: usize,
+        decisions: Vec<cellmesh_world::bubbles::Decision>,
+    },
+    /// The placement could not run (bad input from the store): nothing moved.
+    PlacementFailed {
+        error: String,
+    },
+    /// The store committed, as `epoch`, a grid whose regions follow the bubbles.
+    RegionsCommitted {
+        epoch: u64,
+        chunks_moved: i64,
+        moves: Vec<cellmesh_world::bubbles::RegionMove>,
+    },
     /// Someone committed first (an operator's re-plan): the next round reads their epoch.
     CommitStale {
         current_epoch: u64,
@@ -202,6 +222,8 @@ struct PendingCommit {
     epoch: u64,
     chunks_moved: i64,
     decisions: Vec<Decision>,
+    /// The regions a bubble placement moves (none for a balance commit).
+    regions: Vec<cellmesh_world::bubbles::RegionMove>,
     at_unix_ms: u64,
 }
 
@@ -210,6 +232,8 @@ pub struct DirectorCore {
     cfg: DirectorConfig,
     holder: String,
     balancer: Balancer,
+    /// Set when the director places bubbles across geos instead of balancing load.
+    bubbles: Option<bubbles::Bubbles>,
     phase: Phase,
     asked: Option<Asked>,
     /// Set by [`Input::Stop`]: stop by then (monotonic ms).
@@ -225,9 +249,11 @@ pub struct DirectorCore {
 impl DirectorCore {
     /// A director named `holder` in the lease; it asks for the lease at once. `metrics` are its
     /// counters (the driver registers them on the admin port).
+    /// A configuration that does not validate is the caller's bug: bubbles are then off.
     pub fn new(cfg: DirectorConfig, holder: String, metrics: Metrics) -> Self {
         Self {
             balancer: Balancer::new(cfg.balance.clone()),
+            bubbles: cfg.bubbles.as_ref().and_then(bubbles::Bubbles::new),
             cfg,
             stats: DirectorStats {
                 holder: holder.clone(),
@@ -289,9 +315,13 @@ impl DirectorCore {
         matches!(self.phase, Phase::Stopped)
     }
 
-    /// The balance period: a round every this many ms while active.
+    /// The round period: a round every this many ms while active (the placement's evaluation
+    /// period when bubbles are placed).
     pub fn period_ms(&self) -> u64 {
-        self.cfg.balance.balance_period_ms
+        match &self.cfg.bubbles {
+            Some(b) if self.bubbles.is_some() => b.params.evaluate_every_ms,
+            _ => self.cfg.balance.balance_period_ms,
+        }
     }
 
     fn ttl(&self) -> Duration {
@@ -374,7 +404,8 @@ impl DirectorCore {
             Phase::Active(a) if t >= a.round_at => {
                 // A round that ran late does not make the next come sooner.
                 a.round_at = (a.round_at + period).max(t);
-                self.ask(Asked::Read, StoreRequest::Read);
+                let players = self.bubbles.is_some();
+                self.ask(Asked::Read, StoreRequest::Read { players });
             }
             _ => {}
         }

@@ -28,10 +28,13 @@ impl DirectorCore {
         };
         let lease = active.lease.clone();
         let valid_until = active.valid_until;
-        let Some(current) = world.partition else {
+        let Some(current) = world.partition.clone() else {
             self.stats.idle_because = Some("no partition is committed".into());
             return;
         };
+        if self.bubbles.is_some() {
+            return self.placement_round(now, world, current, lease, valid_until);
+        }
         let tree = match current.layout() {
             Layout::Bsp(b) => b.tree(),
             // The first layout that moves a line is committed as a BSP, and nothing changes
@@ -87,6 +90,7 @@ impl DirectorCore {
             epoch: next.epoch(),
             chunks_moved,
             decisions: round.decisions,
+            regions: Vec::new(),
             at_unix_ms: now.unix_ms,
         };
         let request = StoreRequest::Commit {
@@ -213,8 +217,12 @@ impl DirectorCore {
             epoch,
             chunks_moved,
             decisions,
+            regions,
             at_unix_ms,
         } = pending;
+        if !regions.is_empty() {
+            return self.record_regions(epoch, chunks_moved, regions, at_unix_ms);
+        }
         let m = &self.metrics;
         m.epochs_committed.inc();
         m.partition_epoch.set(epoch as i64);

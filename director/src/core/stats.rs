@@ -4,6 +4,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use cellmesh_stores::topology::DirectorLease;
 use cellmesh_world::balance::Decision;
+use cellmesh_world::bubbles::{BubbleSnapshot, Decision as BubbleDecision, RegionMove};
 use cellmesh_world::partition::NodeId;
 use serde::Serialize;
 
@@ -63,6 +64,22 @@ pub struct DecisionRecord {
     pub decision: Decision,
 }
 
+/// An epoch this director committed for the bubbles: the regions that changed geo.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RegionRecord {
+    pub epoch: u64,
+    pub at_unix_ms: u64,
+    pub moves: Vec<RegionMove>,
+}
+
+/// The first epoch this director committed that moved a region for a bubble.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct FirstMove {
+    pub region: (u32, u32),
+    pub epoch: u64,
+    pub at_unix_ms: u64,
+}
+
 /// What the director did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct DirectorStats {
@@ -91,6 +108,24 @@ pub struct DirectorStats {
     pub leases_granted: u64,
     pub leases_lost: u64,
     pub last_round: Option<RoundView>,
+    /// Bubbles whose regions changed geo in committed epochs (one per bubble and epoch).
+    pub bubble_moves: u64,
+    /// Grid regions committed to another geo's node.
+    pub regions_moved: u64,
+    /// Regions the last placement wanted on a geo with no live node (left where they are).
+    pub regions_stranded: usize,
+    /// Players in the last placement.
+    pub players_placed: usize,
+    /// Players left out of the last placement: not yet measured toward every available geo.
+    pub players_unmeasured: usize,
+    /// The bubbles as the last placement left them.
+    pub bubbles: Vec<BubbleSnapshot>,
+    /// Placement decisions that moved a bubble or changed who is in it, latest last.
+    pub placements: VecDeque<BubbleDecision>,
+    /// Committed epochs that moved regions, latest last (the last few hundred).
+    pub region_moves: VecDeque<RegionRecord>,
+    /// The first commit that moved each region, ever (one per region of the grid at most).
+    pub first_moves: Vec<FirstMove>,
     pub epochs: VecDeque<EpochRecord>,
     pub decisions: VecDeque<DecisionRecord>,
 }

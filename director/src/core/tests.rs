@@ -382,7 +382,10 @@ fn a_lease_lost_mid_round_commits_nothing() {
     c.run_until(PERIOD_MS + 1);
     let stalled_at = c.t;
     assert!(
-        matches!(c.directors[a].asked.last(), Some((_, StoreRequest::Read))),
+        matches!(
+            c.directors[a].asked.last(),
+            Some((_, StoreRequest::Read { .. }))
+        ),
         "a round's read is in flight"
     );
     c.run_until(stalled_at + 2 * LEASE_MS + PERIOD_MS / 2);

@@ -119,6 +119,35 @@ fn log(event: &Event) {
             tracing::warn!(call, error = %error, "topology store call failed")
         }
         Event::Round { .. } => {}
+        Event::Placed {
+            epoch,
+            players,
+            decisions,
+        } => {
+            for d in decisions {
+                tracing::info!(
+                    epoch,
+                    players,
+                    bubble = %d.group_id,
+                    members = d.members.len(),
+                    from = ?d.from_site,
+                    to = ?d.to_site,
+                    reason = d.reason.kind(),
+                    "bubble placement"
+                );
+            }
+        }
+        Event::PlacementFailed { error } => tracing::warn!(%error, "bubble placement failed"),
+        Event::RegionsCommitted {
+            epoch,
+            chunks_moved,
+            moves,
+        } => tracing::info!(
+            epoch,
+            chunks_moved,
+            regions = moves.len(),
+            "committed regions to the geos of their bubbles"
+        ),
         Event::LayoutRefused { epoch, error, .. } => {
             tracing::warn!(epoch, error = %error, "balance round: layout refused")
         }

@@ -13,7 +13,9 @@ pub async fn call(store: &dyn TopologyStore, request: StoreRequest) -> StoreRepl
         StoreRequest::Renew { lease, ttl } => {
             StoreReply::Renewed(store.renew_director(&lease, ttl).await)
         }
-        StoreRequest::Read => StoreReply::Read(read(store).await.map(Box::new)),
+        StoreRequest::Read { players } => {
+            StoreReply::Read(read(store, players).await.map(Box::new))
+        }
         StoreRequest::Commit {
             lease,
             expected_epoch,
@@ -29,10 +31,15 @@ pub async fn call(store: &dyn TopologyStore, request: StoreRequest) -> StoreRepl
     }
 }
 
-async fn read(store: &dyn TopologyStore) -> Result<WorldRead, TopologyError> {
+async fn read(store: &dyn TopologyStore, players: bool) -> Result<WorldRead, TopologyError> {
     Ok(WorldRead {
         partition: store.partition().await?,
         loads: store.loads().await?,
         nodes: store.nodes().await?,
+        players: if players {
+            store.players().await?
+        } else {
+            Default::default()
+        },
     })
 }

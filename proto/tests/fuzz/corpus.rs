@@ -446,6 +446,11 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
             session_id: 1,
             rtt_ms_p50: 20.5,
             rtt_ms_min: 18.0,
+            far: vec![GeoRtt {
+                geo: "montreal".into(),
+                rtt_ms_p50: 92.0,
+                rtt_ms_min: 90.5,
+            }],
         }),
         B::Refused(LinkRefused {
             reason: "major 2".into(),

@@ -6,6 +6,7 @@
 //! can do wrong ends in a `Kick` to that client alone.
 
 use ::core::net::SocketAddr;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -16,7 +17,7 @@ use cellmesh_proto::edge::{
     Transfer, Welcome,
 };
 use cellmesh_proto::mesh::{
-    mesh_message::Body, Attach, Attached, Detach, HandoverHint, SessionInput, SessionRtt,
+    mesh_message::Body, Attach, Attached, Detach, GeoRtt, HandoverHint, SessionInput, SessionRtt,
     SessionWhere,
 };
 use cellmesh_proto::ticket::ProbeTicket;
@@ -184,6 +185,9 @@ pub(crate) struct SessionInfo {
     pub(crate) world: (f64, f64),
     /// Where the gateway last said the avatar is simulated.
     pub(crate) whereabouts: Option<SessionWhere>,
+    /// What other geos' proxies measured to the client, by geo: the board's latest answer,
+    /// passed on to the gateway with this proxy's own figure.
+    pub(crate) far_rtt: BTreeMap<String, RttFigure>,
 }
 
 impl SessionInfo {
@@ -637,6 +641,7 @@ impl Connection {
                 gateway_node: attached.gateway_node,
                 world: (attached.world_width, attached.world_height),
                 whereabouts: None,
+                far_rtt: BTreeMap::new(),
             },
             pings: PingTracker::new(RTT_WINDOW),
             flood: FloodMeter::new(cx.cfg.rate.flood_kick_drops),
@@ -664,6 +669,14 @@ impl Connection {
     pub(crate) fn set_where(&mut self, w: SessionWhere) {
         if let Phase::Relaying(_, r) = &mut self.phase {
             r.info.whereabouts = Some(w);
+        }
+    }
+
+    /// The board's latest far figures for the client. They replace the previous ones whole: the
+    /// board forgets a geo's figure once it expires, and so does the session.
+    pub(crate) fn set_far_rtt(&mut self, far: &HashMap<String, RttFigure>) {
+        if let Phase::Relaying(_, r) = &mut self.phase {
+            r.info.far_rtt = far.iter().map(|(geo, f)| (geo.clone(), *f)).collect();
         }
     }
 
@@ -938,6 +951,16 @@ impl Connection {
                             session_id: info.session_id,
                             rtt_ms_p50: sum.p50_ms as f32,
                             rtt_ms_min: sum.min_ms as f32,
+                            // In geo order (the map's), so equal figures encode the same.
+                            far: info
+                                .far_rtt
+                                .iter()
+                                .map(|(geo, f)| GeoRtt {
+                                    geo: geo.clone(),
+                                    rtt_ms_p50: f.median_ms as f32,
+                                    rtt_ms_min: f.min_ms as f32,
+                                })
+                                .collect(),
                         };
                         // Advisory: dropped first when the link is busy.
                         cx.send_to_link(info.gateway, Body::Rtt(rtt), true);

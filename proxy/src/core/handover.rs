@@ -90,7 +90,11 @@ impl ProxyCore {
         }
     }
 
+    /// Kept on the connection too, for the gateway's next `SessionRtt`.
     pub(super) fn on_far_rtts(&mut self, conn: ConnId, far: HashMap<String, RttFigure>) {
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.set_far_rtt(&far);
+        }
         self.observe(conn, far);
     }
 

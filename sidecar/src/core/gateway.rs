@@ -39,6 +39,8 @@ pub(crate) struct Session {
     pub home_geo: Option<String>,
     /// Proxy-measured (p50, min) round-trip time in milliseconds.
     pub rtt: Option<(f32, f32)>,
+    /// Other geos' proxies' median RTT to this client, by geo, in milliseconds.
+    pub far_rtt: BTreeMap<String, f32>,
     /// When the proxy handed the session over to another geo (wall-clock ms).
     pub handed_over_at: Option<u64>,
     /// The session was handed over to this geo from another.
@@ -71,6 +73,10 @@ pub(crate) struct Gateway {
     /// What each session's proxy was last told of where its avatar is simulated: geo, region,
     /// and when (monotonic ms).
     where_sent: HashMap<SessionKey, (String, u64, u64)>,
+    /// Where each session's avatar was last seen to move at a player sample, when (monotonic
+    /// ms), and the speed measured then: an avatar simulated elsewhere is only re-anchored every
+    /// chunk it crosses, so its speed is measured between two changes, not two samples.
+    sampled: HashMap<SessionKey, ([f64; 2], u64, f64)>,
     /// The geo of every peer node seen, from its link's hello (kept when the link drops).
     node_geo: HashMap<NodeId, String>,
     /// A batch of session renewals is with the store.
@@ -84,6 +90,10 @@ pub(crate) struct Gateway {
 /// A session's proxy hears where its avatar is simulated at least this often, and at once when
 /// it crosses into another region.
 pub(crate) const WHERE_EVERY_MS: u64 = 5_000;
+/// How long an avatar seen at the same place keeps its last measured speed in the players'
+/// samples: longer than a walker takes to cross a chunk, which is when an avatar simulated
+/// elsewhere is re-anchored.
+const SPEED_HOLD_MS: u64 = 10_000;
 
 impl Gateway {
     pub fn new(cfg: &SidecarConfig) -> Self {
@@ -98,6 +108,7 @@ impl Gateway {
             ghost_changes_sent: TickChanges::new(),
             ghosts_due: false,
             where_sent: HashMap::default(),
+            sampled: HashMap::default(),
             node_geo: HashMap::default(),
             renewing: false,
             reregistering: BTreeSet::new(),
@@ -255,6 +266,7 @@ impl Sessions {
                 last_position: None,
                 home_geo: None,
                 rtt: None,
+                far_rtt: BTreeMap::new(),
                 handed_over_at: None,
                 handed_over_in: false,
                 new_avatar: false,
@@ -511,6 +523,7 @@ impl Gateway {
                     "view_chunks": self.clients.view_len(s.key),
                     "rtt_ms_p50": s.rtt.map(|r| r.0),
                     "rtt_ms_min": s.rtt.map(|r| r.1),
+                    "far_rtt_ms": s.far_rtt,
                 })
             })
             .collect()
@@ -648,6 +661,13 @@ impl Gateway {
         if let Some(key) = self.sessions.find(link, r.session_id) {
             if let Some(s) = self.sessions.all.get_mut(&key) {
                 s.rtt = Some((r.rtt_ms_p50, r.rtt_ms_min));
+                // A figure that is no duration cannot place anyone: dropped, not clamped.
+                s.far_rtt = r
+                    .far
+                    .into_iter()
+                    .filter(|f| f.rtt_ms_p50.is_finite() && f.rtt_ms_p50 >= 0.0)
+                    .map(|f| (f.geo, f.rtt_ms_p50))
+                    .collect();
             }
         }
     }
@@ -1002,14 +1022,9 @@ impl Gateway {
                 continue;
             }
             let owner = self.master_owner.get(&s.account).copied().unwrap_or(me);
-            let pos = if owner == me {
-                table
-                    .master_of(&s.account)
-                    .map(|e| [e.position.x, e.position.y, e.position.z])
-            } else {
-                self.anchor_pos.get(&s.account).copied()
+            let Some(pos) = self.avatar_position(me, table, s) else {
+                continue;
             };
-            let Some(pos) = pos else { continue };
             // Borrowed: most passes send nothing, and a string per session every 100 ms adds up.
             let geo = if owner == me {
                 cx.config.geo.as_str()
@@ -1045,6 +1060,79 @@ impl Gateway {
                 }),
             );
         }
+    }
+
+    /// Where `s`'s avatar is: here, or as its owner last anchored it.
+    fn avatar_position(&self, me: NodeId, table: &EntityTable, s: &Session) -> Option<[f64; 3]> {
+        let owner = self.master_owner.get(&s.account).copied().unwrap_or(me);
+        if owner == me {
+            table
+                .master_of(&s.account)
+                .map(|e| [e.position.x, e.position.y, e.position.z])
+        } else {
+            self.anchor_pos.get(&s.account).copied()
+        }
+    }
+
+    /// The attached players as the geo-aware director places them: where each avatar is, how
+    /// fast it went between the last two places it was seen, and the RTTs the proxies measured
+    /// to it by geo (its own proxy's under this node's geo). A session still registering, or
+    /// whose avatar is nowhere yet, is left out; so is any past [`MAX_PLAYER_SAMPLES`].
+    pub(crate) fn player_samples(
+        &mut self,
+        cx: &Context,
+        table: &EntityTable,
+    ) -> Vec<cellmesh_stores::topology::PlayerSample> {
+        use cellmesh_stores::topology::{PlayerSample, MAX_PLAYER_SAMPLES};
+        let now = cx.now.mono_ms;
+        let me = cx.config.node_id;
+        let mut samples = Vec::new();
+        let mut sampled = HashMap::default();
+        for s in self.sessions.iter() {
+            let Some(epoch) = s.epoch else { continue };
+            let Some([x, y, _]) = self.avatar_position(me, table, s) else {
+                continue;
+            };
+            if samples.len() == MAX_PLAYER_SAMPLES {
+                break;
+            }
+            let last = match self.sampled.get(&s.key) {
+                Some(&(p, at, speed)) if p == [x, y] => {
+                    // Still, or not re-anchored yet: the last speed holds for a while.
+                    let speed = if now.saturating_sub(at) > SPEED_HOLD_MS {
+                        0.0
+                    } else {
+                        speed
+                    };
+                    (p, at, speed)
+                }
+                Some(&([px, py], at, _)) if now > at => {
+                    let (dx, dy) = cx.config.world.delta(Pos { x: px, y: py }, Pos { x, y });
+                    ([x, y], now, dx.hypot(dy) * 1_000.0 / (now - at) as f64)
+                }
+                _ => ([x, y], now, 0.0),
+            };
+            let speed_mps = last.2;
+            sampled.insert(s.key, last);
+            let mut rtt_ms: BTreeMap<String, f32> = s
+                .far_rtt
+                .iter()
+                .filter(|(_, ms)| ms.is_finite() && **ms >= 0.0)
+                .map(|(g, ms)| (g.clone(), *ms))
+                .collect();
+            if let Some((p50, _)) = s.rtt.filter(|(p50, _)| p50.is_finite() && *p50 >= 0.0) {
+                rtt_ms.insert(cx.config.geo.clone(), p50);
+            }
+            samples.push(PlayerSample {
+                account: s.account.clone(),
+                session_id: epoch,
+                pos: Pos { x, y },
+                speed_mps,
+                rtt_ms,
+            });
+        }
+        self.sampled = sampled;
+        samples
     }
 
     /// Saves the records of the attached players every `player_record_every_ms`, so a crash

@@ -790,7 +790,8 @@ impl Handoffs {
             .acked(a.entity_id, a.entity_epoch, from, cx.now.mono_ms)
         {
             Ok(done) => {
-                note_freeze_cost(cx, &done, a.adopt_timing, tick_ms);
+                let by_partition = done.members.iter().any(|m| self.mass.contains(m));
+                note_freeze_cost(cx, &done, a.adopt_timing, tick_ms, by_partition);
                 Some(done)
             }
             // A repeated ack of a handoff already complete, or of an offer not made.
@@ -899,17 +900,23 @@ impl Handoffs {
 /// What an acked handoff cost (see [`freeze_cost`]), when the ack says how long the target's
 /// game took. An ack repeated after a lost link, or a handoff proved by the target's frames,
 /// has no such word: its freeze is counted, its cost is not.
+/// A handoff a new partition started (`by_partition`: its area was given away) also counts its
+/// gap apart: what a bubble move or a failover costs the players in it.
 fn note_freeze_cost(
     cx: &Context,
     done: &Completed,
     timing: Option<mesh::AdoptTiming>,
     tick_ms: Option<f64>,
+    by_partition: bool,
 ) {
     let (Some(answered), Some(timing)) = (done.answered, timing) else {
         return;
     };
     let cost = freeze_cost(answered, cx.now.mono_ms, timing.game_ms, tick_ms);
     cx.metrics.freeze_cost(&cost);
+    if by_partition {
+        cx.metrics.partition_gap(cost.gap_ms);
+    }
 }
 
 /// A unit the game released stays here: the game resumes it, or, while the lease is lapsed,

@@ -200,6 +200,9 @@ pub enum Output {
     Ready(bool),
     /// This node's report to the balancer (see `balance`): the driver publishes the latest.
     LoadReport(Box<cellmesh_world::balance::CellReport>),
+    /// The players attached here, for the geo-aware director's bubble placement (only in a
+    /// world of several geos): the driver publishes the latest.
+    Players(Vec<cellmesh_stores::topology::PlayerSample>),
     /// The state changed since it was last published: read [`Core::state`] and
     /// [`Core::reals`] now.
     Publish,
@@ -3184,6 +3187,10 @@ impl Core {
         if self.load_reports.due(&self.cx) {
             let report = self.cell_report();
             self.cx.emit(Output::LoadReport(Box::new(report)));
+            if self.cx.config.geos.len() > 1 {
+                let players = self.gateway.player_samples(&self.cx, &self.table);
+                self.cx.emit(Output::Players(players));
+            }
         }
     }
 

@@ -589,6 +589,111 @@ fn attached_players_records_are_saved_periodically_with_their_last_position() {
     assert_eq!(records(store_requests(&mut core)).len(), 1);
 }
 
+/// The players published for the geo-aware director, every `Players` output of `core`.
+fn published_players(core: &mut Core) -> Vec<Vec<cellmesh_stores::topology::PlayerSample>> {
+    std::iter::from_fn(|| core.poll_output())
+        .filter_map(|o| match o {
+            Output::Players(p) => Some(p),
+            _ => None,
+        })
+        .collect()
+}
+
+/// In a world of several geos, the gateway publishes its players with the load report: where
+/// each avatar is, how fast it went since the last sample, and the RTTs by geo (its own proxy's
+/// under this node's geo, and what other geos' proxies measured). A world of one geo publishes
+/// none.
+#[test]
+fn attached_players_are_published_with_their_rtts_by_geo_in_a_world_of_geos() {
+    let mut core = configured_node(None, |c| {
+        c.geo = "paris".into();
+        c.geos = vec!["paris".into(), "hongkong".into()];
+    });
+    attach(&mut core, 10, "alice");
+    game_tick(
+        &mut core,
+        20,
+        1,
+        game_message::Body::Spawn(local::Spawn {
+            entity_id: AVATAR,
+            position: pos(40.0, 50.0),
+            owner_account: "alice".into(),
+            is_master: true,
+            ..Default::default()
+        }),
+    );
+    core.handle(
+        at(30),
+        Input::LinkFrame {
+            link: 20,
+            messages: vec![mesh_message::Body::Rtt(mesh::SessionRtt {
+                session_id: 1,
+                rtt_ms_p50: 221.0,
+                rtt_ms_min: 219.0,
+                far: vec![
+                    mesh::GeoRtt {
+                        geo: "hongkong".into(),
+                        rtt_ms_p50: 6.5,
+                        rtt_ms_min: 6.0,
+                    },
+                    // A figure no RTT can be is dropped, not published.
+                    mesh::GeoRtt {
+                        geo: "montreal".into(),
+                        rtt_ms_p50: f32::NAN,
+                        rtt_ms_min: 1.0,
+                    },
+                ],
+            })
+            .into()],
+        },
+    );
+    let first = published_players(&mut core);
+    game_tick(
+        &mut core,
+        2_020,
+        2,
+        game_message::Body::Update(local::Update {
+            entity_id: AVATAR,
+            position: pos(70.0, 90.0),
+            ..Default::default()
+        }),
+    );
+    let later = published_players(&mut core);
+    let last = later.last().expect("a report within a second or two");
+    assert_eq!(last.len(), 1, "{later:?} after {first:?}");
+    let alice = &last[0];
+    assert_eq!((alice.account.as_str(), alice.session_id), ("alice", 5));
+    assert_eq!((alice.pos.x, alice.pos.y), (70.0, 90.0));
+    let rtts: Vec<(&str, f32)> = alice
+        .rtt_ms
+        .iter()
+        .map(|(g, ms)| (g.as_str(), *ms))
+        .collect();
+    assert_eq!(rtts, [("hongkong", 6.5), ("paris", 221.0)]);
+    // 50 m since the sample before, a second or two ago.
+    assert!(
+        alice.speed_mps > 10.0 && alice.speed_mps <= 50.0,
+        "{}",
+        alice.speed_mps
+    );
+
+    // One geo: nothing for a director that places none.
+    let mut alone = node();
+    attach(&mut alone, 10, "alice");
+    for (ms, tick) in [(20, 1), (2_000, 2)] {
+        alone.handle(
+            at(ms),
+            Input::GameFrame {
+                conn: 1,
+                messages: vec![game_message::Body::TickEnd(local::TickEnd { tick }).into()],
+            },
+        );
+    }
+    let outs: Vec<Output> = std::iter::from_fn(|| alone.poll_output()).collect();
+    assert!(outs.iter().any(|o| matches!(o, Output::LoadReport(_))));
+    assert!(!outs.iter().any(|o| matches!(o, Output::Players(_))));
+}
+
 use cellmesh_proto::edge::KickReason;
 
 /// A session handed over to another geo keeps its avatar for the login there, as long as the

@@ -70,6 +70,9 @@ pub(crate) struct Driver {
     pub failure: Arc<Mutex<Option<String>>>,
     /// The latest report to the balancer, for the membership task to publish.
     pub load_reports: tokio::sync::watch::Sender<Option<cellmesh_world::balance::CellReport>>,
+    /// The players attached here, as membership publishes them.
+    pub player_samples:
+        tokio::sync::watch::Sender<Option<Vec<cellmesh_stores::topology::PlayerSample>>>,
     /// What the Agones task (if any) follows.
     pub agones: tokio::sync::watch::Sender<NodeStatus>,
     /// The spans of handoffs and entity commands under way, when spans are exported.
@@ -311,6 +314,9 @@ impl Driver {
                 Output::Ready(ready) => self.admin.set_ready(ready),
                 Output::LoadReport(report) => {
                     self.load_reports.send_replace(Some(*report));
+                }
+                Output::Players(players) => {
+                    self.player_samples.send_replace(Some(players));
                 }
                 Output::Publish => {
                     *self.published.lock().expect("state lock poisoned") = self.core.state();

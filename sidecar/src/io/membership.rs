@@ -338,18 +338,28 @@ async fn report(node: &mpsc::Sender<Event>, input: Input) -> Reported {
     }
 }
 
-/// Publishes the record and the latest load report under the current lease, and reports the
-/// live peers and any newer partition, until `shutdown`.
+/// What the node has for the topology store: its latest load report, and its players.
+pub(crate) struct Reports {
+    pub(crate) load: watch::Receiver<Option<cellmesh_world::balance::CellReport>>,
+    pub(crate) players: watch::Receiver<Option<Vec<cellmesh_stores::topology::PlayerSample>>>,
+}
+
+/// Publishes the record, the latest load report and the players under the current lease, and
+/// reports the live peers and any newer partition, until `shutdown`.
 pub(crate) async fn membership(
     topology: Arc<dyn TopologyStore>,
     lease: watch::Receiver<Lease>,
     record: NodeRecord,
-    mut load: watch::Receiver<Option<cellmesh_world::balance::CellReport>>,
+    reports: Reports,
     partition_epoch: u64,
     node: mpsc::Sender<Event>,
     shutdown: CancellationToken,
 ) {
     let me = record.node;
+    let Reports {
+        mut load,
+        mut players,
+    } = reports;
     let mut partition_epoch = partition_epoch;
     let mut every = tokio::time::interval(MEMBERSHIP_EVERY);
     let mut published = false;
@@ -376,6 +386,19 @@ pub(crate) async fn membership(
                     Ok(true) => {}
                     Ok(false) => tracing::debug!(node = me, "publishing the load was refused"),
                     Err(e) => tracing::warn!(node = me, error = %e, "publishing the load failed"),
+                }
+            }
+        }
+        if players.has_changed().unwrap_or(false) {
+            let samples = players.borrow_and_update().clone();
+            if let Some(samples) = samples {
+                let current = lease.borrow().clone();
+                match topology.publish_players(&current, &samples).await {
+                    Ok(true) => {}
+                    Ok(false) => tracing::debug!(node = me, "publishing the players was refused"),
+                    Err(e) => {
+                        tracing::warn!(node = me, error = %e, "publishing the players failed")
+                    }
                 }
             }
         }

@@ -192,6 +192,7 @@ pub(crate) async fn launch(
     let census = Arc::default();
     let restored = Arc::default();
     let (load_reports, load_report) = watch::channel(None);
+    let (player_samples, players) = watch::channel(None);
     // Whether a game is connected, the node ready, or stopped: for the Agones task, if any.
     let (agones_status, agones_node) = watch::channel(Default::default());
     if let Some(port) = cfg.agones.port() {
@@ -240,7 +241,10 @@ pub(crate) async fn launch(
             topology,
             lease,
             record,
-            load_report,
+            membership::Reports {
+                load: load_report,
+                players,
+            },
             partition.epoch(),
             inbox.clone(),
             shutdown.clone(),
@@ -289,6 +293,7 @@ pub(crate) async fn launch(
         shutdown: shutdown.clone(),
         failure: Arc::clone(&failure),
         load_reports,
+        player_samples,
         agones: agones_status,
         spans: spans::Spans::new(cfg.node_id, cfg.command_timeout_ms),
     };

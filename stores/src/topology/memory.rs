@@ -8,7 +8,7 @@ use async_trait::async_trait;
 
 use super::{
     check_commit, check_holder, check_request, Acquire, Commit, DirectorAcquire, DirectorLease,
-    Lease, NodeEntry, NodeRecord, TopologyError, TopologyStore,
+    Lease, NodeEntry, NodeRecord, PlayerSample, TopologyError, TopologyStore, MAX_PLAYER_SAMPLES,
 };
 use cellmesh_world::balance::CellReport;
 use cellmesh_world::partition::{NodeId, Partition};
@@ -46,6 +46,7 @@ struct State {
 struct Stored {
     entry: NodeEntry,
     load: Option<CellReport>,
+    players: Option<Vec<PlayerSample>>,
     /// The latest expiry any grant of this node had: where the next holder's ids start.
     ids_below_unix_ms: u64,
 }
@@ -76,7 +77,7 @@ impl State {
     }
 
     /// Replaces whatever grant `node` has with a new one for `holder`, under the next epoch,
-    /// with an empty record; its ids start past every earlier grant's expiry.
+    /// with no record, load or players; its ids start past every earlier grant's expiry.
     fn grant(&mut self, node: NodeId, holder: &str, now: u64, ttl_ms: u64) -> Lease {
         let previous = self.nodes.get(&node);
         let floor = previous.map_or(0, |s| s.ids_below_unix_ms);
@@ -96,6 +97,7 @@ impl State {
                     record: None,
                 },
                 load: None,
+                players: None,
                 ids_below_unix_ms: floor.max(lease.expires_unix_ms),
             },
         );
@@ -323,6 +325,32 @@ impl TopologyStore for MemoryTopology {
             .iter()
             .filter(|(_, s)| now < s.entry.lease.expires_unix_ms)
             .filter_map(|(n, s)| Some((*n, s.load.clone()?)))
+            .collect())
+    }
+
+    async fn publish_players(
+        &self,
+        lease: &Lease,
+        players: &[PlayerSample],
+    ) -> Result<bool, TopologyError> {
+        let kept = &players[..players.len().min(MAX_PLAYER_SAMPLES)];
+        let now = (self.clock)();
+        let mut state = self.state();
+        Ok(state
+            .current(lease)
+            .filter(|s| now < s.entry.lease.expires_unix_ms)
+            .map(|s| s.players = Some(kept.to_vec()))
+            .is_some())
+    }
+
+    async fn players(&self) -> Result<BTreeMap<NodeId, Vec<PlayerSample>>, TopologyError> {
+        let now = (self.clock)();
+        Ok(self
+            .state()
+            .nodes
+            .iter()
+            .filter(|(_, s)| now < s.entry.lease.expires_unix_ms)
+            .filter_map(|(n, s)| Some((*n, s.players.clone()?)))
             .collect())
     }
 

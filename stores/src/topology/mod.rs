@@ -128,6 +128,27 @@ impl NodeRecord {
     }
 }
 
+/// One player attached to a gateway, as the gateway sees it: what the geo-aware director's
+/// bubble placement needs of a player. Published by every gateway under its lease, every few
+/// seconds, replacing its previous list.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlayerSample {
+    pub account: String,
+    /// The session: a new login starts a new RTT baseline.
+    pub session_id: u64,
+    /// Where the avatar is (m, on the world's torus).
+    pub pos: cellmesh_world::geometry::Pos,
+    /// Speed over ground (m/s), between the last two positions the gateway saw.
+    pub speed_mps: f64,
+    /// Server-measured round trips (ms, median) by geo: the player's own proxy, and what other
+    /// geos' proxies measured to the player. A geo nobody measured is absent.
+    pub rtt_ms: std::collections::BTreeMap<String, f32>,
+}
+
+/// Most players one gateway publishes at once: the rest are left out of the placement, so one
+/// node cannot make the store's document unbounded.
+pub const MAX_PLAYER_SAMPLES: usize = 4_096;
+
 /// A node as stored: its latest lease (live or not) and the record its holder published.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeEntry {
@@ -253,6 +274,20 @@ pub trait TopologyStore: Send + Sync {
         std::collections::BTreeMap<NodeId, cellmesh_world::balance::CellReport>,
         TopologyError,
     >;
+
+    /// Publishes the players attached to the node's gateway (for the geo-aware director) under
+    /// `lease`, replacing the previous list, if the lease is live and current; false otherwise.
+    /// A new grant clears it. At most [`MAX_PLAYER_SAMPLES`] are kept.
+    async fn publish_players(
+        &self,
+        lease: &Lease,
+        players: &[PlayerSample],
+    ) -> Result<bool, TopologyError>;
+
+    /// The latest players of every node whose lease is live, by node.
+    async fn players(
+        &self,
+    ) -> Result<std::collections::BTreeMap<NodeId, Vec<PlayerSample>>, TopologyError>;
 
     /// Grants `holder` the director's lease for `ttl` if it is free, lapsed or already
     /// `holder`'s, under a new epoch. A director balances a committed layout: with no partition

@@ -7,11 +7,13 @@
 //!   same document, so a director's commit, filtered on its lease being current and live by the
 //!   server's clock, is refused atomically once the lease lapsed or passed to another director.
 //! - `nodes`: one document per node id, `{_id: node, holder, epoch, expires_unix_ms,
-//!   ids_floor_unix_ms, ids_below_unix_ms, record}`. A grant is one `findOneAndUpdate` filtered
-//!   on "lapsed or mine" with upsert: when the lease is held, the filter misses the existing
-//!   document and the upsert's insert fails on the duplicate `_id`, so of two contenders exactly
-//!   one wins. A takeover is one `findOneAndUpdate` filtered on the exact grant it replaces
-//!   (node, holder and epoch), without upsert; if that grant is gone it is an ordinary grant.
+//!   ids_floor_unix_ms, ids_below_unix_ms, record, load, players}`. A grant is one
+//!   `findOneAndUpdate` filtered on "lapsed or mine" with upsert: when the lease is held, the
+//!   filter misses the existing document and the upsert's insert fails on the duplicate `_id`,
+//!   so of two contenders exactly one wins. A takeover is one `findOneAndUpdate` filtered on the
+//!   exact grant it replaces (node, holder and epoch), without upsert; if that grant is gone it
+//!   is an ordinary grant. A grant clears the record, load and players: they were the previous
+//!   holder's.
 //!   Every time is the server's (`$$NOW` in update pipelines and `$expr` filters):
 //!   lapse never depends on a caller's clock.
 //!
@@ -31,7 +33,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     check_commit, check_holder, check_request, Acquire, Commit, DirectorAcquire, DirectorLease,
-    Lease, NodeEntry, NodeRecord, TopologyError, TopologyStore,
+    Lease, NodeEntry, NodeRecord, PlayerSample, TopologyError, TopologyStore, MAX_PLAYER_SAMPLES,
 };
 use crate::mongo::{bounded, error, MongoConn};
 use crate::StoreError;
@@ -176,7 +178,8 @@ fn live() -> Document {
 }
 
 /// The update pipeline of a grant to `holder` for `ttl` ms: the next epoch, the expiry by the
-/// server's clock, ids from past every earlier grant's expiry, and no record.
+/// server's clock, ids from past every earlier grant's expiry, and no record, load or players
+/// (they were the previous holder's).
 fn grant(holder: &str, ttl: i64) -> Vec<Document> {
     vec![
         doc! { "$set": {
@@ -188,7 +191,7 @@ fn grant(holder: &str, ttl: i64) -> Vec<Document> {
         doc! { "$set": {
             "ids_below_unix_ms": { "$max": ["$ids_floor_unix_ms", "$expires_unix_ms"] },
         } },
-        doc! { "$unset": ["record", "load"] },
+        doc! { "$unset": ["record", "load", "players"] },
     ]
 }
 
@@ -356,6 +359,55 @@ impl MongoTopology {
                     .map_err(|e| e.to_string())
                     .and_then(NodeDoc::into_entry)
                     .map_err(|why| self.corrupt(&why))
+            })
+            .collect()
+    }
+
+    /// Sets `field` of the node's document to `value` if `lease` is its live, current grant;
+    /// true if it was.
+    async fn publish_field(
+        &self,
+        lease: &Lease,
+        field: &str,
+        value: mongodb::bson::Bson,
+        op: &str,
+    ) -> Result<bool, TopologyError> {
+        let mut filter = current(lease)?;
+        filter.extend(live());
+        // `findOneAndUpdate`: its answer is the match (see `set_partition`).
+        let nodes = self.nodes_raw();
+        // Only the id comes back: the document may carry thousands of players.
+        let publish = nodes
+            .find_one_and_update(filter, doc! { "$set": { field: value } })
+            .projection(doc! { "_id": 1 });
+        Ok(self.bounded(op, publish).await?.is_some())
+    }
+
+    /// `field` of every node whose lease is live and that published it, by node.
+    async fn published<T: serde::de::DeserializeOwned>(
+        &self,
+        field: &str,
+        op: &str,
+    ) -> Result<BTreeMap<NodeId, T>, TopologyError> {
+        let mut filter = live();
+        filter.insert(field, doc! { "$exists": true });
+        let nodes = self.nodes_raw();
+        let cursor = self.bounded(op, nodes.find(filter)).await?;
+        let docs: Vec<Document> = self.bounded(op, cursor.try_collect()).await?;
+        docs.into_iter()
+            .map(|d| {
+                let node = d
+                    .get_i64("_id")
+                    .ok()
+                    .and_then(|n| NodeId::try_from(n).ok())
+                    .ok_or_else(|| self.corrupt("a node document without a node id"))?;
+                let value = d
+                    .get(field)
+                    .cloned()
+                    .ok_or_else(|| self.corrupt(&format!("a {field} filtered for and missing")))?;
+                let value = mongodb::bson::from_bson(value)
+                    .map_err(|e| self.corrupt(&format!("node {node}'s {field}: {e}")))?;
+                Ok((node, value))
             })
             .collect()
     }
@@ -655,37 +707,28 @@ impl TopologyStore for MongoTopology {
         lease: &Lease,
         report: &CellReport,
     ) -> Result<bool, TopologyError> {
-        let mut filter = current(lease)?;
-        filter.extend(live());
         let load = mongodb::bson::to_bson(report).map_err(|e| self.corrupt(&e.to_string()))?;
-        // `findOneAndUpdate`: its answer is the match (see `set_partition`).
-        let nodes = self.nodes_raw();
-        let publish = nodes.find_one_and_update(filter, doc! { "$set": { "load": load } });
-        Ok(self.bounded("publish load", publish).await?.is_some())
+        self.publish_field(lease, "load", load, "publish load")
+            .await
     }
 
     async fn loads(&self) -> Result<BTreeMap<NodeId, CellReport>, TopologyError> {
-        let mut filter = live();
-        filter.insert("load", doc! { "$exists": true });
-        let nodes = self.nodes_raw();
-        let cursor = self.bounded("read loads", nodes.find(filter)).await?;
-        let docs: Vec<Document> = self.bounded("read loads", cursor.try_collect()).await?;
-        docs.into_iter()
-            .map(|d| {
-                let node = d
-                    .get_i64("_id")
-                    .ok()
-                    .and_then(|n| NodeId::try_from(n).ok())
-                    .ok_or_else(|| self.corrupt("a node document without a node id"))?;
-                let load = d
-                    .get("load")
-                    .cloned()
-                    .ok_or_else(|| self.corrupt("a load filtered for and missing"))?;
-                let report: CellReport = mongodb::bson::from_bson(load)
-                    .map_err(|e| self.corrupt(&format!("node {node}'s load: {e}")))?;
-                Ok((node, report))
-            })
-            .collect()
+        self.published("load", "read loads").await
+    }
+
+    async fn publish_players(
+        &self,
+        lease: &Lease,
+        players: &[PlayerSample],
+    ) -> Result<bool, TopologyError> {
+        let kept = &players[..players.len().min(MAX_PLAYER_SAMPLES)];
+        let players = mongodb::bson::to_bson(kept).map_err(|e| self.corrupt(&e.to_string()))?;
+        self.publish_field(lease, "players", players, "publish players")
+            .await
+    }
+
+    async fn players(&self) -> Result<BTreeMap<NodeId, Vec<PlayerSample>>, TopologyError> {
+        self.published("players", "read players").await
     }
 
     async fn close(&self) {

@@ -34,9 +34,11 @@
 pub mod choice;
 pub mod groups;
 mod placement;
+pub mod regions;
 mod rtt;
 
 pub use placement::{BubbleSnapshot, Placement};
+pub use regions::{place_regions, RegionMove, RegionPlan};
 pub use rtt::{RttBook, RttParams, RttSource};
 
 use serde::{Deserialize, Serialize};
@@ -349,7 +351,8 @@ pub struct Decision {
     /// changed bubble for [`Reason::Merged`] and [`Reason::Crossed`], none for
     /// [`Reason::Dissolved`].
     pub members: Vec<MemberId>,
-    /// Where the members were simulated; `None` for a bubble created by this evaluation.
+    /// Where the members were simulated; `None` for a bubble created by this evaluation, unless
+    /// the caller said where they are simulated ([`Placement::simulated_at`]).
     pub from_site: Option<SiteId>,
     pub to_site: SiteId,
     pub reason: Reason,

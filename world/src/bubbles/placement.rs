@@ -23,6 +23,9 @@ pub struct Placement {
     member_bubble: HashMap<MemberId, BubbleId>,
     next_id: u64,
     last_at_ms: Option<u64>,
+    /// Where the caller simulates members now, for the next evaluation only (see
+    /// [`Placement::simulated_at`]).
+    simulated_at: HashMap<MemberId, SiteId>,
 }
 
 #[derive(Debug, Clone)]
@@ -86,7 +89,39 @@ impl Placement {
             member_bubble: HashMap::new(),
             next_id: 1,
             last_at_ms: None,
+            simulated_at: HashMap::new(),
         })
+    }
+
+    /// Where members are simulated now, for the next evaluation: a new group starts on the site
+    /// simulating most of its weight and leaves it only as a bubble leaves its site (hysteresis,
+    /// fallback, cap), instead of being placed afresh. A live director says this, so that a
+    /// director that just took over does not move every group at once; the simulator of the
+    /// policy, with nobody simulated before the first evaluation, does not.
+    pub fn simulated_at(&mut self, sites: impl IntoIterator<Item = (MemberId, SiteId)>) {
+        self.simulated_at = sites
+            .into_iter()
+            .filter(|(_, s)| self.sites.contains(*s))
+            .collect();
+    }
+
+    /// The site holding most of `members`' weight as the caller simulates them (then the most
+    /// members, then the lowest id); `None` if it said nothing of them.
+    fn current_site(&self, members: &[Member]) -> Option<SiteId> {
+        let mut by_site: BTreeMap<SiteId, (f64, usize)> = BTreeMap::new();
+        for m in members {
+            if let Some(&s) = self.simulated_at.get(&m.id) {
+                let e = by_site.entry(s).or_default();
+                e.0 += self.params.weights.of(m.role);
+                e.1 += 1;
+            }
+        }
+        by_site
+            .into_iter()
+            .max_by(|(sa, (wa, ca)), (sb, (wb, cb))| {
+                wa.total_cmp(wb).then(ca.cmp(cb)).then(sb.cmp(sa))
+            })
+            .map(|(s, _)| s)
     }
 
     pub fn params(&self) -> &Params {
@@ -231,8 +266,25 @@ impl Placement {
             let (id, mut bubble, from_site, reason, skip) = if own.is_empty() {
                 let id = BubbleId(next_id);
                 next_id += 1;
-                match parts.heaviest(parts.by_bubble.keys()) {
-                    None => {
+                match (
+                    parts.heaviest(parts.by_bubble.keys()),
+                    self.current_site(&gm),
+                ) {
+                    (None, Some(here)) => {
+                        // Already simulated somewhere: it stays there unless a bubble would
+                        // leave.
+                        let mut b = Bubble {
+                            site: here,
+                            members: Vec::new(),
+                            last_move_ms: None,
+                            pending: None,
+                            area,
+                            spread,
+                        };
+                        let reason = self.settle(&mut b, &scores, now_ms, &available);
+                        (id, b, Some(here), reason, None)
+                    }
+                    (None, None) => {
                         let site = scores.place(&self.params, None).unwrap_or(Sites::CORE);
                         let b = Bubble {
                             site,
@@ -244,7 +296,7 @@ impl Placement {
                         };
                         (id, b, None, Reason::Created, None)
                     }
-                    Some(parent) => {
+                    (Some(parent), _) => {
                         let pb = &self.bubbles[&parent];
                         let mut b = Bubble {
                             site: pb.site,
@@ -378,6 +430,7 @@ impl Placement {
         self.member_bubble = member_bubble;
         self.next_id = next_id;
         self.last_at_ms = Some(now_ms);
+        self.simulated_at.clear();
         Ok(Evaluation {
             at_ms: now_ms,
             decisions: membership,
@@ -531,6 +584,37 @@ mod tests {
                 )
             })
             .collect()
+    }
+
+    #[test]
+    fn a_new_group_the_caller_simulates_somewhere_stays_there_until_the_gain_is_sustained() {
+        let mut p = placement(Params::default());
+        // Montrealers, simulated in Paris when the director first sees them.
+        let group: Vec<Member> = (1..=3).map(|i| at(i, i as f64)).collect();
+        let t = rtt(&[], 1..=3);
+        p.simulated_at((1..=3).map(|i| (i, PAR)));
+        let e = p.evaluate(0, &group, &t, &[]).unwrap();
+        let d = placements(&e)[0].clone();
+        assert_eq!((d.from_site, d.to_site), (Some(PAR), PAR));
+        assert_eq!(d.reason.kind(), "not_sustained", "{d:?}");
+        assert!(!d.is_move());
+        // The hint is for one evaluation: it does not outlive it.
+        assert!(p.simulated_at.is_empty());
+        let mut moved_at = None;
+        for s in 1..=8u64 {
+            let e = p.evaluate(s * 5_000, &group, &t, &[]).unwrap();
+            let first = e.moves().next().cloned();
+            if let Some(m) = first {
+                assert_eq!((m.from_site, m.to_site), (Some(PAR), MTL));
+                moved_at = Some(s * 5_000);
+                break;
+            }
+        }
+        assert_eq!(moved_at, Some(Params::default().sustain_ms));
+        // Without the hint, a new group goes straight to its best site.
+        let mut fresh = placement(Params::default());
+        fresh.evaluate(0, &group, &t, &[]).unwrap();
+        assert_eq!(fresh.site_of(1), Some(MTL));
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! A session's life past its welcome: displacement, idleness, pings and RTT, a bye, moves when
 //! a gateway link breaks, and the pick of a gateway.
 
-use cellmesh_proto::edge::Ping;
-use cellmesh_proto::mesh::Detach;
+use cellmesh_proto::edge::{CookieResponse, Ping};
+use cellmesh_proto::mesh::{Detach, SessionRtt, SessionWhere};
+
+use crate::config::PeerGeo;
 
 use super::*;
 
@@ -113,6 +115,131 @@ fn a_clients_ping_is_answered_and_the_proxys_own_pings_make_its_rtt_figures() {
     assert_eq!(state["account"], "pinger");
     assert!(state["rtt_ms_p50"].as_f64().unwrap() > 0.0, "{state}");
     assert_eq!(state["rtt_ms_min"].as_f64().unwrap(), 20.0, "{state}");
+}
+
+/// The next ping of `conn`'s session, answered: the `SessionRtt` its gateway `g` gets.
+fn next_rtt_report(h: &mut Harness, conn: ConnId, g: GatewayId) -> SessionRtt {
+    h.advance(h.cfg.ping_interval_ms);
+    let nonce = h
+        .server_bodies(conn)
+        .into_iter()
+        .find_map(|b| match b {
+            server_message::Body::Ping(p) => Some(p.nonce),
+            _ => None,
+        })
+        .expect("the proxy pings");
+    h.now += Duration::from_millis(40);
+    h.client_sends(conn, vec![client_message::Body::Pong(Pong { nonce })]);
+    let mut reports: Vec<SessionRtt> = h
+        .sent_to_gateways()
+        .into_iter()
+        .filter_map(|(to, m, _)| match m {
+            Body::Rtt(r) if to == g => Some(r),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reports.len(), 1, "{reports:?}");
+    reports.remove(0)
+}
+
+/// Whether the handover policy asked the board what other geos measured to `account`.
+fn asked_far_rtts(h: &mut Harness, account: &str) -> bool {
+    let before = h.outputs.len();
+    let asked = |o: &Output| {
+        matches!(o, Output::Board { request: BoardRequest::FarRtts { account: a }, .. }
+            if a == account)
+    };
+    h.outputs.retain(|o| !asked(o));
+    h.outputs.len() < before
+}
+
+#[test]
+fn what_other_geos_proxies_measured_goes_to_the_gateway_with_the_next_rtt_report() {
+    let mut h = Harness::new(1, |cfg| {
+        cfg.geo = "paris".into();
+        cfg.geos.peers = ["hongkong", "montreal"]
+            .map(|name| PeerGeo {
+                name: name.into(),
+                proxies: format!("{name}.example:7100"),
+                board: "memory".into(),
+            })
+            .to_vec();
+    });
+    h.link_up(0, 1);
+    // A login of a network of several geos: no hint on the board, no cookie with the client.
+    let nonce = h.open(1);
+    let hello = h.hello("alice", &nonce);
+    h.client_sends(1, vec![hello]);
+    h.feed(Input::Board {
+        conn: 1,
+        reply: BoardReply::Hint(None),
+    });
+    h.client_sends(
+        1,
+        vec![client_message::Body::Cookie(CookieResponse::default())],
+    );
+    let (g, session) = h
+        .sent_to_gateways()
+        .into_iter()
+        .find_map(|(to, m, _)| match m {
+            Body::Attach(a) => Some((to, a.session_id)),
+            _ => None,
+        })
+        .expect("attached without a hint");
+    h.gateway_attaches(g, session, 1);
+    assert_eq!(h.welcome(1).account, "alice");
+    // Simulated in Montreal: the policy asks the board for the far figures every tick.
+    h.gateway_says(
+        g,
+        Body::Where(SessionWhere {
+            session_id: session,
+            geo: "montreal".into(),
+            region: 3,
+            position: None,
+        }),
+    );
+    let first = next_rtt_report(&mut h, 1, g);
+    assert!(first.far.is_empty(), "nothing measured afar yet: {first:?}");
+    assert!(asked_far_rtts(&mut h, "alice"));
+    let figure = |min_ms: f64, median_ms: f64| RttFigure {
+        min_ms,
+        median_ms,
+        samples: 5,
+    };
+    h.feed(Input::Board {
+        conn: 1,
+        reply: BoardReply::FarRtts(HashMap::from([
+            ("montreal".to_string(), figure(12.0, 15.0)),
+            ("hongkong".to_string(), figure(180.0, 190.0)),
+        ])),
+    });
+    let far: Vec<(String, f32, f32)> = next_rtt_report(&mut h, 1, g)
+        .far
+        .into_iter()
+        .map(|f| (f.geo, f.rtt_ms_p50, f.rtt_ms_min))
+        .collect();
+    assert_eq!(
+        far,
+        [
+            ("hongkong".to_string(), 190.0, 180.0),
+            ("montreal".to_string(), 15.0, 12.0),
+        ],
+        "by geo, each with its median and minimum"
+    );
+    // The board's next answer replaces them whole: Hong Kong's figure expired there.
+    h.feed(Input::Board {
+        conn: 1,
+        reply: BoardReply::FarRtts(HashMap::from([(
+            "montreal".to_string(),
+            figure(11.0, 14.0),
+        )])),
+    });
+    let far: Vec<(String, f32, f32)> = next_rtt_report(&mut h, 1, g)
+        .far
+        .into_iter()
+        .map(|f| (f.geo, f.rtt_ms_p50, f.rtt_ms_min))
+        .collect();
+    assert_eq!(far, [("montreal".to_string(), 14.0, 11.0)]);
 }
 
 #[test]
