@@ -35,7 +35,9 @@ const INVENTORY: u32 = 3;
 const INPUT_ACK: u32 = 4;
 const NPCS: usize = 5;
 const CENTER: (f64, f64) = (640.0, 320.0);
-const DEADLINE: Duration = Duration::from_secs(30);
+/// A bound on a hang, not a speed claim: the handoff test's whole walk takes about 20 s on an
+/// idle machine, and overran 30 s once beside the rest of the suite on two cores.
+const DEADLINE: Duration = Duration::from_secs(90);
 
 fn python() -> String {
     required("CELLMESH_TEST_PYTHON")
