@@ -23,7 +23,7 @@ use cellmesh_world::bubbles::{
 };
 use cellmesh_world::partition::{Layout, NodeId, Partition};
 
-use super::{Asked, DirectorCore, Event, Now, PendingCommit, StoreRequest, WorldRead};
+use super::{DirectorCore, Event, Now, PendingCommit, WorldRead};
 use crate::config::BubbleConfig;
 
 /// Placement decisions kept for `/state`.
@@ -198,13 +198,7 @@ impl DirectorCore {
         placement.simulated_at(here);
         let evaluation = match placement.evaluate(now.ms(), &members, &b.rtt, &down) {
             Ok(e) => e,
-            Err(e) => {
-                self.metrics.error("placement");
-                self.event(Event::PlacementFailed {
-                    error: e.to_string(),
-                });
-                return;
-            }
+            Err(e) => return self.placement_failed(e),
         };
         let bubbles = placement.bubbles();
         let plan = place_regions(grid, &shape, &bubbles, &site_of, &foreign);
@@ -235,13 +229,7 @@ impl DirectorCore {
         });
         let plan = match plan {
             Ok(plan) => plan,
-            Err(e) => {
-                self.metrics.error("placement");
-                self.event(Event::PlacementFailed {
-                    error: e.to_string(),
-                });
-                return;
-            }
+            Err(e) => return self.placement_failed(e),
         };
         self.stats.regions_stranded = plan.stranded;
         if plan.moves.is_empty() {
@@ -253,13 +241,7 @@ impl DirectorCore {
         }
         let next = match current.successor(Layout::Grid(plan.grid)) {
             Ok(next) => next,
-            Err(e) => {
-                self.metrics.error("placement");
-                self.event(Event::PlacementFailed {
-                    error: e.to_string(),
-                });
-                return;
-            }
+            Err(e) => return self.placement_failed(e),
         };
         let chunks_moved = current
             .diff(&next)
@@ -272,12 +254,14 @@ impl DirectorCore {
             regions: plan.moves,
             at_unix_ms: now.unix_ms,
         };
-        let request = StoreRequest::Commit {
-            lease,
-            expected_epoch: current.epoch(),
-            next: Box::new(next),
-        };
-        self.ask(Asked::Commit(pending), request);
+        self.ask_commit(lease, current.epoch(), next, pending);
+    }
+
+    fn placement_failed(&mut self, error: impl std::fmt::Display) {
+        self.metrics.error("placement");
+        self.event(Event::PlacementFailed {
+            error: error.to_string(),
+        });
     }
 
     /// A grid whose regions follow the bubbles is committed.

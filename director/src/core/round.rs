@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 
-use cellmesh_stores::topology::{Commit, TopologyError};
+use cellmesh_stores::topology::{Commit, DirectorLease, TopologyError};
 use cellmesh_world::balance::{Decision, Round};
 use cellmesh_world::partition::{Bsp, BspTree, Layout, NodeId, Partition};
 
@@ -93,9 +93,21 @@ impl DirectorCore {
             regions: Vec::new(),
             at_unix_ms: now.unix_ms,
         };
+        self.ask_commit(lease, current.epoch(), next, pending);
+    }
+
+    /// The one commit path, a balance round's and a placement's: `next` as the epoch after
+    /// `expected_epoch`, under `lease`; the store's answer comes back to [`Self::committed`].
+    pub(super) fn ask_commit(
+        &mut self,
+        lease: DirectorLease,
+        expected_epoch: u64,
+        next: Partition,
+        pending: PendingCommit,
+    ) {
         let request = StoreRequest::Commit {
             lease,
-            expected_epoch: current.epoch(),
+            expected_epoch,
             next: Box::new(next),
         };
         self.ask(Asked::Commit(pending), request);

@@ -1021,8 +1021,8 @@ impl Gateway {
             if s.epoch.is_none() {
                 continue;
             }
-            let owner = self.master_owner.get(&s.account).copied().unwrap_or(me);
-            let Some(pos) = self.avatar_position(me, table, s) else {
+            let owner = self.owner_of_avatar(me, s);
+            let Some(pos) = self.avatar_position(owner == me, table, s) else {
                 continue;
             };
             // Borrowed: most passes send nothing, and a string per session every 100 ms adds up.
@@ -1062,10 +1062,14 @@ impl Gateway {
         }
     }
 
-    /// Where `s`'s avatar is: here, or as its owner last anchored it.
-    fn avatar_position(&self, me: NodeId, table: &EntityTable, s: &Session) -> Option<[f64; 3]> {
-        let owner = self.master_owner.get(&s.account).copied().unwrap_or(me);
-        if owner == me {
+    /// The node simulating `s`'s avatar (this one, `me`, when no other is known).
+    fn owner_of_avatar(&self, me: NodeId, s: &Session) -> NodeId {
+        self.master_owner.get(&s.account).copied().unwrap_or(me)
+    }
+
+    /// Where `s`'s avatar is: here (`local`), or as its owner last anchored it.
+    fn avatar_position(&self, local: bool, table: &EntityTable, s: &Session) -> Option<[f64; 3]> {
+        if local {
             table
                 .master_of(&s.account)
                 .map(|e| [e.position.x, e.position.y, e.position.z])
@@ -1090,7 +1094,8 @@ impl Gateway {
         let mut sampled = HashMap::default();
         for s in self.sessions.iter() {
             let Some(epoch) = s.epoch else { continue };
-            let Some([x, y, _]) = self.avatar_position(me, table, s) else {
+            let local = self.owner_of_avatar(me, s) == me;
+            let Some([x, y, _]) = self.avatar_position(local, table, s) else {
                 continue;
             };
             if samples.len() == MAX_PLAYER_SAMPLES {

@@ -536,14 +536,11 @@ fn registered(
     );
 }
 
-/// The records of attached players are saved every `player_record_every_ms` (not only on
-/// logout), with where their avatars stand then.
-#[test]
-fn attached_players_records_are_saved_periodically_with_their_last_position() {
-    let mut core = node();
-    attach(&mut core, 10, "alice");
+/// Alice attached (at 10 ms), her avatar spawned by the game at (40, 50) in tick 1 (at 20 ms).
+fn alice_playing_at_40_50(core: &mut Core) {
+    attach(core, 10, "alice");
     game_tick(
-        &mut core,
+        core,
         20,
         1,
         game_message::Body::Spawn(local::Spawn {
@@ -554,6 +551,14 @@ fn attached_players_records_are_saved_periodically_with_their_last_position() {
             ..Default::default()
         }),
     );
+}
+
+/// The records of attached players are saved every `player_record_every_ms` (not only on
+/// logout), with where their avatars stand then.
+#[test]
+fn attached_players_records_are_saved_periodically_with_their_last_position() {
+    let mut core = node();
+    alice_playing_at_40_50(&mut core);
     game_tick(
         &mut core,
         30_000,
@@ -609,19 +614,7 @@ fn attached_players_are_published_with_their_rtts_by_geo_in_a_world_of_geos() {
         c.geo = "paris".into();
         c.geos = vec!["paris".into(), "hongkong".into()];
     });
-    attach(&mut core, 10, "alice");
-    game_tick(
-        &mut core,
-        20,
-        1,
-        game_message::Body::Spawn(local::Spawn {
-            entity_id: AVATAR,
-            position: pos(40.0, 50.0),
-            owner_account: "alice".into(),
-            is_master: true,
-            ..Default::default()
-        }),
-    );
+    alice_playing_at_40_50(&mut core);
     core.handle(
         at(30),
         Input::LinkFrame {

@@ -140,6 +140,30 @@ impl MemoryTopology {
     }
 }
 
+impl MemoryTopology {
+    /// Sets something of `lease`'s node with `set`, if the lease is its current live one.
+    fn publish(&self, lease: &Lease, set: impl FnOnce(&mut Stored)) -> bool {
+        let now = (self.clock)();
+        let mut state = self.state();
+        state
+            .current(lease)
+            .filter(|s| now < s.entry.lease.expires_unix_ms)
+            .map(set)
+            .is_some()
+    }
+
+    /// What `get` finds of every node whose lease is live.
+    fn of_live<T>(&self, get: impl Fn(&Stored) -> Option<T>) -> BTreeMap<NodeId, T> {
+        let now = (self.clock)();
+        self.state()
+            .nodes
+            .iter()
+            .filter(|(_, s)| now < s.entry.lease.expires_unix_ms)
+            .filter_map(|(n, s)| Some((*n, get(s)?)))
+            .collect()
+    }
+}
+
 #[async_trait]
 impl TopologyStore for MemoryTopology {
     async fn partition(&self) -> Result<Option<Partition>, TopologyError> {
@@ -294,13 +318,7 @@ impl TopologyStore for MemoryTopology {
         record: &NodeRecord,
     ) -> Result<bool, TopologyError> {
         record.check_lease(lease)?;
-        let now = (self.clock)();
-        let mut state = self.state();
-        Ok(state
-            .current(lease)
-            .filter(|s| now < s.entry.lease.expires_unix_ms)
-            .map(|s| s.entry.record = Some(record.clone()))
-            .is_some())
+        Ok(self.publish(lease, |s| s.entry.record = Some(record.clone())))
     }
 
     async fn publish_load(
@@ -308,24 +326,11 @@ impl TopologyStore for MemoryTopology {
         lease: &Lease,
         report: &CellReport,
     ) -> Result<bool, TopologyError> {
-        let now = (self.clock)();
-        let mut state = self.state();
-        Ok(state
-            .current(lease)
-            .filter(|s| now < s.entry.lease.expires_unix_ms)
-            .map(|s| s.load = Some(report.clone()))
-            .is_some())
+        Ok(self.publish(lease, |s| s.load = Some(report.clone())))
     }
 
     async fn loads(&self) -> Result<BTreeMap<NodeId, CellReport>, TopologyError> {
-        let now = (self.clock)();
-        Ok(self
-            .state()
-            .nodes
-            .iter()
-            .filter(|(_, s)| now < s.entry.lease.expires_unix_ms)
-            .filter_map(|(n, s)| Some((*n, s.load.clone()?)))
-            .collect())
+        Ok(self.of_live(|s| s.load.clone()))
     }
 
     async fn publish_players(
@@ -334,24 +339,11 @@ impl TopologyStore for MemoryTopology {
         players: &[PlayerSample],
     ) -> Result<bool, TopologyError> {
         let kept = &players[..players.len().min(MAX_PLAYER_SAMPLES)];
-        let now = (self.clock)();
-        let mut state = self.state();
-        Ok(state
-            .current(lease)
-            .filter(|s| now < s.entry.lease.expires_unix_ms)
-            .map(|s| s.players = Some(kept.to_vec()))
-            .is_some())
+        Ok(self.publish(lease, |s| s.players = Some(kept.to_vec())))
     }
 
     async fn players(&self) -> Result<BTreeMap<NodeId, Vec<PlayerSample>>, TopologyError> {
-        let now = (self.clock)();
-        Ok(self
-            .state()
-            .nodes
-            .iter()
-            .filter(|(_, s)| now < s.entry.lease.expires_unix_ms)
-            .filter_map(|(n, s)| Some((*n, s.players.clone()?)))
-            .collect())
+        Ok(self.of_live(|s| s.players.clone()))
     }
 
     async fn mark_restored(&self, node: NodeId, lease_epoch: u64) -> Result<(), TopologyError> {
