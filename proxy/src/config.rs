@@ -29,6 +29,16 @@ pub struct ProxyConfig {
     pub admin_token: String,
     /// Mesh addresses of the gateway sidecars; one multiplexed link each.
     pub gateways: Vec<String>,
+    /// Mesh addresses of gateway sidecars of another geo (the core geo's), for an outage of
+    /// this geo: dialled and kept up like `gateways`, but a session goes to one only while no
+    /// gateway of `gateways` is up. It stays there until it ends, that link drops, or a gateway
+    /// of `gateways` has been back `fallback_return_ms`; a bridged player's messages cross to
+    /// wherever the avatar is simulated.
+    pub fallback_gateways: Vec<String>,
+    /// How long a gateway of `gateways` must be back before the sessions on fallback gateways
+    /// move home to this geo's gateways (each as a move: the client stays connected). 0: they
+    /// stay on the fallbacks until they end.
+    pub fallback_return_ms: u64,
     /// Mutual TLS on the links to the gateways (`ca`, `cert`, `key`: PEM files; `cellmesh certs
     /// issue --role proxy` makes them), read again when they change or on SIGHUP. Must be set
     /// when the gateways' `mesh_tls` is; unset: plaintext, which a sidecar allows on loopback only.
@@ -208,6 +218,8 @@ impl Default for ProxyConfig {
             admin_listen: "127.0.0.1:9300".into(),
             admin_token: String::new(),
             gateways: vec!["127.0.0.1:7200".into()],
+            fallback_gateways: Vec::new(),
+            fallback_return_ms: 10_000,
             mesh_tls: Default::default(),
             client_tls: Default::default(),
             client_plaintext: false,
@@ -308,6 +320,16 @@ impl ProxyConfig {
             !self.gateways.is_empty(),
             "config: gateways must name at least one sidecar"
         );
+        if let Some(both) = self
+            .fallback_gateways
+            .iter()
+            .find(|f| self.gateways.contains(f))
+        {
+            anyhow::bail!(
+                "config: gateway {both} is in both gateways and fallback_gateways: a fallback is \
+                 another geo's gateway, used only while none of gateways is up"
+            );
+        }
         self.geos.validate(&self.geo)?;
         anyhow::ensure!(
             !self.token_secret.is_empty(),
@@ -333,8 +355,7 @@ impl ProxyConfig {
             self.client_listen
         );
         if let Some(g) = self
-            .gateways
-            .iter()
+            .all_gateways()
             .find(|g| self.attest_keys.is_empty() && !listens_on_loopback(g))
         {
             anyhow::bail!(
@@ -345,6 +366,20 @@ impl ProxyConfig {
         }
         cellmesh_admin::guard::require_token_off_loopback(&self.admin_listen, &self.admin_token)?;
         Ok(())
+    }
+
+    /// Every gateway the proxy dials: `gateways`, then `fallback_gateways`. A gateway's index
+    /// in this order is its id in the core and in the driver.
+    pub fn all_gateways(&self) -> impl Iterator<Item = &String> {
+        self.gateways.iter().chain(&self.fallback_gateways)
+    }
+
+    /// The address of gateway `g`, by its index in [`Self::all_gateways`].
+    pub fn gateway_addr(&self, g: usize) -> &str {
+        match self.gateways.get(g) {
+            Some(addr) => addr,
+            None => &self.fallback_gateways[g - self.gateways.len()],
+        }
     }
 
     /// True while the proxy runs with the public default secret (allowed on loopback only).
@@ -583,5 +618,68 @@ mod tests {
         assert_eq!(c.rate.flood_kick_drops, 7);
         assert_eq!(c.rate.account_burst, 120);
         assert_eq!(c.gateways, vec!["10.0.0.1:7200", "10.0.0.2:7200"]);
+    }
+
+    #[test]
+    fn fallback_gateways_load_from_env_like_gateways_and_come_after_them() {
+        let env = vec![(
+            "CELLMESH_FALLBACK_GATEWAYS".to_string(),
+            "10.1.0.1:7200,10.1.0.2:7200".to_string(),
+        )];
+        let c: ProxyConfig = cellmesh_admin::config::load_with_env(None, env).unwrap();
+        assert_eq!(c.fallback_gateways, vec!["10.1.0.1:7200", "10.1.0.2:7200"]);
+        assert_eq!(
+            c.all_gateways().collect::<Vec<_>>(),
+            ["127.0.0.1:7200", "10.1.0.1:7200", "10.1.0.2:7200"]
+        );
+        assert_eq!(c.gateway_addr(0), "127.0.0.1:7200");
+        assert_eq!(c.gateway_addr(2), "10.1.0.2:7200");
+        let none: ProxyConfig = cellmesh_admin::config::load_with_env(None, vec![]).unwrap();
+        assert!(none.fallback_gateways.is_empty());
+    }
+
+    #[test]
+    fn an_address_in_both_gateway_lists_is_refused_by_name() {
+        let c = ProxyConfig {
+            gateways: vec!["127.0.0.1:7200".into(), "127.0.0.1:7201".into()],
+            fallback_gateways: vec!["127.0.0.1:7300".into(), "127.0.0.1:7201".into()],
+            ..ProxyConfig::default()
+        };
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("127.0.0.1:7201") && err.contains("fallback_gateways"),
+            "{err}"
+        );
+        ProxyConfig {
+            fallback_gateways: vec!["127.0.0.1:7300".into()],
+            ..c.clone()
+        }
+        .validate()
+        .unwrap();
+        let only_fallbacks = ProxyConfig {
+            gateways: vec![],
+            ..c
+        };
+        let err = only_fallbacks.validate().unwrap_err().to_string();
+        assert!(err.contains("gateways must name"), "{err}");
+    }
+
+    #[test]
+    fn a_fallback_gateway_off_loopback_needs_attest_keys_too() {
+        let c = ProxyConfig {
+            fallback_gateways: vec!["10.1.0.1:7200".into()],
+            ..ProxyConfig::default()
+        };
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("10.1.0.1:7200") && err.contains("attest_keys"),
+            "{err}"
+        );
+        ProxyConfig {
+            attest_keys: vec!["a1:attest-secret".into()],
+            ..c
+        }
+        .validate()
+        .unwrap();
     }
 }

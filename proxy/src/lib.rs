@@ -56,6 +56,12 @@ pub struct ProxyStats {
     pub sessions_peak: u64,
     /// Sessions moved to another gateway after their gateway's link broke.
     pub sessions_moved: u64,
+    /// Sessions routed over fallback gateways (another geo's) now.
+    pub sessions_on_fallback: u64,
+    /// Sessions attached or moved to a fallback gateway because no gateway of this geo was up.
+    pub sessions_fallen_back: u64,
+    /// Sessions moved from a fallback gateway back to a gateway of this geo.
+    pub sessions_returned_home: u64,
     /// Connections refused by a connection limit.
     pub connections_refused: u64,
     /// RTT reports not sent because a gateway link's outbox was full.
@@ -309,7 +315,7 @@ pub async fn start_with(
         clients.clone(),
         accepting.clone(),
     ));
-    tracing::info!(name = %io.cfg.name, %client_addr, %admin_addr, gateways = ?io.cfg.gateways, "proxy started");
+    tracing::info!(name = %io.cfg.name, %client_addr, %admin_addr, gateways = ?io.cfg.gateways, fallback_gateways = ?io.cfg.fallback_gateways, "proxy started");
 
     let stop_now = CancellationToken::new();
     let driver = Driver::new(core, io.clone(), shared.clone(), accepting.clone());

@@ -68,6 +68,12 @@ pub(crate) struct Metrics {
     pub rtt_reports_dropped: Counter,
     /// Sessions moved to another gateway after their gateway's link broke.
     pub sessions_moved: Counter,
+    /// Sessions routed over fallback gateways' links now.
+    pub sessions_on_fallback: Gauge,
+    /// Sessions sent to a fallback gateway (a login's attach or a move) while no primary was up.
+    pub sessions_fallen_back: Counter,
+    /// Sessions moved from a fallback gateway back to a gateway of this geo.
+    pub sessions_returned_home: Counter,
     pub client_in: Flow,
     pub client_out: Flow,
     pub link_in: Flow,
@@ -193,6 +199,24 @@ impl Metrics {
             "sessions_moved",
             "Sessions moved to another gateway after their gateway's link broke (the client stays connected)",
             sessions_moved.clone(),
+        );
+        let sessions_on_fallback = Gauge::default();
+        reg.register(
+            "sessions_on_fallback",
+            "Sessions routed over fallback gateways' links (another geo's gateways, used while none of this geo's is up)",
+            sessions_on_fallback.clone(),
+        );
+        let sessions_fallen_back = Counter::default();
+        reg.register(
+            "sessions_fallen_back",
+            "Sessions attached or moved to a fallback gateway because none of this geo's gateways was up",
+            sessions_fallen_back.clone(),
+        );
+        let sessions_returned_home = Counter::default();
+        reg.register(
+            "sessions_returned_home",
+            "Sessions moved from a fallback gateway back to a gateway of this geo once one had been back fallback_return_ms",
+            sessions_returned_home.clone(),
         );
 
         let frames = Family::<TrafficLabels, Counter>::default();
@@ -362,6 +386,9 @@ impl Metrics {
             refused_address: refused.get_or_create_owned(&LimitLabels { limit: "address" }),
             rtt_reports_dropped,
             sessions_moved,
+            sessions_on_fallback,
+            sessions_fallen_back,
+            sessions_returned_home,
             client_in: flow("client", "in"),
             client_out: flow("client", "out"),
             link_in: flow("gateway", "in"),
@@ -494,6 +521,9 @@ impl Metrics {
             sessions: self.sessions.get().max(0) as u64,
             sessions_peak: self.sessions_peak.load(Ordering::Relaxed),
             sessions_moved: self.sessions_moved.get(),
+            sessions_on_fallback: self.sessions_on_fallback.get().max(0) as u64,
+            sessions_fallen_back: self.sessions_fallen_back.get(),
+            sessions_returned_home: self.sessions_returned_home.get(),
             connections_refused: self.refused_total.get() + self.refused_address.get(),
             rtt_reports_dropped: self.rtt_reports_dropped.get(),
             inputs_accepted: self.inputs_accepted.get(),
@@ -567,6 +597,9 @@ mod tests {
             "cellmesh_proxy_connections_refused_total{limit=\"address\"} 0",
             "cellmesh_proxy_logins_refused_total{reason=\"server_full\"} 0",
             "cellmesh_proxy_gateways_closed 0",
+            "cellmesh_proxy_sessions_on_fallback 0",
+            "cellmesh_proxy_sessions_fallen_back_total 0",
+            "cellmesh_proxy_sessions_returned_home_total 0",
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }

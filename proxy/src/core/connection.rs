@@ -506,7 +506,8 @@ impl Connection {
 
     /// Picks a gateway, routes a new session id to this connection and asks the gateway to
     /// attach it. A new login is refused `SERVER_FULL` when every gateway up admits no new
-    /// session; a session that moves was admitted already and goes wherever a link is up.
+    /// session; a session that moves was admitted already and goes wherever a link is up. A
+    /// fallback gateway is picked only while no primary is up (see [`Gateways::pick`]).
     fn open_session(&mut self, cx: &mut Cx<'_>, g: &mut Gateways, mut login: Login) {
         let new_login = login.moves == 0;
         let gateway = match g.pick(new_login) {
@@ -537,6 +538,15 @@ impl Connection {
         let Some(session) = g.open_session(gateway, self.id) else {
             unreachable!("a gateway picked is up");
         };
+        if g.is_fallback(gateway) {
+            cx.metrics.sessions_fallen_back.inc();
+            if g.fell_back() {
+                cx.event(Event::FallbackInUse {
+                    primaries_down: g.primaries(),
+                    gateway: g.addr(gateway).to_string(),
+                });
+            }
+        }
         if new_login {
             let addr = g.addr(gateway).to_string();
             self.traced(|t| t.gateway = Some(addr));
@@ -713,6 +723,28 @@ impl Connection {
             }
         };
         self.move_session(cx, g, login, why);
+    }
+
+    /// Whether the session is relayed through a fallback gateway (another geo's).
+    pub(crate) fn on_fallback(&self, g: &Gateways) -> bool {
+        matches!(&self.phase, Phase::Relaying(_, r) if g.is_fallback(r.info.gateway) && !r.transferring)
+    }
+
+    /// A gateway of this geo is back: the session moves home to it, the client connected. The
+    /// fallback hears that a newer session displaced this one, so the avatar's leave waits for
+    /// the newer session's join instead of letting the avatar go.
+    pub(crate) fn return_home(&mut self, cx: &mut Cx<'_>, g: &mut Gateways) {
+        if !self.on_fallback(g) {
+            return;
+        }
+        let Phase::Relaying(login, relay) = std::mem::replace(&mut self.phase, Phase::Ended) else {
+            unreachable!("a session on a fallback is relaying");
+        };
+        let displaced = End::kick(KickReason::Displaced, String::new());
+        detach(cx, g, relay.info.gateway, relay.info.session_id, &displaced);
+        cx.metrics.session_closed();
+        cx.metrics.sessions_returned_home.inc();
+        self.move_session(cx, g, login, "back to a gateway of this geo".into());
     }
 
     /// Moves the session to another gateway, now if one is up, or once one is.
@@ -1267,6 +1299,7 @@ impl Connection {
             "account": &*info.account,
             "session_id": info.session_id,
             "gateway": g.addr(info.gateway),
+            "fallback": g.is_fallback(info.gateway),
             "remote_addr": info.remote.to_string(),
             "rtt_ms_p50": info.rtt.map(|r| r.p50_ms),
             "rtt_ms_min": info.rtt.map(|r| r.min_ms),

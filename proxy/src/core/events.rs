@@ -84,6 +84,19 @@ pub enum Event {
         sessions: usize,
         error: String,
     },
+    /// No gateway of this geo (`gateways`) is up, and a session went to a fallback gateway
+    /// (another geo's): said for the first such session only, until a primary link is up again.
+    FallbackInUse {
+        /// Every primary is down: how many that is.
+        primaries_down: usize,
+        /// The fallback the first session went to.
+        gateway: String,
+    },
+    /// A gateway of this geo has been back `fallback_return_ms`: the sessions on fallback
+    /// gateways move home to it.
+    ReturningHome {
+        sessions: usize,
+    },
     /// A gateway closed its admission (`Some(reason)`) or opened it again (`None`).
     GatewayAdmission {
         gateway: String,

@@ -1,12 +1,15 @@
 //! The gateway links as the proxy's core sees them: which are up, which admit no new session,
 //! which session id of each link belongs to which client connection, and the round robin that
 //! picks a gateway for a session. Pure: the link tasks of the driver dial, read and write.
+//!
+//! Gateways come in two tiers: the primaries (`gateways`, this geo's sidecars) and the fallbacks
+//! (`fallback_gateways`, another geo's), which take sessions only while no primary is up.
 
 use std::collections::HashMap;
 
 use super::ConnId;
 
-/// A gateway, by its index in the configured list.
+/// A gateway, by its index in the configured list: the primaries, then the fallbacks.
 pub type GatewayId = usize;
 
 /// Why a gateway takes no new sessions, as it said.
@@ -40,31 +43,47 @@ struct Up {
 #[derive(Debug)]
 struct Gateway {
     addr: String,
+    /// Of the second tier: picked only while no primary is up.
+    fallback: bool,
     /// Session ids of this link: monotonic and never reused, even across reconnects, so a late
     /// message for an old session can never reach a new one.
     next_session: u64,
     up: Option<Up>,
 }
 
-/// The configured gateways, one link each.
+/// The configured gateways, one link each: the primaries first, then the fallbacks.
 #[derive(Debug)]
 pub struct Gateways {
     all: Vec<Gateway>,
-    next: usize,
+    /// How many of `all` are primaries.
+    primaries: usize,
+    /// Each tier's round-robin turn (primaries, fallbacks): one tier's picks never shift the
+    /// other's.
+    next: [usize; 2],
+    /// Sessions went to a fallback since the last primary link came up: the spell is said once.
+    falling_back: bool,
 }
 
 impl Gateways {
-    pub fn new(addrs: &[String]) -> Self {
-        Self {
-            all: addrs
+    pub fn new(primaries: &[String], fallbacks: &[String]) -> Self {
+        let tier = |addrs: &[String], fallback: bool| -> Vec<Gateway> {
+            addrs
                 .iter()
                 .map(|a| Gateway {
                     addr: a.clone(),
+                    fallback,
                     next_session: 1,
                     up: None,
                 })
-                .collect(),
-            next: 0,
+                .collect()
+        };
+        let mut all = tier(primaries, false);
+        all.extend(tier(fallbacks, true));
+        Self {
+            all,
+            primaries: primaries.len(),
+            next: [0; 2],
+            falling_back: false,
         }
     }
 
@@ -76,8 +95,21 @@ impl Gateways {
         self.all.get(g)?.up.as_ref().map(|u| u.node_id)
     }
 
+    /// Whether `g` is a fallback gateway (another geo's).
+    pub fn is_fallback(&self, g: GatewayId) -> bool {
+        self.all.get(g).is_some_and(|l| l.fallback)
+    }
+
+    /// Primary gateways configured.
+    pub fn primaries(&self) -> usize {
+        self.primaries
+    }
+
     /// A link came up to the gateway `node_id`.
     pub fn link_up(&mut self, g: GatewayId, node_id: u32) {
+        if !self.all[g].fallback {
+            self.falling_back = false;
+        }
         self.all[g].up = Some(Up {
             node_id,
             closed: None,
@@ -157,18 +189,51 @@ impl Gateways {
             .map_or(0, |u| u.routes.len())
     }
 
+    /// Primary links up now.
+    pub fn primaries_up(&self) -> usize {
+        self.all[..self.primaries]
+            .iter()
+            .filter(|l| l.up.is_some())
+            .count()
+    }
+
+    /// Sessions routed over fallback links now.
+    pub fn sessions_on_fallback(&self) -> usize {
+        self.all[self.primaries..]
+            .iter()
+            .filter_map(|l| l.up.as_ref())
+            .map(|u| u.routes.len())
+            .sum()
+    }
+
+    /// A session went to a fallback gateway: true for the first since a primary link was last
+    /// up, so that a spell without this geo's gateways is said once, not once per session.
+    pub fn fell_back(&mut self) -> bool {
+        !std::mem::replace(&mut self.falling_back, true)
+    }
+
     /// The next link that is up and, for a new login, admits new sessions. A session that
     /// moves because its gateway's link broke is already admitted: it goes to an open gateway
     /// if there is one, and to any gateway that is up if not.
+    ///
+    /// Only the primaries are looked at while one of them is up, closed or not: a full geo
+    /// refuses new logins rather than send them to another geo. Only when none is up are the
+    /// same rules applied to the fallbacks.
     pub fn pick(&mut self, new_login: bool) -> Result<GatewayId, NoGateway> {
-        let len = self.all.len();
+        let primary_up = self.all[..self.primaries].iter().any(|l| l.up.is_some());
+        let (tier, range) = if primary_up {
+            (0, 0..self.primaries)
+        } else {
+            (1, self.primaries..self.all.len())
+        };
+        let len = range.len();
         if len == 0 {
             return Err(NoGateway::Down);
         }
-        let start = self.next % len;
-        self.next = self.next.wrapping_add(1);
+        let start = self.next[tier] % len;
+        self.next[tier] = self.next[tier].wrapping_add(1);
         let mut closed = Vec::new();
-        for g in (0..len).map(|i| (start + i) % len) {
+        for g in (0..len).map(|i| range.start + (start + i) % len) {
             let Some(up) = &self.all[g].up else {
                 continue;
             };
@@ -176,7 +241,7 @@ impl Gateways {
                 None => {
                     // The turn passes on from the one picked, so the gateway after a skipped
                     // one does not get a double share.
-                    self.next = g + 1;
+                    self.next[tier] = g - range.start + 1;
                     return Ok(g);
                 }
                 Some(why) => closed.push((g, up.node_id, why.clone())),
@@ -230,12 +295,35 @@ mod tests {
     /// Gateways 1..: each up (as node i + 1), open or closed as given.
     fn gateways(states: Vec<Option<Closed>>) -> Gateways {
         let addrs: Vec<String> = (0..states.len()).map(|i| format!("g{}", i + 1)).collect();
-        let mut g = Gateways::new(&addrs);
+        let mut g = Gateways::new(&addrs, &[]);
         for (i, c) in states.into_iter().enumerate() {
             g.link_up(i, i as u32 + 1);
             g.set_admission(i, c);
         }
         g
+    }
+
+    /// Primaries `p1..` and fallbacks `f1..`, every link down; gateway i is node i + 1 once up.
+    fn tiers(primaries: usize, fallbacks: usize) -> Gateways {
+        let p: Vec<String> = (1..=primaries).map(|i| format!("p{i}")).collect();
+        let f: Vec<String> = (1..=fallbacks).map(|i| format!("f{i}")).collect();
+        Gateways::new(&p, &f)
+    }
+
+    fn up(g: &mut Gateways, ids: &[GatewayId]) {
+        for &i in ids {
+            g.link_up(i, i as u32 + 1);
+        }
+    }
+
+    /// The addresses of `n` picks.
+    fn picks(g: &mut Gateways, n: usize, new_login: bool) -> Vec<String> {
+        (0..n)
+            .map(|_| {
+                let picked = g.pick(new_login).expect("a gateway");
+                g.addr(picked).to_string()
+            })
+            .collect()
     }
 
     fn node(g: &Gateways, picked: Result<GatewayId, NoGateway>) -> u32 {
@@ -280,10 +368,13 @@ mod tests {
 
     #[test]
     fn with_no_link_up_nothing_is_picked() {
-        let mut g = Gateways::new(&["127.0.0.1:1".to_string()]);
+        let mut g = Gateways::new(&["127.0.0.1:1".to_string()], &["127.0.0.2:1".to_string()]);
         assert_eq!(g.pick(true).err(), Some(NoGateway::Down));
         assert_eq!(g.pick(false).err(), Some(NoGateway::Down));
-        assert_eq!(Gateways::new(&[]).pick(true).err(), Some(NoGateway::Down));
+        assert_eq!(
+            Gateways::new(&[], &[]).pick(true).err(),
+            Some(NoGateway::Down)
+        );
     }
 
     #[test]
@@ -303,5 +394,94 @@ mod tests {
             "ids go on after a reconnect"
         );
         assert_eq!(g.sessions(0), 1);
+    }
+
+    #[test]
+    fn fallbacks_come_after_the_primaries_and_say_so() {
+        let g = tiers(2, 1);
+        assert_eq!(g.count(), 3);
+        assert_eq!(g.primaries(), 2);
+        assert_eq!(
+            (0..3)
+                .map(|i| (g.addr(i), g.is_fallback(i)))
+                .collect::<Vec<_>>(),
+            [("p1", false), ("p2", false), ("f1", true)]
+        );
+    }
+
+    #[test]
+    fn while_a_primary_is_up_no_fallback_is_picked() {
+        let mut g = tiers(2, 2);
+        up(&mut g, &[0, 2, 3]);
+        assert_eq!(picks(&mut g, 4, true), ["p1"; 4]);
+        assert_eq!(picks(&mut g, 2, false), ["p1"; 2]);
+        up(&mut g, &[1]);
+        assert_eq!(picks(&mut g, 4, true), ["p2", "p1", "p2", "p1"]);
+    }
+
+    #[test]
+    fn full_primaries_refuse_a_login_rather_than_spill_it_to_a_fallback() {
+        let mut g = tiers(1, 1);
+        up(&mut g, &[0, 1]);
+        g.set_admission(0, closed("tick_overrun", 2000));
+        let Err(NoGateway::Full { detail, .. }) = g.pick(true) else {
+            panic!("the only primary is closed")
+        };
+        assert!(detail.contains("node 1: tick_overrun"), "{detail}");
+        // A moving session was admitted already: it lands on the closed primary, not afar.
+        assert_eq!(picks(&mut g, 1, false), ["p1"]);
+    }
+
+    #[test]
+    fn with_no_primary_up_the_fallbacks_take_turns_under_the_same_rules() {
+        let mut g = tiers(2, 3);
+        up(&mut g, &[2, 3, 4]);
+        g.set_admission(3, closed("outbox_pressure", 0));
+        assert_eq!(picks(&mut g, 4, true), ["f1", "f3", "f1", "f3"]);
+        g.set_admission(2, closed("tick_overrun", 1500));
+        g.set_admission(4, closed("tick_overrun", 0));
+        let Err(NoGateway::Full {
+            retry_after_ms,
+            detail,
+        }) = g.pick(true)
+        else {
+            panic!("every fallback up is closed")
+        };
+        assert_eq!(retry_after_ms, 1500);
+        assert!(detail.contains("node 3: tick_overrun"), "{detail}");
+        let moving = g.pick(false).expect("a moving session lands");
+        assert!(g.is_fallback(moving));
+        // A primary back: the next picks are its own again.
+        up(&mut g, &[1]);
+        assert_eq!(picks(&mut g, 2, true), ["p2", "p2"]);
+    }
+
+    #[test]
+    fn a_spell_on_the_fallbacks_is_said_once_until_a_primary_is_back() {
+        let mut g = tiers(1, 1);
+        up(&mut g, &[1]);
+        assert!(g.fell_back(), "the first session of the spell");
+        assert!(!g.fell_back());
+        up(&mut g, &[1]);
+        assert!(!g.fell_back(), "a fallback link coming up ends no spell");
+        up(&mut g, &[0]);
+        g.link_down(0);
+        assert!(g.fell_back(), "a new spell after the primary was up");
+    }
+
+    #[test]
+    fn sessions_on_fallback_count_the_routes_of_fallback_links_only() {
+        let mut g = tiers(1, 2);
+        up(&mut g, &[0, 1, 2]);
+        g.open_session(0, 10);
+        g.open_session(1, 11);
+        g.open_session(2, 12);
+        let on_f2 = g.open_session(2, 13).unwrap();
+        assert_eq!(g.sessions_on_fallback(), 3);
+        g.release(2, on_f2);
+        assert_eq!(g.sessions_on_fallback(), 2);
+        g.link_down(1);
+        assert_eq!(g.sessions_on_fallback(), 1);
+        assert_eq!(tiers(1, 0).sessions_on_fallback(), 0);
     }
 }

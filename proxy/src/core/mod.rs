@@ -272,6 +272,8 @@ pub enum TimerKey {
     Handover,
     /// Rate-limit buckets of departed clients are forgotten.
     Housekeeping,
+    /// A gateway of this geo has been back long enough: the sessions on fallbacks move home.
+    ReturnHome,
 }
 
 /// How often rate-limit buckets of departed clients are forgotten.
@@ -313,7 +315,7 @@ impl ProxyCore {
             timers.arm(TimerKey::Handover, handover::EVERY_MS);
         }
         let mut core = Self {
-            gateways: Gateways::new(&cfg.gateways),
+            gateways: Gateways::new(&cfg.gateways, &cfg.fallback_gateways),
             handover: handover::Policy::new(cfg.geos.handover.clone(), &cfg.geo),
             peer_geos,
             rings,
@@ -398,6 +400,9 @@ impl ProxyCore {
             Input::Timer => self.on_timers(),
         }
         self.refresh_ready();
+        self.metrics
+            .sessions_on_fallback
+            .set(self.gateways.sessions_on_fallback() as i64);
     }
 
     /// The next thing to do, if any.
@@ -474,6 +479,17 @@ impl ProxyCore {
         self.metrics
             .gateways_closed
             .set(self.gateways.closed() as i64);
+        // A gateway of this geo is back: once it held, the sessions on fallbacks move home (a
+        // link that drops and comes back starts the wait again).
+        if !self.gateways.is_fallback(gateway)
+            && self.cfg.fallback_return_ms > 0
+            && self.gateways.sessions_on_fallback() > 0
+        {
+            self.timers.arm(
+                TimerKey::ReturnHome,
+                self.now.ms() + self.cfg.fallback_return_ms,
+            );
+        }
         // Sessions waiting for a gateway move there now.
         let waiting: Vec<ConnId> = self
             .conns
@@ -605,6 +621,7 @@ impl ProxyCore {
                 }
                 TimerKey::Drain => self.drain_step(),
                 TimerKey::Handover => self.handover_tick(),
+                TimerKey::ReturnHome => self.return_home(),
                 TimerKey::Housekeeping => {
                     self.limits.forget_idle();
                     self.timers.arm(
@@ -616,7 +633,30 @@ impl ProxyCore {
         }
     }
 
-    /// Ready while not draining and at least one gateway link is up; said on each change.
+    /// Moves every session on a fallback gateway to a gateway of this geo, if one is up.
+    fn return_home(&mut self) {
+        if self.gateways.primaries_up() == 0 {
+            return;
+        }
+        let away: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.on_fallback(&self.gateways))
+            .map(|(id, _)| *id)
+            .collect();
+        if away.is_empty() {
+            return;
+        }
+        self.out.push_back(Output::Event(Event::ReturningHome {
+            sessions: away.len(),
+        }));
+        for conn in away {
+            self.with_conn(conn, |c, cx, g| c.return_home(cx, g));
+        }
+    }
+
+    /// Ready while not draining and at least one gateway link is up, a fallback's included (its
+    /// sessions are served all the same); said on each change.
     fn refresh_ready(&mut self) {
         let ready = !self.drain.started() && self.gateways.any_up();
         if self.ready != Some(ready) {
@@ -660,6 +700,7 @@ impl ProxyCore {
                     });
                 serde_json::json!({
                     "gateway": self.gateways.addr(g),
+                    "fallback": self.gateways.is_fallback(g),
                     "up": self.gateways.is_up(g),
                     "node_id": self.gateways.node_id(g),
                     "sessions": self.gateways.sessions(g),

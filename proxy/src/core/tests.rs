@@ -3,6 +3,7 @@
 
 mod admission;
 mod drains;
+mod fallbacks;
 mod logins;
 mod sessions;
 

@@ -75,7 +75,7 @@ impl Driver {
         shared: Arc<Shared>,
         accepting: CancellationToken,
     ) -> Self {
-        let links = io.cfg.gateways.iter().map(|_| None).collect();
+        let links = io.cfg.all_gateways().map(|_| None).collect();
         Self {
             core,
             io,
@@ -372,6 +372,7 @@ impl Driver {
                 "geo": cfg.geo,
                 "client_addr": self.shared.client_addr.to_string(),
                 "gateways": cfg.gateways,
+                "fallback_gateways": cfg.fallback_gateways,
                 "hello_timeout_ms": cfg.hello_timeout_ms,
                 "idle_timeout_ms": cfg.idle_timeout_ms,
                 "ping_interval_ms": cfg.ping_interval_ms,

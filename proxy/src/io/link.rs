@@ -140,7 +140,7 @@ pub(crate) async fn run(
     status: Arc<Mutex<LinkStatus>>,
     stop: CancellationToken,
 ) {
-    let addr = io.cfg.gateways[g].clone();
+    let addr = io.cfg.gateway_addr(g).to_string();
     let set = |state, peer, error| {
         status
             .lock()
@@ -497,7 +497,7 @@ async fn read_loop(mut reader: LinkReader, g: GatewayId, io: &Io) -> anyhow::Res
         io.metrics.link_in.frame(reader.decoder().last_frame_len());
         if frame.messages.is_empty() {
             io.metrics.error("unexpected_message");
-            tracing::warn!(gateway = %io.cfg.gateways[g], "unexpected message on mesh link: an empty MeshFrame (a frame of another protocol?)");
+            tracing::warn!(gateway = %io.cfg.gateway_addr(g), "unexpected message on mesh link: an empty MeshFrame (a frame of another protocol?)");
         }
         for message in frame.messages {
             match &message.body {

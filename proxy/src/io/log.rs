@@ -74,6 +74,18 @@ pub(crate) fn log(event: &Event) {
             sessions,
             error,
         } => tracing::warn!(%gateway, sessions, %error, "mesh link lost"),
+        Event::FallbackInUse {
+            primaries_down,
+            gateway,
+        } => tracing::warn!(
+            primaries_down,
+            %gateway,
+            "no gateway of this geo is up: sessions go to the fallback gateways"
+        ),
+        Event::ReturningHome { sessions } => tracing::info!(
+            sessions,
+            "a gateway of this geo is back: the sessions on fallback gateways move home"
+        ),
         Event::GatewayAdmission {
             gateway,
             closed: Some(reason),

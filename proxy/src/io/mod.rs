@@ -68,8 +68,7 @@ impl Io {
                 cfg.max_connections_per_address,
             ),
             link_status: cfg
-                .gateways
-                .iter()
+                .all_gateways()
                 .map(|_| Arc::new(Mutex::new(LinkStatus::new())))
                 .collect(),
             cfg,
