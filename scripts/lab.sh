@@ -42,6 +42,7 @@ delay_ms=45
 bots=20
 bots_geo=eu
 travellers=5
+bubbles=0
 summary_json=""
 keep=0
 prepare_only=0
@@ -61,6 +62,9 @@ usage: scripts/lab.sh [--geos 1|2] [--duration SECS] [--delay-ms MS] [--bots N]
                      Each geo's bots have accounts of their own (eu-bot-0..., us-bot-0...)
   --travellers N     two geos: bots in us that log in at eu's proxy, for the handover policy
                      (default 5; 0: none). Accounts traveller-0...
+  --bubbles          two geos: geo-aware directors, and us's bots gathering in eu's regions
+                     (docker/lab/bubbles.yaml; give --bots-geo us): the summary's `bubbles`
+                     has the moves and the bots' click to screen before and after the first
   --summary-json F   write the run's summary there
   --keep             leave the cluster running at the end (take it down with a later run's
                      teardown: scripts/lab.sh --down)
@@ -69,7 +73,7 @@ usage: scripts/lab.sh [--geos 1|2] [--duration SECS] [--delay-ms MS] [--bots N]
   --prepare          install and build what is missing, then exit
   --faults A,B,...   faults spread over --duration one after another, each given time to
                      recover before the next: kill-node, kill-gateway, pause-mongo, restart-redis,
-                     partition-geo, kill-proxy; an argument after a colon (kill-node:eu,
+                     partition-geo, kill-geo, kill-proxy; an argument after a colon (kill-node:eu,
                      pause-mongo:20, partition-geo:30); the run lasts until the last recovered
   --fault NAME[:ARG]@SECS
                      the fault NAME SECS seconds after the bots start (repeatable)
@@ -82,6 +86,9 @@ Faults (docker/lab/README.md tells what each does and what must hold):
   pause-mongo[:SECS] podman pause MongoDB for SECS (default 15, at least 15), then unpause
   restart-redis[:GEO] podman restart a geo's Redis (default: the bots' geo)
   partition-geo[:SECS] drop everything between the geos' subnets for SECS (default 20), then heal
+  kill-geo[:SECS]    two geos: podman kill every node of us at once (its datacenter gone dark),
+                     wait for the core (eu) to restore its world, start them again after SECS
+                     (default 40)
   kill-proxy[:GEO]   podman kill the bots' geo's proxy, start it again
 USAGE
 }
@@ -98,6 +105,7 @@ while (($#)); do
     --bots) bots=${2:?}; shift 2 ;;
     --bots-geo) bots_geo=${2:?}; shift 2 ;;
     --travellers) travellers=${2:?}; shift 2 ;;
+    --bubbles) bubbles=1; shift ;;
     --summary-json) summary_json=${2:?}; shift 2 ;;
     --keep) keep=1; shift ;;
     --down) down_only=1; shift ;;
@@ -125,6 +133,7 @@ log() { printf '[lab %4ds] %s\n' "$SECONDS" "$*" >&2; }
 [[ $recovery_bound_s =~ ^[0-9]+$ ]] || die "--recovery-bound is a number of seconds"
 case $bots_geo in eu | us | both) ;; *) die "--bots-geo is eu, us or both" ;; esac
 ((geos == 2)) || bots_geo=eu
+((geos == 2 || bubbles == 0)) || die "--bubbles moves regions between two geos: it needs --geos 2"
 ((geos == 2 && bots > 0)) || travellers=0
 [[ $(id -u) == 0 ]] || die "the lab needs root (podman networks, tc, iptables)"
 
@@ -320,8 +329,15 @@ cut_chain=cellmesh-lab-cut  # partition-geo's chain
 lab_clients=(10.231.1.50 10.231.2.50 10.231.2.51)
 
 lab_compose() {
-    "$lab_venv/bin/podman-compose" --project-name "$project" \
-        -f "docker/$cluster.yaml" -f "docker/lab/$cluster.yaml" "$@"
+    # shellcheck disable=SC2046 # the files are words
+    "$lab_venv/bin/podman-compose" --project-name "$project" $(compose_files) "$@"
+}
+
+# The compose files of the run, as podman-compose's -f arguments: the cluster's, the lab's
+# changes to it, and with --bubbles docker/lab/bubbles.yaml.
+compose_files() {
+    printf -- '-f docker/%s.yaml -f docker/lab/%s.yaml' "$cluster" "$cluster"
+    ((bubbles == 0)) || printf -- ' -f docker/lab/bubbles.yaml'
 }
 
 # podman-compose names a service's container <project>_<service>_1.
@@ -452,9 +468,9 @@ in_background() {
 compose_up() {
     local log_file=$1
     shift
+    # shellcheck disable=SC2046 # the files are words
     in_background timeout 600 "$lab_venv/bin/podman-compose" --project-name "$project" \
-        -f "docker/$cluster.yaml" -f "docker/lab/$cluster.yaml" "${profile_args[@]}" \
-        up -d --no-deps "$@" >>"$log_file" 2>&1
+        $(compose_files) "${profile_args[@]}" up -d --no-deps "$@" >>"$log_file" 2>&1
 }
 profile_args=()
 
@@ -932,6 +948,76 @@ fault_partition_geo() {
         "" "${viol[@]}"
 }
 
+# kill-geo [SECS]: every node of us (sidecars and games) killed at once, as a datacenter gone
+# dark, and kept dead SECS (default 40). The core (eu) fences their leases and restores their
+# world from the copy of us's checkpoints in eu's Redis, within 30 s of the kill; us's proxy
+# moves its sessions to eu's gateways (its fallback gateways), the clients connected. Then every
+# node starts again (each game after its sidecar) and the world must be whole, every NPC held
+# before held again.
+fault_kill_geo() {
+    local secs=${1:-40} geo=us began restarted recovered viol=() extra svc node restored_s
+    local svcs=() nodes=() victims=() ctrs=() games=()
+    fault_begin kill-geo "$secs"
+    if ((geos != 2)); then
+        fault_end kill-geo "$secs" "$(now)" "" '{}' "" "kill-geo needs two geos (a core to fall back to)"
+        return 0
+    fi
+    mapfile -t svcs < <(/usr/bin/python3 -c 'import json, sys
+for name, v in sorted(json.load(open(sys.argv[1])).items()):
+    if v["role"] == "sidecar" and v["geo"] == sys.argv[2]:
+        print(name)' "$run_dir/services.json" "$geo")
+    for svc in "${svcs[@]}"; do
+        node=$(svc_field "$svc" node)
+        nodes+=("$node") victims+=(--victim "$node")
+        ctrs+=("$(svc_field "$svc" container)") games+=("$(svc_field "$svc" game_container)")
+    done
+    local node_args=()
+    for node in "${nodes[@]}"; do node_args+=(--node "$node"); done
+    census ids --snap "$fault_dir/before.json" "${node_args[@]}" >"$fault_dir/victim-npcs.json"
+    census ids --snap "$fault_dir/before.json" >"$fault_dir/npcs.json"
+    began=$(now)
+    # The games first: each shares its sidecar's network namespace (see kill_node).
+    podman kill "${games[@]}" >/dev/null 2>&1 || true
+    podman kill "${ctrs[@]}" >/dev/null || viol+=("podman kill of the $geo sidecars failed")
+    wait_stopped "${ctrs[@]}" "${games[@]}"
+    log "fault kill-geo: killed every node of $geo (${svcs[*]}) and their games"
+    fault_wait restored --until restored --need "$fault_dir/victim-npcs.json" "${victims[@]}" --since "$began" ||
+        viol+=("the $geo nodes' NPCs were not all restored by the core within ${recovery_bound_s} s")
+    restored_s=$(wait_field restored after_s)
+    if [[ -n $restored_s ]] && awk -v s="$restored_s" 'BEGIN { exit !(s > 30) }'; then
+        viol+=("the $geo nodes' NPCs were restored by the core $restored_s s after the kill, more than 30 s")
+    fi
+    census snap --out "$fault_dir/dark.json" --label "kill-geo: $geo dark, its world restored"
+    log "fault kill-geo: ${restored_s:-not all} s to the geo's NPCs held by the core; dark until ${secs} s"
+    sleep_until "$(awk -v b="$began" -v s="$secs" 'BEGIN { printf "%.6f", b + s }')"
+    podman start "${ctrs[@]}" >/dev/null && podman start "${games[@]}" >/dev/null ||
+        viol+=("starting the $geo nodes again failed")
+    restarted=$(now)
+    census targets
+    fault_wait whole --until whole --need "$fault_dir/npcs.json" --since "$restarted" || true
+    recovered=$(wait_field whole at)
+    extra=$(/usr/bin/python3 - "$fault_dir" "$geo" "$began" "$restarted" <<'PY'
+import json, sys
+fdir, geo, began, restarted = sys.argv[1:]
+w = json.load(open(fdir + "/wait-restored.json"))
+ms = sorted(w.get("first_seen_ms", []))
+pick = lambda q: ms[min(len(ms) - 1, int(round((len(ms) - 1) * q)))] if ms else None
+dark = json.load(open(fdir + "/dark.json"))
+on_fallback = sum(
+    1 for p in dark["proxies"].values() if p.get("state")
+    for s in p["state"].get("sessions", []) if s.get("fallback"))
+print(json.dumps({
+    "geo": geo,
+    "npcs_of_geo": w.get("needed"), "npcs_restored": len(ms), "npcs_never_restored": len(w.get("never_seen", [])),
+    "fallback_s": w.get("after_s"), "fallback_ms_p50": pick(0.5), "fallback_ms_p99": pick(0.99),
+    "sessions_on_fallback_while_dark": on_fallback,
+    "dark_s": round(float(restarted) - float(began), 1),
+}))
+PY
+)
+    fault_end kill-geo "$secs" "$began" "$recovered" "$extra" "" "${viol[@]}"
+}
+
 make_cut_chain() {
     local client
     iptables -N "$cut_chain" || return 1
@@ -1032,6 +1118,21 @@ return out" 0 2>/dev/null || true
     done >"$run_dir/far-rtt.txt"
 }
 
+# With --bubbles: what the directors moved and the bots' click to screen either side of the first
+# move to us (docker/lab/census.py bubbles), cut at the first kill-geo if one came, into
+# bubbles.json. Before the teardown: the directors are asked.
+write_bubbles() {
+    local args=() f until
+    ((bubbles)) || return 0
+    for f in "$run_dir"/bots-*.log; do [[ -e $f ]] && args+=(--bots-log "$f"); done
+    until=$(/usr/bin/python3 -c 'import json, sys
+began = [json.loads(l)["began_s"] for l in open(sys.argv[1]) if json.loads(l)["name"] == "kill-geo"]
+print(float(sys.argv[2]) + began[0] if began and began[0] is not None else "")' "$run_dir/faults.jsonl" "$bots_t0" 2>/dev/null || true)
+    [[ -z $until ]] || args+=(--until "$until")
+    census bubbles "${args[@]}" >"$run_dir/bubbles.json" || echo '{}' >"$run_dir/bubbles.json"
+    log "bubbles: $(cat "$run_dir/bubbles.json")"
+}
+
 # The census (docker/lab/census.py final) into census.json: the keys of `cellmesh up`'s summary
 # (null where the processes do not expose what they need), from every sample of the run, the
 # snapshots before and after the bots left, the bots' totals and the faults' restores.
@@ -1053,7 +1154,7 @@ write_summary() {
     for ctr in $containers; do
         podman inspect --format '{{.Name}} {{.RestartCount}} {{.State.Status}} {{.State.ExitCode}}' "$ctr"
     done >"$run_dir/containers.txt"
-    LAB_GEOS=$geos LAB_DELAY_MS=$delay_ms LAB_DURATION_S=$duration_s LAB_BOTS=$bots LAB_TRAVELLERS=$travellers LAB_DELAY_METHOD=$delay_method \
+    LAB_BUBBLES=$bubbles LAB_GEOS=$geos LAB_DELAY_MS=$delay_ms LAB_DURATION_S=$duration_s LAB_BOTS=$bots LAB_TRAVELLERS=$travellers LAB_DELAY_METHOD=$delay_method \
         LAB_BOTS_SERVICES="$( ((bots > 0)) && bots_services)" LAB_BRING_UP_S=${bring_up_s:-} \
         LAB_IMAGE_BYTES=$(podman image inspect --format '{{.Size}}' "$project_image") \
         LAB_FAULTS="[$(IFS=,; printf '%s' "${fault_records[*]:-}")]" LAB_PLAYED_S=${played_s:-} \
@@ -1229,6 +1330,17 @@ for k in ("entities_lost", "entities_duplicated", "accounts_with_two_avatars", "
           "sessions_dropped", "processes_exited_unplanned"):
     if summary.get(k) != 0:
         checks.append(f"{k} is {summary.get(k)}, not 0")
+if env["LAB_BUBBLES"] == "1":
+    try:
+        b = json.load(open(os.path.join(run, "bubbles.json")))
+    except (OSError, ValueError):
+        b = {}
+    summary["bubbles"] = b
+    before, after = b.get("click_to_screen_ms_p50_before"), b.get("click_to_screen_ms_p50_after")
+    if not b.get("bubble_moves"):
+        checks.append(f"bubble_moves is {b.get('bubble_moves')}: the gathering's regions never moved")
+    elif before is None or after is None or 2 * after > before:
+        checks.append(f"click to screen p50 after the move {after} ms is not at most half of before ({before} ms)")
 if summary["geos"] == 2:
     want, rtt = 2 * summary["delay_ms_one_way"], summary.get("inter_geo_rtt_ms_p50")
     if rtt is None or abs(rtt - want) > 0.2 * want:
@@ -1391,6 +1503,7 @@ done
 sample_proxies end
 collect_far_rtts
 stop_bots
+write_bubbles
 census wait --until loggedout --bound 20 --out "$run_dir/wait-loggedout.json" 2>>"$run_dir/sampler.log" || true
 census snap --out "$run_dir/end.json" --label end
 kill "$sampler_pid" 2>/dev/null || true

@@ -265,7 +265,7 @@ if (($# == 0)); then
             --summary-json "$lab_out/ci-one-geo.json" || step_failed $? "container lab: one geo"
         section "container lab: two geos (scripts/lab.sh --geos 2)"
         scripts/lab.sh --geos 2 --bots 20 --duration 240 \
-            --faults kill-node,kill-gateway,pause-mongo,restart-redis,partition-geo,kill-proxy \
+            --faults kill-node,kill-gateway,pause-mongo,restart-redis,partition-geo,kill-geo,kill-proxy \
             --summary-json "$lab_out/ci-two-geo.json" || step_failed $? "container lab: two geos"
     fi
 fi

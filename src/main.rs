@@ -230,6 +230,12 @@ struct UpArgs {
     /// screen of those bots before and after.
     #[arg(long, conflicts_with = "balance")]
     bubbles: bool,
+    /// SECS into the run, kill every node of the last geo at once (a datacenter gone dark), and
+    /// start them again 40 s later (needs --geos 2 or more): its world falls back to the core
+    /// geo, its players to the core's gateways; the summary adds `edge_outages` and how long the
+    /// fallback took (`fallback_s_p99`, at most 30 s).
+    #[arg(long, value_name = "SECS", value_parser = seconds, conflicts_with = "chaos")]
+    edge_outage: Option<Duration>,
     /// Where `up` serves its admin HTTP: the live map at /map (drawn from /api/world), /live,
     /// /ready. Port 0 takes a free one (printed).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9000")]
@@ -269,6 +275,7 @@ impl UpArgs {
             balance: self.balance
                 || (self.partition == Some(PartitionKind::Bsp) && !self.no_balance),
             bubbles: self.bubbles,
+            edge_outage: self.edge_outage,
             admin_listen: self.admin,
         }
     }
@@ -497,6 +504,19 @@ async fn run_up(args: UpArgs) -> anyhow::Result<()> {
             s.bubble_switch_freeze_ms_p99
         );
     }
+    if s.edge_outages > 0 {
+        println!(
+            "edge outage: {} entities of the dark geo simulated again by the core {:.1} s (p50) and {:.1} s (p99) after it went dark; {} sessions moved to the core's gateways and {} back home after, sessions dropped {}, accounts with two avatars {}, sessions without avatar {}",
+            s.entities_fallen_back,
+            s.fallback_s_p50,
+            s.fallback_s_p99,
+            s.sessions_fallen_back,
+            s.sessions_returned_home,
+            s.sessions_dropped,
+            s.accounts_with_two_avatars,
+            s.sessions_without_avatar
+        );
+    }
     let problems = s.problems();
     anyhow::ensure!(
         problems.is_empty(),
@@ -521,7 +541,7 @@ async fn run_sidecar(config: Option<PathBuf>, print_config: bool) -> anyhow::Res
     let stores = cellmesh_stores::Stores::open(&cfg.directory_url, &cfg.players_url, &cfg.geo)
         .await
         .context("opening the stores")?
-        .with_core_copies(
+        .with_core_geo(
             &cfg.geo,
             &cfg.world_geos(),
             &cfg.core_geo,
@@ -529,12 +549,15 @@ async fn run_sidecar(config: Option<PathBuf>, print_config: bool) -> anyhow::Res
             &cfg.core_directory_url,
         )
         .await
-        .context("opening the core geo's copy of the checkpoints")?;
+        .context(
+            "opening the core geo's stores (the directory of accounts, the checkpoints' copy)",
+        )?;
     if !cfg.core_geo.is_empty() && cfg.geo != cfg.core_geo && stores.core_copy.is_none() {
         tracing::warn!(
             core_geo = %cfg.core_geo,
-            "no core_directory_url (redis://…): this geo's checkpoints are not copied to the \
-             core geo, which cannot restore its world if every node of this geo dies"
+            "no core_directory_url (redis://…): this geo's accounts are not in the core's \
+             directory, and its checkpoints are not copied to the core geo, which cannot restore \
+             its world if every node of this geo dies"
         );
     }
     let stop = CancellationToken::new();
@@ -681,8 +704,31 @@ async fn run_bots(args: BotsArgs) -> anyhow::Result<()> {
     for t in tasks {
         let _ = t.await;
     }
-    println!("{}", serde_json::to_string_pretty(&stats.totals())?);
+    println!("{}", serde_json::to_string_pretty(&bots_report(&stats))?);
     Ok(())
+}
+
+/// The bots' totals, and their click to screen second by second: the median and the samples of
+/// each second, from `origin_unix_ms` (so that a run can be cut at an instant, as the lab cuts it
+/// at a bubble's move).
+fn bots_report(stats: &bots::BotStats) -> serde_json::Value {
+    let mut report = serde_json::to_value(stats.totals()).expect("totals serialise");
+    let c = &stats.click_to_screen;
+    let now_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let origin_unix_ms = now_unix_ms.saturating_sub(c.origin().elapsed().as_millis() as u64);
+    let seconds: Vec<(f64, f64, usize)> = c
+        .series()
+        .into_values()
+        .flatten()
+        .map(|b| (b.t_s, b.p50_ms, b.samples))
+        .collect();
+    report["click_to_screen"] = serde_json::json!({
+        "origin_unix_ms": origin_unix_ms,
+        "seconds": seconds,
+    });
+    report
 }
 
 #[cfg(all(test, feature = "tools"))]
@@ -691,6 +737,32 @@ mod tests {
     use clap::CommandFactory;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
+
+    /// The bots' report keeps their totals and adds each second's click to screen, timed from
+    /// an origin in Unix ms: a run can be cut at an instant after the fact.
+    #[test]
+    fn the_bots_report_has_each_second_of_click_to_screen() {
+        let stats = bots::BotStats::default();
+        let origin = stats.click_to_screen.origin();
+        for (ms, v) in [(100, 80.0), (300, 120.0), (1_200, 9.0)] {
+            stats
+                .click_to_screen
+                .record("", origin + Duration::from_millis(ms), v);
+        }
+        let report = bots_report(&stats);
+        assert_eq!(report["inputs_sent"], 0);
+        let c = &report["click_to_screen"];
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let at = c["origin_unix_ms"].as_u64().unwrap();
+        assert!(at <= now && now - at < 60_000, "{c}");
+        assert_eq!(
+            c["seconds"],
+            serde_json::json!([[0.0, 120.0, 2], [1.0, 9.0, 1]])
+        );
+    }
 
     #[test]
     fn the_command_line_is_well_formed() {

@@ -19,6 +19,7 @@ mod census;
 mod chaos;
 mod cluster;
 mod crowd;
+mod edge_outage;
 mod geo_layout;
 mod input_ledger;
 mod live;
@@ -80,6 +81,9 @@ pub struct UpOptions {
     /// players to the geo nearest them (needs several geos and the grid); the last geo's own
     /// bots gather in a region of the first (core) geo (see [`Bubble`](crowd::Bubble)).
     pub bubbles: bool,
+    /// Kill every node of the last geo this long into the run, and start them again
+    /// [`EDGE_DARK_FOR`](edge_outage::EDGE_DARK_FOR) later (needs several geos).
+    pub edge_outage: Option<Duration>,
     /// Where `up` serves its own admin HTTP: `/live`, `/ready`, the live map (`/map`,
     /// `/api/world`) and `/state` (the options and the status line's figures).
     pub admin_listen: String,
@@ -104,6 +108,7 @@ impl Default for UpOptions {
             bsp: false,
             balance: false,
             bubbles: false,
+            edge_outage: None,
             admin_listen: "127.0.0.1:0".into(),
         }
     }
@@ -117,9 +122,10 @@ pub async fn run(
     let started = Instant::now();
     let mut cluster = Cluster::start(&opts).await?;
     let bots = BotFleet::start(&opts, &cluster, started).await?;
-    let (live, chaos) =
+    let (live, chaos, outage) =
         live::until_the_end(&opts, &mut cluster, &bots.stats, started, interrupt).await?;
-    let figures = wind_down::wind_down(&opts, &mut cluster, bots, live, chaos, started).await;
+    let figures =
+        wind_down::wind_down(&opts, &mut cluster, bots, live, (chaos, outage), started).await;
     let summary = Summary::of(&figures);
     if let Some(path) = &opts.summary_json {
         std::fs::write(path, serde_json::to_string_pretty(&summary)? + "\n")

@@ -310,6 +310,48 @@ async fn three_geos_move_the_gathering_bubble_to_its_players() {
     assert_eq!(s.claims_overlapping, 0, "{s:?}");
 }
 
+/// Two geos, and every node of the second (Hong Kong) killed 10 s in and kept dead 40 s: the
+/// core (Paris) restores its entities from the copies of its checkpoints within the bound, Hong
+/// Kong's proxy attaches its sessions to Paris's gateways with the players connected, and moves
+/// them home once its own gateways have been back a while; nothing is lost, doubled or left
+/// without an avatar, before or after the geo returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_outage_falls_back_to_the_core_and_loses_nothing() {
+    let _one = ONE_UP.lock().await;
+    let opts = UpOptions {
+        bots: 30,
+        npcs: 40,
+        nodes: 4,
+        // Dark from 10 s to 50 s; its sessions move home 10 s after; then 10 s to settle.
+        duration: Some(Duration::from_secs(70)),
+        seed: 4,
+        status: false,
+        geos: vec!["paris".into(), "hongkong".into()],
+        edge_outage: Some(Duration::from_secs(10)),
+        ..UpOptions::default()
+    };
+    let s = run(opts, std::future::pending()).await.expect("up runs");
+    eprintln!("{s:?}");
+    assert!(s.problems().is_empty(), "{:?}", s.problems());
+    assert_eq!((s.edge_outages, s.nodes_killed), (1, 2), "{s:?}");
+    assert!(s.entities_fallen_back > 0, "{s:?}");
+    assert!(s.fallback_s_p99 > 0.0 && s.fallback_s_p99 <= 30.0, "{s:?}");
+    assert!(s.sessions_fallen_back > 0, "{s:?}");
+    // Home again once their geo's gateways held (some may have been handed over meanwhile).
+    assert!(
+        s.sessions_returned_home > 0 && s.sessions_returned_home <= s.sessions_fallen_back,
+        "{s:?}"
+    );
+    assert_eq!(s.sessions_dropped, 0, "{s:?}");
+    assert_eq!((s.entities_lost, s.entities_duplicated), (0, 0), "{s:?}");
+    assert_eq!(
+        (s.accounts_with_two_avatars, s.sessions_without_avatar),
+        (0, 0),
+        "{s:?}"
+    );
+    assert_eq!(s.claims_overlapping, 0, "{s:?}");
+}
+
 /// A crowd gathering in one cell of a BSP, side by side with and without the director: the
 /// balanced run ends with the busiest node far closer to the average than the unbalanced one,
 /// and both keep the census clean through the director's mass handoffs.

@@ -137,7 +137,7 @@ def read_proxy(t, metrics):
         try:
             s = json.loads(body)
             out["state"] = {
-                "sessions": [{"account": x.get("account"), "gateway_node": x.get("gateway_node"), "simulated_in": x.get("simulated_in")} for x in s.get("sessions") or []],
+                "sessions": [{"account": x.get("account"), "gateway_node": x.get("gateway_node"), "simulated_in": x.get("simulated_in"), "fallback": x.get("fallback")} for x in s.get("sessions") or []],
                 "links": [{"gateway": l.get("gateway"), "state": l.get("state"), "sessions": l.get("sessions")} for l in s.get("links") or []],
                 "stats": s.get("stats") or {},
             }
@@ -375,7 +375,8 @@ def cmd_wait(a):
               (6): the recovery is when it began to; with --need FILE (a JSON list of
               entity ids), every one of those ids is real on some node; ids still missing once
               the rest held for --grace seconds are reported lost and the wait ends there
-    restored  every id of --need is real on a node other than --victim (the killed node)
+    restored  every id of --need is real on a node other than the --victim ones (the killed nodes;
+              repeat it for several)
     frozen    every sidecar's lease is not live (the store stopped answering)
     loggedout no avatar in the world (every sidecar answered)
     never     nothing: samples (with --record) for --bound seconds
@@ -416,7 +417,7 @@ def cmd_wait(a):
             if i in seen_at:
                 continue
             holders = [n for n, _ in r.get(i, [])]
-            if holders and (a.victim is None or any(n != a.victim for n in holders)):
+            if holders and any(n not in (a.victim or []) for n in holders):
                 seen_at[i] = t
         missing = need - set(seen_at)
         if a.until == "whole":
@@ -531,10 +532,11 @@ def cmd_pick(a):
 
 
 def cmd_ids(a):
-    """Entity ids of a snapshot, as a JSON list: the NPCs of --node, or of every node."""
+    """Entity ids of a snapshot, as a JSON list: the NPCs of the --node ones (repeat it for
+    several), or of every node."""
     snap = json.load(open(a.snap))
-    if a.node is not None:
-        ids = [i for s in snap["sidecars"].values() if s["node"] == a.node and s["map"] for i in s["map"]["ids"].get("npc", [])]
+    if a.node:
+        ids = [i for s in snap["sidecars"].values() if s["node"] in a.node and s["map"] for i in s["map"]["ids"].get("npc", [])]
     else:
         ids = sorted(npc_ids(snap))
     print(json.dumps(sorted(ids)))
@@ -689,6 +691,91 @@ def cmd_cost(a):
 
 
 # ------------------------------------------------------------------------------------------------
+# Bubbles
+
+
+def director_states(run):
+    """Each director's /state (its DirectorStats), by service; None for one that did not answer."""
+    with open(os.path.join(run, "services.json")) as f:
+        services = json.load(f)
+    out = {}
+    for svc, s in sorted(services.items()):
+        if s.get("role") != "director":
+            continue
+        ip = (podman("inspect", "--format", "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}", s["container"]) or "").split()
+        code, body = http(ip[0], s["port"], "/state") if ip and s.get("port") else (None, None)
+        try:
+            out[svc] = json.loads(body) if code == 200 else None
+        except ValueError:
+            out[svc] = None
+    return out
+
+
+def bots_click_to_screen(paths):
+    """Every bot process's seconds of click to screen as (Unix s, p50 ms, samples), from the
+    `click_to_screen` of its final JSON."""
+    out = []
+    for p in paths:
+        try:
+            text = open(p, errors="replace").read()
+        except FileNotFoundError:
+            continue
+        for m in re.finditer(r"^\{\n(?:.*\n)*?\}$", text, re.M):
+            try:
+                c = json.loads(m.group(0)).get("click_to_screen")
+            except ValueError:
+                continue
+            if c:
+                origin = c["origin_unix_ms"] / 1000.0
+                out += [(origin + t, p50, n) for t, p50, n in c["seconds"]]
+    return out
+
+
+def weighted_median(seconds):
+    """The median of the seconds' medians, each weighted by its samples: (ms, samples)."""
+    seconds = sorted(seconds, key=lambda s: s[1])
+    total = sum(n for _, _, n in seconds)
+    if not total:
+        return None, 0
+    acc = 0
+    for _, p50, n in seconds:
+        acc += n
+        if 2 * acc >= total:
+            return p50, total
+    return seconds[-1][1], total
+
+
+def cmd_bubbles(a):
+    """What the geo-aware director moved, and the bots' click to screen on either side of the
+    first move of a region to the second geo (us): before it, and from --settle seconds after
+    it until --until (an outage's start)."""
+    states = director_states(a.run)
+    live = [s for s in states.values() if s]
+    moves = sorted(
+        ((r["at_unix_ms"] / 1000.0, r["epoch"], m)
+         for s in live for r in s.get("region_moves") or [] for m in r.get("moves") or []),
+        key=lambda x: (x[0], x[1], tuple(x[2].get("region") or ())))
+    to_second = [t for t, _, m in moves if m.get("to_site") == 1]
+    moved_at = to_second[0] if to_second else None
+    seconds = bots_click_to_screen(a.bots_log or [])
+    until = a.until if a.until is not None else float("inf")
+    before = weighted_median([s for s in seconds if moved_at is None or s[0] < moved_at])
+    after = weighted_median([s for s in seconds if moved_at is not None and moved_at + a.settle <= s[0] < until])
+    print(json.dumps({
+        "bubble_moves": max((s.get("bubble_moves", 0) for s in live), default=None),
+        "regions_moved": max((s.get("regions_moved", 0) for s in live), default=None),
+        "region_moves": [{"at_unix_s": t, "epoch": e, **m} for t, e, m in moves],
+        "bubble_moved_at_unix_s": moved_at,
+        "click_to_screen_ms_p50_before": before[0],
+        "click_to_screen_samples_before": before[1],
+        "click_to_screen_ms_p50_after": after[0],
+        "click_to_screen_samples_after": after[1],
+        "directors_answered": len(live),
+    }))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
 # The run's census
 
 
@@ -799,7 +886,7 @@ def cmd_final(a):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("targets", "sample", "snap", "wait", "cost", "final", "pick", "ids", "avatars"):
+    for name in ("targets", "sample", "snap", "wait", "cost", "final", "pick", "ids", "avatars", "bubbles"):
         s = sub.add_parser(name)
         s.add_argument("--run", required=True)
         if name == "pick":
@@ -808,7 +895,7 @@ def main():
             s.add_argument("--geo")
         if name == "ids":
             s.add_argument("--snap", required=True)
-            s.add_argument("--node", type=int)
+            s.add_argument("--node", type=int, action="append")
         if name == "avatars":
             s.add_argument("--before", required=True)
             s.add_argument("--after", required=True)
@@ -822,7 +909,7 @@ def main():
             s.add_argument("--min-sessions", type=int, help="whole: also at least this many proxy sessions")
             s.add_argument("--bound", type=float, default=60)
             s.add_argument("--need")
-            s.add_argument("--victim", type=int)
+            s.add_argument("--victim", type=int, action="append")
             s.add_argument("--since", type=float)
             s.add_argument("--grace", type=float, default=10)
             s.add_argument("--stable", type=float, default=6, help="whole: how long it must hold")
@@ -833,6 +920,10 @@ def main():
             s.add_argument("--before", required=True)
             s.add_argument("--after", action="append", required=True)
             s.add_argument("--wait", action="append")
+        if name == "bubbles":
+            s.add_argument("--bots-log", action="append")
+            s.add_argument("--until", type=float, help="cut the samples after the move here (Unix s)")
+            s.add_argument("--settle", type=float, default=5.0)
         if name == "final":
             s.add_argument("--restore-ms")
             s.add_argument("--before-logout", action="append")
@@ -870,6 +961,8 @@ def main():
         return cmd_ids(a)
     if a.cmd == "avatars":
         return cmd_avatars(a)
+    if a.cmd == "bubbles":
+        return cmd_bubbles(a)
     return 2
 
 

@@ -52,9 +52,10 @@ pub struct SidecarConfig {
     /// copy of its checkpoints kept in the core geo's store. Empty: no core; a geo whose last
     /// node died waits for one of its own nodes to restore it.
     pub core_geo: String,
-    /// The core geo's session directory (`redis://…`), where a node of another geo copies its
-    /// checkpoints (a core node reads the copies from its own `directory_url`). Empty, or
-    /// `memory`: no copy is written, and the core cannot restore this geo.
+    /// The core geo's Redis (`redis://…`), required outside the core geo with a Redis
+    /// `directory_url`: the directory of accounts (sessions and avatars' master records) is
+    /// homed there for the whole world, and a node of another geo copies its checkpoints there
+    /// (a core node reads the copies from its own `directory_url`).
     pub core_directory_url: String,
     /// Where the game server connects: `host:port`, or `unix:/path/to.sock` for a Unix socket.
     pub local_listen: String,

@@ -81,15 +81,31 @@ impl Chaos {
         cluster: &mut Cluster,
         started: Instant,
     ) -> anyhow::Result<()> {
+        let victim = self.rng.random_range(0..cluster.nodes.len());
+        let dead = self.kill(cluster, victim, started).await;
+        tracing::warn!(node = dead.id, "chaos: node killed; starting a fresh one");
+        let fresh = restart(&cluster.env, dead.id, dead.mesh_listen, dead.killed_at).await?;
+        cluster.nodes.insert(victim, fresh);
+        self.mark(cluster, dead.id, dead.killed_at_s, started);
+        self.kill_at = self.next_kill(self.kill_at.expect("a kill was due"));
+        Ok(())
+    }
+
+    /// Kills `cluster.nodes[victim]` the way a crash ends a process and keeps what it counted.
+    pub(super) async fn kill(
+        &mut self,
+        cluster: &mut Cluster,
+        victim: usize,
+        started: Instant,
+    ) -> Killed {
         let nodes = &mut cluster.nodes;
-        let victim = self.rng.random_range(0..nodes.len());
         self.take_restored(nodes);
         let id = nodes[victim].id;
         let mesh_listen = nodes[victim].sidecar.mesh_addr.to_string();
         let runtime = nodes[victim]
             .runtime
             .take()
-            .expect("chaos nodes own their runtime");
+            .expect("killed nodes own their runtime");
         crash(runtime).await;
         let killed_at = unix_ms();
         self.kills.push((id, killed_at));
@@ -104,24 +120,38 @@ impl Chaos {
         if let Ok(Ok(Ok(st))) = tokio::time::timeout(Duration::from_millis(100), dead.arena).await {
             self.departed_arenas.push(st);
         }
-        tracing::warn!(node = id, "chaos: node killed; starting a fresh one");
-        let fresh = restart(&cluster.env, id, mesh_listen, killed_at).await?;
-        nodes.insert(victim, fresh);
+        Killed {
+            id,
+            mesh_listen,
+            killed_at,
+            killed_at_s,
+        }
+    }
+
+    /// Marks node `id` on the plot as dead from `from_s` until now.
+    pub(super) fn mark(&mut self, cluster: &Cluster, id: u32, from_s: f64, started: Instant) {
         let geos = &cluster.env.geos;
         self.kill_marks.push(plot::KillMark {
             node: id,
             geo: geos.several().then(|| geos.names[geos.geo_of(id)].clone()),
-            from_s: killed_at_s,
+            from_s,
             to_s: started.elapsed().as_secs_f64(),
         });
-        self.kill_at = self.next_kill(self.kill_at.expect("a kill was due"));
-        Ok(())
     }
+}
+
+/// A node killed: its id, where its mesh listened, and when it died (Unix ms, and seconds into
+/// the run).
+pub(super) struct Killed {
+    pub(super) id: u32,
+    pub(super) mesh_listen: String,
+    pub(super) killed_at: u64,
+    pub(super) killed_at_s: f64,
 }
 
 /// Starts a fresh node `id` in place of the one killed at `killed_at` (Unix ms), retrying until
 /// [`CHAOS_RESTART_WITHIN_MS`] after the kill.
-async fn restart(
+pub(super) async fn restart(
     env: &NodeEnv,
     id: u32,
     mesh_listen: String,

@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::chaos::CHAOS_NODE_LEASE_MS;
 use super::crowd::{Crowd, ARENA_SPREAD, MEETING_POINT};
+use super::edge_outage::{EDGE_DARK_FOR, EDGE_QUIET_AT_END};
 use super::geo_layout::GeoLayout;
 use super::node::{node_runtime, start_node, NodeEnv, NodeRun};
 use super::proxies::start_proxies;
@@ -46,6 +47,7 @@ impl Cluster {
     pub(super) async fn start(opts: &UpOptions) -> anyhow::Result<Self> {
         let stop = CancellationToken::new();
         anyhow::ensure!(opts.nodes >= 1, "--nodes must be at least 1");
+        check_edge_outage(opts)?;
         let geos = Arc::new(GeoLayout::new(&opts.geos, opts.nodes, &opts.geo_delay_ms)?);
         let stores = stores_per_geo(&geos);
         anyhow::ensure!(
@@ -162,6 +164,31 @@ impl Cluster {
     }
 }
 
+/// `--edge-outage` darkens a geo other than the core, and the geo returns with time to settle
+/// before the run ends.
+fn check_edge_outage(opts: &UpOptions) -> anyhow::Result<()> {
+    let Some(at) = opts.edge_outage else {
+        return Ok(());
+    };
+    anyhow::ensure!(
+        opts.geos.len() > 1,
+        "--edge-outage darkens a geo other than the core: it needs --geos 2 or more"
+    );
+    if let Some(d) = opts.duration {
+        let needed = at + EDGE_DARK_FOR + EDGE_QUIET_AT_END;
+        anyhow::ensure!(
+            needed <= d,
+            "--edge-outage {}: the geo is dark {} s and the world settles {} s after it returns: \
+             --duration must be at least {} s",
+            at.as_secs_f64(),
+            EDGE_DARK_FOR.as_secs(),
+            EDGE_QUIET_AT_END.as_secs(),
+            needed.as_secs_f64().ceil()
+        );
+    }
+    Ok(())
+}
+
 /// `cols × rows` for `n` nodes: the most square factorisation.
 pub fn grid_shape(n: usize) -> (u32, u32) {
     let rows = (1..=n)
@@ -171,8 +198,9 @@ pub fn grid_shape(n: usize) -> (u32, u32) {
     ((n / rows) as u32, rows as u32)
 }
 
-/// One directory, claim store, checkpoint store (and board) per geo, as a Redis per geo would
-/// hold them, and the core geo's copies of the others' checkpoints; player records shared.
+/// One claim store and checkpoint store per geo, as a Redis per geo would hold them, and the
+/// core geo's copies of the others' checkpoints; the directory of accounts (homed in the core
+/// geo, the first) and the player records shared.
 fn stores_per_geo(geos: &GeoLayout) -> Vec<Stores> {
     let shared = Stores::in_memory();
     let mut stores: Vec<Stores> = (0..geos.names.len())
@@ -180,12 +208,11 @@ fn stores_per_geo(geos: &GeoLayout) -> Vec<Stores> {
             if g == 0 {
                 return shared.clone();
             }
-            // A geo's directory, claims and checkpoints are its own; a copy of its
-            // checkpoints is kept in the core geo's store (the first geo is the core).
+            // A geo's claims and checkpoints are its own; a copy of its checkpoints is kept in
+            // the core geo's store.
             let copy: Arc<dyn cellmesh_stores::CheckpointStore> =
                 Arc::new(cellmesh_stores::memory::MemoryCheckpoints::default());
             Stores {
-                directory: Arc::new(cellmesh_stores::memory::MemoryDirectory::default()),
                 claims: Arc::new(cellmesh_stores::claims::MemoryClaims::default()),
                 checkpoints: Arc::new(cellmesh_stores::memory::MemoryCheckpoints::default()),
                 core_copy: Some(copy),
@@ -279,8 +306,10 @@ fn node_env(
         halt: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         stop,
         seed: opts.seed,
-        node_lease_ms: opts.chaos.map(|_| CHAOS_NODE_LEASE_MS),
-        own_runtime: opts.chaos.is_some(),
+        // A killed node's world is restored once its lease lapses: short leases for kills.
+        node_lease_ms: (opts.chaos.is_some() || opts.edge_outage.is_some())
+            .then_some(CHAOS_NODE_LEASE_MS),
+        own_runtime: opts.chaos.is_some() || opts.edge_outage.is_some(),
         state_dir: if opts.chaos_in_place {
             Some(Arc::new(RunDir::create()?))
         } else {

@@ -22,8 +22,9 @@ pub fn known_one_way_ms(a: &str, b: &str) -> Option<u64> {
 /// The delay between geos nobody named a figure for.
 const DEFAULT_ONE_WAY_MS: u64 = 45;
 
-/// A run over several geos: nodes in blocks per geo, each geo with its own session directory and
-/// proxy, player records and topology shared (MongoDB is global). Latency between geos is shaped
+/// A run over several geos: nodes in blocks per geo, each geo with its own claims, checkpoints
+/// and proxy; the directory of accounts (homed in the core geo, the first), player records and
+/// topology shared. Latency between geos is shaped
 /// in-process on the sidecars' peer links, and between bots and proxies by relays (the kernel
 /// does not see it, so the proxies judge by their pings).
 pub(super) struct GeoLayout {

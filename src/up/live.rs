@@ -1,4 +1,4 @@
-//! The run's live part: a status line each second, the `--chaos` kills, and what the summary and
+//! The run's live part: a status line each second, the `--chaos` kills, the `--edge-outage`, and what the summary and
 //! the plot need sampled as it goes, until the duration ends or the run is interrupted.
 
 use std::io::IsTerminal;
@@ -9,6 +9,7 @@ use cellmesh_stores::topology::TopologyStore;
 
 use super::chaos::Chaos;
 use super::cluster::Cluster;
+use super::edge_outage::EdgeOutage;
 use super::geo_layout::GeoLayout;
 use super::node_totals::{totals, NodeTotals};
 use super::proxies::proxy_stats;
@@ -94,7 +95,7 @@ pub(super) async fn until_the_end(
     bot_stats: &BotStats,
     started: Instant,
     interrupt: impl std::future::Future<Output = ()>,
-) -> anyhow::Result<(Live, Chaos)> {
+) -> anyhow::Result<(Live, Chaos, EdgeOutage)> {
     let tty = std::io::stdout().is_terminal();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.tick().await;
@@ -102,6 +103,7 @@ pub(super) async fn until_the_end(
     let end = opts.duration.map(|d| tokio::time::Instant::now() + d);
     // What killed nodes counted, held and restored, and when each was killed.
     let mut chaos = Chaos::new(opts.chaos, opts.seed, end);
+    let mut outage = EdgeOutage::new(opts.edge_outage, cluster.env.geos.names.len());
     let mut live = Live::new(started);
     tokio::pin!(interrupt);
     loop {
@@ -109,6 +111,8 @@ pub(super) async fn until_the_end(
             _ = &mut interrupt => break,
             _ = until(end) => break,
             _ = until(chaos.kill_at) => chaos.kill_one(cluster, started).await?,
+            _ = until(outage.dark_at) => outage.go_dark(&mut chaos, cluster, started).await,
+            _ = until(outage.back_at) => outage.come_back(&mut chaos, cluster, started).await?,
             _ = tick.tick() => {
                 let (p, spread) = live.sample(cluster, &mut chaos, started).await;
                 if !opts.status { continue }
@@ -136,7 +140,7 @@ pub(super) async fn until_the_end(
     if tty && opts.status {
         println!();
     }
-    Ok((live, chaos))
+    Ok((live, chaos, outage))
 }
 
 /// Completes at `at`; never without one.

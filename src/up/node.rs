@@ -28,7 +28,8 @@ pub(super) struct NodeRun {
 #[derive(Clone)]
 pub(super) struct NodeEnv {
     pub(super) world: WorldShape,
-    /// The stores of each geo (index: [`GeoLayout`]'s): a directory of its own, records shared.
+    /// The stores of each geo (index: [`GeoLayout`]'s): claims and checkpoints of its own, the
+    /// directory of accounts and the records shared.
     pub(super) stores: Vec<Stores>,
     pub(super) geos: Arc<GeoLayout>,
     pub(super) topology: Arc<dyn TopologyStore>,

@@ -53,6 +53,12 @@ pub(super) async fn start_proxies(
                 .filter(|n| geos.geo_of(n.id) == g)
                 .map(|n| n.sidecar.mesh_addr.to_string())
                 .collect(),
+            // Outside the core, the core's gateways serve while none of the geo's is up.
+            fallback_gateways: nodes
+                .iter()
+                .filter(|n| g != 0 && geos.geo_of(n.id) == 0)
+                .map(|n| n.sidecar.mesh_addr.to_string())
+                .collect(),
             token_secret: secret.to_string(),
             attest_keys: vec![env.attest_key.clone()],
             admin_token: env.admin_token.to_string(),
@@ -138,6 +144,9 @@ pub(super) fn proxy_stats(proxies: &[ProxyHandle]) -> cellmesh_proxy::ProxyStats
         t.handovers += s.handovers;
         t.bridged_sessions += s.bridged_sessions;
         t.probes_served += s.probes_served;
+        t.sessions_on_fallback += s.sessions_on_fallback;
+        t.sessions_fallen_back += s.sessions_fallen_back;
+        t.sessions_returned_home += s.sessions_returned_home;
     }
     t
 }

@@ -178,6 +178,17 @@ pub struct Summary {
     pub click_to_screen_ms_p50_after: f64,
     pub click_to_screen_samples_before: usize,
     pub click_to_screen_samples_after: usize,
+    /// `--edge-outage`: the outages (every node of a geo killed at once), how long after its
+    /// outage each of the dark geo's entities was simulated again (by the core, from the copies of
+    /// its checkpoints) and how many were, and the sessions the proxies attached to a fallback
+    /// gateway of the core geo (the players stayed connected), and those moved back to their
+    /// geo's gateways once it had been back a while.
+    pub edge_outages: u64,
+    pub fallback_s_p50: f64,
+    pub fallback_s_p99: f64,
+    pub entities_fallen_back: u64,
+    pub sessions_fallen_back: u64,
+    pub sessions_returned_home: u64,
 }
 
 /// Seconds after a bubble's move before its bots' click to screen counts as "after".
@@ -190,6 +201,18 @@ pub(super) struct BubbleFigures {
     pub(super) moved_at_s: Option<f64>,
     pub(super) before: Option<(f64, usize)>,
     pub(super) after: Option<(f64, usize)>,
+}
+
+/// Within how long after an edge outage its geo's world must be simulated by the core again.
+pub const FALLBACK_WITHIN_S: f64 = 30.0;
+
+/// What an `--edge-outage` cost.
+#[derive(Debug, Clone, Default)]
+pub(super) struct EdgeFigures {
+    pub(super) outages: u64,
+    /// From the outage to each of the dark geo's entities simulated again (ms): p50, p99, how
+    /// many.
+    pub(super) fallback_ms: (f64, f64, u64),
 }
 
 /// The busiest node's load over the average of the nodes holding a cell.
@@ -286,6 +309,15 @@ impl Summary {
                 self.sessions_dropped
             ));
         }
+        if self.edge_outages > 0 && self.entities_fallen_back == 0 {
+            p.push("no entity of the dark geo was simulated again".to_string());
+        }
+        if self.fallback_s_p99 > FALLBACK_WITHIN_S {
+            p.push(format!(
+                "the dark geo's entities were simulated again {:.1} s after the outage (p99), more than {FALLBACK_WITHIN_S} s",
+                self.fallback_s_p99
+            ));
+        }
         p
     }
 }
@@ -330,6 +362,7 @@ pub(super) struct Figures {
     pub(super) handover_marks: Vec<plot::HandoverMark>,
     pub(super) kill_marks: Vec<plot::KillMark>,
     pub(super) bubble: BubbleFigures,
+    pub(super) edge: EdgeFigures,
 }
 
 impl Summary {
@@ -340,6 +373,21 @@ impl Summary {
             .with_geos(f)
             .with_partition(f)
             .with_bubbles(f)
+            .with_edge_outage(f)
+    }
+
+    /// `--edge-outage`: how the dark geo's world and players fell back to the core.
+    fn with_edge_outage(self, f: &Figures) -> Self {
+        let (p50, p99, n) = f.edge.fallback_ms;
+        Summary {
+            edge_outages: f.edge.outages,
+            fallback_s_p50: p50 / 1000.0,
+            fallback_s_p99: p99 / 1000.0,
+            entities_fallen_back: n,
+            sessions_fallen_back: f.proxies.sessions_fallen_back,
+            sessions_returned_home: f.proxies.sessions_returned_home,
+            ..self
+        }
     }
 
     /// `--bubbles`: what the geo-aware director moved, and what the gathering bots saw of it.

@@ -12,12 +12,13 @@ use super::census;
 use super::chaos::{chaos_figures, Chaos};
 use super::cluster::Cluster;
 use super::crowd::Bubble;
+use super::edge_outage::EdgeOutage;
 use super::input_ledger::InputLedger;
 use super::live::Live;
 use super::node::NodeRun;
 use super::node_totals::{totals, NodeTotals};
 use super::proxies::proxy_stats;
-use super::summary::{BubbleFigures, Figures, BUBBLE_SETTLE_S};
+use super::summary::{BubbleFigures, EdgeFigures, Figures, BUBBLE_SETTLE_S};
 use super::UpOptions;
 use crate::bots::{BotStats, BotTotals};
 
@@ -30,7 +31,7 @@ pub(super) async fn wind_down(
     cluster: &mut Cluster,
     bots: BotFleet,
     mut live: Live,
-    mut chaos: Chaos,
+    (mut chaos, outage): (Chaos, EdgeOutage),
     started: Instant,
 ) -> Figures {
     let games = cluster.env.games.clone();
@@ -54,6 +55,7 @@ pub(super) async fn wind_down(
         &cluster.env.world,
         &directed,
         &bot_stats,
+        outage.went_dark_at_s,
         started,
     );
     bots.wait().await;
@@ -77,6 +79,10 @@ pub(super) async fn wind_down(
     live.take_handovers(&cluster.proxies, &cluster.env.geos);
     shut_down(cluster).await;
     let chaos_figures = chaos_figures(&chaos.kills, &chaos.restored);
+    let edge = EdgeFigures {
+        outages: outage.outages,
+        fallback_ms: outage.fallback_ms(&chaos.restored),
+    };
     // Epochs past the first, whoever committed them (the director, or a failover).
     let partition_epochs = cluster
         .env
@@ -120,17 +126,20 @@ pub(super) async fn wind_down(
         handover_marks: live.handover_marks,
         kill_marks: chaos.kill_marks,
         bubble,
+        edge,
     }
 }
 
 /// The gathering bots' figures: their bubble's first move (the first committed epoch that gave
-/// the region of their point to another geo), and their click to screen on either side of it.
+/// the region of their point to another geo), and their click to screen on either side of it
+/// (after it: until an edge outage, if one came).
 fn bubble_figures(
     opts: &UpOptions,
     geos: &super::geo_layout::GeoLayout,
     world: &cellmesh_world::geometry::WorldShape,
     directed: &cellmesh_director::DirectorStats,
     bot_stats: &BotStats,
+    outage_at_s: Option<f64>,
     started: Instant,
 ) -> BubbleFigures {
     if !opts.bubbles {
@@ -150,8 +159,14 @@ fn bubble_figures(
     BubbleFigures {
         moved_at_s,
         before: c.median_between(&location, 0.0, moved_at_s.unwrap_or(f64::INFINITY)),
-        after: moved_at_s
-            .and_then(|at| c.median_between(&location, at + BUBBLE_SETTLE_S, f64::INFINITY)),
+        // Up to an edge outage: the bubble falls back to the core then.
+        after: moved_at_s.and_then(|at| {
+            c.median_between(
+                &location,
+                at + BUBBLE_SETTLE_S,
+                outage_at_s.unwrap_or(f64::INFINITY),
+            )
+        }),
     }
 }
 

@@ -40,6 +40,12 @@ pub enum StoreError {
     BadUrl(String),
     #[error("invalid geo name `{0}` (expected ASCII letters, digits, `-`, `_` or `.`)")]
     InvalidGeo(String),
+    /// A node outside the core geo with a Redis directory named no `core_directory_url`.
+    #[error(
+        "no core_directory_url (redis://…) outside the core geo `{0}`: the directory of accounts \
+         is homed in the core geo's Redis, and this geo's own would be a second home"
+    )]
+    NoCoreDirectory(String),
     /// The URL names a store this build has no client for.
     #[error(
         "{url}: this build of cellmesh has no {store} client; build it with `--features {feature}` \
@@ -344,12 +350,16 @@ impl Stores {
         }
     }
 
-    /// Sets up the copies of checkpoints kept in the core geo `core_geo` (see
-    /// [`Stores::core_copy`]): a node of another geo writes its own to `core_url` (the core
-    /// geo's Redis), a core node reads every other geo's from its own directory's Redis. In
-    /// memory nothing is shared between processes: no copies (`cellmesh up` sets them itself).
+    /// Sets up what the core geo `core_geo` keeps for the whole world. The directory of accounts
+    /// is homed there: a node of another geo registers its sessions and its avatars' master
+    /// records in the core's Redis (`core_url`), under the core's keyspace, so a login anywhere
+    /// finds the one avatar. And the copies of checkpoints (see [`Stores::core_copy`]): a node of
+    /// another geo writes its own to `core_url` too, a core node reads every other geo's from its
+    /// own directory's Redis. A node outside the core with a Redis directory must name the core's
+    /// Redis: its own directory would be a second home of its players' accounts. In memory
+    /// nothing is shared between processes (`cellmesh up` shares the stores itself).
     #[cfg_attr(not(feature = "redis"), allow(unused_variables, unused_mut))]
-    pub async fn with_core_copies(
+    pub async fn with_core_geo(
         mut self,
         geo: &str,
         geos: &[String],
@@ -359,6 +369,13 @@ impl Stores {
     ) -> Result<Self, StoreError> {
         if core_geo.is_empty() {
             return Ok(self);
+        }
+        // A URL that names no Redis copies nothing: a typo must not pass for "no copy".
+        if geo != core_geo && !matches!(core_url, "" | "memory") && !is_redis_url(core_url) {
+            return Err(StoreError::BadUrl(redact_url(core_url)));
+        }
+        if geo != core_geo && is_redis_url(directory_url) && !is_redis_url(core_url) {
+            return Err(StoreError::NoCoreDirectory(core_geo.to_string()));
         }
         #[cfg(feature = "redis")]
         if geo == core_geo {
@@ -372,14 +389,11 @@ impl Stores {
         } else if is_redis_url(core_url) {
             let copy = redis::RedisDirectory::connect(core_url, &copy_keyspace(geo)).await?;
             self.core_copy = Some(Arc::new(copy));
+            self.directory = Arc::new(redis::RedisDirectory::connect(core_url, core_geo).await?);
         }
         #[cfg(not(feature = "redis"))]
         if geo != core_geo && is_redis_url(core_url) {
             return Err(not_built_in(core_url, "Redis", "redis"));
-        }
-        // A URL that names no Redis copies nothing: a typo must not pass for "no copy".
-        if geo != core_geo && !matches!(core_url, "" | "memory") && !is_redis_url(core_url) {
-            return Err(StoreError::BadUrl(redact_url(core_url)));
         }
         Ok(self)
     }

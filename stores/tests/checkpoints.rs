@@ -121,9 +121,11 @@ async fn redis_keys_expire_and_share_one_slot_per_process() {
 }
 
 /// A node outside the core geo copies its checkpoints to the core's Redis; a core node reads
-/// them there as that geo's copy, apart from the core's own and from the geo's own store.
+/// them there as that geo's copy, apart from the core's own and from the geo's own store. The
+/// directory of accounts is the core's for both: a session registered at the edge is the one a
+/// core gateway finds, and its epochs count on from the core's.
 #[tokio::test]
-async fn redis_copies_for_the_core_geo_are_read_by_its_nodes() {
+async fn redis_core_geo_keeps_the_copies_and_homes_the_directory() {
     use cellmesh_stores::Stores;
     let url = required("CELLMESH_TEST_REDIS_URL");
     let run = unique("ckpt_core");
@@ -136,7 +138,7 @@ async fn redis_copies_for_the_core_geo_are_read_by_its_nodes() {
             Stores::open(&url, "memory", &geo)
                 .await
                 .unwrap()
-                .with_core_copies(&geo, &geos, &core, &url, &url)
+                .with_core_geo(&geo, &geos, &core, &url, &url)
                 .await
                 .unwrap()
         }
@@ -156,11 +158,28 @@ async fn redis_copies_for_the_core_geo_are_read_by_its_nodes() {
     );
     assert!(at_core.checkpoints.load(3, 7).await.unwrap().is_empty());
     assert!(at_edge.checkpoints.load(3, 7).await.unwrap().is_empty());
+    let lease = std::time::Duration::from_secs(30);
+    let at_core_epoch = at_core.directory.register("ada", 1, lease).await.unwrap();
+    let at_edge_epoch = at_edge.directory.register("ada", 4, lease).await.unwrap();
+    assert!(at_edge_epoch > at_core_epoch, "one count of epochs");
+    let found = at_core.directory.lookup("ada").await.unwrap().unwrap();
+    assert_eq!(
+        (found.gateway_node, found.session_epoch),
+        (4, at_edge_epoch)
+    );
+    let master = cellmesh_stores::MasterEntry {
+        node: 4,
+        lease_epoch: 9,
+        entity_id: 77,
+        entity_epoch: 1,
+    };
+    at_edge.directory.set_master("ada", master).await.unwrap();
+    assert_eq!(at_core.directory.master("ada").await.unwrap(), Some(master));
     // Without a core geo, nothing is copied.
     let plain = Stores::open(&url, "memory", &edge)
         .await
         .unwrap()
-        .with_core_copies(&edge, &geos, "", &url, &url)
+        .with_core_geo(&edge, &geos, "", &url, &url)
         .await
         .unwrap();
     assert!(plain.core_copy.is_none() && plain.copies.is_empty());
@@ -168,7 +187,20 @@ async fn redis_copies_for_the_core_geo_are_read_by_its_nodes() {
     let typo = Stores::open(&url, "memory", &edge)
         .await
         .unwrap()
-        .with_core_copies(&edge, &geos, &core, &url, "redis//eu-redis:6379")
+        .with_core_geo(&edge, &geos, &core, &url, "redis//eu-redis:6379")
         .await;
     assert!(typo.is_err(), "a malformed core URL must be refused");
+    // Outside the core, a Redis directory with no core URL would be a second home of accounts.
+    let homeless = Stores::open(&url, "memory", &edge)
+        .await
+        .unwrap()
+        .with_core_geo(&edge, &geos, &core, &url, "")
+        .await;
+    assert!(
+        matches!(
+            homeless,
+            Err(cellmesh_stores::StoreError::NoCoreDirectory(ref g)) if *g == core
+        ),
+        "an edge node without the core's Redis must be refused"
+    );
 }

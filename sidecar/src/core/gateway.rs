@@ -1080,12 +1080,13 @@ impl Gateway {
 
     /// The attached players as the geo-aware director places them: where each avatar is, how
     /// fast it went between the last two places it was seen, and the RTTs the proxies measured
-    /// to it by geo (its own proxy's under this node's geo). A session still registering, or
+    /// to it by geo (its own proxy's under the proxy's geo). A session still registering, or
     /// whose avatar is nowhere yet, is left out; so is any past [`MAX_PLAYER_SAMPLES`].
-    pub(crate) fn player_samples(
+    pub(crate) fn player_samples<'m>(
         &mut self,
         cx: &Context,
         table: &EntityTable,
+        proxy_geo: impl Fn(LinkId) -> Option<&'m str>,
     ) -> Vec<cellmesh_stores::topology::PlayerSample> {
         use cellmesh_stores::topology::{PlayerSample, MAX_PLAYER_SAMPLES};
         let now = cx.now.mono_ms;
@@ -1125,8 +1126,13 @@ impl Gateway {
                 .filter(|(_, ms)| ms.is_finite() && **ms >= 0.0)
                 .map(|(g, ms)| (g.clone(), *ms))
                 .collect();
+            // The proxy's own figure is toward the proxy's geo: another geo's proxy attaches
+            // here while its own geo has no gateway up.
             if let Some((p50, _)) = s.rtt.filter(|(p50, _)| p50.is_finite() && *p50 >= 0.0) {
-                rtt_ms.insert(cx.config.geo.clone(), p50);
+                let geo = proxy_geo(s.link)
+                    .filter(|g| !g.is_empty())
+                    .unwrap_or(&cx.config.geo);
+                rtt_ms.insert(geo.to_string(), p50);
             }
             samples.push(PlayerSample {
                 account: s.account.clone(),

@@ -3188,7 +3188,11 @@ impl Core {
             let report = self.cell_report();
             self.cx.emit(Output::LoadReport(Box::new(report)));
             if self.cx.config.geos.len() > 1 {
-                let players = self.gateway.player_samples(&self.cx, &self.table);
+                let mesh = &self.mesh;
+                let proxy_geo = |link| mesh.link(link).map(|l| l.hello.geo.as_str());
+                let players = self
+                    .gateway
+                    .player_samples(&self.cx, &self.table, proxy_geo);
                 self.cx.emit(Output::Players(players));
             }
         }
@@ -3763,8 +3767,9 @@ impl Core {
         }
         match entry {
             None if self.gateway_elsewhere_lives(r.gateway_node) => {
-                // That gateway registers its sessions in its own geo's directory, not in the
-                // one this node reads: a miss here says nothing. While its lease holds (or has
+                // Without a core geo homing the directory, that gateway registers its sessions
+                // in its own geo's directory, not in the one this node reads: a miss here says
+                // nothing (with one, the lease below still covers a directory late to answer). While its lease holds (or has
                 // only lapsed: a cut between the geos), the session may well go on; its link's
                 // return brings the gateway's sessions (`SessionMoved`), and its death moves them
                 // to another gateway of its geo, which announces them.

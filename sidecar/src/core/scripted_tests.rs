@@ -465,6 +465,17 @@ fn store_requests(core: &mut Core) -> Vec<StoreRequest> {
 /// A proxy link (20) comes up with an `Attach` of `account`'s session 1 (handed over from another
 /// geo with `handover`).
 fn proxy_attaches(core: &mut Core, ms: u64, account: &str, handover: Option<mesh::HandoverHint>) {
+    proxy_of_geo_attaches(core, ms, account, handover, "test");
+}
+
+/// [`proxy_attaches`] from a proxy of `geo`.
+fn proxy_of_geo_attaches(
+    core: &mut Core,
+    ms: u64,
+    account: &str,
+    handover: Option<mesh::HandoverHint>,
+    geo: &str,
+) {
     core.handle(
         at(ms),
         Input::LinkUp {
@@ -473,7 +484,7 @@ fn proxy_attaches(core: &mut Core, ms: u64, account: &str, handover: Option<mesh
                 version: Some(mesh::ProtocolVersion::current()),
                 role: mesh::PeerRole::Proxy as i32,
                 id: "edge".into(),
-                geo: "test".into(),
+                geo: geo.into(),
                 partition_epoch: 0,
                 node_id: 0,
                 lease_epoch: 0,
@@ -538,19 +549,7 @@ fn registered(
 
 /// Alice attached (at 10 ms), her avatar spawned by the game at (40, 50) in tick 1 (at 20 ms).
 fn alice_playing_at_40_50(core: &mut Core) {
-    attach(core, 10, "alice");
-    game_tick(
-        core,
-        20,
-        1,
-        game_message::Body::Spawn(local::Spawn {
-            entity_id: AVATAR,
-            position: pos(40.0, 50.0),
-            owner_account: "alice".into(),
-            is_master: true,
-            ..Default::default()
-        }),
-    );
+    alice_of_a_proxy_of("test", core);
 }
 
 /// The records of attached players are saved every `player_record_every_ms` (not only on
@@ -606,15 +605,12 @@ fn published_players(core: &mut Core) -> Vec<Vec<cellmesh_stores::topology::Play
 
 /// In a world of several geos, the gateway publishes its players with the load report: where
 /// each avatar is, how fast it went since the last sample, and the RTTs by geo (its own proxy's
-/// under this node's geo, and what other geos' proxies measured). A world of one geo publishes
+/// under the proxy's geo, and what other geos' proxies measured). A world of one geo publishes
 /// none.
 #[test]
 fn attached_players_are_published_with_their_rtts_by_geo_in_a_world_of_geos() {
-    let mut core = configured_node(None, |c| {
-        c.geo = "paris".into();
-        c.geos = vec!["paris".into(), "hongkong".into()];
-    });
-    alice_playing_at_40_50(&mut core);
+    let mut core = paris_node();
+    alice_of_a_proxy_of("paris", &mut core);
     core.handle(
         at(30),
         Input::LinkFrame {
@@ -685,6 +681,77 @@ fn attached_players_are_published_with_their_rtts_by_geo_in_a_world_of_geos() {
     let outs: Vec<Output> = std::iter::from_fn(|| alone.poll_output()).collect();
     assert!(outs.iter().any(|o| matches!(o, Output::LoadReport(_))));
     assert!(!outs.iter().any(|o| matches!(o, Output::Players(_))));
+}
+
+/// A node of paris in a world of paris and hongkong.
+fn paris_node() -> Core {
+    configured_node(None, |c| {
+        c.geo = "paris".into();
+        c.geos = vec!["paris".into(), "hongkong".into()];
+    })
+}
+
+/// Alice attached through a proxy of `geo`, her avatar spawned at (40, 50).
+fn alice_of_a_proxy_of(geo: &str, core: &mut Core) {
+    proxy_of_geo_attaches(core, 10, "alice", None, geo);
+    let key = registration_asked(core);
+    registered(core, 10, key, "alice", 5, None);
+    game_tick(
+        core,
+        20,
+        1,
+        game_message::Body::Spawn(local::Spawn {
+            entity_id: AVATAR,
+            position: pos(40.0, 50.0),
+            owner_account: "alice".into(),
+            is_master: true,
+            ..Default::default()
+        }),
+    );
+}
+
+/// A proxy whose own geo has no gateway up attaches its players to this node of another geo:
+/// what it measured is toward its geo, not this node's, or the director would take a player
+/// 6 ms from Hong Kong for one 6 ms from Paris.
+#[test]
+fn a_fallen_back_proxy_s_figure_is_published_under_its_own_geo() {
+    let mut core = paris_node();
+    alice_of_a_proxy_of("hongkong", &mut core);
+    core.handle(
+        at(30),
+        Input::LinkFrame {
+            link: 20,
+            messages: vec![mesh_message::Body::Rtt(mesh::SessionRtt {
+                session_id: 1,
+                rtt_ms_p50: 6.5,
+                rtt_ms_min: 6.0,
+                far: vec![mesh::GeoRtt {
+                    geo: "paris".into(),
+                    rtt_ms_p50: 221.0,
+                    rtt_ms_min: 219.0,
+                }],
+            })
+            .into()],
+        },
+    );
+    game_tick(
+        &mut core,
+        2_020,
+        2,
+        game_message::Body::Update(local::Update {
+            entity_id: AVATAR,
+            position: pos(45.0, 50.0),
+            ..Default::default()
+        }),
+    );
+    let published = published_players(&mut core);
+    let alice = &published.last().expect("a report")[0];
+    let rtts: Vec<(&str, f32)> = alice
+        .rtt_ms
+        .iter()
+        .map(|(g, ms)| (g.as_str(), *ms))
+        .collect();
+    assert_eq!(rtts, [("hongkong", 6.5), ("paris", 221.0)]);
 }
 
 use cellmesh_proto::edge::KickReason;

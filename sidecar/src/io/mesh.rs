@@ -181,7 +181,26 @@ pub(crate) fn shaped(
     ctx: &MeshCtx,
     geo: &str,
 ) -> mpsc::Receiver<MeshFrame> {
-    let delay = ctx.shaping.towards(&ctx.geo, geo);
+    delayed(queue, ctx, ctx.shaping.towards(&ctx.geo, geo))
+}
+
+/// [`shaped`] with the delay of the way there and back.
+fn shaped_round_trip(
+    queue: mpsc::Receiver<MeshFrame>,
+    ctx: &MeshCtx,
+    geo: &str,
+) -> mpsc::Receiver<MeshFrame> {
+    let one_way = ctx.shaping.towards(&ctx.geo, geo);
+    let there_and_back =
+        cellmesh_proto::shaping::OneWay::ms(2 * one_way.base_ms, 2 * one_way.jitter_ms);
+    delayed(queue, ctx, there_and_back)
+}
+
+fn delayed(
+    queue: mpsc::Receiver<MeshFrame>,
+    ctx: &MeshCtx,
+    delay: cellmesh_proto::shaping::OneWay,
+) -> mpsc::Receiver<MeshFrame> {
     let metrics = ctx.metrics.clone();
     cellmesh_proto::shaping::delay_line(queue, delay, ctx.outbox_frames, move |f: MeshFrame| {
         metrics
@@ -464,7 +483,9 @@ async fn run(
     let queue = if hello.role == PeerRole::Sidecar as i32 {
         shaped(queue, ctx, &hello.geo)
     } else {
-        queue
+        // A proxy of another geo (one whose own geo went dark): a proxy shapes nothing, so its
+        // players' round trip is put on the way back to it.
+        shaped_round_trip(queue, ctx, &hello.geo)
     };
     let kill = CancellationToken::new();
     let handle = LinkHandle {
