@@ -715,19 +715,11 @@ def bots_click_to_screen(paths):
     """Every bot process's seconds of click to screen as (Unix s, p50 ms, samples), from the
     `click_to_screen` of its final JSON."""
     out = []
-    for p in paths:
-        try:
-            text = open(p, errors="replace").read()
-        except FileNotFoundError:
-            continue
-        for m in re.finditer(r"^\{\n(?:.*\n)*?\}$", text, re.M):
-            try:
-                c = json.loads(m.group(0)).get("click_to_screen")
-            except ValueError:
-                continue
-            if c:
-                origin = c["origin_unix_ms"] / 1000.0
-                out += [(origin + t, p50, n) for t, p50, n in c["seconds"]]
+    for found in bots_final_json(paths):
+        c = found.get("click_to_screen")
+        if c:
+            origin = c["origin_unix_ms"] / 1000.0
+            out += [(origin + t, p50, n) for t, p50, n in c["seconds"]]
     return out
 
 
@@ -805,9 +797,8 @@ def persistent(samples, fn, runs=3):
     return out
 
 
-def bots_totals(paths):
-    """The bots' final JSON (the last JSON object in each log), summed; None without any."""
-    total, n = {}, 0
+def bots_final_json(paths):
+    """Each bots log's final JSON (the last pretty-printed JSON object in it)."""
     for p in paths:
         try:
             text = open(p, errors="replace").read()
@@ -819,8 +810,14 @@ def bots_totals(paths):
                 found = json.loads(m.group(0))
             except ValueError:
                 pass
-        if found is None:
-            continue
+        if found is not None:
+            yield found
+
+
+def bots_totals(paths):
+    """The bots' final JSON (the last JSON object in each log), summed; None without any."""
+    total, n = {}, 0
+    for found in bots_final_json(paths):
         n += 1
         for k, v in found.items():
             if isinstance(v, (int, float)):

@@ -29,8 +29,7 @@ pub(super) struct EdgeOutage {
     dark: Vec<Killed>,
     /// Each outage: its nodes and when they were killed (Unix ms).
     pub(super) kills: Vec<(u32, u64)>,
-    pub(super) outages: u64,
-    /// When the first outage began, in seconds into the run.
+    /// When the outage began, in seconds into the run (a run has at most one).
     pub(super) went_dark_at_s: Option<f64>,
 }
 
@@ -43,7 +42,6 @@ impl EdgeOutage {
             back_at: None,
             dark: Vec::new(),
             kills: Vec::new(),
-            outages: 0,
             went_dark_at_s: None,
         }
     }
@@ -56,8 +54,7 @@ impl EdgeOutage {
         started: Instant,
     ) {
         self.dark_at = None;
-        self.went_dark_at_s
-            .get_or_insert(started.elapsed().as_secs_f64());
+        self.went_dark_at_s = Some(started.elapsed().as_secs_f64());
         let geos = cluster.env.geos.clone();
         while let Some(victim) = cluster
             .nodes
@@ -73,7 +70,6 @@ impl EdgeOutage {
             nodes = self.dark.len(),
             "edge outage: every node of the geo killed"
         );
-        self.outages += 1;
         self.back_at = Some(tokio::time::Instant::now() + EDGE_DARK_FOR);
     }
 
@@ -94,6 +90,11 @@ impl EdgeOutage {
         }
         tracing::warn!(geo = %cluster.env.geos.names[self.geo], "edge outage: the geo is back");
         Ok(())
+    }
+
+    /// Outages that came: none or one.
+    pub(super) fn outages(&self) -> u64 {
+        u64::from(self.went_dark_at_s.is_some())
     }
 
     /// How long after the outage each of the geo's entities was simulated again (ms): p50, p99,

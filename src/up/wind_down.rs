@@ -80,7 +80,7 @@ pub(super) async fn wind_down(
     shut_down(cluster).await;
     let chaos_figures = chaos_figures(&chaos.kills, &chaos.restored);
     let edge = EdgeFigures {
-        outages: outage.outages,
+        outages: outage.outages(),
         fallback_ms: outage.fallback_ms(&chaos.restored),
     };
     // Epochs past the first, whoever committed them (the director, or a failover).

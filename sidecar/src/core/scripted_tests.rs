@@ -611,30 +611,11 @@ fn published_players(core: &mut Core) -> Vec<Vec<cellmesh_stores::topology::Play
 fn attached_players_are_published_with_their_rtts_by_geo_in_a_world_of_geos() {
     let mut core = paris_node();
     alice_of_a_proxy_of("paris", &mut core);
-    core.handle(
-        at(30),
-        Input::LinkFrame {
-            link: 20,
-            messages: vec![mesh_message::Body::Rtt(mesh::SessionRtt {
-                session_id: 1,
-                rtt_ms_p50: 221.0,
-                rtt_ms_min: 219.0,
-                far: vec![
-                    mesh::GeoRtt {
-                        geo: "hongkong".into(),
-                        rtt_ms_p50: 6.5,
-                        rtt_ms_min: 6.0,
-                    },
-                    // A figure no RTT can be is dropped, not published.
-                    mesh::GeoRtt {
-                        geo: "montreal".into(),
-                        rtt_ms_p50: f32::NAN,
-                        rtt_ms_min: 1.0,
-                    },
-                ],
-            })
-            .into()],
-        },
+    // A figure no RTT can be is dropped, not published.
+    proxy_reports_rtt(
+        &mut core,
+        (221.0, 219.0),
+        &[("hongkong", 6.5, 6.0), ("montreal", f32::NAN, 1.0)],
     );
     let first = published_players(&mut core);
     game_tick(
@@ -653,12 +634,7 @@ fn attached_players_are_published_with_their_rtts_by_geo_in_a_world_of_geos() {
     let alice = &last[0];
     assert_eq!((alice.account.as_str(), alice.session_id), ("alice", 5));
     assert_eq!((alice.pos.x, alice.pos.y), (70.0, 90.0));
-    let rtts: Vec<(&str, f32)> = alice
-        .rtt_ms
-        .iter()
-        .map(|(g, ms)| (g.as_str(), *ms))
-        .collect();
-    assert_eq!(rtts, [("hongkong", 6.5), ("paris", 221.0)]);
+    assert_eq!(rtts_of(alice), [("hongkong", 6.5), ("paris", 221.0)]);
     // 50 m since the sample before, a second or two ago.
     assert!(
         alice.speed_mps > 10.0 && alice.speed_mps <= 50.0,
@@ -717,23 +693,7 @@ fn alice_of_a_proxy_of(geo: &str, core: &mut Core) {
 fn a_fallen_back_proxy_s_figure_is_published_under_its_own_geo() {
     let mut core = paris_node();
     alice_of_a_proxy_of("hongkong", &mut core);
-    core.handle(
-        at(30),
-        Input::LinkFrame {
-            link: 20,
-            messages: vec![mesh_message::Body::Rtt(mesh::SessionRtt {
-                session_id: 1,
-                rtt_ms_p50: 6.5,
-                rtt_ms_min: 6.0,
-                far: vec![mesh::GeoRtt {
-                    geo: "paris".into(),
-                    rtt_ms_p50: 221.0,
-                    rtt_ms_min: 219.0,
-                }],
-            })
-            .into()],
-        },
-    );
+    proxy_reports_rtt(&mut core, (6.5, 6.0), &[("paris", 221.0, 219.0)]);
     game_tick(
         &mut core,
         2_020,
@@ -746,12 +706,38 @@ fn a_fallen_back_proxy_s_figure_is_published_under_its_own_geo() {
     );
     let published = published_players(&mut core);
     let alice = &published.last().expect("a report")[0];
-    let rtts: Vec<(&str, f32)> = alice
-        .rtt_ms
+    assert_eq!(rtts_of(alice), [("hongkong", 6.5), ("paris", 221.0)]);
+}
+
+/// The proxy of link 20 reports session 1's RTT: its own (p50, min), and the other geos' as
+/// (geo, p50, min).
+fn proxy_reports_rtt(core: &mut Core, (p50, min): (f32, f32), far: &[(&str, f32, f32)]) {
+    let far = far
         .iter()
-        .map(|(g, ms)| (g.as_str(), *ms))
+        .map(|&(geo, rtt_ms_p50, rtt_ms_min)| mesh::GeoRtt {
+            geo: geo.into(),
+            rtt_ms_p50,
+            rtt_ms_min,
+        })
         .collect();
-    assert_eq!(rtts, [("hongkong", 6.5), ("paris", 221.0)]);
+    core.handle(
+        at(30),
+        Input::LinkFrame {
+            link: 20,
+            messages: vec![mesh_message::Body::Rtt(mesh::SessionRtt {
+                session_id: 1,
+                rtt_ms_p50: p50,
+                rtt_ms_min: min,
+                far,
+            })
+            .into()],
+        },
+    );
+}
+
+/// A published player's RTTs, by geo.
+fn rtts_of(p: &cellmesh_stores::topology::PlayerSample) -> Vec<(&str, f32)> {
+    p.rtt_ms.iter().map(|(g, ms)| (g.as_str(), *ms)).collect()
 }
 
 use cellmesh_proto::edge::KickReason;
