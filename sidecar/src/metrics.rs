@@ -180,6 +180,9 @@ pub struct Metrics {
     /// the link lost): one input, counted on both sides.
     pub inputs_copies_applied: Counter,
     pub inputs_copies_refused: Counter,
+    /// Inputs held for a unit whose offer came back after its target died, and sent to that
+    /// target before: it may have applied them, so they are not applied here (at most once).
+    pub inputs_abandoned_with_target: Counter,
     /// Commands this node's game sent.
     pub commands_sent: Counter,
     /// Commands handed to this node's game (as the writer of their target).
@@ -318,6 +321,7 @@ impl Default for Metrics {
             inputs_lost_in_links: Default::default(),
             inputs_on_ended_links: Default::default(),
             inputs_copies_applied: Default::default(),
+            inputs_abandoned_with_target: Default::default(),
             inputs_copies_refused: Default::default(),
             commands_sent: Default::default(),
             commands_delivered: Default::default(),
@@ -596,6 +600,11 @@ impl Metrics {
             "inputs_copies_refused",
             "Forwarded input copies dropped behind a refused handoff (the source applies the original)",
             m.inputs_copies_refused.clone(),
+        );
+        r.register(
+            "inputs_abandoned_with_target",
+            "Inputs sent behind an offer whose target died before checkpointing it: not applied again here (the target may have)",
+            m.inputs_abandoned_with_target.clone(),
         );
         r.register(
             "ghosts_render",

@@ -37,6 +37,8 @@ pub(crate) struct Client {
     pub next_seq: u64,
     pub waypoint: (f64, f64),
     pub waypoint_until: u64,
+    /// Its waypoints are drawn in this square (centre, side in metres) rather than the world.
+    pub roams: Option<((f64, f64), f64)>,
     pub halted: bool,
     /// Entities that reappeared within a second of vanishing (not an error by itself: an entity
     /// may leave and re-enter the view's edge).
@@ -60,6 +62,7 @@ impl Client {
             next_seq: 1,
             waypoint: (0.0, 0.0),
             waypoint_until: 0,
+            roams: None,
             halted: false,
             flaps: 0,
         }
@@ -91,10 +94,19 @@ impl Client {
             (0.0, 0.0)
         } else {
             if now >= self.waypoint_until {
-                self.waypoint = (
-                    rng.random_range(0.0..world.width),
-                    rng.random_range(0.0..world.height),
-                );
+                self.waypoint = match self.roams {
+                    Some(((x, y), side)) => {
+                        let p = world.normalise(Pos {
+                            x: x + (rng.random::<f64>() - 0.5) * side,
+                            y: y + (rng.random::<f64>() - 0.5) * side,
+                        });
+                        (p.x, p.y)
+                    }
+                    None => (
+                        rng.random_range(0.0..world.width),
+                        rng.random_range(0.0..world.height),
+                    ),
+                };
                 self.waypoint_until = now + rng.random_range(2_000..6_000);
             }
             world.delta(

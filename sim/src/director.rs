@@ -8,10 +8,13 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use cellmesh_director::config::BubbleConfig;
 use cellmesh_director::{DirectorConfig, DirectorCore, Event, Metrics};
 use cellmesh_stores::topology::{DirectorAcquire, DirectorLease};
 use cellmesh_world::balance::{CellReport, Decision, LoadConfig};
 use cellmesh_world::partition::{BspTree, NodeId};
+
+use crate::Scenario;
 
 /// The director process's lease holder name.
 const HOLDER: &str = "sim-director";
@@ -31,9 +34,29 @@ pub(crate) struct Director {
 }
 
 impl Director {
-    pub fn new(balance: LoadConfig) -> Self {
+    /// The scenario's director, if it runs one: a balancer, or a geo-aware director whose sites
+    /// are the scenario's geos, core first.
+    pub fn of(s: &Scenario) -> Option<Self> {
+        if s.director.is_none() && s.bubbles.is_none() {
+            return None;
+        }
+        let bubbles = s.bubbles.clone().map(|params| {
+            let sites = s
+                .geos
+                .map(|g| g.names.iter().map(|n| n.to_string()).collect())
+                .unwrap_or_default();
+            let b = BubbleConfig { sites, params };
+            b.validate()
+                .expect("the scenario's bubbles: two geos or more, valid parameters");
+            b
+        });
+        Some(Self::new(s.director.clone().unwrap_or_default(), bubbles))
+    }
+
+    fn new(balance: LoadConfig, bubbles: Option<BubbleConfig>) -> Self {
         let cfg = DirectorConfig {
             balance,
+            bubbles,
             ..DirectorConfig::default()
         };
         Self {
@@ -287,4 +310,47 @@ pub fn summarise(runs: &[&Balance]) -> String {
         runs.len() - reached.len(),
         runs.len(),
     )
+}
+
+/// What a geo-aware director did over one run, and where the gathering (see
+/// [`crate::scenario::Gathering`]) ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BubbleFigures {
+    /// Placement rounds, and the most players one of them placed.
+    pub placements: u64,
+    pub most_placed: u64,
+    /// Bubbles committed to another geo (one per bubble and epoch) and regions moved, as the
+    /// director counts them.
+    pub bubble_moves: u64,
+    pub regions_moved: u64,
+    /// When the gathering's region was first committed to a node of its players' geo.
+    pub moved_at_ms: Option<u64>,
+    /// Commits that gave the gathering's region to another node (there, and back).
+    pub gathering_moves: u64,
+    /// Deaths of nodes, and of those the deaths while a handoff was in flight somewhere.
+    pub kills: u64,
+    pub kills_mid_handoff: u64,
+    /// The geo simulating the gathered players at the end, once the checks found them there.
+    pub ended_in: Option<&'static str>,
+}
+
+impl std::fmt::Display for BubbleFigures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "bubbles: {} placements (at most {} players placed), {} bubble moves, {} regions \
+             moved; the gathering's region moved to its geo at {}, moved {} times; {} kills \
+             ({} with handoffs in flight); ended in {}",
+            self.placements,
+            self.most_placed,
+            self.bubble_moves,
+            self.regions_moved,
+            self.moved_at_ms
+                .map_or_else(|| "never".to_string(), |t| format!("{t} ms")),
+            self.gathering_moves,
+            self.kills,
+            self.kills_mid_handoff,
+            self.ended_in.unwrap_or("?"),
+        )
+    }
 }

@@ -16,6 +16,6 @@ pub mod scenario;
 mod store;
 mod world;
 
-pub use director::{summarise, Balance, EpochRecord, Sample};
-pub use scenario::{catalogue, named, Delay, Fault, FaultPlan, LayoutKind, Scenario};
+pub use director::{summarise, Balance, BubbleFigures, EpochRecord, Sample};
+pub use scenario::{catalogue, named, Delay, Fault, FaultPlan, Gathering, LayoutKind, Scenario};
 pub use world::{run, run_traced, CommandFigures, DenFigures, Report, Stats, TradeFigures};

@@ -2,6 +2,7 @@
 //! plus a fault plan drawn from the run's seed, so adding one is a few lines (see [`catalogue`]).
 
 use cellmesh_world::balance::LoadConfig;
+use cellmesh_world::bubbles::Params;
 use cellmesh_world::partition::NodeId;
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -108,6 +109,9 @@ pub static THREE_GEOS: GeoMap = GeoMap {
 #[derive(Debug, Clone, Default)]
 pub struct FaultPlan {
     pub faults: Vec<(u64, Fault)>,
+    /// Faults timed from the moment the gathering's first move to its players' geo (see
+    /// [`Gathering`]) starts handing entities off at its source.
+    pub during_gathering_move: Vec<(u64, Fault)>,
 }
 
 impl FaultPlan {
@@ -115,6 +119,24 @@ impl FaultPlan {
         self.faults.push((ms, fault));
         self
     }
+
+    /// `fault`, `ms` after the source of the gathering's move to its players' geo started
+    /// handing its entities off.
+    pub fn during_gathering_move(&mut self, ms: u64, fault: Fault) -> &mut Self {
+        self.during_gathering_move.push((ms, fault));
+        self
+    }
+}
+
+/// Players of one geo who gather and stay in one spot, for a geo-aware director to move its
+/// region to them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gathering {
+    /// The geo whose clients gather (an index into the map's names; not the core).
+    pub geo: usize,
+    /// The square they walk in: its centre and side, in metres.
+    pub centre: (f64, f64),
+    pub side_m: f64,
 }
 
 /// How the world is first laid out over the nodes.
@@ -180,9 +202,22 @@ pub struct Scenario {
     /// The nodes clients log in on (empty: every live node).
     pub gateways: &'static [NodeId],
     /// Datacenters: with a map, node-to-node delays come from it (not `mesh_delay`), each client
-    /// lives in a geo (round robin by index) and pays the delay from there to its gateway's geo
-    /// on top of `client_delay`.
+    /// lives in a geo (`client_geos`) and pays the delay from there to its proxy's geo on top of
+    /// `client_delay`.
     pub geos: Option<&'static GeoMap>,
+    /// The geo of each client, by index, cycled (empty: round robin over the map's geos).
+    pub client_geos: &'static [usize],
+    /// Geos whose proxy fronts these gateways instead of its own geo's: (geo, nodes). A proxy
+    /// does so while none of its own geo's gateways is up (its fallback gateways); its players
+    /// attach in the other geo and play bridged, and its geo's nodes can die without ending a
+    /// session.
+    pub proxy_gateways: &'static [(usize, &'static [NodeId])],
+    /// A geo-aware director places bubbles with these parameters (the map's geos its sites, the
+    /// first the core), from the start of the run until motion stops. It needs a grid: on a
+    /// BSP it idles.
+    pub bubbles: Option<Params>,
+    /// Players of one geo gather in one spot (the others walk the whole world).
+    pub gathering: Option<Gathering>,
     /// Every this-many ticks on average, a game's tick runs `slow_tick_ms` long.
     pub slow_tick_every: u32,
     pub slow_tick_ms: u64,
@@ -235,6 +270,10 @@ impl Scenario {
             clock_skew_ms: 0,
             gateways: &[],
             geos: None,
+            client_geos: &[],
+            proxy_gateways: &[],
+            bubbles: None,
+            gathering: None,
             slow_tick_every: 0,
             slow_tick_ms: 0,
             link_outbox_frames: 8192,
@@ -261,7 +300,11 @@ impl Scenario {
 
     /// Where client `c` is: a geo index (0 without a map).
     pub fn client_geo(&self, c: usize) -> usize {
-        self.geos.map_or(0, |g| c % g.names.len())
+        match self.geos {
+            None => 0,
+            Some(_) if !self.client_geos.is_empty() => self.client_geos[c % self.client_geos.len()],
+            Some(g) => c % g.names.len(),
+        }
     }
 
     /// One-way delay between two nodes.
@@ -272,16 +315,34 @@ impl Scenario {
         }
     }
 
-    /// One-way delay between client `c` and its gateway `gateway`, through a proxy of the
-    /// gateway's geo.
-    pub fn client_delay_of(&self, c: usize, gateway: NodeId) -> Delay {
+    /// One-way delay between client `c` and a proxy of geo `geo`: the client's access
+    /// (`client_delay`) plus the one-way delay from the client's geo to that one (within its
+    /// own, the LAN). A far geo's proxy is thus about the way between the two geos further
+    /// than the client's own; what every proxy measures of the client follows from it.
+    pub fn client_delay_to(&self, c: usize, geo: usize) -> Delay {
         match self.geos {
             Some(g) => Delay::ms(
-                self.client_delay.base_ms + g.one_way_ms[self.client_geo(c)][self.geo_of(gateway)],
+                self.client_delay.base_ms + g.one_way_ms[self.client_geo(c)][geo],
                 self.client_delay.jitter_ms + g.jitter_ms,
             ),
             None => self.client_delay,
         }
+    }
+
+    /// One-way delay between a proxy of geo `geo` and its gateway `gateway` (the LAN within a
+    /// geo).
+    pub fn proxy_delay_to(&self, geo: usize, gateway: NodeId) -> Delay {
+        match self.geos {
+            Some(g) => Delay::ms(g.one_way_ms[geo][self.geo_of(gateway)], g.jitter_ms),
+            None => (self.mesh_delay)(gateway, gateway),
+        }
+    }
+
+    /// The node owning the point `at` (metres) in the first layout, a grid's.
+    pub fn first_owner_at(&self, at: (f64, f64)) -> NodeId {
+        let region = self.world_m / f64::from(self.grid);
+        let (x, y) = ((at.0 / region) as u32, (at.1 / region) as u32);
+        (y * self.grid + x) % self.nodes + 1
     }
 
     /// A random pair of distinct nodes.
@@ -577,6 +638,33 @@ fn proxy_restart(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     }
 }
 
+/// The geo-aware director moves the gathering's region from the core to its players' geo; one or
+/// both ends of that move die within 150 ms of the source starting its handoffs (they take
+/// about a round trip between the geos), and each comes back half the time, 200 ms to 4 s later.
+/// The source's world is restored by its geo's other node. The target is its geo's only node:
+/// with it dead the geo is unavailable, so the bubble falls back to the core, whose decider
+/// restores the target's world there; once the node is back, the bubble moves back when the
+/// policy says.
+fn bubble_kills(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    let g = s.gathering.expect("a gathering to move");
+    let source = s.first_owner_at(g.centre);
+    let target = (1..=s.nodes)
+        .find(|&n| s.geo_of(n) == g.geo)
+        .expect("a node in the gathering's geo");
+    let victims = match rng.random_range(0..3) {
+        0 => vec![source],
+        1 => vec![target],
+        _ => vec![source, target],
+    };
+    for node in victims {
+        let at = rng.random_range(0..150);
+        plan.during_gathering_move(at, Fault::Kill(node));
+        if rng.random_bool(0.5) {
+            plan.during_gathering_move(at + rng.random_range(200..4_000), Fault::Restart(node));
+        }
+    }
+}
+
 /// A hotspot on a BSP of four cells, balanced by the director: every game's NPCs roam one
 /// square, three fifths of it inside node 1's cell (the rest across its neighbours'), while the
 /// players walk the whole world. Motion runs long enough for the lines to settle.
@@ -766,6 +854,39 @@ pub fn catalogue() -> Vec<Scenario> {
             gateways: &[2, 4],
             faults: spawner_faults,
             ..Scenario::base("spawners")
+        },
+        Scenario {
+            // Five Montreal players gather in a Paris region (node 1's) with a Parisian, among
+            // the NPCs of every game; a geo-aware director moves the region to Montreal's only
+            // node once the gain has held 3 s, and one end of the move or both die meanwhile.
+            // Montreal's proxy fronts Paris's gateway, so that Montreal's node can die without
+            // ending a session: its players stay placed, and their bubble falls back to Paris,
+            // the core.
+            geos: Some(&THREE_GEOS),
+            players: 6,
+            client_geos: &[1, 1, 1, 1, 1, 0],
+            gateways: &[2],
+            proxy_gateways: &[(1, &[2])],
+            npc_area: Some(((128.0, 128.0), 32.0)),
+            gathering: Some(Gathering {
+                geo: 1,
+                centre: (128.0, 128.0),
+                side_m: 32.0,
+            }),
+            player_speed: 8.0,
+            bubbles: Some(Params {
+                evaluate_every_ms: 1_000,
+                // Groups of walkers tens of metres across, on a world of 512 m.
+                link_base_m: 40.0,
+                lead_time_s: 1.0,
+                sustain_ms: 3_000,
+                dwell_ms: 2_000,
+                ..Params::default()
+            }),
+            motion_ms: 20_000,
+            settle_ms: 6_000,
+            faults: bubble_kills,
+            ..Scenario::base("bubble_kills")
         },
         hotspot("balance"),
         Scenario {

@@ -20,7 +20,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::check::Checker;
 use crate::client::Client;
-use crate::director::{max_over_avg, Balance, Director, Sample};
+use crate::director::{max_over_avg, Balance, BubbleFigures, Director, Sample};
 use crate::leases::{Answer, Clock, SimLeases};
 use crate::scenario::{Delay, Fault, FaultPlan, LayoutKind, Scenario};
 use crate::store::SimStore;
@@ -30,6 +30,8 @@ use edge::{ProxyLink, SimProxy};
 
 /// The wall clock the simulation starts at (any fixed value: runs must not depend on the day).
 const START_UNIX_MS: u64 = 1_800_000_000_000;
+/// Mixed into the run's seed for the boards' far probes (see `Sim::probe_rng`).
+const PROBE_STREAM: u64 = 0x7072_6f62_6573;
 /// Delay between a sidecar and its game on the same machine.
 const LOCAL_DELAY: Delay = Delay::ms(0, 1);
 /// Clients stop sending this long before the end, so every input lands before the count.
@@ -53,7 +55,7 @@ pub struct Report {
     /// The last steps before the first violation (when the run was traced).
     pub trace: Vec<String>,
     pub stats: Stats,
-    /// What the director did, in a scenario that runs one.
+    /// What the director did, in a scenario that runs one to balance load.
     pub balance: Option<Balance>,
 }
 
@@ -73,6 +75,9 @@ impl std::fmt::Display for Report {
             if self.ok() { "ok" } else { "FAILED" }
         )?;
         writeln!(f, "  {:?}", self.stats)?;
+        if self.stats.bubbles.placements > 0 {
+            writeln!(f, "  {}", self.stats.bubbles)?;
+        }
         if let Some(b) = &self.balance {
             writeln!(f, "  {b}")?;
         }
@@ -116,6 +121,7 @@ pub struct Stats {
     pub commands: CommandFigures,
     pub trades: TradeFigures,
     pub dens: DenFigures,
+    pub bubbles: BubbleFigures,
     /// Processes that exited for a lost lease.
     pub lease_exits: u64,
 }
@@ -297,6 +303,9 @@ pub struct Counted {
     pub copies_applied: u64,
     /// Copies a target dropped because it refused the offer they followed.
     pub copies_refused: u64,
+    /// Inputs a source did not apply again when its offer came back from a dead target, which
+    /// had them (not in the sums: each is counted where it went).
+    pub abandoned_with_target: u64,
 }
 
 impl Counted {
@@ -317,6 +326,7 @@ impl Counted {
         self.lost_with_game += o.lost_with_game;
         self.copies_applied += o.copies_applied;
         self.copies_refused += o.copies_refused;
+        self.abandoned_with_target += o.abandoned_with_target;
     }
 }
 
@@ -404,6 +414,8 @@ struct SimNode {
     pending: BTreeMap<u64, Pending>,
     /// Games started since the node did (a crashed game comes back under a new connection).
     game_generation: u32,
+    /// When its current process started.
+    started_at: u64,
 }
 
 /// A process of a node id that asks the store for the lease, and starts once granted.
@@ -594,6 +606,9 @@ pub(crate) struct Sim<'a> {
     cfg: SidecarConfig,
     now: u64,
     rng: StdRng,
+    /// The boards' probes of far clients draw from a stream of their own (from the same seed),
+    /// so that answering them leaves every other draw of a run as it was.
+    probe_rng: StdRng,
     queue: BTreeMap<(u64, u64), Ev>,
     seq: u64,
     nodes: Vec<SimNode>,
@@ -638,6 +653,10 @@ pub(crate) struct Sim<'a> {
     departed_drops: BTreeMap<&'static str, u64>,
     halted: bool,
     director: Option<Director>,
+    /// Faults waiting for the gathering's move to start (see `FaultPlan`), and the source of
+    /// that move once committed.
+    during_gathering_move: Vec<(u64, Fault)>,
+    gathering_source: Option<NodeId>,
 }
 
 fn ordered(a: NodeId, b: NodeId) -> (NodeId, NodeId) {
@@ -682,6 +701,7 @@ impl<'a> Sim<'a> {
             cfg,
             now: 0,
             rng: StdRng::seed_from_u64(seed),
+            probe_rng: StdRng::seed_from_u64(seed ^ PROBE_STREAM),
             queue: BTreeMap::new(),
             seq: 0,
             nodes: Vec::new(),
@@ -722,7 +742,9 @@ impl<'a> Sim<'a> {
             game_stats: Vec::new(),
             departed_drops: BTreeMap::new(),
             halted: false,
-            director: s.director.clone().map(Director::new),
+            director: Director::of(s),
+            during_gathering_move: Vec::new(),
+            gathering_source: None,
         };
         for id in 1..=s.nodes {
             sim.nodes.push(SimNode {
@@ -742,6 +764,7 @@ impl<'a> Sim<'a> {
                 renewing: None,
                 pending: BTreeMap::new(),
                 game_generation: 0,
+                started_at: 0,
             });
             sim.ask_lease(id, None);
         }
@@ -759,6 +782,9 @@ impl<'a> Sim<'a> {
         for c in 0..s.players as usize {
             let at = sim.rng.random_range(200..1_000);
             sim.schedule(at, Ev::Login { client: c });
+            if let Some(g) = s.gathering.filter(|g| g.geo == s.client_geo(c)) {
+                sim.clients[c].roams = Some((g.centre, g.side_m));
+            }
         }
         let mut plan = FaultPlan::default();
         (s.faults)(s, &mut sim.rng, &mut plan);
@@ -766,6 +792,7 @@ impl<'a> Sim<'a> {
         for (at, f) in plan.faults {
             sim.schedule_at(at, Ev::Fault(f));
         }
+        sim.during_gathering_move = plan.during_gathering_move;
         sim
     }
 
@@ -1239,6 +1266,7 @@ impl<'a> Sim<'a> {
             }),
             now,
         );
+        let started_at = self.now;
         let n = self.node(id);
         n.incarnation += 1;
         n.alive = true;
@@ -1251,6 +1279,7 @@ impl<'a> Sim<'a> {
         n.renewing = None;
         let inc = n.incarnation;
         n.game_generation = 0;
+        n.started_at = started_at;
         let conn = u64::from(inc) << 16;
         n.game = Some(Game::new(conn));
         // The lease task renews at once, then every `renew_every_ms`.
@@ -1388,6 +1417,12 @@ impl<'a> Sim<'a> {
             return;
         }
         self.note(|| format!("n{id} KILLED"));
+        if self.s.bubbles.is_some() {
+            self.stats.bubbles.kills += 1;
+            if self.sum_over_cores(|c| c.handoffs_in_flight() as u64) > 0 {
+                self.stats.bubbles.kills_mid_handoff += 1;
+            }
+        }
         // What its core and game counted goes with them: kept for the final ledgers.
         let counted = self.counted_by(id);
         self.departed.add(counted);
@@ -1486,6 +1521,7 @@ impl<'a> Sim<'a> {
             }
         }
         self.drain(id);
+        self.gathering_move_started(id);
         let (now, node) = (self.now, &self.nodes[(id - 1) as usize]);
         if let Some(core) = node.core.as_ref() {
             self.check.after_step(now, id, core);
@@ -2253,19 +2289,90 @@ impl<'a> Sim<'a> {
     }
 
     fn director_saw(&mut self, event: cellmesh_director::Event) {
-        if let cellmesh_director::Event::Committed {
-            epoch,
-            chunks_moved,
-            ..
-        } = &event
-        {
-            let (epoch, chunks_moved) = (*epoch, *chunks_moved);
-            self.note(|| format!("director commits partition {epoch}: {chunks_moved} chunks move"));
+        use cellmesh_director::Event;
+        match &event {
+            Event::Committed {
+                epoch,
+                chunks_moved,
+                ..
+            } => {
+                let (epoch, chunks_moved) = (*epoch, *chunks_moved);
+                self.note(|| {
+                    format!("director commits partition {epoch}: {chunks_moved} chunks move")
+                });
+            }
+            Event::Placed { players, .. } => {
+                let b = &mut self.stats.bubbles;
+                b.placements += 1;
+                b.most_placed = b.most_placed.max(*players as u64);
+            }
+            Event::RegionsCommitted { epoch, moves, .. } => {
+                let epoch = *epoch;
+                if self.trace.is_some() {
+                    let m: Vec<String> = moves
+                        .iter()
+                        .map(|m| format!("{:?} n{} -> n{}", m.region, m.from, m.to))
+                        .collect();
+                    self.note(|| format!("director commits partition {epoch}: {}", m.join(", ")));
+                }
+                if let Some(d) = self.director.as_ref() {
+                    let (b, stats) = (&mut self.stats.bubbles, d.core.stats());
+                    b.bubble_moves = stats.bubble_moves;
+                    b.regions_moved = stats.regions_moved;
+                }
+                self.gathering_moved(moves);
+            }
+            _ => {}
         }
         let now = self.now;
         if let Some(d) = self.director.as_mut() {
             d.observe(now, event);
         }
+    }
+
+    /// A commit moved regions: if the gathering's went to its players' geo for the first time,
+    /// the faults waiting for that are due.
+    fn gathering_moved(&mut self, moves: &[cellmesh_world::bubbles::RegionMove]) {
+        let Some(g) = self.s.gathering else {
+            return;
+        };
+        let region = self.region_of(g.centre);
+        for m in moves.iter().filter(|m| m.region == region) {
+            let b = &mut self.stats.bubbles;
+            b.gathering_moves += 1;
+            if self.s.geo_of(m.to) == g.geo && b.moved_at_ms.is_none() {
+                b.moved_at_ms = Some(self.now);
+                self.gathering_source = Some(m.from);
+            }
+        }
+    }
+
+    /// Once the source of the gathering's move hands entities off, the faults waiting for it
+    /// are due.
+    fn gathering_move_started(&mut self, id: NodeId) {
+        if self.gathering_source != Some(id) {
+            return;
+        }
+        let started = self.nodes[id as usize - 1]
+            .core
+            .as_ref()
+            .is_some_and(|c| c.handoffs_in_flight() > 0);
+        if started {
+            self.gathering_source = None;
+            self.note(|| format!("n{id} starts handing the gathering's region off"));
+            for (after, f) in std::mem::take(&mut self.during_gathering_move) {
+                self.schedule(after, Ev::Fault(f));
+            }
+        }
+    }
+
+    /// The grid region (column, row) holding the point `at` (metres).
+    fn region_of(&self, at: (f64, f64)) -> (u32, u32) {
+        let p = self
+            .world
+            .normalise(cellmesh_world::geometry::Pos { x: at.0, y: at.1 });
+        let side = self.world.region_size;
+        ((p.x / side) as u32, (p.y / side) as u32)
     }
 
     /// The topology store answers one of the director's calls. It answers nothing while the
@@ -2275,8 +2382,9 @@ impl<'a> Sim<'a> {
         request: cellmesh_director::StoreRequest,
     ) -> cellmesh_director::StoreReply {
         use cellmesh_director::{StoreReply, StoreRequest};
-        // A round reads the store: how even the nodes are is sampled then, before it decides.
-        if matches!(request, StoreRequest::Read { .. }) {
+        // A balance round reads the store: how even the nodes are is sampled then, before it
+        // decides.
+        if matches!(request, StoreRequest::Read { .. }) && self.s.bubbles.is_none() {
             self.balance_sample();
         }
         let unix_ms = START_UNIX_MS + self.now;
@@ -2477,6 +2585,7 @@ impl<'a> Sim<'a> {
             lost_with_game: 0,
             copies_applied: m.inputs_copies_applied.get(),
             copies_refused: m.inputs_copies_refused.get(),
+            abandoned_with_target: m.inputs_abandoned_with_target.get(),
         }
     }
 
@@ -2694,6 +2803,7 @@ impl<'a> Sim<'a> {
         self.trade_checks(&games);
         self.den_checks(&games);
         self.stats.checkpoints = self.sum_over_cores(|c| c.metrics().checkpoints.get());
+        self.gathering_checks();
         // One avatar per account, whatever its sessions did.
         for c in &self.clients {
             let holders: Vec<(NodeId, u64)> = self
@@ -2730,6 +2840,101 @@ impl<'a> Sim<'a> {
                 d.figures.end_max_over_avg = end;
             }
         }
+    }
+
+    /// Where the gathering ended. The director moved its region to its players' geo, and their
+    /// avatars are simulated there at the end, if that geo has had a live node long enough
+    /// before motion stopped for the policy to move the bubble back after a fallback (the
+    /// dwell, the sustained gain, a few evaluations and a lease's lapse). If the geo has no live
+    /// node at the end, the bubble fell back: they are in the core. If its node came back too
+    /// late to tell, they are wherever the director's last placement put their bubble. In every
+    /// case the director's last placement must agree.
+    fn gathering_checks(&mut self) {
+        let (Some(g), Some(p), Some(d)) = (
+            self.s.gathering,
+            self.s.bubbles.as_ref(),
+            self.director.as_ref(),
+        ) else {
+            return;
+        };
+        let stats = d.core.stats();
+        let centre = cellmesh_world::geometry::Pos {
+            x: g.centre.0,
+            y: g.centre.1,
+        };
+        // The bubble of the gathering: the largest one over its centre.
+        let placed = stats
+            .bubbles
+            .iter()
+            .filter(|b| self.world.distance(b.area.centre, centre) <= b.area.radius_m)
+            .max_by_key(|b| b.members.len())
+            .map(|b| usize::from(b.site.0));
+        let name = |geo: Option<usize>| geo.map_or("nowhere", |geo| self.s.geo_label(geo));
+        if self.stats.bubbles.moved_at_ms.is_none() {
+            let why = format!(
+                "the gathering's region never moved to {}: at most {} players placed in {} \
+                 rounds, the last placement puts it in {}",
+                self.s.geo_label(g.geo),
+                self.stats.bubbles.most_placed,
+                self.stats.bubbles.placements,
+                name(placed)
+            );
+            return self.check.violation(self.now, why);
+        }
+        let back_for = p.dwell_ms + p.sustain_ms + 3 * p.evaluate_every_ms + self.s.lease_ms;
+        let up_since = self
+            .nodes
+            .iter()
+            .filter(|n| n.alive && self.s.geo_of(n.id) == g.geo)
+            .map(|n| n.started_at)
+            .min();
+        let expected = match up_since {
+            None => Some(0),
+            Some(t) if t + back_for <= self.s.motion_ms => Some(g.geo),
+            Some(_) => placed,
+        };
+        if placed != expected {
+            let why = format!(
+                "the director's last placement puts the gathering in {} where {} is due",
+                name(placed),
+                name(expected)
+            );
+            return self.check.violation(self.now, why);
+        }
+        let Some(expected) = expected else {
+            return self
+                .check
+                .violation(self.now, "the gathering is in no bubble".to_string());
+        };
+        let mut wrong = Vec::new();
+        for c in (0..self.clients.len()).filter(|&c| self.s.client_geo(c) == g.geo) {
+            let account = &self.clients[c].account;
+            let holder = self.nodes.iter().find(|n| {
+                n.game
+                    .as_ref()
+                    .and_then(|game| game.arena.as_ref())
+                    .and_then(|a| a.avatar_of(account))
+                    .is_some()
+            });
+            match holder {
+                Some(n) if self.s.geo_of(n.id) == expected => {}
+                Some(n) => wrong.push(format!(
+                    "{account} on n{} in {}",
+                    n.id,
+                    self.s.geo_name(n.id)
+                )),
+                None => wrong.push(format!("{account} has no avatar")),
+            }
+        }
+        if !wrong.is_empty() {
+            let why = format!(
+                "the gathering is due in {}, but {}",
+                self.s.geo_label(expected),
+                wrong.join(", ")
+            );
+            return self.check.violation(self.now, why);
+        }
+        self.stats.bubbles.ended_in = Some(self.s.geo_label(expected));
     }
 }
 
@@ -2847,6 +3052,10 @@ pub fn run_traced(scenario: &Scenario, seed: u64, trace_len: Option<usize>) -> R
         violations: std::mem::take(&mut sim.check.violations),
         trace,
         stats: sim.stats.clone(),
-        balance: sim.director.take().map(|d| d.figures),
+        balance: sim
+            .director
+            .take()
+            .filter(|_| scenario.bubbles.is_none())
+            .map(|d| d.figures),
     }
 }

@@ -1,7 +1,7 @@
 //! The cluster simulator over many seeds: every scenario of the catalogue, each seed one
 //! reproducible run whose invariants are checked after every step.
 //!
-//! `CELLMESH_SIM_SEEDS` sets the seeds per scenario (default 250: 4,500 runs in all); one seed
+//! `CELLMESH_SIM_SEEDS` sets the seeds per scenario (default 250: 5,250 runs in all); one seed
 //! with its trace is `cellmesh sim --scenario NAME --seed N --trace STEPS`.
 
 use cellmesh_sim::{catalogue, named, run, run_traced, Fault, FaultPlan, Report, Scenario};
@@ -187,6 +187,78 @@ fn spawners_seeds_that_once_failed() {
 }
 
 #[test]
+fn bubble_kills() {
+    seeds_of("bubble_kills");
+}
+
+#[test]
+fn bubble_kills_seeds_that_once_failed() {
+    // A target that applied inputs forwarded behind an offer died before its checkpoint; the
+    // offer came back, and the source applied them again.
+    seeds_hold(
+        "bubble_kills",
+        &[2, 35, 37, 45, 52, 58, 102, 119, 148, 194, 195, 203, 217],
+    );
+}
+
+#[test]
+fn the_gathering_moves_and_the_ends_of_its_move_die_while_its_handoffs_are_in_flight() {
+    // Not vacuous: the director moved the gathering's region to Montreal in every run; most
+    // kills hit while handoffs were in flight; and the gathering ended in Montreal in some runs
+    // and, its only node dead, in Paris in others. (The invariants are `bubble_kills`'.)
+    let s = named("bubble_kills").unwrap();
+    let runs: Vec<Report> = (1..=16).map(|seed| run(&s, seed)).collect();
+    let figures: Vec<&cellmesh_sim::BubbleFigures> =
+        runs.iter().map(|r| &r.stats.bubbles).collect();
+    for (r, b) in runs.iter().zip(&figures) {
+        assert!(b.moved_at_ms.is_some() && b.bubble_moves >= 1, "{r}");
+        assert!(b.kills >= 1, "{r}");
+    }
+    // An offer came back from a dead target in some run, its inputs sent there not applied
+    // again at the source.
+    let abandoned: u64 = runs
+        .iter()
+        .map(|r| r.stats.counted.abandoned_with_target)
+        .sum();
+    assert!(abandoned > 0, "no offer came back from a dead target");
+    let kills: u64 = figures.iter().map(|b| b.kills).sum();
+    let mid: u64 = figures.iter().map(|b| b.kills_mid_handoff).sum();
+    assert!(
+        2 * mid >= kills,
+        "{mid} of {kills} kills with handoffs in flight"
+    );
+    let ended = |geo| figures.iter().filter(|b| b.ended_in == Some(geo)).count();
+    assert!(
+        ended("montreal") >= 4 && ended("paris") >= 2,
+        "{figures:#?}"
+    );
+    // The kills wait on the source's handoffs and the boards answer in connection order: one
+    // seed still gives one run.
+    let (a, b) = (run_traced(&s, 3, Some(200)), run_traced(&s, 3, Some(200)));
+    assert_eq!((&a.stats, &a.trace), (&b.stats, &b.trace));
+}
+
+#[test]
+fn a_gathering_the_director_never_moves_fails_its_runs() {
+    // The policy asked for a gain no geo offers: the region stays in Paris, and the run must
+    // fail saying so, so the check of the move is not vacuous.
+    let mut s = named("bubble_kills").unwrap();
+    s.bubbles = s.bubbles.map(|p| cellmesh_world::bubbles::Params {
+        gain_ms: 1_000.0,
+        ..p
+    });
+    for seed in 1..=2 {
+        let r = run(&s, seed);
+        assert!(
+            r.violations
+                .first()
+                .is_some_and(|v| v.contains("never moved to montreal")),
+            "{r}"
+        );
+    }
+}
+
+#[test]
 fn dens_on_borders_are_stocked_once_through_replans_and_restocked_when_killed() {
     // Not vacuous: dens stocked, killed and stocked again, given up to another node by a
     // re-plan; and never a den with two NPCs at once.
@@ -355,6 +427,7 @@ fn the_suite_runs_every_scenario_of_the_catalogue_with_enough_seeds() {
             "claims",
             "geo_claims",
             "spawners",
+            "bubble_kills",
             "balance",
             "balance_cuts",
             "balance_kill",

@@ -682,7 +682,8 @@ impl Handoffs {
             .answered(root, cx.now.mono_ms, last_tick_end_ms);
     }
 
-    /// An input the unit of `root` held, sent on behind its offer to `to`.
+    /// The `k`th input the unit of `root` held, sent on behind its offer to `to`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward_held(
         &mut self,
         cx: &mut Context,
@@ -690,10 +691,11 @@ impl Handoffs {
         to: NodeId,
         root: u64,
         epoch: u64,
+        k: usize,
         i: local::Input,
     ) {
         if !send_forward(cx, mesh, to, root, epoch, i, 0) {
-            self.outgoing.forward_failed(root);
+            self.outgoing.held_forward_failed(root, k);
         }
     }
 }

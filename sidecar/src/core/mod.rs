@@ -1361,10 +1361,21 @@ impl Core {
                 let Some((to, offered)) = self.handoff.outgoing().target_of(id) else {
                     return;
                 };
-                if let Ok(thawed) = self.handoff.outgoing_mut().refused(id, offered, to, now) {
+                let returned = self.handoff.outgoing_mut().returned(
+                    id,
+                    offered,
+                    to,
+                    now,
+                    handoff::Routed::is_input,
+                );
+                if let Ok(thawed) = returned {
                     self.cx
                         .metrics
                         .handoff(self.cx.config.node_id, dead, "returned");
+                    self.cx
+                        .metrics
+                        .inputs_abandoned_with_target
+                        .inc_by(thawed.abandoned);
                     self.thaw(
                         id,
                         thawed,
@@ -2079,11 +2090,11 @@ impl Core {
                 offer: kept,
             },
         );
-        for held in offer.inputs {
+        for (k, held) in offer.inputs.into_iter().enumerate() {
             match held {
                 handoff::Routed::Input(i) => {
                     self.handoff
-                        .forward_held(&mut self.cx, &self.mesh, to, root, offer.epoch, i)
+                        .forward_held(&mut self.cx, &self.mesh, to, root, offer.epoch, k, i)
                 }
                 // A copy stays with the unit: applied here if the offer is refused.
                 handoff::Routed::Command(c) => self.forward_command(to, offer.epoch, *c, true),

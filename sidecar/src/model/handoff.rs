@@ -16,7 +16,7 @@
 //! back and the offer is repeated, or the target's process dies and the restore of its world
 //! settles the unit ([`HandoffSource::resolve`], or a refusal on the decider's word).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
@@ -122,6 +122,9 @@ pub struct Thawed<I> {
     pub freeze_ms: u64,
     /// How many of `inputs` were also forwarded to the target (whose copies it drops).
     pub forwarded_copies: u64,
+    /// Inputs held for the unit and left out of `inputs`: sent to a target that died, which
+    /// may have applied them (see [`HandoffSource::returned`]).
+    pub abandoned: u64,
 }
 
 /// What a despawn of frozen members leaves of their unit's handoff.
@@ -167,8 +170,8 @@ struct Outgoing<I> {
     inputs: Vec<I>,
     /// Inputs sent to the target with or behind the offer (a copy of each kept in `inputs`)...
     copies: u64,
-    /// ...and those whose forward could not be sent.
-    unforwarded: u64,
+    /// ...and the positions in `inputs` of those whose forward could not be sent.
+    unsent: BTreeSet<usize>,
 }
 
 /// The source side of every handoff of this node.
@@ -227,7 +230,7 @@ impl<I: Clone> HandoffSource<I> {
                 },
                 inputs: Vec::new(),
                 copies: 0,
-                unforwarded: 0,
+                unsent: BTreeSet::new(),
             },
         );
         Ok(Freeze { members, epoch })
@@ -411,6 +414,7 @@ impl<I: Clone> HandoffSource<I> {
             .ok_or(HandoffError::NotInHandoff(root))?;
         // Nothing followed an offer that never left.
         o.copies = 0;
+        o.unsent.clear();
         Ok(self.thaw(root, now_ms))
     }
 
@@ -437,6 +441,40 @@ impl<I: Clone> HandoffSource<I> {
         self.check_answer(root, epoch, from)?;
         self.burnt.insert(root, epoch);
         Ok(self.thaw(root, now_ms))
+    }
+
+    /// The offer of `root` to `to` under `epoch` comes back: `to` died, and the restore of
+    /// its world found the unit's position this node's and no checkpoint of it under the
+    /// offered epoch. The unit thaws here. Of the inputs (those `is` picks) only the ones
+    /// whose forward never left are given back: the dead target may have adopted and applied
+    /// the others before its checkpoint was written, and an input is applied at most once
+    /// (they are `abandoned`). What `is` does not pick (commands) all comes back.
+    pub fn returned(
+        &mut self,
+        root: EntityId,
+        epoch: Epoch,
+        to: NodeId,
+        now_ms: u64,
+        is: impl Fn(&I) -> bool,
+    ) -> Result<Thawed<I>, HandoffError> {
+        self.check_answer(root, epoch, to)?;
+        let o = self.take(root);
+        let (mut inputs, mut abandoned) = (Vec::new(), 0);
+        for (k, i) in o.inputs.into_iter().enumerate() {
+            if is(&i) && !o.unsent.contains(&k) {
+                abandoned += 1;
+            } else {
+                inputs.push(i);
+            }
+        }
+        Ok(Thawed {
+            members: o.members,
+            inputs,
+            freeze_ms: now_ms.saturating_sub(o.since_ms),
+            // What comes back is unsent, or commands: no input's copy.
+            forwarded_copies: 0,
+            abandoned,
+        })
     }
 
     /// A frame of `root` from `from` under `epoch`: if it is the target writing under the offered
@@ -501,12 +539,22 @@ impl<I: Clone> HandoffSource<I> {
         }
     }
 
-    /// The forward of an input [`route_input`](Self::route_input) routed behind the offer of
-    /// `entity` could not be sent. Its copy is kept: applied here if the offer is refused,
-    /// counted as lost if it completes.
+    /// The forward of the input [`route_input`](Self::route_input) just routed behind the
+    /// offer of `entity` could not be sent. Its copy is kept: applied here if the offer is
+    /// refused or returned, counted as lost if it completes.
     pub fn forward_failed(&mut self, entity: EntityId) {
         if let Some(o) = self.root_of.get(&entity).and_then(|r| self.out.get_mut(r)) {
-            o.unforwarded += 1;
+            if let Some(last) = o.inputs.len().checked_sub(1) {
+                o.unsent.insert(last);
+            }
+        }
+    }
+
+    /// The `k`th input of the offer of `root` (held before it left, sent right behind it)
+    /// could not be sent; see [`forward_failed`](Self::forward_failed).
+    pub fn held_forward_failed(&mut self, root: EntityId, k: usize) {
+        if let Some(o) = self.out.get_mut(&root).filter(|o| k < o.inputs.len()) {
+            o.unsent.insert(k);
         }
     }
 
@@ -651,7 +699,7 @@ impl<I: Clone> HandoffSource<I> {
             epoch: o.offered,
             freeze_ms: now_ms.saturating_sub(o.since_ms),
             answered: o.answered,
-            unforwarded: o.unforwarded,
+            unforwarded: o.unsent.len() as u64,
         }
     }
 
@@ -661,7 +709,8 @@ impl<I: Clone> HandoffSource<I> {
             members: o.members,
             inputs: o.inputs,
             freeze_ms: now_ms.saturating_sub(o.since_ms),
-            forwarded_copies: o.copies.saturating_sub(o.unforwarded),
+            forwarded_copies: o.copies.saturating_sub(o.unsent.len() as u64),
+            abandoned: 0,
         }
     }
 }
@@ -1370,6 +1419,7 @@ mod tests {
                     inputs: vec![1],
                     freeze_ms: 20,
                     forwarded_copies: 0,
+                    abandoned: 0,
                 },
             }]
         );
@@ -1445,6 +1495,7 @@ mod tests {
                 // 1 was held and went right behind the offer, 2 was routed behind it: the
                 // target has copies of both.
                 forwarded_copies: 2,
+                abandoned: 0,
             }
         );
         assert!(!s.is_frozen(10));
@@ -1452,6 +1503,41 @@ mod tests {
         // The refused epoch is never offered again: the target remembers its refusal.
         s.begin(10, 0, &[], B, 600).unwrap();
         assert_eq!(s.snapshot(10, snap("a")).unwrap().unwrap().epoch, 2);
+    }
+
+    #[test]
+    fn an_offer_returned_from_a_dead_target_gives_back_only_what_never_reached_it() {
+        let mut s = HandoffSource::<u32>::default();
+        s.begin(10, 0, &[], B, 0).unwrap();
+        // 1 held, sent right behind the offer (the first of them could not be).
+        assert_eq!(s.route_input(10, 1), InputRoute::Held);
+        assert_eq!(s.route_input(10, 2), InputRoute::Held);
+        s.snapshot(10, snap("a")).unwrap().unwrap();
+        s.held_forward_failed(10, 0);
+        // 3 forwarded, 4 not (the link went), 5 forwarded; 100 is a command.
+        assert!(matches!(s.route_input(10, 3), InputRoute::Forward { .. }));
+        assert!(matches!(s.route_input(10, 4), InputRoute::Forward { .. }));
+        s.forward_failed(10);
+        assert!(matches!(s.route_input(10, 100), InputRoute::Forward { .. }));
+        assert!(matches!(s.route_input(10, 5), InputRoute::Forward { .. }));
+        assert!(matches!(
+            s.returned(10, 1, C, 900, |i| *i < 100),
+            Err(HandoffError::WrongNode { .. })
+        ));
+        let t = s.returned(10, 1, B, 900, |i| *i < 100).unwrap();
+        // 2, 3 and 5 reached the dead target, which may have applied them: never again here.
+        assert_eq!(
+            t,
+            Thawed {
+                members: vec![10],
+                inputs: vec![1, 4, 100],
+                freeze_ms: 900,
+                forwarded_copies: 0,
+                abandoned: 3,
+            }
+        );
+        assert!(!s.is_frozen(10));
+        assert_eq!(s.route_input(10, 6), InputRoute::Local(6));
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! connections are the simulated players, who send the real edge frames and read the real
 //! `ServerFrame`s. A proxy that restarts is a new core, whose players log in again.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -19,6 +19,7 @@ use cellmesh_proxy::core::{
 };
 use cellmesh_proxy::{GeosConfig, PeerGeo, ProxyConfig};
 use cellmesh_sidecar::core::{Input, LinkId};
+use cellmesh_world::handover::RttFigure;
 use cellmesh_world::partition::NodeId;
 use prost::Message;
 use rand::Rng;
@@ -34,6 +35,8 @@ const REDIAL_MS: (u64, u64) = (100, 400);
 /// A player kicked off (its gateway gone with no other, its proxy gone) tries again after this
 /// long (ms, drawn).
 const RELOGIN_MS: (u64, u64) = (500, 1_500);
+/// Pings in one far geo's figure for a client (its proxy's probe of the client).
+const FAR_PROBE_PINGS: usize = 5;
 
 /// One geo's proxy process.
 pub(super) struct SimProxy {
@@ -76,15 +79,18 @@ impl ProxyLink {
     }
 }
 
-/// The proxies of a world: one per geo that has gateways.
+/// The proxies of a world: one per geo that has gateways, or fronts another geo's.
 pub(super) fn proxies_of(s: &crate::Scenario) -> Vec<SimProxy> {
     let geos = s.geos.map_or(1, |g| g.names.len());
     (0..geos)
         .filter_map(|geo| {
-            let gateways: Vec<NodeId> = (1..=s.nodes)
-                .filter(|&n| s.geo_of(n) == geo)
-                .filter(|n| s.gateways.is_empty() || s.gateways.contains(n))
-                .collect();
+            let gateways: Vec<NodeId> = match s.proxy_gateways.iter().find(|(g, _)| *g == geo) {
+                Some((_, nodes)) => nodes.to_vec(),
+                None => (1..=s.nodes)
+                    .filter(|&n| s.geo_of(n) == geo)
+                    .filter(|n| s.gateways.is_empty() || s.gateways.contains(n))
+                    .collect(),
+            };
             (!gateways.is_empty()).then(|| SimProxy {
                 geo,
                 core: None,
@@ -212,10 +218,11 @@ impl Sim<'_> {
     }
 
     fn proxy_drain(&mut self, p: usize) {
-        loop {
-            let Some(out) = self.proxies[p].core.as_mut().and_then(|c| c.poll_output()) else {
-                break;
-            };
+        let mut outs = Vec::new();
+        while let Some(out) = self.proxies[p].core.as_mut().and_then(|c| c.poll_output()) {
+            outs.push(out);
+        }
+        for out in far_rtts_in_conn_order(outs) {
             self.proxy_act(p, out);
         }
         let x = &mut self.proxies[p];
@@ -290,8 +297,10 @@ impl Sim<'_> {
 
     // ------------------------------------------------------------------ the boards
 
-    /// The boards' answer to a request of proxy `p`: hints on the target geo's board, taken once;
-    /// no probes and no far RTTs (the handover policy hands nobody over on its own).
+    /// The boards' answer to a request of proxy `p`: hints on the target geo's board, taken
+    /// once; no probe targets; and what every other geo's proxy measured of a client (see
+    /// [`Sim::far_rtt`]), so that the handover policy and the geo-aware director see the client
+    /// from every geo.
     fn board(&mut self, p: usize, request: BoardRequest) -> BoardReply {
         let down = self.now < self.store.down_until;
         let geo = self.s.geo_label(self.proxies[p].geo);
@@ -318,7 +327,38 @@ impl Sim<'_> {
                 }))
             }
             BoardRequest::PublishFarRtt { .. } => BoardReply::Published(Ok(())),
-            BoardRequest::FarRtts { .. } => BoardReply::FarRtts(Default::default()),
+            BoardRequest::FarRtts { account } => {
+                let client = self.account_client.get(&account).copied();
+                let (Some(c), false) = (client, down) else {
+                    // A board that does not answer leaves the proxy with no far figure.
+                    return BoardReply::FarRtts(HashMap::new());
+                };
+                let own = self.proxies[p].geo;
+                let geos = self.s.geos.map_or(0, |g| g.names.len());
+                let far = (0..geos)
+                    .filter(|&g| g != own)
+                    .map(|g| (self.s.geo_label(g).to_string(), self.far_rtt(c, g)))
+                    .collect();
+                BoardReply::FarRtts(far)
+            }
+        }
+    }
+
+    /// What the proxy of geo `geo` measured of client `c` when the client probed it: a few
+    /// round trips over the client's way to that geo, drawn from the run's probe stream. The
+    /// way is the client's access plus the one-way delay from its geo to that one
+    /// ([`crate::Scenario::client_delay_to`]): a far proxy's figure is the client's own proxy's
+    /// plus about the round trip between the two geos.
+    fn far_rtt(&mut self, c: usize, geo: usize) -> RttFigure {
+        let way = self.s.client_delay_to(c, geo);
+        let mut rtts: Vec<u64> = (0..FAR_PROBE_PINGS)
+            .map(|_| way.draw(&mut self.probe_rng) + way.draw(&mut self.probe_rng))
+            .collect();
+        rtts.sort_unstable();
+        RttFigure {
+            min_ms: rtts[0] as f64,
+            median_ms: rtts[rtts.len() / 2] as f64,
+            samples: FAR_PROBE_PINGS as u32,
         }
     }
 
@@ -335,7 +375,8 @@ impl Sim<'_> {
             self.schedule(again, Ev::ProxyDial { p, inc, gateway });
             return;
         }
-        let delay = self.s.mesh_delay_of(node, node).draw(&mut self.rng);
+        let geo = self.proxies[p].geo;
+        let delay = self.s.proxy_delay_to(geo, node).draw(&mut self.rng);
         let uid = self.next_uid;
         self.next_uid += 1;
         let n = self.node(node);
@@ -344,7 +385,6 @@ impl Sim<'_> {
         n.links.insert(node_link, Far::Proxy(uid));
         let node_inc = n.incarnation;
         let lease_epoch = n.lease.as_ref().map_or(0, |l| l.epoch);
-        let geo = self.proxies[p].geo;
         self.proxy_links.insert(
             uid,
             ProxyLink {
@@ -469,7 +509,10 @@ impl Sim<'_> {
             return;
         };
         let (node, link) = (l.node, l.node_link);
-        let d = self.s.mesh_delay_of(node, node).draw(&mut self.rng);
+        let d = self
+            .s
+            .proxy_delay_to(self.proxies[p].geo, node)
+            .draw(&mut self.rng);
         let l = self
             .proxy_links
             .get_mut(&uid.expect("above"))
@@ -505,7 +548,10 @@ impl Sim<'_> {
         let Some(l) = self.proxy_links.get(&uid) else {
             return;
         };
-        let d = self.s.mesh_delay_of(l.node, l.node).draw(&mut self.rng);
+        let d = self
+            .s
+            .proxy_delay_to(self.proxies[l.p].geo, l.node)
+            .draw(&mut self.rng);
         let l = self.proxy_links.get_mut(&uid).expect("above");
         if !l.up {
             return;
@@ -547,9 +593,10 @@ impl Sim<'_> {
         if detect_ms > 0 {
             l.broken = true;
         }
-        let (node, node_link, last_to_node, last_to_proxy) =
-            (l.node, l.node_link, l.last_to_node, l.last_to_proxy);
-        let d = self.s.mesh_delay_of(node, node).draw(&mut self.rng) + detect_ms;
+        let (p, node, node_link, last_to_node, last_to_proxy) =
+            (l.p, l.node, l.node_link, l.last_to_node, l.last_to_proxy);
+        let geo = self.proxies[p].geo;
+        let d = self.s.proxy_delay_to(geo, node).draw(&mut self.rng) + detect_ms;
         if self.node(node).links.contains_key(&node_link) {
             let inc = self.node(node).incarnation;
             let at = (self.now + d).max(last_to_node);
@@ -659,8 +706,10 @@ impl Sim<'_> {
     /// Something client `c` does on its connection reaches its proxy, in order.
     fn client_to_proxy(&mut self, c: usize, input: ProxyInput) {
         let p = self.clients[c].proxy;
-        let node = self.proxies[p].gateways[0];
-        let d = self.s.client_delay_of(c, node).draw(&mut self.rng);
+        let d = self
+            .s
+            .client_delay_to(c, self.proxies[p].geo)
+            .draw(&mut self.rng);
         let at = self.fifo(Stream::FromClient(c), d);
         let inc = self.proxies[p].incarnation;
         self.schedule_at(at, Ev::ProxyIn { p, inc, input });
@@ -689,8 +738,10 @@ impl Sim<'_> {
             return;
         };
         let p = self.clients[c].proxy;
-        let node = self.proxies[p].gateways[0];
-        let d = self.s.client_delay_of(c, node).draw(&mut self.rng);
+        let d = self
+            .s
+            .client_delay_to(c, self.proxies[p].geo)
+            .draw(&mut self.rng);
         let at = self.fifo(Stream::ToClient(c), d);
         self.schedule_at(
             at,
@@ -852,8 +903,7 @@ impl Sim<'_> {
         cl.ended = true;
         cl.leaving = true;
         cl.keep_avatar = cl.avatar;
-        let node = self.proxies[p].gateways[0];
-        let rtt = 2 * self.s.client_delay_of(c, node).base_ms;
+        let rtt = 2 * self.s.client_delay_to(c, self.proxies[p].geo).base_ms;
         self.schedule(rtt + 50, Ev::ConnectTo { client: c, p });
     }
 
@@ -973,6 +1023,30 @@ impl Sim<'_> {
     }
 }
 
+/// `outs` with the requests for far RTTs in connection order, each in one of the places those
+/// took. The core asks for them session by session in the order of a hash map, which differs
+/// from one run to the next; the boards' answers and their delays are drawn in turn, so that
+/// order would make two runs of one seed differ.
+fn far_rtts_in_conn_order(outs: Vec<ProxyOutput>) -> Vec<ProxyOutput> {
+    let far_rtts = |o: &ProxyOutput| match o {
+        ProxyOutput::Board {
+            conn,
+            request: BoardRequest::FarRtts { .. },
+        } => Some(*conn),
+        _ => None,
+    };
+    let mut slots: Vec<Option<ProxyOutput>> = outs.into_iter().map(Some).collect();
+    let at: Vec<usize> = (0..slots.len())
+        .filter(|&i| slots[i].as_ref().and_then(far_rtts).is_some())
+        .collect();
+    let mut asked: Vec<ProxyOutput> = at.iter().filter_map(|&i| slots[i].take()).collect();
+    asked.sort_by_key(|o| far_rtts(o));
+    for (i, o) in at.into_iter().zip(asked) {
+        slots[i] = Some(o);
+    }
+    slots.into_iter().flatten().collect()
+}
+
 fn describe_proxy_input(input: &ProxyInput) -> String {
     match input {
         ProxyInput::ClientFrame { conn, frame, .. } => {
@@ -1001,6 +1075,14 @@ fn describe_proxy_input(input: &ProxyInput) -> String {
             ),
             None => format!("gateway {gateway}: ?"),
         },
+        ProxyInput::Board {
+            conn,
+            reply: BoardReply::FarRtts(far),
+        } => {
+            // In geo order: a map's own order differs from one run to the next.
+            let far: std::collections::BTreeMap<_, _> = far.iter().collect();
+            format!("conn {conn}: far RTTs {far:?}")
+        }
         other => format!("{other:?}"),
     }
 }
