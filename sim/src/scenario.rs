@@ -807,6 +807,9 @@ pub fn catalogue() -> Vec<Scenario> {
             geos: Some(&THREE_GEOS),
             gateways: &[2, 4],
             faults: geo_restore_faults,
+            // With the core's decider dead too, a restore ends up to 5 s after motion stops,
+            // and a handoff it refused is tried again a second later, across the ocean.
+            settle_ms: 5_000,
             ..Scenario::base("geo_restore")
         },
         Scenario {

@@ -192,6 +192,13 @@ fn bubble_kills() {
 }
 
 #[test]
+fn geo_restore_seeds_that_once_failed() {
+    // A handoff refused during the restore was tried again a second later, across the ocean,
+    // and the run's checks came before the old owner's word reached a holder.
+    seeds_hold("geo_restore", &[471]);
+}
+
+#[test]
 fn bubble_kills_seeds_that_once_failed() {
     // A target that applied inputs forwarded behind an offer died before its checkpoint; the
     // offer came back, and the source applied them again.
