@@ -236,12 +236,14 @@ if (($# == 0)); then
     mkdir -p "$repo/target"
     bench_json="$repo/target/bench-quick.json"
     # The binary the test build made (same features): `cargo run --bin` alone would resolve the
-    # features without the dev-dependencies and build the whole tree a second time.
-    if [[ -x $repo/target/debug/cellmesh ]]; then
-        "$repo/target/debug/cellmesh" bench --all --quick --check --json "$bench_json" ||
+    # features without the dev-dependencies and build the whole tree a second time. Cargo puts
+    # it under CARGO_TARGET_DIR when that is set.
+    built="${CARGO_TARGET_DIR:-$repo/target}/debug/cellmesh"
+    if [[ -x $built ]]; then
+        "$built" bench --all --quick --check --json "$bench_json" ||
             step_failed $? "cellmesh bench --all --quick --check"
     else
-        echo "target/debug/cellmesh was not built: the test build above failed"
+        echo "$built was not built: the test build above failed"
         step_failed 1 "cellmesh bench (not built)"
     fi
 fi
