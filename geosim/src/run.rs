@@ -10,7 +10,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use cellmesh_world::bubbles::{
-    BubbleId, Decision, Member, MemberId, Placement, Reason, RttBook, SiteId, Sites,
+    BubbleId, Decision, Member, MemberId, Placement, Reason, RttBook, RttSource, SiteId, Sites,
 };
 
 use super::scenario::{Scenario, LOGIN_PROBES};
@@ -227,6 +227,10 @@ pub fn run(s: &Scenario) -> Result<Report, SimError> {
     let mut switches = vec![0u64; n];
     let mut last_site: Vec<Option<SiteId>> = vec![None; n];
     let mut present = vec![false; n];
+    let mut truth = TrueRtts {
+        sites: sites.len(),
+        rtt: Vec::with_capacity(n * sites.len()),
+    };
 
     let sample = |rng: &mut StdRng, i: usize, site: SiteId, t_ms: u64| {
         // Two draws whatever the values, so that changing one player's RTT leaves every other
@@ -275,14 +279,13 @@ pub fn run(s: &Scenario) -> Result<Report, SimError> {
             .collect();
         let down = s.unavailable_at(t_ms);
         let eval = policy.evaluate(t_ms, &members, &book, &down)?;
-        let truth: BTreeMap<(MemberId, SiteId), f64> = members
-            .iter()
-            .flat_map(|m| {
-                sites
-                    .iter()
-                    .map(move |&site| ((m.id, site), s.true_rtt(m.id as usize, site, t_ms)))
-            })
-            .collect();
+        truth.rtt.clear();
+        truth.rtt.extend((0..n).flat_map(|i| {
+            let here = present[i];
+            sites
+                .iter()
+                .map(move |&site| here.then(|| s.true_rtt(i, site, t_ms)))
+        }));
         let oracle_eval = oracle.evaluate(t_ms, &members, &truth, &down)?;
 
         let t = t_ms as f64 / 1000.0;
@@ -399,6 +402,20 @@ pub fn run(s: &Scenario) -> Result<Report, SimError> {
         players: names,
         sites: site_names,
     })
+}
+
+/// The players' true RTTs at one evaluation, for the oracle: a row of sites per player (member
+/// ids are the players' indices), `None` for a player not present.
+struct TrueRtts {
+    sites: usize,
+    rtt: Vec<Option<f64>>,
+}
+
+impl RttSource for TrueRtts {
+    fn placement_rtt(&self, member: MemberId, site: SiteId) -> Option<f64> {
+        let at = usize::try_from(member).ok()? * self.sites + usize::from(site.0);
+        self.rtt.get(at).copied().flatten()
+    }
 }
 
 fn timeline(decisions: &[Decision], sites: &Sites, names: &[String]) -> Vec<TimelineEntry> {

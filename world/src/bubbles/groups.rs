@@ -5,7 +5,7 @@
 //! bubble: joining takes the plain distance, leaving takes more, so a pair at the threshold does
 //! not flicker between one group and two.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 use crate::geometry::{Pos, WorldShape};
 
@@ -47,20 +47,25 @@ pub fn cluster(
     let rows = (world.height / (params.link_base_m / std::f64::consts::SQRT_2)).ceil();
     let (side_x, side_y) = (world.width / cols, world.height / rows);
     let (cols, rows) = (cols as i64, rows as i64);
-    let mut cells: HashMap<(i64, i64), Vec<usize>> = HashMap::new();
+    let mut cells: HashMap<(i64, i64), Cell> = HashMap::default();
     for (i, m) in members.iter().enumerate() {
         let p = world.normalise(m.pos);
         let key = (
             ((p.x / side_x) as i64).min(cols - 1),
             ((p.y / side_y) as i64).min(rows - 1),
         );
-        cells.entry(key).or_default().push(i);
+        cells
+            .entry(key)
+            .or_insert_with(|| Cell::new(p))
+            .add(i, p, m, prior[i]);
     }
-    let mut cells: Vec<((i64, i64), Vec<usize>)> = cells.into_iter().collect();
+    let mut cells: Vec<((i64, i64), Cell)> = cells.into_iter().collect();
     cells.sort_unstable_by_key(|(k, _)| *k);
-    for (_, inside) in &cells {
-        for &j in &inside[1..] {
-            uf.union(inside[0], j);
+    for (_, cell) in &mut cells {
+        cell.priors.sort_unstable();
+        cell.priors.dedup();
+        for &j in &cell.inside[1..] {
+            uf.union(cell.inside[0], j);
         }
     }
     let vmax = members.iter().map(|m| m.speed_mps).fold(0.0, f64::max);
@@ -69,10 +74,14 @@ pub fn cluster(
         let d = (a - b).rem_euclid(n);
         (d.min(n - d) - 1).max(0) as f64 * side
     };
-    for (a, (ka, ia)) in cells.iter().enumerate() {
-        for (kb, ib) in &cells[a + 1..] {
+    for (a, (ka, ca)) in cells.iter().enumerate() {
+        for (kb, cb) in &cells[a + 1..] {
             let (gx, gy) = (gap(ka.0, kb.0, cols, side_x), gap(ka.1, kb.1, rows, side_y));
             if gx * gx + gy * gy > longest * longest {
+                continue;
+            }
+            let (ia, ib) = (&ca.inside, &cb.inside);
+            if uf.find(ia[0]) == uf.find(ib[0]) || !ca.may_link(cb, world, params) {
                 continue;
             }
             'pairs: for &i in ia {
@@ -86,7 +95,7 @@ pub fn cluster(
         }
     }
 
-    let mut by_root: HashMap<usize, Vec<usize>> = HashMap::new();
+    let mut by_root: HashMap<usize, Vec<usize>> = HashMap::default();
     for i in 0..n {
         by_root.entry(uf.find(i)).or_default().push(i);
     }
@@ -127,6 +136,95 @@ pub fn area<'a>(
         })
         .fold(0.0, f64::max);
     Area { centre, radius_m }
+}
+
+/// The members in one cell of the search, and what bounds their links to another cell's: the
+/// box around their (normalised) positions, their top speed and their bubbles before.
+struct Cell {
+    inside: Vec<usize>,
+    min: Pos,
+    max: Pos,
+    vmax: f64,
+    priors: Vec<BubbleId>,
+}
+
+impl Cell {
+    fn new(p: Pos) -> Self {
+        Self {
+            inside: Vec::new(),
+            min: p,
+            max: p,
+            vmax: 0.0,
+            priors: Vec::new(),
+        }
+    }
+
+    fn add(&mut self, i: usize, p: Pos, m: &Member, prior: Option<BubbleId>) {
+        self.inside.push(i);
+        self.min = Pos {
+            x: self.min.x.min(p.x),
+            y: self.min.y.min(p.y),
+        };
+        self.max = Pos {
+            x: self.max.x.max(p.x),
+            y: self.max.y.max(p.y),
+        };
+        self.vmax = self.vmax.max(m.speed_mps);
+        self.priors.extend(prior);
+    }
+
+    /// Whether any member here could link to one of `other`'s: the two boxes are no farther
+    /// apart around the torus than the longest link their members could make (longer between
+    /// members of one bubble). False skips measuring every pair of two groups that stand near
+    /// but apart, evaluation after evaluation.
+    fn may_link(&self, other: &Cell, world: &WorldShape, params: &Params) -> bool {
+        // A cell lies within one lap of each axis (it never straddles the seam).
+        let apart = |a0: f64, a1: f64, b0: f64, b1: f64, size: f64| {
+            if a0 <= b1 && b0 <= a1 {
+                return 0.0;
+            }
+            (b0 - a1).rem_euclid(size).min((a0 - b1).rem_euclid(size))
+        };
+        let gx = apart(
+            self.min.x,
+            self.max.x,
+            other.min.x,
+            other.max.x,
+            world.width,
+        );
+        let gy = apart(
+            self.min.y,
+            self.max.y,
+            other.min.y,
+            other.max.y,
+            world.height,
+        );
+        let mut reach = params.link_distance(self.vmax, other.vmax);
+        if self.shares_a_bubble_with(other) {
+            reach *= params.split_factor;
+        }
+        // A hair of slack: the pairs are measured with `WorldShape::delta`, not these boxes.
+        gx * gx + gy * gy <= reach * reach * (1.0 + 1e-9) + 1e-6
+    }
+
+    fn shares_a_bubble_with(&self, other: &Cell) -> bool {
+        let (mut a, mut b) = (
+            self.priors.iter().peekable(),
+            other.priors.iter().peekable(),
+        );
+        while let (Some(x), Some(y)) = (a.peek(), b.peek()) {
+            match x.cmp(y) {
+                std::cmp::Ordering::Less => {
+                    a.next();
+                }
+                std::cmp::Ordering::Greater => {
+                    b.next();
+                }
+                std::cmp::Ordering::Equal => return true,
+            }
+        }
+        false
+    }
 }
 
 struct UnionFind {
@@ -233,6 +331,7 @@ mod tests {
             pts in proptest::collection::vec((0.0f64..131_072.0, 0.0f64..131_072.0, 0.0f64..400.0), 1..80),
             base in 500.0f64..20_000.0,
             crowd in proptest::bool::ANY,
+            bubbles in proptest::bool::ANY,
         ) {
             let w = WorldShape::default();
             let p = Params { link_base_m: base, ..Params::default() };
@@ -244,13 +343,19 @@ mod tests {
             }).collect();
             let ms: Vec<Member> = pts.iter().enumerate()
                 .map(|(i, &(x, y, v))| member(i as u64, x, y, v)).collect();
-            let prior = vec![None; ms.len()];
+            // Members in one bubble before stay linked farther (`split_factor`).
+            let prior: Vec<Option<BubbleId>> = pts.iter().enumerate()
+                .map(|(i, &(x, _, _))| (bubbles && i % 3 != 0).then_some(BubbleId((x as u64 / 7) % 3)))
+                .collect();
             let got = ids(&ms, &cluster(&w, &p, &ms, &prior));
             // All pairs, by hand.
             let mut uf = UnionFind::new(ms.len());
             for i in 0..ms.len() {
                 for j in i + 1..ms.len() {
-                    let reach = p.link_distance(ms[i].speed_mps, ms[j].speed_mps);
+                    let mut reach = p.link_distance(ms[i].speed_mps, ms[j].speed_mps);
+                    if prior[i].is_some() && prior[i] == prior[j] {
+                        reach *= p.split_factor;
+                    }
                     if w.distance(ms[i].pos, ms[j].pos) <= reach {
                         uf.union(i, j);
                     }

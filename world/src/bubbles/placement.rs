@@ -1,7 +1,9 @@
 //! The placement state machine: bubbles, their sites and their hysteresis, carried from one
 //! evaluation to the next.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
+
+use rustc_hash::FxHashMap as HashMap;
 
 use serde::Serialize;
 
@@ -86,10 +88,10 @@ impl Placement {
             sites,
             params,
             bubbles: BTreeMap::new(),
-            member_bubble: HashMap::new(),
+            member_bubble: HashMap::default(),
             next_id: 1,
             last_at_ms: None,
-            simulated_at: HashMap::new(),
+            simulated_at: HashMap::default(),
         })
     }
 
@@ -247,7 +249,7 @@ impl Placement {
             .filter(|s| available[usize::from(s.0)])
             .collect();
         let mut next: BTreeMap<BubbleId, Bubble> = BTreeMap::new();
-        let mut member_bubble = HashMap::with_capacity(ms.len());
+        let mut member_bubble = HashMap::with_capacity_and_hasher(ms.len(), Default::default());
         let mut membership = Vec::new();
         let mut placement = Vec::new();
         let mut next_id = self.next_id;
