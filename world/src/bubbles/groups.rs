@@ -208,22 +208,10 @@ impl Cell {
     }
 
     fn shares_a_bubble_with(&self, other: &Cell) -> bool {
-        let (mut a, mut b) = (
-            self.priors.iter().peekable(),
-            other.priors.iter().peekable(),
-        );
-        while let (Some(x), Some(y)) = (a.peek(), b.peek()) {
-            match x.cmp(y) {
-                std::cmp::Ordering::Less => {
-                    a.next();
-                }
-                std::cmp::Ordering::Greater => {
-                    b.next();
-                }
-                std::cmp::Ordering::Equal => return true,
-            }
-        }
-        false
+        // Both lists are sorted, and a cell holds a bubble or two.
+        self.priors
+            .iter()
+            .any(|b| other.priors.binary_search(b).is_ok())
     }
 }
 
