@@ -20,6 +20,7 @@ use crate::model::fold::Clients;
 use crate::model::fold::TickEvent;
 use crate::model::ghosts::GhostStep;
 use crate::model::ghosts::{GhostRules, SimGhosts};
+use crate::model::node_set::NodeSet;
 use crate::model::subs::{self, distance_to_area, Subscribers, Subscriptions};
 
 /// Chunks per subscribe message, so a large band fits a frame.
@@ -63,7 +64,7 @@ pub(crate) struct Replication {
     subs_dirty: bool,
     subscribers: Subscribers,
     /// Local entity -> nodes holding its render ghost.
-    replicas: HashMap<u64, BTreeSet<NodeId>>,
+    replicas: HashMap<u64, NodeSet>,
     sim: SimGhosts,
     /// Local entities that went in full to nodes not holding them, since the tick began. The
     /// accounts those nodes serve get the entity's current non-public state.
@@ -141,7 +142,10 @@ impl Replication {
     /// A local entity handed away: the nodes that held its render ghost.
     pub(crate) fn handed_away(&mut self, id: u64) -> BTreeSet<NodeId> {
         self.newly_held.remove(&id);
-        self.replicas.remove(&id).unwrap_or_default()
+        self.replicas
+            .remove(&id)
+            .map(|held| held.iter().collect())
+            .unwrap_or_default()
     }
 
     /// Whether `node` holds the render ghost of local entity `id`, as far as this node knows.
@@ -311,7 +315,7 @@ impl Replication {
             let Some(e) = table.get_local(id) else {
                 // Despawned (a ghost never has replicas).
                 if let Some(nodes) = self.replicas.remove(&id) {
-                    for node in nodes {
+                    for node in nodes.iter() {
                         cx.metrics.cross_node_updates.inc();
                         // Despawned: whatever epoch the holder knows, it is gone (0: unfenced).
                         mesh.send(
@@ -333,13 +337,14 @@ impl Replication {
                 continue;
             }
             let mut frames: Vec<(NodeId, mesh_message::Body)> = Vec::new();
-            let full = (!target.is_subset(&held) || ch.spawned).then(|| full_state(e));
+            let full =
+                (ch.spawned || target.iter().any(|n| !held.contains(n))).then(|| full_state(e));
             let delta = if ch.spawned {
                 None
             } else {
                 public_delta(e, ch)
             };
-            for &node in held.difference(&target) {
+            for node in held.iter().filter(|n| !target.contains(n)) {
                 frames.push((
                     node,
                     mesh_message::Body::EntityGone(mesh::EntityGone {
@@ -360,7 +365,7 @@ impl Replication {
                 }
             }
             if !target.is_empty() {
-                self.replicas.insert(id, target);
+                self.replicas.insert(id, target.iter().copied().collect());
             }
             for (node, body) in frames {
                 cx.metrics.cross_node_updates.inc();
@@ -384,7 +389,7 @@ impl Replication {
             let Some(nodes) = self.replicas.get(&ev.entity_id) else {
                 continue;
             };
-            for &node in nodes {
+            for node in nodes.iter() {
                 cx.metrics.cross_node_updates.inc();
                 mesh.send(
                     cx,

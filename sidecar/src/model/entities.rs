@@ -70,6 +70,17 @@ pub struct Entity {
     pub epoch: u64,
 }
 
+/// The components of a new entity, in a store of exactly their count: collecting one by one
+/// would grow it to four at least, and most entities keep the one or two they spawned with.
+/// A type given twice keeps its last value, as inserting one by one would.
+fn components_of(mut v: Vec<(u32, Component)>) -> LiteMap<u32, Component> {
+    v.reverse();
+    v.sort_by_key(|(t, _)| *t); // stable: of a type given twice, the last given comes first
+    v.dedup_by_key(|(t, _)| *t);
+    v.shrink_to_fit();
+    LiteMap::from_sorted_store_unchecked(v)
+}
+
 /// A spawn as the game asked for it.
 #[derive(Debug, Clone, Default)]
 pub struct NewEntity {
@@ -258,7 +269,7 @@ impl EntityTable {
             owner_account: e.owner_account,
             is_master: e.is_master,
             parent_id: e.parent_id,
-            components: e.components.into_iter().collect(),
+            components: components_of(e.components),
             origin: e.origin,
             epoch: e.epoch,
         };
@@ -614,6 +625,22 @@ mod tests {
         let ch = t.take_changes();
         assert!(ch[&1].spawned && !ch[&1].despawned);
         assert!(t.take_changes().is_empty());
+    }
+
+    #[test]
+    fn a_spawn_keeps_its_components_by_type_and_the_last_of_a_type_given_twice() {
+        let mut t = table();
+        let mut e = npc(1, 1.0, 1.0);
+        e.components = vec![(9, public("x")), (2, public("b")), (9, public("y"))];
+        t.spawn(e).unwrap();
+        let held: Vec<(u32, &[u8])> = t
+            .get(1)
+            .unwrap()
+            .components
+            .iter()
+            .map(|(k, c)| (*k, &c.payload[..]))
+            .collect();
+        assert_eq!(held, [(2, &b"b"[..]), (9, &b"y"[..])]);
     }
 
     #[test]

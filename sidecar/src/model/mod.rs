@@ -27,6 +27,7 @@ pub mod ids;
 pub mod inputs;
 pub mod interest;
 pub mod load;
+pub mod node_set;
 pub mod recent_handoffs;
 pub mod restore;
 pub mod route;
