@@ -7,16 +7,20 @@
 //!   whose APPEARs and VANISHes are decided and encoded;
 //! - `subscriptions/*`: the node-level subscription set brought up to date after that step,
 //!   for a node of a 16 × 16 grid on the default world that keeps its whole border band
-//!   subscribed (view radius 5, reach 3) and has one client looking into a neighbour's area.
+//!   subscribed (view radius 5, reach 3) and has one client looking into a neighbour's area:
+//!   `whole_*` works out every pair again (the baseline), `by_chunk_*` only the 22 chunks that
+//!   came into the view or left it, as the node does.
 use cellmesh_benches::{account, avatar, npc, positions, square_world, CHUNK};
 use cellmesh_sidecar::model::audience::Audience;
 use cellmesh_sidecar::model::entities::{EntityTable, EntityUpdate, Position};
 use cellmesh_sidecar::model::fold::Clients;
 use cellmesh_sidecar::model::interest::{InterestShape, View};
+use cellmesh_sidecar::model::node_set::NodeSet;
 use cellmesh_sidecar::model::subs::{band, Subscriptions};
 use cellmesh_world::geometry::{ChunkPos, Pos, WorldShape};
 use cellmesh_world::partition::{Grid, Layout, NodeId, Partition};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use std::collections::{BTreeSet, HashMap};
 
 const SHAPE: InterestShape = InterestShape {
     radius: 5,
@@ -131,15 +135,55 @@ fn subscriptions(c: &mut Criterion) {
     ];
     let mut subs = Subscriptions::default();
     subs.update(held.iter().copied().chain(views[0].iter().copied()));
+    let pairs = subs.len();
     let mut k = 0;
     let mut g = c.benchmark_group("view");
     g.throughput(Throughput::Elements(1));
+    // The baseline: every pair worked out again.
     g.bench_function(
-        format!("subscriptions/update_after_step_{}_pairs", subs.len()),
+        format!("subscriptions/whole_after_step_{pairs}_pairs"),
         |b| {
             b.iter(|| {
                 k += 1;
                 let changes = subs.update(held.iter().copied().chain(views[k % 2].iter().copied()));
+                assert_eq!(changes.subscribe.values().map(Vec::len).sum::<usize>(), 11);
+                changes
+            })
+        },
+    );
+    // What the node does: only the chunks that came into the view or left it, each worked out
+    // from the band and the view as they stand.
+    let mut band_of: HashMap<ChunkPos, NodeSet> = HashMap::new();
+    for (c, n) in held.iter().copied() {
+        band_of.entry(c).or_default().insert(n);
+    }
+    let chunks =
+        |v: &[(ChunkPos, NodeId)]| -> BTreeSet<ChunkPos> { v.iter().map(|p| p.0).collect() };
+    let flipped: Vec<ChunkPos> = chunks(&views[0])
+        .symmetric_difference(&chunks(&views[1]))
+        .copied()
+        .collect();
+    let viewed: [HashMap<ChunkPos, NodeSet>; 2] = views.clone().map(|v| {
+        let mut m: HashMap<ChunkPos, NodeSet> = HashMap::new();
+        for (c, n) in v {
+            m.entry(c).or_default().insert(n);
+        }
+        m
+    });
+    let mut subs = Subscriptions::default();
+    subs.update(held.iter().copied().chain(views[0].iter().copied()));
+    let mut k = 0;
+    g.bench_function(
+        format!("subscriptions/by_chunk_after_step_{pairs}_pairs"),
+        |b| {
+            b.iter(|| {
+                k += 1;
+                let view = &viewed[k % 2];
+                let changes = subs.update_chunks(flipped.iter().map(|c| {
+                    let mut nodes = band_of.get(c).cloned().unwrap_or_default();
+                    nodes.extend(view.get(c).into_iter().flat_map(NodeSet::iter));
+                    (*c, nodes)
+                }));
                 assert_eq!(changes.subscribe.values().map(Vec::len).sum::<usize>(), 11);
                 changes
             })

@@ -8,13 +8,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use rustc_hash::FxHashMap as HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use cellmesh_proto::batch::Encoded;
 use cellmesh_proto::edge::KickReason;
 use cellmesh_proto::mesh::{self, mesh_message};
 use cellmesh_stores::PlayerRecord;
-use cellmesh_world::geometry::Pos;
+use cellmesh_world::geometry::{ChunkPos, Pos};
 use cellmesh_world::partition::NodeId;
 
 use super::*;
@@ -390,9 +390,9 @@ impl Gateway {
         &self.clients
     }
 
-    /// Whether a client's view changed since the last call.
-    pub(crate) fn take_views_changed(&mut self) -> bool {
-        self.clients.take_views_changed()
+    /// The chunks that came into some client's view or left the last one since the last call.
+    pub(crate) fn take_flipped_chunks(&mut self) -> HashSet<ChunkPos> {
+        self.clients.take_flipped_chunks()
     }
 
     /// The node simulating the avatar of `account`'s session here, as far as it is known.

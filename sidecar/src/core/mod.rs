@@ -2750,10 +2750,10 @@ impl Core {
 
     /// Brings the subscriptions to what the clients' views and the interaction band need.
     pub(crate) fn update_subscriptions(&mut self) {
-        let views_changed = self.gateway.take_views_changed();
+        let flipped = self.gateway.take_flipped_chunks();
         let dropped = self.replication.update_subscriptions(
             &mut self.cx,
-            views_changed,
+            flipped,
             self.gateway.clients(),
             &self.authority,
             &self.table,

@@ -54,14 +54,17 @@ impl Follow {
 /// What this node subscribes to and serves, and the ghosts that follow from it.
 pub(crate) struct Replication {
     /// The (chunk, node) pairs of the interaction band, its keep margin and the handoff reach
-    /// inside the area, always subscribed.
-    band: HashSet<(ChunkPos, NodeId)>,
+    /// inside the area, always subscribed, by chunk.
+    band: HashMap<ChunkPos, NodeSet>,
     /// chunk -> the nodes that may own an entity there (cleared with each partition).
     near_cache: HashMap<ChunkPos, Vec<NodeId>>,
     /// (chunk, owner) pairs re-subscribed lately to recover a ghost (monotonic ms).
     resynced: HashMap<(ChunkPos, NodeId), u64>,
     subs: Subscriptions,
+    /// Every pair is to be worked out again (the partition changed).
     subs_dirty: bool,
+    /// Chunks whose pairs are to be worked out again (a pair followed anew).
+    subs_touched: HashSet<ChunkPos>,
     subscribers: Subscribers,
     /// Local entity -> nodes holding its render ghost.
     replicas: HashMap<u64, NodeSet>,
@@ -91,6 +94,7 @@ impl Replication {
             resynced: HashMap::default(),
             subs: Subscriptions::default(),
             subs_dirty: true,
+            subs_touched: HashSet::default(),
             subscribers: Subscribers::default(),
             replicas: HashMap::default(),
             sim: SimGhosts::new(rules),
@@ -204,6 +208,39 @@ impl Replication {
     pub(crate) fn partitions_settled(&mut self) {
         self.near_cache.clear();
         self.subs_dirty = true;
+    }
+
+    /// Every pair wanted, worked out whole: what the pairs kept up to date chunk by chunk must
+    /// equal (checked in debug builds, so every test run checks it).
+    #[cfg(debug_assertions)]
+    fn assert_subscriptions_whole(
+        &mut self,
+        cx: &Context,
+        clients: &Clients,
+        authority: &Authority,
+    ) {
+        let mut wanted: BTreeSet<(ChunkPos, NodeId)> = self
+            .band
+            .iter()
+            .flat_map(|(c, nodes)| nodes.iter().map(|n| (*c, n)))
+            .collect();
+        for c in clients.viewed_chunks() {
+            wanted.extend(self.viewed_pairs(cx, authority, c).iter().map(|n| (c, n)));
+        }
+        wanted.extend(self.followed.iter().copied());
+        let held: BTreeSet<(ChunkPos, NodeId)> = self.subs.pairs().collect();
+        assert_eq!(
+            held, wanted,
+            "subscriptions kept by chunk differ from the whole"
+        );
+    }
+
+    /// The nodes a viewed `chunk` is subscribed at: those that may own an entity there, this
+    /// node aside.
+    fn viewed_pairs(&mut self, cx: &Context, authority: &Authority, chunk: ChunkPos) -> NodeSet {
+        let me = cx.config.node_id;
+        let near = self.owners_near(cx, authority, chunk);
+        near.into_iter().filter(|n| *n != me).collect()
     }
 
     /// The nodes that may own an entity in `chunk`, cached per partition (at most
@@ -421,7 +458,7 @@ impl Replication {
             return Follow::No;
         }
         if self.followed.insert((chunk, owner)) {
-            self.subs_dirty = true;
+            self.subs_touched.insert(chunk);
             return Follow::Started;
         }
         Follow::Already
@@ -606,33 +643,54 @@ impl Replication {
     }
 
     /// Brings the subscriptions to what the clients' views and the interaction band need, in
-    /// one batch per owner, when the views changed or the subscriptions are due. Returns the
-    /// render ghosts in chunks let go of, to despawn.
+    /// one batch per owner: every pair after a partition change, else only the pairs of the
+    /// chunks that came into views or left them (`flipped`) or gained a followed writer.
+    /// Returns the render ghosts in chunks let go of, to despawn.
     pub(crate) fn update_subscriptions(
         &mut self,
         cx: &mut Context,
-        views_changed: bool,
+        flipped: HashSet<ChunkPos>,
         clients: &Clients,
         authority: &Authority,
         table: &EntityTable,
         mesh: &Mesh,
     ) -> Vec<u64> {
-        if !(views_changed || self.subs_dirty) {
+        self.subs_touched.extend(flipped);
+        if !self.subs_dirty && self.subs_touched.is_empty() {
             return Vec::new();
         }
-        self.subs_dirty = false;
-        let me = cx.config.node_id;
-        let mut wanted = self.band.clone();
-        for c in clients.viewed_chunks() {
-            for n in self.owners_near(cx, authority, c) {
-                if n != me {
-                    wanted.insert((c, n));
-                }
-            }
-        }
+        // A followed writer is kept while its chunk is viewed: one that is not any more flipped.
         self.followed.retain(|(c, _)| clients.is_viewed(*c));
-        wanted.extend(self.followed.iter().copied());
-        let changes = self.subs.update(wanted);
+        let touched = std::mem::take(&mut self.subs_touched);
+        let changes = if std::mem::take(&mut self.subs_dirty) {
+            let mut wanted: Vec<(ChunkPos, NodeId)> = self
+                .band
+                .iter()
+                .flat_map(|(c, nodes)| nodes.iter().map(|n| (*c, n)))
+                .collect();
+            for c in clients.viewed_chunks() {
+                wanted.extend(self.viewed_pairs(cx, authority, c).iter().map(|n| (c, n)));
+            }
+            wanted.extend(self.followed.iter().copied());
+            self.subs.update(wanted)
+        } else {
+            let wanted: Vec<(ChunkPos, NodeSet)> = touched
+                .into_iter()
+                .map(|c| {
+                    let mut nodes = self.band.get(&c).cloned().unwrap_or_default();
+                    if clients.is_viewed(c) {
+                        nodes.extend(self.viewed_pairs(cx, authority, c).iter());
+                    }
+                    let followed = self.followed.range((c, NodeId::MIN)..=(c, NodeId::MAX));
+                    nodes.extend(followed.map(|(_, n)| *n));
+                    (c, nodes)
+                })
+                .collect();
+            let changes = self.subs.update_chunks(wanted);
+            #[cfg(debug_assertions)]
+            self.assert_subscriptions_whole(cx, clients, authority);
+            changes
+        };
         let mut dropped = Vec::new();
         for (owner, chunks) in changes.unsubscribe {
             for c in &chunks {
@@ -640,7 +698,12 @@ impl Replication {
                     .residents(*c)
                     .filter(|id| table.get(*id).is_some_and(|e| e.origin == Some(owner)));
                 for id in ghosts {
-                    tracing::debug!(me, entity = id, owner, "ghost dropped: chunk unsubscribed");
+                    tracing::debug!(
+                        me = cx.config.node_id,
+                        entity = id,
+                        owner,
+                        "ghost dropped: chunk unsubscribed"
+                    );
                     dropped.push(id);
                 }
             }
@@ -749,7 +812,11 @@ impl Replication {
 
 /// The (chunk, node) pairs always subscribed under `partition`: the interaction band, its keep
 /// margin and the handoff reach inside the area.
-fn band_of(cfg: &SidecarConfig, partition: &Partition) -> HashSet<(ChunkPos, NodeId)> {
+fn band_of(cfg: &SidecarConfig, partition: &Partition) -> HashMap<ChunkPos, NodeSet> {
     let keep = i64::from(cfg.interaction_band_chunks + cfg.ghost_keep_margin_chunks);
-    subs::band(partition, cfg.node_id, keep, cfg.reach_chunks())
+    let mut by_chunk: HashMap<ChunkPos, NodeSet> = HashMap::default();
+    for (c, n) in subs::band(partition, cfg.node_id, keep, cfg.reach_chunks()) {
+        by_chunk.entry(c).or_default().insert(n);
+    }
+    by_chunk
 }

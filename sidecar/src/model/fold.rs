@@ -92,8 +92,9 @@ pub struct Clients {
     remote_anchors: HashMap<String, ChunkPos>,
     /// Pieces routed here by other nodes, for the next batch of each client.
     injected: BTreeMap<ClientKey, Vec<(Part, Encoded)>>,
-    /// Set when some view changed since [`Clients::take_views_changed`].
-    views_changed: bool,
+    /// Chunks that came into some view or left the last one since
+    /// [`Clients::take_flipped_chunks`]: only their subscriptions may need to change.
+    flipped: HashSet<ChunkPos>,
 }
 
 impl Clients {
@@ -107,7 +108,7 @@ impl Clients {
             known_by: HashMap::default(),
             remote_anchors: HashMap::default(),
             injected: BTreeMap::new(),
-            views_changed: false,
+            flipped: HashSet::default(),
         }
     }
 
@@ -141,9 +142,10 @@ impl Clients {
         self.viewers.contains_key(&chunk)
     }
 
-    /// Whether some view changed since the last call.
-    pub fn take_views_changed(&mut self) -> bool {
-        std::mem::take(&mut self.views_changed)
+    /// The chunks that came into some view or left the last one since the last call (some
+    /// may be back as they were).
+    pub fn take_flipped_chunks(&mut self) -> HashSet<ChunkPos> {
+        std::mem::take(&mut self.flipped)
     }
 
     /// Adds a session of `account`; it is shown its surroundings at the next fold.
@@ -166,7 +168,7 @@ impl Clients {
             return;
         };
         for chunk in c.view.chunks() {
-            unindex(&mut self.viewers, &chunk, key);
+            unview(&mut self.viewers, &mut self.flipped, chunk, key);
         }
         for id in c.appeared.iter().chain(c.partial.iter()) {
             unindex(&mut self.known_by, id, key);
@@ -175,7 +177,6 @@ impl Clients {
             self.by_account.remove(&*c.account);
         }
         self.injected.remove(&key);
-        self.views_changed = true;
     }
 
     pub fn len(&self) -> usize {
@@ -222,7 +223,7 @@ impl Clients {
             known_by,
             remote_anchors,
             injected,
-            views_changed,
+            flipped,
         } = self;
         let (world, shape) = (*world, *shape);
         let mut work: BTreeMap<ClientKey, BTreeSet<u64>> = BTreeMap::new();
@@ -246,13 +247,16 @@ impl Clients {
             if before == Some(anchor) {
                 continue;
             }
-            *views_changed = true;
             for chunk in &change.left {
-                unindex(viewers, chunk, key);
+                unview(viewers, flipped, *chunk, key);
             }
             let ids = work.entry(key).or_default();
             for chunk in &change.entered {
-                viewers.entry(*chunk).or_default().insert(key);
+                let viewing = viewers.entry(*chunk).or_insert_with(|| {
+                    flipped.insert(*chunk);
+                    HashSet::default()
+                });
+                viewing.insert(key);
                 ids.extend(table.residents(*chunk));
             }
             // The anchor moved: whatever was shown may now be out of range.
@@ -267,11 +271,17 @@ impl Clients {
         // Then every changed entity, for each client it may concern.
         for (&id, ch) in changes {
             let mut concerned: Vec<ClientKey> = Vec::new();
-            if let Some(known) = known_by.get(&id) {
-                concerned.extend(known);
+            let entity = table.get(id);
+            // A change of non-public components alone concerns only the accounts they name (now
+            // or before): with no spawn, move or public piece, what anyone in range sees stays.
+            let seen_in_range = entity.is_none_or(|e| seen_in_range(ch, e));
+            if seen_in_range {
+                if let Some(known) = known_by.get(&id) {
+                    concerned.extend(known);
+                }
             }
-            if let Some(e) = table.get(id) {
-                if let Some(v) = viewers.get(&e.chunk) {
+            if let Some(e) = entity {
+                if let Some(v) = viewers.get(&e.chunk).filter(|_| seen_in_range) {
                     concerned.extend(v);
                 }
                 let mut named = |a: &Audience| {
@@ -434,6 +444,31 @@ impl Clients {
             }
         }
         out
+    }
+}
+
+/// Whether `ch` changes what a client in range of `e` sees whoever it is: a spawn, despawn or
+/// move, or a component public now or before.
+fn seen_in_range(ch: &EntityChange, e: &Entity) -> bool {
+    ch.spawned
+        || ch.despawned
+        || ch.moved
+        || ch.components.iter().any(|(t, before)| {
+            before.as_ref().is_some_and(Audience::is_public)
+                || e.components.get(t).is_some_and(|c| c.audience.is_public())
+        })
+}
+
+/// `key`'s view left `chunk`; `flipped` notes it if no view holds it any more.
+fn unview(
+    viewers: &mut HashMap<ChunkPos, HashSet<ClientKey>>,
+    flipped: &mut HashSet<ChunkPos>,
+    chunk: ChunkPos,
+    key: ClientKey,
+) {
+    unindex(viewers, &chunk, key);
+    if !viewers.contains_key(&chunk) {
+        flipped.insert(chunk);
     }
 }
 

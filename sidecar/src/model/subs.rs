@@ -13,6 +13,8 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use cellmesh_world::geometry::{ChunkPos, ChunkRect, WorldShape};
 use cellmesh_world::partition::{NodeId, Partition};
 
+use crate::model::node_set::NodeSet;
+
 /// What one update of the wanted set asks of the owners, batched per owner.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SubscriptionChanges {
@@ -24,6 +26,18 @@ impl SubscriptionChanges {
     pub fn is_empty(&self) -> bool {
         self.subscribe.is_empty() && self.unsubscribe.is_empty()
     }
+
+    /// Each owner's chunks in order, so what is sent does not depend on hashing.
+    fn sorted(mut self) -> Self {
+        for list in self
+            .subscribe
+            .values_mut()
+            .chain(self.unsubscribe.values_mut())
+        {
+            list.sort_unstable();
+        }
+        self
+    }
 }
 
 /// The (chunk, node) pairs this node subscribes to. A chunk may be served by more than its
@@ -31,42 +45,77 @@ impl SubscriptionChanges {
 /// before it is handed over, and only its owner writes it.
 #[derive(Debug, Clone, Default)]
 pub struct Subscriptions {
-    held: HashSet<(ChunkPos, NodeId)>,
+    /// chunk -> the nodes it is subscribed at (never empty).
+    held: HashMap<ChunkPos, NodeSet>,
+    /// (chunk, node) pairs held.
+    count: usize,
 }
 
 impl Subscriptions {
-    /// Brings the held set to `wanted`; returns what to send.
+    /// Brings the held set to `wanted`, every pair of it; returns what to send.
     pub fn update(
         &mut self,
         wanted: impl IntoIterator<Item = (ChunkPos, NodeId)>,
     ) -> SubscriptionChanges {
-        let wanted: HashSet<(ChunkPos, NodeId)> = wanted.into_iter().collect();
+        let mut by_chunk: HashMap<ChunkPos, NodeSet> = HashMap::default();
+        for (c, n) in wanted {
+            by_chunk.entry(c).or_default().insert(n);
+        }
         let mut out = SubscriptionChanges::default();
-        self.held.retain(|pair| {
-            let keep = wanted.contains(pair);
-            if !keep {
-                out.unsubscribe.entry(pair.1).or_default().push(pair.0);
-            }
-            keep
-        });
-        for pair in wanted {
-            if self.held.insert(pair) {
-                out.subscribe.entry(pair.1).or_default().push(pair.0);
-            }
+        let gone: Vec<ChunkPos> = self
+            .held
+            .keys()
+            .filter(|c| !by_chunk.contains_key(c))
+            .copied()
+            .collect();
+        for c in gone {
+            self.set(&mut out, c, NodeSet::new());
         }
-        for list in out
-            .subscribe
-            .values_mut()
-            .chain(out.unsubscribe.values_mut())
-        {
-            list.sort_unstable();
+        for (c, nodes) in by_chunk {
+            self.set(&mut out, c, nodes);
         }
-        out
+        out.sorted()
+    }
+
+    /// Brings the pairs of the given chunks alone to what each wants (every node it is wanted
+    /// at); the other chunks stay as they are. What a few chunks coming into or leaving views
+    /// change costs those chunks, not every pair held.
+    pub fn update_chunks(
+        &mut self,
+        wanted: impl IntoIterator<Item = (ChunkPos, NodeSet)>,
+    ) -> SubscriptionChanges {
+        let mut out = SubscriptionChanges::default();
+        for (c, nodes) in wanted {
+            self.set(&mut out, c, nodes);
+        }
+        out.sorted()
+    }
+
+    /// Holds `chunk` at exactly `nodes`, noting the difference in `out`.
+    fn set(&mut self, out: &mut SubscriptionChanges, chunk: ChunkPos, nodes: NodeSet) {
+        let empty = NodeSet::new();
+        let before = self.held.get(&chunk).unwrap_or(&empty);
+        if *before == nodes {
+            return;
+        }
+        for n in before.iter().filter(|n| !nodes.contains(n)) {
+            out.unsubscribe.entry(n).or_default().push(chunk);
+            self.count -= 1;
+        }
+        for n in nodes.iter().filter(|n| !before.contains(n)) {
+            out.subscribe.entry(n).or_default().push(chunk);
+            self.count += 1;
+        }
+        if nodes.is_empty() {
+            self.held.remove(&chunk);
+        } else {
+            self.held.insert(chunk, nodes);
+        }
     }
 
     /// Whether this node subscribed to `chunk` at `node`.
     pub fn has(&self, chunk: ChunkPos, node: NodeId) -> bool {
-        self.held.contains(&(chunk, node))
+        self.held.get(&chunk).is_some_and(|n| n.contains(&node))
     }
 
     /// Every chunk held from `owner`, sorted: sent again when the link to it comes back.
@@ -74,19 +123,27 @@ impl Subscriptions {
         let mut v: Vec<ChunkPos> = self
             .held
             .iter()
-            .filter(|(_, o)| *o == owner)
+            .filter(|(_, nodes)| nodes.contains(&owner))
             .map(|(c, _)| *c)
             .collect();
         v.sort_unstable();
         v
     }
 
+    /// Every (chunk, node) pair held, in no order.
+    pub fn pairs(&self) -> impl Iterator<Item = (ChunkPos, NodeId)> + '_ {
+        self.held
+            .iter()
+            .flat_map(|(c, nodes)| nodes.iter().map(move |n| (*c, n)))
+    }
+
+    /// (chunk, node) pairs held.
     pub fn len(&self) -> usize {
-        self.held.len()
+        self.count
     }
 
     pub fn is_empty(&self) -> bool {
-        self.held.is_empty()
+        self.count == 0
     }
 }
 
@@ -291,6 +348,36 @@ mod tests {
             (ch.unsubscribe[&2].clone(), ch.subscribe[&4].clone()),
             (vec![c(2, 1)], vec![c(2, 1)])
         );
+    }
+
+    proptest::proptest! {
+        /// Bringing only the chunks whose wanted nodes changed up to date, step after step,
+        /// holds and sends what bringing every pair up to date does.
+        #[test]
+        fn chunk_by_chunk_agrees_with_the_whole(
+            steps in proptest::collection::vec(
+                proptest::collection::vec((0i64..6, 0u32..5, proptest::bool::ANY), 0..12),
+                1..12,
+            )
+        ) {
+            let (mut whole, mut by_chunk) = (Subscriptions::default(), Subscriptions::default());
+            let mut wanted: BTreeSet<(ChunkPos, NodeId)> = BTreeSet::new();
+            for step in steps {
+                let mut touched: BTreeSet<ChunkPos> = BTreeSet::new();
+                for (x, n, on) in step {
+                    if on { wanted.insert((c(x, 0), n)) } else { wanted.remove(&(c(x, 0), n)) };
+                    touched.insert(c(x, 0));
+                }
+                let a = whole.update(wanted.iter().copied());
+                let b = by_chunk.update_chunks(touched.iter().map(|t| {
+                    (*t, wanted.iter().filter(|(k, _)| k == t).map(|(_, n)| *n).collect())
+                }));
+                proptest::prop_assert_eq!(a, b);
+                let held: BTreeSet<_> = by_chunk.pairs().collect();
+                proptest::prop_assert_eq!(&held, &wanted);
+                proptest::prop_assert_eq!(by_chunk.len(), wanted.len());
+            }
+        }
     }
 
     #[test]
