@@ -210,16 +210,14 @@ impl Replication {
         self.subs_dirty = true;
     }
 
-    /// Every pair wanted, worked out whole: what the pairs kept up to date chunk by chunk must
-    /// equal (checked in debug builds, so every test run checks it).
-    #[cfg(debug_assertions)]
-    fn assert_subscriptions_whole(
+    /// Every pair wanted, worked out whole: the band, the viewed chunks and the followed writers.
+    fn wanted_whole(
         &mut self,
         cx: &Context,
         clients: &Clients,
         authority: &Authority,
-    ) {
-        let mut wanted: BTreeSet<(ChunkPos, NodeId)> = self
+    ) -> Vec<(ChunkPos, NodeId)> {
+        let mut wanted: Vec<(ChunkPos, NodeId)> = self
             .band
             .iter()
             .flat_map(|(c, nodes)| nodes.iter().map(|n| (*c, n)))
@@ -228,6 +226,22 @@ impl Replication {
             wanted.extend(self.viewed_pairs(cx, authority, c).iter().map(|n| (c, n)));
         }
         wanted.extend(self.followed.iter().copied());
+        wanted
+    }
+
+    /// What the pairs kept up to date chunk by chunk must equal: the whole (checked in debug
+    /// builds, so every test run checks it).
+    #[cfg(debug_assertions)]
+    fn assert_subscriptions_whole(
+        &mut self,
+        cx: &Context,
+        clients: &Clients,
+        authority: &Authority,
+    ) {
+        let wanted: BTreeSet<(ChunkPos, NodeId)> = self
+            .wanted_whole(cx, clients, authority)
+            .into_iter()
+            .collect();
         let held: BTreeSet<(ChunkPos, NodeId)> = self.subs.pairs().collect();
         assert_eq!(
             held, wanted,
@@ -663,15 +677,7 @@ impl Replication {
         self.followed.retain(|(c, _)| clients.is_viewed(*c));
         let touched = std::mem::take(&mut self.subs_touched);
         let changes = if std::mem::take(&mut self.subs_dirty) {
-            let mut wanted: Vec<(ChunkPos, NodeId)> = self
-                .band
-                .iter()
-                .flat_map(|(c, nodes)| nodes.iter().map(|n| (*c, n)))
-                .collect();
-            for c in clients.viewed_chunks() {
-                wanted.extend(self.viewed_pairs(cx, authority, c).iter().map(|n| (c, n)));
-            }
-            wanted.extend(self.followed.iter().copied());
+            let wanted = self.wanted_whole(cx, clients, authority);
             self.subs.update(wanted)
         } else {
             let wanted: Vec<(ChunkPos, NodeSet)> = touched
