@@ -23,7 +23,7 @@ pub mod token;
 
 /// Version of every cellmesh protocol; a peer with another major version is refused by name.
 pub const PROTOCOL_MAJOR: u32 = 1;
-pub const PROTOCOL_MINOR: u32 = 7;
+pub const PROTOCOL_MINOR: u32 = 8;
 
 #[allow(clippy::all, missing_docs)]
 pub mod local {

@@ -121,6 +121,10 @@ pub struct SidecarConfig {
     pub handoff_margin_chunks: u32,
     /// After a refused handoff, the entity is not offered again for this long.
     pub handoff_retry_ms: u64,
+    /// A handoff this sidecar decides (not the game's `Release`) asks a game of protocol 1.8 or
+    /// later to release the entity at its next tick's end (`Offload`), so it misses no tick,
+    /// instead of freezing it at once (`Freeze`, which costs the tick in which the game answers).
+    pub handoff_offload: bool,
     /// A command with a request id is answered `TIMEOUT` if no result came back in this long.
     pub command_timeout_ms: u64,
     /// The lease of a `Claim` that names none: how long a claim outlives the last renewal the
@@ -211,6 +215,7 @@ impl Default for SidecarConfig {
             ghost_min_lifespan_ms: 2_000,
             handoff_margin_chunks: 1,
             handoff_retry_ms: 1_000,
+            handoff_offload: false,
             command_timeout_ms: 5_000,
             claim_ttl_ms: 10_000,
             checkpoint_interval_ms: 2_000,

@@ -66,6 +66,9 @@ pub struct SidecarStats {
     pub sessions: u64,
     pub entities: u64,
     pub inputs_delivered: u64,
+    /// Of those, inputs a game dropped after releasing the avatar, handed on to be delivered
+    /// again.
+    pub inputs_handed_on: u64,
     /// Client inputs dropped before reaching the game, under a named reason.
     pub inputs_dropped: u64,
     /// The same by reason ([`metrics::INPUT_DROP_REASONS`]); reasons with none left out.
@@ -134,6 +137,7 @@ impl SidecarHandle {
             sessions: m.sessions.get().max(0) as u64,
             entities: m.entities.get().max(0) as u64,
             inputs_delivered: m.inputs_delivered.get(),
+            inputs_handed_on: m.inputs_handed_on.get(),
             inputs_dropped: m.inputs_dropped_total(),
             inputs_dropped_by_reason: metrics::INPUT_DROP_REASONS
                 .iter()

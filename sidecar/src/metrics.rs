@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use crate::model::handoff::FreezeCost;
 
 /// Every reason a client input is dropped for before it reaches a game (`inputs_dropped`).
-pub const INPUT_DROP_REASONS: [&str; 15] = [
+pub const INPUT_DROP_REASONS: [&str; 17] = [
     // The proxy named a session this gateway does not have, or one still registering.
     "unknown_session",
     "session_attaching",
@@ -45,6 +45,11 @@ pub const INPUT_DROP_REASONS: [&str; 15] = [
     "lease_lapsed",
     // Held for the game while the node lease was lapsed, and the lease was then lost.
     "lease_lost",
+    // Handed to a game that then released the player's avatar before applying it, so long
+    // before that no copy was kept to hand on (beyond the last 64 of the player).
+    "input_released_unkept",
+    // Named by a game's release of an avatar that crossed a Freeze whose offer had left.
+    "input_release_after_offer",
 ];
 
 /// Who is on the other end of a connection.
@@ -153,6 +158,9 @@ pub struct Metrics {
     pub entities: Gauge,
     pub game_connected: Gauge,
     pub inputs_delivered: Counter,
+    /// Inputs a game dropped because it had released the player's avatar: handed on (each was
+    /// counted in `inputs_delivered` when the game got it).
+    pub inputs_handed_on: Counter,
     pub batches_sent: Counter,
     pub deltas_sent: Counter,
     pub deltas_encoded: Counter,
@@ -302,6 +310,7 @@ impl Default for Metrics {
             entities: Default::default(),
             game_connected: Default::default(),
             inputs_delivered: Default::default(),
+            inputs_handed_on: Default::default(),
             batches_sent: Default::default(),
             deltas_sent: Default::default(),
             deltas_encoded: Default::default(),
@@ -433,6 +442,11 @@ impl Metrics {
             "inputs_delivered",
             "Client inputs delivered to the game",
             m.inputs_delivered.clone(),
+        );
+        r.register(
+            "inputs_handed_on",
+            "Client inputs a game dropped after releasing the player's avatar, handed on to be delivered again (each counted in inputs_delivered too)",
+            m.inputs_handed_on.clone(),
         );
         r.register(
             "batches_sent",

@@ -4,8 +4,10 @@
 //!   epoch; a ghost's frames come from the owner of its epoch;
 //! - an entity frozen for a handoff is thawed only after a refusal, if its offer never left, or
 //!   once its target died (the restore of the dead node's world gives it back);
-//! - every input reaches a game at most once, and at the end every input sent was delivered,
-//!   counted under a named drop reason, or lost with a broken link;
+//! - every input reaches a game at most once, but for those a game dropped because it had
+//!   released the player's avatar after applying an earlier one (they are handed on), and at the
+//!   end every input sent was delivered, counted under a named drop reason, or lost with a
+//!   broken link;
 //! - at quiescence every entity a game holds is the unfrozen real of exactly one node, nothing
 //!   is lost or held twice, and no handoff is in flight.
 //!
@@ -44,6 +46,12 @@ pub(crate) struct Checker {
     sent: BTreeSet<(String, u64)>,
     /// (account, seq) -> times delivered to a game.
     delivered: BTreeMap<(String, u64), u32>,
+    /// (account, seq) -> the node whose game it was delivered to last.
+    delivered_to: BTreeMap<(String, u64), NodeId>,
+    /// (node, entity) -> the account whose avatar it is, as that node's game holds it.
+    avatars: BTreeMap<(NodeId, u64), String>,
+    /// Inputs delivered to a game that released their avatar before applying them: handed on.
+    pub handed_on: u64,
     /// (account, seq) of inputs in frames lost with a broken link.
     lost: BTreeSet<(String, u64)>,
     /// Forwarded inputs in frames lost with a broken link, each copy counted: what a driver
@@ -104,6 +112,13 @@ impl Checker {
                 self.lost_with_game.insert(key);
             }
         }
+    }
+
+    /// `node`'s game went away: what was delivered to it is never handed on (its successor
+    /// starts from checkpoints), and the avatars it held are its successor's to adopt.
+    pub fn game_gone(&mut self, node: NodeId) {
+        self.delivered_to.retain(|_, to| *to != node);
+        self.avatars.retain(|(n, _), _| *n != node);
     }
 
     /// Inputs a killed node held with no copy anywhere else.
@@ -238,6 +253,7 @@ impl Checker {
         for m in &frame.messages {
             match &m.body {
                 Some(sidecar_message::Body::Input(i)) => {
+                    self.delivered_to.insert((i.account.clone(), i.seq), node);
                     let n = {
                         let n = self
                             .delivered
@@ -277,6 +293,15 @@ impl Checker {
                 }
                 Some(sidecar_message::Body::Evict(e)) => {
                     self.freezes.remove(&(node, e.entity_id));
+                    self.avatars.remove(&(node, e.entity_id));
+                }
+                Some(sidecar_message::Body::Adopt(a)) => {
+                    for a in std::iter::once(a).chain(&a.attachments) {
+                        if a.is_master && !a.owner_account.is_empty() {
+                            self.avatars
+                                .insert((node, a.entity_id), a.owner_account.clone());
+                        }
+                    }
                 }
                 _ => {}
             }
@@ -287,8 +312,47 @@ impl Checker {
     /// a Freeze (one that crossed a Freeze keeps the record of that Freeze).
     pub fn frame_from_game(&mut self, node: NodeId, messages: &[GameMessage]) {
         for m in messages {
-            if let Some(game_message::Body::Release(r)) = &m.body {
-                self.freezes.entry((node, r.entity_id)).or_default();
+            match &m.body {
+                Some(game_message::Body::Release(r)) => {
+                    self.freezes.entry((node, r.entity_id)).or_default();
+                    self.avatar_released(node, r.entity_id, r.last_input_seq);
+                }
+                Some(game_message::Body::Spawn(s))
+                    if s.is_master && !s.owner_account.is_empty() =>
+                {
+                    self.avatars
+                        .insert((node, s.entity_id), s.owner_account.clone());
+                }
+                Some(game_message::Body::Despawn(d)) => {
+                    self.avatars.remove(&(node, d.entity_id));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// `node`'s game released avatar `id` having applied its player's inputs up to
+    /// `last_input_seq`: the ones after it delivered there were dropped by the game, and are
+    /// handed on (they may reach a game once more).
+    fn avatar_released(&mut self, node: NodeId, id: u64, last_input_seq: u64) {
+        let Some(account) = self.avatars.get(&(node, id)).cloned() else {
+            return;
+        };
+        let after = (account.clone(), last_input_seq + 1)..=(account, u64::MAX);
+        let dropped: Vec<(String, u64)> = self
+            .delivered_to
+            .range(after)
+            .filter(|(_, to)| **to == node)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in dropped {
+            self.delivered_to.remove(&key);
+            if let Some(n) = self.delivered.get_mut(&key) {
+                *n -= 1;
+                if *n == 0 {
+                    self.delivered.remove(&key);
+                }
+                self.handed_on += 1;
             }
         }
     }
@@ -366,16 +430,19 @@ impl Checker {
                 );
             }
         }
+        // A released avatar's game drops what reaches it after its release: exactly the inputs
+        // handed on, each delivered once more (or lost under a reason) after.
         let (frozen, repeat, no_player, old_session) = stats.inputs_ignored;
-        if stats.inputs_applied + frozen + repeat + no_player + old_session
-            != stats.inputs_delivered
-            || frozen + repeat + no_player + old_session > 0
+        let deliveries = stats.inputs_delivered + self.handed_on;
+        if stats.inputs_applied + frozen + repeat + no_player + old_session != deliveries
+            || frozen != self.handed_on
+            || repeat + no_player + old_session > 0
         {
             self.violation(
                 now,
                 format!(
-                    "inputs: {} delivered to games, {} applied; ignored: {frozen} for a frozen avatar, {repeat} repeats, {no_player} with no avatar there, {old_session} of an older session",
-                    stats.inputs_delivered, stats.inputs_applied
+                    "inputs: {} delivered to games ({} of them again, handed on from a released avatar), {} applied; ignored: {frozen} for a frozen avatar, {repeat} repeats, {no_player} with no avatar there, {old_session} of an older session",
+                    deliveries, self.handed_on, stats.inputs_applied
                 ),
             );
         }

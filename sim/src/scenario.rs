@@ -710,12 +710,16 @@ fn balance_kill(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
 }
 
 /// As `balance_kill`, and the node comes back (under a new lease) as a spare: the director gives
-/// it the second cell the failover left with another node, one cell a node again.
+/// it the second cell the failover left with another node, one cell a node again. It comes back
+/// six leases after its death: the lapse is seen about a lease after it, fenced a quarter of the
+/// sidecars' lease later, and the failover's commit may lose to a director's commit of the same
+/// epoch and wait for that partition to arrive (hundreds of ms); four leases left it a few
+/// hundred ms, and a node back before its failover simply takes its cell back.
 fn balance_restart(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
     let node = rng.random_range(1..=s.nodes);
     let at = rng.random_range(3_000..15_000);
     plan.at(at, Fault::Kill(node));
-    plan.at(at + 4 * s.lease_ms, Fault::Restart(node));
+    plan.at(at + 6 * s.lease_ms, Fault::Restart(node));
 }
 
 /// Every scenario the test suite runs, by name.

@@ -306,12 +306,15 @@ pub struct Counted {
     /// Inputs a source did not apply again when its offer came back from a dead target, which
     /// had them (not in the sums: each is counted where it went).
     pub abandoned_with_target: u64,
+    /// Inputs a game read after releasing the player's avatar and dropped, handed on: read
+    /// twice (or read, then dropped under a reason), counted once.
+    pub handed_on: u64,
 }
 
 impl Counted {
     /// Sent inputs the counters leave unexplained (negative: counted twice).
     pub fn unaccounted(&self, sent: u64) -> i64 {
-        sent as i64 + self.copies_applied as i64
+        sent as i64 + self.copies_applied as i64 + self.handed_on as i64
             - self.copies_refused as i64
             - self.delivered as i64
             - self.dropped as i64
@@ -327,6 +330,7 @@ impl Counted {
         self.copies_applied += o.copies_applied;
         self.copies_refused += o.copies_refused;
         self.abandoned_with_target += o.abandoned_with_target;
+        self.handed_on += o.handed_on;
     }
 }
 
@@ -1456,6 +1460,7 @@ impl<'a> Sim<'a> {
             for frame in &g.backlog {
                 self.check.frame_lost_with_game(frame);
             }
+            self.check.game_gone(id);
             self.game_stats
                 .push(g.arena.map(|a| a.stats).unwrap_or_default());
         }
@@ -2071,6 +2076,7 @@ impl<'a> Sim<'a> {
         for frame in &g.backlog {
             self.check.frame_lost_with_game(frame);
         }
+        self.check.game_gone(node);
         // Its frames on the way reach a sidecar that no longer reads that connection.
         let conn = g.conn;
         self.spawns_in_flight_lost(|n, _, c| n == node && c == conn, node);
@@ -2586,6 +2592,7 @@ impl<'a> Sim<'a> {
             copies_applied: m.inputs_copies_applied.get(),
             copies_refused: m.inputs_copies_refused.get(),
             abandoned_with_target: m.inputs_abandoned_with_target.get(),
+            handed_on: m.inputs_handed_on.get(),
         }
     }
 
@@ -2954,7 +2961,13 @@ fn describe_input(input: &Input) -> String {
                         game_message::Body::Update(_) | game_message::Body::TickEnd(_)
                     )
                 })
-                .map(|b| format!("{b:?}").chars().take(120).collect())
+                .map(|b| match b {
+                    game_message::Body::Release(r) => format!(
+                        "Release(e{} ep{} after #{} s{})",
+                        r.entity_id, r.entity_epoch, r.last_input_seq, r.input_session_epoch
+                    ),
+                    b => format!("{b:?}").chars().take(120).collect(),
+                })
                 .collect();
             format!("game: {} (+ updates)", names.join(", "))
         }
@@ -2975,6 +2988,7 @@ fn describe_to_game(frame: &SidecarFrame) -> String {
                 i.account, i.seq, i.session_epoch
             )),
             B::Freeze(f) => Some(format!("Freeze(e{} ep{})", f.entity_id, f.entity_epoch)),
+            B::Offload(o) => Some(format!("Offload(e{} ep{})", o.entity_id, o.entity_epoch)),
             B::Thaw(t) => Some(format!("Thaw(e{})", t.entity_id)),
             B::Evict(e) => Some(format!("Evict(e{})", e.entity_id)),
             B::Adopt(a) => Some(format!("Adopt(e{} ep{})", a.entity_id, a.entity_epoch)),

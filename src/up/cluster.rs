@@ -337,6 +337,7 @@ fn node_env(
             ArenaConfig::default().player_speed
         },
         entity_cost_ms: if opts.bsp { Crowd::ENTITY_COST_MS } else { 0.0 },
+        zero_tick_handoffs: opts.zero_tick_handoffs,
     })
 }
 

@@ -54,6 +54,8 @@ pub(super) struct NodeEnv {
     pub(super) arena_spread: f64,
     pub(super) player_speed: f64,
     pub(super) entity_cost_ms: f32,
+    /// Avatars released by the arenas, and `Offload` asked by the sidecars (`--zero-tick-handoffs`).
+    pub(super) zero_tick_handoffs: bool,
     /// The attest key of this run (`kid:secret`), shared by its proxies and sidecars: nobody
     /// outside it can attach a session.
     pub(super) attest_key: String,
@@ -94,6 +96,7 @@ pub(super) async fn start_node(
             .map(|d| d.0.to_string_lossy().into_owned())
             .unwrap_or_default(),
         attest_keys: vec![env.attest_key.clone()],
+        handoff_offload: env.zero_tick_handoffs,
         ..SidecarConfig::default()
     };
     if let Some(ms) = env.node_lease_ms {
@@ -142,6 +145,7 @@ pub(super) async fn start_node(
         entity_cost_ms: env.entity_cost_ms,
         census: Some(env.games.clone()),
         halt: Some(env.halt.clone()),
+        release_avatars: env.zero_tick_handoffs,
         ..ArenaConfig::default()
     };
     let arena_stop = env.stop.child_token();

@@ -452,6 +452,8 @@ struct Npc {
     dir: f64,
     frozen: bool,
     epoch: u64,
+    /// The sidecar asked for its release at the end of the next tick (`Offload`).
+    offload: bool,
 }
 
 /// Snapshot state: position and walking direction.
@@ -604,6 +606,11 @@ pub async fn run(
                             tx.push(Body::Despawn(cellmesh_proto::local::Despawn { entity_id: id }));
                         }
                     }
+                    M::Offload(o) => {
+                        if let Some(n) = npcs.get_mut(&o.entity_id).filter(|n| !n.frozen) {
+                            n.offload = true;
+                        }
+                    }
                     M::Freeze(f) => {
                         if let Some(n) = npcs.get_mut(&f.entity_id) {
                             if let Some(log) = &cfg.handoff_log {
@@ -641,7 +648,7 @@ pub async fn run(
                         let (at, dir) = decode_state(&a.state).unwrap_or_else(|| {
                             (a.position.as_ref().map_or((0.0, 0.0), |p| (p.x, p.y)), 1.0)
                         });
-                        npcs.insert(a.entity_id, Npc { at, dir, frozen: false, epoch: a.entity_epoch });
+                        npcs.insert(a.entity_id, Npc { at, dir, frozen: false, epoch: a.entity_epoch, offload: false });
                         if let Some(log) = &cfg.handoff_log {
                             let adopt_ns = now_ns();
                             log.note(a.entity_id, |p| p.adopt_ns = Some(adopt_ns));
@@ -697,7 +704,7 @@ pub async fn run(
                             parent_id: 0,
                         }));
                         let dir = dirs.pop().unwrap_or(1.0);
-                        npcs.insert(id, Npc { at, dir, frozen: false, epoch: 1 });
+                        npcs.insert(id, Npc { at, dir, frozen: false, epoch: 1, offload: false });
                         npc_budget -= 1;
                     } else {
                         break;
@@ -743,13 +750,14 @@ pub async fn run(
                             removed_types: Vec::new(),
                         }));
                         n_updates += 1;
-                        if cfg.release && area.release_due(n.at.0, n.at.1) {
+                        let offload = std::mem::take(&mut n.offload);
+                        if offload || (cfg.release && area.release_due(n.at.0, n.at.1)) {
                             n.frozen = true;
                             tx.push(Body::Release(Release {
                                 entity_id: id,
                                 entity_epoch: n.epoch,
                                 state: encode_state(n.at, n.dir),
-                                attachments: Vec::new(),
+                                ..Default::default()
                             }));
                             stats.released.fetch_add(1, Relaxed);
                             releasing.push(id);

@@ -45,6 +45,9 @@ pub struct ArenaConfig {
     /// Hand an entity over with `Release` in the tick it walks out of the node's area (else
     /// the sidecar's `Freeze` does it, a tick later).
     pub release: bool,
+    /// With `release`, players' avatars are released too, naming the last input applied
+    /// (protocol 1.8); else the sidecar's `Freeze` hands them over.
+    pub release_avatars: bool,
     /// Milliseconds of tick each entity is reported to cost in `Load`, on top of the tick as
     /// measured: the toy's own tick takes microseconds, and a balancer needs a game's weight.
     pub entity_cost_ms: f32,
@@ -72,6 +75,7 @@ impl Default for ArenaConfig {
             census: None,
             halt: None,
             release: true,
+            release_avatars: false,
             entity_cost_ms: 0.0,
             combat: true,
             trade: true,
@@ -94,6 +98,8 @@ pub struct ArenaStats {
     pub released: u64,
     /// ...and of those, how many the sidecar kept (thawed).
     pub releases_kept: u64,
+    /// Of the releases, those of a player's avatar (named with the last input applied).
+    pub avatars_released: u64,
     /// Snapshots sent (a repeated Freeze is answered again).
     pub snapshots: u64,
     /// Checkpoints answered.
@@ -102,7 +108,8 @@ pub struct ArenaStats {
     pub evicted: u64,
     /// Handoffs refused: entities resumed.
     pub thawed: u64,
-    /// Inputs that reached a frozen player (the sidecar holds them back; these are ignored).
+    /// Inputs that reached a frozen player, ignored: the sidecar holds them back after its
+    /// `Freeze`, and hands on those after the last one applied after a `Release`.
     pub inputs_while_frozen: u64,
     /// Inputs for an account with no avatar here (ignored).
     pub inputs_no_player: u64,

@@ -104,6 +104,8 @@ pub fn game_frames() -> Vec<Vec<u8>> {
                 entity_epoch: 5,
                 state: payload(4),
             }],
+            last_input_seq: 41,
+            input_session_epoch: 3,
         }),
         B::Command(Command {
             target_entity: 7,
@@ -493,6 +495,7 @@ pub fn mesh_frames() -> Vec<Vec<u8>> {
             session_epoch: 2,
             last_position: pos,
             gateway_node: 1,
+            hops: 1,
         }),
         B::PlayerLeave(PeerPlayerLeave {
             account: "ada".into(),

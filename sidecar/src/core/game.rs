@@ -592,6 +592,16 @@ impl LocalGame {
             .taken(c.entity_id, c.entity_epoch, c.state, cx.now.mono_ms);
     }
 
+    /// Whether the game hands everything over by `Release` (protocol 1.8 and later): it takes
+    /// `Offload`, and releases a player's avatar naming the last input it applied (those it got
+    /// after are handed on).
+    pub(crate) fn hands_over_by_release(&self) -> bool {
+        self.slot
+            .as_ref()
+            .and_then(|g| g.hello.version.as_ref())
+            .is_some_and(|v| v.minor >= 8)
+    }
+
     /// Asks the game for the checkpoints now due (games of protocol 1.1 and later), while the
     /// lease is live.
     pub(crate) fn ask_for_checkpoints(

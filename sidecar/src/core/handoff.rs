@@ -27,7 +27,7 @@ use crate::model::handoff::{
     freeze_cost, Admit, AfterDespawn, Completed, Fence, HandoffSource, HandoffTarget, InputRoute,
     Offer, OfferChecks, OfferDecision, Thawed,
 };
-use crate::model::inputs::{InputOrder, Ordered};
+use crate::model::inputs::{InputOrder, Ordered, RecentInputs};
 use crate::model::subs::{self};
 
 /// The handoffs this node takes part in, as source and as target, and the epoch fence.
@@ -53,10 +53,19 @@ pub(crate) struct Handoffs {
     leaving: HashMap<String, mesh::PeerPlayerLeave>,
     /// The order of each player's inputs handed to the game here.
     input_order: InputOrder<local::Input>,
+    /// The inputs lately handed to the game (of a game that may release avatars): those after
+    /// the last one it applied go on with a released avatar.
+    recent_inputs: RecentInputs<local::Input>,
+    /// Accounts whose avatar the game released in the tick under way -> the unit's root: their
+    /// inputs wait for the tick's end with it (the game drops them).
+    released_avatars: HashMap<String, u64>,
     /// Entities due for a handoff whose target does not hold their ghost yet, since when.
     ghost_wait: HashMap<u64, u64>,
     /// Entities the fence holds frames for, since when (monotonic ms).
     held_since: HashMap<u64, u64>,
+    /// Entities the game was asked to release at its next tick's end (`Offload`), and until when
+    /// (monotonic ms) its `Release` is waited for before a `Freeze` hands them over instead.
+    offloading: HashMap<u64, u64>,
     /// Units the game released in the tick under way, by root: offered at its `TickEnd`.
     released: BTreeMap<u64, Released>,
     /// Every member of a unit in `released` -> its root (the game must not write them).
@@ -156,6 +165,20 @@ pub(crate) struct Released {
     pub epoch: u64,
     pub state: Bytes,
     pub attachments: Vec<local::Snapshot>,
+    /// For a unit holding a player's avatar: the inputs the game did not apply.
+    pub avatar: Option<ReleasedAvatar>,
+}
+
+/// The player of a released avatar, and its inputs the game did not apply: those handed to it
+/// after the last one it applied, then those that came before the tick's end. They go behind
+/// the unit's offer, or to the game again if the unit stays.
+#[derive(Debug, Clone)]
+pub(crate) struct ReleasedAvatar {
+    pub account: String,
+    pub session_epoch: u64,
+    /// The last input the game applied (0: none of `session_epoch`).
+    pub last_applied: u64,
+    pub inputs: Vec<local::Input>,
 }
 
 /// Whether an owned entity is handed over now.
@@ -218,9 +241,19 @@ pub(crate) struct TargetView<'a> {
 impl Handoffs {
     // ------------------------------------------------------------------ source
 
-    /// After the tick's moves: offers every owned entity standing far enough in another node's
-    /// area (and those a new partition gave away, or that wait for a retry).
-    pub(crate) fn check(&mut self, cx: &mut Context, view: &TargetView, changes: &TickChanges) {
+    /// After the tick's moves: hands over every owned entity standing far enough in another
+    /// node's area (and those a new partition gave away, or that wait for a retry). A game that
+    /// takes `Offload` (`offload_wait_ms`: how long its `Release` is waited for) releases them
+    /// at its next tick's end, missing no tick; otherwise, or if it does not in time, they are
+    /// frozen.
+    pub(crate) fn check(
+        &mut self,
+        cx: &mut Context,
+        view: &TargetView,
+        changes: &TickChanges,
+        offload_wait_ms: Option<u64>,
+    ) {
+        let now = cx.now.mono_ms;
         let mut ids = std::mem::take(&mut self.recheck);
         ids.extend(
             changes
@@ -228,11 +261,45 @@ impl Handoffs {
                 .filter(|(_, c)| c.moved || c.spawned)
                 .map(|(id, _)| *id),
         );
+        let mut unanswered = Vec::new();
+        self.offloading.retain(|id, until| {
+            let waits = now < *until;
+            if !waits {
+                unanswered.push(*id);
+            }
+            waits
+        });
+        ids.extend(unanswered.iter().copied());
         for id in ids {
-            if let Due::Now(to) = self.due(cx, view, id) {
-                self.begin(cx, view.table, id, to);
+            if self.offloading.contains_key(&id) {
+                // Asked: its Release comes at the game's next tick's end.
+                continue;
+            }
+            let Due::Now(to) = self.due(cx, view, id) else {
+                continue;
+            };
+            match offload_wait_ms {
+                Some(wait) if !unanswered.contains(&id) => {
+                    self.offload(cx, view.table, id, now + wait)
+                }
+                _ => self.begin(cx, view.table, id, to),
             }
         }
+    }
+
+    /// Asks the game to release `id` at its next tick's end.
+    fn offload(&mut self, cx: &mut Context, table: &EntityTable, id: u64, until_ms: u64) {
+        let Some(epoch) = table.get_local(id).map(|e| e.epoch) else {
+            return;
+        };
+        self.offloading.insert(id, until_ms);
+        cx.out.to_game.push(
+            sidecar_message::Body::Offload(local::Offload {
+                entity_id: id,
+                entity_epoch: epoch,
+            })
+            .into(),
+        );
     }
 
     /// Whether owned entity `id` is handed over now, keeping the bookkeeping of those that
@@ -322,6 +389,15 @@ impl Handoffs {
             Err(e) => tracing::debug!(entity = root, error = %e, "handoff not begun"),
         }
     }
+}
+
+/// The account whose avatar is among `members`, if one is.
+fn player_of(table: &EntityTable, members: &[u64]) -> Option<String> {
+    members
+        .iter()
+        .filter_map(|m| table.get_local(*m))
+        .find(|e| e.is_master && !e.owner_account.is_empty())
+        .map(|e| e.owner_account.clone())
 }
 
 /// Tells the game to stop writing `id` under its current epoch (it answers with its snapshot).
@@ -440,8 +516,10 @@ impl Handoffs {
     /// be released (it holds a player's avatar, or it is no unit's root).
     pub(crate) fn record_release(
         &mut self,
+        cx: &mut Context,
         table: &EntityTable,
         r: local::Release,
+        releases_avatars: bool,
     ) -> Result<(), KeptBecause> {
         let id = r.entity_id;
         let Some(e) = table.get_local(id) else {
@@ -452,14 +530,12 @@ impl Handoffs {
         let (epoch, parent) = (e.epoch, e.parent_id);
         let mut members = attachments_of(table, id);
         members.push(id);
-        if members
-            .iter()
-            .any(|m| table.get_local(*m).is_some_and(|e| e.is_master))
-        {
-            // Inputs already on their way to the game would reach an avatar frozen there, with
-            // nobody to apply them; a Freeze holds them here instead.
+        let master = player_of(table, &members);
+        if master.is_some() && !releases_avatars {
+            // Inputs already on their way to the game would reach an avatar frozen there, and
+            // a game of this protocol does not say which it applied; a Freeze holds them here.
             return Err(KeptBecause::Reason(
-                "a player's avatar is handed over by Freeze, so that no input on its way to the game is lost",
+                "a player's avatar is released by games of protocol 1.8 or later; it is handed over by Freeze",
             ));
         }
         if parent != 0 && table.get_local(parent).is_some() {
@@ -467,8 +543,13 @@ impl Handoffs {
                 "entity {id} is attached to entity {parent}: release the root, whose unit it moves with"
             )));
         }
+        let avatar = master.map(|account| {
+            self.released_avatars.insert(account.clone(), id);
+            self.released_avatar(cx, account, r.input_session_epoch, r.last_input_seq)
+        });
         for m in members {
             self.released_by.insert(m, id);
+            self.offloading.remove(&m);
         }
         self.released.insert(
             id,
@@ -476,18 +557,150 @@ impl Handoffs {
                 epoch,
                 state: r.state,
                 attachments: r.attachments,
+                avatar,
             },
         );
         Ok(())
     }
 
-    /// The units the game released in the tick that ended, to offer now.
+    /// `account`'s avatar was released by a game that applied its inputs of `session_epoch` up
+    /// to `last`: the inputs handed to the game after that one, which it drops.
+    fn released_avatar(
+        &mut self,
+        cx: &mut Context,
+        account: String,
+        session_epoch: u64,
+        last: u64,
+    ) -> ReleasedAvatar {
+        let current = self.input_order.last_of(&account).map(|(epoch, _)| epoch);
+        let handed = self.recent_inputs.hand_on(&account, session_epoch, last);
+        // Each was counted as delivered when the game got it.
+        cx.metrics
+            .inputs_handed_on
+            .inc_by(handed.inputs.len() as u64 + handed.missing);
+        for _ in 0..handed.missing {
+            // Handed to the game so long ago that no copy is kept, and not applied.
+            cx.metrics.drop_input("input_released_unkept");
+        }
+        // The game applied nothing of a session newer than the one it names.
+        let (session_epoch, last_applied) = match current {
+            Some(epoch) if epoch > session_epoch => (epoch, 0),
+            _ => (session_epoch, last),
+        };
+        ReleasedAvatar {
+            account,
+            session_epoch,
+            last_applied,
+            inputs: handed.inputs,
+        }
+    }
+
+    /// An input for the game of `account` whose avatar the game released in the tick under
+    /// way: it waits with the unit for the tick's end (the game would drop it). Handed back if
+    /// the avatar was not released.
+    pub(crate) fn park_input(&mut self, i: local::Input) -> Option<local::Input> {
+        let Some(root) = self.released_avatars.get(&i.account) else {
+            return Some(i);
+        };
+        match self.released.get_mut(root).and_then(|r| r.avatar.as_mut()) {
+            Some(a) => {
+                a.inputs.push(i);
+                None
+            }
+            None => Some(i),
+        }
+    }
+
+    /// The game went away: the inputs handed to it are no longer kept (a game that comes back
+    /// starts from its entities' checkpoints, and names no input of the gone one).
+    pub(crate) fn game_gone(&mut self) {
+        self.recent_inputs = RecentInputs::default();
+    }
+
+    /// An input handed to the game: kept a while, in case the game releases its avatar.
+    pub(crate) fn delivered_input(&mut self, i: &local::Input) {
+        self.recent_inputs
+            .delivered(&i.account, i.session_epoch, i.seq, i.clone());
+    }
+
+    /// The units the game released in the tick that ended, to offer now. The inputs of a
+    /// released avatar's player are ordered from the last one its game applied again: those
+    /// after it go behind the offer, or to the game again.
     pub(crate) fn take_released(&mut self) -> BTreeMap<u64, Released> {
         if self.released.is_empty() {
             return BTreeMap::new();
         }
         self.released_by.clear();
-        std::mem::take(&mut self.released)
+        self.released_avatars.clear();
+        let released = std::mem::take(&mut self.released);
+        for a in released.values().filter_map(|r| r.avatar.as_ref()) {
+            self.input_order
+                .rewind(&a.account, a.session_epoch, a.last_applied);
+        }
+        released
+    }
+
+    /// A `Release` of `root` crossed this node's `Freeze` of its unit: if the unit holds a
+    /// player's avatar, the inputs its game got after the last one it applied (which it
+    /// dropped) go behind the offer ahead of those held since the `Freeze`.
+    pub(crate) fn release_crossed_freeze(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        root: u64,
+        input_session_epoch: u64,
+        last_input_seq: u64,
+    ) {
+        let Some(account) = player_of(table, self.outgoing.members(root)) else {
+            return;
+        };
+        let unapplied = self.unapplied(cx, account, input_session_epoch, last_input_seq);
+        let inputs = unapplied.into_iter().map(Routed::Input).collect();
+        if let Err(inputs) = self.outgoing.hold_first(root, inputs) {
+            // The offer left already (a repeated release): what it carries stands.
+            for _ in inputs {
+                cx.metrics.drop_input("input_release_after_offer");
+            }
+        }
+    }
+
+    /// A `Release` of `root` the sidecar did not take (it answers with a `Thaw`): if its unit
+    /// holds a player's avatar, the inputs its game dropped since the one it applied last, to
+    /// hand it again after the `Thaw`.
+    pub(crate) fn release_not_taken(
+        &mut self,
+        cx: &mut Context,
+        table: &EntityTable,
+        root: u64,
+        input_session_epoch: u64,
+        last_input_seq: u64,
+    ) -> Vec<local::Input> {
+        let mut members = attachments_of(table, root);
+        members.push(root);
+        let Some(account) = player_of(table, &members) else {
+            return Vec::new();
+        };
+        self.unapplied(cx, account, input_session_epoch, last_input_seq)
+    }
+
+    /// `account`'s inputs its game dropped after the last one it applied, now: the player's
+    /// input order is wound back to that one.
+    fn unapplied(
+        &mut self,
+        cx: &mut Context,
+        account: String,
+        input_session_epoch: u64,
+        last_input_seq: u64,
+    ) -> Vec<local::Input> {
+        let a = self.released_avatar(cx, account, input_session_epoch, last_input_seq);
+        self.input_order
+            .rewind(&a.account, a.session_epoch, a.last_applied);
+        a.inputs
+    }
+
+    /// A released avatar stays here: the leave kept for its new owner is its game's again.
+    pub(crate) fn released_avatar_kept(&mut self, account: &str) {
+        self.leaving.remove(account);
     }
 
     /// A unit the game released: its handoff begins now if it is due and its target ready.
@@ -519,6 +732,16 @@ impl Handoffs {
             return ReleasedNext::Kept(r, "it is in another handoff");
         }
         cx.metrics.handoff(me, to, "released");
+        // The inputs its game did not apply go right behind the offer, before any later one.
+        if let Some(a) = r.avatar {
+            let inputs = a.inputs.into_iter().map(Routed::Input).collect();
+            if let Err(inputs) = self.outgoing.hold_first(root, inputs) {
+                debug_assert!(false, "a unit just begun waits for its snapshots");
+                for _ in inputs {
+                    cx.metrics.drop_input("input_release_after_offer");
+                }
+            }
+        }
         // What the game's release holds is the freshest checkpoint there is, as a snapshot.
         let mut parts: Vec<(u64, Bytes)> = vec![(root, r.state)];
         for a in r.attachments {
@@ -805,6 +1028,19 @@ impl Handoffs {
         }
     }
 
+    /// An offer of `id` under `epoch` came while this node's offer of it, under an older
+    /// epoch, is in doubt: that one was taken (see `HandoffSource::taken`), and completes now.
+    pub(crate) fn taken(&mut self, cx: &Context, id: u64, epoch: u64) -> Option<Completed> {
+        let done = self.outgoing.taken(id, epoch, cx.now.mono_ms)?;
+        tracing::info!(
+            entity = id,
+            epoch,
+            taken = done.epoch,
+            "an offer of an entity whose offer from here is in doubt: that one was taken"
+        );
+        Some(done)
+    }
+
     /// A `HandoffRefused` from `from`: the unit to thaw, if the refusal answers an offer.
     pub(crate) fn refused(
         &mut self,
@@ -873,9 +1109,9 @@ impl Handoffs {
         epoch: u64,
         reason: &str,
     ) {
-        let frozen = table
-            .master_of(account)
-            .is_some_and(|e| e.origin.is_none() && self.outgoing.is_frozen(e.id));
+        let frozen = table.master_of(account).is_some_and(|e| {
+            e.origin.is_none() && (self.outgoing.is_frozen(e.id) || self.is_released(e.id))
+        });
         if frozen {
             self.leaving.insert(
                 account.to_string(),
@@ -991,6 +1227,7 @@ impl Handoffs {
         id: u64,
     ) -> (Vec<local::Input>, Option<mesh::PeerPlayerLeave>) {
         self.departed_masters.insert(account.to_string(), id);
+        self.recent_inputs.forget(account);
         let held = self.input_order.forget(account);
         (held, self.leaving.remove(account))
     }

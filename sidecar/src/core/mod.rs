@@ -1093,6 +1093,8 @@ impl Core {
         // Remember where the avatars were, for the PlayerJoin of the next game.
         self.gateway.remember_avatar_positions(&self.table);
         self.replication.clear_sim_ghosts();
+        // What the gone game was handed is not handed on: the next one starts from checkpoints.
+        self.handoff.game_gone();
         self.commands_game_gone();
         self.claims_game_gone();
         if gone == game::Gone::Kept {
@@ -1178,6 +1180,10 @@ impl Core {
             self.authority.keep_frozen(root);
             for a in &r.attachments {
                 self.authority.keep_frozen(a.entity_id);
+            }
+            // A released avatar's inputs its game did not apply: held with the rest.
+            for i in r.avatar.into_iter().flat_map(|a| a.inputs) {
+                self.hold_input_during_lapse(i);
             }
         }
         // Frozen for a handoff whose offer has not left: its snapshot would be offered under
@@ -1826,7 +1832,11 @@ impl Core {
             mesh: &self.mesh,
             restore: &self.restore,
         };
-        self.handoff.check(&mut self.cx, &view, changes);
+        // A game that takes `Offload` releases at its next tick's end: waited for three ticks.
+        let offload_wait_ms = (self.cx.config.handoff_offload && self.game.hands_over_by_release())
+            .then(|| self.game.tick_ms().map_or(150, |t| (3.0 * t).ceil() as u64));
+        self.handoff
+            .check(&mut self.cx, &view, changes, offload_wait_ms);
     }
 
     /// Tells the game to stop writing `id` under its current epoch (it answers with its
@@ -1854,7 +1864,7 @@ impl Core {
         };
         for (root, r) in released {
             match alone {
-                Some(reason) => self.keep_released(root, &r, reason),
+                Some(reason) => self.keep_released(root, r, reason),
                 None => self.offer_released(root, r),
             }
         }
@@ -1870,7 +1880,7 @@ impl Core {
             restore: &self.restore,
         };
         match self.handoff.offer_released(&mut self.cx, &view, root, r) {
-            handoff::ReleasedNext::Kept(r, reason) => self.keep_released(root, &r, reason),
+            handoff::ReleasedNext::Kept(r, reason) => self.keep_released(root, r, reason),
             handoff::ReleasedNext::Begun {
                 checkpoints,
                 offer,
@@ -1892,12 +1902,19 @@ impl Core {
         }
     }
 
-    /// A released unit stays here: the game resumes it.
-    fn keep_released(&mut self, root: u64, r: &handoff::Released, reason: &str) {
+    /// A released unit stays here: the game resumes it, and a released avatar gets the inputs
+    /// it did not apply again, after the `Thaw`.
+    fn keep_released(&mut self, root: u64, r: handoff::Released, reason: &str) {
         tracing::debug!(entity = root, reason, "released entity kept");
         let members = std::iter::once(root).chain(r.attachments.iter().map(|a| a.entity_id));
         for id in members.collect::<Vec<_>>() {
             self.thaw_released(id, reason);
+        }
+        if let Some(a) = r.avatar {
+            self.handoff.released_avatar_kept(&a.account);
+            for i in a.inputs {
+                self.input_to_game(i);
+            }
         }
     }
 
@@ -1907,6 +1924,7 @@ impl Core {
     pub(crate) fn on_release(&mut self, r: local::Release) {
         use local::ErrorCode;
         let id = r.entity_id;
+        let (input_session_epoch, last_input_seq) = (r.input_session_epoch, r.last_input_seq);
         let r = match self.handoff.check_release(&self.table, r) {
             handoff::ReleaseCheck::Unknown => {
                 game::entity_error(&mut self.cx, model::entities::EntityError::Unknown(id));
@@ -1914,10 +1932,20 @@ impl Core {
             }
             handoff::ReleaseCheck::WrongEpoch(detail) => {
                 game::error(&mut self.cx, ErrorCode::InvalidValue, detail.clone(), id);
-                return self.thaw_released(id, &detail);
+                self.thaw_released(id, &detail);
+                return self.release_not_taken(id, input_session_epoch, last_input_seq);
             }
             handoff::ReleaseCheck::Snapshots(snapshots) => {
                 // It crossed our `Freeze`: its snapshots answer it.
+                if self.game.hands_over_by_release() {
+                    self.handoff.release_crossed_freeze(
+                        &mut self.cx,
+                        &self.table,
+                        id,
+                        input_session_epoch,
+                        last_input_seq,
+                    );
+                }
                 for s in snapshots {
                     self.on_snapshot(s);
                 }
@@ -1935,15 +1963,39 @@ impl Core {
             handoff::ReleaseCheck::Writable(r) => r,
         };
         if !self.may_write(id) {
-            return self.thaw_released(id, "this node may not hand it over now");
+            self.thaw_released(id, "this node may not hand it over now");
+            return self.release_not_taken(id, input_session_epoch, last_input_seq);
         }
-        match self.handoff.record_release(&self.table, r) {
-            Ok(()) => {}
+        let releases_avatars = self.game.hands_over_by_release();
+        match self
+            .handoff
+            .record_release(&mut self.cx, &self.table, r, releases_avatars)
+        {
+            Ok(()) => return,
             Err(handoff::KeptBecause::Reason(reason)) => self.thaw_released(id, reason),
             Err(handoff::KeptBecause::Error(detail)) => {
                 game::error(&mut self.cx, ErrorCode::InvalidValue, detail.clone(), id);
                 self.thaw_released(id, &detail);
             }
+        }
+        self.release_not_taken(id, input_session_epoch, last_input_seq);
+    }
+
+    /// A `Release` answered by a `Thaw` at once: a released avatar's game dropped the inputs it
+    /// got after the last one it applied, so they go to it again, after the `Thaw`.
+    fn release_not_taken(&mut self, id: u64, input_session_epoch: u64, last_input_seq: u64) {
+        if !self.game.hands_over_by_release() {
+            return;
+        }
+        let inputs = self.handoff.release_not_taken(
+            &mut self.cx,
+            &self.table,
+            id,
+            input_session_epoch,
+            last_input_seq,
+        );
+        for i in inputs {
+            self.input_to_game(i);
         }
     }
 
@@ -2181,6 +2233,7 @@ impl Core {
                         session_epoch: r.session_epoch,
                         last_position: None,
                         gateway_node: r.gateway_node,
+                        hops: 1,
                     }),
                 );
             }
@@ -2291,6 +2344,16 @@ impl Core {
 
     /// A peer's offer (or this node's own restore of a dead process's entity).
     pub(crate) fn on_handoff_offer(&mut self, from: NodeId, o: mesh::HandoffOffer) {
+        // This node's own offer of it, in doubt (its ack lost with a cut link), was taken: the
+        // unit comes back from a live writer. That handoff completes first, its real here
+        // evicted. (A restore's offer settles offers in doubt its own way.)
+        let from_writer = !o.successor && from != self.cx.config.node_id;
+        if let Some(done) = from_writer
+            .then(|| self.handoff.taken(&self.cx, o.entity_id, o.entity_epoch))
+            .flatten()
+        {
+            self.complete_handoff(done);
+        }
         let from_dead = !self.restore.is_live(from)
             && from != self.cx.config.node_id
             && self.restore.is_dead_node(from);
@@ -2664,6 +2727,13 @@ impl Core {
         // would ignore it.
         if !self.session_current(&i.account, i.session_epoch) {
             return self.cx.metrics.drop_input("input_stale_session");
+        }
+        // Its avatar was released in the tick under way: the input waits for the tick's end.
+        let Some(i) = self.handoff.park_input(i) else {
+            return;
+        };
+        if self.game.hands_over_by_release() {
+            self.handoff.delivered_input(&i);
         }
         self.cx
             .out
@@ -3998,6 +4068,7 @@ impl Core {
                 session_epoch: epoch,
                 last_position: last.map(|[x, y, z]| mesh::MeshVec3 { x, y, z }),
                 gateway_node: 0,
+                hops: 0,
             }),
         )
     }

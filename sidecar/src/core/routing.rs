@@ -21,6 +21,9 @@ use crate::model::entities::{EntityChange, EntityTable, TickChanges};
 use crate::model::fold::{Clients, TickEvent, TickSend};
 use crate::model::route::{self, Addressed, Target};
 
+/// Nodes a player's join may be passed on through, following its avatar's handoffs.
+pub(crate) const MAX_JOIN_HOPS: u32 = 8;
+
 /// Pieces waiting for a directory lookup, at most; beyond, new ones are dropped (counted).
 const MAX_PARKED: usize = 10_000;
 /// An account the directory did not know is not looked up again for this long.
@@ -463,16 +466,23 @@ impl Routing {
             0 => from,
             g => g,
         };
-        // The avatar was handed on before the gateway heard: the join follows it, or the game
-        // here would spawn the account a second avatar.
+        // The avatar was handed on before the gateway heard: the join follows it, node by
+        // node (each knows where it handed it), or the game here would spawn the account a
+        // second avatar.
         let me = cx.config.node_id;
         let elsewhere = table
             .master_of(&j.account)
             .and_then(|e| e.origin)
             .or(departed)
-            .filter(|owner| *owner != me && j.gateway_node == 0);
+            .filter(|owner| *owner != me);
         if let Some(owner) = elsewhere {
+            if j.hops >= MAX_JOIN_HOPS {
+                // Passed around more than handoffs explain: dropped rather than spawned twice
+                // (the gateway's wait for the avatar's owner to anchor the session decides).
+                return cx.metrics.drop_msg("join_forward_loop", 1);
+            }
             j.gateway_node = gateway;
+            j.hops += 1;
             mesh.send(cx, owner, mesh_message::Body::PlayerJoin(j));
             return;
         }

@@ -25,6 +25,25 @@ fn leased_node(lease: Option<LeaseTerms>) -> Core {
 
 /// The same node, its configuration changed by `tweak`.
 fn configured_node(lease: Option<LeaseTerms>, tweak: impl FnOnce(&mut SidecarConfig)) -> Core {
+    node_with_game_of(lease, tweak, super::pair_tests::FREEZING_GAME)
+}
+
+/// The same node, its game speaking the current protocol: it releases what it hands over,
+/// avatars included, and is asked to (`Offload`).
+fn releasing_node() -> Core {
+    node_with_game_of(
+        None,
+        |c| c.handoff_offload = true,
+        local::ProtocolVersion::current(),
+    )
+}
+
+/// The same node, its game speaking protocol `version`.
+fn node_with_game_of(
+    lease: Option<LeaseTerms>,
+    tweak: impl FnOnce(&mut SidecarConfig),
+    version: local::ProtocolVersion,
+) -> Core {
     let world = WorldShape {
         width: 512.0,
         height: 512.0,
@@ -52,7 +71,7 @@ fn configured_node(lease: Option<LeaseTerms>, tweak: impl FnOnce(&mut SidecarCon
         Input::GameHello {
             conn: 1,
             hello: local::Hello {
-                version: Some(local::ProtocolVersion::current()),
+                version: Some(version),
                 tick_rate_hz: 20,
                 game: "test".into(),
             },
@@ -168,6 +187,7 @@ fn a_gateway_is_reanchored_as_soon_as_its_link_is_back() {
                 session_epoch: 1,
                 last_position: None,
                 gateway_node: 0,
+                hops: 0,
             })
             .into()],
         },
@@ -341,7 +361,7 @@ fn hello(core: &mut Core, ms: u64, conn: ConnId) {
         Input::GameHello {
             conn,
             hello: local::Hello {
-                version: Some(local::ProtocolVersion::current()),
+                version: Some(super::pair_tests::FREEZING_GAME),
                 tick_rate_hz: 20,
                 game: "test".into(),
             },
@@ -1365,7 +1385,7 @@ fn release_at(core: &mut Core, ms: u64, x: f64, extra: Option<game_message::Body
             entity_id: NPC,
             entity_epoch: 1,
             state: bytes::Bytes::from_static(b"npc"),
-            attachments: vec![],
+            ..Default::default()
         }),
     ]
     .into_iter()
@@ -1521,7 +1541,7 @@ fn a_release_under_a_stale_epoch_is_refused() {
             entity_id: NPC,
             entity_epoch: 9,
             state: bytes::Bytes::from_static(b"npc"),
-            attachments: vec![],
+            ..Default::default()
         }),
     );
     let (game, links) = outputs(&mut core);
@@ -1566,7 +1586,7 @@ fn a_release_that_crosses_a_freeze_answers_it() {
             entity_id: NPC,
             entity_epoch: 1,
             state: bytes::Bytes::from_static(b"released"),
-            attachments: vec![],
+            ..Default::default()
         }),
     );
     let (game, links) = outputs(&mut core);
@@ -1598,10 +1618,11 @@ fn spawn_alices_avatar(core: &mut Core) {
     let _ = outputs(core);
 }
 
-/// A player's avatar is not released: inputs on their way to the game would reach it frozen.
-/// The release is thawed with the reason, and the Freeze hands it over.
+/// A game of protocol 1.7 does not say which inputs it applied: its release of a player's avatar
+/// is thawed with the reason, and the sidecar's Freeze hands the avatar over (holding back the
+/// inputs on their way to the game).
 #[test]
-fn a_players_avatar_is_kept_when_released() {
+fn an_older_games_release_of_an_avatar_is_kept_and_the_freeze_hands_it_over() {
     let mut core = node();
     link_up(&mut core, 10, PEER_LINK, GATEWAY);
     spawn_alices_avatar(&mut core);
@@ -1619,7 +1640,7 @@ fn a_players_avatar_is_kept_when_released() {
                     entity_id: AVATAR,
                     entity_epoch: 1,
                     state: bytes::Bytes::from_static(b"alice"),
-                    attachments: vec![],
+                    ..Default::default()
                 }),
                 game_message::Body::TickEnd(local::TickEnd { tick: 2 }),
             ]
@@ -1630,7 +1651,7 @@ fn a_players_avatar_is_kept_when_released() {
     let (game, links) = outputs(&mut core);
     assert!(
         game.iter().any(|m| matches!(m,
-            sidecar_message::Body::Thaw(t) if t.entity_id == AVATAR && t.reason.contains("avatar"))),
+            sidecar_message::Body::Thaw(t) if t.entity_id == AVATAR && t.reason.contains("1.8"))),
         "{game:?}"
     );
     assert!(
@@ -1641,6 +1662,283 @@ fn a_players_avatar_is_kept_when_released() {
     assert!(!links
         .iter()
         .any(|(_, m)| matches!(m, mesh_message::Body::HandoffOffer(_))));
+}
+
+/// Client input `seq` of alice's session (proxy link 20) at `ms`.
+fn alices_input(core: &mut Core, ms: u64, seq: u64) {
+    core.handle(
+        at(ms),
+        Input::LinkFrame {
+            link: 20,
+            messages: vec![mesh_message::Body::Input(mesh::SessionInput {
+                session_id: 1,
+                seq,
+                payload: bytes::Bytes::from(seq.to_string()),
+            })
+            .into()],
+        },
+    );
+}
+
+/// The sequence numbers of alice's inputs handed to the game.
+fn alices_inputs(game: &[sidecar_message::Body]) -> Vec<u64> {
+    game.iter()
+        .filter_map(|m| match m {
+            sidecar_message::Body::Input(i) if i.account == "alice" => Some(i.seq),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Alice (session epoch 5) plays on this node next to node 2; her inputs 1 to 4 reach the
+/// game, which applied 1 and 2 when it releases her avatar at `x` in the frame of tick 2 (at
+/// 100 ms). Input 5 comes before that tick's end (at 101 ms).
+fn release_alice_after_two_of_four_inputs(core: &mut Core, x: f64) {
+    link_up(core, 10, PEER_LINK, GATEWAY);
+    attach(core, 10, "alice");
+    spawn_alices_avatar(core);
+    for seq in 1..=4 {
+        alices_input(core, 60 + seq, seq);
+    }
+    let (game, _) = outputs(core);
+    assert_eq!(alices_inputs(&game), [1, 2, 3, 4]);
+    core.handle(
+        at(100),
+        Input::GameFrame {
+            conn: 1,
+            messages: [
+                game_message::Body::Update(local::Update {
+                    entity_id: AVATAR,
+                    position: pos(x, 40.0),
+                    ..Default::default()
+                }),
+                game_message::Body::Release(local::Release {
+                    entity_id: AVATAR,
+                    entity_epoch: 1,
+                    state: bytes::Bytes::from_static(b"alice"),
+                    last_input_seq: 2,
+                    input_session_epoch: 5,
+                    ..Default::default()
+                }),
+            ]
+            .map(Into::into)
+            .to_vec(),
+        },
+    );
+    alices_input(core, 100, 5);
+    game_frame(core, 101, 2, None);
+}
+
+/// A game of protocol 1.8 releases a player's avatar like an NPC, naming the last input it
+/// applied: the offer leaves in that frame, and the inputs the game got after that one (which
+/// it drops) go right behind it, in order, before the ones that come later. The target resumes
+/// the player's inputs after the one the game applied.
+#[test]
+fn a_released_avatar_takes_the_inputs_its_game_did_not_apply_with_it() {
+    let mut core = releasing_node();
+    release_alice_after_two_of_four_inputs(&mut core, 12.0 * 32.0 + 10.0);
+    alices_input(&mut core, 120, 6);
+    let (game, links) = outputs(&mut core);
+    assert!(
+        !game.iter().any(|m| matches!(
+            m,
+            sidecar_message::Body::Freeze(_) | sidecar_message::Body::Thaw(_)
+        )),
+        "{game:?}"
+    );
+    assert!(alices_inputs(&game).is_empty(), "{game:?}");
+    let offer = links
+        .iter()
+        .position(|(l, m)| {
+            *l == PEER_LINK
+                && matches!(m, mesh_message::Body::HandoffOffer(o)
+                    if o.entity_id == AVATAR && o.last_input_seq == 2 && o.session_epoch == 5)
+        })
+        .expect("offered in the frame, resuming after input 2");
+    let forwarded: Vec<(usize, u64)> = links
+        .iter()
+        .enumerate()
+        .filter_map(|(k, (l, m))| match m {
+            mesh_message::Body::ForwardInput(f) if *l == PEER_LINK && f.account == "alice" => {
+                Some((k, f.seq))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        forwarded.iter().map(|f| f.1).collect::<Vec<_>>(),
+        [3, 4, 5, 6]
+    );
+    assert!(forwarded.iter().all(|(k, _)| *k > offer), "{links:?}");
+    let epoch = offer_epoch(&links, AVATAR);
+    // The target's game adopted it 40 ms later, in its next tick: no tick missed.
+    let timing = Some(mesh::AdoptTiming { game_ms: 40 });
+    ack_of(&mut core, 150, AVATAR, epoch, timing);
+    let m = core.metrics();
+    assert_eq!(recorded(&m.ticks_missed), (1, 0));
+    assert_eq!(m.inputs_dropped_for("input_released_unkept"), 0);
+}
+
+/// The epoch `id` was offered under, in `links`.
+fn offer_epoch(links: &[(LinkId, mesh_message::Body)], id: u64) -> u64 {
+    links
+        .iter()
+        .find_map(|(_, m)| match m {
+            mesh_message::Body::HandoffOffer(o) if o.entity_id == id => Some(o.entity_epoch),
+            _ => None,
+        })
+        .expect("an offer")
+}
+
+/// A released avatar that stays (within the margin) is thawed, and the game gets the inputs it
+/// did not apply again, after the Thaw and in order; the next input follows them.
+#[test]
+fn a_kept_avatar_gets_the_inputs_it_did_not_apply_again() {
+    let mut core = releasing_node();
+    release_alice_after_two_of_four_inputs(&mut core, 8.0 * 32.0 + 5.0);
+    alices_input(&mut core, 120, 6);
+    let (game, links) = outputs(&mut core);
+    assert!(!links
+        .iter()
+        .any(|(_, m)| matches!(m, mesh_message::Body::HandoffOffer(_))));
+    let thaw = game
+        .iter()
+        .position(|m| matches!(m, sidecar_message::Body::Thaw(t) if t.entity_id == AVATAR))
+        .expect("thawed");
+    let first_input = game
+        .iter()
+        .position(|m| matches!(m, sidecar_message::Body::Input(_)))
+        .expect("inputs again");
+    assert!(thaw < first_input, "{game:?}");
+    assert_eq!(alices_inputs(&game), [3, 4, 5, 6]);
+}
+
+/// A game of protocol 1.8 that does not answer an `Offload` within three ticks has the entity
+/// frozen instead. Its release of an avatar that crossed that Freeze answers it, and the inputs
+/// its game got after the last one it applied go behind the offer ahead of the ones held since.
+#[test]
+fn an_avatar_release_crossing_a_freeze_hands_on_what_its_game_did_not_apply() {
+    let mut core = releasing_node();
+    link_up(&mut core, 10, PEER_LINK, GATEWAY);
+    attach(&mut core, 10, "alice");
+    spawn_alices_avatar(&mut core);
+    for seq in 1..=3 {
+        alices_input(&mut core, 60 + seq, seq);
+    }
+    walk_into_node_2(&mut core, AVATAR);
+    let (game, _) = outputs(&mut core);
+    assert!(game
+        .iter()
+        .any(|m| matches!(m, sidecar_message::Body::Offload(o) if o.entity_id == AVATAR)));
+    // The game does not release it within three ticks: the sidecar freezes it instead.
+    for (tick, ms) in [(3, 150), (4, 200), (5, 250)] {
+        game_frame(&mut core, ms, tick, None);
+    }
+    let (game, _) = outputs(&mut core);
+    assert!(
+        game.iter()
+            .any(|m| matches!(m, sidecar_message::Body::Freeze(f) if f.entity_id == AVATAR)),
+        "{game:?}"
+    );
+    // Held by the Freeze, not handed to the game.
+    alices_input(&mut core, 260, 4);
+    game_tick(
+        &mut core,
+        300,
+        6,
+        game_message::Body::Release(local::Release {
+            entity_id: AVATAR,
+            entity_epoch: 1,
+            state: bytes::Bytes::from_static(b"alice"),
+            last_input_seq: 1,
+            input_session_epoch: 5,
+            ..Default::default()
+        }),
+    );
+    let (game, links) = outputs(&mut core);
+    assert!(alices_inputs(&game).is_empty(), "{game:?}");
+    let offer = links
+        .iter()
+        .find_map(|(_, m)| match m {
+            mesh_message::Body::HandoffOffer(o) if o.entity_id == AVATAR => Some(o),
+            _ => None,
+        })
+        .expect("the release answered the freeze");
+    assert_eq!(offer.last_input_seq, 1);
+    let forwarded: Vec<u64> = links
+        .iter()
+        .filter_map(|(_, m)| match m {
+            mesh_message::Body::ForwardInput(f) if f.account == "alice" => Some(f.seq),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(forwarded, [2, 3, 4]);
+}
+
+/// A game of protocol 1.8 is not frozen for a handoff the sidecar decides: it is asked to release
+/// the entity at its next tick's end (`Offload`), simulates it in that tick, and its `Release`
+/// is offered in that frame. Asked once, not at every tick it stays due.
+#[test]
+fn a_game_that_takes_offload_releases_what_the_sidecar_hands_over() {
+    let mut core = releasing_node();
+    link_up(&mut core, 10, PEER_LINK, GATEWAY);
+    spawn(&mut core, 50, 1, NPC, pos(100.0, 40.0));
+    walk_into_node_2(&mut core, NPC);
+    let (game, links) = outputs(&mut core);
+    assert!(
+        game.iter().any(|m| matches!(m,
+            sidecar_message::Body::Offload(o) if o.entity_id == NPC && o.entity_epoch == 1)),
+        "{game:?}"
+    );
+    assert!(!game
+        .iter()
+        .any(|m| matches!(m, sidecar_message::Body::Freeze(_))));
+    assert!(offer_to_node_2(&links).is_none());
+    // Its next tick moves it on (still due): not asked again.
+    core.handle(
+        at(150),
+        Input::GameFrame {
+            conn: 1,
+            messages: [
+                game_message::Body::Update(local::Update {
+                    entity_id: NPC,
+                    position: pos(12.0 * 32.0 + 11.0, 40.0),
+                    ..Default::default()
+                }),
+                game_message::Body::Release(local::Release {
+                    entity_id: NPC,
+                    entity_epoch: 1,
+                    state: bytes::Bytes::from_static(b"npc"),
+                    ..Default::default()
+                }),
+                game_message::Body::TickEnd(local::TickEnd { tick: 3 }),
+            ]
+            .map(Into::into)
+            .to_vec(),
+        },
+    );
+    let (game, links) = outputs(&mut core);
+    assert!(
+        !game.iter().any(|m| matches!(
+            m,
+            sidecar_message::Body::Offload(_)
+                | sidecar_message::Body::Freeze(_)
+                | sidecar_message::Body::Error(_)
+        )),
+        "{game:?}"
+    );
+    let offer = offer_to_node_2(&links).expect("the release is offered in its frame");
+    assert_eq!(
+        offer.position.as_ref().map(|p| p.x),
+        Some(12.0 * 32.0 + 11.0)
+    );
+    ack(
+        &mut core,
+        200,
+        offer.entity_epoch,
+        Some(mesh::AdoptTiming { game_ms: 40 }),
+    );
+    assert_eq!(recorded(&core.metrics().ticks_missed), (1, 0));
 }
 
 /// A proxy link `link` comes up.
@@ -2687,4 +2985,60 @@ fn an_input_before_a_returning_games_new_avatar_is_dropped_not_delivered() {
         },
     );
     assert_eq!(input(&mut core, 600, 3), 1, "the new avatar takes it");
+}
+
+/// stores seed 917 (with avatars released): alice's avatar went from node 2 to this node to a
+/// third while a store outage kept the directory at node 2. Her relogin's join went to node 2,
+/// which passed it on to this node, which had handed the avatar on too: it delivered the join to
+/// its own game, which spawned her a second avatar. A join follows the avatar node by node (at
+/// most `MAX_JOIN_HOPS`), and one passed around more than that is dropped, never spawned.
+#[test]
+fn a_join_passed_on_follows_the_avatar_on_through_a_node_that_handed_it_on_too() {
+    let mut core = node();
+    link_up(&mut core, 10, PEER_LINK, GATEWAY);
+    spawn_alices_avatar(&mut core);
+    walk_into_node_2(&mut core, AVATAR);
+    let _ = outputs(&mut core);
+    let snapshot = game_message::Body::Snapshot(local::Snapshot {
+        entity_id: AVATAR,
+        entity_epoch: 1,
+        state: bytes::Bytes::from_static(b"alice"),
+    });
+    game_frame(&mut core, 150, 3, Some(snapshot));
+    let epoch = offered_to_node_2(&mut core, AVATAR);
+    ack_of(&mut core, 200, AVATAR, epoch, None);
+    let join = |hops: u32| {
+        mesh_message::Body::PlayerJoin(mesh::PeerPlayerJoin {
+            account: "alice".into(),
+            session_epoch: 6,
+            last_position: None,
+            gateway_node: 3,
+            hops,
+        })
+    };
+    from_peer(&mut core, 300, join(1));
+    let (game, links) = outputs(&mut core);
+    assert!(
+        !game
+            .iter()
+            .any(|m| matches!(m, sidecar_message::Body::PlayerJoin(_))),
+        "{game:?}"
+    );
+    let passed: Vec<(u32, u32)> = links
+        .iter()
+        .filter_map(|(l, m)| match m {
+            mesh_message::Body::PlayerJoin(j) if *l == PEER_LINK => Some((j.gateway_node, j.hops)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(passed, [(3, 2)], "passed on to node 2, the gateway kept");
+    from_peer(&mut core, 400, join(super::routing::MAX_JOIN_HOPS));
+    let (game, links) = outputs(&mut core);
+    assert!(!game
+        .iter()
+        .any(|m| matches!(m, sidecar_message::Body::PlayerJoin(_))));
+    assert!(!links
+        .iter()
+        .any(|(_, m)| matches!(m, mesh_message::Body::PlayerJoin(_))));
+    assert_eq!(core.metrics().dropped_for("join_forward_loop"), 1);
 }

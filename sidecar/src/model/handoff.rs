@@ -563,6 +563,28 @@ impl<I: Clone> HandoffSource<I> {
         self.root_of.contains_key(&id)
     }
 
+    /// The members of the unit `id` is handed over with (none outside a handoff).
+    pub fn members(&self, id: EntityId) -> &[EntityId] {
+        self.root_of
+            .get(&id)
+            .and_then(|r| self.out.get(r))
+            .map_or(&[], |o| &o.members)
+    }
+
+    /// Inputs to go behind the offer of `id`'s unit ahead of those held so far: inputs its
+    /// game got before it froze and did not apply. Handed back if the offer left already (or
+    /// `id` is in no handoff).
+    pub fn hold_first(&mut self, id: EntityId, inputs: Vec<I>) -> Result<(), Vec<I>> {
+        let Some(o) = self.root_of.get(&id).and_then(|r| self.out.get_mut(r)) else {
+            return Err(inputs);
+        };
+        if !matches!(o.phase, Phase::Freezing { .. }) {
+            return Err(inputs);
+        }
+        o.inputs.splice(0..0, inputs);
+        Ok(())
+    }
+
     /// Whether a write of the game to `id` still counts: always outside a handoff, and while
     /// frozen only until its snapshot (writes sent before the game saw the Freeze).
     pub fn writable(&self, id: EntityId) -> bool {
@@ -651,6 +673,17 @@ impl<I: Clone> HandoffSource<I> {
     /// Stops forwarding late inputs for an entity handed away (it left this node's view).
     pub fn forget(&mut self, id: EntityId) {
         self.departed.remove(&id);
+    }
+
+    /// An offer of `id` under `epoch` reached this node while its own offer of `id`'s unit,
+    /// under an older epoch, is in doubt: that offer was taken (its target wrote the unit and
+    /// handed it on), and its ack was lost with a link. It completes now, as an ack would
+    /// complete it; a late ack of it finds nothing.
+    pub fn taken(&mut self, id: EntityId, epoch: Epoch, now_ms: u64) -> Option<Completed> {
+        let root = *self.root_of.get(&id)?;
+        let o = self.out.get(&root)?;
+        (matches!(o.phase, Phase::Offered { .. }) && o.offered < epoch)
+            .then(|| self.complete(root, now_ms))
     }
 
     fn check_answer(&self, root: EntityId, epoch: Epoch, from: NodeId) -> Result<(), HandoffError> {
@@ -1223,6 +1256,31 @@ mod tests {
         let area_b = p.area_of(B);
         assert_eq!(trigger(&p, B, &area_b, ChunkPos { x: 7, y: 3 }, 1), None);
         assert_eq!(trigger(&p, B, &area_b, ChunkPos { x: 6, y: 3 }, 1), Some(A));
+    }
+
+    /// geos seed 241: an offer whose ack a cut link lost stays in doubt; the unit came back
+    /// under a later epoch while it was, and the repeat of the first offer, acked when the link
+    /// returned, evicted the unit just adopted back. An offer of it under a later epoch settles
+    /// the first: taken, completed, and its late ack finds nothing.
+    #[test]
+    fn an_offer_in_doubt_is_taken_when_its_unit_comes_back_under_a_later_epoch() {
+        let mut s = HandoffSource::<u32>::default();
+        s.begin(10, 1, &[11], B, 1_000).unwrap();
+        // Frozen, not offered yet: nothing was taken.
+        assert!(s.taken(10, 3, 1_010).is_none());
+        s.snapshot(10, snap("a")).unwrap();
+        s.snapshot(11, snap("b")).unwrap().unwrap();
+        // An offer under the same epoch as ours, or an older one, proves nothing.
+        assert!(s.taken(10, 2, 1_020).is_none());
+        let done = s
+            .taken(11, 3, 1_500)
+            .expect("a later epoch settles the offer");
+        assert_eq!((done.to, done.epoch, done.members), (B, 2, vec![10, 11]));
+        assert!(!s.is_frozen(10) && !s.is_frozen(11));
+        assert!(
+            s.acked(10, 2, B, 1_600).is_err(),
+            "the late ack completes nothing"
+        );
     }
 
     #[test]

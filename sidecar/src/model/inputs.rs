@@ -102,6 +102,16 @@ impl<I> InputOrder<I> {
         a.window_until = a.window_until.max(until_ms);
     }
 
+    /// The game applied `account`'s inputs of `session_epoch` up to `last` only (it released the
+    /// avatar, and drops what reaches it after): the ones after it are in order again.
+    pub fn rewind(&mut self, account: &str, session_epoch: u64, last: u64) {
+        if let Some(a) = self.accounts.get_mut(account) {
+            if a.session_epoch == session_epoch && last < a.last {
+                a.last = last;
+            }
+        }
+    }
+
     /// Input `seq` of `account`'s session `session_epoch`, at `now_ms`.
     pub fn offer(
         &mut self,
@@ -193,9 +203,184 @@ impl<I> InputOrder<I> {
     }
 }
 
+/// Inputs kept per account after they were handed to the game, at most this many.
+pub const RECENT_INPUTS: usize = 64;
+
+/// The inputs lately handed to the game, account by account. A game that releases a player's
+/// avatar names the last input it applied and drops what reaches the avatar after: the inputs
+/// after the one named are taken from here and handed on. Only the newest [`RECENT_INPUTS`] of
+/// an account are kept; a release naming an older one finds some gone and says how many.
+#[derive(Debug)]
+pub struct RecentInputs<I> {
+    accounts: HashMap<String, Recent<I>>,
+}
+
+#[derive(Debug)]
+struct Recent<I> {
+    session_epoch: u64,
+    /// (sequence number, input), oldest first.
+    inputs: std::collections::VecDeque<(u64, I)>,
+    /// The newest sequence number of `session_epoch` no longer kept (0: none).
+    dropped_up_to: u64,
+}
+
+/// The inputs a release hands on.
+#[derive(Debug, PartialEq, Eq)]
+pub struct HandedOn<I> {
+    /// Kept inputs after the one the game named, in the order they were handed to it.
+    pub inputs: Vec<I>,
+    /// Inputs after the one named that are no longer kept (an upper bound: the session's
+    /// sequence numbers may have gaps).
+    pub missing: u64,
+}
+
+impl<I> Default for RecentInputs<I> {
+    fn default() -> Self {
+        Self {
+            accounts: HashMap::default(),
+        }
+    }
+}
+
+impl<I> RecentInputs<I> {
+    /// Input `seq` of `account`'s session `session_epoch` was handed to the game.
+    pub fn delivered(&mut self, account: &str, session_epoch: u64, seq: u64, input: I) {
+        let r = match self.accounts.get_mut(account) {
+            Some(r) => r,
+            None => self
+                .accounts
+                .entry(account.to_string())
+                .or_insert_with(|| Recent {
+                    session_epoch,
+                    inputs: Default::default(),
+                    dropped_up_to: 0,
+                }),
+        };
+        if session_epoch != r.session_epoch {
+            if session_epoch < r.session_epoch {
+                return;
+            }
+            r.session_epoch = session_epoch;
+            r.inputs.clear();
+            r.dropped_up_to = 0;
+        }
+        if r.inputs.len() == RECENT_INPUTS {
+            if let Some((old, _)) = r.inputs.pop_front() {
+                r.dropped_up_to = r.dropped_up_to.max(old);
+            }
+        }
+        r.inputs.push_back((seq, input));
+    }
+
+    /// The game released `account`'s avatar having applied its inputs of `session_epoch` up to
+    /// `last`: the ones handed to it after, which it drops. Nothing of the account is kept
+    /// after (what is handed on is handed to the game again if the avatar stays).
+    pub fn hand_on(&mut self, account: &str, session_epoch: u64, last: u64) -> HandedOn<I> {
+        let Some(r) = self.accounts.remove(account) else {
+            return HandedOn {
+                inputs: Vec::new(),
+                missing: 0,
+            };
+        };
+        // Inputs of a newer session than the one the game named: none of them was applied.
+        let last = if session_epoch == r.session_epoch {
+            last
+        } else if session_epoch < r.session_epoch {
+            0
+        } else {
+            // The game names a session newer than any input handed to it: nothing is owed.
+            u64::MAX
+        };
+        HandedOn {
+            missing: r.dropped_up_to.saturating_sub(last),
+            inputs: r
+                .inputs
+                .into_iter()
+                .filter(|(seq, _)| *seq > last)
+                .map(|(_, i)| i)
+                .collect(),
+        }
+    }
+
+    /// The account's session ended here, or its avatar left: nothing of it is kept.
+    pub fn forget(&mut self, account: &str) {
+        self.accounts.remove(account);
+    }
+
+    /// Inputs kept, over all accounts.
+    pub fn len(&self) -> usize {
+        self.accounts.values().map(|r| r.inputs.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.accounts.values().all(|r| r.inputs.is_empty())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_release_hands_on_the_inputs_after_the_last_one_applied() {
+        let mut r = RecentInputs::default();
+        for seq in 1..=5 {
+            r.delivered("a", 2, seq, seq);
+        }
+        r.delivered("b", 1, 9, 9);
+        let h = r.hand_on("a", 2, 3);
+        assert_eq!((h.inputs, h.missing), (vec![4, 5], 0));
+        // Taken: a second release (after a thaw) finds only what was delivered since.
+        assert_eq!(r.hand_on("a", 2, 3).inputs, Vec::<u64>::new());
+        assert_eq!(r.len(), 1, "another account's input stays");
+    }
+
+    #[test]
+    fn a_release_naming_an_older_session_hands_on_all_of_the_current_one() {
+        let mut r = RecentInputs::default();
+        r.delivered("a", 1, 40, 40);
+        r.delivered("a", 2, 1, 1);
+        r.delivered("a", 2, 2, 2);
+        // An input of the old session handed late is not kept.
+        r.delivered("a", 1, 41, 41);
+        let h = r.hand_on("a", 1, 40);
+        assert_eq!((h.inputs, h.missing), (vec![1, 2], 0));
+    }
+
+    #[test]
+    fn inputs_no_longer_kept_are_counted_as_missing() {
+        let mut r = RecentInputs::default();
+        let n = RECENT_INPUTS as u64 + 10;
+        for seq in 1..=n {
+            r.delivered("a", 1, seq, seq);
+        }
+        assert_eq!(r.len(), RECENT_INPUTS);
+        // The game applied up to 5: 6..=10 were dropped from the ring, the rest are kept.
+        let h = r.hand_on("a", 1, 5);
+        assert_eq!(h.missing, 5);
+        assert_eq!(h.inputs, (11..=n).collect::<Vec<_>>());
+        // A game that applied past what was dropped misses nothing.
+        for seq in 1..=n {
+            r.delivered("a", 1, seq, seq);
+        }
+        let h = r.hand_on("a", 1, n - 1);
+        assert_eq!((h.inputs, h.missing), (vec![n], 0));
+    }
+
+    #[test]
+    fn a_rewind_lets_the_inputs_after_the_applied_one_through_again() {
+        let mut o = InputOrder::default();
+        for seq in 1..=5 {
+            assert_eq!(delivered(o.offer(0, "a", 1, seq, seq)), [seq]);
+        }
+        o.rewind("a", 1, 3);
+        assert_eq!(o.last_of("a"), Some((1, 3)));
+        assert_eq!(delivered(o.offer(0, "a", 1, 4, 4)), [4]);
+        // Another session's rewind changes nothing; neither does one forward.
+        o.rewind("a", 2, 1);
+        o.rewind("a", 1, 9);
+        assert_eq!(o.last_of("a"), Some((1, 4)));
+    }
 
     fn delivered(o: Ordered<u64>) -> Vec<u64> {
         match o {

@@ -43,6 +43,9 @@ pub(super) struct Entity {
     /// Not released again before this tick: a release the sidecar kept (no target ready) is
     /// left to its own `Freeze`, rather than repeated every tick.
     pub(super) release_after: u64,
+    /// The sidecar asked for its release (`Offload`): released at the end of the next tick,
+    /// wherever it stands.
+    pub(super) offload: bool,
     /// The entity epoch it is written under (a checkpoint names it).
     pub(super) epoch: u64,
     pub(super) role: Role,

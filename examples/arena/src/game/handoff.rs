@@ -7,7 +7,8 @@ use crate::combat::DamageTable;
 use crate::schema::SampleSnapshot;
 use crate::schema::SnapshotKind;
 use cellmesh_proto::local::{
-    game_message::Body, Adopt, Adopted, Checkpoint, CheckpointState, Evict, Freeze, Snapshot, Thaw,
+    game_message::Body, Adopt, Adopted, Checkpoint, CheckpointState, Evict, Freeze, Offload,
+    Release, Snapshot, Thaw,
 };
 
 impl Arena {
@@ -35,6 +36,44 @@ impl Arena {
             state,
         }));
         self.stats.snapshots += 1;
+    }
+
+    /// An avatar walked out of the area: its trade ends here (its claims released before the
+    /// release, so the handoff carries none of them), then it is released with the last input
+    /// applied to it. From here on it drops its player's inputs: the sidecar hands them on.
+    pub(super) fn release_avatar(&mut self, out: &mut impl Outbox, id: u64) {
+        self.call_off_trade(out, id);
+        let Some(e) = self.entities.get_mut(&id) else {
+            return;
+        };
+        let Role::Player(p) = &e.role else { return };
+        let (last_input_seq, input_session_epoch) = (p.last_seq, p.session_epoch);
+        e.frozen = true;
+        e.released = true;
+        out.push(Body::Release(Release {
+            entity_id: id,
+            entity_epoch: e.epoch,
+            state: e.snapshot().encode(),
+            attachments: vec![],
+            last_input_seq,
+            input_session_epoch,
+        }));
+        self.stats.released += 1;
+        self.stats.avatars_released += 1;
+    }
+
+    /// The sidecar asks for an entity's release at the end of the next tick: it is simulated in
+    /// that tick, then released with the tick's state.
+    pub(super) fn on_offload(&mut self, o: Offload) {
+        match self.entities.get_mut(&o.entity_id) {
+            // Frozen: its Release or Snapshot is on its way already.
+            Some(e) if !e.frozen && e.epoch == o.entity_epoch => e.offload = true,
+            Some(_) => {}
+            None => tracing::warn!(
+                entity = o.entity_id,
+                "offload of an entity this arena does not hold"
+            ),
+        }
     }
 
     /// The sidecar asks for checkpoints of entities written here.
@@ -211,6 +250,7 @@ impl Arena {
                 frozen: false,
                 released: false,
                 release_after: 0,
+                offload: false,
                 epoch: a.epoch,
                 role,
             },

@@ -207,6 +207,7 @@ impl Arena {
             M::PlayerLeave(l) => self.on_leave(out, l),
             M::Input(i) => self.on_input(i),
             M::Freeze(f) => self.on_freeze(out, f),
+            M::Offload(o) => self.on_offload(o),
             M::Checkpoint(c) => self.on_checkpoint(out, c),
             M::Thaw(t) => self.on_thaw(out, t),
             M::Evict(v) => self.on_evict(v),
@@ -256,6 +257,8 @@ impl Arena {
             ..
         } = self;
         let half = cfg.spread / 2.0;
+        // Avatars that walked out of the area this tick, released after the loop.
+        let mut avatars_out = Vec::new();
         for (&id, e) in entities.iter_mut() {
             if e.frozen || halted {
                 continue;
@@ -318,21 +321,29 @@ impl Arena {
                 }
             }
             // Walked out of the area this tick: handed over with this tick's state, so the next
-            // owner simulates it in its very next tick (no Freeze round trip). Not a player's
-            // avatar: its inputs on their way here would be lost; the sidecar's Freeze holds
-            // them back.
-            let npc = matches!(e.role, Role::Npc { .. });
-            if cfg.release && npc && now >= e.release_after && area.release_due(e.pos.0, e.pos.1) {
-                e.frozen = true;
-                e.released = true;
-                out.push(Body::Release(Release {
-                    entity_id: id,
-                    entity_epoch: e.epoch,
-                    state: e.snapshot().encode(),
-                    attachments: vec![],
-                }));
-                stats.released += 1;
+            // owner simulates it in its very next tick (no Freeze round trip).
+            let due = cfg.release && now >= e.release_after && area.release_due(e.pos.0, e.pos.1);
+            let offload = std::mem::take(&mut e.offload);
+            if offload || due {
+                match e.role {
+                    Role::Npc { .. } => {
+                        e.frozen = true;
+                        e.released = true;
+                        out.push(Body::Release(Release {
+                            entity_id: id,
+                            entity_epoch: e.epoch,
+                            state: e.snapshot().encode(),
+                            ..Default::default()
+                        }));
+                        stats.released += 1;
+                    }
+                    Role::Player(_) if offload || cfg.release_avatars => avatars_out.push(id),
+                    Role::Player(_) => {}
+                }
             }
+        }
+        for id in avatars_out {
+            self.release_avatar(out, id);
         }
         if self.cfg.combat && !halted && now.is_multiple_of(combat::ATTACK_EVERY_TICKS) {
             self.attack(out);

@@ -125,6 +125,7 @@ impl Arena {
                 frozen: false,
                 released: false,
                 release_after: 0,
+                offload: false,
                 epoch: 1,
                 role: Role::Npc {
                     name,

@@ -69,6 +69,9 @@ impl Arena {
                 (0.0, 0.0)
             };
         }
+        // A newer session's input: the avatar is that session's now (a release names the
+        // session of the last input applied).
+        p.session_epoch = p.session_epoch.max(i.session_epoch);
         p.last_seq = i.seq;
         p.applied += 1;
         p.ack_dirty = true;
@@ -132,6 +135,7 @@ impl Arena {
                 frozen: false,
                 released: false,
                 release_after: 0,
+                offload: false,
                 epoch: 1,
                 role: Role::Player(Player {
                     account,

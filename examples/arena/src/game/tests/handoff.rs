@@ -5,6 +5,11 @@ use super::*;
 /// An arena owning only the chunk east of the origin (no margin): its NPCs, wandering
 /// around the origin, keep walking out of it.
 fn arena_owning_one_chunk(census: &Arc<Census>) -> Arena {
+    arena_of_one_chunk_with(20, census)
+}
+
+/// The same, with `npcs` NPCs.
+fn arena_of_one_chunk_with(npcs: u32, census: &Arc<Census>) -> Arena {
     let mut w = welcome();
     w.owned_area = vec![cellmesh_proto::local::Rect {
         x: 0.0,
@@ -13,7 +18,7 @@ fn arena_owning_one_chunk(census: &Arc<Census>) -> Arena {
         height: 32.0,
     }];
     w.handoff_margin_chunks = 0;
-    arena_welcomed(20, census, &w)
+    arena_welcomed(npcs, census, &w)
 }
 
 fn releases(out: &[Body]) -> Vec<&Release> {
@@ -425,3 +430,45 @@ fn a_frozen_entity_adopted_back_resumes_as_one() {
 }
 
 // ------------------------------------------------------------------ trade
+
+/// A player's avatar that walks out of the area is released like an NPC, naming the last input
+/// applied to it (and that input's session); from then on it drops its player's inputs, which
+/// the sidecar hands on.
+#[test]
+fn an_avatar_that_walks_out_of_the_area_is_released_with_its_last_input() {
+    let census = Arc::new(Census::default());
+    let mut a = arena_of_one_chunk_with(0, &census);
+    a.cfg.release_avatars = true;
+    let id = join_at(&mut a, "ann", (30.0, 16.0));
+    let mut out = Vec::new();
+    a.on_message(&mut out, input("ann", 1, 1, 0.0, 1.0));
+    a.on_message(&mut out, input("ann", 1, 2, 1.0, 0.0));
+    let mut ticks = 0;
+    let release = loop {
+        let mut out = Vec::new();
+        a.tick(&mut out, 0.05);
+        if let Some(r) = releases(&out).first() {
+            break (*r).clone();
+        }
+        assert!(writes(&out, id), "it walks east: {out:?}");
+        ticks += 1;
+        assert!(ticks < 400, "the avatar never left the area");
+    };
+    assert_eq!(release.entity_id, id);
+    assert_eq!(
+        (release.last_input_seq, release.input_session_epoch),
+        (2, 1)
+    );
+    let snap = SampleSnapshot::decode(&release.state).expect("a decodable snapshot");
+    assert_eq!((snap.kind, snap.last_seq), (SnapshotKind::Player, 2));
+    assert_eq!(a.stats.avatars_released, 1);
+    // Frozen: an input now is dropped (the sidecar hands it on), and it is not written.
+    let mut out = Vec::new();
+    a.on_message(&mut out, input("ann", 1, 3, 0.0, 1.0));
+    a.tick(&mut out, 0.05);
+    assert!(!writes(&out, id), "{out:?}");
+    assert_eq!(
+        (a.stats.inputs_applied, a.stats.inputs_while_frozen),
+        (2, 1)
+    );
+}
