@@ -117,7 +117,7 @@ pub(super) fn totals_of(sidecars: &[&cellmesh_sidecar::SidecarHandle]) -> NodeTo
     for s in sidecars.iter().map(|h| h.stats()) {
         t.entities += s.entities;
         // An input handed on from a released avatar reaches a game twice: counted once.
-        t.inputs_delivered += s.inputs_delivered - s.inputs_handed_on;
+        t.inputs_delivered += s.inputs_delivered.saturating_sub(s.inputs_handed_on);
         t.inputs_dropped += s.inputs_dropped;
         t.errors += s.errors;
         t.ghosts_render += s.ghosts_render;

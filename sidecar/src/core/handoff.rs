@@ -54,7 +54,8 @@ pub(crate) struct Handoffs {
     /// The order of each player's inputs handed to the game here.
     input_order: InputOrder<local::Input>,
     /// The inputs lately handed to the game (of a game that may release avatars): those after
-    /// the last one it applied go on with a released avatar.
+    /// the last one it applied go on with a released avatar. Kept without their account (the
+    /// key), so keeping one costs no allocation.
     recent_inputs: RecentInputs<local::Input>,
     /// Accounts whose avatar the game released in the tick under way -> the unit's root: their
     /// inputs wait for the tick's end with it (the game drops them).
@@ -587,11 +588,20 @@ impl Handoffs {
             Some(epoch) if epoch > session_epoch => (epoch, 0),
             _ => (session_epoch, last),
         };
+        // Kept without their account: given it back.
+        let inputs = handed
+            .inputs
+            .into_iter()
+            .map(|i| local::Input {
+                account: account.clone(),
+                ..i
+            })
+            .collect();
         ReleasedAvatar {
             account,
             session_epoch,
             last_applied,
-            inputs: handed.inputs,
+            inputs,
         }
     }
 
@@ -619,8 +629,14 @@ impl Handoffs {
 
     /// An input handed to the game: kept a while, in case the game releases its avatar.
     pub(crate) fn delivered_input(&mut self, i: &local::Input) {
+        let kept = local::Input {
+            account: String::new(),
+            session_epoch: i.session_epoch,
+            seq: i.seq,
+            payload: i.payload.clone(),
+        };
         self.recent_inputs
-            .delivered(&i.account, i.session_epoch, i.seq, i.clone());
+            .delivered(&i.account, i.session_epoch, i.seq, kept);
     }
 
     /// The units the game released in the tick that ended, to offer now. The inputs of a

@@ -52,6 +52,25 @@ pub(super) struct Entity {
 }
 
 impl Entity {
+    /// Frozen, and its `Release` with this tick's state; for an avatar, naming the last input
+    /// applied to it (`(seq, session epoch)`).
+    pub(super) fn release(
+        &mut self,
+        id: u64,
+        last_input: (u64, u64),
+    ) -> cellmesh_proto::local::Release {
+        self.frozen = true;
+        self.released = true;
+        cellmesh_proto::local::Release {
+            entity_id: id,
+            entity_epoch: self.epoch,
+            state: self.snapshot().encode(),
+            attachments: vec![],
+            last_input_seq: last_input.0,
+            input_session_epoch: last_input.1,
+        }
+    }
+
     pub(super) fn snapshot(&self) -> SampleSnapshot {
         let (kind, name, inventory, session_epoch, last_seq, applied, turn_in) = match &self.role {
             Role::Npc { name, turn_in, .. } => (

@@ -8,7 +8,7 @@ use crate::schema::SampleSnapshot;
 use crate::schema::SnapshotKind;
 use cellmesh_proto::local::{
     game_message::Body, Adopt, Adopted, Checkpoint, CheckpointState, Evict, Freeze, Offload,
-    Release, Snapshot, Thaw,
+    Snapshot, Thaw,
 };
 
 impl Arena {
@@ -47,17 +47,8 @@ impl Arena {
             return;
         };
         let Role::Player(p) = &e.role else { return };
-        let (last_input_seq, input_session_epoch) = (p.last_seq, p.session_epoch);
-        e.frozen = true;
-        e.released = true;
-        out.push(Body::Release(Release {
-            entity_id: id,
-            entity_epoch: e.epoch,
-            state: e.snapshot().encode(),
-            attachments: vec![],
-            last_input_seq,
-            input_session_epoch,
-        }));
+        let last_input = (p.last_seq, p.session_epoch);
+        out.push(Body::Release(e.release(id, last_input)));
         self.stats.released += 1;
         self.stats.avatars_released += 1;
     }

@@ -19,8 +19,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use cellmesh_proto::local::{
-    game_message::Body, sidecar_message, Audience, AudienceKind, Component, Event, Release, Update,
-    Welcome,
+    game_message::Body, sidecar_message, Audience, AudienceKind, Component, Event, Update, Welcome,
 };
 use cellmesh_proto::sdk::{GameSender, OwnedArea};
 use rand::rngs::StdRng;
@@ -327,14 +326,7 @@ impl Arena {
             if offload || due {
                 match e.role {
                     Role::Npc { .. } => {
-                        e.frozen = true;
-                        e.released = true;
-                        out.push(Body::Release(Release {
-                            entity_id: id,
-                            entity_epoch: e.epoch,
-                            state: e.snapshot().encode(),
-                            ..Default::default()
-                        }));
+                        out.push(Body::Release(e.release(id, (0, 0))));
                         stats.released += 1;
                     }
                     Role::Player(_) if offload || cfg.release_avatars => avatars_out.push(id),

@@ -21,7 +21,7 @@ fn arena_of_one_chunk_with(npcs: u32, census: &Arc<Census>) -> Arena {
     arena_welcomed(npcs, census, &w)
 }
 
-fn releases(out: &[Body]) -> Vec<&Release> {
+fn releases(out: &[Body]) -> Vec<&cellmesh_proto::local::Release> {
     out.iter()
         .filter_map(|b| match b {
             Body::Release(r) => Some(r),
