@@ -2,7 +2,7 @@
 //! committed with `cellmesh partition plan --commit` into the real MongoDB, the nodes take their
 //! leases there and share the geo's session directory in the real Redis, a `cellmesh proxy` process
 //! spreads sessions over both, and one client sees the NPCs of both nodes. And the geo's Redis
-//! restarted empty under a playing client, who is not kicked.
+//! restarted empty under a playing client, who is not kicked, and under a login, which attaches.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -128,22 +128,29 @@ fn directory_epoch(port: u16, geo: &str, account: &str) -> Option<u64> {
     String::from_utf8_lossy(&out.stdout).trim().parse().ok()
 }
 
-/// The lab's `restart-redis`, quick: the geo's Redis dies and comes back empty after longer
-/// than the session lease. The sidecar finds the session's entry gone and registers it again
-/// above the epoch it held instead of kicking the player, who plays on through the same
-/// connection.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_redis_restart_kicks_no_session() {
+/// One sidecar process, its arena and a proxy, on a Redis of the test's own (its directory) and
+/// the shared MongoDB (its topology); the session lease is short (renewed every second).
+struct OwnRedisNode {
+    redis: Process,
+    port: u16,
+    dir: tempfile::TempDir,
+    geo: String,
+    node: SidecarProcess,
+    proxy: ProxyProcess,
+    arena: tokio::task::JoinHandle<anyhow::Result<cellmesh_arena::ArenaStats>>,
+}
+
+async fn own_redis_node(name: &str) -> OwnRedisNode {
     let mongo = required("CELLMESH_TEST_MONGO_URL");
     let run = run_id();
-    let topology = format!("{}/cm_redis_restart_{run}", mongo.trim_end_matches('/'));
-    let geo = format!("restart-{run}");
+    let topology = format!("{}/cm_{name}_{run}", mongo.trim_end_matches('/'));
+    let geo = format!("{name}-{run}");
     let dir = tempfile::tempdir().expect("a temp dir");
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
         l.local_addr().unwrap().port()
     };
-    let mut redis = redis_server(port, dir.path());
+    let redis = redis_server(port, dir.path());
     let redis_url = format!("redis://127.0.0.1:{port}");
     within("the test's Redis to answer", async {
         while directory_ping(port).is_err() {
@@ -153,7 +160,6 @@ async fn a_redis_restart_kicks_no_session() {
     .await;
 
     commit_plan(CELLMESH, &topology, "1x1", "1");
-    // A short session lease (renewed every second) so the outage outlasts it quickly.
     let mut node = SidecarProcess::start(
         "sidecar 1",
         sidecar_command(CELLMESH)
@@ -182,7 +188,32 @@ async fn a_redis_restart_kicks_no_session() {
     )
     .await;
     wait_ready(proxy.admin, &mut proxy.process).await;
+    OwnRedisNode {
+        redis,
+        port,
+        dir,
+        geo,
+        node,
+        proxy,
+        arena,
+    }
+}
 
+/// The lab's `restart-redis`, quick: the geo's Redis dies and comes back empty after longer
+/// than the session lease. The sidecar finds the session's entry gone and registers it again
+/// above the epoch it held instead of kicking the player, who plays on through the same
+/// connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_restart_kicks_no_session() {
+    let OwnRedisNode {
+        mut redis,
+        port,
+        dir,
+        geo,
+        node,
+        proxy,
+        arena,
+    } = own_redis_node("redis_restart").await;
     let token = cellmesh_proto::token::sign(b"restart-test", "ada", unix_now() + 120);
     let (mut tx, mut rx, welcome) =
         cellmesh_proto::client::login(&proxy.clients.to_string(), &token)
@@ -249,6 +280,47 @@ async fn a_redis_restart_kicks_no_session() {
     assert!(
         metrics.contains("cellmesh_sidecar_sessions_reregistered_total 1"),
         "no re-registration counted:\n{metrics}"
+    );
+    arena.abort();
+}
+
+/// The lab's `restart-redis` met a login: a player attaching while the geo's Redis restarts is
+/// registered once it answers again (the sidecar tries the registration again for a while),
+/// not kicked with `GATEWAY_UNAVAILABLE`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_while_redis_restarts_is_attached_not_kicked() {
+    let OwnRedisNode {
+        mut redis,
+        port,
+        dir,
+        geo,
+        node,
+        proxy,
+        arena,
+    } = own_redis_node("login_redis_restart").await;
+    redis.kill().await;
+    let token = cellmesh_proto::token::sign(b"restart-test", "ada", unix_now() + 120);
+    let login = tokio::spawn({
+        let addr = proxy.clients.to_string();
+        async move { cellmesh_proto::client::login(&addr, &token).await }
+    });
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let _redis = redis_server(port, dir.path());
+    let (_tx, _rx, welcome) = login
+        .await
+        .expect("the login task")
+        .unwrap_or_else(|e| panic!("the login failed: {e}\n{}", node.process.tail()));
+    assert_eq!(
+        directory_epoch(port, &geo, "ada"),
+        Some(welcome.session_epoch),
+        "{welcome:?}"
+    );
+    let (_, metrics) = cellmesh_admin::http_get(node.admin, "/metrics")
+        .await
+        .expect("the sidecar's /metrics");
+    assert!(
+        metrics.contains("cellmesh_sidecar_errors_total{kind=\"register_retried\"}"),
+        "no retry counted:\n{metrics}"
     );
     arena.abort();
 }

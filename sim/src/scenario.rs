@@ -212,6 +212,9 @@ pub struct Scenario {
     /// attach in the other geo and play bridged, and its geo's nodes can die without ending a
     /// session.
     pub proxy_gateways: &'static [(usize, &'static [NodeId])],
+    /// The fallback gateways of a geo's proxy: (geo, nodes), used while none of its own is up
+    /// (its geo gone dark), and left once one has been back a while.
+    pub proxy_fallbacks: &'static [(usize, &'static [NodeId])],
     /// A geo-aware director places bubbles with these parameters (the map's geos its sites, the
     /// first the core), from the start of the run until motion stops. It needs a grid: on a
     /// BSP it idles.
@@ -272,6 +275,7 @@ impl Scenario {
             geos: None,
             client_geos: &[],
             proxy_gateways: &[],
+            proxy_fallbacks: &[],
             bubbles: None,
             gathering: None,
             slow_tick_every: 0,
@@ -477,6 +481,20 @@ fn geo_restore_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
             .filter(|v| !s.gateways.contains(v) && s.geo_of(*v) == 0)
             .collect();
         kill_one_of(s, rng, plan, &core, Some(2_000));
+    }
+}
+
+/// Montreal's only node, its players' gateway, dies; half the time it comes back 2 to 8 s
+/// later, after or during the core's restore of its world.
+fn geo_dark_faults(s: &Scenario, rng: &mut StdRng, plan: &mut FaultPlan) {
+    let lone: Vec<NodeId> = (1..=s.nodes)
+        .filter(|v| s.proxy_fallbacks.iter().any(|(g, _)| *g == s.geo_of(*v)))
+        .collect();
+    let node = lone[rng.random_range(0..lone.len())];
+    let at = s.during(rng, 3_000);
+    plan.at(at, Fault::Kill(node));
+    if rng.random_bool(0.5) {
+        plan.at(at + rng.random_range(2_000..8_000), Fault::Restart(node));
     }
 }
 
@@ -815,6 +833,19 @@ pub fn catalogue() -> Vec<Scenario> {
             // and a handoff it refused is tried again a second later, across the ocean.
             settle_ms: 5_000,
             ..Scenario::base("geo_restore")
+        },
+        Scenario {
+            // Montreal goes dark: its only node, its players' gateway, dies. Its proxy moves
+            // them to Paris's gateway (its fallback), where they wait for their avatars while
+            // Paris, the core, restores Montreal's world from the copy kept there. Half the
+            // time the node comes back, and the players go home once it has been up a while.
+            geos: Some(&THREE_GEOS),
+            client_geos: &[1, 1, 0, 1, 2, 1],
+            gateways: &[2, 3, 4],
+            proxy_fallbacks: &[(1, &[2])],
+            faults: geo_dark_faults,
+            settle_ms: 8_000,
+            ..Scenario::base("geo_dark")
         },
         Scenario {
             // Players fight NPCs wherever they are simulated while both cross borders back and

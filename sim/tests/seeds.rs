@@ -324,6 +324,11 @@ fn geo_restore() {
 }
 
 #[test]
+fn geo_dark() {
+    seeds_of("geo_dark");
+}
+
+#[test]
 fn claims_are_raced_across_geos_and_granted_by_each_keys_home_only() {
     // Not vacuous: trades across the borders of three geos (each with its own claim store),
     // claims refused because an entity of another geo held the key; never a key believed held
@@ -430,6 +435,7 @@ fn the_suite_runs_every_scenario_of_the_catalogue_with_enough_seeds() {
             "store_stall",
             "geos",
             "geo_restore",
+            "geo_dark",
             "commands",
             "claims",
             "geo_claims",

@@ -321,12 +321,13 @@ impl Avatars {
         self.awaiting.remove(account);
     }
 
-    /// The world of `inc` is restored: a session still waiting for an avatar it wrote waits
-    /// only a little longer (the restore had no checkpoint of it).
-    pub(crate) fn restored(&mut self, cx: &Context, inc: (NodeId, u64)) {
+    /// Every restore under way is over: a session still waiting for an avatar written by a
+    /// process whose world `is_restored` waits only a little longer (the restore had no
+    /// checkpoint of it).
+    pub(crate) fn restored(&mut self, cx: &Context, is_restored: impl Fn((NodeId, u64)) -> bool) {
         let soon = cx.now.mono_ms + RESTORED_GRACE_MS;
         for (until, dead) in self.awaiting.values_mut() {
-            if *dead == Some(inc) {
+            if dead.is_some_and(&is_restored) {
                 *until = (*until).min(soon);
             }
         }

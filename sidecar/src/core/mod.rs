@@ -1411,7 +1411,7 @@ impl Core {
     pub(crate) fn on_restore_done(&mut self, d: mesh::RestoreDone) {
         let inc = (d.node, d.lease_epoch);
         let ghosts = self.restore.on_done(inc);
-        self.avatars_restored(inc);
+        self.avatars_restored();
         for (id, epoch) in ghosts {
             if self.restore.left_over(&self.table, d.node, id, epoch) && !self.ghost_orphaned(id) {
                 tracing::debug!(
@@ -2354,6 +2354,16 @@ impl Core {
         {
             self.complete_handoff(done);
         }
+        if o.successor && self.avatar_superseded(&o) {
+            tracing::info!(account = %o.owner_account, entity = o.entity_id, "the restore of an avatar whose player has a newer one: refused");
+            self.cx.metrics.drop_msg("older_avatar", 1);
+            let refused = mesh::HandoffRefused {
+                entity_id: o.entity_id,
+                entity_epoch: o.entity_epoch,
+                reason: restore::SUPERSEDED.into(),
+            };
+            return self.answer_offer(from, mesh_message::Body::HandoffRefused(refused));
+        }
         let from_dead = !self.restore.is_live(from)
             && from != self.cx.config.node_id
             && self.restore.is_dead_node(from);
@@ -2419,6 +2429,31 @@ impl Core {
         );
     }
 
+    /// Whether the avatar `o` offers is older than one its player has: this node writes another
+    /// avatar of the account, or the account's newer session was given a new one. Of two avatars
+    /// the older goes; a game is never handed a second avatar of one player.
+    fn avatar_superseded(&self, o: &mesh::HandoffOffer) -> bool {
+        if !o.is_master || o.owner_account.is_empty() {
+            return false;
+        }
+        let account = o.owner_account.as_str();
+        let written = self
+            .table
+            .master_of(account)
+            .is_some_and(|e| e.origin.is_none() && e.id != o.entity_id);
+        written || self.new_avatar_since(account, o.session_epoch).is_some()
+    }
+
+    /// A session of `account` newer than `epoch`, on another gateway, whose gateway announced it
+    /// spawns a new avatar.
+    fn new_avatar_since(&self, account: &str, epoch: u64) -> Option<SessionEntry> {
+        let me = self.cx.config.node_id;
+        self.routing
+            .route(account)
+            .filter(|r| r.gateway_node != me && r.session_epoch > epoch)
+            .filter(|r| self.routing.spawns_new_avatar(account, r.session_epoch))
+    }
+
     /// An adopted master's route: the session the avatar serves is the one the offer carries,
     /// or a newer one that logged in meanwhile (on any gateway, after the old one died, say)
     /// and waits for this avatar instead of spawning another.
@@ -2432,6 +2467,16 @@ impl Core {
             .filter(|r| r.gateway_node != me && r.session_epoch > o.session_epoch)
             .filter(|r| local.is_none_or(|l| r.session_epoch > l));
         if let Some(entry) = newer_remote {
+            if self
+                .routing
+                .spawns_new_avatar(&account, entry.session_epoch)
+            {
+                // That session's gateway gave it a new avatar (it waited in vain for this
+                // one, restored late): of two avatars the older goes, and never anchors it.
+                tracing::info!(%account, entity = o.entity_id, "an older avatar adopted after its session got a new one: it leaves");
+                self.cx.metrics.drop_msg("older_avatar", 1);
+                return self.leave_game(&account, entry.session_epoch - 1, "new_avatar_elsewhere");
+            }
             self.join_session(&account, entry);
         } else if o.gateway_node == me && local.is_none() {
             // The session was this node id's, but of a process that died: nothing here
@@ -3947,7 +3992,10 @@ impl Core {
     /// A session whose avatar is being restored waits for the restored owner's anchor.
     pub(crate) fn await_avatar(&mut self, account: &str, master: Option<MasterEntry>) {
         let dead = master.map(|m| (m.node, m.lease_epoch));
-        let restored = dead.is_some_and(|inc| self.restore.is_restored(inc));
+        // The record may name the process that wrote the avatar a moment before it went to
+        // another that died too: while any restore is under way, it may bring the avatar.
+        let restored =
+            dead.is_some_and(|inc| self.restore.is_restored(inc)) && self.restore.pending() == 0;
         self.avatars.await_avatar(&self.cx, account, dead, restored);
         self.gateway.forget_master_owner(account);
     }
@@ -3959,10 +4007,17 @@ impl Core {
         self.gateway.forget_master_owner(account);
     }
 
-    /// The world of `inc` is restored: a session still waiting for an avatar it wrote waits
-    /// only a little longer (the restore had no checkpoint of it).
-    pub(crate) fn avatars_restored(&mut self, inc: (NodeId, u64)) {
-        self.avatars.restored(&self.cx, inc);
+    /// A dead process's world is restored: once no other restore is under way, a session still
+    /// waiting for an avatar a restored process wrote waits only a little longer (the restore
+    /// had no checkpoint of it). An avatar its record names as one process's may have gone to
+    /// another that died with it (the record lags a handoff), whose restore brings it.
+    pub(crate) fn avatars_restored(&mut self) {
+        if self.restore.pending() > 0 {
+            return;
+        }
+        let restore = &self.restore;
+        self.avatars
+            .restored(&self.cx, |inc| restore.is_restored(inc));
     }
 
     /// A session that registered while the link to its avatar's writer was down waits as if

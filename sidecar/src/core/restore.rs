@@ -64,6 +64,9 @@ const RESTORE_RETRY_MS: u64 = 1_000;
 const RESOLUTION_KEPT_MS: u64 = 60_000;
 /// The refusal of a restore offer by a node that writes the entity already.
 pub(crate) const ALREADY_WRITES: &str = "the target writes the entity already";
+/// The refusal of a restore offer of a player's avatar by a node whose account has a newer
+/// avatar: of two avatars the older goes, so there is nothing to restore.
+pub(crate) const SUPERSEDED: &str = "the player has a newer avatar";
 /// The refusal of a restore offer under an epoch the target has seen already.
 pub(crate) const STALE_RESTORE: &str = "the target saw this epoch of the entity already";
 /// Reals listed per report message (a report can be long: it is sent in parts).
@@ -1314,9 +1317,10 @@ impl Restore {
         // Internal: looked up just above, nothing removed it since.
         let o = self.offering.remove(&id).expect("checked above");
         let mut acts = Vec::new();
-        if refused == Some(ALREADY_WRITES) {
+        if refused == Some(ALREADY_WRITES) || refused == Some(SUPERSEDED) {
             // A live node writes it after all (it moved between live nodes while the round
-            // asked them): nothing to restore; offers made of it to the dead node settle there.
+            // asked them), or its player has a newer avatar: nothing to restore; offers made of
+            // it to the dead node settle there.
             for &r in &o.reporters {
                 self.resolve_for(cx, r, id, epoch, from, &mut acts);
             }

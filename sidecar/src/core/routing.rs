@@ -38,6 +38,8 @@ type SameView = BTreeMap<(Vec<u32>, Vec<u32>), (AudienceKind, Vec<String>)>;
 pub(crate) struct Routing {
     /// Route cache: account -> its gateway and session epoch.
     routes: HashMap<String, SessionEntry>,
+    /// Sessions whose gateway announced it spawns a new avatar: account -> session epoch.
+    new_avatars: HashMap<String, u64>,
     /// Players whose avatar this node's game simulates for another gateway.
     remote_players: HashMap<String, SessionEntry>,
     /// Owner side: the chunk last told to each remote player's gateway.
@@ -66,6 +68,12 @@ impl Routing {
     /// Where `account`'s session is, as the route cache has it.
     pub(crate) fn route(&self, account: &str) -> Option<SessionEntry> {
         self.routes.get(account).copied()
+    }
+
+    /// Whether the gateway of session `epoch` of `account` announced it spawns a new avatar
+    /// for it: any older avatar of the account is the one that goes.
+    pub(crate) fn spawns_new_avatar(&self, account: &str, epoch: u64) -> bool {
+        self.new_avatars.get(account) == Some(&epoch)
     }
 
     pub(crate) fn is_remote_player(&self, account: &str) -> bool {
@@ -582,6 +590,10 @@ impl Routing {
             gateway_node: m.gateway_node,
             session_epoch: m.session_epoch,
         };
+        if m.new_avatar {
+            let newest = self.new_avatars.entry(m.account.clone()).or_default();
+            *newest = (*newest).max(m.session_epoch);
+        }
         match self.routes.get(&m.account) {
             Some(r) if r.session_epoch > m.session_epoch => {}
             Some(r) if *r == entry => {}
@@ -603,6 +615,13 @@ impl Routing {
             .is_some_and(|r| r.session_epoch == e.session_epoch)
         {
             self.routes.remove(&e.account);
+        }
+        if self
+            .new_avatars
+            .get(&e.account)
+            .is_some_and(|&n| n <= e.session_epoch)
+        {
+            self.new_avatars.remove(&e.account);
         }
         self.remote_players
             .get(&e.account)

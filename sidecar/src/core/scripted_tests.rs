@@ -1006,6 +1006,65 @@ fn a_writer_restarted_in_place_is_not_sent_the_join_of_its_predecessors_avatar()
     );
 }
 
+/// The two-geo lab's kill-geo: both nodes of a geo died at once, and a player's session moved to
+/// this gateway while their worlds were restored. Her avatar's record named one of them, but the
+/// avatar had gone to the other a moment before (the record lags a handoff): the end of the
+/// first restore is no reason to give up on it while the second is under way. The wait is cut
+/// short once every restore is over.
+#[test]
+fn a_session_waits_for_its_avatar_while_any_restore_is_under_way() {
+    let mut core = node();
+    gateway_live(&mut core, 0);
+    link_up(&mut core, 5, PEER_LINK, GATEWAY);
+    for dead in [3, 4] {
+        from_peer(
+            &mut core,
+            10,
+            mesh_message::Body::RestoreQuery(mesh::RestoreQuery {
+                node: dead,
+                lease_epoch: 1,
+            }),
+        );
+    }
+    proxy_attaches(&mut core, 20, "alice", None);
+    let key = registration_asked(&mut core);
+    let master = MasterEntry {
+        node: 3,
+        lease_epoch: 1,
+        entity_id: AVATAR,
+        entity_epoch: 1,
+    };
+    registered(&mut core, 30, key, "alice", 5, Some(master));
+    let spawned = |core: &mut Core, ms: u64| {
+        core.handle(at(ms), Input::Timer);
+        to_game(core)
+            .iter()
+            .any(|b| matches!(b, sidecar_message::Body::PlayerJoin(j) if j.account == "alice"))
+    };
+    assert!(!spawned(&mut core, 40), "her avatar is being restored");
+    let done = |core: &mut Core, ms: u64, node: NodeId| {
+        from_peer(
+            core,
+            ms,
+            mesh_message::Body::RestoreDone(mesh::RestoreDone {
+                node,
+                lease_epoch: 1,
+            }),
+        )
+    };
+    done(&mut core, 1_000, 3);
+    assert!(
+        !spawned(&mut core, 3_500),
+        "node 4's restore may still bring her avatar"
+    );
+    done(&mut core, 4_000, 4);
+    assert!(!spawned(&mut core, 5_900), "a moment for the anchor");
+    assert!(
+        spawned(&mut core, 6_100),
+        "every restore is over and none brought it: a new one"
+    );
+}
+
 /// The client `alice` on proxy link 20, her avatar at (240, 50) near node 2's border (x 256), and
 /// the link to node 2 (link 30) up: her view takes in node 2's chunks.
 fn alice_at_the_border(core: &mut Core) {
@@ -2648,6 +2707,155 @@ fn an_older_avatar_that_anchors_a_session_given_a_new_one_is_told_to_leave() {
     );
     assert_eq!(told[0].reason, "new_avatar_elsewhere");
     assert_eq!(core.gateway.master_owner("alice"), Some(ME));
+}
+
+/// An offer of alice's avatar at (100, 40) under `epoch`, serving her session 5 on node 3.
+fn alices_avatar_of_session_5(epoch: u64) -> mesh::HandoffOffer {
+    mesh::HandoffOffer {
+        entity_id: AVATAR,
+        entity_epoch: epoch,
+        partition_epoch: 1,
+        position: Some(mesh::MeshVec3 {
+            x: 100.0,
+            y: 40.0,
+            z: 0.0,
+        }),
+        state: bytes::Bytes::from_static(b"alice"),
+        is_master: true,
+        owner_account: "alice".into(),
+        session_epoch: 5,
+        gateway_node: 3,
+        ..Default::default()
+    }
+}
+
+/// The two-geo lab's kill-geo: a player's session moved to a core gateway, which waited for the
+/// restore of her avatar in vain and gave her a new one; the restore then brought the old avatar
+/// here, which joined the newer session and anchored it beside the new one. An avatar adopted
+/// after its account's newer session was given a new one leaves at once and anchors nothing.
+#[test]
+fn an_avatar_adopted_after_its_session_got_a_new_one_leaves_and_anchors_nothing() {
+    for new_avatar in [false, true] {
+        let mut core = node();
+        link_up(&mut core, 10, PEER_LINK, GATEWAY);
+        from_peer(
+            &mut core,
+            100,
+            mesh_message::Body::SessionMoved(mesh::SessionMoved {
+                account: "alice".into(),
+                session_epoch: 6,
+                gateway_node: GATEWAY,
+                new_avatar,
+            }),
+        );
+        from_peer(
+            &mut core,
+            200,
+            mesh_message::Body::HandoffOffer(mesh::HandoffOffer {
+                unseen: true,
+                ..alices_avatar_of_session_5(2)
+            }),
+        );
+        let (game, _) = outputs(&mut core);
+        assert!(
+            game.iter()
+                .any(|m| matches!(m, sidecar_message::Body::Adopt(a) if a.entity_id == AVATAR)),
+            "{game:?}"
+        );
+        game_frame(
+            &mut core,
+            250,
+            2,
+            Some(game_message::Body::Adopted(local::Adopted {
+                entity_id: AVATAR,
+                entity_epoch: 2,
+            })),
+        );
+        let (game, links) = outputs(&mut core);
+        let left: Vec<_> = game
+            .iter()
+            .filter_map(|m| match m {
+                sidecar_message::Body::PlayerLeave(l) if l.account == "alice" => Some(l),
+                _ => None,
+            })
+            .collect();
+        let joined = game
+            .iter()
+            .any(|m| matches!(m, sidecar_message::Body::PlayerJoin(j) if j.account == "alice"));
+        let anchored = links
+            .iter()
+            .any(|(_, m)| matches!(m, mesh_message::Body::Anchor(a) if a.account == "alice"));
+        if new_avatar {
+            assert_eq!(left.len(), 1, "{game:?}");
+            assert_eq!(left[0].session_epoch, 5);
+            assert!(!joined && !anchored, "{game:?} {links:?}");
+        } else {
+            assert!(left.is_empty(), "{game:?}");
+            assert!(joined && anchored, "{game:?} {links:?}");
+        }
+    }
+}
+
+/// The restore of a dead process's avatar whose player has a newer one (written here, or given
+/// by its newer session's gateway) is refused: of two avatars the older goes, and a game is
+/// never handed a second avatar of one player.
+#[test]
+fn the_restore_of_an_avatar_whose_player_has_a_newer_one_is_refused() {
+    for newer in ["none", "written here", "elsewhere"] {
+        let mut core = node();
+        link_up(&mut core, 10, PEER_LINK, GATEWAY);
+        match newer {
+            "written here" => {
+                let spawn = local::Spawn {
+                    entity_id: 8,
+                    position: pos(120.0, 40.0),
+                    owner_account: "alice".into(),
+                    is_master: true,
+                    ..Default::default()
+                };
+                game_tick(&mut core, 50, 1, game_message::Body::Spawn(spawn));
+            }
+            "elsewhere" => from_peer(
+                &mut core,
+                50,
+                mesh_message::Body::SessionMoved(mesh::SessionMoved {
+                    account: "alice".into(),
+                    session_epoch: 6,
+                    gateway_node: GATEWAY,
+                    new_avatar: true,
+                }),
+            ),
+            _ => {}
+        }
+        let _ = outputs(&mut core);
+        from_peer(
+            &mut core,
+            200,
+            mesh_message::Body::HandoffOffer(mesh::HandoffOffer {
+                successor: true,
+                ..alices_avatar_of_session_5(9)
+            }),
+        );
+        let (game, links) = outputs(&mut core);
+        let adopted = game
+            .iter()
+            .any(|m| matches!(m, sidecar_message::Body::Adopt(a) if a.entity_id == AVATAR));
+        let refused: Vec<_> = links
+            .iter()
+            .filter_map(|(l, m)| match m {
+                mesh_message::Body::HandoffRefused(r) if *l == PEER_LINK => Some(r),
+                _ => None,
+            })
+            .collect();
+        if newer == "none" {
+            assert!(adopted && refused.is_empty(), "{game:?} {links:?}");
+        } else {
+            assert!(!adopted, "{newer}: {game:?}");
+            assert_eq!(refused.len(), 1, "{newer}: {links:?}");
+            assert_eq!(refused[0].reason, super::restore::SUPERSEDED);
+            assert_eq!(refused[0].entity_epoch, 9);
+        }
+    }
 }
 
 /// geos seed 157 (with the real proxy in the simulator): the leave of session 1, whose proxy

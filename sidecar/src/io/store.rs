@@ -15,6 +15,14 @@ use crate::metrics::Metrics;
 
 /// Longest a store call may take before the node gives up on it.
 pub(crate) const STORE_TIMEOUT: Duration = Duration::from_secs(5);
+/// A registration that failed is tried again after these pauses: a directory restarting, or a
+/// connection it dropped, costs a login a moment instead of a kick (the proxy gives an attach
+/// five seconds).
+const REGISTER_RETRY_PAUSES: [Duration; 3] = [
+    Duration::from_millis(250),
+    Duration::from_millis(500),
+    Duration::from_millis(1_000),
+];
 
 async fn timed<T, E: std::fmt::Display>(
     fut: impl std::future::Future<Output = Result<T, E>>,
@@ -42,16 +50,30 @@ pub(crate) async fn execute(
             moved_from,
         } => {
             let lease = Duration::from_millis(lease_ms);
-            let registered = register(
-                stores,
-                metrics,
-                &account,
-                node,
-                lease,
-                handed_over_from,
-                moved_from,
-            )
-            .await;
+            let started = tokio::time::Instant::now();
+            let mut pauses = REGISTER_RETRY_PAUSES.iter();
+            let registered = loop {
+                let attempt = register(
+                    stores,
+                    metrics,
+                    &account,
+                    node,
+                    lease,
+                    handed_over_from,
+                    moved_from,
+                )
+                .await;
+                // Each step is monotonic (a register above a floor), so a step that landed
+                // before its answer was lost costs an epoch, never a second session.
+                match (attempt, pauses.next()) {
+                    (Err(e), Some(&pause)) if started.elapsed() + pause < STORE_TIMEOUT => {
+                        metrics.error("register_retried");
+                        tracing::debug!(%account, error = %e, "registration failed: trying again");
+                        tokio::time::sleep(pause).await;
+                    }
+                    (attempt, _) => break attempt,
+                }
+            };
             Some(match registered {
                 Ok(None) => StoreReply::Superseded { session, account },
                 Ok(Some(r)) => StoreReply::Registered {

@@ -47,8 +47,10 @@ pub(super) struct SimProxy {
     /// When this process started: its monotonic clock counts from there.
     started: u64,
     timer_at: Option<u64>,
-    /// Its gateways (by `GatewayId`): the geo's gateway nodes.
+    /// Its gateways (by `GatewayId`): the geo's gateway nodes, then its fallback gateways.
     pub gateways: Vec<NodeId>,
+    /// How many of `gateways` are its own (the rest are fallbacks, used while none is up).
+    primaries: usize,
     /// The link to each gateway, up or on its way up (by `GatewayId`).
     links: Vec<Option<u64>>,
     /// Inputs read from its clients and not yet sent on to a gateway: (account, seq).
@@ -84,14 +86,18 @@ pub(super) fn proxies_of(s: &crate::Scenario) -> Vec<SimProxy> {
     let geos = s.geos.map_or(1, |g| g.names.len());
     (0..geos)
         .filter_map(|geo| {
-            let gateways: Vec<NodeId> = match s.proxy_gateways.iter().find(|(g, _)| *g == geo) {
+            let mut gateways: Vec<NodeId> = match s.proxy_gateways.iter().find(|(g, _)| *g == geo) {
                 Some((_, nodes)) => nodes.to_vec(),
                 None => (1..=s.nodes)
                     .filter(|&n| s.geo_of(n) == geo)
                     .filter(|n| s.gateways.is_empty() || s.gateways.contains(n))
                     .collect(),
             };
-            (!gateways.is_empty()).then(|| SimProxy {
+            let primaries = gateways.len();
+            if let Some((_, nodes)) = s.proxy_fallbacks.iter().find(|(g, _)| *g == geo) {
+                gateways.extend_from_slice(nodes);
+            }
+            (primaries > 0).then(|| SimProxy {
                 geo,
                 core: None,
                 incarnation: 0,
@@ -99,6 +105,7 @@ pub(super) fn proxies_of(s: &crate::Scenario) -> Vec<SimProxy> {
                 timer_at: None,
                 links: vec![None; gateways.len()],
                 gateways,
+                primaries,
                 held: BTreeSet::new(),
             })
         })
@@ -106,7 +113,13 @@ pub(super) fn proxies_of(s: &crate::Scenario) -> Vec<SimProxy> {
 }
 
 /// What a real proxy of `geo` is configured with here.
-fn config_of(s: &crate::Scenario, geo: usize, gateways: &[NodeId]) -> ProxyConfig {
+fn config_of(
+    s: &crate::Scenario,
+    geo: usize,
+    gateways: &[NodeId],
+    primaries: usize,
+) -> ProxyConfig {
+    let addr = |n: &NodeId| format!("node-{n}:7200");
     let name = s.geo_label(geo);
     let peers = s.geos.map_or(Vec::new(), |g| {
         (0..g.names.len())
@@ -121,7 +134,10 @@ fn config_of(s: &crate::Scenario, geo: usize, gateways: &[NodeId]) -> ProxyConfi
     ProxyConfig {
         name: format!("proxy-{name}"),
         geo: name.into(),
-        gateways: gateways.iter().map(|n| format!("node-{n}:7200")).collect(),
+        gateways: gateways[..primaries].iter().map(addr).collect(),
+        fallback_gateways: gateways[primaries..].iter().map(addr).collect(),
+        // Its players go home soon after a gateway of its own is back, within the run.
+        fallback_return_ms: 2_000,
         token_secret: TOKEN_SECRET.into(),
         attest_keys: vec![ATTEST_KEY.into()],
         geos: GeosConfig {
@@ -174,7 +190,8 @@ impl Sim<'_> {
     /// Proxy `p`'s process starts: a new core, which dials every gateway.
     pub(super) fn start_proxy(&mut self, p: usize) {
         let geo = self.proxies[p].geo;
-        let cfg = config_of(self.s, geo, &self.proxies[p].gateways);
+        let x = &self.proxies[p];
+        let cfg = config_of(self.s, geo, &x.gateways, x.primaries);
         let seed = self.seed ^ ((geo as u64 + 1) << 40) ^ u64::from(self.proxies[p].incarnation);
         let core = ProxyCore::standalone(cfg, seed).expect("the simulated proxy's config");
         let now = self.now;
