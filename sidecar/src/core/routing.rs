@@ -590,9 +590,16 @@ impl Routing {
             gateway_node: m.gateway_node,
             session_epoch: m.session_epoch,
         };
-        if m.new_avatar {
-            let newest = self.new_avatars.entry(m.account.clone()).or_default();
-            *newest = (*newest).max(m.session_epoch);
+        match self.new_avatars.get(&m.account) {
+            Some(&n) if n >= m.session_epoch => {}
+            _ if m.new_avatar => {
+                self.new_avatars.insert(m.account.clone(), m.session_epoch);
+            }
+            // A newer session that keeps the avatar it finds.
+            Some(_) => {
+                self.new_avatars.remove(&m.account);
+            }
+            None => {}
         }
         match self.routes.get(&m.account) {
             Some(r) if r.session_epoch > m.session_epoch => {}
