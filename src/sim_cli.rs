@@ -21,6 +21,10 @@ pub struct SimArgs {
     /// List the scenarios and exit.
     #[arg(long)]
     pub list: bool,
+    /// Run the scenarios with handoffs that miss no tick, as `cellmesh up --zero-tick-handoffs`:
+    /// avatars released like NPCs, and the sidecars' own handoffs asked of the games (`Offload`).
+    #[arg(long)]
+    pub zero_tick_handoffs: bool,
 }
 
 /// Runs what `args` asks; an error if a run broke an invariant.
@@ -31,12 +35,15 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    let scenarios = match &args.scenario {
+    let mut scenarios = match &args.scenario {
         Some(name) => vec![cellmesh_sim::named(name).ok_or_else(|| {
             anyhow::anyhow!("no scenario called {name:?} (`cellmesh sim --list` names them)")
         })?],
         None => cellmesh_sim::catalogue(),
     };
+    for s in &mut scenarios {
+        s.zero_tick_handoffs |= args.zero_tick_handoffs;
+    }
     if let Some(seed) = args.seed {
         let mut failed = 0;
         for s in &scenarios {

@@ -698,6 +698,7 @@ impl<'a> Sim<'a> {
         if let Some(ms) = s.entity_cost_ms {
             cfg.load.entity_cost_ms = ms;
         }
+        cfg.handoff_offload = s.zero_tick_handoffs;
         let mut sim = Self {
             s,
             seed,
@@ -1981,6 +1982,7 @@ impl<'a> Sim<'a> {
                         // Both ways of handing over, side by side: games of even nodes release
                         // what walks out, the others wait for the sidecar's Freeze.
                         release: node.is_multiple_of(2),
+                        release_avatars: s.zero_tick_handoffs,
                         combat: s.combat,
                         trade: s.trade,
                         dens: s.dens.iter().map(|(k, at)| (k.to_string(), *at)).collect(),

@@ -1407,13 +1407,26 @@ impl Core {
         }
     }
 
-    /// The dead process's world is restored: its ghosts nobody took over are gone.
+    /// The dead process's world is restored: its ghosts nobody took over are gone. Unless a
+    /// new process holds its node id and this node is cut off from it: that process may have
+    /// restored them (a restart in place takes its predecessor's world back), and nothing it
+    /// wrote could get here. They stay, stale, until the link is back and the snapshot burst
+    /// says (see `sweep_stale_ghosts`), as the ghosts of any live writer cut off.
     pub(crate) fn on_restore_done(&mut self, d: mesh::RestoreDone) {
         let inc = (d.node, d.lease_epoch);
         let ghosts = self.restore.on_done(inc);
         self.avatars_restored();
+        let successor_cut_off = self
+            .restore
+            .lease_of(d.node)
+            .is_some_and(|l| l != d.lease_epoch)
+            && !self.mesh.is_up(d.node);
         for (id, epoch) in ghosts {
             if self.restore.left_over(&self.table, d.node, id, epoch) && !self.ghost_orphaned(id) {
+                if successor_cut_off {
+                    self.replication.mark_stale(id, self.cx.now.mono_ms);
+                    continue;
+                }
                 tracing::debug!(
                     me = self.cx.config.node_id,
                     entity = id,

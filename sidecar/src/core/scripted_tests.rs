@@ -1182,6 +1182,68 @@ fn a_ghost_of_a_live_owner_cut_off_stays_in_view_past_two_leases() {
     }
 }
 
+/// commands seed 288 with zero-tick handoffs: node 2 died, came back in place under lease 2 and
+/// restored its predecessor's world, the client's avatar included, while a cut kept it from this
+/// gateway. The restore's end dropped the ghost as one nobody took over, and the client saw its
+/// own avatar vanish. A ghost of a dead process whose successor is cut off from this node stays,
+/// stale, like the ghost of any live writer cut off; with the successor linked, it goes.
+#[test]
+fn a_restored_ghost_stays_while_the_successor_in_place_is_cut_off() {
+    for successor_linked in [false, true] {
+        let mut core = node();
+        gateway_live(&mut core, 0);
+        alice_at_the_border(&mut core);
+        from_node_2(&mut core, 30, true, 270.0);
+        assert!(core.table.get(99).is_some());
+        core.handle(
+            at(100),
+            Input::LinkClosed {
+                link: 30,
+                reason: "cut".into(),
+            },
+        );
+        // Node 4 decides the restore of node 2's dead process; node 2 restarted under lease 2.
+        link_up(&mut core, 150, 40, 4);
+        core.handle(
+            at(160),
+            Input::LinkFrame {
+                link: 40,
+                messages: vec![mesh_message::Body::RestoreQuery(mesh::RestoreQuery {
+                    node: GATEWAY,
+                    lease_epoch: 1,
+                })
+                .into()],
+            },
+        );
+        core.handle(
+            at(200),
+            Input::PeerLeases {
+                live: vec![(GATEWAY, 2), (4, 1)],
+                lapsed: vec![],
+            },
+        );
+        if successor_linked {
+            link_up_as(&mut core, 250, 31, GATEWAY, 2);
+        }
+        core.handle(
+            at(300),
+            Input::LinkFrame {
+                link: 40,
+                messages: vec![mesh_message::Body::RestoreDone(mesh::RestoreDone {
+                    node: GATEWAY,
+                    lease_epoch: 1,
+                })
+                .into()],
+            },
+        );
+        assert_eq!(
+            core.table.get(99).is_some(),
+            !successor_linked,
+            "successor linked: {successor_linked}"
+        );
+    }
+}
+
 /// Everything queued: for the game, and for the links as (link, message), in order.
 fn outputs(
     core: &mut Core,
