@@ -1496,22 +1496,39 @@ fn release_at(core: &mut Core, ms: u64, x: f64, extra: Option<game_message::Body
     link_up(core, 10, PEER_LINK, GATEWAY);
     spawn(core, 50, 1, NPC, pos(100.0, 40.0));
     let _ = outputs(core);
-    let messages = [
-        game_message::Body::Update(local::Update {
-            entity_id: NPC,
-            position: pos(x, 40.0),
-            ..Default::default()
-        }),
-        game_message::Body::Release(local::Release {
-            entity_id: NPC,
-            entity_epoch: 1,
-            state: bytes::Bytes::from_static(b"npc"),
-            ..Default::default()
-        }),
-    ]
-    .into_iter()
-    .chain(extra)
-    .chain([game_message::Body::TickEnd(local::TickEnd { tick: 2 })]);
+    let after: Vec<_> = extra
+        .into_iter()
+        .chain([game_message::Body::TickEnd(local::TickEnd { tick: 2 })])
+        .collect();
+    walk_out_and_release(core, ms, x, npc_release(), &after);
+}
+
+/// The NPC's `Release` under epoch 1.
+fn npc_release() -> local::Release {
+    local::Release {
+        entity_id: NPC,
+        entity_epoch: 1,
+        state: bytes::Bytes::from_static(b"npc"),
+        ..Default::default()
+    }
+}
+
+/// In one game frame at `ms`: `release`'s entity moves to (x, 40) and is released, then `after`.
+fn walk_out_and_release(
+    core: &mut Core,
+    ms: u64,
+    x: f64,
+    release: local::Release,
+    after: &[game_message::Body],
+) {
+    let walked = game_message::Body::Update(local::Update {
+        entity_id: release.entity_id,
+        position: pos(x, 40.0),
+        ..Default::default()
+    });
+    let messages = [walked, game_message::Body::Release(release)]
+        .into_iter()
+        .chain(after.iter().cloned());
     core.handle(
         at(ms),
         Input::GameFrame {
@@ -1747,27 +1764,17 @@ fn an_older_games_release_of_an_avatar_is_kept_and_the_freeze_hands_it_over() {
     let mut core = node();
     link_up(&mut core, 10, PEER_LINK, GATEWAY);
     spawn_alices_avatar(&mut core);
-    core.handle(
-        at(100),
-        Input::GameFrame {
-            conn: 1,
-            messages: [
-                game_message::Body::Update(local::Update {
-                    entity_id: AVATAR,
-                    position: pos(12.0 * 32.0 + 10.0, 40.0),
-                    ..Default::default()
-                }),
-                game_message::Body::Release(local::Release {
-                    entity_id: AVATAR,
-                    entity_epoch: 1,
-                    state: bytes::Bytes::from_static(b"alice"),
-                    ..Default::default()
-                }),
-                game_message::Body::TickEnd(local::TickEnd { tick: 2 }),
-            ]
-            .map(Into::into)
-            .to_vec(),
+    walk_out_and_release(
+        &mut core,
+        100,
+        12.0 * 32.0 + 10.0,
+        local::Release {
+            entity_id: AVATAR,
+            entity_epoch: 1,
+            state: bytes::Bytes::from_static(b"alice"),
+            ..Default::default()
         },
+        &[game_message::Body::TickEnd(local::TickEnd { tick: 2 })],
     );
     let (game, links) = outputs(&mut core);
     assert!(
@@ -1823,28 +1830,19 @@ fn release_alice_after_two_of_four_inputs(core: &mut Core, x: f64) {
     }
     let (game, _) = outputs(core);
     assert_eq!(alices_inputs(&game), [1, 2, 3, 4]);
-    core.handle(
-        at(100),
-        Input::GameFrame {
-            conn: 1,
-            messages: [
-                game_message::Body::Update(local::Update {
-                    entity_id: AVATAR,
-                    position: pos(x, 40.0),
-                    ..Default::default()
-                }),
-                game_message::Body::Release(local::Release {
-                    entity_id: AVATAR,
-                    entity_epoch: 1,
-                    state: bytes::Bytes::from_static(b"alice"),
-                    last_input_seq: 2,
-                    input_session_epoch: 5,
-                    ..Default::default()
-                }),
-            ]
-            .map(Into::into)
-            .to_vec(),
+    walk_out_and_release(
+        core,
+        100,
+        x,
+        local::Release {
+            entity_id: AVATAR,
+            entity_epoch: 1,
+            state: bytes::Bytes::from_static(b"alice"),
+            last_input_seq: 2,
+            input_session_epoch: 5,
+            ..Default::default()
         },
+        &[],
     );
     alices_input(core, 100, 5);
     game_frame(core, 101, 2, None);
@@ -2016,27 +2014,12 @@ fn a_game_that_takes_offload_releases_what_the_sidecar_hands_over() {
         .any(|m| matches!(m, sidecar_message::Body::Freeze(_))));
     assert!(offer_to_node_2(&links).is_none());
     // Its next tick moves it on (still due): not asked again.
-    core.handle(
-        at(150),
-        Input::GameFrame {
-            conn: 1,
-            messages: [
-                game_message::Body::Update(local::Update {
-                    entity_id: NPC,
-                    position: pos(12.0 * 32.0 + 11.0, 40.0),
-                    ..Default::default()
-                }),
-                game_message::Body::Release(local::Release {
-                    entity_id: NPC,
-                    entity_epoch: 1,
-                    state: bytes::Bytes::from_static(b"npc"),
-                    ..Default::default()
-                }),
-                game_message::Body::TickEnd(local::TickEnd { tick: 3 }),
-            ]
-            .map(Into::into)
-            .to_vec(),
-        },
+    walk_out_and_release(
+        &mut core,
+        150,
+        12.0 * 32.0 + 11.0,
+        npc_release(),
+        &[game_message::Body::TickEnd(local::TickEnd { tick: 3 })],
     );
     let (game, links) = outputs(&mut core);
     assert!(
