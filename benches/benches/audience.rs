@@ -96,7 +96,7 @@ fn fold(c: &mut Criterion) {
                 TickEvent {
                     entity_id: e.id,
                     chunk: e.chunk,
-                    owner_account: e.owner_account.clone(),
+                    owner_account: e.owner_account.to_string(),
                     audience: audience_of(i),
                     r#type: 9,
                     payload: cellmesh_benches::payload(i as u64),

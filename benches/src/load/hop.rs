@@ -4,6 +4,11 @@
 //! one process per component). The mesh runs as deployed, with mutual TLS on both mesh links, and
 //! once more in plaintext: `tls_over_plaintext` is what TLS costs.
 //!
+//! The mesh runs in this process, as the forwarders of the first baseline do: `*_vs_in_process`
+//! is the like-for-like ratio. The forwarders as processes also pay a wake-up of another
+//! process at every hop, which the mesh here does not, so `*_vs_processes` reads low; its fair
+//! counterpart would be the mesh as processes too.
+//!
 //! The client may receive a little fewer updates than the game sent: two updates of the entity
 //! that reach the gateway in one peer frame are folded into one (the client gets the latest
 //! state), as they are for any client.

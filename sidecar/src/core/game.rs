@@ -262,7 +262,7 @@ impl LocalGame {
                     e.id,
                     e.epoch,
                     e.position,
-                    e.owner_account.clone(),
+                    e.owner_account.to_string(),
                     e.is_master,
                 )
             })
@@ -446,7 +446,7 @@ impl LocalGame {
         self.tick_events.push(TickEvent {
             entity_id: id,
             chunk: entity.chunk,
-            owner_account: entity.owner_account.clone(),
+            owner_account: entity.owner_account.to_string(),
             audience,
             r#type: e.r#type,
             payload: e.payload,

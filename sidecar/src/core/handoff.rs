@@ -398,7 +398,7 @@ fn player_of(table: &EntityTable, members: &[u64]) -> Option<String> {
         .iter()
         .filter_map(|m| table.get_local(*m))
         .find(|e| e.is_master && !e.owner_account.is_empty())
-        .map(|e| e.owner_account.clone())
+        .map(|e| e.owner_account.to_string())
 }
 
 /// Tells the game to stop writing `id` under its current epoch (it answers with its snapshot).
@@ -843,7 +843,7 @@ impl Handoffs {
             entity_epoch: epoch,
             position: Some(vec3(e.position)),
             state,
-            owner_account: e.owner_account.clone(),
+            owner_account: e.owner_account.to_string(),
             is_master: e.is_master,
             components: owned_components(e),
             gateway_node: session.map_or(0, |s| s.0),
@@ -888,7 +888,7 @@ impl Handoffs {
                     entity_id: a.id,
                     position: Some(vec3(a.position)),
                     state: state.clone(),
-                    owner_account: a.owner_account.clone(),
+                    owner_account: a.owner_account.to_string(),
                     is_master: a.is_master,
                     parent_id: a.parent_id,
                     components: owned_components(a),
@@ -968,7 +968,7 @@ impl Handoffs {
         // A thawed master's game applies the leave it holds itself.
         for m in &thawed.members {
             if let Some(e) = table.get_local(*m).filter(|e| e.is_master) {
-                self.leaving.remove(&e.owner_account);
+                self.leaving.remove(&*e.owner_account);
             }
         }
         cx.metrics.freeze_done(thawed.freeze_ms);
@@ -1108,7 +1108,7 @@ impl Handoffs {
                 cx.metrics.handoff(cx.config.node_id, *to, "abandoned");
                 // A leave kept for the new owner is moot: the avatar is gone.
                 if let Some(e) = gone.iter().find(|e| e.id == *root && e.is_master) {
-                    self.leaving.remove(&e.owner_account);
+                    self.leaving.remove(&*e.owner_account);
                 }
                 // The attachments left are roots of their own now: checked at the next tick.
                 self.recheck.extend(thawed.members.iter().copied());
@@ -1522,7 +1522,7 @@ pub(crate) fn adopt_message(o: &mesh::HandoffOffer) -> local::Adopt {
                 entity_epoch: o.entity_epoch,
                 position: a.position.as_ref().map(local_vec3),
                 state: a.state.clone(),
-                owner_account: a.owner_account.clone(),
+                owner_account: a.owner_account.to_string(),
                 is_master: a.is_master,
                 attachments: vec![],
             })

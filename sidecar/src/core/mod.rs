@@ -1813,7 +1813,7 @@ impl Core {
             self.game.hear_event(model::fold::TickEvent {
                 entity_id: e.id,
                 chunk: e.chunk,
-                owner_account: e.owner_account.clone(),
+                owner_account: e.owner_account.to_string(),
                 audience: model::audience::Audience::PublicInRange,
                 r#type: ev.r#type,
                 payload: ev.payload,
@@ -2205,7 +2205,7 @@ impl Core {
                 self.handoff.forget_fenced(id);
             }
             if let Some(account) = master {
-                self.master_handed_away(&done, id, account, chunk, [pos.x, pos.y, pos.z]);
+                self.master_handed_away(&done, id, account.into(), chunk, [pos.x, pos.y, pos.z]);
             }
         }
         self.handoff.count_in_doubt(&self.cx);
@@ -3504,7 +3504,7 @@ impl Core {
         let from_account = self
             .table
             .get_local(c.from_entity)
-            .map(|e| e.owner_account.clone())
+            .map(|e| e.owner_account.to_string())
             .unwrap_or_default();
         let incarnation = self.restore.incarnation();
         match self

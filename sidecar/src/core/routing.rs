@@ -397,10 +397,10 @@ impl Routing {
             let Some(e) = table.get_local(id).filter(|e| e.is_master) else {
                 continue;
             };
-            let Some(r) = self.remote_players.get(&e.owner_account) else {
+            let Some(r) = self.remote_players.get(&*e.owner_account) else {
                 continue;
             };
-            if self.anchor_sent.get(&e.owner_account) != Some(&e.chunk) {
+            if self.anchor_sent.get(&*e.owner_account) != Some(&e.chunk) {
                 due.push((e.owner_account.clone(), *r));
             }
         }

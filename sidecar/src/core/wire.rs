@@ -127,7 +127,7 @@ pub(crate) fn full_state(e: &Entity) -> mesh::EntityState {
             })
             .collect(),
         removed_types: vec![],
-        owner_account: e.owner_account.clone(),
+        owner_account: e.owner_account.to_string(),
         is_master: e.is_master,
         parent_id: e.parent_id,
     }

@@ -540,7 +540,7 @@ impl DeltaKey {
             .collect();
         d.removed_types = self.removed.clone();
         if self.kind == DeltaKind::Appear {
-            d.owner_account = e.owner_account.clone();
+            d.owner_account = e.owner_account.to_string();
         }
         d
     }

@@ -19,6 +19,7 @@ pub mod audience;
 pub mod checkpoints;
 pub mod claims;
 pub mod commands;
+pub mod component_store;
 pub mod entities;
 pub mod fold;
 pub mod ghosts;

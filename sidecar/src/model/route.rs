@@ -107,7 +107,7 @@ pub fn account_views(
     e: &Entity,
     ch: &EntityChange,
 ) -> BTreeMap<String, (Vec<u32>, Vec<u32>, AudienceKind)> {
-    let owner = e.owner_account.as_str();
+    let owner = &*e.owner_account;
     let mut named: BTreeSet<&str> = BTreeSet::new();
     let mut kind = AudienceKind::PublicInRange;
     let note = |a: &Audience, kind: &mut AudienceKind| {
