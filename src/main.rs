@@ -424,7 +424,11 @@ async fn main() -> anyhow::Result<()> {
         #[cfg(feature = "tools")]
         Command::Balance(args) => cellmesh::balance_cli::run(args),
         #[cfg(feature = "tools")]
-        Command::Sim(args) => cellmesh::sim_cli::run(args),
+        Command::Sim(args) => {
+            // Quiet unless asked (`RUST_LOG`): a thousand seeds' warnings would bury the verdict.
+            let _telemetry = telemetry::init("off", "cellmesh-sim");
+            cellmesh::sim_cli::run(args)
+        }
         #[cfg(feature = "tools")]
         Command::Bench(args) => {
             let _telemetry = telemetry::init("warn", "cellmesh-bench");

@@ -142,6 +142,23 @@ impl Client {
                 return wrong;
             }
         };
+        // The view follows the avatar as the gateway shows it: where this very frame moves the
+        // avatar counts too (a view re-anchored after an outage, while the avatar's game is down
+        // and its true place unknown, moves in the same batch as the avatar does).
+        let moved_to = self.avatar.and_then(|me| {
+            frame
+                .messages
+                .iter()
+                .filter_map(|m| match &m.body {
+                    Some(server_message::Body::Batch(b)) => Some(b),
+                    _ => None,
+                })
+                .flat_map(|b| &b.deltas)
+                .filter(|d| d.entity_id == me)
+                .filter_map(|d| d.position.as_ref().map(|p| (p.x, p.y)))
+                .last()
+        });
+        let avatar_at: Vec<(f64, f64)> = avatar_at.iter().copied().chain(moved_to).collect();
         for m in frame.messages {
             let Some(server_message::Body::Batch(batch)) = m.body else {
                 continue;
@@ -220,4 +237,85 @@ impl Client {
 
 fn chunk(world: &WorldShape, p: (f64, f64)) -> ChunkPos {
     world.chunk_of(Pos { x: p.0, y: p.1 })
+}
+
+#[cfg(test)]
+mod tests {
+    use cellmesh_proto::edge::{Batch, EntityDelta, ServerMessage, Vec3};
+
+    use super::*;
+
+    const WORLD: WorldShape = WorldShape {
+        width: 512.0,
+        height: 512.0,
+        chunk_size: 32.0,
+        region_size: 256.0,
+    };
+    const AVATAR: u64 = 1;
+    const NPC: u64 = 2;
+
+    fn delta(id: u64, kind: DeltaKind, at: Option<(f64, f64)>, owner: &str) -> EntityDelta {
+        EntityDelta {
+            entity_id: id,
+            kind: kind as i32,
+            position: at.map(|(x, y)| Vec3 { x, y, z: 0.0 }),
+            owner_account: owner.into(),
+            ..Default::default()
+        }
+    }
+
+    fn frame(deltas: Vec<EntityDelta>) -> Bytes {
+        ServerFrame {
+            messages: vec![ServerMessage {
+                body: Some(server_message::Body::Batch(Batch {
+                    deltas,
+                    ..Default::default()
+                })),
+            }],
+        }
+        .encode_to_vec()
+        .into()
+    }
+
+    /// The avatar and an NPC 3 chunks from it, both shown; the avatar's game is down, so only
+    /// where the client saw the avatar is known.
+    fn client_seeing_both() -> Client {
+        let mut c = Client::new("alice".into());
+        c.begin(1);
+        let shown = frame(vec![
+            delta(AVATAR, DeltaKind::Appear, Some((336.0, 400.0)), "alice"),
+            delta(NPC, DeltaKind::Appear, Some((336.0, 304.0)), ""),
+        ]);
+        assert!(c
+            .on_frame(0, &shown, &WORLD, 3, |_| None, &[(336.0, 400.0)])
+            .is_empty());
+        c
+    }
+
+    /// commands seed 556: after an outage the gateway's view moved with the avatar, and the NPC
+    /// left the view, in one batch; the check measured from where the avatar stood before it.
+    #[test]
+    fn a_vanish_in_the_batch_that_moves_the_avatar_far_away_is_no_error() {
+        let mut c = client_seeing_both();
+        let npc_at = |id| (id == NPC).then_some((336.0, 304.0));
+        let moved_away = frame(vec![
+            delta(AVATAR, DeltaKind::Update, Some((336.0, 7.0)), ""),
+            delta(NPC, DeltaKind::Vanish, None, ""),
+        ]);
+        let wrong = c.on_frame(10, &moved_away, &WORLD, 3, npc_at, &[(336.0, 400.0)]);
+        assert!(wrong.is_empty(), "{wrong:?}");
+    }
+
+    #[test]
+    fn a_vanish_near_the_avatar_before_and_after_its_move_is_an_error() {
+        let mut c = client_seeing_both();
+        let npc_at = |id| (id == NPC).then_some((336.0, 304.0));
+        let moved_a_little = frame(vec![
+            delta(AVATAR, DeltaKind::Update, Some((336.0, 380.0)), ""),
+            delta(NPC, DeltaKind::Vanish, None, ""),
+        ]);
+        let wrong = c.on_frame(10, &moved_a_little, &WORLD, 3, npc_at, &[(336.0, 400.0)]);
+        assert_eq!(wrong.len(), 1, "{wrong:?}");
+        assert!(wrong[0].contains("well inside the view"));
+    }
 }

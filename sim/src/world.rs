@@ -1512,7 +1512,11 @@ impl<'a> Sim<'a> {
             self.check.frame_from_game(id, messages);
         }
         let core = self.node(id).core.as_mut().expect("checked above");
-        let before = watch.map(|e| core.entities().get(e).map(|e| (e.origin, e.epoch)));
+        let before = watch.map(|e| {
+            core.entities()
+                .get(e)
+                .map(|e| (e.origin, e.epoch, (e.chunk.x, e.chunk.y)))
+        });
         core.handle(now, input);
         // An entity whose game crashed before its first checkpoint came back is gone, as if
         // its spawn had been lost with the crash.
@@ -1521,7 +1525,10 @@ impl<'a> Sim<'a> {
         }
         let core = self.node(id).core.as_mut().expect("handled above");
         if let (Some(e), Some(before)) = (watch, before) {
-            let after = core.entities().get(e).map(|e| (e.origin, e.epoch));
+            let after = core
+                .entities()
+                .get(e)
+                .map(|e| (e.origin, e.epoch, (e.chunk.x, e.chunk.y)));
             if after != before {
                 self.note(|| format!("WATCH n{id}: e{e} {before:?} -> {after:?}"));
             }

@@ -1557,6 +1557,11 @@ impl Handoffs {
             .observed(s.entity_id, s.entity_epoch, node, cx.now.mono_ms)
     }
 
+    /// The epoch and writer the fence follows for `id`, if any.
+    pub(crate) fn fenced(&self, id: u64) -> Option<(u64, NodeId)> {
+        self.fence.current(id)
+    }
+
     /// What a frame about a foreign entity needs before the fence admits it.
     pub(crate) fn state_ahead(
         &mut self,

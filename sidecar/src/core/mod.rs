@@ -1361,6 +1361,7 @@ impl Core {
     pub(crate) fn on_restore_resolved(&mut self, r: mesh::RestoreResolved) {
         let id = r.entity_id;
         let now = self.cx.now.mono_ms;
+        self.ghost_follows_resolved(&r);
         match self.restore.on_resolved(&self.cx, &r) {
             restore::Resolution::Repeat => {}
             restore::Resolution::Returned { dead } => {
@@ -1405,6 +1406,36 @@ impl Core {
                     .redirect_departed(id, r.owner_node, r.entity_epoch);
             }
         }
+    }
+
+    /// A render ghost held here of an entity the restore found written elsewhere follows its
+    /// writer, as on the old owner's `EntityMoved`: the old owner's word may have been lost (a
+    /// cut kept it from here, and the old owner died before it healed), and without it the
+    /// restore's end would take the ghost for one nobody took over.
+    fn ghost_follows_resolved(&mut self, r: &mesh::RestoreResolved) {
+        let me = self.cx.config.node_id;
+        let ghost_of_the_dead = self
+            .table
+            .get(r.entity_id)
+            .and_then(|e| e.origin)
+            .is_some_and(|o| o != r.owner_node && self.restore.is_dead_node(o));
+        let newer = self
+            .handoff
+            .fenced(r.entity_id)
+            .is_none_or(|(known, _)| r.entity_epoch > known);
+        if r.owner_node == me || !ghost_of_the_dead || !newer {
+            return;
+        }
+        // The decider's word, as it would send it for an entity it restored.
+        self.on_entity_moved(
+            r.owner_node,
+            mesh::EntityMoved {
+                entity_id: r.entity_id,
+                entity_epoch: r.entity_epoch,
+                owner_node: r.owner_node,
+                holders: vec![],
+            },
+        );
     }
 
     /// The dead process's world is restored: its ghosts nobody took over are gone. Unless a

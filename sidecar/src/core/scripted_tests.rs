@@ -1244,6 +1244,74 @@ fn a_restored_ghost_stays_while_the_successor_in_place_is_cut_off() {
     }
 }
 
+/// commands seed 343 with zero-tick handoffs: node 2 handed its entity to node 3 (an offload,
+/// which moves an entity to a node that does not own its place) while a cut kept node 2's word
+/// (`EntityMoved`) from this gateway, and then died. The restore found node 3 writing it and said
+/// so (`RestoreResolved`), but the restore's end dropped this node's ghost, still naming node 2,
+/// as one nobody took over: the client saw an entity vanish that node 3 simulates in its view.
+/// The ghost follows the writer the restore names.
+#[test]
+fn a_ghost_of_a_dead_process_follows_the_writer_the_restore_found() {
+    let mut core = node();
+    gateway_live(&mut core, 0);
+    alice_at_the_border(&mut core);
+    from_node_2(&mut core, 30, true, 270.0);
+    link_up(&mut core, 40, 50, 3);
+    core.handle(
+        at(100),
+        Input::LinkClosed {
+            link: 30,
+            reason: "cut".into(),
+        },
+    );
+    // Node 4 decides the restore of node 2's dead process.
+    link_up(&mut core, 150, 40, 4);
+    let from_decider = |core: &mut Core, ms: u64, body: mesh_message::Body| {
+        core.handle(
+            at(ms),
+            Input::LinkFrame {
+                link: 40,
+                messages: vec![body.into()],
+            },
+        );
+    };
+    from_decider(
+        &mut core,
+        160,
+        mesh_message::Body::RestoreQuery(mesh::RestoreQuery {
+            node: GATEWAY,
+            lease_epoch: 1,
+        }),
+    );
+    while core.poll_output().is_some() {}
+    from_decider(
+        &mut core,
+        250,
+        mesh_message::Body::RestoreResolved(mesh::RestoreResolved {
+            entity_id: 99,
+            entity_epoch: 3,
+            owner_node: 3,
+        }),
+    );
+    let (_, links) = outputs(&mut core);
+    assert!(
+        links
+            .iter()
+            .any(|(l, m)| *l == 50 && matches!(m, mesh_message::Body::Subscribe(_))),
+        "the gateway subscribes at node 3 where the ghost stands: {links:?}"
+    );
+    from_decider(
+        &mut core,
+        300,
+        mesh_message::Body::RestoreDone(mesh::RestoreDone {
+            node: GATEWAY,
+            lease_epoch: 1,
+        }),
+    );
+    let ghost = core.table.get(99).expect("the ghost stays");
+    assert_eq!((ghost.origin, ghost.epoch), (Some(3), 3));
+}
+
 /// Everything queued: for the game, and for the links as (link, message), in order.
 fn outputs(
     core: &mut Core,
