@@ -1512,11 +1512,13 @@ impl<'a> Sim<'a> {
             self.check.frame_from_game(id, messages);
         }
         let core = self.node(id).core.as_mut().expect("checked above");
-        let before = watch.map(|e| {
+        // Who writes the watched entity here, under which epoch, and in which chunk.
+        let watched = |core: &Core, e: u64| {
             core.entities()
                 .get(e)
                 .map(|e| (e.origin, e.epoch, (e.chunk.x, e.chunk.y)))
-        });
+        };
+        let before = watch.map(|e| watched(core, e));
         core.handle(now, input);
         // An entity whose game crashed before its first checkpoint came back is gone, as if
         // its spawn had been lost with the crash.
@@ -1525,10 +1527,7 @@ impl<'a> Sim<'a> {
         }
         let core = self.node(id).core.as_mut().expect("handled above");
         if let (Some(e), Some(before)) = (watch, before) {
-            let after = core
-                .entities()
-                .get(e)
-                .map(|e| (e.origin, e.epoch, (e.chunk.x, e.chunk.y)));
+            let after = watched(core, e);
             if after != before {
                 self.note(|| format!("WATCH n{id}: e{e} {before:?} -> {after:?}"));
             }

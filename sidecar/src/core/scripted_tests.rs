@@ -1195,26 +1195,8 @@ fn a_restored_ghost_stays_while_the_successor_in_place_is_cut_off() {
         alice_at_the_border(&mut core);
         from_node_2(&mut core, 30, true, 270.0);
         assert!(core.table.get(99).is_some());
-        core.handle(
-            at(100),
-            Input::LinkClosed {
-                link: 30,
-                reason: "cut".into(),
-            },
-        );
-        // Node 4 decides the restore of node 2's dead process; node 2 restarted under lease 2.
-        link_up(&mut core, 150, 40, 4);
-        core.handle(
-            at(160),
-            Input::LinkFrame {
-                link: 40,
-                messages: vec![mesh_message::Body::RestoreQuery(mesh::RestoreQuery {
-                    node: GATEWAY,
-                    lease_epoch: 1,
-                })
-                .into()],
-            },
-        );
+        // Node 2 restarted under lease 2.
+        node_2_dies_and_node_4_restores_it(&mut core);
         core.handle(
             at(200),
             Input::PeerLeases {
@@ -1225,16 +1207,13 @@ fn a_restored_ghost_stays_while_the_successor_in_place_is_cut_off() {
         if successor_linked {
             link_up_as(&mut core, 250, 31, GATEWAY, 2);
         }
-        core.handle(
-            at(300),
-            Input::LinkFrame {
-                link: 40,
-                messages: vec![mesh_message::Body::RestoreDone(mesh::RestoreDone {
-                    node: GATEWAY,
-                    lease_epoch: 1,
-                })
-                .into()],
-            },
+        from_decider(
+            &mut core,
+            300,
+            mesh_message::Body::RestoreDone(mesh::RestoreDone {
+                node: GATEWAY,
+                lease_epoch: 1,
+            }),
         );
         assert_eq!(
             core.table.get(99).is_some(),
@@ -1257,32 +1236,7 @@ fn a_ghost_of_a_dead_process_follows_the_writer_the_restore_found() {
     alice_at_the_border(&mut core);
     from_node_2(&mut core, 30, true, 270.0);
     link_up(&mut core, 40, 50, 3);
-    core.handle(
-        at(100),
-        Input::LinkClosed {
-            link: 30,
-            reason: "cut".into(),
-        },
-    );
-    // Node 4 decides the restore of node 2's dead process.
-    link_up(&mut core, 150, 40, 4);
-    let from_decider = |core: &mut Core, ms: u64, body: mesh_message::Body| {
-        core.handle(
-            at(ms),
-            Input::LinkFrame {
-                link: 40,
-                messages: vec![body.into()],
-            },
-        );
-    };
-    from_decider(
-        &mut core,
-        160,
-        mesh_message::Body::RestoreQuery(mesh::RestoreQuery {
-            node: GATEWAY,
-            lease_epoch: 1,
-        }),
-    );
+    node_2_dies_and_node_4_restores_it(&mut core);
     while core.poll_output().is_some() {}
     from_decider(
         &mut core,
@@ -1310,6 +1264,38 @@ fn a_ghost_of_a_dead_process_follows_the_writer_the_restore_found() {
     );
     let ghost = core.table.get(99).expect("the ghost stays");
     assert_eq!((ghost.origin, ghost.epoch), (Some(3), 3));
+}
+
+/// Node 2's link (30) closes at 100 ms; node 4 links up (link 40) and, at 160 ms, starts
+/// deciding the restore of node 2's process under lease 1.
+fn node_2_dies_and_node_4_restores_it(core: &mut Core) {
+    core.handle(
+        at(100),
+        Input::LinkClosed {
+            link: 30,
+            reason: "cut".into(),
+        },
+    );
+    link_up(core, 150, 40, 4);
+    from_decider(
+        core,
+        160,
+        mesh_message::Body::RestoreQuery(mesh::RestoreQuery {
+            node: GATEWAY,
+            lease_epoch: 1,
+        }),
+    );
+}
+
+/// Node 4, the restore's decider, sends `body` at `ms`.
+fn from_decider(core: &mut Core, ms: u64, body: mesh_message::Body) {
+    core.handle(
+        at(ms),
+        Input::LinkFrame {
+            link: 40,
+            messages: vec![body.into()],
+        },
+    );
 }
 
 /// Everything queued: for the game, and for the links as (link, message), in order.
