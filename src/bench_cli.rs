@@ -14,7 +14,8 @@ use serde_json::{json, Map, Value};
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
-    /// Scenarios to run: hop, fanout, transport, edge, handoff, memory, overload.
+    /// Scenarios to run: hop, fanout, transport, edge, handoff, memory, overload,
+    /// capacity.
     #[arg(value_name = "SCENARIO", value_parser = parse_scenario)]
     pub scenarios: Vec<Scenario>,
     /// Run every scenario.

@@ -127,6 +127,7 @@ fn bench_names_its_scenarios_when_given_none_or_an_unknown_one() {
         "handoff",
         "memory",
         "overload",
+        "capacity",
     ] {
         assert!(stderr.contains(name), "{name} not named: {stderr}");
     }

@@ -373,6 +373,7 @@ impl Rig {
                 cluster.token(&format!("fanout-{i}")),
                 self.window.clone(),
                 seen.clone(),
+                0,
                 self.stop.clone(),
             ));
             self.clients.push(Client { task, seen });

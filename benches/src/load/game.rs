@@ -33,6 +33,8 @@ pub const STAMPED: u32 = 1;
 pub const ECHO: u32 = 2;
 /// Bytes of an echo: the input's stamp, then nanoseconds the game held the input.
 pub const ECHO_LEN: usize = STAMP_LEN + 8;
+/// Bytes of a bench client's input: a stamp and a little state, as a movement input carries.
+pub const INPUT_BYTES: usize = 24;
 
 /// An echo's `(input sent_ns, input seq, held_ns)`: `held_ns` is how long the game kept the
 /// input before its tick ended (the game's own wait, not the mesh's).
@@ -853,26 +855,39 @@ pub async fn watch(
     let window = Arc::new(Window::default());
     window.open(measure_from_ns, u64::MAX);
     let seen = Arc::new(Mutex::new(Watched::new()));
-    watch_window(proxy, token, window, seen.clone(), stop).await?;
+    watch_window(proxy, token, window, seen.clone(), 0, stop).await?;
     let seen = std::mem::take(&mut *seen.lock().expect("client tally lock poisoned"));
     Ok(seen)
 }
 
 /// Like [`watch`], but into `seen`, which the scenario reads and resets between windows: every
-/// entity that appears, and the latency of the updates stamped within `window`.
+/// entity that appears, and the latency of the updates stamped within `window`. With
+/// `inputs_hz` above 0 it also sends that many inputs a second, as a player does.
 pub async fn watch_window(
     proxy: String,
     token: String,
     window: Arc<Window>,
     seen: Arc<Mutex<Watched>>,
+    inputs_hz: u32,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
     let (mut tx, mut rx, _welcome) = client::login(&proxy, &token)
         .await
         .map_err(|e| anyhow::anyhow!("bench client login: {e}"))?;
+    let mut inputs =
+        tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(inputs_hz.max(1))));
+    inputs.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut input_seq = 0u64;
     loop {
         let msg = tokio::select! {
             _ = stop.cancelled() => break,
+            _ = inputs.tick(), if inputs_hz > 0 => {
+                input_seq += 1;
+                tx.input(input_seq, stamped(INPUT_BYTES, input_seq))
+                    .await
+                    .map_err(|e| anyhow::anyhow!("bench client input: {e}"))?;
+                continue;
+            }
             m = rx.next() => m,
         };
         let Some(msg) = msg else {

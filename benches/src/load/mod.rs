@@ -5,6 +5,7 @@
 //! `ratio` against that baseline. Nothing here passes or fails on speed: [`report::missing`] only
 //! checks that every figure was filled.
 
+pub mod capacity;
 pub mod cluster;
 pub mod edge;
 pub mod external;
@@ -36,10 +37,11 @@ pub enum Scenario {
     Handoff,
     Memory,
     Overload,
+    Capacity,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 7] = [
+    pub const ALL: [Scenario; 8] = [
         Scenario::Hop,
         Scenario::Fanout,
         Scenario::Transport,
@@ -47,6 +49,7 @@ impl Scenario {
         Scenario::Handoff,
         Scenario::Memory,
         Scenario::Overload,
+        Scenario::Capacity,
     ];
 
     /// Its key in the report.
@@ -59,6 +62,7 @@ impl Scenario {
             Scenario::Handoff => "handoff",
             Scenario::Memory => "memory",
             Scenario::Overload => "overload",
+            Scenario::Capacity => "capacity",
         }
     }
 
@@ -107,6 +111,7 @@ pub async fn run(scenario: Scenario, opts: &Options) -> anyhow::Result<Value> {
         Scenario::Handoff => handoff::run(opts).await,
         Scenario::Memory => memory::run(opts).await,
         Scenario::Overload => overload::run(opts).await,
+        Scenario::Capacity => capacity::run(opts).await,
     }
     .map_err(|e| e.context(format!("bench {}", scenario.name())))?;
     if let Value::Object(m) = &mut section {

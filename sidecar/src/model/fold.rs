@@ -26,6 +26,7 @@ use cellmesh_proto::edge::{
     self, AccountMessage, ComponentData, DeltaKind, EntityDelta, EventData,
 };
 use cellmesh_world::geometry::{ChunkPos, WorldShape};
+use smallvec::SmallVec;
 
 use crate::model::audience::Audience;
 use crate::model::entities::{Entity, EntityChange, EntityTable, TickChanges};
@@ -226,7 +227,9 @@ impl Clients {
             flipped,
         } = self;
         let (world, shape) = (*world, *shape);
-        let mut work: BTreeMap<ClientKey, BTreeSet<u64>> = BTreeMap::new();
+        // (client, entity) pairs to decide, sorted and deduplicated below: far cheaper than a
+        // set per client, with thousands of pairs a tick.
+        let mut work: Vec<(ClientKey, u64)> = Vec::new();
 
         // Views follow their anchors first, so this tick's deltas use this tick's views.
         for (&key, c) in clients.iter_mut() {
@@ -250,21 +253,20 @@ impl Clients {
             for chunk in &change.left {
                 unview(viewers, flipped, *chunk, key);
             }
-            let ids = work.entry(key).or_default();
             for chunk in &change.entered {
                 let viewing = viewers.entry(*chunk).or_insert_with(|| {
                     flipped.insert(*chunk);
                     HashSet::default()
                 });
                 viewing.insert(key);
-                ids.extend(table.residents(*chunk));
+                work.extend(table.residents(*chunk).map(|id| (key, id)));
             }
             // The anchor moved: whatever was shown may now be out of range.
-            ids.extend(c.appeared.iter().copied());
+            work.extend(c.appeared.iter().map(|&id| (key, id)));
             // The avatar the view now centres on comes with it: a new one (a spawn that has not
             // reached the tick's fold yet) may stand in chunks the view held already.
             if let Some(e) = master {
-                ids.insert(e.id);
+                work.push((key, e.id));
             }
         }
 
@@ -304,27 +306,30 @@ impl Clients {
                     }
                 }
             }
-            for k in concerned {
-                work.entry(k).or_default().insert(id);
-            }
+            work.extend(concerned.into_iter().map(|k| (k, id)));
         }
+        work.sort_unstable();
+        work.dedup();
 
         let mut out = FoldOutput::default();
         let mut cache: HashMap<DeltaKey, Encoded> = HashMap::default();
         let mut batches: BTreeMap<ClientKey, Outgoing> = BTreeMap::new();
         let budget = max_frame_bytes;
-        for (key, ids) in work {
+        let mut pieces = Vec::new();
+        for pairs in work.chunk_by(|a, b| a.0 == b.0) {
+            let key = pairs[0].0;
             let Some(client) = clients.get_mut(&key) else {
                 continue;
             };
-            let mut pieces = Vec::new();
+            // In id order, as `pairs` is sorted.
+            let ids = pairs.iter().map(|&(_, id)| id);
             // The client's own avatar first: a client judges the rest of the batch (what left
             // a re-centred view) from where its avatar is.
             let own = table
                 .master_of(&client.account)
                 .map(|e| e.id)
-                .filter(|id| ids.contains(id));
-            let rest = ids.into_iter().filter(|id| Some(*id) != own);
+                .filter(|id| pairs.binary_search(&(key, *id)).is_ok());
+            let rest = ids.filter(|id| Some(*id) != own);
             for id in own.into_iter().chain(rest) {
                 if !changes.contains_key(&id)
                     && table
@@ -356,7 +361,7 @@ impl Clients {
             let batch = batches
                 .entry(key)
                 .or_insert_with(|| Outgoing::new(tick, budget));
-            for d in pieces {
+            for d in pieces.drain(..) {
                 let encoded = cache.entry(d).or_insert_with_key(|d| {
                     out.deltas_encoded += 1;
                     encode_delta(&d.build(table))
@@ -492,9 +497,12 @@ struct DeltaKey {
     id: u64,
     kind: DeltaKind,
     position: bool,
-    components: Vec<u32>,
-    removed: Vec<u32>,
+    components: Types,
+    removed: Types,
 }
+
+/// Component types of one delta: one or two nearly always, so kept inline.
+type Types = SmallVec<[u32; 2]>;
 
 impl DeltaKey {
     fn vanish(id: u64) -> Self {
@@ -502,8 +510,8 @@ impl DeltaKey {
             id,
             kind: DeltaKind::Vanish,
             position: false,
-            components: vec![],
-            removed: vec![],
+            components: Types::new(),
+            removed: Types::new(),
         }
     }
 
@@ -538,7 +546,7 @@ impl DeltaKey {
                 })
             })
             .collect();
-        d.removed_types = self.removed.clone();
+        d.removed_types = self.removed.to_vec();
         if self.kind == DeltaKind::Appear {
             d.owner_account = e.owner_account.to_string();
         }
@@ -598,7 +606,7 @@ fn decide(
             kind: DeltaKind::Appear,
             position: true,
             components,
-            removed: vec![],
+            removed: Types::new(),
         });
         client.partial.remove(&id);
         client.appeared.insert(id);
@@ -627,7 +635,7 @@ fn decide(
                 kind: DeltaKind::Update,
                 position: false,
                 components,
-                removed: vec![],
+                removed: Types::new(),
             });
             client.partial.insert(id);
             known_by.entry(id).or_default().insert(key);
@@ -636,7 +644,7 @@ fn decide(
 }
 
 /// Component types of `e` that `account` may see.
-fn visible(e: &Entity, account: &str, in_range: bool) -> Vec<u32> {
+fn visible(e: &Entity, account: &str, in_range: bool) -> Types {
     e.components
         .iter()
         .filter(|(_, c)| c.audience.admits(account, &e.owner_account, in_range))
@@ -646,9 +654,9 @@ fn visible(e: &Entity, account: &str, in_range: bool) -> Vec<u32> {
 
 /// This tick's component changes as `account` sees them: types to send, and types to remove
 /// (gone, or no longer visible, but visible before).
-fn diff(ch: &EntityChange, e: &Entity, account: &str, in_range: bool) -> (Vec<u32>, Vec<u32>) {
-    let mut send = Vec::new();
-    let mut removed = Vec::new();
+fn diff(ch: &EntityChange, e: &Entity, account: &str, in_range: bool) -> (Types, Types) {
+    let mut send = Types::new();
+    let mut removed = Types::new();
     for (t, before) in &ch.components {
         match e.components.get(t) {
             Some(c) if c.audience.admits(account, &e.owner_account, in_range) => send.push(*t),
