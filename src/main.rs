@@ -487,6 +487,15 @@ async fn run_up(args: UpArgs) -> anyhow::Result<()> {
     if !s.inputs_undelivered.is_empty() {
         println!("undelivered inputs by reason: {:?}", s.inputs_undelivered);
     }
+    if s.knee_rtt_ms_p99 > 0.0 || s.admitted_rtt_ms_p99 > 0.0 {
+        println!(
+            "crowd: rtt p99 {:.1} ms with the first 200 bots, {:.1} ms for the admitted once all came ({:.2}×), {} logins refused SERVER_FULL",
+            s.knee_rtt_ms_p99,
+            s.admitted_rtt_ms_p99,
+            s.admitted_rtt_ms_p99 / s.knee_rtt_ms_p99.max(f64::MIN_POSITIVE),
+            s.logins_refused
+        );
+    }
     if s.nodes_killed > 0 {
         println!(
             "chaos: {} nodes killed, {} entities restored (restore p50 {:.0} ms p99 {:.0} ms from the kill, progress lost p99 {:.0} ms), sessions kept {} dropped {}, accounts with two avatars {}, sessions without avatar {}",

@@ -155,9 +155,25 @@ pub struct ProxyHandle {
     join: JoinHandle<()>,
 }
 
+/// Reads a proxy's RTT measurements while it runs, apart from its handle.
+#[derive(Clone)]
+pub struct RttReader(Arc<Metrics>);
+
+impl RttReader {
+    /// Every client RTT the proxy measured so far, in microseconds: subtract an earlier read
+    /// for a window's.
+    pub fn histogram(&self) -> hdrhistogram::Histogram<u64> {
+        self.0.rtt_us()
+    }
+}
+
 impl ProxyHandle {
     pub fn stats(&self) -> ProxyStats {
         self.metrics.stats()
+    }
+
+    pub fn rtt_reader(&self) -> RttReader {
+        RttReader(self.metrics.clone())
     }
 
     /// Ends a drain at once: every client left is kicked now (a second signal does this).

@@ -503,13 +503,19 @@ impl Metrics {
             .set(up as i64);
     }
 
+    /// Every RTT measured so far, in microseconds.
+    pub(crate) fn rtt_us(&self) -> hdrhistogram::Histogram<u64> {
+        let mut h = rtt_histogram();
+        for shard in &self.rtt {
+            let shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+            h.add(&*shard).expect("shards share their bounds");
+        }
+        h
+    }
+
     pub(crate) fn stats(&self) -> ProxyStats {
         let (rtt_ms_p50, rtt_ms_p99, rtt_samples) = {
-            let mut h = rtt_histogram();
-            for shard in &self.rtt {
-                let shard = shard.lock().unwrap_or_else(|p| p.into_inner());
-                h.add(&*shard).expect("shards share their bounds");
-            }
+            let h = self.rtt_us();
             let ms = |q| h.value_at_quantile(q) as f64 / 1000.0;
             if h.is_empty() {
                 (0.0, 0.0, 0)

@@ -82,6 +82,10 @@ pub struct SidecarConfig {
     pub view_radius_chunks: u32,
     /// ...and leaves it only this many chunks further out.
     pub release_margin_chunks: u32,
+    /// Updates of other entities each client is sent per tick at most; past it the nearest go
+    /// first and the rest follow in later ticks, whole (late, never lost). Bounds what one
+    /// client costs in a crowd. 0: no bound.
+    pub client_updates_per_tick: u32,
     /// Largest frame accepted or sent on any connection.
     pub max_frame_bytes: usize,
     /// Frames queued for one mesh link before the link is declared too slow and closed.
@@ -199,6 +203,7 @@ impl Default for SidecarConfig {
             world: WorldShape::default(),
             view_radius_chunks: 5,
             release_margin_chunks: 1,
+            client_updates_per_tick: 100,
             max_frame_bytes: cellmesh_proto::codec::DEFAULT_MAX_FRAME,
             link_outbox_frames: 8192,
             game_outbox_frames: 4096,

@@ -164,6 +164,8 @@ pub struct Metrics {
     pub batches_sent: Counter,
     pub deltas_sent: Counter,
     pub deltas_encoded: Counter,
+    /// Updates the per-client budget held back for a later fold.
+    pub updates_held_back: Counter,
     pub ticks: Counter,
     pub peer_up: Family<PeerNodeLabel, Gauge>,
     pub peers_up: Gauge,
@@ -314,6 +316,7 @@ impl Default for Metrics {
             batches_sent: Default::default(),
             deltas_sent: Default::default(),
             deltas_encoded: Default::default(),
+            updates_held_back: Default::default(),
             ticks: Default::default(),
             peer_up: Default::default(),
             peers_up: Default::default(),
@@ -462,6 +465,11 @@ impl Metrics {
             "deltas_encoded",
             "Entity deltas encoded (the rest were shared)",
             m.deltas_encoded.clone(),
+        );
+        r.register(
+            "updates_held_back",
+            "Entity updates the per-client budget (client_updates_per_tick) held back for a later batch, nearest entities first",
+            m.updates_held_back.clone(),
         );
         r.register("ticks", "Game ticks folded", m.ticks.clone());
         r.register(

@@ -11,11 +11,55 @@ use super::crowd::{Bubble, Crowd, ARENA_SPREAD, MEETING_POINT};
 use super::UpOptions;
 use crate::bots::{self, BotConfig, BotStats};
 
+/// With more bots than this, a run starts with this many, measures their RTT (the knee's), and
+/// only then lets the rest come: the crowd's admitted sessions are held to that figure.
+pub(super) const KNEE_BOTS: usize = 200;
+/// From the first bots' start to the knee's window: their logins and first views.
+const KNEE_SETTLE: Duration = Duration::from_secs(4);
+const KNEE_WINDOW: Duration = Duration::from_secs(8);
+/// From the rest's start to the crowd's window, which lasts until the bots stop.
+const CROWD_SETTLE: Duration = Duration::from_secs(4);
+
+type Rtt = hdrhistogram::Histogram<u64>;
+
+/// What the proxies measured by the knee's window's end, and by the crowd's window's start.
+#[derive(Default)]
+struct RttMarks {
+    knee: Option<Rtt>,
+    crowd_from: Option<Rtt>,
+}
+
 /// The bots playing, and what they count.
 pub(super) struct BotFleet {
     pub(super) stats: Arc<BotStats>,
     stop: CancellationToken,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    tasks: Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+    rtt: Arc<std::sync::Mutex<RttMarks>>,
+    readers: Vec<cellmesh_proxy::RttReader>,
+}
+
+/// Every client RTT the proxies measured so far, in microseconds.
+fn rtt_now(readers: &[cellmesh_proxy::RttReader]) -> Rtt {
+    let mut h = Rtt::new(3).expect("3 significant figures");
+    for r in readers {
+        // Every proxy's histogram has the same bounds: adding never fails.
+        let _ = h.add(r.histogram());
+    }
+    h
+}
+
+/// p99 of `h` less what `before` already held, in ms (0 with no sample).
+fn p99_ms_since(h: &Rtt, before: Option<&Rtt>) -> f64 {
+    let mut h = h.clone();
+    if let Some(b) = before {
+        if h.subtract(b).is_err() {
+            return 0.0;
+        }
+    }
+    if h.is_empty() {
+        return 0.0;
+    }
+    h.value_at_quantile(0.99) as f64 / 1000.0
 }
 
 impl BotFleet {
@@ -59,21 +103,78 @@ impl BotFleet {
             bot_stats.click_to_screen.track(&g.location);
         }
         let bot_stop = CancellationToken::new();
-        let mut bot_tasks = Vec::with_capacity(opts.bots);
-        for i in 0..opts.bots {
-            let (cfg, stats, stop) = (bot_cfg_of(i), bot_stats.clone(), bot_stop.clone());
-            bot_tasks.push(tokio::spawn(bots::run_bot(
-                format!("bot-{i}"),
-                cfg,
-                stats,
-                stop,
-            )));
+        let spawn = {
+            let (stats, stop) = (bot_stats.clone(), bot_stop.clone());
+            move |i: usize, cfg: Arc<BotConfig>| {
+                tokio::spawn(bots::run_bot(
+                    format!("bot-{i}"),
+                    cfg,
+                    stats.clone(),
+                    stop.clone(),
+                ))
+            }
+        };
+        let first = if opts.bots > KNEE_BOTS {
+            KNEE_BOTS
+        } else {
+            opts.bots
+        };
+        let tasks: Vec<_> = (0..first).map(|i| spawn(i, bot_cfg_of(i))).collect();
+        let tasks = Arc::new(std::sync::Mutex::new(tasks));
+        let readers: Vec<_> = cluster.proxies.iter().map(|p| p.rtt_reader()).collect();
+        let rtt = Arc::new(std::sync::Mutex::new(RttMarks::default()));
+        if first < opts.bots {
+            let rest: Vec<_> = (first..opts.bots).map(|i| (i, bot_cfg_of(i))).collect();
+            let (tasks, readers, rtt, stop) = (
+                tasks.clone(),
+                readers.clone(),
+                rtt.clone(),
+                bot_stop.clone(),
+            );
+            tokio::spawn(async move {
+                let mark = |w: &dyn Fn(&mut RttMarks, Rtt)| {
+                    w(&mut rtt.lock().expect("rtt marks lock"), rtt_now(&readers))
+                };
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(KNEE_SETTLE) => {}
+                }
+                let from = rtt_now(&readers);
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(KNEE_WINDOW) => {}
+                }
+                mark(&|m, now| {
+                    let mut knee = now;
+                    m.knee = knee.subtract(&from).is_ok().then_some(knee);
+                });
+                let more: Vec<_> = rest.into_iter().map(|(i, cfg)| spawn(i, cfg)).collect();
+                tasks.lock().expect("bot tasks lock").extend(more);
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    _ = tokio::time::sleep(CROWD_SETTLE) => mark(&|m, now| m.crowd_from = Some(now)),
+                }
+            });
         }
         Ok(Self {
             stats: bot_stats,
             stop: bot_stop,
-            tasks: bot_tasks,
+            tasks,
+            rtt,
+            readers,
         })
+    }
+
+    /// The RTT p99 of the first [`KNEE_BOTS`] bots' sessions before the rest came, and of
+    /// every admitted session once the rest did (ms; 0 for a run of no more bots than that, or
+    /// one that ended before the window).
+    pub(super) fn rtt_p99s(&self) -> (f64, f64) {
+        let marks = self.rtt.lock().expect("rtt marks lock");
+        let knee = marks.knee.as_ref().map_or(0.0, |k| p99_ms_since(k, None));
+        let crowd = marks.crowd_from.as_ref().map_or(0.0, |from| {
+            p99_ms_since(&rtt_now(&self.readers), Some(from))
+        });
+        (knee, crowd)
     }
 
     /// Tells every bot to leave.
@@ -83,7 +184,8 @@ impl BotFleet {
 
     /// Waits for every bot to be gone (5 s at most each).
     pub(super) async fn wait(self) {
-        for t in self.tasks {
+        let tasks = std::mem::take(&mut *self.tasks.lock().expect("bot tasks lock"));
+        for t in tasks {
             let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
         }
     }

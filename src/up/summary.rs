@@ -45,6 +45,12 @@ pub struct Summary {
     pub rtt_ms_p50: f64,
     pub rtt_ms_p99: f64,
     pub rtt_samples: u64,
+    /// With more than 200 bots, the first 200 play alone first: their sessions' RTT p99 then
+    /// (ms, 0 otherwise)...
+    pub knee_rtt_ms_p99: f64,
+    /// ...and every admitted session's once the rest came (from 4 s after they started to the
+    /// end): the crowd's newcomers are refused rather than let this grow.
+    pub admitted_rtt_ms_p99: f64,
     pub inputs_dropped_by_proxy: u64,
     /// Inputs the sidecars dropped, each under a named reason (`inputs_dropped_total{reason}`).
     pub inputs_dropped_by_sidecars: u64,
@@ -351,6 +357,8 @@ pub(super) struct Figures {
     pub(super) accounts_with_two_avatars: u64,
     pub(super) sessions_without_avatar: u64,
     pub(super) avatars_after_logout: u64,
+    pub(super) knee_rtt_ms_p99: f64,
+    pub(super) admitted_rtt_ms_p99: f64,
     pub(super) bridged_peak: u64,
     pub(super) partition_epochs: u64,
     pub(super) directed: DirectorStats,
@@ -444,6 +452,8 @@ impl Summary {
             rtt_ms_p50: p.rtt_ms_p50,
             rtt_ms_p99: p.rtt_ms_p99,
             rtt_samples: p.rtt_samples,
+            knee_rtt_ms_p99: f.knee_rtt_ms_p99,
+            admitted_rtt_ms_p99: f.admitted_rtt_ms_p99,
             inputs_dropped_by_proxy: p.inputs_dropped,
             inputs_dropped_by_sidecars: s.inputs_dropped,
             inputs_undelivered,

@@ -38,6 +38,7 @@ pub(super) async fn wind_down(
     let bot_stats = bots.stats.clone();
     let (accounts_with_two_avatars, sessions_without_avatar) =
         avatars_of_sessions(&games, &bot_stats);
+    let (knee_rtt_ms_p99, admitted_rtt_ms_p99) = bots.rtt_p99s();
     bots.stop();
     cluster.director_stop.cancel();
     let directed = match cluster.director.take() {
@@ -127,6 +128,8 @@ pub(super) async fn wind_down(
         kill_marks: chaos.kill_marks,
         bubble,
         edge,
+        knee_rtt_ms_p99,
+        admitted_rtt_ms_p99,
     }
 }
 

@@ -100,7 +100,7 @@ impl Gateway {
         let shape = InterestShape::new(cfg.view_radius_chunks, cfg.release_margin_chunks);
         Self {
             sessions: Sessions::default(),
-            clients: Clients::new(cfg.world, shape),
+            clients: Clients::new(cfg.world, shape).with_update_budget(cfg.client_updates_per_tick),
             master_owner: HashMap::default(),
             master_epoch: HashMap::default(),
             anchor_pos: HashMap::default(),
@@ -602,6 +602,7 @@ impl Gateway {
             .fold(last_tick, table, &changes, &[], &[], budget);
         cx.metrics.deltas_sent.inc_by(out.deltas);
         cx.metrics.deltas_encoded.inc_by(out.deltas_encoded);
+        cx.metrics.updates_held_back.inc_by(out.held_back);
         self.send_to_clients(cx, out.frames, budget);
         merge_changes(&mut self.ghost_changes_sent, &changes);
     }

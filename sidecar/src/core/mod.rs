@@ -1050,6 +1050,7 @@ impl Core {
         self.cx.metrics.ticks.inc();
         self.cx.metrics.deltas_sent.inc_by(out.deltas);
         self.cx.metrics.deltas_encoded.inc_by(out.deltas_encoded);
+        self.cx.metrics.updates_held_back.inc_by(out.held_back);
         self.cx
             .metrics
             .drop_msg("unknown_account", out.unknown_accounts);

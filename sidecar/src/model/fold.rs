@@ -64,6 +64,8 @@ pub struct FoldOutput {
     pub messages: u64,
     /// Deltas actually encoded (the rest were shared).
     pub deltas_encoded: u64,
+    /// Updates held back for a later fold by the per-client budget.
+    pub held_back: u64,
     /// `Send` recipients with no session on this node.
     pub unknown_accounts: u64,
 }
@@ -76,6 +78,10 @@ struct Client {
     appeared: HashSet<u64>,
     /// Entities out of view of which it holds only non-public components.
     partial: HashSet<u64>,
+    /// Shown entities whose updates were held back by the budget: id -> the tick since when.
+    held_back: HashMap<u64, u64>,
+    /// The tick the budget counts for, and the updates it spent in it.
+    spent: (u64, u32),
 }
 
 /// Every client session of this node, with its view and what it was shown.
@@ -96,6 +102,8 @@ pub struct Clients {
     /// Chunks that came into some view or left the last one since
     /// [`Clients::take_flipped_chunks`]: only their subscriptions may need to change.
     flipped: HashSet<ChunkPos>,
+    /// Updates of other entities each client is sent per tick at most (`None`: no bound).
+    update_budget: Option<u32>,
 }
 
 impl Clients {
@@ -110,7 +118,15 @@ impl Clients {
             remote_anchors: HashMap::default(),
             injected: BTreeMap::new(),
             flipped: HashSet::default(),
+            update_budget: None,
         }
+    }
+
+    /// Bounds the updates of other entities each client is sent per tick (0: no bound). Past
+    /// it, the nearest go first and the rest wait (see [`hold_back`]).
+    pub fn with_update_budget(mut self, per_tick: u32) -> Self {
+        self.update_budget = (per_tick > 0).then_some(per_tick);
+        self
     }
 
     /// The session of `account` on this node, if any.
@@ -160,6 +176,8 @@ impl Clients {
                 view: View::default(),
                 appeared: HashSet::default(),
                 partial: HashSet::default(),
+                held_back: HashMap::default(),
+                spent: (0, 0),
             },
         );
     }
@@ -225,6 +243,7 @@ impl Clients {
             remote_anchors,
             injected,
             flipped,
+            update_budget,
         } = self;
         let (world, shape) = (*world, *shape);
         // (client, entity) pairs to decide, sorted and deduplicated below: far cheaper than a
@@ -308,6 +327,10 @@ impl Clients {
             }
             work.extend(concerned.into_iter().map(|k| (k, id)));
         }
+        // Held-back updates are due at every fold until sent.
+        for (&key, c) in clients.iter() {
+            work.extend(c.held_back.keys().map(|&id| (key, id)));
+        }
         work.sort_unstable();
         work.dedup();
 
@@ -354,6 +377,9 @@ impl Clients {
                     known_by,
                     &mut pieces,
                 );
+            }
+            if let Some(budget) = *update_budget {
+                out.held_back += hold_back(&world, tick, budget, client, own, table, &mut pieces);
             }
             if pieces.is_empty() {
                 continue;
@@ -652,6 +678,98 @@ fn visible(e: &Entity, account: &str, in_range: bool) -> Types {
         .collect()
 }
 
+/// Keeps `client`'s updates of other entities within `budget` per tick; returns how many it
+/// held back. Appears, vanishes, the client's own avatar and removals always go. The rest, with
+/// the entities held back before that are still shown, go nearest first (Chebyshev chunks from
+/// the view's anchor), each tick an update waits counting as a chunk nearer, so a far entity is
+/// late but never starved. An entity held back before is sent whole (position and every
+/// component the client may see), which carries every change it missed: nothing is lost, only
+/// late. Pure, like the rest of the fold.
+fn hold_back(
+    world: &WorldShape,
+    tick: u64,
+    budget: u32,
+    client: &mut Client,
+    own: Option<u64>,
+    table: &EntityTable,
+    pieces: &mut Vec<DeltaKey>,
+) -> u64 {
+    if client.spent.0 != tick {
+        client.spent = (tick, 0);
+    }
+    let room = budget.saturating_sub(client.spent.1) as usize;
+    let may_wait = |d: &DeltaKey, client: &Client| {
+        d.kind == DeltaKind::Update
+            && d.removed.is_empty()
+            && Some(d.id) != own
+            && client.appeared.contains(&d.id)
+    };
+    let waiting = pieces.iter().filter(|d| may_wait(d, client)).count();
+    if client.held_back.is_empty() && waiting <= room {
+        client.spent.1 += waiting as u32;
+        return 0;
+    }
+    // (priority, id, the fresh delta if the entity was not held back before, since when)
+    let mut candidates: Vec<(i64, u64, Option<DeltaKey>, u64)> = Vec::new();
+    let mut kept = Vec::with_capacity(pieces.len());
+    for d in pieces.drain(..) {
+        if may_wait(&d, client) {
+            let (id, since) = (d.id, client.held_back.remove(&d.id));
+            candidates.push((0, id, since.is_none().then_some(d), since.unwrap_or(tick)));
+            continue;
+        }
+        if let Some(_since) = client.held_back.remove(&d.id) {
+            if d.kind == DeltaKind::Update {
+                // A removal (or the avatar) goes now, with the whole state it missed.
+                let e = table.get(d.id).expect("updates are of live entities");
+                kept.push(DeltaKey {
+                    position: true,
+                    components: visible(e, &client.account, true),
+                    ..d
+                });
+                continue;
+            }
+        }
+        kept.push(d);
+    }
+    for (id, since) in std::mem::take(&mut client.held_back) {
+        if client.appeared.contains(&id) && table.get(id).is_some() {
+            candidates.push((0, id, None, since));
+        }
+    }
+    let anchor = client.view.anchor();
+    for c in &mut candidates {
+        let chunk = table.get(c.1).map(|e| e.chunk);
+        let distance = match (anchor, chunk) {
+            (Some(a), Some(b)) => world.chunk_distance(a, b),
+            _ => 0,
+        };
+        c.0 = distance - tick.saturating_sub(c.3) as i64;
+    }
+    candidates.sort_unstable_by_key(|c| (c.0, c.1));
+    let mut held = 0;
+    for (i, (_, id, fresh, since)) in candidates.into_iter().enumerate() {
+        if i >= room {
+            client.held_back.insert(id, since);
+            held += 1;
+            continue;
+        }
+        client.spent.1 += 1;
+        kept.push(fresh.unwrap_or_else(|| {
+            let e = table.get(id).expect("candidates are live entities");
+            DeltaKey {
+                id,
+                kind: DeltaKind::Update,
+                position: true,
+                components: visible(e, &client.account, true),
+                removed: Types::new(),
+            }
+        }));
+    }
+    *pieces = kept;
+    held
+}
+
 /// This tick's component changes as `account` sees them: types to send, and types to remove
 /// (gone, or no longer visible, but visible before).
 fn diff(ch: &EntityChange, e: &Entity, account: &str, in_range: bool) -> (Types, Types) {
@@ -827,6 +945,136 @@ mod tests {
 
     fn types(d: &EntityDelta) -> Vec<u32> {
         d.components.iter().map(|c| c.r#type).collect()
+    }
+
+    /// Every NPC of `ids` steps one metre east with a fresh public payload naming the step.
+    fn step_all(f: &mut Fixture, ids: &[u64], step: u32) {
+        for &id in ids {
+            let p = f.table.get(id).unwrap().position;
+            f.table
+                .update(EntityUpdate {
+                    id,
+                    position: Some(Position::new(p.x + 1.0, p.y, 0.0)),
+                    changed: vec![(1, comp(Audience::PublicInRange, &format!("s{step}")))],
+                    removed: vec![],
+                })
+                .unwrap();
+        }
+    }
+
+    #[test]
+    fn past_the_budget_the_nearest_go_first_and_the_rest_come_whole_later() {
+        let mut f = fixture();
+        f.clients = Clients::new(world(), InterestShape::new(5, 1)).with_update_budget(4);
+        f.clients.add(1, "alice");
+        f.table.spawn(avatar(100, "alice", at(10.0, 10.0))).unwrap();
+        // Ten NPCs, the n-th n chunks east of the avatar's (n = 0..=4, two each).
+        let ids: Vec<u64> = (0..10).map(|i| 200 + i).collect();
+        for (i, &id) in ids.iter().enumerate() {
+            f.table
+                .spawn(npc(id, at(10.0 + (i / 2) as f64, 11.0)))
+                .unwrap();
+        }
+        let (b, _) = f.run();
+        assert_eq!(b[&1][0].deltas.len(), 11, "appears are never held back");
+
+        // Everyone moves, the avatar too: its own update and four others go, nearest first.
+        step_all(&mut f, &ids, 1);
+        step_all(&mut f, &[100], 1);
+        let (b, out) = f.run();
+        let sent: Vec<u64> = b[&1][0].deltas.iter().map(|d| d.entity_id).collect();
+        assert_eq!(sent, vec![100, 200, 201, 202, 203]);
+        assert_eq!(out.held_back, 6);
+
+        // Nothing moves: the waiting go, four a tick, each whole with its last state.
+        let mut got: BTreeMap<u64, EntityDelta> = BTreeMap::new();
+        for _ in 0..2 {
+            let (b, _) = f.run();
+            let deltas = &b[&1][0].deltas;
+            assert!(deltas.len() <= 4, "{} deltas", deltas.len());
+            for d in deltas {
+                got.insert(d.entity_id, d.clone());
+            }
+        }
+        assert_eq!(got.keys().copied().collect::<Vec<_>>(), ids[4..].to_vec());
+        for d in got.values() {
+            assert_eq!(d.kind(), DeltaKind::Update);
+            let p = f.table.get(d.entity_id).unwrap().position;
+            assert_eq!(
+                d.position.as_ref().map(|v| v.x),
+                Some(p.x),
+                "the latest position"
+            );
+            assert_eq!(d.components[0].payload, Bytes::from("s1"));
+        }
+        let (b, out) = f.run();
+        assert!(!b.contains_key(&1), "nothing left to send");
+        assert_eq!(out.held_back, 0);
+    }
+
+    #[test]
+    fn a_far_entity_held_back_is_late_but_never_starved() {
+        let mut f = fixture();
+        f.clients = Clients::new(world(), InterestShape::new(5, 1)).with_update_budget(2);
+        f.clients.add(1, "alice");
+        f.table.spawn(avatar(100, "alice", at(10.0, 10.0))).unwrap();
+        // Two NPCs by the avatar move every tick; one four chunks away too.
+        let ids = [200, 201, 202];
+        f.table.spawn(npc(200, at(10.0, 11.0))).unwrap();
+        f.table.spawn(npc(201, at(11.0, 10.0))).unwrap();
+        f.table.spawn(npc(202, at(14.0, 10.0))).unwrap();
+        f.run();
+        let mut far_sent = 0;
+        for step in 1..=12 {
+            step_all(&mut f, &ids, step);
+            let (b, _) = f.run();
+            let deltas = &b[&1][0].deltas;
+            assert_eq!(deltas.len(), 2);
+            far_sent += deltas.iter().filter(|d| d.entity_id == 202).count();
+        }
+        assert!(
+            far_sent >= 2,
+            "the far NPC was sent {far_sent} times in 12 ticks"
+        );
+    }
+
+    #[test]
+    fn a_held_back_entity_that_leaves_or_goes_is_not_sent_again() {
+        let mut f = fixture();
+        f.clients = Clients::new(world(), InterestShape::new(5, 1)).with_update_budget(1);
+        f.clients.add(1, "alice");
+        f.table.spawn(avatar(100, "alice", at(10.0, 10.0))).unwrap();
+        f.table.spawn(npc(200, at(11.0, 10.0))).unwrap();
+        f.table.spawn(npc(201, at(13.0, 10.0))).unwrap();
+        f.table.spawn(npc(202, at(14.0, 10.0))).unwrap();
+        f.run();
+        step_all(&mut f, &[200, 201, 202], 1);
+        let (_, out) = f.run();
+        assert_eq!(out.held_back, 2);
+        // 201 is despawned and 202 walks out of sight: each vanishes once, and no held-back
+        // update follows.
+        f.table.despawn(201).unwrap();
+        f.table
+            .update(EntityUpdate {
+                id: 202,
+                position: Some(at(30.0, 10.0)),
+                changed: vec![],
+                removed: vec![],
+            })
+            .unwrap();
+        let (b, _) = f.run();
+        let k = kinds(&b[&1][0]);
+        assert!(
+            k.contains(&(201, DeltaKind::Vanish)) && k.contains(&(202, DeltaKind::Vanish)),
+            "{k:?}"
+        );
+        for _ in 0..3 {
+            let (b, _) = f.run();
+            assert!(b.get(&1).is_none_or(|bs| bs
+                .iter()
+                .all(|b| b.deltas.iter().all(|d| d.entity_id == 200))));
+        }
+        assert!(f.clients.clients[&1].held_back.is_empty());
     }
 
     #[test]
