@@ -48,6 +48,14 @@ fn rtt_now(readers: &[cellmesh_proxy::RttReader]) -> Rtt {
     h
 }
 
+/// Sleeps for `d`; false if the run stopped first.
+async fn sleep_unless_stopped(stop: &CancellationToken, d: Duration) -> bool {
+    tokio::select! {
+        _ = stop.cancelled() => false,
+        _ = tokio::time::sleep(d) => true,
+    }
+}
+
 /// p99 of `h` less what `before` already held, in ms (0 with no sample).
 fn p99_ms_since(h: &Rtt, before: Option<&Rtt>) -> f64 {
     let mut h = h.clone();
@@ -132,27 +140,20 @@ impl BotFleet {
                 bot_stop.clone(),
             );
             tokio::spawn(async move {
-                let mark = |w: &dyn Fn(&mut RttMarks, Rtt)| {
-                    w(&mut rtt.lock().expect("rtt marks lock"), rtt_now(&readers))
-                };
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(KNEE_SETTLE) => {}
+                if !sleep_unless_stopped(&stop, KNEE_SETTLE).await {
+                    return;
                 }
                 let from = rtt_now(&readers);
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(KNEE_WINDOW) => {}
+                if !sleep_unless_stopped(&stop, KNEE_WINDOW).await {
+                    return;
                 }
-                mark(&|m, now| {
-                    let mut knee = now;
-                    m.knee = knee.subtract(&from).is_ok().then_some(knee);
-                });
+                let mut knee = rtt_now(&readers);
+                rtt.lock().expect("rtt marks lock").knee =
+                    knee.subtract(&from).is_ok().then_some(knee);
                 let more: Vec<_> = rest.into_iter().map(|(i, cfg)| spawn(i, cfg)).collect();
                 tasks.lock().expect("bot tasks lock").extend(more);
-                tokio::select! {
-                    _ = stop.cancelled() => {}
-                    _ = tokio::time::sleep(CROWD_SETTLE) => mark(&|m, now| m.crowd_from = Some(now)),
+                if sleep_unless_stopped(&stop, CROWD_SETTLE).await {
+                    rtt.lock().expect("rtt marks lock").crowd_from = Some(rtt_now(&readers));
                 }
             });
         }

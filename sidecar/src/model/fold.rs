@@ -1550,6 +1550,179 @@ mod tests {
         ]
     }
 
+    /// Runs `ticks` of game operations against a client with `budget` updates a tick (0: no
+    /// bound) and checks its mirror after each (after the quiet ticks that send what waits).
+    fn mirror_run(ticks: Vec<Vec<Op>>, budget: u32) -> Result<(), TestCaseError> {
+        let mut f = fixture();
+        f.clients = Clients::new(world(), InterestShape::new(5, 1)).with_update_budget(budget);
+        let shape = InterestShape::new(5, 1);
+        f.clients.add(1, "alice");
+        f.table.spawn(avatar(1, "alice", at(20.0, 20.0))).unwrap();
+        let mut mirror = Mirror::default();
+        let mut shown_before: BTreeSet<u64> = BTreeSet::new();
+        let shift = |p: Position, dx: i64, dy: i64| {
+            Position::new(p.x + dx as f64 * CS, p.y + dy as f64 * CS, 0.0)
+        };
+        for ops in ticks {
+            // A despawned entity is a new incarnation if spawned again: no hysteresis owed.
+            let mut toggled: BTreeSet<u64> = BTreeSet::new();
+            for op in ops {
+                let t = &mut f.table;
+                let pos = |t: &EntityTable, id: u64| t.get(id).map(|e| e.position);
+                match op {
+                    Op::Walk(x, y) => {
+                        let p = pos(t, 1).unwrap();
+                        t.update(EntityUpdate {
+                            id: 1,
+                            position: Some(shift(p, x, y)),
+                            ..Default::default()
+                        })
+                        .unwrap();
+                    }
+                    Op::Move(i, x, y) => {
+                        if let Some(p) = pos(t, i) {
+                            t.update(EntityUpdate {
+                                id: i,
+                                position: Some(shift(p, x, y)),
+                                ..Default::default()
+                            })
+                            .unwrap();
+                        }
+                    }
+                    Op::Toggle(i, x, y) => {
+                        toggled.insert(i);
+                        if t.get(i).is_some() {
+                            t.despawn(i).unwrap();
+                        } else {
+                            let p = shift(pos(t, 1).unwrap(), x, y);
+                            t.spawn(npc(i, p)).unwrap();
+                        }
+                    }
+                    Op::Public(i, v) => {
+                        let _ = t.update(EntityUpdate {
+                            id: i,
+                            changed: vec![(1, comp(Audience::PublicInRange, &v.to_string()))],
+                            ..Default::default()
+                        });
+                    }
+                    Op::Letter(i, on) => {
+                        let u = if on {
+                            EntityUpdate {
+                                id: i,
+                                changed: vec![(
+                                    5,
+                                    comp(Audience::Accounts(party(&["alice"])), "letter"),
+                                )],
+                                ..Default::default()
+                            }
+                        } else {
+                            EntityUpdate {
+                                id: i,
+                                removed: vec![5],
+                                ..Default::default()
+                            }
+                        };
+                        let _ = t.update(u);
+                    }
+                    Op::Hide(i, hidden) => {
+                        let aud = if hidden {
+                            Audience::OwnerOnly
+                        } else {
+                            Audience::PublicInRange
+                        };
+                        let _ = t.update(EntityUpdate {
+                            id: i,
+                            changed: vec![(3, comp(aud, "cloak"))],
+                            ..Default::default()
+                        });
+                    }
+                }
+            }
+            let (b, mut out) = f.run();
+            for batch in b.get(&1).into_iter().flatten() {
+                mirror.apply(batch);
+            }
+            // Quiet ticks until nothing waits: every held-back update arrives, whole.
+            let mut quiet = 0;
+            while out.held_back > 0 {
+                quiet += 1;
+                prop_assert!(quiet <= 20, "updates still held back after 20 quiet ticks");
+                let b;
+                (b, out) = f.run();
+                for batch in b.get(&1).into_iter().flatten() {
+                    mirror.apply(batch);
+                }
+            }
+            let anchor = f.table.get(1).unwrap().chunk;
+            for e in f.table.iter() {
+                let d = world().chunk_distance(anchor, e.chunk);
+                let want = |in_range: bool| -> BTreeMap<u32, Bytes> {
+                    e.components
+                        .iter()
+                        .filter(|(_, c)| c.audience.admits("alice", &e.owner_account, in_range))
+                        .map(|(t, c)| (*t, c.payload.clone()))
+                        .collect()
+                };
+                match mirror.0.get(&e.id) {
+                    Some((true, p, comps)) => {
+                        prop_assert!(
+                            d <= shape.release(),
+                            "entity {} shown {} chunks away",
+                            e.id,
+                            d
+                        );
+                        prop_assert_eq!(*p, Some((e.position.x, e.position.y)));
+                        prop_assert_eq!(comps, &want(true));
+                    }
+                    Some((false, p, comps)) => {
+                        prop_assert!(
+                            d > shape.radius,
+                            "entity {} within range but not shown",
+                            e.id
+                        );
+                        prop_assert!(p.is_none());
+                        prop_assert_eq!(comps, &want(false));
+                    }
+                    None => {
+                        prop_assert!(d > shape.radius, "entity {} within range but unknown", e.id);
+                        prop_assert!(
+                            want(false).is_empty(),
+                            "entity {} names alice but she has nothing",
+                            e.id
+                        );
+                    }
+                }
+            }
+            for id in mirror.0.keys() {
+                prop_assert!(
+                    f.table.get(*id).is_some(),
+                    "entity {} is gone but still held",
+                    id
+                );
+            }
+            // Hysteresis: once shown, an entity stays shown until past the release distance.
+            let shown: BTreeSet<u64> = mirror
+                .0
+                .iter()
+                .filter(|(_, e)| e.0)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in shown_before.difference(&toggled) {
+                if let Some(e) = f.table.get(*id) {
+                    if world().chunk_distance(anchor, e.chunk) <= shape.release() {
+                        prop_assert!(
+                            shown.contains(id),
+                            "entity {} dropped within the release distance",
+                            id
+                        );
+                    }
+                }
+            }
+            shown_before = shown;
+        }
+        Ok(())
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(128))]
 
@@ -1558,79 +1731,13 @@ mod tests {
         /// distance but what names its account, and no entity that is gone.
         #[test]
         fn a_client_mirror_matches_what_it_may_see(ticks in proptest::collection::vec(proptest::collection::vec(op(), 0..6), 1..25)) {
-            let mut f = fixture();
-            let shape = InterestShape::new(5, 1);
-            f.clients.add(1, "alice");
-            f.table.spawn(avatar(1, "alice", at(20.0, 20.0))).unwrap();
-            let mut mirror = Mirror::default();
-            let mut shown_before: BTreeSet<u64> = BTreeSet::new();
-            let shift = |p: Position, dx: i64, dy: i64| Position::new(p.x + dx as f64 * CS, p.y + dy as f64 * CS, 0.0);
-            for ops in ticks {
-                // A despawned entity is a new incarnation if spawned again: no hysteresis owed.
-                let mut toggled: BTreeSet<u64> = BTreeSet::new();
-                for op in ops {
-                    let t = &mut f.table;
-                    let pos = |t: &EntityTable, id: u64| t.get(id).map(|e| e.position);
-                    match op {
-                        Op::Walk(x, y) => { let p = pos(t, 1).unwrap(); t.update(EntityUpdate { id: 1, position: Some(shift(p, x, y)), ..Default::default() }).unwrap(); }
-                        Op::Move(i, x, y) => if let Some(p) = pos(t, i) { t.update(EntityUpdate { id: i, position: Some(shift(p, x, y)), ..Default::default() }).unwrap(); },
-                        Op::Toggle(i, x, y) => { toggled.insert(i); if t.get(i).is_some() { t.despawn(i).unwrap(); } else { let p = shift(pos(t, 1).unwrap(), x, y); t.spawn(npc(i, p)).unwrap(); } },
-                        Op::Public(i, v) => { let _ = t.update(EntityUpdate { id: i, changed: vec![(1, comp(Audience::PublicInRange, &v.to_string()))], ..Default::default() }); }
-                        Op::Letter(i, on) => {
-                            let u = if on {
-                                EntityUpdate { id: i, changed: vec![(5, comp(Audience::Accounts(party(&["alice"])), "letter"))], ..Default::default() }
-                            } else {
-                                EntityUpdate { id: i, removed: vec![5], ..Default::default() }
-                            };
-                            let _ = t.update(u);
-                        }
-                        Op::Hide(i, hidden) => {
-                            let aud = if hidden { Audience::OwnerOnly } else { Audience::PublicInRange };
-                            let _ = t.update(EntityUpdate { id: i, changed: vec![(3, comp(aud, "cloak"))], ..Default::default() });
-                        }
-                    }
-                }
-                let (b, _) = f.run();
-                for batch in b.get(&1).into_iter().flatten() {
-                    mirror.apply(batch);
-                }
-                let anchor = f.table.get(1).unwrap().chunk;
-                for e in f.table.iter() {
-                    let d = world().chunk_distance(anchor, e.chunk);
-                    let want = |in_range: bool| -> BTreeMap<u32, Bytes> {
-                        e.components.iter().filter(|(_, c)| c.audience.admits("alice", &e.owner_account, in_range)).map(|(t, c)| (*t, c.payload.clone())).collect()
-                    };
-                    match mirror.0.get(&e.id) {
-                        Some((true, p, comps)) => {
-                            prop_assert!(d <= shape.release(), "entity {} shown {} chunks away", e.id, d);
-                            prop_assert_eq!(*p, Some((e.position.x, e.position.y)));
-                            prop_assert_eq!(comps, &want(true));
-                        }
-                        Some((false, p, comps)) => {
-                            prop_assert!(d > shape.radius, "entity {} within range but not shown", e.id);
-                            prop_assert!(p.is_none());
-                            prop_assert_eq!(comps, &want(false));
-                        }
-                        None => {
-                            prop_assert!(d > shape.radius, "entity {} within range but unknown", e.id);
-                            prop_assert!(want(false).is_empty(), "entity {} names alice but she has nothing", e.id);
-                        }
-                    }
-                }
-                for id in mirror.0.keys() {
-                    prop_assert!(f.table.get(*id).is_some(), "entity {} is gone but still held", id);
-                }
-                // Hysteresis: once shown, an entity stays shown until past the release distance.
-                let shown: BTreeSet<u64> = mirror.0.iter().filter(|(_, e)| e.0).map(|(id, _)| *id).collect();
-                for id in shown_before.difference(&toggled) {
-                    if let Some(e) = f.table.get(*id) {
-                        if world().chunk_distance(anchor, e.chunk) <= shape.release() {
-                            prop_assert!(shown.contains(id), "entity {} dropped within the release distance", id);
-                        }
-                    }
-                }
-                shown_before = shown;
-            }
+            mirror_run(ticks, 0)?;
+        }
+
+        /// With a budget of one update a tick, the same holds once what waits was sent.
+        #[test]
+        fn a_budgeted_client_mirror_matches_once_the_held_back_arrive(ticks in proptest::collection::vec(proptest::collection::vec(op(), 0..6), 1..25)) {
+            mirror_run(ticks, 1)?;
         }
     }
 }
