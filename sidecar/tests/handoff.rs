@@ -68,6 +68,9 @@ fn config(node_id: u32) -> SidecarConfig {
         attest_keys: vec![attest_key()],
         ghost_min_lifespan_ms: 300,
         handoff_retry_ms: RETRY_MS,
+        // These games answer `Freeze`: the path of games of protocol 1.7 and older, and of any
+        // game that leaves an `Offload` unanswered (the scripted tests in the crate cover it).
+        handoff_offload: false,
         // Nodes of parallel tests share this process and their ids: none locks a state dir.
         state_dir: String::new(),
         ..SidecarConfig::default()

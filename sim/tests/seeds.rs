@@ -16,7 +16,20 @@ fn seeds_per_scenario() -> u64 {
 
 /// Runs every seed of `name`; panics with the failed seeds and the first one's report.
 fn seeds_of(name: &str) {
-    let s = named(name).expect("a scenario of the catalogue");
+    seeds_of_scenario(named(name).expect("a scenario of the catalogue"));
+}
+
+/// `name` with the handoffs of games of protocol 1.7 and older (`cellmesh sim --freeze-handoffs`):
+/// the sidecars freeze what they hand over and avatars, where the default releases them.
+fn freezing(name: &str) -> Scenario {
+    Scenario {
+        zero_tick_handoffs: false,
+        ..named(name).expect("a scenario of the catalogue")
+    }
+}
+
+fn seeds_of_scenario(s: Scenario) {
+    let name = s.name;
     let n = seeds_per_scenario();
     let failed: Vec<Report> = (1..=n)
         .map(|seed| run(&s, seed))
@@ -97,13 +110,47 @@ fn logins() {
     seeds_of("logins");
 }
 
-/// Seeds past the default count that once broke `name`: run whatever the count.
+/// Seeds past the default count that once broke `name`: run whatever the count, with both
+/// kinds of handoff.
 fn seeds_hold(name: &str, seeds: &[u64]) {
-    let s = named(name).expect("a scenario of the catalogue");
-    for &seed in seeds {
-        let r = run(&s, seed);
-        assert!(r.ok(), "{r}");
+    for s in [
+        named(name).expect("a scenario of the catalogue"),
+        freezing(name),
+    ] {
+        for &seed in seeds {
+            let r = run(&s, seed);
+            assert!(r.ok(), "{r}");
+        }
     }
+}
+
+// The scenarios whose faults meet handoffs most, on the `Freeze` path of older games too.
+
+#[test]
+fn kills_freezing() {
+    seeds_of_scenario(freezing("kills"));
+}
+
+#[test]
+fn commands_freezing() {
+    seeds_of_scenario(freezing("commands"));
+}
+
+#[test]
+fn stores_freezing() {
+    seeds_of_scenario(freezing("stores"));
+}
+
+#[test]
+fn geo_restore_freezing() {
+    seeds_of_scenario(freezing("geo_restore"));
+}
+
+#[test]
+fn stores_seeds_that_once_failed() {
+    // An offload's source kept its ghost, but the new owner did not count it among the
+    // holders: the ghost was never refreshed, and a later owner's full state stayed held.
+    seeds_hold("stores", &[162]);
 }
 
 #[test]
@@ -196,6 +243,9 @@ fn geo_restore_seeds_that_once_failed() {
     // A handoff refused during the restore was tried again a second later, across the ocean,
     // and the run's checks came before the old owner's word reached a holder.
     seeds_hold("geo_restore", &[471]);
+    // A unit came back to the node that offered it to a target that died before checkpointing
+    // it; the ghosts that had followed the target's frames were dropped at the restore's end.
+    seeds_hold("geo_restore", &[309, 721]);
 }
 
 #[test]

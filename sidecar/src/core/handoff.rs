@@ -1257,6 +1257,7 @@ pub(crate) fn tell_holders(
     done: &Completed,
     id: u64,
     holders: &BTreeSet<NodeId>,
+    kept_here: bool,
 ) {
     tracing::debug!(
         me = cx.config.node_id,
@@ -1264,8 +1265,18 @@ pub(crate) fn tell_holders(
         to = done.to,
         epoch = done.epoch,
         ?holders,
+        kept_here,
         "handoff complete; telling the holders"
     );
+    // The new owner learns every holder, this node too when it keeps a ghost.
+    let me = cx.config.node_id;
+    let listed = || {
+        holders
+            .iter()
+            .copied()
+            .chain(kept_here.then_some(me))
+            .filter(|n| *n != done.to)
+    };
     for &node in holders {
         mesh.send(
             cx,
@@ -1275,7 +1286,7 @@ pub(crate) fn tell_holders(
                 entity_epoch: done.epoch,
                 owner_node: done.to,
                 holders: if node == done.to {
-                    holders.iter().copied().filter(|n| *n != done.to).collect()
+                    listed().collect()
                 } else {
                     vec![]
                 },
@@ -1290,7 +1301,7 @@ pub(crate) fn tell_holders(
                 entity_id: id,
                 entity_epoch: done.epoch,
                 owner_node: done.to,
-                holders: holders.iter().copied().collect(),
+                holders: listed().collect(),
             }),
         );
     }
@@ -1663,6 +1674,16 @@ impl Handoffs {
     /// The fence follows `owner` for `id` from `epoch` on: the frames held for it are due.
     pub(crate) fn advance(&mut self, id: u64, epoch: u64, owner: NodeId) -> Vec<Fenced> {
         self.fence.advance(id, epoch, owner)
+    }
+
+    /// The epoch the fence follows for `id` is void (its writer died and its unit went back to
+    /// the node that offered it): forgotten, and burnt, so the next frame of the unit's writer
+    /// sets the epoch again and nothing more is taken under the void one.
+    pub(crate) fn void_fenced(&mut self, id: u64) {
+        if let Some((epoch, _)) = self.fence.current(id) {
+            self.fence.forget(id);
+            self.fence.burn(id, epoch);
+        }
     }
 
     /// `id` is not held here any more: the fence forgets it (what it held is counted).

@@ -1420,6 +1420,10 @@ impl Core {
             .get(r.entity_id)
             .and_then(|e| e.origin)
             .is_some_and(|o| o != r.owner_node && self.restore.is_dead_node(o));
+        if r.owner_node != me && ghost_of_the_dead && r.entity_epoch == 0 {
+            self.ghost_returned(r.entity_id, r.owner_node);
+            return;
+        }
         let newer = self
             .handoff
             .fenced(r.entity_id)
@@ -1437,6 +1441,31 @@ impl Core {
                 holders: vec![],
             },
         );
+    }
+
+    /// The unit of ghost `id` went back to `owner`, which offered it to a dead process that
+    /// never checkpointed it: `owner` writes it under the epoch it had, older than the one the
+    /// ghost followed the dead target's frames under (that epoch is void now). The ghost
+    /// follows `owner` again, and its next full state (asked for now) sets the epoch.
+    fn ghost_returned(&mut self, id: u64, owner: NodeId) {
+        let Some(chunk) = self.table.get(id).map(|e| e.chunk) else {
+            return;
+        };
+        self.handoff.void_fenced(id);
+        if self.replication.subscribes(chunk, owner) || self.follow(chunk, owner) {
+            tracing::debug!(
+                me = self.cx.config.node_id,
+                entity = id,
+                owner,
+                "ghost of a dead process back with the node that offered it"
+            );
+            self.table.set_origin(id, owner, 0);
+            self.replication.restart_stale(id, self.cx.now.mono_ms);
+            self.resync(chunk, owner);
+        } else {
+            let _ = self.table.despawn(id);
+            self.handoff.forget_fenced(id);
+        }
     }
 
     /// The dead process's world is restored: its ghosts nobody took over are gone. Unless a
@@ -2209,7 +2238,15 @@ impl Core {
             self.game.checkpoints_mut().forget(id);
             self.handoff.handed_away(id);
             let holders = self.replication.handed_away(id);
-            handoff::tell_holders(&mut self.cx, &self.mesh, &done, id, &holders);
+            // A chunk a client here views, or one this node subscribes to at the new owner
+            // anyway, keeps the entity here as its ghost, with no vanish. The new owner counts
+            // this node among the holders: its frames refresh the ghost, and its gone drops it
+            // once the entity leaves what this node subscribes to.
+            let at = self.table.get_local(id).map(|e| e.chunk);
+            let kept = at.is_some_and(|chunk| {
+                self.replication.subscribes(chunk, done.to) || self.follow(chunk, done.to)
+            });
+            handoff::tell_holders(&mut self.cx, &self.mesh, &done, id, &holders, kept);
             // Commands held here for a gap in their order follow it (its new writer orders them
             // from the cursors the offer carried).
             for c in self.commands.forget(id) {
@@ -2224,9 +2261,7 @@ impl Core {
                 e.position,
                 (e.is_master && !e.owner_account.is_empty()).then(|| e.owner_account.clone()),
             );
-            // A chunk a client here views is followed at the new owner (subscribed now if it
-            // was not yet): the entity stays as its ghost, with no vanish.
-            if self.replication.subscribes(chunk, done.to) || self.follow(chunk, done.to) {
+            if kept {
                 self.table.to_ghost(id, done.to, done.epoch);
                 for f in self.handoff.advance(id, done.epoch, done.to) {
                     self.apply_fenced(f);

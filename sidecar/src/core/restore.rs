@@ -1208,6 +1208,27 @@ impl Restore {
         }
         for (reporter, id) in d.returned {
             self.resolve_for(cx, reporter, id, 0, reporter, &mut acts);
+            // Every other live node hears it too: a ghost there that followed the dead
+            // target's writes goes back to the reporter, which writes the unit under the epoch
+            // it had (the target's is void). Before the round's end, which would drop it.
+            let attachments = offered
+                .iter()
+                .filter(|(r, o, _)| *r == reporter && o.entity_id == id)
+                .flat_map(|(_, o, _)| o.attachments.iter().map(|a| a.entity_id));
+            for m in std::iter::once(id).chain(attachments) {
+                let word = mesh::RestoreResolved {
+                    entity_id: m,
+                    entity_epoch: 0,
+                    owner_node: reporter,
+                };
+                for &n in live.iter().filter(|n| **n != reporter) {
+                    if n == me {
+                        acts.push(Act::ResolvedHere(word));
+                    } else {
+                        acts.push(Act::Send(n, mesh_message::Body::RestoreResolved(word)));
+                    }
+                }
+            }
         }
         for r in d.restore {
             self.offer_restore(cx, partition.epoch(), inc, r, &mut acts);

@@ -3349,3 +3349,189 @@ fn a_join_passed_on_follows_the_avatar_on_through_a_node_that_handed_it_on_too()
         .any(|(_, m)| matches!(m, mesh_message::Body::PlayerJoin(_))));
     assert_eq!(core.metrics().dropped_for("join_forward_loop"), 1);
 }
+
+/// geo_restore seeds 309 and 721: node 2 offered its entity 99 to node 3, which adopted it and
+/// wrote it under epoch 2 (the ghost here followed it), then died before checkpointing it. The
+/// restore gave the unit back to node 2, still frozen there, which writes it under the epoch it
+/// had (1). The restore's end dropped this node's ghost, still naming node 3, as one nobody took
+/// over, and node 2's frames under epoch 1 would have been dropped as stale: the client saw the
+/// entity vanish for good. The ghost goes back to node 2, and node 2's frames refresh it.
+#[test]
+fn a_ghost_that_followed_a_dead_target_goes_back_to_the_node_the_unit_returned_to() {
+    let mut core = node();
+    core.handle(
+        at(0),
+        Input::PeerLeases {
+            live: vec![(GATEWAY, 1), (3, 1)],
+            lapsed: vec![],
+        },
+    );
+    alice_at_the_border(&mut core);
+    from_node_2(&mut core, 30, true, 270.0);
+    link_up(&mut core, 40, 50, 3);
+    // The ghost follows node 3 under epoch 2 (node 2's word stands for the overdue rule).
+    core.handle(
+        at(50),
+        Input::LinkFrame {
+            link: 30,
+            messages: vec![mesh_message::Body::EntityMoved(mesh::EntityMoved {
+                entity_id: 99,
+                entity_epoch: 2,
+                owner_node: 3,
+                holders: vec![],
+            })
+            .into()],
+        },
+    );
+    core.handle(
+        at(60),
+        Input::LinkFrame {
+            link: 50,
+            messages: vec![mesh_message::Body::EntityState(mesh::EntityState {
+                entity_id: 99,
+                entity_epoch: 2,
+                full: true,
+                position: Some(mesh::MeshVec3 {
+                    x: 272.0,
+                    y: 50.0,
+                    z: 0.0,
+                }),
+                ..Default::default()
+            })
+            .into()],
+        },
+    );
+    assert_eq!(
+        core.table.get(99).map(|e| (e.origin, e.epoch)),
+        Some((Some(3), 2))
+    );
+    // Node 3 dies; node 4 decides its restore.
+    core.handle(
+        at(100),
+        Input::LinkClosed {
+            link: 50,
+            reason: "cut".into(),
+        },
+    );
+    core.handle(
+        at(140),
+        Input::PeerLeases {
+            live: vec![(GATEWAY, 1), (4, 1)],
+            lapsed: vec![],
+        },
+    );
+    link_up(&mut core, 150, 40, 4);
+    from_decider(
+        &mut core,
+        160,
+        mesh_message::Body::RestoreQuery(mesh::RestoreQuery {
+            node: 3,
+            lease_epoch: 1,
+        }),
+    );
+    while core.poll_output().is_some() {}
+    from_decider(
+        &mut core,
+        250,
+        mesh_message::Body::RestoreResolved(mesh::RestoreResolved {
+            entity_id: 99,
+            entity_epoch: 0,
+            owner_node: GATEWAY,
+        }),
+    );
+    from_decider(
+        &mut core,
+        300,
+        mesh_message::Body::RestoreDone(mesh::RestoreDone {
+            node: 3,
+            lease_epoch: 1,
+        }),
+    );
+    assert_eq!(
+        core.table.get(99).map(|e| e.origin),
+        Some(Some(GATEWAY)),
+        "the ghost stays, following node 2"
+    );
+    // Node 2's frame under the epoch it had is taken, not dropped as stale.
+    from_node_2(&mut core, 320, true, 280.0);
+    let ghost = core.table.get(99).expect("the ghost stays");
+    assert_eq!((ghost.origin, ghost.epoch), (Some(GATEWAY), 1));
+    assert_eq!(ghost.position.x, 280.0);
+}
+
+/// stores seed 162 with zero-tick handoffs: node 4 offloaded an NPC to node 3 and kept its
+/// ghost (it subscribes to the chunk at node 3), but node 3 never counted node 4 among the
+/// ghost's holders: it sent node 4 nothing when the NPC walked on, not even its gone, and the
+/// ghost stood still for good. The source that keeps a ghost is listed to the new owner.
+#[test]
+fn a_source_that_keeps_its_ghost_is_among_the_new_owners_holders() {
+    let mut core = node();
+    link_up(&mut core, 10, PEER_LINK, GATEWAY);
+    spawn(&mut core, 50, 1, NPC, pos(200.0, 40.0));
+    // Just across the border, in a chunk node 1 subscribes to at node 2 (its band).
+    game_tick(
+        &mut core,
+        100,
+        2,
+        game_message::Body::Update(local::Update {
+            entity_id: NPC,
+            position: pos(9.0 * 32.0 + 5.0, 40.0),
+            ..Default::default()
+        }),
+    );
+    let chunk = core.table.get(NPC).expect("the NPC").chunk;
+    assert!(core.replication.subscribes(chunk, GATEWAY), "{chunk:?}");
+    // Node 2 subscribes to the chunk here: it holds the NPC's ghost when it is offered.
+    core.handle(
+        at(110),
+        Input::LinkFrame {
+            link: PEER_LINK,
+            messages: vec![mesh_message::Body::Subscribe(mesh::Subscribe {
+                chunks: vec![mesh::ChunkRef {
+                    x: chunk.x,
+                    y: chunk.y,
+                }],
+            })
+            .into()],
+        },
+    );
+    game_frame(&mut core, 120, 3, None);
+    let (game, _) = outputs(&mut core);
+    assert!(
+        game.iter()
+            .any(|m| matches!(m, sidecar_message::Body::Freeze(f) if f.entity_id == NPC)),
+        "{game:?}"
+    );
+    let snapshot = game_message::Body::Snapshot(local::Snapshot {
+        entity_id: NPC,
+        entity_epoch: 1,
+        state: bytes::Bytes::from_static(b"npc"),
+    });
+    game_frame(&mut core, 150, 4, Some(snapshot));
+    let epoch = offered_to_node_2(&mut core, NPC);
+    core.handle(
+        at(200),
+        Input::LinkFrame {
+            link: PEER_LINK,
+            messages: vec![mesh_message::Body::HandoffAck(mesh::HandoffAck {
+                entity_id: NPC,
+                entity_epoch: epoch,
+                adopt_timing: None,
+            })
+            .into()],
+        },
+    );
+    let (_, links) = outputs(&mut core);
+    let told = links
+        .iter()
+        .find_map(|(l, m)| match m {
+            mesh_message::Body::EntityMoved(m) if *l == PEER_LINK && m.entity_id == NPC => {
+                Some(m.holders.clone())
+            }
+            _ => None,
+        })
+        .expect("the new owner hears the move");
+    assert_eq!(told, vec![1], "node 1 keeps a ghost: {links:?}");
+    let ghost = core.table.get(NPC).expect("the ghost stays");
+    assert_eq!((ghost.origin, ghost.epoch), (Some(GATEWAY), epoch));
+}
