@@ -521,7 +521,7 @@ impl Core {
     pub fn unpersisted(&self) -> Vec<u64> {
         self.table
             .iter()
-            .filter(|e| e.origin.is_none() && e.epoch == game::FIRST_EPOCH)
+            .filter(|e| e.origin().is_none() && e.epoch == game::FIRST_EPOCH)
             .filter(|e| !self.game.checkpoints().is_stored(e.id))
             .map(|e| e.id)
             .collect()
@@ -553,7 +553,7 @@ impl Core {
         let now = self.cx.now.mono_ms;
         self.table
             .iter()
-            .filter(|e| e.origin.is_none() && !self.handoff.outgoing().is_frozen(e.id))
+            .filter(|e| e.origin().is_none() && !self.handoff.outgoing().is_frozen(e.id))
             .filter(|e| {
                 self.game
                     .checkpoints()
@@ -629,7 +629,7 @@ impl Core {
                 entity,
                 waits_for,
                 frames,
-                follows: self.handoff.fence().current(entity),
+                follows: self.handoff.fence().current(&self.table, entity),
             })
             .collect()
     }
@@ -1418,11 +1418,11 @@ impl Core {
         let ghost_of_the_dead = self
             .table
             .get(r.entity_id)
-            .and_then(|e| e.origin)
+            .and_then(|e| e.origin())
             .is_some_and(|o| o != r.owner_node && self.restore.is_dead_node(o));
         let newer = self
             .handoff
-            .fenced(r.entity_id)
+            .fenced(&self.table, r.entity_id)
             .is_none_or(|(known, _)| r.entity_epoch > known);
         if r.owner_node == me || !ghost_of_the_dead || !newer {
             return;
@@ -1772,7 +1772,7 @@ impl Core {
                 self.replication.mark_stale(id, now);
             }
         }
-        self.replication.peer_down(&self.cx, node);
+        self.replication.peer_down(&self.cx, &mut self.table, node);
     }
 
     /// Queues `body` for peer `node`; false (and counted) when no link to it is up.
@@ -1840,7 +1840,7 @@ impl Core {
         if let Some(e) = self
             .table
             .get(ev.entity_id)
-            .filter(|e| e.origin == Some(node))
+            .filter(|e| e.origin() == Some(node))
         {
             self.game.hear_event(model::fold::TickEvent {
                 entity_id: e.id,
@@ -2208,7 +2208,7 @@ impl Core {
             self.handoff.evict(&mut self.cx, &self.table, &done, id);
             self.game.checkpoints_mut().forget(id);
             self.handoff.handed_away(id);
-            let holders = self.replication.handed_away(id);
+            let holders = self.replication.handed_away(&mut self.table, id);
             handoff::tell_holders(&mut self.cx, &self.mesh, &done, id, &holders);
             // Commands held here for a gap in their order follow it (its new writer orders them
             // from the cursors the offer carried).
@@ -2228,13 +2228,16 @@ impl Core {
             // was not yet): the entity stays as its ghost, with no vanish.
             if self.replication.subscribes(chunk, done.to) || self.follow(chunk, done.to) {
                 self.table.to_ghost(id, done.to, done.epoch);
-                for f in self.handoff.advance(id, done.epoch, done.to) {
+                for f in self
+                    .handoff
+                    .advance(&mut self.table, id, done.epoch, done.to)
+                {
                     self.apply_fenced(f);
                 }
             } else {
                 // Nobody here looks there: no client can see it go, and nothing is fenced.
                 let _ = self.table.despawn(id);
-                self.handoff.forget_fenced(id);
+                self.handoff.forget_fenced(&mut self.table, id);
             }
             if let Some(account) = master {
                 self.master_handed_away(&done, id, account.into(), chunk, [pos.x, pos.y, pos.z]);
@@ -2459,7 +2462,7 @@ impl Core {
         self.resume_command_cursors(&o.command_cursors);
         self.claims_adopted(&o.claims);
         for m in std::iter::once(o.entity_id).chain(o.attachments.iter().map(|a| a.entity_id)) {
-            for f in self.handoff.advance(m, epoch, me) {
+            for f in self.handoff.advance(&mut self.table, m, epoch, me) {
                 self.apply_fenced(f);
             }
         }
@@ -2485,7 +2488,7 @@ impl Core {
         let written = self
             .table
             .master_of(account)
-            .is_some_and(|e| e.origin.is_none() && e.id != o.entity_id);
+            .is_some_and(|e| e.origin().is_none() && e.id != o.entity_id);
         written || self.new_avatar_since(account, o.session_epoch).is_some()
     }
 
@@ -2564,25 +2567,29 @@ impl Core {
             // The target writes under the offered epoch: it adopted, the ack was lost.
             self.complete_handoff(done);
         }
-        let s = match self
+        let s =
+            match self
+                .handoff
+                .state_ahead(&self.cx, &mut self.table, &self.replication, node, s)
+            {
+                handoff::StateAhead::Unheld(s) => return self.on_entity_state(node, s),
+                handoff::StateAhead::Resync(at) => {
+                    if let Some(chunk) = at {
+                        self.resync(chunk, node);
+                    }
+                    return;
+                }
+                handoff::StateAhead::Admit(due, s) => {
+                    for f in due {
+                        self.apply_fenced(f);
+                    }
+                    s
+                }
+            };
+        if let Some(f) = self
             .handoff
-            .state_ahead(&self.cx, &self.table, &self.replication, node, s)
+            .admit_state(&mut self.cx, &mut self.table, node, s)
         {
-            handoff::StateAhead::Unheld(s) => return self.on_entity_state(node, s),
-            handoff::StateAhead::Resync(at) => {
-                if let Some(chunk) = at {
-                    self.resync(chunk, node);
-                }
-                return;
-            }
-            handoff::StateAhead::Admit(due, s) => {
-                for f in due {
-                    self.apply_fenced(f);
-                }
-                s
-            }
-        };
-        if let Some(f) = self.handoff.admit_state(&mut self.cx, &self.table, node, s) {
             self.apply_fenced(f);
         }
         self.handoff.count_held(&self.cx);
@@ -2590,7 +2597,10 @@ impl Core {
 
     /// `EntityGone` from its owner, through the fence.
     pub(crate) fn fence_entity_gone(&mut self, node: NodeId, g: mesh::EntityGone) {
-        if let Some(f) = self.handoff.admit_gone(&mut self.cx, &self.table, node, g) {
+        if let Some(f) = self
+            .handoff
+            .admit_gone(&mut self.cx, &mut self.table, node, g)
+        {
             self.apply_fenced(f);
         }
     }
@@ -2622,7 +2632,7 @@ impl Core {
         let ghost = self
             .table
             .get(g.entity_id)
-            .is_some_and(|e| e.origin == Some(node));
+            .is_some_and(|e| e.origin() == Some(node));
         if ghost && at.is_some_and(|c| self.follow(c, node)) {
             // It walked into a viewed chunk this node does not subscribe to at its
             // owner: subscribed now, and kept meanwhile, stale (the owner no longer
@@ -2634,7 +2644,7 @@ impl Core {
         if self
             .table
             .get(g.entity_id)
-            .is_some_and(|e| e.origin == Some(node))
+            .is_some_and(|e| e.origin() == Some(node))
         {
             tracing::debug!(
                 me = self.cx.config.node_id,
@@ -2644,7 +2654,7 @@ impl Core {
                 "ghost dropped: gone"
             );
             let _ = self.table.despawn(g.entity_id);
-            self.handoff.forget_fenced(g.entity_id);
+            self.handoff.forget_fenced(&mut self.table, g.entity_id);
         }
     }
 
@@ -2660,19 +2670,22 @@ impl Core {
                 .get_local(m.entity_id)
                 .is_some_and(|e| e.epoch == m.entity_epoch);
             if local && !m.holders.is_empty() {
-                self.replication
-                    .add_holders(m.entity_id, m.holders.iter().copied().filter(|n| *n != me));
+                self.replication.add_holders(
+                    &mut self.table,
+                    m.entity_id,
+                    m.holders.iter().copied().filter(|n| *n != me),
+                );
             }
             return;
         }
-        let held = self.table.get(m.entity_id).map(|e| (e.origin, e.chunk));
+        let held = self.table.get(m.entity_id).map(|e| (e.origin(), e.chunk));
         if matches!(held, Some((None, _))) {
             // This node's own entity: its epoch is the node's to decide.
             return;
         }
         let due = self
             .handoff
-            .advance(m.entity_id, m.entity_epoch, m.owner_node);
+            .advance(&mut self.table, m.entity_id, m.entity_epoch, m.owner_node);
         // A ghost of the sender follows the new owner (if this node subscribes there); so does
         // a ghost of a dead process, on the word of the node that restored it.
         let from_writer = |origin: Option<NodeId>| {
@@ -2695,7 +2708,7 @@ impl Core {
                     "ghost dropped: moved to a node not subscribed"
                 );
                 let _ = self.table.despawn(m.entity_id);
-                self.handoff.forget_fenced(m.entity_id);
+                self.handoff.forget_fenced(&mut self.table, m.entity_id);
             }
         }
         for f in due {
@@ -2710,7 +2723,7 @@ impl Core {
         for id in self.handoff.overdue_frames(&self.cx) {
             if !self.ghost_orphaned(id) {
                 // Inputs only: the entity is not held here; let them go (counted).
-                self.handoff.forget_fenced(id);
+                self.handoff.forget_fenced(&mut self.table, id);
             }
         }
         self.handoff.count_held(&self.cx);
@@ -2719,7 +2732,7 @@ impl Core {
     /// A ghost of a peer whose link closed: if frames of a newer owner are held for it, it
     /// follows that owner instead of vanishing.
     pub(crate) fn ghost_orphaned(&mut self, id: u64) -> bool {
-        let Some((epoch, owner, due)) = self.handoff.follow_newest(id) else {
+        let Some((epoch, owner, due)) = self.handoff.follow_newest(&mut self.table, id) else {
             return false;
         };
         self.table.set_origin(id, owner, epoch);
@@ -2732,7 +2745,10 @@ impl Core {
     /// An input for `i.account`'s master: through the fence and the handoff machine, then to
     /// where they send it.
     pub(crate) fn input_for_master(&mut self, i: mesh::ForwardInput) {
-        match self.handoff.input_for_master(&mut self.cx, &self.table, i) {
+        match self
+            .handoff
+            .input_for_master(&mut self.cx, &mut self.table, i)
+        {
             handoff::InputNext::Done => {}
             handoff::InputNext::Route {
                 id,
@@ -2836,18 +2852,18 @@ impl Core {
 
     fn on_subscribe(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
         self.replication
-            .on_subscribe(&mut self.cx, &self.table, &self.mesh, node, chunks);
+            .on_subscribe(&mut self.cx, &mut self.table, &self.mesh, node, chunks);
     }
 
     fn on_unsubscribe(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
         self.replication
-            .on_unsubscribe(&self.cx, &self.table, node, chunks);
+            .on_unsubscribe(&self.cx, &mut self.table, node, chunks);
     }
 
     /// This tick's public changes of local entities, to the nodes subscribed to them.
     pub(crate) fn replicate(&mut self, changes: &model::entities::TickChanges) {
         self.replication
-            .replicate(&mut self.cx, &self.table, &self.mesh, changes);
+            .replicate(&mut self.cx, &mut self.table, &self.mesh, changes);
     }
 
     /// This tick's public events of local entities, to the nodes holding their ghosts.
@@ -2949,7 +2965,7 @@ impl Core {
     /// A render ghost let go of: gone from the table, and the fence forgets it.
     fn drop_ghost(&mut self, id: u64) {
         let _ = self.table.despawn(id);
-        self.handoff.forget_fenced(id);
+        self.handoff.forget_fenced(&mut self.table, id);
     }
 
     // ------------------------------------------------------------------ routing
@@ -3586,7 +3602,7 @@ impl Core {
     /// epoch change is.
     fn hold_command(&mut self, id: u64, c: mesh::EntityCommand) {
         let epoch = c.entity_epoch;
-        let admitted = self.handoff.fence_command(id, epoch, c);
+        let admitted = self.handoff.fence_command(&mut self.table, id, epoch, c);
         let burnt = self.handoff.fence().is_burnt(id, epoch);
         let path = commands::ResultPath {
             mesh: &self.mesh,
@@ -3921,7 +3937,7 @@ impl Core {
     pub(crate) fn writes_master(&self, account: &str) -> bool {
         self.table
             .master_of(account)
-            .is_some_and(|e| e.origin.is_none())
+            .is_some_and(|e| e.origin().is_none())
     }
 
     fn peer_link_up(&self, node: NodeId) -> bool {
@@ -4137,7 +4153,11 @@ impl Core {
         self.avatars.stop_waiting(account);
         // An avatar simulated here for another gateway serves this session now.
         self.routing.remove_remote_player(account);
-        if let Some(e) = self.table.master_of(account).filter(|e| e.origin.is_none()) {
+        if let Some(e) = self
+            .table
+            .master_of(account)
+            .filter(|e| e.origin().is_none())
+        {
             let (id, epoch) = (e.id, e.epoch);
             self.gateway.avatar_written_here(account, id, epoch);
         }
@@ -4248,7 +4268,7 @@ fn claim_holder(
     lease_live: bool,
     id: u64,
 ) -> Result<ClaimHolder, String> {
-    let Some(e) = table.get_local(id).filter(|e| e.origin.is_none()) else {
+    let Some(e) = table.get_local(id).filter(|e| e.origin().is_none()) else {
         return Err(format!(
             "entity {id} is not written here: only the node writing an entity claims for it"
         ));

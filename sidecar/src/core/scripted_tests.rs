@@ -1263,7 +1263,7 @@ fn a_ghost_of_a_dead_process_follows_the_writer_the_restore_found() {
         }),
     );
     let ghost = core.table.get(99).expect("the ghost stays");
-    assert_eq!((ghost.origin, ghost.epoch), (Some(3), 3));
+    assert_eq!((ghost.origin(), ghost.epoch), (Some(3), 3));
 }
 
 /// Node 2's link (30) closes at 100 ms; node 4 links up (link 40) and, at 160 ms, starts
