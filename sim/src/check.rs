@@ -175,7 +175,7 @@ impl Checker {
             }
         }
         for e in core.entities().iter() {
-            let Some(origin) = e.origin else { continue };
+            let Some(origin) = e.origin() else { continue };
             if let Some(o) = self.owners.get(&(e.id, e.epoch)) {
                 if *o != origin {
                     found.push(format!(

@@ -1516,7 +1516,7 @@ impl<'a> Sim<'a> {
         let watched = |core: &Core, e: u64| {
             core.entities()
                 .get(e)
-                .map(|e| (e.origin, e.epoch, (e.chunk.x, e.chunk.y)))
+                .map(|e| (e.origin(), e.epoch, (e.chunk.x, e.chunk.y)))
         };
         let before = watch.map(|e| watched(core, e));
         core.handle(now, input);

@@ -345,7 +345,7 @@ impl Authority {
         let me = cx.config.node_id;
         table
             .iter()
-            .filter(|e| e.origin.is_none() && self.partition.owner_of_chunk(e.chunk) != me)
+            .filter(|e| e.origin().is_none() && self.partition.owner_of_chunk(e.chunk) != me)
             .map(|e| e.id)
             .collect()
     }
@@ -374,7 +374,7 @@ impl Authority {
         let peers_caught_up = mesh.linked_peers_at(epoch);
         let reach = cx.config.reach_chunks();
         let settled = peers_caught_up
-            && table.iter().all(|e| match e.origin {
+            && table.iter().all(|e| match e.origin() {
                 None => true,
                 Some(n) => subs::owners_near(&self.partition, e.chunk, reach).contains(&n),
             });
@@ -442,7 +442,7 @@ impl Authority {
         use cellmesh_world::world_map::{sample_evenly, EntityKind, MapEntity};
         let mut reals: Vec<MapEntity> = table
             .iter()
-            .filter(|e| e.origin.is_none())
+            .filter(|e| e.origin().is_none())
             .map(|e| MapEntity {
                 id: e.id,
                 x: e.position.x,
@@ -473,7 +473,7 @@ impl Authority {
     pub(crate) fn reals(&self, table: &EntityTable, in_handoff: impl Fn(u64) -> bool) -> Vec<Real> {
         let mut v: Vec<Real> = table
             .iter()
-            .filter(|e| e.origin.is_none())
+            .filter(|e| e.origin().is_none())
             .map(|e| Real {
                 id: e.id,
                 epoch: e.epoch,
@@ -489,7 +489,7 @@ impl Authority {
 fn owned_reals(table: &EntityTable) -> Vec<u64> {
     table
         .iter()
-        .filter(|e| e.origin.is_none())
+        .filter(|e| e.origin().is_none())
         .map(|e| e.id)
         .collect()
 }

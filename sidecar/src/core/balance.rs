@@ -53,7 +53,7 @@ pub(crate) fn cell_report(
         _ => ChunkRect::default(),
     };
     let mut chunks: BTreeMap<ChunkPos, u32> = Default::default();
-    for e in table.iter().filter(|e| e.origin.is_none()) {
+    for e in table.iter().filter(|e| e.origin().is_none()) {
         *chunks.entry(e.chunk).or_default() += 1;
     }
     let entities: u32 = chunks.values().sum();

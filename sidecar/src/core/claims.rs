@@ -521,7 +521,7 @@ impl Claims {
             .map(|h| h.grant.holder.entity)
             // A stock handed to the game and not spawned yet holds its claim meanwhile.
             .filter(|id| !awaited(*id))
-            .filter(|id| table.get_local(*id).is_none_or(|e| e.origin.is_some()))
+            .filter(|id| table.get_local(*id).is_none_or(|e| e.origin().is_some()))
             .collect();
         for id in gone {
             self.holder_gone(cx, id);

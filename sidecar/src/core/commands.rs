@@ -198,7 +198,7 @@ impl Commands {
             );
             return Next::Done;
         }
-        match table.get(id).map(|e| (e.origin, e.epoch)) {
+        match table.get(id).map(|e| (e.origin(), e.epoch)) {
             Some((None, epoch)) => {
                 if c.entity_epoch > epoch {
                     return Next::Hold(id, c);
@@ -691,7 +691,7 @@ pub(crate) fn whereabouts(
     id: u64,
 ) -> Option<(NodeId, u64)> {
     if let Some(e) = table.get(id) {
-        return Some((e.origin.unwrap_or(cx.config.node_id), e.epoch));
+        return Some((e.origin().unwrap_or(cx.config.node_id), e.epoch));
     }
     if let Some(epoch) = handoff.adopting_epoch(id) {
         return Some((cx.config.node_id, epoch));

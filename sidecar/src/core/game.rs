@@ -256,7 +256,7 @@ impl LocalGame {
         }
         let kept: Vec<_> = table
             .iter()
-            .filter(|e| e.origin.is_none())
+            .filter(|e| e.origin().is_none())
             .map(|e| {
                 (
                     e.id,

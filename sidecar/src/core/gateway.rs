@@ -142,7 +142,7 @@ impl Gateway {
         self.local_session(account).is_some_and(|s| s.new_avatar)
             && table
                 .master_of(account)
-                .is_some_and(|e| e.origin.is_none() && e.id != entity)
+                .is_some_and(|e| e.origin().is_none() && e.id != entity)
     }
 
     /// An owner's word of where `a.account`'s avatar is: the session's view follows it. Returns
@@ -203,7 +203,7 @@ impl Gateway {
         // sees its own avatar leave its view.
         let behind = table
             .get(a.entity_id)
-            .filter(|e| e.origin.is_some() && e.epoch <= a.entity_epoch && e.position != p)
+            .filter(|e| e.origin().is_some() && e.epoch <= a.entity_epoch && e.position != p)
             .is_some();
         if behind {
             let _ = table.update(EntityUpdate {

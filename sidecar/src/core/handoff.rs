@@ -107,12 +107,13 @@ impl Handoffs {
     /// A command under `epoch` of `id`, through the fence.
     pub(crate) fn fence_command(
         &mut self,
+        table: &mut EntityTable,
         id: u64,
         epoch: u64,
         c: mesh::EntityCommand,
     ) -> Admit<Fenced> {
         self.fence
-            .admit(id, epoch, None, Fenced::Command(Box::new(c)))
+            .admit(table, id, epoch, None, Fenced::Command(Box::new(c)))
     }
 
     /// The order of each player's inputs handed to the game here.
@@ -342,7 +343,7 @@ impl Handoffs {
         // target subscribes to, and the offer says so).
         let unseen = subs::distance_to_area(&cx.config.world, authority.area(), e.chunk)
             > cx.config.reach_chunks();
-        let seen = unseen || view.replication.holds_ghost(id, to);
+        let seen = unseen || view.replication.holds_ghost(view.table, id, to);
         // A target that never subscribes (no game to tick, say) is offered all the same after
         // a while, and answers for itself.
         let waited = *self.ghost_wait.entry(id).or_insert(now);
@@ -421,7 +422,7 @@ pub(crate) fn attachments_of(table: &EntityTable, root: u64) -> Vec<u64> {
     let mut parents = vec![root];
     while let Some(p) = parents.pop() {
         for e in table.iter() {
-            if e.origin.is_none() && e.parent_id == p && e.id != root && !out.contains(&e.id) {
+            if e.origin().is_none() && e.parent_id == p && e.id != root && !out.contains(&e.id) {
                 out.push(e.id);
                 parents.push(e.id);
             }
@@ -1126,7 +1127,7 @@ impl Handoffs {
         reason: &str,
     ) {
         let frozen = table.master_of(account).is_some_and(|e| {
-            e.origin.is_none() && (self.outgoing.is_frozen(e.id) || self.is_released(e.id))
+            e.origin().is_none() && (self.outgoing.is_frozen(e.id) || self.is_released(e.id))
         });
         if frozen {
             self.leaving.insert(
@@ -1359,11 +1360,11 @@ impl Handoffs {
             partition_epoch_matches: o.partition_epoch == authority.partition().epoch(),
             has_ghost: o.successor
                 || o.unseen
-                || table.get(id).is_some_and(|e| e.origin == Some(from)),
+                || table.get(id).is_some_and(|e| e.origin() == Some(from)),
             draining: authority.draining(),
             game_connected,
         };
-        let known = self.fence.current(id).map(|(e, _)| e);
+        let known = self.fence.current(table, id).map(|(e, _)| e);
         match self.inbound.offer(from, id, o.entity_epoch, known, checks) {
             OfferDecision::Adopt => {
                 let adopt = adopt_message(&o);
@@ -1569,15 +1570,15 @@ impl Handoffs {
     }
 
     /// The epoch and writer the fence follows for `id`, if any.
-    pub(crate) fn fenced(&self, id: u64) -> Option<(u64, NodeId)> {
-        self.fence.current(id)
+    pub(crate) fn fenced(&self, table: &EntityTable, id: u64) -> Option<(u64, NodeId)> {
+        self.fence.current(table, id)
     }
 
     /// What a frame about a foreign entity needs before the fence admits it.
     pub(crate) fn state_ahead(
         &mut self,
         cx: &Context,
-        table: &EntityTable,
+        table: &mut EntityTable,
         replication: &Replication,
         node: NodeId,
         s: mesh::EntityState,
@@ -1591,7 +1592,7 @@ impl Handoffs {
         }
         let newer = self
             .fence
-            .current(id)
+            .current(table, id)
             .is_some_and(|(known, _)| epoch > known);
         if !s.full && newer && replication.is_stale(id) {
             // A stale ghost's owner changed while the old owner's link was down: its word
@@ -1610,7 +1611,7 @@ impl Handoffs {
             // (`EntityMoved`) was lost with its link or will never come (this node is no longer
             // among its holders): a newer epoch's full state is the truth (only that epoch's
             // owner writes under it); frames held for older epochs go.
-            due = self.fence.advance(id, epoch, node);
+            due = self.fence.advance(table, id, epoch, node);
         }
         StateAhead::Admit(due, s)
     }
@@ -1620,18 +1621,18 @@ impl Handoffs {
     pub(crate) fn admit_state(
         &mut self,
         cx: &mut Context,
-        table: &EntityTable,
+        table: &mut EntityTable,
         node: NodeId,
         s: mesh::EntityState,
     ) -> Option<Fenced> {
         let (id, epoch) = (s.entity_id, s.entity_epoch);
         match self
             .fence
-            .admit(id, epoch, Some(node), Fenced::State(node, s))
+            .admit(table, id, epoch, Some(node), Fenced::State(node, s))
         {
             Admit::Accept(f) => Some(f),
             Admit::Held => {
-                tracing::debug!(me = cx.config.node_id, entity = id, epoch, peer = node, known = ?self.fence.current(id), ghost = ?table.get(id).map(|e| (e.origin, e.epoch)), "frame held for a newer epoch");
+                tracing::debug!(me = cx.config.node_id, entity = id, epoch, peer = node, known = ?self.fence.current(table, id), ghost = ?table.get(id).map(|e| (e.origin(), e.epoch)), "frame held for a newer epoch");
                 None
             }
             Admit::Dropped(_) => {
@@ -1648,7 +1649,7 @@ impl Handoffs {
     pub(crate) fn admit_gone(
         &mut self,
         cx: &mut Context,
-        table: &EntityTable,
+        table: &mut EntityTable,
         node: NodeId,
         g: mesh::EntityGone,
     ) -> Option<Fenced> {
@@ -1660,7 +1661,7 @@ impl Handoffs {
         table.get(id)?;
         match self
             .fence
-            .admit(id, epoch, Some(node), Fenced::Gone(node, g))
+            .admit(table, id, epoch, Some(node), Fenced::Gone(node, g))
         {
             Admit::Accept(f) => Some(f),
             Admit::Held => None,
@@ -1672,23 +1673,29 @@ impl Handoffs {
     }
 
     /// The fence follows `owner` for `id` from `epoch` on: the frames held for it are due.
-    pub(crate) fn advance(&mut self, id: u64, epoch: u64, owner: NodeId) -> Vec<Fenced> {
-        self.fence.advance(id, epoch, owner)
+    pub(crate) fn advance(
+        &mut self,
+        table: &mut EntityTable,
+        id: u64,
+        epoch: u64,
+        owner: NodeId,
+    ) -> Vec<Fenced> {
+        self.fence.advance(table, id, epoch, owner)
     }
 
     /// The epoch the fence follows for `id` is void (its writer died and its unit went back to
     /// the node that offered it): forgotten, and burnt, so the next frame of the unit's writer
     /// sets the epoch again and nothing more is taken under the void one.
-    pub(crate) fn void_fenced(&mut self, id: u64) {
-        if let Some((epoch, _)) = self.fence.current(id) {
-            self.fence.forget(id);
+    pub(crate) fn void_fenced(&mut self, table: &mut EntityTable, id: u64) {
+        if let Some((epoch, _)) = self.fence.current(table, id) {
+            self.fence.forget(table, id);
             self.fence.burn(id, epoch);
         }
     }
 
     /// `id` is not held here any more: the fence forgets it (what it held is counted).
-    pub(crate) fn forget_fenced(&mut self, id: u64) {
-        self.fence.forget(id);
+    pub(crate) fn forget_fenced(&mut self, table: &mut EntityTable, id: u64) {
+        self.fence.forget(table, id);
     }
 
     /// The gauge of the frames the fence holds.
@@ -1726,9 +1733,13 @@ impl Handoffs {
 
     /// A ghost whose writer is gone: the newest owner the fence holds frames of, which it
     /// follows from now on (epoch, owner), and the frames due; `None` if it holds none.
-    pub(crate) fn follow_newest(&mut self, id: u64) -> Option<(u64, NodeId, Vec<Fenced>)> {
+    pub(crate) fn follow_newest(
+        &mut self,
+        table: &mut EntityTable,
+        id: u64,
+    ) -> Option<(u64, NodeId, Vec<Fenced>)> {
         let (epoch, owner) = self.fence.held_newest(id)?;
-        let due = self.fence.advance(id, epoch, owner);
+        let due = self.fence.advance(table, id, epoch, owner);
         Some((epoch, owner, due))
     }
 }
@@ -1758,12 +1769,12 @@ impl Handoffs {
     pub(crate) fn input_for_master(
         &mut self,
         cx: &mut Context,
-        table: &EntityTable,
+        table: &mut EntityTable,
         i: mesh::ForwardInput,
     ) -> InputNext {
         let master = table
             .master_of(&i.account)
-            .map(|e| (e.id, e.origin, e.epoch));
+            .map(|e| (e.id, e.origin(), e.epoch));
         let input = local::Input {
             account: i.account.clone(),
             session_epoch: i.session_epoch,
@@ -1784,7 +1795,7 @@ impl Handoffs {
                     return InputNext::Done;
                 }
                 if i.entity_epoch > epoch {
-                    self.hold_input(cx, id, i);
+                    self.hold_input(cx, table, id, i);
                     return InputNext::Done;
                 }
                 let route = self.outgoing.route_input(id, Routed::Input(input));
@@ -1799,7 +1810,7 @@ impl Handoffs {
                 if i.entity_epoch > epoch {
                     // Forwarded behind an offer: due once this node adopted (or learns who
                     // did); a copy behind an offer it refused is dropped.
-                    self.hold_input(cx, id, i);
+                    self.hold_input(cx, table, id, i);
                     return InputNext::Done;
                 }
                 let route = self.outgoing.route_input(id, Routed::Input(input));
@@ -1820,7 +1831,7 @@ impl Handoffs {
                 let departed = self.departed_masters.get(&i.account).copied();
                 match (adopting, departed) {
                     (Some((id, epoch)), _) if i.entity_epoch >= epoch => {
-                        self.hold_input(cx, id, i);
+                        self.hold_input(cx, table, id, i);
                         InputNext::Done
                     }
                     // Handed away, and no ghost of it stayed here: forwarded all the same.
@@ -1847,9 +1858,15 @@ impl Handoffs {
 
     /// An input stamped with an epoch of its master not seen here yet: held by the fence until
     /// the epoch change is (or counted if the fence refuses it).
-    fn hold_input(&mut self, cx: &mut Context, id: u64, i: mesh::ForwardInput) {
+    fn hold_input(
+        &mut self,
+        cx: &mut Context,
+        table: &mut EntityTable,
+        id: u64,
+        i: mesh::ForwardInput,
+    ) {
         let epoch = i.entity_epoch;
-        match self.fence.admit(id, epoch, None, Fenced::Input(i)) {
+        match self.fence.admit(table, id, epoch, None, Fenced::Input(i)) {
             Admit::Held => {}
             // The fence already follows that epoch while the table does not: handing it on
             // could loop, so it is counted instead.

@@ -521,7 +521,7 @@ impl Core {
     pub fn unpersisted(&self) -> Vec<u64> {
         self.table
             .iter()
-            .filter(|e| e.origin.is_none() && e.epoch == game::FIRST_EPOCH)
+            .filter(|e| e.origin().is_none() && e.epoch == game::FIRST_EPOCH)
             .filter(|e| !self.game.checkpoints().is_stored(e.id))
             .map(|e| e.id)
             .collect()
@@ -553,7 +553,7 @@ impl Core {
         let now = self.cx.now.mono_ms;
         self.table
             .iter()
-            .filter(|e| e.origin.is_none() && !self.handoff.outgoing().is_frozen(e.id))
+            .filter(|e| e.origin().is_none() && !self.handoff.outgoing().is_frozen(e.id))
             .filter(|e| {
                 self.game
                     .checkpoints()
@@ -629,7 +629,7 @@ impl Core {
                 entity,
                 waits_for,
                 frames,
-                follows: self.handoff.fence().current(entity),
+                follows: self.handoff.fence().current(&self.table, entity),
             })
             .collect()
     }
@@ -1377,6 +1377,7 @@ impl Core {
                     handoff::Routed::is_input,
                 );
                 if let Ok(thawed) = returned {
+                    let members = thawed.members.clone();
                     self.cx
                         .metrics
                         .handoff(self.cx.config.node_id, dead, "returned");
@@ -1389,6 +1390,12 @@ impl Core {
                         thawed,
                         "its target died; this node owns its position now",
                     );
+                    // Ghosts elsewhere may have followed the dead target's frames: they get
+                    // the unit's state as it stands here again.
+                    for m in members {
+                        self.replication
+                            .announce(&mut self.cx, &mut self.table, &self.mesh, m);
+                    }
                 }
             }
             restore::Resolution::Settle => {
@@ -1418,7 +1425,7 @@ impl Core {
         let ghost_of_the_dead = self
             .table
             .get(r.entity_id)
-            .and_then(|e| e.origin)
+            .and_then(|e| e.origin())
             .is_some_and(|o| o != r.owner_node && self.restore.is_dead_node(o));
         if r.owner_node != me && ghost_of_the_dead && r.entity_epoch == 0 {
             self.ghost_returned(r.entity_id, r.owner_node);
@@ -1426,7 +1433,7 @@ impl Core {
         }
         let newer = self
             .handoff
-            .fenced(r.entity_id)
+            .fenced(&self.table, r.entity_id)
             .is_none_or(|(known, _)| r.entity_epoch > known);
         if r.owner_node == me || !ghost_of_the_dead || !newer {
             return;
@@ -1451,7 +1458,7 @@ impl Core {
         let Some(chunk) = self.table.get(id).map(|e| e.chunk) else {
             return;
         };
-        self.handoff.void_fenced(id);
+        self.handoff.void_fenced(&mut self.table, id);
         if self.replication.subscribes(chunk, owner) || self.follow(chunk, owner) {
             tracing::debug!(
                 me = self.cx.config.node_id,
@@ -1464,7 +1471,7 @@ impl Core {
             self.resync(chunk, owner);
         } else {
             let _ = self.table.despawn(id);
-            self.handoff.forget_fenced(id);
+            self.handoff.forget_fenced(&mut self.table, id);
         }
     }
 
@@ -1801,7 +1808,7 @@ impl Core {
                 self.replication.mark_stale(id, now);
             }
         }
-        self.replication.peer_down(&self.cx, node);
+        self.replication.peer_down(&self.cx, &mut self.table, node);
     }
 
     /// Queues `body` for peer `node`; false (and counted) when no link to it is up.
@@ -1869,7 +1876,7 @@ impl Core {
         if let Some(e) = self
             .table
             .get(ev.entity_id)
-            .filter(|e| e.origin == Some(node))
+            .filter(|e| e.origin() == Some(node))
         {
             self.game.hear_event(model::fold::TickEvent {
                 entity_id: e.id,
@@ -2237,7 +2244,7 @@ impl Core {
             self.handoff.evict(&mut self.cx, &self.table, &done, id);
             self.game.checkpoints_mut().forget(id);
             self.handoff.handed_away(id);
-            let holders = self.replication.handed_away(id);
+            let holders = self.replication.handed_away(&mut self.table, id);
             // A chunk a client here views, or one this node subscribes to at the new owner
             // anyway, keeps the entity here as its ghost, with no vanish. The new owner counts
             // this node among the holders: its frames refresh the ghost, and its gone drops it
@@ -2263,13 +2270,16 @@ impl Core {
             );
             if kept {
                 self.table.to_ghost(id, done.to, done.epoch);
-                for f in self.handoff.advance(id, done.epoch, done.to) {
+                for f in self
+                    .handoff
+                    .advance(&mut self.table, id, done.epoch, done.to)
+                {
                     self.apply_fenced(f);
                 }
             } else {
                 // Nobody here looks there: no client can see it go, and nothing is fenced.
                 let _ = self.table.despawn(id);
-                self.handoff.forget_fenced(id);
+                self.handoff.forget_fenced(&mut self.table, id);
             }
             if let Some(account) = master {
                 self.master_handed_away(&done, id, account.into(), chunk, [pos.x, pos.y, pos.z]);
@@ -2494,7 +2504,7 @@ impl Core {
         self.resume_command_cursors(&o.command_cursors);
         self.claims_adopted(&o.claims);
         for m in std::iter::once(o.entity_id).chain(o.attachments.iter().map(|a| a.entity_id)) {
-            for f in self.handoff.advance(m, epoch, me) {
+            for f in self.handoff.advance(&mut self.table, m, epoch, me) {
                 self.apply_fenced(f);
             }
         }
@@ -2520,7 +2530,7 @@ impl Core {
         let written = self
             .table
             .master_of(account)
-            .is_some_and(|e| e.origin.is_none() && e.id != o.entity_id);
+            .is_some_and(|e| e.origin().is_none() && e.id != o.entity_id);
         written || self.new_avatar_since(account, o.session_epoch).is_some()
     }
 
@@ -2599,25 +2609,29 @@ impl Core {
             // The target writes under the offered epoch: it adopted, the ack was lost.
             self.complete_handoff(done);
         }
-        let s = match self
+        let s =
+            match self
+                .handoff
+                .state_ahead(&self.cx, &mut self.table, &self.replication, node, s)
+            {
+                handoff::StateAhead::Unheld(s) => return self.on_entity_state(node, s),
+                handoff::StateAhead::Resync(at) => {
+                    if let Some(chunk) = at {
+                        self.resync(chunk, node);
+                    }
+                    return;
+                }
+                handoff::StateAhead::Admit(due, s) => {
+                    for f in due {
+                        self.apply_fenced(f);
+                    }
+                    s
+                }
+            };
+        if let Some(f) = self
             .handoff
-            .state_ahead(&self.cx, &self.table, &self.replication, node, s)
+            .admit_state(&mut self.cx, &mut self.table, node, s)
         {
-            handoff::StateAhead::Unheld(s) => return self.on_entity_state(node, s),
-            handoff::StateAhead::Resync(at) => {
-                if let Some(chunk) = at {
-                    self.resync(chunk, node);
-                }
-                return;
-            }
-            handoff::StateAhead::Admit(due, s) => {
-                for f in due {
-                    self.apply_fenced(f);
-                }
-                s
-            }
-        };
-        if let Some(f) = self.handoff.admit_state(&mut self.cx, &self.table, node, s) {
             self.apply_fenced(f);
         }
         self.handoff.count_held(&self.cx);
@@ -2625,7 +2639,10 @@ impl Core {
 
     /// `EntityGone` from its owner, through the fence.
     pub(crate) fn fence_entity_gone(&mut self, node: NodeId, g: mesh::EntityGone) {
-        if let Some(f) = self.handoff.admit_gone(&mut self.cx, &self.table, node, g) {
+        if let Some(f) = self
+            .handoff
+            .admit_gone(&mut self.cx, &mut self.table, node, g)
+        {
             self.apply_fenced(f);
         }
     }
@@ -2657,7 +2674,7 @@ impl Core {
         let ghost = self
             .table
             .get(g.entity_id)
-            .is_some_and(|e| e.origin == Some(node));
+            .is_some_and(|e| e.origin() == Some(node));
         if ghost && at.is_some_and(|c| self.follow(c, node)) {
             // It walked into a viewed chunk this node does not subscribe to at its
             // owner: subscribed now, and kept meanwhile, stale (the owner no longer
@@ -2669,7 +2686,7 @@ impl Core {
         if self
             .table
             .get(g.entity_id)
-            .is_some_and(|e| e.origin == Some(node))
+            .is_some_and(|e| e.origin() == Some(node))
         {
             tracing::debug!(
                 me = self.cx.config.node_id,
@@ -2679,7 +2696,7 @@ impl Core {
                 "ghost dropped: gone"
             );
             let _ = self.table.despawn(g.entity_id);
-            self.handoff.forget_fenced(g.entity_id);
+            self.handoff.forget_fenced(&mut self.table, g.entity_id);
         }
     }
 
@@ -2695,19 +2712,22 @@ impl Core {
                 .get_local(m.entity_id)
                 .is_some_and(|e| e.epoch == m.entity_epoch);
             if local && !m.holders.is_empty() {
-                self.replication
-                    .add_holders(m.entity_id, m.holders.iter().copied().filter(|n| *n != me));
+                self.replication.add_holders(
+                    &mut self.table,
+                    m.entity_id,
+                    m.holders.iter().copied().filter(|n| *n != me),
+                );
             }
             return;
         }
-        let held = self.table.get(m.entity_id).map(|e| (e.origin, e.chunk));
+        let held = self.table.get(m.entity_id).map(|e| (e.origin(), e.chunk));
         if matches!(held, Some((None, _))) {
             // This node's own entity: its epoch is the node's to decide.
             return;
         }
         let due = self
             .handoff
-            .advance(m.entity_id, m.entity_epoch, m.owner_node);
+            .advance(&mut self.table, m.entity_id, m.entity_epoch, m.owner_node);
         // A ghost of the sender follows the new owner (if this node subscribes there); so does
         // a ghost of a dead process, on the word of the node that restored it.
         let from_writer = |origin: Option<NodeId>| {
@@ -2730,7 +2750,7 @@ impl Core {
                     "ghost dropped: moved to a node not subscribed"
                 );
                 let _ = self.table.despawn(m.entity_id);
-                self.handoff.forget_fenced(m.entity_id);
+                self.handoff.forget_fenced(&mut self.table, m.entity_id);
             }
         }
         for f in due {
@@ -2745,7 +2765,7 @@ impl Core {
         for id in self.handoff.overdue_frames(&self.cx) {
             if !self.ghost_orphaned(id) {
                 // Inputs only: the entity is not held here; let them go (counted).
-                self.handoff.forget_fenced(id);
+                self.handoff.forget_fenced(&mut self.table, id);
             }
         }
         self.handoff.count_held(&self.cx);
@@ -2754,7 +2774,7 @@ impl Core {
     /// A ghost of a peer whose link closed: if frames of a newer owner are held for it, it
     /// follows that owner instead of vanishing.
     pub(crate) fn ghost_orphaned(&mut self, id: u64) -> bool {
-        let Some((epoch, owner, due)) = self.handoff.follow_newest(id) else {
+        let Some((epoch, owner, due)) = self.handoff.follow_newest(&mut self.table, id) else {
             return false;
         };
         self.table.set_origin(id, owner, epoch);
@@ -2767,7 +2787,10 @@ impl Core {
     /// An input for `i.account`'s master: through the fence and the handoff machine, then to
     /// where they send it.
     pub(crate) fn input_for_master(&mut self, i: mesh::ForwardInput) {
-        match self.handoff.input_for_master(&mut self.cx, &self.table, i) {
+        match self
+            .handoff
+            .input_for_master(&mut self.cx, &mut self.table, i)
+        {
             handoff::InputNext::Done => {}
             handoff::InputNext::Route {
                 id,
@@ -2871,18 +2894,18 @@ impl Core {
 
     fn on_subscribe(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
         self.replication
-            .on_subscribe(&mut self.cx, &self.table, &self.mesh, node, chunks);
+            .on_subscribe(&mut self.cx, &mut self.table, &self.mesh, node, chunks);
     }
 
     fn on_unsubscribe(&mut self, node: NodeId, chunks: Vec<mesh::ChunkRef>) {
         self.replication
-            .on_unsubscribe(&self.cx, &self.table, node, chunks);
+            .on_unsubscribe(&self.cx, &mut self.table, node, chunks);
     }
 
     /// This tick's public changes of local entities, to the nodes subscribed to them.
     pub(crate) fn replicate(&mut self, changes: &model::entities::TickChanges) {
         self.replication
-            .replicate(&mut self.cx, &self.table, &self.mesh, changes);
+            .replicate(&mut self.cx, &mut self.table, &self.mesh, changes);
     }
 
     /// This tick's public events of local entities, to the nodes holding their ghosts.
@@ -2984,7 +3007,7 @@ impl Core {
     /// A render ghost let go of: gone from the table, and the fence forgets it.
     fn drop_ghost(&mut self, id: u64) {
         let _ = self.table.despawn(id);
-        self.handoff.forget_fenced(id);
+        self.handoff.forget_fenced(&mut self.table, id);
     }
 
     // ------------------------------------------------------------------ routing
@@ -3621,7 +3644,7 @@ impl Core {
     /// epoch change is.
     fn hold_command(&mut self, id: u64, c: mesh::EntityCommand) {
         let epoch = c.entity_epoch;
-        let admitted = self.handoff.fence_command(id, epoch, c);
+        let admitted = self.handoff.fence_command(&mut self.table, id, epoch, c);
         let burnt = self.handoff.fence().is_burnt(id, epoch);
         let path = commands::ResultPath {
             mesh: &self.mesh,
@@ -3956,7 +3979,7 @@ impl Core {
     pub(crate) fn writes_master(&self, account: &str) -> bool {
         self.table
             .master_of(account)
-            .is_some_and(|e| e.origin.is_none())
+            .is_some_and(|e| e.origin().is_none())
     }
 
     fn peer_link_up(&self, node: NodeId) -> bool {
@@ -4172,7 +4195,11 @@ impl Core {
         self.avatars.stop_waiting(account);
         // An avatar simulated here for another gateway serves this session now.
         self.routing.remove_remote_player(account);
-        if let Some(e) = self.table.master_of(account).filter(|e| e.origin.is_none()) {
+        if let Some(e) = self
+            .table
+            .master_of(account)
+            .filter(|e| e.origin().is_none())
+        {
             let (id, epoch) = (e.id, e.epoch);
             self.gateway.avatar_written_here(account, id, epoch);
         }
@@ -4283,7 +4310,7 @@ fn claim_holder(
     lease_live: bool,
     id: u64,
 ) -> Result<ClaimHolder, String> {
-    let Some(e) = table.get_local(id).filter(|e| e.origin.is_none()) else {
+    let Some(e) = table.get_local(id).filter(|e| e.origin().is_none()) else {
         return Err(format!(
             "entity {id} is not written here: only the node writing an entity claims for it"
         ));

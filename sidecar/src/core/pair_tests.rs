@@ -160,7 +160,7 @@ impl Node {
         self.core
             .table
             .get(id)
-            .map(|e| (e.origin.is_none(), e.epoch))
+            .map(|e| (e.origin().is_none(), e.epoch))
     }
 
     /// Plays the game's side of what the sidecar handed it at `now`.

@@ -66,8 +66,6 @@ pub(crate) struct Replication {
     /// Chunks whose pairs are to be worked out again (a pair followed anew).
     subs_touched: HashSet<ChunkPos>,
     subscribers: Subscribers,
-    /// Local entity -> nodes holding its render ghost.
-    replicas: HashMap<u64, NodeSet>,
     sim: SimGhosts,
     /// Local entities that went in full to nodes not holding them, since the tick began. The
     /// accounts those nodes serve get the entity's current non-public state.
@@ -96,7 +94,6 @@ impl Replication {
             subs_dirty: true,
             subs_touched: HashSet::default(),
             subscribers: Subscribers::default(),
-            replicas: HashMap::default(),
             sim: SimGhosts::new(rules),
             newly_held: BTreeMap::new(),
             stale: BTreeMap::new(),
@@ -144,25 +141,27 @@ impl Replication {
     }
 
     /// A local entity handed away: the nodes that held its render ghost.
-    pub(crate) fn handed_away(&mut self, id: u64) -> BTreeSet<NodeId> {
+    pub(crate) fn handed_away(&mut self, table: &mut EntityTable, id: u64) -> BTreeSet<NodeId> {
         self.newly_held.remove(&id);
-        self.replicas
-            .remove(&id)
-            .map(|held| held.iter().collect())
-            .unwrap_or_default()
+        table.take_holders(id).iter().collect()
     }
 
     /// Whether `node` holds the render ghost of local entity `id`, as far as this node knows.
-    pub(crate) fn holds_ghost(&self, id: u64, node: NodeId) -> bool {
-        self.replicas
-            .get(&id)
-            .is_some_and(|holders| holders.contains(&node))
+    pub(crate) fn holds_ghost(&self, table: &EntityTable, id: u64, node: NodeId) -> bool {
+        table.holders(id).contains(&node)
     }
 
     /// Local entity `id` came back here: `holders` hold its render ghost (the old owner's
     /// replicas are this node's now).
-    pub(crate) fn add_holders(&mut self, id: u64, holders: impl Iterator<Item = NodeId>) {
-        self.replicas.entry(id).or_default().extend(holders);
+    pub(crate) fn add_holders(
+        &mut self,
+        table: &mut EntityTable,
+        id: u64,
+        holders: impl Iterator<Item = NodeId>,
+    ) {
+        for node in holders {
+            table.add_holder(id, node);
+        }
     }
 
     /// Forgets the simulation ghost `id` (its game is adopting it): whether the game held it.
@@ -287,19 +286,16 @@ impl Replication {
     // ------------------------------------------------------------------ owner: subscriptions
 
     /// The link to `node` is gone: what it subscribed to here is forgotten.
-    pub(crate) fn peer_down(&mut self, cx: &Context, node: NodeId) {
+    pub(crate) fn peer_down(&mut self, cx: &Context, table: &mut EntityTable, node: NodeId) {
         self.subscribers.remove_node(node);
         cx.metrics.subscribers.set(self.subscribers.len() as i64);
-        self.replicas.retain(|_, nodes| {
-            nodes.remove(&node);
-            !nodes.is_empty()
-        });
+        table.forget_holder(node);
     }
 
     pub(crate) fn on_subscribe(
         &mut self,
         cx: &mut Context,
-        table: &EntityTable,
+        table: &mut EntityTable,
         mesh: &Mesh,
         node: NodeId,
         chunks: Vec<mesh::ChunkRef>,
@@ -313,12 +309,13 @@ impl Replication {
                 continue;
             }
             // The snapshot burst: every resident the node does not hold yet.
-            for id in table.residents(chunk) {
-                let Some(e) = table.get_local(id) else {
+            let residents: Vec<u64> = table.residents(chunk).collect();
+            for id in residents {
+                if table.get_local(id).is_none() {
                     continue;
-                };
-                if self.replicas.entry(id).or_default().insert(node) {
-                    let state = full_state(e);
+                }
+                if table.add_holder(id, node) {
+                    let state = full_state(table.get_local(id).expect("checked above"));
                     cx.metrics.cross_node_updates.inc();
                     mesh.send(cx, node, mesh_message::Body::EntityState(state));
                     self.newly_held.entry(id).or_default().insert(node);
@@ -330,7 +327,7 @@ impl Replication {
     pub(crate) fn on_unsubscribe(
         &mut self,
         cx: &Context,
-        table: &EntityTable,
+        table: &mut EntityTable,
         node: NodeId,
         chunks: Vec<mesh::ChunkRef>,
     ) {
@@ -340,13 +337,9 @@ impl Replication {
                 continue;
             }
             // The node drops its ghosts there itself; only the bookkeeping changes here.
-            for id in table.residents(chunk) {
-                if let Some(nodes) = self.replicas.get_mut(&id) {
-                    nodes.remove(&node);
-                    if nodes.is_empty() {
-                        self.replicas.remove(&id);
-                    }
-                }
+            let residents: Vec<u64> = table.residents(chunk).collect();
+            for id in residents {
+                table.remove_holder(id, node);
             }
         }
         cx.metrics.subscribers.set(self.subscribers.len() as i64);
@@ -358,14 +351,15 @@ impl Replication {
     pub(crate) fn replicate(
         &mut self,
         cx: &mut Context,
-        table: &EntityTable,
+        table: &mut EntityTable,
         mesh: &Mesh,
         changes: &TickChanges,
     ) {
         for (&id, ch) in changes {
-            let Some(e) = table.get_local(id) else {
+            if table.get_local(id).is_none() {
                 // Despawned (a ghost never has replicas).
-                if let Some(nodes) = self.replicas.remove(&id) {
+                let nodes = table.take_holders(id);
+                {
                     for node in nodes.iter() {
                         cx.metrics.cross_node_updates.inc();
                         // Despawned: whatever epoch the holder knows, it is gone (0: unfenced).
@@ -381,9 +375,10 @@ impl Replication {
                     }
                 }
                 continue;
-            };
+            }
+            let held = table.take_holders(id);
+            let e = table.get_local(id).expect("checked above");
             let target: BTreeSet<NodeId> = self.subscribers.of(e.chunk).collect();
-            let held = self.replicas.remove(&id).unwrap_or_default();
             if target.is_empty() && held.is_empty() {
                 continue;
             }
@@ -416,12 +411,54 @@ impl Replication {
                 }
             }
             if !target.is_empty() {
-                self.replicas.insert(id, target.iter().copied().collect());
+                table.set_holders(id, target.iter().copied().collect());
             }
             for (node, body) in frames {
                 cx.metrics.cross_node_updates.inc();
                 mesh.send(cx, node, body);
             }
+        }
+    }
+
+    /// Local entity `id` is written here again under an epoch its holders may have left (its
+    /// unit came back from a target that died, whose frames they followed): every node
+    /// subscribed to its chunk gets its whole state now, and one that held it but no longer
+    /// subscribes there, its gone.
+    pub(crate) fn announce(
+        &mut self,
+        cx: &mut Context,
+        table: &mut EntityTable,
+        mesh: &Mesh,
+        id: u64,
+    ) {
+        if table.get_local(id).is_none() {
+            return;
+        }
+        let held = table.take_holders(id);
+        let e = table.get_local(id).expect("checked above");
+        let target: BTreeSet<NodeId> = self.subscribers.of(e.chunk).collect();
+        let mut frames: Vec<(NodeId, mesh_message::Body)> = Vec::new();
+        for node in held.iter().filter(|n| !target.contains(n)) {
+            frames.push((
+                node,
+                mesh_message::Body::EntityGone(mesh::EntityGone {
+                    entity_id: id,
+                    entity_epoch: e.epoch,
+                    position: Some(vec3(e.position)),
+                }),
+            ));
+        }
+        let full = full_state(e);
+        for &node in &target {
+            frames.push((node, mesh_message::Body::EntityState(full.clone())));
+            self.newly_held.entry(id).or_default().insert(node);
+        }
+        if !target.is_empty() {
+            table.set_holders(id, target.iter().copied().collect());
+        }
+        for (node, body) in frames {
+            cx.metrics.cross_node_updates.inc();
+            mesh.send(cx, node, body);
         }
     }
 
@@ -437,10 +474,7 @@ impl Replication {
             if !ev.audience.is_public() || table.get_local(ev.entity_id).is_none() {
                 continue;
             }
-            let Some(nodes) = self.replicas.get(&ev.entity_id) else {
-                continue;
-            };
-            for node in nodes.iter() {
+            for node in table.holders(ev.entity_id).iter() {
                 cx.metrics.cross_node_updates.inc();
                 mesh.send(
                     cx,
@@ -501,7 +535,7 @@ impl Replication {
             if awaiting_restore.contains(&id) {
                 continue;
             }
-            let Some((origin, chunk)) = table.get(id).and_then(|e| Some((e.origin?, e.chunk)))
+            let Some((origin, chunk)) = table.get(id).and_then(|e| Some((e.origin()?, e.chunk)))
             else {
                 gone.push((id, false));
                 continue;
@@ -555,7 +589,7 @@ impl Replication {
     ) -> Option<u64> {
         // A frame of its owner: the ghost is current again.
         self.stale.remove(&s.entity_id);
-        let existing = table.get(s.entity_id).map(|e| (e.origin, e.chunk));
+        let existing = table.get(s.entity_id).map(|e| (e.origin(), e.chunk));
         if matches!(existing, Some((None, _))) {
             cx.metrics.drop_msg("ghost_of_local_entity", 1);
             return None;
@@ -702,7 +736,7 @@ impl Replication {
             for c in &chunks {
                 let ghosts = table
                     .residents(*c)
-                    .filter(|id| table.get(*id).is_some_and(|e| e.origin == Some(owner)));
+                    .filter(|id| table.get(*id).is_some_and(|e| e.origin() == Some(owner)));
                 for id in ghosts {
                     tracing::debug!(
                         me = cx.config.node_id,
@@ -758,7 +792,7 @@ impl Replication {
         }
         let mut ids: BTreeSet<u64> = self.sim.ids().into_iter().collect();
         for (&id, _) in changes.iter() {
-            if table.get(id).is_none_or(|e| e.origin.is_some()) {
+            if table.get(id).is_none_or(|e| e.origin().is_some()) {
                 ids.insert(id);
             }
         }
@@ -768,7 +802,7 @@ impl Replication {
                 // Its game is adopting it: no longer a ghost to it.
                 continue;
             }
-            let ghost = table.get(id).filter(|e| e.origin.is_some());
+            let ghost = table.get(id).filter(|e| e.origin().is_some());
             let distance = ghost.map(|e| distance_to_area(&world, area, e.chunk));
             let ch = changes.get(&id);
             let step = self.sim.observe(now_ms, id, distance, ch.is_some());

@@ -359,7 +359,7 @@ impl Restore {
     pub(crate) fn awaits_restore(&self, table: &EntityTable, id: u64) -> bool {
         table
             .get(id)
-            .is_some_and(|e| e.origin.is_some() && self.dead_ghost(id, e.epoch))
+            .is_some_and(|e| e.origin().is_some() && self.dead_ghost(id, e.epoch))
     }
 
     // ------------------------------------------------------------------ every node
@@ -585,7 +585,7 @@ impl Restore {
         let mut held: Vec<mesh::RealHeld> = holdings
             .table
             .iter()
-            .filter(|e| e.origin.is_none())
+            .filter(|e| e.origin().is_none())
             .filter(|e| {
                 out.target_of_member(e.id)
                     .is_none_or(|(to, _)| to != dead_node)
@@ -680,7 +680,7 @@ impl Restore {
     /// restored it writes a newer one).
     pub(crate) fn left_over(&self, table: &EntityTable, node: NodeId, id: u64, epoch: u64) -> bool {
         table.get(id).is_some_and(|e| {
-            e.origin == Some(node) && e.epoch == epoch && !self.dead_ghost(id, epoch)
+            e.origin() == Some(node) && e.epoch == epoch && !self.dead_ghost(id, epoch)
         })
     }
 

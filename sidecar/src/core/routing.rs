@@ -236,7 +236,7 @@ impl Routing {
         };
         let mut ids: BTreeSet<u64> = changes.keys().chain(newly_held.keys()).copied().collect();
         if !newly_attached.is_empty() {
-            ids.extend(table.iter().filter(|e| e.origin.is_none()).map(|e| e.id));
+            ids.extend(table.iter().filter(|e| e.origin().is_none()).map(|e| e.id));
         }
         let no_change = EntityChange::default();
         for id in ids {
@@ -421,7 +421,7 @@ impl Routing {
         account: &str,
         session_epoch: u64,
     ) {
-        let Some(e) = table.master_of(account).filter(|e| e.origin.is_none()) else {
+        let Some(e) = table.master_of(account).filter(|e| e.origin().is_none()) else {
             return;
         };
         let anchor = mesh_message::Body::Anchor(mesh::Anchor {
@@ -480,7 +480,7 @@ impl Routing {
         let me = cx.config.node_id;
         let elsewhere = table
             .master_of(&j.account)
-            .and_then(|e| e.origin)
+            .and_then(|e| e.origin())
             .or(departed)
             .filter(|owner| *owner != me);
         if let Some(owner) = elsewhere {
@@ -546,7 +546,7 @@ impl Routing {
             // The avatar was handed on before the gateway heard: the leave follows it.
             let owner = table
                 .master_of(&l.account)
-                .and_then(|e| e.origin)
+                .and_then(|e| e.origin())
                 .or(departed);
             if let Some(owner) = owner {
                 self.send_leave_on(cx, mesh, owner, l);

@@ -1263,7 +1263,7 @@ fn a_ghost_of_a_dead_process_follows_the_writer_the_restore_found() {
         }),
     );
     let ghost = core.table.get(99).expect("the ghost stays");
-    assert_eq!((ghost.origin, ghost.epoch), (Some(3), 3));
+    assert_eq!((ghost.origin(), ghost.epoch), (Some(3), 3));
 }
 
 /// Node 2's link (30) closes at 100 ms; node 4 links up (link 40) and, at 160 ms, starts
@@ -3402,7 +3402,7 @@ fn a_ghost_that_followed_a_dead_target_goes_back_to_the_node_the_unit_returned_t
         },
     );
     assert_eq!(
-        core.table.get(99).map(|e| (e.origin, e.epoch)),
+        core.table.get(99).map(|e| (e.origin(), e.epoch)),
         Some((Some(3), 2))
     );
     // Node 3 dies; node 4 decides its restore.
@@ -3448,14 +3448,14 @@ fn a_ghost_that_followed_a_dead_target_goes_back_to_the_node_the_unit_returned_t
         }),
     );
     assert_eq!(
-        core.table.get(99).map(|e| e.origin),
+        core.table.get(99).map(|e| e.origin()),
         Some(Some(GATEWAY)),
         "the ghost stays, following node 2"
     );
     // Node 2's frame under the epoch it had is taken, not dropped as stale.
     from_node_2(&mut core, 320, true, 280.0);
     let ghost = core.table.get(99).expect("the ghost stays");
-    assert_eq!((ghost.origin, ghost.epoch), (Some(GATEWAY), 1));
+    assert_eq!((ghost.origin(), ghost.epoch), (Some(GATEWAY), 1));
     assert_eq!(ghost.position.x, 280.0);
 }
 
@@ -3533,5 +3533,5 @@ fn a_source_that_keeps_its_ghost_is_among_the_new_owners_holders() {
         .expect("the new owner hears the move");
     assert_eq!(told, vec![1], "node 1 keeps a ghost: {links:?}");
     let ghost = core.table.get(NPC).expect("the ghost stays");
-    assert_eq!((ghost.origin, ghost.epoch), (Some(GATEWAY), epoch));
+    assert_eq!((ghost.origin(), ghost.epoch), (Some(GATEWAY), epoch));
 }

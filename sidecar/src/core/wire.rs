@@ -249,6 +249,7 @@ pub(crate) fn error_kind(code: ErrorCode) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::entities::Role;
 
     fn entity() -> Entity {
         Entity {
@@ -274,7 +275,7 @@ mod tests {
                     },
                 ),
             ]),
-            origin: None,
+            role: Role::of(None),
             epoch: 1,
         }
     }

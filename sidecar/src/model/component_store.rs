@@ -11,41 +11,93 @@ use litemap::store::{
     Store, StoreBulkMut, StoreFromIterable, StoreIntoIterator, StoreIterable, StoreIterableMut,
     StoreMut, StoreSlice,
 };
-use smallvec::SmallVec;
 
-/// Components kept inside the entity before the store spills to the heap.
-const INLINE: usize = 1;
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct InlineStore<K, V>(SmallVec<[(K, V); INLINE]>);
-
-impl<K, V> Default for InlineStore<K, V> {
-    fn default() -> Self {
-        Self(SmallVec::new())
-    }
+/// The entries sorted by key without repeats: none, one inline, or more in a vector.
+///
+/// An enum rather than a small vector: the one inline entry's own spare values (its audience's
+/// kind) tell the three apart, where a small vector keeps a word for its capacity beside it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum InlineStore<K, V> {
+    #[default]
+    Empty,
+    One((K, V)),
+    /// Never fewer than two entries once a change settled.
+    Many(Vec<(K, V)>),
 }
 
 impl<K, V> InlineStore<K, V> {
     /// The store of `v`, which must be sorted by key without repeats.
-    pub fn from_sorted(v: Vec<(K, V)>) -> Self {
-        Self(SmallVec::from_vec(v))
+    pub fn from_sorted(mut v: Vec<(K, V)>) -> Self {
+        match v.len() {
+            0 => Self::Empty,
+            1 => Self::One(v.pop().expect("one entry")),
+            _ => Self::Many(v),
+        }
+    }
+
+    fn as_slice(&self) -> &[(K, V)] {
+        match self {
+            Self::Empty => &[],
+            Self::One(kv) => std::slice::from_ref(kv),
+            Self::Many(v) => v,
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [(K, V)] {
+        match self {
+            Self::Empty => &mut [],
+            Self::One(kv) => std::slice::from_mut(kv),
+            Self::Many(v) => v,
+        }
+    }
+
+    /// The entries in a vector, to change their count.
+    fn spill(&mut self) -> &mut Vec<(K, V)> {
+        if !matches!(self, Self::Many(_)) {
+            let v = match std::mem::take(self) {
+                Self::One(kv) => vec![kv],
+                _ => Vec::new(),
+            };
+            *self = Self::Many(v);
+        }
+        match self {
+            Self::Many(v) => v,
+            _ => unreachable!("spilled above"),
+        }
+    }
+
+    /// Back inline once at most one entry is left, freeing the vector.
+    fn settle(&mut self) {
+        if let Self::Many(v) = self {
+            if v.len() <= 1 {
+                *self = Self::from_sorted(std::mem::take(v));
+            }
+        }
+    }
+
+    fn insert_at(&mut self, index: usize, key: K, value: V) {
+        if matches!(self, Self::Empty) {
+            *self = Self::One((key, value));
+        } else {
+            self.spill().insert(index, (key, value));
+        }
     }
 }
 
 impl<K, V> Store<K, V> for InlineStore<K, V> {
     fn lm_len(&self) -> usize {
-        self.0.len()
+        self.as_slice().len()
     }
 
     fn lm_get(&self, index: usize) -> Option<(&K, &V)> {
-        self.0.get(index).map(|(k, v)| (k, v))
+        self.as_slice().get(index).map(|(k, v)| (k, v))
     }
 
     fn lm_binary_search_by<F>(&self, mut cmp: F) -> Result<usize, usize>
     where
         F: FnMut(&K) -> Ordering,
     {
-        self.0.binary_search_by(|(k, _)| cmp(k))
+        self.as_slice().binary_search_by(|(k, _)| cmp(k))
     }
 }
 
@@ -53,37 +105,53 @@ impl<K, V> StoreSlice<K, V> for InlineStore<K, V> {
     type Slice = [(K, V)];
 
     fn lm_get_range(&self, range: Range<usize>) -> Option<&Self::Slice> {
-        self.0.get(range)
+        self.as_slice().get(range)
     }
 }
 
 impl<K, V> StoreMut<K, V> for InlineStore<K, V> {
     fn lm_with_capacity(capacity: usize) -> Self {
-        Self(SmallVec::with_capacity(capacity))
+        if capacity <= 1 {
+            Self::Empty
+        } else {
+            Self::Many(Vec::with_capacity(capacity))
+        }
     }
 
     fn lm_reserve(&mut self, additional: usize) {
-        self.0.reserve(additional)
+        if self.lm_len() + additional > 1 {
+            self.spill().reserve(additional);
+        }
     }
 
     fn lm_get_mut(&mut self, index: usize) -> Option<(&K, &mut V)> {
-        self.0.get_mut(index).map(|(k, v)| (&*k, v))
+        self.as_mut_slice().get_mut(index).map(|(k, v)| (&*k, v))
     }
 
     fn lm_push(&mut self, key: K, value: V) {
-        self.0.push((key, value))
+        let at = self.lm_len();
+        self.insert_at(at, key, value)
     }
 
     fn lm_insert(&mut self, index: usize, key: K, value: V) {
-        self.0.insert(index, (key, value))
+        self.insert_at(index, key, value)
     }
 
     fn lm_remove(&mut self, index: usize) -> (K, V) {
-        self.0.remove(index)
+        let removed = match self {
+            Self::One(_) if index == 0 => match std::mem::take(self) {
+                Self::One(kv) => return kv,
+                _ => unreachable!("matched above"),
+            },
+            Self::Many(v) => v.remove(index),
+            _ => panic!("removal index (is {index}) should be < len"),
+        };
+        self.settle();
+        removed
     }
 
     fn lm_clear(&mut self) {
-        self.0.clear()
+        *self = Self::Empty;
     }
 }
 
@@ -92,7 +160,18 @@ impl<K: Ord, V> StoreBulkMut<K, V> for InlineStore<K, V> {
     where
         F: FnMut(&K, &V) -> bool,
     {
-        self.0.retain(|(k, v)| predicate(k, v))
+        match self {
+            Self::Empty => {}
+            Self::One((k, v)) => {
+                if !predicate(k, v) {
+                    *self = Self::Empty;
+                }
+            }
+            Self::Many(v) => {
+                v.retain(|(k, v)| predicate(k, v));
+                self.settle();
+            }
+        }
     }
 
     fn lm_extend<I>(&mut self, other: I)
@@ -102,9 +181,9 @@ impl<K: Ord, V> StoreBulkMut<K, V> for InlineStore<K, V> {
         // Inserting one by one keeps the order and lets a later value of a key win; an
         // entity's components are few.
         for (k, v) in other {
-            match self.0.binary_search_by(|(x, _)| x.cmp(&k)) {
-                Ok(i) => self.0[i].1 = v,
-                Err(i) => self.0.insert(i, (k, v)),
+            match self.as_slice().binary_search_by(|(x, _)| x.cmp(&k)) {
+                Ok(i) => self.as_mut_slice()[i].1 = v,
+                Err(i) => self.insert_at(i, k, v),
             }
         }
     }
@@ -114,7 +193,7 @@ impl<'a, K: 'a, V: 'a> StoreIterable<'a, K, V> for InlineStore<K, V> {
     type KeyValueIter = std::iter::Map<std::slice::Iter<'a, (K, V)>, fn(&(K, V)) -> (&K, &V)>;
 
     fn lm_iter(&'a self) -> Self::KeyValueIter {
-        self.0.iter().map(|(k, v)| (k, v))
+        self.as_slice().iter().map(|(k, v)| (k, v))
     }
 }
 
@@ -123,15 +202,21 @@ impl<'a, K: 'a, V: 'a> StoreIterableMut<'a, K, V> for InlineStore<K, V> {
         std::iter::Map<std::slice::IterMut<'a, (K, V)>, fn(&mut (K, V)) -> (&K, &mut V)>;
 
     fn lm_iter_mut(&'a mut self) -> Self::KeyValueIterMut {
-        self.0.iter_mut().map(|(k, v)| (&*k, v))
+        self.as_mut_slice().iter_mut().map(|(k, v)| (&*k, v))
     }
 }
 
 impl<K, V> StoreIntoIterator<K, V> for InlineStore<K, V> {
-    type KeyValueIntoIter = smallvec::IntoIter<[(K, V); INLINE]>;
+    type KeyValueIntoIter =
+        std::iter::Chain<std::option::IntoIter<(K, V)>, std::vec::IntoIter<(K, V)>>;
 
     fn lm_into_iter(self) -> Self::KeyValueIntoIter {
-        self.0.into_iter()
+        let (one, many) = match self {
+            Self::Empty => (None, Vec::new()),
+            Self::One(kv) => (Some(kv), Vec::new()),
+            Self::Many(v) => (None, v),
+        };
+        one.into_iter().chain(many)
     }
 }
 
@@ -145,7 +230,7 @@ impl<K: Ord, V> StoreFromIterable<K, V> for InlineStore<K, V> {
 
 impl<K, V> FromIterator<(K, V)> for InlineStore<K, V> {
     fn from_iter<I: IntoIterator<Item = (K, V)>>(iter: I) -> Self {
-        Self(iter.into_iter().collect())
+        Self::from_sorted(iter.into_iter().collect())
     }
 }
 
@@ -183,6 +268,16 @@ mod tests {
             m.iter().map(|(k, v)| (*k, *v)).collect::<Vec<_>>(),
             [(1, "b"), (3, "c")]
         );
+    }
+
+    #[test]
+    fn removing_down_to_one_entry_frees_the_vector() {
+        let mut s = InlineStore::from_sorted(vec![(1, "a"), (2, "b"), (3, "c")]);
+        assert_eq!(s.lm_remove(0), (1, "a"));
+        s.lm_retain(|k, _| *k != 3);
+        assert_eq!(s, InlineStore::One((2, "b")));
+        s.lm_insert(0, 1, "a");
+        assert_eq!(s, InlineStore::Many(vec![(1, "a"), (2, "b")]));
     }
 
     #[test]

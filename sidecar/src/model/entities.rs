@@ -2,15 +2,20 @@
 //! since the last tick end. Pure: the game connection feeds it, the fold reads it.
 
 use std::collections::BTreeMap;
+use std::hash::BuildHasher;
 
-use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use hashbrown::HashTable;
+use rustc_hash::{FxBuildHasher, FxHashMap as HashMap, FxHashSet as HashSet};
 
 use bytes::Bytes;
 use cellmesh_world::geometry::{ChunkPos, Pos, WorldShape};
+use cellmesh_world::partition::NodeId;
 use litemap::LiteMap;
 
 use crate::model::audience::Audience;
 use crate::model::component_store::InlineStore;
+use crate::model::handoff::{Epoch, FenceRecords};
+use crate::model::node_set::NodeSet;
 
 /// A position in metres; x and y normalised onto the torus, z carried along.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -64,11 +69,53 @@ pub struct Entity {
     /// Sorted by type, the first inside the entity: a ghost has one or two components, and a
     /// tree's nodes would cost it hundreds of bytes.
     pub components: Components,
-    /// `None` for this node's own entities; the owning node for a render ghost (a replica of a
-    /// foreign entity: public components only, written only by frames from its owner).
-    pub origin: Option<u32>,
+    pub(crate) role: Role,
     /// Bumped by every handoff: the fencing token of whoever writes the entity.
     pub epoch: u64,
+}
+
+/// What this node is to an entity, with what it keeps of it in that part. One field for both:
+/// a local entity has no origin and a ghost no holders, and apart they would make every entity
+/// a larger allocation.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Role {
+    /// This node's own entity, with the nodes holding its render ghost (the replication's
+    /// record, kept here so that it costs no table slot of its own).
+    Local { holders: NodeSet },
+    /// A render ghost (a replica of a foreign entity: public components only, written only by
+    /// frames from its owner) of `origin`'s entity. `fenced`: the epoch fence follows this
+    /// ghost's own epoch and origin, so its record is the ghost's (nearly always: it is kept
+    /// apart only while the two differ).
+    Ghost { origin: NodeId, fenced: bool },
+}
+
+impl Role {
+    /// A local entity's (no holders yet) for `None`, else a ghost's of `origin`.
+    pub(crate) fn of(origin: Option<NodeId>) -> Self {
+        match origin {
+            None => Role::Local {
+                holders: NodeSet::new(),
+            },
+            Some(origin) => Role::Ghost {
+                origin,
+                fenced: false,
+            },
+        }
+    }
+}
+
+impl Entity {
+    /// `None` for this node's own entities; the owning node for a render ghost.
+    pub fn origin(&self) -> Option<NodeId> {
+        match self.role {
+            Role::Local { .. } => None,
+            Role::Ghost { origin, .. } => Some(origin),
+        }
+    }
+
+    pub fn is_ghost(&self) -> bool {
+        matches!(self.role, Role::Ghost { .. })
+    }
 }
 
 /// An entity's components by type.
@@ -178,8 +225,17 @@ pub fn merge_changes(earlier: &mut TickChanges, later: &TickChanges) {
 pub struct EntityTable {
     world: WorldShape,
     /// Boxed: a hash table keeps a quarter to a half of its slots empty, and an empty slot of
-    /// a boxed entity costs 8 bytes where one of an entity would cost its whole size.
-    entities: HashMap<u64, Box<Entity>>,
+    /// a boxed entity costs 8 bytes where one of an entity would cost its whole size. Keyed by
+    /// the entity's own id (see [`slot_hash`]): a slot is the box alone, not the id again.
+    entities: HashTable<Box<Entity>>,
+    /// The epoch fence's records ([`FenceRecords`]) of entities it follows that are not held
+    /// here, or are held under another epoch or writer than it follows, or are local. The
+    /// record of a ghost the fence follows as it is is the ghost's own epoch and origin.
+    fenced_apart: HashMap<u64, (Epoch, NodeId)>,
+    /// The holders of render ghosts of entities no longer local here (despawned, or now a
+    /// ghost themselves), until replication tells them or forgets them; a local entity keeps
+    /// its own.
+    holders_apart: HashMap<u64, NodeSet>,
     residents: HashMap<ChunkPos, HashSet<u64>>,
     masters: HashMap<Box<str>, u64>,
     /// Bumped whenever an avatar is spawned, adopted, handed away or despawned here.
@@ -196,7 +252,9 @@ impl EntityTable {
     pub fn new(world: WorldShape) -> Self {
         Self {
             world,
-            entities: HashMap::default(),
+            entities: HashTable::new(),
+            fenced_apart: HashMap::default(),
+            holders_apart: HashMap::default(),
             residents: HashMap::default(),
             masters: HashMap::default(),
             masters_version: 0,
@@ -219,11 +277,17 @@ impl EntityTable {
     }
 
     pub fn get(&self, id: u64) -> Option<&Entity> {
-        self.entities.get(&id).map(|e| &**e)
+        self.entities
+            .find(slot_hash(id), |e| e.id == id)
+            .map(|e| &**e)
+    }
+
+    fn contains(&self, id: u64) -> bool {
+        self.get(id).is_some()
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Entity> {
-        self.entities.values().map(|e| &**e)
+        self.entities.iter().map(|e| &**e)
     }
 
     /// Ids of the entities in `chunk`.
@@ -233,10 +297,7 @@ impl EntityTable {
 
     /// The avatar of `account`, if its game spawned one (the most recent, if several).
     pub fn master_of(&self, account: &str) -> Option<&Entity> {
-        self.masters
-            .get(account)
-            .and_then(|id| self.entities.get(id))
-            .map(|e| &**e)
+        self.masters.get(account).and_then(|id| self.get(*id))
     }
 
     /// Changes whenever [`Self::masters`] or one of their epochs may have changed.
@@ -265,7 +326,7 @@ impl EntityTable {
         if e.id == 0 {
             return Err(EntityError::ZeroId);
         }
-        if self.entities.contains_key(&e.id) {
+        if self.contains(e.id) {
             return Err(EntityError::Duplicate(e.id));
         }
         check_finite(e.id, &e.position)?;
@@ -278,7 +339,7 @@ impl EntityTable {
             is_master: e.is_master,
             parent_id: e.parent_id,
             components: components_of(e.components),
-            origin: e.origin,
+            role: Role::of(e.origin),
             epoch: e.epoch,
         };
         self.residents.entry(chunk).or_default().insert(e.id);
@@ -286,8 +347,10 @@ impl EntityTable {
             self.masters.insert(entity.owner_account.clone(), e.id);
             self.masters_version += 1;
         }
-        self.ghosts += usize::from(entity.origin.is_some());
-        self.entities.insert(e.id, Box::new(entity));
+        self.ghosts += usize::from(entity.is_ghost());
+        self.entities
+            .insert_unique(slot_hash(e.id), Box::new(entity), |e| slot_hash(e.id));
+        self.settle_records(e.id);
         // A respawn within the tick keeps `despawned`: clients that saw the old one lose it first.
         let change = self.changes.entry(e.id).or_default();
         *change = EntityChange {
@@ -300,7 +363,7 @@ impl EntityTable {
 
     /// Applies an update; checks everything first, so a rejected update changes nothing.
     pub fn update(&mut self, u: EntityUpdate) -> Result<(), EntityError> {
-        if !self.entities.contains_key(&u.id) {
+        if !self.contains(u.id) {
             return Err(EntityError::Unknown(u.id));
         }
         if let Some(p) = &u.position {
@@ -308,7 +371,10 @@ impl EntityTable {
         }
         let placed = u.position.map(|p| self.place(p));
         // Internal: checked at the top; nothing between removes an entity.
-        let entity = self.entities.get_mut(&u.id).expect("checked above");
+        let entity = self
+            .entities
+            .find_mut(slot_hash(u.id), |e| e.id == u.id)
+            .expect("checked above");
         let change = self.changes.entry(u.id).or_default();
         if let Some((position, chunk)) = placed {
             if position != entity.position {
@@ -348,7 +414,13 @@ impl EntityTable {
     }
 
     pub fn despawn(&mut self, id: u64) -> Result<Entity, EntityError> {
-        let entity = self.entities.remove(&id).ok_or(EntityError::Unknown(id))?;
+        // What the fence and the replication keep of it outlives it.
+        self.unsettle_records(id);
+        let (entity, _) = self
+            .entities
+            .find_entry(slot_hash(id), |e| e.id == id)
+            .map_err(|_| EntityError::Unknown(id))?
+            .remove();
         if let Some(set) = self.residents.get_mut(&entity.chunk) {
             set.remove(&id);
             if set.is_empty() {
@@ -359,7 +431,7 @@ impl EntityTable {
             self.masters.remove(&entity.owner_account);
             self.masters_version += 1;
         }
-        if entity.origin.is_some() {
+        if entity.is_ghost() {
             self.ghosts -= 1;
             self.ghosts_gone.insert(id);
         }
@@ -379,9 +451,8 @@ impl EntityTable {
     /// Despawns the node's own entities, keeping ghosts (the game went away).
     pub fn clear_local(&mut self) -> Vec<Entity> {
         let ids: Vec<u64> = self
-            .entities
-            .values()
-            .filter(|e| e.origin.is_none())
+            .iter()
+            .filter(|e| !e.is_ghost())
             .map(|e| e.id)
             .collect();
         ids.into_iter()
@@ -391,7 +462,7 @@ impl EntityTable {
 
     /// Despawns everything (the game went away); returns the removed entities.
     pub fn clear(&mut self) -> Vec<Entity> {
-        let ids: Vec<u64> = self.entities.keys().copied().collect();
+        let ids: Vec<u64> = self.iter().map(|e| e.id).collect();
         ids.into_iter()
             .filter_map(|id| self.despawn(id).ok())
             .collect()
@@ -411,8 +482,8 @@ impl EntityTable {
         let gone = &mut self.ghosts_gone;
         let mut taken = TickChanges::new();
         self.changes.retain(|id, change| {
-            let ghost = match entities.get(id) {
-                Some(e) => e.origin.is_some(),
+            let ghost = match entities.find(slot_hash(*id), |e| e.id == *id) {
+                Some(e) => e.is_ghost(),
                 None => gone.remove(id),
             };
             if ghost {
@@ -431,20 +502,17 @@ impl EntityTable {
 impl EntityTable {
     /// This node's own entity `id` (not a ghost), for what the game asks.
     pub fn get_local(&self, id: u64) -> Option<&Entity> {
-        self.entities
-            .get(&id)
-            .map(|e| &**e)
-            .filter(|e| e.origin.is_none())
+        self.get(id).filter(|e| !e.is_ghost())
     }
 
     /// Sets a render ghost to the full state its owner sent: spawned if new, otherwise changed
     /// in place (components missing from `full` are removed), so clients see an update rather
     /// than a vanish and a new appear. A local entity of the same id is left alone.
     pub fn set_ghost(&mut self, full: NewEntity) -> Result<(), EntityError> {
-        let Some(existing) = self.entities.get(&full.id) else {
+        let Some(existing) = self.get(full.id) else {
             return self.spawn(full);
         };
-        if existing.origin.is_none() {
+        if !existing.is_ghost() {
             return Err(EntityError::Duplicate(full.id));
         }
         let removed: Vec<u32> = existing
@@ -460,8 +528,12 @@ impl EntityTable {
             changed: full.components,
             removed,
         })?;
-        let e = self.entities.get_mut(&full.id).expect("updated above");
-        e.origin = full.origin;
+        self.unsettle_records(full.id);
+        let e = self
+            .entities
+            .find_mut(slot_hash(full.id), |e| e.id == full.id)
+            .expect("updated above");
+        e.role = Role::of(full.origin);
         e.epoch = epoch;
         if *e.owner_account != *owner || e.is_master != master {
             if self.masters.get(&e.owner_account) == Some(&e.id) {
@@ -475,16 +547,22 @@ impl EntityTable {
                 self.masters_version += 1;
             }
         }
+        self.settle_records(full.id);
         Ok(())
     }
 
     /// A local entity handed to `owner` becomes its render ghost under `epoch`, silently: clients
     /// keep seeing it (no vanish). Non-public components go; the new owner routes them now.
     pub fn to_ghost(&mut self, id: u64, owner: u32, epoch: u64) -> bool {
-        let Some(e) = self.entities.get_mut(&id).filter(|e| e.origin.is_none()) else {
+        if self.get_local(id).is_none() {
             return false;
-        };
-        e.origin = Some(owner);
+        }
+        self.unsettle_records(id);
+        let e = self
+            .entities
+            .find_mut(slot_hash(id), |e| e.id == id)
+            .expect("checked above");
+        e.role = Role::of(Some(owner));
         e.epoch = epoch;
         self.ghosts += 1;
         if e.is_master {
@@ -493,6 +571,7 @@ impl EntityTable {
         e.components.retain(|_, c| c.audience.is_public());
         // Changes of this tick were the old owner's to send; they are stale now.
         self.changes.remove(&id);
+        self.settle_records(id);
         true
     }
 
@@ -500,14 +579,19 @@ impl EntityTable {
     /// component, without a vanish or a fresh appear; a move since the ghost's last frame is
     /// recorded as one. With no ghost (a successor adopting from the snapshot) it is spawned.
     pub fn to_local(&mut self, full: NewEntity) -> Result<(), EntityError> {
-        let Some(e) = self.entities.get_mut(&full.id) else {
+        let Some(e) = self.get(full.id) else {
             return self.spawn(full);
         };
-        if e.origin.is_none() {
+        if !e.is_ghost() {
             return Err(EntityError::Duplicate(full.id));
         }
         check_finite(full.id, &full.position)?;
-        e.origin = None;
+        self.unsettle_records(full.id);
+        let e = self
+            .entities
+            .find_mut(slot_hash(full.id), |e| e.id == full.id)
+            .expect("checked above");
+        e.role = Role::of(None);
         self.ghosts -= 1;
         e.epoch = full.epoch;
         if e.is_master {
@@ -537,22 +621,27 @@ impl EntityTable {
         })?;
         let change = self.changes.entry(id).or_default();
         change.moved |= !change.spawned;
+        self.settle_records(id);
         Ok(())
     }
 
     /// Sets the epoch of a ghost (its owner changed hands).
     pub fn set_origin(&mut self, id: u64, owner: u32, epoch: u64) {
-        if let Some(e) = self.entities.get_mut(&id).filter(|e| e.origin.is_some()) {
-            e.origin = Some(owner);
+        if !self.get(id).is_some_and(Entity::is_ghost) {
+            return;
+        }
+        self.unsettle_records(id);
+        if let Some(e) = self.entities.find_mut(slot_hash(id), |e| e.id == id) {
+            e.role = Role::of(Some(owner));
             e.epoch = epoch;
         }
+        self.settle_records(id);
     }
 
     /// Ids of the render ghosts whose owner is `node`.
     pub fn ghosts_of(&self, node: u32) -> Vec<u64> {
-        self.entities
-            .values()
-            .filter(|e| e.origin == Some(node))
+        self.iter()
+            .filter(|e| e.origin() == Some(node))
             .map(|e| e.id)
             .collect()
     }
@@ -561,6 +650,163 @@ impl EntityTable {
     pub fn ghost_count(&self) -> usize {
         self.ghosts
     }
+
+    /// Before `id`'s epoch, role or presence changes: what the fence and the replication keep
+    /// of it inside it moves apart, so the change cannot change their records.
+    fn unsettle_records(&mut self, id: u64) {
+        let Some(e) = self.entities.find_mut(slot_hash(id), |e| e.id == id) else {
+            return;
+        };
+        match &mut e.role {
+            Role::Ghost { origin, fenced } => {
+                if std::mem::take(fenced) {
+                    self.fenced_apart.insert(id, (e.epoch, *origin));
+                }
+            }
+            Role::Local { holders } => {
+                if !holders.is_empty() {
+                    self.holders_apart.insert(id, std::mem::take(holders));
+                }
+            }
+        }
+    }
+
+    /// After `id` changed or appeared: the records kept apart move inside it where it can
+    /// hold them (the fence's record of a ghost it follows as it is, a local entity's holders).
+    fn settle_records(&mut self, id: u64) {
+        let Some(e) = self.entities.find_mut(slot_hash(id), |e| e.id == id) else {
+            return;
+        };
+        match &mut e.role {
+            Role::Ghost { origin, fenced } => {
+                if self.fenced_apart.get(&id) == Some(&(e.epoch, *origin)) {
+                    self.fenced_apart.remove(&id);
+                    *fenced = true;
+                }
+            }
+            Role::Local { holders } => {
+                if let Some(apart) = self.holders_apart.remove(&id) {
+                    *holders = apart;
+                }
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------ replication's record
+
+    /// The nodes holding the render ghost of `id` (a local entity, or one that was), as far
+    /// as this node knows; empty when none does.
+    pub fn holders(&self, id: u64) -> &NodeSet {
+        static NONE: NodeSet = NodeSet::EMPTY;
+        if let Some(apart) = self.holders_apart.get(&id) {
+            return apart;
+        }
+        match self.get(id).map(|e| &e.role) {
+            Some(Role::Local { holders }) => holders,
+            _ => &NONE,
+        }
+    }
+
+    /// The record of the holders of `id`, to change in place (an empty set is no record).
+    fn holders_mut(&mut self, id: u64) -> &mut NodeSet {
+        if !self.holders_apart.contains_key(&id) {
+            if let Some(e) = self.entities.find_mut(slot_hash(id), |e| e.id == id) {
+                if let Role::Local { holders } = &mut e.role {
+                    return holders;
+                }
+            }
+        }
+        self.holders_apart.entry(id).or_default()
+    }
+
+    /// Drops a record left empty apart.
+    fn drop_empty_holders(&mut self, id: u64) {
+        if self.holders_apart.get(&id).is_some_and(NodeSet::is_empty) {
+            self.holders_apart.remove(&id);
+        }
+    }
+
+    /// `node` holds the render ghost of `id` now; false if it did already.
+    pub fn add_holder(&mut self, id: u64, node: NodeId) -> bool {
+        let added = self.holders_mut(id).insert(node);
+        self.drop_empty_holders(id);
+        added
+    }
+
+    /// `node` no longer holds the render ghost of `id`.
+    pub fn remove_holder(&mut self, id: u64, node: NodeId) {
+        self.holders_mut(id).remove(&node);
+        self.drop_empty_holders(id);
+    }
+
+    /// The holders of `id`, forgotten here.
+    pub fn take_holders(&mut self, id: u64) -> NodeSet {
+        let taken = std::mem::take(self.holders_mut(id));
+        self.holders_apart.remove(&id);
+        taken
+    }
+
+    /// `holders` hold the render ghost of `id` from now on, and no other node does.
+    pub fn set_holders(&mut self, id: u64, holders: NodeSet) {
+        *self.holders_mut(id) = holders;
+        self.drop_empty_holders(id);
+    }
+
+    /// `node` holds no render ghost of this node's any more (its link went down).
+    pub fn forget_holder(&mut self, node: NodeId) {
+        for e in self.entities.iter_mut() {
+            if let Role::Local { holders } = &mut e.role {
+                holders.remove(&node);
+            }
+        }
+        self.holders_apart.retain(|_, holders| {
+            holders.remove(&node);
+            !holders.is_empty()
+        });
+    }
+}
+
+/// The epoch fence's record of an entity is the ghost's own epoch and origin when it follows
+/// the ghost as it is, which is nearly always: a record of its own would cost each ghost a
+/// table slot.
+impl FenceRecords for EntityTable {
+    fn fenced(&self, id: u64) -> Option<(Epoch, NodeId)> {
+        if let Some(apart) = self.fenced_apart.get(&id) {
+            return Some(*apart);
+        }
+        match self.get(id) {
+            Some(Entity {
+                role:
+                    Role::Ghost {
+                        origin,
+                        fenced: true,
+                    },
+                epoch,
+                ..
+            }) => Some((*epoch, *origin)),
+            _ => None,
+        }
+    }
+
+    fn set_fenced(&mut self, id: u64, epoch: Epoch, owner: NodeId) {
+        self.forget_fenced(id);
+        self.fenced_apart.insert(id, (epoch, owner));
+        self.settle_records(id);
+    }
+
+    fn forget_fenced(&mut self, id: u64) {
+        self.fenced_apart.remove(&id);
+        if let Some(e) = self.entities.find_mut(slot_hash(id), |e| e.id == id) {
+            if let Role::Ghost { fenced, .. } = &mut e.role {
+                *fenced = false;
+            }
+        }
+    }
+}
+
+/// Where entity `id` hashes in the table.
+fn slot_hash(id: u64) -> u64 {
+    FxBuildHasher.hash_one(id)
 }
 
 fn check_finite(id: u64, p: &Position) -> Result<(), EntityError> {
@@ -579,6 +825,7 @@ fn check_finite(id: u64, p: &Position) -> Result<(), EntityError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::handoff::FenceRecords;
 
     #[test]
     fn small_payloads_are_detached_from_their_frame_and_large_ones_are_not() {
@@ -642,7 +889,10 @@ mod tests {
     fn an_entity_with_one_component_is_one_allocation_of_at_most_168_bytes() {
         // The allocator rounds a request up to 8 bytes past it, in steps of 16: 168 bytes are
         // a 176-byte block, 8 more would be 192. Every render ghost pays this, so a field added
-        // here should take another's place.
+        // here should take another's place. It holds the fence's record of a ghost and a local
+        // entity's holders (`Role`), and a single component inline in 64 bytes.
+        assert_eq!(std::mem::size_of::<Role>(), 16);
+        assert_eq!(std::mem::size_of::<Components>(), 64);
         assert!(std::mem::size_of::<Entity>() <= 168);
         let mut t = table();
         t.spawn(npc(1, 40.0, 40.0)).unwrap();
@@ -655,6 +905,53 @@ mod tests {
             "the one component is kept inside the entity"
         );
     }
+    #[test]
+    fn the_fences_record_of_a_ghost_it_follows_as_it_is_costs_no_slot_of_its_own() {
+        let mut t = table();
+        // The first frame of a ghost establishes the fence's record before the ghost is set.
+        t.set_fenced(9, 3, 2);
+        t.set_ghost(NewEntity {
+            origin: Some(2),
+            epoch: 3,
+            ..npc(9, 1.0, 1.0)
+        })
+        .unwrap();
+        assert!(t.fenced_apart.is_empty(), "kept inside the ghost");
+        assert_eq!(t.fenced(9), Some((3, 2)));
+        // The ghost moving on to another writer leaves the fence's record as it was.
+        t.set_origin(9, 4, 5);
+        assert_eq!(t.fenced(9), Some((3, 2)));
+        t.set_fenced(9, 5, 4);
+        assert!(t.fenced_apart.is_empty());
+        // It outlives the ghost, until the fence forgets it.
+        t.despawn(9).unwrap();
+        assert_eq!(t.fenced(9), Some((5, 4)));
+        t.forget_fenced(9);
+        assert_eq!(t.fenced(9), None);
+    }
+
+    #[test]
+    fn a_local_entitys_holders_live_inside_it_and_outlive_it() {
+        let mut t = table();
+        t.spawn(npc(1, 1.0, 1.0)).unwrap();
+        assert!(t.add_holder(1, 3) && !t.add_holder(1, 3));
+        assert!(t.holders_apart.is_empty(), "kept inside the entity");
+        // Despawned: replication still tells the holders it is gone.
+        t.despawn(1).unwrap();
+        assert_eq!(t.holders(1).iter().collect::<Vec<_>>(), [3]);
+        // A respawn within the tick inherits them, as the old record did.
+        t.spawn(npc(1, 1.0, 1.0)).unwrap();
+        assert!(t.holders_apart.is_empty());
+        assert_eq!(t.take_holders(1).iter().collect::<Vec<_>>(), [3]);
+        assert!(t.holders(1).is_empty());
+        // A ghost never holds any: what is recorded for its id is kept apart.
+        t.add_holder(1, 2);
+        t.to_ghost(1, 2, 1);
+        assert_eq!(t.holders_apart.len(), 1);
+        t.forget_holder(2);
+        assert!(t.holders_apart.is_empty() && t.holders(1).is_empty());
+    }
+
     #[test]
     fn a_spawn_keeps_its_components_by_type_and_the_last_of_a_type_given_twice() {
         let mut t = table();
@@ -812,7 +1109,7 @@ mod tests {
         let mut other = ghost(1.0, vec![]);
         other.id = 10;
         assert_eq!(t.set_ghost(other), Err(EntityError::Duplicate(10)));
-        assert_eq!(t.get(10).unwrap().origin, None);
+        assert_eq!(t.get(10).unwrap().origin(), None);
     }
 
     #[test]
@@ -892,7 +1189,7 @@ mod tests {
                 .ok_or(EntityError::Unknown(id)),
             Op::ToLocal { id } => t.to_local(npc(id, 2.0, 2.0)),
         };
-        let ghosts = t.entities.values().filter(|e| e.origin.is_some()).count();
+        let ghosts = t.iter().filter(|e| e.is_ghost()).count();
         assert_eq!(t.ghost_count(), ghosts, "after {op:?}");
     }
 

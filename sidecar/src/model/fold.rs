@@ -255,7 +255,7 @@ impl Clients {
             // The node's own avatar first, then what its simulating node said, then a ghost.
             let master = table.master_of(&c.account);
             let anchor = match master {
-                Some(e) if e.origin.is_none() => Some(e.chunk),
+                Some(e) if e.origin().is_none() => Some(e.chunk),
                 _ => remote_anchors
                     .get(&*c.account)
                     .copied()

@@ -993,19 +993,34 @@ pub enum Admit<F> {
     Dropped(F),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Known {
-    epoch: Epoch,
-    owner: NodeId,
+/// Where the fence keeps the epoch and owner (writer) it follows for each entity. The node's
+/// entity table keeps them, most inside the ghosts they are about (the same epoch and origin);
+/// a map does for a fence on its own.
+pub trait FenceRecords {
+    fn fenced(&self, id: EntityId) -> Option<(Epoch, NodeId)>;
+    fn set_fenced(&mut self, id: EntityId, epoch: Epoch, owner: NodeId);
+    fn forget_fenced(&mut self, id: EntityId);
+}
+
+impl FenceRecords for HashMap<EntityId, (Epoch, NodeId)> {
+    fn fenced(&self, id: EntityId) -> Option<(Epoch, NodeId)> {
+        self.get(&id).copied()
+    }
+    fn set_fenced(&mut self, id: EntityId, epoch: Epoch, owner: NodeId) {
+        self.insert(id, (epoch, owner));
+    }
+    fn forget_fenced(&mut self, id: EntityId) {
+        self.remove(&id);
+    }
 }
 
 /// A frame held for a later epoch, with its writer (`None`: an input).
 type Held<F> = (Option<NodeId>, F);
 
-/// Per-entity epochs and owners, as this node has seen them.
+/// Per-entity epochs and owners, as this node has seen them: the records themselves are
+/// passed in ([`FenceRecords`]); the fence keeps what waits on them.
 #[derive(Debug, Clone)]
 pub struct Fence<F> {
-    known: HashMap<EntityId, Known>,
     /// Frames of epochs not yet seen, per entity and epoch, in arrival order.
     held: HashMap<EntityId, BTreeMap<Epoch, Vec<Held<F>>>>,
     /// Epochs of refused offers: nothing may be written under them.
@@ -1019,7 +1034,6 @@ pub struct Fence<F> {
 impl<F> Default for Fence<F> {
     fn default() -> Self {
         Self {
-            known: HashMap::default(),
             held: HashMap::default(),
             burnt: HashSet::default(),
             stale_drops: 0,
@@ -1030,8 +1044,8 @@ impl<F> Default for Fence<F> {
 
 impl<F> Fence<F> {
     /// The epoch and owner this node holds for `id`.
-    pub fn current(&self, id: EntityId) -> Option<(Epoch, NodeId)> {
-        self.known.get(&id).map(|k| (k.epoch, k.owner))
+    pub fn current(&self, records: &impl FenceRecords, id: EntityId) -> Option<(Epoch, NodeId)> {
+        records.fenced(id)
     }
 
     /// One frame about `id` under `epoch`. `from` is the writer for state frames; `None` for
@@ -1040,6 +1054,7 @@ impl<F> Fence<F> {
     /// The first frame of an unknown entity establishes its epoch and owner.
     pub fn admit(
         &mut self,
+        records: &mut impl FenceRecords,
         id: EntityId,
         epoch: Epoch,
         from: Option<NodeId>,
@@ -1049,23 +1064,23 @@ impl<F> Fence<F> {
             self.stale_drops += 1;
             return Admit::Dropped(frame);
         }
-        let Some(k) = self.known.get(&id).copied() else {
+        let Some((known, owner)) = records.fenced(id) else {
             match from {
                 Some(owner) => {
-                    self.known.insert(id, Known { epoch, owner });
+                    records.set_fenced(id, epoch, owner);
                     return Admit::Accept(frame);
                 }
                 None => return self.hold(id, epoch, None, frame),
             }
         };
-        if epoch < k.epoch {
+        if epoch < known {
             self.stale_drops += 1;
             return Admit::Dropped(frame);
         }
-        if epoch > k.epoch {
+        if epoch > known {
             return self.hold(id, epoch, from, frame);
         }
-        if from.is_some_and(|f| f != k.owner) {
+        if from.is_some_and(|f| f != owner) {
             self.stale_drops += 1;
             return Admit::Dropped(frame);
         }
@@ -1074,12 +1089,18 @@ impl<F> Fence<F> {
 
     /// The epoch change of `id` to `epoch` under `owner` is seen (an adopt here, or the old
     /// owner's word). Returns the held frames now due, in order; older held ones are dropped.
-    pub fn advance(&mut self, id: EntityId, epoch: Epoch, owner: NodeId) -> Vec<F> {
-        if self.known.get(&id).is_some_and(|k| k.epoch > epoch) {
+    pub fn advance(
+        &mut self,
+        records: &mut impl FenceRecords,
+        id: EntityId,
+        epoch: Epoch,
+        owner: NodeId,
+    ) -> Vec<F> {
+        if records.fenced(id).is_some_and(|(known, _)| known > epoch) {
             self.stale_drops += 1;
             return Vec::new();
         }
-        self.known.insert(id, Known { epoch, owner });
+        records.set_fenced(id, epoch, owner);
         // A refused offer's epoch burnt here was still given to another node: a later restore
         // decider, which cannot know of the refusal, mints the same epoch above the same
         // candidates. Its owner is the one writer under it now (the owner check keeps the rest
@@ -1122,8 +1143,8 @@ impl<F> Fence<F> {
     }
 
     /// The entity is gone from this node (despawned, out of the band).
-    pub fn forget(&mut self, id: EntityId) {
-        self.known.remove(&id);
+    pub fn forget(&mut self, records: &mut impl FenceRecords, id: EntityId) {
+        records.forget_fenced(id);
         if let Some(held) = self.held.remove(&id) {
             self.stale_drops += held.values().map(|v| v.len() as u64).sum::<u64>();
             self.discarded
@@ -1209,6 +1230,9 @@ mod tests {
     use cellmesh_world::geometry::WorldShape;
     use cellmesh_world::partition::{Grid, Layout};
     use proptest::prelude::*;
+
+    /// The fence's records, in a map of their own.
+    type Records = HashMap<EntityId, (Epoch, NodeId)>;
 
     const A: NodeId = 1;
     const B: NodeId = 2;
@@ -1732,56 +1756,62 @@ mod tests {
 
     #[test]
     fn the_fence_drops_old_epochs_and_holds_new_ones() {
-        let mut f = Fence::<&str>::default();
-        assert_eq!(f.admit(10, 3, Some(A), "a3"), Admit::Accept("a3"));
-        assert_eq!(f.current(10), Some((3, A)));
-        assert_eq!(f.admit(10, 2, Some(A), "a2"), Admit::Dropped("a2"));
+        let (mut f, mut r) = (Fence::<&str>::default(), Records::default());
+        assert_eq!(f.admit(&mut r, 10, 3, Some(A), "a3"), Admit::Accept("a3"));
+        assert_eq!(f.current(&r, 10), Some((3, A)));
+        assert_eq!(f.admit(&mut r, 10, 2, Some(A), "a2"), Admit::Dropped("a2"));
         assert_eq!(
-            f.admit(10, 3, Some(B), "b3"),
+            f.admit(&mut r, 10, 3, Some(B), "b3"),
             Admit::Dropped("b3"),
             "not the owner"
         );
-        assert_eq!(f.admit(10, 4, Some(B), "b4-1"), Admit::Held);
-        assert_eq!(f.admit(10, 4, None, "input4"), Admit::Held);
-        assert_eq!(f.admit(10, 5, Some(C), "c5"), Admit::Held);
-        assert_eq!(f.admit(10, 4, Some(B), "b4-2"), Admit::Held);
-        assert_eq!(f.admit(10, 3, Some(A), "a3-last"), Admit::Accept("a3-last"));
+        assert_eq!(f.admit(&mut r, 10, 4, Some(B), "b4-1"), Admit::Held);
+        assert_eq!(f.admit(&mut r, 10, 4, None, "input4"), Admit::Held);
+        assert_eq!(f.admit(&mut r, 10, 5, Some(C), "c5"), Admit::Held);
+        assert_eq!(f.admit(&mut r, 10, 4, Some(B), "b4-2"), Admit::Held);
+        assert_eq!(
+            f.admit(&mut r, 10, 3, Some(A), "a3-last"),
+            Admit::Accept("a3-last")
+        );
         assert_eq!(f.stale_drops(), 2);
-        assert_eq!(f.advance(10, 4, B), vec!["b4-1", "input4", "b4-2"]);
+        assert_eq!(f.advance(&mut r, 10, 4, B), vec!["b4-1", "input4", "b4-2"]);
         assert_eq!(f.held(), 1);
-        assert_eq!(f.admit(10, 4, Some(B), "b4-3"), Admit::Accept("b4-3"));
+        assert_eq!(
+            f.admit(&mut r, 10, 4, Some(B), "b4-3"),
+            Admit::Accept("b4-3")
+        );
         // Jumping past an epoch drops what was held for it; going back is refused.
-        assert_eq!(f.admit(10, 5, Some(B), "b5"), Admit::Held);
-        assert_eq!(f.advance(10, 5, C), vec!["c5"]);
+        assert_eq!(f.admit(&mut r, 10, 5, Some(B), "b5"), Admit::Held);
+        assert_eq!(f.advance(&mut r, 10, 5, C), vec!["c5"]);
         assert_eq!(f.stale_drops(), 3);
-        assert_eq!(f.advance(10, 4, B), Vec::<&str>::new());
-        assert_eq!(f.current(10), Some((5, C)));
+        assert_eq!(f.advance(&mut r, 10, 4, B), Vec::<&str>::new());
+        assert_eq!(f.current(&r, 10), Some((5, C)));
     }
 
     #[test]
     fn a_burnt_epoch_takes_nothing() {
-        let mut f = Fence::<u32>::default();
-        f.admit(10, 0, Some(A), 0);
-        assert_eq!(f.admit(10, 1, None, 1), Admit::Held);
+        let (mut f, mut r) = (Fence::<u32>::default(), Records::default());
+        f.admit(&mut r, 10, 0, Some(A), 0);
+        assert_eq!(f.admit(&mut r, 10, 1, None, 1), Admit::Held);
         f.burn(10, 1);
         assert_eq!(f.held(), 0);
         assert_eq!(f.take_discarded(), [1], "what a burn drops is handed back");
-        assert_eq!(f.admit(10, 1, None, 2), Admit::Dropped(2));
+        assert_eq!(f.admit(&mut r, 10, 1, None, 2), Admit::Dropped(2));
         assert_eq!(f.stale_drops(), 2);
     }
 
     #[test]
     fn a_burnt_epoch_given_to_another_owner_is_followed() {
-        let mut f = Fence::<u32>::default();
-        f.admit(10, 0, Some(A), 0);
+        let (mut f, mut r) = (Fence::<u32>::default(), Records::default());
+        f.admit(&mut r, 10, 0, Some(A), 0);
         // Refused here (offered by a restore decider under epoch 1)...
         f.burn(10, 1);
-        assert_eq!(f.admit(10, 1, Some(B), 1), Admit::Dropped(1));
+        assert_eq!(f.admit(&mut r, 10, 1, Some(B), 1), Admit::Dropped(1));
         // ...then adopted by C under the same epoch, offered by another decider.
-        assert!(f.advance(10, 1, C).is_empty());
-        assert_eq!(f.admit(10, 1, Some(C), 2), Admit::Accept(2));
+        assert!(f.advance(&mut r, 10, 1, C).is_empty());
+        assert_eq!(f.admit(&mut r, 10, 1, Some(C), 2), Admit::Accept(2));
         assert_eq!(
-            f.admit(10, 1, Some(B), 3),
+            f.admit(&mut r, 10, 1, Some(B), 3),
             Admit::Dropped(3),
             "only the epoch's owner writes under it"
         );
@@ -1789,15 +1819,15 @@ mod tests {
 
     #[test]
     fn the_held_buffer_is_bounded() {
-        let mut f = Fence::<usize>::default();
-        f.admit(10, 0, Some(A), 0);
+        let (mut f, mut r) = (Fence::<usize>::default(), Records::default());
+        f.admit(&mut r, 10, 0, Some(A), 0);
         for i in 0..MAX_HELD_FRAMES + 10 {
-            assert_eq!(f.admit(10, 1, Some(B), i), Admit::Held);
+            assert_eq!(f.admit(&mut r, 10, 1, Some(B), i), Admit::Held);
         }
         assert_eq!(f.held(), MAX_HELD_FRAMES);
         assert_eq!(f.stale_drops(), 10);
         assert_eq!(f.take_discarded(), (0..10).collect::<Vec<_>>());
-        let due = f.advance(10, 1, B);
+        let due = f.advance(&mut r, 10, 1, B);
         assert_eq!(due.first(), Some(&10), "the oldest were dropped");
         assert_eq!(due.len(), MAX_HELD_FRAMES);
     }
@@ -1851,6 +1881,7 @@ mod tests {
         a_epoch: Epoch,
         tgt: HandoffTarget,
         fence_b: Fence<u32>,
+        records_b: Records,
         b_adopting: Option<Epoch>,
         b_owns: Option<Epoch>,
         draining: bool,
@@ -1866,15 +1897,16 @@ mod tests {
 
     impl World {
         fn new() -> Self {
-            let mut fence_b = Fence::default();
+            let (mut fence_b, mut records_b) = (Fence::default(), Records::default());
             // B ghosts E, written by A under epoch 0.
-            fence_b.admit(E, 0, Some(A), 0);
+            fence_b.admit(&mut records_b, E, 0, Some(A), 0);
             Self {
                 src: HandoffSource::default(),
                 a_owns: true,
                 a_epoch: 0,
                 tgt: HandoffTarget::default(),
                 fence_b,
+                records_b,
                 b_adopting: None,
                 b_owns: None,
                 draining: false,
@@ -1982,7 +2014,7 @@ mod tests {
                     if let Some(epoch) = self.b_adopting.take() {
                         self.b_owns = Some(epoch);
                         self.claim(B, epoch);
-                        let due = self.fence_b.advance(E, epoch, B);
+                        let due = self.fence_b.advance(&mut self.records_b, E, epoch, B);
                         self.applied.extend(due);
                         if let Some(to) = self.tgt.adopted(E, epoch) {
                             assert_eq!(to, A);
@@ -2021,7 +2053,7 @@ mod tests {
                         draining: self.draining,
                         ..ok()
                     };
-                    let known = self.fence_b.current(E).map(|(e, _)| e);
+                    let known = self.fence_b.current(&self.records_b, E).map(|(e, _)| e);
                     match self.tgt.offer(A, E, epoch, known, checks) {
                         OfferDecision::Adopt => self.b_adopting = Some(epoch),
                         OfferDecision::Ack => self.send_a(Msg::Ack { epoch }),
@@ -2033,7 +2065,9 @@ mod tests {
                     }
                 }
                 Msg::Input { epoch, seq } => {
-                    if let Admit::Accept(s) = self.fence_b.admit(E, epoch, None, seq) {
+                    if let Admit::Accept(s) =
+                        self.fence_b.admit(&mut self.records_b, E, epoch, None, seq)
+                    {
                         assert_eq!(self.b_owns, Some(epoch), "B applies only what it owns");
                         self.applied.push(s);
                     }

@@ -22,16 +22,18 @@ enum Repr {
 
 impl Default for NodeSet {
     fn default() -> Self {
-        Self(Repr::Inline {
-            len: 0,
-            ids: [0; INLINE],
-        })
+        Self::EMPTY
     }
 }
 
 impl NodeSet {
+    pub const EMPTY: NodeSet = NodeSet(Repr::Inline {
+        len: 0,
+        ids: [0; INLINE],
+    });
+
     pub fn new() -> Self {
-        Self::default()
+        Self::EMPTY
     }
 
     fn as_slice(&self) -> &[NodeId] {

@@ -166,7 +166,7 @@ pub fn account_views(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::entities::{Component, Position};
+    use crate::model::entities::{Component, Position, Role};
     use cellmesh_world::geometry::ChunkPos;
     use std::sync::Arc;
 
@@ -255,7 +255,7 @@ mod tests {
                 (2, comp(Audience::OwnerAndParty(party))),
                 (3, comp(Audience::OwnerOnly)),
             ]),
-            origin: None,
+            role: Role::of(None),
             epoch: 1,
         };
         let spawned = EntityChange {
