@@ -10,14 +10,32 @@
 use bytes::Bytes;
 use cellmesh_benches::Rng;
 use cellmesh_sidecar::model::handoff::{
-    trigger, Admit, EntityId, Epoch, Fence, HandoffSource, HandoffTarget, InputRoute, OfferChecks,
-    OfferDecision, DEFAULT_MARGIN_CHUNKS,
+    trigger, Admit, EntityId, Epoch, Fence, FenceRecords, HandoffSource, HandoffTarget, InputRoute,
+    OfferChecks, OfferDecision, DEFAULT_MARGIN_CHUNKS,
 };
 use cellmesh_world::geometry::{ChunkPos, WorldShape};
 use cellmesh_world::partition::{Grid, Layout, NodeId, Partition};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use std::collections::HashMap;
 
 const CHECKS: OfferChecks = OfferChecks::PASSING;
+
+/// The fence's records of each entity's epoch and writer (the sidecar keeps them in its entity
+/// table).
+#[derive(Default)]
+struct Records(HashMap<EntityId, (Epoch, NodeId)>);
+
+impl FenceRecords for Records {
+    fn fenced(&self, id: EntityId) -> Option<(Epoch, NodeId)> {
+        self.0.get(&id).copied()
+    }
+    fn set_fenced(&mut self, id: EntityId, epoch: Epoch, owner: NodeId) {
+        self.0.insert(id, (epoch, owner));
+    }
+    fn forget_fenced(&mut self, id: EntityId) {
+        self.0.remove(&id);
+    }
+}
 
 /// The handoff state of one node.
 struct Node {
@@ -25,19 +43,22 @@ struct Node {
     out: HandoffSource<Bytes>,
     inbound: HandoffTarget,
     fence: Fence<Bytes>,
+    records: Records,
 }
 
 impl Node {
     fn new(id: NodeId, members: &[EntityId], owner: NodeId) -> Self {
         let mut fence = Fence::default();
+        let mut records = Records::default();
         for &m in members {
-            fence.advance(m, 1, owner);
+            fence.advance(&mut records, m, 1, owner);
         }
         Self {
             id,
             out: HandoffSource::default(),
             inbound: HandoffTarget::default(),
             fence,
+            records,
         }
     }
 }
@@ -69,8 +90,11 @@ fn hand_over(
     else {
         panic!("an input behind the offer follows it");
     };
-    assert_eq!(dst.fence.admit(root, at, None, input), Admit::Held);
-    let known = dst.fence.current(root).map(|(e, _)| e);
+    assert_eq!(
+        dst.fence.admit(&mut dst.records, root, at, None, input),
+        Admit::Held
+    );
+    let known = dst.fence.current(&dst.records, root).map(|(e, _)| e);
     let decision = dst.inbound.offer(src.id, root, offer.epoch, known, CHECKS);
     assert_eq!(decision, OfferDecision::Adopt);
     for &m in members {
@@ -79,13 +103,16 @@ fn hand_over(
     let source = dst.inbound.adopted(root, offer.epoch).unwrap();
     let mut due = 0;
     for &m in members {
-        due += dst.fence.advance(m, offer.epoch, dst.id).len();
+        due += dst
+            .fence
+            .advance(&mut dst.records, m, offer.epoch, dst.id)
+            .len();
     }
     assert_eq!(due, 1, "the forwarded input is due once adopted");
     let done = src.out.acked(root, offer.epoch, dst.id, 1_040).unwrap();
     assert_eq!(source, src.id);
     for &m in &done.members {
-        src.fence.advance(m, done.epoch, dst.id);
+        src.fence.advance(&mut src.records, m, done.epoch, dst.id);
     }
     done.epoch
 }
@@ -121,8 +148,9 @@ fn round_trip(c: &mut Criterion) {
 fn fence(c: &mut Criterion) {
     const N: u64 = 1000;
     let mut fence = Fence::<u64>::default();
+    let mut records = Records::default();
     for id in 1..=N {
-        fence.advance(id, 3, 2);
+        fence.advance(&mut records, id, 3, 2);
     }
     let mut g = c.benchmark_group("handoff");
     g.throughput(Throughput::Elements(N));
@@ -130,7 +158,7 @@ fn fence(c: &mut Criterion) {
         b.iter(|| {
             let mut accepted = 0;
             for id in 1..=N {
-                if let Admit::Accept(_) = fence.admit(id, 3, Some(2), id) {
+                if let Admit::Accept(_) = fence.admit(&mut records, id, 3, Some(2), id) {
                     accepted += 1;
                 }
             }
