@@ -15,7 +15,7 @@ use super::context::Context;
 use super::peers::Mesh;
 use super::wire::*;
 use crate::config::SidecarConfig;
-use crate::model::entities::{EntityTable, EntityUpdate, NewEntity, TickChanges};
+use crate::model::entities::{EntityChange, EntityTable, EntityUpdate, NewEntity, TickChanges};
 use crate::model::fold::Clients;
 use crate::model::fold::TickEvent;
 use crate::model::ghosts::GhostStep;
@@ -434,32 +434,12 @@ impl Replication {
         if table.get_local(id).is_none() {
             return;
         }
-        let held = table.take_holders(id);
-        let e = table.get_local(id).expect("checked above");
-        let target: BTreeSet<NodeId> = self.subscribers.of(e.chunk).collect();
-        let mut frames: Vec<(NodeId, mesh_message::Body)> = Vec::new();
-        for node in held.iter().filter(|n| !target.contains(n)) {
-            frames.push((
-                node,
-                mesh_message::Body::EntityGone(mesh::EntityGone {
-                    entity_id: id,
-                    entity_epoch: e.epoch,
-                    position: Some(vec3(e.position)),
-                }),
-            ));
-        }
-        let full = full_state(e);
-        for &node in &target {
-            frames.push((node, mesh_message::Body::EntityState(full.clone())));
-            self.newly_held.entry(id).or_default().insert(node);
-        }
-        if !target.is_empty() {
-            table.set_holders(id, target.iter().copied().collect());
-        }
-        for (node, body) in frames {
-            cx.metrics.cross_node_updates.inc();
-            mesh.send(cx, node, body);
-        }
+        // As if spawned this tick: whole to every subscriber, gone to the other holders.
+        let whole = EntityChange {
+            spawned: true,
+            ..Default::default()
+        };
+        self.replicate(cx, table, mesh, &TickChanges::from([(id, whole)]));
     }
 
     /// Public events of local entities go to every node holding their ghost.
