@@ -1342,13 +1342,18 @@ fn game_frame(core: &mut Core, ms: u64, tick: u64, body: Option<game_message::Bo
 /// The game walks `id` four chunks into node 2's area in the tick ending at 100 ms (beyond the
 /// reach node 2 watches, so no ghost is waited for), which freezes it.
 fn walk_into_node_2(core: &mut Core, id: u64) {
+    walk_to(core, id, 12.0 * 32.0 + 10.0);
+}
+
+/// The game walks `id` to `x` (at y 40 m) in the tick ending at 100 ms.
+fn walk_to(core: &mut Core, id: u64, x: f64) {
     game_tick(
         core,
         100,
         2,
         game_message::Body::Update(local::Update {
             entity_id: id,
-            position: pos(12.0 * 32.0 + 10.0, 40.0),
+            position: pos(x, 40.0),
             ..Default::default()
         }),
     );
@@ -3469,16 +3474,7 @@ fn a_source_that_keeps_its_ghost_is_among_the_new_owners_holders() {
     link_up(&mut core, 10, PEER_LINK, GATEWAY);
     spawn(&mut core, 50, 1, NPC, pos(200.0, 40.0));
     // Just across the border, in a chunk node 1 subscribes to at node 2 (its band).
-    game_tick(
-        &mut core,
-        100,
-        2,
-        game_message::Body::Update(local::Update {
-            entity_id: NPC,
-            position: pos(9.0 * 32.0 + 5.0, 40.0),
-            ..Default::default()
-        }),
-    );
+    walk_to(&mut core, NPC, 9.0 * 32.0 + 5.0);
     let chunk = core.table.get(NPC).expect("the NPC").chunk;
     assert!(core.replication.subscribes(chunk, GATEWAY), "{chunk:?}");
     // Node 2 subscribes to the chunk here: it holds the NPC's ghost when it is offered.
