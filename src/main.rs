@@ -230,12 +230,11 @@ struct UpArgs {
     /// screen of those bots before and after.
     #[arg(long, conflicts_with = "balance")]
     bubbles: bool,
-    /// Hand players' avatars, and the handoffs the sidecars decide, over by `Freeze`, as games of
-    /// protocol 1.7 and older do: each such handoff misses a tick. By default the arenas release
-    /// avatars naming the last input they applied, and the sidecars ask for a release (`Offload`)
-    /// instead of freezing, so no handoff misses a tick
+    /// Hand players' avatars, and the handoffs the sidecars decide, over by `Release` too
+    /// (protocol 1.8): the arenas release avatars naming the last input they applied, and the
+    /// sidecars ask for a release (`Offload`) instead of freezing, so no handoff misses a tick
     #[arg(long)]
-    freeze_handoffs: bool,
+    zero_tick_handoffs: bool,
     /// SECS into the run, kill every node of the last geo at once (a datacenter gone dark), and
     /// start them again 40 s later (needs --geos 2 or more): its world falls back to the core
     /// geo, its players to the core's gateways; the summary adds `edge_outages` and how long the
@@ -281,7 +280,7 @@ impl UpArgs {
             balance: self.balance
                 || (self.partition == Some(PartitionKind::Bsp) && !self.no_balance),
             bubbles: self.bubbles,
-            zero_tick_handoffs: !self.freeze_handoffs,
+            zero_tick_handoffs: self.zero_tick_handoffs,
             edge_outage: self.edge_outage,
             admin_listen: self.admin,
         }

@@ -21,11 +21,10 @@ pub struct SimArgs {
     /// List the scenarios and exit.
     #[arg(long)]
     pub list: bool,
-    /// Run the scenarios with the handoffs of games of protocol 1.7 and older, as `cellmesh up
-    /// --freeze-handoffs`: avatars frozen by the sidecar, and its own handoffs frozen rather than
-    /// asked of the games (`Offload`). Each such handoff misses a tick.
+    /// Run the scenarios with handoffs that miss no tick, as `cellmesh up --zero-tick-handoffs`:
+    /// avatars released like NPCs, and the sidecars' own handoffs asked of the games (`Offload`).
     #[arg(long)]
-    pub freeze_handoffs: bool,
+    pub zero_tick_handoffs: bool,
 }
 
 /// Runs what `args` asks; an error if a run broke an invariant.
@@ -43,7 +42,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         None => cellmesh_sim::catalogue(),
     };
     for s in &mut scenarios {
-        s.zero_tick_handoffs &= !args.freeze_handoffs;
+        s.zero_tick_handoffs |= args.zero_tick_handoffs;
     }
     if let Some(seed) = args.seed {
         let mut failed = 0;

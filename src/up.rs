@@ -81,10 +81,9 @@ pub struct UpOptions {
     /// players to the geo nearest them (needs several geos and the grid); the last geo's own
     /// bots gather in a region of the first (core) geo (see [`Bubble`](crowd::Bubble)).
     pub bubbles: bool,
-    /// Hand players and the sidecars' own handoffs over by `Release` too (protocol 1.8; the
-    /// default): the arenas release avatars naming the last input applied, and the sidecars
-    /// ask for a release (`Offload`) instead of freezing, so no handoff misses a tick. Off, the
-    /// `Freeze` path of older games (`--freeze-handoffs`).
+    /// Hand players and the sidecars' own handoffs over by `Release` too (protocol 1.8): the
+    /// arenas release avatars naming the last input applied, and the sidecars ask for a
+    /// release (`Offload`) instead of freezing, so no handoff misses a tick.
     pub zero_tick_handoffs: bool,
     /// Kill every node of the last geo this long into the run, and start them again
     /// [`EDGE_DARK_FOR`](edge_outage::EDGE_DARK_FOR) later (needs several geos).
@@ -113,7 +112,7 @@ impl Default for UpOptions {
             bsp: false,
             balance: false,
             bubbles: false,
-            zero_tick_handoffs: true,
+            zero_tick_handoffs: false,
             edge_outage: None,
             admin_listen: "127.0.0.1:0".into(),
         }

@@ -220,7 +220,7 @@ impl Default for SidecarConfig {
             ghost_min_lifespan_ms: 2_000,
             handoff_margin_chunks: 1,
             handoff_retry_ms: 1_000,
-            handoff_offload: true,
+            handoff_offload: false,
             command_timeout_ms: 5_000,
             claim_ttl_ms: 10_000,
             checkpoint_interval_ms: 2_000,

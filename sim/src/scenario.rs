@@ -228,9 +228,9 @@ pub struct Scenario {
     pub link_outbox_frames: usize,
     /// Frames in flight to a game before its outbox counts as full.
     pub game_outbox_frames: usize,
-    /// Handoffs miss no tick (the default; off as `cellmesh up --freeze-handoffs`): the games
-    /// that release what walks out release players' avatars too, and the sidecars ask games to
-    /// release what they hand over themselves (`Offload`) instead of freezing it.
+    /// Handoffs miss no tick (`cellmesh up --zero-tick-handoffs`): the games that release what
+    /// walks out release players' avatars too, and the sidecars ask games to release what they
+    /// hand over themselves (`Offload`) instead of freezing it.
     pub zero_tick_handoffs: bool,
     /// No process may exit for a lost lease: the faults only lapse leases, and every holder
     /// takes its own back.
@@ -287,7 +287,7 @@ impl Scenario {
             link_outbox_frames: 8192,
             game_outbox_frames: 4096,
             no_lease_exits: false,
-            zero_tick_handoffs: true,
+            zero_tick_handoffs: false,
             faults: no_faults,
         }
     }

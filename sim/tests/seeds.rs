@@ -19,11 +19,11 @@ fn seeds_of(name: &str) {
     seeds_of_scenario(named(name).expect("a scenario of the catalogue"));
 }
 
-/// `name` with the handoffs of games of protocol 1.7 and older (`cellmesh sim --freeze-handoffs`):
-/// the sidecars freeze what they hand over and avatars, where the default releases them.
-fn freezing(name: &str) -> Scenario {
+/// `name` with handoffs that miss no tick (`cellmesh sim --zero-tick-handoffs`): avatars released
+/// like NPCs, and the sidecars' own handoffs asked of the games (`Offload`).
+fn zero_tick(name: &str) -> Scenario {
     Scenario {
-        zero_tick_handoffs: false,
+        zero_tick_handoffs: true,
         ..named(name).expect("a scenario of the catalogue")
     }
 }
@@ -115,7 +115,7 @@ fn logins() {
 fn seeds_hold(name: &str, seeds: &[u64]) {
     for s in [
         named(name).expect("a scenario of the catalogue"),
-        freezing(name),
+        zero_tick(name),
     ] {
         for &seed in seeds {
             let r = run(&s, seed);
@@ -124,26 +124,26 @@ fn seeds_hold(name: &str, seeds: &[u64]) {
     }
 }
 
-// The scenarios whose faults meet handoffs most, on the `Freeze` path of older games too.
+// The scenarios whose faults meet handoffs most, with zero-tick handoffs too.
 
 #[test]
-fn kills_freezing() {
-    seeds_of_scenario(freezing("kills"));
+fn kills_zero_tick() {
+    seeds_of_scenario(zero_tick("kills"));
 }
 
 #[test]
-fn commands_freezing() {
-    seeds_of_scenario(freezing("commands"));
+fn commands_zero_tick() {
+    seeds_of_scenario(zero_tick("commands"));
 }
 
 #[test]
-fn stores_freezing() {
-    seeds_of_scenario(freezing("stores"));
+fn stores_zero_tick() {
+    seeds_of_scenario(zero_tick("stores"));
 }
 
 #[test]
-fn geo_restore_freezing() {
-    seeds_of_scenario(freezing("geo_restore"));
+fn geo_restore_zero_tick() {
+    seeds_of_scenario(zero_tick("geo_restore"));
 }
 
 #[test]

@@ -75,7 +75,7 @@ impl Default for ArenaConfig {
             census: None,
             halt: None,
             release: true,
-            release_avatars: true,
+            release_avatars: false,
             entity_cost_ms: 0.0,
             combat: true,
             trade: true,
