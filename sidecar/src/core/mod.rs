@@ -1458,8 +1458,8 @@ impl Core {
         let Some(chunk) = self.table.get(id).map(|e| e.chunk) else {
             return;
         };
-        self.handoff.void_fenced(&mut self.table, id);
         if self.replication.subscribes(chunk, owner) || self.follow(chunk, owner) {
+            self.handoff.void_fenced(&mut self.table, id);
             tracing::debug!(
                 me = self.cx.config.node_id,
                 entity = id,

@@ -1407,8 +1407,14 @@ fn ack(core: &mut Core, ms: u64, epoch: u64, adopt_timing: Option<mesh::AdoptTim
     ack_of(core, ms, NPC, epoch, adopt_timing);
 }
 
-/// Node 2 acks the handoff of `id`: the game is told to evict it.
-fn ack_of(core: &mut Core, ms: u64, id: u64, epoch: u64, adopt_timing: Option<mesh::AdoptTiming>) {
+/// Node 2 acks the handoff of `id`: the game is told to evict it. Returns what went to the links.
+fn ack_of(
+    core: &mut Core,
+    ms: u64,
+    id: u64,
+    epoch: u64,
+    adopt_timing: Option<mesh::AdoptTiming>,
+) -> Vec<(LinkId, mesh_message::Body)> {
     core.handle(
         at(ms),
         Input::LinkFrame {
@@ -1421,12 +1427,13 @@ fn ack_of(core: &mut Core, ms: u64, id: u64, epoch: u64, adopt_timing: Option<me
             .into()],
         },
     );
-    let (game, _) = outputs(core);
+    let (game, links) = outputs(core);
     assert!(
         game.iter()
             .any(|m| matches!(m, sidecar_message::Body::Evict(e) if e.entity_id == id)),
         "{game:?}"
     );
+    links
 }
 
 /// (count, max) of one of the metrics' histograms.
@@ -3505,19 +3512,7 @@ fn a_source_that_keeps_its_ghost_is_among_the_new_owners_holders() {
     });
     game_frame(&mut core, 150, 4, Some(snapshot));
     let epoch = offered_to_node_2(&mut core, NPC);
-    core.handle(
-        at(200),
-        Input::LinkFrame {
-            link: PEER_LINK,
-            messages: vec![mesh_message::Body::HandoffAck(mesh::HandoffAck {
-                entity_id: NPC,
-                entity_epoch: epoch,
-                adopt_timing: None,
-            })
-            .into()],
-        },
-    );
-    let (_, links) = outputs(&mut core);
+    let links = ack_of(&mut core, 200, NPC, epoch, None);
     let told = links
         .iter()
         .find_map(|(l, m)| match m {
